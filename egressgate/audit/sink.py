@@ -1,0 +1,18 @@
+"""The audit sink interface the gateway, the DNS resolver and the admin API write to."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from egressgate.audit.event import AuditEvent
+
+
+class AuditSink(Protocol):
+    async def write(self, event: AuditEvent) -> None:
+        """Return only once the record is durable (written and flushed). Raise AuditUnavailable when it
+        cannot be; the caller then denies. Never drops an accepted record."""
+
+    def healthy(self) -> bool:
+        """False after a write failure until a write succeeds again; callers deny new requests."""
+
+    async def close(self) -> None: ...

@@ -1,0 +1,48 @@
+"""Reason codes for every decision egressgate makes.
+
+These strings are a public contract: they appear in deny bodies, audit records and `policy explain`
+output, and operators write alerts against them. Add codes; never rename or reuse one.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class Effect(StrEnum):
+    ALLOW = "allow"
+    DENY = "deny"
+
+
+class Reason(StrEnum):
+    # allow
+    RULE_MATCHED = "rule_matched"
+    # policy-level denials
+    NO_MATCHING_RULE = "no_matching_rule"
+    HOST_NOT_ALLOWED = "host_not_allowed"
+    SCHEME_NOT_ALLOWED = "scheme_not_allowed"
+    METHOD_NOT_ALLOWED = "method_not_allowed"
+    PATH_NOT_ALLOWED = "path_not_allowed"
+    PORT_NOT_ALLOWED = "port_not_allowed"
+    QTYPE_NOT_ALLOWED = "qtype_not_allowed"
+    DENIED_BY_RULE = "denied_by_rule"
+    CONDITION_FAILED = "condition_failed"
+    BUDGET_EXCEEDED = "budget_exceeded"
+    # address checks
+    ADDRESS_FORBIDDEN = "address_forbidden"
+    METADATA_ENDPOINT = "metadata_endpoint"
+    SELF_CONNECTION = "self_connection"
+    # request shape / consistency
+    INVALID_REQUEST = "invalid_request"
+    HOST_MISMATCH = "host_mismatch"
+    PROTOCOL_NOT_ALLOWED = "protocol_not_allowed"
+    # identity
+    IDENTITY_UNKNOWN = "identity_unknown"
+    SANDBOX_REVOKED = "sandbox_revoked"
+    # dependencies (fail closed)
+    CREDENTIAL_UNAVAILABLE = "credential_unavailable"
+    CREDENTIAL_MISUSE = "credential_misuse"
+    AUDIT_UNAVAILABLE = "audit_unavailable"
+    STATE_UNAVAILABLE = "state_unavailable"
+    POLICY_UNAVAILABLE = "policy_unavailable"
+    UPSTREAM_UNRESOLVABLE = "upstream_unresolvable"

@@ -1,0 +1,95 @@
+"""In-process state backend: the default for a single gateway (`make run`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import MappingProxyType
+
+from egressgate.policy.facts import RuleUsage, SandboxState
+from egressgate.state.base import SandboxRecord
+
+
+class MemoryState:
+    """Single event loop, so plain dict updates are atomic with respect to each other."""
+
+    def __init__(self) -> None:
+        self._records: dict[str, SandboxRecord] = {}
+        self._by_address: dict[str, str] = {}
+        self._bytes: dict[str, list[int]] = {}
+        self._dns: dict[str, list[int]] = {}
+        self._hosts: dict[str, set[str]] = {}
+        self._usage: dict[str, dict[str, RuleUsage]] = {}
+        self._revoke_callbacks: list[Callable[[str], None]] = []
+
+    async def admit(self, record: SandboxRecord) -> None:
+        self._records[record.id] = record
+        for address in record.addresses:
+            self._by_address[address] = record.id
+        self._bytes.setdefault(record.id, [0, 0])
+        self._dns.setdefault(record.id, [0, 0])
+
+    async def get(self, sandbox_id: str) -> SandboxRecord | None:
+        return self._records.get(sandbox_id)
+
+    async def by_address(self, address: str) -> SandboxRecord | None:
+        sandbox_id = self._by_address.get(address)
+        return self._records.get(sandbox_id) if sandbox_id else None
+
+    async def revoke(self, sandbox_id: str) -> bool:
+        record = self._records.get(sandbox_id)
+        if record is None:
+            return False
+        record.revoked = True
+        for address in record.addresses:
+            self._by_address.pop(address, None)
+        for callback in list(self._revoke_callbacks):
+            callback(sandbox_id)
+        return True
+
+    def on_revoke(self, callback: Callable[[str], None]) -> None:
+        self._revoke_callbacks.append(callback)
+
+    async def snapshot(self, sandbox_id: str) -> SandboxState:
+        record = self._records[sandbox_id]
+        out, in_ = self._bytes.get(sandbox_id, (0, 0))
+        queries, name_bytes = self._dns.get(sandbox_id, (0, 0))
+        return SandboxState(
+            sandbox_id=sandbox_id,
+            admitted_at=record.admitted_at,
+            labels=MappingProxyType(dict(record.labels)),
+            bytes_out=out,
+            bytes_in=in_,
+            dns_queries=queries,
+            dns_name_bytes=name_bytes,
+            seen_hosts=frozenset(self._hosts.get(sandbox_id, ())),
+            rule_usage=MappingProxyType(dict(self._usage.get(sandbox_id, {}))),
+        )
+
+    async def add_bytes(self, sandbox_id: str, out: int = 0, in_: int = 0) -> tuple[int, int]:
+        counters = self._bytes.setdefault(sandbox_id, [0, 0])
+        counters[0] += out
+        counters[1] += in_
+        return counters[0], counters[1]
+
+    async def reserve_bytes_out(self, sandbox_id: str, amount: int, limit: int | None) -> bool:
+        counters = self._bytes.setdefault(sandbox_id, [0, 0])
+        if limit is not None and counters[0] + amount > limit:
+            return False
+        counters[0] += amount
+        return True
+
+    async def record_request(self, sandbox_id: str, host: str, rule_id: str | None, nbytes: int) -> None:
+        self._hosts.setdefault(sandbox_id, set()).add(host)
+        if rule_id is not None:
+            usage = self._usage.setdefault(sandbox_id, {})
+            old = usage.get(rule_id, RuleUsage())
+            usage[rule_id] = RuleUsage(requests=old.requests + 1, bytes=old.bytes + nbytes)
+
+    async def add_dns_query(self, sandbox_id: str, name_bytes: int) -> tuple[int, int]:
+        counters = self._dns.setdefault(sandbox_id, [0, 0])
+        counters[0] += 1
+        counters[1] += name_bytes
+        return counters[0], counters[1]
+
+    async def close(self) -> None:
+        return None
