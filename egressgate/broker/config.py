@@ -130,7 +130,7 @@ class _CapabilityBase(_Strict):
     def _phantom_shape(self) -> _CapabilityBase:
         if self.mode == "phantom":
             if not isinstance(self.placement, HeaderPlacement):
-                raise ValueError("mode phantom needs a header placement (the phantom is swapped in one header)")
+                raise ValueError("mode phantom needs a header placement (the phantom is swapped in a header)")
             if self.phantom_env is None:
                 raise ValueError("mode phantom needs phantom_env (the variable admission hands the sandbox)")
         elif self.phantom_env is not None:
