@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from egressgate.policy.facts import Facts, SandboxState
+
 
 class EventKind(StrEnum):
     CONNECT = "connect"
@@ -59,6 +61,11 @@ class AuditEvent:
     body_hash: str | None = None
     message: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # other egressgate.* attributes (str/int/float/bool)
+    # The exact inputs given to decide(), recorded so `audit replay` re-decides with the same facts and
+    # sandbox state (prior bytes, DNS counts, seen hosts, rule usage, admitted_at). Optional: without
+    # them replay falls back to the target fields above and to state reconstructed from the log.
+    facts: Facts | None = None
+    state: SandboxState | None = None
 
 
 class AuditUnavailable(RuntimeError):

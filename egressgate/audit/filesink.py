@@ -1,0 +1,356 @@
+"""The audit sink: group-committed, hash-chained OTLP/JSON lines in a local file, optionally exported.
+
+Why group commit: `write()` must not return before its record is durable (intent before effect), but one
+write+flush(+fsync) per request would cap the gateway at the disk's flush rate. A single writer task takes
+everything queued, chains and encodes it, writes it with one `os.write` (+ one `fsync` when configured) and
+then resolves every waiting future, so concurrent requests share one flush. `os.write` on an O_APPEND fd
+has no user-space buffer: once it returns, the record survives a gateway crash; `fsync` adds power loss.
+
+Failure never loses an accepted record and never leaves a half line: the file is truncated back to the
+last complete batch and the chain state rolled back, the batch's callers get AuditUnavailable (they deny),
+and `healthy()` is False until a write succeeds (a periodic checkpoint probes the disk meanwhile).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import stat
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Literal
+
+from egressgate.audit.chain import ChainWriter, recorded_line_hash
+from egressgate.audit.event import AuditEvent, AuditUnavailable
+from egressgate.audit.exporter import OtlpHttpExporter
+from egressgate.audit.record import Record, record_from_event
+from egressgate.audit.signer import Signer
+
+log = logging.getLogger(__name__)
+
+OnFailure = Literal["deny", "allow-and-alert"]
+_STOP = object()
+
+
+class ExportFailed(OSError):
+    """The OTLP exporter (the only destination) did not accept the batch."""
+
+
+def rotated_name(path: Path, now: datetime | None = None) -> Path:
+    """`audit.jsonl` -> `audit.20261129T140102_123456Z.jsonl` (sorts by time; never overwrites)."""
+    now = now or datetime.now(UTC)
+    stamp = now.strftime("%Y%m%dT%H%M%S_%fZ")
+    candidate = path.with_name(f"{path.stem}.{stamp}{path.suffix}")
+    n = 1
+    while candidate.exists():
+        candidate = path.with_name(f"{path.stem}.{stamp}-{n}{path.suffix}")
+        n += 1
+    return candidate
+
+
+def last_chain_hash(path: Path) -> str | None:
+    """chain.hash of the last complete line of an existing audit file (None when it has none)."""
+    with open(path, "rb") as fh:
+        fh.seek(0, os.SEEK_END)
+        size = fh.tell()
+        fh.seek(max(0, size - 1_048_576))
+        lines = fh.read().split(b"\n")
+    for line in reversed(lines):
+        if line.strip():
+            try:
+                return recorded_line_hash(line)
+            except ValueError:
+                continue
+    return None
+
+
+def secure_directory(directory: Path) -> None:
+    """Create the audit directory 0700; strip world access from an existing one (audit files leak)."""
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    mode = stat.S_IMODE(directory.stat().st_mode)
+    if mode & 0o007:
+        log.warning("audit directory %s had mode %04o; removing world access", directory, mode)
+        os.chmod(directory, mode & ~0o007)
+
+
+class FileSink:
+    """AuditSink writing to `path` (None: exporter only) and/or an OTLP/HTTP exporter."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str] | None,
+        signer: Signer,
+        *,
+        max_bytes: int = 64 * 1024 * 1024,
+        fsync: bool = False,
+        checkpoint_every: int = 1000,
+        on_failure: OnFailure = "deny",
+        exporter: OtlpHttpExporter | None = None,
+        batch_max: int = 2048,
+        probe_interval: float = 1.0,
+        clock: Callable[[], int] = time.time_ns,
+    ) -> None:
+        if path is None and exporter is None:
+            raise ValueError("audit sink needs a file path, an OTLP exporter, or both")
+        if on_failure not in ("deny", "allow-and-alert"):
+            raise ValueError("audit on_failure must be 'deny' or 'allow-and-alert'")
+        if checkpoint_every < 1:
+            raise ValueError("audit checkpoint_every must be >= 1")
+        self.path = Path(path) if path is not None else None
+        self.signer = signer
+        self.max_bytes = max_bytes
+        self.fsync = fsync
+        self.checkpoint_every = checkpoint_every
+        self.on_failure: OnFailure = on_failure
+        self.exporter = exporter
+        self.batch_max = batch_max
+        self.probe_interval = probe_interval
+        self._clock = clock
+        self._fd: int | None = None
+        self._size = 0
+        self._chain = ChainWriter()
+        self._prev_file: str | None = None
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._export_queue: asyncio.Queue = asyncio.Queue(maxsize=1024)
+        self._writer: asyncio.Task | None = None
+        self._export_task: asyncio.Task | None = None
+        self._healthy = True
+        self._closed = False
+        # counters (exposed for metrics / alerts)
+        self.records_written = 0
+        self.batches_written = 0
+        self.write_failures = 0
+        self.records_dropped = 0  # only in allow-and-alert mode
+        self.export_failures = 0
+        self.rotations = 0
+
+    # --- lifecycle -------------------------------------------------------------------------------
+
+    async def start(self) -> FileSink:
+        if self.path is not None:
+            await asyncio.to_thread(self._open_initial)
+        self._writer = asyncio.create_task(self._write_loop(), name="audit-writer")
+        if self.path is not None and self.exporter is not None:
+            self._export_task = asyncio.create_task(self._export_loop(), name="audit-exporter")
+        return self
+
+    def _open_initial(self) -> None:
+        assert self.path is not None
+        secure_directory(self.path.parent)
+        if os.path.lexists(self.path):
+            st = os.stat(self.path, follow_symlinks=False)
+            if not stat.S_ISREG(st.st_mode):
+                raise AuditUnavailable(f"{self.path}: audit path is not a regular file")
+            if st.st_size > 0:  # a previous run's file: seal the link to it, never append to it
+                prev = last_chain_hash(self.path)
+                rotated = rotated_name(self.path)
+                os.rename(self.path, rotated)
+                self._chain = ChainWriter(prev=prev or ChainWriter().state.prev)
+                self._prev_file = rotated.name
+        self._open_new()
+
+    def _open_new(self) -> None:
+        assert self.path is not None
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+        self._fd = os.open(self.path, flags, 0o600)
+        os.fchmod(self._fd, 0o600)
+        self._size = os.fstat(self._fd).st_size
+
+    def healthy(self) -> bool:
+        """False after a failed write until one succeeds. In allow-and-alert mode callers are not asked
+        to deny, so it stays True; `degraded` tells the truth for alerting."""
+        return self._healthy or self.on_failure == "allow-and-alert"
+
+    @property
+    def degraded(self) -> bool:
+        return not self._healthy
+
+    async def close(self) -> None:
+        """Drain, write a final signed checkpoint, close the file and the exporter."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._writer is not None:
+            self._queue.put_nowait(_STOP)
+            await self._writer
+        if self._export_task is not None:
+            self._export_queue.put_nowait(_STOP)
+            await self._export_task
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        if self.exporter is not None:
+            await asyncio.to_thread(self.exporter.shutdown)
+
+    # --- write path ------------------------------------------------------------------------------
+
+    async def write(self, event: AuditEvent) -> None:
+        await self.write_record(record_from_event(event))
+
+    async def write_record(self, record: Record) -> None:
+        """Queue one record and wait until it is durable (or raise AuditUnavailable)."""
+        if self._closed or self._writer is None:
+            raise AuditUnavailable("audit sink is not running")
+        fut = asyncio.get_running_loop().create_future()
+        self._queue.put_nowait((record, fut))
+        try:
+            await fut
+        except AuditUnavailable as exc:
+            if self.on_failure == "allow-and-alert":
+                self.records_dropped += 1
+                log.critical("AUDIT RECORD LOST (on_failure=allow-and-alert): %s", exc)
+                return
+            raise
+
+    async def _write_loop(self) -> None:
+        stopping = False
+        while not stopping:
+            try:
+                timeout = None if self._healthy else self.probe_interval
+                first = await asyncio.wait_for(self._queue.get(), timeout)
+            except TimeoutError:
+                await self._run_batch([], checkpoint=True)  # probe: does the disk accept a write again?
+                continue
+            batch = []
+            item = first
+            while True:
+                if item is _STOP:
+                    stopping = True
+                    break
+                batch.append(item)
+                if len(batch) >= self.batch_max or self._queue.empty():
+                    break
+                item = self._queue.get_nowait()
+            await self._run_batch(batch, final=stopping)
+
+    async def _run_batch(self, batch: list, *, checkpoint: bool = False, final: bool = False) -> None:
+        try:
+            await self._commit([r for r, _ in batch], checkpoint=checkpoint, final=final)
+        except Exception as exc:
+            self._healthy = False
+            self.write_failures += 1
+            log.error("audit write failed (%d records rejected): %s", len(batch), exc)
+            err = AuditUnavailable(f"audit record could not be made durable: {exc}")
+            for _, fut in batch:
+                if not fut.done():
+                    fut.set_exception(err)
+            return
+        self._healthy = True
+        for _, fut in batch:
+            if not fut.done():
+                fut.set_result(None)
+
+    async def _checkpoint(self, final: bool) -> tuple[bytes, Record]:
+        now = self._clock()
+        sig = await self.signer.sign(self._chain.checkpoint_payload(now, final))
+        rec = self._chain.checkpoint_record(now, self.signer.key_id, self.signer.algorithm, sig, final)
+        return self._chain.append(rec), rec
+
+    async def _commit(self, records: list[Record], *, checkpoint: bool = False, final: bool = False) -> None:
+        if self.path is not None and self._fd is None:
+            await asyncio.to_thread(self._open_new)  # a failed rotation left no open file: retry, else fail
+        if self._fd is not None and self._size >= self.max_bytes and (records or checkpoint):
+            await self._rotate()
+        snap = self._chain.snapshot()
+        prev_file = self._prev_file
+        lines: list[bytes] = []
+        out: list[Record] = []
+        try:
+            if self._chain.state.seq == 0:
+                start = ChainWriter.start_record(self._clock(), self.signer.key_id, self._prev_file)
+                lines.append(self._chain.append(start))
+                out.append(start)
+            for rec in records:
+                lines.append(self._chain.append(rec))
+                out.append(rec)
+                if self._chain.state.since_checkpoint >= self.checkpoint_every:
+                    line, cp = await self._checkpoint(final=False)
+                    lines.append(line)
+                    out.append(cp)
+            if final or (checkpoint and self._chain.state.since_checkpoint > 0):
+                line, cp = await self._checkpoint(final=final)
+                lines.append(line)
+                out.append(cp)
+            if not lines:
+                return
+            data = b"".join(line + b"\n" for line in lines)
+            if self._fd is not None:
+                await asyncio.to_thread(self._write_durable, data)
+            elif self.exporter is not None and not await asyncio.to_thread(self.exporter.export, out):
+                raise ExportFailed(f"OTLP export to {self.exporter.endpoint} failed")
+        except BaseException:
+            self._chain.restore(snap)
+            self._prev_file = prev_file
+            raise
+        self._prev_file = None
+        self.records_written += len(out)
+        self.batches_written += 1
+        if self._export_task is not None:
+            try:
+                self._export_queue.put_nowait(out)
+            except asyncio.QueueFull:
+                self.export_failures += 1
+                log.warning("OTLP export queue full; %d records only in the local file", len(out))
+
+    def _write_durable(self, data: bytes) -> None:
+        assert self._fd is not None
+        start = self._size
+        view = memoryview(data)
+        try:
+            while view:
+                n = os.write(self._fd, view)
+                view = view[n:]
+            if self.fsync:
+                os.fsync(self._fd)
+        except OSError:
+            try:  # never leave a partial line: the file must stay verifiable
+                os.ftruncate(self._fd, start)
+            except OSError:
+                log.critical("audit file %s could not be truncated after a failed write", self.path)
+            raise
+        self._size = start + len(data)
+
+    async def _rotate(self) -> None:
+        """Final checkpoint in the old file, rename it, start a new file whose chain links to it."""
+        assert self.path is not None and self._fd is not None
+        await self._commit([], final=True)
+        if self.fsync:
+            await asyncio.to_thread(os.fsync, self._fd)
+        last = self._chain.state.prev
+        target = rotated_name(self.path)
+        os.close(self._fd)
+        self._fd = None
+        try:
+            os.rename(self.path, target)
+        finally:
+            self._open_new()
+        self._chain = ChainWriter(prev=last)
+        self._prev_file = target.name
+        self.rotations += 1
+        log.info("audit file rotated to %s", target)
+
+    async def _export_loop(self) -> None:
+        """Background export when the local file is the durable copy; failures are alerts, not denials."""
+        assert self.exporter is not None
+        while True:
+            item = await self._export_queue.get()
+            if item is _STOP:
+                return
+            for attempt in range(3):
+                if await asyncio.to_thread(self.exporter.export, item):
+                    break
+                if attempt < 2:
+                    await asyncio.sleep(0.2 * (attempt + 1))
+            else:
+                self.export_failures += 1
+                log.error("OTLP export failed for %d audit records (kept in the local file)", len(item))
+
+
+async def open_file_sink(path: str | os.PathLike[str] | None, signer: Signer, **kwargs) -> FileSink:
+    return await FileSink(path, signer, **kwargs).start()
+
+
+__all__ = ["ExportFailed", "FileSink", "open_file_sink", "rotated_name"]
