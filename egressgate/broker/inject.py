@@ -1,0 +1,190 @@
+"""Pure credential placement and phantom handling (no mitmproxy types: lists of (name, value) pairs).
+
+The gateway addon calls these after identity, decision, Host/SNI consistency and address pinning have
+passed, for the rule that names the capability, and applies the returned header/query lists. Keeping
+the logic here makes every edge (duplicate headers, mixed case, the sandbox's own Authorization, a
+phantom in the wrong place) testable without a proxy.
+
+Phantom mode: admission hands the sandbox `phantom_value()` (e.g. as OPENAI_API_KEY) and stores only its
+SHA-256 (`phantom_hash`). The gateway swaps it for the real value only in the configured header of the
+bound route; `find_phantoms` reports it anywhere else (another header, the query, the path, the body, or
+any header on another route) so the gateway denies with reason `credential_misuse`.
+"""
+
+from __future__ import annotations
+
+import base64
+import hmac
+import re
+import secrets
+from dataclasses import dataclass
+from typing import Literal
+from urllib.parse import unquote
+
+from egressgate.broker.config import (
+    BasicPlacement,
+    HeaderPlacement,
+    JwtCapability,
+    QueryPlacement,
+    StaticCapability,
+    VaultOidcCapability,
+)
+from egressgate.broker.credential import Credential
+from egressgate.state.base import hash_token
+
+Headers = list[tuple[str, str]]
+Query = list[tuple[str, str]]
+AnyCapability = StaticCapability | JwtCapability | VaultOidcCapability
+
+PHANTOM_PREFIX = "egph_"
+PHANTOM_HEX = 48
+PHANTOM_LEN = len(PHANTOM_PREFIX) + PHANTOM_HEX
+_PHANTOM = re.compile(r"egph_[0-9a-f]{48}", re.IGNORECASE)
+_PHANTOM_B = re.compile(rb"egph_[0-9a-f]{48}", re.IGNORECASE)
+
+
+def phantom_value() -> str:
+    """A fresh placeholder: random (192 bits), recognisable by prefix, worthless outside the gateway."""
+    return PHANTOM_PREFIX + secrets.token_hex(PHANTOM_HEX // 2)
+
+
+def phantom_hash(value: str) -> str:
+    """What the state store keeps (SandboxRecord.phantoms[capability]); the same digest as tokens."""
+    return hash_token(value.lower())
+
+
+@dataclass(frozen=True, slots=True)
+class Injection:
+    headers: Headers  # the complete new header list
+    query: Query  # the complete new query list
+    set_header: str | None  # name of the header now carrying the credential
+    set_query: str | None  # name of the query parameter now carrying it
+    removed_headers: tuple[str, ...]  # lower-case names stripped from what the sandbox sent
+    swapped: bool  # phantom mode: the phantom was present and replaced; always mode: True
+
+    def __repr__(self) -> str:  # the lists hold the credential: never show them
+        return (
+            f"Injection(set_header={self.set_header!r}, set_query={self.set_query!r}, "
+            f"removed_headers={self.removed_headers!r}, swapped={self.swapped})"
+        )
+
+    __str__ = __repr__
+
+
+def _strip(headers: Headers, names: set[str]) -> tuple[Headers, tuple[str, ...]]:
+    kept, removed = [], []
+    for k, v in headers:
+        if k.lower() in names:
+            removed.append(k.lower())
+        else:
+            kept.append((k, v))
+    return kept, tuple(sorted(set(removed)))
+
+
+def inject(capability: AnyCapability, credential: Credential, headers: Headers, query: Query) -> Injection:
+    """`always` mode: set the credential, replacing whatever the sandbox sent there (no duplicates),
+    and strip the sandbox's own Authorization for this route."""
+    placement = capability.placement
+    value = credential.value
+    if isinstance(placement, HeaderPlacement):
+        out, removed = _strip(headers, {"authorization", placement.header.lower()})
+        out.append((placement.header, placement.render(value)))
+        return Injection(out, list(query), placement.header, None, removed, True)
+    if isinstance(placement, BasicPlacement):
+        out, removed = _strip(headers, {"authorization"})
+        pair = f"{placement.basic.username}:{value}".encode()
+        out.append(("Authorization", "Basic " + base64.b64encode(pair).decode("ascii")))
+        return Injection(out, list(query), "Authorization", None, removed, True)
+    assert isinstance(placement, QueryPlacement)
+    out, removed = _strip(headers, {"authorization"})
+    name = placement.query
+    new_query = [(k, v) for k, v in query if k.lower() != name.lower()]
+    new_query.append((name, value))
+    return Injection(out, new_query, None, name, removed, True)
+
+
+def swap_phantom(
+    capability: AnyCapability, credential: Credential, expected_hash: str, headers: Headers, query: Query
+) -> Injection:
+    """`phantom` mode: replace the configured header by the real value iff it carries this sandbox's
+    phantom for this capability. Other values in that header, and Authorization, are stripped either
+    way; when the phantom is absent nothing is injected (`swapped=False`)."""
+    placement = capability.placement
+    if not isinstance(placement, HeaderPlacement):
+        raise ValueError("phantom mode needs a header placement")
+    target = placement.header.lower()
+    found = False
+    for k, v in headers:
+        if k.lower() == target:
+            for m in _PHANTOM.finditer(v):
+                if hmac.compare_digest(phantom_hash(m.group(0)), expected_hash):
+                    found = True
+    out, removed = _strip(headers, {"authorization", target})
+    if not found:
+        return Injection(out, list(query), None, None, removed, False)
+    out.append((placement.header, placement.render(credential.value)))
+    return Injection(out, list(query), placement.header, None, removed, True)
+
+
+@dataclass(frozen=True, slots=True)
+class PhantomHit:
+    where: Literal["header", "query", "path", "body"]
+    name: str | None  # header or query parameter name
+    phantom_hash: str  # which phantom (maps to sandbox + capability via the state store)
+
+
+def _scan(text: str) -> list[str]:
+    found = [m.group(0) for m in _PHANTOM.finditer(text)]
+    if "%" in text:  # a percent-encoded phantom is the same phantom
+        found += [m.group(0) for m in _PHANTOM.finditer(unquote(text))]
+    return list(dict.fromkeys(p.lower() for p in found))
+
+
+def find_phantoms(
+    headers: Headers,
+    query: Query,
+    body_chunk: bytes = b"",
+    *,
+    path: str = "",
+    allowed: tuple[str, str] | None = None,
+) -> list[PhantomHit]:
+    """Every phantom in the request except the one permitted place.
+
+    `allowed` is (header name, phantom hash) of the capability bound to this route, or None when the
+    route has no phantom capability (then a phantom anywhere, even in that header, is misuse). Any hit
+    means: deny with reason credential_misuse. For streamed bodies use `PhantomBodyScanner`.
+    """
+    hits: list[PhantomHit] = []
+    allow_name = allowed[0].lower() if allowed else None
+    for k, v in headers:
+        for p in _scan(k) + _scan(v):
+            h = phantom_hash(p)
+            if allowed and k.lower() == allow_name and hmac.compare_digest(h, allowed[1]):
+                continue
+            hits.append(PhantomHit("header", k, h))
+    for k, v in query:
+        hits += [PhantomHit("query", k, phantom_hash(p)) for p in _scan(k) + _scan(v)]
+    hits += [PhantomHit("path", None, phantom_hash(p)) for p in _scan(path)]
+    hits += _body_hits(body_chunk)
+    return hits
+
+
+def _body_hits(data: bytes) -> list[PhantomHit]:
+    return [PhantomHit("body", None, phantom_hash(m.group(0).decode())) for m in _PHANTOM_B.finditer(data)]
+
+
+class PhantomBodyScanner:
+    """Streaming body check (phantom split across chunks); usable as `flow.request.stream` wrapper."""
+
+    def __init__(self) -> None:
+        self.tail = b""
+        self.hits: list[PhantomHit] = []
+
+    def feed(self, chunk: bytes) -> list[PhantomHit]:
+        data = self.tail + chunk
+        new = _body_hits(data)
+        # keep PHANTOM_LEN-1 bytes so a split phantom is seen whole; drop hits already reported
+        # (a complete match cannot lie inside the kept tail, which is shorter than a phantom).
+        self.tail = data[-(PHANTOM_LEN - 1) :] if len(data) >= PHANTOM_LEN - 1 else data
+        self.hits += new
+        return new
