@@ -114,8 +114,10 @@ class Broker:
         try:
             credential = await self._mint(name, capability, sandbox_id, audience, now, max_ttl_seconds)
         except BaseException as exc:
-            err = exc if isinstance(exc, CredentialUnavailable) else CredentialUnavailable(
-                f"capability {name!r}: {type(exc).__name__}"
+            err = (
+                exc
+                if isinstance(exc, CredentialUnavailable)
+                else CredentialUnavailable(f"capability {name!r}: {type(exc).__name__}")
             )
             future.set_exception(err)
             future.exception()  # mark retrieved: nobody may be waiting

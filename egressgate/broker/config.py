@@ -161,9 +161,7 @@ class VaultOidcCapability(_CapabilityBase):
     role: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.\-]{1,128}$")]
 
 
-Capability = Annotated[
-    StaticCapability | JwtCapability | VaultOidcCapability, Field(discriminator="type")
-]
+Capability = Annotated[StaticCapability | JwtCapability | VaultOidcCapability, Field(discriminator="type")]
 
 
 # --- broker -------------------------------------------------------------------------------------

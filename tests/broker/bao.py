@@ -1,0 +1,122 @@
+"""A real OpenBao dev server on a free loopback port, configured the way the gateway expects.
+
+Not a mock: the `bao` binary from .venv/bin (OpenBao, Vault-API compatible), in-memory, listening on
+127.0.0.1 only. `configure()` provisions what production operators provision: a transit ed25519 key, a
+KV v2 secret, a least-privilege policy for the gateway, AppRole roles, and an identity OIDC key + role.
+"""
+
+from __future__ import annotations
+
+import secrets
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import hvac
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+BAO = str(Path(sys.executable).parent / "bao")
+KV_SECRET = "sk-kv-" + secrets.token_urlsafe(24)
+GW_POLICY = """
+path "secret/data/egressgate/*" { capabilities = ["read"] }
+path "transit/sign/egressgate-jwt" { capabilities = ["update"] }
+path "transit/sign/egressgate-jwt/*" { capabilities = ["update"] }
+path "transit/keys/egressgate-jwt" { capabilities = ["read"] }
+path "identity/oidc/token/sbx-api" { capabilities = ["read"] }
+path "identity/oidc/token/sbx-long" { capabilities = ["read"] }
+"""
+
+
+@dataclass
+class BaoServer:
+    addr: str = ""
+    root_token: str = field(default_factory=lambda: secrets.token_urlsafe(24))
+    proc: subprocess.Popen[bytes] | None = None
+    role_id: str = ""
+    secret_id: str = ""
+    oidc_client_id: str = ""
+
+    def start(self) -> BaoServer:
+        port = free_port()
+        self.addr = f"http://127.0.0.1:{port}"
+        self.proc = subprocess.Popen(
+            [
+                BAO,
+                "server",
+                "-dev",
+                f"-dev-root-token-id={self.root_token}",
+                f"-dev-listen-address=127.0.0.1:{port}",
+                "-dev-no-store-token",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"bao exited with {self.proc.returncode}")
+            try:
+                with urllib.request.urlopen(f"{self.addr}/v1/sys/health", timeout=1) as r:  # noqa: S310
+                    if r.status == 200:
+                        return self
+            except OSError:
+                time.sleep(0.05)
+        self.stop()
+        raise RuntimeError("bao did not become healthy")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+    def root(self) -> hvac.Client:
+        return hvac.Client(url=self.addr, token=self.root_token, timeout=5)
+
+    def configure(self) -> BaoServer:
+        c = self.root()
+        c.sys.enable_secrets_engine("transit")
+        c.secrets.transit.create_key("egressgate-jwt", key_type="ed25519")
+        c.secrets.kv.v2.create_or_update_secret(
+            path="egressgate/openai", secret={"api_key": KV_SECRET}, mount_point="secret"
+        )
+        c.secrets.kv.v2.create_or_update_secret(
+            path="outside/other", secret={"api_key": "not-for-the-gateway"}, mount_point="secret"
+        )
+        c.sys.create_or_update_policy("egressgate-gw", GW_POLICY)
+        c.sys.enable_auth_method("approle")
+        c.auth.approle.create_or_update_approle(
+            "egressgate", token_policies=["egressgate-gw"], token_ttl="1h", token_max_ttl="4h"
+        )
+        self.role_id = c.auth.approle.read_role_id("egressgate")["data"]["role_id"]
+        self.secret_id = c.auth.approle.generate_secret_id("egressgate")["data"]["secret_id"]
+        # identity OIDC: a key may sign only for the client ids it lists (empty list = none)
+        c.secrets.identity.create_named_key("egk", allowed_client_ids=["placeholder"], algorithm="EdDSA")
+        c.secrets.identity.create_or_update_role("sbx-api", key="egk", ttl="120")
+        c.secrets.identity.create_or_update_role("sbx-long", key="egk", ttl="3600")
+        ids = [c.secrets.identity.read_role(r)["data"]["client_id"] for r in ("sbx-api", "sbx-long")]
+        self.oidc_client_id = ids[0]
+        c.secrets.identity.create_named_key("egk", allowed_client_ids=ids, algorithm="EdDSA")
+        return self
+
+    def approle(self, name: str, token_ttl: str, token_max_ttl: str) -> tuple[str, str]:
+        c = self.root()
+        c.auth.approle.create_or_update_approle(
+            name, token_policies=["egressgate-gw"], token_ttl=token_ttl, token_max_ttl=token_max_ttl
+        )
+        role_id = c.auth.approle.read_role_id(name)["data"]["role_id"]
+        secret_id = c.auth.approle.generate_secret_id(name)["data"]["secret_id"]
+        return role_id, secret_id
