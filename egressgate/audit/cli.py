@@ -1,0 +1,138 @@
+"""`egressgate audit verify|hash|find|replay`: auditor tools (exit 0 clean, 1 finding, 2 usage)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from egressgate.audit.find import find_records
+from egressgate.audit.reqhash import RequestHashError, canonical_fields, canonical_request, request_hash
+from egressgate.audit.signer import SigningKeyError, load_public_keys
+from egressgate.audit.verify import verify_files
+
+DEFAULT_PUBLIC_KEY = "audit-signing.key.pub"
+
+
+@click.group()
+def audit() -> None:
+    """Verify, search and replay the audit trail."""
+
+
+def _trusted_keys(files: tuple[str, ...], given: tuple[str, ...]) -> dict:
+    paths = list(given)
+    if not paths:
+        candidates = {Path(f).resolve().parent / DEFAULT_PUBLIC_KEY for f in files}
+        candidates.add(Path("var") / DEFAULT_PUBLIC_KEY)
+        paths = [str(c) for c in sorted(candidates) if c.is_file()]
+        for p in paths:
+            click.echo(
+                f"warning: trusting {p} found beside the log; pass --public-key from a trusted copy", err=True
+            )
+    if not paths:
+        raise click.UsageError("no trusted public key: pass --public-key (the signing key's .pub file)")
+    try:
+        return load_public_keys(paths)
+    except (OSError, ValueError, SigningKeyError) as exc:
+        raise click.UsageError(f"cannot load public key: {exc}") from exc
+
+
+@audit.command()
+@click.argument("files", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
+@click.option(
+    "--public-key",
+    "public_keys",
+    multiple=True,
+    type=click.Path(exists=True, dir_okay=False),
+    help="Trusted Ed25519 public key (PEM, or the private key file). Repeatable.",
+)
+@click.option(
+    "--allow-unsealed",
+    is_flag=True,
+    help="Accept a missing final checkpoint on the last file (the live file).",
+)
+def verify(files: tuple[str, ...], public_keys: tuple[str, ...], allow_unsealed: bool) -> None:
+    """Check the hash chain and checkpoint signatures of FILES (in chain order, oldest first)."""
+    keys = _trusted_keys(files, public_keys)
+    reports = verify_files(list(files), keys, allow_unsealed=allow_unsealed)
+    failed = False
+    for rep in reports:
+        for w in rep.warnings:
+            click.echo(f"warning: {rep.path}: {w}", err=True)
+        if rep.ok:
+            state = "sealed" if rep.sealed else "open"
+            click.echo(f"OK   {rep.path}: {rep.records} records, {rep.checkpoints} checkpoints, {state}")
+        else:
+            failed = True
+            click.echo(f"FAIL {rep.path}: {rep.error}")
+    if len(reports) < len(files):
+        click.echo(f"not checked after the failure: {', '.join(files[len(reports) :])}")
+    sys.exit(1 if failed else 0)
+
+
+@audit.command("hash")
+@click.argument("request", nargs=-1, required=True)
+@click.option("--header", "headers", multiple=True, help="K:V header as sent (only Content-Type counts).")
+@click.option("--body-file", type=click.Path(exists=True, dir_okay=False), help="Request body as sent.")
+@click.option("--canonical", is_flag=True, help="Also print the canonical form that is hashed.")
+def hash_cmd(
+    request: tuple[str, ...], headers: tuple[str, ...], body_file: str | None, canonical: bool
+) -> None:
+    """Print the canonical request hash of 'METHOD URL' (docs/audit.md, "Request hash")."""
+    method, _, url = " ".join(request).strip().partition(" ")
+    if not url:
+        raise click.UsageError("expected 'METHOD URL', e.g. 'GET https://api.example.com/v1/x?y=1'")
+    pairs = []
+    for h in headers:
+        name, sep, value = h.partition(":")
+        if not sep:
+            raise click.UsageError(f"--header must be K:V, got {h!r}")
+        pairs.append((name, value))
+    body = Path(body_file).read_bytes() if body_file else b""
+    try:
+        fields = canonical_fields(method, url.strip(), pairs, body)
+    except RequestHashError as exc:
+        raise click.UsageError(str(exc)) from exc
+    if canonical:
+        click.echo(canonical_request(*fields).decode("utf-8", "backslashreplace"), nl=False)
+    click.echo(request_hash(*fields))
+
+
+@audit.command()
+@click.argument("files", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
+@click.option("--request-hash", help="sha256:<hex> (from `audit hash` or a record).")
+@click.option("--request-id", help="egressgate.request.id of a decision.")
+def find(files: tuple[str, ...], request_hash: str | None, request_id: str | None) -> None:
+    """Print the records (raw lines) of one request: its decision and its outcome."""
+    if not request_hash and not request_id:
+        raise click.UsageError("give --request-hash or --request-id")
+    found = find_records(list(files), request_hash=request_hash, request_id=request_id)
+    for f in found:
+        click.echo(f.raw.decode("ascii", "backslashreplace"))
+    if not found:
+        click.echo("no matching record", err=True)
+    sys.exit(0 if found else 1)
+
+
+@audit.command()
+@click.argument("files", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
+@click.option(
+    "--policy",
+    "policy_path",
+    required=True,
+    type=click.Path(exists=True),
+    help="Policy file (applies to every record) or directory (matched by sandbox.name).",
+)
+def replay(files: tuple[str, ...], policy_path: str) -> None:
+    """Re-decide recorded requests, CONNECTs and DNS queries under POLICY; list decisions that change."""
+    from egressgate.audit.replay import format_table
+    from egressgate.audit.replay import replay as run_replay
+    from egressgate.policy.errors import PolicyError
+
+    try:
+        result = run_replay(list(files), policy_path)
+    except PolicyError as exc:
+        raise click.UsageError(f"policy does not load:\n{exc}") from exc
+    click.echo(format_table(result))
+    sys.exit(1 if result.changes else 0)

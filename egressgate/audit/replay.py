@@ -1,0 +1,294 @@
+"""`egressgate audit replay`: re-decide recorded traffic under another policy.
+
+Why it works: `policy.decide` is pure, and every decision record carries the facts it was made on
+(operation, scheme, canonical host, port, method, path, qtype, the addresses the gateway would dial) and,
+when the gateway records it, the exact `SandboxState` it passed (`egressgate.state.*`). Replaying that
+input at the recorded time under a new policy answers "what would this policy have done last week".
+
+What replay cannot reproduce (documented in docs/audit.md): decisions made outside the policy engine
+(identity, Host/SNI consistency, self-connection, dependency failures) are skipped; without recorded state
+the sandbox's past is reconstructed from the log itself (approximate); state is the *recorded* history,
+not the counterfactual one (a request the new policy would deny still counts as seen).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from egressgate.audit.find import iter_records
+from egressgate.audit.record import K_DNS_NAME, K_HOST, K_LABELS, K_OPERATION, addresses_of
+from egressgate.policy.facts import Decision, Facts, Operation, RuleUsage, SandboxState
+
+REPLAYABLE = {op.value for op in Operation}
+# Denials decided by the gateway before / outside decide(): a policy cannot change them.
+NOT_POLICY_REASONS = frozenset(
+    {
+        "identity_unknown",
+        "sandbox_revoked",
+        "invalid_request",
+        "host_mismatch",
+        "protocol_not_allowed",
+        "self_connection",
+        "credential_unavailable",
+        "credential_misuse",
+        "audit_unavailable",
+        "state_unavailable",
+        "policy_unavailable",
+        "upstream_unresolvable",
+    }
+)
+
+Decide = Callable[[Any, Facts, SandboxState, float], Decision]
+
+
+@dataclass(slots=True)
+class Change:
+    path: str
+    line: int
+    time_ns: int
+    sandbox_id: str
+    operation: str
+    target: str
+    old_decision: str
+    old_rule: str | None
+    old_reason: str | None
+    new_decision: str
+    new_rule: str | None
+    new_reason: str
+
+    @property
+    def direction(self) -> str:
+        return f"{self.old_decision}->{self.new_decision}"
+
+
+@dataclass(slots=True)
+class ReplayResult:
+    replayed: int = 0
+    unchanged: int = 0
+    changes: list[Change] = field(default_factory=list)
+    skipped: dict[str, int] = field(default_factory=dict)
+    approximated_state: int = 0  # records replayed with state reconstructed from the log
+
+    def skip(self, why: str) -> None:
+        self.skipped[why] = self.skipped.get(why, 0) + 1
+
+
+@dataclass(slots=True)
+class _History:
+    """The sandbox's past as seen in the log, for records that carry no recorded state."""
+
+    admitted_at: float | None = None
+    bytes_out: int = 0
+    bytes_in: int = 0
+    dns_queries: int = 0
+    dns_name_bytes: int = 0
+    seen_hosts: set[str] = field(default_factory=set)
+    usage: dict[str, list[int]] = field(default_factory=dict)
+
+
+def _int(v: Any, default: int = 0) -> int:
+    return v if isinstance(v, int) and not isinstance(v, bool) else default
+
+
+def facts_from(attrs: dict[str, Any]) -> Facts:
+    op = Operation(attrs[K_OPERATION])
+    host = attrs.get(K_HOST) or attrs.get(K_DNS_NAME)
+    if not isinstance(host, str):
+        raise ValueError("record has no host")
+    port = attrs.get("server.port")
+    return Facts(
+        operation=op,
+        host=host,
+        port=port if isinstance(port, int) else None,
+        scheme=attrs.get("url.scheme") if isinstance(attrs.get("url.scheme"), str) else None,
+        method=attrs.get("http.request.method")
+        if isinstance(attrs.get("http.request.method"), str)
+        else None,
+        path=attrs.get("url.path") if isinstance(attrs.get("url.path"), str) else None,
+        addresses=addresses_of(attrs),
+        qtype=attrs.get("egressgate.dns.qtype")
+        if isinstance(attrs.get("egressgate.dns.qtype"), str)
+        else None,
+        request_bytes=_int(attrs.get("egressgate.facts.request_bytes")),
+    )
+
+
+def state_from(
+    attrs: dict[str, Any], sandbox_id: str, hist: _History, time_s: float
+) -> tuple[SandboxState, bool]:
+    """(state, exact). Exact when the gateway recorded the state it decided on."""
+    labels = attrs.get(K_LABELS) if isinstance(attrs.get(K_LABELS), dict) else {}
+    labels = {str(k): str(v) for k, v in labels.items()}
+    if "egressgate.state.admitted_at" in attrs:
+        usage_raw = attrs.get("egressgate.state.rule_usage")
+        usage = {
+            str(rule): RuleUsage(_int(u.get("requests")), _int(u.get("bytes")))
+            for rule, u in (usage_raw.items() if isinstance(usage_raw, dict) else ())
+            if isinstance(u, dict)
+        }
+        seen = attrs.get("egressgate.state.seen_hosts")
+        return SandboxState(
+            sandbox_id=sandbox_id,
+            admitted_at=float(attrs["egressgate.state.admitted_at"]),
+            labels=labels,
+            bytes_out=_int(attrs.get("egressgate.state.bytes_out")),
+            bytes_in=_int(attrs.get("egressgate.state.bytes_in")),
+            dns_queries=_int(attrs.get("egressgate.state.dns_queries")),
+            dns_name_bytes=_int(attrs.get("egressgate.state.dns_name_bytes")),
+            seen_hosts=frozenset(str(h) for h in seen) if isinstance(seen, list) else frozenset(),
+            rule_usage=usage,
+        ), True
+    return SandboxState(
+        sandbox_id=sandbox_id,
+        admitted_at=hist.admitted_at if hist.admitted_at is not None else time_s,
+        labels=labels,
+        bytes_out=hist.bytes_out,
+        bytes_in=hist.bytes_in,
+        dns_queries=hist.dns_queries,
+        dns_name_bytes=hist.dns_name_bytes,
+        seen_hosts=frozenset(hist.seen_hosts),
+        rule_usage={r: RuleUsage(u[0], u[1]) for r, u in hist.usage.items()},
+    ), False
+
+
+def _update_history(hist: _History, attrs: dict[str, Any], time_s: float) -> None:
+    op = attrs.get(K_OPERATION)
+    if hist.admitted_at is None:
+        hist.admitted_at = time_s  # first sight; an admission record (below) is exact
+    if op == "admission":
+        hist.admitted_at = time_s
+    elif op == "outcome":
+        hist.bytes_out += _int(attrs.get("egressgate.bytes.out"))
+        hist.bytes_in += _int(attrs.get("egressgate.bytes.in"))
+    elif op == "dns_query":
+        hist.dns_queries += 1
+        hist.dns_name_bytes += len(str(attrs.get(K_DNS_NAME) or attrs.get(K_HOST) or "").encode())
+    elif op == "http_request" and attrs.get("egressgate.decision") == "allow":
+        host = attrs.get(K_HOST)
+        if isinstance(host, str):
+            hist.seen_hosts.add(host)
+        rule = attrs.get("egressgate.rule")
+        if isinstance(rule, str):
+            u = hist.usage.setdefault(rule, [0, 0])
+            u[0] += 1
+            u[1] += _int(attrs.get("egressgate.facts.request_bytes"))
+
+
+def load_policy_set(path: str | Path) -> tuple[dict[str, Any], Any | None]:
+    """(policies by name, the single policy when `path` is a file: it then applies to every record)."""
+    from egressgate.policy.loader import load_policies, load_policy
+
+    p = Path(path)
+    if p.is_dir():
+        return load_policies(p), None
+    single = load_policy(p)
+    return {single.name: single}, single
+
+
+def replay(
+    paths: Sequence[str | Path], policy_path: str | Path, decide: Decide | None = None
+) -> ReplayResult:
+    if decide is None:
+        from egressgate.policy.decide import decide as decide_fn
+
+        decide = decide_fn
+    policies, single = load_policy_set(policy_path)
+    result = ReplayResult()
+    history: dict[str, _History] = {}
+    for found in iter_records(paths):
+        attrs = found.record.attributes
+        op = attrs.get(K_OPERATION)
+        sandbox_id = str(attrs.get("egressgate.sandbox.id", ""))
+        time_s = found.record.time_ns / 1e9
+        hist = history.setdefault(sandbox_id, _History())
+        if op in REPLAYABLE:
+            _replay_one(found, attrs, sandbox_id, hist, time_s, policies, single, decide, result)
+        _update_history(hist, attrs, time_s)
+    return result
+
+
+def _replay_one(
+    found, attrs, sandbox_id, hist, time_s, policies, single, decide, result: ReplayResult
+) -> None:
+    old = attrs.get("egressgate.decision")
+    reason = attrs.get("egressgate.reason")
+    if old not in ("allow", "deny"):
+        result.skip("no recorded decision")
+        return
+    if old == "deny" and reason in NOT_POLICY_REASONS:
+        result.skip(f"decided outside the policy ({reason})")
+        return
+    policy = single or policies.get(str(attrs.get("egressgate.policy.name")))
+    if policy is None:
+        result.skip(f"no policy named {attrs.get('egressgate.policy.name')!r}")
+        return
+    try:
+        facts = facts_from(attrs)
+    except (ValueError, KeyError):
+        result.skip("record lacks the facts to re-decide")
+        return
+    state, exact = state_from(attrs, sandbox_id, hist, time_s)
+    if not exact:
+        result.approximated_state += 1
+    new = decide(policy, facts, state, time_s)
+    result.replayed += 1
+    new_decision = str(new.effect)
+    if new_decision == old:
+        result.unchanged += 1
+        return
+    target = attrs.get("egressgate.target.canonical") or facts.host
+    result.changes.append(
+        Change(
+            found.path,
+            found.line,
+            found.record.time_ns,
+            sandbox_id,
+            str(attrs.get(K_OPERATION)),
+            str(target),
+            str(old),
+            attrs.get("egressgate.rule") if isinstance(attrs.get("egressgate.rule"), str) else None,
+            str(reason) if reason is not None else None,
+            new_decision,
+            new.rule_id,
+            str(new.reason),
+        )
+    )
+
+
+def printable(text: str) -> str:
+    """Terminal-safe: a recorded hostile target must not drive the auditor's terminal (ANSI, CR)."""
+    return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in text)
+
+
+def format_table(result: ReplayResult) -> str:
+    rows = [
+        ("TIME (UTC)", "SANDBOX", "OPERATION", "TARGET", "CHANGE", "OLD RULE / REASON", "NEW RULE / REASON")
+    ]
+    for c in result.changes:
+        when = datetime.fromtimestamp(c.time_ns / 1e9, UTC).strftime("%Y-%m-%dT%H:%M:%S")
+        rows.append(
+            (
+                when,
+                c.sandbox_id,
+                c.operation,
+                c.target,
+                c.direction,
+                f"{c.old_rule or '-'} / {c.old_reason or '-'}",
+                f"{c.new_rule or '-'} / {c.new_reason}",
+            )
+        )
+    rows = [tuple(printable(cell) for cell in row) for row in rows]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+    summary = f"{len(result.changes)} changed, {result.unchanged} unchanged, {result.replayed} replayed" + (
+        f", {result.approximated_state} with state reconstructed from the log"
+        if result.approximated_state
+        else ""
+    )
+    for why, n in sorted(result.skipped.items()):
+        summary += f"\nskipped {n}: {why}"
+    return ("\n".join(lines) + "\n" if result.changes else "") + summary

@@ -1,0 +1,204 @@
+"""`egressgate audit verify`: check the hash chain and the signed checkpoints of audit files.
+
+Why the first problem only: after the first break every later hash is suspect, and an auditor needs one
+precise statement ("line 17 (seq 16): record edited") to start an investigation, not a cascade. What is
+and is not detectable is listed in docs/audit.md ("What verify detects").
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+from egressgate.audit.chain import (
+    GENESIS,
+    K_CP_COUNT,
+    K_CP_FINAL,
+    K_CP_HEAD,
+    K_CP_SIG,
+    K_KEY_ID,
+    OP_CHAIN_START,
+    OP_CHECKPOINT,
+    checkpoint_message,
+    compute_line_hash,
+    recorded_line_hash,
+)
+from egressgate.audit.record import K_CHAIN_PREV, K_CHAIN_SEQ, K_OPERATION, RecordFormatError, parse_line
+from egressgate.audit.signer import verify_signature
+
+
+@dataclass(slots=True)
+class FileReport:
+    path: str
+    records: int = 0
+    checkpoints: int = 0
+    first_prev: str | None = None
+    last_hash: str | None = None
+    last_seq: int = -1
+    last_signed_seq: int = -1  # seq of the last valid checkpoint (covers 0..seq-1)
+    sealed: bool = False  # ends with a valid final checkpoint
+    error: str | None = None  # first problem, None when the file verifies
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+@dataclass(slots=True)
+class _Line:
+    number: int
+    seq: int
+    prev: str
+    recorded: str
+    computed: str
+    op: str
+    attrs: dict
+    time_ns: int
+
+
+def _parse(number: int, raw: bytes) -> _Line:
+    rec = parse_line(raw)
+    seq = rec.attributes.get(K_CHAIN_SEQ)
+    prev = rec.attributes.get(K_CHAIN_PREV)
+    if not isinstance(seq, int) or not isinstance(prev, str):
+        raise RecordFormatError("missing egressgate.chain.seq / egressgate.chain.prev")
+    return _Line(
+        number,
+        seq,
+        prev,
+        recorded_line_hash(raw),
+        compute_line_hash(raw),
+        str(rec.attributes.get(K_OPERATION, "")),
+        rec.attributes,
+        rec.time_ns,
+    )
+
+
+def _check_checkpoint(line: _Line, keys: dict[str, Ed25519PublicKey]) -> str | None:
+    a = line.attrs
+    where = f"line {line.number} (seq {line.seq})"
+    if a.get(K_CP_COUNT) != line.seq or a.get(K_CP_HEAD) != line.prev:
+        return f"{where}: checkpoint does not describe its own position (count/head mismatch): edited"
+    key = keys.get(str(a.get(K_KEY_ID)))
+    if key is None:
+        return f"{where}: checkpoint signed by untrusted or unknown key {a.get(K_KEY_ID)!r}"
+    try:
+        sig = base64.b64decode(str(a.get(K_CP_SIG, "")), validate=True)
+    except (binascii.Error, ValueError):
+        return f"{where}: bad signature (not base64)"
+    message = checkpoint_message(line.seq, line.prev, bool(a.get(K_CP_FINAL)), line.time_ns)
+    if not verify_signature(key, message, sig):
+        return f"{where}: bad signature on checkpoint (records 0..{line.seq - 1} altered, or forged)"
+    return None
+
+
+def verify_file(
+    path: str | Path, keys: dict[str, Ed25519PublicKey], allow_unsealed: bool = False
+) -> FileReport:
+    report = FileReport(str(path))
+    data = Path(path).read_bytes()
+    chunks = data.split(b"\n")
+    if chunks and chunks[-1] == b"":
+        chunks.pop()
+    elif chunks:
+        report.error = f"line {len(chunks)}: partial last line (file truncated mid-record)"
+        return report
+    lines: list[_Line] = []
+    for number, raw in enumerate(chunks, start=1):
+        try:
+            lines.append(_parse(number, raw))
+        except (RecordFormatError, ValueError) as exc:
+            report.error = f"line {number}: not a valid chained record (edited or corrupted): {exc}"
+            return report
+    if not lines:
+        report.error = "empty file: no chain_start record (truncated to nothing)"
+        return report
+    later_seqs: dict[int, int] = {}
+    for ln in lines:
+        later_seqs[ln.seq] = ln.number
+    prev_hash: str | None = None
+    for expected, ln in enumerate(lines):
+        where = f"line {ln.number} (seq {ln.seq})"
+        if ln.computed != ln.recorded:
+            report.error = f"{where}: record edited (its content does not match its chain hash)"
+            return report
+        if ln.seq != expected:
+            if ln.seq < expected or later_seqs.get(expected, 0) > ln.number:
+                report.error = f"{where}: records reordered (expected seq {expected} here)"
+            else:
+                report.error = (
+                    f"{where}: records removed (seq {expected}..{ln.seq - 1} missing before this line)"
+                )
+            return report
+        if ln.seq == 0:
+            if ln.op != OP_CHAIN_START:
+                report.error = f"{where}: first record is not a chain_start record (records removed)"
+                return report
+            report.first_prev = ln.prev
+        elif ln.prev != prev_hash:
+            report.error = (
+                f"{where}: chain.prev does not match the previous record's hash "
+                f"(record seq {ln.seq - 1} was edited and re-hashed, or replaced)"
+            )
+            return report
+        if report.sealed:
+            report.error = f"{where}: record after the final checkpoint (appended after the file was sealed)"
+            return report
+        if ln.op == OP_CHECKPOINT:
+            problem = _check_checkpoint(ln, keys)
+            if problem:
+                report.error = problem
+                return report
+            report.checkpoints += 1
+            report.last_signed_seq = ln.seq
+            report.sealed = bool(ln.attrs.get(K_CP_FINAL))
+        prev_hash = ln.recorded
+    report.records = len(lines)
+    report.last_seq = lines[-1].seq
+    report.last_hash = lines[-1].recorded
+    if not report.sealed:
+        if report.last_signed_seq < 0:
+            unsigned = "no checkpoint at all"
+        elif report.last_signed_seq == report.last_seq:
+            unsigned = f"the last checkpoint, at seq {report.last_seq}, is not final"
+        else:
+            unsigned = f"records {report.last_signed_seq + 1}..{report.last_seq} not covered by a signature"
+        msg = f"truncated after seq {report.last_seq}: no final checkpoint ({unsigned})"
+        if allow_unsealed:
+            report.warnings.append(msg + " - accepted: file is still open (--allow-unsealed)")
+        else:
+            report.error = msg
+    return report
+
+
+def verify_files(
+    paths: Sequence[str | Path], keys: dict[str, Ed25519PublicKey], allow_unsealed: bool = False
+) -> list[FileReport]:
+    """Verify each file, then the links between consecutive files (in the order given); stop at the
+    first failure. Only the last file may be unsealed with `allow_unsealed` (the live file)."""
+    reports: list[FileReport] = []
+    for i, path in enumerate(paths):
+        last = i == len(paths) - 1
+        rep = verify_file(path, keys, allow_unsealed=allow_unsealed and last)
+        reports.append(rep)
+        if not rep.ok:
+            return reports
+        if i > 0 and rep.first_prev != GENESIS and rep.first_prev != reports[i - 1].last_hash:
+            rep.error = (
+                f"{path} does not continue {reports[i - 1].path}: a file is missing between them, "
+                "the files are out of order, or the previous file was altered"
+            )
+            return reports
+        if i > 0 and rep.first_prev == GENESIS:
+            rep.warnings.append(f"{path} starts a new chain (not linked to {reports[i - 1].path})")
+        if i == 0 and rep.first_prev not in (None, GENESIS):
+            rep.warnings.append(
+                f"{path} continues an earlier file not given here (prev {rep.first_prev[:16]}...)"
+            )
+    return reports
