@@ -1,0 +1,18 @@
+"""`egressgate` command line. Each component contributes its own click group."""
+
+from __future__ import annotations
+
+import click
+
+from egressgate.audit.cli import audit
+from egressgate.policy.cli import policy
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="egressgate")
+def main() -> None:
+    """Network chokepoint for AI-agent sandboxes: egress gateway, DNS resolver, credential broker, audit."""
+
+
+main.add_command(policy)
+main.add_command(audit)

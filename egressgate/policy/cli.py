@@ -1,0 +1,136 @@
+"""`egressgate policy check|explain|test`: the security team's tools for writing rules."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import sys
+import time
+from pathlib import Path
+from types import MappingProxyType
+
+import click
+
+from egressgate.policy.canon import CanonError, canon_host
+from egressgate.policy.decide import decide
+from egressgate.policy.errors import PolicyError
+from egressgate.policy.facts import SandboxState
+from egressgate.policy.loader import load_policies
+from egressgate.policy.target import parse_target
+from egressgate.policy.testcases import pick_policy, run_case_file
+
+EXIT_INVALID = 2
+
+
+@click.group()
+def policy() -> None:
+    """Check, explain and test policies."""
+
+
+@policy.command()
+@click.argument("path", type=click.Path(exists=True))
+def check(path: str) -> None:
+    """Validate a policy FILE or DIR. Exit 0 when valid, 2 with the file and key path of each error."""
+    try:
+        policies = load_policies(path)
+    except PolicyError as exc:
+        click.echo(str(exc), err=True)
+        sys.exit(EXIT_INVALID)
+    for name, compiled in sorted(policies.items()):
+        click.echo(f"ok  {name}  {compiled.hash}  ({compiled.source}, {len(compiled.rules)} rules)")
+
+
+def _label(values: tuple[str, ...]) -> dict[str, str]:
+    labels = {}
+    for item in values:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"expected k=v, got {item!r}", param_hint="--label")
+        labels[key] = value
+    return labels
+
+
+@policy.command()
+@click.option("--policy", "policy_path", required=True, type=click.Path(exists=True), help="Policy file or dir.")
+@click.option("--sandbox", help="Policy name (sandbox.name); needed when --policy is a directory.")
+@click.option("--label", multiple=True, help="Sandbox label k=v (repeatable).")
+@click.option("--resolved", multiple=True, help="An address the host resolves to (repeatable).")
+@click.option("--elapsed", type=float, default=0.0, help="Seconds since the sandbox was admitted.")
+@click.option("--seen", multiple=True, help="A host the sandbox already sent requests to (repeatable).")
+@click.option("--json", "as_json", is_flag=True, help="Print the decision as JSON.")
+@click.argument("request")
+def explain(
+    policy_path: str,
+    sandbox: str | None,
+    label: tuple[str, ...],
+    resolved: tuple[str, ...],
+    elapsed: float,
+    seen: tuple[str, ...],
+    as_json: bool,
+    request: str,
+) -> None:
+    """Show the decision for REQUEST: 'METHOD URL', 'CONNECT host:port' or 'DNS TYPE name'."""
+    try:
+        compiled = pick_policy(load_policies(policy_path), sandbox, policy_path)
+        facts = parse_target(request, tuple(ipaddress.ip_address(a) for a in resolved))
+        now = time.time()
+        state = SandboxState(
+            sandbox_id="explain",
+            admitted_at=now - elapsed,
+            labels=MappingProxyType(_label(label)),
+            seen_hosts=frozenset(canon_host(h) for h in seen),
+        )
+    except PolicyError as exc:
+        click.echo(str(exc), err=True)
+        sys.exit(EXIT_INVALID)
+    except (CanonError, ValueError) as exc:
+        raise click.BadParameter(str(exc), param_hint="REQUEST") from None
+    decision = decide(compiled, facts, state, now)
+    out = {
+        "decision": decision.effect.value,
+        "reason": decision.reason.value,
+        "rule": decision.rule_id,
+        "capability": decision.capability,
+        "detail": decision.detail,
+        "message": decision.message or None,
+        "policy": compiled.name,
+        "policy_hash": compiled.hash,
+        "canonical": {"host": facts.host, "port": facts.port, "method": facts.method, "path": facts.path},
+    }
+    if as_json:
+        click.echo(json.dumps(out, indent=2))
+        return
+    click.echo(f"{out['decision'].upper()}  reason={out['reason']}  rule={out['rule'] or '-'}")
+    if decision.capability:
+        click.echo(f"credential: {decision.capability} (injected by the gateway)")
+    if decision.message:
+        click.echo(decision.message)
+    click.echo(f"policy {compiled.name} {compiled.hash}")
+
+
+@policy.command("test")
+@click.argument("files", nargs=-1, required=True, type=click.Path(exists=True))
+@click.option("--policy", "policy_path", type=click.Path(exists=True), help="Override the files' `policy:`.")
+def test_cmd(files: tuple[str, ...], policy_path: str | None) -> None:
+    """Run request -> expected-decision cases. Exit 1 on any mismatch, 2 on an invalid file."""
+    failed = total = 0
+    for file in files:
+        try:
+            results = run_case_file(Path(file), policy_path)
+        except PolicyError as exc:
+            click.echo(str(exc), err=True)
+            sys.exit(EXIT_INVALID)
+        for result in results:
+            total += 1
+            label = result.case.name or result.case.request
+            if result.passed:
+                click.echo(f"PASS  {file}#{result.index}  {label}")
+                continue
+            failed += 1
+            click.echo(f"FAIL  {file}#{result.index}  {label}")
+            for problem in result.problems:
+                click.echo(f"      - {problem}")
+            if result.decision is not None and result.decision.message:
+                click.echo(f"      message: {result.decision.message}")
+    click.echo(f"{total - failed} passed, {failed} failed")
+    sys.exit(1 if failed else 0)

@@ -1,0 +1,211 @@
+"""The pure decision engine: `decide(policy, facts, state, now) -> Decision`.
+
+No I/O and no clock: the caller passes `now`, so the gateway, the DNS resolver and `audit replay` get the
+same answer for the same inputs. Order of checks (first failure wins):
+
+1. metadata host names, then every address the caller would dial (or the IP literal host) through
+   `addr.check_address` — metadata is never allowed, other non-global classes only via `allow_private`;
+2. the sandbox's `outbound_bytes_max` (already spent is spent, whatever the rules say);
+3. deny rules (file order) whose host, port, method, path and `when` all match;
+4. allow rules for the host in file order: the first that fully matches allows. When none does, the
+   reason is the deepest check some candidate got to (host < scheme < port < method < path <
+   condition < budget), which tells the agent precisely what to change.
+"""
+
+from __future__ import annotations
+
+from egressgate.policy.addr import METADATA_HOSTNAMES, AddrClass, check_address
+from egressgate.policy.canon import parse_ip_literal
+from egressgate.policy.compile import CompiledConditions, CompiledPolicy, CompiledRule
+from egressgate.policy.facts import Decision, Facts, Operation, RuleUsage, SandboxState
+from egressgate.policy.messages import deny_message
+from egressgate.policy.reasons import Effect, Reason
+
+HTTP_SCHEMES = ("https", "http")
+CONNECT_SCHEMES = ("https", "http", "tcp")
+
+# Depth of the check where a candidate rule failed; higher is more specific.
+_STAGES = (
+    Reason.HOST_NOT_ALLOWED,
+    Reason.SCHEME_NOT_ALLOWED,
+    Reason.PORT_NOT_ALLOWED,
+    Reason.METHOD_NOT_ALLOWED,
+    Reason.PATH_NOT_ALLOWED,
+    Reason.CONDITION_FAILED,
+    Reason.BUDGET_EXCEEDED,
+)
+_DEPTH = {reason: i for i, reason in enumerate(_STAGES)}
+_NO_USAGE = RuleUsage()
+
+
+def decide(policy: CompiledPolicy, facts: Facts, state: SandboxState, now: float) -> Decision:
+    if facts.operation is Operation.DNS_QUERY:
+        return _decide_dns(policy, facts, state)
+
+    denied = _address_denial(policy, facts)
+    if denied is not None:
+        return denied
+    limit = policy.outbound_bytes_max
+    if limit is not None and state.bytes_out >= limit:
+        return _deny(policy, facts, Reason.BUDGET_EXCEEDED, None, detail="outbound_bytes_max")
+
+    connect = facts.operation is Operation.CONNECT
+    schemes = CONNECT_SCHEMES if connect else (facts.scheme or "",)
+    if not connect and facts.scheme not in ("https", "http", "tcp"):
+        return _deny(policy, facts, Reason.SCHEME_NOT_ALLOWED, None)
+
+    for scheme in schemes:
+        for rule in policy.candidates(scheme, Effect.DENY, facts.host):
+            if _deny_rule_applies(rule, facts, state, now, connect):
+                return _deny(policy, facts, Reason.DENIED_BY_RULE, rule)
+
+    best: tuple[Reason, CompiledRule | None] = (Reason.HOST_NOT_ALLOWED, None)
+    intercept = False
+    allowed: CompiledRule | None = None
+    for scheme in schemes:
+        for rule in policy.candidates(scheme, Effect.ALLOW, facts.host):
+            failure = _allow_rule_failure(rule, facts, state, now, connect)
+            if failure is None:
+                if not connect:
+                    return _allow(rule, intercept=True)
+                allowed = allowed or rule
+                intercept = intercept or rule.scheme != "tcp"
+            elif _DEPTH[failure] > _DEPTH[best[0]]:
+                best = (failure, rule)
+    if allowed is not None:
+        return _allow(allowed, intercept=intercept)
+
+    if best[1] is None and not connect and _host_in_other_scheme(policy, facts):
+        best = (Reason.SCHEME_NOT_ALLOWED, None)
+    return _deny(policy, facts, best[0], best[1])
+
+
+def _allow(rule: CompiledRule, *, intercept: bool) -> Decision:
+    return Decision(
+        effect=Effect.ALLOW,
+        reason=Reason.RULE_MATCHED,
+        rule_id=rule.id,
+        capability=rule.credential,
+        intercept=intercept,
+    )
+
+
+def _deny(
+    policy: CompiledPolicy,
+    facts: Facts,
+    reason: Reason,
+    rule: CompiledRule | None,
+    detail: str | None = None,
+) -> Decision:
+    return Decision(
+        effect=Effect.DENY,
+        reason=reason,
+        rule_id=rule.id if rule is not None else None,
+        detail=detail,
+        message=deny_message(policy, facts, reason, rule, detail),
+    )
+
+
+def _address_denial(policy: CompiledPolicy, facts: Facts) -> Decision | None:
+    if facts.host in METADATA_HOSTNAMES:
+        return _deny(policy, facts, Reason.METADATA_ENDPOINT, None, detail="metadata_hostname")
+    literal = parse_ip_literal(facts.host)
+    addresses = (literal, *facts.addresses) if literal is not None else facts.addresses
+    for address in addresses:
+        verdict = check_address(address, policy.allow_private)
+        if verdict is None:
+            continue
+        if verdict.addr_class is AddrClass.METADATA:
+            return _deny(policy, facts, Reason.METADATA_ENDPOINT, None, detail=str(verdict.addr_class))
+        return _deny(policy, facts, Reason.ADDRESS_FORBIDDEN, None, detail=str(verdict.addr_class))
+    return None
+
+
+def _port_ok(rule: CompiledRule, facts: Facts) -> bool:
+    return facts.port is None or facts.port in rule.ports
+
+
+def _deny_rule_applies(
+    rule: CompiledRule, facts: Facts, state: SandboxState, now: float, connect: bool
+) -> bool:
+    if not _port_ok(rule, facts):
+        return False
+    if connect and (rule.methods is not None or rule.paths is not None):
+        return False  # decided per request inside the (intercepted) tunnel
+    if rule.methods is not None and facts.method not in rule.methods:
+        return False
+    if not rule.path_allows(facts.path):
+        return False
+    return rule.when is None or _conditions_hold(rule.when, state, now)
+
+
+def _allow_rule_failure(
+    rule: CompiledRule, facts: Facts, state: SandboxState, now: float, connect: bool
+) -> Reason | None:
+    if not _port_ok(rule, facts):
+        return Reason.PORT_NOT_ALLOWED
+    if not connect:
+        if rule.methods is not None and facts.method not in rule.methods:
+            return Reason.METHOD_NOT_ALLOWED
+        if not rule.path_allows(facts.path):
+            return Reason.PATH_NOT_ALLOWED
+    if rule.when is not None and not _conditions_hold(rule.when, state, now):
+        return Reason.CONDITION_FAILED
+    if not connect and rule.budget is not None and _over_budget(rule, facts, state):
+        return Reason.BUDGET_EXCEEDED
+    return None
+
+
+def _conditions_hold(cond: CompiledConditions, state: SandboxState, now: float) -> bool:
+    for key, values in cond.labels:
+        if state.labels.get(key) not in values:
+            return False
+    if cond.sandbox_ids is not None and state.sandbox_id not in cond.sandbox_ids:
+        return False
+    elapsed = now - state.admitted_at
+    if cond.within_seconds is not None and elapsed >= cond.within_seconds:
+        return False
+    if cond.after_seconds is not None and elapsed < cond.after_seconds:
+        return False
+    if cond.after_request_to is not None and not _seen_any(cond.after_request_to, state):
+        return False
+    return not (cond.unless_request_to is not None and _seen_any(cond.unless_request_to, state))
+
+
+def _seen_any(patterns, state: SandboxState) -> bool:
+    return any(p.matches(host) for p in patterns for host in state.seen_hosts)
+
+
+def _over_budget(rule: CompiledRule, facts: Facts, state: SandboxState) -> bool:
+    budget = rule.budget
+    assert budget is not None
+    usage = state.rule_usage.get(rule.id) or _NO_USAGE
+    if budget.requests is not None and usage.requests >= budget.requests:
+        return True
+    if budget.bytes is None:
+        return False
+    return usage.bytes >= budget.bytes or usage.bytes + facts.request_bytes > budget.bytes
+
+
+def _host_in_other_scheme(policy: CompiledPolicy, facts: Facts) -> bool:
+    return any(
+        policy.candidates(scheme, Effect.ALLOW, facts.host)
+        for scheme in CONNECT_SCHEMES
+        if scheme != facts.scheme
+    )
+
+
+def _decide_dns(policy: CompiledPolicy, facts: Facts, state: SandboxState) -> Decision:
+    dns = policy.dns
+    if facts.host in METADATA_HOSTNAMES:
+        return _deny(policy, facts, Reason.METADATA_ENDPOINT, None, detail="metadata_hostname")
+    if facts.qtype not in dns.query_types:
+        return _deny(policy, facts, Reason.QTYPE_NOT_ALLOWED, None, detail=facts.qtype)
+    if dns.max_queries is not None and state.dns_queries >= dns.max_queries:
+        return _deny(policy, facts, Reason.BUDGET_EXCEEDED, None, detail="dns.budget.queries")
+    if dns.max_name_bytes is not None and state.dns_name_bytes + len(facts.host) > dns.max_name_bytes:
+        return _deny(policy, facts, Reason.BUDGET_EXCEEDED, None, detail="dns.budget.name_bytes")
+    rule = policy.dns_name_allowed(facts.host)
+    if rule is None:
+        return _deny(policy, facts, Reason.HOST_NOT_ALLOWED, None)
+    return Decision(effect=Effect.ALLOW, reason=Reason.RULE_MATCHED, rule_id=rule.id)

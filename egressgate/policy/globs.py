@@ -1,0 +1,117 @@
+"""Host patterns and path globs: the only two pattern languages in a policy.
+
+Hosts: an exact canonical name or IP literal, or `*.suffix` (subdomains at any depth, never the apex),
+or `*` alone (deny rules only). Nothing else: `api.*.com`, `*foo.com`, `**.x` are errors, because a glob
+a security engineer cannot read at a glance is a glob that will be wrong.
+
+Paths: canonical origin-form paths (policy.canon.canon_path) where `*` matches within one segment and
+`**` (a whole segment) matches any number of segments; a trailing `/**` also matches the bare prefix
+(`/v1/**` matches `/v1`). Wildcards never match `%2F` or `%5C`: an encoded slash or backslash can only
+be matched by literal rule text, so a server that decodes them cannot be walked outside an allowed
+subtree (`/repos/*` does not match `/repos/x%2F..%2Fadmin`).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from egressgate.policy.canon import CanonError, canon_host, canon_path, parse_ip_literal
+
+
+class GlobError(ValueError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class HostPattern:
+    kind: str  # "exact" | "suffix" | "any"
+    value: str  # canonical host, or the canonical suffix without "*." ("" for any)
+
+    def matches(self, host: str) -> bool:
+        if self.kind == "exact":
+            return host == self.value
+        if self.kind == "suffix":
+            return host.endswith("." + self.value) and parse_ip_literal(host) is None
+        return True
+
+    def __str__(self) -> str:
+        return {"exact": self.value, "suffix": f"*.{self.value}", "any": "*"}[self.kind]
+
+
+def parse_host_pattern(raw: str, *, allow_any: bool) -> HostPattern:
+    if raw == "*":
+        if not allow_any:
+            raise GlobError("'*' alone is only valid in deny rules; name the hosts to allow")
+        return HostPattern("any", "")
+    if raw.startswith("*."):
+        suffix = raw[2:]
+        if "*" in suffix:
+            raise GlobError("only one leading '*.' is allowed in a host pattern")
+        try:
+            canonical = canon_host(suffix)
+        except CanonError as exc:
+            raise GlobError(f"bad host pattern: {exc}") from None
+        if parse_ip_literal(canonical) is not None:
+            raise GlobError("'*.' cannot prefix an IP address")
+        return HostPattern("suffix", canonical)
+    if "*" in raw:
+        raise GlobError("bad host pattern: '*' is allowed only as a leading '*.' label or alone")
+    try:
+        return HostPattern("exact", canon_host(raw))
+    except CanonError as exc:
+        raise GlobError(f"bad host: {exc}") from None
+
+
+_NO_ENCODED_SEP = r"(?!%2F|%5C)"
+_SEGMENT_CHARS = rf"(?:{_NO_ENCODED_SEP}[^/])*"
+_ANY_CHARS = rf"(?:{_NO_ENCODED_SEP}.)*"
+
+
+@dataclass(frozen=True, slots=True)
+class PathGlob:
+    source: str
+    exact: str | None  # set when the glob has no wildcard
+    regex: re.Pattern[str] | None
+
+    def matches(self, path: str) -> bool:
+        if self.exact is not None:
+            return path == self.exact
+        assert self.regex is not None
+        return self.regex.fullmatch(path) is not None
+
+
+def parse_path_glob(raw: str) -> PathGlob:
+    if not raw.startswith("/"):
+        raise GlobError("a path must start with '/'")
+    if "?" in raw or "#" in raw:
+        raise GlobError("a path rule cannot contain '?' or '#' (queries are not matched)")
+    if "***" in raw:
+        raise GlobError("'***' is not a glob; use '*' (one segment) or '**' (any depth)")
+    segments = raw.split("/")[1:]
+    for segment in segments:
+        if "**" in segment and segment != "**":
+            raise GlobError("'**' must be a whole path segment, e.g. /v1/**")
+        if segment in (".", ".."):
+            raise GlobError("dot segments are not allowed in path rules")
+    try:
+        canonical = canon_path(raw)
+    except CanonError as exc:
+        raise GlobError(f"bad path: {exc}") from None
+    if canonical != raw:
+        raise GlobError(f"path is not in canonical form; write it as {canonical!r}")
+    if "*" not in raw:
+        return PathGlob(raw, raw, None)
+    return PathGlob(raw, None, re.compile(_glob_regex(segments)))
+
+
+def _glob_regex(segments: list[str]) -> str:
+    out = ""
+    for segment in segments:
+        if segment == "**":
+            # zero or more further segments; so a trailing '/**' also matches the bare prefix
+            out += f"(?:/{_ANY_CHARS})?"
+            continue
+        parts = [re.escape(p) for p in segment.split("*")]
+        out += "/" + _SEGMENT_CHARS.join(parts)
+    return out

@@ -1,0 +1,89 @@
+"""The one sentence a denied agent reads.
+
+Agents that get a bare 403 retry around the proxy; a sentence that says what *is* allowed stops that.
+Messages name the policy's own hosts, methods and paths (the agent may know them) but never resolved
+addresses (internal DNS would leak) nor anything credential-related.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+from egressgate.policy.compile import CompiledPolicy, CompiledRule
+from egressgate.policy.facts import Facts, Operation
+from egressgate.policy.reasons import Effect, Reason
+
+_MAX_LISTED = 8
+
+
+def _target(facts: Facts) -> str:
+    if facts.operation is Operation.DNS_QUERY:
+        return f"{facts.qtype} {facts.host}"
+    if facts.operation is Operation.CONNECT:
+        return f"{facts.host}:{facts.port}"
+    return f"{facts.method} {facts.scheme}://{facts.host}{facts.path or '/'}"
+
+
+def _listing(items: list[str]) -> str:
+    if not items:
+        return "none"
+    shown = ", ".join(items[:_MAX_LISTED])
+    return shown + (f" and {len(items) - _MAX_LISTED} more" if len(items) > _MAX_LISTED else "")
+
+
+_HOST_LISTINGS: weakref.WeakKeyDictionary[CompiledPolicy, str] = weakref.WeakKeyDictionary()
+
+
+def _host_listing(policy: CompiledPolicy) -> str:
+    """Computed once per policy: a deny must not cost a sort of every rule's host."""
+    listing = _HOST_LISTINGS.get(policy)
+    if listing is None:
+        hosts = sorted({*policy.allowed_hosts("https"), *policy.allowed_hosts("http")})
+        listing = _HOST_LISTINGS[policy] = _listing(hosts)
+    return listing
+
+
+def _rules_for(policy: CompiledPolicy, facts: Facts) -> list[CompiledRule]:
+    schemes = (facts.scheme,) if facts.scheme in ("https", "http", "tcp") else ("https", "http", "tcp")
+    return [r for s in schemes for r in policy.candidates(s, Effect.ALLOW, facts.host)]
+
+
+def deny_message(
+    policy: CompiledPolicy, facts: Facts, reason: Reason, rule: CompiledRule | None, detail: str | None
+) -> str:
+    target = _target(facts)
+    name = policy.name
+    if reason is Reason.METADATA_ENDPOINT:
+        return (f"{target} is a cloud metadata endpoint; sandboxes can never reach it. "
+                "Ask the operator for a brokered credential instead.")
+    if reason is Reason.ADDRESS_FORBIDDEN:
+        return (f"{facts.host} is (or resolves to) a {detail} address; egress to non-public addresses is "
+                f"refused unless policy {name!r} lists them in network.allow_private.")
+    if reason is Reason.BUDGET_EXCEEDED:
+        what = f"rule {rule.id!r}" if rule else (detail or "the sandbox")
+        return f"The budget of {what} in policy {name!r} is spent; further requests are refused."
+    if reason is Reason.QTYPE_NOT_ALLOWED:
+        return (f"DNS {facts.qtype} queries are not allowed; allowed types: "
+                f"{_listing(sorted(policy.dns.query_types))}.")
+    if reason is Reason.DENIED_BY_RULE:
+        return f"{target} is explicitly denied by rule {rule.id if rule else '?'!r} of policy {name!r}."
+    if reason is Reason.HOST_NOT_ALLOWED:
+        if facts.operation is Operation.DNS_QUERY:
+            return f"{facts.host} is not in policy {name!r}'s DNS allowlist; only listed names resolve."
+        return (f"{facts.host} is not allowed by policy {name!r}; allowed hosts: {_host_listing(policy)}. "
+                "Do not retry through another route: all egress goes through this gateway.")
+    if reason is Reason.SCHEME_NOT_ALLOWED:
+        schemes = sorted({r.scheme for r in _rules_for(policy, Facts(facts.operation, facts.host))})
+        return (f"{facts.scheme or 'this protocol'} to {facts.host} is not allowed; use the scheme the policy "
+                f"allows ({_listing(schemes)}).")
+    rules = _rules_for(policy, facts)
+    if reason is Reason.PORT_NOT_ALLOWED:
+        ports = sorted({p for r in rules for p in r.ports})
+        return f"Port {facts.port} on {facts.host} is not allowed; allowed ports: {_listing([str(p) for p in ports])}."
+    if reason in (Reason.METHOD_NOT_ALLOWED, Reason.PATH_NOT_ALLOWED):
+        allowed = sorted({r.describe() for r in rules})
+        return f"{target} is not allowed by policy {name!r}; on {facts.host} it allows: {_listing(allowed)}."
+    if reason is Reason.CONDITION_FAILED:
+        return (f"{target} matches rule {rule.id if rule else '?'!r} but its conditions (labels, time since "
+                "admission or earlier requests) do not hold for this sandbox now.")
+    return f"{target} is not allowed by policy {name!r} ({reason.value})."

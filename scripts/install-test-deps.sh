@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Install the Debian packages the tests use (real Redis, Squid, dnsmasq, nftables, netns, dig, curl, wrk)
+# when they are missing. Needs root; otherwise it says what is missing and the tests that need it skip
+# (outside CI) or fail (in CI).
+set -eu
+need=()
+have() { command -v "$1" >/dev/null 2>&1; }
+have redis-server || need+=(redis-server)
+have squid || need+=(squid)
+have dnsmasq || need+=(dnsmasq-base)
+have nft || need+=(nftables)
+have ip || need+=(iproute2)
+have dig || need+=(dnsutils)
+have curl || need+=(curl)
+have wrk || need+=(wrk)
+[ ${#need[@]} -eq 0 ] && exit 0
+if [ "$(id -u)" != 0 ]; then
+  echo "missing Debian packages (run as root to install): ${need[*]}" >&2
+  exit 0
+fi
+export DEBIAN_FRONTEND=noninteractive
+apt-get update -qq
+apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
