@@ -1,0 +1,5 @@
+"""`python -m egressgate` = the `egressgate` command."""
+
+from egressgate.cli import main
+
+main()

@@ -1,0 +1,69 @@
+"""`egressgate policy check|explain|test` as an operator runs them (real subprocess, real exit codes)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SEED = ROOT / "policies" / "seed-invoice-analysis.yaml"
+
+
+def cli(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "egressgate", *args], capture_output=True, text=True, cwd=cwd, check=False
+    )
+
+
+def test_check_valid_and_invalid(tmp_path):
+    ok = cli("policy", "check", str(ROOT / "policies"))
+    assert ok.returncode == 0, ok.stderr
+    assert "invoice-analysis" in ok.stdout and "sha256:" in ok.stdout
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("sandbox: {name: x}\nnetwork:\n  https:\n    allow:\n      - {host: a.example}\n"
+                   "      - {host: b.example}\n      - {host: c.example, methods: [GET, 'B@D']}\n")
+    out = cli("policy", "check", str(bad))
+    assert out.returncode == 2
+    assert f"{bad}: network.https.allow[2].methods[1]: bad method" in out.stderr
+
+
+def test_explain_prints_decision_reason_rule():
+    out = cli("policy", "explain", "--policy", str(SEED), "--sandbox", "invoice-analysis",
+              "POST https://api.openai.com/v1/responses")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("ALLOW  reason=rule_matched  rule=https.allow[0]")
+    out = cli("policy", "explain", "--policy", str(SEED), "--json", "--resolved", "169.254.169.254",
+              "GET https://files.pythonhosted.org/x")
+    data = json.loads(out.stdout)
+    assert (data["decision"], data["reason"]) == ("deny", "metadata_endpoint")
+    out = cli("policy", "explain", "--policy", str(SEED), "GET https://user@api.openai.com/")
+    assert out.returncode == 2
+    assert "credentials in URLs (user@host) are refused" in out.stderr
+
+
+def test_policy_test_passes_shipped_cases_and_diffs_failures(tmp_path):
+    shipped = cli("policy", "test", str(ROOT / "policies" / "tests" / "seed-invoice-analysis.test.yaml"))
+    assert shipped.returncode == 0, shipped.stdout
+    assert "11 passed, 0 failed" in shipped.stdout
+    cases = tmp_path / "cases.yaml"
+    cases.write_text(f"""
+policy: {SEED}
+cases:
+  - request: GET https://api.openai.com/v1/responses
+    expect: allow
+  - request: POST https://api.openai.com/v1/responses
+    expect: allow
+    rule: wrong-rule
+  - request: POST https://api.openai.com/v1/responses
+    expect: allow
+""")
+    out = cli("policy", "test", str(cases))
+    assert out.returncode == 1
+    assert "expected allow, got deny (method_not_allowed)" in out.stdout
+    assert "expected rule wrong-rule, got https.allow[0]" in out.stdout
+    assert "1 passed, 2 failed" in out.stdout
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("cases: [{request: GET https://x/, expect: maybe}]\n")
+    assert cli("policy", "test", "--policy", str(SEED), str(broken)).returncode == 2
