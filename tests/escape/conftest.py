@@ -12,6 +12,8 @@ from collections.abc import Iterator
 import pytest
 from networld import World
 
+from escape.harness import Gateway, Sandbox
+
 
 @pytest.fixture(scope="session")
 def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
@@ -20,3 +22,25 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
         yield w
     finally:
         w.close()
+
+
+@pytest.fixture(scope="session")
+def gateway(world: World, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    """The real gateway, started once with every escape policy (tests/escape/policies/)."""
+    gw = Gateway.start(world, tmp_path_factory.mktemp("gateway"))
+    try:
+        yield gw
+    finally:
+        gw.stop()
+
+
+@pytest.fixture(scope="session")
+def sbx(gateway: Gateway) -> Sandbox:
+    """A sandbox under escape-https: names and IP literals allowed by rule, only 198.18.1.0/24 private."""
+    return gateway.admit("escape-https")
+
+
+@pytest.fixture(scope="session")
+def sbx_private(gateway: Gateway) -> Sandbox:
+    """Positive control: allow_private covers 10.0.0.5, so the gateway itself can reach that canary."""
+    return gateway.admit("escape-private")

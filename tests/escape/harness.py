@@ -1,0 +1,271 @@
+"""The real gateway inside the test world, and sandbox-side clients that talk to it.
+
+The gateway runs as its real console script (`egressgate run --config CFG`) inside the world's ``gw``
+namespace, exactly as an operator would run it; sandboxes are admitted with the real
+`egressgate sandbox admit`. Clients run inside the firewalled ``sbx`` namespace: curl for ordinary
+requests, raw sockets (created in ``sbx`` via setns) for what curl refuses to send (smuggling, bad
+framing, non-HTTP bytes, mismatched SNI/Host).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import shlex
+import socket
+import ssl
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import networld as nw
+import yaml
+from networld import World
+
+EGRESSGATE = str(Path(sys.executable).with_name("egressgate"))
+POLICIES = Path(__file__).resolve().parent / "policies"
+
+
+@dataclass
+class Sandbox:
+    """An admitted sandbox: what `sandbox admit` printed."""
+
+    id: str
+    token: str
+    proxy_url: str
+    policy: str
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def auth_header(self) -> str:
+        raw = base64.b64encode(f"{self.id}:{self.token}".encode()).decode()
+        return f"Basic {raw}"
+
+
+@dataclass
+class Response:
+    """A parsed HTTP/1.1 response head (+ body when framed by Content-Length or close)."""
+
+    status: int
+    reason: str
+    headers: dict[str, str]
+    body: bytes
+    raw: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+    @property
+    def denied(self) -> bool:
+        return self.headers.get("x-egressgate-decision") == "deny"
+
+
+@dataclass
+class Gateway:
+    world: World
+    tmp: Path
+    proc: subprocess.Popen[str]
+    config: Path
+    proxy: tuple[str, int]
+    info: dict[str, Any]
+    sandboxes: dict[str, Sandbox] = field(default_factory=dict)
+
+    @classmethod
+    def start(cls, world: World, tmp: Path, policies: Path = POLICIES) -> Gateway:
+        var = tmp / "var"
+        var.mkdir(parents=True, exist_ok=True)
+        config = {
+            "listen": {"proxy": f"{nw.GW_SBX}:0", "admin": "127.0.0.1:0", "dns": "127.0.0.1:0"},
+            "policy": str(policies),
+            "var_dir": str(var),
+            "upstream": {"resolver": f"{nw.DNS_ADDR}:53", "ca_bundle": str(world.ca_pem)},
+            "state": {"backend": "memory"},
+        }
+        cfg = tmp / "gateway.yaml"
+        cfg.write_text(yaml.safe_dump(config))
+        stderr = open(tmp / "gateway.stderr", "w")  # noqa: SIM115 - lives as long as the process
+        proc = world.popen(world.gw, EGRESSGATE, "run", "--config", str(cfg),
+                           stdout=subprocess.PIPE, stderr=stderr)
+        line = _first_line(proc, 30)
+        try:
+            info = json.loads(line)
+            host, _, port = info["proxy"].rpartition(":")
+            proxy = (host.strip("[]"), int(port))
+        except (ValueError, KeyError) as exc:
+            proc.kill()
+            proc.wait(5)
+            err = (tmp / "gateway.stderr").read_text()[-3000:]
+            raise RuntimeError(f"gateway did not start: stdout={line!r}\n{err}") from exc
+        threading.Thread(target=_drain, args=(proc,), daemon=True).start()
+        world.allow_sandbox_to(*proxy)
+        return cls(world=world, tmp=tmp, proc=proc, config=cfg, proxy=proxy, info=info)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+    @property
+    def stderr(self) -> str:
+        return (self.tmp / "gateway.stderr").read_text()
+
+    @property
+    def proxy_url(self) -> str:
+        return f"http://{self.proxy[0]}:{self.proxy[1]}"
+
+    def admit(self, policy: str) -> Sandbox:
+        """Admit (once per policy) with the real CLI, inside the gateway namespace."""
+        if policy not in self.sandboxes:
+            res = self.world.exec(self.world.gw, EGRESSGATE, "sandbox", "admit", "--config", str(self.config),
+                                  "--policy", policy)
+            if res.returncode != 0:
+                raise RuntimeError(f"sandbox admit failed ({res.returncode}): {res.stdout} {res.stderr}")
+            data = json.loads(res.stdout)
+            self.sandboxes[policy] = Sandbox(id=data["id"], token=data["token"], proxy_url=data["proxy_url"],
+                                             policy=policy, env=data.get("env", {}))
+        return self.sandboxes[policy]
+
+    @property
+    def client_ca(self) -> Path:
+        """A bundle the sandbox trusts: the gateway CA (for MITM) + the world CA (for passthrough)."""
+        bundle = self.tmp / "client-ca.pem"
+        if not bundle.exists():
+            ca_dir = Path(self.tmp / "var" / "ca")
+            pems = sorted(p for p in ca_dir.glob("*.pem") if "key" not in p.name)
+            text = "".join(p.read_text() for p in pems if "BEGIN CERTIFICATE" in p.read_text())
+            bundle.write_text(text + self.world.ca_pem.read_text())
+        return bundle
+
+    # ------------------------------------------------------------------------------ clients
+    def curl(self, sbx: Sandbox, url: str, *args: str, ns: str | None = None, timeout: float = 15) -> Curl:
+        """curl through the proxy from the sandbox namespace; returns codes, headers and body."""
+        hdr = self.tmp / f"curl-{time.monotonic_ns()}.hdr"
+        res = self.world.exec(
+            ns or self.world.sbx, "curl", "-sS", "--max-time", str(int(timeout) - 2), "--cacert",
+            str(self.client_ca), "-x", self.proxy_url, "--proxy-user", f"{sbx.id}:{sbx.token}",
+            "-D", str(hdr), "-w", "\n%{http_code} %{http_connect}", *args, url, timeout=timeout,
+        )
+        body, _, codes = res.stdout.rpartition("\n")
+        code, _, connect = codes.partition(" ")
+        headers = hdr.read_text(errors="replace") if hdr.exists() else ""
+        hdr.unlink(missing_ok=True)
+        return Curl(int(code or 0), int(connect or 0), headers, body, res.returncode, res.stderr,
+                    shlex.join(["curl", *args, url]))
+
+    def connect(self, ns: str | None = None) -> socket.socket:
+        """A TCP socket to the proxy created inside the sandbox namespace."""
+        def make() -> socket.socket:
+            return socket.create_connection(self.proxy, timeout=10)
+        return self.world.in_ns(ns or self.world.sbx, make)
+
+    def raw(self, payload: bytes, wait: float = 3.0) -> bytes:
+        """Send raw bytes to the proxy from the sandbox; return everything read until close/quiet."""
+        with self.connect() as sock:
+            sock.sendall(payload)
+            return read_all(sock, wait)
+
+    def tunnel(self, sbx: Sandbox, target: str) -> tuple[socket.socket, Response]:
+        """CONNECT `target` with the sandbox's identity; returns the socket and the CONNECT response."""
+        sock = self.connect()
+        sock.sendall(f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n"
+                     f"Proxy-Authorization: {sbx.auth_header}\r\n\r\n".encode())
+        return sock, read_response(sock)
+
+    def tls(self, sock: socket.socket, sni: str | None) -> ssl.SSLSocket:
+        """TLS over an open tunnel, presenting `sni` (verification against our bundle, names unchecked:
+        the point is what the gateway does with a mismatched SNI, not what the client accepts)."""
+        ctx = ssl.create_default_context(cafile=str(self.client_ca))
+        ctx.check_hostname = False
+        ctx.set_alpn_protocols(["http/1.1"])
+        return ctx.wrap_socket(sock, server_hostname=sni)
+
+
+@dataclass
+class Curl:
+    status: int
+    connect_status: int
+    headers: str
+    body: str
+    rc: int
+    stderr: str
+    cmd: str
+
+    @property
+    def denied(self) -> bool:
+        return "x-egressgate-decision: deny" in self.headers.lower()
+
+    def deny_body(self) -> dict[str, Any]:
+        return json.loads(self.body)
+
+    def __str__(self) -> str:
+        return f"{self.cmd}: rc={self.rc} status={self.status} connect={self.connect_status} " \
+               f"stderr={self.stderr.strip()!r} headers={self.headers!r} body={self.body[:300]!r}"
+
+
+def read_all(sock: socket.socket, wait: float) -> bytes:
+    sock.settimeout(wait)
+    out = bytearray()
+    with contextlib.suppress(TimeoutError, ConnectionResetError, ssl.SSLError, OSError):
+        while True:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            out.extend(chunk)
+    return bytes(out)
+
+
+def read_response(sock: socket.socket | ssl.SSLSocket, timeout: float = 10) -> Response:
+    """Read one response; Content-Length framed (or until close when absent)."""
+    sock.settimeout(timeout)
+    buf = bytearray()
+    while b"\r\n\r\n" not in buf:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        buf.extend(chunk)
+    return parse_response(bytes(buf), sock)
+
+
+def parse_response(data: bytes, sock: socket.socket | ssl.SSLSocket | None = None) -> Response:
+    head, sep, rest = data.partition(b"\r\n\r\n")
+    if not sep:
+        raise ConnectionError(f"no HTTP response head, got {data[:200]!r}")
+    lines = head.decode("latin-1").split("\r\n")
+    parts = lines[0].split(" ", 2)
+    headers = {}
+    for line in lines[1:]:
+        name, _, value = line.partition(":")
+        headers[name.strip().lower()] = value.strip()
+    body = bytearray(rest)
+    length = headers.get("content-length")
+    status = int(parts[1])
+    if sock is not None and length is not None:
+        while len(body) < int(length):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            body.extend(chunk)
+    return Response(status, parts[2] if len(parts) > 2 else "", headers, bytes(body), data)
+
+
+def _first_line(proc: subprocess.Popen[str], timeout: float) -> str:
+    box: list[str] = []
+    t = threading.Thread(target=lambda: box.append(proc.stdout.readline() if proc.stdout else ""), daemon=True)
+    t.start()
+    t.join(timeout)
+    return box[0] if box else ""
+
+
+def _drain(proc: subprocess.Popen[str]) -> None:
+    if proc.stdout is not None:
+        for _ in proc.stdout:
+            pass
