@@ -1,0 +1,176 @@
+"""The DNS listener: UDP and TCP on the same address and port, asyncio only.
+
+Why not dnslib's servers: they are thread-per-request socketservers; one slow upstream would tie up a thread
+per query. Here every query is a task on the gateway's event loop, bounded in number:
+- UDP: at most `udp_max_inflight` queries in progress; beyond that datagrams are dropped and counted (a client
+  retries; a flood does not grow memory). Answers larger than the client's limit go out truncated with TC.
+- TCP (RFC 7766): two-byte length prefix, many messages per connection, pipelined (answers may leave out of
+  order, each with its query id), at most `tcp_max_inflight` per connection (the reader waits, so a client
+  that does not read its answers stalls only itself), an idle timeout, and a cap on connections (beyond it new
+  connections are closed at once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import struct
+
+from egressgate.audit.sink import AuditSink
+from egressgate.dns.config import DnsConfig
+from egressgate.dns.metrics import DnsMetrics
+from egressgate.dns.resolver import PolicyLookup, Resolver
+from egressgate.dns.wire import SERVFAIL, bare_response
+from egressgate.state.base import StateStore
+
+_BIND_ATTEMPTS = 20
+
+
+def client_ip(peer: tuple | None) -> str:
+    """Canonical text of the peer address, as runtimes register it (IPv4-mapped IPv6 becomes IPv4)."""
+    if not peer:
+        return ""
+    host = peer[0]
+    if ":" not in host:
+        return host
+    ip = ipaddress.ip_address(host.split("%", 1)[0])
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return str(mapped or ip)
+
+
+class _Udp(asyncio.DatagramProtocol):
+    def __init__(self, server: DnsServer) -> None:
+        self.server = server
+        self.transport: asyncio.DatagramTransport | None = None
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def datagram_received(self, data: bytes, addr: tuple) -> None:
+        if len(self.tasks) >= self.server.config.udp_max_inflight:
+            self.server.metrics.dropped_overload += 1
+            return
+        task = asyncio.get_running_loop().create_task(self._answer(data, addr))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    def error_received(self, exc: Exception) -> None:
+        # ICMP errors for answers to vanished clients: nothing to do, the socket stays usable.
+        return
+
+    async def _answer(self, data: bytes, addr: tuple) -> None:
+        answer = await self.server.resolver.handle(data, client_ip(addr), udp=True)
+        if answer is not None and self.transport is not None and not self.transport.is_closing():
+            self.transport.sendto(answer, addr)
+
+
+class DnsServer:
+    """`await start(host, port)` -> bound (host, port); `await stop()`. One instance per listener address."""
+
+    def __init__(
+        self,
+        policies: PolicyLookup,
+        state: StateStore,
+        audit: AuditSink,
+        config: DnsConfig | None = None,
+        metrics: DnsMetrics | None = None,
+    ) -> None:
+        self.config = (config or DnsConfig()).validate()
+        self.metrics = metrics or DnsMetrics()
+        self.resolver = Resolver(policies, state, audit, self.config, self.metrics)
+        self._udp: _Udp | None = None
+        self._udp_transport: asyncio.DatagramTransport | None = None
+        self._tcp: asyncio.Server | None = None
+        self._connections: set[asyncio.StreamWriter] = set()
+        self._tcp_tasks: set[asyncio.Task[None]] = set()
+        self.address: tuple[str, int] | None = None
+
+    async def start(self, host: str = "127.0.0.1", port: int = 5353) -> tuple[str, int]:
+        """Bind UDP and TCP on the same port (port 0: a free one both protocols can have)."""
+        loop = asyncio.get_running_loop()
+        last_error: OSError | None = None
+        for _ in range(_BIND_ATTEMPTS if port == 0 else 1):
+            protocol = _Udp(self)
+            transport, _ = await loop.create_datagram_endpoint(lambda p=protocol: p, local_addr=(host, port))
+            bound = transport.get_extra_info("sockname")
+            try:
+                self._tcp = await asyncio.start_server(self._serve_tcp, host, bound[1])
+            except OSError as exc:  # the UDP port's TCP twin is taken: try another port
+                transport.close()
+                last_error = exc
+                continue
+            self._udp, self._udp_transport = protocol, transport
+            self.address = (bound[0], bound[1])
+            return self.address
+        raise last_error or OSError(f"cannot bind DNS listener on {host}:{port}")
+
+    async def stop(self) -> None:
+        if self._udp_transport is not None:
+            self._udp_transport.close()
+        if self._tcp is not None:
+            self._tcp.close()
+        for writer in list(self._connections):
+            writer.close()
+        tasks = [*(self._udp.tasks if self._udp else ()), *self._tcp_tasks]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        if self._tcp is not None:
+            with contextlib.suppress(Exception):
+                await self._tcp.wait_closed()
+        self._udp = self._udp_transport = self._tcp = None
+
+    # --- TCP -----------------------------------------------------------------------------------------
+
+    async def _serve_tcp(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if len(self._connections) >= self.config.tcp_max_connections:
+            self.metrics.tcp_rejected += 1
+            writer.close()
+            return
+        self.metrics.tcp_connections += 1
+        self._connections.add(writer)
+        client = client_ip(writer.get_extra_info("peername"))
+        slots = asyncio.Semaphore(self.config.tcp_max_inflight)
+        pending: set[asyncio.Task[None]] = set()
+        try:
+            while True:
+                try:
+                    async with asyncio.timeout(self.config.tcp_idle_timeout):
+                        (length,) = struct.unpack("!H", await reader.readexactly(2))
+                        data = await reader.readexactly(length)
+                except TimeoutError:
+                    self.metrics.tcp_idle_closed += 1
+                    break
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    break
+                await slots.acquire()
+                task = asyncio.get_running_loop().create_task(self._tcp_answer(data, client, writer, slots))
+                pending.add(task)
+                self._tcp_tasks.add(task)
+                task.add_done_callback(pending.discard)
+                task.add_done_callback(self._tcp_tasks.discard)
+            if pending:  # answer what was asked before the client stopped sending
+                await asyncio.wait(pending, timeout=self.config.upstream_timeout * 3 + 1)
+        finally:
+            self._connections.discard(writer)
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    async def _tcp_answer(
+        self, data: bytes, client: str, writer: asyncio.StreamWriter, slots: asyncio.Semaphore
+    ) -> None:
+        try:
+            answer = await self.resolver.handle(data, client, udp=False)
+            if answer is None or writer.is_closing():
+                return
+            if len(answer) > 65535:
+                answer = bare_response(answer[0] << 8 | answer[1], 0, SERVFAIL, b"")
+            writer.write(struct.pack("!H", len(answer)) + answer)
+            with contextlib.suppress(ConnectionError):
+                await writer.drain()
+        finally:
+            slots.release()

@@ -1,0 +1,383 @@
+"""Fixtures for the DNS resolver tests: a recording upstream resolver on loopback, sandboxes, policies.
+
+Everything runs on 127.0.0.0/8. Sandboxes are told apart by source address (clients bind 127.0.0.x), exactly as
+a runtime adapter registers them. The upstream is a small asyncio DNS server answering from an in-memory zone;
+it records every query it receives, which is how the tests prove that denied names never left the resolver.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+import time
+from dataclasses import dataclass, field
+
+import dns.asyncquery
+import dns.message
+import dns.rcode
+import dns.rdatatype
+import pytest
+from dnslib import QTYPE, RCODE, RR, DNSRecord
+
+from egressgate.audit.event import AuditEvent, AuditUnavailable
+from egressgate.dns.config import DnsConfig
+from egressgate.dns.server import DnsServer
+from egressgate.policy.loader import parse_policy
+from egressgate.state.base import SandboxRecord, hash_token
+from egressgate.state.memory import MemoryState
+
+SANDBOX_IP = "127.0.0.2"  # policy dns-test
+PRIVATE_IP = "127.0.0.3"  # policy dns-private (allow_private: 10.0.0.0/8)
+BUDGET_IP = "127.0.0.4"  # policy dns-budget
+REFUSED_IP = "127.0.0.5"  # policy dns-refused (deny_rcode REFUSED, TXT allowed)
+RATE_IP = "127.0.0.6"  # policy dns-rate
+UNKNOWN_IP = "127.0.0.9"  # registered nowhere
+
+ALLOWED_NAMES = [
+    "allowed.example.com",
+    "*.wild.example.com",
+    "private.example.com",
+    "loop.example.com",
+    "meta.example.com",
+    "mapped.example.com",
+    "nat64.example.com",
+    "cname-private.example.com",
+    "cname-ok.example.com",
+    "mixed.example.com",
+    "big.example.com",
+    "huge.example.com",
+    "slow.example.com",
+    "cached.example.com",
+    "svc.example.com",
+    "txt.example.com",
+    "nx.example.com",
+    "inject.example.com",
+    "cgnat.example.com",
+    "spoof.example.com",
+    "servfail.example.com",
+    "badlen.example.com",
+    "bench.example.com",
+]
+
+POLICIES = {
+    "dns-test": f"""
+sandbox: {{name: dns-test}}
+network:
+  dns:
+    allow: {ALLOWED_NAMES}
+  https:
+    allow:
+      - host: api.example.net
+        methods: [GET]
+""",
+    "dns-private": f"""
+sandbox: {{name: dns-private}}
+network:
+  allow_private: [10.0.0.0/8]
+  dns:
+    allow: {ALLOWED_NAMES}
+""",
+    "dns-budget": """
+sandbox: {name: dns-budget}
+network:
+  dns:
+    allow: ["*.budget.example.com"]
+    budget: {queries: 3, name_bytes: 200}
+""",
+    "dns-refused": """
+sandbox: {name: dns-refused}
+network:
+  dns:
+    allow: [txt.example.com, allowed.example.com]
+    deny_rcode: REFUSED
+    query_types: [A, AAAA, TXT]
+""",
+    "dns-rate": """
+sandbox: {name: dns-rate}
+network:
+  dns:
+    allow: [allowed.example.com]
+    budget: {per_second: 2}
+""",
+}
+
+# name -> list of zone lines (answer section) for the upstream
+ZONE: dict[str, list[str]] = {
+    "allowed.example.com": [
+        "allowed.example.com. 300 A 93.184.216.34",
+        "allowed.example.com. 300 AAAA 2606:2800:220:1:248:1893:25c8:1946",
+    ],
+    "api.example.net": ["api.example.net. 300 A 93.184.216.35"],
+    "x.wild.example.com": ["x.wild.example.com. 300 A 93.184.216.36"],
+    "private.example.com": ["private.example.com. 300 A 10.1.2.3"],
+    "loop.example.com": ["loop.example.com. 300 A 127.0.0.1", "loop.example.com. 300 AAAA ::1"],
+    "meta.example.com": ["meta.example.com. 300 A 169.254.169.254"],
+    "mapped.example.com": ["mapped.example.com. 300 AAAA ::ffff:7f00:1"],  # ::ffff:127.0.0.1
+    "nat64.example.com": ["nat64.example.com. 300 AAAA 64:ff9b::a9fe:a9fe"],  # NAT64 of 169.254.169.254
+    "cgnat.example.com": ["cgnat.example.com. 300 A 100.100.100.200"],
+    "cname-private.example.com": [
+        "cname-private.example.com. 300 CNAME internal.corp.example.",
+        "internal.corp.example. 300 A 192.168.1.10",
+    ],
+    "cname-ok.example.com": [
+        "cname-ok.example.com. 300 CNAME edge.cdn.example.",
+        "edge.cdn.example. 300 A 93.184.216.40",
+    ],
+    "mixed.example.com": [
+        "mixed.example.com. 300 A 93.184.216.41",
+        "mixed.example.com. 300 A 10.9.9.9",
+        "mixed.example.com. 300 A 169.254.169.254",
+    ],
+    # injection: records for names not on the chain, and a second chain to loopback
+    "inject.example.com": [
+        "inject.example.com. 300 A 93.184.216.42",
+        "victim.example.org. 300 A 127.0.0.1",
+        "allowed.example.com. 300 A 10.0.0.1",
+    ],
+    "big.example.com": [f"big.example.com. 300 A 93.184.{i // 250}.{i % 250 + 1}" for i in range(60)],
+    "huge.example.com": [f"huge.example.com. 300 A 93.185.{i // 250}.{i % 250 + 1}" for i in range(150)],
+    "cached.example.com": ["cached.example.com. 300 A 93.184.216.43"],
+    "bench.example.com": ["bench.example.com. 300 A 93.184.216.44"],
+    "svc.example.com": [
+        "svc.example.com. 300 HTTPS 1 . alpn=h2 ipv4hint=10.0.0.1 ipv6hint=::1",
+        "svc.example.com. 300 HTTPS 2 . alpn=h3 mandatory=ipv4hint ipv4hint=127.0.0.1",
+    ],
+    "txt.example.com": ['txt.example.com. 300 TXT "v=exfil-capable"'],
+    "a.budget.example.com": ["a.budget.example.com. 300 A 93.184.216.50"],
+    "b.budget.example.com": ["b.budget.example.com. 300 A 93.184.216.51"],
+    "c.budget.example.com": ["c.budget.example.com. 300 A 93.184.216.52"],
+    "d.budget.example.com": ["d.budget.example.com. 300 A 93.184.216.53"],
+}
+SOA = "example.com. 300 SOA ns.example.com. host.example.com. 1 7200 900 1209600 30"
+
+
+@dataclass
+class FakeUpstream:
+    """A recording authoritative-style server. Behaviours per name: 'timeout' (never answers), 'servfail',
+    'spoof' (first a reply with a wrong id, then the right one), 'badlen' (A record with 8-byte rdata)."""
+
+    zone: dict[str, list[str]] = field(default_factory=lambda: dict(ZONE))
+    behaviour: dict[str, str] = field(default_factory=dict)
+    seen: list[tuple[str, str, str]] = field(default_factory=list)  # (name, qtype, transport)
+    address: tuple[str, int] = ("127.0.0.1", 0)
+
+    def names(self) -> list[str]:
+        return [name for name, _, _ in self.seen]
+
+    def _reply(self, data: bytes, transport: str, limit: int | None) -> bytes | None:
+        request = DNSRecord.parse(data)
+        name = str(request.q.qname).rstrip(".").lower()
+        self.seen.append((name, QTYPE[request.q.qtype], transport))
+        mode = self.behaviour.get(name)
+        if mode == "timeout":
+            return None
+        reply = request.reply()
+        reply.header.aa = 1
+        if mode == "servfail":
+            reply.header.rcode = RCODE.SERVFAIL
+            return reply.pack()
+        if name not in self.zone:
+            reply.header.rcode = RCODE.NXDOMAIN
+            reply.add_auth(*RR.fromZone(SOA))
+            return reply.pack()
+        for line in self.zone[name]:
+            for rr in RR.fromZone(line):
+                if rr.rtype == request.q.qtype or rr.rtype == QTYPE.CNAME or name == "inject.example.com":
+                    reply.add_answer(rr)
+        if not reply.rr:
+            reply.add_auth(*RR.fromZone(SOA))
+        packed = reply.pack()
+        if mode == "badlen":
+            # rewrite the first A rdata length from 4 to 8 (and append 4 bytes): a malformed record
+            idx = packed.rfind(b"\x00\x01\x00\x01\x00\x00\x01\x2c\x00\x04")
+            packed = packed[: idx + 8] + b"\x00\x08" + packed[idx + 10 :] + b"\x7f\x00\x00\x01"
+        if limit is not None and len(packed) > limit:
+            trunc = request.reply()
+            trunc.header.tc = 1
+            return trunc.pack()
+        return packed
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        upstream = self
+
+        class Udp(asyncio.DatagramProtocol):
+            def connection_made(self, transport):
+                self.transport = transport
+
+            def datagram_received(self, data, addr):
+                request = DNSRecord.parse(data)
+                limit = max(512, request.ar[0].edns_len) if request.ar else 512
+                answer = upstream._reply(data, "udp", limit)
+                if answer is None:
+                    return
+                name = str(request.q.qname).rstrip(".").lower()
+                if upstream.behaviour.get(name) == "spoof":
+                    forged = bytearray(answer)
+                    forged[0:2] = struct.pack("!H", (request.header.id + 1) % 65536)
+                    self.transport.sendto(bytes(forged), addr)
+                self.transport.sendto(answer, addr)
+
+        self.udp, _ = await loop.create_datagram_endpoint(Udp, local_addr=("127.0.0.1", 0))
+        port = self.udp.get_extra_info("sockname")[1]
+
+        async def tcp(reader, writer):
+            try:
+                while True:
+                    (length,) = struct.unpack("!H", await reader.readexactly(2))
+                    answer = self._reply(await reader.readexactly(length), "tcp", None)
+                    if answer is not None:
+                        writer.write(struct.pack("!H", len(answer)) + answer)
+                        await writer.drain()
+            except (asyncio.IncompleteReadError, ConnectionError):
+                pass
+            finally:
+                writer.close()
+
+        self.tcp = await asyncio.start_server(tcp, "127.0.0.1", port)
+        self.address = ("127.0.0.1", port)
+
+    async def stop(self) -> None:
+        self.udp.close()
+        self.tcp.close()
+
+
+class RecordingSink:
+    """An AuditSink that keeps events in memory; `fail_writes` makes write() raise like a broken disk,
+    `unhealthy` makes healthy() report the failure state the real sinks report after one."""
+
+    def __init__(self) -> None:
+        self.events: list[AuditEvent] = []
+        self.fail_writes = False
+        self.unhealthy = False
+
+    async def write(self, event: AuditEvent) -> None:
+        if self.fail_writes:
+            raise AuditUnavailable("test sink: disk full")
+        self.events.append(event)
+
+    def healthy(self) -> bool:
+        return not self.unhealthy
+
+    async def close(self) -> None:
+        return None
+
+
+@pytest.fixture
+def policies():
+    return {name: parse_policy(text, f"<{name}>") for name, text in POLICIES.items()}
+
+
+@pytest.fixture
+async def state():
+    store = MemoryState()
+    for sandbox_id, ip, policy in [
+        ("sbx-test", SANDBOX_IP, "dns-test"),
+        ("sbx-private", PRIVATE_IP, "dns-private"),
+        ("sbx-budget", BUDGET_IP, "dns-budget"),
+        ("sbx-refused", REFUSED_IP, "dns-refused"),
+        ("sbx-rate", RATE_IP, "dns-rate"),
+    ]:
+        await store.admit(
+            SandboxRecord(
+                id=sandbox_id,
+                token_hash=hash_token("t-" + sandbox_id),
+                policy_name=policy,
+                admitted_at=time.time(),
+                addresses=(ip,),
+            )
+        )
+    return store
+
+
+@pytest.fixture
+def audit():
+    return RecordingSink()
+
+
+@pytest.fixture
+async def upstream():
+    server = FakeUpstream()
+    await server.start()
+    yield server
+    await server.stop()
+
+
+@pytest.fixture
+def dns_config(upstream):
+    return DnsConfig(upstreams=(upstream.address,), upstream_timeout=0.4, tcp_idle_timeout=1.0, tcp_max_connections=8)
+
+
+@pytest.fixture
+async def server(policies, state, audit, dns_config):
+    srv = DnsServer(policies.get, state, audit, dns_config)
+    await srv.start("127.0.0.1", 0)
+    yield srv
+    await srv.stop()
+
+
+async def ask(
+    server: DnsServer,
+    name: str,
+    qtype: str = "A",
+    source: str = SANDBOX_IP,
+    *,
+    tcp: bool = False,
+    edns: int | None = 1232,
+    timeout: float = 3.0,
+) -> dns.message.Message:
+    """One query with dnspython from `source` (the sandbox's address)."""
+    query = dns.message.make_query(name, qtype, use_edns=edns is not None, payload=edns or 512)
+    host, port = server.address
+    if tcp:
+        return await dns.asyncquery.tcp(query, host, port=port, source=source, timeout=timeout)
+    return await dns.asyncquery.udp(query, host, port=port, source=source, timeout=timeout, ignore_trailing=False)
+
+
+def addresses(response: dns.message.Message) -> list[str]:
+    return sorted(
+        rd.address for rrset in response.answer for rd in rrset if rrset.rdtype in (dns.rdatatype.A, dns.rdatatype.AAAA)
+    )
+
+
+def rcode(response: dns.message.Message) -> str:
+    return dns.rcode.to_text(response.rcode())
+
+
+async def raw_udp(server: DnsServer, packet: bytes, source: str = SANDBOX_IP, timeout: float = 0.5) -> bytes | None:
+    """Send raw bytes; the reply or None when the server stayed silent."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[bytes] = loop.create_future()
+
+    class Proto(asyncio.DatagramProtocol):
+        def datagram_received(self, data, addr):
+            if not future.done():
+                future.set_result(data)
+
+    transport, _ = await loop.create_datagram_endpoint(Proto, local_addr=(source, 0), remote_addr=server.address)
+    try:
+        transport.sendto(packet)
+        return await asyncio.wait_for(future, timeout)
+    except TimeoutError:
+        return None
+    finally:
+        transport.close()
+
+
+async def dig(server: DnsServer, *args: str, source: str = SANDBOX_IP) -> str:
+    host, port = server.address
+    proc = await asyncio.create_subprocess_exec(
+        "dig",
+        f"@{host}",
+        "-p",
+        str(port),
+        "-b",
+        source,
+        "+time=2",
+        "+tries=1",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 15)
+    return out.decode() + err.decode()
