@@ -150,9 +150,7 @@ def decoder(content_encoding: str | None, max_output: int | None = None) -> Code
     return run
 
 
-def scrubbing_stream(
-    content_encoding: str | None, scrubber: Scrubber, max_output: int | None = None
-) -> Codec:
+def scrubbing_stream(content_encoding: str | None, scrubber: Scrubber, max_output: int | None = None) -> Codec:
     """`flow.response.stream` callable: decode, then scrub. Output is the *decoded* body: the caller
     must remove Content-Encoding and Content-Length from the response headers."""
     decode = decoder(content_encoding, max_output)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from urllib.parse import quote, quote_plus
 
 REPLACEMENT = b"[REDACTED]"
-MIN_EMBEDDED_B64 = 12  # shorter mid-blob base64 fragments would redact innocent data
+MIN_EMBEDDED_B64 = 8  # shorter mid-blob base64 fragments would redact innocent data
 
 
 @dataclass(frozen=True, slots=True)

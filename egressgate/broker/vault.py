@@ -213,14 +213,10 @@ class VaultBackend:
         if not force and time.monotonic() - self._key_read_at < KEY_INFO_TTL and self._latest_kid:
             return
         cfg = self.config
-        resp = await self._call(
-            lambda c: c.secrets.transit.read_key(cfg.transit_key, mount_point=cfg.transit_mount)
-        )
+        resp = await self._call(lambda c: c.secrets.transit.read_key(cfg.transit_key, mount_point=cfg.transit_mount))
         data = resp["data"]
         if data.get("type") != "ed25519":
-            raise CredentialUnavailable(
-                f"transit key {cfg.transit_key!r} is {data.get('type')!r}, need ed25519"
-            )
+            raise CredentialUnavailable(f"transit key {cfg.transit_key!r} is {data.get('type')!r}, need ed25519")
         versions: dict[str, int] = {}
         jwks: list[dict[str, str]] = []
         latest_kid = None

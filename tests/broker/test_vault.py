@@ -72,9 +72,7 @@ async def test_kv_static_secret(broker: Broker) -> None:
 
 
 async def test_missing_field_is_unavailable(broker: Broker) -> None:
-    cap = CAP.validate_python(
-        {"type": "static", "source": {"vault": {"path": "egressgate/openai", "field": "nope"}}}
-    )
+    cap = CAP.validate_python({"type": "static", "source": {"vault": {"path": "egressgate/openai", "field": "nope"}}})
     with pytest.raises(CredentialUnavailable, match="field 'nope' missing"):
         await broker.issue("x", cap, "sbx-1", "h", time.time())
 
@@ -131,9 +129,7 @@ async def test_single_flight_and_cache(broker: Broker) -> None:
     await broker.issue("svc", JWT_CAP, "warm", "a.example.test", now)  # loads the transit key info
     http = count_http(backend)
     calls0 = backend.calls
-    creds = await asyncio.gather(
-        *(broker.issue("svc", JWT_CAP, "sbx-b", "a.example.test", now) for _ in range(25))
-    )
+    creds = await asyncio.gather(*(broker.issue("svc", JWT_CAP, "sbx-b", "a.example.test", now) for _ in range(25)))
     assert len({id(c) for c in creds}) == 1
     assert backend.calls - calls0 == 1 and http == ["POST transit/sign/egressgate-jwt"]
     # reused until 80 % of the lifetime, minted again after
@@ -204,9 +200,7 @@ async def test_token_auth_from_private_file(bao: BaoServer, tmp_path) -> None:
     path = tmp_path / "token"
     path.write_text(token + "\n")
     os.chmod(path, 0o600)
-    b = Broker.from_config(
-        vault_config(bao, auth="token", token_file=str(path), role_id=None, secret_id=None)
-    )
+    b = Broker.from_config(vault_config(bao, auth="token", token_file=str(path), role_id=None, secret_id=None))
     await b.start()
     try:
         assert (await b.issue("openai", KV_CAP, "s", "h", time.time())).value == KV_SECRET
