@@ -34,15 +34,15 @@ class Receiver:
         for rl in msg.resource_logs:
             for sl in rl.scope_logs:
                 self.records.extend(sl.log_records)
-        return web.Response(body=ExportLogsServiceResponse().SerializeToString(),
-                            content_type="application/x-protobuf")
+        return web.Response(body=ExportLogsServiceResponse().SerializeToString(), content_type="application/x-protobuf")
 
     def attrs(self, i: int) -> dict:
         out = {}
         for kv in self.records[i].attributes:
             v = kv.value
-            out[kv.key] = v.string_value if v.HasField("string_value") else (
-                v.int_value if v.HasField("int_value") else v)
+            out[kv.key] = (
+                v.string_value if v.HasField("string_value") else (v.int_value if v.HasField("int_value") else v)
+            )
         return out
 
 
@@ -69,8 +69,9 @@ def closed_port_endpoint() -> str:
 
 
 async def test_file_and_exporter_send_the_same_records(receiver, tmp_path, signer):
-    sink = await FileSink(tmp_path / "a" / "audit.jsonl", signer,
-                          exporter=OtlpHttpExporter(receiver.endpoint, timeout=2)).start()
+    sink = await FileSink(
+        tmp_path / "a" / "audit.jsonl", signer, exporter=OtlpHttpExporter(receiver.endpoint, timeout=2)
+    ).start()
     events = [http_event(i) for i in range(5)]
     await asyncio.gather(*(sink.write(e) for e in events))
     await sink.close()
@@ -111,8 +112,9 @@ async def test_exporter_only_and_down_denies(receiver, signer, mode):
 
 
 async def test_exporter_down_with_file_still_writes(tmp_path, signer):
-    sink = await FileSink(tmp_path / "a" / "audit.jsonl", signer,
-                          exporter=OtlpHttpExporter(closed_port_endpoint(), timeout=1)).start()
+    sink = await FileSink(
+        tmp_path / "a" / "audit.jsonl", signer, exporter=OtlpHttpExporter(closed_port_endpoint(), timeout=1)
+    ).start()
     ev = http_event(1)
     await sink.write(ev)  # durable in the file: the request is not denied
     assert sink.healthy()

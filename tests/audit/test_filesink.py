@@ -18,8 +18,11 @@ from tests.audit.conftest import http_event
 
 
 def request_ids(*paths) -> list[str]:
-    return [f.record.attributes["egressgate.request.id"] for f in iter_records(paths)
-            if f.record.attributes.get("egressgate.operation") == "http_request"]
+    return [
+        f.record.attributes["egressgate.request.id"]
+        for f in iter_records(paths)
+        if f.record.attributes.get("egressgate.operation") == "http_request"
+    ]
 
 
 async def test_record_is_on_disk_when_write_returns(make_sink):

@@ -14,7 +14,7 @@ from egressgate.policy.facts import Facts, Operation, RuleUsage, SandboxState
 from tests.audit.conftest import http_event
 
 HOSTILE = [
-    "evil.com\r\n{\"resourceLogs\":[]}",
+    'evil.com\r\n{"resourceLogs":[]}',
     "\x1b[2J\x1b[31mFAKE OK\x1b[0m",
     'quote"s and \\backslash',
     "nul\x00byte",
@@ -62,8 +62,14 @@ def test_deny_is_warn_severity():
 
 def test_hostile_strings_stay_inside_their_attribute():
     for i, bad in enumerate(HOSTILE):
-        ev = http_event(i, host=bad, path="/" + bad, target_as_sent=bad.encode("utf-8", "surrogatepass"),
-                        sandbox_labels={bad: bad}, extra={"note": bad})
+        ev = http_event(
+            i,
+            host=bad,
+            path="/" + bad,
+            target_as_sent=bad.encode("utf-8", "surrogatepass"),
+            sandbox_labels={bad: bad},
+            extra={"note": bad},
+        )
         line = ChainWriter().append(record_from_event(ev))
         assert b"\n" not in line and b"\r" not in line and b"\x1b" not in line and b"\x00" not in line
         assert line.isascii()
@@ -88,11 +94,27 @@ def test_invalid_utf8_bytes_become_visible_escapes():
 def test_recorded_facts_and_state_round_trip():
     import ipaddress
 
-    facts = Facts(Operation.HTTP_REQUEST, "api.openai.com", 443, "https", "POST", "/v1/responses",
-                  (ipaddress.ip_address("198.18.0.10"), ipaddress.ip_address("2001:db8::1")), request_bytes=77)
-    state = SandboxState("sbx-1", 1_795_000_000.5, {"team": "finance"}, bytes_out=10, bytes_in=20, dns_queries=3,
-                         dns_name_bytes=40, seen_hosts=frozenset({"b.example", "a.example"}),
-                         rule_usage={"openai": RuleUsage(2, 300)})
+    facts = Facts(
+        Operation.HTTP_REQUEST,
+        "api.openai.com",
+        443,
+        "https",
+        "POST",
+        "/v1/responses",
+        (ipaddress.ip_address("198.18.0.10"), ipaddress.ip_address("2001:db8::1")),
+        request_bytes=77,
+    )
+    state = SandboxState(
+        "sbx-1",
+        1_795_000_000.5,
+        {"team": "finance"},
+        bytes_out=10,
+        bytes_in=20,
+        dns_queries=3,
+        dns_name_bytes=40,
+        seen_hosts=frozenset({"b.example", "a.example"}),
+        rule_usage={"openai": RuleUsage(2, 300)},
+    )
     ev = AuditEvent(EventKind.HTTP_REQUEST, 1, "r", sandbox_id="sbx-1", decision="allow", facts=facts, state=state)
     a = parse_line(encode_record(record_from_event(ev))).attributes
     assert a["server.address"] == "api.openai.com" and a["url.path"] == "/v1/responses"

@@ -48,19 +48,43 @@ SESSION = [
     ("conn-openai", 3, Facts(Operation.CONNECT, "api.openai.com", 443, addresses=ADDR), None),
     ("conn-pyfiles", 4, Facts(Operation.CONNECT, "files.pythonhosted.org", 443, addresses=ADDR), "allow->deny"),
     ("conn-pypi", 5, Facts(Operation.CONNECT, "pypi.org", 443, addresses=ADDR), "deny->allow"),
-    ("post-responses", 6, Facts(Operation.HTTP_REQUEST, "api.openai.com", 443, "https", "POST", "/v1/responses",
-                                ADDR, request_bytes=300), None),
-    ("get-wheel", 7, Facts(Operation.HTTP_REQUEST, "files.pythonhosted.org", 443, "https", "GET",
-                           "/packages/a.whl", ADDR), "allow->deny"),
-    ("get-simple", 8, Facts(Operation.HTTP_REQUEST, "pypi.org", 443, "https", "GET", "/simple/requests/", ADDR),
-     "deny->allow"),
+    (
+        "post-responses",
+        6,
+        Facts(Operation.HTTP_REQUEST, "api.openai.com", 443, "https", "POST", "/v1/responses", ADDR, request_bytes=300),
+        None,
+    ),
+    (
+        "get-wheel",
+        7,
+        Facts(Operation.HTTP_REQUEST, "files.pythonhosted.org", 443, "https", "GET", "/packages/a.whl", ADDR),
+        "allow->deny",
+    ),
+    (
+        "get-simple",
+        8,
+        Facts(Operation.HTTP_REQUEST, "pypi.org", 443, "https", "GET", "/simple/requests/", ADDR),
+        "deny->allow",
+    ),
     ("put-early", 10, Facts(Operation.HTTP_REQUEST, "uploads.example.com", 443, "https", "PUT", "/x", ADDR), None),
-    ("put-late", 45, Facts(Operation.HTTP_REQUEST, "uploads.example.com", 443, "https", "PUT", "/x", ADDR),
-     "allow->deny"),
-    ("get-models", 50, Facts(Operation.HTTP_REQUEST, "api.openai.com", 443, "https", "GET", "/v1/models", ADDR),
-     "deny->allow"),
-    ("delete-models", 51, Facts(Operation.HTTP_REQUEST, "api.openai.com", 443, "https", "DELETE", "/v1/models",
-                                ADDR), None),
+    (
+        "put-late",
+        45,
+        Facts(Operation.HTTP_REQUEST, "uploads.example.com", 443, "https", "PUT", "/x", ADDR),
+        "allow->deny",
+    ),
+    (
+        "get-models",
+        50,
+        Facts(Operation.HTTP_REQUEST, "api.openai.com", 443, "https", "GET", "/v1/models", ADDR),
+        "deny->allow",
+    ),
+    (
+        "delete-models",
+        51,
+        Facts(Operation.HTTP_REQUEST, "api.openai.com", 443, "https", "DELETE", "/v1/models", ADDR),
+        None,
+    ),
 ]
 
 
@@ -77,8 +101,17 @@ async def record_session(sink, old_path, with_state: bool) -> None:
     """What the gateway does: decide under the live policy, record facts + state, update state."""
     policy = load_policy(old_path)
     labels = {"team": "finance"}
-    await sink.write(AuditEvent(EventKind.ADMISSION, int(T0 * 1e9), "adm", sandbox_id="sbx-1",
-                                sandbox_labels=labels, decision="allow", policy_name=policy.name))
+    await sink.write(
+        AuditEvent(
+            EventKind.ADMISSION,
+            int(T0 * 1e9),
+            "adm",
+            sandbox_id="sbx-1",
+            sandbox_labels=labels,
+            decision="allow",
+            policy_name=policy.name,
+        )
+    )
     seen: set[str] = set()
     usage: dict[str, RuleUsage] = {}
     dns_q = 0
@@ -87,25 +120,63 @@ async def record_session(sink, old_path, with_state: bool) -> None:
         now = T0 + offset
         d = decide(policy, facts, state, now)
         kind = {Operation.DNS_QUERY: EventKind.DNS_QUERY, Operation.CONNECT: EventKind.CONNECT}.get(
-            facts.operation, EventKind.HTTP_REQUEST)
-        await sink.write(AuditEvent(
-            kind, int(now * 1e9), rid, sandbox_id="sbx-1", sandbox_labels=labels, decision=str(d.effect),
-            reason=str(d.reason), rule_id=d.rule_id, policy_name=policy.name, policy_hash=policy.hash,
-            scheme=facts.scheme, host=facts.host, port=facts.port, method=facts.method, path=facts.path,
-            qtype=facts.qtype, pinned_address=str(facts.addresses[0]) if facts.addresses else None,
-            facts=facts if with_state else None, state=state if with_state else None))
+            facts.operation, EventKind.HTTP_REQUEST
+        )
+        await sink.write(
+            AuditEvent(
+                kind,
+                int(now * 1e9),
+                rid,
+                sandbox_id="sbx-1",
+                sandbox_labels=labels,
+                decision=str(d.effect),
+                reason=str(d.reason),
+                rule_id=d.rule_id,
+                policy_name=policy.name,
+                policy_hash=policy.hash,
+                scheme=facts.scheme,
+                host=facts.host,
+                port=facts.port,
+                method=facts.method,
+                path=facts.path,
+                qtype=facts.qtype,
+                pinned_address=str(facts.addresses[0]) if facts.addresses else None,
+                facts=facts if with_state else None,
+                state=state if with_state else None,
+            )
+        )
         if facts.operation is Operation.DNS_QUERY:
             dns_q += 1
         if d.allowed and facts.operation is Operation.HTTP_REQUEST:
             seen.add(facts.host)
             u = usage.get(d.rule_id, RuleUsage())
             usage = {**usage, d.rule_id: RuleUsage(u.requests + 1, u.bytes + facts.request_bytes)}
-            await sink.write(AuditEvent(EventKind.OUTCOME, int(now * 1e9) + 1, rid, sandbox_id="sbx-1",
-                                        status=200, bytes_out=facts.request_bytes, bytes_in=10))
+            await sink.write(
+                AuditEvent(
+                    EventKind.OUTCOME,
+                    int(now * 1e9) + 1,
+                    rid,
+                    sandbox_id="sbx-1",
+                    status=200,
+                    bytes_out=facts.request_bytes,
+                    bytes_in=10,
+                )
+            )
     # decided outside the policy engine: never "changed" by a policy
-    await sink.write(AuditEvent(EventKind.HTTP_REQUEST, int((T0 + 60) * 1e9), "unknown-id", decision="deny",
-                                reason="identity_unknown", host="pypi.org", port=443, scheme="https",
-                                method="GET", path="/simple/"))
+    await sink.write(
+        AuditEvent(
+            EventKind.HTTP_REQUEST,
+            int((T0 + 60) * 1e9),
+            "unknown-id",
+            decision="deny",
+            reason="identity_unknown",
+            host="pypi.org",
+            port=443,
+            scheme="https",
+            method="GET",
+            path="/simple/",
+        )
+    )
 
 
 @pytest.mark.parametrize("with_state", [True, False])
@@ -131,8 +202,11 @@ async def test_replay_finds_exactly_the_changed_decisions(make_sink, policies, w
     late = next(c for c in result.changes if c.new_reason == "condition_failed")
     assert (late.old_rule, late.new_rule) == ("upload", "upload")
     simple = next(c for c in result.changes if c.target == "https://pypi.org:443/simple/requests/")
-    assert (simple.old_reason, simple.new_rule, simple.new_reason) == ("host_not_allowed", "pypi-simple",
-                                                                       "rule_matched")
+    assert (simple.old_reason, simple.new_rule, simple.new_reason) == (
+        "host_not_allowed",
+        "pypi-simple",
+        "rule_matched",
+    )
     table = format_table(result)
     assert "allow->deny" in table and "deny->allow" in table and "pypi-simple / rule_matched" in table
 
@@ -157,9 +231,22 @@ async def test_replay_cli_exit_codes_and_directory(make_sink, policies):
 async def test_replay_table_neutralizes_hostile_targets(make_sink, policies):
     old_path, _ = policies
     sink = await make_sink()
-    await sink.write(AuditEvent(EventKind.HTTP_REQUEST, int(T0 * 1e9), "evil", sandbox_id="s", decision="allow",
-                                rule_id="x", policy_name="invoice-analysis", scheme="https",
-                                host="evil.example", port=443, method="GET", path="/\x1b[2J\rOK"))
+    await sink.write(
+        AuditEvent(
+            EventKind.HTTP_REQUEST,
+            int(T0 * 1e9),
+            "evil",
+            sandbox_id="s",
+            decision="allow",
+            rule_id="x",
+            policy_name="invoice-analysis",
+            scheme="https",
+            host="evil.example",
+            port=443,
+            method="GET",
+            path="/\x1b[2J\rOK",
+        )
+    )
     await sink.close()
     result = replay([sink.path], old_path)
     assert len(result.changes) == 1

@@ -23,28 +23,41 @@ BODY = b'{"model":"gpt-5","input":"hi"}'
 # (method, url, headers, body, canonical octets, hash) -- docs/audit.md "Test vectors"
 VECTORS = [
     (
-        "GET", "https://api.openai.com/v1/models", [], b"",
-        b"egressgate-request-v1\n3:GET\n5:https\n14:api.openai.com\n3:443\n10:/v1/models\n0:\n0:\n64:" + EMPTY.encode()
+        "GET",
+        "https://api.openai.com/v1/models",
+        [],
+        b"",
+        b"egressgate-request-v1\n3:GET\n5:https\n14:api.openai.com\n3:443\n10:/v1/models\n0:\n0:\n64:"
+        + EMPTY.encode()
         + b"\n",
         "sha256:aaa7f813910140a98ee3a7c7b6b5448a7ad65adfe10b8cfdeda0c154087b21b9",
     ),
     (
-        "POST", "https://api.openai.com/v1/responses", [("Content-Type", " application/json ")], BODY,
+        "POST",
+        "https://api.openai.com/v1/responses",
+        [("Content-Type", " application/json ")],
+        BODY,
         b"egressgate-request-v1\n4:POST\n5:https\n14:api.openai.com\n3:443\n13:/v1/responses\n0:\n"
         b"16:application/json\n64:49bb5ce66b2215f7193979d0ab5c1088e42046dcd9546f0e0780f3eb628e2721\n",
         "sha256:2958e7db971c6ec4412c82c2a96f0b48ecb2ac8b67b37313d47b5118f243b34e",
     ),
     (
-        "get", "https://API.OpenAI.com.:443/v1/./files/../models?limit=10&after=%2f", [], b"",
+        "get",
+        "https://API.OpenAI.com.:443/v1/./files/../models?limit=10&after=%2f",
+        [],
+        b"",
         b"egressgate-request-v1\n3:GET\n5:https\n14:api.openai.com\n3:443\n10:/v1/models\n18:limit=10&after=%2f\n"
         b"0:\n64:" + EMPTY.encode() + b"\n",
         "sha256:2e41cb03e5c0f1a20bb8c13ac29c0d1fa7ad1c5ed2f4a0a25631e0ad7554850c",
     ),
     (
-        "DELETE", "http://[2001:DB8::0001]:8080/a%2fb/%7Euser?x",
-        [("Authorization", "Bearer sk-real"), ("Proxy-Authorization", "Basic Zm9vOmJhcg==")], b"",
+        "DELETE",
+        "http://[2001:DB8::0001]:8080/a%2fb/%7Euser?x",
+        [("Authorization", "Bearer sk-real"), ("Proxy-Authorization", "Basic Zm9vOmJhcg==")],
+        b"",
         b"egressgate-request-v1\n6:DELETE\n4:http\n11:2001:db8::1\n4:8080\n12:/a%2Fb/~user\n1:x\n0:\n64:"
-        + EMPTY.encode() + b"\n",
+        + EMPTY.encode()
+        + b"\n",
         "sha256:171b1670d0c579c6ad931b43f97d7a4456296f6c946af5bc8fe114a91b89a8df",
     ),
 ]
@@ -73,8 +86,13 @@ def test_equivalent_spellings_hash_equal_and_differences_do_not():
 
 def test_credentials_and_other_headers_never_enter_the_hash():
     base = request_hash_raw("GET", "https://api.openai.com/v1/models")
-    for h in [("Authorization", "Bearer sk-live-123"), ("Proxy-Authorization", "Basic eDp5"),
-              ("Cookie", "s=1"), ("X-Api-Key", "k"), ("User-Agent", "curl")]:
+    for h in [
+        ("Authorization", "Bearer sk-live-123"),
+        ("Proxy-Authorization", "Basic eDp5"),
+        ("Cookie", "s=1"),
+        ("X-Api-Key", "k"),
+        ("User-Agent", "curl"),
+    ]:
         assert request_hash_raw("GET", "https://api.openai.com/v1/models", [h]) == base
     ct = request_hash_raw("GET", "https://api.openai.com/v1/models", [("content-TYPE", "text/plain")])
     assert ct != base
@@ -94,8 +112,9 @@ def test_streamed_body_digest_matches():
     assert h.hexdigest() == hashlib.sha256(BODY).hexdigest() and h.size == len(BODY)
 
 
-@pytest.mark.parametrize("url", ["https://user:pw@api.openai.com/", "ftp://x/", "api.openai.com/x",
-                                 "https:///x", "https://a.example:99999/"])
+@pytest.mark.parametrize(
+    "url", ["https://user:pw@api.openai.com/", "ftp://x/", "api.openai.com/x", "https:///x", "https://a.example:99999/"]
+)
 def test_bad_requests_are_clear_errors(url):
     with pytest.raises(RequestHashError):
         request_hash_raw("GET", url)
@@ -104,8 +123,17 @@ def test_bad_requests_are_clear_errors(url):
 def test_cli_hash(tmp_path):
     body = tmp_path / "body.json"
     body.write_bytes(BODY)
-    r = CliRunner().invoke(audit, ["hash", "POST https://api.openai.com/v1/responses",
-                                   "--header", "Content-Type: application/json", "--body-file", str(body)])
+    r = CliRunner().invoke(
+        audit,
+        [
+            "hash",
+            "POST https://api.openai.com/v1/responses",
+            "--header",
+            "Content-Type: application/json",
+            "--body-file",
+            str(body),
+        ],
+    )
     assert r.exit_code == 0, r.output
     assert r.output.strip() == VECTORS[1][5]
     r = CliRunner().invoke(audit, ["hash", "GET https://u@x.example/"])

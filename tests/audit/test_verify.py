@@ -150,8 +150,9 @@ def test_checkpoint_by_untrusted_key(sealed, tmp_path):
 def test_append_after_seal(sealed, keys):
     ls = lines_of(sealed)
     sealed.write_bytes(b"".join(ls) + ls[3])
-    assert "records reordered" in verify_file(sealed, keys).error or "after the final" in verify_file(
-        sealed, keys).error
+    assert (
+        "records reordered" in verify_file(sealed, keys).error or "after the final" in verify_file(sealed, keys).error
+    )
 
 
 def test_cli_verify_exit_codes(sealed, pubkey):

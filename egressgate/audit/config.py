@@ -1,0 +1,68 @@
+"""Audit settings (the `audit:` section of the gateway config) and the one function that opens the sink.
+
+Why here and not in egressgate/config.py: the audit component owns its knobs and their validation; the
+gateway config embeds this model (`audit: AuditSinkConfig`) and calls `open_audit_sink` at startup, so
+every default is decided in one place and works with no config file.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from egressgate.audit.exporter import OtlpHttpExporter
+from egressgate.audit.filesink import FileSink
+from egressgate.audit.signer import LocalEd25519Signer, Signer
+
+
+class AuditSinkConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    path: str | None = None  # default: <var_dir>/audit.jsonl
+    local_file: bool = True  # False: OTLP exporter only (then an unreachable collector denies requests)
+    max_bytes: int = Field(default=64 * 1024 * 1024, gt=0)  # rotate once the file reaches this size
+    fsync: bool = False  # fsync every batch (survives power loss; written records already survive a crash)
+    checkpoint_every: int = Field(default=1000, gt=0)  # signed checkpoint every N records
+    on_failure: Literal["deny", "allow-and-alert"] = "deny"
+    signing_key: str | None = None  # Ed25519 PEM, mode 0600, created if missing; default <var_dir>/audit-signing.key
+    otlp_endpoint: str | None = None  # full OTLP/HTTP logs URL, e.g. http://collector:4318/v1/logs
+    otlp_timeout_seconds: float = Field(default=5.0, gt=0)
+    otlp_headers: dict[str, str] = {}
+
+    @model_validator(mode="after")
+    def _has_destination(self) -> AuditSinkConfig:
+        if not self.local_file and not self.otlp_endpoint:
+            raise ValueError("audit: local_file is false and no otlp_endpoint is set: records would go nowhere")
+        return self
+
+    def file_path(self, var_dir: Path) -> Path | None:
+        if not self.local_file:
+            return None
+        return Path(self.path) if self.path else var_dir / "audit.jsonl"
+
+    def key_path(self, var_dir: Path) -> Path:
+        return Path(self.signing_key) if self.signing_key else var_dir / "audit-signing.key"
+
+
+async def open_audit_sink(cfg: AuditSinkConfig, var_dir: str | Path, signer: Signer | None = None) -> FileSink:
+    """Start the sink. `signer` lets the broker supply e.g. Vault transit signing; default: local key file."""
+    var_dir = Path(var_dir)
+    if signer is None:
+        signer = LocalEd25519Signer.load_or_create(cfg.key_path(var_dir))
+    exporter = (
+        OtlpHttpExporter(cfg.otlp_endpoint, cfg.otlp_timeout_seconds, dict(cfg.otlp_headers) or None)
+        if cfg.otlp_endpoint
+        else None
+    )
+    sink = FileSink(
+        cfg.file_path(var_dir),
+        signer,
+        max_bytes=cfg.max_bytes,
+        fsync=cfg.fsync,
+        checkpoint_every=cfg.checkpoint_every,
+        on_failure=cfg.on_failure,
+        exporter=exporter,
+    )
+    return await sink.start()
