@@ -312,7 +312,7 @@ class World:
 
     def curl(self, ns: str, *args: str, timeout: float = 15) -> subprocess.CompletedProcess[str]:
         """curl inside ``ns`` with a hard time limit; the world's CA is trusted."""
-        return self.exec(ns, "curl", "-sS", "--max-time", str(int(timeout) - 2), "--cacert", str(self.ca_pem),
+        return self.exec(ns, "curl", "-gsS", "--max-time", str(int(timeout) - 2), "--cacert", str(self.ca_pem),
                          *args, timeout=timeout)
 
     def popen(self, ns: str, *args: str, **kw: Any) -> subprocess.Popen[str]:

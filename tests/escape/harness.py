@@ -150,7 +150,7 @@ class Gateway:
         """curl through the proxy from the sandbox namespace; returns codes, headers and body."""
         hdr = self.tmp / f"curl-{time.monotonic_ns()}.hdr"
         res = self.world.exec(
-            ns or self.world.sbx, "curl", "-sS", "--max-time", str(int(timeout) - 2), "--cacert",
+            ns or self.world.sbx, "curl", "-gsS", "--max-time", str(int(timeout) - 2), "--cacert",
             str(self.client_ca), "-x", self.proxy_url, "--proxy-user", f"{sbx.id}:{sbx.token}",
             "-D", str(hdr), "-w", "\n%{http_code} %{http_connect}", *args, url, timeout=timeout,
         )

@@ -1,0 +1,98 @@
+"""Host header spoofing and authority tricks on the plain-HTTP (absolute-form) proxy path.
+
+A gateway that decides by the URL but lets the Host header through (or decides by Host, mitmproxy's
+``pretty_host``) sends a request to one server that names another. The receiving side is asserted:
+forbidden-http never gets a connection, upstream-http never gets a request naming another host, the
+canaries stay untouched. Positive controls: the consistent request goes through, and forbidden.test is
+reachable under escape-forbidden (its listener is live).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from networld import World
+
+from escape.checks import ADDRESS_REASONS, assert_denied, assert_untouched, proxied_get, requests_on
+from escape.harness import Gateway, Sandbox, parse_response
+
+pytestmark = pytest.mark.netns
+
+SPOOF_REASONS = {"host_mismatch", "invalid_request"}
+
+
+def _upstream_saw_only_allowed(world: World, mark) -> None:
+    time.sleep(0.3)
+    assert world.hits(mark, listener="forbidden-http") == []
+    same = {"api.allowed.test", "api.allowed.test.", "api.allowed.test:80"}
+    odd = [r for r in requests_on(world, mark, "upstream-http") if (r["host"] or "").lower() not in same]
+    assert odd == [], f"upstream received a spoofed Host: {odd}"
+
+
+def test_positive_control_plain_http_allowed(world: World, gateway: Gateway, sbx: Sandbox) -> None:
+    mark = world.mark()
+    resp = parse_response(gateway.raw(proxied_get(sbx, "http://api.allowed.test/plain")))
+    assert resp.status == 200, resp
+    [req] = requests_on(world, mark, "upstream-http")
+    assert (req["host"], req["target"]) == ("api.allowed.test", "/plain")
+    assert not any(n.lower() == "proxy-authorization" for n, _ in req["headers"]), "credentials leaked upstream"
+
+
+@pytest.mark.parametrize("host", ["forbidden.test", "169.254.169.254", "metadata.google.internal",
+                                  "api.allowed.test:8080", "api.allowed.test.", "api.allowed.test@forbidden.test",
+                                  "forbidden.test#api.allowed.test"])
+def test_spoofed_host_header_is_refused(world: World, gateway: Gateway, sbx: Sandbox, host: str) -> None:
+    mark = world.mark()
+    resp = parse_response(gateway.raw(proxied_get(sbx, "http://api.allowed.test/spoof", host=host)))
+    if host == "api.allowed.test.":  # the same name in absolute DNS form may be accepted
+        assert resp.status in (200, 400, 403, 421), resp
+    else:
+        assert_denied(resp, SPOOF_REASONS, statuses=(400, 403, 421))
+    _upstream_saw_only_allowed(world, mark)
+    assert_untouched(world, mark, host)
+
+
+def test_duplicate_host_headers_are_refused(world: World, gateway: Gateway, sbx: Sandbox) -> None:
+    mark = world.mark()
+    extra = "Host: forbidden.test\r\n"
+    raw = gateway.raw(proxied_get(sbx, "http://api.allowed.test/dup", extra=extra))
+    resp = parse_response(raw)
+    assert resp.status in (400, 403, 421), resp
+    _upstream_saw_only_allowed(world, mark)
+
+
+def test_forbidden_url_with_allowed_host_header_is_denied(world: World, gateway: Gateway, sbx: Sandbox) -> None:
+    mark = world.mark()
+    resp = parse_response(gateway.raw(proxied_get(sbx, "http://forbidden.test/x", host="api.allowed.test")))
+    assert_denied(resp, SPOOF_REASONS | {"host_not_allowed"}, statuses=(400, 403, 421))
+    _upstream_saw_only_allowed(world, mark)
+
+
+@pytest.mark.parametrize("url", [
+    "http://api.allowed.test@169.254.169.254/latest/meta-data/",
+    "http://api.allowed.test:80@169.254.169.254/",
+    "http://169.254.169.254#@api.allowed.test/",
+    "http://169.254.169.254\\@api.allowed.test/",
+    "http://api.allowed.test%40169.254.169.254/",
+])
+def test_userinfo_and_authority_confusion_is_refused(
+    world: World, gateway: Gateway, sbx: Sandbox, url: str
+) -> None:
+    mark = world.mark()
+    raw = gateway.raw(proxied_get(sbx, url, host="api.allowed.test"))
+    if raw:
+        resp = parse_response(raw)
+        assert resp.status >= 400, resp
+        if resp.denied:
+            assert_denied(resp, SPOOF_REASONS | ADDRESS_REASONS | {"host_not_allowed"}, statuses=(400, 403, 421))
+    assert_untouched(world, mark, url)
+    _upstream_saw_only_allowed(world, mark)
+
+
+def test_positive_control_forbidden_http_is_live_when_allowed(world: World, gateway: Gateway) -> None:
+    sbx_f = gateway.admit("escape-forbidden")
+    mark = world.mark()
+    resp = parse_response(gateway.raw(proxied_get(sbx_f, "http://forbidden.test/control")))
+    assert resp.status == 200, resp
+    assert requests_on(world, mark, "forbidden-http")
