@@ -71,6 +71,7 @@ class VaultBackend:
         self._jwks: list[dict[str, str]] = []
         self._latest_kid: str | None = None
         self._key_read_at = -KEY_INFO_TTL
+        self.key_info_ttl = KEY_INFO_TTL
 
     # --- authentication ---------------------------------------------------------------------
 
@@ -210,7 +211,7 @@ class VaultBackend:
     # --- transit JWT signing ----------------------------------------------------------------
 
     async def _refresh_key(self, force: bool = False) -> None:
-        if not force and time.monotonic() - self._key_read_at < KEY_INFO_TTL and self._latest_kid:
+        if not force and time.monotonic() - self._key_read_at < self.key_info_ttl and self._latest_kid:
             return
         cfg = self.config
         resp = await self._call(lambda c: c.secrets.transit.read_key(cfg.transit_key, mount_point=cfg.transit_mount))

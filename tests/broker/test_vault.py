@@ -272,3 +272,24 @@ def test_hvac_client_ignores_proxy_env(bao: BaoServer) -> None:
     backend = VaultBackend(vault_config(bao))
     assert backend.client.adapter.session.trust_env is False
     assert isinstance(backend.client, hvac.Client)
+
+
+async def test_transit_rotation_keeps_old_tokens_verifiable(make_bao) -> None:
+    server = make_bao()  # private: rotating the shared key would disturb other tests
+    b = Broker.from_config(vault_config(server))
+    await b.start()
+    try:
+        backend = b.backend
+        assert isinstance(backend, VaultBackend)
+        now = time.time()
+        old = await b.issue("svc", JWT_CAP, "sbx-1", "a.example.test", now)
+        server.root().secrets.transit.rotate_key("egressgate-jwt")
+        backend.key_info_ttl = 0  # re-read the key's versions now instead of within 60 s
+        new = await b.issue("svc", JWT_CAP, "sbx-2", "a.example.test", now)
+        assert new.key_id != old.key_id
+        jwks = await b.jwks()
+        assert {k["kid"] for k in jwks["keys"]} == {old.key_id, new.key_id}
+        for cred in (old, new):
+            jwtcheck.verify(cred.value, jwks, audience="a.example.test", now=now)
+    finally:
+        await b.aclose()
