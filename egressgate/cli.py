@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import click
 
+from egressgate.admin.cli import sandbox
 from egressgate.audit.cli import audit
+from egressgate.gateway.cli import ca_group, run_cmd
 from egressgate.policy.cli import policy
 
 
@@ -16,3 +18,6 @@ def main() -> None:
 
 main.add_command(policy)
 main.add_command(audit)
+main.add_command(run_cmd)
+main.add_command(sandbox)
+main.add_command(ca_group)

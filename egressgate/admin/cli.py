@@ -1,0 +1,93 @@
+"""`egressgate sandbox admit|revoke`: talk to the running gateway's local admin API."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from egressgate.config import ConfigError, GatewayConfig, load_config, parse_listen
+
+
+def _config(config_file: str | None) -> GatewayConfig:
+    try:
+        return load_config(config_file)
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
+def admin_url(cfg: GatewayConfig, override: str | None) -> str:
+    """--admin wins; else the address a running gateway recorded (port 0 safe); else the config."""
+    if override:
+        return override.rstrip("/")
+    runtime = cfg.runtime_path()
+    if runtime.is_file():
+        try:
+            return "http://" + json.loads(runtime.read_text())["admin"]
+        except (ValueError, KeyError, OSError):
+            pass
+    host, port = parse_listen(cfg.listen.admin)
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _token(cfg: GatewayConfig) -> str:
+    path: Path = cfg.admin_token_path()
+    try:
+        return path.read_text(encoding="utf-8").strip()
+    except OSError as exc:
+        raise click.ClickException(f"cannot read admin token {path}: {exc.strerror} (is the gateway running?)") from exc
+
+
+def _call(method: str, url: str, token: str, body: dict | None = None) -> tuple[int, dict]:
+    import httpx
+
+    try:
+        # trust_env=False: never send the admin token through an inherited HTTP(S)_PROXY.
+        with httpx.Client(timeout=10, trust_env=False) as client:
+            res = client.request(method, url, json=body, headers={"Authorization": f"Bearer {token}"})
+    except httpx.HTTPError as exc:
+        raise click.ClickException(f"admin API unreachable at {url}: {exc}") from exc
+    try:
+        return res.status_code, res.json()
+    except ValueError:
+        return res.status_code, {"error": res.text}
+
+
+@click.group("sandbox")
+def sandbox() -> None:
+    """Admit and revoke sandboxes on the running gateway."""
+
+
+@sandbox.command("admit")
+@click.option("--config", "config_file", type=click.Path(dir_okay=False))
+@click.option("--admin", "admin", help="Admin API base URL (default: from the running gateway)")
+@click.option("--policy", required=True, help="Policy name (sandbox.name)")
+@click.option("--label", "labels", multiple=True, help="k=v, repeatable")
+def admit(config_file: str | None, admin: str | None, policy: str, labels: tuple[str, ...]) -> None:
+    """Register a sandbox; prints JSON: id, token, proxy_url, env."""
+    cfg = _config(config_file)
+    parsed: dict[str, str] = {}
+    for item in labels:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"expected k=v, got {item!r}", param_hint="--label")
+        parsed[key] = value
+    status, data = _call("POST", admin_url(cfg, admin) + "/v1/sandboxes", _token(cfg),
+                         {"policy": policy, "labels": parsed})
+    if status != 201:
+        raise click.ClickException(f"admission refused ({status}): {json.dumps(data)}")
+    click.echo(json.dumps(data, indent=2))
+
+
+@sandbox.command("revoke")
+@click.option("--config", "config_file", type=click.Path(dir_okay=False))
+@click.option("--admin", "admin", help="Admin API base URL (default: from the running gateway)")
+@click.argument("sandbox_id")
+def revoke(config_file: str | None, admin: str | None, sandbox_id: str) -> None:
+    """Revoke a sandbox; its open connections are closed."""
+    cfg = _config(config_file)
+    status, data = _call("DELETE", admin_url(cfg, admin) + f"/v1/sandboxes/{sandbox_id}", _token(cfg))
+    if status != 200:
+        raise click.ClickException(f"revocation failed ({status}): {json.dumps(data)}")
+    click.echo(json.dumps(data))

@@ -1,0 +1,171 @@
+"""Local admin API (aiohttp) on 127.0.0.1:8081: admit and revoke sandboxes, health.
+
+Protected by a bearer token stored in a 0600 file in the var dir (created on first start): only the
+operator account that runs the gateway can read it, never a sandbox. Admission and revocation are
+audited before they take effect (an admission that cannot be recorded does not happen: 503).
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import secrets
+import stat
+import time
+from pathlib import Path
+from urllib.parse import quote
+
+from aiohttp import web
+
+from egressgate.audit.event import AuditEvent, AuditUnavailable, EventKind
+from egressgate.gateway.context import Runtime, new_request_id
+from egressgate.state.base import SandboxRecord, StateUnavailable, hash_token
+
+logger = logging.getLogger(__name__)
+
+MAX_LABELS = 32
+CA_ENV_VARS = ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "NODE_EXTRA_CA_CERTS",
+               "GIT_SSL_CAINFO", "PIP_CERT")
+
+
+def ensure_admin_token(path: Path) -> str:
+    """Read the admin token, creating it (0600, exclusive create) when missing."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        mode = stat.S_IMODE(path.stat().st_mode)
+        if mode & 0o077:
+            logger.warning("admin token file %s had mode %04o; fixing to 0600", path, mode)
+            os.chmod(path, 0o600)
+        token = path.read_text(encoding="utf-8").strip()
+        if len(token) < 16:
+            raise RuntimeError(f"admin token in {path} is too short") from None
+        return token
+    token = secrets.token_urlsafe(32)
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        fh.write(token + "\n")
+    return token
+
+
+def sandbox_env(proxy_host: str, proxy_port: int, sandbox_id: str, token: str, bundle: str | None) -> dict:
+    host = f"[{proxy_host}]" if ":" in proxy_host else proxy_host
+    url = f"http://{quote(sandbox_id, safe='')}:{quote(token, safe='')}@{host}:{proxy_port}"
+    env = {
+        "HTTP_PROXY": url, "HTTPS_PROXY": url, "http_proxy": url, "https_proxy": url,
+        # "unset": an inherited NO_PROXY would let a client bypass the gateway for some hosts. An empty
+        # value overrides any inherited one; runtimes should remove the variables entirely.
+        "NO_PROXY": "", "no_proxy": "",
+    }
+    if bundle:
+        env.update({name: bundle for name in CA_ENV_VARS})
+    return env
+
+
+class AdminServer:
+    def __init__(self, runtime: Runtime, token: str) -> None:
+        self.rt = runtime
+        self._token = token
+        self.runner: web.AppRunner | None = None
+        self.app = web.Application(middlewares=[self._auth], client_max_size=64 * 1024)
+        self.app.router.add_get("/healthz", self.healthz)
+        self.app.router.add_post("/v1/sandboxes", self.admit)
+        self.app.router.add_delete("/v1/sandboxes/{sandbox_id}", self.revoke)
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler):
+        if request.path == "/healthz":
+            return await handler(request)
+        header = request.headers.get("Authorization", "")
+        scheme, _, presented = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(presented.strip().encode(), self._token.encode()):
+            return web.json_response({"error": "unauthorized"}, status=401,
+                                     headers={"WWW-Authenticate": 'Bearer realm="egressgate-admin"'})
+        return await handler(request)
+
+    async def start(self, host: str, port: int) -> tuple[str, int]:
+        self.runner = web.AppRunner(self.app, access_log=None)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, host, port)
+        await site.start()
+        sock = site._server.sockets[0]  # type: ignore[union-attr]
+        bound = sock.getsockname()
+        return str(bound[0]), int(bound[1])
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+    async def healthz(self, _request: web.Request) -> web.Response:
+        healthy = self.rt.audit.healthy()
+        return web.json_response(
+            {"status": "ok" if healthy else "degraded", "audit": healthy,
+             "policies": sorted(self.rt.policies.policies)},
+            status=200 if healthy else 503,
+        )
+
+    async def _audit(self, event: AuditEvent) -> bool:
+        try:
+            await self.rt.audit.write(event)
+            return True
+        except AuditUnavailable:
+            return False
+
+    async def admit(self, request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+        except ValueError:
+            return web.json_response({"error": "invalid_json"}, status=400)
+        if not isinstance(body, dict) or set(body) - {"policy", "labels"}:
+            return web.json_response({"error": "invalid_request", "message": "keys: policy, labels"}, status=400)
+        policy_name = body.get("policy")
+        labels = body.get("labels") or {}
+        if not isinstance(policy_name, str) or not policy_name:
+            return web.json_response({"error": "invalid_request", "message": "policy is required"}, status=400)
+        if (not isinstance(labels, dict) or len(labels) > MAX_LABELS
+                or not all(isinstance(k, str) and isinstance(v, str) for k, v in labels.items())):
+            return web.json_response({"error": "invalid_request", "message": "labels: string map"}, status=400)
+        policy = self.rt.policies.get(policy_name)
+        if policy is None:
+            return web.json_response(
+                {"error": "unknown_policy", "message": f"no policy named {policy_name!r}",
+                 "policies": sorted(self.rt.policies.policies)}, status=404)
+        sandbox_id = "sbx-" + secrets.token_hex(8)
+        token = secrets.token_urlsafe(32)
+        record = SandboxRecord(id=sandbox_id, token_hash=hash_token(token), policy_name=policy_name,
+                               admitted_at=time.time(), labels=dict(labels))
+        event = AuditEvent(kind=EventKind.ADMISSION, time_ns=time.time_ns(), request_id=new_request_id(),
+                           sandbox_id=sandbox_id, sandbox_labels=dict(labels), decision="allow",
+                           policy_name=policy_name, policy_hash=policy.hash)
+        if not await self._audit(event):
+            return web.json_response({"error": "audit_unavailable"}, status=503)
+        try:
+            await self.rt.state.admit(record)
+        except StateUnavailable:
+            return web.json_response({"error": "state_unavailable"}, status=503)
+        env = sandbox_env(self.rt.proxy_url_host, self.rt.proxy_port, sandbox_id, token, self.rt.sandbox_bundle)
+        return web.json_response(
+            {"id": sandbox_id, "token": token, "policy": policy_name, "policy_hash": policy.hash,
+             "proxy_url": env["HTTP_PROXY"], "env": env,
+             "notes": {"NO_PROXY": "must be unset in the sandbox; the empty value overrides an inherited one",
+                       "ca_bundle": "system roots + the gateway CA (TLS is intercepted)"}},
+            status=201,
+        )
+
+    async def revoke(self, request: web.Request) -> web.Response:
+        sandbox_id = request.match_info["sandbox_id"]
+        try:
+            record = await self.rt.state.get(sandbox_id)
+        except StateUnavailable:
+            return web.json_response({"error": "state_unavailable"}, status=503)
+        if record is None:
+            return web.json_response({"error": "unknown_sandbox"}, status=404)
+        event = AuditEvent(kind=EventKind.REVOCATION, time_ns=time.time_ns(), request_id=new_request_id(),
+                           sandbox_id=sandbox_id, sandbox_labels=dict(record.labels), decision="allow",
+                           policy_name=record.policy_name)
+        if not await self._audit(event):
+            logger.error("revocation of %s could not be audited; revoking anyway (fail closed)", sandbox_id)
+        await self.rt.state.revoke(sandbox_id)
+        return web.json_response({"id": sandbox_id, "revoked": True,
+                                  "connections_closed": len(self.rt.by_sandbox.get(sandbox_id, ()))})

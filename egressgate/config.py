@@ -1,0 +1,153 @@
+"""Gateway configuration (`egressgate run --config gateway.yaml`).
+
+Strict pydantic: unknown keys and wrong types are errors with their key path, because a typo in a
+security product's config (e.g. `alow_private`) must not silently fall back to a default. Every field
+has a default, so `egressgate run` works with no file at all. Paths stay strings and are resolved
+relative to the working directory by the `resolved_*` helpers, so the same file works from any caller.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+
+class ConfigError(ValueError):
+    """The config file is unreadable or invalid; the message names the key path."""
+
+
+def parse_listen(value: str, *, allow_name: bool = False) -> tuple[str, int]:
+    """"host:port" / "[v6]:port" → (host, port). Port 0 means "pick a free port" (tests)."""
+    host, sep, port_text = value.rpartition(":")
+    if not sep or not port_text.isdigit():
+        raise ValueError(f"expected host:port, got {value!r}")
+    port = int(port_text)
+    if port > 65535:
+        raise ValueError(f"port out of range in {value!r}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not host:
+        raise ValueError(f"missing host in {value!r}")
+    if not allow_name:
+        try:
+            ipaddress.ip_address(host)
+        except ValueError as exc:
+            raise ValueError(f"listen address must be an IP literal, got {host!r}") from exc
+    return host, port
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class ListenConfig(_Strict):
+    proxy: str = "127.0.0.1:8080"
+    admin: str = "127.0.0.1:8081"
+    dns: str | None = "127.0.0.1:5353"  # wired by the DNS component
+
+    @field_validator("proxy", "admin", "dns")
+    @classmethod
+    def _valid(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_listen(value)
+        return value
+
+
+class UpstreamConfig(_Strict):
+    # "system" (getaddrinfo) or "host:port" of a DNS server queried directly over UDP.
+    resolver: str = "system"
+    # Extra CA certificates trusted for upstream TLS, ADDED to the system roots.
+    ca_bundle: str | None = None
+    connect_timeout: float = Field(default=10.0, gt=0, le=300)
+
+    @field_validator("connect_timeout", mode="before")
+    @classmethod
+    def _int_ok(cls, value: object) -> object:
+        # strict mode rejects int for float; an integer timeout is obviously fine.
+        return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+    @field_validator("resolver")
+    @classmethod
+    def _resolver(cls, value: str) -> str:
+        if value != "system":
+            parse_listen(value)
+        return value
+
+
+class StateConfig(_Strict):
+    backend: Literal["memory"] = "memory"  # "redis" comes with the Redis issue
+
+
+class AuditConfig(_Strict):
+    path: str | None = None  # default: var_dir/audit.jsonl
+
+
+class AdminConfig(_Strict):
+    token_file: str | None = None  # default: var_dir/admin.token
+
+
+class GatewayConfig(_Strict):
+    listen: ListenConfig = ListenConfig()
+    policy: str = "./policies"
+    var_dir: str = "./var"
+    ca_dir: str | None = None
+    upstream: UpstreamConfig = UpstreamConfig()
+    state: StateConfig = StateConfig()
+    audit: AuditConfig = AuditConfig()
+    admin: AdminConfig = AdminConfig()
+
+    # Resolved paths: one place decides the defaults so the CLI, the admin API and tests agree.
+    def var_path(self) -> Path:
+        return Path(self.var_dir)
+
+    def ca_path(self) -> Path:
+        return Path(self.ca_dir) if self.ca_dir else self.var_path() / "ca"
+
+    def audit_path(self) -> Path:
+        return Path(self.audit.path) if self.audit.path else self.var_path() / "audit.jsonl"
+
+    def admin_token_path(self) -> Path:
+        return Path(self.admin.token_file) if self.admin.token_file else self.var_path() / "admin.token"
+
+    def runtime_path(self) -> Path:
+        """Where `run` records its bound addresses so `sandbox admit` finds a port-0 gateway."""
+        return self.var_path() / "gateway.json"
+
+
+def _format_errors(exc: ValidationError, source: str) -> str:
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "<root>"
+        lines.append(f"{source}: {loc}: {err['msg']}")
+    return "\n".join(lines)
+
+
+def load_config(path: str | Path | None = None, overrides: dict | None = None) -> GatewayConfig:
+    """Load and validate; `None` gives the embedded defaults. `overrides` (e.g. `--policy`) win."""
+    data: dict = {}
+    source = "<defaults>"
+    if path is not None:
+        source = str(path)
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"{source}: cannot read config: {exc.strerror}") from exc
+        try:
+            loaded = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{source}: invalid YAML: {exc}") from exc
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{source}: <root>: expected a mapping")
+        data = loaded
+    if overrides:
+        data = {**data, **overrides}
+    try:
+        return GatewayConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_errors(exc, source)) from exc

@@ -1,0 +1,173 @@
+"""`egressgate run`: wire config, policies, state, audit, CA, the proxy and the admin API together.
+
+Startup prints one JSON line with the bound addresses (tests and runtimes start it on port 0) and
+writes the same to `var_dir/gateway.json` (0600) for `sandbox admit`. SIGTERM/SIGINT stop cleanly;
+SIGHUP and a file watch reload the policy set atomically — an invalid new set keeps the old one and
+logs every problem with its file and key path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+
+from egressgate.admin.server import AdminServer, ensure_admin_token
+from egressgate.audit.event import AuditEvent, AuditUnavailable, EventKind
+from egressgate.audit.filesink import open_file_sink
+from egressgate.audit.signer import LocalEd25519Signer
+from egressgate.config import GatewayConfig, parse_listen
+from egressgate.gateway import ca
+from egressgate.gateway.budgets import ByteLedger
+from egressgate.gateway.context import PolicyHolder, Runtime, new_request_id
+from egressgate.gateway.master import GatewayMaster
+from egressgate.gateway.resolver import make_resolver
+from egressgate.policy.errors import PolicyError
+from egressgate.policy.loader import load_policies
+from egressgate.state.memory import MemoryState
+
+logger = logging.getLogger(__name__)
+
+WATCH_INTERVAL = 1.0
+
+
+def policy_signature(path: Path) -> tuple:
+    """Cheap change detector: names, sizes and mtimes of the policy file(s)."""
+    try:
+        files = sorted(p for p in path.iterdir() if p.suffix in (".yaml", ".yml")) if path.is_dir() else [path]
+        return tuple((str(p), p.stat().st_mtime_ns, p.stat().st_size) for p in files)
+    except OSError:
+        return ()
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config
+        self.rt: Runtime | None = None
+        self.master: GatewayMaster | None = None
+        self.admin: AdminServer | None = None
+        self.addresses: dict[str, str] = {}
+        self._watch: asyncio.Task | None = None
+        self._signature: tuple = ()
+        self._reload_lock = asyncio.Lock()
+
+    async def start(self) -> dict[str, str]:
+        cfg = self.config
+        var = cfg.var_path()
+        var.mkdir(parents=True, exist_ok=True, mode=0o700)
+        policy_path = Path(cfg.policy)
+        self._signature = policy_signature(policy_path)
+        policies = load_policies(policy_path)  # PolicyError: refuse to start
+        sandbox_bundle = str(ca.sandbox_bundle(cfg.ca_path()))
+        upstream_bundle = str(ca.upstream_bundle(cfg.ca_path(), cfg.upstream.ca_bundle))
+        state = MemoryState()
+        signer = LocalEd25519Signer.load_or_create(var / "audit-signing.key")
+        sink = await open_file_sink(cfg.audit_path(), signer)
+        self.rt = rt = Runtime(
+            config=cfg, policies=PolicyHolder(policies), state=state, audit=sink,
+            resolver=make_resolver(cfg.upstream.resolver, cfg.upstream.connect_timeout),
+            ledger=ByteLedger(state), upstream_bundle=upstream_bundle, sandbox_bundle=sandbox_bundle,
+        )
+        token = ensure_admin_token(cfg.admin_token_path())
+        admin_host, admin_port = parse_listen(cfg.listen.admin)
+        self.admin = AdminServer(rt, token)
+        admin_addr = await self.admin.start(admin_host, admin_port)
+        rt.listeners.append(admin_addr)
+        if cfg.listen.dns:
+            rt.listeners.append(parse_listen(cfg.listen.dns))  # the DNS listener (wired by the lead)
+        self.master = GatewayMaster(rt, parse_listen(cfg.listen.proxy))
+        proxy_addrs = await self.master.start()
+        rt.listeners.extend(proxy_addrs)
+        proxy_host, proxy_port = proxy_addrs[0]
+        rt.proxy_url_host = "127.0.0.1" if proxy_host in ("0.0.0.0", "::") else proxy_host
+        rt.proxy_port = proxy_port
+        self.addresses = {"proxy": _fmt(proxy_host, proxy_port), "admin": _fmt(*admin_addr)}
+        self._write_runtime_file()
+        self._watch = asyncio.create_task(self._watch_policies(), name="policy-watch")
+        return self.addresses
+
+    def _write_runtime_file(self) -> None:
+        path = self.config.runtime_path()
+        tmp = path.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            json.dump({**self.addresses, "pid": os.getpid()}, fh)
+        tmp.replace(path)
+
+    async def reload(self, reason: str = "signal") -> bool:
+        """Load the policy set; swap it in only when every file is valid."""
+        assert self.rt is not None
+        async with self._reload_lock:
+            path = Path(self.config.policy)
+            self._signature = policy_signature(path)
+            try:
+                policies = await asyncio.to_thread(load_policies, path)
+            except PolicyError as exc:
+                for line in str(exc).splitlines():
+                    logger.error("policy reload rejected (%s), keeping the previous policies: %s", reason, line)
+                await self._audit_reload(False, str(exc))
+                return False
+            self.rt.policies.replace(policies)
+            logger.info("policies reloaded (%s): %s", reason, ", ".join(sorted(policies)))
+            await self._audit_reload(True, None, policies)
+            return True
+
+    async def _audit_reload(self, ok: bool, error: str | None, policies: dict | None = None) -> None:
+        assert self.rt is not None
+        extra = {"egressgate.policies": ",".join(f"{n}={p.hash}" for n, p in sorted((policies or {}).items()))}
+        event = AuditEvent(kind=EventKind.POLICY_RELOAD, time_ns=time.time_ns(), request_id=new_request_id(),
+                           decision="allow" if ok else "deny", message=error[:2000] if error else None,
+                           extra=extra)
+        try:
+            await self.rt.audit.write(event)
+        except AuditUnavailable:
+            logger.error("policy reload could not be audited")
+
+    async def _watch_policies(self) -> None:
+        path = Path(self.config.policy)
+        while True:
+            await asyncio.sleep(WATCH_INTERVAL)
+            signature = policy_signature(path)
+            if signature != self._signature:
+                await self.reload("file change")
+
+    async def stop(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+        if self.master is not None:
+            await self.master.stop()
+        if self.admin is not None:
+            await self.admin.stop()
+        if self.rt is not None:
+            await self.rt.ledger.flush()
+            await self.rt.audit.close()
+            await self.rt.state.close()
+        with contextlib.suppress(OSError):
+            self.config.runtime_path().unlink()
+
+
+def _fmt(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+async def serve(config: GatewayConfig, announce=print) -> None:
+    """Run until SIGTERM/SIGINT; SIGHUP reloads policies."""
+    gateway = Gateway(config)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    addresses = await gateway.start()
+    announce(json.dumps(addresses))
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(gateway.reload("SIGHUP")))
+    try:
+        await stop.wait()
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            loop.remove_signal_handler(sig)
+        await gateway.stop()

@@ -1,0 +1,193 @@
+"""Record every decision, then enforce it (the last addon of each decision hook).
+
+Intent before effect: an allow takes effect (the tunnel's target is committed, the destination becomes
+dialable) only after its audit record is durable; if the sink raises AuditUnavailable the request is
+denied with `audit_unavailable`. A deny is answered with the deny contract whether or not the record
+could be written. Outcome records (status, bytes, duration) follow the response, linked by request id.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from mitmproxy import http, tcp
+
+from egressgate.audit.event import AuditEvent, AuditUnavailable, EventKind
+from egressgate.gateway.context import FlowState, Runtime, ensure_flow_state, flow_state, new_request_id
+from egressgate.gateway.deny import REQUEST_ID_HEADER, deny_response, gateway_deny
+from egressgate.policy.facts import Decision
+from egressgate.policy.reasons import Reason
+from egressgate.state.base import StateUnavailable
+
+logger = logging.getLogger(__name__)
+
+
+def decision_event(kind: EventKind, fs: FlowState, labels: dict[str, str], client: str | None) -> AuditEvent:
+    d = fs.decision
+    assert d is not None
+    extra: dict = {}
+    if d.detail:
+        extra["egressgate.detail"] = d.detail
+    if "intercept" in fs.extra:
+        extra["egressgate.intercept"] = bool(fs.extra["intercept"])
+    return AuditEvent(
+        kind=kind,
+        time_ns=fs.started_ns,
+        request_id=fs.request_id,
+        sandbox_id=fs.sandbox_id,
+        sandbox_labels=dict(labels),
+        decision=str(d.effect),
+        reason=str(d.reason),
+        rule_id=d.rule_id,
+        policy_name=fs.policy_name,
+        policy_hash=fs.policy_hash,
+        target_as_sent=fs.target_as_sent,
+        scheme=fs.scheme,
+        host=fs.host,
+        port=fs.port,
+        method=fs.method,
+        path=fs.path,
+        query=fs.query,
+        pinned_address=str(fs.pinned.address) if fs.pinned is not None and d.allowed else None,
+        client_address=client,
+        capability=d.capability,
+        message=None if d.allowed else d.message,
+        bytes_out=fs.bytes_out if fs.prepaid_out else None,
+        extra=extra,
+        facts=fs.extra.get("facts"),
+        state=fs.extra.get("state"),
+    )
+
+
+class AuditEmit:
+    def __init__(self, runtime: Runtime) -> None:
+        self.rt = runtime
+
+    async def _write(self, event: AuditEvent) -> bool:
+        try:
+            await self.rt.audit.write(event)
+            return True
+        except AuditUnavailable as exc:
+            logger.error("audit sink unavailable: %s", exc)
+            return False
+
+    async def _record(self, kind: EventKind, flow: http.HTTPFlow, fs: FlowState) -> Decision:
+        """Write the decision; return the decision to enforce (audit failure turns allow into deny)."""
+        if fs.decision is None:  # no addon decided: fail closed
+            fs.decision = gateway_deny(Reason.INVALID_REQUEST, "The gateway could not decide this request.")
+        conn = self.rt.conns.get(flow.client_conn.id)
+        labels = conn.labels if conn is not None else {}
+        client = flow.client_conn.peername[0] if flow.client_conn.peername else None
+        ok = await self._write(decision_event(kind, fs, labels, client))
+        fs.audited = True
+        if not ok and fs.decision.allowed:
+            if fs.prepaid_out and fs.sandbox_id:
+                self.rt.ledger.refund_out(fs.sandbox_id, fs.prepaid_out)
+                fs.prepaid_out = 0
+            fs.decision = gateway_deny(Reason.AUDIT_UNAVAILABLE)
+        return fs.decision
+
+    async def http_connect(self, flow: http.HTTPFlow) -> None:
+        fs = ensure_flow_state(flow, "connect")
+        decision = await self._record(EventKind.CONNECT, flow, fs)
+        if not decision.allowed or fs.pinned is None:
+            flow.response = deny_response(
+                decision if not decision.allowed else gateway_deny(Reason.INVALID_REQUEST), fs.request_id
+            )
+            return
+        conn = self.rt.conn(flow.client_conn.id)
+        conn.tunnel_host, conn.tunnel_port = fs.host, fs.port
+        conn.tunnel_as_sent = fs.target_as_sent
+        conn.tunnel_target = fs.pinned
+        conn.intercept = bool(fs.extra.get("intercept", True))
+        if not conn.intercept:
+            conn.tcp_allowed_rule = decision.rule_id  # allowed only by a raw-TCP rule: relay, no MITM
+        raw = fs.extra.get("raw_address")
+        if raw is not None:
+            conn.tunnel_raw_address = (raw[0], raw[1])
+            conn.approved[(raw[0], raw[1])] = fs.pinned
+
+    async def requestheaders(self, flow: http.HTTPFlow) -> None:
+        fs = ensure_flow_state(flow, "http_request")
+        if flow.response is not None and fs.audited:
+            return
+        decision = await self._record(EventKind.HTTP_REQUEST, flow, fs)
+        if not decision.allowed:
+            flow.request.stream = False
+            flow.response = deny_response(decision, fs.request_id)
+            return
+        conn = self.rt.conn(flow.client_conn.id)
+        raw = fs.extra.get("raw_address")
+        if raw is not None and fs.pinned is not None:
+            conn.approved[(raw[0], raw[1])] = fs.pinned
+        if fs.sandbox_id is not None and fs.host is not None:
+            try:
+                await self.rt.state.record_request(fs.sandbox_id, fs.host, decision.rule_id, fs.prepaid_out)
+            except StateUnavailable:
+                logger.error("could not record request history for %s", fs.sandbox_id)
+
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        fs = flow_state(flow)
+        if fs is not None and flow.response is not None and fs.decision is not None:
+            flow.response.headers[REQUEST_ID_HEADER] = fs.request_id
+
+    async def _outcome(self, flow: http.HTTPFlow, error: str | None = None) -> None:
+        fs = flow_state(flow)
+        if fs is None or fs.outcome_sent or fs.decision is None or not fs.decision.allowed:
+            return
+        fs.outcome_sent = True
+        extra: dict = {}
+        if error:
+            extra["egressgate.error"] = error
+        if fs.extra.get("budget_cut"):
+            extra["egressgate.budget_cut"] = True
+        event = AuditEvent(
+            kind=EventKind.OUTCOME,
+            time_ns=time.time_ns(),
+            request_id=fs.request_id,
+            sandbox_id=fs.sandbox_id,
+            decision=str(fs.decision.effect),
+            reason=str(Reason.BUDGET_EXCEEDED) if fs.extra.get("budget_cut") else str(fs.decision.reason),
+            rule_id=fs.decision.rule_id,
+            policy_name=fs.policy_name,
+            policy_hash=fs.policy_hash,
+            host=fs.host,
+            port=fs.port,
+            status=flow.response.status_code if flow.response is not None else None,
+            bytes_out=fs.bytes_out,
+            bytes_in=fs.bytes_in,
+            duration_ms=(time.time_ns() - fs.started_ns) / 1e6,
+            extra=extra,
+        )
+        await self._write(event)
+
+    async def response(self, flow: http.HTTPFlow) -> None:
+        await self._outcome(flow)
+
+    async def error(self, flow: http.HTTPFlow) -> None:
+        await self._outcome(flow, flow.error.msg if flow.error else "error")
+
+    async def tcp_end(self, flow: tcp.TCPFlow) -> None:
+        await self._tcp_outcome(flow)
+
+    async def tcp_error(self, flow: tcp.TCPFlow) -> None:
+        await self._tcp_outcome(flow)
+
+    async def _tcp_outcome(self, flow: tcp.TCPFlow) -> None:
+        conn = self.rt.conns.get(flow.client_conn.id)
+        if conn is None or conn.tcp_allowed_rule is None or flow.metadata.get("egressgate.outcome"):
+            return
+        flow.metadata["egressgate.outcome"] = True
+        out = sum(len(m.content) for m in flow.messages if m.from_client)
+        in_ = sum(len(m.content) for m in flow.messages if not m.from_client)
+        await self._write(
+            AuditEvent(
+                kind=EventKind.OUTCOME, time_ns=time.time_ns(),
+                request_id=flow.metadata.get("egressgate.request_id", new_request_id()),
+                sandbox_id=conn.sandbox_id, decision="allow", reason=str(Reason.RULE_MATCHED),
+                rule_id=conn.tcp_allowed_rule, host=conn.tunnel_host, port=conn.tunnel_port, scheme="tcp",
+                bytes_out=out, bytes_in=in_,
+                extra={"egressgate.budget_cut": True} if flow.metadata.get("egressgate.budget_cut") else {},
+            )
+        )

@@ -1,0 +1,173 @@
+"""Shared runtime services and per-connection state of the gateway.
+
+mitmproxy calls each addon with a flow or a connection, never with "our" objects, so the addons share
+one `Runtime` (config, policies, state store, audit sink, resolver, byte ledger, listeners) and keep
+what they learned about a client connection (sandbox, CONNECT target, pinned address, SNI verdict) in a
+`ConnState` keyed by the mitmproxy client connection id. Facts that must agree across hooks (the
+CONNECT target, the checked address) are written once here and read everywhere else, so no hook ever
+re-derives a destination from attacker-controlled headers.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from egressgate.config import GatewayConfig
+from egressgate.policy.facts import Decision, IPAddress
+
+if TYPE_CHECKING:
+    from egressgate.audit.sink import AuditSink
+    from egressgate.gateway.budgets import ByteLedger
+    from egressgate.gateway.resolver import Resolver
+    from egressgate.state.base import SandboxRecord, StateStore
+
+# flow.metadata keys (namespaced so they never collide with mitmproxy's or a future addon's).
+META = "egressgate"
+
+
+@dataclass(slots=True)
+class PinnedTarget:
+    """A destination that passed the decision and the address check: dial `address`, present `sni`."""
+
+    host: str  # canonical name (or IP literal text)
+    port: int
+    address: IPAddress
+    sni: str | None  # None for IP literal targets (RFC 6066: no IP in SNI)
+    addr_class: str = "global"
+
+
+@dataclass(slots=True)
+class ConnState:
+    """What the gateway knows about one client connection (one CONNECT tunnel or one plain proxy conn)."""
+
+    client_id: str
+    sandbox_id: str | None = None
+    policy_name: str | None = None
+    labels: dict[str, str] = field(default_factory=dict)
+    # CONNECT tunnel (None for plain absolute-form proxy connections)
+    tunnel_host: str | None = None  # canonical
+    tunnel_port: int | None = None
+    tunnel_as_sent: str | None = None
+    tunnel_raw_address: tuple[str, int] | None = None  # what mitmproxy will put in server.address
+    tunnel_target: PinnedTarget | None = None
+    intercept: bool = True
+    sni_mismatch: str | None = None  # the offending SNI, when it does not name the CONNECT target
+    tcp_allowed_rule: str | None = None  # rule id when raw TCP in this tunnel was allowed
+    # address tuple (as mitmproxy will present it in server_connect) -> checked target
+    approved: dict[tuple[str, int], PinnedTarget] = field(default_factory=dict)
+    closed: bool = False
+
+
+@dataclass(slots=True)
+class FlowState:
+    """Per-flow record the addons fill in; the audit addon turns it into one decision event."""
+
+    request_id: str
+    started_ns: int
+    kind: str  # "connect" | "http_request" | "tcp"
+    sandbox_id: str | None = None
+    policy_name: str | None = None
+    policy_hash: str | None = None
+    target_as_sent: str | None = None
+    scheme: str | None = None
+    host: str | None = None
+    port: int | None = None
+    method: str | None = None
+    path: str | None = None
+    query: str | None = None
+    decision: Decision | None = None
+    pinned: PinnedTarget | None = None
+    status: int | None = None
+    bytes_out: int = 0
+    bytes_in: int = 0
+    prepaid_out: int = 0  # bytes reserved up front (head + Content-Length)
+    audited: bool = False
+    outcome_sent: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+class PolicyHolder:
+    """The live policy set, swapped atomically on reload (one attribute assignment)."""
+
+    def __init__(self, policies: dict[str, Any]) -> None:
+        self.policies = policies
+
+    def get(self, name: str | None) -> Any | None:
+        return self.policies.get(name) if name else None
+
+    def replace(self, policies: dict[str, Any]) -> None:
+        self.policies = policies
+
+
+@dataclass(slots=True)
+class Runtime:
+    config: GatewayConfig
+    policies: PolicyHolder
+    state: StateStore
+    audit: AuditSink
+    resolver: Resolver
+    ledger: ByteLedger
+    upstream_bundle: str | None = None
+    sandbox_bundle: str | None = None
+    listeners: list[tuple[str, int]] = field(default_factory=list)  # every socket we serve on
+    proxy_url_host: str = "127.0.0.1"
+    proxy_port: int = 0
+    conns: dict[str, ConnState] = field(default_factory=dict)
+    by_sandbox: dict[str, set[str]] = field(default_factory=dict)
+    clock: Callable[[], float] = time.time
+    abort_connection: Callable[[str], bool] | None = None  # set by the master: client id -> aborted?
+
+    def conn(self, client_id: str) -> ConnState:
+        state = self.conns.get(client_id)
+        if state is None:
+            state = self.conns[client_id] = ConnState(client_id=client_id)
+        return state
+
+    def bind_sandbox(self, conn: ConnState, record: SandboxRecord) -> None:
+        conn.sandbox_id = record.id
+        conn.policy_name = record.policy_name
+        conn.labels = dict(record.labels)
+        self.by_sandbox.setdefault(record.id, set()).add(conn.client_id)
+
+    def forget(self, client_id: str) -> None:
+        state = self.conns.pop(client_id, None)
+        if state is not None and state.sandbox_id is not None:
+            ids = self.by_sandbox.get(state.sandbox_id)
+            if ids is not None:
+                ids.discard(client_id)
+                if not ids:
+                    self.by_sandbox.pop(state.sandbox_id, None)
+
+    def is_self(self, address: IPAddress, port: int) -> bool:
+        """True when dialing (address, port) would reach one of our own listeners."""
+        for host, lport in self.listeners:
+            if lport != port:
+                continue
+            try:
+                lip = ipaddress.ip_address(host)
+            except ValueError:
+                return True  # unknown listener host: be conservative
+            if lip == address or lip.is_unspecified or (lip.is_loopback and address.is_loopback):
+                return True
+        return False
+
+
+def flow_state(flow: Any) -> FlowState | None:
+    return flow.metadata.get(META)
+
+
+def ensure_flow_state(flow: Any, kind: str) -> FlowState:
+    state = flow.metadata.get(META)
+    if state is None:
+        state = FlowState(request_id=new_request_id(), started_ns=time.time_ns(), kind=kind)
+        flow.metadata[META] = state
+    return state

@@ -1,0 +1,151 @@
+"""Build canonical facts, call the pure decision engine, and stage the pinned destination.
+
+At CONNECT the decision is host/port level (deny early, never resolve a denied name — a resolver query
+is itself an exfiltration channel); inside a tunnel every request (each keep-alive request, each HTTP/2
+stream) is decided on its own method, path and scheme against the tunnel's CONNECT target — never
+against a header. Nothing here commits state: the enforce addon (audit_emit.py) commits an allow only
+after its audit record is durable.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from mitmproxy import http
+
+from egressgate.gateway.context import FlowState, Runtime, ensure_flow_state
+from egressgate.gateway.deny import gateway_deny
+from egressgate.gateway.pinning import resolve_target
+from egressgate.policy.canon import CanonError, canon_method, canon_path, split_host_port, split_path_query
+from egressgate.policy.decide import decide
+from egressgate.policy.facts import Facts, Operation, SandboxState
+from egressgate.policy.reasons import Reason
+from egressgate.state.base import StateUnavailable
+
+logger = logging.getLogger(__name__)
+
+
+def request_head_size(request: http.Request) -> int:
+    """Bytes of the request head as counted against budgets: the HTTP/1.1 serialization of what goes
+    upstream (request line, headers after sanitizing, blank line). Used for HTTP/2 too, so one request
+    costs the same whatever the wire version (documented counting rule)."""
+    target = request.path or "/"
+    size = len(request.method) + 1 + len(target.encode()) + len(b" HTTP/1.1\r\n") + 2
+    for name, value in request.headers.fields:
+        size += len(name) + 2 + len(value) + 2
+    return size
+
+
+def declared_body_size(request: http.Request) -> int | None:
+    """Content-Length when present and the body is not chunked (mitmproxy already rejected CL+TE)."""
+    if "transfer-encoding" in request.headers:
+        return None
+    raw = request.headers.get("content-length")
+    if raw is None:
+        return 0 if not request.is_http2 and not request.is_http3 else None
+    try:
+        value = int(raw)
+    except ValueError:
+        return None
+    return value if value >= 0 else None
+
+
+class DecisionAddon:
+    def __init__(self, runtime: Runtime) -> None:
+        self.rt = runtime
+
+    async def _snapshot(self, fs: FlowState) -> SandboxState | None:
+        try:
+            assert fs.sandbox_id is not None
+            return await self.rt.state.snapshot(fs.sandbox_id)
+        except (StateUnavailable, KeyError):
+            fs.decision = gateway_deny(Reason.STATE_UNAVAILABLE)
+            return None
+
+    def _policy(self, fs: FlowState):
+        policy = self.rt.policies.get(fs.policy_name)
+        if policy is None:
+            fs.decision = gateway_deny(Reason.POLICY_UNAVAILABLE)
+            return None
+        fs.policy_hash = policy.hash
+        return policy
+
+    async def http_connect(self, flow: http.HTTPFlow) -> None:
+        fs = ensure_flow_state(flow, "connect")
+        fs.target_as_sent = flow.request.authority or f"{flow.request.host}:{flow.request.port}"
+        if fs.decision is not None:
+            return
+        try:
+            host, port = split_host_port(fs.target_as_sent, flow.request.port)
+        except CanonError as exc:
+            fs.decision = gateway_deny(Reason.INVALID_REQUEST, f"Invalid CONNECT target: {exc}")
+            return
+        fs.host, fs.port = host, port
+        policy = self._policy(fs)
+        snapshot = await self._snapshot(fs) if policy is not None else None
+        if policy is None or snapshot is None:
+            return
+        facts = Facts(operation=Operation.CONNECT, host=host, port=port)
+        fs.decision = decide(policy, facts, snapshot, self.rt.clock())
+        fs.extra["facts"] = facts
+        fs.extra["state"] = snapshot
+        if not fs.decision.allowed:
+            return
+        allowed = fs.decision
+        target, denied = await resolve_target(self.rt, policy, host, port)
+        if denied is not None:
+            fs.decision = denied
+            return
+        fs.pinned = target
+        fs.extra["intercept"] = allowed.intercept
+        fs.extra["raw_address"] = (flow.request.host, flow.request.port)
+
+    async def requestheaders(self, flow: http.HTTPFlow) -> None:
+        fs = ensure_flow_state(flow, "http_request")
+        req = flow.request
+        if fs.target_as_sent is None:
+            fs.target_as_sent = f"{req.method} {req.authority or req.host_header or ''}{req.path}"
+        if fs.decision is not None or flow.response is not None:
+            return
+        conn = self.rt.conn(flow.client_conn.id)
+        tunnel = conn.tunnel_host is not None
+        try:
+            method = canon_method(req.method)
+            raw_path, query = split_path_query(req.path)
+            path = canon_path(raw_path)
+        except CanonError as exc:
+            fs.decision = gateway_deny(Reason.INVALID_REQUEST, f"Invalid request target: {exc}")
+            return
+        if tunnel:
+            scheme = "https" if flow.client_conn.tls else "http"
+            addresses = (conn.tunnel_target.address,) if conn.tunnel_target else ()
+        else:
+            scheme = req.scheme
+            addresses = ()
+        fs.scheme, fs.method, fs.path, fs.query = scheme, method, path, query or None
+        assert fs.host is not None and fs.port is not None
+        policy = self._policy(fs)
+        snapshot = await self._snapshot(fs) if policy is not None else None
+        if policy is None or snapshot is None:
+            return
+        body = declared_body_size(req)
+        facts = Facts(
+            operation=Operation.HTTP_REQUEST, host=fs.host, port=fs.port, scheme=scheme, method=method,
+            path=path, addresses=addresses, request_bytes=request_head_size(req) + (body or 0),
+        )
+        fs.decision = decide(policy, facts, snapshot, self.rt.clock())
+        fs.extra["facts"] = facts
+        fs.extra["state"] = snapshot
+        if not fs.decision.allowed:
+            return
+        if tunnel:
+            fs.pinned = conn.tunnel_target
+            return
+        allowed = fs.decision
+        target, denied = await resolve_target(self.rt, policy, fs.host, fs.port)
+        if denied is not None:
+            fs.decision = denied
+            return
+        fs.pinned = target
+        fs.decision = allowed
+        fs.extra["raw_address"] = (req.host, req.port)

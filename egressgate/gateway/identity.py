@@ -1,0 +1,119 @@
+"""Identify the sandbox behind each CONNECT and each plain proxy request.
+
+Explicit-proxy identity is `Proxy-Authorization: Basic base64(id:token)`. It is checked on the CONNECT
+(the tunnel inherits it) and on every absolute-form request; inside a tunnel each request re-reads the
+sandbox record so a revocation takes effect on the next request even before the connection is torn
+down. Unknown, malformed or revoked identities get 407 with the deny body.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import logging
+
+from mitmproxy import http
+
+from egressgate.gateway.context import ConnState, FlowState, Runtime, ensure_flow_state
+from egressgate.gateway.deny import gateway_deny
+from egressgate.policy.reasons import Reason
+from egressgate.state.base import SandboxRecord, StateUnavailable, token_matches
+
+logger = logging.getLogger(__name__)
+
+MAX_AUTH_LEN = 1024
+
+
+def parse_proxy_authorization(value: str | None) -> tuple[str, str] | None:
+    """`Basic base64(id:token)` → (id, token); None for anything else (other schemes, bad base64)."""
+    if not value or len(value) > MAX_AUTH_LEN:
+        return None
+    scheme, _, param = value.strip().partition(" ")
+    if scheme.lower() != "basic" or not param:
+        return None
+    try:
+        decoded = base64.b64decode(param.strip(), validate=True).decode("utf-8")
+    except (binascii.Error, UnicodeDecodeError):
+        return None
+    sandbox_id, sep, token = decoded.partition(":")
+    if not sep or not sandbox_id or not token:
+        return None
+    return sandbox_id, token
+
+
+class Identity:
+    """Addon: sets FlowState.sandbox_id/policy_name or denies with 407."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.rt = runtime
+
+    async def _lookup(self, fs: FlowState, flow: http.HTTPFlow) -> SandboxRecord | None:
+        creds = parse_proxy_authorization(flow.request.headers.get("proxy-authorization"))
+        if creds is None:
+            fs.decision = gateway_deny(Reason.IDENTITY_UNKNOWN)
+            return None
+        sandbox_id, token = creds
+        try:
+            record = await self.rt.state.get(sandbox_id)
+        except StateUnavailable:
+            fs.decision = gateway_deny(Reason.STATE_UNAVAILABLE)
+            return None
+        if record is None or not token_matches(record, token):
+            fs.decision = gateway_deny(Reason.IDENTITY_UNKNOWN)
+            return None
+        if record.revoked:
+            fs.decision = gateway_deny(Reason.SANDBOX_REVOKED)
+            return None
+        return record
+
+    def _bind(self, fs: FlowState, conn: ConnState, record: SandboxRecord) -> bool:
+        if conn.sandbox_id is not None and conn.sandbox_id != record.id:
+            # One client connection speaks for one sandbox; switching identity mid-connection is refused
+            # so revocation and budgets can never be attributed to the wrong sandbox.
+            fs.decision = gateway_deny(
+                Reason.INVALID_REQUEST, "One proxy connection may carry only one sandbox identity."
+            )
+            return False
+        if conn.sandbox_id is None:
+            self.rt.bind_sandbox(conn, record)
+        fs.sandbox_id = record.id
+        fs.policy_name = record.policy_name
+        return True
+
+    async def http_connect(self, flow: http.HTTPFlow) -> None:
+        fs = ensure_flow_state(flow, "connect")
+        conn = self.rt.conn(flow.client_conn.id)
+        if conn.tunnel_host is not None:
+            # CONNECT inside an established tunnel: never a legitimate client behaviour here.
+            fs.sandbox_id = conn.sandbox_id
+            fs.policy_name = conn.policy_name
+            fs.decision = gateway_deny(
+                Reason.PROTOCOL_NOT_ALLOWED, "A CONNECT inside a CONNECT tunnel is not allowed."
+            )
+            return
+        record = await self._lookup(fs, flow)
+        if record is not None:
+            self._bind(fs, conn, record)
+
+    async def requestheaders(self, flow: http.HTTPFlow) -> None:
+        if flow.response is not None:
+            return
+        fs = ensure_flow_state(flow, "http_request")
+        if fs.decision is not None:
+            return
+        conn = self.rt.conn(flow.client_conn.id)
+        if conn.tunnel_host is not None:
+            # Identity came with the CONNECT; re-check the record for revocation on every request.
+            fs.sandbox_id = conn.sandbox_id
+            fs.policy_name = conn.policy_name
+            try:
+                record = await self.rt.state.get(conn.sandbox_id) if conn.sandbox_id else None
+            except StateUnavailable:
+                fs.decision = gateway_deny(Reason.STATE_UNAVAILABLE)
+                return
+            if record is None or record.revoked:
+                fs.decision = gateway_deny(Reason.SANDBOX_REVOKED)
+            return
+        record = await self._lookup(fs, flow)
+        if record is not None:
+            self._bind(fs, conn, record)

@@ -1,0 +1,139 @@
+"""mitmproxy embedded as a library, with only the addons egressgate needs.
+
+No default addon set: no ignore/allow-hosts passthrough, no raw-TCP or DNS relays, no replay, no
+scripts, no onboarding app. The proxy server, TLS config and our addons, in an order that is part of the
+security design (each hook runs addons in this order; a deny set by an earlier addon is final):
+
+  Proxyserver → NextLayer (tunnel.py) → TlsConfig → Identity → Consistency → Sanitize → Decision →
+  Pinning → Streaming → Budgets → AuditEmit → Revocation
+
+`mitmproxy.ctx` is process-global: one GatewayMaster per process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from mitmproxy import master as mitm_master
+from mitmproxy import options
+from mitmproxy.addons import proxyserver, tlsconfig
+
+from egressgate.gateway.audit_emit import AuditEmit
+from egressgate.gateway.budgets import Budgets
+from egressgate.gateway.consistency import Consistency
+from egressgate.gateway.context import Runtime
+from egressgate.gateway.decision import DecisionAddon
+from egressgate.gateway.identity import Identity
+from egressgate.gateway.pinning import Pinning
+from egressgate.gateway.revocation import Revocation
+from egressgate.gateway.sanitize import Sanitize
+from egressgate.gateway.streaming import Streaming
+from egressgate.gateway.tunnel import NextLayer
+
+logger = logging.getLogger(__name__)
+
+
+class _Running:
+    """Tiny addon: tells start() when the listeners are up."""
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+
+    def running(self) -> None:
+        self.event.set()
+
+
+class GatewayMaster:
+    def __init__(self, runtime: Runtime, listen: tuple[str, int]) -> None:
+        self.rt = runtime
+        self.listen = listen
+        self.master: mitm_master.Master | None = None
+        self.proxyserver: proxyserver.Proxyserver | None = None
+        self._task: asyncio.Task | None = None
+
+    def abort_connection(self, client_id: str) -> bool:
+        """Abort a client connection and every upstream connection it owns, right now (RST, no
+        graceful close: a cut body must not look complete to the upstream)."""
+        ps = self.proxyserver
+        handler = ps.connections.get(client_id) if ps is not None else None
+        if handler is None:
+            return False
+        ios = sorted(handler.transports.items(), key=lambda item: item[0] is handler.client)
+        for _conn, io in ios:  # servers first, then the client
+            writer = io.writer
+            if writer is None:
+                continue
+            transport = getattr(writer, "transport", None)
+            try:
+                if transport is not None:
+                    transport.abort()
+                else:
+                    writer.close()
+            except Exception:
+                logger.debug("abort of %s failed", client_id, exc_info=True)
+        return True
+
+    async def start(self) -> list[tuple[str, int]]:
+        opts = options.Options()
+        master = mitm_master.Master(opts, with_termlog=False)
+        self.proxyserver = proxyserver.Proxyserver()
+        running = _Running()
+        rt = self.rt
+        master.addons.add(
+            self.proxyserver,
+            NextLayer(rt),
+            tlsconfig.TlsConfig(),
+            Identity(rt),
+            Consistency(rt),
+            Sanitize(),
+            DecisionAddon(rt),
+            Pinning(rt),
+            Streaming(),
+            Budgets(rt),
+            AuditEmit(rt),
+            Revocation(rt),
+            running,
+        )
+        host, port = self.listen
+        spec_host = f"[{host}]" if ":" in host else host
+        opts.update(
+            mode=[f"regular@{spec_host}:{port}"],
+            confdir=str(rt.config.ca_path()),
+            ssl_verify_upstream_trusted_ca=rt.upstream_bundle,
+            ssl_insecure=False,
+            connection_strategy="eager",
+            rawtcp=False,
+            websocket=True,
+            upstream_cert=True,
+            ignore_hosts=[],
+            allow_hosts=[],
+            tcp_hosts=[],
+            udp_hosts=[],
+            stream_large_bodies=None,
+            validate_inbound_headers=True,
+        )
+        rt.abort_connection = self.abort_connection
+        self.master = master
+        self._task = asyncio.create_task(master.run(), name="mitmproxy-master")
+        waiter = asyncio.create_task(running.event.wait())
+        done, _ = await asyncio.wait({waiter, self._task}, return_when=asyncio.FIRST_COMPLETED)
+        if self._task in done:
+            waiter.cancel()
+            exc = self._task.exception()
+            raise RuntimeError(f"proxy failed to start: {exc}")
+        addrs = [(str(a[0]), int(a[1])) for a in self.proxyserver.listen_addrs()]
+        if not addrs:
+            await self.stop()
+            raise RuntimeError(f"proxy failed to listen on {host}:{port} (see log)")
+        return addrs
+
+    async def stop(self) -> None:
+        if self.master is not None:
+            self.master.shutdown()
+        if self._task is not None:
+            try:
+                await asyncio.wait_for(self._task, 10)
+            except (TimeoutError, asyncio.CancelledError):
+                self._task.cancel()
+            self._task = None

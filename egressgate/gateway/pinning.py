@@ -1,0 +1,124 @@
+"""Resolve once, check every address, dial exactly the checked one, verify the peer.
+
+mitmproxy resolves a name again after `server_connect`, which would let a rebinding resolver answer
+differently for the check and for the dial. So the decision addons resolve (here, `resolve_target`),
+classify every address with policy/addr.py, and stage a `PinnedTarget`; `server_connect` then rewrites
+the server address to that IP (mitmproxy dials it without resolving) and the SNI to the name, and
+refuses any server connection nobody decided on. `server_connected` checks the socket's real peer.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+
+from mitmproxy.proxy import server_hooks
+
+from egressgate.gateway.context import PinnedTarget, Runtime
+from egressgate.gateway.deny import gateway_deny
+from egressgate.gateway.resolver import ResolveError
+from egressgate.policy.addr import METADATA_HOSTNAMES, AddrClass, check_address
+from egressgate.policy.canon import parse_ip_literal
+from egressgate.policy.facts import Decision, IPAddress
+from egressgate.policy.reasons import Reason
+
+logger = logging.getLogger(__name__)
+
+
+def address_verdict(address: IPAddress, allow_private) -> Decision | None:
+    verdict = check_address(address, allow_private)
+    if verdict is None:
+        return None
+    if verdict.addr_class is AddrClass.METADATA:
+        return gateway_deny(
+            Reason.METADATA_ENDPOINT,
+            "Cloud metadata endpoints are never reachable from a sandbox.",
+            detail=str(verdict.addr_class),
+        )
+    return gateway_deny(
+        Reason.ADDRESS_FORBIDDEN,
+        f"The destination resolves to a {verdict.addr_class} address, which this sandbox may not reach.",
+        detail=str(verdict.addr_class),
+    )
+
+
+async def resolve_target(rt: Runtime, policy, host: str, port: int) -> tuple[PinnedTarget | None, Decision | None]:
+    """Resolve `host` (canonical) once and check every answer; deny if ANY answer is forbidden (a name
+    that mixes a public and a private address is a rebinding setup, not a legitimate service)."""
+    if host in METADATA_HOSTNAMES:
+        return None, gateway_deny(Reason.METADATA_ENDPOINT, "Cloud metadata endpoints are never reachable.")
+    literal = parse_ip_literal(host)
+    if literal is not None:
+        addresses: tuple[IPAddress, ...] = (literal,)
+        sni = None
+    else:
+        try:
+            addresses = await rt.resolver.resolve(host)
+        except ResolveError as exc:
+            logger.info("resolve failed: %s", exc)
+            return None, gateway_deny(
+                Reason.UPSTREAM_UNRESOLVABLE, f"The name {host} could not be resolved by the gateway."
+            )
+        sni = host
+    for address in addresses:
+        denied = address_verdict(address, policy.allow_private)
+        if denied is not None:
+            return None, denied
+    chosen = addresses[0]
+    if rt.is_self(chosen, port):
+        return None, gateway_deny(Reason.SELF_CONNECTION)
+    return PinnedTarget(host=host, port=port, address=chosen, sni=sni), None
+
+
+def _same_ip(a: IPAddress, b: IPAddress) -> bool:
+    if a == b:
+        return True
+    # A v4 destination on a dual-stack socket may be reported as ::ffff:a.b.c.d.
+    for x, y in ((a, b), (b, a)):
+        if isinstance(x, ipaddress.IPv6Address) and x.ipv4_mapped is not None and x.ipv4_mapped == y:
+            return True
+    return False
+
+
+class Pinning:
+    """Addon: the only place a server address is set; refuses undecided destinations."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.rt = runtime
+
+    def server_connect(self, data: server_hooks.ServerConnectionHookData) -> None:
+        conn = self.rt.conns.get(data.client.id)
+        address = data.server.address
+        target = conn.approved.get((address[0], address[1])) if conn is not None and address else None
+        if conn is None or target is None or conn.closed:
+            data.server.error = "egressgate: no allow decision for this destination"
+            logger.warning("refused undecided server connection to %s", address)
+            return
+        policy = self.rt.policies.get(conn.policy_name)
+        if policy is None:
+            data.server.error = "egressgate: no policy for this sandbox"
+            return
+        denied = address_verdict(target.address, policy.allow_private)
+        if denied is not None or self.rt.is_self(target.address, target.port):
+            data.server.error = f"egressgate: pinned address {target.address} refused"
+            return
+        data.server.address = (str(target.address), target.port)
+        data.server.sni = target.sni if target.sni is not None else str(target.address)
+        conn.approved[(str(target.address), target.port)] = target
+
+    def server_connected(self, data: server_hooks.ServerConnectionHookData) -> None:
+        conn = self.rt.conns.get(data.client.id)
+        peer = data.server.peername
+        target = None
+        if conn is not None and data.server.address:
+            target = conn.approved.get((data.server.address[0], data.server.address[1]))
+        ok = False
+        if target is not None and peer:
+            try:
+                ok = _same_ip(ipaddress.ip_address(str(peer[0]).split("%", 1)[0]), target.address)
+            except ValueError:
+                ok = False
+        if not ok:
+            logger.error("peer %s is not the pinned address of %s; aborting", peer, data.server.address)
+            if self.rt.abort_connection is not None:
+                self.rt.abort_connection(data.client.id)

@@ -1,0 +1,155 @@
+"""What runs inside a CONNECT tunnel: TLS interception, HTTP, or (only when a rule allows) raw TCP.
+
+This replaces mitmproxy's NextLayer addon instead of wrapping it: its defaults include raw TCP relays
+for non-HTTP bytes, a DNS relay for port 53 and passthrough for ignore_hosts — each a way around the
+per-request decision. Here every layer is chosen explicitly:
+
+* root (explicit proxy): mitmproxy's explicit-HTTP-proxy stack;
+* inside a tunnel whose CONNECT was allowed only by a raw-TCP rule (`intercept=False`): a TCP relay;
+* otherwise TLS → intercept (MITM with the gateway CA) → HTTP; plaintext HTTP → HTTP;
+* any other bytes → a raw-TCP decision (`network.tcp.allow` for host:port) → relay, or the deny
+  contract and a closed connection. Nothing is forwarded before that decision.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from mitmproxy.addons.next_layer import NextLayer as MitmNextLayer
+from mitmproxy.net.tls import starts_like_tls_record
+from mitmproxy.proxy import commands, events, layer, layers, mode_specs
+from mitmproxy.proxy.layers import modes
+from mitmproxy.proxy.layers.http import HTTPMode
+from mitmproxy.proxy.layers.tls import HTTP_ALPNS
+
+from egressgate.audit.event import AuditEvent, AuditUnavailable, EventKind
+from egressgate.gateway.context import ConnState, Runtime, new_request_id
+from egressgate.gateway.deny import gateway_deny, raw_deny
+from egressgate.policy.decide import decide
+from egressgate.policy.facts import Decision, Facts, Operation
+from egressgate.policy.reasons import Reason
+
+logger = logging.getLogger(__name__)
+
+
+def looks_like_http(data: bytes) -> bool:
+    line_end = data.find(b"\n")
+    space = data.find(b" ")
+    return len(data) >= 3 and data[:3].isalpha() and space != -1 and (line_end == -1 or space < line_end)
+
+
+class RefuseLayer(layer.Layer):
+    """Answers with the deny contract and closes; forwards nothing."""
+
+    def __init__(self, context, payload: bytes) -> None:
+        super().__init__(context)
+        self.payload = payload
+        self.done = False
+
+    def _handle_event(self, event: events.Event) -> layer.CommandGenerator[None]:
+        if not self.done and isinstance(event, events.Start | events.DataReceived):
+            self.done = True
+            yield commands.SendData(self.context.client, self.payload)
+            yield commands.CloseConnection(self.context.client)
+            if self.context.server.connected:
+                yield commands.CloseConnection(self.context.server)
+
+
+class NextLayer:
+    """Addon named `nextlayer` so mitmproxy's own NextLayer is never needed (and never added)."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.rt = runtime
+
+    async def next_layer(self, nextlayer: layer.NextLayer) -> None:
+        if nextlayer.layer is not None:
+            return
+        context = nextlayer.context
+        data = nextlayer.data_client()
+        if context.client.transport_protocol != "tcp":
+            nextlayer.layer = RefuseLayer(context, b"")
+            return
+        top = context.layers[-1] if context.layers else None
+        if len(context.layers) == 1 and isinstance(top, modes.HttpProxy):
+            if isinstance(context.client.proxy_mode, mode_specs.RegularMode):
+                nextlayer.layer = MitmNextLayer._setup_explicit_http_proxy(context, data)
+            return
+        conn = self.rt.conns.get(context.client.id)
+        if conn is None or conn.tunnel_host is None:
+            nextlayer.layer = RefuseLayer(context, b"")
+            return
+        if not conn.intercept and conn.tcp_allowed_rule is not None and not context.client.tls:
+            nextlayer.layer = layers.TCPLayer(context)
+            return
+        after_tls = isinstance(top, layers.ClientTLSLayer)
+        if not after_tls and len(data) < 3:
+            return  # wait for more bytes (mitmproxy asks again on the next DataReceived)
+        if not after_tls and starts_like_tls_record(data):
+            server_tls = layers.ServerTLSLayer(context)
+            server_tls.child_layer = layers.ClientTLSLayer(context)
+            nextlayer.layer = server_tls
+            return
+        if after_tls and context.client.alpn in HTTP_ALPNS:
+            nextlayer.layer = layers.HttpLayer(context, HTTPMode.transparent)
+            return
+        if after_tls and len(data) < 3:
+            return
+        if looks_like_http(data):
+            nextlayer.layer = layers.HttpLayer(context, HTTPMode.transparent)
+            return
+        decision = await self._tcp_decision(conn, context.client.peername)
+        if decision.allowed:
+            conn.tcp_allowed_rule = decision.rule_id
+            nextlayer.layer = layers.TCPLayer(context)
+        else:
+            nextlayer.layer = RefuseLayer(context, raw_deny(decision, new_request_id()))
+
+    async def _tcp_decision(self, conn: ConnState, peer) -> Decision:
+        policy = self.rt.policies.get(conn.policy_name)
+        request_id = new_request_id()
+        decision: Decision
+        facts = None
+        if policy is None or conn.sandbox_id is None:
+            decision = gateway_deny(Reason.POLICY_UNAVAILABLE)
+        else:
+            snapshot = await self.rt.state.snapshot(conn.sandbox_id)
+            assert conn.tunnel_host is not None
+            facts = Facts(
+                operation=Operation.HTTP_REQUEST, host=conn.tunnel_host, port=conn.tunnel_port, scheme="tcp",
+                addresses=(conn.tunnel_target.address,) if conn.tunnel_target else (),
+            )
+            decision = decide(policy, facts, snapshot, self.rt.clock())
+            if not decision.allowed:
+                decision = gateway_deny(
+                    Reason.PROTOCOL_NOT_ALLOWED,
+                    f"Only HTTP(S) is allowed to {conn.tunnel_host}:{conn.tunnel_port}; no network.tcp rule "
+                    f"allows raw TCP there.",
+                    rule_id=decision.rule_id,
+                )
+        event = AuditEvent(
+            kind=EventKind.CONNECT, time_ns=time.time_ns(), request_id=request_id,
+            sandbox_id=conn.sandbox_id, sandbox_labels=dict(conn.labels), decision=str(decision.effect),
+            reason=str(decision.reason), rule_id=decision.rule_id, policy_name=conn.policy_name,
+            policy_hash=policy.hash if policy is not None else None, target_as_sent=conn.tunnel_as_sent,
+            scheme="tcp", host=conn.tunnel_host, port=conn.tunnel_port,
+            pinned_address=str(conn.tunnel_target.address) if conn.tunnel_target else None,
+            client_address=peer[0] if peer else None, message=None if decision.allowed else decision.message,
+            facts=facts,
+        )
+        try:
+            await self.rt.audit.write(event)
+        except AuditUnavailable:
+            return gateway_deny(Reason.AUDIT_UNAVAILABLE)
+        return decision
+
+    def tcp_start(self, flow) -> None:
+        """Defense in depth: any TCP relay the decision did not allow (e.g. a 101 to a non-websocket
+        protocol) is killed before it relays a byte."""
+        conn = self.rt.conns.get(flow.client_conn.id)
+        if conn is None or conn.tcp_allowed_rule is None:
+            logger.warning("killing an undecided raw TCP relay for client %s", flow.client_conn.id)
+            flow.server_conn.error = "egressgate: raw TCP not allowed"
+            flow.kill()
+            if self.rt.abort_connection is not None:
+                self.rt.abort_connection(flow.client_conn.id)

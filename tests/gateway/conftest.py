@@ -1,0 +1,487 @@
+"""Loopback world for the gateway tests: real upstreams (TLS via trustme), a test DNS server, and the
+real gateway started as `egressgate run --config ...` on port 0.
+
+Everything is session-scoped (the gateway, its CA and the servers start once, ~2 s) and tests stay
+independent by admitting a fresh sandbox per test: budgets, identity and revocation are per sandbox.
+Destinations: names under `.test` resolve (through our DNS server only) to 127.0.0.1, where the
+upstreams listen; the *canary* listens on 127.0.0.2, which every policy except `canary-open` forbids
+(`allow_private: [127.0.0.1/32]`), so a gateway bug shows up as a canary hit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+import trustme
+import yaml
+from aiohttp import web
+from dnslib import QTYPE, RR, A, DNSRecord
+
+EGRESSGATE = str(Path(sys.executable).with_name("egressgate"))
+NAMES = ["api.test", "other.test", "sse.test", "tcp.test", "open.test", "nohost.test"]
+
+
+# --------------------------------------------------------------------------------------- servers
+@dataclass
+class Hits:
+    """What each upstream saw (the canary's list must stay empty in deny tests)."""
+
+    requests: list[dict] = field(default_factory=list)
+    tcp: list[bytes] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self, item: dict) -> None:
+        with self.lock:
+            self.requests.append(item)
+
+    def mark(self) -> int:
+        return len(self.requests)
+
+    def since(self, mark: int) -> list[dict]:
+        with self.lock:
+            return list(self.requests[mark:])
+
+
+class LoopThread:
+    """An asyncio loop in a daemon thread for the servers (the tests themselves are synchronous)."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout: float = 10):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+def make_app(hits: Hits, sse_release: dict) -> web.Application:
+    async def record(request: web.Request) -> bytes:
+        body = b""
+        total = 0
+        async for chunk in request.content.iter_any():
+            total += len(chunk)
+            if len(body) < 4096:
+                body += chunk[: 4096 - len(body)]
+        hits.add({
+            "method": request.method, "path": request.path_qs, "host": request.headers.get("Host"),
+            "headers": {k.lower(): v for k, v in request.headers.items()}, "body_len": total,
+            "body_head": body.decode("latin-1"), "complete": True,
+        })
+        return body
+
+    async def echo(request: web.Request) -> web.Response:
+        await record(request)
+        return web.json_response({"method": request.method, "path": request.path_qs,
+                                  "headers": {k.lower(): v for k, v in request.headers.items()}})
+
+    async def big(request: web.Request) -> web.StreamResponse:
+        await record(request)
+        size = int(request.query.get("n", "200000"))
+        resp = web.StreamResponse()
+        resp.content_length = size
+        await resp.prepare(request)
+        chunk = b"x" * 65536
+        sent = 0
+        while sent < size:
+            part = chunk[: min(len(chunk), size - sent)]
+            await resp.write(part)
+            sent += len(part)
+        await resp.write_eof()
+        return resp
+
+    async def sse(request: web.Request) -> web.StreamResponse:
+        await record(request)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        await resp.write(b"data: first\n\n")
+        key = request.query.get("key", "default")
+        event = sse_release.setdefault(key, asyncio.Event())
+        try:
+            await asyncio.wait_for(event.wait(), 10)
+        except TimeoutError:
+            pass
+        await resp.write(b"data: last\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def redirect(request: web.Request) -> web.Response:
+        await record(request)
+        raise web.HTTPFound(request.query.get("to", "https://other.test/echo"))
+
+    async def ws(request: web.Request) -> web.WebSocketResponse:
+        hits.add({"method": "WS", "path": request.path, "host": request.headers.get("Host")})
+        sock = web.WebSocketResponse()
+        await sock.prepare(request)
+        async for msg in sock:
+            hits.add({"method": "WSMSG", "path": request.path, "len": len(msg.data)})
+            await sock.send_str(f"echo:{len(msg.data)}")
+        return sock
+
+    app = web.Application(client_max_size=1 << 30)
+    app.router.add_route("*", "/big", big)
+    app.router.add_get("/sse", sse)
+    app.router.add_get("/redirect", redirect)
+    app.router.add_get("/ws", ws)
+    app.router.add_route("*", "/{tail:.*}", echo)
+    return app
+
+
+class DnsServer(asyncio.DatagramProtocol):
+    """Answers A queries from `records`; `flip` names alternate between two answers with TTL 0."""
+
+    def __init__(self) -> None:
+        self.records: dict[str, str] = {}
+        self.flip: dict[str, list[str]] = {}
+        self.counts: dict[str, int] = {}
+        self.transport = None
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def datagram_received(self, data: bytes, addr) -> None:
+        request = DNSRecord.parse(data)
+        reply = request.reply()
+        q = request.q
+        name = str(q.qname).rstrip(".").lower()
+        self.counts[name] = self.counts.get(name, 0) + 1
+        if q.qtype == QTYPE.A:
+            if name in self.flip:
+                answers = self.flip[name]
+                ip = answers[(self.counts[name] - 1) % len(answers)]
+                reply.add_answer(RR(q.qname, QTYPE.A, rdata=A(ip), ttl=0))
+            elif name in self.records:
+                reply.add_answer(RR(q.qname, QTYPE.A, rdata=A(self.records[name]), ttl=0))
+            else:
+                reply.header.rcode = 3
+        elif name not in self.records and name not in self.flip:
+            reply.header.rcode = 3
+        self.transport.sendto(reply.pack(), addr)
+
+
+@dataclass
+class World:
+    tmp: Path
+    ca: trustme.CA
+    https_port: int
+    http_port: int
+    tcp_port: int
+    canary_https_port: int
+    hits: Hits
+    canary: Hits
+    dns: DnsServer
+    dns_port: int
+    loop: LoopThread
+    sse_release: dict
+
+    def release_sse(self, key: str) -> None:
+        async def _set():
+            self.sse_release.setdefault(key, asyncio.Event()).set()
+        self.loop.run(_set())
+
+
+@pytest.fixture(scope="session")
+def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+    tmp = tmp_path_factory.mktemp("gwworld")
+    ca = trustme.CA()
+    cert = ca.issue_cert(*NAMES, "*.test", "127.0.0.1", "127.0.0.2")
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    cert.configure_cert(ctx)
+    hits, canary = Hits(), Hits()
+    sse_release: dict = {}
+    loop = LoopThread()
+    dns = DnsServer()
+
+    async def start():
+        runners = []
+        out = {}
+        for key, app, host, tls in (
+            ("https", make_app(hits, sse_release), "127.0.0.1", ctx),
+            ("http", make_app(hits, sse_release), "127.0.0.1", None),
+            ("canary", make_app(canary, sse_release), "127.0.0.2", ctx),
+        ):
+            runner = web.AppRunner(app, access_log=None)
+            await runner.setup()
+            site = web.TCPSite(runner, host, 0, ssl_context=tls)
+            await site.start()
+            out[key] = site._server.sockets[0].getsockname()[1]
+            runners.append(runner)
+
+        async def tcp_echo(reader, writer):
+            data = b""
+            try:
+                while chunk := await reader.read(65536):
+                    data += chunk
+                    writer.write(b"echo:" + chunk)
+                    await writer.drain()
+            finally:
+                hits.tcp.append(data)
+                writer.close()
+
+        tcp_server = await asyncio.start_server(tcp_echo, "127.0.0.1", 0)
+        out["tcp"] = tcp_server.sockets[0].getsockname()[1]
+        transport, _ = await asyncio.get_running_loop().create_datagram_endpoint(
+            lambda: dns, local_addr=("127.0.0.1", 0))
+        out["dns"] = transport.get_extra_info("sockname")[1]
+        return out, runners, tcp_server, transport
+
+    ports, runners, tcp_server, transport = loop.run(start())
+    for name in NAMES:
+        dns.records[name] = "127.0.0.1"
+    dns.records["canary.test"] = "127.0.0.2"
+    dns.records["mixed.test"] = "127.0.0.2"
+    dns.flip["rebind.test"] = ["127.0.0.1", "127.0.0.2"]
+    w = World(tmp=tmp, ca=ca, https_port=ports["https"], http_port=ports["http"], tcp_port=ports["tcp"],
+              canary_https_port=ports["canary"], hits=hits, canary=canary, dns=dns, dns_port=ports["dns"],
+              loop=loop, sse_release=sse_release)
+    try:
+        yield w
+    finally:
+        async def stop():
+            for runner in runners:
+                await runner.cleanup()
+            tcp_server.close()
+            transport.close()
+        loop.run(stop())
+        loop.stop()
+
+
+# --------------------------------------------------------------------------------------- policies
+def policies(w: World) -> dict[str, dict]:
+    """Every policy the tests use, keyed by sandbox.name."""
+    https, http, tcp, canary = w.https_port, w.http_port, w.tcp_port, w.canary_https_port
+
+    def base(name: str, network: dict, resources: dict | None = None) -> dict:
+        sandbox = {"name": name}
+        if resources:
+            sandbox["resources"] = resources
+        return {"sandbox": sandbox, "network": {"allow_private": ["127.0.0.1/32"], **network}}
+
+    api_rules = [
+        {"id": "api-get", "host": "api.test", "ports": [https], "methods": ["GET"], "paths": ["/echo", "/v1/**",
+                                                                                            "/sse", "/big",
+                                                                                            "/redirect", "/ws"]},
+        {"id": "api-post", "host": "api.test", "ports": [https], "methods": ["POST"], "paths": ["/upload"]},
+    ]
+    return {
+        "gw-basic": base("gw-basic", {"https": {"allow": api_rules + [
+            {"id": "other-any", "host": "other.test", "ports": [https]},
+            {"id": "sse", "host": "sse.test", "ports": [https], "methods": ["GET"]},
+            {"id": "rebind", "host": "rebind.test", "ports": [https]},
+            {"id": "canary-name", "host": "canary.test", "ports": [canary]},
+            {"id": "literal", "host": "127.0.0.2", "ports": [canary]},
+        ]}, "http": {"allow": [{"id": "plain", "host": "api.test", "ports": [http], "methods": ["GET", "POST"]}]}}),
+        "gw-budget": base("gw-budget", {"https": {"allow": api_rules}, "http": {"allow": [
+            {"id": "plain", "host": "api.test", "ports": [http], "methods": ["GET", "POST"]}]}},
+            {"outbound_bytes_max": 4000}),
+        "gw-tcp": base("gw-tcp", {
+            "https": {"allow": [{"id": "api-any", "host": "api.test", "ports": [https]}]},
+            "tcp": {"allow": [{"id": "tcp-echo", "host": "tcp.test", "ports": [tcp]}]}}),
+        # positive control: the canary address is allowed here, proving the canary is reachable
+        "canary-open": {"sandbox": {"name": "canary-open"}, "network": {
+            "allow_private": ["127.0.0.0/8"],
+            "https": {"allow": [{"id": "canary-name", "host": "canary.test", "ports": [canary]},
+                                {"id": "rebind", "host": "rebind.test", "ports": [https, canary]},
+                                {"id": "literal", "host": "127.0.0.2", "ports": [canary]}]}}},
+    }
+
+
+@dataclass
+class Gateway:
+    proc: subprocess.Popen
+    config: Path
+    policy_dir: Path
+    var: Path
+    proxy: tuple[str, int]
+    admin: str
+    token: str
+    world: World
+
+    @property
+    def bundle(self) -> str:
+        return str(self.var / "ca" / "sandbox-ca-bundle.pem")
+
+    def admit(self, policy: str, labels: dict | None = None) -> Sandbox:
+        res = httpx.post(f"http://{self.admin}/v1/sandboxes", json={"policy": policy, "labels": labels or {}},
+                         headers={"Authorization": f"Bearer {self.token}"}, timeout=10, trust_env=False)
+        assert res.status_code == 201, res.text
+        data = res.json()
+        return Sandbox(id=data["id"], token=data["token"], proxy_url=data["proxy_url"], env=data["env"], gw=self)
+
+    def revoke(self, sandbox_id: str) -> httpx.Response:
+        return httpx.delete(f"http://{self.admin}/v1/sandboxes/{sandbox_id}",
+                            headers={"Authorization": f"Bearer {self.token}"}, timeout=10, trust_env=False)
+
+    def audit_records(self) -> list[dict]:
+        path = self.var / "audit.jsonl"
+        out = []
+        for line in path.read_text().splitlines():
+            if not line.strip():
+                continue
+            rec = json.loads(line)["resourceLogs"][0]["scopeLogs"][0]["logRecords"][0]
+            attrs = {}
+            for kv in rec["attributes"]:
+                value = kv["value"]
+                attrs[kv["key"]] = next(iter(value.values())) if value else None
+            out.append(attrs)
+        return out
+
+
+@dataclass
+class Sandbox:
+    id: str
+    token: str
+    proxy_url: str
+    env: dict
+    gw: Gateway
+
+    def client(self, **kw) -> httpx.Client:
+        return httpx.Client(proxy=self.proxy_url, verify=ssl.create_default_context(cafile=self.gw.bundle), timeout=15, trust_env=False, **kw)
+
+    def url(self, host: str, path: str, port: int | None = None, scheme: str = "https") -> str:
+        port = port or (self.gw.world.https_port if scheme == "https" else self.gw.world.http_port)
+        return f"{scheme}://{host}:{port}{path}"
+
+
+def _read_line(proc: subprocess.Popen, timeout: float) -> str:
+    box: list[str] = []
+    t = threading.Thread(target=lambda: box.append(proc.stdout.readline()), daemon=True)
+    t.start()
+    t.join(timeout)
+    return box[0] if box else ""
+
+
+def start_gateway(w: World, tmp: Path, extra_config: dict | None = None) -> Gateway:
+    policy_dir = tmp / "policies"
+    policy_dir.mkdir(exist_ok=True)
+    for name, doc in policies(w).items():
+        (policy_dir / f"{name}.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
+    var = tmp / "var"
+    ca_bundle = tmp / "upstream-ca.pem"
+    ca_bundle.write_bytes(w.ca.cert_pem.bytes())
+    config = {
+        "listen": {"proxy": "127.0.0.1:0", "admin": "127.0.0.1:0", "dns": None},
+        "policy": str(policy_dir),
+        "var_dir": str(var),
+        "upstream": {"resolver": f"127.0.0.1:{w.dns_port}", "ca_bundle": str(ca_bundle)},
+        **(extra_config or {}),
+    }
+    cfg = tmp / "gateway.yaml"
+    cfg.write_text(yaml.safe_dump(config))
+    stderr = open(tmp / "gateway.stderr", "w")  # noqa: SIM115 - lives with the process
+    proc = subprocess.Popen([EGRESSGATE, "run", "--config", str(cfg), "--log-level", "DEBUG"],
+                            stdout=subprocess.PIPE, stderr=stderr, text=True, env={**os.environ, "NO_PROXY": ""})
+    line = _read_line(proc, 30)
+    try:
+        info = json.loads(line)
+    except ValueError as exc:
+        proc.kill()
+        raise RuntimeError(f"gateway did not start: {line!r}\n{(tmp / 'gateway.stderr').read_text()[-3000:]}") from exc
+    host, _, port = info["proxy"].rpartition(":")
+    token = (var / "admin.token").read_text().strip()
+    return Gateway(proc=proc, config=cfg, policy_dir=policy_dir, var=var, proxy=(host, int(port)),
+                   admin=info["admin"], token=token, world=w)
+
+
+def stop_gateway(gw: Gateway) -> int:
+    if gw.proc.poll() is None:
+        gw.proc.send_signal(signal.SIGTERM)
+        try:
+            return gw.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            gw.proc.kill()
+            gw.proc.wait(5)
+            return -9
+    return gw.proc.returncode
+
+
+@pytest.fixture(scope="session")
+def gateway(world: World, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    gw = start_gateway(world, tmp_path_factory.mktemp("gw"))
+    try:
+        yield gw
+    finally:
+        stop_gateway(gw)
+
+
+# --------------------------------------------------------------------------------------- raw clients
+def connect_tunnel(gw: Gateway, sbx: Sandbox | None, target: str, extra: str = "") -> tuple[socket.socket, bytes]:
+    """Open a CONNECT tunnel with a raw socket; returns the socket and the proxy's response head."""
+    sock = socket.create_connection(gw.proxy, timeout=10)
+    auth = ""
+    if sbx is not None:
+        import base64
+
+        auth = "Proxy-Authorization: Basic " + base64.b64encode(f"{sbx.id}:{sbx.token}".encode()).decode() + "\r\n"
+    sock.sendall(f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n{auth}{extra}\r\n".encode())
+    head = read_head(sock)
+    return sock, head
+
+
+def read_head(sock) -> bytes:
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def read_response(sock, timeout: float = 10) -> tuple[int, dict, bytes]:
+    """Read one HTTP/1.1 response (Content-Length or close-delimited)."""
+    sock.settimeout(timeout)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split()[1]) if lines and len(lines[0].split()) > 1 else 0
+    headers = {}
+    for line in lines[1:]:
+        k, _, v = line.partition(":")
+        headers[k.strip().lower()] = v.strip()
+    if "content-length" in headers:
+        need = int(headers["content-length"])
+        while len(body) < need:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            body += chunk
+    return status, headers, body
+
+
+def tls_wrap(sock: socket.socket, gw: Gateway, sni: str | None) -> ssl.SSLSocket:
+    ctx = ssl.create_default_context(cafile=gw.bundle)
+    if sni is None:
+        ctx.check_hostname = False
+    return ctx.wrap_socket(sock, server_hostname=sni)
+
+
+def wait_for(predicate, timeout: float = 5.0, interval: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
