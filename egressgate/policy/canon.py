@@ -30,8 +30,10 @@ Hosts (:func:`canon_host`)
   ``2130706433``, ``0177.0.0.1``, ``0x7f.1``, ``127.1``, ``0x7f000001``, ``0`` -- after UTS #46 mapping
   (so full-width digits count too), exactly as the WHATWG URL host parser does. Following WHATWG, a name
   whose last label *is a number* (all digits, or ``0x`` + hex) but which is not a valid IPv4 address is an
-  error (``bad_ipv4``: ``1.2.3.999``, ``999999999999``, ``foo.123``, ``1.2.3.4.5``), never a DNS name:
-  resolvers and HTTP clients disagree on such strings.
+  error (``bad_ipv4``: ``1.2.3.999``, ``999999999999``, ``foo.123``, ``1.2.3.4.5``, ``08``), never a DNS
+  name: resolvers and HTTP clients disagree on such strings. A bare ``0x`` part (WHATWG reads 0, glibc
+  fails) is likewise ``bad_ipv4``. Tests check :func:`parse_inet_aton` against the C library's own
+  ``inet_aton`` (``socket.inet_aton``).
 * IPv6 literals are accepted bracketed (``[::1]``) or bare (``::1``, the canonical output form) and parsed
   strictly by :mod:`ipaddress` (``bad_ipv6``). Zone ids (``[fe80::1%25eth0]``, ``fe80::1%eth0``) are
   rejected (``zone_id``): a zone only qualifies link-local / multicast scopes, which egress never
@@ -152,11 +154,9 @@ def _reject_controls(raw: str, what: str) -> None:
 
 
 def _aton_number(part: str) -> int | None:
-    """One inet_aton part: decimal, 0-prefixed octal, 0x-prefixed hex (``0x`` alone is 0)."""
+    """One inet_aton part: decimal, 0-prefixed octal, 0x-prefixed hex (glibc: ``0x`` alone fails)."""
     if part[:2] in ("0x", "0X"):
         digits, base, allowed = part[2:], 16, "0123456789abcdefABCDEF"
-        if digits == "":
-            return 0
     elif len(part) > 1 and part[0] == "0":
         digits, base, allowed = part[1:], 8, "01234567"
     else:
@@ -167,10 +167,11 @@ def _aton_number(part: str) -> int | None:
 
 
 def _looks_numeric(label: str) -> bool:
-    """WHATWG "ends in a number": all ASCII digits, or a parseable 0x-hex number."""
+    """WHATWG "ends in a number": all ASCII digits, or ``0x`` followed by hex digits (or nothing: WHATWG
+    reads ``0x`` as 0 where glibc fails, so such a host is rejected rather than sent to DNS)."""
     if label and all(c in "0123456789" for c in label):
         return True
-    return label[:2] in ("0x", "0X") and _aton_number(label) is not None
+    return label[:2] in ("0x", "0X") and all(c in "0123456789abcdefABCDEF" for c in label[2:])
 
 
 def _aton_parts(parts: list[str]) -> IPv4Address | None:
@@ -389,9 +390,7 @@ def split_host_port(authority: str, default_port: int | None = None) -> tuple[st
         elif colons == 1:
             host, port_text = authority.split(":")
         else:
-            raise CanonError(
-                "unbracketed_ipv6", f"an IPv6 address in an authority needs brackets: {_show(authority)}"
-            )
+            raise CanonError("unbracketed_ipv6", f"an IPv6 address in an authority needs brackets: {_show(authority)}")
     if host == "":
         raise CanonError("empty_host", f"authority has no host: {_show(authority)}")
     return canon_host(host), canon_port(port_text, default_port)
@@ -516,4 +515,3 @@ def canon_method(raw: str) -> str:
     if not _TCHAR.fullmatch(raw):
         raise CanonError("bad_method", f"method contains characters outside RFC 9110 tchar: {_show(raw)}")
     return raw.upper()
-
