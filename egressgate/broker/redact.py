@@ -101,25 +101,30 @@ class Scrubber:
         self.replacement = replacement
         self.max_len = max((len(p) for p in self.patterns), default=0)
         alternation = b"|".join(re.escape(p) for p in self.patterns)
-        # A zero-width lookahead reports a match at every position, overlapping ones included.
-        self._regex = re.compile(b"(?=(" + alternation + b"))") if self.patterns else None
+        # Plain alternation keeps sre's first-character skip (a lookahead would test every position);
+        # overlapping matches are found by searching again from one byte after each match start.
+        self._regex = re.compile(alternation) if self.patterns else None
 
     def spans(self, data: bytes, limit: int | None = None) -> list[tuple[int, int]]:
-        """Merged [start, end) intervals of matches starting before `limit` (default: anywhere)."""
+        """Merged [start, end) intervals of all matches (overlapping ones included) that start before
+        `limit` (default: anywhere). Matches may end after `limit`; `data` must hold their bytes."""
         if self._regex is None:
             return []
         end_pos = len(data) if limit is None else limit
         merged: list[tuple[int, int]] = []
-        for m in self._regex.finditer(data, 0, len(data)):
-            start = m.start()
-            if start >= end_pos:
+        search = self._regex.search
+        pos = 0
+        while pos < end_pos:
+            m = search(data, pos)
+            if m is None or m.start() >= end_pos:
                 break
-            stop = start + len(m.group(1))
+            start, stop = m.span()
             if merged and start <= merged[-1][1]:
                 if stop > merged[-1][1]:
                     merged[-1] = (merged[-1][0], stop)
             else:
                 merged.append((start, stop))
+            pos = start + 1
         return merged
 
     def scrub(self, data: bytes) -> bytes:
