@@ -28,6 +28,7 @@ class CacheEntry:
     stored: float  # monotonic seconds
     expires: float
     filtered: dict[Any, Any] = field(default_factory=dict)  # allow_private -> filter result
+    packed: dict[Any, tuple[int, bytes]] = field(default_factory=dict)  # see Resolver._pack
 
     def remaining(self, now: float) -> int:
         """Whole seconds left, at least 1 while the entry is alive (a TTL of 0 would disable client caching

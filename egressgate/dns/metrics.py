@@ -33,6 +33,7 @@ class DnsMetrics:
     dropped_oversize: int = 0
     dropped_responses: int = 0  # QR bit set: never answer a response (reflection loops)
     dropped_overload: int = 0
+    udp_send_failed: int = 0
     truncated: int = 0  # UDP answers sent with TC
     audit_failures: int = 0
     state_failures: int = 0

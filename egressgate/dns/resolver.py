@@ -19,7 +19,9 @@ deny rcode; every dependency failure (state, policy, audit, upstream) gets SERVF
 from __future__ import annotations
 
 import asyncio
+import itertools
 import secrets
+import struct
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -39,6 +41,7 @@ from egressgate.dns.wire import (
     CD,
     CLASS_IN,
     FORMERR,
+    HEADER,
     NOERROR,
     NOTIMP,
     QR,
@@ -109,6 +112,9 @@ class Resolver:
         )
         self.cache = AnswerCache(config.cache_size, config.cache_min_ttl, config.cache_max_ttl, config.negative_ttl)
         self.rate = RateLimiter()
+        # Request ids: a random per-process prefix and a counter (unique, and cheaper than 12 random bytes).
+        self._rid_prefix = secrets.token_hex(8)
+        self._rid = itertools.count()
         self._inflight: dict[tuple[str, int], asyncio.Future[CacheEntry]] = {}
         self._unknown: OrderedDict[str, list[int]] = OrderedDict()  # budgets of unregistered sources
 
@@ -296,7 +302,7 @@ class Resolver:
         rcode = entry.answer.rcode
         if not await self._audit(ctx, decision, rcode, _describe(filtered)):
             return bare_response(query.id, query.flags, SERVFAIL, query.question, opt)
-        return self._pack(query, rcode, filtered, entry.remaining(time.monotonic()))
+        return self._pack(entry, filtered, query, (policy.allow_private, query.edns))
 
     async def _lookup(self, ctx: _Ctx, host: str, qtype: int) -> CacheEntry:
         key = (host, qtype)
@@ -326,16 +332,31 @@ class Resolver:
         finally:
             del self._inflight[key]
 
-    def _pack(self, query: Query, rcode: int, filtered: Filtered, remaining: int) -> bytes:
+    def _pack(self, entry: CacheEntry, filtered: Filtered, query: Query, key: object) -> bytes:
+        """The answer bytes. Packing with dnslib costs more than everything else on the cached path, so the
+        packed answer is memoised per cache entry, per filtered view and per EDNS presence, and re-packed
+        when the remaining TTL (whole seconds) changes. The memo holds the canonical (lower-case) question;
+        the client's id, flags and name spelling (same length: the name differs only in case, resolve()
+        made sure) are patched in, so compression pointers stay valid."""
+        remaining = entry.remaining(time.monotonic())
+        rcode = entry.answer.rcode
+        memo = entry.packed.get(key)
+        if memo is None or memo[0] != remaining:
+            reply = DNSRecord(
+                DNSHeader(id=0, bitmap=QR | RA | rcode),
+                questions=[DNSQuestion(DNSLabel(tuple(x.lower() for x in query.labels)), query.qtype, query.qclass)],
+                rr=[RR(r.rname, r.rtype, r.rclass, min(r.ttl, remaining), r.rdata) for r in filtered.answers],
+                auth=[RR(r.rname, r.rtype, r.rclass, min(r.ttl, remaining), r.rdata) for r in filtered.authority],
+                ar=[EDNS0(udp_len=self.config.max_udp_response)] if query.edns else [],
+            )
+            memo = (remaining, reply.pack())
+            entry.packed[key] = memo
+        template = memo[1]
+        name_end = HEADER.size + len(query.question) - 4
         flags = QR | RA | (query.flags & (RD | CD)) | rcode
-        reply = DNSRecord(
-            DNSHeader(id=query.id, bitmap=flags),
-            questions=[DNSQuestion(DNSLabel(query.labels), query.qtype, query.qclass)],
-            rr=[RR(r.rname, r.rtype, r.rclass, min(r.ttl, remaining), r.rdata) for r in filtered.answers],
-            auth=[RR(r.rname, r.rtype, r.rclass, min(r.ttl, remaining), r.rdata) for r in filtered.authority],
-            ar=[EDNS0(udp_len=self.config.max_udp_response)] if query.edns else [],
+        return (
+            struct.pack("!HH", query.id, flags) + template[4 : HEADER.size] + query.question[:-4] + template[name_end:]
         )
-        return reply.pack()
 
     # --- denials and audit ---------------------------------------------------------------------------
 
@@ -379,7 +400,7 @@ class Resolver:
         event = AuditEvent(
             kind=EventKind.DNS_QUERY,
             time_ns=time.time_ns(),
-            request_id=secrets.token_hex(12),
+            request_id=f"{self._rid_prefix}{next(self._rid):010x}",
             sandbox_id=ctx.sandbox_id,
             sandbox_labels=ctx.labels or {},
             decision=str(decision.effect),
