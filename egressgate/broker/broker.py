@@ -30,6 +30,12 @@ log = logging.getLogger("egressgate.broker")
 CacheKey = tuple[str, Any, str, str]
 
 
+def _retrieve(task: asyncio.Task[Credential]) -> None:
+    """Mark a failed mint's exception as seen even when every waiter has gone away."""
+    if not task.cancelled():
+        task.exception()
+
+
 class Broker:
     def __init__(
         self,
@@ -44,7 +50,7 @@ class Broker:
         self.reuse_fraction = reuse_fraction
         self.cache_max_entries = cache_max_entries
         self._cache: OrderedDict[CacheKey, Credential] = OrderedDict()
-        self._inflight: dict[CacheKey, asyncio.Future[Credential]] = {}
+        self._inflight: dict[CacheKey, asyncio.Task[Credential]] = {}
         self.hits = 0
         self.mints = 0
 
@@ -70,6 +76,8 @@ class Broker:
         await self.backend.start()
 
     async def aclose(self) -> None:
+        for task in list(self._inflight.values()):
+            task.cancel()
         await self.backend.aclose()
         self._cache.clear()
 
@@ -105,31 +113,40 @@ class Broker:
             self.hits += 1
             self._cache.move_to_end(key)
             return cached
-        pending = self._inflight.get(key)
-        if pending is not None:
+        task = self._inflight.get(key)
+        if task is None:
+            # The mint runs as its own task: a waiter that is cancelled (client went away) neither
+            # cancels the shared mint nor loses the result for the others; it is cached either way.
+            task = asyncio.create_task(
+                self._mint_and_store(key, name, capability, sandbox_id, audience, now, max_ttl_seconds)
+            )
+            task.add_done_callback(_retrieve)
+            self._inflight[key] = task
+        else:
             self.hits += 1
-            return await asyncio.shield(pending)
-        future: asyncio.Future[Credential] = asyncio.get_running_loop().create_future()
-        self._inflight[key] = future
+        return await asyncio.shield(task)
+
+    async def _mint_and_store(
+        self,
+        key: CacheKey,
+        name: str,
+        capability: StaticCapability | JwtCapability | VaultOidcCapability,
+        sandbox_id: str,
+        audience: str,
+        now: float,
+        max_ttl_seconds: int,
+    ) -> Credential:
         try:
             credential = await self._mint(name, capability, sandbox_id, audience, now, max_ttl_seconds)
-        except BaseException as exc:
-            err = (
-                exc
-                if isinstance(exc, CredentialUnavailable)
-                else CredentialUnavailable(f"capability {name!r}: {type(exc).__name__}")
-            )
-            future.set_exception(err)
-            future.exception()  # mark retrieved: nobody may be waiting
-            if isinstance(exc, CredentialUnavailable | asyncio.CancelledError):
-                raise
-            raise err from exc
+        except CredentialUnavailable:
+            raise
+        except Exception as exc:  # anything unexpected still fails closed, with one error type
+            raise CredentialUnavailable(f"capability {name!r}: {type(exc).__name__}") from exc
         else:
-            future.set_result(credential)
             self._store(key, credential, now)
             return credential
         finally:
-            del self._inflight[key]
+            self._inflight.pop(key, None)
 
     def _store(self, key: CacheKey, credential: Credential, now: float) -> None:
         self._cache[key] = credential

@@ -142,8 +142,14 @@ class Scrubber:
         return self.scrub(text.encode("utf-8", "surrogateescape")).decode("utf-8", "surrogateescape")
 
     def scrub_headers(self, headers: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
-        """Every header (Location, Set-Cookie, WWW-Authenticate, custom echoes...), names included."""
-        return [(self.scrub_text(k), self.scrub_text(v)) for k, v in headers]
+        """Every header value (Location, Set-Cookie, WWW-Authenticate, custom echoes...) is scrubbed; a
+        header whose *name* carries a secret is dropped (a redacted name would not be a valid token)."""
+        out = []
+        for k, v in headers:
+            if self.contains_secret(k.encode("utf-8", "surrogateescape")):
+                continue
+            out.append((k, self.scrub_text(v)))
+        return out
 
     def contains_secret(self, data: bytes) -> bool:
         return bool(self.spans(data))

@@ -128,3 +128,14 @@ async def test_failures_are_not_cached_and_burst_shares_failure(local: Broker, t
     assert local.backend.calls == 1  # one attempt for the whole burst
     os.chmod(p, 0o600)  # fixed: the next request succeeds (the failure was not cached)
     assert (await local.issue("x", cap, "s", "h", 1000.0)).value == SECRET
+
+
+async def test_cancelled_waiter_does_not_cancel_the_shared_mint(local: Broker, tmp_path: Path) -> None:
+    cap = file_cap(secret_file(tmp_path, 0o600))
+    first = asyncio.create_task(local.issue("x", cap, "s", "h", 1000.0))
+    await asyncio.sleep(0)  # the mint is now in flight (reading the file in a worker thread)
+    first.cancel()
+    cred = await local.issue("x", cap, "s", "h", 1000.0)
+    assert cred.value == SECRET and local.backend.calls == 1
+    with pytest.raises(asyncio.CancelledError):
+        await first

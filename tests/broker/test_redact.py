@@ -156,3 +156,9 @@ def test_property_stream_equals_whole_and_nothing_leaks(secret, user, filler, cu
     out = b"".join(stream(c) for c in chunks if c) + stream(b"")
     assert out == s.scrub(body)
     assert not leaks(out, secret)
+
+
+def test_header_named_after_a_secret_is_dropped() -> None:
+    s = Scrubber([SECRET])
+    out = s.scrub_headers([(f"X-{quote(SECRET, safe='')}", "1"), ("X-Ok", "2")])
+    assert out == [("X-Ok", "2")]
