@@ -53,6 +53,22 @@ def phantom_hash(value: str) -> str:
     return hash_token(value.lower())
 
 
+def admission_phantoms(capabilities: dict[str, AnyCapability]) -> tuple[dict[str, str], dict[str, str]]:
+    """For admission: (env for the sandbox {phantom_env: phantom}, {capability: phantom_hash} to store
+    in SandboxRecord.phantoms). Only phantom-mode capabilities appear; real values never do."""
+    env: dict[str, str] = {}
+    hashes: dict[str, str] = {}
+    for name, cap in sorted(capabilities.items()):
+        if cap.mode != "phantom" or cap.phantom_env is None:
+            continue
+        if cap.phantom_env in env:
+            raise ValueError(f"capabilities share phantom_env {cap.phantom_env!r}")
+        value = phantom_value()
+        env[cap.phantom_env] = value
+        hashes[name] = phantom_hash(value)
+    return env, hashes
+
+
 @dataclass(frozen=True, slots=True)
 class Injection:
     headers: Headers  # the complete new header list

@@ -15,6 +15,7 @@ from egressgate.broker.credential import Credential
 from egressgate.broker.inject import (
     PHANTOM_LEN,
     PhantomBodyScanner,
+    admission_phantoms,
     find_phantoms,
     inject,
     phantom_hash,
@@ -148,3 +149,14 @@ def test_phantom_every_split_offset() -> None:
         scanner.feed(body[:cut])
         scanner.feed(body[cut:])
         assert len(scanner.hits) == 1, cut
+
+
+def test_admission_phantoms() -> None:
+    env, hashes = admission_phantoms({"openai": PHANTOM_CAP, "plain": BEARER})
+    assert list(env) == ["OPENAI_API_KEY"] and list(hashes) == ["openai"]
+    assert phantom_hash(env["OPENAI_API_KEY"]) == hashes["openai"]
+    assert REAL not in str(env)
+    env2, _ = admission_phantoms({"openai": PHANTOM_CAP})
+    assert env2 != env  # fresh per sandbox
+    with pytest.raises(ValueError, match="share phantom_env"):
+        admission_phantoms({"a": PHANTOM_CAP, "b": PHANTOM_CAP})
