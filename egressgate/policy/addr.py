@@ -46,6 +46,7 @@ every IPv4 host behind the translator).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import StrEnum
@@ -330,7 +331,12 @@ def _address(ip: object) -> IPAddress:
 
 def classify(ip: IPAddress | str) -> Classification:
     """Classify one address (an ``ipaddress`` object or its strict text; scope ids are ignored)."""
-    address = _address(ip)
+    return _classify(_address(ip))
+
+
+@functools.lru_cache(maxsize=8192)
+def _classify(address: IPAddress) -> Classification:
+    # Cached: the same few upstream addresses are checked on every request; results are immutable.
     if isinstance(address, IPv4Address):
         cls, provider = _classify_v4(address)
         return Classification(cls, address, provider=provider)
