@@ -133,6 +133,7 @@ class FileSink:
         if self.path is not None:
             await asyncio.to_thread(self._open_initial)
         self._writer = asyncio.create_task(self._write_loop(), name="audit-writer")
+        self._writer.add_done_callback(self._writer_done)
         if self.path is not None and self.exporter is not None:
             self._export_task = asyncio.create_task(self._export_loop(), name="audit-exporter")
         return self
@@ -158,6 +159,19 @@ class FileSink:
         self._fd = os.open(self.path, flags, 0o600)
         os.fchmod(self._fd, 0o600)
         self._size = os.fstat(self._fd).st_size
+
+    def _writer_done(self, task: asyncio.Task) -> None:
+        """Fail closed if the writer task ever dies outside close(): no caller may wait forever."""
+        if task.cancelled() or task.exception() is not None:
+            log.critical("audit writer stopped unexpectedly: %s", "cancelled" if task.cancelled() else task.exception())
+            self._healthy = False
+            self._closed = True
+            self.on_failure = "deny"  # a dead writer is never 'allow-and-alert'
+        err = AuditUnavailable("audit writer is not running")
+        while not self._queue.empty():
+            item = self._queue.get_nowait()
+            if item is not _STOP and not item[1].done():
+                item[1].set_exception(err)
 
     def healthy(self) -> bool:
         """False after a failed write until one succeeds. In allow-and-alert mode callers are not asked

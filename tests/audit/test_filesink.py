@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import stat
 import subprocess
@@ -181,3 +182,15 @@ def test_sink_rejects_bad_config(signer):
         FileSink(None, signer)
     with pytest.raises(ValueError):
         FileSink("/tmp/x", signer, on_failure="ignore")
+
+
+async def test_dead_writer_fails_closed(make_sink):
+    sink = await make_sink(on_failure="allow-and-alert")
+    await sink.write(http_event(1))
+    sink._writer.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await sink._writer
+    await asyncio.sleep(0)  # the done callback runs
+    assert not sink.healthy()
+    with pytest.raises(AuditUnavailable):
+        await asyncio.wait_for(sink.write(http_event(2)), 2)
