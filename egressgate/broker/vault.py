@@ -37,7 +37,7 @@ ENV_TOKEN = "EGRESSGATE_VAULT_TOKEN"  # noqa: S105 (a variable name)
 
 def _vault_message(exc: hvac.exceptions.VaultError) -> str:
     errors = getattr(exc, "errors", None) or []
-    detail = "; ".join(str(e) for e in errors)[:200] if errors else ""
+    detail = " ".join("; ".join(str(e) for e in errors).split())[:200] if errors else ""
     return f"{type(exc).__name__}{': ' + detail if detail else ''}"
 
 
@@ -210,26 +210,51 @@ class VaultBackend:
 
     # --- transit JWT signing ----------------------------------------------------------------
 
+    async def transit_key_info(self, key_name: str) -> tuple[int, dict[int, bytes]]:
+        """(latest version, {version: raw Ed25519 public key}) of a transit key; refuses other types."""
+        cfg = self.config
+        resp = await self._call(lambda c: c.secrets.transit.read_key(key_name, mount_point=cfg.transit_mount))
+        data = resp["data"]
+        if data.get("type") != "ed25519":
+            raise CredentialUnavailable(f"transit key {key_name!r} is {data.get('type')!r}, need ed25519")
+        try:
+            keys = {int(v): base64.b64decode(info["public_key"]) for v, info in data["keys"].items()}
+            latest = int(data["latest_version"])
+        except (KeyError, TypeError, ValueError):
+            raise CredentialUnavailable(f"transit key {key_name!r}: malformed key listing") from None
+        if latest not in keys:
+            raise CredentialUnavailable(f"transit key {key_name!r}: latest version has no public key")
+        return latest, keys
+
+    async def transit_sign(self, key_name: str, version: int, data: bytes) -> bytes:
+        """Raw Ed25519 signature by version `version` of transit key `key_name` (the key stays in Vault)."""
+        cfg = self.config
+        resp = await self._call(
+            lambda c: c.secrets.transit.sign_data(
+                key_name,
+                hash_input=base64.b64encode(data).decode(),
+                key_version=version,
+                mount_point=cfg.transit_mount,
+            )
+        )
+        signature = resp["data"]["signature"]  # "vault:v<N>:<base64 std>"
+        prefix, _, b64 = signature.rpartition(":")
+        if prefix != f"vault:v{version}":
+            raise CredentialUnavailable("transit signed with an unexpected key version")
+        return base64.b64decode(b64)
+
     async def _refresh_key(self, force: bool = False) -> None:
         if not force and time.monotonic() - self._key_read_at < self.key_info_ttl and self._latest_kid:
             return
-        cfg = self.config
-        resp = await self._call(lambda c: c.secrets.transit.read_key(cfg.transit_key, mount_point=cfg.transit_mount))
-        data = resp["data"]
-        if data.get("type") != "ed25519":
-            raise CredentialUnavailable(f"transit key {cfg.transit_key!r} is {data.get('type')!r}, need ed25519")
+        latest, keys = await self.transit_key_info(self.config.transit_key)
         versions: dict[str, int] = {}
         jwks: list[dict[str, str]] = []
-        latest_kid = None
-        for ver, info in sorted(data["keys"].items(), key=lambda kv: int(kv[0])):
-            jwk = okp_jwk(base64.b64decode(info["public_key"]))
-            versions[jwk["kid"]] = int(ver)
+        for ver in sorted(keys):
+            jwk = okp_jwk(keys[ver])
+            versions[jwk["kid"]] = ver
             jwks.append(jwk)
-            if int(ver) == int(data["latest_version"]):
-                latest_kid = jwk["kid"]
-        if latest_kid is None:
-            raise CredentialUnavailable(f"transit key {cfg.transit_key!r}: latest version has no public key")
-        self._key_versions, self._jwks, self._latest_kid = versions, jwks, latest_kid
+        self._key_versions, self._jwks = versions, jwks
+        self._latest_kid = okp_jwk(keys[latest])["kid"]
         self._key_read_at = time.monotonic()
 
     async def signing_kid(self) -> str:
@@ -241,20 +266,7 @@ class VaultBackend:
         version = self._key_versions.get(kid)
         if version is None:
             raise CredentialUnavailable(f"unknown transit key id {kid!r}")
-        cfg = self.config
-        resp = await self._call(
-            lambda c: c.secrets.transit.sign_data(
-                cfg.transit_key,
-                hash_input=base64.b64encode(data).decode(),
-                key_version=version,
-                mount_point=cfg.transit_mount,
-            )
-        )
-        signature = resp["data"]["signature"]  # "vault:v<N>:<base64 std>"
-        prefix, _, b64 = signature.rpartition(":")
-        if prefix != f"vault:v{version}":
-            raise CredentialUnavailable("transit signed with an unexpected key version")
-        return base64.b64decode(b64)
+        return await self.transit_sign(self.config.transit_key, version, data)
 
     async def public_jwks(self) -> list[dict[str, str]]:
         await self._refresh_key()

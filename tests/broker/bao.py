@@ -32,6 +32,9 @@ path "secret/data/egressgate/*" { capabilities = ["read"] }
 path "transit/sign/egressgate-jwt" { capabilities = ["update"] }
 path "transit/sign/egressgate-jwt/*" { capabilities = ["update"] }
 path "transit/keys/egressgate-jwt" { capabilities = ["read"] }
+path "transit/sign/egressgate-audit" { capabilities = ["update"] }
+path "transit/keys/egressgate-audit" { capabilities = ["read"] }
+path "transit/keys/not-ed25519" { capabilities = ["read"] }
 path "identity/oidc/token/sbx-api" { capabilities = ["read"] }
 path "identity/oidc/token/sbx-long" { capabilities = ["read"] }
 """
@@ -90,6 +93,8 @@ class BaoServer:
         c = self.root()
         c.sys.enable_secrets_engine("transit")
         c.secrets.transit.create_key("egressgate-jwt", key_type="ed25519")
+        c.secrets.transit.create_key("egressgate-audit", key_type="ed25519")
+        c.secrets.transit.create_key("not-ed25519", key_type="ecdsa-p256")
         c.secrets.kv.v2.create_or_update_secret(
             path="egressgate/openai", secret={"api_key": KV_SECRET}, mount_point="secret"
         )
