@@ -32,7 +32,7 @@ from aiohttp import web
 from dnslib import QTYPE, RR, A, DNSRecord
 
 EGRESSGATE = str(Path(sys.executable).with_name("egressgate"))
-NAMES = ["api.test", "other.test", "sse.test", "tcp.test", "open.test", "nohost.test"]
+NAMES = ["h2.test", "api.test", "other.test", "sse.test", "tcp.test", "open.test", "nohost.test"]
 
 
 # --------------------------------------------------------------------------------------- servers
@@ -144,6 +144,40 @@ def make_app(hits: Hits, sse_release: dict) -> web.Application:
     return app
 
 
+async def serve_h2(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, hits: Hits) -> None:
+    """A minimal HTTP/2-only upstream (h2 state machine over asyncio) so the client side negotiates h2
+    through the gateway (mitmproxy mirrors the upstream's ALPN)."""
+    import h2.config
+    import h2.connection
+    import h2.events
+
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False))
+    conn.initiate_connection()
+    writer.write(conn.data_to_send())
+    streams: dict[int, dict] = {}
+    try:
+        while data := await reader.read(65536):
+            for event in conn.receive_data(data):
+                if isinstance(event, h2.events.RequestReceived):
+                    streams[event.stream_id] = {k.decode(): v.decode() for k, v in event.headers}
+                elif isinstance(event, h2.events.DataReceived):
+                    conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+                elif isinstance(event, h2.events.StreamEnded):
+                    req = streams.pop(event.stream_id, {})
+                    hits.add({"method": req.get(":method"), "path": req.get(":path"),
+                              "host": req.get(":authority"), "headers": req, "body_len": 0, "h2": True})
+                    body = json.dumps({"path": req.get(":path"), "h2": True}).encode()
+                    conn.send_headers(event.stream_id, [(":status", "200"), ("content-type", "application/json"),
+                                                        ("content-length", str(len(body)))])
+                    conn.send_data(event.stream_id, body, end_stream=True)
+            writer.write(conn.data_to_send())
+            await writer.drain()
+    except (ConnectionError, OSError):
+        pass
+    finally:
+        writer.close()
+
+
 class DnsServer(asyncio.DatagramProtocol):
     """Answers A queries from `records`; `flip` names alternate between two answers with TTL 0."""
 
@@ -161,8 +195,8 @@ class DnsServer(asyncio.DatagramProtocol):
         reply = request.reply()
         q = request.q
         name = str(q.qname).rstrip(".").lower()
-        self.counts[name] = self.counts.get(name, 0) + 1
         if q.qtype == QTYPE.A:
+            self.counts[name] = self.counts.get(name, 0) + 1
             if name in self.flip:
                 answers = self.flip[name]
                 ip = answers[(self.counts[name] - 1) % len(answers)]
@@ -181,6 +215,7 @@ class World:
     tmp: Path
     ca: trustme.CA
     https_port: int
+    h2_port: int
     http_port: int
     tcp_port: int
     canary_https_port: int
@@ -190,6 +225,7 @@ class World:
     dns_port: int
     loop: LoopThread
     sse_release: dict
+    snis: list
 
     def release_sse(self, key: str) -> None:
         async def _set():
@@ -201,9 +237,11 @@ class World:
 def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     tmp = tmp_path_factory.mktemp("gwworld")
     ca = trustme.CA()
-    cert = ca.issue_cert(*NAMES, "*.test", "127.0.0.1", "127.0.0.2")
+    cert = ca.issue_cert(*NAMES, "canary.test", "rebind.test", "mixed.test", "127.0.0.1", "127.0.0.2")
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     cert.configure_cert(ctx)
+    snis: list = []
+    ctx.sni_callback = lambda _sock, name, _ctx: snis.append(name)
     hits, canary = Hits(), Hits()
     sse_release: dict = {}
     loop = LoopThread()
@@ -211,6 +249,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
 
     async def start():
         runners = []
+        servers: list = []
         out = {}
         for key, app, host, tls in (
             ("https", make_app(hits, sse_release), "127.0.0.1", ctx),
@@ -235,29 +274,41 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
                 hits.tcp.append(data)
                 writer.close()
 
+        # The rebinding canary: same port as the real HTTPS upstream, on the forbidden 127.0.0.2.
+        runner = web.AppRunner(make_app(canary, sse_release), access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.2", out["https"], ssl_context=ctx).start()
+        runners.append(runner)
         tcp_server = await asyncio.start_server(tcp_echo, "127.0.0.1", 0)
+        h2ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        cert.configure_cert(h2ctx)
+        h2ctx.set_alpn_protocols(["h2"])
+        h2_server = await asyncio.start_server(lambda r, w: serve_h2(r, w, hits), "127.0.0.1", 0, ssl=h2ctx)
+        out["h2"] = h2_server.sockets[0].getsockname()[1]
+        servers.append(h2_server)
         out["tcp"] = tcp_server.sockets[0].getsockname()[1]
         transport, _ = await asyncio.get_running_loop().create_datagram_endpoint(
             lambda: dns, local_addr=("127.0.0.1", 0))
         out["dns"] = transport.get_extra_info("sockname")[1]
-        return out, runners, tcp_server, transport
+        return out, runners, [tcp_server, *servers], transport
 
-    ports, runners, tcp_server, transport = loop.run(start())
+    ports, runners, tcp_servers, transport = loop.run(start())
     for name in NAMES:
         dns.records[name] = "127.0.0.1"
     dns.records["canary.test"] = "127.0.0.2"
     dns.records["mixed.test"] = "127.0.0.2"
     dns.flip["rebind.test"] = ["127.0.0.1", "127.0.0.2"]
-    w = World(tmp=tmp, ca=ca, https_port=ports["https"], http_port=ports["http"], tcp_port=ports["tcp"],
+    w = World(tmp=tmp, ca=ca, https_port=ports["https"], h2_port=ports["h2"], http_port=ports["http"], tcp_port=ports["tcp"],
               canary_https_port=ports["canary"], hits=hits, canary=canary, dns=dns, dns_port=ports["dns"],
-              loop=loop, sse_release=sse_release)
+              loop=loop, sse_release=sse_release, snis=snis)
     try:
         yield w
     finally:
         async def stop():
             for runner in runners:
                 await runner.cleanup()
-            tcp_server.close()
+            for server in tcp_servers:
+                server.close()
             transport.close()
         loop.run(stop())
         loop.stop()
@@ -284,6 +335,7 @@ def policies(w: World) -> dict[str, dict]:
         "gw-basic": base("gw-basic", {"https": {"allow": api_rules + [
             {"id": "other-any", "host": "other.test", "ports": [https]},
             {"id": "sse", "host": "sse.test", "ports": [https], "methods": ["GET"]},
+            {"id": "h2-get", "host": "h2.test", "ports": [w.h2_port], "methods": ["GET"], "paths": ["/ok/**"]},
             {"id": "rebind", "host": "rebind.test", "ports": [https]},
             {"id": "canary-name", "host": "canary.test", "ports": [canary]},
             {"id": "literal", "host": "127.0.0.2", "ports": [canary]},
@@ -431,8 +483,9 @@ def connect_tunnel(gw: Gateway, sbx: Sandbox | None, target: str, extra: str = "
 
         auth = "Proxy-Authorization: Basic " + base64.b64encode(f"{sbx.id}:{sbx.token}".encode()).decode() + "\r\n"
     sock.sendall(f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n{auth}{extra}\r\n".encode())
-    head = read_head(sock)
-    return sock, head
+    status, headers, body = read_response(sock)
+    head = f"HTTP/1.1 {status} -\r\n".encode() + "".join(f"{k}: {v}\r\n" for k, v in headers.items()).encode()
+    return sock, head + b"\r\n" + body
 
 
 def read_head(sock) -> bytes:
