@@ -175,7 +175,7 @@ class BrokerConfig(_Strict):
     # local backend
     local_key_dir: str = "./var/keys"
     # vault / openbao backend
-    vault_addr: str | None = None
+    vault_addr: Annotated[str, Field(pattern=r"^https?://[^\s/]+(/.*)?$")] | None = None
     auth: Literal["approle", "token"] = "approle"
     approle_mount: str = "approle"
     role_id: SecretStr | None = None  # else env EGRESSGATE_VAULT_ROLE_ID

@@ -97,11 +97,20 @@ def _strip(headers: Headers, names: set[str]) -> tuple[Headers, tuple[str, ...]]
     return kept, tuple(sorted(set(removed)))
 
 
+def _checked(credential: Credential) -> str:
+    """Backends already refuse CR/LF/NUL; checked again here because a header value with a line break
+    is request smuggling, whatever produced it."""
+    value = credential.value
+    if not value or any(ch in value for ch in "\r\n\x00"):
+        raise ValueError(f"credential for {credential.capability!r} is empty or contains CR/LF/NUL")
+    return value
+
+
 def inject(capability: AnyCapability, credential: Credential, headers: Headers, query: Query) -> Injection:
     """`always` mode: set the credential, replacing whatever the sandbox sent there (no duplicates),
     and strip the sandbox's own Authorization for this route."""
     placement = capability.placement
-    value = credential.value
+    value = _checked(credential)
     if isinstance(placement, HeaderPlacement):
         out, removed = _strip(headers, {"authorization", placement.header.lower()})
         out.append((placement.header, placement.render(value)))
@@ -138,7 +147,7 @@ def swap_phantom(
     out, removed = _strip(headers, {"authorization", target})
     if not found:
         return Injection(out, list(query), None, None, removed, False)
-    out.append((placement.header, placement.render(credential.value)))
+    out.append((placement.header, placement.render(_checked(credential))))
     return Injection(out, list(query), placement.header, None, removed, True)
 
 

@@ -138,6 +138,7 @@ class VaultBackend:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._renew_task
             self._renew_task = None
+        self.client.adapter.close()
 
     async def _renew_loop(self) -> None:
         """Keep the gateway's own token alive: renew renewable tokens, log in again when renewal fails
@@ -160,7 +161,7 @@ class VaultBackend:
                         self._token_ttl = new_ttl
                 else:
                     await self._relogin(self._generation)
-            except (hvac.exceptions.VaultError, requests.RequestException, CredentialUnavailable) as exc:
+            except Exception as exc:  # the loop must survive anything, or the token silently expires
                 log.warning("vault token renewal failed: %s", type(exc).__name__)
                 if self.config.auth == "approle":
                     with contextlib.suppress(CredentialUnavailable):

@@ -88,3 +88,5 @@ def test_broker_config() -> None:
     assert "topsecret-id" not in repr(cfg) and "topsecret-id" not in str(cfg.model_dump())
     with pytest.raises(ValidationError):
         BrokerConfig(backend="vault", vault_addr="http://x", bogus=1)
+    with pytest.raises(ValidationError):
+        BrokerConfig(backend="vault", vault_addr="127.0.0.1:8200")  # scheme required

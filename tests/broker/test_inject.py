@@ -160,3 +160,13 @@ def test_admission_phantoms() -> None:
     assert env2 != env  # fresh per sandbox
     with pytest.raises(ValueError, match="share phantom_env"):
         admission_phantoms({"a": PHANTOM_CAP, "b": PHANTOM_CAP})
+
+
+@pytest.mark.parametrize("bad", ["a\r\nX-Evil: 1", "a\nb", "nul\x00", ""])
+def test_value_with_line_break_is_never_placed(bad: str) -> None:
+    cred = Credential("c", bad, "k", 0.0, 1.0)
+    with pytest.raises(ValueError, match="CR/LF/NUL"):
+        inject(BEARER, cred, [], [])
+    ph = phantom_value()
+    with pytest.raises(ValueError, match="CR/LF/NUL"):
+        swap_phantom(PHANTOM_CAP, cred, phantom_hash(ph), [("Authorization", f"Bearer {ph}")], [])
