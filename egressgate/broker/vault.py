@@ -141,8 +141,8 @@ class VaultBackend:
         self.client.adapter.close()
 
     async def _renew_loop(self) -> None:
-        """Keep the gateway's own token alive: renew renewable tokens, log in again when renewal fails
-        or the token hits its max TTL (AppRole only; a static token cannot be replaced by us)."""
+        """Keep the gateway's own token alive: renew renewable tokens; log in again (AppRole) when the
+        token hits its max TTL; when renewal fails, log in again / re-read the token file."""
         while True:
             ttl = self._token_ttl
             if ttl <= 0:
@@ -163,9 +163,9 @@ class VaultBackend:
                     await self._relogin(self._generation)
             except Exception as exc:  # the loop must survive anything, or the token silently expires
                 log.warning("vault token renewal failed: %s", type(exc).__name__)
-                if self.config.auth == "approle":
-                    with contextlib.suppress(CredentialUnavailable):
-                        await self._relogin(self._generation)
+                # AppRole logs in afresh; token auth re-reads its file (an agent may have rotated it)
+                with contextlib.suppress(CredentialUnavailable):
+                    await self._relogin(self._generation)
                 await asyncio.sleep(1.0)
 
     async def _call(self, op: Callable[[hvac.Client], T]) -> T:
