@@ -75,6 +75,13 @@ def clean_str(value: str | bytes) -> str:
         return value.encode("utf-8", "backslashreplace").decode("ascii")
 
 
+def _nested_key(key: Any) -> str:
+    """Keys inside kvlists (labels...) may not imitate the chain fields: the chain locates
+    `egressgate.chain.hash` by its exact bytes and requires exactly one per line."""
+    key = clean_str(str(key))
+    return "_" + key if key.startswith("egressgate.chain.") else key
+
+
 def _clean_value(value: Any) -> Value:
     if isinstance(value, bool | int):
         return value
@@ -83,7 +90,7 @@ def _clean_value(value: Any) -> Value:
     if isinstance(value, str | bytes):
         return clean_str(value)
     if isinstance(value, Mapping):
-        return {clean_str(str(k)): _clean_value(v) for k, v in value.items()}
+        return {_nested_key(k): _clean_value(v) for k, v in value.items()}
     if isinstance(value, Sequence | set | frozenset):
         items = sorted(value, key=str) if isinstance(value, set | frozenset) else value
         return [_clean_value(v) for v in items]
@@ -231,9 +238,7 @@ def from_any_value(value: Mapping[str, Any]) -> Value:
     if "doubleValue" in value:
         return float(value["doubleValue"])
     if "kvlistValue" in value:
-        return {
-            kv["key"]: from_any_value(kv.get("value", {})) for kv in value["kvlistValue"].get("values", [])
-        }
+        return {kv["key"]: from_any_value(kv.get("value", {})) for kv in value["kvlistValue"].get("values", [])}
     if "arrayValue" in value:
         return [from_any_value(v) for v in value["arrayValue"].get("values", [])]
     return ""
@@ -254,9 +259,7 @@ def to_otlp(record: Record) -> dict[str, Any]:
         "body": {"stringValue": record.body},
         "attributes": key_values(record.attributes),
     }
-    return {
-        "resourceLogs": [{"resource": RESOURCE, "scopeLogs": [{"scope": SCOPE, "logRecords": [log_record]}]}]
-    }
+    return {"resourceLogs": [{"resource": RESOURCE, "scopeLogs": [{"scope": SCOPE, "logRecords": [log_record]}]}]}
 
 
 def dumps(obj: Any) -> bytes:

@@ -129,8 +129,30 @@ def canonical_fields(
     return meth, scheme, host, int(port), path, query, content_type_value(headers), body_sha256(body)
 
 
-def request_hash_raw(
-    method: str, url: str, headers: Iterable[tuple[str, str]] = (), body: bytes = b""
-) -> str:
+def request_hash_raw(method: str, url: str, headers: Iterable[tuple[str, str]] = (), body: bytes = b"") -> str:
     """`sha256:<hex>` of a request as captured: what `egressgate audit hash` prints."""
     return request_hash(*canonical_fields(method, url, headers, body))
+
+
+class StreamingRequestHash:
+    """The request hash of a request whose body is streamed: fields fixed at the headers, body fed
+    chunk by chunk (e.g. from mitmproxy's stream callable), hashes read once the body has ended."""
+
+    def __init__(
+        self, method: str, scheme: str, host: str, port: int, path: str, query: str | bytes | None, content_type: str
+    ) -> None:
+        self._fields = (method, scheme, host, port, path, query, content_type)
+        self._body = BodyHasher()
+
+    def update(self, chunk: bytes) -> None:
+        self._body.update(chunk)
+
+    @property
+    def body_size(self) -> int:
+        return self._body.size
+
+    def body_hash(self) -> str:
+        return "sha256:" + self._body.hexdigest()
+
+    def request_hash(self) -> str:
+        return request_hash(*self._fields, self._body.hexdigest())

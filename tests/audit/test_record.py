@@ -132,3 +132,18 @@ def test_no_secret_value_fields_exist():
     line = encode_record(record_from_event(ev))
     assert secret.encode() not in line
     assert not any("secret" in f or "token" in f or "value" in f for f in AuditEvent.__dataclass_fields__)
+
+
+def test_labels_cannot_imitate_chain_fields():
+    from egressgate.audit.chain import compute_line_hash, recorded_line_hash
+
+    ev = http_event(
+        1,
+        sandbox_labels={"egressgate.chain.hash": "f" * 64, "egressgate.chain.seq": "9"},
+        extra={"egressgate.chain.hash": "0" * 64},
+    )
+    line = ChainWriter().append(record_from_event(ev))
+    assert compute_line_hash(line) == recorded_line_hash(line)
+    a = parse_line(line).attributes
+    assert a["egressgate.sandbox.labels"] == {"_egressgate.chain.hash": "f" * 64, "_egressgate.chain.seq": "9"}
+    assert a["egressgate.chain.seq"] == 0 and a["egressgate.chain.hash"] == recorded_line_hash(line)

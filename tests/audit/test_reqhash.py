@@ -138,3 +138,13 @@ def test_cli_hash(tmp_path):
     assert r.output.strip() == VECTORS[1][5]
     r = CliRunner().invoke(audit, ["hash", "GET https://u@x.example/"])
     assert r.exit_code == 2 and "userinfo" in r.output
+
+
+def test_streaming_request_hash_equals_vector():
+    from egressgate.audit.reqhash import StreamingRequestHash
+
+    s = StreamingRequestHash("POST", "https", "api.openai.com", 443, "/v1/responses", "", "application/json")
+    for i in range(0, len(BODY), 7):
+        s.update(BODY[i : i + 7])
+    assert s.request_hash() == VECTORS[1][5]
+    assert s.body_hash() == "sha256:" + hashlib.sha256(BODY).hexdigest() and s.body_size == len(BODY)
