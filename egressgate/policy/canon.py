@@ -72,10 +72,13 @@ Paths (:func:`canon_path`, :func:`split_path_query`)
 * Consecutive slashes are kept (``/a//b`` stays): matching treats them literally, so a rule for
   ``/a/b`` does not match ``/a//b``; servers that merge slashes see a path the policy did not allow,
   which fails closed.
-* Two traversal spellings that survive RFC 3986 normalization but that common servers resolve are
-  rejected rather than normalized: a dot segment with path parameters (``/..;/admin``, Tomcat-style:
-  ``dot_segment_param``) and a dot segment hidden behind an encoded separator
-  (``/files/..%2Fadmin``, ``/a/.%5Cb``: ``encoded_traversal``).
+* Traversal spellings that survive RFC 3986 normalization but that real servers resolve are rejected
+  rather than normalized: a dot segment with path parameters (``/..;/admin``, Tomcat-style:
+  ``dot_segment_param``); a dot segment that appears once the segment is percent-decoded once or twice
+  -- behind an encoded separator or parameter delimiter (``/files/..%2Fadmin``, ``/a/.%5Cb``,
+  ``/%2e%2e%3B/x``) or double-encoded (``/%252e%252e/x``) (``encoded_traversal``); and overlong UTF-8
+  (``%C0%AE``: ``overlong_utf8``). A ``*`` glob segment can therefore never match a segment a server
+  would read as ``..``.
 
 Methods (:func:`canon_method`)
 ------------------------------
@@ -89,6 +92,7 @@ import functools
 import re
 import unicodedata
 from ipaddress import IPv4Address, IPv6Address
+from urllib.parse import unquote
 
 import idna
 
@@ -407,7 +411,9 @@ _UNRESERVED = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz01
 # pchar minus unreserved and '%', plus '/': characters allowed raw in an RFC 3986 path.
 _RAW_OK = _UNRESERVED | frozenset(b"!$&'()*+,;=:@/")
 _HEX = frozenset(b"0123456789abcdefABCDEF")
-_ENCODED_SEP = re.compile(r"%2F|%5C")
+_SEPARATORS = re.compile(r"[/\\]")
+# Overlong UTF-8 (C0/C1 leads, E0 80-9F, F0 80-8F): never valid, decoded to '.' or '/' by lax decoders.
+_OVERLONG = re.compile(r"%C[01]%[89AB][0-9A-F]|%E0%[89][0-9A-F]|%F0%8[0-9A-F]")
 
 
 def _normalize_escapes(path: str) -> str:
@@ -462,17 +468,30 @@ def _remove_dot_segments(path: str) -> str:
     return "/" + "/".join(out)
 
 
+def _dot_after_params(piece: str) -> bool:
+    """Whether ``piece`` is a dot segment once path parameters (``;...``) are stripped."""
+    return _is_dot(piece.split(";", 1)[0])
+
+
 def _check_hidden_traversal(path: str) -> None:
+    """Reject dot segments that only appear to a server that strips parameters or decodes again."""
+    if _OVERLONG.search(path):
+        raise CanonError("overlong_utf8", f"path contains an overlong UTF-8 encoding: {_show(path)}")
     for seg in path.split("/"):
-        if ";" in seg and _is_dot(seg.split(";", 1)[0]):
+        if _is_dot(seg) or ("%" not in seg and ";" not in seg):
+            continue
+        if _dot_after_params(seg):
             raise CanonError("dot_segment_param", f"dot segment with parameters in path: {_show(path)}")
-        if "%" in seg and _ENCODED_SEP.search(seg):
-            for piece in _ENCODED_SEP.split(seg):
-                if _is_dot(piece.split(";", 1)[0]):
-                    raise CanonError(
-                        "encoded_traversal",
-                        f"dot segment behind an encoded '/' or '\\' in path: {_show(path)}",
-                    )
+        view = seg
+        for _ in range(2):  # decoded once (%2F, %5C, %3B), decoded twice (%252e...)
+            if "%" not in view:
+                break
+            view = unquote(view, errors="surrogateescape")
+            if any(_dot_after_params(piece) for piece in _SEPARATORS.split(view)):
+                raise CanonError(
+                    "encoded_traversal",
+                    f"dot segment behind an encoded '/', '\\' or ';', or double-encoded, in path: {_show(path)}",
+                )
 
 
 def split_path_query(raw: str) -> tuple[str, str]:
