@@ -91,6 +91,9 @@ class _Ctx:
     policy: CompiledPolicy | None = None
     host: str | None = None
     cache: str | None = None
+    facts: Facts | None = None
+    state: SandboxState | None = None
+    counted: bool = False
 
 
 class Resolver:
@@ -213,6 +216,7 @@ class Resolver:
             self.metrics.state_failures += 1
             return await self._refuse(ctx, opt, SERVFAIL, Reason.STATE_UNAVAILABLE)
         facts = Facts(operation=Operation.DNS_QUERY, host=host, scheme="dns", qtype=qtype_name(qtype))
+        ctx.facts, ctx.state = facts, state  # recorded so `audit replay` re-decides with the same inputs
         decision = decide(policy, facts, state, now)
         if not decision.allowed:
             if decision.reason is Reason.BUDGET_EXCEEDED:
@@ -225,7 +229,14 @@ class Resolver:
                 else RCODE_BY_NAME[policy.dns.deny_rcode]
             )
             return await self._refuse(ctx, opt, rcode, decision=decision)
-        if not await self._count(ctx, policy, len(host)):
+        totals = await self._count(ctx)
+        if totals is None:
+            return await self._refuse(ctx, opt, SERVFAIL, Reason.STATE_UNAVAILABLE)
+        dns = policy.dns
+        if (dns.max_queries is not None and totals[0] > dns.max_queries) or (
+            dns.max_name_bytes is not None and totals[1] > dns.max_name_bytes
+        ):
+            # Concurrent queries can pass decide() on the same snapshot; the atomic counter settles it.
             self.metrics.budget_exceeded += 1
             return await self._refuse(ctx, opt, REFUSED, Reason.BUDGET_EXCEEDED, detail="dns.budget (concurrent)")
         if not self.audit.healthy():
@@ -246,28 +257,29 @@ class Resolver:
             dns_name_bytes=counts[1],
         )
 
-    async def _count(self, ctx: _Ctx, policy: CompiledPolicy, name_bytes: int) -> bool:
-        """Count the query; False when that pushed the sandbox over a budget (concurrent queries race past
-        decide() on the same snapshot, the atomic counter settles it)."""
+    async def _count(self, ctx: _Ctx) -> tuple[int, int] | None:
+        """Count this query against the sandbox's DNS budget: one query plus the canonical name's bytes.
+
+        Every audited query of a known sandbox is counted exactly once, allowed or not (denied probes spend
+        budget too, which is conservative, and it is the rule `audit replay` uses to rebuild DNS counts from
+        the log). Returns the new totals, or None when the state store failed."""
+        if ctx.counted:
+            return None
+        ctx.counted = True
+        name_bytes = len(ctx.host or "")
         if ctx.sandbox_id is not None:
             try:
-                queries, total_bytes = await self.state.add_dns_query(ctx.sandbox_id, name_bytes)
+                return await self.state.add_dns_query(ctx.sandbox_id, name_bytes)
             except StateUnavailable:
                 self.metrics.state_failures += 1
-                return False
-        else:
-            counts = self._unknown.setdefault(ctx.client, [0, 0])
-            self._unknown.move_to_end(ctx.client)
-            if len(self._unknown) > self.config.unknown_client_table:
-                self._unknown.popitem(last=False)
-            counts[0] += 1
-            counts[1] += name_bytes
-            queries, total_bytes = counts
-        dns = policy.dns
-        return not (
-            (dns.max_queries is not None and queries > dns.max_queries)
-            or (dns.max_name_bytes is not None and total_bytes > dns.max_name_bytes)
-        )
+                return None
+        counts = self._unknown.setdefault(ctx.client, [0, 0])
+        self._unknown.move_to_end(ctx.client)
+        if len(self._unknown) > self.config.unknown_client_table:
+            self._unknown.popitem(last=False)
+        counts[0] += 1
+        counts[1] += name_bytes
+        return counts[0], counts[1]
 
     # --- answers -------------------------------------------------------------------------------------
 
@@ -383,6 +395,8 @@ class Resolver:
         if rcode == SERVFAIL and decision.reason is not Reason.AUDIT_UNAVAILABLE:
             self.metrics.servfail += 1
         query = ctx.query
+        if not ctx.counted and (ctx.sandbox_id is not None or ctx.policy is not None):
+            await self._count(ctx)
         if not await self._audit(ctx, decision, rcode, []):
             rcode = SERVFAIL
         return bare_response(query.id, query.flags, rcode, query.question, opt)
@@ -417,6 +431,8 @@ class Resolver:
             duration_ms=(time.monotonic() - ctx.started) * 1000.0,
             message=decision.message or None,
             extra=extra,
+            facts=ctx.facts,
+            state=ctx.state,
         )
         try:
             await self.audit.write(event)

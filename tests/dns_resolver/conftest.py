@@ -218,24 +218,30 @@ class FakeUpstream:
                     self.transport.sendto(bytes(forged), addr)
                 self.transport.sendto(answer, addr)
 
-        self.udp, _ = await loop.create_datagram_endpoint(Udp, local_addr=("127.0.0.1", 0))
-        port = self.udp.get_extra_info("sockname")[1]
-
-        async def tcp(reader, writer):
+        for _ in range(20):  # a free UDP port whose TCP twin is free too
+            self.udp, _ = await loop.create_datagram_endpoint(Udp, local_addr=("127.0.0.1", 0))
+            port = self.udp.get_extra_info("sockname")[1]
             try:
-                while True:
-                    (length,) = struct.unpack("!H", await reader.readexactly(2))
-                    answer = self._reply(await reader.readexactly(length), "tcp", None)
-                    if answer is not None:
-                        writer.write(struct.pack("!H", len(answer)) + answer)
-                        await writer.drain()
-            except (asyncio.IncompleteReadError, ConnectionError):
-                pass
-            finally:
-                writer.close()
-
-        self.tcp = await asyncio.start_server(tcp, "127.0.0.1", port)
+                self.tcp = await asyncio.start_server(self._serve_tcp, "127.0.0.1", port)
+                break
+            except OSError:
+                self.udp.close()
+        else:
+            raise OSError("no free UDP+TCP port pair for the test upstream")
         self.address = ("127.0.0.1", port)
+
+    async def _serve_tcp(self, reader, writer):
+        try:
+            while True:
+                (length,) = struct.unpack("!H", await reader.readexactly(2))
+                answer = self._reply(await reader.readexactly(length), "tcp", None)
+                if answer is not None:
+                    writer.write(struct.pack("!H", len(answer)) + answer)
+                    await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
 
     async def stop(self) -> None:
         self.udp.close()

@@ -17,7 +17,8 @@ async def test_query_budget_exhaustion(server, upstream, audit, state):
     assert (event.sandbox_id, event.decision, event.reason) == ("sbx-budget", "deny", "budget_exceeded")
     assert event.extra["egressgate.decision.detail"] == "dns.budget.queries"
     snapshot = await state.snapshot("sbx-budget")
-    assert snapshot.dns_queries == 3
+    assert snapshot.dns_queries == 4  # every audited query counts, the refused one too
+    assert snapshot.dns_name_bytes == 4 * len("a.budget.example.com")
     # other sandboxes are unaffected
     assert addresses(await ask(server, "allowed.example.com", source=SANDBOX_IP)) == ["93.184.216.34"]
 
@@ -30,14 +31,23 @@ async def test_concurrent_queries_cannot_overrun_budget(server, upstream):
     assert len(upstream.seen) == 3
 
 
-async def test_name_bytes_budget(server, upstream, audit):
+async def test_name_bytes_budget(server, upstream, audit, state):
     exfil = ".".join(["q" * 63, "r" * 63, "s" * 63]) + ".budget.example.com"  # 210 bytes > 200
     response = await ask(server, exfil, source=BUDGET_IP)
     assert rcode(response) == "REFUSED"
     assert audit.events[-1].extra["egressgate.decision.detail"] == "dns.budget.name_bytes"
     assert upstream.seen == []
-    # a short name still fits the byte budget
-    assert rcode(await ask(server, "a.budget.example.com", source=BUDGET_IP)) == "NOERROR"
+    # the probe spent its bytes (denied probes count): now even a short name is over the budget
+    assert (await state.snapshot("sbx-budget")).dns_name_bytes == len(exfil)
+    assert rcode(await ask(server, "a.budget.example.com", source=BUDGET_IP)) == "REFUSED"
+    assert upstream.seen == []
+
+
+async def test_name_bytes_budget_allows_until_spent(server, upstream):
+    name = ".".join(["q" * 60, "r" * 60]) + ".budget.example.com"  # 140 bytes: fits once, not twice
+    assert rcode(await ask(server, name, source=BUDGET_IP)) == "NXDOMAIN"  # allowed; upstream has no such name
+    assert rcode(await ask(server, name, source=BUDGET_IP)) == "REFUSED"
+    assert upstream.names() == [name]
 
 
 async def test_rate_limit(server, upstream, audit):

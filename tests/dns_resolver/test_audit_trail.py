@@ -1,0 +1,48 @@
+"""The real audit sink: DNS decisions land as OTLP/JSON records, and `audit replay` re-decides them alike."""
+
+from __future__ import annotations
+
+from egressgate.audit.filesink import FileSink
+from egressgate.audit.record import parse_line
+from egressgate.audit.replay import replay
+from egressgate.audit.signer import LocalEd25519Signer
+from egressgate.dns.server import DnsServer
+
+from .conftest import POLICIES, SANDBOX_IP, addresses, ask, rcode
+
+
+async def test_records_in_file_and_replay_agrees(tmp_path, policies, state, upstream, dns_config):
+    sink = await FileSink(tmp_path / "audit" / "audit.jsonl", LocalEd25519Signer.generate()).start()
+    srv = DnsServer(policies.get, state, sink, dns_config)
+    await srv.start("127.0.0.1", 0)
+    try:
+        assert addresses(await ask(srv, "allowed.example.com")) == ["93.184.216.34"]
+        assert rcode(await ask(srv, "evil.example.org")) == "NXDOMAIN"
+        assert rcode(await ask(srv, "txt.example.com", "TXT")) == "REFUSED"
+        assert addresses(await ask(srv, "allowed.example.com", "AAAA")) == ["2606:2800:220:1:248:1893:25c8:1946"]
+    finally:
+        await srv.stop()
+        await sink.close()
+
+    lines = [ln for ln in (tmp_path / "audit" / "audit.jsonl").read_bytes().splitlines() if ln.strip()]
+    records = [parse_line(ln) for ln in lines]
+    dns_records = [r for r in records if r.attributes.get("egressgate.operation") == "dns_query"]
+    assert len(dns_records) == 4
+    first = dns_records[0].attributes
+    assert first["egressgate.decision"] == "allow"
+    assert first["egressgate.sandbox.id"] == "sbx-test"
+    assert first["egressgate.dns.answers"] == ["A 93.184.216.34"]
+    assert first["egressgate.dns.rcode"] == "NOERROR"
+    assert first["egressgate.state.dns_queries"] == 0  # the state decide() saw
+    denied = dns_records[1].attributes
+    assert (denied["egressgate.decision"], denied["egressgate.reason"]) == ("deny", "host_not_allowed")
+    assert denied["egressgate.dns.rcode"] == "NXDOMAIN"
+    assert {r.attributes["client.address"] for r in dns_records} == {SANDBOX_IP}
+    assert denied["dns.question.name"] == "evil.example.org"
+
+    policy_file = tmp_path / "dns-test.yaml"
+    policy_file.write_text(POLICIES["dns-test"])
+    result = replay([tmp_path / "audit" / "audit.jsonl"], policy_file)
+    assert result.replayed == 4
+    assert result.changes == []
+    assert result.approximated_state == 0  # every record carried the state decide() was given
