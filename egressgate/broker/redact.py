@@ -14,6 +14,7 @@ remembered so the rest of it is suppressed next time (no partial secret leaks ou
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import re
 from collections.abc import Iterable
@@ -156,6 +157,13 @@ class Scrubber:
 
     def stream(self) -> StreamScrubber:
         return StreamScrubber(self)
+
+
+@functools.lru_cache(maxsize=1024)
+def cached_scrubber(*specs: SecretSpec) -> Scrubber:
+    """Building a Scrubber costs ~35 us (encodings + regex); a credential is reused for minutes, so
+    the gateway asks here per response. Holds only values the broker's cache holds anyway."""
+    return Scrubber(specs)
 
 
 class StreamScrubber:

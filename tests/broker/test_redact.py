@@ -162,3 +162,12 @@ def test_header_named_after_a_secret_is_dropped() -> None:
     s = Scrubber([SECRET])
     out = s.scrub_headers([(f"X-{quote(SECRET, safe='')}", "1"), ("X-Ok", "2")])
     assert out == [("X-Ok", "2")]
+
+
+def test_cached_scrubber_is_shared_per_secret_set() -> None:
+    from egressgate.broker.redact import cached_scrubber
+
+    a = cached_scrubber(SecretSpec(SECRET, USER))
+    assert cached_scrubber(SecretSpec(SECRET, USER)) is a
+    assert cached_scrubber(SecretSpec(SECRET)) is not a
+    assert not leaks(a.scrub(base64.b64encode(f"{USER}:{SECRET}".encode())), SECRET)
