@@ -3,8 +3,8 @@
 Transport-independent (server.py owns sockets). Order of work for a query, and why:
 1. strict parse (wire.py) - garbage is dropped or FORMERR/NOTIMP'd before anything is looked up;
 2. who is asking (the state store maps source address -> sandbox) and which policy applies;
-3. name shape and canonicalization - one canonical name is used to decide, to ask upstream, to cache, to
-audit;
+3. name shape and canonicalization - one canonical name is used to decide, to ask upstream, to cache and
+   to audit;
 4. rate (in process), then `decide()` (pure: name allowlist, query type, count/name-byte budgets), then the
    atomic budget count in the state store - a denied name is never sent upstream;
 5. cache or upstream, then the answer filter (filter.py) with the sandbox's `allow_private`;
@@ -21,38 +21,32 @@ from __future__ import annotations
 import asyncio
 import itertools
 import secrets
-import struct
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
 
-from dnslib import EDNS0, QTYPE, RR, DNSHeader, DNSLabel, DNSQuestion, DNSRecord
+from dnslib import DNSLabel
 
-from egressgate.audit.event import AuditEvent, AuditUnavailable, EventKind
+from egressgate.audit.event import AuditUnavailable
 from egressgate.audit.sink import AuditSink
+from egressgate.dns.answer import pack_answer
 from egressgate.dns.cache import AnswerCache, CacheEntry
 from egressgate.dns.config import DnsConfig
-from egressgate.dns.filter import Filtered, filter_answer
+from egressgate.dns.events import QueryContext, describe, dns_event, qtype_name
+from egressgate.dns.filter import filter_answer
 from egressgate.dns.limits import RateLimiter
 from egressgate.dns.metrics import DnsMetrics
 from egressgate.dns.upstream import Upstream, UpstreamFailed
 from egressgate.dns.wire import (
-    CD,
     CLASS_IN,
     FORMERR,
-    HEADER,
     NOERROR,
     NOTIMP,
-    QR,
-    RA,
     RCODE_BY_NAME,
-    RD,
     REFUSED,
     SERVFAIL,
     Drop,
     Malformed,
-    Query,
     bare_response,
     opt_record,
     parse_query,
@@ -68,32 +62,6 @@ from egressgate.state.base import StateStore, StateUnavailable
 PolicyLookup = Callable[[str], CompiledPolicy | None]
 # Never forwarded whatever a policy says: zone transfers, meta types, transaction signatures.
 NEVER_TYPES = frozenset({41, 249, 250, 251, 252, 253, 254})
-_RCODE_NAME = {v: k for k, v in RCODE_BY_NAME.items()}
-
-
-def qtype_name(qtype: int) -> str:
-    try:
-        return str(QTYPE[qtype])
-    except Exception:
-        return f"TYPE{qtype}"
-
-
-@dataclass(slots=True)
-class _Ctx:
-    """What we know about one query while it is decided (becomes the audit record)."""
-
-    query: Query
-    client: str
-    transport: str
-    started: float
-    sandbox_id: str | None = None
-    labels: dict[str, str] | None = None
-    policy: CompiledPolicy | None = None
-    host: str | None = None
-    cache: str | None = None
-    facts: Facts | None = None
-    state: SandboxState | None = None
-    counted: bool = False
 
 
 class Resolver:
@@ -146,7 +114,7 @@ class Resolver:
                 query.question,
                 opt_record(self.config.max_udp_response, ext_rcode=1),
             )
-        ctx = _Ctx(query, client, "udp" if udp else "tcp", time.monotonic())
+        ctx = QueryContext(query, client, "udp" if udp else "tcp", time.monotonic())
         try:
             answer = await self._resolve(ctx, opt)
         except Exception:
@@ -160,7 +128,7 @@ class Resolver:
 
     # --- decision ------------------------------------------------------------------------------------
 
-    async def _resolve(self, ctx: _Ctx, opt: bytes) -> bytes:
+    async def _resolve(self, ctx: QueryContext, opt: bytes) -> bytes:
         query = ctx.query
         self.metrics.queries += 1
         try:
@@ -246,7 +214,7 @@ class Resolver:
         self.metrics.allowed += 1
         return await self._answer(ctx, opt, decision)
 
-    async def _snapshot(self, ctx: _Ctx, now: float) -> SandboxState:
+    async def _snapshot(self, ctx: QueryContext, now: float) -> SandboxState:
         if ctx.sandbox_id is not None:
             return await self.state.snapshot(ctx.sandbox_id)
         counts = self._unknown.get(ctx.client, (0, 0))
@@ -257,7 +225,7 @@ class Resolver:
             dns_name_bytes=counts[1],
         )
 
-    async def _count(self, ctx: _Ctx) -> tuple[int, int] | None:
+    async def _count(self, ctx: QueryContext) -> tuple[int, int] | None:
         """Count this query against the sandbox's DNS budget: one query plus the canonical name's bytes.
 
         Every audited query of a known sandbox is counted exactly once, allowed or not (denied probes spend
@@ -283,7 +251,7 @@ class Resolver:
 
     # --- answers -------------------------------------------------------------------------------------
 
-    async def _answer(self, ctx: _Ctx, opt: bytes, decision: Decision) -> bytes:
+    async def _answer(self, ctx: QueryContext, opt: bytes, decision: Decision) -> bytes:
         query, policy, host = ctx.query, ctx.policy, ctx.host
         assert policy is not None and host is not None
         try:
@@ -312,11 +280,11 @@ class Resolver:
                 detail="every address in the answer was removed",
             )
         rcode = entry.answer.rcode
-        if not await self._audit(ctx, decision, rcode, _describe(filtered)):
+        if not await self._audit(ctx, decision, rcode, describe(filtered)):
             return bare_response(query.id, query.flags, SERVFAIL, query.question, opt)
-        return self._pack(entry, filtered, query, (policy.allow_private, query.edns))
+        return pack_answer(entry, filtered, query, (policy.allow_private, query.edns), self.config.max_udp_response)
 
-    async def _lookup(self, ctx: _Ctx, host: str, qtype: int) -> CacheEntry:
+    async def _lookup(self, ctx: QueryContext, host: str, qtype: int) -> CacheEntry:
         key = (host, qtype)
         entry = self.cache.get(key, time.monotonic())
         if entry is not None:
@@ -344,37 +312,11 @@ class Resolver:
         finally:
             del self._inflight[key]
 
-    def _pack(self, entry: CacheEntry, filtered: Filtered, query: Query, key: object) -> bytes:
-        """The answer bytes. Packing with dnslib costs more than everything else on the cached path, so the
-        packed answer is memoised per cache entry, per filtered view and per EDNS presence, and re-packed
-        when the remaining TTL (whole seconds) changes. The memo holds the canonical (lower-case) question;
-        the client's id, flags and name spelling (same length: the name differs only in case, resolve()
-        made sure) are patched in, so compression pointers stay valid."""
-        remaining = entry.remaining(time.monotonic())
-        rcode = entry.answer.rcode
-        memo = entry.packed.get(key)
-        if memo is None or memo[0] != remaining:
-            reply = DNSRecord(
-                DNSHeader(id=0, bitmap=QR | RA | rcode),
-                questions=[DNSQuestion(DNSLabel(tuple(x.lower() for x in query.labels)), query.qtype, query.qclass)],
-                rr=[RR(r.rname, r.rtype, r.rclass, min(r.ttl, remaining), r.rdata) for r in filtered.answers],
-                auth=[RR(r.rname, r.rtype, r.rclass, min(r.ttl, remaining), r.rdata) for r in filtered.authority],
-                ar=[EDNS0(udp_len=self.config.max_udp_response)] if query.edns else [],
-            )
-            memo = (remaining, reply.pack())
-            entry.packed[key] = memo
-        template = memo[1]
-        name_end = HEADER.size + len(query.question) - 4
-        flags = QR | RA | (query.flags & (RD | CD)) | rcode
-        return (
-            struct.pack("!HH", query.id, flags) + template[4 : HEADER.size] + query.question[:-4] + template[name_end:]
-        )
-
     # --- denials and audit ---------------------------------------------------------------------------
 
     async def _refuse(
         self,
-        ctx: _Ctx,
+        ctx: QueryContext,
         opt: bytes,
         rcode: int,
         reason: Reason | None = None,
@@ -401,39 +343,8 @@ class Resolver:
             rcode = SERVFAIL
         return bare_response(query.id, query.flags, rcode, query.question, opt)
 
-    async def _audit(self, ctx: _Ctx, decision: Decision, rcode: int, answers: list[str]) -> bool:
-        query, policy = ctx.query, ctx.policy
-        extra: dict[str, str | int | float | bool] = {
-            "egressgate.dns.rcode": _RCODE_NAME.get(rcode, str(rcode)),
-            "egressgate.dns.transport": ctx.transport,
-        }
-        if ctx.cache:
-            extra["egressgate.dns.cache"] = ctx.cache
-        if decision.detail:
-            extra["egressgate.decision.detail"] = decision.detail
-        event = AuditEvent(
-            kind=EventKind.DNS_QUERY,
-            time_ns=time.time_ns(),
-            request_id=f"{self._rid_prefix}{next(self._rid):010x}",
-            sandbox_id=ctx.sandbox_id,
-            sandbox_labels=ctx.labels or {},
-            decision=str(decision.effect),
-            reason=str(decision.reason),
-            rule_id=decision.rule_id,
-            policy_name=policy.name if policy else None,
-            policy_hash=policy.hash if policy else None,
-            target_as_sent=b".".join(query.labels).decode("ascii", "backslashreplace"),
-            scheme="dns",
-            host=ctx.host,
-            qtype=qtype_name(query.qtype),
-            answers=answers,
-            client_address=ctx.client,
-            duration_ms=(time.monotonic() - ctx.started) * 1000.0,
-            message=decision.message or None,
-            extra=extra,
-            facts=ctx.facts,
-            state=ctx.state,
-        )
+    async def _audit(self, ctx: QueryContext, decision: Decision, rcode: int, answers: list[str]) -> bool:
+        event = dns_event(ctx, decision, rcode, answers, f"{self._rid_prefix}{next(self._rid):010x}")
         try:
             await self.audit.write(event)
         except Exception as exc:  # AuditUnavailable, or a sink bug: either way the record is not durable
@@ -442,7 +353,3 @@ class Resolver:
                 self.metrics.internal_errors += 1
             return False
         return True
-
-
-def _describe(filtered: Filtered) -> list[str]:
-    return [f"{qtype_name(rr.rtype)} {rr.rdata}" for rr in filtered.answers]

@@ -1,0 +1,86 @@
+"""What the resolver knows about one query, and the audit event it becomes.
+
+One place builds the DNS `AuditEvent`, so every outcome (answered, denied, filtered, failed) carries the same
+attributes: sandbox, client address, the name as sent and canonical, type, decision, reason, rcode, answers,
+and - when `decide()` ran - the exact facts and state it was given, for `audit replay`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from dnslib import QTYPE
+
+from egressgate.audit.event import AuditEvent, EventKind
+from egressgate.dns.filter import Filtered
+from egressgate.dns.wire import RCODE_BY_NAME, Query
+from egressgate.policy.compile import CompiledPolicy
+from egressgate.policy.facts import Decision, Facts, SandboxState
+
+RCODE_NAME = {v: k for k, v in RCODE_BY_NAME.items()}
+
+
+def qtype_name(qtype: int) -> str:
+    try:
+        return str(QTYPE[qtype])
+    except Exception:
+        return f"TYPE{qtype}"
+
+
+@dataclass(slots=True)
+class QueryContext:
+    """What we know about one query while it is decided (becomes the audit record)."""
+
+    query: Query
+    client: str
+    transport: str
+    started: float
+    sandbox_id: str | None = None
+    labels: dict[str, str] | None = None
+    policy: CompiledPolicy | None = None
+    host: str | None = None
+    cache: str | None = None
+    facts: Facts | None = None
+    state: SandboxState | None = None
+    counted: bool = False
+
+
+def describe(filtered: Filtered) -> list[str]:
+    """Answers as the audit record lists them: "A 93.184.216.34", "CNAME edge.example.net."."""
+    return [f"{qtype_name(rr.rtype)} {rr.rdata}" for rr in filtered.answers]
+
+
+def dns_event(ctx: QueryContext, decision: Decision, rcode: int, answers: list[str], request_id: str) -> AuditEvent:
+    query, policy = ctx.query, ctx.policy
+    extra: dict[str, str | int | float | bool] = {
+        "egressgate.dns.rcode": RCODE_NAME.get(rcode, str(rcode)),
+        "egressgate.dns.transport": ctx.transport,
+    }
+    if ctx.cache:
+        extra["egressgate.dns.cache"] = ctx.cache
+    if decision.detail:
+        extra["egressgate.decision.detail"] = decision.detail
+    return AuditEvent(
+        kind=EventKind.DNS_QUERY,
+        time_ns=time.time_ns(),
+        request_id=request_id,
+        sandbox_id=ctx.sandbox_id,
+        sandbox_labels=ctx.labels or {},
+        decision=str(decision.effect),
+        reason=str(decision.reason),
+        rule_id=decision.rule_id,
+        policy_name=policy.name if policy else None,
+        policy_hash=policy.hash if policy else None,
+        target_as_sent=b".".join(query.labels).decode("ascii", "backslashreplace"),
+        scheme="dns",
+        host=ctx.host,
+        qtype=qtype_name(query.qtype),
+        answers=answers,
+        client_address=ctx.client,
+        duration_ms=(time.monotonic() - ctx.started) * 1000.0,
+        message=decision.message or None,
+        extra=extra,
+        facts=ctx.facts,
+        state=ctx.state,
+    )
