@@ -199,6 +199,13 @@ class Broker:
             return Credential(name, token, str(header.get("kid", "oidc")), now, exp)
         raise CredentialUnavailable(f"capability {name!r}: unsupported type")
 
+    def forget(self, sandbox_id: str) -> int:
+        """Drop a sandbox's cached credentials (call on revocation); returns how many were dropped."""
+        keys = [k for k in self._cache if k[2] == sandbox_id]
+        for k in keys:
+            del self._cache[k]
+        return len(keys)
+
     async def jwks(self) -> dict[str, list[dict[str, str]]]:
         """The JWKS document for /.well-known/jwks.json (public keys of the JWT signer)."""
         return {"keys": await self.backend.public_jwks()}

@@ -139,3 +139,12 @@ async def test_cancelled_waiter_does_not_cancel_the_shared_mint(local: Broker, t
     assert cred.value == SECRET and local.backend.calls == 1
     with pytest.raises(asyncio.CancelledError):
         await first
+
+
+async def test_forget_drops_a_revoked_sandboxs_credentials(local: Broker) -> None:
+    cap = CAP.validate_python({"type": "jwt"})
+    a = await local.issue("j", cap, "revoked", "h", 1000.0)
+    b = await local.issue("j", cap, "other", "h", 1000.0)
+    assert local.forget("revoked") == 1
+    assert await local.issue("j", cap, "revoked", "h", 1000.0) is not a  # minted again
+    assert await local.issue("j", cap, "other", "h", 1000.0) is b
