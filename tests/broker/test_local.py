@@ -148,3 +148,14 @@ async def test_forget_drops_a_revoked_sandboxs_credentials(local: Broker) -> Non
     assert local.forget("revoked") == 1
     assert await local.issue("j", cap, "revoked", "h", 1000.0) is not a  # minted again
     assert await local.issue("j", cap, "other", "h", 1000.0) is b
+
+
+async def test_cache_is_bounded(tmp_path: Path) -> None:
+    from egressgate.broker.local import LocalBackend
+
+    b = Broker(LocalBackend(str(tmp_path / "k")), cache_max_entries=3)
+    await b.start()
+    cap = CAP.validate_python({"type": "jwt"})
+    for i in range(5):
+        await b.issue("j", cap, f"s{i}", "h", 1000.0)
+    assert len(b._cache) == 3 and {k[2] for k in b._cache} == {"s2", "s3", "s4"}
