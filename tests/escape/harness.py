@@ -136,13 +136,14 @@ class Gateway:
 
     @property
     def client_ca(self) -> Path:
-        """A bundle the sandbox trusts: the gateway CA (for MITM) + the world CA (for passthrough)."""
+        """A bundle the sandbox trusts: the gateway CA (for MITM) + the world CA (for passthrough).
+        The CA path comes from the real `egressgate ca path`, as an operator would get it."""
         bundle = self.tmp / "client-ca.pem"
         if not bundle.exists():
-            ca_dir = Path(self.tmp / "var" / "ca")
-            pems = sorted(p for p in ca_dir.glob("*.pem") if "key" not in p.name)
-            text = "".join(p.read_text() for p in pems if "BEGIN CERTIFICATE" in p.read_text())
-            bundle.write_text(text + self.world.ca_pem.read_text())
+            res = subprocess.run([EGRESSGATE, "ca", "path", "--config", str(self.config)],
+                                 capture_output=True, text=True, check=True, timeout=30)
+            gateway_ca = Path(res.stdout.strip()).read_text()
+            bundle.write_text(gateway_ca + self.world.ca_pem.read_text())
         return bundle
 
     # ------------------------------------------------------------------------------ clients
@@ -158,8 +159,25 @@ class Gateway:
         code, _, connect = codes.partition(" ")
         headers = hdr.read_text(errors="replace") if hdr.exists() else ""
         hdr.unlink(missing_ok=True)
-        return Curl(int(code or 0), int(connect or 0), headers, body, res.returncode, res.stderr,
-                    shlex.join(["curl", *args, url]))
+        out = Curl(int(code or 0), int(connect or 0), headers, body, res.returncode, res.stderr,
+                   shlex.join(["curl", *args, url]))
+        if out.connect_status >= 400 and out.denied:
+            # curl discards the body of a refused CONNECT: take the decision from the audit trail,
+            # matched by the request id the deny response carried.
+            out.audit = self.audit_record(out.header("x-egressgate-request-id"))
+        return out
+
+    def audit_record(self, request_id: str, timeout: float = 5.0) -> dict[str, Any]:
+        """The audit record (attributes flattened) of one decision, waiting for the batched writer."""
+        path = self.tmp / "var" / "audit.jsonl"
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if path.exists():
+                for line in path.read_text().splitlines():
+                    if request_id and request_id in line:
+                        return _flatten_otlp(json.loads(line))
+            time.sleep(0.1)
+        raise AssertionError(f"no audit record for request id {request_id!r} in {path}")
 
     def connect(self, ns: str | None = None) -> socket.socket:
         """A TCP socket to the proxy created inside the sandbox namespace."""
@@ -198,17 +216,42 @@ class Curl:
     rc: int
     stderr: str
     cmd: str
+    audit: dict[str, Any] | None = None
 
     @property
     def denied(self) -> bool:
         return "x-egressgate-decision: deny" in self.headers.lower()
 
+    def header(self, name: str) -> str:
+        """Last value of a response header (across the CONNECT and the inner response blocks)."""
+        found = ""
+        for line in self.headers.splitlines():
+            key, sep, value = line.partition(":")
+            if sep and key.strip().lower() == name.lower():
+                found = value.strip()
+        return found
+
     def deny_body(self) -> dict[str, Any]:
+        if self.audit is not None:  # refused CONNECT: the same facts, from the audit record
+            return {"error": "egress_denied", "reason": self.audit.get("egressgate.reason"),
+                    "request_id": self.audit.get("egressgate.request.id"),
+                    "message": self.audit.get("egressgate.message"), "rule": None}
         return json.loads(self.body)
 
     def __str__(self) -> str:
         return f"{self.cmd}: rc={self.rc} status={self.status} connect={self.connect_status} " \
                f"stderr={self.stderr.strip()!r} headers={self.headers!r} body={self.body[:300]!r}"
+
+
+def _flatten_otlp(record: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for rl in record.get("resourceLogs", []):
+        for sl in rl.get("scopeLogs", []):
+            for lr in sl.get("logRecords", []):
+                for attr in lr.get("attributes", []):
+                    value = attr["value"]
+                    out[attr["key"]] = next(iter(value.values())) if value else None
+    return out
 
 
 def read_all(sock: socket.socket, wait: float) -> bytes:

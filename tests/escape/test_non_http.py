@@ -14,7 +14,7 @@ import pytest
 from networld import World
 
 from escape.checks import assert_denied, assert_untouched
-from escape.harness import Gateway, Sandbox, read_all
+from escape.harness import Gateway, Sandbox, parse_response, read_all
 
 pytestmark = pytest.mark.netns
 
@@ -41,6 +41,8 @@ def test_non_tls_bytes_in_https_tunnel_are_refused(
         sock.sendall(PAYLOADS[payload])
         reply = read_all(sock, 2.0)
     assert b"RAW-ACK" not in reply
+    if payload == "binary":  # unmistakably not HTTP: refused with the deny contract on the tunnel
+        assert_denied(parse_response(reply), {"protocol_not_allowed"})
     assert _leaked(world, mark) == []
     assert_untouched(world, mark, payload)
 

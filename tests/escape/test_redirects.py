@@ -39,7 +39,10 @@ def test_following_the_redirect_is_decided_afresh_and_denied(
 ) -> None:
     mark = world.mark()
     res = gateway.curl(sbx, f"{scheme}://api.allowed.test/redirect?to={target}", "-L")
-    assert_denied(res, ADDRESS_REASONS)
+    # curl 7.88 drops the brackets of an IPv6 literal in the Host header of a followed redirect; the
+    # gateway rightly refuses that malformed Host before classifying the address
+    extra = {"host_mismatch", "invalid_request"} if "[" in target else set()
+    assert_denied(res, ADDRESS_REASONS | extra)
     assert_untouched(world, mark, target)
 
 
