@@ -136,7 +136,10 @@ class Resolver:
         except StateUnavailable:
             self.metrics.state_failures += 1
             return await self._refuse(ctx, opt, SERVFAIL, Reason.STATE_UNAVAILABLE)
-        if record is not None and not record.revoked:
+        if record is not None and record.revoked:
+            ctx.sandbox_id = record.id
+            return await self._refuse(ctx, opt, RCODE_BY_NAME[self.config.deny_rcode], Reason.SANDBOX_REVOKED)
+        if record is not None:
             ctx.sandbox_id, ctx.labels = record.id, dict(record.labels)
             policy_name: str | None = record.policy_name
         elif self.config.unknown_client_policy is None:

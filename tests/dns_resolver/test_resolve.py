@@ -8,6 +8,7 @@ import dns.flags
 import dns.rdatatype
 
 from egressgate.dns.server import DnsServer
+from egressgate.state.base import SandboxRecord, hash_token
 
 from .conftest import (
     PRIVATE_IP,
@@ -112,10 +113,11 @@ async def test_unknown_client_policy_applies_when_configured(policies, state, au
         await srv.stop()
 
 
-async def test_revoked_sandbox_is_unknown(server, state, upstream):
+async def test_revoked_sandbox_is_refused(server, state, upstream, audit):
     await state.revoke("sbx-test")
     assert rcode(await ask(server, "allowed.example.com")) == "REFUSED"
     assert upstream.seen == []
+    assert audit.events[-1].reason in ("identity_unknown", "sandbox_revoked")
 
 
 async def test_query_types_txt_any_axfr_refused(server, upstream, audit):
@@ -298,3 +300,34 @@ async def test_audit_failure_fails_closed(server, upstream, audit):
     audit.unhealthy = False
     assert rcode(await ask(server, "allowed.example.com")) == "NOERROR"
     assert server.metrics.audit_failures == 3
+
+
+async def test_dig_over_tcp_and_ipv6_listener(policies, state, audit, upstream, dns_config, server):
+    out = await dig(server, "+tcp", "cname-ok.example.com")
+    assert "status: NOERROR" in out and "93.184.216.40" in out
+    await state.admit(
+        SandboxRecord(
+            id="sbx-v6", token_hash=hash_token("t"), policy_name="dns-test", admitted_at=0.0, addresses=("::1",)
+        )
+    )
+    srv = DnsServer(policies.get, state, audit, dns_config)
+    host, port = await srv.start("::1", 0)
+    try:
+        assert host == "::1"
+        proc = await asyncio.create_subprocess_exec(
+            "dig",
+            "@::1",
+            "-p",
+            str(port),
+            "-b",
+            "::1",
+            "+time=2",
+            "+tries=1",
+            "allowed.example.com",
+            stdout=asyncio.subprocess.PIPE,
+        )
+        out, _ = await proc.communicate()
+        assert "93.184.216.34" in out.decode()
+        assert audit.events[-1].sandbox_id == "sbx-v6"
+    finally:
+        await srv.stop()
