@@ -21,11 +21,20 @@ from egressgate.policy.facts import Decision, Facts, SandboxState
 RCODE_NAME = {v: k for k, v in RCODE_BY_NAME.items()}
 
 
+_QTYPE_NAMES: dict[int, str] = {}
+
+
 def qtype_name(qtype: int) -> str:
-    try:
-        return str(QTYPE[qtype])
-    except Exception:
-        return f"TYPE{qtype}"
+    """The type's name ("A", "HTTPS"), or "TYPE1234" when unassigned; memoised (several calls per query)."""
+    name = _QTYPE_NAMES.get(qtype)
+    if name is None:
+        try:
+            name = str(QTYPE[qtype])
+        except Exception:
+            name = f"TYPE{qtype}"
+        if len(_QTYPE_NAMES) < 65536:
+            _QTYPE_NAMES[qtype] = name
+    return name
 
 
 @dataclass(slots=True)
