@@ -1,0 +1,284 @@
+"""Start and stop the processes a gateway benchmark compares: upstream, mitmdump, Squid, egressgate.
+
+Every server binds a loopback address; ports come from the OS (port 0) where the program reports the bound
+port (upstream, mitmdump, egressgate); Squid cannot, so it gets a port the OS just handed out and released
+(the only race, and a failed bind is a clear startup error). Each process is stopped by its own pid
+(SIGTERM, then SIGKILL after a grace period); nothing is killed by name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pwd
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import trustme
+import yaml
+
+VENV_BIN = Path(sys.executable).parent
+EGRESSGATE = str(VENV_BIN / "egressgate")
+MITMDUMP = str(VENV_BIN / "mitmdump")
+UPSTREAM_NAME = "localhost"  # resolves to 127.0.0.1 via /etc/hosts (checked at startup)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(port: int, timeout: float, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before listening on {port}")
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5):
+            return
+        time.sleep(0.05)
+    raise RuntimeError(f"nothing listening on 127.0.0.1:{port} after {timeout} s")
+
+
+def _first_line(proc: subprocess.Popen, timeout: float, needle: str | None = None) -> str:
+    """Read stdout lines until one contains `needle` (or the first line); bounded by `timeout`."""
+    box: list[str] = []
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if needle is None or needle in line:
+                box.append(line)
+                break
+        # keep draining so the child never blocks on a full pipe
+        for _ in proc.stdout:
+            pass
+
+    threading.Thread(target=read, daemon=True).start()
+    deadline = time.monotonic() + timeout
+    while not box and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.02)
+    if not box:
+        raise RuntimeError(f"no startup line (exit code {proc.poll()})")
+    return box[0]
+
+
+@dataclass
+class Proc:
+    name: str
+    proc: subprocess.Popen
+    info: dict = field(default_factory=dict)
+    logs: list[Path] = field(default_factory=list)
+    remove: list[Path] = field(default_factory=list)  # private temp dirs deleted after stop
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def cpu_seconds(self) -> float:
+        """utime + stime of the process (all threads), from /proc."""
+        fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def status(self, key: str) -> int:
+        """A kB field of /proc/PID/status, e.g. VmHWM (peak RSS) or VmRSS."""
+        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+        raise KeyError(key)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        for path in self.remove:
+            shutil.rmtree(path, ignore_errors=True)
+
+    def log_tail(self, n: int = 2000) -> str:
+        out = []
+        for path in self.logs:
+            with contextlib.suppress(OSError):
+                out.append(f"--- {path.name}\n" + path.read_text(errors="replace")[-n:])
+        return "\n".join(out)
+
+
+@dataclass
+class Certs:
+    ca_pem: Path
+    cert_pem: Path
+    key_pem: Path
+
+
+def make_certs(directory: Path) -> Certs:
+    """A trustme CA and a server certificate for localhost / 127.0.0.1 (the upstream's identity)."""
+    ca = trustme.CA()
+    cert = ca.issue_cert(UPSTREAM_NAME, "127.0.0.1")
+    certs = Certs(directory / "upstream-ca.pem", directory / "upstream-cert.pem", directory / "upstream-key.pem")
+    ca.cert_pem.write_to_path(str(certs.ca_pem))
+    cert.private_key_and_cert_chain_pem.write_to_path(str(certs.cert_pem))
+    cert.private_key_pem.write_to_path(str(certs.key_pem))
+    return certs
+
+
+def start_upstream(certs: Certs, directory: Path, sse_gap: float = 2.0) -> Proc:
+    err = directory / "upstream.stderr"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "loadtests.upstream", "--cert", str(certs.cert_pem), "--key", str(certs.key_pem),
+         "--sse-gap", str(sse_gap)],
+        stdout=subprocess.PIPE, stderr=err.open("w"), text=True, cwd=Path(__file__).resolve().parent.parent,
+    )
+    p = Proc("upstream", proc, logs=[err])
+    try:
+        p.info = json.loads(_first_line(proc, 20))
+    except Exception:
+        p.stop()
+        raise RuntimeError("upstream did not start:\n" + p.log_tail()) from None
+    p.info["http_port"] = int(p.info["http"].rsplit(":", 1)[1])
+    p.info["https_port"] = int(p.info["https"].rsplit(":", 1)[1])
+    return p
+
+
+def start_mitmdump(directory: Path, upstream_ca: Path, flow_detail: int = 0) -> Proc:
+    """Bare mitmdump: no scripts, mitmproxy's default addons and options except the upstream trust store
+    (and flow_detail, the per-flow console line; 0 by default — see RESULTS.md)."""
+    confdir = directory / "mitmdump-conf"
+    confdir.mkdir(parents=True, exist_ok=True)
+    log = directory / "mitmdump.out"
+    cmd = [MITMDUMP, "--listen-host", "127.0.0.1", "--listen-port", "0", "--set", f"confdir={confdir}",
+           "--set", f"ssl_verify_upstream_trusted_ca={upstream_ca}", "--set", f"flow_detail={flow_detail}"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log.open("w"), text=True)
+    p = Proc("mitmdump", proc, logs=[log], info={"cmd": " ".join(cmd)})
+    try:
+        line = _first_line(proc, 30, needle="proxy listening at")
+    except RuntimeError:
+        p.stop()
+        raise RuntimeError("mitmdump did not start:\n" + p.log_tail()) from None
+    addr = line.rsplit("listening at", 1)[1].strip().rstrip(".")
+    p.info["port"] = int(addr.rsplit(":", 1)[1])
+    p.info["ca"] = str(confdir / "mitmproxy-ca-cert.pem")
+    return p
+
+
+SQUID_CONF = """\
+# Minimal forward proxy for the benchmark: loopback only, no cache, logs in the temp dir.
+http_port 127.0.0.1:{port}
+visible_hostname egressgate-bench
+pid_filename {d}/squid.pid
+cache_log {d}/cache.log
+access_log stdio:{d}/access.log
+cache_store_log none
+coredump_dir {d}
+cache deny all
+cache_mem 0 MB
+logfile_rotate 0
+pinger_enable off
+shutdown_lifetime 0 seconds
+dns_nameservers 127.0.0.1
+acl bench_clients src 127.0.0.1/32
+http_access allow bench_clients
+http_access deny all
+"""
+
+
+def start_squid(directory: Path) -> Proc:
+    """Squid (Debian package) in the foreground: plain HTTP forwarding and CONNECT tunnels (no TLS MITM)."""
+    squid = shutil.which("squid") or "/usr/sbin/squid"
+    # Its own temp dir: squid runs as `proxy` and must traverse to it (the harness dir is 0700).
+    d = Path(tempfile.mkdtemp(prefix="egressgate-bench-squid-", dir=directory.parent))
+    d.chmod(0o755)
+    port = free_port()
+    conf = d / "squid.conf"
+    conf.write_text(SQUID_CONF.format(port=port, d=d))
+    if os.geteuid() == 0:  # squid drops to cache_effective_user (proxy); it must write its logs and pid
+        with contextlib.suppress(KeyError):
+            pw = pwd.getpwnam("proxy")
+            for path in (d, *d.iterdir()):
+                os.chown(path, pw.pw_uid, pw.pw_gid)
+    out = d / "squid.out"
+    cmd = [squid, "-N", "-f", str(conf)]
+    proc = subprocess.Popen(cmd, stdout=out.open("w"), stderr=subprocess.STDOUT)
+    p = Proc("squid", proc, logs=[out, d / "cache.log"], info={"port": port, "cmd": " ".join(cmd)}, remove=[d])
+    try:
+        wait_port(port, 30, proc)
+    except RuntimeError as exc:
+        p.stop()
+        raise RuntimeError(f"squid did not start: {exc}\n" + p.log_tail()) from None
+    return p
+
+
+def bench_policy(http_port: int, https_port: int, name: str = "bench") -> dict:
+    """The sandbox policy egressgate enforces in the benchmark: GETs to the upstream only, loopback opened
+    explicitly with allow_private, a (large) byte budget so the budget path counts every byte."""
+    paths = ["/", "/bytes/*", "/sse"]
+    return {
+        "sandbox": {"name": name, "resources": {"outbound_bytes_max": 1 << 50}},
+        "network": {
+            "default": "deny",
+            "allow_private": ["127.0.0.0/8"],
+            "https": {"allow": [{"id": "bench-https", "host": UPSTREAM_NAME, "ports": [https_port],
+                                 "methods": ["GET"], "paths": paths}]},
+            "http": {"allow": [{"id": "bench-http", "host": UPSTREAM_NAME, "ports": [http_port],
+                                "methods": ["GET"], "paths": paths}]},
+        },
+    }
+
+
+def start_egressgate(directory: Path, upstream_ca: Path, http_port: int, https_port: int,
+                     extra_config: dict | None = None, name: str = "egressgate") -> Proc:
+    """`egressgate run --config FILE` with the full pipeline (identity, policy, pinning, budgets, audit to a
+    file), then one sandbox admitted with the real `egressgate sandbox admit`."""
+    d = directory / name
+    (d / "policies").mkdir(parents=True, exist_ok=True)
+    (d / "policies" / "bench.yaml").write_text(yaml.safe_dump(bench_policy(http_port, https_port)))
+    config = {
+        "listen": {"proxy": "127.0.0.1:0", "admin": "127.0.0.1:0", "dns": None},
+        "policy": str(d / "policies"),
+        "var_dir": str(d / "var"),
+        "upstream": {"resolver": "system", "ca_bundle": str(upstream_ca)},
+        "state": {"backend": "memory"},
+        "audit": {"path": str(d / "var" / "audit" / "audit.jsonl")},
+        **(extra_config or {}),
+    }
+    cfg = d / "gateway.yaml"
+    cfg.write_text(yaml.safe_dump(config))
+    err = d / "gateway.stderr"
+    cmd = [EGRESSGATE, "run", "--config", str(cfg)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err.open("w"), text=True)
+    p = Proc(name, proc, logs=[err], info={"cmd": " ".join(cmd), "config": str(cfg)})
+    try:
+        addrs = json.loads(_first_line(proc, 60))
+        p.info["port"] = int(addrs["proxy"].rsplit(":", 1)[1])
+        admit = subprocess.run([EGRESSGATE, "sandbox", "admit", "--config", str(cfg), "--policy", "bench"],
+                               capture_output=True, text=True, timeout=30)
+        if admit.returncode != 0:
+            raise RuntimeError(f"sandbox admit failed: {admit.stdout} {admit.stderr}")
+        sbx = json.loads(admit.stdout)
+        p.info["sandbox"] = (sbx["id"], sbx["token"])
+        ca = subprocess.run([EGRESSGATE, "ca", "path", "--config", str(cfg)], capture_output=True, text=True,
+                            timeout=30)
+        if ca.returncode != 0:
+            raise RuntimeError(f"ca path failed: {ca.stderr}")
+        p.info["ca"] = ca.stdout.strip()
+        p.info["audit"] = config["audit"]["path"]
+    except Exception as exc:
+        p.stop()
+        raise RuntimeError(f"egressgate did not start: {exc}\n" + p.log_tail()) from None
+    return p
+
+
+def check_loopback_name() -> None:
+    addrs = {ai[4][0] for ai in socket.getaddrinfo(UPSTREAM_NAME, 80, type=socket.SOCK_STREAM)}
+    if addrs != {"127.0.0.1"}:
+        raise RuntimeError(f"{UPSTREAM_NAME} must resolve to 127.0.0.1 only for this benchmark, got {addrs}")
