@@ -59,7 +59,7 @@ Paths (:func:`canon_path`, :func:`split_path_query`)
   and is rejected (``fragment``).
 * Percent-encodings of unreserved characters (``A-Z a-z 0-9 - . _ ~``) are decoded (``%41`` -> ``A``,
   ``%2e`` -> ``.``, ``%7E`` -> ``~``); every other escape is kept and upper-cased (``%2f`` -> ``%2F``).
-  Malformed escapes are ``bad_percent``; ``%00`` is ``nul``. Nothing is decoded twice (``%252e`` stays).
+  Malformed escapes are ``bad_percent``; ``%00`` is ``nul``. Nothing is decoded twice (``/a%252eb`` stays).
 * ``%2F`` and ``%5C`` stay encoded and are distinct from ``/`` and ``\\`` (RFC 3986: reserved characters'
   escapes are not equivalent to the characters). A raw backslash is rejected (``backslash``): servers
   disagree on whether it separates segments.
@@ -70,8 +70,10 @@ Paths (:func:`canon_path`, :func:`split_path_query`)
 * Dot segments are removed per RFC 3986 5.2.4 *after* that decoding, so ``%2e%2e`` is a dot segment;
   ``..`` above the root clamps at ``/``.
 * Consecutive slashes are kept (``/a//b`` stays): matching treats them literally, so a rule for
-  ``/a/b`` does not match ``/a//b``; servers that merge slashes see a path the policy did not allow,
-  which fails closed.
+  ``/a/b`` does not match ``/a//b`` (fails closed). The one place where keeping them is ambiguous is a
+  ``..`` that would remove an empty segment: ``/a//../b`` is ``/a/b`` by RFC 3986 but ``/b`` to a
+  server that merges slashes before resolving dot segments (nginx by default), so it is rejected
+  (``ambiguous_traversal``).
 * Traversal spellings that survive RFC 3986 normalization but that real servers resolve are rejected
   rather than normalized: a dot segment with path parameters (``/..;/admin``, Tomcat-style:
   ``dot_segment_param``); a dot segment that appears once the segment is percent-decoded once or twice
@@ -459,6 +461,9 @@ def _remove_dot_segments(path: str) -> str:
             if i == last:
                 out.append("")
         elif seg == "..":
+            if out and out[-1] == "":
+                # '/a//../b' is '/a/b' by RFC 3986 but '/b' to servers that merge slashes first (nginx).
+                raise CanonError("ambiguous_traversal", f"'..' after an empty segment in path: {_show(path)}")
             if out:
                 out.pop()
             if i == last:

@@ -380,7 +380,8 @@ PATHS_OK = [
     ("/a/..b/c", "/a/..b/c"),
     # consecutive slashes are kept
     ("//a//b", "//a//b"),
-    ("/a//../b", "/a/b"),
+    ("/a//b/../c", "/a//c"),
+    ("/a//b/c/../d", "/a//b/d"),
     # raw characters outside RFC 3986 are encoded; non-ASCII as UTF-8
     ("/a|b", "/a%7Cb"),
     ("/a%7cb", "/a%7Cb"),
@@ -453,6 +454,11 @@ PATHS_BAD = [
     ("/public/%E0%80%AE", "overlong_utf8"),
     ("/public/%F0%80%80%AE", "overlong_utf8"),
     ("/public/\udcc0\udcae", "overlong_utf8"),  # the same bytes sent raw
+    ("/a//../b", "ambiguous_traversal"),
+    ("/public/x//../../admin", "ambiguous_traversal"),
+    ("/public//%2e%2e/admin", "ambiguous_traversal"),
+    ("/a//..", "ambiguous_traversal"),
+    ("/a/b//c/../../d", "ambiguous_traversal"),
     ("/\ud800", "bad_char"),  # lone surrogate that is not a surrogateescape'd byte
     ("/" + "a" * 70000, "too_long"),
 ]
@@ -757,3 +763,54 @@ def test_parse_inet_aton_matches_the_c_library(raw: str) -> None:
     if expected is not None and not raw.endswith("."):
         # Whatever the C library reads as an address, canon_host reads as the same address.
         assert canon_host(raw) == str(IPv4Address(expected))
+
+
+def _rfc3986_remove_dot_segments(inp: str) -> str:
+    """RFC 3986 5.2.4, transcribed literally (string buffers), as an independent reference."""
+    out = ""
+    while inp:
+        if inp.startswith("../"):
+            inp = inp[3:]
+        elif inp.startswith("./"):
+            inp = inp[2:]
+        elif inp.startswith("/./"):
+            inp = "/" + inp[3:]
+        elif inp == "/.":
+            inp = "/"
+        elif inp.startswith("/../") or inp == "/..":
+            inp = "/" + inp[4:]
+            out = out[: out.rfind("/")] if "/" in out else ""
+        elif inp in (".", ".."):
+            inp = ""
+        else:
+            end = inp.find("/", 1 if inp.startswith("/") else 0)
+            end = len(inp) if end < 0 else end
+            out, inp = out + inp[:end], inp[end:]
+    return out
+
+
+def _merge_slashes(path: str) -> str:
+    while "//" in path:
+        path = path.replace("//", "/")
+    return path
+
+
+_DOT_PATHS = st.lists(st.sampled_from(["/", "//", ".", "..", "a", "b", "%2e", "%2E%2e"]), max_size=14).map(
+    lambda atoms: "/" + "".join(atoms)
+)
+
+
+@settings(max_examples=1500, deadline=None)
+@given(_DOT_PATHS)
+@example("/a//../b")
+@example("/a/b//c/../../d")
+def test_dot_segments_match_rfc3986_and_slash_merging_servers(raw: str) -> None:
+    try:
+        got = canon_path(raw)
+    except CanonError as exc:
+        assert exc.code == "ambiguous_traversal"
+        return
+    decoded = raw.replace("%2e", ".").replace("%2E", ".")
+    assert got == (_rfc3986_remove_dot_segments(decoded) or "/")
+    # A server that merges slashes before resolving dot segments reaches the same resource.
+    assert _merge_slashes(got) == (_rfc3986_remove_dot_segments(_merge_slashes(decoded)) or "/")
