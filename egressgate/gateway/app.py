@@ -160,11 +160,16 @@ async def serve(config: GatewayConfig, announce=print) -> None:
     gateway = Gateway(config)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
-    addresses = await gateway.start()
-    announce(json.dumps(addresses))
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     loop.add_signal_handler(signal.SIGINT, stop.set)
+    try:
+        addresses = await gateway.start()
+    except BaseException:
+        await gateway.stop()
+        raise
+    # handlers before the announcement: a supervisor may signal as soon as it reads the line
     loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(gateway.reload("SIGHUP")))
+    announce(json.dumps(addresses))
     try:
         await stop.wait()
     finally:

@@ -11,6 +11,7 @@ upstreams listen; the *canary* listens on 127.0.0.2, which every policy except `
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -114,10 +115,8 @@ def make_app(hits: Hits, sse_release: dict) -> web.Application:
         await resp.write(b"data: first\n\n")
         key = request.query.get("key", "default")
         event = sse_release.setdefault(key, asyncio.Event())
-        try:
+        with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(event.wait(), 10)
-        except TimeoutError:
-            pass
         await resp.write(b"data: last\n\n")
         await resp.write_eof()
         return resp
@@ -251,8 +250,25 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
         runners = []
         servers: list = []
         out = {}
+        # The real HTTPS upstream (127.0.0.1:P) and the rebinding canary (127.0.0.2:P) share a port.
+        for _attempt in range(20):
+            canary_runner = web.AppRunner(make_app(canary, sse_release), access_log=None)
+            await canary_runner.setup()
+            canary_site = web.TCPSite(canary_runner, "127.0.0.2", 0, ssl_context=ctx)
+            await canary_site.start()
+            port = canary_site._server.sockets[0].getsockname()[1]
+            https_runner = web.AppRunner(make_app(hits, sse_release), access_log=None)
+            await https_runner.setup()
+            try:
+                await web.TCPSite(https_runner, "127.0.0.1", port, ssl_context=ctx).start()
+            except OSError:
+                await canary_runner.cleanup()
+                await https_runner.cleanup()
+                continue
+            runners += [canary_runner, https_runner]
+            out["https"] = port
+            break
         for key, app, host, tls in (
-            ("https", make_app(hits, sse_release), "127.0.0.1", ctx),
             ("http", make_app(hits, sse_release), "127.0.0.1", None),
             ("canary", make_app(canary, sse_release), "127.0.0.2", ctx),
         ):
@@ -274,11 +290,6 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
                 hits.tcp.append(data)
                 writer.close()
 
-        # The rebinding canary: same port as the real HTTPS upstream, on the forbidden 127.0.0.2.
-        runner = web.AppRunner(make_app(canary, sse_release), access_log=None)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.2", out["https"], ssl_context=ctx).start()
-        runners.append(runner)
         tcp_server = await asyncio.start_server(tcp_echo, "127.0.0.1", 0)
         h2ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         cert.configure_cert(h2ctx)
@@ -298,7 +309,8 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     dns.records["canary.test"] = "127.0.0.2"
     dns.records["mixed.test"] = "127.0.0.2"
     dns.flip["rebind.test"] = ["127.0.0.1", "127.0.0.2"]
-    w = World(tmp=tmp, ca=ca, https_port=ports["https"], h2_port=ports["h2"], http_port=ports["http"], tcp_port=ports["tcp"],
+    w = World(tmp=tmp, ca=ca, https_port=ports["https"], h2_port=ports["h2"], http_port=ports["http"],
+              tcp_port=ports["tcp"],
               canary_https_port=ports["canary"], hits=hits, canary=canary, dns=dns, dns_port=ports["dns"],
               loop=loop, sse_release=sse_release, snis=snis)
     try:
@@ -332,19 +344,24 @@ def policies(w: World) -> dict[str, dict]:
         {"id": "api-post", "host": "api.test", "ports": [https], "methods": ["POST"], "paths": ["/upload"]},
     ]
     return {
-        "gw-basic": base("gw-basic", {"https": {"allow": api_rules + [
-            {"id": "other-any", "host": "other.test", "ports": [https]},
-            {"id": "sse", "host": "sse.test", "ports": [https], "methods": ["GET"]},
-            {"id": "h2-get", "host": "h2.test", "ports": [w.h2_port], "methods": ["GET"], "paths": ["/ok/**"]},
-            {"id": "rebind", "host": "rebind.test", "ports": [https]},
-            {"id": "canary-name", "host": "canary.test", "ports": [canary]},
-            {"id": "literal", "host": "127.0.0.2", "ports": [canary]},
-        ]}, "http": {"allow": [{"id": "plain", "host": "api.test", "ports": [http], "methods": ["GET", "POST"]}]}}),
+        "gw-basic": base("gw-basic", {
+            "https": {"allow": [
+                *api_rules,
+                {"id": "other-any", "host": "other.test", "ports": [https]},
+                {"id": "sse", "host": "sse.test", "ports": [https], "methods": ["GET"]},
+                {"id": "h2-get", "host": "h2.test", "ports": [w.h2_port], "methods": ["GET"], "paths": ["/ok/**"]},
+                {"id": "rebind", "host": "rebind.test", "ports": [https]},
+                {"id": "canary-name", "host": "canary.test", "ports": [canary]},
+                {"id": "literal", "host": "127.0.0.2", "ports": [canary]},
+            ]},
+            "http": {"allow": [{"id": "plain", "host": "api.test", "ports": [http], "methods": ["GET", "POST"]}]},
+        }),
         "gw-budget": base("gw-budget", {"https": {"allow": api_rules}, "http": {"allow": [
             {"id": "plain", "host": "api.test", "ports": [http], "methods": ["GET", "POST"]}]}},
             {"outbound_bytes_max": 4000}),
         "gw-tcp": base("gw-tcp", {
-            "https": {"allow": [{"id": "api-any", "host": "api.test", "ports": [https]}]},
+            "https": {"allow": [{"id": "api-any", "host": "api.test", "ports": [https]},
+                                {"id": "open-https", "host": "open.test", "ports": [tcp]}]},
             "tcp": {"allow": [{"id": "tcp-echo", "host": "tcp.test", "ports": [tcp]}]}}),
         # positive control: the canary address is allowed here, proving the canary is reachable
         "canary-open": {"sandbox": {"name": "canary-open"}, "network": {
@@ -405,7 +422,8 @@ class Sandbox:
     gw: Gateway
 
     def client(self, **kw) -> httpx.Client:
-        return httpx.Client(proxy=self.proxy_url, verify=ssl.create_default_context(cafile=self.gw.bundle), timeout=15, trust_env=False, **kw)
+        verify = ssl.create_default_context(cafile=self.gw.bundle)
+        return httpx.Client(proxy=self.proxy_url, verify=verify, timeout=15, trust_env=False, **kw)
 
     def url(self, host: str, path: str, port: int | None = None, scheme: str = "https") -> str:
         port = port or (self.gw.world.https_port if scheme == "https" else self.gw.world.http_port)

@@ -42,7 +42,8 @@ def test_allowed_get_and_post(gateway):
 
 @pytest.mark.parametrize(
     ("method", "path", "reason"),
-    [("POST", "/echo", "path_not_allowed"), ("PUT", "/echo", "method_not_allowed"), ("GET", "/secret", "path_not_allowed"),
+    [("POST", "/echo", "path_not_allowed"), ("PUT", "/echo", "method_not_allowed"),
+     ("GET", "/secret", "path_not_allowed"),
      ("GET", "/v1/../secret", "path_not_allowed"), ("GET", "/%65cho/../secret", "path_not_allowed"),
      ("DELETE", "/upload", "method_not_allowed")],
 )
@@ -189,5 +190,6 @@ def test_sandbox_env_shape(gateway):
     for name in ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "NODE_EXTRA_CA_CERTS",
                  "GIT_SSL_CAINFO", "PIP_CERT"):
         assert env[name] == gateway.bundle
-    text = open(gateway.bundle).read()
+    with open(gateway.bundle) as fh:
+        text = fh.read()
     assert text.count("BEGIN CERTIFICATE") > 2 and "PRIVATE KEY" not in text

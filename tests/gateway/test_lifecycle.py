@@ -1,0 +1,207 @@
+"""Tunnels that are not HTTP, revocation of live connections, the admin API, the CLI, audit records,
+policy reload (file watch and SIGHUP) and clean shutdown."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import threading
+import time
+
+import httpx
+import pytest
+import yaml
+
+from .conftest import EGRESSGATE, connect_tunnel, read_response, start_gateway, stop_gateway, wait_for
+
+
+def test_non_http_bytes_in_tunnel_refused_with_control(gateway):
+    """open.test:tcp_port is allowed by an https rule only: the tunnel opens, raw bytes never reach the
+    echo server (the canary here); tcp.test:tcp_port (a tcp rule) relays the same bytes."""
+    world = gateway.world
+    port = world.tcp_port
+    sbx = gateway.admit("gw-tcp")
+    before = len(world.hits.tcp)
+    sock, head = connect_tunnel(gateway, sbx, f"open.test:{port}")
+    assert head.startswith(b"HTTP/1.1 200")
+    sock.sendall(b"\x00\x01\x02 raw bytes that are not http\n")
+    status, _, body = read_response(sock, timeout=5)
+    sock.close()
+    assert status == 403 and json.loads(body)["reason"] == "protocol_not_allowed"
+    time.sleep(0.3)
+    assert all(d == b"" for d in world.hits.tcp[before:])
+    sock, head = connect_tunnel(gateway, sbx, f"tcp.test:{port}")
+    sock.sendall(b"\x00\x01\x02 raw bytes that are not http\n")
+    sock.settimeout(5)
+    assert sock.recv(100).startswith(b"echo:\x00\x01\x02")
+    sock.close()
+
+
+def test_raw_tcp_refused_unless_tcp_rule(gateway):
+    world = gateway.world
+    port = world.tcp_port
+    before = len(world.hits.tcp)
+    sbx = gateway.admit("gw-tcp")
+    sock, head = connect_tunnel(gateway, sbx, f"other.test:{port}")  # no rule at all
+    assert head.startswith(b"HTTP/1.1 403")
+    sock.close()
+    # tunnel to an https-only destination carrying non-HTTP bytes
+    sock, head = connect_tunnel(gateway, sbx, f"api.test:{world.https_port}")
+    assert head.startswith(b"HTTP/1.1 200")
+    sock.sendall(b"\x16 not-tls-not-http \x00\x00\n")
+    status, _headers, body = read_response(sock, timeout=5)
+    sock.close()
+    assert status == 403 and json.loads(body)["reason"] == "protocol_not_allowed"
+    # positive control: the tcp rule relays the same bytes to the echo server
+    sock, head = connect_tunnel(gateway, sbx, f"tcp.test:{port}")
+    assert head.startswith(b"HTTP/1.1 200")
+    sock.sendall(b"\x00hello")
+    sock.settimeout(5)
+    assert sock.recv(100) == b"echo:\x00hello"
+    sock.close()
+    assert wait_for(lambda: b"\x00hello" in world.hits.tcp[before:])
+
+
+def test_revocation_closes_live_connection(gateway):
+    sbx = gateway.admit("gw-basic")
+    key = f"rev{time.monotonic_ns()}"
+    outcome: dict = {}
+
+    def stream() -> None:
+        try:
+            with sbx.client() as c, c.stream("GET", sbx.url("sse.test", "/sse"), params={"key": key}) as r:
+                for line in r.iter_lines():
+                    if line:
+                        outcome.setdefault("lines", []).append(line)
+                        if line == "data: first":
+                            outcome["first"] = time.monotonic()
+            outcome["end"] = "eof"
+        except httpx.HTTPError as exc:
+            outcome["end"] = type(exc).__name__
+        outcome["t"] = time.monotonic()
+
+    t = threading.Thread(target=stream, daemon=True)
+    t.start()
+    assert wait_for(lambda: "first" in outcome, timeout=5)
+    revoked_at = time.monotonic()
+    r = gateway.revoke(sbx.id)
+    assert r.status_code == 200 and r.json()["revoked"] is True
+    t.join(5)
+    assert not t.is_alive()
+    assert outcome["t"] - revoked_at < 2.0  # not the upstream's 10 s hold
+    assert "data: last" not in outcome.get("lines", [])
+    gateway.world.release_sse(key)
+    # and the identity is refused from now on
+    sock, head = connect_tunnel(gateway, sbx, f"api.test:{gateway.world.https_port}")
+    sock.close()
+    assert head.startswith(b"HTTP/1.1 407") and b"sandbox_revoked" in head
+    assert gateway.revoke(sbx.id).status_code == 200  # idempotent on a known id
+    assert gateway.revoke("sbx-nope").status_code == 404
+
+
+def test_admin_api_requires_token_and_token_file_is_private(gateway):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {gateway.token}"}):
+        r = httpx.post(f"http://{gateway.admin}/v1/sandboxes", json={"policy": "gw-basic"}, headers=headers,
+                       trust_env=False)
+        assert r.status_code == 401
+    assert stat.S_IMODE(os.stat(gateway.var / "admin.token").st_mode) == 0o600
+    r = httpx.post(f"http://{gateway.admin}/v1/sandboxes", json={"policy": "nope"},
+                   headers={"Authorization": f"Bearer {gateway.token}"}, trust_env=False)
+    assert r.status_code == 404
+    assert httpx.get(f"http://{gateway.admin}/healthz", trust_env=False).json()["status"] == "ok"
+    ca_dir = gateway.var / "ca"
+    assert stat.S_IMODE(os.stat(ca_dir).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(ca_dir / "mitmproxy-ca.pem").st_mode) == 0o600
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([EGRESSGATE, *args], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "HTTP_PROXY": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9"})
+
+
+def test_cli_admit_revoke_and_ca(gateway):
+    res = run_cli("sandbox", "admit", "--config", str(gateway.config), "--policy", "gw-basic", "--label", "team=x")
+    assert res.returncode == 0, res.stderr
+    data = json.loads(res.stdout)
+    assert data["id"].startswith("sbx-") and data["token"]
+    assert data["env"]["HTTPS_PROXY"] == data["proxy_url"]
+    assert data["env"]["NO_PROXY"] == "" and "NO_PROXY" in data["notes"]
+    with httpx.Client(proxy=data["proxy_url"], verify=False, trust_env=False) as c:  # noqa: S501 - checking auth only
+        r = c.get(f"https://api.test:{gateway.world.https_port}/echo")
+    assert r.status_code == 200
+    res = run_cli("sandbox", "revoke", "--config", str(gateway.config), data["id"])
+    assert res.returncode == 0 and json.loads(res.stdout)["revoked"] is True
+    res = run_cli("sandbox", "admit", "--config", str(gateway.config), "--policy", "nope")
+    assert res.returncode != 0 and "unknown_policy" in res.stderr
+    res = run_cli("ca", "path", "--config", str(gateway.config))
+    assert res.returncode == 0 and res.stdout.strip().endswith("mitmproxy-ca-cert.pem")
+    res = run_cli("ca", "export", "--config", str(gateway.config))
+    assert res.stdout.count("BEGIN CERTIFICATE") == 1 and "PRIVATE" not in res.stdout
+
+
+def test_audit_records_allow_and_deny(gateway):
+    sbx = gateway.admit("gw-basic")
+    with sbx.client() as c:
+        ok = c.get(sbx.url("api.test", "/echo"))
+        denied = c.get(sbx.url("api.test", "/nope"))
+    rid_ok, rid_deny = ok.headers["x-egressgate-request-id"], denied.json()["request_id"]
+
+    def find():
+        recs = gateway.audit_records()
+        by = {}
+        for r in recs:
+            if r.get("egressgate.sandbox.id") == sbx.id:
+                by.setdefault(r.get("egressgate.request.id"), []).append(r)
+        return by
+
+    assert wait_for(lambda: rid_ok in find() and rid_deny in find())
+    by = find()
+    text = json.dumps(by)
+    assert sbx.token not in text
+    decisions = [r for recs in by.values() for r in recs if r.get("egressgate.decision") in ("allow", "deny")]
+    assert any(r.get("egressgate.reason") == "path_not_allowed" for r in decisions)
+    assert any(r.get("egressgate.reason") == "rule_matched" for r in decisions)
+
+
+@pytest.fixture
+def gateway2(gateway, tmp_path):
+    """A second gateway (own process) for reload and shutdown tests."""
+    gw = start_gateway(gateway.world, tmp_path)
+    yield gw
+    stop_gateway(gw)
+
+
+def test_reload_invalid_keeps_old_then_valid_applies(gateway2):
+    gw = gateway2
+    sbx = gw.admit("gw-basic")
+    path = gw.policy_dir / "gw-basic.yaml"
+    good = yaml.safe_load(path.read_text())
+    with sbx.client() as c:
+        assert c.get(sbx.url("api.test", "/echo")).status_code == 200
+    bad = json.loads(json.dumps(good))
+    bad["network"]["https"]["allow"][0]["methodz"] = ["GET"]
+    path.write_text(yaml.safe_dump(bad))
+    stderr = gw.var.parent / "gateway.stderr"
+    assert wait_for(lambda: "methodz" in stderr.read_text(), timeout=10)
+    assert "network.https.allow[0].methodz" in stderr.read_text()
+    with sbx.client() as c:
+        assert c.get(sbx.url("api.test", "/echo")).status_code == 200  # old policy still in force
+    # valid change: /echo no longer allowed; applied via SIGHUP (and the watch)
+    changed = json.loads(json.dumps(good))
+    changed["network"]["https"]["allow"][0]["paths"] = ["/v1/**"]
+    path.write_text(yaml.safe_dump(changed))
+    gw.proc.send_signal(signal.SIGHUP)
+
+    def denied_now():
+        with sbx.client() as c:
+            return c.get(sbx.url("api.test", "/echo")).status_code == 403
+    assert wait_for(denied_now, timeout=10)
+
+
+def test_sigterm_stops_cleanly(gateway2):
+    gw = gateway2
+    assert stop_gateway(gw) == 0
+    assert not (gw.var / "gateway.json").exists()
