@@ -15,6 +15,8 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from egressgate.broker.config import BrokerConfig
+
 
 class ConfigError(ValueError):
     """The config file is unreadable or invalid; the message names the key path."""
@@ -99,6 +101,7 @@ class GatewayConfig(_Strict):
     state: StateConfig = StateConfig()
     audit: AuditConfig = AuditConfig()
     admin: AdminConfig = AdminConfig()
+    broker: BrokerConfig = BrokerConfig()  # credential broker; the local backend is the default
 
     # Resolved paths: one place decides the defaults so the CLI, the admin API and tests agree.
     def var_path(self) -> Path:
@@ -112,6 +115,12 @@ class GatewayConfig(_Strict):
 
     def admin_token_path(self) -> Path:
         return Path(self.admin.token_file) if self.admin.token_file else self.var_path() / "admin.token"
+
+    def broker_config(self) -> BrokerConfig:
+        """The broker config with the local key dir under var_dir unless set explicitly."""
+        if "local_key_dir" in self.broker.model_fields_set:
+            return self.broker
+        return self.broker.model_copy(update={"local_key_dir": str(self.var_path() / "keys")})
 
     def runtime_path(self) -> Path:
         """Where `run` records its bound addresses so `sandbox admit` finds a port-0 gateway."""
