@@ -37,12 +37,14 @@ from loadtests.profile import profile_during
 from loadtests.stream_bench import download, sse_first_event
 from loadtests.upstream import SMALL_BODY
 
-TARGETS = ("direct", "mitmdump", "egressgate", "squid")
+TARGETS = ("direct", "mitmdump", "egressgate", "egressgate-noaudit", "squid")
 LABEL = {
     ("squid", "http"): "squid (forward)",
     ("squid", "https"): "squid (CONNECT tunnel, no MITM)",
     ("mitmdump", "https"): "mitmdump (MITM)",
     ("egressgate", "https"): "egressgate (MITM)",
+    ("egressgate-noaudit", "http"): "egressgate, audit discarded (bench only)",
+    ("egressgate-noaudit", "https"): "egressgate (MITM), audit discarded (bench only)",
 }
 
 
@@ -59,14 +61,18 @@ class Bench:
         self.certs = procs.make_certs(workdir)
 
     def start(self, targets: list[str]) -> None:
-        procs.check_loopback_name()
+        if self.args.upstream_host == procs.UPSTREAM_NAME:
+            procs.check_loopback_name()
         up = procs.start_upstream(self.certs, self.dir)
         self.procs["upstream"] = up
         starters = {
             "mitmdump": lambda: procs.start_mitmdump(self.dir, self.certs.ca_pem, self.args.mitmdump_flow_detail),
             "squid": lambda: procs.start_squid(self.dir),
             "egressgate": lambda: procs.start_egressgate(self.dir, self.certs.ca_pem, up.info["http_port"],
-                                                         up.info["https_port"]),
+                                                         up.info["https_port"], upstream_host=self.args.upstream_host),
+            "egressgate-noaudit": lambda: procs.start_egressgate(
+                self.dir, self.certs.ca_pem, up.info["http_port"], up.info["https_port"],
+                upstream_host=self.args.upstream_host, audit=False, name="egressgate-noaudit"),
         }
         for name in targets:
             if name in starters:
@@ -84,7 +90,7 @@ class Bench:
     def target(self, name: str, scheme: str, path: str = "/", proxy: procs.Proc | None = None) -> Target:
         up = self.procs["upstream"]
         port = up.info[f"{scheme}_port"]
-        common = {"scheme": scheme, "host": procs.UPSTREAM_NAME, "port": port, "path": path,
+        common = {"scheme": scheme, "host": self.args.upstream_host, "port": port, "path": path,
                   "expect_body": len(SMALL_BODY) if path == "/" else None}
         if name == "direct":
             return Target(dial=("127.0.0.1", port), via_proxy=False, ca_file=str(self.certs.ca_pem), **common)
@@ -142,7 +148,7 @@ class Bench:
         out: dict = {}
         try:
             eg = procs.start_egressgate(self.dir, self.certs.ca_pem, up.info["http_port"], up.info["https_port"],
-                                        name="egressgate-stream")
+                                        name="egressgate-stream", upstream_host=self.args.upstream_host)
         except Exception as exc:
             return {"error": f"egressgate unavailable: {str(exc)[:300]}"}
         self.procs["egressgate-stream"] = eg
@@ -202,6 +208,9 @@ def summarize(rows: list[dict]) -> list[dict]:
             "ratio_vs_mitmdump": med / base_med if base_med else None,
             "errors": sum(sum(x["errors"].values()) for x in rs),
             "proxy_cpu": statistics.median(cpus) if cpus else None,
+            # requests per proxy CPU-second: robust to CPU stolen by other work on a shared machine
+            "req_per_cpu_s": statistics.median(x["rps"] / x["proxy_cpu"] for x in rs if x["proxy_cpu"])
+            if cpus and all(cpus) else None,
             "client_cpu": statistics.median(x["loadgen_cpu"] for x in rs),
         })
     order = {t: i for i, t in enumerate(TARGETS)}
@@ -211,16 +220,42 @@ def summarize(rows: list[dict]) -> list[dict]:
 
 def markdown(summary: list[dict], meta: dict) -> str:
     lines = ["| mode | conc | target | rps (median) | rps per run | p50 ms | p99 ms | vs mitmdump | proxy CPU "
-             "| client CPU | errors |", "|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+             "| req/CPU-s | client CPU | errors |", "|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for s in summary:
         ratio = f"{s['ratio_vs_mitmdump']:.2f}x" if s["ratio_vs_mitmdump"] is not None else "-"
         cpu = f"{s['proxy_cpu']:.2f}" if s["proxy_cpu"] is not None else "-"
+        per_cpu = f"{s['req_per_cpu_s']:.0f}" if s["req_per_cpu_s"] else "-"
         lines.append(f"| {s['mode']} | {s['conc']} | {s['label']} | {s['rps']:.0f} | "
                      f"{' / '.join(f'{x:.0f}' for x in s['rps_runs'])} | {s['p50_ms']:.2f} | {s['p99_ms']:.2f} | "
-                     f"{ratio} | {cpu} | {s['client_cpu']:.2f} | {s['errors']} |")
+                     f"{ratio} | {cpu} | {per_cpu} | {s['client_cpu']:.2f} | {s['errors']} |")
+    lines += ["", "| mode | conc | egressgate / bare mitmdump rps (goal >= 1.0x, < 0.85x defect) "
+              "| same, per proxy CPU-second | audit on / off rps (goal >= 0.9x) | same, per CPU-second |",
+              "|---|---|---:|---:|---:|---:|"]
+
+    def ratio(a: dict | None, b: dict | None, key: str) -> str:
+        return f"{a[key] / b[key]:.2f}x" if a and b and a.get(key) and b.get(key) else "-"
+
+    by = {(s["mode"], s["conc"], s["target"]): s for s in summary}
+    for mode, conc in sorted({(s["mode"], s["conc"]) for s in summary}):
+        eg, md, off = (by.get((mode, conc, t)) for t in ("egressgate", "mitmdump", "egressgate-noaudit"))
+        lines.append(f"| {mode} | {conc} | {ratio(eg, md, 'rps')} | {ratio(eg, md, 'req_per_cpu_s')} "
+                     f"| {ratio(eg, off, 'rps')} | {ratio(eg, off, 'req_per_cpu_s')} |")
     for name, why in meta.get("unavailable", {}).items():
         lines.append(f"\n{name}: not measured ({why})")
     return "\n".join(lines)
+
+
+def _git_state() -> str:
+    """HEAD and how many gateway files differ from it (the gateway is written concurrently)."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--short", "egressgate"], cwd=root, capture_output=True,
+                               text=True, timeout=10).stdout.splitlines()
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    return f"{head} (+{len(dirty)} uncommitted/untracked files under egressgate/)"
 
 
 def main() -> None:
@@ -231,6 +266,8 @@ def main() -> None:
     ap.add_argument("--modes", nargs="+", default=["http", "https"], choices=["http", "https"])
     ap.add_argument("--targets", nargs="+", default=list(TARGETS), choices=TARGETS)
     ap.add_argument("--procs", type=int, default=None, help="client processes per cell (default: 1 at c=1, else 2)")
+    ap.add_argument("--upstream-host", default=procs.UPSTREAM_NAME, choices=[procs.UPSTREAM_NAME, "127.0.0.1"],
+                    help="how requests name the upstream: a name the proxies resolve, or the IP literal")
     ap.add_argument("--mitmdump-flow-detail", type=int, default=0)
     ap.add_argument("--stream-bytes", type=int, default=1 << 30)
     ap.add_argument("--stream-modes", nargs="*", default=["https", "http"], choices=["http", "https"])
@@ -244,7 +281,7 @@ def main() -> None:
     bench = Bench(args, workdir)
     meta: dict = {"command": shlex.join([Path(sys.executable).name, "-m", "loadtests.gateway_bench", *sys.argv[1:]]),
                   "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "host": platform.node(),
-                  "cpus": __import__("os").cpu_count(), "workdir": str(workdir)}
+                  "cpus": __import__("os").cpu_count(), "workdir": str(workdir), "git": _git_state()}
     try:
         bench.start(args.targets)
         meta["unavailable"] = bench.unavailable

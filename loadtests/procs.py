@@ -218,7 +218,7 @@ def start_squid(directory: Path) -> Proc:
     return p
 
 
-def bench_policy(http_port: int, https_port: int, name: str = "bench") -> dict:
+def bench_policy(http_port: int, https_port: int, name: str = "bench", host: str = UPSTREAM_NAME) -> dict:
     """The sandbox policy egressgate enforces in the benchmark: GETs to the upstream only, loopback opened
     explicitly with allow_private, a (large) byte budget so the budget path counts every byte."""
     paths = ["/", "/bytes/*", "/sse"]
@@ -227,21 +227,23 @@ def bench_policy(http_port: int, https_port: int, name: str = "bench") -> dict:
         "network": {
             "default": "deny",
             "allow_private": ["127.0.0.0/8"],
-            "https": {"allow": [{"id": "bench-https", "host": UPSTREAM_NAME, "ports": [https_port],
+            "https": {"allow": [{"id": "bench-https", "host": host, "ports": [https_port],
                                  "methods": ["GET"], "paths": paths}]},
-            "http": {"allow": [{"id": "bench-http", "host": UPSTREAM_NAME, "ports": [http_port],
+            "http": {"allow": [{"id": "bench-http", "host": host, "ports": [http_port],
                                 "methods": ["GET"], "paths": paths}]},
         },
     }
 
 
 def start_egressgate(directory: Path, upstream_ca: Path, http_port: int, https_port: int,
-                     extra_config: dict | None = None, name: str = "egressgate") -> Proc:
+                     extra_config: dict | None = None, name: str = "egressgate",
+                     upstream_host: str = UPSTREAM_NAME, audit: bool = True) -> Proc:
     """`egressgate run --config FILE` with the full pipeline (identity, policy, pinning, budgets, audit to a
-    file), then one sandbox admitted with the real `egressgate sandbox admit`."""
+    file), then one sandbox admitted with the real `egressgate sandbox admit`. audit=False runs the same
+    gateway through loadtests/gateway_noaudit.py (discard sink) for the audit on/off ratio."""
     d = directory / name
     (d / "policies").mkdir(parents=True, exist_ok=True)
-    (d / "policies" / "bench.yaml").write_text(yaml.safe_dump(bench_policy(http_port, https_port)))
+    (d / "policies" / "bench.yaml").write_text(yaml.safe_dump(bench_policy(http_port, https_port, host=upstream_host)))
     config = {
         "listen": {"proxy": "127.0.0.1:0", "admin": "127.0.0.1:0", "dns": None},
         "policy": str(d / "policies"),
@@ -254,8 +256,10 @@ def start_egressgate(directory: Path, upstream_ca: Path, http_port: int, https_p
     cfg = d / "gateway.yaml"
     cfg.write_text(yaml.safe_dump(config))
     err = d / "gateway.stderr"
-    cmd = [EGRESSGATE, "run", "--config", str(cfg)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err.open("w"), text=True)
+    cmd = [EGRESSGATE, "run", "--config", str(cfg)] if audit else [
+        sys.executable, "-m", "loadtests.gateway_noaudit", "--config", str(cfg)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err.open("w"), text=True,
+                            cwd=Path(__file__).resolve().parent.parent)
     p = Proc(name, proc, logs=[err], info={"cmd": " ".join(cmd), "config": str(cfg)})
     try:
         addrs = json.loads(_first_line(proc, 60))
