@@ -13,7 +13,9 @@ Topology (names are unique per world: ``eg<sid>-gw`` ...)::
                                             loopback canary            169.254.169.254 10.0.0.5
                                             127.0.0.1:80/443)          100.100.100.200 168.63.129.16
                                                                        fd00:ec2::254 64:ff9b::a9fe:a9fe
-                                                                       2002:a9fe:a9fe::1 198.18.1.10
+                                                                       2002:a9fe:a9fe::1 ::a9fe:a9fe
+                                                                       2001:0:4136:e378:8000:63bf:5601:5601
+                                                                       198.18.1.10
                                                                        198.18.1.20 198.18.0.53)
 
 ``gw`` forwards packets, so the only thing between ``sbx`` and the canaries is the nftables ruleset in
@@ -66,8 +68,12 @@ NET_CANARIES: dict[str, tuple[str, int, bool]] = {
     "metadata-v6": ("fd00:ec2::254", 80, False),
     "nat64": ("64:ff9b::a9fe:a9fe", 80, False),
     "6to4": ("2002:a9fe:a9fe::1", 80, False),
+    "teredo": ("2001:0:4136:e378:8000:63bf:5601:5601", 80, False),  # client 169.254.169.254 (xor'd)
+    "v4compat": ("::a9fe:a9fe", 80, False),  # deprecated IPv4-compatible ::169.254.169.254
 }
+GW_SELF_CANARY_PORT = 81
 GW_CANARIES: dict[str, tuple[str, int, bool]] = {
+    "gateway-self": (GW_SBX, GW_SELF_CANARY_PORT, False),  # the gateway host's own address, other port
     "loopback": ("127.0.0.1", 80, False),
     "loopback-tls": ("127.0.0.1", 443, True),
     "loopback-v6": ("::1", 80, False),

@@ -13,6 +13,7 @@ import base64
 import contextlib
 import json
 import shlex
+import shutil
 import socket
 import ssl
 import subprocess
@@ -77,11 +78,22 @@ class Gateway:
 
     @classmethod
     def start(cls, world: World, tmp: Path, policies: Path = POLICIES) -> Gateway:
+        """Start with every policy in `policies`, plus escape-self, which allows the gateway's own
+        listeners by rule (so only the self-connection check can refuse them). Its ports are picked
+        free inside the private gw namespace before the start, since the policy must name them."""
         var = tmp / "var"
         var.mkdir(parents=True, exist_ok=True)
+        pdir = tmp / "policies"
+        pdir.mkdir(exist_ok=True)
+        for src in policies.glob("*.yaml"):
+            shutil.copy(src, pdir / src.name)
+        proxy_port = world.in_ns(world.gw, lambda: _free_port(nw.GW_SBX))
+        admin_port = world.in_ns(world.gw, lambda: _free_port("127.0.0.1"))
+        (pdir / "escape-self.yaml").write_text(yaml.safe_dump(_self_policy(proxy_port, admin_port)))
         config = {
-            "listen": {"proxy": f"{nw.GW_SBX}:0", "admin": "127.0.0.1:0", "dns": "127.0.0.1:0"},
-            "policy": str(policies),
+            "listen": {"proxy": f"{nw.GW_SBX}:{proxy_port}", "admin": f"127.0.0.1:{admin_port}",
+                       "dns": "127.0.0.1:0"},
+            "policy": str(pdir),
             "var_dir": str(var),
             "upstream": {"resolver": f"{nw.DNS_ADDR}:53", "ca_bundle": str(world.ca_pem)},
             "state": {"backend": "memory"},
@@ -298,6 +310,21 @@ def parse_response(data: bytes, sock: socket.socket | ssl.SSLSocket | None = Non
                 break
             body.extend(chunk)
     return Response(status, parts[2] if len(parts) > 2 else "", headers, bytes(body), data)
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _self_policy(proxy_port: int, admin_port: int) -> dict[str, Any]:
+    rules = [{"id": "gateway-addr", "host": nw.GW_SBX, "ports": [proxy_port, nw.GW_SELF_CANARY_PORT]},
+             {"id": "gateway-loopback", "host": "127.0.0.1", "ports": [admin_port, 80]}]
+    return {"sandbox": {"name": "escape-self"},
+            "network": {"allow_private": [f"{nw.GW_SBX}/32", "127.0.0.1/32"],
+                        "https": {"allow": rules},
+                        "http": {"allow": [{**r, "id": r["id"] + "-http"} for r in rules]}}}
 
 
 def _first_line(proc: subprocess.Popen[str], timeout: float) -> str:
