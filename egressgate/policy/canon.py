@@ -92,7 +92,6 @@ from __future__ import annotations
 
 import functools
 import re
-import unicodedata
 from ipaddress import IPv4Address, IPv6Address
 from urllib.parse import unquote
 
@@ -146,14 +145,19 @@ def _require_text(raw: object, what: str) -> str:
     return raw
 
 
+# C0/C1 controls, DEL, and every character str.isspace() or Unicode Zs/Zl/Zp calls whitespace.
+_FORBIDDEN = re.compile("[\x00-\x20\x7f-\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]")
+
+
 def _reject_controls(raw: str, what: str) -> None:
     """Reject C0/C1 controls and every kind of whitespace (they split or smuggle in other parsers)."""
-    for ch in raw:
-        o = ord(ch)
-        if o < 0x20 or 0x7F <= o < 0xA0:
-            raise CanonError("control_char", f"{what} contains control character U+{o:04X}: {_show(raw)}")
-        if ch.isspace() or unicodedata.category(ch) in ("Zs", "Zl", "Zp"):
-            raise CanonError("whitespace", f"{what} contains whitespace U+{o:04X}: {_show(raw)}")
+    found = _FORBIDDEN.search(raw)
+    if found is None:
+        return
+    o = ord(found.group())
+    if o < 0x20 or 0x7F <= o < 0xA0:
+        raise CanonError("control_char", f"{what} contains control character U+{o:04X}: {_show(raw)}")
+    raise CanonError("whitespace", f"{what} contains whitespace U+{o:04X}: {_show(raw)}")
 
 
 # ---------------------------------------------------------------------------------------------- IPv4
@@ -413,12 +417,15 @@ _UNRESERVED = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz01
 # pchar minus unreserved and '%', plus '/': characters allowed raw in an RFC 3986 path.
 _RAW_OK = _UNRESERVED | frozenset(b"!$&'()*+,;=:@/")
 _HEX = frozenset(b"0123456789abcdefABCDEF")
+_PLAIN_PATH = re.compile(r"[A-Za-z0-9\-._~!$&'()*+,;=:@/]*", re.ASCII)
 _SEPARATORS = re.compile(r"[/\\]")
 # Overlong UTF-8 (C0/C1 leads, E0 80-9F, F0 80-8F): never valid, decoded to '.' or '/' by lax decoders.
 _OVERLONG = re.compile(r"%C[01]%[89AB][0-9A-F]|%E0%[89][0-9A-F]|%F0%8[0-9A-F]")
 
 
 def _normalize_escapes(path: str) -> str:
+    if _PLAIN_PATH.fullmatch(path):  # the common case: nothing to decode or encode
+        return path
     try:
         data = path.encode("utf-8", "surrogateescape")
     except UnicodeEncodeError:
@@ -453,6 +460,8 @@ def _is_dot(piece: str) -> bool:
 
 def _remove_dot_segments(path: str) -> str:
     """RFC 3986 5.2.4 for a path starting with '/': '..' above the root clamps at '/'."""
+    if "/." not in path:  # every dot segment follows a '/'
+        return path
     segments = path.split("/")[1:]
     out: list[str] = []
     last = len(segments) - 1

@@ -9,6 +9,8 @@ fixed point. parse_inet_aton is checked against the C library's own inet_aton (s
 from __future__ import annotations
 
 import socket
+import sys
+import unicodedata
 from ipaddress import IPv4Address, IPv6Address
 
 import pytest
@@ -207,6 +209,21 @@ def test_canon_host_rejects(raw: str, code: str) -> None:
     assert str(info.value)  # a human message
     with pytest.raises(CanonError):
         parse_ip_literal(raw)
+
+
+def test_every_control_and_whitespace_code_point_is_rejected() -> None:
+    # Exhaustive over Unicode: the fast regex in canon must agree with the Unicode definitions.
+    for o in range(sys.maxunicode + 1):
+        ch = chr(o)
+        control = o < 0x20 or 0x7F <= o < 0xA0
+        space = ch.isspace() or unicodedata.category(ch) in ("Zs", "Zl", "Zp")
+        if not (control or space):
+            continue
+        with pytest.raises(CanonError) as info:
+            canon_path("/a" + ch)
+        assert info.value.code == ("control_char" if control else "whitespace"), hex(o)
+        with pytest.raises(CanonError):
+            canon_host("a" + ch + ".com")
 
 
 @pytest.mark.parametrize("raw", [None, 1, b"example.com", ["a"]])
