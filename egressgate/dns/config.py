@@ -64,8 +64,10 @@ class DnsConfig:
     tcp_idle_timeout: float = 10.0  # seconds without a complete new message before we close
     tcp_max_connections: int = 256  # accepted connections beyond this are closed at once
     tcp_max_inflight: int = 32  # pipelined queries processed at once per connection
+    tcp_max_per_client: int = 32  # connections per source address (one sandbox cannot take every slot)
     # UDP
     udp_max_inflight: int = 2048  # queries being processed at once; more are dropped and counted
+    udp_max_inflight_per_client: int = 256  # the same, per source address
     max_query_size: int = 1024  # bytes; a larger query is dropped (a real one is < 300 bytes)
     # Who may ask
     unknown_client_policy: str | None = None  # policy name for unregistered sources; None = deny everything
@@ -82,6 +84,8 @@ class DnsConfig:
             "tcp_max_connections": self.tcp_max_connections,
             "tcp_max_inflight": self.tcp_max_inflight,
             "udp_max_inflight": self.udp_max_inflight,
+            "udp_max_inflight_per_client": self.udp_max_inflight_per_client,
+            "tcp_max_per_client": self.tcp_max_per_client,
             "cache_max_ttl": self.cache_max_ttl,
             "unknown_client_table": self.unknown_client_table,
         }

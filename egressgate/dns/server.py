@@ -2,12 +2,13 @@
 
 Why not dnslib's servers: they are thread-per-request socketservers; one slow upstream would tie up a thread
 per query. Here every query is a task on the gateway's event loop, bounded in number:
-- UDP: at most `udp_max_inflight` queries in progress; beyond that datagrams are dropped and counted (a client
-  retries; a flood does not grow memory). Answers larger than the client's limit go out truncated with TC.
+- UDP: at most `udp_max_inflight` queries in progress (`udp_max_inflight_per_client` per source address);
+  beyond that datagrams are dropped and counted (a client retries; a flood does not grow memory, and one
+  sandbox cannot take every slot). Answers larger than the client's limit go out truncated with TC.
 - TCP (RFC 7766): two-byte length prefix, many messages per connection, pipelined (answers may leave out of
   order, each with its query id), at most `tcp_max_inflight` per connection (the reader waits, so a client
-  that does not read its answers stalls only itself), an idle timeout, and a cap on connections (beyond it new
-  connections are closed at once).
+  that does not read its answers stalls only itself), an idle timeout, and caps on connections in total and
+  per source address (beyond them new connections are closed at once).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ class _UdpListener:
         self.server = server
         self.sock = sock
         self.tasks: set[asyncio.Task[None]] = set()
+        self.per_client: dict[str, int] = {}  # queries in progress per source address
         self.loop = asyncio.get_running_loop()
         self.closed = False
         self._bufsize = server.config.max_query_size + 1  # one byte more, so oversize is still visible
@@ -62,6 +64,7 @@ class _UdpListener:
     def _readable(self) -> None:
         metrics = self.server.metrics
         cap = self.server.config.udp_max_inflight
+        per_client = self.server.config.udp_max_inflight_per_client
         for _ in range(self.BATCH):
             try:
                 data, addr = self.sock.recvfrom(self._bufsize)
@@ -70,16 +73,26 @@ class _UdpListener:
             except OSError:
                 metrics.dropped_malformed += 1
                 return
-            if len(self.tasks) >= cap:
+            source = addr[0]
+            busy = self.per_client.get(source, 0)
+            if len(self.tasks) >= cap or busy >= per_client:
                 metrics.dropped_overload += 1
                 continue
+            self.per_client[source] = busy + 1
             task = asyncio.Task(self._answer(data, addr), loop=self.loop, eager_start=True)
             if not task.done():
                 self.tasks.add(task)
                 task.add_done_callback(self.tasks.discard)
 
     async def _answer(self, data: bytes, addr: tuple) -> None:
-        answer = await self.server.resolver.handle(data, client_ip(addr), udp=True)
+        try:
+            answer = await self.server.resolver.handle(data, client_ip(addr), udp=True)
+        finally:
+            left = self.per_client[addr[0]] - 1
+            if left:
+                self.per_client[addr[0]] = left
+            else:
+                del self.per_client[addr[0]]
         if answer is None or self.closed:
             return
         try:
@@ -123,6 +136,7 @@ class DnsServer:
         self._udp: _UdpListener | None = None
         self._tcp: asyncio.Server | None = None
         self._connections: set[asyncio.StreamWriter] = set()
+        self._per_client: dict[str, int] = {}  # open TCP connections per source address
         self._tcp_tasks: set[asyncio.Task[None]] = set()
         self.address: tuple[str, int] | None = None
 
@@ -164,13 +178,17 @@ class DnsServer:
     # --- TCP -----------------------------------------------------------------------------------------
 
     async def _serve_tcp(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if len(self._connections) >= self.config.tcp_max_connections:
+        client = client_ip(writer.get_extra_info("peername"))
+        if (
+            len(self._connections) >= self.config.tcp_max_connections
+            or self._per_client.get(client, 0) >= self.config.tcp_max_per_client
+        ):
             self.metrics.tcp_rejected += 1
             writer.close()
             return
         self.metrics.tcp_connections += 1
         self._connections.add(writer)
-        client = client_ip(writer.get_extra_info("peername"))
+        self._per_client[client] = self._per_client.get(client, 0) + 1
         slots = asyncio.Semaphore(self.config.tcp_max_inflight)
         pending: set[asyncio.Task[None]] = set()
         try:
@@ -194,6 +212,11 @@ class DnsServer:
                 await asyncio.wait(pending, timeout=self.config.upstream_timeout * 3 + 1)
         finally:
             self._connections.discard(writer)
+            left = self._per_client[client] - 1
+            if left:
+                self._per_client[client] = left
+            else:
+                del self._per_client[client]
             writer.close()
             with contextlib.suppress(Exception):
                 await writer.wait_closed()

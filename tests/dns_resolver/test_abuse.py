@@ -210,3 +210,35 @@ async def test_udp_overload_is_dropped_not_queued(policies, state, audit, upstre
         assert rcode(await ask(srv, "allowed.example.com")) == "NOERROR"
     finally:
         await srv.stop()
+
+
+async def test_per_client_caps_keep_other_sandboxes_served(policies, state, audit, upstream, dns_config):
+    from dataclasses import replace
+
+    from egressgate.dns.server import DnsServer
+
+    from .conftest import PRIVATE_IP
+
+    upstream.behaviour["slow.example.com"] = "timeout"
+    config = replace(dns_config, udp_max_inflight_per_client=2, tcp_max_per_client=2)
+    srv = DnsServer(policies.get, state, audit, config)
+    await srv.start("127.0.0.1", 0)
+    try:
+        pending = [asyncio.ensure_future(ask(srv, "slow.example.com", timeout=2)) for _ in range(2)]
+        await asyncio.sleep(0.1)
+        assert await raw_udp(srv, GOOD, timeout=0.2) is None  # this sandbox's slots are full
+        other = await ask(srv, "allowed.example.com", source=PRIVATE_IP)  # another sandbox still served
+        assert addresses(other) == ["93.184.216.34"]
+        await asyncio.gather(*pending)
+        assert rcode(await ask(srv, "allowed.example.com")) == "NOERROR"  # slots released
+
+        conns = [await asyncio.open_connection(*srv.address, local_addr=(SANDBOX_IP, 0)) for _ in range(2)]
+        await asyncio.sleep(0.05)
+        reader, writer = await asyncio.open_connection(*srv.address, local_addr=(SANDBOX_IP, 0))
+        assert await asyncio.wait_for(reader.read(10), 2) == b""  # third from the same source: closed
+        writer.close()
+        assert addresses(await ask(srv, "allowed.example.com", source=PRIVATE_IP, tcp=True)) == ["93.184.216.34"]
+        for _, w in conns:
+            w.close()
+    finally:
+        await srv.stop()
