@@ -201,7 +201,9 @@ class DnsServer(asyncio.DatagramProtocol):
                 ip = answers[(self.counts[name] - 1) % len(answers)]
                 reply.add_answer(RR(q.qname, QTYPE.A, rdata=A(ip), ttl=0))
             elif name in self.records:
-                reply.add_answer(RR(q.qname, QTYPE.A, rdata=A(self.records[name]), ttl=0))
+                value = self.records[name]
+                for ip in [value] if isinstance(value, str) else value:
+                    reply.add_answer(RR(q.qname, QTYPE.A, rdata=A(ip), ttl=0))
             else:
                 reply.header.rcode = 3
         elif name not in self.records and name not in self.flip:
@@ -307,7 +309,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     for name in NAMES:
         dns.records[name] = "127.0.0.1"
     dns.records["canary.test"] = "127.0.0.2"
-    dns.records["mixed.test"] = "127.0.0.2"
+    dns.records["mixed.test"] = ["127.0.0.1", "127.0.0.2"]  # one allowed, one forbidden answer
     dns.flip["rebind.test"] = ["127.0.0.1", "127.0.0.2"]
     w = World(tmp=tmp, ca=ca, https_port=ports["https"], h2_port=ports["h2"], http_port=ports["http"],
               tcp_port=ports["tcp"],
@@ -351,6 +353,7 @@ def policies(w: World) -> dict[str, dict]:
                 {"id": "sse", "host": "sse.test", "ports": [https], "methods": ["GET"]},
                 {"id": "h2-get", "host": "h2.test", "ports": [w.h2_port], "methods": ["GET"], "paths": ["/ok/**"]},
                 {"id": "rebind", "host": "rebind.test", "ports": [https]},
+                {"id": "mixed", "host": "mixed.test", "ports": [https]},
                 {"id": "canary-name", "host": "canary.test", "ports": [canary]},
                 {"id": "literal", "host": "127.0.0.2", "ports": [canary]},
             ]},
@@ -363,6 +366,10 @@ def policies(w: World) -> dict[str, dict]:
             "https": {"allow": [{"id": "api-any", "host": "api.test", "ports": [https]},
                                 {"id": "open-https", "host": "open.test", "ports": [tcp]}]},
             "tcp": {"allow": [{"id": "tcp-echo", "host": "tcp.test", "ports": [tcp]}]}}),
+        # no allow_private at all: loopback is forbidden like any other non-global address
+        "gw-noprivate": {"sandbox": {"name": "gw-noprivate"}, "network": {"https": {"allow": [
+            {"id": "api-any", "host": "api.test", "ports": [https]},
+            {"id": "literal", "host": "127.0.0.1", "ports": [https]}]}}},
         # positive control: the canary address is allowed here, proving the canary is reachable
         "canary-open": {"sandbox": {"name": "canary-open"}, "network": {
             "allow_private": ["127.0.0.0/8"],
@@ -440,7 +447,7 @@ def _read_line(proc: subprocess.Popen, timeout: float) -> str:
 
 def start_gateway(w: World, tmp: Path, extra_config: dict | None = None) -> Gateway:
     policy_dir = tmp / "policies"
-    policy_dir.mkdir(exist_ok=True)
+    policy_dir.mkdir(parents=True, exist_ok=True)
     for name, doc in policies(w).items():
         (policy_dir / f"{name}.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
     var = tmp / "var"

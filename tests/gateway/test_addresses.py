@@ -143,3 +143,27 @@ def test_self_connection_denied_after_policy_reload(gateway):
     finally:
         path.unlink()
         time.sleep(0)
+
+
+@pytest.mark.parametrize("host", ["api.test", "127.0.0.1", "2130706433", "0x7f.1", "[::ffff:127.0.0.1]"])
+def test_loopback_denied_without_allow_private_with_control(gateway, host):
+    world = gateway.world
+    mark = world.hits.mark()
+    sbx = gateway.admit("gw-noprivate")
+    status, body = get_via(gateway, sbx, host, world.https_port)
+    assert status == 403 and body["reason"] in ("address_forbidden", "host_not_allowed"), body
+    assert world.hits.since(mark) == []
+    # positive control: gw-basic allows 127.0.0.1/32 and the same name reaches the upstream
+    if host == "api.test":
+        ctrl = gateway.admit("gw-basic")
+        assert get_via(gateway, ctrl, host, world.https_port)[0] == 200
+
+
+def test_name_with_one_forbidden_answer_denied(gateway):
+    """mixed.test answers 127.0.0.1 (allowed) AND 127.0.0.2 (forbidden): a rebinding setup, denied."""
+    world = gateway.world
+    mark, canary_mark = world.hits.mark(), world.canary.mark()
+    sbx = gateway.admit("gw-basic")
+    status, body = get_via(gateway, sbx, "mixed.test", world.https_port)
+    assert status == 403 and body["reason"] == "address_forbidden"
+    assert world.hits.since(mark) == [] and world.canary.since(canary_mark) == []
