@@ -133,6 +133,9 @@ class CanonError(ValueError):
     def __repr__(self) -> str:
         return f"CanonError({self.code!r}, {self.message!r})"
 
+    def __reduce__(self) -> tuple[type[CanonError], tuple[str, str]]:
+        return (CanonError, (self.code, self.message))  # picklable despite the two-argument __init__
+
 
 def _show(raw: str) -> str:
     """A short, escaped rendering of untrusted input for error messages."""

@@ -8,6 +8,7 @@ fixed point. parse_inet_aton is checked against the C library's own inet_aton (s
 
 from __future__ import annotations
 
+import pickle
 import socket
 import sys
 import unicodedata
@@ -209,6 +210,15 @@ def test_canon_host_rejects(raw: str, code: str) -> None:
     assert str(info.value)  # a human message
     with pytest.raises(CanonError):
         parse_ip_literal(raw)
+
+
+def test_canon_error_shape() -> None:
+    with pytest.raises(CanonError) as info:
+        canon_host("user@example.com")
+    err = info.value
+    assert isinstance(err, ValueError) and err.code == "userinfo" and str(err) == err.message
+    again = pickle.loads(pickle.dumps(err))  # noqa: S301 -- our own bytes
+    assert (again.code, again.message) == (err.code, err.message)
 
 
 def test_every_control_and_whitespace_code_point_is_rejected() -> None:
