@@ -8,6 +8,7 @@ it records every query it receives, which is how the tests prove that denied nam
 from __future__ import annotations
 
 import asyncio
+import socket
 import struct
 import time
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ import dns.message
 import dns.rcode
 import dns.rdatatype
 import pytest
-from dnslib import QTYPE, RCODE, RR, DNSRecord
+from dnslib import QTYPE, RCODE, RR, A, DNSHeader, DNSQuestion, DNSRecord
 
 from egressgate.audit.event import AuditEvent, AuditUnavailable
 from egressgate.dns.config import DnsConfig
@@ -148,13 +149,16 @@ ZONE: dict[str, list[str]] = {
     "c.budget.example.com": ["c.budget.example.com. 300 A 93.184.216.52"],
     "d.budget.example.com": ["d.budget.example.com. 300 A 93.184.216.53"],
 }
+POISON = "93.184.216.99"  # what forged replies claim; must never reach a client
 SOA = "example.com. 300 SOA ns.example.com. host.example.com. 1 7200 900 1209600 30"
 
 
 @dataclass
 class FakeUpstream:
     """A recording authoritative-style server. Behaviours per name: 'timeout' (never answers), 'servfail',
-    'spoof' (first a reply with a wrong id, then the right one), 'badlen' (A record with 8-byte rdata)."""
+    'badlen' (A record with 8-byte rdata), and forged replies carrying POISON sent before the real answer:
+    'spoof' (wrong id), 'spoof-source' (right id, sent from 127.0.0.8), 'spoof-question' (right id and
+    source, another question)."""
 
     zone: dict[str, list[str]] = field(default_factory=lambda: dict(ZONE))
     behaviour: dict[str, str] = field(default_factory=dict)
@@ -212,10 +216,20 @@ class FakeUpstream:
                 if answer is None:
                     return
                 name = str(request.q.qname).rstrip(".").lower()
-                if upstream.behaviour.get(name) == "spoof":
-                    forged = bytearray(answer)
-                    forged[0:2] = struct.pack("!H", (request.header.id + 1) % 65536)
-                    self.transport.sendto(bytes(forged), addr)
+                mode = upstream.behaviour.get(name, "")
+                if mode.startswith("spoof"):
+                    # A forged reply carrying the POISON address arrives first; the real one 30 ms later.
+                    qid = request.header.id if mode != "spoof" else (request.header.id + 1) % 65536
+                    qname = "other.example.com" if mode == "spoof-question" else request.q.qname
+                    forged = DNSRecord(DNSHeader(id=qid, qr=1, aa=1, ra=1), q=DNSQuestion(qname, request.q.qtype))
+                    forged.add_answer(RR(qname, QTYPE.A, rdata=A(POISON), ttl=300))
+                    sender = upstream.other_source if mode == "spoof-source" else None
+                    if sender is not None:
+                        sender.sendto(forged.pack(), addr)
+                    else:
+                        self.transport.sendto(forged.pack(), addr)
+                    loop.call_later(0.03, self.transport.sendto, answer, addr)
+                    return
                 self.transport.sendto(answer, addr)
 
         for _ in range(20):  # a free UDP port whose TCP twin is free too
@@ -229,6 +243,8 @@ class FakeUpstream:
         else:
             raise OSError("no free UDP+TCP port pair for the test upstream")
         self.address = ("127.0.0.1", port)
+        self.other_source = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.other_source.bind(("127.0.0.8", 0))
 
     async def _serve_tcp(self, reader, writer):
         try:
@@ -244,6 +260,7 @@ class FakeUpstream:
             writer.close()
 
     async def stop(self) -> None:
+        self.other_source.close()
         self.udp.close()
         self.tcp.close()
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import dns.flags
 import dns.rdatatype
+import pytest
 
 from egressgate.dns.server import DnsServer
 from egressgate.state.base import SandboxRecord, hash_token
@@ -256,12 +258,56 @@ async def test_upstream_servfail_and_second_upstream(policies, state, audit, ups
         await srv.stop()
 
 
-async def test_spoofed_reply_with_wrong_id_ignored(server, upstream):
-    upstream.behaviour["spoof.example.com"] = "spoof"
+@pytest.mark.parametrize("mode", ["spoof", "spoof-source", "spoof-question"])
+async def test_forged_upstream_replies_ignored(server, upstream, mode):
+    upstream.behaviour["spoof.example.com"] = mode
     upstream.zone["spoof.example.com"] = ["spoof.example.com. 60 A 93.184.216.61"]
     response = await ask(server, "spoof.example.com")
-    assert addresses(response) == ["93.184.216.61"]
-    assert server.metrics.upstream_mismatches >= 1
+    assert addresses(response) == ["93.184.216.61"]  # the real answer, not POISON
+    if mode != "spoof-source":  # the connected socket makes the kernel drop the other source's datagram
+        assert server.metrics.upstream_mismatches >= 1
+
+
+async def test_failover_to_next_upstream(policies, state, audit, upstream, dns_config):
+    from dataclasses import replace
+
+    closed = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)  # a port nobody listens on: ICMP unreachable
+    closed.bind(("127.0.0.1", 0))
+    dead = closed.getsockname()
+    closed.close()
+    silent = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)  # listens, never answers: a timeout
+    silent.bind(("127.0.0.1", 0))
+    try:
+        upstreams = (dead, silent.getsockname(), upstream.address)
+        srv = DnsServer(policies.get, state, audit, replace(dns_config, upstreams=upstreams, upstream_timeout=0.2))
+        await srv.start("127.0.0.1", 0)
+        try:
+            assert addresses(await ask(srv, "allowed.example.com")) == ["93.184.216.34"]
+            assert srv.metrics.upstream_timeouts == 1 and srv.metrics.upstream_errors == 1
+        finally:
+            await srv.stop()
+    finally:
+        silent.close()
+
+
+async def test_ttl_caps_and_expiry(policies, state, audit, upstream, dns_config):
+    from dataclasses import replace
+
+    upstream.zone["cached.example.com"] = ["cached.example.com. 1 A 93.184.216.43"]
+    upstream.zone["allowed.example.com"] = ["allowed.example.com. 86400 A 93.184.216.34"]
+    srv = DnsServer(policies.get, state, audit, replace(dns_config, cache_min_ttl=1, cache_max_ttl=60))
+    await srv.start("127.0.0.1", 0)
+    try:
+        long_lived = await ask(srv, "allowed.example.com")
+        assert long_lived.answer[0].ttl <= 60  # max cap applies to what clients are told
+        await ask(srv, "cached.example.com")
+        await ask(srv, "cached.example.com")
+        assert upstream.names().count("cached.example.com") == 1
+        await asyncio.sleep(1.2)
+        await ask(srv, "cached.example.com")
+        assert upstream.names().count("cached.example.com") == 2  # expired after its 1 s TTL
+    finally:
+        await srv.stop()
 
 
 async def test_malformed_upstream_record_is_servfail(server, upstream):
