@@ -50,7 +50,8 @@ def system_upstreams(path: Path = RESOLV_CONF) -> tuple[tuple[str, int], ...]:
 
 @dataclass(frozen=True, slots=True)
 class DnsConfig:
-    # Upstream resolvers, tried in order; None means "read /etc/resolv.conf when the server starts".
+    # Upstream resolvers, tried in order; None means "the nameservers of /etc/resolv.conf" (read when the
+    # resolver is built; a nameserver equal to our own listener is refused at start()).
     upstreams: tuple[tuple[str, int], ...] | None = None
     upstream_timeout: float = 2.0  # seconds per upstream attempt (UDP, and again for a TCP retry)
     upstream_edns_size: int = 1232  # EDNS payload size we advertise upstream (DNS flag day 2020 value)

@@ -20,7 +20,7 @@ import socket
 import struct
 
 from egressgate.audit.sink import AuditSink
-from egressgate.dns.config import DnsConfig
+from egressgate.dns.config import DnsConfig, DnsConfigError
 from egressgate.dns.metrics import DnsMetrics
 from egressgate.dns.resolver import PolicyLookup, Resolver
 from egressgate.dns.wire import SERVFAIL, bare_response
@@ -152,6 +152,12 @@ class DnsServer:
                 sock.close()
                 last_error = exc
                 continue
+            if (bound[0], bound[1]) in self.resolver.upstream.servers:
+                # resolv.conf naming this very listener: every allowed query would come back to us
+                sock.close()
+                self._tcp.close()
+                self._tcp = None
+                raise DnsConfigError(f"upstream {bound[0]}:{bound[1]} is this resolver's own listener")
             self._udp = _UdpListener(self, sock)
             self.address = (bound[0], bound[1])
             return self.address

@@ -377,3 +377,33 @@ async def test_dig_over_tcp_and_ipv6_listener(policies, state, audit, upstream, 
         assert audit.events[-1].sandbox_id == "sbx-v6"
     finally:
         await srv.stop()
+
+
+async def test_upstream_pointing_at_itself_is_refused(policies, state, audit, upstream, dns_config):
+    from dataclasses import replace
+
+    from egressgate.dns.config import DnsConfigError
+
+    probe = DnsServer(policies.get, state, audit, dns_config)
+    _, port = await probe.start("127.0.0.1", 0)
+    await probe.stop()
+    srv = DnsServer(policies.get, state, audit, replace(dns_config, upstreams=(("127.0.0.1", port),)))
+    with pytest.raises(DnsConfigError):
+        await srv.start("127.0.0.1", port)
+    assert srv.address is None
+
+
+def test_config_validation_and_resolv_conf():
+    from egressgate.dns.config import DnsConfig, DnsConfigError, parse_resolv_conf
+
+    text = "# comment\nnameserver 192.0.2.53\nnameserver ::1 # trailing\nnameserver not-an-ip\nsearch example.com\n"
+    assert parse_resolv_conf(text) == (("192.0.2.53", 53), ("::1", 53))
+    for bad in (
+        {"deny_rcode": "SERVFAIL"},
+        {"upstream_timeout": 0},
+        {"cache_min_ttl": 10, "cache_max_ttl": 5},
+        {"upstreams": (("dns.example.com", 53),)},
+        {"max_udp_response": 100},
+    ):
+        with pytest.raises(DnsConfigError):
+            DnsConfig(**bad).validate()
