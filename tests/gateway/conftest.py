@@ -33,7 +33,7 @@ from aiohttp import web
 from dnslib import QTYPE, RR, A, DNSRecord
 
 EGRESSGATE = str(Path(sys.executable).with_name("egressgate"))
-NAMES = ["h2.test", "api.test", "other.test", "sse.test", "tcp.test", "open.test", "nohost.test"]
+NAMES = ["untrusted.test", "badname.test", "h2.test", "api.test", "other.test", "sse.test", "tcp.test", "open.test", "nohost.test"]
 
 
 # --------------------------------------------------------------------------------------- servers
@@ -217,6 +217,7 @@ class World:
     ca: trustme.CA
     https_port: int
     h2_port: int
+    untrusted_port: int
     http_port: int
     tcp_port: int
     canary_https_port: int
@@ -238,7 +239,7 @@ class World:
 def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     tmp = tmp_path_factory.mktemp("gwworld")
     ca = trustme.CA()
-    cert = ca.issue_cert(*NAMES, "canary.test", "rebind.test", "mixed.test", "127.0.0.1", "127.0.0.2")
+    cert = ca.issue_cert(*[n for n in NAMES if n not in ("untrusted.test", "badname.test")], "canary.test", "rebind.test", "mixed.test", "127.0.0.1", "127.0.0.2")
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     cert.configure_cert(ctx)
     snis: list = []
@@ -270,7 +271,10 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
             runners += [canary_runner, https_runner]
             out["https"] = port
             break
+        rogue_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        trustme.CA().issue_cert("untrusted.test").configure_cert(rogue_ctx)  # a CA the gateway does not trust
         for key, app, host, tls in (
+            ("untrusted", make_app(hits, sse_release), "127.0.0.1", rogue_ctx),
             ("http", make_app(hits, sse_release), "127.0.0.1", None),
             ("canary", make_app(canary, sse_release), "127.0.0.2", ctx),
         ):
@@ -312,6 +316,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     dns.records["mixed.test"] = ["127.0.0.1", "127.0.0.2"]  # one allowed, one forbidden answer
     dns.flip["rebind.test"] = ["127.0.0.1", "127.0.0.2"]
     w = World(tmp=tmp, ca=ca, https_port=ports["https"], h2_port=ports["h2"], http_port=ports["http"],
+              untrusted_port=ports["untrusted"],
               tcp_port=ports["tcp"],
               canary_https_port=ports["canary"], hits=hits, canary=canary, dns=dns, dns_port=ports["dns"],
               loop=loop, sse_release=sse_release, snis=snis)
@@ -354,6 +359,8 @@ def policies(w: World) -> dict[str, dict]:
                 {"id": "h2-get", "host": "h2.test", "ports": [w.h2_port], "methods": ["GET"], "paths": ["/ok/**"]},
                 {"id": "rebind", "host": "rebind.test", "ports": [https]},
                 {"id": "mixed", "host": "mixed.test", "ports": [https]},
+                {"id": "untrusted", "host": "untrusted.test", "ports": [w.untrusted_port]},
+                {"id": "badname", "host": "badname.test", "ports": [https]},
                 {"id": "canary-name", "host": "canary.test", "ports": [canary]},
                 {"id": "literal", "host": "127.0.0.2", "ports": [canary]},
             ]},

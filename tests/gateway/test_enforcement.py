@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import json
 import socket
 
 import httpx
@@ -193,3 +194,40 @@ def test_sandbox_env_shape(gateway):
     with open(gateway.bundle) as fh:
         text = fh.read()
     assert text.count("BEGIN CERTIFICATE") > 2 and "PRIVATE KEY" not in text
+
+
+@pytest.mark.parametrize(("host", "port_attr"), [("untrusted.test", "untrusted_port"), ("badname.test", "https_port")])
+def test_upstream_tls_verified(gateway, host, port_attr):
+    """An upstream whose certificate chains to an unknown CA, or does not name the host, gets no request."""
+    sbx = gateway.admit("gw-basic")
+    mark = gateway.world.hits.mark()
+    with sbx.client() as c:
+        try:
+            r = c.get(sbx.url(host, "/echo", port=getattr(gateway.world, port_attr)))
+            status = r.status_code
+        except httpx.HTTPError:
+            status = 0
+    assert status in (0, 502)
+    assert gateway.world.hits.since(mark) == []
+
+
+def test_upstream_bundle_adds_to_system_roots(gateway):
+    with open(gateway.var / "ca" / "upstream-ca-bundle.pem") as fh:
+        text = fh.read()
+    assert text.count("BEGIN CERTIFICATE") > 10  # the system roots
+    assert gateway.world.ca.cert_pem.bytes().decode().strip() in text  # plus the configured ca_bundle
+
+
+def test_tunnel_request_never_forwards_proxy_credentials_or_hop_by_hop(gateway):
+    sbx = gateway.admit("gw-basic")
+    mark = gateway.world.hits.mark()
+    headers = {"Proxy-Authorization": f"Basic {base64.b64encode(f'{sbx.id}:{sbx.token}'.encode()).decode()}",
+               "Connection": "X-Secret-Hop", "X-Secret-Hop": "1", "Upgrade": "h2c", "X-Keep": "2"}
+    with sbx.client() as c:
+        r = c.get(sbx.url("api.test", "/echo"), headers=headers)
+    assert r.status_code == 200
+    seen = gateway.world.hits.since(mark)[0]["headers"]
+    for name in ("proxy-authorization", "x-secret-hop", "upgrade"):
+        assert name not in seen
+    assert sbx.token not in json.dumps(seen)
+    assert seen["x-keep"] == "2"
