@@ -1,0 +1,113 @@
+"""Stream callables for credentialed flows: phantom guard on request bodies, scrub/decode on responses.
+
+mitmproxy's `flow.request.stream` / `flow.response.stream` callables are synchronous, called per chunk
+and then once with b"". The budgets addon already installed a byte-counting callable; these wrap it, so
+one chain both counts and inspects. Two rules of that contract matter here:
+
+- An empty *non-final* return must be `[]`, never b"": mitmproxy frames every returned bytes object, and
+  an empty chunk on an HTTP/1 chunked message is the terminator (the upstream would see a complete body).
+- Bytes held back (a phantom or a secret may continue in the next chunk) are released only when the
+  next chunk proves them harmless, or at the final call.
+
+Kept free of addon state so each piece is testable on its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from egressgate.broker.decompress import DecodeError, scrubbing_stream
+from egressgate.broker.inject import PHANTOM_LEN, PhantomBodyScanner, PhantomHit
+from egressgate.broker.redact import Scrubber
+
+StreamFn = Callable[[bytes], object]
+
+
+def as_chunks(out: object) -> list[bytes]:
+    """Normalise a stream callable's result (bytes or an iterable of bytes) to non-empty chunks."""
+    if isinstance(out, bytes | bytearray | memoryview):
+        return [bytes(out)] if out else []
+    return [bytes(c) for c in out if c]  # type: ignore[union-attr]
+
+
+def phantom_guard(inner: StreamFn | None, on_hit: Callable[[list[PhantomHit]], None]) -> StreamFn:
+    """Request-body callable: find a phantom in the sandbox's bytes *before* they reach `inner` (the
+    budget counter) or the upstream. The last PHANTOM_LEN-1 bytes are held back, so a phantom split
+    across chunks is caught before any part of it is sent; on a hit nothing more is forwarded and
+    `on_hit` runs (it aborts the connection and audits)."""
+    scanner = PhantomBodyScanner()
+    hold = PHANTOM_LEN - 1
+    tail = b""
+    cut = False
+
+    def guard(chunk: bytes) -> object:
+        nonlocal tail, cut
+        if cut:
+            return []
+        final = chunk == b""
+        if final:
+            emit, tail = tail, b""
+        else:
+            hits = scanner.feed(chunk)
+            if hits:
+                cut = True
+                on_hit(hits)
+                return []
+            data = tail + chunk
+            emit, tail = (data[:-hold], data[-hold:]) if len(data) > hold else (b"", data)
+        out: list[bytes] = []
+        if emit:
+            out += as_chunks(inner(emit)) if inner is not None else [emit]
+        if final and inner is not None:
+            out += as_chunks(inner(b""))
+        return out
+
+    return guard
+
+
+def scrub_chain(
+    inner: StreamFn | None,
+    content_encoding: str | None,
+    scrubber: Scrubber,
+    max_output: int | None,
+    on_error: Callable[[Exception], None],
+) -> StreamFn:
+    """Response-body callable: `inner` (the byte counter, sees what the upstream sent) → decode (when
+    the upstream compressed despite `Accept-Encoding: identity`) → scrub with a sliding window. A
+    decode error (corrupt data, decompression bomb) stops the stream and calls `on_error`, which
+    kills the connection: the sandbox never receives bytes that were not inspected."""
+    run = scrubbing_stream(content_encoding, scrubber, max_output=max_output)
+    dead = False
+
+    def chain(chunk: bytes) -> object:
+        nonlocal dead
+        if dead:
+            return []
+        final = chunk == b""
+        data = b"".join(as_chunks(inner(chunk))) if inner is not None else chunk
+        try:
+            out = run(data) if data else b""
+            if final:
+                out += run(b"")
+        except DecodeError as exc:
+            dead = True
+            on_error(exc)
+            return []
+        return [out] if out else []
+
+    return chain
+
+
+def replace_body(body: bytes) -> StreamFn:
+    """Swallow the upstream's body and emit `body` instead at the end (a refused response whose headers
+    were already replaced: the upstream bytes could not be inspected, so none of them go out)."""
+    done = False
+
+    def swallow(chunk: bytes) -> object:
+        nonlocal done
+        if chunk == b"" and not done:
+            done = True
+            return [body]
+        return []
+
+    return swallow

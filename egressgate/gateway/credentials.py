@@ -1,0 +1,415 @@
+"""Credential injection and scrubbing in the live gateway (the mitmproxy side of egressgate/broker/).
+
+Where it sits (master.py): after Identity, Consistency, Sanitize, Decision, Pinning, Streaming and
+Budgets, before AuditEmit. So in `requestheaders` every earlier check has already had its say — a flow
+that is answered (`flow.response`) or not allowed is never touched — and a deny set here
+(`credential_unavailable`, `credential_misuse`, TRACE) is the one decision record AuditEmit writes and
+enforces; AuditEmit also refuses the request if that record cannot be written, so an injected header
+never leaves without its audit record. Address pinning ran even earlier: with the eager connection
+strategy the upstream connection of a CONNECT tunnel is opened (server_connect → Pinning rewrites the
+address, server_connected checks the peer) and its TLS is established before the client's first
+request; a later reconnect goes through Pinning again. `_channel_problem` re-checks all of it before a
+credential is placed, and refuses rather than trusts.
+
+Request side: only HTTPS inside an intercepted tunnel, only when the decision's matched rule names the
+capability (`Decision.capability`); TRACE refused; phantoms anywhere except their one bound header are
+`credential_misuse` — headers, query and path here, buffered bodies in `request`, streamed bodies by a
+guard chained before the budget counter. Response side: headers (Location, Set-Cookie, ...) and bodies
+are scrubbed of the injected value; compressed bodies are decoded first or the response is refused.
+Audit records carry the capability name and key id, never a value; so do logs and error pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from mitmproxy import http
+
+from egressgate.audit.event import AuditEvent, AuditUnavailable, EventKind
+from egressgate.broker.broker import Broker
+from egressgate.broker.config import BasicPlacement
+from egressgate.broker.credential import Credential, CredentialUnavailable
+from egressgate.broker.decompress import UnsupportedEncoding, decoder
+from egressgate.broker.inject import PhantomHit, find_phantoms, inject, swap_phantom
+from egressgate.broker.redact import SecretSpec, cached_scrubber
+from egressgate.config import GatewayConfig
+from egressgate.gateway.context import FlowState, Runtime, flow_state, new_request_id
+from egressgate.gateway.credential_streams import as_chunks, phantom_guard, replace_body, scrub_chain
+from egressgate.gateway.deny import REQUEST_ID_HEADER, deny_response, gateway_deny
+from egressgate.policy.errors import PolicyError
+from egressgate.policy.reasons import Reason
+from egressgate.state.base import StateUnavailable
+
+logger = logging.getLogger(__name__)
+
+META_CRED = "egressgate.credential"
+STREAM_MAX_DECODED = 1 << 30  # decoded bytes per streamed response (decompression-bomb bound)
+BUFFERED_MAX_DECODED = 16 << 20  # a buffered (<= 64 KiB on the wire) body may not inflate beyond this
+SEEN_MAX = 10000
+
+_MISUSE_MESSAGE = (
+    "A placeholder credential (egph_...) may only be sent in the header configured for its own "
+    "destination; remove it from this request."
+)
+_UNAVAILABLE_MESSAGE = "The credential for this destination could not be obtained; nothing was sent. Retry later."
+
+
+@dataclass(slots=True, repr=False)
+class Applied:
+    """The credential placed on a flow; what its response is scrubbed of. repr never shows the value."""
+
+    capability: str
+    credential: Credential
+    username: str | None
+
+    def spec(self) -> SecretSpec:
+        return SecretSpec(self.credential.value, self.username)
+
+    def __repr__(self) -> str:
+        return f"Applied(capability={self.capability!r}, key_id={self.credential.key_id!r})"
+
+
+def _fields(pairs: list[tuple[str, str]]) -> http.Headers:
+    """mitmproxy decodes header bytes as utf-8 with surrogateescape; encode back losslessly."""
+    enc = ("utf-8", "surrogateescape")
+    return http.Headers([(k.encode(*enc), v.encode(*enc)) for k, v in pairs])
+
+
+def _same_ip(a: str, b: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    try:
+        ip = ipaddress.ip_address(a.split("%", 1)[0])
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    if isinstance(b, ipaddress.IPv6Address) and b.ipv4_mapped is not None:
+        b = b.ipv4_mapped
+    return ip == b
+
+
+def check_broker(broker: Broker | None, policies: dict) -> None:
+    """Load-time check: a capability the broker's backend cannot serve (a vault source under the local
+    backend, ...) refuses the policy set, like any other policy error, instead of failing per request."""
+    if broker is None:
+        return
+    for _pname, policy in sorted(policies.items()):
+        problems = [(f"credentials.capabilities.{name}", problem)
+                    for name, cap in sorted(policy.capabilities.items())
+                    if (problem := broker.check(name, cap))]
+        if problems:
+            raise PolicyError(str(policy.source), problems)
+
+
+async def start_broker(config: GatewayConfig, policies: dict) -> Broker:
+    """Build the configured broker. A backend that cannot start (Vault unreachable, bad AppRole) does
+    not stop the gateway: requests that need a credential fail closed with credential_unavailable,
+    everything else keeps working, and the Vault backend logs in again on its next call."""
+    broker = Broker.from_config(config.broker_config())
+    check_broker(broker, policies)
+    try:
+        await broker.start()
+    except CredentialUnavailable as exc:
+        logger.error("credential broker (%s) did not start: %s; credentialed routes will be denied",
+                     config.broker.backend, exc)
+    return broker
+
+
+class Credentials:
+    def __init__(self, runtime: Runtime) -> None:
+        self.rt = runtime
+        # (capability, sandbox, audience) -> last credential used: a different object means a new mint
+        self._seen: OrderedDict[tuple[str, str, str], Credential] = OrderedDict()
+        self._tasks: set[asyncio.Task] = set()
+        runtime.state.on_revoke(self._revoked)
+
+    def _revoked(self, sandbox_id: str) -> None:
+        if self.rt.broker is not None:
+            self.rt.broker.forget(sandbox_id)
+        for key in [k for k in self._seen if k[1] == sandbox_id]:
+            del self._seen[key]
+
+    # ------------------------------------------------------------------ request side
+    def _deny(self, fs: FlowState, reason: Reason, message: str, detail: str | None = None) -> None:
+        """Turn the allow into a deny before AuditEmit records/enforces it; the prepaid budget is
+        returned because nothing goes upstream."""
+        rule = fs.decision.rule_id if fs.decision is not None else None
+        if fs.prepaid_out and fs.sandbox_id:
+            self.rt.ledger.refund_out(fs.sandbox_id, fs.prepaid_out)
+            fs.prepaid_out = 0
+        fs.decision = gateway_deny(reason, message, detail=detail, rule_id=rule)
+
+    def _channel_problem(self, flow: http.HTTPFlow, fs: FlowState) -> str | None:
+        """Why a credential must not be placed on this flow (None: HTTPS to the pinned destination)."""
+        conn = self.rt.conns.get(flow.client_conn.id)
+        if fs.scheme != "https" or flow.request.scheme != "https":
+            return "not_https"
+        if conn is None or conn.closed or conn.tunnel_target is None or not conn.intercept:
+            return "no_intercepted_tunnel"
+        if not flow.client_conn.tls_established or conn.sni_mismatch is not None:
+            return "client_tls"
+        target = conn.tunnel_target
+        if fs.pinned is not target or (fs.host, fs.port) != (target.host, target.port):
+            return "target_mismatch"
+        server = flow.server_conn
+        if not server.tls:
+            return "upstream_not_tls"
+        if server.address is not None and server.address != (str(target.address), target.port):
+            return "address_not_pinned"
+        if server.peername is not None and not _same_ip(str(server.peername[0]), target.address):
+            return "peer_not_pinned"
+        if target.sni is not None and server.sni is not None and server.sni != target.sni:
+            return "sni_not_pinned"
+        return None
+
+    async def _phantom_hash(self, fs: FlowState, name: str) -> str | None:
+        assert fs.sandbox_id is not None
+        record = await self.rt.state.get(fs.sandbox_id)
+        return record.phantoms.get(name) if record is not None else None
+
+    async def requestheaders(self, flow: http.HTTPFlow) -> None:
+        fs = flow_state(flow)
+        if fs is None or fs.decision is None or not fs.decision.allowed or flow.response is not None:
+            return
+        req = flow.request
+        name = fs.decision.capability
+        policy = self.rt.policies.get(fs.policy_name)
+        cap = policy.capabilities.get(name) if policy is not None and name else None
+        phantom_hash = None
+        if cap is not None and cap.mode == "phantom":
+            try:
+                phantom_hash = await self._phantom_hash(fs, name)
+            except StateUnavailable:
+                self._deny(fs, Reason.STATE_UNAVAILABLE, "The gateway's state store is unavailable; retry later.")
+                return
+        headers = list(req.headers.items(multi=True))
+        query = list(req.query.items(multi=True))
+        allowed = (cap.placement.header, phantom_hash) if cap is not None and phantom_hash else None
+        hits = find_phantoms(headers, query, path=req.path, allowed=allowed)
+        if hits:
+            self._misuse(fs, hits)
+            return
+        if name is not None and not await self._inject(flow, fs, policy, name, cap, phantom_hash, headers, query):
+            return
+        if req.stream:
+            inner = req.stream if callable(req.stream) else None
+            req.stream = phantom_guard(inner, lambda found: self._stream_misuse(flow, fs, found))
+
+    async def _inject(self, flow, fs: FlowState, policy, name: str, cap, phantom_hash, headers, query) -> bool:
+        req = flow.request
+        if cap is None:  # the rule names a capability the (reloaded) policy no longer defines
+            self._deny(fs, Reason.CREDENTIAL_UNAVAILABLE, _UNAVAILABLE_MESSAGE, detail="unknown_capability")
+            return False
+        if req.method.upper() == "TRACE":
+            self._deny(fs, Reason.METHOD_NOT_ALLOWED,
+                       "TRACE is refused on routes that carry a credential (it would echo the credential).",
+                       detail="trace_on_credentialed_route")
+            return False
+        problem = self._channel_problem(flow, fs)
+        if problem is not None:
+            logger.error("capability %s not injected for %s: %s", name, fs.sandbox_id, problem)
+            self._deny(fs, Reason.CREDENTIAL_UNAVAILABLE,
+                       "Credentials are only injected over HTTPS to the checked destination.", detail=problem)
+            return False
+        broker = self.rt.broker
+        assert fs.sandbox_id is not None and fs.host is not None
+        try:
+            if broker is None:
+                raise CredentialUnavailable("no credential broker configured")
+            cred = await broker.issue(name, cap, fs.sandbox_id, fs.host, self.rt.clock(),
+                                      max_ttl_seconds=policy.model.credentials.max_ttl_seconds)
+        except CredentialUnavailable as exc:
+            logger.warning("capability %s unavailable for %s: %s", name, fs.sandbox_id, exc)
+            self._deny(fs, Reason.CREDENTIAL_UNAVAILABLE, _UNAVAILABLE_MESSAGE)
+            return False
+        if flow.response is not None or fs.decision is None or not fs.decision.allowed:
+            return False  # answered or revoked while we awaited the broker
+        if not await self._audit_mint(fs, name, cred):
+            self._deny(fs, Reason.AUDIT_UNAVAILABLE, "The audit trail is unavailable; nothing is allowed. Retry later.")
+            return False
+        if cap.mode == "phantom":
+            if phantom_hash is None:
+                inj = swap_phantom(cap, cred, "", headers, query)  # strips; a hash never equals ""
+            else:
+                inj = swap_phantom(cap, cred, phantom_hash, headers, query)
+        else:
+            inj = inject(cap, cred, headers, query)
+        req.headers = _fields(inj.headers)
+        if inj.set_query is not None:
+            req.query = inj.query
+        if not inj.swapped:
+            return True  # phantom mode without the phantom: nothing injected (its own Authorization is gone)
+        req.headers["accept-encoding"] = "identity"
+        username = cap.placement.basic.username if isinstance(cap.placement, BasicPlacement) else None
+        flow.metadata[META_CRED] = Applied(name, cred, username)
+        fs.extra["key_id"] = cred.key_id
+        return True
+
+    async def _audit_mint(self, fs: FlowState, name: str, cred: Credential) -> bool:
+        """One CREDENTIAL_ISSUE record per minted credential (not per use: every use is in the request's
+        decision record with capability and key id)."""
+        assert fs.sandbox_id is not None and fs.host is not None
+        key = (name, fs.sandbox_id, fs.host)
+        if self._seen.get(key) is cred:
+            return True
+        event = AuditEvent(
+            kind=EventKind.CREDENTIAL_ISSUE, time_ns=time.time_ns(), request_id=new_request_id(),
+            sandbox_id=fs.sandbox_id, decision="allow", reason=str(Reason.RULE_MATCHED),
+            rule_id=fs.decision.rule_id if fs.decision else None, policy_name=fs.policy_name,
+            policy_hash=fs.policy_hash, host=fs.host, port=fs.port, capability=name, key_id=cred.key_id,
+            extra={"egressgate.trigger_request": fs.request_id,
+                   "egressgate.credential.expires_at": int(cred.expires_at)},
+        )
+        try:
+            await self.rt.audit.write(event)
+        except AuditUnavailable as exc:
+            logger.error("credential issue could not be audited: %s", exc)
+            return False
+        self._seen[key] = cred
+        self._seen.move_to_end(key)
+        while len(self._seen) > SEEN_MAX:
+            self._seen.popitem(last=False)
+        return True
+
+    def _misuse(self, fs: FlowState, hits: list[PhantomHit]) -> None:
+        where = ",".join(sorted({h.where + (f":{h.name.lower()}" if h.name else "") for h in hits}))
+        logger.warning("phantom credential misuse by %s to %s (%s)", fs.sandbox_id, fs.host, where)
+        self._deny(fs, Reason.CREDENTIAL_MISUSE, _MISUSE_MESSAGE, detail=where[:200])
+
+    def _misuse_event(self, fs: FlowState, where: str) -> AuditEvent:
+        return AuditEvent(
+            kind=EventKind.HTTP_REQUEST, time_ns=time.time_ns(), request_id=fs.request_id,
+            sandbox_id=fs.sandbox_id, decision="deny", reason=str(Reason.CREDENTIAL_MISUSE),
+            rule_id=fs.decision.rule_id if fs.decision else None, policy_name=fs.policy_name,
+            policy_hash=fs.policy_hash, scheme=fs.scheme, host=fs.host, port=fs.port, method=fs.method,
+            path=fs.path, capability=fs.decision.capability if fs.decision else None,
+            message=_MISUSE_MESSAGE, extra={"egressgate.detail": where, "egressgate.phase": "request_body"},
+        )
+
+    def _stream_misuse(self, flow: http.HTTPFlow, fs: FlowState, hits: list[PhantomHit]) -> None:
+        """A phantom in a streamed body: nothing more is forwarded, the connection is cut (the upstream
+        never sees a complete body) and the deny is audited."""
+        logger.warning("phantom credential misuse by %s to %s (streamed body)", fs.sandbox_id, fs.host)
+        fs.extra["credential_misuse"] = True
+        event = self._misuse_event(fs, "body")
+        fs.decision = gateway_deny(Reason.CREDENTIAL_MISUSE, _MISUSE_MESSAGE, detail="body",
+                                   rule_id=fs.decision.rule_id if fs.decision else None)
+        task = asyncio.get_running_loop().create_task(self._write_quiet(event))
+        self._tasks.add(task)  # keep a reference until written
+        task.add_done_callback(self._tasks.discard)
+        if self.rt.abort_connection is not None:
+            self.rt.abort_connection(flow.client_conn.id)
+
+    async def _write_quiet(self, event: AuditEvent) -> None:
+        try:
+            await self.rt.audit.write(event)
+        except AuditUnavailable as exc:
+            logger.error("credential misuse could not be audited: %s", exc)
+
+    async def request(self, flow: http.HTTPFlow) -> None:
+        """Buffered request bodies (streamed ones are guarded chunk by chunk)."""
+        fs = flow_state(flow)
+        if fs is None or fs.decision is None or not fs.decision.allowed or flow.response is not None:
+            return
+        if flow.request.stream or not flow.request.raw_content:
+            return
+        hits = find_phantoms([], [], flow.request.raw_content)
+        if not hits:
+            return
+        self._misuse(fs, hits)
+        flow.metadata.pop(META_CRED, None)
+        await self._write_quiet(self._misuse_event(fs, "body"))
+        assert fs.decision is not None
+        flow.response = deny_response(fs.decision, fs.request_id)
+
+    # ------------------------------------------------------------------ response side
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        applied: Applied | None = flow.metadata.get(META_CRED)
+        fs = flow_state(flow)
+        resp = flow.response
+        if applied is None or resp is None or fs is None or fs.decision is None or not fs.decision.allowed:
+            return
+        scrubber = cached_scrubber(applied.spec())
+        resp.headers = _fields(scrubber.scrub_headers(list(resp.headers.items(multi=True))))
+        encoding = resp.headers.get("content-encoding")
+        try:
+            decoder(encoding)
+        except UnsupportedEncoding:
+            logger.warning("refused %s response from %s: Content-Encoding %r cannot be scrubbed",
+                           applied.capability, fs.host, encoding)
+            self._refuse(flow, fs, "unsupported_content_encoding")
+            return
+        if not resp.stream:
+            return  # buffered: scrubbed whole in `response`
+        inner = resp.stream if callable(resp.stream) else None
+        client_id = flow.client_conn.id
+
+        def on_error(exc: Exception) -> None:
+            logger.warning("killed %s response from %s: %s", applied.capability, fs.host, type(exc).__name__)
+            fs.extra["scrub_error"] = type(exc).__name__
+            if self.rt.abort_connection is not None:
+                self.rt.abort_connection(client_id)
+
+        resp.stream = scrub_chain(inner, encoding, scrubber, STREAM_MAX_DECODED, on_error)
+        self._reframe(flow, encoding)
+
+    def _reframe(self, flow: http.HTTPFlow, encoding: str | None) -> None:
+        """The scrubbed (and decoded) body has another length: drop Content-Length/-Encoding; an
+        HTTP/1.1 client gets chunked framing so the connection stays reusable."""
+        resp = flow.response
+        assert resp is not None
+        if encoding is not None:
+            del resp.headers["content-encoding"]
+        if "content-length" in resp.headers:
+            del resp.headers["content-length"]
+        req = flow.request
+        if (not (req.is_http2 or req.is_http3) and req.http_version == "HTTP/1.1"
+                and "chunked" not in resp.headers.get("transfer-encoding", "").lower()):
+            resp.headers["transfer-encoding"] = "chunked"
+
+    def _refuse(self, flow: http.HTTPFlow, fs: FlowState, why: str) -> None:
+        """Replace the upstream's response by a 502 whose body we write: none of its bytes go out."""
+        resp = flow.response
+        assert resp is not None
+        body = (b'{"error":"upstream_response_refused","reason":"' + why.encode() + b'","request_id":"'
+                + fs.request_id.encode() + b'"}')
+        resp.status_code = 502
+        resp.reason = "Bad Gateway"
+        resp.headers = http.Headers(content_type="application/json", cache_control="no-store",
+                                    content_length=str(len(body)))
+        resp.headers[REQUEST_ID_HEADER] = fs.request_id
+        resp.stream = replace_body(body)
+        fs.extra["scrub_error"] = why
+
+    def response(self, flow: http.HTTPFlow) -> None:
+        applied: Applied | None = flow.metadata.get(META_CRED)
+        resp = flow.response
+        fs = flow_state(flow)
+        if applied is None or resp is None or resp.stream or fs is None:
+            return
+        raw = resp.raw_content
+        if not raw or flow.request.method.upper() == "HEAD":
+            return
+        encoding = resp.headers.get("content-encoding")
+        scrubber = cached_scrubber(applied.spec())
+        errors: list[Exception] = []
+        try:
+            run = scrub_chain(None, encoding, scrubber, BUFFERED_MAX_DECODED, errors.append)
+            out = b"".join(as_chunks(run(raw)) + as_chunks(run(b"")))
+        except UnsupportedEncoding:  # already refused in responseheaders; kept for safety
+            errors.append(UnsupportedEncoding(str(encoding)))
+        if errors:
+            logger.warning("refused %s response from %s: body could not be decoded", applied.capability, fs.host)
+            flow.response = http.Response.make(
+                502, b'{"error":"upstream_response_refused","reason":"undecodable_body"}',
+                {"Content-Type": "application/json", REQUEST_ID_HEADER: fs.request_id, "Cache-Control": "no-store"})
+            return
+        if encoding is not None:
+            del resp.headers["content-encoding"]
+        resp.raw_content = out
+        if "transfer-encoding" not in resp.headers:
+            resp.headers["content-length"] = str(len(out))
