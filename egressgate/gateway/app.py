@@ -25,6 +25,7 @@ from egressgate.config import GatewayConfig, parse_listen
 from egressgate.gateway import ca
 from egressgate.gateway.budgets import ByteLedger
 from egressgate.gateway.context import PolicyHolder, Runtime, new_request_id
+from egressgate.gateway.credentials import check_broker, start_broker
 from egressgate.gateway.master import GatewayMaster
 from egressgate.gateway.resolver import make_resolver
 from egressgate.policy.errors import PolicyError
@@ -65,6 +66,7 @@ class Gateway:
         policies = load_policies(policy_path)  # PolicyError: refuse to start
         sandbox_bundle = str(ca.sandbox_bundle(cfg.ca_path()))
         upstream_bundle = str(ca.upstream_bundle(cfg.ca_path(), cfg.upstream.ca_bundle))
+        broker = await start_broker(cfg, policies)  # refuses capabilities its backend cannot serve
         state = MemoryState()
         signer = LocalEd25519Signer.load_or_create(var / "audit-signing.key")
         sink = await open_file_sink(cfg.audit_path(), signer)
@@ -72,6 +74,7 @@ class Gateway:
             config=cfg, policies=PolicyHolder(policies), state=state, audit=sink,
             resolver=make_resolver(cfg.upstream.resolver, cfg.upstream.connect_timeout),
             ledger=ByteLedger(state), upstream_bundle=upstream_bundle, sandbox_bundle=sandbox_bundle,
+            broker=broker,
         )
         token = ensure_admin_token(cfg.admin_token_path())
         admin_host, admin_port = parse_listen(cfg.listen.admin)
@@ -107,6 +110,7 @@ class Gateway:
             self._signature = policy_signature(path)
             try:
                 policies = await asyncio.to_thread(load_policies, path)
+                check_broker(self.rt.broker, policies)
             except PolicyError as exc:
                 for line in str(exc).splitlines():
                     logger.error("policy reload rejected (%s), keeping the previous policies: %s", reason, line)
@@ -147,6 +151,8 @@ class Gateway:
             await self.rt.ledger.flush()
             await self.rt.audit.close()
             await self.rt.state.close()
+            if self.rt.broker is not None:
+                await self.rt.broker.aclose()
         with contextlib.suppress(OSError):
             self.config.runtime_path().unlink()
 

@@ -52,6 +52,7 @@ def decision_event(kind: EventKind, fs: FlowState, labels: dict[str, str], clien
         pinned_address=str(fs.pinned.address) if fs.pinned is not None and d.allowed else None,
         client_address=client,
         capability=d.capability,
+        key_id=fs.extra.get("key_id"),  # set by credentials.py when a credential was placed
         message=None if d.allowed else d.message,
         bytes_out=fs.bytes_out if fs.prepaid_out else None,
         extra=extra,

@@ -22,6 +22,7 @@ from egressgate.policy.facts import Decision, IPAddress
 
 if TYPE_CHECKING:
     from egressgate.audit.sink import AuditSink
+    from egressgate.broker.broker import Broker
     from egressgate.gateway.budgets import ByteLedger
     from egressgate.gateway.resolver import Resolver
     from egressgate.state.base import SandboxRecord, StateStore
@@ -125,6 +126,7 @@ class Runtime:
     by_sandbox: dict[str, set[str]] = field(default_factory=dict)
     clock: Callable[[], float] = time.time
     abort_connection: Callable[[str], bool] | None = None  # set by the master: client id -> aborted?
+    broker: Broker | None = None  # credential broker (egressgate/broker); None: credentialed routes fail closed
 
     def conn(self, client_id: str) -> ConnState:
         state = self.conns.get(client_id)

@@ -5,7 +5,12 @@ scripts, no onboarding app. The proxy server, TLS config and our addons, in an o
 security design (each hook runs addons in this order; a deny set by an earlier addon is final):
 
   Proxyserver → NextLayer (tunnel.py) → TlsConfig → Identity → Consistency → Sanitize → Decision →
-  Pinning → Streaming → Budgets → AuditEmit → Revocation
+  Pinning → Streaming → Budgets → Credentials → AuditEmit → Revocation
+
+Credentials (credentials.py) comes after every check and before AuditEmit: it only touches flows that
+are still allowed and unanswered, its denies become the request's one audited decision, and its stream
+callables wrap the budget counters Budgets just installed. Pinning runs in server_connect, which for an
+eager CONNECT happens (with the upstream TLS handshake) before the tunnel's first request.
 
 `mitmproxy.ctx` is process-global: one GatewayMaster per process.
 """
@@ -23,6 +28,7 @@ from egressgate.gateway.audit_emit import AuditEmit
 from egressgate.gateway.budgets import Budgets
 from egressgate.gateway.consistency import Consistency
 from egressgate.gateway.context import Runtime
+from egressgate.gateway.credentials import Credentials
 from egressgate.gateway.decision import DecisionAddon
 from egressgate.gateway.identity import Identity
 from egressgate.gateway.pinning import Pinning
@@ -91,6 +97,7 @@ class GatewayMaster:
             Pinning(rt),
             Streaming(),
             Budgets(rt),
+            Credentials(rt),
             AuditEmit(rt),
             Revocation(rt),
             running,
