@@ -19,12 +19,15 @@ from urllib.parse import quote
 from aiohttp import web
 
 from egressgate.audit.event import AuditEvent, AuditUnavailable, EventKind
+from egressgate.broker.inject import admission_phantoms
 from egressgate.gateway.context import Runtime, new_request_id
 from egressgate.state.base import SandboxRecord, StateUnavailable, hash_token
 
 logger = logging.getLogger(__name__)
 
 MAX_LABELS = 32
+JWKS_PATH = "/.well-known/jwks.json"  # public keys only: no auth, so upstreams can verify our JWTs
+PUBLIC_JWK_MEMBERS = frozenset({"kty", "crv", "x", "kid", "alg", "use"})  # never "d" (a private key)
 CA_ENV_VARS = ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "NODE_EXTRA_CA_CERTS",
                "GIT_SSL_CAINFO", "PIP_CERT")
 
@@ -72,10 +75,11 @@ class AdminServer:
         self.app.router.add_get("/healthz", self.healthz)
         self.app.router.add_post("/v1/sandboxes", self.admit)
         self.app.router.add_delete("/v1/sandboxes/{sandbox_id}", self.revoke)
+        self.app.router.add_get(JWKS_PATH, self.jwks)
 
     @web.middleware
     async def _auth(self, request: web.Request, handler):
-        if request.path == "/healthz":
+        if request.path in ("/healthz", JWKS_PATH) and request.method in ("GET", "HEAD"):
             return await handler(request)
         header = request.headers.get("Authorization", "")
         scheme, _, presented = header.partition(" ")
@@ -131,10 +135,21 @@ class AdminServer:
             return web.json_response(
                 {"error": "unknown_policy", "message": f"no policy named {policy_name!r}",
                  "policies": sorted(self.rt.policies.policies)}, status=404)
+        env = sandbox_env(self.rt.proxy_url_host, self.rt.proxy_port, "-", "-", self.rt.sandbox_bundle)
+        try:
+            # phantom placeholders for `mode: phantom` capabilities; the store keeps only their hashes
+            phantom_env, phantom_hashes = admission_phantoms(policy.capabilities)
+        except ValueError as exc:
+            return web.json_response({"error": "invalid_policy", "message": str(exc)}, status=409)
+        clash = sorted(set(phantom_env) & set(env))
+        if clash:
+            return web.json_response(
+                {"error": "invalid_policy", "message": f"phantom_env overrides gateway variables: {clash}"},
+                status=409)
         sandbox_id = "sbx-" + secrets.token_hex(8)
         token = secrets.token_urlsafe(32)
         record = SandboxRecord(id=sandbox_id, token_hash=hash_token(token), policy_name=policy_name,
-                               admitted_at=time.time(), labels=dict(labels))
+                               admitted_at=time.time(), labels=dict(labels), phantoms=phantom_hashes)
         event = AuditEvent(kind=EventKind.ADMISSION, time_ns=time.time_ns(), request_id=new_request_id(),
                            sandbox_id=sandbox_id, sandbox_labels=dict(labels), decision="allow",
                            policy_name=policy_name, policy_hash=policy.hash)
@@ -145,6 +160,7 @@ class AdminServer:
         except StateUnavailable:
             return web.json_response({"error": "state_unavailable"}, status=503)
         env = sandbox_env(self.rt.proxy_url_host, self.rt.proxy_port, sandbox_id, token, self.rt.sandbox_bundle)
+        env.update(phantom_env)
         return web.json_response(
             {"id": sandbox_id, "token": token, "policy": policy_name, "policy_hash": policy.hash,
              "proxy_url": env["HTTP_PROXY"], "env": env,
@@ -152,6 +168,23 @@ class AdminServer:
                        "ca_bundle": "system roots + the gateway CA (TLS is intercepted)"}},
             status=201,
         )
+
+    async def jwks(self, _request: web.Request) -> web.Response:
+        """Public JWT verification keys (`Broker.jwks()`): only OKP public members (kty, crv, x, kid,
+        alg, use) are served, whatever the backend returned, and a backend failure says nothing more
+        than 503."""
+        broker = self.rt.broker
+        if broker is None:
+            return web.json_response({"error": "jwks_unavailable"}, status=503)
+        try:
+            doc = await broker.jwks()
+        except Exception as exc:  # any backend failure is a plain 503
+            logger.warning("jwks unavailable: %s", type(exc).__name__)
+            return web.json_response({"error": "jwks_unavailable"}, status=503,
+                                     headers={"Cache-Control": "no-store"})
+        keys = [{k: str(v) for k, v in key.items() if k in PUBLIC_JWK_MEMBERS} for key in doc.get("keys", [])]
+        return web.json_response({"keys": keys}, headers={"Cache-Control": "public, max-age=60",
+                                                          "X-Content-Type-Options": "nosniff"})
 
     async def revoke(self, request: web.Request) -> web.Response:
         sandbox_id = request.match_info["sandbox_id"]
