@@ -407,3 +407,33 @@ def test_config_validation_and_resolv_conf():
     ):
         with pytest.raises(DnsConfigError):
             DnsConfig(**bad).validate()
+
+
+async def test_seed_policy_from_the_article(state, audit, upstream, dns_config):
+    """The article's policy file, unchanged: its three names resolve, nothing else does."""
+    from pathlib import Path
+
+    from egressgate.policy.loader import load_policy
+
+    seed = load_policy(Path(__file__).resolve().parents[2] / "policies" / "seed-invoice-analysis.yaml")
+    await state.admit(
+        SandboxRecord(
+            id="sbx-seed", token_hash=hash_token("t"), policy_name=seed.name, admitted_at=0.0, addresses=("127.0.0.7",)
+        )
+    )
+    upstream.zone["pypi.org"] = ["pypi.org. 300 A 151.101.0.223"]
+    upstream.zone["api.openai.com"] = [
+        "api.openai.com. 300 CNAME edge.openai.example.",
+        "edge.openai.example. 60 A 104.18.6.192",
+    ]
+    srv = DnsServer({seed.name: seed}.get, state, audit, dns_config)
+    await srv.start("127.0.0.1", 0)
+    try:
+        assert addresses(await ask(srv, "pypi.org", source="127.0.0.7")) == ["151.101.0.223"]
+        assert addresses(await ask(srv, "api.openai.com", source="127.0.0.7")) == ["104.18.6.192"]
+        for name in ("github.com", "upload.pypi.org", "metadata.google.internal", "api.openai.com.evil.example"):
+            assert rcode(await ask(srv, name, source="127.0.0.7")) == "NXDOMAIN", name
+        assert rcode(await ask(srv, "pypi.org", "TXT", source="127.0.0.7")) == "REFUSED"
+        assert upstream.names() == ["pypi.org", "api.openai.com"]
+    finally:
+        await srv.stop()
