@@ -33,7 +33,9 @@ from aiohttp import web
 from dnslib import QTYPE, RR, A, DNSRecord
 
 EGRESSGATE = str(Path(sys.executable).with_name("egressgate"))
-NAMES = ["untrusted.test", "badname.test", "h2.test", "api.test", "other.test", "sse.test", "tcp.test", "open.test", "nohost.test"]
+NAMES = ["untrusted.test", "badname.test", "h2.test", "api.test", "other.test", "sse.test", "tcp.test",
+         "open.test", "nohost.test"]
+UNCERTIFIED = ("untrusted.test", "badname.test")  # the test CA's certificate does not name these
 
 
 # --------------------------------------------------------------------------------------- servers
@@ -239,7 +241,8 @@ class World:
 def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     tmp = tmp_path_factory.mktemp("gwworld")
     ca = trustme.CA()
-    cert = ca.issue_cert(*[n for n in NAMES if n not in ("untrusted.test", "badname.test")], "canary.test", "rebind.test", "mixed.test", "127.0.0.1", "127.0.0.2")
+    certified = [n for n in NAMES if n not in UNCERTIFIED]
+    cert = ca.issue_cert(*certified, "canary.test", "rebind.test", "mixed.test", "127.0.0.1", "127.0.0.2")
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     cert.configure_cert(ctx)
     snis: list = []
