@@ -13,7 +13,7 @@ from networld import Mark, World
 
 from escape.harness import Curl, Response, Sandbox
 
-SETTLE = 0.2
+SETTLE = 0.1
 ADDRESS_REASONS = {"address_forbidden", "metadata_endpoint"}
 
 

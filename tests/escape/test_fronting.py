@@ -14,7 +14,7 @@ import ssl
 import pytest
 from networld import World
 
-from escape.checks import assert_denied, requests_on
+from escape.checks import SETTLE, assert_denied, requests_on
 from escape.harness import Gateway, Sandbox, read_response
 
 pytestmark = pytest.mark.netns
@@ -25,7 +25,7 @@ FRONT_REASONS = {"host_mismatch", "invalid_request", "host_not_allowed"}
 def _forbidden_untouched(world: World, mark) -> None:
     import time
 
-    time.sleep(0.3)
+    time.sleep(SETTLE)
     assert world.hits(mark, listener="forbidden-tls") == []
     assert world.hits(mark, listener="forbidden-http") == []
     fronted = [r for r in requests_on(world, mark, "upstream-tls") if r["host"] != "api.allowed.test"

@@ -14,7 +14,7 @@ import time
 import pytest
 from networld import World
 
-from escape.checks import ADDRESS_REASONS, assert_denied, assert_untouched, proxied_get, requests_on
+from escape.checks import ADDRESS_REASONS, SETTLE, assert_denied, assert_untouched, proxied_get, requests_on
 from escape.harness import Gateway, Sandbox, parse_response
 
 pytestmark = pytest.mark.netns
@@ -23,7 +23,7 @@ SPOOF_REASONS = {"host_mismatch", "invalid_request"}
 
 
 def _upstream_saw_only_allowed(world: World, mark) -> None:
-    time.sleep(0.3)
+    time.sleep(SETTLE)
     assert world.hits(mark, listener="forbidden-http") == []
     same = {"api.allowed.test", "api.allowed.test.", "api.allowed.test:80"}
     odd = [r for r in requests_on(world, mark, "upstream-http") if (r["host"] or "").lower() not in same]

@@ -13,7 +13,7 @@ import time
 import pytest
 from networld import World
 
-from escape.checks import assert_denied, assert_untouched
+from escape.checks import SETTLE, assert_denied, assert_untouched
 from escape.harness import Gateway, Sandbox, parse_response, read_all
 
 pytestmark = pytest.mark.netns
@@ -26,7 +26,7 @@ PAYLOADS = {
 
 
 def _leaked(world: World, mark) -> list[dict]:
-    time.sleep(0.3)
+    time.sleep(SETTLE)
     return [h for h in world.hits(mark) if "exfil-marker" in str(h.get("data", ""))]
 
 
@@ -39,7 +39,7 @@ def test_non_tls_bytes_in_https_tunnel_are_refused(
     with sock:
         assert resp.status == 200, resp  # the host:port is allowed; the protocol inside is not
         sock.sendall(PAYLOADS[payload])
-        reply = read_all(sock, 2.0)
+        reply = read_all(sock, 1.0)
     assert b"RAW-ACK" not in reply
     if payload == "binary":  # unmistakably not HTTP: refused with the deny contract on the tunnel
         assert_denied(parse_response(reply), {"protocol_not_allowed"})
@@ -52,7 +52,7 @@ def test_connect_to_raw_port_without_tcp_rule_is_denied(world: World, gateway: G
     sock, resp = gateway.tunnel(sbx, "api.allowed.test:2222")
     with sock:
         assert_denied(resp, {"port_not_allowed", "host_not_allowed", "protocol_not_allowed"})
-    time.sleep(0.3)
+    time.sleep(SETTLE)
     assert world.hits(mark, listener="upstream-raw") == []
 
 
@@ -63,7 +63,7 @@ def test_non_http_under_tcp_policy_is_still_refused_on_other_ports(world: World,
     with sock:
         if resp.status == 200:
             sock.sendall(PAYLOADS["ssh"])
-            assert b"RAW-ACK" not in read_all(sock, 2.0)
+            assert b"RAW-ACK" not in read_all(sock, 1.0)
     assert _leaked(world, mark) == []
 
 
@@ -74,6 +74,6 @@ def test_positive_control_raw_tcp_allowed_by_tcp_rule(world: World, gateway: Gat
     with sock:
         assert resp.status == 200, resp
         sock.sendall(PAYLOADS["ssh"])
-        reply = read_all(sock, 2.0)
+        reply = read_all(sock, 1.0)
     assert reply.startswith(b"RAW-ACK"), reply
     assert _leaked(world, mark), "the raw listener should have logged the bytes"

@@ -13,7 +13,7 @@ import time
 import pytest
 from networld import World
 
-from escape.checks import proxied_get
+from escape.checks import SETTLE, proxied_get
 from escape.harness import Gateway, Sandbox, parse_response
 
 pytestmark = pytest.mark.netns
@@ -27,7 +27,7 @@ URL_FORMS = ["http://api.allowed.test:67758/", "http://api.allowed.test:02222/",
 
 
 def _raw_untouched(world: World, mark) -> None:
-    time.sleep(0.2)
+    time.sleep(SETTLE)
     assert world.hits(mark, listener="upstream-raw") == []
 
 

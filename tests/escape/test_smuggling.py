@@ -73,7 +73,7 @@ def test_positive_control_upstream_is_desynchronisable(world: World, case: str) 
     def send() -> bytes:
         with socket.create_connection((nw.UPSTREAM, port), timeout=5) as sock:
             sock.sendall(_request("", headers, body, port, ""))
-            return read_all(sock, 1.0)
+            return read_all(sock, 0.5)
 
     world.in_ns(world.gw, send)
     assert _smuggled_seen(world, mark), f"control: {case} should desync the upstream when sent directly"

@@ -76,7 +76,7 @@ def test_sandbox_namespace_cannot_connect_directly(world: World, target: str) ->
     res = world.curl(world.sbx, target)
     assert res.returncode != 0
     assert time.monotonic() - start < 5, "a bypass attempt should be rejected, not time out"
-    time.sleep(0.2)
+    time.sleep(0.1)
     assert world.canary_hits(mark) == []
     assert [h for h in world.hits(mark) if h.get("peer", "").startswith(nw.SBX)] == []
     if "127.0.0.2" not in target:  # loopback is allowed inside the sandbox (its own lo, nothing there)
