@@ -14,6 +14,7 @@ import time
 from mitmproxy import http, tcp
 
 from egressgate.audit.event import AuditEvent, AuditUnavailable, EventKind
+from egressgate.gateway.budgets import TCP_CUT, TCP_IN, TCP_OUT
 from egressgate.gateway.context import FlowState, Runtime, ensure_flow_state, flow_state, new_request_id
 from egressgate.gateway.deny import REQUEST_ID_HEADER, deny_response, gateway_deny
 from egressgate.policy.facts import Decision
@@ -180,8 +181,8 @@ class AuditEmit:
         if conn is None or conn.tcp_allowed_rule is None or flow.metadata.get("egressgate.outcome"):
             return
         flow.metadata["egressgate.outcome"] = True
-        out = sum(len(m.content) for m in flow.messages if m.from_client)
-        in_ = sum(len(m.content) for m in flow.messages if not m.from_client)
+        out = flow.metadata.get(TCP_OUT, 0)
+        in_ = flow.metadata.get(TCP_IN, 0)
         await self._write(
             AuditEvent(
                 kind=EventKind.OUTCOME, time_ns=time.time_ns(),
@@ -189,6 +190,6 @@ class AuditEmit:
                 sandbox_id=conn.sandbox_id, decision="allow", reason=str(Reason.RULE_MATCHED),
                 rule_id=conn.tcp_allowed_rule, host=conn.tunnel_host, port=conn.tunnel_port, scheme="tcp",
                 bytes_out=out, bytes_in=in_,
-                extra={"egressgate.budget_cut": True} if flow.metadata.get("egressgate.budget_cut") else {},
+                extra={"egressgate.budget_cut": True} if flow.metadata.get(TCP_CUT) else {},
             )
         )

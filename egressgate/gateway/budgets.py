@@ -29,6 +29,7 @@ from egressgate.state.base import StateStore, StateUnavailable
 logger = logging.getLogger(__name__)
 
 STREAM_THRESHOLD = 64 * 1024
+TCP_OUT, TCP_IN, TCP_CUT = "egressgate.tcp_out", "egressgate.tcp_in", "egressgate.budget_cut"
 
 
 class ByteLedger:
@@ -196,6 +197,9 @@ class Budgets:
         fs = flow_state(flow)
         assert flow.websocket is not None
         message: websocket.WebSocketMessage = flow.websocket.messages[-1]
+        # mitmproxy keeps every message of a flow; a long-lived socket would grow without bound. Only
+        # the current one is needed (later addons read messages[-1]); totals live in the FlowState.
+        del flow.websocket.messages[:-1]
         if fs is None or fs.sandbox_id is None:
             message.drop()
             return
@@ -215,6 +219,7 @@ class Budgets:
     def tcp_message(self, flow: tcp.TCPFlow) -> None:
         conn = self.rt.conns.get(flow.client_conn.id)
         message = flow.messages[-1]
+        del flow.messages[:-1]  # bounded memory for long relays; totals are kept in metadata
         if conn is None or conn.sandbox_id is None or conn.tcp_allowed_rule is None:
             message.content = b""
             if self.rt.abort_connection is not None:
@@ -226,8 +231,11 @@ class Budgets:
         if message.from_client:
             if not self.rt.ledger.try_out(conn.sandbox_id, n, limit):
                 message.content = b""
-                flow.metadata["egressgate.budget_cut"] = True
+                flow.metadata[TCP_CUT] = True
                 if self.rt.abort_connection is not None:
                     self.rt.abort_connection(flow.client_conn.id)
+                return
+            flow.metadata[TCP_OUT] = flow.metadata.get(TCP_OUT, 0) + n
         else:
+            flow.metadata[TCP_IN] = flow.metadata.get(TCP_IN, 0) + n
             self.rt.ledger.add_in(conn.sandbox_id, n)

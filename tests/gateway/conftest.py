@@ -376,6 +376,8 @@ def policies(w: World) -> dict[str, dict]:
             "https": {"allow": [{"id": "api-any", "host": "api.test", "ports": [https]},
                                 {"id": "open-https", "host": "open.test", "ports": [tcp]}]},
             "tcp": {"allow": [{"id": "tcp-echo", "host": "tcp.test", "ports": [tcp]}]}}),
+        "gw-tcp-budget": base("gw-tcp-budget", {
+            "tcp": {"allow": [{"id": "tcp-echo", "host": "tcp.test", "ports": [tcp]}]}}, {"outbound_bytes_max": 1000}),
         # no allow_private at all: loopback is forbidden like any other non-global address
         "gw-noprivate": {"sandbox": {"name": "gw-noprivate"}, "network": {"https": {"allow": [
             {"id": "api-any", "host": "api.test", "ports": [https]},

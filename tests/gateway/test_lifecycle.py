@@ -65,6 +65,35 @@ def test_raw_tcp_refused_unless_tcp_rule(gateway):
     assert wait_for(lambda: b"\x00hello" in world.hits.tcp[before:])
 
 
+def test_raw_tcp_counts_against_budget_and_is_cut(gateway):
+    world = gateway.world
+    sbx = gateway.admit("gw-tcp-budget")  # outbound_bytes_max: 1000
+    before = len(world.hits.tcp)
+    sock, head = connect_tunnel(gateway, sbx, f"tcp.test:{world.tcp_port}")
+    assert head.startswith(b"HTTP/1.1 200")
+    sock.settimeout(5)
+    sock.sendall(b"a" * 600)
+    got = b""
+    while len(got) < 605:
+        got += sock.recv(4096)
+    assert got == b"echo:" + b"a" * 600
+    sock.sendall(b"b" * 600)  # crosses 1000: dropped, connection aborted
+    rest = b""
+    try:
+        while chunk := sock.recv(4096):
+            rest += chunk
+    except OSError:
+        pass
+    sock.close()
+    assert b"b" not in rest
+    assert wait_for(lambda: len(world.hits.tcp) > before)
+    assert all(b"b" not in d for d in world.hits.tcp[before:])
+    assert any(d == b"a" * 600 for d in world.hits.tcp[before:])
+    sock, head = connect_tunnel(gateway, sbx, f"tcp.test:{world.tcp_port}")
+    sock.close()
+    assert head.startswith(b"HTTP/1.1 200")  # 400 bytes left: a new tunnel may still open
+
+
 def test_revocation_closes_live_connection(gateway):
     sbx = gateway.admit("gw-basic")
     key = f"rev{time.monotonic_ns()}"
