@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
+import re
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -51,6 +52,7 @@ META_CRED = "egressgate.credential"
 STREAM_MAX_DECODED = 1 << 30  # decoded bytes per streamed response (decompression-bomb bound)
 BUFFERED_MAX_DECODED = 16 << 20  # a buffered (<= 64 KiB on the wire) body may not inflate beyond this
 SEEN_MAX = 10000
+_PHANTOM_TEXT = re.compile(r"egph_(?:[0-9a-f]|%[0-9a-f]{2}){48}|egph%5f[0-9a-f]{48}", re.IGNORECASE)
 
 _MISUSE_MESSAGE = (
     "A placeholder credential (egph_...) may only be sent in the header configured for its own "
@@ -278,6 +280,11 @@ class Credentials:
     def _misuse(self, fs: FlowState, hits: list[PhantomHit]) -> None:
         where = ",".join(sorted({h.where + (f":{h.name.lower()}" if h.name else "") for h in hits}))
         logger.warning("phantom credential misuse by %s to %s (%s)", fs.sandbox_id, fs.host, where)
+        # the audit record must not carry the placeholder either (query / raw target as sent)
+        fs.query = _PHANTOM_TEXT.sub("egph_[REDACTED]", fs.query) if fs.query else fs.query
+        fs.path = _PHANTOM_TEXT.sub("egph_[REDACTED]", fs.path) if fs.path else fs.path
+        if fs.target_as_sent:
+            fs.target_as_sent = _PHANTOM_TEXT.sub("egph_[REDACTED]", fs.target_as_sent)
         self._deny(fs, Reason.CREDENTIAL_MISUSE, _MISUSE_MESSAGE, detail=where[:200])
 
     def _misuse_event(self, fs: FlowState, where: str) -> AuditEvent:
