@@ -27,7 +27,7 @@ import logging
 import re
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from mitmproxy import http
 
@@ -140,10 +140,12 @@ class Credentials:
         """Turn the allow into a deny before AuditEmit records/enforces it; the prepaid budget is
         returned because nothing goes upstream."""
         rule = fs.decision.rule_id if fs.decision is not None else None
+        capability = fs.decision.capability if fs.decision is not None else None
         if fs.prepaid_out and fs.sandbox_id:
             self.rt.ledger.refund_out(fs.sandbox_id, fs.prepaid_out)
             fs.prepaid_out = 0
-        fs.decision = gateway_deny(reason, message, detail=detail, rule_id=rule)
+        # the record keeps the capability the rule named (never a value)
+        fs.decision = replace(gateway_deny(reason, message, detail=detail, rule_id=rule), capability=capability)
 
     def _channel_problem(self, flow: http.HTTPFlow, fs: FlowState) -> str | None:
         """Why a credential must not be placed on this flow (None: HTTPS to the pinned destination)."""
