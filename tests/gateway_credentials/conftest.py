@@ -192,7 +192,7 @@ def cworld(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
 KV = {"vault": {"path": "egressgate/openai", "field": "api_key"}}
 
 
-def policies(w: World, *, kv_ttl: int = 300) -> dict[str, dict]:
+def policies(w: World, *, kv_ttl: int = 300, file_secret: str | None = None) -> dict[str, dict]:
     https, https2, http = w.https_port, w.https2_port, w.http_port
 
     def doc(name: str, https_rules: list, caps: dict, http_rules: list | None = None) -> dict:
@@ -202,7 +202,8 @@ def policies(w: World, *, kv_ttl: int = 300) -> dict[str, dict]:
         return {"sandbox": {"name": name}, "network": network,
                 "credentials": {"max_ttl_seconds": MAX_TTL, "capabilities": caps}}
 
-    kv_cap = {"type": "static", "source": KV, "ttl_seconds": kv_ttl}
+    source = {"file": file_secret} if file_secret else KV  # local backend: a 0600 file
+    kv_cap = {"type": "static", "source": source, "ttl_seconds": kv_ttl}
     return {
         "cred-kv": doc("cred-kv", [
             {"id": "api-cred", "host": "api.test", "ports": [https], "methods": ["GET", "POST", "HEAD"],
@@ -277,10 +278,11 @@ class Gateway:
         return self.stderr_path.read_text(errors="replace")
 
 
-def launch(w: World, tmp: Path, bao: BaoServer | None, *, kv_ttl: int = 300, broker: dict | None = None) -> Gateway:
+def launch(w: World, tmp: Path, bao: BaoServer | None, *, kv_ttl: int = 300, broker: dict | None = None,
+           file_secret: str | None = None) -> Gateway:
     policy_dir = tmp / "policies"
     policy_dir.mkdir(exist_ok=True)
-    for name, doc in policies(w, kv_ttl=kv_ttl).items():
+    for name, doc in policies(w, kv_ttl=kv_ttl, file_secret=file_secret).items():
         (policy_dir / f"{name}.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
     var = tmp / "var"
     ca_bundle = tmp / "upstream-ca.pem"
@@ -293,8 +295,9 @@ def launch(w: World, tmp: Path, bao: BaoServer | None, *, kv_ttl: int = 300, bro
         "listen": {"proxy": "127.0.0.1:0", "admin": "127.0.0.1:0", "dns": None},
         "policy": str(policy_dir), "var_dir": str(var),
         "upstream": {"resolver": f"127.0.0.1:{w.dns_port}", "ca_bundle": str(ca_bundle)},
-        "broker": broker,
     }
+    if broker:
+        config["broker"] = broker
     cfg = tmp / "gateway.yaml"
     cfg.write_text(yaml.safe_dump(config))
     os.chmod(cfg, 0o600)
