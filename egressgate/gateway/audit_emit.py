@@ -24,6 +24,19 @@ from egressgate.state.base import StateUnavailable
 logger = logging.getLogger(__name__)
 
 
+DENY_BUFFER_MAX = 64 * 1024
+
+
+def pending_body_too_large(request: http.Request) -> bool:
+    """A body that is still to come and is chunked or declared larger than we are willing to buffer."""
+    if "transfer-encoding" in request.headers:
+        return True
+    try:
+        return int(request.headers.get("content-length", "0")) > DENY_BUFFER_MAX
+    except ValueError:
+        return True
+
+
 def decision_event(kind: EventKind, fs: FlowState, labels: dict[str, str], client: str | None) -> AuditEvent:
     d = fs.decision
     assert d is not None
@@ -117,6 +130,13 @@ class AuditEmit:
         decision = await self._record(EventKind.HTTP_REQUEST, flow, fs)
         if not decision.allowed:
             flow.request.stream = False
+            if pending_body_too_large(flow.request):
+                # mitmproxy would buffer the whole body before sending our response (a sandbox could
+                # make the gateway hold gigabytes per connection): kill instead. The deny is audited;
+                # the client sees the connection (HTTP/1) or the stream (HTTP/2) reset.
+                fs.extra["killed_unread_body"] = True
+                flow.kill()
+                return
             flow.response = deny_response(decision, fs.request_id)
             return
         conn = self.rt.conn(flow.client_conn.id)

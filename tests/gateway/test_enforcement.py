@@ -231,3 +231,29 @@ def test_tunnel_request_never_forwards_proxy_credentials_or_hop_by_hop(gateway):
         assert name not in seen
     assert sbx.token not in json.dumps(seen)
     assert seen["x-keep"] == "2"
+
+
+def test_denied_large_upload_not_buffered(gateway):
+    """A denied request whose body is chunked or > 64 KiB is cut (connection reset) instead of being
+    buffered by the gateway; a small denied body still gets the deny contract."""
+    from .conftest import connect_tunnel, tls_wrap
+
+    sbx = gateway.admit("gw-basic")
+    port = gateway.world.https_port
+    mark = gateway.world.hits.mark()
+    sock, _ = connect_tunnel(gateway, sbx, f"api.test:{port}")
+    tls = tls_wrap(sock, gateway, "api.test")
+    tls.sendall(f"POST /forbidden HTTP/1.1\r\nHost: api.test:{port}\r\nContent-Length: 100000000\r\n\r\n".encode())
+    sent, closed = 0, False
+    try:
+        for _ in range(2000):  # up to 128 MiB; the gateway must close long before
+            tls.sendall(b"z" * 65536)
+            sent += 65536
+    except (OSError, ConnectionError):
+        closed = True
+    tls.close()
+    assert closed and sent < 50_000_000
+    with sbx.client() as c:
+        r = c.post(sbx.url("api.test", "/forbidden"), content=b"small")
+    assert r.status_code == 403 and r.json()["reason"] == "path_not_allowed"
+    assert gateway.world.hits.since(mark) == []
