@@ -111,6 +111,10 @@ class Scrubber:
         `limit` (default: anywhere). Matches may end after `limit`; `data` must hold their bytes."""
         if self._regex is None:
             return []
+        # Fast path (the common case: nothing to redact): bytes.find per literal is ~10x faster than
+        # sre's alternation scan; no pattern anywhere in `data` means no span, so the result is the same.
+        if not any(p in data for p in self.patterns):
+            return []
         end_pos = len(data) if limit is None else limit
         merged: list[tuple[int, int]] = []
         search = self._regex.search
