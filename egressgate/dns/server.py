@@ -198,7 +198,7 @@ class DnsServer:
         slots = asyncio.Semaphore(self.config.tcp_max_inflight)
         pending: set[asyncio.Task[None]] = set()
         try:
-            while True:
+            while not writer.is_closing():  # closed by us (a client that does not read) or by the peer
                 try:
                     async with asyncio.timeout(self.config.tcp_idle_timeout):
                         (length,) = struct.unpack("!H", await reader.readexactly(2))
@@ -237,7 +237,15 @@ class DnsServer:
             if len(answer) > 65535:
                 answer = bare_response(answer[0] << 8 | answer[1], 0, SERVFAIL, b"")
             writer.write(struct.pack("!H", len(answer)) + answer)
-            with contextlib.suppress(ConnectionError):
-                await writer.drain()
+            try:
+                async with asyncio.timeout(self.config.tcp_idle_timeout):
+                    await writer.drain()
+            except TimeoutError:
+                # The client sends but does not read: its answers pile up. Drop the connection rather than
+                # hold a slot (and buffered answers) forever.
+                self.metrics.tcp_idle_closed += 1
+                writer.transport.abort()
+            except ConnectionError:
+                pass
         finally:
             slots.release()

@@ -6,7 +6,9 @@ After every bad input the server must still answer a good query (it did not cras
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
+import socket
 import struct
 
 import dns.message
@@ -242,3 +244,25 @@ async def test_per_client_caps_keep_other_sandboxes_served(policies, state, audi
             w.close()
     finally:
         await srv.stop()
+
+
+async def test_tcp_client_that_never_reads_is_dropped(server):
+    """Pipelined queries whose answers are never read: the server must not hold the connection forever."""
+    query = DNSRecord.question("huge.example.com")  # ~2.4 KB answers
+    _reader, writer = await asyncio.open_connection(*server.address, local_addr=(SANDBOX_IP, 0))
+    sock = writer.get_extra_info("socket")
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    try:
+        writer.write(framed(query.pack()) * 4000)
+        with contextlib.suppress(ConnectionError):
+            await writer.drain()
+        for _ in range(60):
+            if server.metrics.tcp_idle_closed:
+                break
+            await asyncio.sleep(0.1)
+        assert server.metrics.tcp_idle_closed >= 1
+        await asyncio.sleep(0.1)
+        assert not server._connections  # the slot is free again
+    finally:
+        writer.close()
+    await still_serving(server)
