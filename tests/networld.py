@@ -81,6 +81,7 @@ GW_CANARIES: dict[str, tuple[str, int, bool]] = {
 # allowed upstream (policy allows it) and a second host that no policy allows (fronting target)
 UPSTREAMS: list[dict[str, Any]] = [
     {"name": "upstream-tls", "host": UPSTREAM, "port": 443, "tls": True},
+    {"name": "upstream-tls-cl", "host": UPSTREAM, "port": 8443, "tls": True, "framing": "cl"},
     {"name": "upstream-http", "host": UPSTREAM, "port": 80, "framing": "te"},
     {"name": "upstream-http-cl", "host": UPSTREAM, "port": 8080, "framing": "cl"},
     {"name": "upstream-raw", "host": UPSTREAM, "port": 2222, "kind": "raw"},

@@ -150,3 +150,35 @@ def test_positive_control_gateway_dials_encoded_private_literal_when_allowed(
     assert b"CANARY:private" in resp.body
     assert any(h["event"] == "request" for h in world.hits(mark, listener="private"))
     assert nw.NET_CANARIES["private"][0] == "10.0.0.5"
+
+
+@pytest.mark.parametrize("form", sorted(METADATA_FORMS))
+def test_https_absolute_form_literal_is_denied(world: World, gateway: Gateway, sbx: Sandbox, form: str) -> None:
+    """`GET https://...` to a plain proxy makes the proxy open the TLS itself: same checks apply."""
+    mark = world.mark()
+    resp = parse_response(gateway.raw(proxied_get(sbx, f"https://{form}/latest/meta-data/")))
+    assert_denied(resp, ADDRESS_REASONS)
+    assert_untouched(world, mark, form)
+
+
+def test_positive_control_https_absolute_form_reaches_allowed_upstream(
+    world: World, gateway: Gateway, sbx: Sandbox
+) -> None:
+    mark = world.mark()
+    resp = parse_response(gateway.raw(proxied_get(sbx, "https://api.allowed.test/absolute-https")))
+    assert resp.status == 200, resp
+    assert [r["target"] for r in world.hits(mark, listener="upstream-tls") if r["event"] == "request"] == [
+        "/absolute-https"]
+
+
+@pytest.mark.parametrize("target", ["http://169.254.169.254:80", "169.254.169.254", "[169.254.169.254]:80",
+                                    "169.254.169.254:80/latest", "user@169.254.169.254:80",
+                                    "api.allowed.test:443@169.254.169.254:80", "169.254.169.254:80 HTTP/1.0\r\nX:"])
+def test_malformed_connect_targets_are_refused(
+    world: World, gateway: Gateway, sbx: Sandbox, target: str
+) -> None:
+    mark = world.mark()
+    sock, resp = gateway.tunnel(sbx, target)
+    with sock:
+        assert resp.status >= 400, resp
+    assert_untouched(world, mark, target)

@@ -11,6 +11,7 @@ gateway) make the upstream log ``/smuggled``.
 from __future__ import annotations
 
 import socket
+import ssl
 
 import networld as nw
 import pytest
@@ -61,8 +62,49 @@ def _request(prefix: str, headers: str, body: str, port: int, auth: str) -> byte
 
 
 def _smuggled_seen(world: World, mark) -> list[dict]:
-    return [r for listener in ("upstream-http", "upstream-http-cl")
+    return [r for listener in ("upstream-http", "upstream-http-cl", "upstream-tls", "upstream-tls-cl")
             for r in requests_on(world, mark, listener) if "smuggled" in r["target"]]
+
+
+TLS_PORT = {80: 443, 8080: 8443}  # same framing preference, behind TLS
+
+
+def _tls_client(world: World) -> ssl.SSLContext:
+    ctx = ssl.create_default_context(cafile=str(world.ca_pem))
+    ctx.set_alpn_protocols(["http/1.1"])
+    return ctx
+
+
+@pytest.mark.parametrize("case", ["cl-te", "te-cl", "cl-te-xchunked", "cl-cl"])
+def test_positive_control_tls_upstream_is_desynchronisable(world: World, case: str) -> None:
+    headers, body, port = CASES[case]
+    mark = world.mark()
+
+    def send() -> bytes:
+        raw = socket.create_connection((nw.UPSTREAM, TLS_PORT[port]), timeout=5)
+        with _tls_client(world).wrap_socket(raw, server_hostname="api.allowed.test") as sock:
+            sock.sendall(_request("", headers, body, TLS_PORT[port], ""))
+            return read_all(sock, 0.5)
+
+    world.in_ns(world.gw, send)
+    assert _smuggled_seen(world, mark), f"control: {case} should desync the TLS upstream when sent directly"
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_smuggling_inside_intercepted_tunnel_never_desyncs_upstream(
+    world: World, gateway: Gateway, sbx: Sandbox, case: str
+) -> None:
+    headers, body, port = CASES[case]
+    tls_port = TLS_PORT[port]
+    mark = world.mark()
+    sock, resp = gateway.tunnel(sbx, f"api.allowed.test:{tls_port}")
+    assert resp.status == 200, resp
+    with gateway.tls(sock, "api.allowed.test") as tls:
+        tls.sendall(_request("", headers, body, tls_port, ""))
+        first = read_all(tls, 1.5)
+    assert first.startswith((b"HTTP/1.1 400 ", b"HTTP/1.1 403 ")), first[:200]
+    assert _smuggled_seen(world, mark) == []
+    assert_untouched(world, mark, case)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
