@@ -148,4 +148,10 @@ class DecisionAddon:
             return
         fs.pinned = target
         fs.decision = allowed
+        if scheme == "http" and target is not None:
+            # Plain HTTP: dial by the checked IP (data.host: the Host header stays as sent), so the next
+            # request to the same pinned address reuses the upstream connection instead of opening a
+            # new one per request. Not for absolute-form https: a TLS session authenticated for one name
+            # must not carry another name's requests.
+            req.data.host = str(target.address)
         fs.extra["raw_address"] = (req.host, req.port)

@@ -87,6 +87,7 @@ def make_app(hits: Hits, sse_release: dict) -> web.Application:
             "method": request.method, "path": request.path_qs, "host": request.headers.get("Host"),
             "headers": {k.lower(): v for k, v in request.headers.items()}, "body_len": total,
             "body_head": body.decode("latin-1"), "complete": True,
+            "peer": request.transport.get_extra_info("peername") if request.transport else None,
         })
         return body
 

@@ -257,3 +257,14 @@ def test_denied_large_upload_not_buffered(gateway):
         r = c.post(sbx.url("api.test", "/forbidden"), content=b"small")
     assert r.status_code == 403 and r.json()["reason"] == "path_not_allowed"
     assert gateway.world.hits.since(mark) == []
+
+
+def test_plain_http_keepalive_reuses_pinned_upstream_connection(gateway):
+    sbx = gateway.admit("gw-basic")
+    mark = gateway.world.hits.mark()
+    with sbx.client() as c:
+        codes = [c.get(sbx.url("api.test", f"/echo/{i}", scheme="http")).status_code for i in range(4)]
+    assert codes == [200] * 4
+    seen = gateway.world.hits.since(mark)
+    assert len({tuple(h["peer"]) for h in seen}) == 1  # one upstream connection for all four
+    assert {h["host"] for h in seen} == {f"api.test:{gateway.world.http_port}"}  # Host header untouched
