@@ -82,6 +82,7 @@ GW_CANARIES: dict[str, tuple[str, int, bool]] = {
 UPSTREAMS: list[dict[str, Any]] = [
     {"name": "upstream-tls", "host": UPSTREAM, "port": 443, "tls": True},
     {"name": "upstream-tls-cl", "host": UPSTREAM, "port": 8443, "tls": True, "framing": "cl"},
+    {"name": "upstream-h2", "host": UPSTREAM, "port": 9443, "tls": True, "alpn": ["h2", "http/1.1"]},
     {"name": "upstream-http", "host": UPSTREAM, "port": 80, "framing": "te"},
     {"name": "upstream-http-cl", "host": UPSTREAM, "port": 8080, "framing": "cl"},
     {"name": "upstream-raw", "host": UPSTREAM, "port": 2222, "kind": "raw"},

@@ -33,7 +33,7 @@ import ssl
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -67,6 +67,7 @@ class Listener:
     tls: bool = False
     framing: str = "te"  # te: Transfer-Encoding wins (RFC 9112); cl: Content-Length wins
     banner: str = ""  # body prefix of every HTTP response (canaries say "CANARY:<name>")
+    alpn: list[str] = field(default_factory=lambda: ["http/1.1"])  # ["h2", "http/1.1"] for HTTP/2
 
 
 # ---------------------------------------------------------------------------------------------- HTTP
@@ -205,10 +206,43 @@ def serve_http(
             body_len=len(body),
             **info,
         )
+        if urlsplit(target).path == "/switch":  # 101 to a non-HTTP protocol, then raw bytes
+            conn.sendall(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: exfil\r\nConnection: Upgrade\r\n\r\n")
+            if buf:
+                log.write(listener=lst.name, event="data", peer=peer, data=bytes(buf).decode("latin-1"))
+            serve_raw(conn, lst, log, peer)
+            return
         status, rbody, extra = _route(lst, method, target, info)
         _respond(conn, status, rbody, extra)
         if any(n.lower() == "connection" and v.lower() == "close" for n, v in headers):
             return
+
+
+def serve_h2(conn: ssl.SSLSocket, lst: Listener, log: JsonLog, peer: str, sni: str | None) -> None:
+    """Minimal HTTP/2 server: logs every stream's pseudo-headers, answers each with a small JSON."""
+    import h2.config
+    import h2.connection
+    import h2.events
+
+    h2c = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False, header_encoding="utf-8"))
+    h2c.initiate_connection()
+    conn.sendall(h2c.data_to_send())
+    while True:
+        data = conn.recv(65536)
+        if not data:
+            return
+        for event in h2c.receive_data(data):
+            if isinstance(event, h2.events.RequestReceived):
+                headers = [(str(k), str(v)) for k, v in event.headers]
+                pseudo = {k: v for k, v in headers if k.startswith(":")}
+                host = next((v for k, v in headers if k == "host"), None)
+                log.write(listener=lst.name, event="request", method=pseudo.get(":method"),
+                          target=pseudo.get(":path"), authority=pseudo.get(":authority"), host=host,
+                          sni=sni, peer=peer, headers=headers, body="", stream=event.stream_id)
+                body = json.dumps({"listener": lst.name, "authority": pseudo.get(":authority")}).encode()
+                h2c.send_headers(event.stream_id, [(":status", "200"), ("content-length", str(len(body)))])
+                h2c.send_data(event.stream_id, body, end_stream=True)
+        conn.sendall(h2c.data_to_send())
 
 
 def serve_raw(conn: socket.socket, lst: Listener, log: JsonLog, peer: str) -> None:
@@ -246,8 +280,12 @@ def handle(
             tls_ctx.sni_callback = on_sni  # type: ignore[assignment]
             tconn = tls_ctx.wrap_socket(conn, server_side=True)
             sni = seen.get("sni")
-            log.write(listener=lst.name, event="tls", peer=peer, sni=sni, alpn=tconn.selected_alpn_protocol())
-            serve_http(tconn, lst, log, peer, sni)
+            alpn = tconn.selected_alpn_protocol()
+            log.write(listener=lst.name, event="tls", peer=peer, sni=sni, alpn=alpn)
+            if alpn == "h2":
+                serve_h2(tconn, lst, log, peer, sni)
+            else:
+                serve_http(tconn, lst, log, peer, sni)
         else:
             serve_http(conn, lst, log, peer, None)
     except (OSError, ssl.SSLError) as exc:
@@ -271,16 +309,16 @@ def run_listen(spec: dict[str, Any]) -> None:
         sock.listen(128)
         sockets.append((sock, lst))
 
-    def tls_context() -> ssl.SSLContext:
+    def tls_context(alpn: list[str]) -> ssl.SSLContext:
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         ctx.load_cert_chain(spec["cert"], spec["key"])
-        ctx.set_alpn_protocols(["http/1.1"])
+        ctx.set_alpn_protocols(alpn)
         return ctx
 
     def accept_loop(sock: socket.socket, lst: Listener) -> None:
         while True:
             conn, addr = sock.accept()
-            ctx = tls_context() if lst.tls else None  # per connection: the SNI callback is per context
+            ctx = tls_context(lst.alpn) if lst.tls else None  # per connection: the SNI callback is per context
             threading.Thread(target=handle, args=(conn, addr, lst, log, ctx), daemon=True).start()
 
     for sock, lst in sockets:

@@ -210,12 +210,12 @@ class Gateway:
                      f"Proxy-Authorization: {sbx.auth_header}\r\n\r\n".encode())
         return sock, read_response(sock)
 
-    def tls(self, sock: socket.socket, sni: str | None) -> ssl.SSLSocket:
+    def tls(self, sock: socket.socket, sni: str | None, alpn: tuple[str, ...] = ("http/1.1",)) -> ssl.SSLSocket:
         """TLS over an open tunnel, presenting `sni` (verification against our bundle, names unchecked:
         the point is what the gateway does with a mismatched SNI, not what the client accepts)."""
         ctx = ssl.create_default_context(cafile=str(self.client_ca))
         ctx.check_hostname = False
-        ctx.set_alpn_protocols(["http/1.1"])
+        ctx.set_alpn_protocols(list(alpn))
         return ctx.wrap_socket(sock, server_hostname=sni)
 
 
