@@ -1,4 +1,5 @@
-"""Stream callables for credentialed flows: phantom guard on request bodies, scrub/decode on responses.
+"""Stream callables and response framing for credentialed flows: phantom guard on request bodies,
+scrub/decode on responses, reframing or refusing a response whose body we rewrite.
 
 mitmproxy's `flow.request.stream` / `flow.response.stream` callables are synchronous, called per chunk
 and then once with b"". The budgets addon already installed a byte-counting callable; these wrap it, so
@@ -14,11 +15,15 @@ Kept free of addon state so each piece is testable on its own.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
+
+from mitmproxy import http
 
 from egressgate.broker.decompress import DecodeError, scrubbing_stream
 from egressgate.broker.inject import PHANTOM_LEN, PhantomBodyScanner, PhantomHit
 from egressgate.broker.redact import Scrubber
+from egressgate.gateway.deny import REQUEST_ID_HEADER
 
 StreamFn = Callable[[bytes], object]
 
@@ -111,3 +116,34 @@ def replace_body(body: bytes) -> StreamFn:
         return []
 
     return swallow
+
+
+def reframe(flow: http.HTTPFlow, encoding: str | None) -> None:
+    """The scrubbed (and decoded) body has another length: drop Content-Length/-Encoding; an HTTP/1.1
+    client gets chunked framing so its connection stays reusable (HTTP/2 frames itself; HTTP/1.0 reads
+    until close)."""
+    resp = flow.response
+    assert resp is not None
+    if encoding is not None:
+        del resp.headers["content-encoding"]
+    if "content-length" in resp.headers:
+        del resp.headers["content-length"]
+    req = flow.request
+    if (not (req.is_http2 or req.is_http3) and req.http_version == "HTTP/1.1"
+            and "chunked" not in resp.headers.get("transfer-encoding", "").lower()):
+        resp.headers["transfer-encoding"] = "chunked"
+
+
+def refuse(flow: http.HTTPFlow, request_id: str, why: str) -> None:
+    """Turn the upstream's response (headers not yet sent) into a 502 whose body we write: none of the
+    upstream's bytes go out, since they could not be inspected."""
+    resp = flow.response
+    assert resp is not None
+    body = json.dumps({"error": "upstream_response_refused", "reason": why, "request_id": request_id},
+                      separators=(",", ":")).encode()
+    resp.status_code = 502
+    resp.reason = "Bad Gateway"
+    resp.headers = http.Headers(content_type="application/json", cache_control="no-store",
+                                content_length=str(len(body)))
+    resp.headers[REQUEST_ID_HEADER] = request_id
+    resp.stream = replace_body(body)

@@ -40,7 +40,7 @@ from egressgate.broker.inject import PhantomHit, find_phantoms, inject, swap_pha
 from egressgate.broker.redact import SecretSpec, cached_scrubber
 from egressgate.config import GatewayConfig
 from egressgate.gateway.context import FlowState, Runtime, flow_state, new_request_id
-from egressgate.gateway.credential_streams import as_chunks, phantom_guard, replace_body, scrub_chain
+from egressgate.gateway.credential_streams import as_chunks, phantom_guard, reframe, refuse, scrub_chain
 from egressgate.gateway.deny import REQUEST_ID_HEADER, deny_response, gateway_deny
 from egressgate.policy.errors import PolicyError
 from egressgate.policy.reasons import Reason
@@ -296,16 +296,16 @@ class Credentials:
             rule_id=fs.decision.rule_id if fs.decision else None, policy_name=fs.policy_name,
             policy_hash=fs.policy_hash, scheme=fs.scheme, host=fs.host, port=fs.port, method=fs.method,
             path=fs.path, capability=fs.decision.capability if fs.decision else None,
-            message=_MISUSE_MESSAGE, extra={"egressgate.detail": where, "egressgate.phase": "request_body"},
+            message=_MISUSE_MESSAGE, extra={"egressgate.detail": where, "egressgate.phase": "after_headers"},
         )
 
-    def _stream_misuse(self, flow: http.HTTPFlow, fs: FlowState, hits: list[PhantomHit]) -> None:
+    def _stream_misuse(self, flow: http.HTTPFlow, fs: FlowState, hits: list[PhantomHit], where: str = "body") -> None:
         """A phantom in a streamed body: nothing more is forwarded, the connection is cut (the upstream
         never sees a complete body) and the deny is audited."""
-        logger.warning("phantom credential misuse by %s to %s (streamed body)", fs.sandbox_id, fs.host)
+        logger.warning("phantom credential misuse by %s to %s (streamed %s)", fs.sandbox_id, fs.host, where)
         fs.extra["credential_misuse"] = True
-        event = self._misuse_event(fs, "body")
-        fs.decision = gateway_deny(Reason.CREDENTIAL_MISUSE, _MISUSE_MESSAGE, detail="body",
+        event = self._misuse_event(fs, where)
+        fs.decision = gateway_deny(Reason.CREDENTIAL_MISUSE, _MISUSE_MESSAGE, detail=where,
                                    rule_id=fs.decision.rule_id if fs.decision else None)
         task = asyncio.get_running_loop().create_task(self._write_quiet(event))
         self._tasks.add(task)  # keep a reference until written
@@ -335,6 +335,25 @@ class Credentials:
         assert fs.decision is not None
         flow.response = deny_response(fs.decision, fs.request_id)
 
+    def websocket_message(self, flow: http.HTTPFlow) -> None:
+        """Websockets on a credentialed route: server messages are scrubbed (whole messages, so no
+        window is needed); a phantom in a client message is misuse on any route (cut + audited)."""
+        fs = flow_state(flow)
+        if flow.websocket is None or fs is None:
+            return
+        message = flow.websocket.messages[-1]
+        if message.dropped:
+            return
+        if message.from_client:
+            hits = find_phantoms([], [], message.content)
+            if hits:
+                message.drop()
+                self._stream_misuse(flow, fs, hits, "websocket")
+            return
+        applied: Applied | None = flow.metadata.get(META_CRED)
+        if applied is not None:
+            message.content = cached_scrubber(applied.spec()).scrub(message.content)
+
     # ------------------------------------------------------------------ response side
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         applied: Applied | None = flow.metadata.get(META_CRED)
@@ -350,7 +369,8 @@ class Credentials:
         except UnsupportedEncoding:
             logger.warning("refused %s response from %s: Content-Encoding %r cannot be scrubbed",
                            applied.capability, fs.host, encoding)
-            self._refuse(flow, fs, "unsupported_content_encoding")
+            refuse(flow, fs.request_id, "unsupported_content_encoding")
+            fs.extra["scrub_error"] = "unsupported_content_encoding"
             return
         if not resp.stream:
             return  # buffered: scrubbed whole in `response`
@@ -364,35 +384,7 @@ class Credentials:
                 self.rt.abort_connection(client_id)
 
         resp.stream = scrub_chain(inner, encoding, scrubber, STREAM_MAX_DECODED, on_error)
-        self._reframe(flow, encoding)
-
-    def _reframe(self, flow: http.HTTPFlow, encoding: str | None) -> None:
-        """The scrubbed (and decoded) body has another length: drop Content-Length/-Encoding; an
-        HTTP/1.1 client gets chunked framing so the connection stays reusable."""
-        resp = flow.response
-        assert resp is not None
-        if encoding is not None:
-            del resp.headers["content-encoding"]
-        if "content-length" in resp.headers:
-            del resp.headers["content-length"]
-        req = flow.request
-        if (not (req.is_http2 or req.is_http3) and req.http_version == "HTTP/1.1"
-                and "chunked" not in resp.headers.get("transfer-encoding", "").lower()):
-            resp.headers["transfer-encoding"] = "chunked"
-
-    def _refuse(self, flow: http.HTTPFlow, fs: FlowState, why: str) -> None:
-        """Replace the upstream's response by a 502 whose body we write: none of its bytes go out."""
-        resp = flow.response
-        assert resp is not None
-        body = (b'{"error":"upstream_response_refused","reason":"' + why.encode() + b'","request_id":"'
-                + fs.request_id.encode() + b'"}')
-        resp.status_code = 502
-        resp.reason = "Bad Gateway"
-        resp.headers = http.Headers(content_type="application/json", cache_control="no-store",
-                                    content_length=str(len(body)))
-        resp.headers[REQUEST_ID_HEADER] = fs.request_id
-        resp.stream = replace_body(body)
-        fs.extra["scrub_error"] = why
+        reframe(flow, encoding)
 
     def response(self, flow: http.HTTPFlow) -> None:
         applied: Applied | None = flow.metadata.get(META_CRED)
