@@ -32,7 +32,7 @@ from tests.broker.bao import BaoServer
 from tests.broker.jwtcheck import TokenRejected, verify
 from tests.gateway.conftest import EGRESSGATE, DnsServer, Hits, LoopThread, _read_line, stop_gateway
 
-NAMES = ["api.test", "jwt.test", "phantom.test", "other.test", "basic.test", "query.test"]
+NAMES = ["api.test", "jwt.test", "phantom.test", "other.test", "basic.test", "query.test", "forbidden.test"]
 MAX_TTL = 120
 
 
@@ -128,12 +128,71 @@ def make_app(hits: Hits, jwks_url: dict) -> web.Application:
             return web.json_response({"rejected": str(exc)}, status=401)
         return web.json_response({k: claims[k] for k in ("sub", "aud", "iat", "exp", "iss", "jti")})
 
+    async def ws(request: web.Request) -> web.WebSocketResponse:
+        """Echoes each message together with the credential it was opened with (a reflecting server)."""
+        await record(request)
+        sock = web.WebSocketResponse()
+        await sock.prepare(request)
+        s = secret_of(request)
+        async for msg in sock:
+            hits.add({"method": "WSMSG", "host": request.headers.get("Host"), "path": request.path, "query": "",
+                      "auth": [], "headers": [], "body": str(msg.data).encode(), "port": None})
+            await sock.send_str(f"echo {msg.data} auth={s} b64={base64.b64encode(s.encode()).decode()}")
+        return sock
+
     app = web.Application(client_max_size=1 << 24)
+    app.router.add_get("/ws", ws)
     app.router.add_route("*", "/reflect/{mode}", reflect)
     app.router.add_get("/redirect", redirect)
     app.router.add_get("/jwt", check_jwt)
     app.router.add_route("*", "/{tail:.*}", echo)
     return app
+
+
+async def serve_h2(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, hits: Hits) -> None:
+    """An HTTP/2-only reflecting upstream: /h2/chunks streams the credential split over DATA frames (no
+    content-length), /h2/gzip sends it gzip-compressed; the client side then negotiates h2 too."""
+    import h2.config
+    import h2.connection
+    import h2.events
+
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False))
+    conn.initiate_connection()
+    writer.write(conn.data_to_send())
+    streams: dict[int, list] = {}
+    try:
+        while data := await reader.read(65536):
+            for event in conn.receive_data(data):
+                if isinstance(event, h2.events.RequestReceived):
+                    streams[event.stream_id] = [(k.decode(), v.decode()) for k, v in event.headers]
+                elif isinstance(event, h2.events.DataReceived):
+                    conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+                elif isinstance(event, h2.events.StreamEnded):
+                    req = streams.pop(event.stream_id, [])
+                    d = dict(req)
+                    auth = [v for k, v in req if k == "authorization"]
+                    hits.add({"method": d.get(":method"), "host": d.get(":authority"), "path": d.get(":path"),
+                              "query": "", "auth": auth, "headers": req, "body": b"", "port": None})
+                    s = auth[0][7:] if auth and auth[0].startswith("Bearer ") else ""
+                    payload = b"x" * 1000 + s.encode() + base64.b64encode(s.encode()) + b"y" * 1000
+                    headers = [(":status", "200"), ("content-type", "text/plain")]
+                    if d.get(":path") == "/h2/gzip":
+                        payload = gzip.compress(payload)
+                        headers.append(("content-encoding", "gzip"))
+                    conn.send_headers(event.stream_id, headers)
+                    for i in range(0, len(payload), 5):
+                        conn.send_data(event.stream_id, payload[i:i + 5])
+                        if i % 50 == 0:
+                            writer.write(conn.data_to_send())
+                            await writer.drain()
+                            await asyncio.sleep(0)
+                    conn.end_stream(event.stream_id)
+            writer.write(conn.data_to_send())
+            await writer.drain()
+    except (ConnectionError, OSError):
+        pass
+    finally:
+        writer.close()
 
 
 @dataclass
@@ -144,6 +203,9 @@ class World:
     https2_port: int
     http_port: int
     hits: Hits
+    canary: Hits
+    canary_port: int
+    h2_port: int
     dns: DnsServer
     dns_port: int
     loop: LoopThread
@@ -157,7 +219,9 @@ def cworld(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     cert = ca.issue_cert(*NAMES)
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     cert.configure_cert(ctx)
-    hits, dns, loop, jwks_url = Hits(), DnsServer(), LoopThread(), {"url": ""}
+    hits, canary, dns, loop, jwks_url = Hits(), Hits(), DnsServer(), LoopThread(), {"url": ""}
+
+    servers: list = []
 
     async def start():
         runners, ports = [], []
@@ -168,6 +232,19 @@ def cworld(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
             await site.start()
             ports.append(site._server.sockets[0].getsockname()[1])
             runners.append(runner)
+        # the canary: a forbidden address (127.0.0.2) a credential must never reach unless a policy allows it
+        runner = web.AppRunner(make_app(canary, jwks_url), access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.2", 0, ssl_context=ctx)
+        await site.start()
+        ports.append(site._server.sockets[0].getsockname()[1])
+        runners.append(runner)
+        h2ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        cert.configure_cert(h2ctx)
+        h2ctx.set_alpn_protocols(["h2"])
+        h2_server = await asyncio.start_server(lambda r, w: serve_h2(r, w, hits), "127.0.0.1", 0, ssl=h2ctx)
+        ports.append(h2_server.sockets[0].getsockname()[1])
+        servers.append(h2_server)
         transport, _ = await asyncio.get_running_loop().create_datagram_endpoint(
             lambda: dns, local_addr=("127.0.0.1", 0))
         return runners, ports, transport
@@ -175,7 +252,9 @@ def cworld(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     runners, ports, transport = loop.run(start())
     for name in NAMES:
         dns.records[name] = "127.0.0.1"
+    dns.records["forbidden.test"] = "127.0.0.2"
     w = World(tmp=tmp, ca=ca, https_port=ports[0], https2_port=ports[1], http_port=ports[2], hits=hits,
+              canary=canary, canary_port=ports[3], h2_port=ports[4],
               dns=dns, dns_port=transport.get_extra_info("sockname")[1], loop=loop, jwks_url=jwks_url)
     try:
         yield w
@@ -183,6 +262,8 @@ def cworld(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
         async def stop():
             for runner in runners:
                 await runner.cleanup()
+            for server in servers:
+                server.close()
             transport.close()
         loop.run(stop())
         loop.stop()
@@ -195,8 +276,9 @@ KV = {"vault": {"path": "egressgate/openai", "field": "api_key"}}
 def policies(w: World, *, kv_ttl: int = 300, file_secret: str | None = None) -> dict[str, dict]:
     https, https2, http = w.https_port, w.https2_port, w.http_port
 
-    def doc(name: str, https_rules: list, caps: dict, http_rules: list | None = None) -> dict:
-        network: dict = {"allow_private": ["127.0.0.1/32"], "https": {"allow": https_rules}}
+    def doc(name: str, https_rules: list, caps: dict, http_rules: list | None = None,
+            private: str = "127.0.0.1/32") -> dict:
+        network: dict = {"allow_private": [private], "https": {"allow": https_rules}}
         if http_rules:
             network["http"] = {"allow": http_rules}
         return {"sandbox": {"name": name}, "network": network,
@@ -212,13 +294,21 @@ def policies(w: World, *, kv_ttl: int = 300, file_secret: str | None = None) -> 
             {"id": "api-put", "host": "api.test", "ports": [https], "methods": ["PUT"], "paths": ["/echo"]},
             {"id": "api-open", "host": "api.test", "ports": [https], "methods": ["GET"], "paths": ["/open/**"]},
             {"id": "api-port2", "host": "api.test", "ports": [https2]},
+            {"id": "api-h2", "host": "api.test", "ports": [w.h2_port], "methods": ["GET"], "paths": ["/h2/*"],
+             "credential": "kv"},
             {"id": "other", "host": "other.test", "ports": [https]},
             {"id": "basic", "host": "basic.test", "ports": [https], "credential": "kvbasic"},
             {"id": "query", "host": "query.test", "ports": [https], "credential": "kvquery"},
+            {"id": "forbidden", "host": "forbidden.test", "ports": [w.canary_port], "credential": "kv"},
+            {"id": "ws", "host": "other.test", "ports": [https2], "credential": "kv"},
         ], {"kv": kv_cap,
             "kvbasic": {**kv_cap, "placement": {"basic": {"username": "x-access-token"}}},
             "kvquery": {**kv_cap, "placement": {"query": "api_key"}}},
             http_rules=[{"id": "plain", "host": "api.test", "ports": [http]}]),
+        # positive control for the canary: the same credentialed rule where 127.0.0.2 is permitted
+        "cred-canary-open": doc("cred-canary-open", [
+            {"id": "forbidden", "host": "forbidden.test", "ports": [w.canary_port], "credential": "kv"},
+        ], {"kv": kv_cap}, private="127.0.0.0/8"),
         "cred-jwt": doc("cred-jwt", [
             {"id": "jwt", "host": "jwt.test", "ports": [https], "methods": ["GET"], "paths": ["/jwt", "/reflect/*"],
              "credential": "billing"},
