@@ -48,7 +48,9 @@ class Identity:
         self.rt = runtime
 
     async def _lookup(self, fs: FlowState, flow: http.HTTPFlow) -> SandboxRecord | None:
-        creds = parse_proxy_authorization(flow.request.headers.get("proxy-authorization"))
+        values = flow.request.headers.get_all("proxy-authorization")
+        # exactly one: with two, different parsers could pick different identities
+        creds = parse_proxy_authorization(values[0]) if len(values) == 1 else None
         if creds is None:
             fs.decision = gateway_deny(Reason.IDENTITY_UNKNOWN)
             return None

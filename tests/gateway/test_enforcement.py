@@ -268,3 +268,11 @@ def test_plain_http_keepalive_reuses_pinned_upstream_connection(gateway):
     seen = gateway.world.hits.since(mark)
     assert len({tuple(h["peer"]) for h in seen}) == 1  # one upstream connection for all four
     assert {h["host"] for h in seen} == {f"api.test:{gateway.world.http_port}"}  # Host header untouched
+
+
+def test_two_proxy_authorization_headers_refused(gateway):
+    a, b = gateway.admit("gw-basic"), gateway.admit("gw-basic")
+    auth = [base64.b64encode(f"{s.id}:{s.token}".encode()).decode() for s in (a, b)]
+    status, _, body = raw_connect(gateway, f"api.test:{gateway.world.https_port}",
+                                  f"Basic {auth[0]}\r\nProxy-Authorization: Basic {auth[1]}")
+    assert status == 407 and b"identity_unknown" in body
