@@ -150,6 +150,7 @@ class World:
     tmp: Path
     sid: str = field(default_factory=lambda: secrets.token_hex(3))
     procs: list[subprocess.Popen[str]] = field(default_factory=list)
+    _files: list[Any] = field(default_factory=list)
     ca: trustme.CA = field(default_factory=trustme.CA)
 
     # ------------------------------------------------------------------------------ names and paths
@@ -272,9 +273,11 @@ class World:
     def _spawn(self, ns: str, role: str, spec: dict[str, Any], name: str) -> None:
         spec_path = self.tmp / f"spec-{name}.json"
         spec_path.write_text(json.dumps(spec))
+        stderr = open(self.tmp / f"{name}.stderr", "w")  # noqa: SIM115 - closed in close()
+        self._files.append(stderr)
         proc = subprocess.Popen(
             ["ip", "netns", "exec", ns, sys.executable, str(SERVERS), role, str(spec_path)],
-            stdout=subprocess.PIPE, stderr=open(self.tmp / f"{name}.stderr", "w"), text=True,  # noqa: SIM115
+            stdout=subprocess.PIPE, stderr=stderr, text=True,
         )
         self.procs.append(proc)
         line = _readline_timeout(proc, 15)
@@ -306,6 +309,8 @@ class World:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout=5)
+        for fh in [*self._files, *(p.stdout for p in self.procs if p.stdout)]:
+            fh.close()
         destroy_namespaces(self.namespaces)
         with contextlib.suppress(FileNotFoundError):
             (REGISTRY / f"{self.sid}.json").unlink()

@@ -44,3 +44,14 @@ def sbx(gateway: Gateway) -> Sandbox:
 def sbx_private(gateway: Gateway) -> Sandbox:
     """Positive control: allow_private covers 10.0.0.5, so the gateway itself can reach that canary."""
     return gateway.admit("escape-private")
+
+
+@pytest.fixture(autouse=True)
+def gateway_survives(request: pytest.FixtureRequest) -> Iterator[None]:
+    """An escape attempt that crashes the gateway is a finding (denial of service), not noise."""
+    yield
+    if "gateway" not in request.fixturenames:
+        return
+    gw: Gateway = request.getfixturevalue("gateway")
+    if gw.proc.poll() is not None:
+        pytest.fail(f"the gateway exited ({gw.proc.returncode}) during this test:\n{gw.stderr[-3000:]}")

@@ -75,6 +75,7 @@ class Gateway:
     proxy: tuple[str, int]
     info: dict[str, Any]
     sandboxes: dict[str, Sandbox] = field(default_factory=dict)
+    _stderr: Any = None
 
     @classmethod
     def start(cls, world: World, tmp: Path, policies: Path = POLICIES) -> Gateway:
@@ -115,7 +116,9 @@ class Gateway:
             raise RuntimeError(f"gateway did not start: stdout={line!r}\n{err}") from exc
         threading.Thread(target=_drain, args=(proc,), daemon=True).start()
         world.allow_sandbox_to(*proxy)
-        return cls(world=world, tmp=tmp, proc=proc, config=cfg, proxy=proxy, info=info)
+        gw = cls(world=world, tmp=tmp, proc=proc, config=cfg, proxy=proxy, info=info)
+        gw._stderr = stderr
+        return gw
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -125,6 +128,8 @@ class Gateway:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(5)
+        if self._stderr is not None:
+            self._stderr.close()
 
     @property
     def stderr(self) -> str:
