@@ -221,6 +221,7 @@ class World:
     https_port: int
     h2_port: int
     untrusted_port: int
+    evil_port: int
     http_port: int
     tcp_port: int
     canary_https_port: int
@@ -300,6 +301,25 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
                 hits.tcp.append(data)
                 writer.close()
 
+        async def evil_upgrade(reader, writer):
+            """A hostile upstream: answers every request with 101 to a non-websocket protocol, then
+            records whatever the client sends next (it must never get any)."""
+            data = b""
+            try:
+                while b"\r\n\r\n" not in data and (chunk := await reader.read(65536)):
+                    data += chunk
+                writer.write(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: raw\r\nConnection: Upgrade\r\n\r\n")
+                await writer.drain()
+                while chunk := await reader.read(65536):
+                    hits.tcp.append(b"after-101:" + chunk)
+            except (ConnectionError, OSError):
+                pass
+            finally:
+                writer.close()
+
+        evil_server = await asyncio.start_server(evil_upgrade, "127.0.0.1", 0)
+        out["evil"] = evil_server.sockets[0].getsockname()[1]
+        servers.append(evil_server)
         tcp_server = await asyncio.start_server(tcp_echo, "127.0.0.1", 0)
         h2ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         cert.configure_cert(h2ctx)
@@ -320,7 +340,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     dns.records["mixed.test"] = ["127.0.0.1", "127.0.0.2"]  # one allowed, one forbidden answer
     dns.flip["rebind.test"] = ["127.0.0.1", "127.0.0.2"]
     w = World(tmp=tmp, ca=ca, https_port=ports["https"], h2_port=ports["h2"], http_port=ports["http"],
-              untrusted_port=ports["untrusted"],
+              untrusted_port=ports["untrusted"], evil_port=ports["evil"],
               tcp_port=ports["tcp"],
               canary_https_port=ports["canary"], hits=hits, canary=canary, dns=dns, dns_port=ports["dns"],
               loop=loop, sse_release=sse_release, snis=snis)
@@ -368,7 +388,8 @@ def policies(w: World) -> dict[str, dict]:
                 {"id": "canary-name", "host": "canary.test", "ports": [canary]},
                 {"id": "literal", "host": "127.0.0.2", "ports": [canary]},
             ]},
-            "http": {"allow": [{"id": "plain", "host": "api.test", "ports": [http], "methods": ["GET", "POST"]}]},
+            "http": {"allow": [{"id": "plain", "host": "api.test", "ports": [http], "methods": ["GET", "POST"]},
+                               {"id": "evil", "host": "other.test", "ports": [w.evil_port]}]},
         }),
         "gw-budget": base("gw-budget", {"https": {"allow": api_rules}, "http": {"allow": [
             {"id": "plain", "host": "api.test", "ports": [http], "methods": ["GET", "POST"]}]}},

@@ -3,9 +3,11 @@ policy reload (file watch and SIGHUP) and clean shutdown."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import socket
 import stat
 import subprocess
 import threading
@@ -92,6 +94,28 @@ def test_raw_tcp_counts_against_budget_and_is_cut(gateway):
     sock, head = connect_tunnel(gateway, sbx, f"tcp.test:{world.tcp_port}")
     sock.close()
     assert head.startswith(b"HTTP/1.1 200")  # 400 bytes left: a new tunnel may still open
+
+
+def test_upstream_101_to_raw_protocol_never_relays(gateway):
+    """A hostile upstream switching to a non-websocket protocol would turn the connection into a raw
+    relay; the gateway kills it before a byte of the client's follow-up reaches the upstream."""
+    import base64
+
+    world = gateway.world
+    sbx = gateway.admit("gw-basic")
+    before = len(world.hits.tcp)
+    auth = base64.b64encode(f"{sbx.id}:{sbx.token}".encode()).decode()
+    with socket.create_connection(gateway.proxy, timeout=5) as s:
+        s.sendall(f"GET http://other.test:{world.evil_port}/ HTTP/1.1\r\nHost: other.test:{world.evil_port}\r\n"
+                  f"Proxy-Authorization: Basic {auth}\r\n\r\n".encode())
+        s.settimeout(5)
+        with contextlib.suppress(OSError):
+            s.recv(65536)
+            s.sendall(b"SMUGGLED-RAW-BYTES")
+            time.sleep(0.3)
+            s.sendall(b"SMUGGLED-RAW-BYTES")
+    time.sleep(0.3)
+    assert not any(b"SMUGGLED" in d for d in world.hits.tcp[before:]), world.hits.tcp[before:]
 
 
 def test_revocation_closes_live_connection(gateway):
