@@ -53,6 +53,10 @@ class QueryContext:
     facts: Facts | None = None
     state: SandboxState | None = None
     counted: bool = False
+    # Which step produced the outcome: "resolver" (identity, shape, rate, never-forwarded types, dependency
+    # failures), "decide" (the policy decision), "answer_filter" (an allowed answer emptied by the filter).
+    # `audit replay` can re-decide only "decide" outcomes.
+    stage: str = "resolver"
 
 
 def describe(filtered: Filtered) -> list[str]:
@@ -65,6 +69,7 @@ def dns_event(ctx: QueryContext, decision: Decision, rcode: int, answers: list[s
     extra: dict[str, str | int | float | bool] = {
         "egressgate.dns.rcode": RCODE_NAME.get(rcode, str(rcode)),
         "egressgate.dns.transport": ctx.transport,
+        "egressgate.dns.stage": ctx.stage,
     }
     if ctx.cache:
         extra["egressgate.dns.cache"] = ctx.cache

@@ -189,6 +189,7 @@ class Resolver:
         facts = Facts(operation=Operation.DNS_QUERY, host=host, scheme="dns", qtype=qtype_name(qtype))
         ctx.facts, ctx.state = facts, state  # recorded so `audit replay` re-decides with the same inputs
         decision = decide(policy, facts, state, now)
+        ctx.stage = "decide"
         if not decision.allowed:
             if decision.reason is Reason.BUDGET_EXCEEDED:
                 self.metrics.budget_exceeded += 1
@@ -200,6 +201,7 @@ class Resolver:
                 else RCODE_BY_NAME[policy.dns.deny_rcode]
             )
             return await self._refuse(ctx, opt, rcode, decision=decision)
+        ctx.stage = "resolver"  # from here on, outcomes other than the answer are not the policy's
         totals = await self._count(ctx)
         if totals is None:
             return await self._refuse(ctx, opt, SERVFAIL, Reason.STATE_UNAVAILABLE)
@@ -215,6 +217,7 @@ class Resolver:
             self.metrics.audit_failures += 1
             return await self._refuse(ctx, opt, SERVFAIL, Reason.AUDIT_UNAVAILABLE)
         self.metrics.allowed += 1
+        ctx.stage = "decide"
         return await self._answer(ctx, opt, decision)
 
     async def _snapshot(self, ctx: QueryContext, now: float) -> SandboxState:
@@ -275,6 +278,7 @@ class Resolver:
         self.metrics.answers_stripped += filtered.stripped
         if filtered.emptied:
             self.metrics.emptied_answers += 1
+            ctx.stage = "answer_filter"
             return await self._refuse(
                 ctx,
                 opt,

@@ -132,6 +132,19 @@ async def _tcp_exchange(server, payload: bytes, expect: int, source: str = SANDB
         writer.close()
 
 
+async def wait_until(condition, seconds: float = 3.0) -> None:
+    for _ in range(int(seconds * 100)):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not reached in time")
+
+
+async def wait_for_inflight(srv, n: int) -> None:
+    """Until `n` UDP queries are in progress (the slow ones reached the server)."""
+    await wait_until(lambda: len(srv._udp.tasks) >= n)
+
+
 def framed(packet: bytes) -> bytes:
     return struct.pack("!H", len(packet)) + packet
 
@@ -182,14 +195,14 @@ async def test_tcp_idle_timeout_closes(server):
 
 async def test_tcp_connection_cap(server):
     conns = [await asyncio.open_connection(*server.address, local_addr=(SANDBOX_IP, 0)) for _ in range(8)]
-    await asyncio.sleep(0.05)
+    await wait_until(lambda: len(server._connections) == 8)
     reader, writer = await asyncio.open_connection(*server.address, local_addr=(SANDBOX_IP, 0))
     assert await asyncio.wait_for(reader.read(10), 2) == b""  # the ninth is closed at once
     writer.close()
     assert server.metrics.tcp_rejected == 1
     for _, w in conns:
         w.close()
-    await asyncio.sleep(0.05)
+    await wait_until(lambda: not server._connections)
     response = await ask(server, "allowed.example.com", tcp=True)  # capacity is back
     assert addresses(response) == ["93.184.216.34"]
 
@@ -204,7 +217,7 @@ async def test_udp_overload_is_dropped_not_queued(policies, state, audit, upstre
     await srv.start("127.0.0.1", 0)
     try:
         pending = [asyncio.ensure_future(ask(srv, "slow.example.com", timeout=2)) for _ in range(2)]
-        await asyncio.sleep(0.1)
+        await wait_for_inflight(srv, 2)
         assert await raw_udp(srv, GOOD, timeout=0.2) is None  # slots are full: dropped
         assert srv.metrics.dropped_overload >= 1
         results = await asyncio.gather(*pending)
@@ -227,7 +240,7 @@ async def test_per_client_caps_keep_other_sandboxes_served(policies, state, audi
     await srv.start("127.0.0.1", 0)
     try:
         pending = [asyncio.ensure_future(ask(srv, "slow.example.com", timeout=2)) for _ in range(2)]
-        await asyncio.sleep(0.1)
+        await wait_for_inflight(srv, 2)
         assert await raw_udp(srv, GOOD, timeout=0.2) is None  # this sandbox's slots are full
         other = await ask(srv, "allowed.example.com", source=PRIVATE_IP)  # another sandbox still served
         assert addresses(other) == ["93.184.216.34"]
@@ -235,7 +248,7 @@ async def test_per_client_caps_keep_other_sandboxes_served(policies, state, audi
         assert rcode(await ask(srv, "allowed.example.com")) == "NOERROR"  # slots released
 
         conns = [await asyncio.open_connection(*srv.address, local_addr=(SANDBOX_IP, 0)) for _ in range(2)]
-        await asyncio.sleep(0.05)
+        await wait_until(lambda: len(srv._connections) == 2)
         reader, writer = await asyncio.open_connection(*srv.address, local_addr=(SANDBOX_IP, 0))
         assert await asyncio.wait_for(reader.read(10), 2) == b""  # third from the same source: closed
         writer.close()

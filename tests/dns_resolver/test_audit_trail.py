@@ -34,6 +34,7 @@ async def test_records_in_file_and_replay_agrees(tmp_path, policies, state, upst
     assert first["egressgate.dns.answers"] == ["A 93.184.216.34"]
     assert first["egressgate.dns.rcode"] == "NOERROR"
     assert first["egressgate.state.dns_queries"] == 0  # the state decide() saw
+    assert {r.attributes["egressgate.dns.stage"] for r in dns_records} == {"decide"}
     denied = dns_records[1].attributes
     assert (denied["egressgate.decision"], denied["egressgate.reason"]) == ("deny", "host_not_allowed")
     assert denied["egressgate.dns.rcode"] == "NXDOMAIN"

@@ -158,6 +158,7 @@ async def test_private_loopback_metadata_answers_stripped(server, upstream, audi
         assert addresses(response) == [], (name, qtype)
         assert audit.events[-1].reason == "address_forbidden"
         assert audit.events[-1].answers == []
+        assert audit.events[-1].extra["egressgate.dns.stage"] == "answer_filter"
     # positive control: the upstream really sent those addresses (the resolver asked and got them)
     assert ("mapped.example.com", "AAAA", "udp") in upstream.seen
     assert server.metrics.emptied_answers == 7
