@@ -231,7 +231,12 @@ class Credentials:
             self._deny(fs, Reason.CREDENTIAL_UNAVAILABLE, _UNAVAILABLE_MESSAGE)
             return False
         if flow.response is not None or fs.decision is None or not fs.decision.allowed:
-            return False  # answered or revoked while we awaited the broker
+            return False  # answered while we awaited the broker
+        problem = self._channel_problem(flow, fs)  # again: a revocation or reconnect may have raced the await
+        if problem is not None:
+            self._deny(fs, Reason.CREDENTIAL_UNAVAILABLE,
+                       "Credentials are only injected over HTTPS to the checked destination.", detail=problem)
+            return False
         if not await self._audit_mint(fs, name, cred):
             self._deny(fs, Reason.AUDIT_UNAVAILABLE, "The audit trail is unavailable; nothing is allowed. Retry later.")
             return False
@@ -363,6 +368,8 @@ class Credentials:
             return
         scrubber = cached_scrubber(applied.spec())
         resp.headers = _fields(scrubber.scrub_headers(list(resp.headers.items(multi=True))))
+        if flow.request.method.upper() == "HEAD" or resp.status_code in (101, 204, 304):
+            return  # no body follows (a refusal body here would corrupt the connection)
         encoding = resp.headers.get("content-encoding")
         try:
             decoder(encoding)
