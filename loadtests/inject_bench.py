@@ -9,7 +9,10 @@ credential is a static secret from a 0600 file, cached by the broker, injected a
 and every response is scrubbed (headers; bodies buffered below 64 KiB, streamed through the sliding-window
 scrubber above). Cells alternate credentialed / plain per repeat (order swapped each repeat) so drift from
 other load on the shared machine falls on both; figures are medians over repeats and the ratio is
-median(cred rps) / median(plain rps). Loopback only; every request must answer 200 with the full body.
+median(cred rps) / median(plain rps). On a shared 2-core machine the gateway rarely gets a whole core, so
+requests per gateway CPU-second (rps / the gateway process's CPU share, from /proc) is reported beside it:
+it measures the cost per request and is far less sensitive to the neighbours' load.
+Loopback only; every request must answer 200 with the full body.
 Reuses the gateway benchmark's launcher and keep-alive load generator.
 """
 
@@ -72,12 +75,14 @@ def main() -> None:
                             cpu = (gw.cpu_seconds() - cpu0) / a.seconds
                             rows.append({"rep": rep, "path": path, "conc": conc, "target": label, "rps": r.rps,
                                          "p50_ms": r.p50_ms, "p99_ms": r.p99_ms, "errors": r.errors,
-                                         "proxy_cpu": cpu})
+                                         "proxy_cpu": cpu, "req_per_cpu_s": r.rps / cpu if cpu else 0.0})
                             err = sum(r.errors.values())
                             log(f"rep {rep + 1} {path:16} c={conc:<3} {label:5} {r.rps:8.1f} rps  p50 "
                                 f"{r.p50_ms:6.2f} ms  p99 {r.p99_ms:6.2f} ms  gw cpu {cpu:.2f}"
                                 + (f"  ERRORS {r.errors}" if err else ""))
-            audit = Path(gw.info["audit"]).read_text()
+            audit_path = Path(gw.info["audit"])
+            audit = "".join(f.read_text(errors="replace") for f in audit_path.parent.iterdir()
+                            if f.name.startswith(audit_path.stem))  # the live file and rotated ones
             issued = audit.count('"credential_issue"')
             used = audit.count('"bench_token"')
         finally:
@@ -90,20 +95,24 @@ def main() -> None:
             med = {}
             for label in ("cred", "plain"):
                 cells = [r for r in rows if (r["path"], r["conc"], r["target"]) == (path, conc, label)]
-                med[label] = {k: statistics.median(r[k] for r in cells) for k in ("rps", "p50_ms", "p99_ms",
-                                                                                   "proxy_cpu")}
+                med[label] = {k: statistics.median(r[k] for r in cells)
+                              for k in ("rps", "p50_ms", "p99_ms", "proxy_cpu", "req_per_cpu_s")}
                 med[label]["errors"] = sum(sum(r["errors"].values()) for r in cells)
             summary.append({"path": path, "conc": conc, **{f"{lab}_{k}": v for lab in med for k, v in med[lab].items()},
-                            "ratio": med["cred"]["rps"] / med["plain"]["rps"] if med["plain"]["rps"] else None})
+                            "ratio": med["cred"]["rps"] / med["plain"]["rps"] if med["plain"]["rps"] else None,
+                            "cpu_ratio": (med["cred"]["req_per_cpu_s"] / med["plain"]["req_per_cpu_s"]
+                                          if med["plain"]["req_per_cpu_s"] else None)})
     cmd = "python -m loadtests.inject_bench " + " ".join(sys.argv[1:])
     md = [f"Command: `{cmd}` — {a.repeats} repeats x {a.seconds:g} s per cell, medians; "
           f"audit: {issued} credential_issue record(s), {used} record(s) naming the capability.", "",
-          "| path | conc | plain rps | cred rps | ratio (goal >= 0.9) | plain p50 ms | cred p50 ms | "
-          "plain p99 ms | cred p99 ms | errors (plain/cred) |", "|---|---|---|---|---|---|---|---|---|---|"]
+          "| path | conc | plain rps | cred rps | ratio (goal >= 0.9) | req per gateway CPU-s plain / cred (ratio) | "
+          "p50 ms plain / cred | p99 ms plain / cred | errors plain / cred |",
+          "|---|---|---|---|---|---|---|---|---|"]
     for s in summary:
-        md.append(f"| {s['path']} | {s['conc']} | {s['plain_rps']:.0f} | {s['cred_rps']:.0f} | {s['ratio']:.3f} | "
-                  f"{s['plain_p50_ms']:.2f} | {s['cred_p50_ms']:.2f} | {s['plain_p99_ms']:.2f} | "
-                  f"{s['cred_p99_ms']:.2f} | {s['plain_errors']}/{s['cred_errors']} |")
+        md.append(f"| {s['path']} | {s['conc']} | {s['plain_rps']:.0f} | {s['cred_rps']:.0f} | {s['ratio']:.2f} | "
+                  f"{s['plain_req_per_cpu_s']:.0f} / {s['cred_req_per_cpu_s']:.0f} ({s['cpu_ratio']:.2f}) | "
+                  f"{s['plain_p50_ms']:.2f} / {s['cred_p50_ms']:.2f} | {s['plain_p99_ms']:.1f} / "
+                  f"{s['cred_p99_ms']:.1f} | {s['plain_errors']} / {s['cred_errors']} |")
     text = "\n".join(md)
     print(text)
     if a.markdown:
