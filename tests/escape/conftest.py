@@ -48,10 +48,17 @@ def sbx_private(gateway: Gateway) -> Sandbox:
 
 @pytest.fixture(autouse=True)
 def gateway_survives(request: pytest.FixtureRequest) -> Iterator[None]:
-    """An escape attempt that crashes the gateway is a finding (denial of service), not noise."""
-    yield
+    """An escape attempt that crashes the gateway (denial of service) or raises inside it (an error
+    path that might fail open) is a finding, not noise: fail the test that caused it."""
     if "gateway" not in request.fixturenames:
+        yield
         return
     gw: Gateway = request.getfixturevalue("gateway")
+    before = len(gw.stderr)
+    yield
     if gw.proc.poll() is not None:
         pytest.fail(f"the gateway exited ({gw.proc.returncode}) during this test:\n{gw.stderr[-3000:]}")
+    new = gw.stderr[before:]
+    errors = [line for line in new.splitlines() if " ERROR " in line or "Traceback" in line]
+    if errors:
+        pytest.fail("the gateway logged errors during this test:\n" + new[-3000:])
