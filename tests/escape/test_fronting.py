@@ -14,7 +14,7 @@ import ssl
 import pytest
 from networld import World
 
-from escape.checks import SETTLE, assert_denied, requests_on
+from escape.checks import SETTLE, assert_denied, assert_untouched, requests_on
 from escape.harness import Gateway, Sandbox, read_response
 
 pytestmark = pytest.mark.netns
@@ -109,3 +109,29 @@ def test_positive_control_forbidden_host_is_live_when_allowed(world: World, gate
     res = gateway.curl(sbx_f, "https://forbidden.test/control")
     assert res.status == 200, res
     assert any(h["event"] == "request" for h in world.hits(mark, listener="forbidden-tls"))
+
+
+@pytest.mark.parametrize("port", [443, 80])
+def test_absolute_form_inside_tunnel_cannot_redirect_it(
+    world: World, gateway: Gateway, sbx: Sandbox, port: int
+) -> None:
+    """A proxy-style request *inside* a tunnel (TLS on 443, plaintext on 80) naming another host."""
+    mark = world.mark()
+    sock, resp = gateway.tunnel(sbx, f"api.allowed.test:{port}")
+    if resp.status != 200:  # refusing a plaintext tunnel to the http port is also fine
+        sock.close()
+        assert_denied(resp)
+        return
+    conn = gateway.tls(sock, "api.allowed.test") if port == 443 else sock
+    with conn:
+        for url in ("http://169.254.169.254/latest/meta-data/", "http://forbidden.test/x"):
+            conn.sendall(f"GET {url} HTTP/1.1\r\nHost: api.allowed.test\r\n\r\n".encode())
+            try:
+                inner = read_response(conn)
+            except (ConnectionError, OSError, ssl.SSLError):
+                break
+            assert_denied(inner, FRONT_REASONS, statuses=(400, 403, 421))
+            if inner.headers.get("connection", "").lower() == "close":
+                break
+    assert_untouched(world, mark, "absolute-form in tunnel")
+    _forbidden_untouched(world, mark)
