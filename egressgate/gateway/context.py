@@ -126,6 +126,7 @@ class Runtime:
     by_sandbox: dict[str, set[str]] = field(default_factory=dict)
     clock: Callable[[], float] = time.time
     abort_connection: Callable[[str], bool] | None = None  # set by the master: client id -> aborted?
+    server_task: Callable[[str, Any], Any] | None = None  # set by the master: (client id, server) -> Task
     broker: Broker | None = None  # credential broker (egressgate/broker); None: credentialed routes fail closed
 
     def conn(self, client_id: str) -> ConnState:

@@ -80,6 +80,13 @@ class GatewayMaster:
                 logger.debug("abort of %s failed", client_id, exc_info=True)
         return True
 
+    def server_task(self, client_id: str, server) -> asyncio.Task | None:
+        """The task mitmproxy runs to open (then serve) `server` for this client, if any."""
+        ps = self.proxyserver
+        handler = ps.connections.get(client_id) if ps is not None else None
+        io = handler.transports.get(server) if handler is not None else None
+        return io.handler if io is not None else None
+
     async def start(self) -> list[tuple[str, int]]:
         opts = options.Options()
         master = mitm_master.Master(opts, with_termlog=False)
@@ -121,6 +128,7 @@ class GatewayMaster:
             validate_inbound_headers=True,
         )
         rt.abort_connection = self.abort_connection
+        rt.server_task = self.server_task
         self.master = master
         self._task = asyncio.create_task(master.run(), name="mitmproxy-master")
         waiter = asyncio.create_task(running.event.wait())

@@ -9,6 +9,7 @@ refuses any server connection nobody decided on. `server_connected` checks the s
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import logging
 
@@ -85,6 +86,7 @@ class Pinning:
 
     def __init__(self, runtime: Runtime) -> None:
         self.rt = runtime
+        self._timers: dict[str, asyncio.TimerHandle] = {}
 
     def server_connect(self, data: server_hooks.ServerConnectionHookData) -> None:
         conn = self.rt.conns.get(data.client.id)
@@ -105,8 +107,36 @@ class Pinning:
         data.server.address = (str(target.address), target.port)
         data.server.sni = target.sni if target.sni is not None else str(target.address)
         conn.approved[(str(target.address), target.port)] = target
+        self._arm_connect_timeout(data)
+
+    def _arm_connect_timeout(self, data: server_hooks.ServerConnectionHookData) -> None:
+        """mitmproxy has no connect timeout (an unanswered SYN waits for the kernel's ~2 minutes):
+        cancel the connecting task after `upstream.connect_timeout`; mitmproxy then reports the error."""
+        timeout = self.rt.config.upstream.connect_timeout
+        client_id, server = data.client.id, data.server
+
+        def expire() -> None:
+            self._timers.pop(server.id, None)
+            if server.timestamp_tcp_setup is not None or server.error:
+                return
+            task = self.rt.server_task(client_id, server) if self.rt.server_task is not None else None
+            if task is not None and not task.done():
+                logger.info("connect to %s timed out after %.1fs", server.address, timeout)
+                server.error = f"egressgate: connect timeout after {timeout:g}s"
+                task.cancel()
+
+        self._timers[server.id] = asyncio.get_running_loop().call_later(timeout, expire)
+
+    def _disarm(self, data: server_hooks.ServerConnectionHookData) -> None:
+        timer = self._timers.pop(data.server.id, None)
+        if timer is not None:
+            timer.cancel()
+
+    def server_connect_error(self, data: server_hooks.ServerConnectionHookData) -> None:
+        self._disarm(data)
 
     def server_connected(self, data: server_hooks.ServerConnectionHookData) -> None:
+        self._disarm(data)
         conn = self.rt.conns.get(data.client.id)
         peer = data.server.peername
         target = None

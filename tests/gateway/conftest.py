@@ -222,6 +222,7 @@ class World:
     h2_port: int
     untrusted_port: int
     evil_port: int
+    blackhole_port: int
     http_port: int
     tcp_port: int
     canary_https_port: int
@@ -334,13 +335,22 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
         return out, runners, [tcp_server, *servers], transport
 
     ports, runners, tcp_servers, transport = loop.run(start())
+    # A blackhole: backlog 0 plus one never-accepted connection, so further SYNs are dropped and a
+    # connect hangs (the connect-timeout test).
+    blackhole = socket.socket()
+    blackhole.bind(("127.0.0.1", 0))
+    blackhole.listen(0)
+    filler = socket.create_connection(blackhole.getsockname(), timeout=2)
+    ports["blackhole"] = blackhole.getsockname()[1]
     for name in NAMES:
         dns.records[name] = "127.0.0.1"
     dns.records["canary.test"] = "127.0.0.2"
+    dns.records["hang.test"] = "127.0.0.1"
     dns.records["mixed.test"] = ["127.0.0.1", "127.0.0.2"]  # one allowed, one forbidden answer
     dns.flip["rebind.test"] = ["127.0.0.1", "127.0.0.2"]
     w = World(tmp=tmp, ca=ca, https_port=ports["https"], h2_port=ports["h2"], http_port=ports["http"],
               untrusted_port=ports["untrusted"], evil_port=ports["evil"],
+              blackhole_port=ports["blackhole"],
               tcp_port=ports["tcp"],
               canary_https_port=ports["canary"], hits=hits, canary=canary, dns=dns, dns_port=ports["dns"],
               loop=loop, sse_release=sse_release, snis=snis)
@@ -355,6 +365,8 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
             transport.close()
         loop.run(stop())
         loop.stop()
+        filler.close()
+        blackhole.close()
 
 
 # --------------------------------------------------------------------------------------- policies
@@ -385,6 +397,7 @@ def policies(w: World) -> dict[str, dict]:
                 {"id": "mixed", "host": "mixed.test", "ports": [https]},
                 {"id": "untrusted", "host": "untrusted.test", "ports": [w.untrusted_port]},
                 {"id": "badname", "host": "badname.test", "ports": [https]},
+                {"id": "hang", "host": "hang.test", "ports": [w.blackhole_port]},
                 {"id": "canary-name", "host": "canary.test", "ports": [canary]},
                 {"id": "literal", "host": "127.0.0.2", "ports": [canary]},
             ]},

@@ -254,6 +254,34 @@ def test_reload_invalid_keeps_old_then_valid_applies(gateway2):
     assert wait_for(denied_now, timeout=10)
 
 
+def test_connect_timeout(gateway, tmp_path):
+    """mitmproxy has no connect timeout; ours cancels an unanswered connect after upstream.connect_timeout."""
+    world = gateway.world
+    target = f"hang.test:{world.blackhole_port}"
+    # control: with the session gateway's 10 s timeout the CONNECT is still pending after 2 s
+    sbx = gateway.admit("gw-basic")
+    sock = socket.create_connection(gateway.proxy, timeout=10)
+    auth = __import__("base64").b64encode(f"{sbx.id}:{sbx.token}".encode()).decode()
+    sock.sendall(f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\nProxy-Authorization: Basic {auth}\r\n\r\n".encode())
+    sock.settimeout(2)
+    with pytest.raises(TimeoutError):
+        sock.recv(100)
+    sock.close()
+    gw = start_gateway(world, tmp_path / "gw", {"upstream": {
+        "resolver": f"127.0.0.1:{world.dns_port}", "ca_bundle": str(gateway.var.parent / "upstream-ca.pem"),
+        "connect_timeout": 1}})
+    try:
+        sbx = gw.admit("gw-basic")
+        start = time.monotonic()
+        sock, head = connect_tunnel(gw, sbx, target)
+        sock.close()
+        elapsed = time.monotonic() - start
+        assert head.startswith(b"HTTP/1.1 502"), head
+        assert 0.8 < elapsed < 4, elapsed
+    finally:
+        stop_gateway(gw)
+
+
 def test_sigterm_stops_cleanly(gateway2):
     gw = gateway2
     assert stop_gateway(gw) == 0
