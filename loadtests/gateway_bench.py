@@ -37,12 +37,15 @@ from loadtests.profile import profile_during
 from loadtests.stream_bench import download, sse_first_event
 from loadtests.upstream import SMALL_BODY
 
-TARGETS = ("direct", "mitmdump", "egressgate", "egressgate-noaudit", "squid")
+TARGETS = ("direct", "mitmdump", "egressgate", "egressgate-cred", "egressgate-noaudit", "squid")
+# Pseudo-targets: another sandbox on a running proxy (HTTPS only: credentials are injected only there).
+SANDBOX_OF = {"egressgate-cred": ("egressgate", "sandbox_cred")}
 LABEL = {
     ("squid", "http"): "squid (forward)",
     ("squid", "https"): "squid (CONNECT tunnel, no MITM)",
     ("mitmdump", "https"): "mitmdump (MITM)",
     ("egressgate", "https"): "egressgate (MITM)",
+    ("egressgate-cred", "https"): "egressgate (MITM) + injected credential",
     ("egressgate-noaudit", "http"): "egressgate, audit discarded (bench only)",
     ("egressgate-noaudit", "https"): "egressgate (MITM), audit discarded (bench only)",
 }
@@ -94,11 +97,12 @@ class Bench:
                   "expect_body": len(SMALL_BODY) if path == "/" else None}
         if name == "direct":
             return Target(dial=("127.0.0.1", port), via_proxy=False, ca_file=str(self.certs.ca_pem), **common)
-        p = proxy or self.procs[name]
+        proc_name, sandbox_key = SANDBOX_OF.get(name, (name, "sandbox"))
+        p = proxy or self.procs[proc_name]
         mitm = name.startswith(("mitmdump", "egressgate"))
         return Target(dial=("127.0.0.1", p.info["port"]), via_proxy=True,
                       ca_file=p.info["ca"] if mitm else str(self.certs.ca_pem),
-                      proxy_auth=p.info.get("sandbox"), **common)
+                      proxy_auth=p.info.get(sandbox_key), **common)
 
     def upstream_capacity(self) -> dict:
         """wrk straight at the upstream: shows it is not the bottleneck (wrk itself is C, multi-threaded)."""
@@ -116,15 +120,18 @@ class Bench:
 
     def matrix(self) -> list[dict]:
         a = self.args
-        names = [t for t in a.targets if t == "direct" or t in self.procs]
+        names = [t for t in a.targets if t == "direct" or SANDBOX_OF.get(t, (t,))[0] in self.procs]
         rows = []
         for rep in range(a.repeats):
             order = names[rep % len(names):] + names[: rep % len(names)]
             for mode in a.modes:
                 for conc in a.concurrency:
                     for name in order:
-                        p = self.procs.get(name)
+                        if name in SANDBOX_OF and mode == "http":
+                            continue
+                        p = self.procs.get(SANDBOX_OF.get(name, (name,))[0])
                         cpu0 = p.cpu_seconds() if p else 0.0
+                        seen0 = procs.upstream_stats(self.procs["upstream"])["bearer_seen"]
                         try:
                             r = run_cell(self.target(name, mode), conc, a.seconds, procs=a.procs)
                         except RuntimeError as exc:
@@ -132,6 +139,10 @@ class Bench:
                             rows.append({"rep": rep, "mode": mode, "conc": conc, "target": name, "failed": str(exc)})
                             continue
                         cpu = (p.cpu_seconds() - cpu0) / a.seconds if p else None
+                        injected = procs.upstream_stats(self.procs["upstream"])["bearer_seen"] - seen0
+                        # the credentialed sandbox's requests all carry it upstream; nobody else's ever does
+                        if injected < r.ok if name == "egressgate-cred" else injected > 0:
+                            r.errors[f"credential seen upstream in {injected} of {r.ok} requests"] = 1
                         rows.append({"rep": rep, "mode": mode, "conc": conc, "target": name, "rps": r.rps,
                                      "p50_ms": r.p50_ms, "p99_ms": r.p99_ms, "errors": r.errors,
                                      "proxy_cpu": cpu, "loadgen_cpu": r.loadgen_cpu})
@@ -229,17 +240,20 @@ def markdown(summary: list[dict], meta: dict) -> str:
                      f"{' / '.join(f'{x:.0f}' for x in s['rps_runs'])} | {s['p50_ms']:.2f} | {s['p99_ms']:.2f} | "
                      f"{ratio} | {cpu} | {per_cpu} | {s['client_cpu']:.2f} | {s['errors']} |")
     lines += ["", "| mode | conc | egressgate / bare mitmdump rps (goal >= 1.0x, < 0.85x defect) "
-              "| same, per proxy CPU-second | audit on / off rps (goal >= 0.9x) | same, per CPU-second |",
-              "|---|---|---:|---:|---:|---:|"]
+              "| same, per proxy CPU-second | audit on / off rps (goal >= 0.9x) | same, per CPU-second "
+              "| credential / none rps (goal >= 0.9x) | same, per CPU-second |",
+              "|---|---|---:|---:|---:|---:|---:|---:|"]
 
     def ratio(a: dict | None, b: dict | None, key: str) -> str:
         return f"{a[key] / b[key]:.2f}x" if a and b and a.get(key) and b.get(key) else "-"
 
     by = {(s["mode"], s["conc"], s["target"]): s for s in summary}
     for mode, conc in sorted({(s["mode"], s["conc"]) for s in summary}):
-        eg, md, off = (by.get((mode, conc, t)) for t in ("egressgate", "mitmdump", "egressgate-noaudit"))
+        eg, md, off, cred = (by.get((mode, conc, t))
+                             for t in ("egressgate", "mitmdump", "egressgate-noaudit", "egressgate-cred"))
         lines.append(f"| {mode} | {conc} | {ratio(eg, md, 'rps')} | {ratio(eg, md, 'req_per_cpu_s')} "
-                     f"| {ratio(eg, off, 'rps')} | {ratio(eg, off, 'req_per_cpu_s')} |")
+                     f"| {ratio(eg, off, 'rps')} | {ratio(eg, off, 'req_per_cpu_s')} "
+                     f"| {ratio(cred, eg, 'rps')} | {ratio(cred, eg, 'req_per_cpu_s')} |")
     for name, why in meta.get("unavailable", {}).items():
         lines.append(f"\n{name}: not measured ({why})")
     return "\n".join(lines)

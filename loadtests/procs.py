@@ -150,6 +150,18 @@ def start_upstream(certs: Certs, directory: Path, sse_gap: float = 2.0) -> Proc:
     return p
 
 
+def upstream_stats(up: Proc) -> dict:
+    """The upstream's counters (GET /__stats straight to it): requests, bearer_seen."""
+    with socket.create_connection(("127.0.0.1", up.info["http_port"]), 5) as s:
+        s.sendall(b"GET /__stats HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+            if b"\r\n\r\n" in data and data.rstrip().endswith(b"}"):
+                break
+    return json.loads(data.split(b"\r\n\r\n", 1)[1])
+
+
 def start_mitmdump(directory: Path, upstream_ca: Path, flow_detail: int = 0) -> Proc:
     """Bare mitmdump: no scripts, mitmproxy's default addons and options except the upstream trust store
     (and flow_detail, the per-flow console line; 0 by default — see RESULTS.md)."""
@@ -218,17 +230,27 @@ def start_squid(directory: Path) -> Proc:
     return p
 
 
-def bench_policy(http_port: int, https_port: int, name: str = "bench", host: str = UPSTREAM_NAME) -> dict:
+def bench_policy(http_port: int, https_port: int, name: str = "bench", host: str = UPSTREAM_NAME,
+                 credential_file: Path | None = None) -> dict:
     """The sandbox policy egressgate enforces in the benchmark: GETs to the upstream only, loopback opened
-    explicitly with allow_private, a (large) byte budget so the budget path counts every byte."""
+    explicitly with allow_private, a (large) byte budget so the budget path counts every byte. With
+    `credential_file`, the HTTPS rule injects a static credential read from it (cached by the broker):
+    the same route with and without injection, for issue 5's ratio."""
     paths = ["/", "/bytes/*", "/sse"]
+    https_rule: dict = {"id": "bench-https", "host": host, "ports": [https_port], "methods": ["GET"], "paths": paths}
+    extra: dict = {}
+    if credential_file is not None:
+        https_rule["credential"] = "bench_token"
+        extra = {"credentials": {"capabilities": {"bench_token": {
+            "type": "static", "source": {"file": str(credential_file)}, "ttl_seconds": 300,
+            "placement": {"header": "Authorization", "format": "Bearer {value}"}}}}}
     return {
+        **extra,
         "sandbox": {"name": name, "resources": {"outbound_bytes_max": 1 << 50}},
         "network": {
             "default": "deny",
             "allow_private": ["127.0.0.0/8"],
-            "https": {"allow": [{"id": "bench-https", "host": host, "ports": [https_port],
-                                 "methods": ["GET"], "paths": paths}]},
+            "https": {"allow": [https_rule]},
             "http": {"allow": [{"id": "bench-http", "host": host, "ports": [http_port],
                                 "methods": ["GET"], "paths": paths}]},
         },
@@ -244,6 +266,12 @@ def start_egressgate(directory: Path, upstream_ca: Path, http_port: int, https_p
     d = directory / name
     (d / "policies").mkdir(parents=True, exist_ok=True)
     (d / "policies" / "bench.yaml").write_text(yaml.safe_dump(bench_policy(http_port, https_port, host=upstream_host)))
+    secret = d / "bench-credential.txt"
+    fd = os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write("bench-secret-" + os.urandom(16).hex() + "\n")
+    (d / "policies" / "bench-cred.yaml").write_text(yaml.safe_dump(
+        bench_policy(http_port, https_port, name="bench-cred", host=upstream_host, credential_file=secret)))
     config = {
         "listen": {"proxy": "127.0.0.1:0", "admin": "127.0.0.1:0", "dns": None},
         "policy": str(d / "policies"),
@@ -264,12 +292,13 @@ def start_egressgate(directory: Path, upstream_ca: Path, http_port: int, https_p
     try:
         addrs = json.loads(_first_line(proc, 60))
         p.info["port"] = int(addrs["proxy"].rsplit(":", 1)[1])
-        admit = subprocess.run([EGRESSGATE, "sandbox", "admit", "--config", str(cfg), "--policy", "bench"],
-                               capture_output=True, text=True, timeout=30)
-        if admit.returncode != 0:
-            raise RuntimeError(f"sandbox admit failed: {admit.stdout} {admit.stderr}")
-        sbx = json.loads(admit.stdout)
-        p.info["sandbox"] = (sbx["id"], sbx["token"])
+        for key, policy in (("sandbox", "bench"), ("sandbox_cred", "bench-cred")):
+            admit = subprocess.run([EGRESSGATE, "sandbox", "admit", "--config", str(cfg), "--policy", policy],
+                                   capture_output=True, text=True, timeout=30)
+            if admit.returncode != 0:
+                raise RuntimeError(f"sandbox admit --policy {policy} failed: {admit.stdout} {admit.stderr}")
+            sbx = json.loads(admit.stdout)
+            p.info[key] = (sbx["id"], sbx["token"])
         ca = subprocess.run([EGRESSGATE, "ca", "path", "--config", str(cfg)], capture_output=True, text=True,
                             timeout=30)
         if ca.returncode != 0:

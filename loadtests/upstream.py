@@ -9,6 +9,8 @@ Routes (any method; request bodies framed by Content-Length are read and discard
   /bytes/N   N bytes (Content-Length), written in 256 KiB chunks with transport flow control, so a
              1 GiB download never sits in this process's memory
   /sse       text/event-stream, chunked: one event at once, the next after --sse-gap seconds, then end
+  /__stats   JSON counters: requests, and requests that carried `Authorization: Bearer bench-secret-...`
+             (the credential the benchmark's egressgate injects: proof that injection really happened)
   anything   200 with a fixed small body (SMALL_BODY)
 
 Run: `python -m loadtests.upstream --cert C --key K` prints one JSON line {"http": "127.0.0.1:P",
@@ -40,6 +42,8 @@ class Upstream(asyncio.Protocol):
     parsing of later (pipelined) requests until they finish."""
 
     sse_gap = 2.0
+    requests = 0
+    bearer_seen = 0
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
@@ -87,11 +91,19 @@ class Upstream(asyncio.Protocol):
             if len(self.buf) < total:
                 return
             del self.buf[:total]
+            Upstream.requests += 1
+            if b"\r\nauthorization: bearer bench-secret-" in lower:
+                Upstream.bearer_seen += 1
             line_end = head.find(b"\r\n")
             parts = head[: line_end if line_end >= 0 else None].split(b" ")
             path = parts[1] if len(parts) == 3 else b"/"
             if path.startswith(b"/bytes/"):
                 self.busy = asyncio.ensure_future(self._bytes(int(path[7:].split(b"?")[0])))
+            elif path == b"/__stats":
+                body = json.dumps({"requests": Upstream.requests, "bearer_seen": Upstream.bearer_seen}).encode()
+                transport.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+                                + str(len(body)).encode() + b"\r\n\r\n" + body)
+                continue
             elif path.startswith(b"/sse"):
                 self.busy = asyncio.ensure_future(self._sse())
             else:
