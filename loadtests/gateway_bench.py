@@ -131,7 +131,7 @@ class Bench:
                             continue
                         p = self.procs.get(SANDBOX_OF.get(name, (name,))[0])
                         cpu0 = p.cpu_seconds() if p else 0.0
-                        seen0 = procs.upstream_stats(self.procs["upstream"])["bearer_seen"]
+                        stats0 = procs.upstream_stats(self.procs["upstream"])
                         try:
                             r = run_cell(self.target(name, mode), conc, a.seconds, procs=a.procs)
                         except RuntimeError as exc:
@@ -139,17 +139,22 @@ class Bench:
                             rows.append({"rep": rep, "mode": mode, "conc": conc, "target": name, "failed": str(exc)})
                             continue
                         cpu = (p.cpu_seconds() - cpu0) / a.seconds if p else None
-                        injected = procs.upstream_stats(self.procs["upstream"])["bearer_seen"] - seen0
+                        stats1 = procs.upstream_stats(self.procs["upstream"])
+                        injected = stats1["bearer_seen"] - stats0["bearer_seen"]
+                        # -1 for the /__stats connection itself; keep-alive proxies open ~conc of them
+                        upstream_conns = stats1["connections"] - stats0["connections"] - 1
                         # the credentialed sandbox's requests all carry it upstream; nobody else's ever does
                         if injected < r.ok if name == "egressgate-cred" else injected > 0:
                             r.errors[f"credential seen upstream in {injected} of {r.ok} requests"] = 1
                         rows.append({"rep": rep, "mode": mode, "conc": conc, "target": name, "rps": r.rps,
                                      "p50_ms": r.p50_ms, "p99_ms": r.p99_ms, "errors": r.errors,
-                                     "proxy_cpu": cpu, "loadgen_cpu": r.loadgen_cpu})
+                                     "proxy_cpu": cpu, "loadgen_cpu": r.loadgen_cpu,
+                                     "upstream_connections": upstream_conns})
                         err = sum(r.errors.values())
                         log(f"rep {rep + 1} {mode:5} c={conc:<3} {name:10} {r.rps:9.1f} rps  p50 {r.p50_ms:7.2f} ms"
                             f"  p99 {r.p99_ms:7.2f} ms  proxy cpu {cpu if cpu is not None else 0:.2f}"
-                            f"  client cpu {r.loadgen_cpu:.2f}" + (f"  ERRORS {err}: {r.errors}" if err else ""))
+                            f"  client cpu {r.loadgen_cpu:.2f}  upstream conns {upstream_conns}"
+                            + (f"  ERRORS {err}: {r.errors}" if err else ""))
         return rows
 
     def streaming(self) -> dict:

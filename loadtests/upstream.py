@@ -9,7 +9,8 @@ Routes (any method; request bodies framed by Content-Length are read and discard
   /bytes/N   N bytes (Content-Length), written in 256 KiB chunks with transport flow control, so a
              1 GiB download never sits in this process's memory
   /sse       text/event-stream, chunked: one event at once, the next after --sse-gap seconds, then end
-  /__stats   JSON counters: requests, and requests that carried `Authorization: Bearer bench-secret-...`
+  /__stats   JSON counters: connections accepted, requests, and requests that carried
+             `Authorization: Bearer bench-secret-...`
              (the credential the benchmark's egressgate injects: proof that injection really happened)
   anything   200 with a fixed small body (SMALL_BODY)
 
@@ -44,6 +45,7 @@ class Upstream(asyncio.Protocol):
     sse_gap = 2.0
     requests = 0
     bearer_seen = 0
+    connections = 0
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
@@ -54,6 +56,7 @@ class Upstream(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        Upstream.connections += 1
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.can_write.set()
@@ -100,7 +103,8 @@ class Upstream(asyncio.Protocol):
             if path.startswith(b"/bytes/"):
                 self.busy = asyncio.ensure_future(self._bytes(int(path[7:].split(b"?")[0])))
             elif path == b"/__stats":
-                body = json.dumps({"requests": Upstream.requests, "bearer_seen": Upstream.bearer_seen}).encode()
+                body = json.dumps({"requests": Upstream.requests, "bearer_seen": Upstream.bearer_seen,
+                                   "connections": Upstream.connections}).encode()
                 transport.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
                                 + str(len(body)).encode() + b"\r\n\r\n" + body)
                 continue
