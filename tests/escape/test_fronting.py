@@ -64,6 +64,8 @@ def test_positive_control_consistent_names_reach_upstream(world: World, gateway:
     ("other.allowed.test", "other.allowed.test"),   # another *allowed* name is still another name
     ("api.allowed.test", "api.allowed.test:8443"),  # same name, other port
     ("api.allowed.test", "API.ALLOWED.TEST.evil.test"),
+    ("2852039166", "api.allowed.test"),             # an encoded IP as SNI (Python sends no SNI for IPs)
+    ("2852039166", "169.254.169.254"),
 ])
 def test_fronting_inside_connect_is_refused(
     world: World, gateway: Gateway, sbx: Sandbox, sni: str, host: str

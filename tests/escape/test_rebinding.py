@@ -85,3 +85,27 @@ def test_keepalive_tunnel_stays_pinned_while_dns_flips(
             inner = read_response(tls)
             assert inner.status in (200, 403), inner
     assert_untouched(world, mark, "pin.evil.test")
+
+
+def test_keepalive_plain_connection_flip_is_decided_per_request(
+    world: World, gateway: Gateway, sbx: Sandbox, fresh_dns
+) -> None:
+    """Plain-proxy keep-alive: request 1 resolves to the upstream, then the name flips; request 2 on
+    the same client connection must be re-checked (or stay pinned), never dialled at the canary."""
+    records = dict(nw.DEFAULT_DNS)
+    records["ka.evil.test"] = {"A": [nw.UPSTREAM]}
+    world.set_dns(records)
+    mark = world.mark()
+    req = (f"GET http://ka.evil.test/{{n}} HTTP/1.1\r\nHost: ka.evil.test\r\n"
+           f"Proxy-Authorization: {sbx.auth_header}\r\n\r\n")
+    with gateway.connect() as sock:
+        sock.sendall(req.format(n="first").encode())
+        assert read_response(sock).status == 200
+        records["ka.evil.test"] = {"A": ["169.254.169.254"]}
+        world.set_dns(records)
+        sock.sendall(req.format(n="second").encode())
+        second = read_response(sock)
+    if second.status != 200:
+        assert_denied(second, ADDRESS_REASONS)
+    assert_untouched(world, mark, "ka.evil.test")
+    assert [r["target"] for r in requests_on(world, mark, "upstream-http")][:1] == ["/first"]
