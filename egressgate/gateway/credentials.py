@@ -33,7 +33,7 @@ from mitmproxy import http
 
 from egressgate.audit.event import AuditEvent, AuditUnavailable, EventKind
 from egressgate.broker.broker import Broker
-from egressgate.broker.config import BasicPlacement
+from egressgate.broker.config import BasicPlacement, QueryPlacement
 from egressgate.broker.credential import Credential, CredentialUnavailable
 from egressgate.broker.decompress import UnsupportedEncoding, decoder
 from egressgate.broker.inject import PhantomHit, find_phantoms, inject, swap_phantom
@@ -92,6 +92,14 @@ def _same_ip(a: str, b: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
     if isinstance(b, ipaddress.IPv6Address) and b.ipv4_mapped is not None:
         b = b.ipv4_mapped
     return ip == b
+
+
+def _may_hold_phantom(headers: list[tuple[str, str]], raw_path: str) -> bool:
+    """Cheap pre-check before the full phantom search (hot path: every request). A phantom is
+    `egph_` + hex, case-insensitive, possibly percent-encoded: without "egph" (any case) and without
+    "%" anywhere in the header names/values and the raw path+query, find_phantoms cannot hit."""
+    blob = raw_path + "\n".join(f"{k}\n{v}" for k, v in headers)
+    return "%" in blob or "egph" in blob.lower()
 
 
 def check_broker(broker: Broker | None, policies: dict) -> None:
@@ -191,12 +199,16 @@ class Credentials:
                 self._deny(fs, Reason.STATE_UNAVAILABLE, "The gateway's state store is unavailable; retry later.")
                 return
         headers = list(req.headers.items(multi=True))
-        query = list(req.query.items(multi=True))
-        allowed = (cap.placement.header, phantom_hash) if cap is not None and phantom_hash else None
-        hits = find_phantoms(headers, query, path=req.path, allowed=allowed)
-        if hits:
-            self._misuse(fs, hits)
-            return
+        query: list[tuple[str, str]] = []
+        if _may_hold_phantom(headers, req.path):
+            query = list(req.query.items(multi=True))
+            allowed = (cap.placement.header, phantom_hash) if cap is not None and phantom_hash else None
+            hits = find_phantoms(headers, query, path=req.path, allowed=allowed)
+            if hits:
+                self._misuse(fs, hits)
+                return
+        elif cap is not None and isinstance(cap.placement, QueryPlacement):
+            query = list(req.query.items(multi=True))  # parsed only when the credential goes there
         if name is not None and not await self._inject(flow, fs, policy, name, cap, phantom_hash, headers, query):
             return
         if req.stream:
@@ -286,6 +298,7 @@ class Credentials:
 
     def _misuse(self, fs: FlowState, hits: list[PhantomHit]) -> None:
         where = ",".join(sorted({h.where + (f":{h.name.lower()}" if h.name else "") for h in hits}))
+        where = _PHANTOM_TEXT.sub("egph_[REDACTED]", where)  # a header *name* may be the phantom
         logger.warning("phantom credential misuse by %s to %s (%s)", fs.sandbox_id, fs.host, where)
         # the audit record must not carry the placeholder either (query / raw target as sent)
         fs.query = _PHANTOM_TEXT.sub("egph_[REDACTED]", fs.query) if fs.query else fs.query

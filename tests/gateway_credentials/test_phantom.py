@@ -64,6 +64,8 @@ def test_each_misuse_denied_with_positive_controls(cgw: Gateway) -> None:
         ("GET", u("phantom.test", f"/v1/x?key={phantom}"), {"headers": auth}),  # the query
         ("GET", u("phantom.test", f"/v1/x?key={quote(phantom.upper())}"), {}),  # encoded / upper-case
         ("GET", u("phantom.test", f"/v1/{phantom}"), {}),  # the path
+        ("GET", u("phantom.test", "/v1/" + "".join(f"%{b:02X}" for b in phantom.encode())), {}),  # all encoded
+        ("GET", u("phantom.test", "/v1/x"), {"headers": {f"X-{phantom}": "1"}}),  # a header *name*
         ("GET", u("phantom.test", "/v1/x"), {"headers": {"X-Api-Key": phantom}}),  # another header
         ("POST", u("phantom.test", "/v1/x"), {"headers": auth, "content": b"k=" + phantom.encode()}),  # body
         ("GET", u("phantom.test", "/v1/x"), {"headers": {"Authorization": f"Bearer {foreign}"}}),  # not ours
