@@ -219,7 +219,8 @@ class World:
             sh("ip", "-n", ns, "-6", "route", "add", "default", "via", via6)
         for dst in ("198.18.3.0/24", "198.18.4.0/24"):
             sh("ip", "-n", self.net, "route", "add", dst, "via", GW_NET)
-        sh("ip", "-n", self.net, "-6", "route", "add", "default", "via", V6["gw_net"])
+        for dst in ("2001:2:0:3::/64", "2001:2:0:4::/64"):  # no default: net is a dead end
+            sh("ip", "-n", self.net, "-6", "route", "add", dst, "via", V6["gw_net"])
         for key in ("net.ipv4.ip_forward=1", "net.ipv6.conf.all.forwarding=1"):
             sh("ip", "netns", "exec", self.gw, "sysctl", "-qw", key)
         net_addrs = {a for a, _, _ in NET_CANARIES.values()} | {DNS_ADDR, UPSTREAM, FORBIDDEN_UPSTREAM}

@@ -140,3 +140,19 @@ def test_world_cleans_up_completely(tmp_path: Path) -> None:
 
 def world_listing() -> str:
     return nw.sh("ip", "netns", "list").stdout
+
+
+def test_world_has_no_link_to_the_host_network(world: World) -> None:
+    """Closure: only loopback and the world's own veths exist inside, nothing of ours outside, and an
+    outside address has no route from the namespace that plays the internet (checked with
+    `ip route get`, which sends nothing)."""
+    prefix = f"{nw.PREFIX}{world.sid}"
+    for ns in world.namespaces:
+        links = world.exec(ns, "ip", "-o", "link").stdout.splitlines()
+        names = {line.split(":")[1].strip().split("@")[0] for line in links}
+        assert names <= {"lo"} | {n for n in names if n.startswith(prefix)}, (ns, names)
+    host_links = nw.sh("ip", "-o", "link").stdout
+    assert prefix not in host_links
+    for target in ("192.0.2.1", "2001:db8::1"):
+        route = world.exec(world.net, "ip", "route", "get", target)
+        assert route.returncode != 0 and "unreachable" in route.stderr.lower(), (target, route.stdout)
