@@ -23,6 +23,15 @@ Topology (names are unique per world: ``eg<sid>-gw`` ...)::
 under test. ``open`` is the same position *without* nftables: the positive control that a direct path
 would have reached the canaries. Cleanup runs on close (also after failures); a world left behind by a
 killed session is removed by the next one (its owner pid is recorded in ``/run/egressgate-networld``).
+
+Use::
+
+    with world(tmp_path) as w:                  # or World.create(tmp) ... w.close()
+        mark = w.mark()
+        w.curl(w.gw, "http://169.254.169.254/")   # runs inside the gw namespace
+        assert w.canary_hits(mark)                # the metadata canary logged the accept
+        w.set_dns({"x.evil.test": {"A": {"rotate": [["198.18.1.10"], ["127.0.0.1"]]}}})
+        w.allow_sandbox_to("198.18.3.1", 8080)    # open the sandbox firewall for one listener
 """
 
 from __future__ import annotations
