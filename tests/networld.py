@@ -262,7 +262,7 @@ class World:
             "  set gateway { type ipv4_addr . inet_service; }\n"
             "  chain out {\n    type filter hook output priority 0; policy drop;\n"
             "    oifname \"lo\" accept\n    ct state established,related accept\n"
-            "    ip daddr . tcp dport @gateway accept\n"
+            "    meta l4proto { tcp, udp } ip daddr . th dport @gateway accept\n"
             "    counter reject with icmpx type admin-prohibited\n  }\n"
             "  chain in {\n    type filter hook input priority 0; policy drop;\n"
             "    iifname \"lo\" accept\n    ct state established,related accept\n  }\n}\n"
@@ -270,7 +270,7 @@ class World:
         sh("ip", "netns", "exec", self.sbx, "nft", "-f", "-", input=ruleset)
 
     def allow_sandbox_to(self, addr: str, port: int) -> None:
-        """Open the sandbox firewall for one gateway listener (and nothing else)."""
+        """Open the sandbox firewall for one gateway listener, TCP and UDP (the DNS listener), nothing else."""
         sh("ip", "netns", "exec", self.sbx, "nft", "add", "element", "inet", "egw_sandbox", "gateway",
            f"{{ {addr} . {port} }}")
 
