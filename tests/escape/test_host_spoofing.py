@@ -112,3 +112,29 @@ def test_odd_absolute_forms_are_refused(world: World, gateway: Gateway, sbx: San
         assert parse_response(raw).status >= 400
     assert_untouched(world, mark, url)
     _upstream_saw_only_allowed(world, mark)
+
+
+_LINE = "GET http://api.allowed.test/h HTTP/1.1\r\n"
+_END = "Connection: close\r\n{auth}\r\n"
+HEADER_TRICKS = {
+    "lf-only": "GET http://api.allowed.test/h HTTP/1.1\nHost: 169.254.169.254\nConnection: close\n{auth}\n",
+    "bare-cr": _LINE + "Host: api.allowed.test\rHost: 169.254.169.254\r\n" + _END,
+    "space-before-colon": _LINE + "Host : 169.254.169.254\r\n" + _END,
+    "tab": _LINE + "Host:\t169.254.169.254\r\n" + _END,
+    "obs-fold": _LINE + "Host: api.allowed.test\r\n 169.254.169.254\r\n" + _END,
+    "nul": _LINE + "Host: api.allowed.test\x00169.254.169.254\r\n" + _END,
+    "lowercase-dup": _LINE + "Host: api.allowed.test\r\nhost: forbidden.test\r\n" + _END,
+}
+
+
+@pytest.mark.parametrize("trick", sorted(HEADER_TRICKS))
+def test_header_syntax_tricks_never_retarget(world: World, gateway: Gateway, sbx: Sandbox, trick: str) -> None:
+    mark = world.mark()
+    payload = HEADER_TRICKS[trick].format(auth=f"Proxy-Authorization: {sbx.auth_header}" + (
+        "\n" if trick == "lf-only" else "\r\n"))
+    raw = gateway.raw(payload.encode())
+    if raw:
+        status = parse_response(raw).status
+        assert status >= 400 or trick == "lf-only", raw[:200]  # LF-only is tolerated by RFC 9112 2.2
+    assert_untouched(world, mark, trick)
+    _upstream_saw_only_allowed(world, mark)
