@@ -15,7 +15,9 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from egressgate.audit.config import AuditSinkConfig
 from egressgate.broker.config import BrokerConfig
+from egressgate.dns.config import DnsConfig
 
 
 class ConfigError(ValueError):
@@ -49,7 +51,7 @@ class _Strict(BaseModel):
 class ListenConfig(_Strict):
     proxy: str = "127.0.0.1:8080"
     admin: str = "127.0.0.1:8081"
-    dns: str | None = "127.0.0.1:5353"  # wired by the DNS component
+    dns: str | None = "127.0.0.1:5353"  # the DNS resolver; null turns it off (use 53 when running as root)
 
     @field_validator("proxy", "admin", "dns")
     @classmethod
@@ -84,8 +86,44 @@ class StateConfig(_Strict):
     backend: Literal["memory"] = "memory"  # "redis" comes with the Redis issue
 
 
-class AuditConfig(_Strict):
-    path: str | None = None  # default: var_dir/audit.jsonl
+class DnsSection(_Strict):
+    """The DNS resolver (egressgate/dns/, docs/dns.md); listens on `listen.dns`."""
+
+    # "host:port" of upstream resolvers, tried in order; None = the nameservers of /etc/resolv.conf
+    upstreams: list[str] | None = None
+    upstream_timeout: float = Field(default=2.0, gt=0, le=30)
+    cache_size: int = Field(default=10_000, ge=0)
+    cache_min_ttl: int = Field(default=5, ge=0)
+    cache_max_ttl: int = Field(default=3600, gt=0)
+    negative_ttl: int = Field(default=60, ge=0)
+    # policy name for sources no sandbox registered (`sandbox admit --address`); None denies them everything
+    unknown_client_policy: str | None = None
+    deny_rcode: Literal["NXDOMAIN", "REFUSED"] = "REFUSED"  # for unknown clients
+
+    @field_validator("upstream_timeout", mode="before")
+    @classmethod
+    def _int_ok(cls, value: object) -> object:
+        return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+    @field_validator("upstreams")
+    @classmethod
+    def _upstreams(cls, value: list[str] | None) -> list[str] | None:
+        for item in value or ():
+            parse_listen(item)
+        return value
+
+    def resolver_config(self) -> DnsConfig:
+        upstreams = tuple(parse_listen(u) for u in self.upstreams) if self.upstreams is not None else None
+        return DnsConfig(
+            upstreams=upstreams,
+            upstream_timeout=self.upstream_timeout,
+            cache_size=self.cache_size,
+            cache_min_ttl=self.cache_min_ttl,
+            cache_max_ttl=self.cache_max_ttl,
+            negative_ttl=self.negative_ttl,
+            unknown_client_policy=self.unknown_client_policy,
+            deny_rcode=self.deny_rcode,
+        ).validate()
 
 
 class AdminConfig(_Strict):
@@ -99,7 +137,8 @@ class GatewayConfig(_Strict):
     ca_dir: str | None = None
     upstream: UpstreamConfig = UpstreamConfig()
     state: StateConfig = StateConfig()
-    audit: AuditConfig = AuditConfig()
+    audit: AuditSinkConfig = AuditSinkConfig()
+    dns: DnsSection = DnsSection()
     admin: AdminConfig = AdminConfig()
     broker: BrokerConfig = BrokerConfig()  # credential broker; the local backend is the default
 
@@ -110,8 +149,9 @@ class GatewayConfig(_Strict):
     def ca_path(self) -> Path:
         return Path(self.ca_dir) if self.ca_dir else self.var_path() / "ca"
 
-    def audit_path(self) -> Path:
-        return Path(self.audit.path) if self.audit.path else self.var_path() / "audit.jsonl"
+    def audit_path(self) -> Path | None:
+        """The local audit file (None when audit goes only to an OTLP collector)."""
+        return self.audit.file_path(self.var_path())
 
     def admin_token_path(self) -> Path:
         return Path(self.admin.token_file) if self.admin.token_file else self.var_path() / "admin.token"

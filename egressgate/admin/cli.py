@@ -64,7 +64,10 @@ def sandbox() -> None:
 @click.option("--admin", "admin", help="Admin API base URL (default: from the running gateway)")
 @click.option("--policy", required=True, help="Policy name (sandbox.name)")
 @click.option("--label", "labels", multiple=True, help="k=v, repeatable")
-def admit(config_file: str | None, admin: str | None, policy: str, labels: tuple[str, ...]) -> None:
+@click.option("--address", "addresses", multiple=True,
+              help="Source IP of the sandbox (repeatable): identifies it to the DNS resolver")
+def admit(config_file: str | None, admin: str | None, policy: str, labels: tuple[str, ...],
+          addresses: tuple[str, ...]) -> None:
     """Register a sandbox; prints JSON: id, token, proxy_url, env."""
     cfg = _config(config_file)
     parsed: dict[str, str] = {}
@@ -74,7 +77,7 @@ def admit(config_file: str | None, admin: str | None, policy: str, labels: tuple
             raise click.BadParameter(f"expected k=v, got {item!r}", param_hint="--label")
         parsed[key] = value
     status, data = _call("POST", admin_url(cfg, admin) + "/v1/sandboxes", _token(cfg),
-                         {"policy": policy, "labels": parsed})
+                         {"policy": policy, "labels": parsed, "addresses": list(addresses)})
     if status != 201:
         raise click.ClickException(f"admission refused ({status}): {json.dumps(data)}")
     click.echo(json.dumps(data, indent=2))

@@ -8,6 +8,7 @@ audited before they take effect (an admission that cannot be recorded does not h
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import logging
 import os
 import secrets
@@ -21,11 +22,13 @@ from aiohttp import web
 from egressgate.audit.event import AuditEvent, AuditUnavailable, EventKind
 from egressgate.broker.inject import admission_phantoms
 from egressgate.gateway.context import Runtime, new_request_id
+from egressgate.policy.canon import ip_text
 from egressgate.state.base import SandboxRecord, StateUnavailable, hash_token
 
 logger = logging.getLogger(__name__)
 
 MAX_LABELS = 32
+MAX_ADDRESSES = 16
 JWKS_PATH = "/.well-known/jwks.json"  # public keys only: no auth, so upstreams can verify our JWTs
 PUBLIC_JWK_MEMBERS = frozenset({"kty", "crv", "x", "kid", "alg", "use"})  # never "d" (a private key)
 CA_ENV_VARS = ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "NODE_EXTRA_CA_CERTS",
@@ -121,10 +124,14 @@ class AdminServer:
             body = await request.json()
         except ValueError:
             return web.json_response({"error": "invalid_json"}, status=400)
-        if not isinstance(body, dict) or set(body) - {"policy", "labels"}:
-            return web.json_response({"error": "invalid_request", "message": "keys: policy, labels"}, status=400)
+        if not isinstance(body, dict) or set(body) - {"policy", "labels", "addresses"}:
+            return web.json_response({"error": "invalid_request", "message": "keys: policy, labels, addresses"},
+                                     status=400)
         policy_name = body.get("policy")
         labels = body.get("labels") or {}
+        addresses, problem = await self._source_addresses(body.get("addresses") or [])
+        if problem is not None:
+            return problem
         if not isinstance(policy_name, str) or not policy_name:
             return web.json_response({"error": "invalid_request", "message": "policy is required"}, status=400)
         if (not isinstance(labels, dict) or len(labels) > MAX_LABELS
@@ -149,7 +156,8 @@ class AdminServer:
         sandbox_id = "sbx-" + secrets.token_hex(8)
         token = secrets.token_urlsafe(32)
         record = SandboxRecord(id=sandbox_id, token_hash=hash_token(token), policy_name=policy_name,
-                               admitted_at=time.time(), labels=dict(labels), phantoms=phantom_hashes)
+                               admitted_at=time.time(), labels=dict(labels), phantoms=phantom_hashes,
+                               addresses=addresses)
         event = AuditEvent(kind=EventKind.ADMISSION, time_ns=time.time_ns(), request_id=new_request_id(),
                            sandbox_id=sandbox_id, sandbox_labels=dict(labels), decision="allow",
                            policy_name=policy_name, policy_hash=policy.hash)
@@ -163,11 +171,38 @@ class AdminServer:
         env.update(phantom_env)
         return web.json_response(
             {"id": sandbox_id, "token": token, "policy": policy_name, "policy_hash": policy.hash,
+             "addresses": list(addresses), "dns": self.rt.dns_address,
              "proxy_url": env["HTTP_PROXY"], "env": env,
              "notes": {"NO_PROXY": "must be unset in the sandbox; the empty value overrides an inherited one",
                        "ca_bundle": "system roots + the gateway CA (TLS is intercepted)"}},
             status=201,
         )
+
+    async def _source_addresses(self, raw: object) -> tuple[tuple[str, ...], web.Response | None]:
+        """Source addresses a runtime registers for the sandbox (DNS and transparent identification).
+
+        Stored in canonical text; an address already held by a live sandbox is refused, because two
+        sandboxes behind one source address could not be told apart (one would get the other's policy)."""
+        def bad(message: str, status: int = 400) -> tuple[tuple[str, ...], web.Response]:
+            return (), web.json_response({"error": "invalid_request", "message": message}, status=status)
+
+        if not isinstance(raw, list) or len(raw) > MAX_ADDRESSES or not all(isinstance(a, str) for a in raw):
+            return bad(f"addresses: a list of at most {MAX_ADDRESSES} IP address strings")
+        out: list[str] = []
+        for item in raw:
+            try:
+                text = ip_text(ipaddress.ip_address(item))
+            except ValueError:
+                return bad(f"addresses: {item!r} is not an IP address")
+            try:
+                holder = await self.rt.state.by_address(text)
+            except StateUnavailable:
+                return (), web.json_response({"error": "state_unavailable"}, status=503)
+            if holder is not None and not holder.revoked:
+                return bad(f"addresses: {text} is already registered to sandbox {holder.id}", status=409)
+            if text not in out:
+                out.append(text)
+        return tuple(out), None
 
     async def jwks(self, _request: web.Request) -> web.Response:
         """Public JWT verification keys (`Broker.jwks()`): only OKP public members (kty, crv, x, kid,

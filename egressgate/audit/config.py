@@ -27,6 +27,9 @@ class AuditSinkConfig(BaseModel):
     checkpoint_every: int = Field(default=1000, gt=0)  # signed checkpoint every N records
     on_failure: Literal["deny", "allow-and-alert"] = "deny"
     signing_key: str | None = None  # Ed25519 PEM, mode 0600, created if missing; default <var_dir>/audit-signing.key
+    # who signs checkpoints: "auto" = the broker's Vault transit key when the broker is Vault, else the local key
+    signer: Literal["auto", "local", "vault"] = "auto"
+    transit_key: str = "egressgate-audit"  # the Vault transit key (ed25519) used when signing in Vault
     otlp_endpoint: str | None = None  # full OTLP/HTTP logs URL, e.g. http://collector:4318/v1/logs
     otlp_timeout_seconds: float = Field(default=5.0, gt=0)
     otlp_headers: dict[str, str] = {}

@@ -18,10 +18,12 @@ import time
 from pathlib import Path
 
 from egressgate.admin.server import AdminServer, ensure_admin_token
+from egressgate.audit.config import open_audit_sink
 from egressgate.audit.event import AuditEvent, AuditUnavailable, EventKind
-from egressgate.audit.filesink import open_file_sink
-from egressgate.audit.signer import LocalEd25519Signer
-from egressgate.config import GatewayConfig, parse_listen
+from egressgate.audit.signer import Signer
+from egressgate.broker.signer import TransitSigner
+from egressgate.config import ConfigError, GatewayConfig, parse_listen
+from egressgate.dns import DnsServer
 from egressgate.gateway import ca
 from egressgate.gateway.budgets import ByteLedger
 from egressgate.gateway.context import PolicyHolder, Runtime, new_request_id
@@ -52,6 +54,7 @@ class Gateway:
         self.rt: Runtime | None = None
         self.master: GatewayMaster | None = None
         self.admin: AdminServer | None = None
+        self.dns: DnsServer | None = None
         self.addresses: dict[str, str] = {}
         self._watch: asyncio.Task | None = None
         self._signature: tuple = ()
@@ -68,8 +71,7 @@ class Gateway:
         upstream_bundle = str(ca.upstream_bundle(cfg.ca_path(), cfg.upstream.ca_bundle))
         broker = await start_broker(cfg, policies)  # refuses capabilities its backend cannot serve
         state = MemoryState()
-        signer = LocalEd25519Signer.load_or_create(var / "audit-signing.key")
-        sink = await open_file_sink(cfg.audit_path(), signer)
+        sink = await open_audit_sink(cfg.audit, var, await audit_signer(cfg, broker))
         self.rt = rt = Runtime(
             config=cfg, policies=PolicyHolder(policies), state=state, audit=sink,
             resolver=make_resolver(cfg.upstream.resolver, cfg.upstream.connect_timeout),
@@ -81,8 +83,11 @@ class Gateway:
         self.admin = AdminServer(rt, token)
         admin_addr = await self.admin.start(admin_host, admin_port)
         rt.listeners.append(admin_addr)
+        dns_addr = None
         if cfg.listen.dns:
-            rt.listeners.append(parse_listen(cfg.listen.dns))  # the DNS listener (wired by the lead)
+            self.dns = DnsServer(rt.policies.get, state, sink, cfg.dns.resolver_config())
+            dns_addr = await self.dns.start(*parse_listen(cfg.listen.dns))
+            rt.listeners.append(dns_addr)
         self.master = GatewayMaster(rt, parse_listen(cfg.listen.proxy))
         proxy_addrs = await self.master.start()
         rt.listeners.extend(proxy_addrs)
@@ -90,6 +95,8 @@ class Gateway:
         rt.proxy_url_host = "127.0.0.1" if proxy_host in ("0.0.0.0", "::") else proxy_host
         rt.proxy_port = proxy_port
         self.addresses = {"proxy": _fmt(proxy_host, proxy_port), "admin": _fmt(*admin_addr)}
+        if dns_addr is not None:
+            self.addresses["dns"] = rt.dns_address = _fmt(*dns_addr[:2])
         self._write_runtime_file()
         self._watch = asyncio.create_task(self._watch_policies(), name="policy-watch")
         return self.addresses
@@ -147,6 +154,8 @@ class Gateway:
             await self.master.stop()
         if self.admin is not None:
             await self.admin.stop()
+        if self.dns is not None:
+            await self.dns.stop()
         if self.rt is not None:
             await self.rt.ledger.flush()
             await self.rt.audit.close()
@@ -155,6 +164,22 @@ class Gateway:
                 await self.rt.broker.aclose()
         with contextlib.suppress(OSError):
             self.config.runtime_path().unlink()
+
+
+async def audit_signer(cfg: GatewayConfig, broker) -> Signer | None:
+    """Checkpoints are signed by the broker's key: Vault transit when the broker is Vault (the key never
+    leaves Vault), else the local Ed25519 key file. A Vault signer that cannot be set up stops startup:
+    an audit trail nobody can verify is not an audit trail."""
+    use_vault = cfg.audit.signer == "vault" or (cfg.audit.signer == "auto" and cfg.broker.backend == "vault")
+    if not use_vault:
+        return None  # open_audit_sink loads or creates the local key
+    if broker is None or getattr(broker.backend, "name", None) != "vault":
+        raise ConfigError("audit.signer: vault needs broker.backend: vault")
+    try:
+        return await TransitSigner.create(broker.backend, cfg.audit.transit_key)
+    except Exception as exc:
+        raise ConfigError(f"audit.transit_key: cannot use Vault transit key {cfg.audit.transit_key!r} "
+                          f"to sign audit checkpoints: {exc}") from exc
 
 
 def _fmt(host: str, port: int) -> str:

@@ -9,6 +9,7 @@ import sys
 import click
 
 from egressgate.config import ConfigError, GatewayConfig, load_config
+from egressgate.dns.config import DnsConfigError
 from egressgate.gateway import ca as ca_mod
 from egressgate.policy.errors import PolicyError
 
@@ -42,6 +43,8 @@ def run_cmd(config_file: str | None, policy: str | None, log_level: str) -> None
         asyncio.run(serve(cfg, announce))
     except PolicyError as exc:
         raise click.ClickException(f"invalid policy, not starting:\n{exc}") from exc
+    except (ConfigError, DnsConfigError) as exc:
+        raise click.ClickException(f"invalid config, not starting: {exc}") from exc
     except (OSError, RuntimeError, ca_mod.CAError) as exc:
         raise click.ClickException(f"gateway failed: {exc}") from exc
 

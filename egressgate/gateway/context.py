@@ -122,6 +122,7 @@ class Runtime:
     listeners: list[tuple[str, int]] = field(default_factory=list)  # every socket we serve on
     proxy_url_host: str = "127.0.0.1"
     proxy_port: int = 0
+    dns_address: str | None = None  # "host:port" of the DNS resolver, handed to sandboxes at admission
     conns: dict[str, ConnState] = field(default_factory=dict)
     by_sandbox: dict[str, set[str]] = field(default_factory=dict)
     clock: Callable[[], float] = time.time
