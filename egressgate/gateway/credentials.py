@@ -380,7 +380,9 @@ class Credentials:
         if applied is None or resp is None or fs is None or fs.decision is None or not fs.decision.allowed:
             return
         scrubber = cached_scrubber(applied.spec())
-        resp.headers = _fields(scrubber.scrub_headers(list(resp.headers.items(multi=True))))
+        # one search over the raw header block first; rebuilt only when something must go
+        if scrubber.contains_secret(b"\n".join(k + b"\n" + v for k, v in resp.headers.fields)):
+            resp.headers = _fields(scrubber.scrub_headers(list(resp.headers.items(multi=True))))
         if flow.request.method.upper() == "HEAD" or resp.status_code in (101, 204, 304):
             return  # no body follows (a refusal body here would corrupt the connection)
         encoding = resp.headers.get("content-encoding")
@@ -417,6 +419,10 @@ class Credentials:
             return
         encoding = resp.headers.get("content-encoding")
         scrubber = cached_scrubber(applied.spec())
+        if encoding is None:  # the common case (we asked for identity): scrub in place, one pass
+            if scrubber.contains_secret(raw):
+                resp.content = scrubber.scrub(raw)  # also rewrites Content-Length
+            return
         errors: list[Exception] = []
         try:
             run = scrub_chain(None, encoding, scrubber, BUFFERED_MAX_DECODED, errors.append)
