@@ -309,6 +309,10 @@ def policies(w: World, *, kv_ttl: int = 300, file_secret: str | None = None) -> 
         "cred-canary-open": doc("cred-canary-open", [
             {"id": "forbidden", "host": "forbidden.test", "ports": [w.canary_port], "credential": "kv"},
         ], {"kv": kv_cap}, private="127.0.0.0/8"),
+        # a phantom_env that would override the proxy variables: admission must refuse it
+        "cred-clash": doc("cred-clash", [
+            {"id": "openai", "host": "phantom.test", "ports": [https], "credential": "openai"},
+        ], {"openai": {**kv_cap, "mode": "phantom", "phantom_env": "HTTPS_PROXY"}}),
         "cred-jwt": doc("cred-jwt", [
             {"id": "jwt", "host": "jwt.test", "ports": [https], "methods": ["GET"], "paths": ["/jwt", "/reflect/*"],
              "credential": "billing"},

@@ -86,6 +86,25 @@ def test_host_and_sni_mismatch_refused_before_injection(cgw: Gateway) -> None:
     assert last(cgw, mark, "api.test")["auth"] == [f"Bearer {KV_SECRET}"]
 
 
+def test_absolute_form_https_without_tunnel_refused(cgw: Gateway) -> None:
+    """`GET https://...` sent to the proxy in the clear (no CONNECT): the rule names a credential but the
+    request is not inside an intercepted tunnel, so nothing is injected — the request is refused."""
+    w = cgw.world
+    sbx = cgw.admit("cred-kv")
+    cred = base64.b64encode(f"{sbx['id']}:{sbx['token']}".encode()).decode()
+    authority = f"api.test:{w.https_port}"
+    mark = w.hits.mark()
+    with socket.create_connection(cgw.proxy, timeout=10) as sock:
+        sock.sendall(f"GET https://{authority}/echo HTTP/1.1\r\nHost: {authority}\r\n"
+                     f"Proxy-Authorization: Basic {cred}\r\nConnection: close\r\n\r\n".encode())
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.1 403"), reply[:300]
+    assert b"credential_unavailable" in reply and KV_SECRET.encode() not in reply
+    assert w.hits.since(mark) == []
+
+
 def test_unknown_identity_gets_nothing(cgw: Gateway) -> None:
     w = cgw.world
     mark = w.hits.mark()

@@ -8,6 +8,8 @@ import ssl
 import time
 from urllib.parse import quote
 
+import httpx
+
 from tests.broker.bao import KV_SECRET
 
 from .conftest import Gateway
@@ -27,6 +29,12 @@ def test_admission_hands_only_a_phantom(cgw: Gateway) -> None:
     assert phantom != other_phantom
     assert KV_SECRET not in repr(sbx) and phantom not in cgw.audit_text()
     assert "OPENAI_API_KEY" not in cgw.admit("cred-kv")["env"]  # only phantom-mode capabilities
+
+
+def test_admission_refuses_phantom_env_over_proxy_variables(cgw: Gateway) -> None:
+    res = httpx.post(f"http://{cgw.admin}/v1/sandboxes", json={"policy": "cred-clash"},
+                     headers={"Authorization": f"Bearer {cgw.token}"}, timeout=10, trust_env=False)
+    assert res.status_code == 409 and "HTTPS_PROXY" in res.json()["message"]
 
 
 def test_phantom_swapped_on_bound_route(cgw: Gateway) -> None:
