@@ -14,6 +14,7 @@ import time
 from mitmproxy import http, tcp
 
 from egressgate.audit.event import AuditEvent, AuditUnavailable, EventKind
+from egressgate.gateway import request_hash
 from egressgate.gateway.budgets import TCP_CUT, TCP_IN, TCP_OUT
 from egressgate.gateway.context import FlowState, Runtime, ensure_flow_state, flow_state, new_request_id
 from egressgate.gateway.deny import REQUEST_ID_HEADER, deny_response, gateway_deny
@@ -72,6 +73,7 @@ def decision_event(kind: EventKind, fs: FlowState, labels: dict[str, str], clien
         extra=extra,
         facts=fs.extra.get("facts"),
         state=fs.extra.get("state"),
+        request_hash=fs.extra.get("bodyless_request_hash"),
     )
 
 
@@ -127,6 +129,7 @@ class AuditEmit:
         fs = ensure_flow_state(flow, "http_request")
         if flow.response is not None and fs.audited:
             return
+        fs.extra["bodyless_request_hash"] = request_hash.bodyless_hash(flow.request, fs)
         decision = await self._record(EventKind.HTTP_REQUEST, flow, fs)
         if not decision.allowed:
             flow.request.stream = False
@@ -139,6 +142,7 @@ class AuditEmit:
                 return
             flow.response = deny_response(decision, fs.request_id)
             return
+        request_hash.start(flow.request, fs)
         conn = self.rt.conn(flow.client_conn.id)
         raw = fs.extra.get("raw_address")
         if raw is not None and fs.pinned is not None:
@@ -164,6 +168,7 @@ class AuditEmit:
             extra["egressgate.error"] = error
         if fs.extra.get("budget_cut"):
             extra["egressgate.budget_cut"] = True
+        req_hash, body_hash = request_hash.finish(fs)
         event = AuditEvent(
             kind=EventKind.OUTCOME,
             time_ns=time.time_ns(),
@@ -180,9 +185,16 @@ class AuditEmit:
             bytes_out=fs.bytes_out,
             bytes_in=fs.bytes_in,
             duration_ms=(time.time_ns() - fs.started_ns) / 1e6,
+            request_hash=req_hash,
+            body_hash=body_hash,
             extra=extra,
         )
         await self._write(event)
+
+    def request(self, flow: http.HTTPFlow) -> None:
+        fs = flow_state(flow)
+        if fs is not None and fs.decision is not None and fs.decision.allowed:
+            request_hash.feed_buffered(flow.request, fs)
 
     async def response(self, flow: http.HTTPFlow) -> None:
         await self._outcome(flow)

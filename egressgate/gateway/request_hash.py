@@ -1,0 +1,74 @@
+"""Attach the canonical request hash (docs/audit.md, "Request hash") to a request's audit records.
+
+The hash covers what the *sandbox* sent, with the canonical values the gateway decided on: method,
+scheme, host, port, path, the query as sent, Content-Type and the body's SHA-256. It is fed by the
+outermost stream callable, so it sees each chunk before credential guards or budget cuts touch it, and it
+is computed before the credentials addon adds anything: injected credentials and Proxy-Authorization can
+never be part of it. A request that has no body carries the hash on its decision record already; one
+with a body gets it on its outcome record (the body is known only once it has been forwarded).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from mitmproxy import http
+
+from egressgate.audit.reqhash import EMPTY_BODY_SHA256, StreamingRequestHash, content_type_value, request_hash
+from egressgate.gateway.context import FlowState
+
+HASHER_KEY = "request_hasher"
+
+
+def has_no_body(request: http.Request) -> bool:
+    """Known at the headers: HTTP/1 without Content-Length/Transfer-Encoding (or Content-Length: 0).
+    An HTTP/2 request may always still send DATA frames, so it never counts as body-less here."""
+    if request.http_version.startswith("HTTP/2") or request.http_version.startswith("HTTP/3"):
+        return False
+    if "transfer-encoding" in request.headers:
+        return False
+    return request.headers.get("content-length", "0").strip() == "0"
+
+
+def _fields(request: http.Request, fs: FlowState) -> tuple:
+    assert fs.method and fs.scheme and fs.host and fs.port and fs.path is not None
+    content_type = content_type_value(request.headers.items(multi=True))
+    return fs.method, fs.scheme, fs.host, fs.port, fs.path, fs.query, content_type
+
+
+def bodyless_hash(request: http.Request, fs: FlowState) -> str | None:
+    """The request hash when it is already complete at the headers, else None."""
+    if not has_no_body(request) or fs.host is None:
+        return None
+    return request_hash(*_fields(request, fs), EMPTY_BODY_SHA256)
+
+
+def start(request: http.Request, fs: FlowState) -> None:
+    """Begin hashing an allowed request's body: wrap whatever stream the other addons installed."""
+    if fs.host is None or fs.path is None:
+        return
+    hasher = StreamingRequestHash(*_fields(request, fs))
+    fs.extra[HASHER_KEY] = hasher
+    if request.stream:
+        inner: Callable[[bytes], object] | None = request.stream if callable(request.stream) else None
+
+        def hashing(chunk: bytes) -> object:
+            hasher.update(chunk)
+            return inner(chunk) if inner is not None else chunk
+
+        request.stream = hashing
+
+
+def feed_buffered(request: http.Request, fs: FlowState) -> None:
+    """A buffered (not streamed) body is complete in the `request` hook."""
+    hasher = fs.extra.get(HASHER_KEY)
+    if hasher is not None and not request.stream and request.raw_content:
+        hasher.update(request.raw_content)
+
+
+def finish(fs: FlowState) -> tuple[str | None, str | None]:
+    """(request hash, body hash) for the outcome record."""
+    hasher: StreamingRequestHash | None = fs.extra.get(HASHER_KEY)
+    if hasher is None:
+        return None, None
+    return hasher.request_hash(), hasher.body_hash()
