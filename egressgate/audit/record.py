@@ -20,6 +20,7 @@ import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from json.encoder import encode_basestring_ascii
 from typing import Any
 
 from egressgate.audit.event import AuditEvent, EventKind
@@ -68,6 +69,8 @@ def clean_str(value: str | bytes) -> str:
     backslash escapes (`\\xff`, `\\udcff`) instead of raising or producing invalid JSON."""
     if isinstance(value, bytes):
         return value.decode("utf-8", "backslashreplace")
+    if value.isascii():  # the common case: nothing to check
+        return value
     try:
         value.encode("utf-8")
         return value
@@ -78,11 +81,18 @@ def clean_str(value: str | bytes) -> str:
 def _nested_key(key: Any) -> str:
     """Keys inside kvlists (labels...) may not imitate the chain fields: the chain locates
     `egressgate.chain.hash` by its exact bytes and requires exactly one per line."""
-    key = clean_str(str(key))
+    key = key if type(key) is str and key.isascii() else clean_str(str(key))
     return "_" + key if key.startswith("egressgate.chain.") else key
 
 
 def _clean_value(value: Any) -> Value:
+    # Exact-type checks first: this runs for every attribute of every record, and isinstance against the
+    # collections ABCs (Mapping, Sequence) costs several times more than the whole common case.
+    t = type(value)
+    if t is str:
+        return value if value.isascii() else clean_str(value)
+    if t is int or t is bool:
+        return value
     if isinstance(value, bool | int):
         return value
     if isinstance(value, float):
@@ -112,45 +122,80 @@ def canonical_target(event: AuditEvent) -> str | None:
     return f"{_fmt_host(event.host)}:{event.port}" if event.port is not None else event.host
 
 
-def event_attributes(event: AuditEvent) -> dict[str, Value]:
-    """The attribute set for one event (chain fields are added by chain.py)."""
-    pairs: dict[str, Any] = {
-        K_OPERATION: str(event.kind),
-        "egressgate.request.id": event.request_id,
-        "egressgate.sandbox.id": event.sandbox_id,
-        "egressgate.decision": event.decision,
-        "egressgate.reason": event.reason,
-        "egressgate.rule": event.rule_id,
-        "egressgate.policy.name": event.policy_name,
-        "egressgate.policy.hash": event.policy_hash,
-        "egressgate.target.as_sent": event.target_as_sent,
-        "egressgate.target.canonical": canonical_target(event),
-        K_SCHEME: event.scheme,
-        K_HOST: event.host,
-        K_PORT: event.port,
-        K_METHOD: event.method,
-        K_PATH: event.path,
-        K_QUERY: event.query,
-        "egressgate.dns.qtype": event.qtype,
-        "egressgate.dns.answers": event.answers,
-        "egressgate.pinned.address": event.pinned_address,
-        K_PEER: event.pinned_address,
-        K_CLIENT: event.client_address,
-        K_STATUS: event.status,
-        "egressgate.bytes.out": event.bytes_out,
-        "egressgate.bytes.in": event.bytes_in,
-        "egressgate.duration_ms": event.duration_ms,
-        "egressgate.capability": event.capability,
-        "egressgate.key_id": event.key_id,
-        "egressgate.request.hash": event.request_hash,
-        "egressgate.body.hash": event.body_hash,
-        "egressgate.message": event.message,
+# Keys event_attributes() always considers, even when their value is None: `extra` never overrides them.
+_BASE_KEYS = frozenset(
+    {
+        K_OPERATION,
+        "egressgate.request.id",
+        "egressgate.sandbox.id",
+        "egressgate.decision",
+        "egressgate.reason",
+        "egressgate.rule",
+        "egressgate.policy.name",
+        "egressgate.policy.hash",
+        "egressgate.target.as_sent",
+        "egressgate.target.canonical",
+        "egressgate.dns.qtype",
+        "egressgate.dns.answers",
+        "egressgate.pinned.address",
+        "egressgate.bytes.out",
+        "egressgate.bytes.in",
+        "egressgate.duration_ms",
+        "egressgate.capability",
+        "egressgate.key_id",
+        "egressgate.request.hash",
+        "egressgate.body.hash",
+        "egressgate.message",
     }
-    if event.kind is EventKind.DNS_QUERY and event.host:
+)
+
+
+def event_attributes(event: AuditEvent) -> dict[str, Value]:
+    """The attribute set for one event (chain fields are added by chain.py). None values are left out;
+    `extra` adds `egressgate.*` attributes but never overrides a field of the event, its facts or state.
+    (The straightforward version of this function is kept as a test oracle in
+    tests/audit/reference_encoding.py; this one skips None early and cleans by exact type.)"""
+    kind = event.kind
+    raw: tuple[tuple[str, Any], ...] = (
+        ("egressgate.request.id", event.request_id),
+        ("egressgate.sandbox.id", event.sandbox_id),
+        ("egressgate.decision", event.decision),
+        ("egressgate.reason", event.reason),
+        ("egressgate.rule", event.rule_id),
+        ("egressgate.policy.name", event.policy_name),
+        ("egressgate.policy.hash", event.policy_hash),
+        ("egressgate.target.as_sent", event.target_as_sent),
+        ("egressgate.target.canonical", canonical_target(event)),
+        (K_SCHEME, event.scheme),
+        (K_HOST, event.host),
+        (K_PORT, event.port),
+        (K_METHOD, event.method),
+        (K_PATH, event.path),
+        (K_QUERY, event.query),
+        ("egressgate.dns.qtype", event.qtype),
+        ("egressgate.dns.answers", event.answers),
+        ("egressgate.pinned.address", event.pinned_address),
+        (K_PEER, event.pinned_address),
+        (K_CLIENT, event.client_address),
+        (K_STATUS, event.status),
+        ("egressgate.bytes.out", event.bytes_out),
+        ("egressgate.bytes.in", event.bytes_in),
+        ("egressgate.duration_ms", event.duration_ms),
+        ("egressgate.capability", event.capability),
+        ("egressgate.key_id", event.key_id),
+        ("egressgate.request.hash", event.request_hash),
+        ("egressgate.body.hash", event.body_hash),
+        ("egressgate.message", event.message),
+    )
+    pairs: dict[str, Any] = {K_OPERATION: str(kind)}
+    for key, val in raw:
+        if val is not None:
+            pairs[key] = val
+    if kind is EventKind.DNS_QUERY and event.host:
         pairs[K_DNS_NAME] = event.host
     if event.sandbox_labels:
         pairs[K_LABELS] = dict(event.sandbox_labels)
-    facts = getattr(event, "facts", None)
+    facts = event.facts
     if facts is not None:
         pairs["egressgate.facts.addresses"] = [str(a) for a in facts.addresses]
         pairs["egressgate.facts.request_bytes"] = facts.request_bytes
@@ -162,15 +207,22 @@ def event_attributes(event: AuditEvent) -> dict[str, Value]:
             (K_PATH, facts.path),
             ("egressgate.dns.qtype", facts.qtype),
         ):
-            if pairs.get(key) is None:
+            if val is not None and pairs.get(key) is None:
                 pairs[key] = val
-    state = getattr(event, "state", None)
-    if state is not None:
-        pairs.update(state_attributes(state))
+    if event.state is not None:
+        pairs.update(state_attributes(event.state))
     for key, val in event.extra.items():
         name = key if key.startswith("egressgate.") else f"egressgate.{key}"
-        pairs.setdefault(name, val)
-    return {clean_str(k): _clean_value(v) for k, v in pairs.items() if v is not None}
+        if name not in _BASE_KEYS and name not in pairs:
+            pairs[name] = val  # the first spelling wins (None included), as with setdefault
+    out: dict[str, Value] = {}
+    for key, val in pairs.items():
+        if val is None:
+            continue
+        if type(key) is not str or not key.isascii():
+            key = clean_str(key)
+        out[key] = _clean_value(val)
+    return out
 
 
 def state_attributes(state: Any) -> dict[str, Any]:
@@ -267,9 +319,86 @@ def dumps(obj: Any) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
 
 
+# --- fast encoder: the same bytes as dumps(to_otlp(record)), without building the nested dicts ----------
+#
+# json.dumps(sort_keys=True) of to_otlp() spends most of its time walking ~100 small dicts. The structure is
+# fixed, so the line is assembled from constant text and one JSON string escape per value
+# (`encode_basestring_ascii` is the C function json.dumps itself uses with ensure_ascii=True). Values of any
+# unusual type (subclasses, non-str keys...) fall back to dumps(to_otlp()), so the output is always exactly
+# that profile; tests compare both over ordinary and hostile records.
+
+_esc = encode_basestring_ascii
+
+
+class _Unusual(Exception):
+    """A value the fast encoder does not handle; the caller falls back to json.dumps."""
+
+
+def _value_json(value: Any) -> str:
+    t = type(value)
+    if t is str:
+        return '{"stringValue":' + _esc(value) + "}"
+    if t is int:
+        return '{"intValue":"' + int.__repr__(value) + '"}'
+    if t is bool:
+        return '{"boolValue":true}' if value else '{"boolValue":false}'
+    if t is float:
+        if not math.isfinite(value):
+            raise _Unusual
+        return '{"doubleValue":' + float.__repr__(value) + "}"
+    if t is list:
+        return '{"arrayValue":{"values":[' + ",".join([_value_json(v) for v in value]) + "]}}"
+    if t is dict:
+        return '{"kvlistValue":{"values":[' + _attributes_json(value) + "]}}"
+    raise _Unusual
+
+
+def _attributes_json(attrs: Mapping[str, Any]) -> str:
+    parts = []
+    for key in sorted(attrs):
+        if type(key) is not str:
+            raise _Unusual
+        parts.append('{"key":' + _esc(key) + ',"value":' + _value_json(attrs[key]) + "}")
+    return ",".join(parts)
+
+
+_LINE_HEAD = (
+    '{"resourceLogs":[{"resource":'
+    + dumps(RESOURCE).decode()
+    + ',"scopeLogs":[{"logRecords":[{"attributes":['
+)
+_LINE_TAIL = '],"scope":' + dumps(SCOPE).decode() + "}]}]}"
+
+
 def encode_record(record: Record) -> bytes:
-    """One line (without the trailing newline)."""
-    return dumps(to_otlp(record))
+    """One line (without the trailing newline): exactly `dumps(to_otlp(record))`, assembled directly."""
+    t = record.time_ns
+    sev = record.severity_number
+    if type(t) is not int or type(sev) is not int:
+        return dumps(to_otlp(record))
+    try:
+        attrs = _attributes_json(record.attributes)
+    except _Unusual:
+        return dumps(to_otlp(record))
+    ts = int.__repr__(t)
+    return (
+        _LINE_HEAD
+        + attrs
+        + '],"body":{"stringValue":'
+        + _esc(record.body)
+        + '},"eventName":'
+        + _esc(record.event_name)
+        + ',"observedTimeUnixNano":"'
+        + ts
+        + '","severityNumber":'
+        + int.__repr__(sev)
+        + ',"severityText":'
+        + _esc(record.severity_text)
+        + ',"timeUnixNano":"'
+        + ts
+        + '"}'
+        + _LINE_TAIL
+    ).encode("ascii")
 
 
 class RecordFormatError(ValueError):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from google.protobuf.json_format import Parse
 from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
 
@@ -147,3 +148,96 @@ def test_labels_cannot_imitate_chain_fields():
     a = parse_line(line).attributes
     assert a["egressgate.sandbox.labels"] == {"_egressgate.chain.hash": "f" * 64, "_egressgate.chain.seq": "9"}
     assert a["egressgate.chain.seq"] == 0 and a["egressgate.chain.hash"] == recorded_line_hash(line)
+
+
+def _oracle_cases():
+    import ipaddress
+    from enum import IntEnum
+
+    from egressgate.policy.reasons import Reason
+
+    class Num(IntEnum):
+        FIVE = 5
+
+    facts = Facts(
+        Operation.DNS_QUERY, "a.example", scheme="dns", qtype="A", addresses=(ipaddress.ip_address("2001:db8::1"),)
+    )
+    state = SandboxState(
+        "sbx-1",
+        1_795_000_000.25,
+        {"k": "v"},
+        dns_queries=3,
+        dns_name_bytes=40,
+        seen_hosts=frozenset({"z.example", "a.example"}),
+        rule_usage={"r": RuleUsage(1, 2)},
+    )
+    yield http_event(1)
+    yield http_event(2, decision="deny", reason=Reason.HOST_NOT_ALLOWED, status=403, duration_ms=1.5)
+    yield AuditEvent(
+        EventKind.DNS_QUERY,
+        7,
+        "d",
+        sandbox_id="s",
+        decision="deny",
+        host="a.example",
+        qtype="A",
+        answers=[],
+        facts=facts,
+        state=state,
+        extra={"egressgate.dns.rcode": "NXDOMAIN"},
+    )
+    yield http_event(
+        3,
+        duration_ms=float("nan"),
+        bytes_in=Num.FIVE,
+        extra={
+            "note": b"\xff\xfe",
+            "egressgate.note": "second spelling loses",
+            "message": "never overrides",
+            "egressgate.decision": "never overrides",
+            "ratio": float("inf"),
+            "set": {"b", "a"},
+            "tuple": (1, "x"),
+            "nested": {"egressgate.chain.hash": "0" * 64, 3: [True, 2.5, None]},
+            "none": None,
+            "obj": ipaddress.ip_address("192.0.2.1"),
+        },
+    )
+    yield http_event(4, message=None, extra={"egressgate.message": "not overridden even when None"})
+    yield http_event(5, facts=facts, host=None, scheme=None, port=None, path=None, method=None)
+    for i, bad in enumerate(HOSTILE):
+        yield http_event(
+            10 + i,
+            host=bad,
+            path="/" + bad,
+            target_as_sent=bad.encode("utf-8", "surrogatepass"),
+            sandbox_labels={bad: bad, "egressgate.chain.seq": "x"},
+            extra={bad: bad, "note": bad},
+        )
+
+
+def test_fast_encoder_is_byte_identical_to_the_json_dumps_oracle():
+    """The record format is a contract (the chain hashes the exact bytes): the fast path must produce exactly
+    what building the dicts and calling json.dumps(sort_keys=True, ensure_ascii=True) produces."""
+    from tests.audit import reference_encoding as oracle
+
+    cases = list(_oracle_cases())
+    assert len(cases) > 10
+    for ev in cases:
+        fast, slow = record_from_event(ev), oracle.record_from_event(ev)
+        assert fast == slow, ev
+        assert encode_record(fast) == oracle.encode_record(slow)
+        chained = ChainWriter(prev="ab" * 32).append(fast)  # append() stores the final hash in the record
+        assert chained == oracle.encode_record(fast)
+
+
+def test_fast_encoder_falls_back_for_unusual_values():
+    from egressgate.audit.record import Record, dumps, to_otlp
+
+    class S(str):
+        pass
+
+    rec = Record(1, 9, "INFO", "egressgate.x", "b", {"a": S("sub"), "b": {"k": [1, 2.0, False]}, "c": -3})
+    assert encode_record(rec) == dumps(to_otlp(rec))
+    with pytest.raises(ValueError):
+        encode_record(Record(1, 9, "INFO", "e", "b", {"x": float("nan")}))  # JSON has no NaN (allow_nan=False)
