@@ -131,16 +131,20 @@ def state_from(
             if isinstance(u, dict)
         }
         seen = attrs.get("egressgate.state.seen_hosts")
+        # A record may carry only the fields its decision reads (DNS records: admitted_at and the DNS
+        # counters); the fields it leaves out come from the log's history, as without recorded state.
         return SandboxState(
             sandbox_id=sandbox_id,
             admitted_at=float(attrs["egressgate.state.admitted_at"]),
             labels=labels,
-            bytes_out=_int(attrs.get("egressgate.state.bytes_out")),
-            bytes_in=_int(attrs.get("egressgate.state.bytes_in")),
-            dns_queries=_int(attrs.get("egressgate.state.dns_queries")),
-            dns_name_bytes=_int(attrs.get("egressgate.state.dns_name_bytes")),
-            seen_hosts=frozenset(str(h) for h in seen) if isinstance(seen, list) else frozenset(),
-            rule_usage=usage,
+            bytes_out=_int(attrs.get("egressgate.state.bytes_out"), hist.bytes_out),
+            bytes_in=_int(attrs.get("egressgate.state.bytes_in"), hist.bytes_in),
+            dns_queries=_int(attrs.get("egressgate.state.dns_queries"), hist.dns_queries),
+            dns_name_bytes=_int(attrs.get("egressgate.state.dns_name_bytes"), hist.dns_name_bytes),
+            seen_hosts=frozenset(str(h) for h in seen) if isinstance(seen, list) else frozenset(hist.seen_hosts),
+            rule_usage=usage
+            if isinstance(usage_raw, dict)
+            else {r: RuleUsage(u[0], u[1]) for r, u in hist.usage.items()},
         ), True
     return SandboxState(
         sandbox_id=sandbox_id,

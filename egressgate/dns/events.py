@@ -2,7 +2,8 @@
 
 One place builds the DNS `AuditEvent`, so every outcome (answered, denied, filtered, failed) carries the same
 attributes: sandbox, client address, the name as sent and canonical, type, decision, reason, rcode, answers,
-and - when `decide()` ran - the exact facts and state it was given, for `audit replay`.
+and - when `decide()` ran - the state it was given (admitted_at and the DNS counters: all a DNS decision
+reads), for `audit replay`; its facts are the record's own operation/name/scheme/qtype attributes.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from egressgate.audit.event import AuditEvent, EventKind
 from egressgate.dns.filter import Filtered
 from egressgate.dns.wire import RCODE_BY_NAME, Query
 from egressgate.policy.compile import CompiledPolicy
-from egressgate.policy.facts import Decision, Facts, SandboxState
+from egressgate.policy.facts import Decision
 
 RCODE_NAME = {v: k for k, v in RCODE_BY_NAME.items()}
 
@@ -50,8 +51,9 @@ class QueryContext:
     policy: CompiledPolicy | None = None
     host: str | None = None
     cache: str | None = None
-    facts: Facts | None = None
-    state: SandboxState | None = None
+    admitted_at: float | None = None
+    # (queries, name bytes) the state store held before this query: the state decide() was given
+    dns_counts: tuple[int, int] | None = None
     counted: bool = False
     # Which step produced the outcome: "resolver" (identity, shape, rate, never-forwarded types, dependency
     # failures), "decide" (the policy decision), "answer_filter" (an allowed answer emptied by the filter).
@@ -75,6 +77,12 @@ def dns_event(ctx: QueryContext, decision: Decision, rcode: int, answers: list[s
         extra["egressgate.dns.cache"] = ctx.cache
     if decision.detail:
         extra["egressgate.decision.detail"] = decision.detail
+    if ctx.dns_counts is not None:
+        # The state decide() was given, as far as a DNS decision reads it (docs/audit.md, "Replay"). The facts
+        # (operation, name, scheme, qtype) are the record's own attributes.
+        extra["egressgate.state.admitted_at"] = float(ctx.admitted_at or 0.0)
+        extra["egressgate.state.dns_queries"] = ctx.dns_counts[0]
+        extra["egressgate.state.dns_name_bytes"] = ctx.dns_counts[1]
     return AuditEvent(
         kind=EventKind.DNS_QUERY,
         time_ns=time.time_ns(),
@@ -95,6 +103,4 @@ def dns_event(ctx: QueryContext, decision: Decision, rcode: int, answers: list[s
         duration_ms=(time.monotonic() - ctx.started) * 1000.0,
         message=decision.message or None,
         extra=extra,
-        facts=ctx.facts,
-        state=ctx.state,
     )

@@ -5,8 +5,9 @@ Transport-independent (server.py owns sockets). Order of work for a query, and w
 2. who is asking (the state store maps source address -> sandbox) and which policy applies;
 3. name shape and canonicalization - one canonical name is used to decide, to ask upstream, to cache and
    to audit;
-4. rate (in process), then `decide()` (pure: name allowlist, query type, count/name-byte budgets), then the
-   atomic budget count in the state store - a denied name is never sent upstream;
+4. rate (in process), then the atomic budget count in the state store, then `decide()` (pure: name
+   allowlist, query type, count/name-byte budgets, on the counts before this query) - a denied name is never
+   sent upstream;
 5. cache or upstream, then the answer filter (filter.py) with the sandbox's `allow_private`;
 6. the audit record, awaited before the answer leaves: if it cannot be written the client gets SERVFAIL.
 
@@ -32,6 +33,7 @@ from egressgate.audit.sink import AuditSink
 from egressgate.dns.answer import pack_answer
 from egressgate.dns.cache import AnswerCache, CacheEntry
 from egressgate.dns.config import DnsConfig
+from egressgate.dns.decisions import DnsDecisions
 from egressgate.dns.events import QueryContext, describe, dns_event, qtype_name
 from egressgate.dns.filter import filter_answer
 from egressgate.dns.limits import RateLimiter
@@ -54,8 +56,7 @@ from egressgate.dns.wire import (
 )
 from egressgate.policy.canon import CanonError, canon_host
 from egressgate.policy.compile import CompiledPolicy
-from egressgate.policy.decide import decide
-from egressgate.policy.facts import Decision, Facts, Operation, SandboxState
+from egressgate.policy.facts import Decision
 from egressgate.policy.reasons import Effect, Reason
 from egressgate.state.base import StateStore, StateUnavailable
 
@@ -83,6 +84,7 @@ class Resolver:
         )
         self.cache = AnswerCache(config.cache_size, config.cache_min_ttl, config.cache_max_ttl, config.negative_ttl)
         self.rate = RateLimiter()
+        self.decisions = DnsDecisions()
         # Request ids: a random per-process prefix and a counter (unique, and cheaper than 12 random bytes).
         self._rid_prefix = secrets.token_hex(8)
         self._rid = itertools.count()
@@ -140,7 +142,7 @@ class Resolver:
             ctx.sandbox_id = record.id
             return await self._refuse(ctx, opt, RCODE_BY_NAME[self.config.deny_rcode], Reason.SANDBOX_REVOKED)
         if record is not None:
-            ctx.sandbox_id, ctx.labels = record.id, dict(record.labels)
+            ctx.sandbox_id, ctx.labels, ctx.admitted_at = record.id, dict(record.labels), record.admitted_at
             policy_name: str | None = record.policy_name
         elif self.config.unknown_client_policy is None:
             return await self._refuse(ctx, opt, RCODE_BY_NAME[self.config.deny_rcode], Reason.IDENTITY_UNKNOWN)
@@ -181,14 +183,15 @@ class Resolver:
         if qtype in NEVER_TYPES:
             self.metrics.denied += 1
             return await self._refuse(ctx, opt, REFUSED, Reason.QTYPE_NOT_ALLOWED, detail=qtype_name(qtype))
-        try:
-            state = await self._snapshot(ctx, now)
-        except (StateUnavailable, KeyError):
-            self.metrics.state_failures += 1
+        # Count first, then decide on the counts as they stood before this query. One atomic store call
+        # replaces a snapshot() + a count: decide() sees exactly the counts the store settled (concurrent
+        # queries cannot both pass on the same snapshot), and the DNS decision reads no other state.
+        totals = await self._count(ctx)
+        if totals is None:
             return await self._refuse(ctx, opt, SERVFAIL, Reason.STATE_UNAVAILABLE)
-        facts = Facts(operation=Operation.DNS_QUERY, host=host, scheme="dns", qtype=qtype_name(qtype))
-        ctx.facts, ctx.state = facts, state  # recorded so `audit replay` re-decides with the same inputs
-        decision = decide(policy, facts, state, now)
+        ctx.dns_counts = (totals[0] - 1, totals[1] - len(host))
+        ctx.admitted_at = ctx.admitted_at if ctx.admitted_at is not None else now
+        decision = self.decisions.decide(policy, host, qtype_name(qtype), ctx, now)
         ctx.stage = "decide"
         if not decision.allowed:
             if decision.reason is Reason.BUDGET_EXCEEDED:
@@ -201,35 +204,13 @@ class Resolver:
                 else RCODE_BY_NAME[policy.dns.deny_rcode]
             )
             return await self._refuse(ctx, opt, rcode, decision=decision)
-        ctx.stage = "resolver"  # from here on, outcomes other than the answer are not the policy's
-        totals = await self._count(ctx)
-        if totals is None:
-            return await self._refuse(ctx, opt, SERVFAIL, Reason.STATE_UNAVAILABLE)
-        dns = policy.dns
-        if (dns.max_queries is not None and totals[0] > dns.max_queries) or (
-            dns.max_name_bytes is not None and totals[1] > dns.max_name_bytes
-        ):
-            # Concurrent queries can pass decide() on the same snapshot; the atomic counter settles it.
-            self.metrics.budget_exceeded += 1
-            return await self._refuse(ctx, opt, REFUSED, Reason.BUDGET_EXCEEDED, detail="dns.budget (concurrent)")
         if not self.audit.healthy():
             # Do not let a query leave for upstream while its record could not be kept.
+            ctx.stage = "resolver"
             self.metrics.audit_failures += 1
             return await self._refuse(ctx, opt, SERVFAIL, Reason.AUDIT_UNAVAILABLE)
         self.metrics.allowed += 1
-        ctx.stage = "decide"
         return await self._answer(ctx, opt, decision)
-
-    async def _snapshot(self, ctx: QueryContext, now: float) -> SandboxState:
-        if ctx.sandbox_id is not None:
-            return await self.state.snapshot(ctx.sandbox_id)
-        counts = self._unknown.get(ctx.client, (0, 0))
-        return SandboxState(
-            sandbox_id=f"unknown:{ctx.client}",
-            admitted_at=now,
-            dns_queries=counts[0],
-            dns_name_bytes=counts[1],
-        )
 
     async def _count(self, ctx: QueryContext) -> tuple[int, int] | None:
         """Count this query against the sandbox's DNS budget: one query plus the canonical name's bytes.

@@ -34,6 +34,15 @@ async def test_records_in_file_and_replay_agrees(tmp_path, policies, state, upst
     assert first["egressgate.dns.answers"] == ["A 93.184.216.34"]
     assert first["egressgate.dns.rcode"] == "NOERROR"
     assert first["egressgate.state.dns_queries"] == 0  # the state decide() saw
+    assert [r.attributes["egressgate.state.dns_queries"] for r in dns_records] == [0, 1, 2, 3]
+    assert [r.attributes["egressgate.state.dns_name_bytes"] for r in dns_records] == [0, 19, 35, 50]
+    # Only what a DNS decision reads is recorded as state; the facts are the record's own attributes.
+    assert not {k for k in first if k.startswith("egressgate.state.")} - {
+        "egressgate.state.admitted_at",
+        "egressgate.state.dns_queries",
+        "egressgate.state.dns_name_bytes",
+    }
+    assert "egressgate.facts.addresses" not in first
     assert {r.attributes["egressgate.dns.stage"] for r in dns_records} == {"decide"}
     denied = dns_records[1].attributes
     assert (denied["egressgate.decision"], denied["egressgate.reason"]) == ("deny", "host_not_allowed")
@@ -47,3 +56,24 @@ async def test_records_in_file_and_replay_agrees(tmp_path, policies, state, upst
     assert result.replayed == 4
     assert result.changes == []
     assert result.approximated_state == 0  # every record carried the state decide() was given
+
+
+async def test_replay_uses_the_recorded_dns_counters(tmp_path, policies, state, upstream, dns_config):
+    """A policy adding a DNS query budget, replayed over a log made without one, denies exactly the queries
+    beyond the budget: the recorded counters are the ones the resolver had (not rebuilt from the log)."""
+    sink = await FileSink(tmp_path / "audit" / "audit.jsonl", LocalEd25519Signer.generate()).start()
+    srv = DnsServer(policies.get, state, sink, dns_config)
+    await srv.start("127.0.0.1", 0)
+    await state.add_dns_query("sbx-test", 10)  # spent by this sandbox before this log began (another file)
+    try:
+        for _ in range(3):
+            assert addresses(await ask(srv, "allowed.example.com")) == ["93.184.216.34"]
+    finally:
+        await srv.stop()
+        await sink.close()
+    budgeted = tmp_path / "dns-test.yaml"
+    budgeted.write_text(POLICIES["dns-test"].replace("  dns:\n", "  dns:\n    budget: {queries: 3}\n"))
+    result = replay([tmp_path / "audit" / "audit.jsonl"], budgeted)
+    assert result.replayed == 3 and result.approximated_state == 0
+    # counters before each query were 1, 2, 3: only the last is over a budget of 3
+    assert [(c.direction, c.new_reason) for c in result.changes] == [("allow->deny", "budget_exceeded")]
