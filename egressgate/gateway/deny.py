@@ -22,6 +22,7 @@ _STATUS = {
     Reason.SANDBOX_REVOKED: 407,
     Reason.BUDGET_EXCEEDED: 429,
     Reason.HOST_MISMATCH: 421,
+    Reason.INTERNAL_ERROR: 500,
 }
 
 _DEFAULT_MESSAGES = {
@@ -41,6 +42,7 @@ _DEFAULT_MESSAGES = {
     Reason.INVALID_REQUEST: "The request could not be parsed unambiguously and was refused.",
     Reason.UPSTREAM_UNRESOLVABLE: "The destination name could not be resolved.",
     Reason.SELF_CONNECTION: "Connections to the gateway's own listeners are not allowed.",
+    Reason.INTERNAL_ERROR: "The gateway failed while checking this request, so it was refused; retry later.",
 }
 
 

@@ -30,6 +30,7 @@ from egressgate.gateway.consistency import Consistency
 from egressgate.gateway.context import Runtime
 from egressgate.gateway.credentials import Credentials
 from egressgate.gateway.decision import DecisionAddon
+from egressgate.gateway.failclosed import FailClosed
 from egressgate.gateway.identity import Identity
 from egressgate.gateway.pinning import Pinning
 from egressgate.gateway.revocation import Revocation
@@ -93,22 +94,11 @@ class GatewayMaster:
         self.proxyserver = proxyserver.Proxyserver()
         running = _Running()
         rt = self.rt
-        master.addons.add(
-            self.proxyserver,
-            NextLayer(rt),
-            tlsconfig.TlsConfig(),
-            Identity(rt),
-            Consistency(rt),
-            Sanitize(),
-            DecisionAddon(rt),
-            Pinning(rt),
-            Streaming(),
-            Budgets(rt),
-            Credentials(rt),
-            AuditEmit(rt),
-            Revocation(rt),
-            running,
-        )
+        ours = [NextLayer(rt), tlsconfig.TlsConfig(), Identity(rt), Consistency(rt), Sanitize(), DecisionAddon(rt),
+                Pinning(rt), Streaming(), Budgets(rt), Credentials(rt), AuditEmit(rt), Revocation(rt)]
+        # every addon in the decision path fails closed (failclosed.py); TlsConfig too, since a failed
+        # certificate step must not leave a connection half-configured
+        master.addons.add(self.proxyserver, *(FailClosed(a, self.abort_connection) for a in ours), running)
         host, port = self.listen
         spec_host = f"[{host}]" if ":" in host else host
         opts.update(

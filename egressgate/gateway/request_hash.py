@@ -30,24 +30,26 @@ def has_no_body(request: http.Request) -> bool:
     return request.headers.get("content-length", "0").strip() == "0"
 
 
-def _fields(request: http.Request, fs: FlowState) -> tuple:
-    assert fs.method and fs.scheme and fs.host and fs.port and fs.path is not None
+def _fields(request: http.Request, fs: FlowState) -> tuple | None:
+    """The canonical fields, or None when the request was refused before they were all known."""
+    if not (fs.method and fs.scheme and fs.host and fs.port) or fs.path is None:
+        return None
     content_type = content_type_value(request.headers.items(multi=True))
     return fs.method, fs.scheme, fs.host, fs.port, fs.path, fs.query, content_type
 
 
 def bodyless_hash(request: http.Request, fs: FlowState) -> str | None:
     """The request hash when it is already complete at the headers, else None."""
-    if not has_no_body(request) or fs.host is None:
-        return None
-    return request_hash(*_fields(request, fs), EMPTY_BODY_SHA256)
+    fields = _fields(request, fs) if has_no_body(request) else None
+    return request_hash(*fields, EMPTY_BODY_SHA256) if fields is not None else None
 
 
 def start(request: http.Request, fs: FlowState) -> None:
     """Begin hashing an allowed request's body: wrap whatever stream the other addons installed."""
-    if fs.host is None or fs.path is None:
+    fields = _fields(request, fs)
+    if fields is None:
         return
-    hasher = StreamingRequestHash(*_fields(request, fs))
+    hasher = StreamingRequestHash(*fields)
     fs.extra[HASHER_KEY] = hasher
     if request.stream:
         inner: Callable[[bytes], object] | None = request.stream if callable(request.stream) else None

@@ -46,3 +46,4 @@ class Reason(StrEnum):
     STATE_UNAVAILABLE = "state_unavailable"
     POLICY_UNAVAILABLE = "policy_unavailable"
     UPSTREAM_UNRESOLVABLE = "upstream_unresolvable"
+    INTERNAL_ERROR = "internal_error"  # a gateway component failed on this request: refused, never passed

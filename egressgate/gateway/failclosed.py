@@ -1,0 +1,115 @@
+"""Fail closed when an egressgate addon raises.
+
+mitmproxy catches exceptions from addon hooks, logs them and carries on with the next addon and then the
+flow: a bug in a check would let the request through unchecked. Every egressgate addon is therefore
+wrapped: an exception in a flow hook refuses what that hook was guarding (a deny response before anything
+went upstream, a killed flow after, an error on a server connection, an aborted client connection for
+TLS and layer decisions) and halts the hook chain so no later addon can treat the flow as decided.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from mitmproxy import exceptions, http, tcp
+from mitmproxy.proxy import server_hooks
+
+from egressgate.gateway.audit_emit import pending_body_too_large
+from egressgate.gateway.deny import deny_response, gateway_deny
+from egressgate.policy.reasons import Reason
+
+logger = logging.getLogger(__name__)
+
+# Hooks that run before anything of the request went upstream: a deny response can still be sent.
+_BEFORE_UPSTREAM = frozenset({"http_connect", "requestheaders", "request"})
+# Hooks whose failure needs no enforcement (bookkeeping after the fact).
+_AFTER_THE_FACT = frozenset({"error", "tcp_end", "tcp_error", "client_disconnected", "server_disconnected",
+                             "server_connect_error", "websocket_end", "websocket_error"})
+# Lifecycle hooks are not guarded: an exception there must surface at startup, not be swallowed.
+_LIFECYCLE = frozenset({"load", "configure", "running", "done", "update", "add_log"})
+
+Abort = Callable[[str], object]  # abort a client connection by id
+
+
+class FailClosed:
+    """A transparent wrapper around one addon; mitmproxy sees the same hooks."""
+
+    def __init__(self, addon: Any, abort: Abort) -> None:
+        self._addon = addon
+        self._abort = abort
+        self.name = getattr(addon, "name", type(addon).__name__.lower())  # mitmproxy looks addons up by name
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._addon, name)
+        if name.startswith("_") or name in _LIFECYCLE or not callable(attr) or inspect.isclass(attr):
+            return attr
+        if inspect.iscoroutinefunction(attr):
+
+            async def guarded_async(*args: Any) -> Any:
+                try:
+                    return await attr(*args)
+                except exceptions.AddonHalt:
+                    raise
+                except Exception:
+                    self._fail(name, args)
+                    raise exceptions.AddonHalt() from None
+
+            return guarded_async
+
+        def guarded(*args: Any) -> Any:
+            try:
+                return attr(*args)
+            except exceptions.AddonHalt:
+                raise
+            except Exception:
+                self._fail(name, args)
+                raise exceptions.AddonHalt() from None
+
+        return guarded
+
+    def _fail(self, hook: str, args: tuple) -> None:
+        logger.exception("addon %s failed in %s; refusing the flow (fail closed)", type(self._addon).__name__, hook)
+        if hook in _AFTER_THE_FACT or not args:
+            return
+        subject = args[0]
+        try:
+            refuse(hook, subject, self._abort)
+        except Exception:  # the refusal itself must not fail open either: cut the client
+            logger.exception("refusal after %s failed; aborting the client connection", hook)
+            client = _client_id(subject)
+            if client is not None:
+                self._abort(client)
+
+
+def refuse(hook: str, subject: Any, abort: Abort) -> None:
+    if isinstance(subject, http.HTTPFlow):
+        body_pending = hook != "request" and pending_body_too_large(subject.request)
+        if hook in _BEFORE_UPSTREAM and subject.response is None and subject.live and not body_pending:
+            request_id = subject.metadata.get("egressgate.request_id") or subject.id
+            subject.response = deny_response(gateway_deny(Reason.INTERNAL_ERROR), request_id)
+            subject.request.stream = False
+        elif subject.killable:
+            subject.kill()
+        return
+    if isinstance(subject, tcp.TCPFlow):
+        if subject.killable:
+            subject.kill()
+        return
+    if isinstance(subject, server_hooks.ServerConnectionHookData):
+        subject.server.error = "egressgate: internal error while checking this connection"
+        if subject.client is not None:
+            abort(subject.client.id)
+        return
+    client = _client_id(subject)
+    if client is not None:
+        abort(client)
+
+
+def _client_id(subject: Any) -> str | None:
+    context = getattr(subject, "context", None)
+    client = (getattr(context, "client", None) or getattr(subject, "client_conn", None)
+              or getattr(subject, "client", None))
+    return getattr(client, "id", None)
