@@ -221,7 +221,13 @@ def event_attributes(event: AuditEvent) -> dict[str, Value]:
             continue
         if type(key) is not str or not key.isascii():
             key = clean_str(key)
-        out[key] = _clean_value(val)
+        t = type(val)
+        if t is str:  # inline fast path of _clean_value (most attributes are ASCII strings)
+            out[key] = val if val.isascii() else clean_str(val)
+        elif t is int:
+            out[key] = val
+        else:
+            out[key] = _clean_value(val)
     return out
 
 
@@ -353,12 +359,43 @@ def _value_json(value: Any) -> str:
     raise _Unusual
 
 
+# Encoded `{"key":..,"value":{"stringValue":..}}` fragments of short string attributes, and the sorted key
+# order of recently seen key sets: most attributes of a record (sandbox, policy, decision, reason, name,
+# client...) repeat from record to record. Both are bounded and cleared whole when full (hostile, ever-new
+# values only cost a miss each); entries are pure functions of their keys, so a stale entry cannot exist.
+_FRAGMENTS: dict[tuple[str, str], str] = {}
+_FRAGMENTS_MAX = 8192
+_FRAGMENT_VALUE_MAX = 256
+_ORDERS: dict[tuple[str, ...], list[str]] = {}
+_ORDERS_MAX = 256
+
+
 def _attributes_json(attrs: Mapping[str, Any]) -> str:
-    parts = []
-    for key in sorted(attrs):
-        if type(key) is not str:
+    names = tuple(attrs)
+    order = _ORDERS.get(names)
+    if order is None:
+        if any(type(k) is not str for k in names):
             raise _Unusual
-        parts.append('{"key":' + _esc(key) + ',"value":' + _value_json(attrs[key]) + "}")
+        order = sorted(names)
+        if len(_ORDERS) >= _ORDERS_MAX:
+            _ORDERS.clear()
+        _ORDERS[names] = order
+    parts = []
+    append = parts.append
+    frags = _FRAGMENTS
+    for key in order:
+        value = attrs[key]
+        if type(value) is str and len(value) <= _FRAGMENT_VALUE_MAX:
+            memo = (key, value)
+            frag = frags.get(memo)
+            if frag is None:
+                frag = '{"key":' + _esc(key) + ',"value":{"stringValue":' + _esc(value) + "}}"
+                if len(frags) >= _FRAGMENTS_MAX:
+                    frags.clear()
+                frags[memo] = frag
+            append(frag)
+        else:
+            append('{"key":' + _esc(key) + ',"value":' + _value_json(value) + "}")
     return ",".join(parts)
 
 
