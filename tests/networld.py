@@ -86,6 +86,7 @@ GW_CANARIES: dict[str, tuple[str, int, bool]] = {
     "loopback": ("127.0.0.1", 80, False),
     "loopback-tls": ("127.0.0.1", 443, True),
     "loopback-v6": ("::1", 80, False),
+    "loopback-2": ("127.0.0.2", 80, False),  # 127/8 is loopback, not just .1
 }
 # allowed upstream (policy allows it) and a second host that no policy allows (fronting target)
 UPSTREAMS: list[dict[str, Any]] = [

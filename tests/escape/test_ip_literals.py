@@ -47,7 +47,11 @@ PRIVATE_FORMS = {
     "[::ffff:10.0.0.5]": "private",
 }
 LOOPBACK_FORMS = {"127.0.0.1": "loopback", "2130706433": "loopback", "0x7f.1": "loopback",
-                  "127.1": "loopback", "[::1]": "loopback-v6", "[::ffff:127.0.0.1]": "loopback"}
+                  "127.1": "loopback", "[::1]": "loopback-v6", "[::ffff:127.0.0.1]": "loopback",
+                  "127.0.0.2": "loopback-2", "0x7f000002": "loopback-2",
+                  # the unspecified address is dialled as the local host
+                  "0.0.0.0": "loopback", "0": "loopback", "0x0": "loopback", "[::]": "loopback-v6",
+                  "[::ffff:0.0.0.0]": "loopback"}
 ALL_FORMS = {**METADATA_FORMS, **PRIVATE_FORMS, **LOOPBACK_FORMS}
 # spellings curl will not dial (so no direct control of their own); each names an address whose
 # canary the controls above prove live
