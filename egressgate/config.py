@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import ipaddress
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
 from egressgate.audit.config import AuditSinkConfig
 from egressgate.broker.config import BrokerConfig
@@ -44,6 +44,14 @@ def parse_listen(value: str, *, allow_name: bool = False) -> tuple[str, int]:
     return host, port
 
 
+def _int_to_float(value: object) -> object:
+    # strict mode rejects an int where a float is expected; `timeout: 10` obviously means 10.0
+    return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+
+Seconds = Annotated[float, BeforeValidator(_int_to_float)]
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
@@ -66,13 +74,7 @@ class UpstreamConfig(_Strict):
     resolver: str = "system"
     # Extra CA certificates trusted for upstream TLS, ADDED to the system roots.
     ca_bundle: str | None = None
-    connect_timeout: float = Field(default=10.0, gt=0, le=300)
-
-    @field_validator("connect_timeout", mode="before")
-    @classmethod
-    def _int_ok(cls, value: object) -> object:
-        # strict mode rejects int for float; an integer timeout is obviously fine.
-        return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
+    connect_timeout: Seconds = Field(default=10.0, gt=0, le=300)
 
     @field_validator("resolver")
     @classmethod
@@ -91,7 +93,7 @@ class DnsSection(_Strict):
 
     # "host:port" of upstream resolvers, tried in order; None = the nameservers of /etc/resolv.conf
     upstreams: list[str] | None = None
-    upstream_timeout: float = Field(default=2.0, gt=0, le=30)
+    upstream_timeout: Seconds = Field(default=2.0, gt=0, le=30)
     cache_size: int = Field(default=10_000, ge=0)
     cache_min_ttl: int = Field(default=5, ge=0)
     cache_max_ttl: int = Field(default=3600, gt=0)
@@ -99,11 +101,6 @@ class DnsSection(_Strict):
     # policy name for sources no sandbox registered (`sandbox admit --address`); None denies them everything
     unknown_client_policy: str | None = None
     deny_rcode: Literal["NXDOMAIN", "REFUSED"] = "REFUSED"  # for unknown clients
-
-    @field_validator("upstream_timeout", mode="before")
-    @classmethod
-    def _int_ok(cls, value: object) -> object:
-        return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
 
     @field_validator("upstreams")
     @classmethod

@@ -1,0 +1,55 @@
+"""Gateway config: every default works without a file; mistakes name the key path."""
+
+from __future__ import annotations
+
+import pytest
+
+from egressgate.config import ConfigError, load_config
+
+
+def write(tmp_path, text: str):
+    path = tmp_path / "gateway.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_without_a_file(tmp_path):
+    cfg = load_config(None)
+    assert cfg.listen.proxy == "127.0.0.1:8080" and cfg.listen.dns == "127.0.0.1:5353"
+    assert cfg.audit.on_failure == "deny" and cfg.audit.signer == "auto"
+    assert cfg.dns.resolver_config().upstreams is None  # /etc/resolv.conf at start
+    assert str(cfg.audit_path()).endswith("var/audit.jsonl")
+
+
+def test_sections_map_to_components(tmp_path):
+    cfg = load_config(write(tmp_path, """
+listen: {dns: null}
+upstream: {connect_timeout: 3}
+dns: {upstreams: ["127.0.0.1:5300", "[::1]:53"], upstream_timeout: 1, unknown_client_policy: guest}
+audit: {path: /tmp/x.jsonl, on_failure: allow-and-alert, checkpoint_every: 10}
+"""))
+    assert cfg.listen.dns is None
+    assert cfg.upstream.connect_timeout == 3.0
+    dns = cfg.dns.resolver_config()
+    assert dns.upstreams == (("127.0.0.1", 5300), ("::1", 53)) and dns.upstream_timeout == 1.0
+    assert dns.unknown_client_policy == "guest"
+    assert str(cfg.audit_path()) == "/tmp/x.jsonl" and cfg.audit.checkpoint_every == 10
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        ("dns: {upstreamz: [1.1.1.1]}\n", "dns.upstreamz: Extra inputs"),
+        ("dns: {upstreams: [resolver.example:53]}\n", "dns.upstreams"),
+        ("upstream: {connect_timeout: 0}\n", "upstream.connect_timeout: Input should be greater than 0"),
+        ("audit: {on_failure: allow}\n", "audit.on_failure"),
+        ("audit: {local_file: false}\n", "otlp_endpoint"),
+        ("listen: {proxy: 'localhost:8080'}\n", "listen.proxy"),
+        ("state: {backend: redis}\n", "state.backend"),
+    ],
+)
+def test_errors_name_the_key(tmp_path, text, fragment):
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, text))
+    assert fragment in str(info.value)
+    assert str(tmp_path / "gateway.yaml") in str(info.value)
