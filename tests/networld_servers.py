@@ -338,7 +338,7 @@ class DnsControl:
         self.log = log
         self.counters: dict[tuple[str, str], int] = {}
 
-    def answer(self, data: bytes) -> bytes | None:
+    def answer(self, data: bytes, peer: str = "") -> bytes | None:
         from dnslib import AAAA, QTYPE, RCODE, RR, A, DNSRecord
 
         try:
@@ -369,7 +369,7 @@ class DnsControl:
                     rdata = AAAA(ipaddress.IPv6Address(addr).exploded) if qtype == "AAAA" else A(addr)
                     reply.add_answer(RR(q.qname, q.qtype, rdata=rdata, ttl=ttl))
             rcode = int(reply.header.rcode)
-            self.log.write(event="query", qname=qname, qtype=qtype, answers=answers, rcode=rcode)
+            self.log.write(event="query", qname=qname, qtype=qtype, answers=answers, rcode=rcode, peer=peer)
         return reply.pack()
 
 
@@ -382,7 +382,7 @@ class _Udp(asyncio.DatagramProtocol):
         self.transport = transport  # type: ignore[assignment]
 
     def datagram_received(self, data: bytes, addr: Any) -> None:
-        out = self.ctl.answer(data)
+        out = self.ctl.answer(data, f"{addr[0]}:{addr[1]}")
         if out is not None and self.transport is not None:
             self.transport.sendto(out, addr)
 
@@ -397,7 +397,8 @@ async def run_dns(spec: dict[str, Any]) -> None:
         try:
             while True:
                 size = int.from_bytes(await reader.readexactly(2), "big")
-                out = ctl.answer(await reader.readexactly(size))
+                peer = writer.get_extra_info("peername")
+                out = ctl.answer(await reader.readexactly(size), f"{peer[0]}:{peer[1]}" if peer else "")
                 if out is None:
                     break
                 writer.write(len(out).to_bytes(2, "big") + out)

@@ -90,10 +90,14 @@ class Gateway:
             shutil.copy(src, pdir / src.name)
         proxy_port = world.in_ns(world.gw, lambda: _free_port(nw.GW_SBX))
         admin_port = world.in_ns(world.gw, lambda: _free_port("127.0.0.1"))
+        dns_port = world.in_ns(world.gw, lambda: _free_port(nw.GW_SBX, udp=True))
         (pdir / "escape-self.yaml").write_text(yaml.safe_dump(_self_policy(proxy_port, admin_port)))
         config = {
             "listen": {"proxy": f"{nw.GW_SBX}:{proxy_port}", "admin": f"127.0.0.1:{admin_port}",
-                       "dns": "127.0.0.1:0"},
+                       "dns": f"{nw.GW_SBX}:{dns_port}"},
+            # cache_min_ttl 0: honour the world's TTL 0, so every sandbox query reaches the world resolver
+            # (rebinding answers are really delivered to the gateway, not hidden by a cache floor)
+            "dns": {"upstreams": [f"{nw.DNS_ADDR}:53"], "cache_min_ttl": 0},
             "policy": str(pdir),
             "var_dir": str(var),
             "upstream": {"resolver": f"{nw.DNS_ADDR}:53", "ca_bundle": str(world.ca_pem)},
@@ -116,6 +120,7 @@ class Gateway:
             raise RuntimeError(f"gateway did not start: stdout={line!r}\n{err}") from exc
         threading.Thread(target=_drain, args=(proc,), daemon=True).start()
         world.allow_sandbox_to(*proxy)
+        world.allow_sandbox_to(nw.GW_SBX, dns_port)
         gw = cls(world=world, tmp=tmp, proc=proc, config=cfg, proxy=proxy, info=info)
         gw._stderr = stderr
         return gw
@@ -139,17 +144,25 @@ class Gateway:
     def proxy_url(self) -> str:
         return f"http://{self.proxy[0]}:{self.proxy[1]}"
 
-    def admit(self, policy: str) -> Sandbox:
-        """Admit (once per policy) with the real CLI, inside the gateway namespace."""
-        if policy not in self.sandboxes:
+    @property
+    def dns(self) -> tuple[str, int]:
+        host, _, port = self.info["dns"].rpartition(":")
+        return host.strip("[]"), int(port)
+
+    def admit(self, policy: str, address: str | None = None) -> Sandbox:
+        """Admit (once per policy) with the real CLI, inside the gateway namespace. `address` registers
+        the sandbox's source IP (how the DNS listener identifies it); one sandbox per address."""
+        key = f"{policy}@{address}" if address else policy
+        if key not in self.sandboxes:
+            extra = ("--address", address) if address else ()
             res = self.world.exec(self.world.gw, EGRESSGATE, "sandbox", "admit", "--config", str(self.config),
-                                  "--policy", policy)
+                                  "--policy", policy, *extra)
             if res.returncode != 0:
                 raise RuntimeError(f"sandbox admit failed ({res.returncode}): {res.stdout} {res.stderr}")
             data = json.loads(res.stdout)
-            self.sandboxes[policy] = Sandbox(id=data["id"], token=data["token"], proxy_url=data["proxy_url"],
-                                             policy=policy, env=data.get("env", {}))
-        return self.sandboxes[policy]
+            self.sandboxes[key] = Sandbox(id=data["id"], token=data["token"], proxy_url=data["proxy_url"],
+                                          policy=policy, env=data.get("env", {}))
+        return self.sandboxes[key]
 
     @property
     def client_ca(self) -> Path:
@@ -317,10 +330,21 @@ def parse_response(data: bytes, sock: socket.socket | ssl.SSLSocket | None = Non
     return Response(status, parts[2] if len(parts) > 2 else "", headers, bytes(body), data)
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+def _free_port(host: str, udp: bool = False) -> int:
+    """A port free for TCP (and, with `udp`, for UDP too: the DNS listener binds both)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = int(s.getsockname()[1])
+        if not udp:
+            return port
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as u:
+                u.bind((host, port))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError(f"no free port on {host}")
 
 
 def _self_policy(proxy_port: int, admin_port: int) -> dict[str, Any]:
