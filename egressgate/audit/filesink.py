@@ -92,6 +92,8 @@ class FileSink:
         batch_max: int = 2048,
         probe_interval: float = 1.0,
         clock: Callable[[], int] = time.time_ns,
+        inline_write_max: int = 256 * 1024,
+        inline_slow: float = 0.002,
     ) -> None:
         if path is None and exporter is None:
             raise ValueError("audit sink needs a file path, an OTLP exporter, or both")
@@ -109,6 +111,9 @@ class FileSink:
         self.batch_max = batch_max
         self.probe_interval = probe_interval
         self._clock = clock
+        self.inline_write_max = inline_write_max  # 0: always write in a worker thread
+        self.inline_slow = inline_slow
+        self._inline_after = 0.0  # monotonic time before which batches go to a thread (the disk was slow)
         self._fd: int | None = None
         self._size = 0
         self._chain = ChainWriter()
@@ -126,6 +131,7 @@ class FileSink:
         self.records_dropped = 0  # only in allow-and-alert mode
         self.export_failures = 0
         self.rotations = 0
+        self.slow_inline_writes = 0
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -292,7 +298,7 @@ class FileSink:
                 return
             data = b"".join(line + b"\n" for line in lines)
             if self._fd is not None:
-                await asyncio.to_thread(self._write_durable, data)
+                await self._write_batch(data)
             elif self.exporter is not None and not await asyncio.to_thread(self.exporter.export, out):
                 raise ExportFailed(f"OTLP export to {self.exporter.endpoint} failed")
         except BaseException:
@@ -308,6 +314,24 @@ class FileSink:
             except asyncio.QueueFull:
                 self.export_failures += 1
                 log.warning("OTLP export queue full; %d records only in the local file", len(out))
+
+    async def _write_batch(self, data: bytes) -> None:
+        """One batch to the file: inline on the event loop when that is cheap, else in a worker thread.
+
+        Why inline: without fsync the write is one `os.write` into the page cache (tens of microseconds for a
+        batch), while handing it to a thread costs a GIL round trip that, measured with the DNS resolver at
+        32 queries in flight, halved throughput (every waiting caller waits for the thread). Durability is
+        the same either way (callers are released only after `os.write` returned). The loop must not stall
+        on a slow disk, though: with fsync, for a large batch, or for a while after an inline write took
+        longer than `inline_slow` (dirty-page throttling, a slow device), the write goes to a thread."""
+        if not self.fsync and len(data) <= self.inline_write_max and time.monotonic() >= self._inline_after:
+            started = time.perf_counter()
+            self._write_durable(data)
+            if time.perf_counter() - started > self.inline_slow:
+                self.slow_inline_writes += 1
+                self._inline_after = time.monotonic() + 1.0
+            return
+        await asyncio.to_thread(self._write_durable, data)
 
     def _write_durable(self, data: bytes) -> None:
         assert self._fd is not None

@@ -34,6 +34,25 @@ async def test_record_is_on_disk_when_write_returns(make_sink):
         assert ev.request_id.encode() in fh.read()
 
 
+async def test_slow_inline_write_moves_writes_off_the_event_loop(make_sink, pubkey):
+    """Batches are written inline only while that is fast; after a slow one (here: every write counts as
+    slow) the next writes go to a worker thread, so a throttled disk cannot stall the event loop."""
+    sink = await make_sink(inline_slow=0.0)
+    await sink.write(http_event(1))
+    assert sink.slow_inline_writes == 1
+    for i in range(5):
+        await sink.write(http_event(2 + i))
+    assert sink.slow_inline_writes == 1  # the following batches did not run inline
+    sink.inline_slow = 10.0
+    sink._inline_after = 0.0  # the back-off is over
+    await sink.write(http_event(9))
+    assert sink.slow_inline_writes == 1
+    await sink.close()
+    rep = verify_file(sink.path, load_public_keys([pubkey]))
+    assert rep.ok and rep.sealed, rep.error
+    assert len(request_ids(sink.path)) == 7
+
+
 async def test_concurrent_writers_share_flushes(make_sink, pubkey):
     sink = await make_sink(fsync=True)
     events = [http_event(i) for i in range(300)]
@@ -141,10 +160,17 @@ async def _fill_until_failure(sink, start=0):
         assert i < start + 10_000, "disk never filled"
 
 
-async def test_disk_full_denies_and_loses_no_accepted_record(tiny_fs, signer, pubkey):
+@pytest.mark.parametrize("inline_write_max", [256 * 1024, 0], ids=["inline-write", "thread-write"])
+async def test_disk_full_denies_and_loses_no_accepted_record(tiny_fs, signer, pubkey, inline_write_max):
     filler = tiny_fs / "filler"
     filler.write_bytes(b"x" * 32 * 1024)
-    sink = await FileSink(tiny_fs / "audit" / "audit.jsonl", signer, checkpoint_every=10, probe_interval=0.05).start()
+    sink = await FileSink(
+        tiny_fs / "audit" / "audit.jsonl",
+        signer,
+        checkpoint_every=10,
+        probe_interval=0.05,
+        inline_write_max=inline_write_max,
+    ).start()
     accepted, rejected = await _fill_until_failure(sink)
     assert accepted and not sink.healthy()
     # concurrent writers on a full disk: every one is told, none silently dropped
