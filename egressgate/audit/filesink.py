@@ -93,7 +93,7 @@ class FileSink:
         probe_interval: float = 1.0,
         clock: Callable[[], int] = time.time_ns,
         inline_write_max: int = 256 * 1024,
-        inline_slow: float = 0.002,
+        inline_slow: float = 0.005,
     ) -> None:
         if path is None and exporter is None:
             raise ValueError("audit sink needs a file path, an OTLP exporter, or both")
@@ -113,7 +113,7 @@ class FileSink:
         self._clock = clock
         self.inline_write_max = inline_write_max  # 0: always write in a worker thread
         self.inline_slow = inline_slow
-        self._inline_after = 0.0  # monotonic time before which batches go to a thread (the disk was slow)
+        self._inline_ok = True  # False after a slow inline write, until a write (in a thread) is fast again
         self._fd: int | None = None
         self._size = 0
         self._chain = ChainWriter()
@@ -322,16 +322,24 @@ class FileSink:
         batch), while handing it to a thread costs a GIL round trip that, measured with the DNS resolver at
         32 queries in flight, halved throughput (every waiting caller waits for the thread). Durability is
         the same either way (callers are released only after `os.write` returned). The loop must not stall
-        on a slow disk, though: with fsync, for a large batch, or for a while after an inline write took
-        longer than `inline_slow` (dirty-page throttling, a slow device), the write goes to a thread."""
-        if not self.fsync and len(data) <= self.inline_write_max and time.monotonic() >= self._inline_after:
+        on a slow disk, though: with fsync and for large batches the write goes to a thread, and after an
+        inline write slower than `inline_slow` (dirty-page throttling, a slow device) so do all writes until
+        one of them is fast again - a slow disk stalls the loop at most once per slow period."""
+        if not self.fsync and len(data) <= self.inline_write_max and self._inline_ok:
             started = time.perf_counter()
             self._write_durable(data)
             if time.perf_counter() - started > self.inline_slow:
                 self.slow_inline_writes += 1
-                self._inline_after = time.monotonic() + 1.0
+                self._inline_ok = False
             return
-        await asyncio.to_thread(self._write_durable, data)
+        elapsed = await asyncio.to_thread(self._timed_write, data)
+        if not self.fsync and elapsed <= self.inline_slow:
+            self._inline_ok = True
+
+    def _timed_write(self, data: bytes) -> float:
+        started = time.perf_counter()
+        self._write_durable(data)
+        return time.perf_counter() - started
 
     def _write_durable(self, data: bytes) -> None:
         assert self._fd is not None

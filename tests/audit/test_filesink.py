@@ -36,21 +36,22 @@ async def test_record_is_on_disk_when_write_returns(make_sink):
 
 async def test_slow_inline_write_moves_writes_off_the_event_loop(make_sink, pubkey):
     """Batches are written inline only while that is fast; after a slow one (here: every write counts as
-    slow) the next writes go to a worker thread, so a throttled disk cannot stall the event loop."""
-    sink = await make_sink(inline_slow=0.0)
+    slow) the next writes go to a worker thread until one is fast again, so a throttled disk cannot keep
+    stalling the event loop."""
+    sink = await make_sink(inline_slow=-1.0)
     await sink.write(http_event(1))
     assert sink.slow_inline_writes == 1
     for i in range(5):
         await sink.write(http_event(2 + i))
     assert sink.slow_inline_writes == 1  # the following batches did not run inline
-    sink.inline_slow = 10.0
-    sink._inline_after = 0.0  # the back-off is over
+    sink.inline_slow = 10.0  # the disk is fast again: the next thread write sees it, then writes go inline
+    await sink.write(http_event(8))
     await sink.write(http_event(9))
-    assert sink.slow_inline_writes == 1
+    assert sink._inline_ok and sink.slow_inline_writes == 1
     await sink.close()
     rep = verify_file(sink.path, load_public_keys([pubkey]))
     assert rep.ok and rep.sealed, rep.error
-    assert len(request_ids(sink.path)) == 7
+    assert len(request_ids(sink.path)) == 8
 
 
 async def test_concurrent_writers_share_flushes(make_sink, pubkey):
