@@ -34,7 +34,7 @@ from pathlib import Path
 from loadtests import procs
 from loadtests.loadgen import Target, run_cell
 from loadtests.profile import profile_during
-from loadtests.stream_bench import download, sse_first_event
+from loadtests.streaming import download, sse_first_event
 from loadtests.upstream import SMALL_BODY
 
 TARGETS = ("direct", "mitmdump", "egressgate", "egressgate-cred", "egressgate-noaudit", "squid")

@@ -1,4 +1,4 @@
-"""`make bench`: run every benchmark module present in loadtests/ and print their results.
+"""`make bench`: run every benchmark module present in loadtests/ (`*_bench.py`) and print their results.
 
 Each module runs as its own process (`python -m loadtests.NAME`, with its defaults) so one crashing or
 hanging benchmark cannot take the others down; each is bounded by --timeout and stopped by its own pid
@@ -21,8 +21,16 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-# Order: the fast pure ones first, the long end-to-end gateway run last.
-MODULES = ("decide_bench", "dns_bench", "audit_sink_bench", "broker_bench", "gateway_bench")
+# Order: the fast pure ones first, the long end-to-end gateway run last; any other `*_bench.py` that appears
+# in loadtests/ (e.g. inject_bench) runs before gateway_bench, alphabetically.
+KNOWN = ("decide_bench", "dns_bench", "audit_sink_bench", "broker_bench")
+LAST = "gateway_bench"
+
+
+def discover() -> list[str]:
+    present = sorted(p.stem for p in HERE.glob("*_bench.py"))
+    others = [m for m in present if m not in KNOWN and m != LAST]
+    return [*KNOWN, *others, LAST]
 QUICK_ARGS = {"gateway_bench": ["--seconds", "3", "--repeats", "1", "--stream-bytes", str(256 << 20)]}
 
 
@@ -52,14 +60,15 @@ def run_module(name: str, extra: list[str], timeout: float) -> tuple[int | None,
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", nargs="+", choices=MODULES)
-    ap.add_argument("--skip", nargs="+", default=[], choices=MODULES)
+    modules = discover()
+    ap.add_argument("--only", nargs="+", choices=modules)
+    ap.add_argument("--skip", nargs="+", default=[], choices=modules)
     ap.add_argument("--timeout", type=float, default=1800.0, help="per module, seconds")
     ap.add_argument("--quick", action="store_true", help="short gateway cells (smoke run, not for RESULTS.md)")
     ap.add_argument("--gateway-args", default="", help="extra arguments for gateway_bench")
     args = ap.parse_args()
     outcome: list[tuple[str, str, float]] = []
-    for name in args.only or MODULES:
+    for name in args.only or modules:
         if name in args.skip:
             continue
         if not (HERE / f"{name}.py").is_file():
