@@ -1,4 +1,4 @@
-"""Fixtures for the escape tests: one closed network world per session (see tests/networld.py).
+"""Fixtures for the escape tests: one closed network world per session (see tests/networld/).
 
 The world is session-scoped because building it (4 namespaces, 3 server processes, a CA) takes about a
 second and every escape test only *observes* it (hit logs are read from a mark, never truncated), so

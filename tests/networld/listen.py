@@ -1,31 +1,21 @@
-"""Servers that populate the adversarial test world (run inside a test network namespace).
+"""The world's TCP listeners: canaries, upstreams (HTTP/1.1, HTTP/2, TLS, raw), in one process.
 
-Started by ``tests/networld.py`` as ``ip netns exec NS python tests/networld_servers.py ROLE SPEC.json``.
-Two roles:
+Run by tests/networld as ``ip netns exec NS python listen.py SPEC.json``: a threaded server bound to many
+(address, port) pairs at once. Every listener records *every* accepted connection in a JSON-lines log
+before reading a byte, so a test can assert "canary untouched" at the strongest level (no TCP connection
+at all), and records every parsed HTTP request (method, target, Host, SNI, headers, body prefix) so
+domain fronting, Host spoofing and request smuggling can be detected on the receiving side. The HTTP
+parser is deliberately lenient (obfuscated ``Transfer-Encoding`` still counts as chunked) and its
+framing preference is configurable per listener (``te`` or ``cl``) so that a gateway which forwards
+ambiguous framing *would* desynchronise it: the smuggled request then shows up as its own request.
 
-``listen``  A threaded TCP server bound to many (address, port) pairs at once. Every listener records
-            *every* accepted connection in a JSON-lines log before reading a byte, so a test can assert
-            "canary untouched" at the strongest level (no TCP connection at all), and records every
-            parsed HTTP request (method, target, Host, SNI, headers, body prefix) so domain fronting,
-            Host spoofing and request smuggling can be detected on the receiving side. The HTTP parser is
-            deliberately lenient (obfuscated ``Transfer-Encoding`` still counts as chunked) and its
-            framing preference is configurable per listener (``te`` or ``cl``) so that a gateway which
-            forwards ambiguous framing *would* desynchronise it: the smuggled request then shows up in
-            the log as its own request.
-``dns``     An asyncio UDP+TCP DNS server (dnslib for parse/pack) whose answers the test controls through
-            a JSON file re-read on every query: static answers, TTL 0, and rotating answers for DNS
-            rebinding (each query for a name/type returns the next answer set). Every query is logged.
-
-Both print ``READY`` on stdout once every socket is bound; the parent waits for that line. Blocking
-threads are used for ``listen`` because a TLS listener must peek at the first byte before deciding
-whether to handshake, and must log the TCP accept even when TLS never happens.
+Prints ``READY`` once every socket is bound. Blocking threads, because a TLS listener must peek at the
+first byte before deciding whether to handshake, and must log the TCP accept even when TLS never happens.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import ipaddress
 import json
 import os
 import socket
@@ -327,103 +317,8 @@ def run_listen(spec: dict[str, Any]) -> None:
     threading.Event().wait()
 
 
-# ----------------------------------------------------------------------------------------------- DNS
-
-
-class DnsControl:
-    """Answers from a JSON file the test rewrites at will; rotation counters live in the server."""
-
-    def __init__(self, control: str, log: JsonLog) -> None:
-        self.control = Path(control)
-        self.log = log
-        self.counters: dict[tuple[str, str], int] = {}
-
-    def answer(self, data: bytes, peer: str = "") -> bytes | None:
-        from dnslib import AAAA, QTYPE, RCODE, RR, A, DNSRecord
-
-        try:
-            request = DNSRecord.parse(data)
-        except Exception as exc:  # garbage on the wire: log and drop, like a real server
-            self.log.write(event="dns_garbage", error=repr(exc))
-            return None
-        reply = request.reply()
-        table = json.loads(self.control.read_text())
-        ttl = int(table.get("ttl", 0))
-        for q in request.questions:
-            qname = str(q.qname).rstrip(".").lower()
-            qtype = QTYPE[q.qtype]
-            entry = table["records"].get(qname)
-            answers: list[str] = []
-            if entry is None:
-                reply.header.rcode = RCODE.NXDOMAIN
-            else:
-                value = entry.get(qtype, [])
-                if isinstance(value, dict):  # {"rotate": [[...], [...]]}
-                    key = (qname, qtype)
-                    idx = self.counters.get(key, 0)
-                    self.counters[key] = idx + 1
-                    answers = value["rotate"][idx % len(value["rotate"])]
-                else:
-                    answers = value
-                for addr in answers:
-                    rdata = AAAA(ipaddress.IPv6Address(addr).exploded) if qtype == "AAAA" else A(addr)
-                    reply.add_answer(RR(q.qname, q.qtype, rdata=rdata, ttl=ttl))
-            rcode = int(reply.header.rcode)
-            self.log.write(event="query", qname=qname, qtype=qtype, answers=answers, rcode=rcode, peer=peer)
-        return reply.pack()
-
-
-class _Udp(asyncio.DatagramProtocol):
-    def __init__(self, ctl: DnsControl) -> None:
-        self.ctl = ctl
-        self.transport: asyncio.DatagramTransport | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-
-    def datagram_received(self, data: bytes, addr: Any) -> None:
-        out = self.ctl.answer(data, f"{addr[0]}:{addr[1]}")
-        if out is not None and self.transport is not None:
-            self.transport.sendto(out, addr)
-
-
-async def run_dns(spec: dict[str, Any]) -> None:
-    ctl = DnsControl(spec["control"], JsonLog(spec["log"]))
-    loop = asyncio.get_running_loop()
-    host, port = spec["host"], int(spec["port"])
-    await loop.create_datagram_endpoint(lambda: _Udp(ctl), local_addr=(host, port))
-
-    async def tcp(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while True:
-                size = int.from_bytes(await reader.readexactly(2), "big")
-                peer = writer.get_extra_info("peername")
-                out = ctl.answer(await reader.readexactly(size), f"{peer[0]}:{peer[1]}" if peer else "")
-                if out is None:
-                    break
-                writer.write(len(out).to_bytes(2, "big") + out)
-                await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            writer.close()
-
-    server = await asyncio.start_server(tcp, host, port)
-    print("READY", flush=True)
-    async with server:
-        await server.serve_forever()
-
-
 def main(argv: list[str]) -> int:
-    role, spec_path = argv[1], argv[2]
-    spec = json.loads(Path(spec_path).read_text())
-    if role == "listen":
-        run_listen(spec)
-    elif role == "dns":
-        asyncio.run(run_dns(spec))
-    else:
-        print(f"unknown role {role!r}", file=sys.stderr)
-        return 2
+    run_listen(json.loads(Path(argv[1]).read_text()))
     return 0
 
 
