@@ -32,7 +32,8 @@ from tests.broker.bao import BaoServer
 from tests.broker.jwtcheck import TokenRejected, verify
 from tests.gateway.conftest import EGRESSGATE, DnsServer, Hits, LoopThread, _read_line, stop_gateway
 
-NAMES = ["api.test", "jwt.test", "phantom.test", "other.test", "basic.test", "query.test", "forbidden.test"]
+NAMES = ["api.test", "jwt.test", "phantom.test", "other.test", "basic.test", "query.test", "forbidden.test",
+         "oidc.test"]
 MAX_TTL = 120
 
 
@@ -285,6 +286,11 @@ def policies(w: World, *, kv_ttl: int = 300, file_secret: str | None = None) -> 
                 "credentials": {"max_ttl_seconds": MAX_TTL, "capabilities": caps}}
 
     source = {"file": file_secret} if file_secret else KV  # local backend: a 0600 file
+    oidc_rules, oidc_caps = [], {}
+    if not file_secret:  # vault_oidc needs the vault backend
+        oidc_rules = [{"id": "oidc", "host": "oidc.test", "ports": [https], "methods": ["GET"], "paths": ["/echo"],
+                       "credential": "internal"}]
+        oidc_caps = {"internal": {"type": "vault_oidc", "role": "sbx-api"}}
     kv_cap = {"type": "static", "source": source, "ttl_seconds": kv_ttl}
     return {
         "cred-kv": doc("cred-kv", [
@@ -316,7 +322,8 @@ def policies(w: World, *, kv_ttl: int = 300, file_secret: str | None = None) -> 
         "cred-jwt": doc("cred-jwt", [
             {"id": "jwt", "host": "jwt.test", "ports": [https], "methods": ["GET"], "paths": ["/jwt", "/reflect/*"],
              "credential": "billing"},
-        ], {"billing": {"type": "jwt", "ttl_seconds": 600}}),
+            *oidc_rules,
+        ], {"billing": {"type": "jwt", "ttl_seconds": 600}, **oidc_caps}),
         "cred-phantom": doc("cred-phantom", [
             {"id": "openai", "host": "phantom.test", "ports": [https], "methods": ["GET", "POST"],
              "paths": ["/v1/**", "/reflect/*"], "credential": "openai"},

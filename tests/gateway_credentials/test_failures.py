@@ -97,3 +97,11 @@ def test_local_backend_default_file_secret_and_jwks(cworld: World, tmp_path) -> 
         assert last(gw, mark, "api.test")["auth"] == [f"Bearer {KV_SECRET}"]
     finally:
         stop_gateway(gw)  # type: ignore[arg-type]
+
+
+def test_local_backend_refuses_vault_capabilities_at_start(cworld: World, tmp_path) -> None:
+    """A policy set whose capabilities the configured backend cannot serve is a load error (the gateway
+    refuses to start), never a run of per-request credential_unavailable denies."""
+    with pytest.raises(RuntimeError, match="needs broker backend 'vault'"):
+        gw = launch(cworld, tmp_path, None, broker={})  # the policies use KV v2 sources
+        stop_gateway(gw)  # type: ignore[arg-type]  # only reached if it started (the test then fails)

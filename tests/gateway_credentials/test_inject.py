@@ -157,3 +157,19 @@ def test_audit_carries_capability_and_key_id_only(cgw: Gateway) -> None:
     assert all(r["egressgate.capability"] == "kv" and r["egressgate.key_id"] == issues[0]["egressgate.key_id"]
                for r in decisions)
     assert KV_SECRET not in cgw.audit_text()
+
+
+def test_vault_oidc_token_injected(cgw: Gateway) -> None:
+    """A Vault identity OIDC token (role sbx-api, ttl 120 <= max_ttl_seconds): aud is the role's client_id."""
+    import json
+
+    sbx = cgw.admit("cred-jwt")
+    mark = cgw.world.hits.mark()
+    with cgw.client(sbx) as c:
+        assert c.get(cgw.url("oidc.test", "/echo")).status_code == 200
+    (auth,) = last(cgw, mark, "oidc.test")["auth"]
+    assert auth.startswith("Bearer ey")
+    payload = auth[7:].split(".")[1]
+    claims = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
+    assert claims["exp"] - claims["iat"] <= MAX_TTL and claims["exp"] > time.time()
+    assert isinstance(claims["aud"], str) and claims["aud"]
