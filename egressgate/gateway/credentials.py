@@ -383,6 +383,8 @@ class Credentials:
         # one search over the raw header block first; rebuilt only when something must go
         if scrubber.contains_secret(b"\n".join(k + b"\n" + v for k, v in resp.headers.fields)):
             resp.headers = _fields(scrubber.scrub_headers(list(resp.headers.items(multi=True))))
+        if resp.reason and scrubber.contains_secret(resp.reason.encode("utf-8", "surrogateescape")):
+            resp.reason = scrubber.scrub_text(resp.reason)  # a reflecting reason phrase
         if flow.request.method.upper() == "HEAD" or resp.status_code in (101, 204, 304):
             return  # no body follows (a refusal body here would corrupt the connection)
         encoding = resp.headers.get("content-encoding")
@@ -412,7 +414,12 @@ class Credentials:
         applied: Applied | None = flow.metadata.get(META_CRED)
         resp = flow.response
         fs = flow_state(flow)
-        if applied is None or resp is None or resp.stream or fs is None:
+        if applied is None or resp is None or fs is None:
+            return
+        if resp.trailers:  # sent after this hook, for streamed responses too
+            scrubber = cached_scrubber(applied.spec())
+            resp.trailers = _fields(scrubber.scrub_headers(list(resp.trailers.items(multi=True))))
+        if resp.stream:
             return
         raw = resp.raw_content
         if not raw or flow.request.method.upper() == "HEAD":
