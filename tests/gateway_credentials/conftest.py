@@ -80,6 +80,8 @@ def make_app(hits: Hits, jwks_url: dict) -> web.Application:
         }
         if mode in forms:
             return web.Response(body=b"before " + forms[mode] + b" after", content_type="text/plain")
+        if mode == "reason":
+            return web.Response(text="ok", reason=f"OK {s}")
         if mode == "headers":
             return web.Response(text="ok", headers={
                 "X-Echo": s, "Location": f"https://other.test/cb?token={quote(s, safe='')}",

@@ -75,6 +75,9 @@ def test_header_reflection_scrubbed(cgw: Gateway) -> None:
     assert r.status_code == 200
     for name in ("x-echo", "location", "set-cookie", "www-authenticate"):
         assert "[REDACTED]" in r.headers[name], name
+    with cgw.client(sbx) as c:
+        reason = c.get(cgw.url("api.test", "/reflect/reason"))
+    assert reason.status_code == 200 and reason.reason_phrase == "OK [REDACTED]"
     raw = repr(list(r.headers.raw))
     for form in leaked_forms(KV_SECRET):
         assert form not in raw
