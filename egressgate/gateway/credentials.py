@@ -15,7 +15,8 @@ Request side: only HTTPS inside an intercepted tunnel, only when the decision's 
 capability (`Decision.capability`); TRACE refused; phantoms anywhere except their one bound header are
 `credential_misuse` — headers, query and path here, buffered bodies in `request`, streamed bodies by a
 guard chained before the budget counter. Response side: headers (Location, Set-Cookie, ...) and bodies
-are scrubbed of the injected value; compressed bodies are decoded first or the response is refused.
+are scrubbed of the injected value; compressed bodies are decoded first or the response is refused
+(credential_response.py, a mixin of this addon; the stream callables live in credential_streams.py).
 Audit records carry the capability name and key id, never a value; so do logs and error pages.
 """
 
@@ -27,7 +28,7 @@ import logging
 import re
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from mitmproxy import http
 
@@ -35,22 +36,19 @@ from egressgate.audit.event import AuditEvent, AuditUnavailable, EventKind
 from egressgate.broker.broker import Broker
 from egressgate.broker.config import BasicPlacement, QueryPlacement
 from egressgate.broker.credential import Credential, CredentialUnavailable
-from egressgate.broker.decompress import UnsupportedEncoding, decoder
 from egressgate.broker.inject import PhantomHit, find_phantoms, inject, swap_phantom
-from egressgate.broker.redact import SecretSpec, cached_scrubber
+from egressgate.broker.redact import cached_scrubber
 from egressgate.config import GatewayConfig
 from egressgate.gateway.context import FlowState, Runtime, flow_state, new_request_id
-from egressgate.gateway.credential_streams import as_chunks, phantom_guard, reframe, refuse, scrub_chain
-from egressgate.gateway.deny import REQUEST_ID_HEADER, deny_response, gateway_deny
+from egressgate.gateway.credential_response import META_CRED, Applied, ResponseScrub, fields
+from egressgate.gateway.credential_streams import phantom_guard
+from egressgate.gateway.deny import deny_response, gateway_deny
 from egressgate.policy.errors import PolicyError
 from egressgate.policy.reasons import Reason
 from egressgate.state.base import StateUnavailable
 
 logger = logging.getLogger(__name__)
 
-META_CRED = "egressgate.credential"
-STREAM_MAX_DECODED = 1 << 30  # decoded bytes per streamed response (decompression-bomb bound)
-BUFFERED_MAX_DECODED = 16 << 20  # a buffered (<= 64 KiB on the wire) body may not inflate beyond this
 SEEN_MAX = 10000
 _PHANTOM_TEXT = re.compile(r"egph_(?:[0-9a-f]|%[0-9a-f]{2}){48}|egph%5f[0-9a-f]{48}", re.IGNORECASE)
 
@@ -59,27 +57,6 @@ _MISUSE_MESSAGE = (
     "destination; remove it from this request."
 )
 _UNAVAILABLE_MESSAGE = "The credential for this destination could not be obtained; nothing was sent. Retry later."
-
-
-@dataclass(slots=True, repr=False)
-class Applied:
-    """The credential placed on a flow; what its response is scrubbed of. repr never shows the value."""
-
-    capability: str
-    credential: Credential
-    username: str | None
-
-    def spec(self) -> SecretSpec:
-        return SecretSpec(self.credential.value, self.username)
-
-    def __repr__(self) -> str:
-        return f"Applied(capability={self.capability!r}, key_id={self.credential.key_id!r})"
-
-
-def _fields(pairs: list[tuple[str, str]]) -> http.Headers:
-    """mitmproxy decodes header bytes as utf-8 with surrogateescape; encode back losslessly."""
-    enc = ("utf-8", "surrogateescape")
-    return http.Headers([(k.encode(*enc), v.encode(*enc)) for k, v in pairs])
 
 
 def _same_ip(a: str, b: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
@@ -129,7 +106,7 @@ async def start_broker(config: GatewayConfig, policies: dict) -> Broker:
     return broker
 
 
-class Credentials:
+class Credentials(ResponseScrub):
     def __init__(self, runtime: Runtime) -> None:
         self.rt = runtime
         # (capability, sandbox, audience) -> last credential used: a different object means a new mint
@@ -259,7 +236,7 @@ class Credentials:
                 inj = swap_phantom(cap, cred, phantom_hash, headers, query)
         else:
             inj = inject(cap, cred, headers, query)
-        req.headers = _fields(inj.headers)
+        req.headers = fields(inj.headers)
         if inj.set_query is not None:
             req.query = inj.query
         if not inj.swapped:
@@ -373,77 +350,3 @@ class Credentials:
             message.content = cached_scrubber(applied.spec()).scrub(message.content)
 
     # ------------------------------------------------------------------ response side
-    def responseheaders(self, flow: http.HTTPFlow) -> None:
-        applied: Applied | None = flow.metadata.get(META_CRED)
-        fs = flow_state(flow)
-        resp = flow.response
-        if applied is None or resp is None or fs is None or fs.decision is None or not fs.decision.allowed:
-            return
-        scrubber = cached_scrubber(applied.spec())
-        # one search over the raw header block first; rebuilt only when something must go
-        if scrubber.contains_secret(b"\n".join(k + b"\n" + v for k, v in resp.headers.fields)):
-            resp.headers = _fields(scrubber.scrub_headers(list(resp.headers.items(multi=True))))
-        if resp.reason and scrubber.contains_secret(resp.reason.encode("utf-8", "surrogateescape")):
-            resp.reason = scrubber.scrub_text(resp.reason)  # a reflecting reason phrase
-        if flow.request.method.upper() == "HEAD" or resp.status_code in (101, 204, 304):
-            return  # no body follows (a refusal body here would corrupt the connection)
-        encoding = resp.headers.get("content-encoding")
-        try:
-            decoder(encoding)
-        except UnsupportedEncoding:
-            logger.warning("refused %s response from %s: Content-Encoding %r cannot be scrubbed",
-                           applied.capability, fs.host, encoding)
-            refuse(flow, fs.request_id, "unsupported_content_encoding")
-            fs.extra["scrub_error"] = "unsupported_content_encoding"
-            return
-        if not resp.stream:
-            return  # buffered: scrubbed whole in `response`
-        inner = resp.stream if callable(resp.stream) else None
-        client_id = flow.client_conn.id
-
-        def on_error(exc: Exception) -> None:
-            logger.warning("killed %s response from %s: %s", applied.capability, fs.host, type(exc).__name__)
-            fs.extra["scrub_error"] = type(exc).__name__
-            if self.rt.abort_connection is not None:
-                self.rt.abort_connection(client_id)
-
-        resp.stream = scrub_chain(inner, encoding, scrubber, STREAM_MAX_DECODED, on_error)
-        reframe(flow, encoding)
-
-    def response(self, flow: http.HTTPFlow) -> None:
-        applied: Applied | None = flow.metadata.get(META_CRED)
-        resp = flow.response
-        fs = flow_state(flow)
-        if applied is None or resp is None or fs is None:
-            return
-        if resp.trailers:  # sent after this hook, for streamed responses too
-            scrubber = cached_scrubber(applied.spec())
-            resp.trailers = _fields(scrubber.scrub_headers(list(resp.trailers.items(multi=True))))
-        if resp.stream:
-            return
-        raw = resp.raw_content
-        if not raw or flow.request.method.upper() == "HEAD":
-            return
-        encoding = resp.headers.get("content-encoding")
-        scrubber = cached_scrubber(applied.spec())
-        if encoding is None:  # the common case (we asked for identity): scrub in place, one pass
-            if scrubber.contains_secret(raw):
-                resp.content = scrubber.scrub(raw)  # also rewrites Content-Length
-            return
-        errors: list[Exception] = []
-        try:
-            run = scrub_chain(None, encoding, scrubber, BUFFERED_MAX_DECODED, errors.append)
-            out = b"".join(as_chunks(run(raw)) + as_chunks(run(b"")))
-        except UnsupportedEncoding:  # already refused in responseheaders; kept for safety
-            errors.append(UnsupportedEncoding(str(encoding)))
-        if errors:
-            logger.warning("refused %s response from %s: body could not be decoded", applied.capability, fs.host)
-            flow.response = http.Response.make(
-                502, b'{"error":"upstream_response_refused","reason":"undecodable_body"}',
-                {"Content-Type": "application/json", REQUEST_ID_HEADER: fs.request_id, "Cache-Control": "no-store"})
-            return
-        if encoding is not None:
-            del resp.headers["content-encoding"]
-        resp.raw_content = out
-        if "transfer-encoding" not in resp.headers:
-            resp.headers["content-length"] = str(len(out))

@@ -1,0 +1,130 @@
+"""Response side of credential injection: what flows back from a credentialed request is scrubbed.
+
+A mixin of the `Credentials` addon (credentials.py places the credential and records `Applied` in
+`flow.metadata[META_CRED]`); kept apart so each module has one concern. Headers (incl. Location,
+Set-Cookie), the reason phrase and trailers are scrubbed; a buffered body (known length <= 64 KiB) is
+decoded and scrubbed whole in `response`; a streamed body gets `budget counter -> decode -> sliding
+window scrubber` and is reframed; an encoding we cannot decode is refused (502) — never forwarded.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from mitmproxy import http
+
+from egressgate.broker.credential import Credential
+from egressgate.broker.decompress import UnsupportedEncoding, decoder
+from egressgate.broker.redact import SecretSpec, cached_scrubber
+from egressgate.gateway.context import Runtime, flow_state
+from egressgate.gateway.credential_streams import as_chunks, reframe, refuse, scrub_chain
+from egressgate.gateway.deny import REQUEST_ID_HEADER
+
+logger = logging.getLogger(__name__)
+
+META_CRED = "egressgate.credential"
+STREAM_MAX_DECODED = 1 << 30  # decoded bytes per streamed response (decompression-bomb bound)
+BUFFERED_MAX_DECODED = 16 << 20  # a buffered (<= 64 KiB on the wire) body may not inflate beyond this
+
+
+@dataclass(slots=True, repr=False)
+class Applied:
+    """The credential placed on a flow; what its response is scrubbed of. repr never shows the value."""
+
+    capability: str
+    credential: Credential
+    username: str | None
+
+    def spec(self) -> SecretSpec:
+        return SecretSpec(self.credential.value, self.username)
+
+    def __repr__(self) -> str:
+        return f"Applied(capability={self.capability!r}, key_id={self.credential.key_id!r})"
+
+
+def fields(pairs: list[tuple[str, str]]) -> http.Headers:
+    """mitmproxy decodes header bytes as utf-8 with surrogateescape; encode back losslessly."""
+    enc = ("utf-8", "surrogateescape")
+    return http.Headers([(k.encode(*enc), v.encode(*enc)) for k, v in pairs])
+
+
+class ResponseScrub:
+    """Mixin: the response hooks of the Credentials addon (one addon, so hook order stays one place)."""
+
+    rt: Runtime
+
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        applied: Applied | None = flow.metadata.get(META_CRED)
+        fs = flow_state(flow)
+        resp = flow.response
+        if applied is None or resp is None or fs is None or fs.decision is None or not fs.decision.allowed:
+            return
+        scrubber = cached_scrubber(applied.spec())
+        # one search over the raw header block first; rebuilt only when something must go
+        if scrubber.contains_secret(b"\n".join(k + b"\n" + v for k, v in resp.headers.fields)):
+            resp.headers = fields(scrubber.scrub_headers(list(resp.headers.items(multi=True))))
+        if resp.reason and scrubber.contains_secret(resp.reason.encode("utf-8", "surrogateescape")):
+            resp.reason = scrubber.scrub_text(resp.reason)  # a reflecting reason phrase
+        if flow.request.method.upper() == "HEAD" or resp.status_code in (101, 204, 304):
+            return  # no body follows (a refusal body here would corrupt the connection)
+        encoding = resp.headers.get("content-encoding")
+        try:
+            decoder(encoding)
+        except UnsupportedEncoding:
+            logger.warning("refused %s response from %s: Content-Encoding %r cannot be scrubbed",
+                           applied.capability, fs.host, encoding)
+            refuse(flow, fs.request_id, "unsupported_content_encoding")
+            fs.extra["scrub_error"] = "unsupported_content_encoding"
+            return
+        if not resp.stream:
+            return  # buffered: scrubbed whole in `response`
+        inner = resp.stream if callable(resp.stream) else None
+        client_id = flow.client_conn.id
+
+        def on_error(exc: Exception) -> None:
+            logger.warning("killed %s response from %s: %s", applied.capability, fs.host, type(exc).__name__)
+            fs.extra["scrub_error"] = type(exc).__name__
+            if self.rt.abort_connection is not None:
+                self.rt.abort_connection(client_id)
+
+        resp.stream = scrub_chain(inner, encoding, scrubber, STREAM_MAX_DECODED, on_error)
+        reframe(flow, encoding)
+
+    def response(self, flow: http.HTTPFlow) -> None:
+        applied: Applied | None = flow.metadata.get(META_CRED)
+        resp = flow.response
+        fs = flow_state(flow)
+        if applied is None or resp is None or fs is None:
+            return
+        if resp.trailers:  # sent after this hook, for streamed responses too
+            scrubber = cached_scrubber(applied.spec())
+            resp.trailers = fields(scrubber.scrub_headers(list(resp.trailers.items(multi=True))))
+        if resp.stream:
+            return
+        raw = resp.raw_content
+        if not raw or flow.request.method.upper() == "HEAD":
+            return
+        encoding = resp.headers.get("content-encoding")
+        scrubber = cached_scrubber(applied.spec())
+        if encoding is None:  # the common case (we asked for identity): scrub in place, one pass
+            if scrubber.contains_secret(raw):
+                resp.content = scrubber.scrub(raw)  # also rewrites Content-Length
+            return
+        errors: list[Exception] = []
+        try:
+            run = scrub_chain(None, encoding, scrubber, BUFFERED_MAX_DECODED, errors.append)
+            out = b"".join(as_chunks(run(raw)) + as_chunks(run(b"")))
+        except UnsupportedEncoding:  # already refused in responseheaders; kept for safety
+            errors.append(UnsupportedEncoding(str(encoding)))
+        if errors:
+            logger.warning("refused %s response from %s: body could not be decoded", applied.capability, fs.host)
+            flow.response = http.Response.make(
+                502, b'{"error":"upstream_response_refused","reason":"undecodable_body"}',
+                {"Content-Type": "application/json", REQUEST_ID_HEADER: fs.request_id, "Cache-Control": "no-store"})
+            return
+        if encoding is not None:
+            del resp.headers["content-encoding"]
+        resp.raw_content = out
+        if "transfer-encoding" not in resp.headers:
+            resp.headers["content-length"] = str(len(out))
