@@ -219,7 +219,7 @@ class Gateway:
         """Send raw bytes to the proxy from the sandbox; return everything read until close/quiet."""
         with self.connect() as sock:
             sock.sendall(payload)
-            return read_all(sock, wait)
+            return read_all(sock, wait, first=10)
 
     def tunnel(self, sbx: Sandbox, target: str) -> tuple[socket.socket, Response]:
         """CONNECT `target` with the sandbox's identity; returns the socket and the CONNECT response."""
@@ -284,8 +284,10 @@ def _flatten_otlp(record: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def read_all(sock: socket.socket, wait: float) -> bytes:
-    sock.settimeout(wait)
+def read_all(sock: socket.socket, wait: float, first: float | None = None) -> bytes:
+    """Read until close or `wait` seconds of quiet. `first` (when an answer is expected) is the
+    patience for the first byte, so a loaded CI machine does not turn a slow answer into none."""
+    sock.settimeout(first if first is not None else wait)
     out = bytearray()
     with contextlib.suppress(TimeoutError, ConnectionResetError, ssl.SSLError, OSError):
         while True:
@@ -293,6 +295,7 @@ def read_all(sock: socket.socket, wait: float) -> bytes:
             if not chunk:
                 break
             out.extend(chunk)
+            sock.settimeout(wait)
     return bytes(out)
 
 

@@ -61,7 +61,7 @@ def _send(world: World, proxy: tuple[str, int], payload: bytes) -> bytes:
     def run() -> bytes:
         with socket.create_connection(proxy, timeout=5) as sock:
             sock.sendall(payload)
-            return read_all(sock, 1.0)
+            return read_all(sock, 1.0, first=10)
     return world.in_ns(world.sbx, run)
 
 

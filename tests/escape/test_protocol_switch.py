@@ -37,7 +37,7 @@ def test_positive_control_direct_switch_passes_raw_bytes(world: World) -> None:
             head = read_response(sock)
             assert head.status == 101
             sock.sendall(MARKER)
-            return read_all(sock, 0.5)
+            return read_all(sock, 0.5, first=5)
 
     assert world.in_ns(world.gw, run).startswith(b"RAW-ACK")
     assert _raw_after_switch(world, mark, "upstream-http")
@@ -48,7 +48,7 @@ def test_plain_http_switch_does_not_become_a_raw_pipe(world: World, gateway: Gat
     with gateway.connect() as sock:
         req = UPGRADE.format(host="api.allowed.test", auth=f"Proxy-Authorization: {sbx.auth_header}\r\n")
         sock.sendall(req.replace("GET /switch", "GET http://api.allowed.test/switch").encode())
-        first = read_all(sock, 1.0)
+        first = read_all(sock, 1.0, first=10)
         try:
             sock.sendall(MARKER)
             later = read_all(sock, 1.0)
@@ -64,7 +64,7 @@ def test_tunnel_switch_does_not_become_a_raw_pipe(world: World, gateway: Gateway
     assert resp.status == 200, resp
     with gateway.tls(sock, "api.allowed.test") as tls:
         tls.sendall(UPGRADE.format(host="api.allowed.test", auth="").encode())
-        first = read_all(tls, 1.0)
+        first = read_all(tls, 1.0, first=10)
         try:
             tls.sendall(MARKER)
             later = read_all(tls, 1.0)

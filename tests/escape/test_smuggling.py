@@ -84,7 +84,7 @@ def test_positive_control_tls_upstream_is_desynchronisable(world: World, case: s
         raw = socket.create_connection((nw.UPSTREAM, TLS_PORT[port]), timeout=5)
         with _tls_client(world).wrap_socket(raw, server_hostname="api.allowed.test") as sock:
             sock.sendall(_request("", headers, body, TLS_PORT[port], ""))
-            return read_all(sock, 0.5)
+            return read_all(sock, 0.5, first=5)
 
     world.in_ns(world.gw, send)
     assert _smuggled_seen(world, mark), f"control: {case} should desync the TLS upstream when sent directly"
@@ -101,7 +101,7 @@ def test_smuggling_inside_intercepted_tunnel_never_desyncs_upstream(
     assert resp.status == 200, resp
     with gateway.tls(sock, "api.allowed.test") as tls:
         tls.sendall(_request("", headers, body, tls_port, ""))
-        first = read_all(tls, 1.5)
+        first = read_all(tls, 1.0, first=10)
     assert first.startswith((b"HTTP/1.1 400 ", b"HTTP/1.1 403 ")), first[:200]
     assert _smuggled_seen(world, mark) == []
     assert_untouched(world, mark, case)
@@ -115,7 +115,7 @@ def test_positive_control_upstream_is_desynchronisable(world: World, case: str) 
     def send() -> bytes:
         with socket.create_connection((nw.UPSTREAM, port), timeout=5) as sock:
             sock.sendall(_request("", headers, body, port, ""))
-            return read_all(sock, 0.5)
+            return read_all(sock, 0.5, first=5)
 
     world.in_ns(world.gw, send)
     assert _smuggled_seen(world, mark), f"control: {case} should desync the upstream when sent directly"
@@ -130,7 +130,7 @@ def test_smuggling_through_gateway_never_desyncs_upstream(
     auth = f"Proxy-Authorization: {sbx.auth_header}\r\n"
     with gateway.connect() as sock:
         sock.sendall(_request("http://", headers, body, port, auth))
-        first = read_all(sock, 1.5)
+        first = read_all(sock, 1.0, first=10)
         # a follow-up request on the same client connection may pick up a poisoned upstream connection
         sock.sendall(f"GET http://api.allowed.test/after HTTP/1.1\r\nHost: api.allowed.test\r\n{auth}\r\n".encode())
         read_all(sock, 1.0)
