@@ -57,7 +57,8 @@ ALL_FORMS = {**METADATA_FORMS, **PRIVATE_FORMS, **LOOPBACK_FORMS}
 # canary the controls above prove live
 ODD_FORMS = ["169.254.169.254.", "0x00000000a9fea9fe", "0251.0xfe.43518", "%31%36%39.254.169.254",
              "169.254.169.254%2f", "[::ffff:169.254.169.254%25eth0]", "[0:0:0:0:0:ffff:a9fe:a9fe]",
-             "[::FFFF:A9FE:A9FE]", "①⑥⑨.②⑤④.①⑥⑨.②⑤④", "169。254。169。254"]
+             "[::FFFF:A9FE:A9FE]", "①⑥⑨.②⑤④.①⑥⑨.②⑤④", "169。254。169。254", "169%2e254%2e169%2e254",
+             "".join(chr(ord(c) + 0xFEE0) if c.isdigit() else c for c in "169.254.169.254")]  # fullwidth
 
 
 @pytest.mark.parametrize("form", sorted(ALL_FORMS))

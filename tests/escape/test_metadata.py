@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 from networld import World
 
-from escape.checks import assert_denied, assert_untouched
-from escape.harness import Gateway
+from escape.checks import assert_denied, assert_untouched, proxied_get
+from escape.harness import Gateway, parse_response
 
 pytestmark = pytest.mark.netns
 
@@ -45,3 +45,22 @@ def test_metadata_is_denied_even_when_policy_allows(world: World, gateway: Gatew
     if policy == "escape-metadata-covered":
         assert reason == "metadata_endpoint", res
     assert_untouched(world, mark, url)
+
+
+FULLWIDTH_METADATA = "".join(chr(ord(c) + 0xFEE0) for c in "metadata") + ".google.internal"
+
+
+@pytest.mark.parametrize("name", ["ⓜetadata.google.internal", FULLWIDTH_METADATA, "metadata.google.internal%2e", "metadata%2egoogle%2einternal",
+                                  "xn--metadata-.google.internal", "metadata.google.internal:80"])
+def test_unicode_and_encoded_metadata_names_are_refused(world: World, gateway: Gateway, name: str) -> None:
+    """Names that normalise (UTS 46, percent-decoding) to the metadata host must not slip past a check
+    done on the raw spelling."""
+    sbx = gateway.admit("escape-https")
+    mark = world.mark()
+    raw = gateway.raw(proxied_get(sbx, f"http://{name}/computeMetadata/v1/", host=name))
+    if raw:
+        assert parse_response(raw).status >= 400, raw[:300]
+    sock, resp = gateway.tunnel(sbx, f"{name}:443" if ":" not in name else name)
+    with sock:
+        assert resp.status >= 400, resp
+    assert_untouched(world, mark, name)
