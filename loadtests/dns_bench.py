@@ -12,6 +12,7 @@ answers with the expected rcode, and re-primes the window when answers are lost.
 once, interleaved, so all targets see the same machine conditions; the report gives medians over runs.
 
 Usage: .venv/bin/python loadtests/dns_bench.py [--duration 5] [--runs 5] [--inflight 32] [--json FILE]
+       [--reference] [--compare-tree DIR]
 """
 
 from __future__ import annotations
@@ -175,8 +176,13 @@ def load(port: int, name: str, expect_rcode: int, duration: float, inflight: int
 # --- orchestration ---------------------------------------------------------------------------------------
 
 
-def spawn_role(*args: str) -> tuple[subprocess.Popen, int]:
-    proc = subprocess.Popen([sys.executable, __file__, *args], stdout=subprocess.PIPE, text=True)
+def spawn_role(*args: str, tree: str | None = None) -> tuple[subprocess.Popen, int]:
+    """Start a role of this script; with `tree`, the copy of this script and egressgate in that source tree."""
+    script, env = __file__, None
+    if tree is not None:
+        script = os.path.join(tree, "loadtests", "dns_bench.py")
+        env = {**os.environ, "PYTHONPATH": tree}
+    proc = subprocess.Popen([sys.executable, script, *args], stdout=subprocess.PIPE, text=True, env=env)
     line = proc.stdout.readline() if proc.stdout else ""
     if not line.strip().isdigit():
         proc.kill()
@@ -220,6 +226,9 @@ def main() -> int:
     parser.add_argument("--audit", choices=["file", "memory"], default="file")
     parser.add_argument("--reference", action="store_true",
                         help="also measure egressgate with audit events kept in memory (not durable)")
+    parser.add_argument("--compare-tree", metavar="DIR",
+                        help="also measure egressgate from another source tree (before/after in one run), e.g. "
+                             "`git archive <commit> egressgate loadtests | tar -x -C DIR`")
     parser.add_argument("--duration", type=float, default=5.0)
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--inflight", type=int, default=32)
@@ -247,6 +256,10 @@ def main() -> int:
             ref, ref_port = spawn_role("--role", "egressgate", "--upstream-port", str(upstream_port),
                                        "--audit-dir", tmp, "--audit", "memory")
             procs.append(ref)
+        if args.compare_tree:
+            old, old_port = spawn_role("--role", "egressgate", "--upstream-port", str(upstream_port),
+                                       "--audit-dir", tempfile.mkdtemp(dir=tmp), tree=args.compare_tree)
+            procs.append(old)
         mport = free_udp_tcp_port()
         cmd = dnsmasq_command(mport, upstream_port, os.path.join(tmp, "dnsmasq.pid"))
         procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
@@ -263,6 +276,10 @@ def main() -> int:
             wait_answering(ref_port, ALLOWED, 0)
             targets["reference: cached, audit in memory"] = (ref_port, ALLOWED, 0)
             targets["reference: denied, audit in memory"] = (ref_port, DENIED, 3)
+        if args.compare_tree:
+            wait_answering(old_port, ALLOWED, 0)
+            targets["compare tree: cached allowed"] = (old_port, ALLOWED, 0)
+            targets["compare tree: denied"] = (old_port, DENIED, 3)
         results: dict[str, list[dict[str, float]]] = {k: [] for k in targets}
         for run in range(args.runs):
             for label, (port, name, rc) in targets.items():
@@ -280,6 +297,9 @@ def main() -> int:
         cached_ratio = medians["egressgate cached allowed"] / medians["dnsmasq cached"]
         print(f"  {'denied / dnsmasq cached':36s} {ratio:9.2f}x  (goal >= 0.5x)")
         print(f"  {'cached allowed / dnsmasq cached':36s} {cached_ratio:9.2f}x")
+        if args.compare_tree:
+            for label in ("compare tree: denied", "compare tree: cached allowed"):
+                print(f"  {label + ' / dnsmasq cached':36s} {medians[label] / medians['dnsmasq cached']:9.2f}x")
         print("  dnsmasq command:", " ".join(cmd))
         if metrics_line.strip():
             metrics = json.loads(metrics_line)

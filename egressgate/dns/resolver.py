@@ -225,7 +225,7 @@ class Resolver:
         if ctx.sandbox_id is not None:
             try:
                 return await self.state.add_dns_query(ctx.sandbox_id, name_bytes)
-            except StateUnavailable:
+            except (StateUnavailable, KeyError):  # KeyError: a store that lost the sandbox's record
                 self.metrics.state_failures += 1
                 return None
         counts = self._unknown.setdefault(ctx.client, [0, 0])
