@@ -91,7 +91,7 @@ def test_sandbox_namespace_cannot_reach_the_resolver(world: World, proto: str) -
     assert world.dns_queries(mark) == []
     control = world.exec(world.open, "dig", proto, "+short", f"@{nw.DNS_ADDR}", "api.allowed.test")
     assert control.stdout.split() == [nw.UPSTREAM]
-    assert len(world.dns_queries(mark)) == 1
+    assert len(world.dns_queries(mark)) >= 1  # (a retry may add one)
 
 
 def test_dns_rebinding_mode_alternates_with_ttl_zero(world: World) -> None:
