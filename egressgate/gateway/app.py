@@ -158,6 +158,8 @@ class Gateway:
             await self.dns.stop()
         if self.rt is not None:
             await self.rt.ledger.flush()
+            if self.rt.background:  # write-behind outcome records: every one reaches the sink before close
+                await asyncio.gather(*list(self.rt.background), return_exceptions=True)
             await self.rt.audit.close()
             await self.rt.state.close()
             if self.rt.broker is not None:

@@ -8,6 +8,7 @@ could be written. Outcome records (status, bytes, duration) follow the response,
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -189,7 +190,16 @@ class AuditEmit:
             body_hash=body_hash,
             extra=extra,
         )
-        await self._write(event)
+        self._write_behind(event)
+
+    def _write_behind(self, event: AuditEvent) -> None:
+        """Outcome records are written without holding the response: intent-before-effect is the
+        decision record's job, and it was durable before anything went upstream. The write is still
+        awaited (by a tracked task, drained at shutdown); a failure marks the sink unhealthy, so new
+        requests are denied, and is logged."""
+        task = asyncio.get_running_loop().create_task(self._write(event))
+        self.rt.background.add(task)
+        task.add_done_callback(self.rt.background.discard)
 
     def request(self, flow: http.HTTPFlow) -> None:
         fs = flow_state(flow)

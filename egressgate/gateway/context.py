@@ -10,9 +10,12 @@ re-derives a destination from attacker-controlled headers.
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import ipaddress
+import itertools
+import os
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -92,8 +95,15 @@ class FlowState:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+_ID_KEY = os.urandom(32)
+_ID_COUNTER = itertools.count()
+
+
 def new_request_id() -> str:
-    return uuid.uuid4().hex
+    """128-bit ids, unique per process (a counter) and unguessable across sandboxes (keyed BLAKE2b of
+    it: a sequential id in a deny body would tell one sandbox how busy the others are). About 4x cheaper
+    than uuid4, which costs a getrandom syscall and a UUID object per request."""
+    return hashlib.blake2b(next(_ID_COUNTER).to_bytes(8, "big"), key=_ID_KEY, digest_size=16).hexdigest()
 
 
 class PolicyHolder:
@@ -129,6 +139,7 @@ class Runtime:
     abort_connection: Callable[[str], bool] | None = None  # set by the master: client id -> aborted?
     server_task: Callable[[str, Any], Any] | None = None  # set by the master: (client id, server) -> Task
     broker: Broker | None = None  # credential broker (egressgate/broker); None: credentialed routes fail closed
+    background: set[asyncio.Task] = field(default_factory=set)  # write-behind audit records, drained at stop
 
     def conn(self, client_id: str) -> ConnState:
         state = self.conns.get(client_id)
