@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
 import click
@@ -66,9 +67,11 @@ def sandbox() -> None:
 @click.option("--label", "labels", multiple=True, help="k=v, repeatable")
 @click.option("--address", "addresses", multiple=True,
               help="Source IP of the sandbox (repeatable): identifies it to the DNS resolver")
+@click.option("--format", "fmt", type=click.Choice(["json", "shell", "env-file"]), default="json", show_default=True,
+              help="json: everything; shell: `export` lines for eval; env-file: KEY=VALUE lines (docker --env-file)")
 def admit(config_file: str | None, admin: str | None, policy: str, labels: tuple[str, ...],
-          addresses: tuple[str, ...]) -> None:
-    """Register a sandbox; prints JSON: id, token, proxy_url, env."""
+          addresses: tuple[str, ...], fmt: str) -> None:
+    """Register a sandbox; prints its id, token, proxy_url and the env to give it."""
     cfg = _config(config_file)
     parsed: dict[str, str] = {}
     for item in labels:
@@ -80,7 +83,21 @@ def admit(config_file: str | None, admin: str | None, policy: str, labels: tuple
                          {"policy": policy, "labels": parsed, "addresses": list(addresses)})
     if status != 201:
         raise click.ClickException(f"admission refused ({status}): {json.dumps(data)}")
-    click.echo(json.dumps(data, indent=2))
+    click.echo(render_admission(data, fmt))
+
+
+def render_admission(data: dict, fmt: str) -> str:
+    """The sandbox's environment in the shape the caller wants. NO_PROXY is exported empty (an empty
+    value overrides an inherited one); EGRESSGATE_SANDBOX_ID lets scripts revoke what they admitted."""
+    if fmt == "json":
+        return json.dumps(data, indent=2)
+    env = {**data["env"], "EGRESSGATE_SANDBOX_ID": data["id"]}
+    if fmt == "shell":
+        return "\n".join(f"export {key}={shlex.quote(str(value))}" for key, value in env.items())
+    for key, value in env.items():
+        if "\n" in str(value):
+            raise click.ClickException(f"{key} contains a newline; use --format json")
+    return "\n".join(f"{key}={value}" for key, value in env.items())
 
 
 @sandbox.command("revoke")

@@ -67,7 +67,7 @@ class Gateway:
         policy_path = Path(cfg.policy)
         self._signature = policy_signature(policy_path)
         policies = load_policies(policy_path)  # PolicyError: refuse to start
-        sandbox_bundle = str(ca.sandbox_bundle(cfg.ca_path()))
+        sandbox_bundle = str(ca.sandbox_bundle(cfg.ca_path()).resolve())  # absolute: sandboxes run elsewhere
         upstream_bundle = str(ca.upstream_bundle(cfg.ca_path(), cfg.upstream.ca_bundle))
         broker = await start_broker(cfg, policies)  # refuses capabilities its backend cannot serve
         state = MemoryState()

@@ -87,3 +87,26 @@ def test_source_address_cannot_be_registered_twice(dns_gateway):
                            headers={"Authorization": f"Bearer {dns_gateway.token}"}, timeout=10, trust_env=False)
     assert revoked.status_code in (200, 204)
     assert admit(dns_gateway, "gw-noprivate", ["127.0.0.11"]).status_code == 201
+
+
+def test_admission_formats_for_shells_and_env_files(dns_gateway):
+    """`sandbox admit --format shell|env-file`: the same env, ready for eval or docker --env-file."""
+    import shlex
+    import subprocess
+
+    from tests.gateway.conftest import EGRESSGATE
+
+    def admit_cli(fmt: str) -> str:
+        out = subprocess.run([EGRESSGATE, "sandbox", "admit", "--config", str(dns_gateway.config),
+                              "--policy", "gw-basic", "--format", fmt],
+                             capture_output=True, text=True, check=True, timeout=30)
+        return out.stdout
+
+    shell = admit_cli("shell")
+    exported = dict(line.removeprefix("export ").split("=", 1) for line in shell.splitlines())
+    env = {k: shlex.split(v)[0] if v != "''" else "" for k, v in exported.items()}
+    assert env["NO_PROXY"] == "" and env["EGRESSGATE_SANDBOX_ID"].startswith("sbx-")
+    assert env["HTTPS_PROXY"].startswith("http://" + env["EGRESSGATE_SANDBOX_ID"] + ":")
+    assert env["SSL_CERT_FILE"].startswith("/")  # absolute: the sandbox does not share our cwd
+    env_file = dict(line.split("=", 1) for line in admit_cli("env-file").splitlines())
+    assert env_file.keys() == env.keys() and env_file["EGRESSGATE_SANDBOX_ID"] != env["EGRESSGATE_SANDBOX_ID"]
