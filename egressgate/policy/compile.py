@@ -206,6 +206,8 @@ def _compile_rule(
                 problems.append((f"{path}.credential", "credentials are injected on HTTPS rules only"))
             elif host is not None and host.kind != "exact":
                 problems.append((f"{path}.credential", "a credential needs one exact host (its audience)"))
+            if methods and "TRACE" in methods:
+                problems.append((f"{path}.methods", "TRACE is never allowed with a credential (it echoes it back)"))
             if credential not in policy.capabilities:
                 problems.append((f"{path}.credential", f"unknown capability {credential!r} (define it in "
                                  "credentials.capabilities)"))

@@ -147,6 +147,8 @@ def _allow_rule_failure(
     if not connect:
         if rule.methods is not None and facts.method not in rule.methods:
             return Reason.METHOD_NOT_ALLOWED
+        if rule.credential is not None and facts.method == "TRACE":
+            return Reason.METHOD_NOT_ALLOWED  # TRACE echoes the request, injected credential included
         if not rule.path_allows(facts.path):
             return Reason.PATH_NOT_ALLOWED
     if rule.when is not None and not _conditions_hold(rule.when, state, now):

@@ -153,6 +153,22 @@ def test_credential_and_paths():
     assert (admin.reason, admin.rule_id) == (Reason.DENIED_BY_RULE, "no-admin")
 
 
+def test_trace_is_refused_on_credentialed_rules():
+    policy = parse_policy(textwrap.dedent("""
+        sandbox: {name: tr}
+        credentials: {capabilities: {gh: {type: jwt}}}
+        network:
+          https:
+            allow:
+              - {id: cred, host: api.github.com, credential: gh}
+              - {id: plain, host: plain.example.com}
+    """), "tr.yaml")
+    d = run(policy, "TRACE https://api.github.com/")
+    assert (d.reason, d.rule_id) == (Reason.METHOD_NOT_ALLOWED, "cred")
+    assert run(policy, "GET https://api.github.com/").allowed
+    assert run(policy, "TRACE https://plain.example.com/").allowed  # no credential to reflect
+
+
 def test_wildcard_matches_subdomains_not_apex():
     assert run(EXTENDED, "GET https://a.cdn.example/x").allowed
     assert run(EXTENDED, "HEAD https://a.b.cdn.example/x").allowed

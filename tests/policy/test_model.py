@@ -142,6 +142,11 @@ def test_wildcard_hosts_cannot_carry_credentials(rule, fragment):
     assert any(fragment in m for _, m in found), found
 
 
+def test_trace_with_a_credential_is_an_error():
+    found = problems(CREDS + "      - {host: api.example.com, methods: [GET, TRACE], credential: a}\n")
+    assert any(p == "network.https.allow[0].methods" and "TRACE" in m for p, m in found), found
+
+
 def test_credentials_only_on_https_allow_rules():
     text = """
 sandbox: {name: t}
