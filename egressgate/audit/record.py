@@ -93,6 +93,10 @@ def _clean_value(value: Any) -> Value:
         return value if value.isascii() else clean_str(value)
     if t is int or t is bool:
         return value
+    if t is list:
+        return [_clean_value(v) for v in value]
+    if t is float:
+        return value if math.isfinite(value) else repr(value)
     if isinstance(value, bool | int):
         return value
     if isinstance(value, float):
@@ -368,6 +372,9 @@ _FRAGMENTS_MAX = 8192
 _FRAGMENT_VALUE_MAX = 256
 _ORDERS: dict[tuple[str, ...], list[str]] = {}
 _ORDERS_MAX = 256
+# Attributes unique to each record: memoising them would only churn the memo (chain.hash is not: it is
+# encoded as the constant placeholder and the digest is spliced into the bytes afterwards).
+_NOT_MEMOISED = frozenset({K_CHAIN_PREV, "egressgate.request.id", "egressgate.request.hash", "egressgate.body.hash"})
 
 
 def _attributes_json(attrs: Mapping[str, Any]) -> str:
@@ -385,7 +392,7 @@ def _attributes_json(attrs: Mapping[str, Any]) -> str:
     frags = _FRAGMENTS
     for key in order:
         value = attrs[key]
-        if type(value) is str and len(value) <= _FRAGMENT_VALUE_MAX:
+        if type(value) is str and len(value) <= _FRAGMENT_VALUE_MAX and key not in _NOT_MEMOISED:
             memo = (key, value)
             frag = frags.get(memo)
             if frag is None:
