@@ -371,6 +371,7 @@ _FRAGMENTS: dict[tuple[str, str], str] = {}
 _FRAGMENTS_MAX = 8192
 _FRAGMENT_VALUE_MAX = 256
 _ORDERS: dict[tuple[str, ...], list[str]] = {}
+_PREFIXES: dict[str, str] = {}  # key -> '{"key":"<key>","value":'
 _ORDERS_MAX = 256
 # Attributes unique to each record: memoising them would only churn the memo (chain.hash is not: it is
 # encoded as the constant placeholder and the digest is spliced into the bytes afterwards).
@@ -402,7 +403,13 @@ def _attributes_json(attrs: Mapping[str, Any]) -> str:
                 frags[memo] = frag
             append(frag)
         else:
-            append('{"key":' + _esc(key) + ',"value":' + _value_json(value) + "}")
+            prefix = _PREFIXES.get(key)
+            if prefix is None:
+                prefix = '{"key":' + _esc(key) + ',"value":'
+                if len(_PREFIXES) >= _FRAGMENTS_MAX:
+                    _PREFIXES.clear()
+                _PREFIXES[key] = prefix
+            append(prefix + _value_json(value) + "}")
     return ",".join(parts)
 
 
@@ -425,10 +432,8 @@ def encode_record(record: Record) -> bytes:
     except _Unusual:
         return dumps(to_otlp(record))
     ts = int.__repr__(t)
-    return (
-        _LINE_HEAD
-        + attrs
-        + '],"body":{"stringValue":'
+    tail = (  # the small pieces first, so the long attribute text is copied once, by the join
+        '],"body":{"stringValue":'
         + _esc(record.body)
         + '},"eventName":'
         + _esc(record.event_name)
@@ -442,7 +447,8 @@ def encode_record(record: Record) -> bytes:
         + ts
         + '"}'
         + _LINE_TAIL
-    ).encode("ascii")
+    )
+    return "".join((_LINE_HEAD, attrs, tail)).encode("ascii")
 
 
 class RecordFormatError(ValueError):
