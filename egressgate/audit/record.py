@@ -191,18 +191,25 @@ def event_attributes(event: AuditEvent) -> dict[str, Value]:
         ("egressgate.body.hash", event.body_hash),
         ("egressgate.message", event.message),
     )
+    # Values are cleaned as they are inserted (one pass); keys are constants except extra's.
     pairs: dict[str, Any] = {K_OPERATION: str(kind)}
     for key, val in raw:
         if val is not None:
-            pairs[key] = val
+            t = type(val)
+            if t is str:
+                pairs[key] = val if val.isascii() else clean_str(val)
+            elif t is int:
+                pairs[key] = val
+            else:
+                pairs[key] = _clean_value(val)
     if kind is EventKind.DNS_QUERY and event.host:
-        pairs[K_DNS_NAME] = event.host
+        pairs[K_DNS_NAME] = pairs[K_HOST]
     if event.sandbox_labels:
-        pairs[K_LABELS] = dict(event.sandbox_labels)
+        pairs[K_LABELS] = _clean_value(dict(event.sandbox_labels))
     facts = event.facts
     if facts is not None:
-        pairs["egressgate.facts.addresses"] = [str(a) for a in facts.addresses]
-        pairs["egressgate.facts.request_bytes"] = facts.request_bytes
+        pairs["egressgate.facts.addresses"] = _clean_value([str(a) for a in facts.addresses])
+        pairs["egressgate.facts.request_bytes"] = _clean_value(facts.request_bytes)
         for key, val in (
             (K_HOST, facts.host),
             (K_PORT, facts.port),
@@ -212,27 +219,29 @@ def event_attributes(event: AuditEvent) -> dict[str, Value]:
             ("egressgate.dns.qtype", facts.qtype),
         ):
             if val is not None and pairs.get(key) is None:
-                pairs[key] = val
+                pairs[key] = _clean_value(val)
     if event.state is not None:
-        pairs.update(state_attributes(event.state))
+        for key, val in state_attributes(event.state).items():
+            pairs[key] = _clean_value(val)
+    unclean = False  # a None placeholder or a key that needs cleaning: one more pass (rare)
     for key, val in event.extra.items():
         name = key if key.startswith("egressgate.") else f"egressgate.{key}"
         if name not in _BASE_KEYS and name not in pairs:
-            pairs[name] = val  # the first spelling wins (None included), as with setdefault
-    out: dict[str, Value] = {}
-    for key, val in pairs.items():
-        if val is None:
-            continue
-        if type(key) is not str or not key.isascii():
-            key = clean_str(key)
-        t = type(val)
-        if t is str:  # inline fast path of _clean_value (most attributes are ASCII strings)
-            out[key] = val if val.isascii() else clean_str(val)
-        elif t is int:
-            out[key] = val
-        else:
-            out[key] = _clean_value(val)
-    return out
+            # the first spelling wins (None included), as with setdefault
+            if val is None or not name.isascii():
+                unclean = True
+                pairs[name] = val if val is None else _clean_value(val)
+            else:
+                t = type(val)
+                if t is str:
+                    pairs[name] = val if val.isascii() else clean_str(val)
+                elif t is int:
+                    pairs[name] = val
+                else:
+                    pairs[name] = _clean_value(val)
+    if not unclean:
+        return pairs
+    return {clean_str(k): v for k, v in pairs.items() if v is not None}
 
 
 def state_attributes(state: Any) -> dict[str, Any]:
