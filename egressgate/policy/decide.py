@@ -34,7 +34,10 @@ _STAGES = (
     Reason.CONDITION_FAILED,
     Reason.BUDGET_EXCEEDED,
 )
-_DEPTH = {reason: i for i, reason in enumerate(_STAGES)}
+_DEPTH: dict[Reason | str, float] = {reason: i for i, reason in enumerate(_STAGES)}
+# A rule that matched all but TRACE on a credential: reported as method_not_allowed, ranked after paths.
+_TRACE_ON_CREDENTIAL = "trace_on_credential"
+_DEPTH[_TRACE_ON_CREDENTIAL] = _DEPTH[Reason.PATH_NOT_ALLOWED] + 0.5
 _NO_USAGE = RuleUsage()
 
 
@@ -59,7 +62,7 @@ def decide(policy: CompiledPolicy, facts: Facts, state: SandboxState, now: float
             if _deny_rule_applies(rule, facts, state, now, connect):
                 return _deny(policy, facts, Reason.DENIED_BY_RULE, rule)
 
-    best: tuple[Reason, CompiledRule | None] = (Reason.HOST_NOT_ALLOWED, None)
+    best: tuple[Reason | str, CompiledRule | None] = (Reason.HOST_NOT_ALLOWED, None)
     intercept = False
     allowed: CompiledRule | None = None
     for scheme in schemes:
@@ -72,6 +75,8 @@ def decide(policy: CompiledPolicy, facts: Facts, state: SandboxState, now: float
                 intercept = intercept or rule.scheme != "tcp"
             elif _DEPTH[failure] > _DEPTH[best[0]]:
                 best = (failure, rule)
+    if best[0] == _TRACE_ON_CREDENTIAL:
+        best = (Reason.METHOD_NOT_ALLOWED, best[1])
     if allowed is not None:
         return _allow(allowed, intercept=intercept)
 
@@ -141,16 +146,16 @@ def _deny_rule_applies(
 
 def _allow_rule_failure(
     rule: CompiledRule, facts: Facts, state: SandboxState, now: float, connect: bool
-) -> Reason | None:
+) -> Reason | str | None:
     if not _port_ok(rule, facts):
         return Reason.PORT_NOT_ALLOWED
     if not connect:
         if rule.methods is not None and facts.method not in rule.methods:
             return Reason.METHOD_NOT_ALLOWED
-        if rule.credential is not None and facts.method == "TRACE":
-            return Reason.METHOD_NOT_ALLOWED  # TRACE echoes the request, injected credential included
         if not rule.path_allows(facts.path):
             return Reason.PATH_NOT_ALLOWED
+        if rule.credential is not None and facts.method == "TRACE":
+            return _TRACE_ON_CREDENTIAL  # TRACE echoes the request, injected credential included
     if rule.when is not None and not _conditions_hold(rule.when, state, now):
         return Reason.CONDITION_FAILED
     if not connect and rule.budget is not None and _over_budget(rule, facts, state):

@@ -56,7 +56,7 @@ class DnsControl:
                 else:
                     answers = value
                 for addr in answers:
-                    rdata = AAAA(ipaddress.IPv6Address(addr).exploded) if qtype == "AAAA" else A(addr)
+                    rdata = AAAA(tuple(ipaddress.IPv6Address(addr).packed)) if qtype == "AAAA" else A(addr)
                     reply.add_answer(RR(q.qname, q.qtype, rdata=rdata, ttl=ttl))
             rcode = int(reply.header.rcode)
             self.log.write(event="query", qname=qname, qtype=qtype, answers=answers, rcode=rcode, peer=peer)

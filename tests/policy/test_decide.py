@@ -160,10 +160,13 @@ def test_trace_is_refused_on_credentialed_rules():
         network:
           https:
             allow:
+              - {id: reads, host: api.github.com, methods: [GET], paths: ["/repos/**"]}
               - {id: cred, host: api.github.com, credential: gh}
               - {id: plain, host: plain.example.com}
     """), "tr.yaml")
     d = run(policy, "TRACE https://api.github.com/")
+    assert (d.reason, d.rule_id) == (Reason.METHOD_NOT_ALLOWED, "cred")  # the rule it would have matched
+    d = run(policy, "TRACE https://api.github.com/repos/x")
     assert (d.reason, d.rule_id) == (Reason.METHOD_NOT_ALLOWED, "cred")
     assert run(policy, "GET https://api.github.com/").allowed
     assert run(policy, "TRACE https://plain.example.com/").allowed  # no credential to reflect
