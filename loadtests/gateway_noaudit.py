@@ -3,7 +3,7 @@
 Issue 6 asks for gateway rps with audit on vs off in one run. The gateway config has no switch to turn
 audit off (on purpose: a security product should not have one), so the "off" side of the ratio runs the
 same Gateway (same addons: AuditEmit still builds every event) through this module, which replaces
-`open_file_sink` with `DiscardSink` before the gateway starts. The difference therefore measures the sink
+`open_audit_sink` with `DiscardSink` before the gateway starts. The difference therefore measures the sink
 itself: chaining, OTLP/JSON encoding, hashing, the group-commit write — not event construction.
 
 NEVER use this outside the benchmark: it records nothing.
@@ -51,9 +51,9 @@ def main() -> None:
     logging.basicConfig(stream=sys.stderr, level=logging.INFO)
     for noisy in ("mitmproxy", "hpack", "aiohttp.access"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    if not hasattr(app, "open_file_sink"):
-        raise SystemExit("egressgate.gateway.app no longer uses open_file_sink; update this launcher")
-    app.open_file_sink = _open_discard_sink  # type: ignore[assignment]
+    if not hasattr(app, "open_audit_sink"):
+        raise SystemExit("egressgate.gateway.app no longer uses open_audit_sink; update this launcher")
+    app.open_audit_sink = _open_discard_sink  # type: ignore[assignment]
 
     def announce(line: str) -> None:
         sys.stdout.write(line + "\n")

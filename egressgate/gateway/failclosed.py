@@ -35,17 +35,25 @@ Abort = Callable[[str], object]  # abort a client connection by id
 
 
 class FailClosed:
-    """A transparent wrapper around one addon; mitmproxy sees the same hooks."""
+    """A wrapper around one addon; mitmproxy sees the same hooks.
+
+    The guarded hooks are built once here and stored as plain attributes: mitmproxy looks every hook up
+    on every addon for every event, so a `__getattr__` (or a closure per lookup) would be paid millions
+    of times under load."""
 
     def __init__(self, addon: Any, abort: Abort) -> None:
         self._addon = addon
         self._abort = abort
         self.name = getattr(addon, "name", type(addon).__name__.lower())  # mitmproxy looks addons up by name
+        for attr_name in dir(type(addon)):
+            if attr_name.startswith("_") or attr_name == "name":
+                continue
+            attr = getattr(addon, attr_name)
+            if not callable(attr) or inspect.isclass(attr):
+                continue
+            setattr(self, attr_name, attr if attr_name in _LIFECYCLE else self._guard(attr_name, attr))
 
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self._addon, name)
-        if name.startswith("_") or name in _LIFECYCLE or not callable(attr) or inspect.isclass(attr):
-            return attr
+    def _guard(self, name: str, attr: Callable[..., Any]) -> Callable[..., Any]:
         if inspect.iscoroutinefunction(attr):
 
             async def guarded_async(*args: Any) -> Any:
