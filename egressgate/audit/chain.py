@@ -17,6 +17,7 @@ import base64
 import hashlib
 from dataclasses import dataclass
 
+from egressgate.audit.encode import encode_record
 from egressgate.audit.record import (
     K_CHAIN_HASH,
     K_CHAIN_PREV,
@@ -24,7 +25,6 @@ from egressgate.audit.record import (
     K_OPERATION,
     SEVERITY_INFO,
     Record,
-    encode_record,
 )
 
 GENESIS = "0" * 64

@@ -9,8 +9,9 @@ from google.protobuf.json_format import Parse
 from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
 
 from egressgate.audit.chain import ChainWriter
+from egressgate.audit.encode import encode_record
 from egressgate.audit.event import AuditEvent, EventKind
-from egressgate.audit.record import encode_record, parse_line, record_from_event
+from egressgate.audit.record import parse_line, record_from_event
 from egressgate.policy.facts import Facts, Operation, RuleUsage, SandboxState
 from tests.audit.conftest import http_event
 
