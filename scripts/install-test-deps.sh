@@ -1,11 +1,10 @@
 #!/usr/bin/env bash
-# Install the Debian packages the tests use (real Redis, Squid, dnsmasq, nftables, netns, dig, curl, wrk)
+# Install the Debian packages the tests and benchmarks use (nftables, iproute2, dig, curl; Squid, dnsmasq, wrk)
 # when they are missing. Needs root; otherwise it says what is missing and the tests that need it skip
 # (outside CI) or fail (in CI).
 set -eu
 need=()
 have() { command -v "$1" >/dev/null 2>&1; }
-have redis-server || need+=(redis-server)
 have squid || need+=(squid)
 have dnsmasq || need+=(dnsmasq-base)
 have nft || need+=(nftables)
