@@ -133,6 +133,10 @@ def state_from(
         seen = attrs.get("egressgate.state.seen_hosts")
         # A record may carry only the fields its decision reads (DNS records: admitted_at and the DNS
         # counters); the fields it leaves out come from the log's history, as without recorded state.
+        # Gateway records carry only the history hosts and rule usage the *recording* policy could read
+        # (CompiledPolicy.relevant_state); a replayed policy may ask about others, so the recorded values
+        # are merged over what the log's history says.
+        history_usage = {r: RuleUsage(u[0], u[1]) for r, u in hist.usage.items()}
         return SandboxState(
             sandbox_id=sandbox_id,
             admitted_at=float(attrs["egressgate.state.admitted_at"]),
@@ -141,10 +145,9 @@ def state_from(
             bytes_in=_int(attrs.get("egressgate.state.bytes_in"), hist.bytes_in),
             dns_queries=_int(attrs.get("egressgate.state.dns_queries"), hist.dns_queries),
             dns_name_bytes=_int(attrs.get("egressgate.state.dns_name_bytes"), hist.dns_name_bytes),
-            seen_hosts=frozenset(str(h) for h in seen) if isinstance(seen, list) else frozenset(hist.seen_hosts),
-            rule_usage=usage
-            if isinstance(usage_raw, dict)
-            else {r: RuleUsage(u[0], u[1]) for r, u in hist.usage.items()},
+            seen_hosts=frozenset(hist.seen_hosts).union(str(h) for h in seen)
+            if isinstance(seen, list) else frozenset(hist.seen_hosts),
+            rule_usage={**history_usage, **usage} if isinstance(usage_raw, dict) else history_usage,
         ), True
     return SandboxState(
         sandbox_id=sandbox_id,

@@ -86,6 +86,7 @@ class DecisionAddon:
         if policy is None or snapshot is None:
             return
         facts = Facts(operation=Operation.CONNECT, host=host, port=port)
+        snapshot = policy.relevant_state(snapshot)  # same decision; what the audit record carries
         fs.decision = decide(policy, facts, snapshot, self.rt.clock())
         fs.extra["facts"] = facts
         fs.extra["state"] = snapshot
@@ -133,6 +134,7 @@ class DecisionAddon:
             operation=Operation.HTTP_REQUEST, host=fs.host, port=fs.port, scheme=scheme, method=method,
             path=path, addresses=addresses, request_bytes=request_head_size(req) + (body or 0),
         )
+        snapshot = policy.relevant_state(snapshot)  # same decision; what the audit record carries
         fs.decision = decide(policy, facts, snapshot, self.rt.clock())
         fs.extra["facts"] = facts
         fs.extra["state"] = snapshot

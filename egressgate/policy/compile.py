@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import ipaddress
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 from typing import Any
 
 from egressgate.policy.canon import CanonError, canon_method, parse_ip_literal
 from egressgate.policy.errors import PolicyError
+from egressgate.policy.facts import SandboxState
 from egressgate.policy.globs import GlobError, HostPattern, PathGlob, parse_host_pattern, parse_path_glob
 from egressgate.policy.model import Budget, Conditions, HttpRule, Policy, TcpRule
 from egressgate.policy.reasons import Effect
@@ -119,6 +121,25 @@ class CompiledPolicy:
         }
         self._dns_index = RuleIndex()
         self.dns: DnsSettings
+        self.history_patterns: tuple[HostPattern, ...] = ()  # hosts any `when` asks the history about
+        self.budgeted_rules: frozenset[str] = frozenset()  # rules whose usage decide() reads
+
+    def relevant_state(self, state: SandboxState) -> SandboxState:
+        """`state` reduced to what decide() can read under this policy: only history hosts some `when`
+        asks about, only the usage of rules with a budget. decide() gives the same answer for both; the
+        audit trail records this one, so a record's size does not grow with everything the sandbox ever
+        did (a wildcard rule would otherwise let a sandbox inflate every later record)."""
+        hosts = state.seen_hosts
+        if hosts and self.history_patterns:
+            hosts = frozenset(h for h in hosts if any(p.matches(h) for p in self.history_patterns))
+        elif hosts:
+            hosts = frozenset()
+        usage = state.rule_usage
+        if usage:
+            usage = MappingProxyType({r: u for r, u in usage.items() if r in self.budgeted_rules})
+        if hosts is state.seen_hosts and usage is state.rule_usage:
+            return state
+        return replace(state, seen_hosts=hosts, rule_usage=usage)
 
     def candidates(self, scheme: str, effect: Effect, host: str) -> list[CompiledRule]:
         return self.index[(scheme, effect)].candidates(host)
@@ -164,6 +185,11 @@ def compile_policy(model: Policy, source: str, policy_hash: str) -> CompiledPoli
                     policy._dns_index.add(rule)
 
     policy.dns = _compile_dns(model, policy, problems)
+    policy.history_patterns = tuple(
+        p for r in policy.rules if r.when is not None
+        for p in (*(r.when.after_request_to or ()), *(r.when.unless_request_to or ()))
+    )
+    policy.budgeted_rules = frozenset(r.id for r in policy.rules if r.budget is not None)
     problems.extend(_credential_problems(policy))
     if problems:
         raise PolicyError(source, problems)

@@ -97,7 +97,7 @@ def policies(tmp_path):
     return tmp_path / "old" / "p.yaml", tmp_path / "new" / "p.yaml"
 
 
-async def record_session(sink, old_path, with_state: bool) -> None:
+async def record_session(sink, old_path, with_state: bool | str) -> None:
     """What the gateway does: decide under the live policy, record facts + state, update state."""
     policy = load_policy(old_path)
     labels = {"team": "finance"}
@@ -117,6 +117,8 @@ async def record_session(sink, old_path, with_state: bool) -> None:
     dns_q = 0
     for rid, offset, facts, _ in SESSION:
         state = SandboxState("sbx-1", T0, labels, dns_queries=dns_q, seen_hosts=frozenset(seen), rule_usage=usage)
+        if with_state == "relevant":  # what the gateway records: only what the live policy can read
+            state = policy.relevant_state(state)
         now = T0 + offset
         d = decide(policy, facts, state, now)
         kind = {Operation.DNS_QUERY: EventKind.DNS_QUERY, Operation.CONNECT: EventKind.CONNECT}.get(
@@ -179,7 +181,7 @@ async def record_session(sink, old_path, with_state: bool) -> None:
     )
 
 
-@pytest.mark.parametrize("with_state", [True, False])
+@pytest.mark.parametrize("with_state", [True, "relevant", False])
 async def test_replay_finds_exactly_the_changed_decisions(make_sink, policies, with_state):
     old_path, new_path = policies
     sink = await make_sink()
@@ -252,3 +254,37 @@ async def test_replay_table_neutralizes_hostile_targets(make_sink, policies):
     assert len(result.changes) == 1
     table = format_table(result)
     assert "\x1b" not in table and "\r" not in table and "\\x1b[2J\\rOK" in table
+
+
+async def test_replay_reads_history_the_recording_policy_did_not_record(make_sink, tmp_path):
+    """The gateway records only the state its live policy can read (relevant_state). A replayed policy that
+    budgets a rule or asks about a host the live one did not must still see the sandbox's real past: replay
+    merges the log's history under the recorded values."""
+    live = tmp_path / "live.yaml"
+    live.write_text("sandbox: {name: p}\nnetwork:\n  allow_private: [198.18.0.0/15]\n  https:\n    allow:\n"
+                    "      - {id: wheels, host: files.pythonhosted.org, methods: [GET]}\n")
+    budgeted = tmp_path / "budgeted.yaml"
+    budgeted.write_text("sandbox: {name: p}\nnetwork:\n  allow_private: [198.18.0.0/15]\n  https:\n    allow:\n"
+                        "      - {id: wheels, host: files.pythonhosted.org, methods: [GET], budget: {requests: 1}}\n")
+    policy = load_policy(live)
+    sink = await make_sink()
+    seen: set[str] = set()
+    usage: dict[str, RuleUsage] = {}
+    for i in range(2):
+        facts = Facts(Operation.HTTP_REQUEST, "files.pythonhosted.org", 443, "https", "GET", f"/{i}.whl", ADDR)
+        full = SandboxState("sbx-2", T0, {}, seen_hosts=frozenset(seen), rule_usage=usage)
+        recorded = policy.relevant_state(full)
+        assert recorded.rule_usage == {} and recorded.seen_hosts == frozenset()  # nothing the live policy reads
+        now = T0 + i
+        d = decide(policy, facts, recorded, now)
+        assert d.allowed
+        await sink.write(AuditEvent(EventKind.HTTP_REQUEST, int(now * 1e9), f"r{i}", sandbox_id="sbx-2",
+                                    decision="allow", reason=str(d.reason), rule_id=d.rule_id, policy_name="p",
+                                    policy_hash=policy.hash, scheme="https", host=facts.host, port=443,
+                                    method="GET", path=facts.path, facts=facts, state=recorded))
+        seen.add(facts.host)
+        usage = {"wheels": RuleUsage(i + 1, 0)}
+    await sink.close()
+    result = replay([sink.path], budgeted)
+    assert [(c.direction, c.new_reason) for c in result.changes] == [("allow->deny", "budget_exceeded")]
+    assert result.unchanged == 1

@@ -8,6 +8,8 @@ from pathlib import Path
 from types import MappingProxyType
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from egressgate.policy.canon import CanonError
 from egressgate.policy.decide import decide
@@ -261,3 +263,31 @@ def test_decide_is_deterministic_and_pure():
     facts = parse_target("POST https://api.openai.com/v1/responses")
     st = state()
     assert decide(SEED, facts, st, NOW) == decide(SEED, facts, st, NOW)
+
+
+HOST_POOL = ["secrets.example.com", "upload.example.com", "a.cdn.example", "x.y.cdn.example", "api.github.com",
+             "limited.example.com", "ledger.example.com", "other.test"]
+RULE_POOL = ["limited", "gh-repos", "cdn", "upload", "secrets", "unknown-rule"]
+REQUESTS = ["POST https://upload.example.com/x", "GET https://limited.example.com/", "POST https://secrets.example.com/",
+            "GET https://a.cdn.example/x", "GET https://api.github.com/repos/a/b", "CONNECT upload.example.com:443"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    seen=st.frozensets(st.sampled_from(HOST_POOL)),
+    usage=st.dictionaries(st.sampled_from(RULE_POOL), st.tuples(st.integers(0, 5), st.integers(0, 200))),
+    request_text=st.sampled_from(REQUESTS),
+)
+def test_relevant_state_gives_the_same_decision(seen, usage, request_text):
+    full = state(seen_hosts=seen, rule_usage=MappingProxyType({r: RuleUsage(*u) for r, u in usage.items()}))
+    trimmed = EXTENDED.relevant_state(full)
+    assert trimmed.seen_hosts <= {"secrets.example.com"}  # the only host a `when` asks about
+    assert set(trimmed.rule_usage) <= {"limited"}  # the only rule with a budget
+    facts = parse_target(request_text)
+    assert decide(EXTENDED, facts, trimmed, NOW) == decide(EXTENDED, facts, full, NOW)
+
+
+def test_relevant_state_is_the_same_object_when_nothing_to_trim():
+    st_ = state()
+    assert SEED.relevant_state(st_) is st_
+    assert SEED.relevant_state(state(seen_hosts=frozenset({"a.example"}))).seen_hosts == frozenset()
