@@ -62,6 +62,14 @@ class DecisionAddon:
             fs.decision = gateway_deny(Reason.STATE_UNAVAILABLE)
             return None
 
+    def _decide(self, fs: FlowState, policy, facts: Facts, snapshot: SandboxState):
+        """The pure decision, plus exactly the inputs it saw for the audit record (and replay)."""
+        snapshot = policy.relevant_state(snapshot)  # same decision; what the audit record carries
+        fs.decision = decide(policy, facts, snapshot, self.rt.clock())
+        fs.extra["facts"] = facts
+        fs.extra["state"] = snapshot
+        return fs.decision
+
     def _policy(self, fs: FlowState):
         policy = self.rt.policies.get(fs.policy_name)
         if policy is None:
@@ -86,11 +94,7 @@ class DecisionAddon:
         if policy is None or snapshot is None:
             return
         facts = Facts(operation=Operation.CONNECT, host=host, port=port)
-        snapshot = policy.relevant_state(snapshot)  # same decision; what the audit record carries
-        fs.decision = decide(policy, facts, snapshot, self.rt.clock())
-        fs.extra["facts"] = facts
-        fs.extra["state"] = snapshot
-        if not fs.decision.allowed:
+        if not self._decide(fs, policy, facts, snapshot).allowed:
             return
         allowed = fs.decision
         target, denied = await resolve_target(self.rt, policy, host, port)
@@ -134,11 +138,7 @@ class DecisionAddon:
             operation=Operation.HTTP_REQUEST, host=fs.host, port=fs.port, scheme=scheme, method=method,
             path=path, addresses=addresses, request_bytes=request_head_size(req) + (body or 0),
         )
-        snapshot = policy.relevant_state(snapshot)  # same decision; what the audit record carries
-        fs.decision = decide(policy, facts, snapshot, self.rt.clock())
-        fs.extra["facts"] = facts
-        fs.extra["state"] = snapshot
-        if not fs.decision.allowed:
+        if not self._decide(fs, policy, facts, snapshot).allowed:
             return
         if tunnel:
             fs.pinned = conn.tunnel_target

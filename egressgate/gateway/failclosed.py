@@ -94,8 +94,11 @@ class FailClosed:
 
 def refuse(hook: str, subject: Any, abort: Abort) -> None:
     if isinstance(subject, http.HTTPFlow):
-        body_pending = hook != "request" and pending_body_too_large(subject.request)
-        if hook in _BEFORE_UPSTREAM and subject.response is None and subject.live and not body_pending:
+        # a body still to come would be buffered whole to send a response; a streamed one is already
+        # upstream by the `request` hook: in both cases cutting the flow is the only safe refusal
+        request = subject.request
+        cannot_answer = bool(request.stream) if hook == "request" else pending_body_too_large(request)
+        if hook in _BEFORE_UPSTREAM and subject.response is None and subject.live and not cannot_answer:
             request_id = subject.metadata.get("egressgate.request_id") or subject.id
             subject.response = deny_response(gateway_deny(Reason.INTERNAL_ERROR), request_id)
             subject.request.stream = False

@@ -68,6 +68,19 @@ def test_request_with_pending_chunked_body_is_killed_not_buffered(guarded):
     assert flow.response is None and flow.error is not None  # killed
 
 
+def test_request_hook_after_a_streamed_body_kills(guarded):
+    class BrokenRequest:
+        def request(self, flow):
+            raise RuntimeError("bug after the body was streamed")
+
+    addon = FailClosed(BrokenRequest(), lambda _id: None)
+    flow = tflow.tflow()
+    flow.request.stream = True
+    with pytest.raises(exceptions.AddonHalt):
+        addon.request(flow)
+    assert flow.response is None and flow.error is not None
+
+
 def test_async_hook_refuses_connect(guarded):
     addon, _ = guarded
     flow = tflow.tflow()
