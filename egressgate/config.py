@@ -123,6 +123,15 @@ class DnsSection(_Strict):
         ).validate()
 
 
+class WebsocketSection(_Strict):
+    """WebSocket relaying (egressgate/gateway/ws_layer.py)."""
+
+    # The largest message (all fragments of one message, either direction) the gateway holds before
+    # relaying it; the fragment that would pass it closes the connection with 1009 `message_too_large`.
+    # What a websocket holds is bounded by this value per direction (plus one copy while relaying it).
+    max_message_bytes: int = Field(default=4 * 1024 * 1024, ge=1024, le=1024 * 1024 * 1024)
+
+
 class AdminConfig(_Strict):
     token_file: str | None = None  # default: var_dir/admin.token
 
@@ -137,6 +146,7 @@ class GatewayConfig(_Strict):
     audit: AuditSinkConfig = AuditSinkConfig()
     dns: DnsSection = DnsSection()
     admin: AdminConfig = AdminConfig()
+    websocket: WebsocketSection = WebsocketSection()
     broker: BrokerConfig = BrokerConfig()  # credential broker; the local backend is the default
 
     # Resolved paths: one place decides the defaults so the CLI, the admin API and tests agree.

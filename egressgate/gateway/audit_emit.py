@@ -15,8 +15,8 @@ import time
 from mitmproxy import http, tcp
 
 from egressgate.audit.event import AuditEvent, AuditUnavailable, EventKind
-from egressgate.gateway import request_hash
-from egressgate.gateway.budgets import TCP_CUT, TCP_IN, TCP_OUT
+from egressgate.gateway import request_hash, ws_layer
+from egressgate.gateway.budgets import TCP_CUT, TCP_IN, TCP_OUT, WS_IN, WS_OUT
 from egressgate.gateway.context import FlowState, Runtime, ensure_flow_state, flow_state, new_request_id
 from egressgate.gateway.deny import REQUEST_ID_HEADER, deny_response, gateway_deny
 from egressgate.policy.facts import Decision
@@ -27,6 +27,7 @@ logger = logging.getLogger(__name__)
 
 
 DENY_BUFFER_MAX = 64 * 1024
+WS_AUDITED = "egressgate.ws_audited"  # flow.metadata: the websocket session's outcome was written
 
 
 def pending_body_too_large(request: http.Request) -> bool:
@@ -211,6 +212,34 @@ class AuditEmit:
 
     async def error(self, flow: http.HTTPFlow) -> None:
         await self._outcome(flow, flow.error.msg if flow.error else "error")
+
+    async def websocket_end(self, flow: http.HTTPFlow) -> None:
+        """One more `outcome` record (same request id) when a websocket ends: the frame bytes of the
+        session after the 101 (whose own outcome was written with the response), how it was closed and,
+        when the gateway closed it (ws_layer.Refusal: budget, message size, phantom, internal error),
+        the reason code with decision `deny`. Awaited: the record is durable before the flow is done."""
+        fs = flow_state(flow)
+        if fs is None or flow.websocket is None or flow.metadata.get(WS_AUDITED):
+            return
+        flow.metadata[WS_AUDITED] = True
+        refusal = ws_layer.refusal_of(flow)
+        extra: dict = {"egressgate.websocket.close_code": int(flow.websocket.close_code or 0),
+                       "egressgate.websocket.closed_by": "gateway" if refusal is not None
+                       else "client" if flow.websocket.closed_by_client else "server"}
+        if refusal is not None and refusal.detail:
+            extra["egressgate.detail"] = refusal.detail
+        if refusal is not None and refusal.reason == Reason.BUDGET_EXCEEDED:
+            extra["egressgate.budget_cut"] = True
+        rule = fs.decision.rule_id if fs.decision is not None else None
+        await self._write(AuditEvent(
+            kind=EventKind.OUTCOME, time_ns=time.time_ns(), request_id=fs.request_id, sandbox_id=fs.sandbox_id,
+            decision="deny" if refusal is not None else "allow",
+            reason=str(refusal.reason) if refusal is not None else str(Reason.RULE_MATCHED), rule_id=rule,
+            policy_name=fs.policy_name, policy_hash=fs.policy_hash, scheme=fs.scheme, host=fs.host, port=fs.port,
+            status=101, bytes_out=fs.extra.get(WS_OUT, 0), bytes_in=fs.extra.get(WS_IN, 0),
+            duration_ms=(time.time_ns() - fs.started_ns) / 1e6,
+            message=refusal.message if refusal is not None else None, extra=extra,
+        ))
 
     async def tcp_end(self, flow: tcp.TCPFlow) -> None:
         await self._tcp_outcome(flow)

@@ -1,8 +1,9 @@
 """Byte budgets, exact to the byte: `resources.outbound_bytes_max` over everything sent upstream.
 
 Counted out: request head (HTTP/1.1 serialization after sanitizing, see decision.request_head_size),
-request body bytes (de-chunked payload), websocket message payloads from the client, raw TCP bytes
-from the client. Counted in: response bodies, websocket payloads and raw TCP bytes from the server.
+request body bytes (de-chunked payload), every websocket frame byte from the client as read (headers,
+masks, data fragments, ping/pong/close; see ws_layer.py), raw TCP bytes from the client. Counted in:
+response bodies, websocket frame bytes and raw TCP bytes from the server.
 
 A request with a known length is paid in full before connecting (429 when it does not fit, so the
 upstream never sees a request that could not complete). Chunked / HTTP/2 bodies of unknown length are
@@ -18,8 +19,9 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from mitmproxy import http, tcp, websocket
+from mitmproxy import http, tcp
 
+from egressgate.gateway import ws_layer
 from egressgate.gateway.context import FlowState, Runtime, ensure_flow_state, flow_state
 from egressgate.gateway.decision import declared_body_size, request_head_size
 from egressgate.gateway.deny import gateway_deny
@@ -30,6 +32,7 @@ logger = logging.getLogger(__name__)
 
 STREAM_THRESHOLD = 64 * 1024
 TCP_OUT, TCP_IN, TCP_CUT = "egressgate.tcp_out", "egressgate.tcp_in", "egressgate.budget_cut"
+WS_OUT, WS_IN = "ws_out", "ws_in"  # FlowState.extra: bytes of the websocket session (after the 101)
 
 
 class ByteLedger:
@@ -193,28 +196,38 @@ class Budgets:
             fs.bytes_in += n
             self.rt.ledger.add_in(fs.sandbox_id, n)
 
-    def websocket_message(self, flow: http.HTTPFlow) -> None:
+    def websocket_wire(self, chunk: ws_layer.WireChunk) -> None:
+        """Every byte of every websocket frame, counted as it is read and before it is parsed (frame
+        headers, masks, data fragments — a message without FIN included — pings, pongs and closes).
+        A read from the sandbox that would cross the budget is refused unparsed: nothing of it is
+        relayed and the websocket is closed (1008 budget_exceeded)."""
+        flow = chunk.flow
         fs = flow_state(flow)
+        if fs is None or fs.sandbox_id is None:
+            ws_layer.refuse(flow, Reason.INTERNAL_ERROR, ws_layer.INTERNAL_ERROR,
+                            "The gateway lost track of this websocket; it was closed.")
+            return
+        n = chunk.size
+        if not chunk.from_client:
+            fs.bytes_in += n
+            fs.extra[WS_IN] = fs.extra.get(WS_IN, 0) + n
+            self.rt.ledger.add_in(fs.sandbox_id, n)
+            return
+        if not self.rt.ledger.try_out(fs.sandbox_id, n, self._limit(fs)):
+            fs.extra["budget_cut"] = True
+            logger.info("sandbox %s crossed outbound_bytes_max on a websocket; closing it", fs.sandbox_id)
+            ws_layer.refuse(flow, Reason.BUDGET_EXCEEDED, ws_layer.POLICY_VIOLATION,
+                            "The sandbox's outbound byte budget is exhausted.", detail="outbound_bytes_max")
+            return
+        fs.bytes_out += n
+        fs.extra[WS_OUT] = fs.extra.get(WS_OUT, 0) + n
+
+    def websocket_message(self, flow: http.HTTPFlow) -> None:
+        """Messages were paid for as their frames arrived (websocket_wire); only keep memory bounded."""
         assert flow.websocket is not None
-        message: websocket.WebSocketMessage = flow.websocket.messages[-1]
         # mitmproxy keeps every message of a flow; a long-lived socket would grow without bound. Only
         # the current one is needed (later addons read messages[-1]); totals live in the FlowState.
         del flow.websocket.messages[:-1]
-        if fs is None or fs.sandbox_id is None:
-            message.drop()
-            return
-        n = len(message.content)
-        if message.from_client:
-            if not self.rt.ledger.try_out(fs.sandbox_id, n, self._limit(fs)):
-                message.drop()
-                fs.extra["budget_cut"] = True
-                if self.rt.abort_connection is not None:
-                    self.rt.abort_connection(flow.client_conn.id)
-                return
-            fs.bytes_out += n
-        else:
-            fs.bytes_in += n
-            self.rt.ledger.add_in(fs.sandbox_id, n)
 
     def tcp_message(self, flow: tcp.TCPFlow) -> None:
         conn = self.rt.conns.get(flow.client_conn.id)

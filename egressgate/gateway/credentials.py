@@ -39,6 +39,7 @@ from egressgate.broker.credential import Credential, CredentialUnavailable
 from egressgate.broker.inject import PhantomHit, find_phantoms, inject, swap_phantom
 from egressgate.broker.redact import cached_scrubber
 from egressgate.config import GatewayConfig
+from egressgate.gateway import ws_layer
 from egressgate.gateway.context import FlowState, Runtime, flow_state, new_request_id
 from egressgate.gateway.credential_response import META_CRED, Applied, ResponseScrub, fields
 from egressgate.gateway.credential_streams import phantom_guard
@@ -294,9 +295,11 @@ class Credentials(ResponseScrub):
             message=_MISUSE_MESSAGE, extra={"egressgate.detail": where, "egressgate.phase": "after_headers"},
         )
 
-    def _stream_misuse(self, flow: http.HTTPFlow, fs: FlowState, hits: list[PhantomHit], where: str = "body") -> None:
+    def _stream_misuse(self, flow: http.HTTPFlow, fs: FlowState, hits: list[PhantomHit], where: str = "body",
+                       *, cut: bool = True) -> None:
         """A phantom in a streamed body: nothing more is forwarded, the connection is cut (the upstream
-        never sees a complete body) and the deny is audited."""
+        never sees a complete body; `cut=False` when the caller closes it another way) and the deny is
+        audited."""
         logger.warning("phantom credential misuse by %s to %s (streamed %s)", fs.sandbox_id, fs.host, where)
         fs.extra["credential_misuse"] = True
         event = self._misuse_event(fs, where)
@@ -305,7 +308,7 @@ class Credentials(ResponseScrub):
         task = asyncio.get_running_loop().create_task(self._write_quiet(event))
         self._tasks.add(task)  # keep a reference until written
         task.add_done_callback(self._tasks.discard)
-        if self.rt.abort_connection is not None:
+        if cut and self.rt.abort_connection is not None:
             self.rt.abort_connection(flow.client_conn.id)
 
     async def _write_quiet(self, event: AuditEvent) -> None:
@@ -332,7 +335,7 @@ class Credentials(ResponseScrub):
 
     def websocket_message(self, flow: http.HTTPFlow) -> None:
         """Websockets on a credentialed route: server messages are scrubbed (whole messages, so no
-        window is needed); a phantom in a client message is misuse on any route (cut + audited)."""
+        window is needed); a phantom in a client message is misuse on any route (closed + audited)."""
         fs = flow_state(flow)
         if flow.websocket is None or fs is None:
             return
@@ -343,10 +346,35 @@ class Credentials(ResponseScrub):
             hits = find_phantoms([], [], message.content)
             if hits:
                 message.drop()
-                self._stream_misuse(flow, fs, hits, "websocket")
+                self._ws_misuse(flow, fs, hits, "websocket")
             return
         applied: Applied | None = flow.metadata.get(META_CRED)
         if applied is not None:
             message.content = cached_scrubber(applied.spec()).scrub(message.content)
+
+    def websocket_control(self, frame: ws_layer.ControlFrame) -> None:
+        """Ping, Pong and Close carry bytes too (up to 125; a Close its reason): the same rules as for
+        messages — a phantom from the client is misuse (closed + audited), and on a credentialed route
+        the server's payload is scrubbed before the sandbox sees it (an echo of the injected header)."""
+        flow = frame.flow
+        fs = flow_state(flow)
+        if fs is None:
+            ws_layer.refuse(flow, Reason.INTERNAL_ERROR, ws_layer.INTERNAL_ERROR,
+                            "The gateway lost track of this websocket; it was closed.")
+            return
+        if frame.from_client:
+            hits = find_phantoms([], [], frame.payload)
+            if hits:
+                self._ws_misuse(flow, fs, hits, f"websocket_{frame.kind}")
+            return
+        applied: Applied | None = flow.metadata.get(META_CRED)
+        if applied is not None and frame.payload:
+            frame.payload = cached_scrubber(applied.spec()).scrub(frame.payload)
+
+    def _ws_misuse(self, flow: http.HTTPFlow, fs: FlowState, hits: list[PhantomHit], where: str) -> None:
+        """A phantom on a websocket: the frame is not relayed, the websocket is closed (1008) by the
+        layer and the deny is audited like a phantom in a streamed body."""
+        ws_layer.refuse(flow, Reason.CREDENTIAL_MISUSE, ws_layer.POLICY_VIOLATION, _MISUSE_MESSAGE, detail=where)
+        self._stream_misuse(flow, fs, hits, where, cut=False)
 
     # ------------------------------------------------------------------ response side

@@ -93,6 +93,9 @@ class FailClosed:
 
 
 def refuse(hook: str, subject: Any, abort: Abort) -> None:
+    carried = getattr(subject, "flow", None)
+    if isinstance(carried, http.HTTPFlow) and not isinstance(subject, http.HTTPFlow | tcp.TCPFlow):
+        subject = carried  # hook data carrying its flow (ws_layer's websocket_wire / websocket_control)
     if isinstance(subject, http.HTTPFlow):
         # a body still to come would be buffered whole to send a response; a streamed one is already
         # upstream by the `request` hook: in both cases cutting the flow is the only safe refusal

@@ -9,6 +9,9 @@ per-request decision. Here every layer is chosen explicitly:
 * otherwise TLS → intercept (MITM with the gateway CA) → HTTP; plaintext HTTP → HTTP;
 * any other bytes → a raw-TCP decision (`network.tcp.allow` for host:port) → relay, or the deny
   contract and a closed connection. Nothing is forwarded before that decision.
+* a websocket (after an allowed HTTP upgrade): ws_layer.GuardedWebsocketLayer, installed when this addon
+  loads (mitmproxy's HTTP layer creates websocket layers itself, not through next_layer); a websocket
+  that starts without it is aborted.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from mitmproxy.proxy.layers.http import HTTPMode
 from mitmproxy.proxy.layers.tls import HTTP_ALPNS
 
 from egressgate.audit.event import AuditEvent, AuditUnavailable, EventKind
+from egressgate.gateway import ws_layer
 from egressgate.gateway.context import ConnState, Runtime, new_request_id
 from egressgate.gateway.deny import gateway_deny, raw_deny
 from egressgate.policy.decide import decide
@@ -61,6 +65,17 @@ class NextLayer:
 
     def __init__(self, runtime: Runtime) -> None:
         self.rt = runtime
+
+    def load(self, loader) -> None:
+        ws_layer.install(self.rt.config.websocket.max_message_bytes)
+
+    def websocket_start(self, flow) -> None:
+        """Fail closed: a websocket whose frames would not pass GuardedWebsocketLayer (install() did not
+        take, e.g. after a mitmproxy upgrade) is cut before it relays a frame."""
+        if not flow.metadata.get(ws_layer.GUARDED):
+            logger.error("websocket of client %s is not guarded; aborting it", flow.client_conn.id)
+            if self.rt.abort_connection is not None:
+                self.rt.abort_connection(flow.client_conn.id)
 
     async def next_layer(self, nextlayer: layer.NextLayer) -> None:
         if nextlayer.layer is not None:

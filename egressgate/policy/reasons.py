@@ -36,6 +36,7 @@ class Reason(StrEnum):
     INVALID_REQUEST = "invalid_request"
     HOST_MISMATCH = "host_mismatch"
     PROTOCOL_NOT_ALLOWED = "protocol_not_allowed"
+    MESSAGE_TOO_LARGE = "message_too_large"  # a websocket message over websocket.max_message_bytes
     # identity
     IDENTITY_UNKNOWN = "identity_unknown"
     SANDBOX_REVOKED = "sandbox_revoked"

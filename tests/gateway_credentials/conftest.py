@@ -143,8 +143,39 @@ def make_app(hits: Hits, jwks_url: dict) -> web.Application:
             await sock.send_str(f"echo {msg.data} auth={s} b64={base64.b64encode(s.encode()).decode()}")
         return sock
 
+    async def wsctl(request: web.Request) -> web.WebSocketResponse:
+        """Reflects the credential it was opened with in *control* frames: the text commands `ping`,
+        `pong` and `close` make it send a Ping, a Pong or a Close (code 4000) whose payload / reason is
+        `auth=<credential> b64=<base64 of it>`. Records every control frame it receives (WSCTL hits)."""
+        await record(request)
+        sock = web.WebSocketResponse(autoping=False, autoclose=False)
+        await sock.prepare(request)
+        s = secret_of(request)
+        echo = f"auth={s} b64={base64.b64encode(s.encode()).decode()}".encode()
+        while True:
+            msg = await sock.receive()
+            if msg.type in (web.WSMsgType.PING, web.WSMsgType.PONG, web.WSMsgType.CLOSE):
+                kind = msg.type.name.lower()
+                data = str(msg.extra or "").encode() if kind == "close" else bytes(msg.data)
+                hits.add({"method": "WSCTL", "host": request.headers.get("Host"), "path": request.path,
+                          "query": kind, "auth": [], "headers": [], "body": data,
+                          "code": msg.data if kind == "close" else None, "port": None})
+            if msg.type == web.WSMsgType.PING:
+                await sock.pong(msg.data)
+            elif msg.type == web.WSMsgType.TEXT and msg.data in ("ping", "pong"):
+                await (sock.ping(echo) if msg.data == "ping" else sock.pong(echo))
+            elif msg.type == web.WSMsgType.TEXT and msg.data == "close":
+                await sock.close(code=4000, message=echo)
+                break
+            elif msg.type in (web.WSMsgType.CLOSE, web.WSMsgType.CLOSING, web.WSMsgType.CLOSED,
+                              web.WSMsgType.ERROR):
+                await sock.close()
+                break
+        return sock
+
     app = web.Application(client_max_size=1 << 24)
     app.router.add_get("/ws", ws)
+    app.router.add_get("/wsctl", wsctl)
     app.router.add_route("*", "/reflect/{mode}", reflect)
     app.router.add_get("/redirect", redirect)
     app.router.add_get("/jwt", check_jwt)
