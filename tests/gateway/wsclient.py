@@ -8,6 +8,7 @@ ping, and to read every Ping/Pong/Close the gateway relays.
 from __future__ import annotations
 
 import base64
+import contextlib
 import socket
 import ssl
 import time
@@ -117,10 +118,8 @@ class WsClient:
         return out
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(OSError):
             self.sock.close()
-        except OSError:
-            pass
 
 
 __all__ = ["BytesMessage", "CloseConnection", "Message", "Ping", "Pong", "TextMessage", "WsClient", "open_tunnel"]
