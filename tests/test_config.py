@@ -19,6 +19,7 @@ def test_defaults_without_a_file(tmp_path):
     assert cfg.audit.on_failure == "deny" and cfg.audit.signer == "auto"
     assert cfg.dns.resolver_config().upstreams is None  # /etc/resolv.conf at start
     assert str(cfg.audit_path()).endswith("var/audit.jsonl")
+    assert cfg.websocket.max_message_bytes == 4 * 1024 * 1024  # documented in docs/operations.md
 
 
 def test_sections_map_to_components(tmp_path):
@@ -46,6 +47,7 @@ audit: {path: /tmp/x.jsonl, on_failure: allow-and-alert, checkpoint_every: 10}
         ("audit: {local_file: false}\n", "otlp_endpoint"),
         ("listen: {proxy: 'localhost:8080'}\n", "listen.proxy"),
         ("state: {backend: redis}\n", "state.backend"),
+        ("websocket: {max_message_bytes: 0}\n", "websocket.max_message_bytes"),
     ],
 )
 def test_errors_name_the_key(tmp_path, text, fragment):
