@@ -17,7 +17,9 @@ overrides `relay_messages` (and nothing else), keeping mitmproxy's relay logic a
 * `websocket_control` (hook): each Ping, Pong and Close (payload / reason bytes, code) before it is
   relayed. Credentials scans client frames for phantoms and scrubs server frames on credentialed routes.
 * a per-direction message buffer bounded by `websocket.max_message_bytes` (gateway config): the
-  fragment that would pass it closes the connection (1009) and the buffer is released.
+  fragment that would pass it closes the connection (1009) and the buffer is released. With
+  permessage-deflate, inflation is capped at the same limit (`_BoundedDeflate`): a small compressed
+  frame cannot make the gateway build a huge message before the check sees it.
 * after every hook (wire, control, message): a refusal set by an addon (`refuse`) or a killed flow
   (FailClosed) closes both sides with a Close frame naming the reason code, then `websocket_end` runs
   (AuditEmit writes the session's record). mitmproxy itself ignores `flow.kill()` on a live websocket.
@@ -33,10 +35,12 @@ from __future__ import annotations
 
 import logging
 import time
+import zlib
 from dataclasses import dataclass
 from typing import ClassVar
 
 import wsproto.events
+import wsproto.extensions
 from mitmproxy import flow as mitm_flow
 from mitmproxy import http, websocket
 from mitmproxy.proxy import commands, events, layer
@@ -147,6 +151,33 @@ class _MessageBuffer:
         self.size = 0
 
 
+class _BoundedDeflate(wsproto.extensions.PerMessageDeflate):
+    """permessage-deflate whose inflation per read is capped at the message limit + 1 byte.
+
+    wsproto inflates each received piece of a compressed frame in one call without a bound: 64 KiB
+    read from the wire (one mitmproxy read) could become ~64 MiB before the layer's size check saw it.
+    Capped, a piece that would inflate past the limit yields limit + 1 bytes and the layer refuses the
+    message (1009); the rest is never inflated."""
+
+    max_output: int = DEFAULT_MAX_MESSAGE_BYTES + 1
+
+    def frame_inbound_payload_data(self, proto, data: bytes) -> bytes | CloseReason:
+        if not self._inbound_compressed or not self._inbound_is_compressible:
+            return data
+        assert self._decompressor is not None
+        try:
+            return self._decompressor.decompress(bytes(data), self.max_output)
+        except zlib.error:
+            return CloseReason.INVALID_FRAME_PAYLOAD_DATA
+
+    def frame_inbound_complete(self, proto, fin: bool) -> bytes | CloseReason | None:
+        if self._decompressor is not None and self._decompressor.unconsumed_tail:
+            # capped above: that piece already passes the limit and the layer refuses the message.
+            # wsproto's flush() would inflate the whole remaining input, unbounded.
+            return b""
+        return super().frame_inbound_complete(proto, fin)
+
+
 def _killed(flow: http.HTTPFlow) -> bool:
     return flow.error is not None and flow.error.msg == mitm_flow.Error.KILLED_MESSAGE
 
@@ -161,6 +192,14 @@ class GuardedWebsocketLayer(mitm_ws.WebsocketLayer):
         self.flow.metadata[GUARDED] = True
         self._buffers = {True: _MessageBuffer(), False: _MessageBuffer()}
         yield from super().start(event)  # mitmproxy's start; it sets _handle_event = self.relay_messages
+        # mitmproxy built a wsproto PerMessageDeflate per side (when negotiated): bound its inflation.
+        # The instances are shared by wsproto's FrameProtocol and FrameDecoder, so retyping them is the
+        # one place that reaches both without re-implementing mitmproxy's extension negotiation.
+        for ws in (self.client_ws, self.server_ws):
+            for ext in ws._proto.extensions:
+                if type(ext) is wsproto.extensions.PerMessageDeflate:
+                    ext.__class__ = _BoundedDeflate
+                    ext.max_output = self.max_message_bytes + 1
 
     _handle_event = start
 

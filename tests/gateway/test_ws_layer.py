@@ -6,6 +6,7 @@ test_websocket_frames.py and tests/gateway_credentials/test_websocket_control.py
 
 from __future__ import annotations
 
+import tracemalloc
 from collections.abc import Callable
 
 import pytest
@@ -16,6 +17,7 @@ from mitmproxy.proxy import commands, events
 from mitmproxy.proxy.context import Context
 from mitmproxy.proxy.layers import websocket as mitm_ws
 from mitmproxy.test import tflow
+from wsproto.extensions import PerMessageDeflate
 
 from egressgate.gateway import ws_layer
 from egressgate.gateway.failclosed import FailClosed
@@ -28,8 +30,10 @@ class Broken:
         raise RuntimeError("bug in the scrubber")
 
 
-def make_layer() -> tuple[ws_layer.GuardedWebsocketLayer, Context]:
+def make_layer(deflate: bool = False) -> tuple[ws_layer.GuardedWebsocketLayer, Context]:
     flow = tflow.twebsocketflow(messages=False)
+    if deflate:
+        flow.response.headers["Sec-WebSocket-Extensions"] = "permessage-deflate"
     context = Context(flow.client_conn, options.Options())
     context.server = flow.server_conn
     layer = ws_layer.GuardedWebsocketLayer(context, flow)
@@ -130,3 +134,43 @@ def test_control_payloads_are_not_logged() -> None:
         if isinstance(cmd, commands.SendData) and cmd.connection is ctx.client:
             relayed.receive_bytes(cmd.data)
     assert [bytes(f.payload) for f in relayed.received_frames()] == [secret, secret]  # relayed (no credential)
+
+
+def test_compressed_bomb_is_not_inflated_past_the_limit() -> None:
+    """permessage-deflate: 16 MiB of zeros compress to ~16 KiB in one frame. The gateway must refuse it
+    (1009) without inflating it: wsproto alone would build the whole 16 MiB in one call."""
+    layer, ctx = make_layer(deflate=True)
+    drive(layer, events.Start())
+    ext = PerMessageDeflate()
+    ext.finalize("permessage-deflate")
+    proto = fp.FrameProtocol(client=True, extensions=[ext])
+    wire = bytes(proto.send_data(b"\0" * (16 * 1024 * 1024), fin=True))
+    assert len(wire) < 64 * 1024  # one mitmproxy read
+    tracemalloc.start()
+    try:
+        out = drive(layer, events.DataReceived(ctx.client, wire))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert close_codes(out, ctx.client) == [1009] and close_codes(out, ctx.server) == [1009]
+    assert ws_layer.refusal_of(layer.flow).reason == "message_too_large"
+    assert peak < 1024 * 1024, f"inflated {peak} bytes for a {LIMIT}-byte limit"
+    assert not any(isinstance(c, commands.SendData) and c.connection is ctx.server and len(c.data) > 64
+                   for c in out)  # only the Close went upstream
+
+
+def test_compressed_message_under_the_limit_is_relayed() -> None:
+    """Positive control: a compressed 3,000-byte message passes and reaches the server."""
+    layer, ctx = make_layer(deflate=True)
+    drive(layer, events.Start())
+    ext = PerMessageDeflate()
+    ext.finalize("permessage-deflate")
+    out = drive(layer, events.DataReceived(ctx.client, bytes(fp.FrameProtocol(client=True, extensions=[ext])
+                                                             .send_data(b"a" * 3000, fin=True))))
+    server_ext = PerMessageDeflate()
+    server_ext.finalize("permessage-deflate")
+    server = fp.FrameProtocol(client=False, extensions=[server_ext])
+    for cmd in out:
+        if isinstance(cmd, commands.SendData) and cmd.connection is ctx.server:
+            server.receive_bytes(cmd.data)
+    assert b"".join(f.payload for f in server.received_frames()) == b"a" * 3000
