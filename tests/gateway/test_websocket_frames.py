@@ -55,8 +55,9 @@ def ws_hits(gw: Gateway, mark: int) -> list[dict]:
 
 
 def send_fragments(ws: WsClient, total: int, size: int, fin_at_end: bool = False) -> int:
-    """Send `total` bytes as continuation frames of `size` (no FIN unless `fin_at_end`), waiting briefly
-    after each for a Close (so nothing is in flight when the gateway closes). Returns bytes sent."""
+    """Send `total` bytes as continuation frames of `size` (no FIN unless `fin_at_end`). After each
+    fragment an empty Ping is a barrier: its Pong proves the gateway processed the fragment, a Close
+    means it refused it — so nothing is in flight when the gateway closes. Returns bytes sent."""
     sent, seen = 0, []
     while sent < total:
         n = min(size, total - sent)
@@ -64,10 +65,12 @@ def send_fragments(ws: WsClient, total: int, size: int, fin_at_end: bool = False
         if not ws.send(BytesMessage(b"f" * n, message_finished=last)):
             break
         sent += n
-        seen += ws.receive(0.03, until=lambda e: isinstance(e, CloseConnection))
+        if not ws.send(Ping(b"")):
+            break
+        seen += ws.receive(10, until=lambda e: isinstance(e, Pong | CloseConnection))
         if ws.closed is not None or ws.gone:
             break
-    ws.pending = seen + ws.pending  # keep what arrived (an echo) for the caller
+    ws.pending = [e for e in seen if not isinstance(e, Pong)] + ws.pending  # keep what arrived (an echo)
     return sent
 
 
