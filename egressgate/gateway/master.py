@@ -12,6 +12,11 @@ are still allowed and unanswered, its denies become the request's one audited de
 callables wrap the budget counters Budgets just installed. Pinning runs in server_connect, which for an
 eager CONNECT happens (with the upstream TLS handshake) before the tunnel's first request.
 
+WebSockets: NextLayer installs ws_layer.GuardedWebsocketLayer in place of mitmproxy's layer; its hooks
+`websocket_wire` (every read, before parsing: Budgets counts it) and `websocket_control` (Ping, Pong,
+Close: Credentials scans / scrubs) run in the same addon order, and AuditEmit records the session in
+`websocket_end`.
+
 `mitmproxy.ctx` is process-global: one GatewayMaster per process.
 """
 
