@@ -23,6 +23,8 @@ overrides `relay_messages` (and nothing else), keeping mitmproxy's relay logic a
 * after every hook (wire, control, message): a refusal set by an addon (`refuse`) or a killed flow
   (FailClosed) closes both sides with a Close frame naming the reason code, then `websocket_end` runs
   (AuditEmit writes the session's record). mitmproxy itself ignores `flow.kill()` on a live websocket.
+  The sandbox's side gets a bounded lingering close (`_lingering`), so a sandbox that is still sending
+  reads the Close instead of a connection reset.
 * control payloads are logged by size only (a payload can hold a credential; logs never carry one).
 
 The layer is created by mitmproxy's HTTP layer on a 101 (`websocket.WebsocketLayer(...)`, a module
@@ -56,6 +58,8 @@ GUARDED = "egressgate.ws_guarded"  # flow.metadata: this flow's frames run throu
 REFUSAL = "egressgate.ws_refusal"  # flow.metadata: the Refusal that closed the websocket
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 CONTROL_MAX = 125  # RFC 6455 5.5: a control frame's payload
+LINGER_MAX_BYTES = 4 * 1024 * 1024  # after a refusal: discard at most this much from the sandbox ...
+LINGER_SECONDS = 2.0  # ... for at most this long, waiting for its Close (see _lingering)
 POLICY_VIOLATION = int(CloseReason.POLICY_VIOLATION)  # 1008
 MESSAGE_TOO_BIG = int(CloseReason.MESSAGE_TOO_BIG)  # 1009
 INTERNAL_ERROR = int(CloseReason.INTERNAL_ERROR)  # 1011
@@ -211,7 +215,8 @@ class GuardedWebsocketLayer(mitm_ws.WebsocketLayer):
         return refusal_of(self.flow) is not None
 
     def _close_refused(self) -> layer.CommandGenerator[None]:
-        """Close both peers with the refusal's code; release every buffer; end the flow."""
+        """Close both peers with the refusal's code; release every buffer; end the flow (audited by
+        the websocket_end hook). The server is closed at once; the sandbox gets a lingering close."""
         refusal = refusal_of(self.flow)
         assert refusal is not None and self.flow.websocket is not None
         for buf in self._buffers.values():
@@ -227,10 +232,43 @@ class GuardedWebsocketLayer(mitm_ws.WebsocketLayer):
         for ws, text in ((self.server_ws, ""), (self.client_ws, reason)):
             if ws.state in {ConnectionState.OPEN, ConnectionState.REMOTE_CLOSING}:
                 yield ws.send2(wsproto.events.CloseConnection(code=refusal.code, reason=text))
-            yield commands.CloseConnection(ws.conn)
+        yield commands.CloseConnection(self.server_ws.conn)
         yield mitm_ws.WebsocketEndHook(self.flow)
         self.flow.live = False
-        self._handle_event = self.done
+        if self.client_ws.state is ConnectionState.LOCAL_CLOSING:  # the sandbox has not sent its Close yet
+            self._linger_left = LINGER_MAX_BYTES
+            self._linger_wakeup = commands.RequestWakeup(LINGER_SECONDS)
+            self._handle_event = self._lingering
+            yield self._linger_wakeup
+        else:
+            yield commands.CloseConnection(self.client_ws.conn)
+            self._handle_event = self._finished
+
+    @expect(events.DataReceived, events.ConnectionClosed, mitm_ws.WebSocketMessageInjected, events.Wakeup)
+    def _lingering(self, event: events.Event) -> layer.CommandGenerator[None]:
+        """After a refusal the sandbox may still be sending (it has not read our Close yet); closing
+        the socket with its data unread would reset the connection and can destroy our Close before it
+        is read (the lingering-close problem of HTTP servers). So its bytes are parsed only to find its
+        Close and are otherwise discarded — nothing is relayed or kept — until that Close, EOF,
+        LINGER_MAX_BYTES or LINGER_SECONDS, whichever comes first; then the connection is closed."""
+        finished = isinstance(event, events.Wakeup) and event.command is self._linger_wakeup
+        if isinstance(event, events.ConnectionClosed) and event.connection == self.context.client:
+            finished = True
+        elif isinstance(event, events.DataReceived) and event.connection == self.context.client:
+            self._linger_left -= len(event.data)
+            self.client_ws.receive_data(event.data)
+            for ws_event in self.client_ws.events():
+                if isinstance(ws_event, wsproto.events.CloseConnection):
+                    finished = True
+                    break
+            finished = finished or self._linger_left <= 0
+        if finished:
+            yield commands.CloseConnection(self.client_ws.conn)
+            self._handle_event = self._finished
+
+    @expect(events.DataReceived, events.ConnectionClosed, mitm_ws.WebSocketMessageInjected, events.Wakeup)
+    def _finished(self, _: events.Event) -> layer.CommandGenerator[None]:
+        yield from ()  # like mitmproxy's `done`, but a late linger wakeup is expected here too
 
     @expect(events.DataReceived, events.ConnectionClosed, mitm_ws.WebSocketMessageInjected)
     def relay_messages(self, event: events.Event) -> layer.CommandGenerator[None]:

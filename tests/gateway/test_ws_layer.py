@@ -67,6 +67,10 @@ def close_codes(out: list, conn) -> list[int]:
     return [int(f.payload[0]) for f in decoder.received_frames() if f.opcode is fp.Opcode.CLOSE]
 
 
+def closed(out: list) -> list:
+    return [c.connection for c in out if isinstance(c, commands.CloseConnection)]
+
+
 def test_fragment_buffer_bounded_and_released() -> None:
     layer, ctx = make_layer()
     drive(layer, events.Start())
@@ -81,8 +85,33 @@ def test_fragment_buffer_bounded_and_released() -> None:
     assert any(isinstance(c, mitm_ws.WebsocketEndHook) for c in out)
     assert layer.flow.websocket.close_code == 1009 and not layer.flow.live
     assert ws_layer.refusal_of(layer.flow).reason == "message_too_large"
-    # whatever comes after the close is ignored
-    assert drive(layer, events.DataReceived(ctx.client, bytes(proto.send_data(b"y" * 10)))) == []
+    # lingering close: the server is closed now; the sandbox's connection stays until its Close, so a
+    # sandbox still sending cannot get a reset that destroys our Close before it reads it
+    assert closed(out) == [ctx.server]
+    assert drive(layer, events.DataReceived(ctx.client, bytes(proto.send_data(b"y" * 3000)))) == []  # discarded
+    assert layer._buffers[True].size == 0
+    out = drive(layer, events.DataReceived(ctx.client, bytes(proto.close(1009))))
+    assert closed(out) == [ctx.client] and not any(isinstance(c, commands.SendData) for c in out)
+
+
+def test_lingering_close_is_bounded() -> None:
+    """A sandbox that never sends its Close is closed after LINGER_SECONDS or LINGER_MAX_BYTES."""
+    for by_time in (True, False):
+        layer, ctx = make_layer()
+        drive(layer, events.Start())
+        proto = client_frames()
+        out = drive(layer, events.DataReceived(ctx.client, bytes(proto.send_data(b"x" * (LIMIT + 1), fin=False))))
+        wakeups = [c for c in out if isinstance(c, commands.RequestWakeup)]
+        assert [w.delay for w in wakeups] == [ws_layer.LINGER_SECONDS] and closed(out) == [ctx.server]
+        if by_time:
+            out = drive(layer, events.Wakeup(wakeups[0]))
+        else:
+            junk = bytes(proto.send_data(b"j" * 60_000, fin=False))
+            out = []
+            for _ in range(ws_layer.LINGER_MAX_BYTES // len(junk) + 1):
+                out += drive(layer, events.DataReceived(ctx.client, junk))
+            assert drive(layer, events.Wakeup(wakeups[0])) == []  # the late wakeup is harmless
+        assert closed(out) == [ctx.client]
 
 
 def test_message_at_the_limit_is_relayed_with_its_framing() -> None:
