@@ -36,6 +36,7 @@ class Reason(StrEnum):
     INVALID_REQUEST = "invalid_request"
     HOST_MISMATCH = "host_mismatch"
     PROTOCOL_NOT_ALLOWED = "protocol_not_allowed"
+    TRAILERS_NOT_ALLOWED = "trailers_not_allowed"  # request trailers (HTTP/1 chunked or HTTP/2): never forwarded
     # identity
     IDENTITY_UNKNOWN = "identity_unknown"
     SANDBOX_REVOKED = "sandbox_revoked"
