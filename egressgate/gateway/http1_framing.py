@@ -41,6 +41,7 @@ from mitmproxy.proxy.layers.http._events import (
     ResponseProtocolError,
     ResponseTrailers,
 )
+from mitmproxy.proxy.layers.http._http1 import make_error_response
 
 TRAILER_SECTION_MAX = 64 * 1024
 INFORMATIONAL_MAX = 16
@@ -48,8 +49,8 @@ _INFORMATIONAL = re.compile(rb"HTTP/1\.[01] (1(?!01)\d\d)(?:[ \r\n]|$)")
 
 
 def _read_body(conn: Http1Server | Http1Client, event: events.Event, receive_trailers) -> layer.CommandGenerator[None]:
-    """mitmproxy 12.3.1's `Http1Connection.read_body`, with trailers emitted instead of raising and the
-    trailer section bounded."""
+    """mitmproxy 12.3.1's `Http1Connection.read_body`, with trailers emitted instead of raising, the
+    trailer section bounded, and a 400 for the client when its request body cannot be read."""
     assert conn.stream_id is not None
     while True:
         try:
@@ -59,10 +60,17 @@ def _read_body(conn: Http1Server | Http1Client, event: events.Event, receive_tra
                 h11_event = conn.body_reader.read_eof()
             else:
                 raise AssertionError(f"Unexpected event: {event}")
-            if h11_event is None and getattr(conn.body_reader, "_reading_trailer", False) \
-                    and len(conn.buf) > TRAILER_SECTION_MAX:
+            if h11_event is None and getattr(conn.body_reader, "_reading_trailer", False):
+                pending = len(conn.buf)  # an incomplete trailer section is buffered here: bound it
+            elif isinstance(h11_event, h11.EndOfMessage):
+                pending = sum(len(name) + len(value) + 4 for name, value in h11_event.headers)
+            else:
+                pending = 0
+            if pending > TRAILER_SECTION_MAX:
                 raise h11.RemoteProtocolError(f"trailer section larger than {TRAILER_SECTION_MAX} bytes")
         except h11.ProtocolError as e:
+            if isinstance(conn, Http1Server) and conn.response is None:
+                yield commands.SendData(conn.conn, make_error_response(400, str(e)))  # the client sees why
             yield commands.CloseConnection(conn.conn)
             yield ReceiveHttp(conn.ReceiveProtocolError(conn.stream_id, f"HTTP/1 protocol error: {e}",
                                                         code=conn.ReceiveProtocolError.code))
