@@ -90,22 +90,26 @@ class GatewayHttpStream(HttpStream):
             self.flow.request.data.content = bytes(self.request_body_buf)
             self.request_body_buf.clear()
         self.flow.request.timestamp_end = time.time()
+        upstream_response = self.flow.response  # an upstream may answer before the request is complete
         yield HttpRequestHook(self.flow)
         self.client_state = self.state_done
-        if (yield from self._refused_after_stream()):
+        if (yield from self._refused_after_stream(upstream_response)):
             return
         yield SendHttp(event, self.context.server)
         if self.server_state == self.state_done:
             yield from self.flow_done()
 
-    def _refused_after_stream(self) -> layer.CommandGenerator[bool]:
+    def _refused_after_stream(self, upstream_response) -> layer.CommandGenerator[bool]:
         killed = self.flow.error is not None and self.flow.error.msg == flow.Error.KILLED_MESSAGE
-        if not (killed or self.flow.response is not None or self.flow.request.trailers):
+        answered = self.flow.response is not None and self.flow.response is not upstream_response
+        if not (killed or answered or self.flow.request.trailers):
             return False
         # the upstream has (part of) the body but not its end: abort it so the request never completes
         yield SendHttp(RequestProtocolError(self.stream_id, "refused by the gateway", ErrorCode.KILL),
                        self.context.server)
-        if killed or self.flow.response is None:
+        if killed or not answered or upstream_response is not None:
+            # a kill, trailers nobody refused (defense in depth), or an answer while the upstream's own
+            # response is already on its way to the client: nothing clean can be sent, reset instead
             if not killed:
                 self.flow.kill()
             yield from self.check_killed(True)

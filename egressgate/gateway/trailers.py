@@ -44,7 +44,7 @@ class Trailers:
         if not trailers:
             return
         fs = flow_state(flow)
-        if fs is None or fs.decision is None or not fs.decision.allowed or flow.response is not None:
+        if fs is None or fs.decision is None or not fs.decision.allowed:
             return  # already refused; http_layer.py never forwards trailers of an unanswered flow either
         streamed = bool(flow.request.stream)
         size = sum(len(name) + len(value) + 4 for name, value in trailers.fields)
@@ -69,4 +69,7 @@ class Trailers:
             await self.rt.audit.write(event)
         except AuditUnavailable as exc:  # the deny stands either way
             logger.error("refusal of request trailers could not be audited: %s", exc)
-        flow.response = deny_response(fs.decision, fs.request_id)
+        if flow.response is None:
+            flow.response = deny_response(fs.decision, fs.request_id)
+        else:  # the upstream answered before the request ended: its response is cut, the request reset
+            flow.kill()

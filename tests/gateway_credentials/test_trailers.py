@@ -69,6 +69,11 @@ async def serve_h1(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, h
             if isinstance(event, h11.Request):
                 req = {"method": event.method.decode(), "path": event.target.decode(), "body_len": 0,
                        "trailers": [], "headers": list(event.headers), "h2": False}
+                if req["path"].endswith("/early-answer"):  # answer before reading the body
+                    writer.write(conn.send(h11.Response(status_code=200, headers=[("Content-Length", "5")])))
+                    writer.write(conn.send(h11.Data(data=b"early")))
+                    writer.write(conn.send(h11.EndOfMessage()))
+                    await writer.drain()
             elif isinstance(event, h11.Data):
                 req["body_len"] += len(event.data)
             elif isinstance(event, h11.EndOfMessage):
@@ -77,7 +82,9 @@ async def serve_h1(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, h
                 hits.add(dict(req))
                 secret = _credential(req["headers"])
                 path = req["path"]
-                if path == "/early-hints":
+                if path.endswith("/early-answer"):
+                    pass  # answered already
+                elif path == "/early-hints":
                     writer.write(conn.send(h11.InformationalResponse(
                         status_code=103, headers=[("Link", "</style.css>; rel=preload")])))
                     await writer.drain()
@@ -171,6 +178,7 @@ class TWorld:
     hits: Hits
     h1_port: int
     h2_port: int
+    plain_port: int
     ca_pem: str
 
 
@@ -189,11 +197,12 @@ def tw(cworld: World, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TWor
         cert.configure_cert(h2ctx)
         h2ctx.set_alpn_protocols(["h2"])
         s1 = await asyncio.start_server(lambda r, w: serve_h1(r, w, hits), "127.0.0.1", 0, ssl=h1ctx)
-        s2 = await asyncio.start_server(lambda r, w: serve_h2(r, w, hits), "127.0.0.1", 0, ssl=h2ctx)
-        servers.extend([s1, s2])
-        return s1.sockets[0].getsockname()[1], s2.sockets[0].getsockname()[1]
+        s2 = await asyncio.start_server(lambda r, w: serve_h1(r, w, hits), "127.0.0.1", 0)  # plain HTTP
+        s3 = await asyncio.start_server(lambda r, w: serve_h2(r, w, hits), "127.0.0.1", 0, ssl=h2ctx)
+        servers.extend([s1, s2, s3])
+        return tuple(s.sockets[0].getsockname()[1] for s in (s1, s2, s3))
 
-    h1_port, h2_port = cworld.loop.run(start())
+    h1_port, plain_port, h2_port = cworld.loop.run(start())
     for host in HOSTS:
         cworld.dns.records[host] = "127.0.0.1"
     secret_file = tmp / "kv-secret"
@@ -207,7 +216,7 @@ def tw(cworld: World, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TWor
             {"id": "plain", "host": "trailers.test", "ports": ports},
             {"id": "cred", "host": "credtrail.test", "ports": ports, "credential": "kv"},
             {"id": "phantom", "host": "phtrail.test", "ports": ports, "credential": "openai"},
-        ]}},
+        ]}, "http": {"allow": [{"id": "plain-http", "host": "trailers.test", "ports": [plain_port]}]}},
         "credentials": {"max_ttl_seconds": 120, "capabilities": {
             "kv": static,
             "openai": {**static, "mode": "phantom", "phantom_env": "OPENAI_API_KEY",
@@ -217,7 +226,8 @@ def tw(cworld: World, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TWor
     (tmp / "policies" / "trailers.yaml").write_text(yaml.safe_dump(policy, sort_keys=False))
     gw = launch(cworld, tmp, None, broker={}, file_secret=str(secret_file))
     try:
-        yield TWorld(gw=gw, hits=hits, h1_port=h1_port, h2_port=h2_port, ca_pem=str(tmp / "upstream-ca.pem"))
+        yield TWorld(gw=gw, hits=hits, h1_port=h1_port, h2_port=h2_port, plain_port=plain_port,
+                     ca_pem=str(tmp / "upstream-ca.pem"))
     finally:
         stop_gateway(gw)  # type: ignore[arg-type]
 
@@ -251,6 +261,17 @@ def tunnel_tls(tw: TWorld, sbx: dict | None, host: str, port: int, alpn: str) ->
     return tls
 
 
+def proxy_plain(tw: TWorld, sbx: dict | None) -> socket.socket:
+    """A plain connection to the explicit proxy (sbx) or straight to the plain upstream (None)."""
+    sock = socket.create_connection(tw.gw.proxy if sbx is not None else ("127.0.0.1", tw.plain_port), timeout=10)
+    sock.settimeout(10)
+    return sock
+
+
+def proxy_auth(sbx: dict) -> str:
+    return "Proxy-Authorization: Basic " + base64.b64encode(f"{sbx['id']}:{sbx['token']}".encode()).decode()
+
+
 @dataclass
 class H1Result:
     status: int
@@ -261,7 +282,7 @@ class H1Result:
     informational: list
 
 
-def h1_exchange(tls: ssl.SSLSocket, request: bytes, timeout: float = 10) -> H1Result:
+def h1_exchange(tls: socket.socket, request: bytes, timeout: float = 10) -> H1Result:
     """Send raw bytes, parse the answer with h11 (1xx, chunked body and trailers included). A connection
     that stays silent past `timeout` is a hang: status 0."""
     tls.sendall(request)
@@ -429,6 +450,42 @@ def test_h1_oversized_trailer_section_is_a_clean_error(tw: TWorld, piecewise: bo
     assert all(not r.get("complete") for r in tw.hits.since(mark))
 
 
+def test_h1_trailers_refused_on_plain_http_through_the_explicit_proxy(tw: TWorld) -> None:
+    sbx = tw.gw.admit("trailers")
+    target = f"http://trailers.test:{tw.plain_port}/upload"
+    request = chunked_request("trailers.test", target, b"hello", ["X-Exfil: plain"])
+    request = request.replace(b"\r\nHost:", f"\r\n{proxy_auth(sbx)}\r\nHost:".encode(), 1)
+    mark = tw.hits.mark()
+    res = h1_exchange(proxy_plain(tw, sbx), request)
+    assert res.status == 403 and deny_reason(res.body) == "trailers_not_allowed", res
+    settle()
+    assert all(not r.get("complete") and not r["trailers"] for r in tw.hits.since(mark))
+    # positive control: without trailers the same request is forwarded
+    res = h1_exchange(proxy_plain(tw, sbx), chunked_request("trailers.test", target, b"hello", []).replace(
+        b"\r\nHost:", f"\r\n{proxy_auth(sbx)}\r\nHost:".encode(), 1))
+    assert res.status == 200 and json.loads(res.body)["body_len"] == 5, res
+
+
+def test_h1_trailers_after_an_early_upstream_answer_never_reach_it(tw: TWorld) -> None:
+    """The upstream answers before the body ends; the trailers that follow are still refused (audited)
+    and never forwarded: the request is reset rather than completed."""
+    sbx = tw.gw.admit("trailers")
+    head = (b"POST /early-answer HTTP/1.1\r\nHost: trailers.test\r\nTransfer-Encoding: chunked\r\n\r\n"
+            b"5\r\nhello\r\n")
+    tls = tunnel_tls(tw, sbx, "trailers.test", tw.h1_port, "http/1.1")
+    mark = tw.hits.mark()
+    tls.sendall(head)
+    time.sleep(0.5)  # the upstream's early answer is on its way to the client
+    with contextlib.suppress(OSError):
+        tls.sendall(b"0\r\nX-Exfil: late\r\n\r\n")
+    with contextlib.suppress(OSError, TimeoutError):
+        tls.recv(65536)
+    settle()
+    seen = tw.hits.since(mark)
+    assert [(r["body_len"], r["complete"], r["trailers"]) for r in seen] == [(5, False, [])], seen  # cut, not completed
+    assert any(r.get("egressgate.reason") == "trailers_not_allowed" for r in records_for(tw.gw, sbx))
+
+
 # --------------------------------------------------------------------------------------- request trailers, HTTP/2
 def test_h2_trailers_48k_over_budget_refused(tw: TWorld) -> None:
     sbx = tw.gw.admit("trailers")
@@ -526,6 +583,16 @@ def test_early_hints_then_final_response(tw: TWorld) -> None:
     # the connection stays usable for the next request
     again = h1_exchange(tls, b"GET /echo HTTP/1.1\r\nHost: trailers.test\r\n\r\n")
     assert again.status == 200, again
+
+
+def test_early_hints_over_plain_http_through_the_explicit_proxy(tw: TWorld) -> None:
+    sbx = tw.gw.admit("trailers")
+    target = f"http://trailers.test:{tw.plain_port}/early-hints"
+    direct = h1_exchange(proxy_plain(tw, None), b"GET /early-hints HTTP/1.1\r\nHost: trailers.test\r\n\r\n")
+    assert direct.informational == [103] and direct.status == 200
+    res = h1_exchange(proxy_plain(tw, sbx),
+                      f"GET {target} HTTP/1.1\r\nHost: trailers.test\r\n{proxy_auth(sbx)}\r\n\r\n".encode())
+    assert res.status == 200 and res.body == b"final" and res.informational == [], res
 
 
 def test_endless_informational_responses_end_in_502(tw: TWorld) -> None:
