@@ -17,7 +17,8 @@ or a kill set there was ignored, and the upstream saw a complete request. Here, 
 (`flow.response`) or killed the flow in that hook, or trailers are still attached (the gateway never
 forwards request trailers; trailers.py refuses them), the upstream request is aborted instead (HTTP/1:
 connection closed before the terminating chunk; HTTP/2: stream reset), so it never completes, and the
-client gets the answer (or, for a kill, a reset).
+client gets the answer (or, for a kill, a reset). A buffered request that still carries trailers when it
+is about to be forwarded is killed as well: no request trailer ever leaves the gateway.
 """
 
 from __future__ import annotations
@@ -98,6 +99,16 @@ class GatewayHttpStream(HttpStream):
         yield SendHttp(event, self.context.server)
         if self.server_state == self.state_done:
             yield from self.flow_done()
+
+    def make_server_connection(self) -> layer.CommandGenerator[bool]:
+        """For a buffered request this runs after the `request` hook: request trailers still attached
+        here were refused by nobody (trailers.py answers them), so the request is killed, not forwarded
+        (defense in depth; a streamed request connects at its headers, before any trailer exists)."""
+        if self.flow.request.trailers:
+            self.flow.kill()
+            yield from self.check_killed(True)
+            return False
+        return (yield from super().make_server_connection())
 
     def _refused_after_stream(self, upstream_response) -> layer.CommandGenerator[bool]:
         killed = self.flow.error is not None and self.flow.error.msg == flow.Error.KILLED_MESSAGE
