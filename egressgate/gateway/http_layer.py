@@ -19,6 +19,9 @@ forwards request trailers; trailers.py refuses them), the upstream request is ab
 connection closed before the terminating chunk; HTTP/2: stream reset), so it never completes, and the
 client gets the answer (or, for a kill, a reset). A buffered request that still carries trailers when it
 is about to be forwarded is killed as well: no request trailer ever leaves the gateway.
+
+The overridden methods copy mitmproxy 12.3.1's bodies (marked where they do); re-check them, and
+http1_framing.py, on any mitmproxy upgrade (tests/gateway_credentials/test_trailers.py exercises each path).
 """
 
 from __future__ import annotations
