@@ -32,6 +32,7 @@ NOT_POLICY_REASONS = frozenset(
         "invalid_request",
         "host_mismatch",
         "protocol_not_allowed",
+        "trailers_not_allowed",
         "self_connection",
         "credential_unavailable",
         "credential_misuse",

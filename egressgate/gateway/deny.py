@@ -40,6 +40,9 @@ _DEFAULT_MESSAGES = {
     Reason.POLICY_UNAVAILABLE: "No valid policy is loaded for this sandbox; ask the operator.",
     Reason.PROTOCOL_NOT_ALLOWED: "Only HTTP(S) is allowed here; no rule allows raw TCP to this host:port.",
     Reason.INVALID_REQUEST: "The request could not be parsed unambiguously and was refused.",
+    Reason.TRAILERS_NOT_ALLOWED: (
+        "Requests with trailers (fields after the body) are refused; send those fields as headers instead."
+    ),
     Reason.UPSTREAM_UNRESOLVABLE: "The destination name could not be resolved.",
     Reason.SELF_CONNECTION: "Connections to the gateway's own listeners are not allowed.",
     Reason.INTERNAL_ERROR: "The gateway failed while checking this request, so it was refused; retry later.",

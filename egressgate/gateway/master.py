@@ -5,12 +5,15 @@ scripts, no onboarding app. The proxy server, TLS config and our addons, in an o
 security design (each hook runs addons in this order; a deny set by an earlier addon is final):
 
   Proxyserver → NextLayer (tunnel.py) → TlsConfig → Identity → Consistency → Sanitize → Decision →
-  Pinning → Streaming → Budgets → Credentials → AuditEmit → Revocation
+  Pinning → Streaming → Budgets → Trailers → Credentials → AuditEmit → Revocation
 
 Credentials (credentials.py) comes after every check and before AuditEmit: it only touches flows that
 are still allowed and unanswered, its denies become the request's one audited decision, and its stream
 callables wrap the budget counters Budgets just installed. Pinning runs in server_connect, which for an
-eager CONNECT happens (with the upstream TLS handshake) before the tunnel's first request.
+eager CONNECT happens (with the upstream TLS handshake) before the tunnel's first request. Trailers
+(trailers.py) refuses requests that carry trailers in `request`, before Credentials scans a buffered body.
+Every HTTP flow runs on the gateway's HTTP layer (http_layer.py, installed by NextLayer), which also fixes
+mitmproxy's HTTP/1 handling of trailers and 1xx responses (http1_framing.py).
 
 WebSockets: NextLayer installs ws_layer.GuardedWebsocketLayer in place of mitmproxy's layer; its hooks
 `websocket_wire` (every read, before parsing: Budgets counts it) and `websocket_control` (Ping, Pong,
@@ -41,6 +44,7 @@ from egressgate.gateway.pinning import Pinning
 from egressgate.gateway.revocation import Revocation
 from egressgate.gateway.sanitize import Sanitize
 from egressgate.gateway.streaming import Streaming
+from egressgate.gateway.trailers import Trailers
 from egressgate.gateway.tunnel import NextLayer
 
 logger = logging.getLogger(__name__)
@@ -100,7 +104,7 @@ class GatewayMaster:
         running = _Running()
         rt = self.rt
         ours = [NextLayer(rt), tlsconfig.TlsConfig(), Identity(rt), Consistency(rt), Sanitize(), DecisionAddon(rt),
-                Pinning(rt), Streaming(), Budgets(rt), Credentials(rt), AuditEmit(rt), Revocation(rt)]
+                Pinning(rt), Streaming(), Budgets(rt), Trailers(rt), Credentials(rt), AuditEmit(rt), Revocation(rt)]
         # every addon in the decision path fails closed (failclosed.py); TlsConfig too, since a failed
         # certificate step must not leave a connection half-configured
         master.addons.add(self.proxyserver, *(FailClosed(a, self.abort_connection) for a in ours), running)

@@ -5,7 +5,8 @@ scheme, host, port, path, the query as sent, Content-Type and the body's SHA-256
 outermost stream callable, so it sees each chunk before credential guards or budget cuts touch it, and it
 is computed before the credentials addon adds anything: injected credentials and Proxy-Authorization can
 never be part of it. A request that has no body carries the hash on its decision record already; one
-with a body gets it on its outcome record (the body is known only once it has been forwarded).
+with a body gets it on its outcome record (the body is known only once it has been forwarded). Trailers
+are never part of it: a request that carries them is refused (trailers.py) and never forwarded.
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ for non-HTTP bytes, a DNS relay for port 53 and passthrough for ignore_hosts —
 per-request decision. Here every layer is chosen explicitly:
 
 * root (explicit proxy): mitmproxy's explicit-HTTP-proxy stack;
+* every HTTP layer is the gateway's (http_layer.py: HTTP/1 trailers and 1xx handled, a refusal in the
+  `request` hook of a streamed request enforced);
 * inside a tunnel whose CONNECT was allowed only by a raw-TCP rule (`intercept=False`): a TCP relay;
 * otherwise TLS → intercept (MITM with the gateway CA) → HTTP; plaintext HTTP → HTTP;
 * any other bytes → a raw-TCP decision (`network.tcp.allow` for host:port) → relay, or the deny
@@ -19,9 +21,8 @@ from __future__ import annotations
 import logging
 import time
 
-from mitmproxy.addons.next_layer import NextLayer as MitmNextLayer
 from mitmproxy.net.tls import starts_like_tls_record
-from mitmproxy.proxy import commands, events, layer, layers, mode_specs
+from mitmproxy.proxy import commands, events, layer, layers, mode_specs, tunnel
 from mitmproxy.proxy.layers import modes
 from mitmproxy.proxy.layers.http import HTTPMode
 from mitmproxy.proxy.layers.tls import HTTP_ALPNS
@@ -30,6 +31,7 @@ from egressgate.audit.event import AuditEvent, AuditUnavailable, EventKind
 from egressgate.gateway import ws_layer
 from egressgate.gateway.context import ConnState, Runtime, new_request_id
 from egressgate.gateway.deny import gateway_deny, raw_deny
+from egressgate.gateway.http_layer import GatewayHttpLayer
 from egressgate.policy.decide import decide
 from egressgate.policy.facts import Decision, Facts, Operation
 from egressgate.policy.reasons import Reason
@@ -41,6 +43,16 @@ def looks_like_http(data: bytes) -> bool:
     line_end = data.find(b"\n")
     space = data.find(b" ")
     return len(data) >= 3 and data[:3].isalpha() and space != -1 and (line_end == -1 or space < line_end)
+
+
+def explicit_http_proxy(context, data: bytes) -> layer.Layer:
+    """mitmproxy's explicit-proxy stack (next_layer._setup_explicit_http_proxy, regular mode, TCP), on the
+    gateway's HTTP layer."""
+    stack = tunnel.LayerStack()
+    if starts_like_tls_record(data):
+        stack /= layers.ClientTLSLayer(context)  # layers register in context.layers as they are built
+    stack /= GatewayHttpLayer(context, HTTPMode.regular)
+    return stack[0]
 
 
 class RefuseLayer(layer.Layer):
@@ -88,7 +100,7 @@ class NextLayer:
         top = context.layers[-1] if context.layers else None
         if len(context.layers) == 1 and isinstance(top, modes.HttpProxy):
             if isinstance(context.client.proxy_mode, mode_specs.RegularMode):
-                nextlayer.layer = MitmNextLayer._setup_explicit_http_proxy(context, data)
+                nextlayer.layer = explicit_http_proxy(context, data)
             return
         conn = self.rt.conns.get(context.client.id)
         if conn is None or conn.tunnel_host is None:
@@ -106,12 +118,12 @@ class NextLayer:
             nextlayer.layer = server_tls
             return
         if after_tls and context.client.alpn in HTTP_ALPNS:
-            nextlayer.layer = layers.HttpLayer(context, HTTPMode.transparent)
+            nextlayer.layer = GatewayHttpLayer(context, HTTPMode.transparent)
             return
         if after_tls and len(data) < 3:
             return
         if looks_like_http(data):
-            nextlayer.layer = layers.HttpLayer(context, HTTPMode.transparent)
+            nextlayer.layer = GatewayHttpLayer(context, HTTPMode.transparent)
             return
         decision = await self._tcp_decision(conn, context.client.peername)
         if decision.allowed:

@@ -37,6 +37,7 @@ class Reason(StrEnum):
     HOST_MISMATCH = "host_mismatch"
     PROTOCOL_NOT_ALLOWED = "protocol_not_allowed"
     MESSAGE_TOO_LARGE = "message_too_large"  # a websocket message over websocket.max_message_bytes
+    TRAILERS_NOT_ALLOWED = "trailers_not_allowed"  # request trailers (HTTP/1 chunked or HTTP/2): never forwarded
     # identity
     IDENTITY_UNKNOWN = "identity_unknown"
     SANDBOX_REVOKED = "sandbox_revoked"

@@ -1,0 +1,173 @@
+"""The HTTP layer every gateway connection runs: mitmproxy's HttpLayer with the gateway's HTTP/1 framing
+(http1_framing.py) and one fix to how a streamed request ends.
+
+Installed by the next-layer addon (tunnel.py) for the explicit-proxy listener and inside every tunnel, so
+no HTTP flow runs on mitmproxy's stock layers:
+
+* the client connection speaks HTTP/1 through `GatewayHttp1Server` (preset before mitmproxy's Start
+  handler, which keeps a preset connection: its `setdefault` exists for client replay);
+* every new upstream connection stack gets `GatewayHttpClient`, which opens HTTP/1 upstreams with
+  `GatewayHttp1Client` (swapped in before the stack starts: mitmproxy builds the stack in
+  `get_connection` and offers no factory for it);
+* streams are `GatewayHttpStream`.
+
+`GatewayHttpStream`: for a *streamed* request body, mitmproxy runs the `request` hook after the body went
+upstream and then sends the trailers and the end of the request whatever the hook did — a deny response
+or a kill set there was ignored, and the upstream saw a complete request. Here, when an addon answered
+(`flow.response`) or killed the flow in that hook, or trailers are still attached (the gateway never
+forwards request trailers; trailers.py refuses them), the upstream request is aborted instead (HTTP/1:
+connection closed before the terminating chunk; HTTP/2: stream reset), so it never completes, and the
+client gets the answer (or, for a kill, a reset). A buffered request that still carries trailers when it
+is about to be forwarded is killed as well: no request trailer ever leaves the gateway.
+
+The overridden methods copy mitmproxy 12.3.1's bodies (marked where they do); re-check them, and
+http1_framing.py, on any mitmproxy upgrade (tests/gateway_credentials/test_trailers.py exercises each path).
+"""
+
+from __future__ import annotations
+
+import time
+
+from mitmproxy import flow
+from mitmproxy.proxy import commands, events, layer
+from mitmproxy.proxy.layers.http import (
+    HttpClient,
+    HttpLayer,
+    HttpStream,
+    RegisterHttpConnection,
+    SendHttp,
+    is_h3_alpn,
+)
+from mitmproxy.proxy.layers.http._events import (
+    ErrorCode,
+    RequestData,
+    RequestEndOfMessage,
+    RequestProtocolError,
+    RequestTrailers,
+)
+from mitmproxy.proxy.layers.http._hooks import HttpRequestHook, HttpResponseHeadersHook
+from mitmproxy.proxy.layers.http._http2 import Http2Client
+from mitmproxy.proxy.layers.http._http3 import Http3Client
+from mitmproxy.proxy.utils import expect
+
+from egressgate.gateway.http1_framing import GatewayHttp1Client, GatewayHttp1Server
+
+
+class GatewayHttpClient(HttpClient):
+    """mitmproxy's HttpClient, opening HTTP/1 upstreams with GatewayHttp1Client."""
+
+    @expect(events.Start)
+    def _handle_event(self, event: events.Event) -> layer.CommandGenerator[None]:
+        err: str | None = None
+        if not self.context.server.connected:
+            err = yield commands.OpenConnection(self.context.server)
+        if not err:
+            if is_h3_alpn(self.context.server.alpn):
+                self.child_layer = Http3Client(self.context)
+            elif self.context.server.alpn == b"h2":
+                self.child_layer = Http2Client(self.context)
+            else:
+                self.child_layer = GatewayHttp1Client(self.context)
+            self._handle_event = self.child_layer.handle_event
+            yield from self._handle_event(event)
+        yield RegisterHttpConnection(self.context.server, err)
+
+
+class GatewayHttpStream(HttpStream):
+    @expect(RequestData, RequestTrailers, RequestEndOfMessage)
+    def state_stream_request_body(self, event: events.Event) -> layer.CommandGenerator[None]:
+        if not isinstance(event, RequestEndOfMessage):
+            yield from super().state_stream_request_body(event)
+            return
+        # mitmproxy 12.3.1's end-of-message branch, with the request hook's verdict enforced
+        if callable(self.flow.request.stream):
+            chunks = self.flow.request.stream(b"")
+            if chunks == b"":
+                chunks = []
+            elif isinstance(chunks, bytes):
+                chunks = [chunks]
+            for chunk in chunks:
+                if self.context.options.store_streamed_bodies:
+                    self.request_body_buf += chunk
+                yield SendHttp(RequestData(self.stream_id, chunk), self.context.server)
+        if self.context.options.store_streamed_bodies:
+            self.flow.request.data.content = bytes(self.request_body_buf)
+            self.request_body_buf.clear()
+        self.flow.request.timestamp_end = time.time()
+        upstream_response = self.flow.response  # an upstream may answer before the request is complete
+        yield HttpRequestHook(self.flow)
+        self.client_state = self.state_done
+        if (yield from self._refused_after_stream(upstream_response)):
+            return
+        yield SendHttp(event, self.context.server)
+        if self.server_state == self.state_done:
+            yield from self.flow_done()
+
+    def make_server_connection(self) -> layer.CommandGenerator[bool]:
+        """For a buffered request this runs after the `request` hook: request trailers still attached
+        here were refused by nobody (trailers.py answers them), so the request is killed, not forwarded
+        (defense in depth; a streamed request connects at its headers, before any trailer exists)."""
+        if self.flow.request.trailers:
+            self.flow.kill()
+            yield from self.check_killed(True)
+            return False
+        return (yield from super().make_server_connection())
+
+    def _refused_after_stream(self, upstream_response) -> layer.CommandGenerator[bool]:
+        killed = self.flow.error is not None and self.flow.error.msg == flow.Error.KILLED_MESSAGE
+        answered = self.flow.response is not None and self.flow.response is not upstream_response
+        if not (killed or answered or self.flow.request.trailers):
+            return False
+        # the upstream has (part of) the body but not its end: abort it so the request never completes
+        yield SendHttp(RequestProtocolError(self.stream_id, "refused by the gateway", ErrorCode.KILL),
+                       self.context.server)
+        if killed or not answered or upstream_response is not None:
+            # a kill, trailers nobody refused (defense in depth), or an answer while the upstream's own
+            # response is already on its way to the client: nothing clean can be sent, reset instead
+            if not killed:
+                self.flow.kill()
+            yield from self.check_killed(True)
+            return True
+        self.server_state = self.state_wait_for_response_headers  # the answer stands in for the upstream's
+        self.flow.response.timestamp_start = time.time()
+        yield HttpResponseHeadersHook(self.flow)
+        if (yield from self.check_killed(True)):
+            return True
+        yield from self.send_response()
+        return True
+
+
+class GatewayHttpLayer(HttpLayer):
+    def _handle_event(self, event: events.Event):
+        if isinstance(event, events.Start):
+            alpn = self.context.client.alpn
+            if alpn != b"h2" and not is_h3_alpn(alpn):
+                self.connections.setdefault(self.context.client, GatewayHttp1Server(self.context.fork()))
+        yield from super()._handle_event(event)
+
+    def make_stream(self, stream_id: int) -> layer.CommandGenerator[None]:
+        self.streams[stream_id] = GatewayHttpStream(self.context.fork(), stream_id)
+        yield from self.event_to_child(self.streams[stream_id], events.Start())
+
+    def event_to_child(self, child, event: events.Event):
+        if isinstance(event, events.Start):
+            child = self._with_gateway_client(child)
+        yield from super().event_to_child(child, event)
+
+    def _with_gateway_client(self, top: layer.Layer) -> layer.Layer:
+        """Replace mitmproxy's HttpClient at the bottom of a new upstream stack (before it starts)."""
+        parent, current = None, top
+        while current is not None and type(current) is not HttpClient:
+            parent, current = current, getattr(current, "child_layer", None)
+        if current is None:
+            return top
+        ctx = current.context
+        ctx.layers.remove(current)  # Layer.__init__ registered it; the replacement registers itself
+        replacement = GatewayHttpClient(ctx)
+        if parent is not None:
+            parent.child_layer = replacement
+            return top
+        for conn, handler in list(self.connections.items()):
+            if handler is current:
+                self.connections[conn] = replacement
+        return replacement
