@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import shlex
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import click
@@ -41,18 +43,28 @@ def _token(cfg: GatewayConfig) -> str:
 
 
 def _call(method: str, url: str, token: str, body: dict | None = None) -> tuple[int, dict]:
-    import httpx
-
+    """One request to the loopback admin API with the stdlib (urllib): the CLI needs no HTTP client
+    library beyond the runtime dependencies (httpx is only a test dependency)."""
+    if not url.startswith(("http://", "https://")):  # urllib would also open file: and ftp: URLs
+        raise click.ClickException(f"admin API URL must be http(s)://, got {url!r}")
+    data = json.dumps(body).encode() if body is not None else None
+    headers = {"Authorization": f"Bearer {token}"}
+    if data is not None:
+        headers["Content-Type"] = "application/json"
+    request = urllib.request.Request(url, data=data, headers=headers, method=method)  # noqa: S310 - checked above
+    # An empty ProxyHandler: never send the admin token through an inherited HTTP(S)_PROXY.
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     try:
-        # trust_env=False: never send the admin token through an inherited HTTP(S)_PROXY.
-        with httpx.Client(timeout=10, trust_env=False) as client:
-            res = client.request(method, url, json=body, headers={"Authorization": f"Bearer {token}"})
-    except httpx.HTTPError as exc:
+        with opener.open(request, timeout=10) as res:
+            status, raw = res.status, res.read()
+    except urllib.error.HTTPError as exc:  # a 4xx/5xx answer: its JSON body says why
+        status, raw = exc.code, exc.read()
+    except (urllib.error.URLError, OSError, ValueError) as exc:
         raise click.ClickException(f"admin API unreachable at {url}: {exc}") from exc
     try:
-        return res.status_code, res.json()
+        return status, json.loads(raw)
     except ValueError:
-        return res.status_code, {"error": res.text}
+        return status, {"error": raw.decode("utf-8", "replace")}
 
 
 @click.group("sandbox")

@@ -1,7 +1,8 @@
 """`egressgate audit find`: the records of one request across audit files.
 
 A request's decision record carries `egressgate.request.hash`; its outcome record (status, bytes) is linked
-only by `egressgate.request.id`, so records sharing the request id of a hash match are returned too.
+only by `egressgate.request.id`, so records sharing the request id of a hash match are returned too, and so
+are the credential-issue records whose `egressgate.trigger_request` names that request.
 """
 
 from __future__ import annotations
@@ -11,6 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from egressgate.audit.record import Record, RecordFormatError, parse_line
+
+# A credential minted for a request is its own decision (own request id) naming the request it served.
+TRIGGER = "egressgate.trigger_request"
 
 
 @dataclass(slots=True)
@@ -56,4 +60,5 @@ def find_records(
         for f in all_records
         if (want_hash and f.record.attributes.get("egressgate.request.hash") == want_hash)
         or f.record.attributes.get("egressgate.request.id") in ids
+        or f.record.attributes.get(TRIGGER) in ids
     ]

@@ -16,6 +16,7 @@ from dnslib import QTYPE
 from egressgate.audit.event import AuditEvent, EventKind
 from egressgate.dns.filter import Filtered
 from egressgate.dns.wire import RCODE_BY_NAME, Query
+from egressgate.policy.canon import CanonError, canon_host
 from egressgate.policy.compile import CompiledPolicy
 from egressgate.policy.facts import Decision
 
@@ -59,6 +60,19 @@ class QueryContext:
     # failures), "decide" (the policy decision), "answer_filter" (an allowed answer emptied by the filter).
     # `audit replay` can re-decide only "decide" outcomes.
     stage: str = "resolver"
+
+
+def requested_name(query: Query) -> str | None:
+    """The canonical name a query asked for, for the record of a query refused before the name checks
+    (unknown or revoked client); None when the name is not already canonical (the raw labels are always
+    in `egressgate.target.as_sent`)."""
+    if not query.labels or not query.name_ok:
+        return None
+    try:
+        host = canon_host(query.name_text)
+    except CanonError:
+        return None
+    return host if host == query.name_text.lower() else None
 
 
 def describe(filtered: Filtered) -> list[str]:

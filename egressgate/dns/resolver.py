@@ -34,7 +34,7 @@ from egressgate.dns.answer import pack_answer
 from egressgate.dns.cache import AnswerCache, CacheEntry
 from egressgate.dns.config import DnsConfig
 from egressgate.dns.decisions import DnsDecisions
-from egressgate.dns.events import QueryContext, describe, dns_event, qtype_name
+from egressgate.dns.events import QueryContext, describe, dns_event, qtype_name, requested_name
 from egressgate.dns.filter import filter_answer
 from egressgate.dns.limits import RateLimiter
 from egressgate.dns.metrics import DnsMetrics
@@ -139,12 +139,13 @@ class Resolver:
             self.metrics.state_failures += 1
             return await self._refuse(ctx, opt, SERVFAIL, Reason.STATE_UNAVAILABLE)
         if record is not None and record.revoked:
-            ctx.sandbox_id = record.id
+            ctx.sandbox_id, ctx.host = record.id, requested_name(query)
             return await self._refuse(ctx, opt, RCODE_BY_NAME[self.config.deny_rcode], Reason.SANDBOX_REVOKED)
         if record is not None:
             ctx.sandbox_id, ctx.labels, ctx.admitted_at = record.id, dict(record.labels), record.admitted_at
             policy_name: str | None = record.policy_name
         elif self.config.unknown_client_policy is None:
+            ctx.host = requested_name(query)  # the record names what an unknown client asked for
             return await self._refuse(ctx, opt, RCODE_BY_NAME[self.config.deny_rcode], Reason.IDENTITY_UNKNOWN)
         else:
             policy_name = self.config.unknown_client_policy

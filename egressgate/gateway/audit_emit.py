@@ -19,6 +19,7 @@ from egressgate.gateway import request_hash, ws_layer
 from egressgate.gateway.budgets import TCP_CUT, TCP_IN, TCP_OUT, WS_IN, WS_OUT
 from egressgate.gateway.context import FlowState, Runtime, ensure_flow_state, flow_state, new_request_id
 from egressgate.gateway.deny import REQUEST_ID_HEADER, deny_response, gateway_deny
+from egressgate.gateway.target import note_target
 from egressgate.policy.facts import Decision
 from egressgate.policy.reasons import Reason
 from egressgate.state.base import StateUnavailable
@@ -79,6 +80,13 @@ def decision_event(kind: EventKind, fs: FlowState, labels: dict[str, str], clien
     )
 
 
+def _orphan_id(flow: tcp.TCPFlow) -> str:
+    """A raw-TCP relay with no recorded decision id cannot happen (ConnState.allow_tcp sets both); if it
+    ever does, the outcome is still written, under a fresh id, and the log says so."""
+    logger.error("raw TCP outcome for client %s has no decision request id", flow.client_conn.id)
+    return new_request_id()
+
+
 class AuditEmit:
     def __init__(self, runtime: Runtime) -> None:
         self.rt = runtime
@@ -121,7 +129,7 @@ class AuditEmit:
         conn.tunnel_target = fs.pinned
         conn.intercept = bool(fs.extra.get("intercept", True))
         if not conn.intercept:
-            conn.tcp_allowed_rule = decision.rule_id  # allowed only by a raw-TCP rule: relay, no MITM
+            conn.allow_tcp(decision.rule_id, fs.request_id)  # allowed only by a raw-TCP rule: relay, no MITM
         raw = fs.extra.get("raw_address")
         if raw is not None:
             conn.tunnel_raw_address = (raw[0], raw[1])
@@ -170,6 +178,8 @@ class AuditEmit:
             extra["egressgate.error"] = error
         if fs.extra.get("budget_cut"):
             extra["egressgate.budget_cut"] = True
+        if fs.extra.get("internal_error"):
+            extra["egressgate.internal_error"] = fs.extra["internal_error"]  # the hook that crashed
         req_hash, body_hash = request_hash.finish(fs)
         event = AuditEvent(
             kind=EventKind.OUTCOME,
@@ -192,6 +202,33 @@ class AuditEmit:
             extra=extra,
         )
         self._write_behind(event)
+
+    def refused(self, flow: http.HTTPFlow, hook: str) -> None:
+        """An addon crashed and failclosed.py refused the flow (500 `internal_error`, or a kill).
+
+        Not yet audited: the refusal is the flow's decision and is recorded as one, write-behind (a deny
+        takes effect whether or not its record could be written), under the flow's request id, which is
+        the one the 500 body carries. Already audited (the crash came after the decision record): the
+        outcome record, under the same id, says `internal_error`."""
+        fs = ensure_flow_state(flow, "connect" if flow.request.method == "CONNECT" else "http_request")
+        fs.extra["internal_error"] = hook
+        if fs.audited:
+            return
+        earlier = fs.decision
+        fs.decision = gateway_deny(
+            Reason.INTERNAL_ERROR,
+            detail=f"hook={hook}" + (f"; earlier={earlier.reason}" if earlier is not None else ""),
+            rule_id=earlier.rule_id if earlier is not None else None,
+        )
+        fs.audited = True
+        try:
+            note_target(self.rt, flow, fs)  # the crash may have come before the target was filled in
+        except Exception:
+            logger.exception("could not describe the target of a refused flow")
+        conn = self.rt.conns.get(flow.client_conn.id)
+        client = flow.client_conn.peername[0] if flow.client_conn.peername else None
+        kind = EventKind.CONNECT if fs.kind == "connect" else EventKind.HTTP_REQUEST
+        self._write_behind(decision_event(kind, fs, conn.labels if conn is not None else {}, client))
 
     def _write_behind(self, event: AuditEvent) -> None:
         """Outcome records are written without holding the response: intent-before-effect is the
@@ -257,7 +294,7 @@ class AuditEmit:
         await self._write(
             AuditEvent(
                 kind=EventKind.OUTCOME, time_ns=time.time_ns(),
-                request_id=flow.metadata.get("egressgate.request_id", new_request_id()),
+                request_id=conn.tcp_request_id or _orphan_id(flow),
                 sandbox_id=conn.sandbox_id, decision="allow", reason=str(Reason.RULE_MATCHED),
                 rule_id=conn.tcp_allowed_rule, host=conn.tunnel_host, port=conn.tunnel_port, scheme="tcp",
                 bytes_out=out, bytes_in=in_,

@@ -62,9 +62,17 @@ class ConnState:
     intercept: bool = True
     sni_mismatch: str | None = None  # the offending SNI, when it does not name the CONNECT target
     tcp_allowed_rule: str | None = None  # rule id when raw TCP in this tunnel was allowed
+    # request id of the decision that allowed that raw TCP (the CONNECT's, or the in-tunnel raw-TCP
+    # decision's): the relay's outcome record reuses it, so `audit find --request-id` links the two
+    tcp_request_id: str | None = None
     # address tuple (as mitmproxy will present it in server_connect) -> checked target
     approved: dict[tuple[str, int], PinnedTarget] = field(default_factory=dict)
     closed: bool = False
+
+    def allow_tcp(self, rule_id: str | None, request_id: str) -> None:
+        """Raw TCP in this tunnel was allowed by `rule_id` in the decision recorded as `request_id`."""
+        self.tcp_allowed_rule = rule_id
+        self.tcp_request_id = request_id
 
 
 @dataclass(slots=True)

@@ -16,6 +16,7 @@ from mitmproxy import http
 from egressgate.gateway.context import FlowState, Runtime, ensure_flow_state
 from egressgate.gateway.deny import gateway_deny
 from egressgate.gateway.pinning import resolve_target
+from egressgate.gateway.target import as_sent, note_target
 from egressgate.policy.canon import CanonError, canon_method, canon_path, split_host_port, split_path_query
 from egressgate.policy.decide import decide
 from egressgate.policy.facts import Facts, Operation, SandboxState
@@ -80,8 +81,9 @@ class DecisionAddon:
 
     async def http_connect(self, flow: http.HTTPFlow) -> None:
         fs = ensure_flow_state(flow, "connect")
-        fs.target_as_sent = flow.request.authority or f"{flow.request.host}:{flow.request.port}"
+        fs.target_as_sent = as_sent(flow.request)
         if fs.decision is not None:
+            note_target(self.rt, flow, fs)  # an identity deny's record names what was asked for too
             return
         try:
             host, port = split_host_port(fs.target_as_sent, flow.request.port)
@@ -109,8 +111,11 @@ class DecisionAddon:
         fs = ensure_flow_state(flow, "http_request")
         req = flow.request
         if fs.target_as_sent is None:
-            fs.target_as_sent = f"{req.method} {req.authority or req.host_header or ''}{req.path}"
-        if fs.decision is not None or flow.response is not None:
+            fs.target_as_sent = as_sent(req)
+        if flow.response is not None:
+            return
+        if fs.decision is not None:
+            note_target(self.rt, flow, fs)  # an identity deny's record names what was asked for too
             return
         conn = self.rt.conn(flow.client_conn.id)
         tunnel = conn.tunnel_host is not None

@@ -18,6 +18,7 @@ from mitmproxy import exceptions, http, tcp
 from mitmproxy.proxy import server_hooks
 
 from egressgate.gateway.audit_emit import pending_body_too_large
+from egressgate.gateway.context import ensure_flow_state
 from egressgate.gateway.deny import deny_response, gateway_deny
 from egressgate.policy.reasons import Reason
 
@@ -32,6 +33,9 @@ _AFTER_THE_FACT = frozenset({"error", "tcp_end", "tcp_error", "client_disconnect
 _LIFECYCLE = frozenset({"load", "configure", "running", "done", "update", "add_log"})
 
 Abort = Callable[[str], object]  # abort a client connection by id
+# Records a refused HTTP flow (audit_emit.AuditEmit.refused): (flow, hook). A refusal is a decision like
+# any other; without its record the request id in the 500 body would lead an auditor nowhere.
+Refused = Callable[[http.HTTPFlow, str], object]
 
 
 class FailClosed:
@@ -41,9 +45,10 @@ class FailClosed:
     on every addon for every event, so a `__getattr__` (or a closure per lookup) would be paid millions
     of times under load."""
 
-    def __init__(self, addon: Any, abort: Abort) -> None:
+    def __init__(self, addon: Any, abort: Abort, refused: Refused | None = None) -> None:
         self._addon = addon
         self._abort = abort
+        self._refused = refused
         self.name = getattr(addon, "name", type(addon).__name__.lower())  # mitmproxy looks addons up by name
         for attr_name in dir(type(addon)):
             if attr_name.startswith("_") or attr_name == "name":
@@ -84,7 +89,7 @@ class FailClosed:
             return
         subject = args[0]
         try:
-            refuse(hook, subject, self._abort)
+            refuse(hook, subject, self._abort, self._refused)
         except Exception:  # the refusal itself must not fail open either: cut the client
             logger.exception("refusal after %s failed; aborting the client connection", hook)
             client = _client_id(subject)
@@ -92,7 +97,7 @@ class FailClosed:
                 self._abort(client)
 
 
-def refuse(hook: str, subject: Any, abort: Abort) -> None:
+def refuse(hook: str, subject: Any, abort: Abort, refused: Refused | None = None) -> None:
     carried = getattr(subject, "flow", None)
     if isinstance(carried, http.HTTPFlow) and not isinstance(subject, http.HTTPFlow | tcp.TCPFlow):
         subject = carried  # hook data carrying its flow (ws_layer's websocket_wire / websocket_control)
@@ -102,11 +107,14 @@ def refuse(hook: str, subject: Any, abort: Abort) -> None:
         request = subject.request
         cannot_answer = bool(request.stream) if hook == "request" else pending_body_too_large(request)
         if hook in _BEFORE_UPSTREAM and subject.response is None and subject.live and not cannot_answer:
-            request_id = subject.metadata.get("egressgate.request_id") or subject.id
-            subject.response = deny_response(gateway_deny(Reason.INTERNAL_ERROR), request_id)
+            # the flow's one request id (assigned once, in context.py), never mitmproxy's flow id
+            fs = ensure_flow_state(subject, "connect" if hook == "http_connect" else "http_request")
+            subject.response = deny_response(gateway_deny(Reason.INTERNAL_ERROR), fs.request_id)
             subject.request.stream = False
         elif subject.killable:
             subject.kill()
+        if refused is not None:
+            refused(subject, hook)
         return
     if isinstance(subject, tcp.TCPFlow):
         if subject.killable:

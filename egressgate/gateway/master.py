@@ -103,11 +103,13 @@ class GatewayMaster:
         self.proxyserver = proxyserver.Proxyserver()
         running = _Running()
         rt = self.rt
+        audit_emit = AuditEmit(rt)
         ours = [NextLayer(rt), tlsconfig.TlsConfig(), Identity(rt), Consistency(rt), Sanitize(), DecisionAddon(rt),
-                Pinning(rt), Streaming(), Budgets(rt), Trailers(rt), Credentials(rt), AuditEmit(rt), Revocation(rt)]
+                Pinning(rt), Streaming(), Budgets(rt), Trailers(rt), Credentials(rt), audit_emit, Revocation(rt)]
         # every addon in the decision path fails closed (failclosed.py); TlsConfig too, since a failed
-        # certificate step must not leave a connection half-configured
-        master.addons.add(self.proxyserver, *(FailClosed(a, self.abort_connection) for a in ours), running)
+        # certificate step must not leave a connection half-configured. A refused flow is audited.
+        guarded = (FailClosed(a, self.abort_connection, audit_emit.refused) for a in ours)
+        master.addons.add(self.proxyserver, *guarded, running)
         host, port = self.listen
         spec_host = f"[{host}]" if ":" in host else host
         opts.update(

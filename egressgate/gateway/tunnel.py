@@ -125,16 +125,18 @@ class NextLayer:
         if looks_like_http(data):
             nextlayer.layer = GatewayHttpLayer(context, HTTPMode.transparent)
             return
-        decision = await self._tcp_decision(conn, context.client.peername)
+        # One id for this decision: its audit record, the deny body the client reads, and the relay's
+        # outcome record (via ConnState.tcp_request_id) all carry it.
+        request_id = new_request_id()
+        decision = await self._tcp_decision(conn, context.client.peername, request_id)
         if decision.allowed:
-            conn.tcp_allowed_rule = decision.rule_id
+            conn.allow_tcp(decision.rule_id, request_id)
             nextlayer.layer = layers.TCPLayer(context)
         else:
-            nextlayer.layer = RefuseLayer(context, raw_deny(decision, new_request_id()))
+            nextlayer.layer = RefuseLayer(context, raw_deny(decision, request_id))
 
-    async def _tcp_decision(self, conn: ConnState, peer) -> Decision:
+    async def _tcp_decision(self, conn: ConnState, peer, request_id: str) -> Decision:
         policy = self.rt.policies.get(conn.policy_name)
-        request_id = new_request_id()
         decision: Decision
         facts = None
         if policy is None or conn.sandbox_id is None:

@@ -492,7 +492,8 @@ def _read_line(proc: subprocess.Popen, timeout: float) -> str:
     return box[0] if box else ""
 
 
-def start_gateway(w: World, tmp: Path, extra_config: dict | None = None) -> Gateway:
+def start_gateway(w: World, tmp: Path, extra_config: dict | None = None, launcher: list[str] | None = None) -> Gateway:
+    """`launcher` replaces the `egressgate` command (e.g. a script that plants a fault, then runs the CLI)."""
     policy_dir = tmp / "policies"
     policy_dir.mkdir(parents=True, exist_ok=True)
     for name, doc in policies(w).items():
@@ -510,7 +511,7 @@ def start_gateway(w: World, tmp: Path, extra_config: dict | None = None) -> Gate
     cfg = tmp / "gateway.yaml"
     cfg.write_text(yaml.safe_dump(config))
     stderr = open(tmp / "gateway.stderr", "w")  # noqa: SIM115 - lives with the process
-    proc = subprocess.Popen([EGRESSGATE, "run", "--config", str(cfg), "--log-level", "DEBUG"],
+    proc = subprocess.Popen([*(launcher or [EGRESSGATE]), "run", "--config", str(cfg), "--log-level", "DEBUG"],
                             stdout=subprocess.PIPE, stderr=stderr, text=True, env={**os.environ, "NO_PROXY": ""})
     line = _read_line(proc, 30)
     try:
