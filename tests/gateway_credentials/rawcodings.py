@@ -118,8 +118,8 @@ def chunked(body: bytes, step: int = 37) -> bytes:
 
 
 def response_bytes(case: Case, secret: str, head: bool = False, status: str = "200 OK",
-                   extra: tuple[tuple[str, str], ...] = ()) -> bytes:
-    body = payload(secret)
+                   extra: tuple[tuple[str, str], ...] = (), plain: bytes | None = None) -> bytes:
+    body = payload(secret) if plain is None else plain
     for name in case.codings:
         body = ENCODERS[name](body)
     headers = [("Content-Type", "text/plain"), *extra, *case.headers]
@@ -187,6 +187,13 @@ class RawUpstream:
             half = len(secret) // 2
             extra = (("X-Echo", f"{secret[:half]}\r\n {secret[half:]}"),)
             return response_bytes(_ce(("identity",), "identity"), "-", extra=extra)
+        if name == "bomb":  # 20 KB on the wire (buffered), 20 MiB decoded: over the 16 MiB buffered cap
+            return response_bytes(_ce(("gzip",), "gzip"), secret, plain=payload(secret) + b"\0" * (20 << 20))
+        if name == "corrupt-chunked":  # the echo, then garbage inside the gzip stream: cut mid-stream
+            good = gzip.compress(payload(secret) * 50)
+            bad = good[:len(good) // 2] + b"\xff" * 64 + good[len(good) // 2:]
+            return response_bytes(_ce(("identity",), "identity", framing="chunked"), secret, plain=bad,
+                                  extra=(("Content-Encoding", "gzip"),))
         if name == "no-content":
             return response_bytes(_te("gzip, chunked", "gzip"), secret, head=True, status="204 No Content")
         if name == "not-modified":

@@ -115,7 +115,8 @@ def sent_for(env: Env, path: str):
 def outcome(env: Env, status: int) -> dict:
     for _ in range(50):
         recs = [r for r in env.gw.audit_records() if r.get("egressgate.operation") == "outcome"
-                and str(r.get("http.response.status_code")) == str(status) and r.get("egressgate.sandbox.id") == env.sbx["id"]]
+                and str(r.get("http.response.status_code")) == str(status)
+                and r.get("egressgate.sandbox.id") == env.sbx["id"]]
         if recs:
             return recs[-1]
         time.sleep(0.1)
@@ -174,6 +175,31 @@ def test_framing_mitmproxy_rejects_never_reaches_the_client(env: Env, name: str)
     assert not leak_in(raw, KV_SECRET)
     assert parse(raw)[0] == 502, raw[:300]
     control(env, name, passes=False)
+
+
+def test_bombs_and_corrupt_bodies_never_reach_the_client(env: Env) -> None:
+    """Buffered: a body that inflates past the 16 MiB cap is refused whole (502). Streamed: corrupt
+    data cuts the connection mid-body; what went out before holds no part of the echo. Both audited."""
+    raw = fetch(env, "/cred/bomb")
+    status, _, body = parse(raw)
+    assert status == 502 and json.loads(body)["reason"] == "undecodable_body" and not leak_in(raw, KV_SECRET)
+    assert outcome(env, 502)["egressgate.response_refused"] == "undecodable_body"
+    assert leak_in(sent_for(env, "/cred/bomb").data, KV_SECRET)  # control: the upstream echoed it
+    raw = fetch(env, "/cred/corrupt-chunked")
+    status, headers, body = parse(raw)
+    assert status == 200 and not body.endswith(b"0\r\n\r\n"), raw[-100:]  # cut, not completed
+    half = len(KV_SECRET) // 2
+    assert not leak_in(raw, KV_SECRET) and KV_SECRET[:half].encode() not in raw
+    assert EXPECTED[:300] in dechunk(body)  # it was decoding: the cut came at the garbage
+    rid = header(headers, "x-egressgate-request-id")[0]
+    for _ in range(50):
+        recs = [r for r in env.gw.audit_records()
+                if r.get("egressgate.request.id") == rid and r.get("egressgate.operation") == "outcome"]
+        if recs:
+            break
+        time.sleep(0.1)
+    assert recs and recs[-1]["egressgate.response_refused"] == "undecodable_body"
+    assert leak_in(sent_for(env, "/cred/corrupt-chunked").data, KV_SECRET)  # control
 
 
 def test_http10_client_gets_the_decoded_body_close_delimited(env: Env) -> None:
