@@ -9,7 +9,8 @@ we could not inspect).
 
 Decompression bombs: every stage is driven with an output cap (zlib/zstd `max_length`, brotli
 `output_buffer_limit`), so no stage ever materialises more than its cap: each stage may produce at most
-`max_output` bytes over the whole body and at most `max_step` bytes per input chunk. The per-stage
+`max_output` bytes over the whole body and at most `max_step` bytes per input chunk. A body that ends
+inside a compressed stream (truncated, or garbage the decoder kept waiting on) is a DecodeError too. The per-stage
 bound matters for nested codings (`gzip, gzip`): the inner stage of a nested bomb multiplies the outer
 one's expansion, and a check on the final output alone would come after the memory was spent.
 """
@@ -66,11 +67,20 @@ class _Zlib:
         self.gzip = gzip
         self.obj: zlib._Decompress | None = zlib.decompressobj(31) if gzip else None
         self.pending = b""
+        self.started = False
 
     def __call__(self, data: bytes, room: int) -> bytes:
-        """Decode `data` (b"": flush), producing at most `room + 1` bytes (more than `room` = bomb)."""
+        """Decode `data` (b"": the end), producing at most `room + 1` bytes (more than `room` = bomb)."""
         if not data:
-            return self.obj.flush() if self.obj is not None else b""
+            if self.obj is None:
+                if self.pending:
+                    raise DecodeError("truncated deflate body")
+                return b""
+            tail = self.obj.flush()
+            if self.started and not self.obj.eof:
+                raise DecodeError("truncated compressed body")
+            return tail
+        self.started = True
         if self.obj is None:  # deflate: sniff the zlib header (RFC 1950) on the first two bytes
             self.pending += data
             if len(self.pending) < 2:
@@ -98,38 +108,47 @@ class _Zlib:
 class _Brotli:
     def __init__(self) -> None:
         self.obj = brotli.Decompressor()
+        self.started = False
 
     def __call__(self, data: bytes, room: int) -> bytes:
         out = bytearray()
         try:
             if data:
+                self.started = True
                 out += self.obj.process(data, output_buffer_limit=room + 1)
             while len(out) <= room and not self.obj.can_accept_more_data():  # output still pending
                 out += self.obj.process(b"", output_buffer_limit=room + 1 - len(out))
         except brotli.error as exc:
             raise DecodeError(f"corrupt brotli body: {exc}") from None
+        if not data and self.started and len(out) <= room and not self.obj.is_finished():
+            raise DecodeError("truncated brotli body")
         return bytes(out)
 
 
 class _Zstd:
     def __init__(self) -> None:
         self.obj = zstd.ZstdDecompressor()
+        self.fresh = True  # at a frame boundary: the body may end here
 
     def __call__(self, data: bytes, room: int) -> bytes:
+        final = not data
         out = bytearray()
         try:
             while len(out) <= room:
+                self.fresh = self.fresh and not data
                 out += self.obj.decompress(data, room + 1 - len(out))
                 data = b""
                 if self.obj.eof:  # a new frame may follow
                     data = self.obj.unused_data
-                    self.obj = zstd.ZstdDecompressor()
+                    self.obj, self.fresh = zstd.ZstdDecompressor(), True
                     if not data:
                         break
                 elif self.obj.needs_input:
                     break
         except zstd.ZstdError as exc:
             raise DecodeError(f"corrupt zstd body: {exc}") from None
+        if final and not self.fresh and len(out) <= room:
+            raise DecodeError("truncated zstd body")
         return bytes(out)
 
 

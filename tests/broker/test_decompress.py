@@ -121,3 +121,18 @@ def test_more_than_max_codings_refused() -> None:
     with pytest.raises(UnsupportedEncoding):
         decoder(", ".join(["gzip"] * (MAX_CODINGS + 1)))
     assert coding_names(["GZip ", " identity", "", "br"]) == ["gzip", "br"]
+
+
+@pytest.mark.parametrize("name", ["gzip", "deflate", "deflate-raw", "br", "zstd", "gzip, br"])
+def test_truncated_body_is_an_error(name: str) -> None:
+    """A body that stops inside a compressed stream is corrupt, not complete (the decoder used to
+    accept it silently); an empty body under a coding is fine."""
+    data = compressors()[name]
+    enc = name.replace("-raw", "")
+    for cut in (1, len(data) // 2, len(data) - 1):
+        d = decoder(enc)
+        with pytest.raises(DecodeError, match=r"truncated|corrupt"):
+            d(data[:cut])
+            d(b"")
+    d = decoder(enc)
+    assert d(b"") == b""
