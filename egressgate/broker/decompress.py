@@ -9,10 +9,13 @@ we could not inspect).
 
 Decompression bombs: every stage is driven with an output cap (zlib/zstd `max_length`, brotli
 `output_buffer_limit`), so no stage ever materialises more than its cap: each stage may produce at most
-`max_output` bytes over the whole body and at most `max_step` bytes per input chunk. A body that ends
-inside a compressed stream (truncated, or garbage the decoder kept waiting on) is a DecodeError too. The per-stage
+`max_output` bytes over the whole body and at most `max_step` bytes per input chunk. The per-stage
 bound matters for nested codings (`gzip, gzip`): the inner stage of a nested bomb multiplies the outer
 one's expansion, and a check on the final output alone would come after the memory was spent.
+
+A body that ends inside a compressed stream (truncated, or garbage the decoder kept waiting on) is a
+DecodeError too: what was forwarded was still decoded and scrubbed, but the client must not take a
+cut body for a complete one.
 """
 
 from __future__ import annotations

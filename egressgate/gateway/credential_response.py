@@ -12,7 +12,6 @@ in the outcome record as `egressgate.response_refused`) — never forwarded.
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 
@@ -20,8 +19,8 @@ from mitmproxy import http
 
 from egressgate.broker.credential import Credential
 from egressgate.broker.redact import SecretSpec, cached_scrubber
-from egressgate.gateway.context import Runtime, flow_state
-from egressgate.gateway.credential_streams import as_chunks, reframe, refuse, scrub_chain
+from egressgate.gateway.context import FlowState, Runtime, flow_state
+from egressgate.gateway.credential_streams import as_chunks, reframe, refusal_body, refuse, scrub_chain
 from egressgate.gateway.deny import REQUEST_ID_HEADER
 from egressgate.gateway.response_codings import Uninspectable, body_codings, folded, folded_headers
 
@@ -98,7 +97,7 @@ class ResponseScrub:
         reframe(flow)
 
     @staticmethod
-    def _refuse(flow: http.HTTPFlow, fs, applied: Applied, exc: Uninspectable, bodiless: bool) -> None:
+    def _refuse(flow: http.HTTPFlow, fs: FlowState, applied: Applied, exc: Uninspectable, bodiless: bool) -> None:
         """502 with a reason the client reads and the outcome record keeps (AuditEmit)."""
         logger.warning("refused %s response from %s: %s", applied.capability, fs.host, exc.reason)
         refuse(flow, fs.request_id, exc.reason, exc.message, bodiless)
@@ -133,11 +132,11 @@ class ResponseScrub:
             run = scrub_chain(None, codings, scrubber, BUFFERED_MAX_DECODED, errors.append)
             out = b"".join(as_chunks(run(raw)) + as_chunks(run(b"")))
         if errors:
-            logger.warning("refused %s response from %s: body could not be decoded", applied.capability, fs.host)
-            fs.extra["response_refused"] = "undecodable_body"
+            why = errors[0] if isinstance(errors[0], Uninspectable) else Uninspectable("undecodable_body", _UNDECODABLE)
+            logger.warning("refused %s response from %s: %s", applied.capability, fs.host, why.reason)
+            fs.extra["response_refused"] = why.reason
             flow.response = http.Response.make(
-                502, json.dumps({"error": "upstream_response_refused", "reason": "undecodable_body",
-                                 "request_id": fs.request_id, "message": _UNDECODABLE}, separators=(",", ":")),
+                502, refusal_body(fs.request_id, why.reason, why.message),
                 {"Content-Type": "application/json", REQUEST_ID_HEADER: fs.request_id, "Cache-Control": "no-store"})
             return
         for name in ("content-encoding", "transfer-encoding"):

@@ -135,14 +135,19 @@ def reframe(flow: http.HTTPFlow) -> None:
         resp.headers["transfer-encoding"] = "chunked"
 
 
+def refusal_body(request_id: str, reason: str, message: str) -> bytes:
+    """The 502 body of a refused upstream response: like a deny body, a stable reason and one sentence."""
+    return json.dumps({"error": "upstream_response_refused", "reason": reason, "request_id": request_id,
+                       "message": message}, separators=(",", ":")).encode()
+
+
 def refuse(flow: http.HTTPFlow, request_id: str, reason: str, message: str, bodiless: bool = False) -> None:
     """Turn the upstream's response (headers not yet sent) into a 502 whose body we write: none of the
     upstream's bytes go out, since they could not be inspected. `bodiless`: the exchange has no body
     (HEAD, 204, 304): the 502 then has none either, or the client would wait for it."""
     resp = flow.response
     assert resp is not None
-    body = json.dumps({"error": "upstream_response_refused", "reason": reason, "request_id": request_id,
-                       "message": message}, separators=(",", ":")).encode()
+    body = refusal_body(request_id, reason, message)
     resp.status_code = 502
     resp.reason = "Bad Gateway"
     resp.headers = http.Headers(content_type="application/json", cache_control="no-store",

@@ -189,11 +189,10 @@ class RawUpstream:
             return response_bytes(_ce(("identity",), "identity"), "-", extra=extra)
         if name == "bomb":  # 20 KB on the wire (buffered), 20 MiB decoded: over the 16 MiB buffered cap
             return response_bytes(_ce(("gzip",), "gzip"), secret, plain=payload(secret) + b"\0" * (20 << 20))
-        if name == "corrupt-chunked":  # the echo, then garbage inside the gzip stream: cut mid-stream
-            good = gzip.compress(payload(secret) * 50)
-            bad = good[:len(good) // 2] + b"\xff" * 64 + good[len(good) // 2:]
-            return response_bytes(_ce(("identity",), "identity", framing="chunked"), secret, plain=bad,
-                                  extra=(("Content-Encoding", "gzip"),))
+        if name == "corrupt-chunked":  # a clean gzip member, then one whose deflate data is garbage
+            second = gzip.compress(payload(secret))
+            bad = gzip.compress(b"x" * 300) + second[:10] + b"\xff" * 64 + second[10:]  # 0xff: invalid block
+            return response_bytes(_ce(("gzip",), "identity", framing="chunked"), secret, plain=bad)
         if name == "no-content":
             return response_bytes(_te("gzip, chunked", "gzip"), secret, head=True, status="204 No Content")
         if name == "not-modified":

@@ -12,6 +12,7 @@ reaches the client with the secret intact (so a leak would have been seen).
 from __future__ import annotations
 
 import base64
+import gzip
 import json
 import socket
 import ssl
@@ -191,9 +192,10 @@ def test_bombs_and_corrupt_bodies_never_reach_the_client(env: Env) -> None:
     assert status == 200 and not body.endswith(b"0\r\n\r\n"), raw[-100:]  # cut, not completed
     half = len(KV_SECRET) // 2
     assert not leak_in(raw, KV_SECRET) and KV_SECRET[:half].encode() not in raw
-    assert EXPECTED[:300] in dechunk(body)  # it was decoding: the cut came at the garbage
+    assert set(dechunk(body)) <= set(b"x")  # at most the clean first member; cut at the garbage
     assert outcome(env, raw)["egressgate.response_refused"] == "undecodable_body"
-    assert leak_in(sent_for(env, "/cred/corrupt-chunked").data, KV_SECRET)  # control
+    sent = parse(sent_for(env, "/cred/corrupt-chunked").data)[2]  # control: behind the garbage, the echo
+    assert KV_SECRET.encode() in gzip.decompress(dechunk(sent).replace(b"\xff" * 64, b""))
 
 
 def test_http10_client_gets_the_decoded_body_close_delimited(env: Env) -> None:
