@@ -13,6 +13,7 @@ in the outcome record as `egressgate.response_refused`) — never forwarded.
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 
 from mitmproxy import http
@@ -29,6 +30,8 @@ logger = logging.getLogger(__name__)
 META_CRED = "egressgate.credential"
 STREAM_MAX_DECODED = 1 << 30  # decoded bytes per streamed response (decompression-bomb bound)
 BUFFERED_MAX_DECODED = 16 << 20  # a buffered (<= 64 KiB on the wire) body may not inflate beyond this
+# a repr'd literal in a mitmproxy error message: b'...', b"...", '...', "..." (upstream bytes it quotes)
+_QUOTED = re.compile(r"b?'(?:[^'\\]|\\.)*'" r'|b?"(?:[^"\\]|\\.)*"')
 _UNDECODABLE = ("The upstream's compressed response was corrupt or inflated beyond the gateway's limit, so it "
                 "was refused; retry with uncompressed responses (Accept-Encoding: identity).")
 
@@ -102,6 +105,31 @@ class ResponseScrub:
         logger.warning("refused %s response from %s: %s", applied.capability, fs.host, exc.reason)
         refuse(flow, fs.request_id, exc.reason, exc.message, bodiless)
         fs.extra["response_refused"] = exc.reason
+
+    def error(self, flow: http.HTTPFlow) -> None:
+        """mitmproxy quotes upstream bytes it could not parse — a malformed Transfer-Encoding,
+        Content-Length, header name or line, status line, a cut head — in its 502 page (sent right
+        after this hook, with no hook able to change it) and in `flow.error`, which AuditEmit records
+        next. On a credentialed flow those bytes may echo the credential (even compressed, inside a
+        bytes repr). So when the message quotes anything or holds the secret: cut the client
+        connection before the page goes out (the sandbox sees a reset, not a 502), and keep only a
+        sanitized message for the audit record."""
+        applied: Applied | None = flow.metadata.get(META_CRED)
+        fs = flow_state(flow)
+        if applied is None or fs is None or flow.error is None:
+            return
+        msg = flow.error.msg
+        scrubber = cached_scrubber(applied.spec())
+        if not (_QUOTED.search(msg) or scrubber.contains_secret(msg.encode("utf-8", "surrogateescape"))):
+            return  # mitmproxy's own fixed wording ("server closed connection", ...): nothing quoted
+        clean = scrubber.scrub_text(_QUOTED.sub("<upstream bytes>", msg))
+        logger.warning("cut %s response from %s: the upstream's response was malformed (%s)",
+                       applied.capability, fs.host, clean[:200])
+        flow.error.msg = clean
+        fs.extra.setdefault("response_refused", "malformed_response")
+        cut = self.rt.abort_connection is not None and self.rt.abort_connection(flow.client_conn.id)
+        if not cut and flow.killable:
+            flow.kill()  # no connection to cut: at least mitmproxy's page after a parse error is suppressed
 
     def response(self, flow: http.HTTPFlow) -> None:
         applied: Applied | None = flow.metadata.get(META_CRED)

@@ -106,6 +106,19 @@ MITM_REFUSED: dict[str, Case] = {
 
 CASES = {**DECODED, **REFUSED, **MITM_REFUSED}
 
+# heads mitmproxy rejects, echoing the credential in the rejected part: mitmproxy quotes that part in
+# its error (the 502 page and flow.error, which the audit records)
+MALFORMED = {
+    "bad-te": lambda s: f"HTTP/1.1 200 OK\r\nTransfer-Encoding: x-{s}, chunked\r\n\r\n0\r\n\r\n",
+    "bad-length": lambda s: f"HTTP/1.1 200 OK\r\nContent-Length: 1{s}\r\n\r\n",
+    "bad-line": lambda s: f"HTTP/1.1 200 OK\r\nX-Echo {s}\r\nContent-Length: 0\r\n\r\n",
+    "bad-status": lambda s: f"HTTP/1.1 200{s} OK\r\nContent-Length: 0\r\n\r\n",
+    "bad-name": lambda s: f"HTTP/1.1 200 OK\r\nX-{s}(: 1\r\nContent-Length: 0\r\n\r\n",
+    "bad-te-dup": lambda s: f"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: {s}\r\n\r\n",
+    "bad-version": lambda s: f"HTTP/1.{s} 200 OK\r\nContent-Length: 0\r\n\r\n",
+    "cut-head": lambda s: f"HTTP/1.1 200 OK\r\nX-Echo: {s}\r\n",
+}
+
 
 def payload(secret: str) -> bytes:
     """The plaintext an echoing upstream sends: the secret raw and base64'd between filler."""
@@ -176,13 +189,15 @@ class RawUpstream:
                 self.sent.append(Sent(path, secret, data))
                 writer.write(data)
                 await writer.drain()
-                if b"Connection: close" in data.split(b"\r\n\r\n", 1)[0]:
+                if name in MALFORMED or b"Connection: close" in data.split(b"\r\n\r\n", 1)[0]:
                     return
         finally:
             writer.close()
 
     @staticmethod
     def _answer(name: str, secret: str, head: bool) -> bytes:
+        if name in MALFORMED:  # a head mitmproxy cannot parse, with the echo inside it
+            return MALFORMED[name](secret).encode()
         if name == "fold":  # the echo split by an obsolete line fold (RFC 9112 5.2)
             half = len(secret) // 2
             extra = (("X-Echo", f"{secret[:half]}\r\n {secret[half:]}"),)
