@@ -180,6 +180,8 @@ class AuditEmit:
             extra["egressgate.budget_cut"] = True
         if fs.extra.get("internal_error"):
             extra["egressgate.internal_error"] = fs.extra["internal_error"]  # the hook that crashed
+        if fs.extra.get("response_refused"):  # credential_response.py: why the body was not forwarded
+            extra["egressgate.response_refused"] = fs.extra["response_refused"]
         req_hash, body_hash = request_hash.finish(fs)
         event = AuditEvent(
             kind=EventKind.OUTCOME,

@@ -16,7 +16,7 @@ Kept free of addon state so each piece is testable on its own.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from mitmproxy import http
 
@@ -72,16 +72,17 @@ def phantom_guard(inner: StreamFn | None, on_hit: Callable[[list[PhantomHit]], N
 
 def scrub_chain(
     inner: StreamFn | None,
-    content_encoding: str | None,
+    codings: str | Iterable[str] | None,
     scrubber: Scrubber,
     max_output: int | None,
     on_error: Callable[[Exception], None],
 ) -> StreamFn:
-    """Response-body callable: `inner` (the byte counter, sees what the upstream sent) → decode (when
-    the upstream compressed despite `Accept-Encoding: identity`) → scrub with a sliding window. A
+    """Response-body callable: `inner` (the byte counter, sees what the upstream sent) → decode `codings`
+    (a Content-Encoding value, or the names in the order applied: the upstream compressed despite
+    `Accept-Encoding: identity`) → scrub with a sliding window. A
     decode error (corrupt data, decompression bomb) stops the stream and calls `on_error`, which
     kills the connection: the sandbox never receives bytes that were not inspected."""
-    run = scrubbing_stream(content_encoding, scrubber, max_output=max_output)
+    run = scrubbing_stream(codings, scrubber, max_output=max_output)
     dead = False
 
     def chain(chunk: bytes) -> object:
@@ -118,32 +119,38 @@ def replace_body(body: bytes) -> StreamFn:
     return swallow
 
 
-def reframe(flow: http.HTTPFlow, encoding: str | None) -> None:
-    """The scrubbed (and decoded) body has another length: drop Content-Length/-Encoding; an HTTP/1.1
-    client gets chunked framing so its connection stays reusable (HTTP/2 frames itself; HTTP/1.0 reads
-    until close)."""
+def reframe(flow: http.HTTPFlow) -> None:
+    """The scrubbed, decoded body has another length and no coding left: drop Content-Length and
+    Content-Encoding (every coding was decoded, or was `identity`); an HTTP/1.1 client gets exactly
+    `Transfer-Encoding: chunked` (never the upstream's `gzip, chunked`: the body is no longer gzip) so
+    its connection stays reusable; HTTP/2 frames itself and HTTP/1.0 reads until close, so neither
+    gets a Transfer-Encoding."""
     resp = flow.response
     assert resp is not None
-    if encoding is not None:
-        del resp.headers["content-encoding"]
-    if "content-length" in resp.headers:
-        del resp.headers["content-length"]
+    for name in ("content-encoding", "content-length", "transfer-encoding"):
+        if name in resp.headers:
+            del resp.headers[name]
     req = flow.request
-    if (not (req.is_http2 or req.is_http3) and req.http_version == "HTTP/1.1"
-            and "chunked" not in resp.headers.get("transfer-encoding", "").lower()):
+    if not (req.is_http2 or req.is_http3) and req.http_version == "HTTP/1.1":
         resp.headers["transfer-encoding"] = "chunked"
 
 
-def refuse(flow: http.HTTPFlow, request_id: str, why: str) -> None:
+def refusal_body(request_id: str, reason: str, message: str) -> bytes:
+    """The 502 body of a refused upstream response: like a deny body, a stable reason and one sentence."""
+    return json.dumps({"error": "upstream_response_refused", "reason": reason, "request_id": request_id,
+                       "message": message}, separators=(",", ":")).encode()
+
+
+def refuse(flow: http.HTTPFlow, request_id: str, reason: str, message: str, bodiless: bool = False) -> None:
     """Turn the upstream's response (headers not yet sent) into a 502 whose body we write: none of the
-    upstream's bytes go out, since they could not be inspected."""
+    upstream's bytes go out, since they could not be inspected. `bodiless`: the exchange has no body
+    (HEAD, 204, 304): the 502 then has none either, or the client would wait for it."""
     resp = flow.response
     assert resp is not None
-    body = json.dumps({"error": "upstream_response_refused", "reason": why, "request_id": request_id},
-                      separators=(",", ":")).encode()
+    body = refusal_body(request_id, reason, message)
     resp.status_code = 502
     resp.reason = "Bad Gateway"
     resp.headers = http.Headers(content_type="application/json", cache_control="no-store",
-                                content_length=str(len(body)))
+                                content_length="0" if bodiless else str(len(body)))
     resp.headers[REQUEST_ID_HEADER] = request_id
-    resp.stream = replace_body(body)
+    resp.stream = replace_body(b"" if bodiless else body)

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import gzip
+import tracemalloc
 import zlib
 
 import brotli
 import pytest
 
 from egressgate.broker.decompress import (
+    MAX_CODINGS,
     DecodeError,
     UnsupportedEncoding,
+    coding_names,
     decoder,
     scrubbing_stream,
     supported,
@@ -77,3 +80,59 @@ def test_corrupt_and_bomb() -> None:
     with pytest.raises(DecodeError, match="exceeds"):
         for i in range(0, len(bomb), 1024):
             d(bomb[i : i + 1024])
+
+
+ENCODE = {"gzip": gzip.compress, "br": brotli.compress, "zstd": zstd.compress}
+
+
+@pytest.mark.parametrize("outer", ["gzip", "br", "zstd"])
+@pytest.mark.parametrize("inner", ["gzip", "br", "zstd"])
+def test_nested_bomb_refused_before_it_inflates(inner: str, outer: str) -> None:
+    """`Content-Encoding: <inner>, <outer>` over 32 MiB of zeros is a few hundred bytes on the wire. The
+    cap holds per stage while decoding: no stage materialises much more than `max_output` (a check on
+    the final output alone would come after the inner stage had inflated all 32 MiB at once)."""
+    data = ENCODE[outer](ENCODE[inner](b"\0" * (32 << 20)))
+    assert len(data) < 100_000
+    tracemalloc.start()
+    try:
+        d = decoder(f"{inner}, {outer}", max_output=1 << 20)
+        with pytest.raises(DecodeError, match="exceeds"):
+            d(data)
+            d(b"")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 << 20, peak
+    # control: the same body under a cap it fits in decodes whole
+    d = decoder(f"{inner}, {outer}", max_output=40 << 20)
+    assert len(d(data) + d(b"")) == 32 << 20
+
+
+def test_one_chunk_may_not_inflate_beyond_max_step() -> None:
+    bomb = gzip.compress(b"\0" * (8 << 20))
+    with pytest.raises(DecodeError, match="one chunk"):
+        decoder("gzip", max_output=None, max_step=1 << 20)(bomb)
+    d = decoder("gzip", max_output=None, max_step=1 << 20)  # control: small reads stay under the step
+    assert sum(len(d(bomb[i:i + 512])) for i in range(0, len(bomb), 512)) + len(d(b"")) == 8 << 20
+
+
+def test_more_than_max_codings_refused() -> None:
+    assert decoder(", ".join(["gzip"] * MAX_CODINGS))(b"") == b""
+    with pytest.raises(UnsupportedEncoding):
+        decoder(", ".join(["gzip"] * (MAX_CODINGS + 1)))
+    assert coding_names(["GZip ", " identity", "", "br"]) == ["gzip", "br"]
+
+
+@pytest.mark.parametrize("name", ["gzip", "deflate", "deflate-raw", "br", "zstd", "gzip, br"])
+def test_truncated_body_is_an_error(name: str) -> None:
+    """A body that stops inside a compressed stream is corrupt, not complete (the decoder used to
+    accept it silently); an empty body under a coding is fine."""
+    data = compressors()[name]
+    enc = name.replace("-raw", "")
+    for cut in (1, len(data) // 2, len(data) - 1):
+        d = decoder(enc)
+        with pytest.raises(DecodeError, match=r"truncated|corrupt"):
+            d(data[:cut])
+            d(b"")
+    d = decoder(enc)
+    assert d(b"") == b""
