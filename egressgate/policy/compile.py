@@ -44,7 +44,7 @@ class CompiledRule:
     effect: Effect
     host: HostPattern
     except_hosts: tuple[HostPattern, ...]
-    ports: frozenset[int]
+    ports: frozenset[int] | None  # None = every port (a deny rule without `ports`)
     methods: frozenset[str] | None  # None = any method
     paths: tuple[PathGlob, ...] | None  # None = any path
     credential: str | None
@@ -240,7 +240,7 @@ def _compile_rule(
     if raw.budget is not None and effect is Effect.DENY:
         problems.append((f"{path}.budget", "budgets belong on allow rules"))
     when = _conditions(raw.when, f"{path}.when", problems) if raw.when is not None else None
-    ports = frozenset(raw.ports) if raw.ports else frozenset(DEFAULT_PORTS.get(scheme, ()))
+    ports = _ports(raw.ports, scheme, effect)
     if len(problems) > before or host is None:
         return None
     return CompiledRule(
@@ -258,6 +258,17 @@ def _compile_rule(
         budget=raw.budget,
         key_path=path,
     )
+
+
+def _ports(raw: list[int] | None, scheme: str, effect: Effect) -> frozenset[int] | None:
+    """An allow rule without `ports` opens only its scheme's default port (443 / 80): opening is
+    explicit. A deny rule without `ports` closes EVERY port: otherwise `deny host X` would still let
+    an allow rule on X:8443 through, and a deny must never be narrower than it reads."""
+    if raw:
+        return frozenset(raw)
+    if effect is Effect.DENY:
+        return None
+    return frozenset(DEFAULT_PORTS.get(scheme, ()))
 
 
 def _host(raw: str, path: str, allow_any: bool, problems: list[tuple[str, str]]) -> HostPattern | None:
@@ -349,6 +360,7 @@ def _credential_problems(policy: CompiledPolicy) -> Iterator[tuple[str, str]]:
     bound = [r for r in policy.rules if r.credential is not None]
     for i, a in enumerate(bound):
         for b in bound[i + 1 :]:
+            assert a.ports is not None and b.ports is not None  # allow rules always have ports
             if a.credential == b.credential or a.host != b.host or not (a.ports & b.ports):
                 continue
             if a.methods is not None and b.methods is not None and not (a.methods & b.methods):

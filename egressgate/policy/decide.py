@@ -127,7 +127,7 @@ def _address_denial(policy: CompiledPolicy, facts: Facts) -> Decision | None:
 
 
 def _port_ok(rule: CompiledRule, facts: Facts) -> bool:
-    return facts.port is None or facts.port in rule.ports
+    return facts.port is None or rule.ports is None or facts.port in rule.ports
 
 
 def _deny_rule_applies(

@@ -78,7 +78,7 @@ def deny_message(
                 f"allows ({_listing(schemes)}).")
     rules = _rules_for(policy, facts)
     if reason is Reason.PORT_NOT_ALLOWED:
-        ports = sorted({p for r in rules for p in r.ports})
+        ports = sorted({p for r in rules for p in (r.ports or ())})
         return f"Port {facts.port} on {facts.host} is not allowed; allowed ports: {_listing([str(p) for p in ports])}."
     if reason in (Reason.METHOD_NOT_ALLOWED, Reason.PATH_NOT_ALLOWED):
         allowed = sorted({r.describe() for r in rules})
