@@ -17,7 +17,15 @@ from typing import Any
 from egressgate.policy.canon import CanonError, canon_method, parse_ip_literal
 from egressgate.policy.errors import PolicyError
 from egressgate.policy.facts import SandboxState
-from egressgate.policy.globs import GlobError, HostPattern, PathGlob, parse_host_pattern, parse_path_glob
+from egressgate.policy.globs import (
+    DenyGlob,
+    GlobError,
+    HostPattern,
+    PathGlob,
+    deny_glob,
+    parse_host_pattern,
+    parse_path_glob,
+)
 from egressgate.policy.model import Budget, Conditions, HttpRule, Policy, TcpRule
 from egressgate.policy.reasons import Effect
 
@@ -51,6 +59,8 @@ class CompiledRule:
     when: CompiledConditions | None
     budget: Budget | None
     key_path: str = ""  # where the rule is in the file, for error messages
+    # Deny rules only: `paths` widened to fail closed against every server reading (policy.readings).
+    deny_paths: tuple[DenyGlob, ...] | None = None
 
     def path_allows(self, path: str | None) -> bool:
         if self.paths is None:
@@ -257,6 +267,7 @@ def _compile_rule(
         when=when,
         budget=raw.budget,
         key_path=path,
+        deny_paths=tuple(deny_glob(g) for g in paths) if paths is not None and effect is Effect.DENY else None,
     )
 
 

@@ -67,6 +67,10 @@ def deny_message(
                 f"{_listing(sorted(policy.dns.query_types))}.")
     if reason is Reason.DENIED_BY_RULE:
         return f"{target} is explicitly denied by rule {rule.id if rule else '?'!r} of policy {name!r}."
+    if reason is Reason.PATH_AMBIGUOUS:
+        return (f"{target} is refused: rule {rule.id if rule else '?'!r} of policy {name!r} denies some paths "
+                f"on {facts.host}, and servers can read this path ({detail}) in ways that cannot be checked. "
+                "Send the path as plain UTF-8 without control characters or nested percent-encoding.")
     if reason is Reason.HOST_NOT_ALLOWED:
         if facts.operation is Operation.DNS_QUERY:
             return f"{facts.host} is not in policy {name!r}'s DNS allowlist; only listed names resolve."
