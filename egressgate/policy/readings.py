@@ -12,10 +12,15 @@ readings: they match the canonical path only, so nothing here can widen what a p
 Readings live in "reading space": percent-decoded or not, folded or not -- the deny glob's own literal
 text is decoded and folded the same way (:func:`fold`), see ``globs.DenyGlob``.
 
+Also modelled: Spring's trailing-slash and suffix-pattern matching (``/admin/`` and ``/admin.json`` serve
+``/admin``), IIS's NTFS stream suffix (``/secret.txt::$DATA``), a decoded ``?``/``#`` re-read as a
+delimiter, and ``;`` ending the whole path.
+
 What cannot be modelled is refused (:class:`AmbiguousPath`), but only on hosts that have path-scoped deny
 rules (the caller asks for readings only then): bytes that are not UTF-8 once decoded (a server may read
 them as Latin-1, a code page or best-fit ASCII), control characters or NUL once decoded (C servers
-truncate at NUL, others strip tabs), and a path with more than :data:`MAX_READINGS` distinct readings.
+truncate at NUL, others strip tabs), Windows 8.3 short names (``ADMINI~1`` names a long name we cannot
+know), a non-plain path longer than :data:`MAX_READ_PATH`, and more than :data:`MAX_READINGS` readings.
 """
 
 from __future__ import annotations
@@ -54,9 +59,14 @@ _LOOKALIKES = str.maketrans({
 _CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
 _ENCODED_SEPARATOR = re.compile("(%2[fF]|%5[cC])")
 _PARAMS = re.compile(r";[^/]*")
+_ADS = re.compile(r"::\$data(?=/|$)")
+# A Windows 8.3 short name (``ADMINI~1``, ``SECRET~2.TXT``) names a long name we cannot know.
+_SHORT_NAME = re.compile(r"(?:^|/)[^/~]{1,6}~[0-9]{1,6}(?:\.[^/.]{0,3})?(?=/|$)")
 _SLASHES = re.compile(r"/{2,}")
+_TRAILING = re.compile(r"[. ](?:/|$)")
 # Canonical paths whose every reading is the path itself: nothing to decode, fold, strip or merge.
-_PLAIN = re.compile(r"(?:/[a-z0-9_~-]+(?:\.[a-z0-9_~-]+)*)*/?", re.ASCII)
+# (lower case, no escapes, no ';', no '~', no '//', no trailing '/' or dots, no extension on the last segment)
+_PLAIN = re.compile(r"(?:/[a-z0-9_-]+(?:\.[a-z0-9_-]+)*)*/[a-z0-9_-]+|/", re.ASCII)
 
 
 def fold(text: str) -> str:
@@ -86,8 +96,11 @@ def decode_all(text: str) -> str:
 
 def _decode_keep_separators(text: str) -> str:
     """One round of decoding that keeps ``%2F``/``%5C`` as data (Apache ``AllowEncodedSlashes NoDecode``)."""
-    parts = _ENCODED_SEPARATOR.split(text)
-    return "".join(p if i % 2 else _decode(p, "path") for i, p in enumerate(parts))
+    return _decode(_ENCODED_SEPARATOR.sub(_escape_percent, text), "path")  # %2F -> %252F -> decoded: %2F
+
+
+def _escape_percent(match: re.Match[str]) -> str:
+    return "%25" + match.group()[1:]
 
 
 def _remove_dots(path: str) -> str:
@@ -112,6 +125,8 @@ def _remove_dots(path: str) -> str:
 def _strip_trailing(path: str) -> tuple[str, ...]:
     """Windows: trailing dots and spaces of a segment are dropped (``admin.`` and ``admin `` are
     ``admin``). A segment of only dots and spaces has no agreed reading: both ``.`` and ``..``."""
+    if not _TRAILING.search(path):
+        return ()
     segments = path.split("/")
     if not any(s.endswith((".", " ")) and s not in (".", "..") for s in segments):
         return ()
@@ -157,6 +172,13 @@ def _transforms(r: str) -> tuple[str, ...]:
     if "?" in r or "#" in r:  # a decoded %3F / %23 re-read as a query / fragment delimiter
         out.append(re.split("[?#]", r, maxsplit=1)[0] or "/")
     out.extend(_strip_trailing(r))
+    if "::$data" in r:  # NTFS default stream: IIS serves /secret.txt::$DATA as /secret.txt
+        out.append(_ADS.sub("", r))
+    if len(r) > 1 and r.endswith("/"):  # Spring trailing-slash match: /admin/ is /admin
+        out.append(r.rstrip("/") or "/")
+    last = r.rsplit("/", 1)[1]
+    if "." in last[1:]:  # Spring suffix-pattern match: /admin.json is /admin
+        out.append(r[: len(r) - len(last)] + last.split(".", 1)[0])
     return tuple(_normalize(x) for x in out)
 
 
@@ -168,11 +190,15 @@ def server_readings(path: str) -> frozenset[str]:
         return frozenset((path,))
     if len(path) > MAX_READ_PATH:
         raise AmbiguousPath("too_long", f"path is longer than {MAX_READ_PATH} characters and not plain")
+    if _SHORT_NAME.search(path):
+        raise AmbiguousPath("short_name", "path has a Windows 8.3 short-name segment (e.g. ADMINI~1)")
     seen = {path, _normalize(path)}
     work = list(seen)
     while work:
         for reading in _transforms(work.pop()):
             if reading not in seen:
+                if _SHORT_NAME.search(reading):
+                    raise AmbiguousPath("short_name", "path has a Windows 8.3 short-name segment (e.g. ADMINI~1)")
                 if len(seen) >= MAX_READINGS:
                     raise AmbiguousPath("too_many_readings", f"path has more than {MAX_READINGS} server readings")
                 seen.add(reading)

@@ -24,6 +24,7 @@ from egressgate.policy.canon import CanonError
 from egressgate.policy.decide import decide
 from egressgate.policy.facts import SandboxState
 from egressgate.policy.loader import parse_policy
+from egressgate.policy.messages import AMBIGUOUS_PATH_HINTS as HINTS
 from egressgate.policy.readings import MAX_READINGS, AmbiguousPath, server_readings
 from egressgate.policy.reasons import Reason
 from egressgate.policy.target import parse_target
@@ -36,6 +37,7 @@ POLICY = parse_policy(textwrap.dedent("""
           - {id: no-admin, host: api.example.com, paths: ["/admin/**"]}
           - {id: no-raw, host: api.example.com, methods: [POST], paths: ["/repos/*/raw"]}
           - {id: no-internal, host: api.example.com, paths: ["/v1/Internal/*"]}
+          - {id: no-cafe, host: api.example.com, paths: ["/caf%C3%A9/*/raw"]}
         allow:
           - {id: api, host: api.example.com}
           - {id: files, host: files.example.com, paths: ["/public/**"]}
@@ -91,6 +93,13 @@ ADMIN_BYPASSES = [
     ("/admin%3Fx", "decoded '?' re-read as the query"),
     ("/admin%23x", "decoded '#' re-read as a fragment"),
     ("/admin%C2%A0/users", "trailing no-break space (NFKC space, then dropped)"),
+    ("/admin%E3%80%80/users", "trailing ideographic space"),
+    ("/admin.json", "Spring suffix-pattern match"),
+    ("/Admin.html", "suffix and case"),
+    ("/admin::$DATA", "NTFS default stream (IIS)"),
+    ("/admin::$data/users", "NTFS stream on a directory segment"),
+    ("/ADM%C4%B0N/users", "capital I with dot above (lower-cases to i + combining dot)"),
+    ("/%E2%84%AAadmin/../admin", "Kelvin sign segment, then traversal"),
 ]
 
 
@@ -108,6 +117,8 @@ AMBIGUOUS = [
     ("/admin%09/users", "control_char"),
     ("/admin%0A", "control_char"),
     ("/x%7F", "control_char"),
+    ("/ADMINI~1/users", "short_name"),  # Windows 8.3 short name of /administrator
+    ("/x/SECRET~2.TXT", "short_name"),
 ]
 
 
@@ -115,9 +126,9 @@ AMBIGUOUS = [
 def test_unmodellable_paths_are_refused_on_hosts_with_path_deny_rules(path: str, code: str) -> None:
     decision = decide_path(path)
     assert (decision.reason, decision.detail, decision.rule_id) == (Reason.PATH_AMBIGUOUS, code, "no-admin")
-    assert "no-admin" in decision.message and "plain UTF-8" in decision.message
+    assert "no-admin" in decision.message and HINTS[code] in decision.message
     # positive control: a host without path deny rules is not affected by the refusal
-    decision = decide_path(path.replace("admin", "public"), host="files.example.com")
+    decision = decide_path(path.replace("admin", "public").replace("ADMIN", "PUBLIC"), host="files.example.com")
     assert decision.reason is not Reason.PATH_AMBIGUOUS
 
 
@@ -150,7 +161,7 @@ def test_positive_control_canonical_admin_paths_are_denied(path: str) -> None:
     [
         "/", "/users", "/administrator", "/admins/x", "/x/admin", "/v1/admin", "/public/admin%2Fx",
         "/Repos/Owner/Repo", "/search%20results", "/file.", "/a;b", "/caf%C3%A9", "/ad%C3%ADmin",
-        "/compare/main...dev", "/v1/internal-docs/x", "/100%25",
+        "/compare/main...dev", "/v1/internal-docs/x", "/100%25", "/~user/x", "/x/v~beta", "/admins.json",
     ],
 )
 def test_positive_control_unrelated_paths_on_the_same_host_are_allowed(path: str) -> None:
@@ -161,6 +172,8 @@ def test_positive_control_unrelated_paths_on_the_same_host_are_allowed(path: str
 @pytest.mark.parametrize(
     ("method", "path", "rule"),
     [
+        ("POST", "/repos/x/raw/", "no-raw"),  # Spring trailing-slash match
+        ("POST", "/repos/x/raw.json", "no-raw"),  # Spring suffix-pattern match
         ("POST", "/repos/x/raw", "no-raw"),
         ("POST", "/repos/x%2Fy/raw", "no-raw"),  # '*' crosses an encoded slash a server keeps as data
         ("POST", "/repos/x/RAW", "no-raw"),
@@ -169,6 +182,9 @@ def test_positive_control_unrelated_paths_on_the_same_host_are_allowed(path: str
         ("GET", "/v1/internal/x", "no-internal"),  # rule text is folded too: /v1/Internal/*
         ("GET", "/V1/INTERNAL/x", "no-internal"),
         ("GET", "/v1/Internal/x%2Fy", "no-internal"),
+        # only the reading that decodes everything but %2F, then folds, meets the rule: É -> é, x%2Fy one segment
+        ("GET", "/caf%C3%89/x%2Fy/raw", "no-cafe"),
+        ("GET", "/CAF%C3%A9/x/raw", "no-cafe"),
     ],
 )
 def test_wildcards_and_rule_case_fail_closed(method: str, path: str, rule: str) -> None:
@@ -176,7 +192,15 @@ def test_wildcards_and_rule_case_fail_closed(method: str, path: str, rule: str) 
     assert (decision.reason, decision.rule_id) == (Reason.DENIED_BY_RULE, rule), decision
 
 
+def test_readings_of_a_mixed_path() -> None:
+    readings = server_readings("/caf%C3%89/x%2Fy/raw")
+    assert "/cafe/x%2fy/raw" in readings  # decoded but for the separator, folded (best-fit é -> e)
+    assert "/cafe/x/y/raw" in readings  # everything decoded
+    assert "/caf%C3%89/x%2Fy/raw" in readings  # the canonical path itself
+
+
 def test_positive_control_other_methods_and_depths_still_allowed() -> None:
+    assert decide_path("/caf%C3%A9/x/y/raw").reason is Reason.RULE_MATCHED
     assert decide_path("/repos/x/raw", "GET").reason is Reason.RULE_MATCHED
     assert decide_path("/repos/x/y/raw", "POST").reason is Reason.RULE_MATCHED
     assert decide_path("/v1/internal", "GET").reason is Reason.RULE_MATCHED
