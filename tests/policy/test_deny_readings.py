@@ -296,3 +296,41 @@ def test_no_server_model_reads_an_allowed_path_as_admin(raw: str) -> None:
 
 def test_max_readings_is_a_real_bound() -> None:
     assert 16 < MAX_READINGS <= 1024
+
+
+_GLOB_ATOMS = ["a", "B", "*", "x%2Fy", "caf%C3%A9", ";v", "."]
+_PATH_ATOMS = ["a", "A", "b", "B", "x%2Fy", "X%2fY", "caf%C3%A9", ";v", ".", "%20", "", "json"]
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    st.lists(st.lists(st.sampled_from(_GLOB_ATOMS), min_size=1, max_size=3), min_size=1, max_size=3),
+    st.booleans(),
+    st.lists(st.lists(st.sampled_from(_PATH_ATOMS), max_size=3), min_size=1, max_size=4),
+)
+def test_a_deny_rule_refuses_everything_its_glob_matches(glob_segs, deep, path_segs) -> None:
+    """Fail closed: whatever the allow-rule reading of a glob (canonical, strict wildcards) matches, the
+    same glob in a deny rule refuses."""
+    from egressgate.policy.canon import canon_path
+    from egressgate.policy.globs import GlobError, parse_path_glob
+
+    raw_glob = "/" + "/".join("".join(seg) for seg in glob_segs) + ("/**" if deep else "")
+    try:
+        glob = parse_path_glob(raw_glob)
+    except GlobError:
+        return
+    try:
+        path = canon_path("/" + "/".join("".join(seg) for seg in path_segs))
+    except CanonError:
+        return
+    if not glob.matches(path):
+        return
+    policy = parse_policy(textwrap.dedent(f"""
+        sandbox: {{name: prop}}
+        network:
+          https:
+            deny: [{{id: d, host: h.example, paths: ["{raw_glob}"]}}]
+            allow: [{{id: a, host: h.example}}]
+    """), "prop.yaml")
+    decision = decide(policy, parse_target(f"GET https://h.example{path}", ()), STATE, 1.0)
+    assert decision.reason in (Reason.DENIED_BY_RULE, Reason.PATH_AMBIGUOUS), (raw_glob, path, decision)
