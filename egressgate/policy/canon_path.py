@@ -21,7 +21,8 @@
   ``/a/b`` does not match ``/a//b`` (fails closed). The one place where keeping them is ambiguous is a
   ``..`` that would remove an empty segment: ``/a//../b`` is ``/a/b`` by RFC 3986 but ``/b`` to a
   server that merges slashes before resolving dot segments (nginx by default), so it is rejected
-  (``ambiguous_traversal``).
+  (``ambiguous_traversal``); so is a ``..`` that would remove a segment hiding an encoded separator or a
+  ``;`` (``/admin%2Fx/..`` is ``/`` by RFC 3986 but ``/admin/`` to nginx, which decodes ``%2F`` first).
 * Traversal spellings that survive RFC 3986 normalization but that real servers resolve are rejected
   rather than normalized: a dot segment with path parameters (``/..;/admin``, Tomcat-style:
   ``dot_segment_param``); a dot segment that appears once the segment is percent-decoded once or twice
@@ -101,6 +102,12 @@ def _remove_dot_segments(path: str) -> str:
             if out and out[-1] == "":
                 # '/a//../b' is '/a/b' by RFC 3986 but '/b' to servers that merge slashes first (nginx).
                 raise CanonError("ambiguous_traversal", f"'..' after an empty segment in path: {show(path)}")
+            if out and _hides_separator(out[-1]):
+                # '/admin%2Fx/..' is '/' by RFC 3986 but '/admin/' to a server that decodes '%2F' first;
+                # '/admin;x/../y' is '/y' but '/admin' to one that ignores everything after ';'.
+                raise CanonError(
+                    "ambiguous_traversal", f"'..' after a segment with an encoded separator or ';' in path: {show(path)}"
+                )
             if out:
                 out.pop()
             if i == last:
@@ -108,6 +115,27 @@ def _remove_dot_segments(path: str) -> str:
         else:
             out.append(seg)
     return "/" + "/".join(out)
+
+
+_SPLITTERS = frozenset("/\\;?#")
+
+
+def _hides_separator(seg: str) -> bool:
+    """Whether some server reads ``seg`` as more than one segment, or as the end of the path: it holds a
+    ``;`` (parameters, or the end of the path to some servers), or it does once decoded (once or twice)
+    or NFKC-folded: ``/``, ``\\``, ``;``, ``?``, ``#`` (see policy.readings)."""
+    if ";" in seg:
+        return True
+    view = seg
+    for _ in range(2):
+        if "%" not in view:
+            return False
+        view = unquote(view, errors="surrogateescape")
+        if not view.isascii():
+            view = fold(view)
+        if not _SPLITTERS.isdisjoint(view):
+            return True
+    return False
 
 
 def _dot_after_params(piece: str) -> bool:

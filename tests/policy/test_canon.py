@@ -502,6 +502,14 @@ PATHS_BAD = [
     ("/public/..%EF%BC%8Fadmin", "encoded_traversal"),  # fullwidth solidus as the separator
     ("/public/..%E2%88%95admin", "encoded_traversal"),  # DIVISION SLASH (best-fit '/')
     ("/a//../b", "ambiguous_traversal"),
+    # '..' removing a segment that some server splits first (decoded separator, ';', '?')
+    ("/admin%2Fx/..", "ambiguous_traversal"),
+    ("/admin%5cx/../y", "ambiguous_traversal"),
+    ("/admin%252Fx/..", "ambiguous_traversal"),
+    ("/admin%EF%BC%8Fx/..", "ambiguous_traversal"),
+    ("/admin;x/../y", "ambiguous_traversal"),
+    ("/admin%3Bx/../y", "ambiguous_traversal"),
+    ("/admin%3Fx/../y", "ambiguous_traversal"),
     ("/public/x//../../admin", "ambiguous_traversal"),
     ("/public//%2e%2e/admin", "ambiguous_traversal"),
     ("/a//..", "ambiguous_traversal"),

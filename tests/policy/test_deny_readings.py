@@ -100,6 +100,9 @@ ADMIN_BYPASSES = [
     ("/admin::$data/users", "NTFS stream on a directory segment"),
     ("/ADM%C4%B0N/users", "capital I with dot above (lower-cases to i + combining dot)"),
     ("/%E2%84%AAadmin/../admin", "Kelvin sign segment, then traversal"),
+    ("/%EF%BC%8561dmin/users", "fullwidth percent sign: NFKC '%61' then decoded 'a'"),
+    ("/admin%E2%81%84users", "fraction slash"),
+    ("/admin%EF%BC%BCusers", "fullwidth reverse solidus"),
 ]
 
 
@@ -214,6 +217,19 @@ def test_allow_rules_are_not_widened_by_readings(path: str) -> None:
 
 
 @pytest.mark.parametrize(
+    "path",
+    ["/public/..%20/secret", "/public/.../secret", "/public/.%20./secret", "/public/%EF%BC%8E%EF%BC%8E/secret",
+     "/public/%E2%80%A5/secret", "/public/..%C2%A5secret", "/public/..%EF%BC%8Fsecret"],
+)
+def test_allow_scoped_paths_cannot_be_left_through_windows_or_nfkc_dot_segments(path: str) -> None:
+    """The sibling on the allow side: `/public/**` must not reach `/secret` on a Windows or NFKC-folding
+    server. Canonicalization refuses these spellings outright (invalid_request at the gateway)."""
+    with pytest.raises(CanonError):
+        decide_path(path, host="files.example.com")
+    assert decide_path("/public/..x/secret", host="files.example.com").reason is Reason.RULE_MATCHED  # control
+
+
+@pytest.mark.parametrize(
     ("path", "code"),
     [
         ("/Ab;c/%25252525252525252541%20./x//y%3F%5C", "too_many_readings"),  # nested encodings
@@ -272,12 +288,23 @@ def _iis(raw: str) -> str:  # decode twice, backslash, NFKC + lower, drop traili
     return _resolve(re.sub("/+", "/", "/".join(segs)))
 
 
+def _truncating(raw: str) -> str:  # everything after the first ';' ignored, then decoded and resolved
+    return _nginx(raw.split(";", 1)[0] or "/")
+
+
+def _spring(raw: str) -> str:  # Tomcat's reading, then trailing-slash and suffix-pattern matching
+    path = _tomcat(raw)
+    path = path.rstrip("/") or "/"
+    head, _, last = path.rpartition("/")
+    return f"{head}/{last.split('.', 1)[0] if '.' in last[1:] else last}"
+
+
 def _under_admin(reading: str) -> bool:
     return reading == "/admin" or reading.startswith("/admin/")
 
 
 _ATOMS = ["/", "//", "admin", "Admin", "ADMIN", "users", ";x", ";", "%2F", "%2f", "%5C", "%252F", "%20",
-          ".", "..", "%2e", "%3B", "%EF%BC%8F", "x"]
+          ".", "..", "%2e", "%3B", "%EF%BC%8F", "x", ".json", "%3F"]
 
 
 @settings(max_examples=3000, deadline=None)
@@ -285,12 +312,15 @@ _ATOMS = ["/", "//", "admin", "Admin", "ADMIN", "users", ";x", ";", "%2F", "%2f"
 @example("//admin/users")
 @example("/admin%2F..%2Fx")
 @example("/x/..%20/admin")
+@example("/admin%2Fadmin/..")  # found by this test: '..' resolved before a server decodes %2F
+@example("/admin;x/../y")
+@example("/admin.json")
 def test_no_server_model_reads_an_allowed_path_as_admin(raw: str) -> None:
     try:
         decision = decide_path(raw)
     except CanonError:
         return  # refused as an invalid request before any rule
-    if any(_under_admin(model(raw)) for model in (_nginx, _tomcat, _iis)):
+    if any(_under_admin(model(raw)) for model in (_nginx, _tomcat, _iis, _truncating, _spring)):
         assert decision.reason in (Reason.DENIED_BY_RULE, Reason.PATH_AMBIGUOUS), (raw, decision)
 
 
