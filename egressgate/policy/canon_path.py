@@ -106,7 +106,7 @@ def _remove_dot_segments(path: str) -> str:
                 # '/admin%2Fx/..' is '/' by RFC 3986 but '/admin/' to a server that decodes '%2F' first;
                 # '/admin;x/../y' is '/y' but '/admin' to one that ignores everything after ';'.
                 raise CanonError(
-                    "ambiguous_traversal", f"'..' after a segment with an encoded separator or ';' in path: {show(path)}"
+                    "ambiguous_traversal", f"'..' after a segment with an encoded separator or ';': {show(path)}"
                 )
             if out:
                 out.pop()
