@@ -28,6 +28,7 @@ BYPASSES = [
     "/ADMIN", "/admin;jsessionid=1/users", "/admin%5Cusers", "/admin%252Fusers", "/%2561dmin/users",
     "/admin%3B/users", "/Admin.%20/users", "/%EF%BD%81dmin/users", "/admin%EF%BC%8Fusers", "/adm%C4%B1n/users",
     "/x/..%20/admin/users", "/admin%C2%A5users", "/admin%FFx/users", "/admin%2500/users",
+    "/admin%2Fx/..", "/admin.json", "/admin::$DATA", "/ADMINI~1/users", "/admin/",
 ]
 DENY_REASONS = {"denied_by_rule", "path_ambiguous", "invalid_request"}
 
