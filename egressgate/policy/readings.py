@@ -89,11 +89,6 @@ def _decode(text: str, what: str) -> str:
     return out
 
 
-def decode_all(text: str) -> str:
-    """One round of percent-decoding, separators included (a server that decodes ``%2F`` to ``/``)."""
-    return _decode(text, "path") if "%" in text else text
-
-
 def _decode_keep_separators(text: str) -> str:
     """One round of decoding that keeps ``%2F``/``%5C`` as data (Apache ``AllowEncodedSlashes NoDecode``)."""
     return _decode(_ENCODED_SEPARATOR.sub(_escape_percent, text), "path")  # %2F -> %252F -> decoded: %2F
