@@ -41,14 +41,17 @@ Order of classification (first match wins):
 an ``allow_private`` CIDR covers them: ``0.0.0.0`` / ``::`` mean "this host" to ``connect()``); ``global``
 is permitted; everything else is permitted only if an ``allow_private`` network contains it -- for an
 embedded form, the *embedded IPv4* must be covered (an IPv6 CIDR around ``64:ff9b::/96`` does not open
-every IPv4 host behind the translator).
+every IPv4 host behind the translator). Forms with more than one embedded IPv4 (Teredo server and
+client, the RFC 6052 positions of ``64:ff9b:1::/48``) need EVERY non-global one covered: the packet may
+reach either (a Teredo relay talks to the server, the peer is the client; the translator's prefix length
+decides which position is dialled), so opening one must not open the others.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network, ip_address, ip_network
 
@@ -106,6 +109,7 @@ class Classification:
     embedded: IPv4Address | None = None
     via: str | None = None
     provider: str | None = None
+    others: tuple[Classification, ...] = ()  # further non-global embedded IPv4s (Teredo, NAT64 local)
 
     @property
     def is_global(self) -> bool:
@@ -296,6 +300,11 @@ def _embedded(value: int) -> tuple[list[tuple[str, IPv4Address]], AddrClass] | N
     return None
 
 
+def _severity(verdict: tuple[str, IPv4Address, AddrClass, str | None]) -> int:
+    cls = verdict[2]
+    return 0 if cls is AddrClass.METADATA else 1 if cls in NEVER_PERMITTED else 2
+
+
 def _classify_v6(ip: IPv6Address) -> Classification:
     value = int(ip)
     provider = _metadata_provider(value, _V6_META)
@@ -305,11 +314,13 @@ def _classify_v6(ip: IPv6Address) -> Classification:
     if found is not None:
         candidates, when_global = found
         verdicts = [(via, v4, *_classify_v4(v4)) for via, v4 in candidates]
-        metadata = [v for v in verdicts if v[2] is AddrClass.METADATA]
-        bad = metadata or [v for v in verdicts if v[2] is not AddrClass.GLOBAL]
+        # Every non-global candidate is kept: the most severe decides the class (metadata, then the
+        # never-permitted unspecified, then position order) and the rest ride along in `others`, so
+        # check_address can demand that EACH is covered by allow_private, not just the first.
+        bad = sorted((v for v in verdicts if v[2] is not AddrClass.GLOBAL), key=_severity)
         if bad:
-            via, v4, cls, prov = bad[0]
-            return Classification(cls, ip, embedded=v4, via=via, provider=prov)
+            found = [Classification(cls, ip, embedded=v4, via=via, provider=prov) for via, v4, cls, prov in bad]
+            return replace(found[0], others=tuple(found[1:]))
         via, v4 = candidates[0]
         return Classification(when_global, ip, embedded=v4, via=via)
     return Classification(_lookup(value, _V6, AddrClass.RESERVED), ip)
@@ -348,10 +359,13 @@ def check_address(ip: IPAddress | str, allow_private: Iterable[IPNetwork] = ()) 
     verdict = classify(ip)
     if verdict.addr_class is AddrClass.GLOBAL:
         return None
-    if verdict.addr_class in NEVER_PERMITTED:
-        return verdict
+    networks = tuple(allow_private)
+    for part in (verdict, *verdict.others):  # every non-global embedded IPv4 must pass, not the first
+        if part.addr_class in NEVER_PERMITTED or not _covered(part, networks):
+            return part
+    return None
+
+
+def _covered(verdict: Classification, networks: tuple[IPNetwork, ...]) -> bool:
     target = verdict.embedded if verdict.embedded is not None else verdict.address
-    for network in allow_private:
-        if network.version == target.version and target in network:
-            return None
-    return verdict
+    return any(network.version == target.version and target in network for network in networks)

@@ -21,14 +21,17 @@
   ``/a/b`` does not match ``/a//b`` (fails closed). The one place where keeping them is ambiguous is a
   ``..`` that would remove an empty segment: ``/a//../b`` is ``/a/b`` by RFC 3986 but ``/b`` to a
   server that merges slashes before resolving dot segments (nginx by default), so it is rejected
-  (``ambiguous_traversal``).
+  (``ambiguous_traversal``); so is a ``..`` that would remove a segment hiding an encoded separator or a
+  ``;`` (``/admin%2Fx/..`` is ``/`` by RFC 3986 but ``/admin/`` to nginx, which decodes ``%2F`` first).
 * Traversal spellings that survive RFC 3986 normalization but that real servers resolve are rejected
   rather than normalized: a dot segment with path parameters (``/..;/admin``, Tomcat-style:
   ``dot_segment_param``); a dot segment that appears once the segment is percent-decoded once or twice
   -- behind an encoded separator or parameter delimiter (``/files/..%2Fadmin``, ``/a/.%5Cb``,
   ``/%2e%2e%3B/x``) or double-encoded (``/%252e%252e/x``) (``encoded_traversal``); and overlong UTF-8
-  (``%C0%AE``: ``overlong_utf8``). A ``*`` glob segment can therefore never match a segment a server
-  would read as ``..``.
+  (``%C0%AE``: ``overlong_utf8``). So are segments that Windows or a Unicode-folding server reads as a
+  dot segment: only dots (``...``: ``dot_segment_trailing``), dots and encoded spaces (``..%20``),
+  fullwidth or leader dots (``%EF%BC%8E%EF%BC%8E``, ``%E2%80%A5``: ``encoded_traversal``). A ``*`` glob
+  segment can therefore never match a segment a server would read as ``..``.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import re
 from urllib.parse import unquote
 
 from egressgate.policy.canon_common import MAX_PATH_INPUT, CanonError, reject_controls, require_text, show
+from egressgate.policy.readings import fold
 
 _UNRESERVED = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~")
 # pchar minus unreserved and '%', plus '/': characters allowed raw in an RFC 3986 path.
@@ -98,6 +102,12 @@ def _remove_dot_segments(path: str) -> str:
             if out and out[-1] == "":
                 # '/a//../b' is '/a/b' by RFC 3986 but '/b' to servers that merge slashes first (nginx).
                 raise CanonError("ambiguous_traversal", f"'..' after an empty segment in path: {show(path)}")
+            if out and _hides_separator(out[-1]):
+                # '/admin%2Fx/..' is '/' by RFC 3986 but '/admin/' to a server that decodes '%2F' first;
+                # '/admin;x/../y' is '/y' but '/admin' to one that ignores everything after ';'.
+                raise CanonError(
+                    "ambiguous_traversal", f"'..' after a segment with an encoded separator or ';': {show(path)}"
+                )
             if out:
                 out.pop()
             if i == last:
@@ -107,9 +117,41 @@ def _remove_dot_segments(path: str) -> str:
     return "/" + "/".join(out)
 
 
+_SPLITTERS = frozenset("/\\;?#")
+
+
+def _hides_separator(seg: str) -> bool:
+    """Whether some server reads ``seg`` as more than one segment, or as the end of the path: it holds a
+    ``;`` (parameters, or the end of the path to some servers), or it does once decoded (once or twice)
+    or NFKC-folded: ``/``, ``\\``, ``;``, ``?``, ``#`` (see policy.readings)."""
+    if ";" in seg:
+        return True
+    view = seg
+    for _ in range(2):
+        if "%" not in view:
+            return False
+        view = unquote(view, errors="surrogateescape")
+        if not view.isascii():
+            view = fold(view)
+        if not _SPLITTERS.isdisjoint(view):
+            return True
+    return False
+
+
 def _dot_after_params(piece: str) -> bool:
     """Whether ``piece`` is a dot segment once path parameters (``;...``) are stripped."""
     return _is_dot(piece.split(";", 1)[0])
+
+
+def _dot_like(piece: str) -> bool:
+    """Whether some server reads ``piece`` as a dot segment: once ``;params`` are stripped, once Windows
+    drops trailing dots and spaces (``...``, ``.. ``, ``. .``), or once NFKC-folded (U+FF0E U+FF0E, U+2025)."""
+    views = (piece,) if piece.isascii() else (piece, fold(piece))
+    for view in views:
+        view = view.split(";", 1)[0]
+        if _is_dot(view) or ("." in view and view.rstrip(". ") == ""):
+            return True
+    return False
 
 
 def _check_hidden_traversal(path: str) -> None:
@@ -117,16 +159,21 @@ def _check_hidden_traversal(path: str) -> None:
     if _OVERLONG.search(path):
         raise CanonError("overlong_utf8", f"path contains an overlong UTF-8 encoding: {show(path)}")
     for seg in path.split("/"):
-        if _is_dot(seg) or ("%" not in seg and ";" not in seg):
+        if _is_dot(seg) or ("%" not in seg and ";" not in seg and not seg.endswith(".")):
             continue
         if _dot_after_params(seg):
             raise CanonError("dot_segment_param", f"dot segment with parameters in path: {show(path)}")
+        if _dot_like(seg):
+            raise CanonError("dot_segment_trailing", f"segment of dots that Windows reads as '..': {show(path)}")
         view = seg
         for _ in range(2):  # decoded once (%2F, %5C, %3B), decoded twice (%252e...)
             if "%" not in view:
                 break
             view = unquote(view, errors="surrogateescape")
-            if any(_dot_after_params(piece) for piece in _SEPARATORS.split(view)):
+            pieces = _SEPARATORS.split(view)
+            if not view.isascii():
+                pieces += _SEPARATORS.split(fold(view))  # fullwidth / lookalike separators and dots
+            if any(_dot_like(piece) for piece in pieces):
                 raise CanonError(
                     "encoded_traversal",
                     f"dot segment behind an encoded '/', '\\' or ';', or double-encoded, in path: {show(path)}",

@@ -17,7 +17,15 @@ from typing import Any
 from egressgate.policy.canon import CanonError, canon_method, parse_ip_literal
 from egressgate.policy.errors import PolicyError
 from egressgate.policy.facts import SandboxState
-from egressgate.policy.globs import GlobError, HostPattern, PathGlob, parse_host_pattern, parse_path_glob
+from egressgate.policy.globs import (
+    DenyGlob,
+    GlobError,
+    HostPattern,
+    PathGlob,
+    deny_glob,
+    parse_host_pattern,
+    parse_path_glob,
+)
 from egressgate.policy.model import Budget, Conditions, HttpRule, Policy, TcpRule
 from egressgate.policy.reasons import Effect
 
@@ -44,13 +52,15 @@ class CompiledRule:
     effect: Effect
     host: HostPattern
     except_hosts: tuple[HostPattern, ...]
-    ports: frozenset[int]
+    ports: frozenset[int] | None  # None = every port (a deny rule without `ports`)
     methods: frozenset[str] | None  # None = any method
     paths: tuple[PathGlob, ...] | None  # None = any path
     credential: str | None
     when: CompiledConditions | None
     budget: Budget | None
     key_path: str = ""  # where the rule is in the file, for error messages
+    # Deny rules only: `paths` widened to fail closed against every server reading (policy.readings).
+    deny_paths: tuple[DenyGlob, ...] | None = None
 
     def path_allows(self, path: str | None) -> bool:
         if self.paths is None:
@@ -240,7 +250,7 @@ def _compile_rule(
     if raw.budget is not None and effect is Effect.DENY:
         problems.append((f"{path}.budget", "budgets belong on allow rules"))
     when = _conditions(raw.when, f"{path}.when", problems) if raw.when is not None else None
-    ports = frozenset(raw.ports) if raw.ports else frozenset(DEFAULT_PORTS.get(scheme, ()))
+    ports = _ports(raw.ports, scheme, effect)
     if len(problems) > before or host is None:
         return None
     return CompiledRule(
@@ -257,7 +267,19 @@ def _compile_rule(
         when=when,
         budget=raw.budget,
         key_path=path,
+        deny_paths=tuple(deny_glob(g) for g in paths) if paths is not None and effect is Effect.DENY else None,
     )
+
+
+def _ports(raw: list[int] | None, scheme: str, effect: Effect) -> frozenset[int] | None:
+    """An allow rule without `ports` opens only its scheme's default port (443 / 80): opening is
+    explicit. A deny rule without `ports` closes EVERY port: otherwise `deny host X` would still let
+    an allow rule on X:8443 through, and a deny must never be narrower than it reads."""
+    if raw:
+        return frozenset(raw)
+    if effect is Effect.DENY:
+        return None
+    return frozenset(DEFAULT_PORTS.get(scheme, ()))
 
 
 def _host(raw: str, path: str, allow_any: bool, problems: list[tuple[str, str]]) -> HostPattern | None:
@@ -349,6 +371,7 @@ def _credential_problems(policy: CompiledPolicy) -> Iterator[tuple[str, str]]:
     bound = [r for r in policy.rules if r.credential is not None]
     for i, a in enumerate(bound):
         for b in bound[i + 1 :]:
+            assert a.ports is not None and b.ports is not None  # allow rules always have ports
             if a.credential == b.credential or a.host != b.host or not (a.ports & b.ports):
                 continue
             if a.methods is not None and b.methods is not None and not (a.methods & b.methods):

@@ -6,7 +6,9 @@ same answer for the same inputs. Order of checks (first failure wins):
 1. metadata host names, then every address the caller would dial (or the IP literal host) through
    `addr.check_address` — metadata is never allowed, other non-global classes only via `allow_private`;
 2. the sandbox's `outbound_bytes_max` (already spent is spent, whatever the rules say);
-3. deny rules (file order) whose host, port, method, path and `when` all match;
+3. deny rules (file order) whose host, port, method, `when` and path all match -- a deny rule's path
+   matches if ANY plausible server reading of the path does (policy.readings), and a path that has a
+   reading no model covers is refused as `path_ambiguous` wherever a path deny rule applies;
 4. allow rules for the host in file order: the first that fully matches allows. When none does, the
    reason is the deepest check some candidate got to (host < scheme < port < method < path <
    condition < budget), which tells the agent precisely what to change.
@@ -19,6 +21,7 @@ from egressgate.policy.canon import parse_ip_literal
 from egressgate.policy.compile import CompiledConditions, CompiledPolicy, CompiledRule
 from egressgate.policy.facts import Decision, Facts, Operation, RuleUsage, SandboxState
 from egressgate.policy.messages import deny_message
+from egressgate.policy.readings import AmbiguousPath, server_readings
 from egressgate.policy.reasons import Effect, Reason
 
 HTTP_SCHEMES = ("https", "http")
@@ -57,10 +60,12 @@ def decide(policy: CompiledPolicy, facts: Facts, state: SandboxState, now: float
     if not connect and facts.scheme not in ("https", "http", "tcp"):
         return _deny(policy, facts, Reason.SCHEME_NOT_ALLOWED, None)
 
+    readings: list[frozenset[str] | AmbiguousPath] = []  # computed at most once, only if a path deny rule asks
     for scheme in schemes:
         for rule in policy.candidates(scheme, Effect.DENY, facts.host):
-            if _deny_rule_applies(rule, facts, state, now, connect):
-                return _deny(policy, facts, Reason.DENIED_BY_RULE, rule)
+            verdict = _deny_rule_verdict(rule, facts, state, now, connect, readings)
+            if verdict is not None:
+                return _deny(policy, facts, verdict[0], rule, detail=verdict[1])
 
     best: tuple[Reason | str, CompiledRule | None] = (Reason.HOST_NOT_ALLOWED, None)
     intercept = False
@@ -127,21 +132,52 @@ def _address_denial(policy: CompiledPolicy, facts: Facts) -> Decision | None:
 
 
 def _port_ok(rule: CompiledRule, facts: Facts) -> bool:
-    return facts.port is None or facts.port in rule.ports
+    return facts.port is None or rule.ports is None or facts.port in rule.ports
 
 
-def _deny_rule_applies(
-    rule: CompiledRule, facts: Facts, state: SandboxState, now: float, connect: bool
-) -> bool:
+def _deny_rule_verdict(
+    rule: CompiledRule,
+    facts: Facts,
+    state: SandboxState,
+    now: float,
+    connect: bool,
+    readings: list[frozenset[str] | AmbiguousPath],
+) -> tuple[Reason, str | None] | None:
+    """(reason, detail) when `rule` refuses the request, None when it does not apply.
+
+    A deny rule's paths fail closed: they match the canonical path (wildcards crossing `%2F`) or ANY
+    server reading of it (policy.readings); a path with a reading that cannot be modelled is refused
+    (`path_ambiguous`) by every path deny rule that would otherwise apply to the request."""
     if not _port_ok(rule, facts):
-        return False
+        return None
     if connect and (rule.methods is not None or rule.paths is not None):
-        return False  # decided per request inside the (intercepted) tunnel
+        return None  # decided per request inside the (intercepted) tunnel
     if rule.methods is not None and facts.method not in rule.methods:
-        return False
-    if not rule.path_allows(facts.path):
-        return False
-    return rule.when is None or _conditions_hold(rule.when, state, now)
+        return None
+    if rule.when is not None and not _conditions_hold(rule.when, state, now):
+        return None
+    globs = rule.deny_paths
+    if globs is None:
+        return Reason.DENIED_BY_RULE, None
+    path = facts.path
+    if path is None:
+        return None
+    if not readings:
+        try:
+            readings.append(server_readings(path))
+        except AmbiguousPath as exc:
+            readings.append(exc)
+    found = readings[0]
+    if isinstance(found, AmbiguousPath):
+        if any(g.canonical.fullmatch(path) for g in globs):
+            return Reason.DENIED_BY_RULE, None
+        return Reason.PATH_AMBIGUOUS, found.code
+    if any(g.reading.fullmatch(r) for g in globs for r in found):
+        return Reason.DENIED_BY_RULE, None
+    # A path that is its only reading (plain: no escapes, no upper case...) is fully checked above.
+    if len(found) > 1 and any(g.canonical.fullmatch(path) for g in globs):
+        return Reason.DENIED_BY_RULE, None
+    return None
 
 
 def _allow_rule_failure(

@@ -14,9 +14,12 @@ subtree (`/repos/*` does not match `/repos/x%2F..%2Fadmin`).
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
+from urllib.parse import unquote
 
 from egressgate.policy.canon import CanonError, canon_host, canon_path, parse_ip_literal
+from egressgate.policy.readings import fold_separators
 
 
 class GlobError(ValueError):
@@ -114,4 +117,42 @@ def _glob_regex(segments: list[str]) -> str:
             continue
         parts = [re.escape(p) for p in segment.split("*")]
         out += "/" + _SEGMENT_CHARS.join(parts)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class DenyGlob:
+    """A deny rule's path glob, widened so it fails closed (see policy.readings).
+
+    ``canonical`` matches the canonical path, ignoring case, with wildcards that DO cross ``%2F``/``%5C``
+    (a server that keeps an encoded slash as data serves ``/a/x%2Fy`` from the resource ``/a/*`` names);
+    ``reading`` matches server readings: its literal text decoded and folded like the readings."""
+
+    source: str
+    canonical: re.Pattern[str]
+    reading: re.Pattern[str]
+
+
+def deny_glob(glob: PathGlob) -> DenyGlob:
+    segments = glob.source.split("/")[1:]
+    canonical = _glob_regex_with(segments, re.escape)
+    reading = _glob_regex_with(segments, lambda text: re.escape(fold_separators(_decode_literal(text))))
+    return DenyGlob(
+        glob.source, re.compile(canonical, re.IGNORECASE | re.DOTALL), re.compile(reading, re.DOTALL)
+    )
+
+
+def _decode_literal(text: str) -> str:
+    """Rule text is canonical, so its escapes are well formed; bytes that are not UTF-8 stay escaped
+    as surrogates (a reading never contains them: such a path is refused as ambiguous)."""
+    return unquote(text, errors="surrogateescape") if "%" in text else text
+
+
+def _glob_regex_with(segments: list[str], literal: Callable[[str], str]) -> str:
+    out = ""
+    for segment in segments:
+        if segment == "**":
+            out += "(?:/.*)?"
+            continue
+        out += "/" + "[^/]*".join(literal(p) for p in segment.split("*"))
     return out

@@ -14,6 +14,13 @@ from egressgate.policy.facts import Facts, Operation
 from egressgate.policy.reasons import Effect, Reason
 
 _MAX_LISTED = 8
+AMBIGUOUS_PATH_HINTS = {  # path_ambiguous detail (policy.readings.AmbiguousPath.code) -> what to do
+    "invalid_utf8": "percent-encode non-ASCII characters as UTF-8",
+    "control_char": "remove control characters and NUL (also percent-encoded ones)",
+    "short_name": "use the full file or directory name, not a Windows 8.3 short name",
+    "too_long": "shorten the path or send it in plain form (lower-case, no escapes or ';')",
+    "too_many_readings": "use at most one level of percent-encoding and no ';' parameters",
+}
 
 
 def _target(facts: Facts) -> str:
@@ -67,6 +74,11 @@ def deny_message(
                 f"{_listing(sorted(policy.dns.query_types))}.")
     if reason is Reason.DENIED_BY_RULE:
         return f"{target} is explicitly denied by rule {rule.id if rule else '?'!r} of policy {name!r}."
+    if reason is Reason.PATH_AMBIGUOUS:
+        hint = AMBIGUOUS_PATH_HINTS.get(detail or "", "send the path in plain form")
+        return (f"{target} is refused: rule {rule.id if rule else '?'!r} of policy {name!r} denies some paths "
+                f"on {facts.host}, and servers can read this path ({detail}) in ways that cannot be checked; "
+                f"{hint}.")
     if reason is Reason.HOST_NOT_ALLOWED:
         if facts.operation is Operation.DNS_QUERY:
             return f"{facts.host} is not in policy {name!r}'s DNS allowlist; only listed names resolve."
@@ -78,7 +90,7 @@ def deny_message(
                 f"allows ({_listing(schemes)}).")
     rules = _rules_for(policy, facts)
     if reason is Reason.PORT_NOT_ALLOWED:
-        ports = sorted({p for r in rules for p in r.ports})
+        ports = sorted({p for r in rules for p in (r.ports or ())})
         return f"Port {facts.port} on {facts.host} is not allowed; allowed ports: {_listing([str(p) for p in ports])}."
     if reason in (Reason.METHOD_NOT_ALLOWED, Reason.PATH_NOT_ALLOWED):
         allowed = sorted({r.describe() for r in rules})

@@ -23,6 +23,7 @@ class Reason(StrEnum):
     SCHEME_NOT_ALLOWED = "scheme_not_allowed"
     METHOD_NOT_ALLOWED = "method_not_allowed"
     PATH_NOT_ALLOWED = "path_not_allowed"
+    PATH_AMBIGUOUS = "path_ambiguous"  # a path deny rule cannot tell how the upstream would read the path
     PORT_NOT_ALLOWED = "port_not_allowed"
     QTYPE_NOT_ALLOWED = "qtype_not_allowed"
     DENIED_BY_RULE = "denied_by_rule"

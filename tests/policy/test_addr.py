@@ -185,7 +185,8 @@ EMBEDDED = [
     ("64:ff9b::808:808", G, "8.8.8.8", "nat64"),
     # NAT64 local-use 64:ff9b:1::/48: every RFC 6052 position is checked
     ("64:ff9b:1::a9fe:a9fe", AddrClass.METADATA, "169.254.169.254", "nat64_local/96"),
-    ("64:ff9b:1:7f00:0:100::", AddrClass.LOOPBACK, "127.0.0.1", "nat64_local/48"),
+    # loopback at /48 but 0.0.0.0 at /96: the never-permitted candidate decides the class
+    ("64:ff9b:1:7f00:0:100::", AddrClass.UNSPECIFIED, "0.0.0.0", "nat64_local/96"),
     ("64:ff9b:1:a9:fe:a9fe::", AddrClass.METADATA, "169.254.169.254", "nat64_local/56"),
     ("64:ff9b:1:808:ac:1000:108:808", AddrClass.PRIVATE, "172.16.0.1", "nat64_local/64"),
     ("64:ff9b:1::808:808", AddrClass.UNSPECIFIED, "0.0.0.0", "nat64_local/48"),  # fail closed
