@@ -105,10 +105,16 @@ class AdminServer:
             await self.runner.cleanup()
 
     async def healthz(self, _request: web.Request) -> web.Response:
+        """503 `degraded` while the audit sink denies new requests; 200 `alert` when the trail needs an
+        operator although traffic flows (file deleted/moved from outside, crash recovered, checkpoint
+        signer down, records waiting for a retry); 200 `ok` otherwise. `audit_status` says which."""
         healthy = self.rt.audit.healthy()
+        trail = self.rt.audit.status() if hasattr(self.rt.audit, "status") else {}
+        alert = bool(trail.get("incidents") or trail.get("pending_records")
+                     or not trail.get("signer", {}).get("available", True))
         return web.json_response(
-            {"status": "ok" if healthy else "degraded", "audit": healthy,
-             "policies": sorted(self.rt.policies.policies)},
+            {"status": "degraded" if not healthy else "alert" if alert else "ok", "audit": healthy,
+             "audit_status": trail, "policies": sorted(self.rt.policies.policies)},
             status=200 if healthy else 503,
         )
 
