@@ -244,7 +244,7 @@ class FileSink(TrailMixin):
                     fut.set_exception(err)
             return
         self._healthy = True
-        if checkpoint and self._cp.available:
+        if checkpoint:  # signed, or the signer failed again: its probe asks for the next one
             self._sign_due = False
         if pending:
             self._written_pending(pending)

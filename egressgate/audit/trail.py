@@ -117,12 +117,14 @@ class TrailMixin:
         if self._fd is None:
             await asyncio.to_thread(self._open_new)  # a failed rotation/reopen left no open file: retry
             return
-        now = time.monotonic()
-        if not force and now - self._last_watch < self.watch_interval:
-            return
-        self._last_watch = now
         assert self.path is not None
-        change = file_change(self._fd, self.path, self._size)
+        now = time.monotonic()
+        if force or now - self._last_watch >= self.watch_interval:
+            self._last_watch = now
+            change = file_change(self._fd, self.path, self._size)
+        else:  # every batch, one fstat: never keep writing into an unlinked or truncated file
+            st = os.fstat(self._fd)
+            change = "deleted" if st.st_nlink == 0 else "truncated" if st.st_size < self._size else "ok"
         if change != "ok":
             await self._reopen(change)
 
