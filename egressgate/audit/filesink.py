@@ -92,6 +92,7 @@ class FileSink(TrailMixin):
         self._prev_file: str | None = None
         self.watch_interval = watch_interval  # how often the writer checks the file is still `path`
         self._last_watch = time.monotonic()
+        self._last_fstat = 0.0
         self.pending_max = pending_max  # queued after-the-fact records beyond which new requests are denied
         self._pending: deque[Record] = deque()
         self._incident_next: list[Record] = []  # written right after the next chain_start

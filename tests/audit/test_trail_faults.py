@@ -129,7 +129,8 @@ async def test_copytruncate_continues_the_chain(make_sink, pubkey, tmp_path):
     copy = tmp_path / "audit.copy.jsonl"
     shutil.copy(sink.path, copy)
     os.truncate(sink.path, 0)
-    sent += await write_burst(sink, 100, 3)  # the very next batch starts a new chain first
+    await asyncio.sleep(0.02)  # > FSTAT_INTERVAL: the next batch checks the file before it writes
+    sent += await write_burst(sink, 100, 3)  # that batch starts a new chain first
     await sink.close()
     reps = verify_files([copy, sink.path], load_public_keys([pubkey]))
     assert all(r.ok for r in reps), [r.error for r in reps]
