@@ -31,6 +31,9 @@ class AuditSinkConfig(BaseModel):
     max_unsigned_records: int = Field(default=100_000, gt=0)
     # after-the-fact records (outcomes) waiting for a retry; at this many, new requests are denied
     retry_queue_max: int = Field(default=10_000, gt=0)
+    # disk copy of that queue (survives kill -9); default <var_dir>/audit-retry.jsonl. Put it on another
+    # volume than `path` when the audit file has its own
+    retry_spool: str | None = None
     signing_key: str | None = None  # Ed25519 PEM, mode 0600, created if missing; default <var_dir>/audit-signing.key
     # who signs checkpoints: "auto" = the broker's Vault transit key when the broker is Vault, else the local key
     signer: Literal["auto", "local", "vault"] = "auto"
@@ -74,5 +77,6 @@ async def open_audit_sink(cfg: AuditSinkConfig, var_dir: str | Path, signer: Sig
         exporter=exporter,
         max_unsigned=cfg.max_unsigned_records,
         pending_max=cfg.retry_queue_max,
+        retry_spool=Path(cfg.retry_spool) if cfg.retry_spool else var_dir / "audit-retry.jsonl",
     )
     return await sink.start()

@@ -31,6 +31,7 @@ from egressgate.audit.exporter import OtlpHttpExporter
 from egressgate.audit.filewatch import rotated_name
 from egressgate.audit.record import Record, record_from_event
 from egressgate.audit.signer import Signer
+from egressgate.audit.spool import RetrySpool
 from egressgate.audit.trail import WAKE as _WAKE
 from egressgate.audit.trail import TrailMixin
 
@@ -66,6 +67,7 @@ class FileSink(TrailMixin):
         max_unsigned: int = 100_000,
         pending_max: int = 10_000,
         sign_timeout: float = 10.0,
+        retry_spool: str | os.PathLike[str] | None = None,
     ) -> None:
         if path is None and exporter is None:
             raise ValueError("audit sink needs a file path, an OTLP exporter, or both")
@@ -95,6 +97,7 @@ class FileSink(TrailMixin):
         self._last_fstat = 0.0
         self.pending_max = pending_max  # queued after-the-fact records beyond which new requests are denied
         self._pending: deque[Record] = deque()
+        self._spool = RetrySpool(Path(retry_spool) if retry_spool is not None else None)
         self._incident_next: list[Record] = []  # written right after the next chain_start
         self.incidents: list[dict] = []  # shown in /healthz
         self._sign_due = False

@@ -51,6 +51,11 @@ class TrailMixin:
     async def _open_initial(self: FileSink) -> None:
         assert self.path is not None
         tail = await asyncio.to_thread(self._previous_tail)
+        restored = await asyncio.to_thread(self._spool.load)  # queued by a run that was killed
+        if restored:
+            self._pending.extend(restored)
+            log.warning("%d audit records queued by the previous run are written first (request ids: %s)",
+                        len(restored), ", ".join(str(r.attributes.get(K_REQUEST_ID)) for r in restored[:20]))
         last = tail.last_hash if tail is not None and tail.last_hash else None
         since_signed = tail.since_signed if tail is not None else 0
         if tail is not None and not tail.sealed:
@@ -191,6 +196,7 @@ class TrailMixin:
             return True
         except AuditUnavailable as exc:
             self._pending.append(record)
+            self._spool.add(record)
             log.error("audit record of request %s (%s) not written (%s); queued for retry, %d pending",
                       event.request_id, event.kind, exc, len(self._pending))
             if self._writer is None or self._writer.done():
@@ -201,6 +207,8 @@ class TrailMixin:
         for _ in written:
             self._pending.popleft()
         self.records_retried += len(written)
+        if not self._pending:
+            self._spool.clear()
         ids = ", ".join(str(r.attributes.get(K_REQUEST_ID)) for r in written[:20])
         log.warning("%d queued audit records written on retry (request ids: %s%s)", len(written), ids,
                     ", ..." if len(written) > 20 else "")

@@ -157,12 +157,13 @@ def test_outside_rotation_mv_under_traffic(gateway, tmp_path):
     assert res.returncode == 1, res.stdout
 
 
-def test_outcome_write_failure_is_retried_not_lost(gateway, tiny_fs, tmp_path):  # noqa: F811
-    """The outcome record (written after the response) is the only place a streamed body's request hash
-    lives. Its write fails on a full disk: it must be retried, logged with the request id, and written."""
-    world = gateway.world
-    gw = start_gateway(world, tmp_path / "gw", {"audit": {"path": str(tiny_fs / "audit.jsonl")}})
-    live = tiny_fs / "audit.jsonl"
+BODY_TYPE = [("Content-Type", "application/octet-stream")]
+
+
+def post_then_fill(gw, mnt: Path, tmp_path: Path) -> tuple[str, str, bytes, Path]:
+    """A streamed POST whose decision record is written; then the audit disk fills up; then the body ends,
+    the response comes back and the outcome write fails. Returns (request id, url, body, filler)."""
+    live = mnt / "audit.jsonl"
     release = threading.Event()
     first_part, rest = b"a" * 1000, b"b" * 3000
 
@@ -177,22 +178,30 @@ def test_outcome_write_failure_is_retried_not_lost(gateway, tiny_fs, tmp_path): 
 
     def post():
         with sbx.client() as c:
-            result["r"] = c.post(url, content=body(), headers={"Content-Type": "application/octet-stream"})
+            result["r"] = c.post(url, content=body(), headers=dict(BODY_TYPE))
 
+    t = threading.Thread(target=post)
+    t.start()
+    wait(lambda: b'"/upload"' in live.read_bytes())  # the decision is durable before anything goes upstream
+    filler = fill(mnt)
+    release.set()
+    t.join(30)
+    r = result["r"]
+    assert r.status_code == 200, r.text
+    rid = r.headers[REQUEST_ID]
+    log = tmp_path / "gw" / "gateway.stderr"
+    wait(lambda: f"audit record of request {rid}" in log.read_text())  # the log names it
+    assert "queued for retry" in log.read_text()
+    return rid, url, first_part + rest, filler
+
+
+def test_outcome_write_failure_is_retried_not_lost(gateway, tiny_fs, tmp_path):  # noqa: F811
+    """The outcome record (written after the response) is the only place a streamed body's request hash
+    lives. Its write fails on a full disk: it must be retried, logged with the request id, and written."""
+    gw = start_gateway(gateway.world, tmp_path / "gw", {"audit": {"path": str(tiny_fs / "audit.jsonl")}})
+    live = tiny_fs / "audit.jsonl"
     try:
-        t = threading.Thread(target=post)
-        t.start()
-        # the decision record is durable before anything goes upstream; then the disk fills up
-        wait(lambda: b'"/upload"' in live.read_bytes())
-        filler = fill(tiny_fs)
-        release.set()
-        t.join(30)
-        r = result["r"]
-        assert r.status_code == 200, r.text
-        rid = r.headers[REQUEST_ID]
-        log = tmp_path / "gw" / "gateway.stderr"
-        wait(lambda: f"audit record of request {rid}" in log.read_text())  # the log names it
-        assert "queued for retry" in log.read_text()
+        rid, url, body, filler = post_then_fill(gw, tiny_fs, tmp_path)
         during = httpx.get(f"http://{gw.admin}/healthz", trust_env=False, timeout=5)
         filler.unlink()
         wait(lambda: rid in records([live], "outcome"))  # retried once the disk has room again
@@ -200,10 +209,35 @@ def test_outcome_write_failure_is_retried_not_lost(gateway, tiny_fs, tmp_path): 
     finally:
         assert stop_gateway(gw) == 0
     outcome = records([live], "outcome")[rid]
-    expected = request_hash(*canonical_fields("POST", url, [("Content-Type", "application/octet-stream")],
-                                              first_part + rest))
-    assert outcome["egressgate.request.hash"] == expected
+    assert outcome["egressgate.request.hash"] == request_hash(*canonical_fields("POST", url, BODY_TYPE, body))
     assert outcome["http.response.status_code"] in (200, "200")
     res = verify([live], gw.var / "audit-signing.key.pub")
     assert res.returncode == 0, res.stdout + res.stderr
     assert during.status_code == 503 and during.json()["audit_status"]["pending_records"] >= 1  # /healthz said so
+
+
+def test_queued_outcome_survives_kill9(gateway, tiny_fs, tmp_path):  # noqa: F811
+    """The queue has a copy on disk (the retry spool, in var_dir, not on the full audit volume): a gateway
+    SIGKILLed while an outcome waits writes it after the restart."""
+    extra = {"audit": {"path": str(tiny_fs / "audit.jsonl")}}
+    gw = start_gateway(gateway.world, tmp_path / "gw", extra)
+    live = tiny_fs / "audit.jsonl"
+    try:
+        rid, url, body, filler = post_then_fill(gw, tiny_fs, tmp_path)
+    finally:
+        gw.proc.kill()
+        gw.proc.wait(10)
+    assert rid not in records([live], "outcome")
+    assert rid in (gw.var / "audit-retry.jsonl").read_text()
+    filler.unlink()
+    gw2 = start_gateway(gateway.world, tmp_path / "gw", extra)
+    try:
+        wait(lambda: rid in records(history(live), "outcome"))
+    finally:
+        assert stop_gateway(gw2) == 0
+    files = history(live)
+    outcome = records(files, "outcome")[rid]
+    assert outcome["egressgate.request.hash"] == request_hash(*canonical_fields("POST", url, BODY_TYPE, body))
+    res = verify(files, gw.var / "audit-signing.key.pub")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert (gw.var / "audit-retry.jsonl").read_bytes() == b""  # emptied once written
