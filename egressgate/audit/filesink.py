@@ -98,6 +98,7 @@ class FileSink(TrailMixin):
         self.pending_max = pending_max  # queued after-the-fact records beyond which new requests are denied
         self._pending: deque[Record] = deque()
         self._spool = RetrySpool(Path(retry_spool) if retry_spool is not None else None)
+        self._spooled: set[int] = set()  # ids of queued records that also have a copy in the spool
         self._incident_next: list[Record] = []  # written right after the next chain_start
         self.incidents: list[dict] = []  # shown in /healthz
         self._sign_due = False

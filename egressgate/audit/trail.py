@@ -54,6 +54,7 @@ class TrailMixin:
         restored = await asyncio.to_thread(self._spool.load)  # queued by a run that was killed
         if restored:
             self._pending.extend(restored)
+            self._spooled.update(id(r) for r in restored)
             log.warning("%d audit records queued by the previous run are written first (request ids: %s)",
                         len(restored), ", ".join(str(r.attributes.get(K_REQUEST_ID)) for r in restored[:20]))
         last = tail.last_hash if tail is not None and tail.last_hash else None
@@ -196,7 +197,8 @@ class TrailMixin:
             return True
         except AuditUnavailable as exc:
             self._pending.append(record)
-            self._spool.add(record)
+            if self._spool.add(record):
+                self._spooled.add(id(record))
             log.error("audit record of request %s (%s) not written (%s); queued for retry, %d pending",
                       event.request_id, event.kind, exc, len(self._pending))
             if self._writer is None or self._writer.done():
@@ -209,6 +211,7 @@ class TrailMixin:
         self.records_retried += len(written)
         if not self._pending:
             self._spool.clear()
+            self._spooled.clear()
         ids = ", ".join(str(r.attributes.get(K_REQUEST_ID)) for r in written[:20])
         log.warning("%d queued audit records written on retry (request ids: %s%s)", len(written), ids,
                     ", ..." if len(written) > 20 else "")
@@ -217,10 +220,16 @@ class TrailMixin:
         """The writer has stopped with records still queued: say exactly which (never silently)."""
         while self._pending:
             rec = self._pending.popleft()
+            what = (rec.attributes.get("egressgate.operation"), rec.attributes.get(K_REQUEST_ID),
+                    rec.attributes.get("egressgate.request.hash"))
+            if id(rec) in self._spooled:
+                log.critical("audit record not written before the audit sink stopped, kept in the retry spool "
+                             "%s for the next start: %s record of request %s (request hash %s)",
+                             self._spool.path, *what)
+                continue
             self.records_lost += 1
             log.critical("AUDIT RECORD LOST: %s record of request %s could not be written before the audit "
-                         "sink stopped (request hash %s)", rec.attributes.get("egressgate.operation"),
-                         rec.attributes.get(K_REQUEST_ID), rec.attributes.get("egressgate.request.hash"))
+                         "sink stopped (request hash %s)", *what)
 
     def _sign_now(self: FileSink) -> None:
         self._sign_due = True

@@ -224,7 +224,8 @@ async def test_outcomes_are_retried_never_dropped(tiny_fs, signer, pubkey, caplo
 
 
 async def test_queued_outcomes_are_named_when_the_sink_stops(tiny_fs, signer, caplog):  # noqa: F811
-    """If the disk never comes back, the records cannot be written, but they are not silently dropped."""
+    """If the disk never comes back and there is no spool, the records cannot be written, but they are not
+    silently dropped: each is named."""
     filler = tiny_fs / "filler"
     filler.write_bytes(b"x" * 32 * 1024)
     sink = await FileSink(tiny_fs / "audit" / "audit.jsonl", signer, probe_interval=0.05).start()
@@ -234,3 +235,26 @@ async def test_queued_outcomes_are_named_when_the_sink_stops(tiny_fs, signer, ca
     with caplog.at_level(logging.CRITICAL):
         await asyncio.wait_for(sink.close(), 10)
     assert sink.records_lost == 1 and f"AUDIT RECORD LOST: outcome record of request {ev.request_id}" in caplog.text
+
+
+async def test_spooled_outcomes_are_written_by_the_next_start(tiny_fs, signer, pubkey, tmp_path):  # noqa: F811
+    filler = tiny_fs / "filler"
+    filler.write_bytes(b"x" * 32 * 1024)
+    spool = tmp_path / "var" / "audit-retry.jsonl"  # not on the full volume
+    path = tiny_fs / "audit" / "audit.jsonl"
+    sink = await FileSink(path, signer, probe_interval=0.05, retry_spool=spool).start()
+    accepted, _ = await _fill_until_failure(sink)
+    queued = [http_event(9000 + i, kind="outcome") for i in range(3)]
+    for ev in queued:
+        assert await sink.write_after(ev) is False
+    await asyncio.wait_for(sink.close(), 10)  # the disk never came back while it ran
+    assert sink.records_lost == 0 and all(ev.request_id in spool.read_text() for ev in queued)
+    filler.unlink()
+    again = await FileSink(path, signer, retry_spool=spool).start()
+    await until(lambda: again.records_retried == 3)
+    await again.close()
+    files = history(path)
+    reps = verify_files(files, load_public_keys([pubkey]))
+    assert all(r.ok for r in reps), [r.error for r in reps]
+    assert ids(*files) == [*accepted, *(e.request_id for e in queued)]
+    assert spool.read_bytes() == b""
