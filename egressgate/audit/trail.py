@@ -151,8 +151,9 @@ class TrailMixin:
                 log.error("could not seal the %s audit file: %s", change, exc)
         prev_file: str | None = None
         if change == "deleted":
-            target = rotated_name(self.path)
             try:
+                await asyncio.to_thread(secure_directory, self.path.parent)  # `rm -rf` took the directory too
+                target = rotated_name(self.path)
                 size = await asyncio.to_thread(salvage_deleted, self._fd, target, self.fsync)
                 prev_file = target.name
                 detail = (f"the audit file was deleted while in use; its {last_seq + 1} records (sealed) were "

@@ -53,10 +53,14 @@ async def write_burst(sink, start: int, n: int) -> list[str]:
 
 # --- item 12: the live file is deleted -----------------------------------------------------------------
 
-async def test_deleted_file_is_restored_and_the_chain_continues(make_sink, pubkey):
+@pytest.mark.parametrize("how", ["unlink", "rm -rf directory"])
+async def test_deleted_file_is_restored_and_the_chain_continues(make_sink, pubkey, how):
     sink = await make_sink(checkpoint_every=4, watch_interval=0.05)
     sent = await write_burst(sink, 0, 6)
-    os.unlink(sink.path)
+    if how == "unlink":
+        os.unlink(sink.path)
+    else:
+        shutil.rmtree(sink.path.parent)
     sent += await write_burst(sink, 100, 5)  # these still land in the deleted inode
     await until(lambda: sink.incidents)
     assert sink.path.exists() and sink.incidents[0]["incident"] == "file_deleted"
