@@ -24,9 +24,21 @@ from tests.broker.bao_persistent import PersistentBao
 from tests.broker.test_vault import vault_config
 
 
+@pytest.fixture(scope="module")
+def persistent_bao(tmp_path_factory):
+    """One OpenBao with on-disk storage for the module (initializing one takes seconds); tests stop it."""
+    bao = PersistentBao(home=tmp_path_factory.mktemp("bao")).start().configure()
+    try:
+        yield bao
+    finally:
+        bao.stop()
+
+
 @pytest.fixture
-async def vault(tmp_path):
-    bao = PersistentBao(home=tmp_path / "bao").start().configure()
+async def vault(persistent_bao, tmp_path):
+    bao = persistent_bao
+    if bao.proc is None or bao.proc.poll() is not None:
+        bao.start()  # an earlier test left it stopped
     backend = VaultBackend(vault_config(bao, timeout_seconds=2))
     try:
         await backend.start()
@@ -35,7 +47,6 @@ async def vault(tmp_path):
         pub.write_bytes(signer.public_pem())
         yield bao, signer, pub
     finally:
-        bao.stop()
         await backend.aclose()
 
 
