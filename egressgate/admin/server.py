@@ -110,7 +110,7 @@ class AdminServer:
         signer down, records waiting for a retry); 200 `ok` otherwise. `audit_status` says which."""
         healthy = self.rt.audit.healthy()
         trail = self.rt.audit.status() if hasattr(self.rt.audit, "status") else {}
-        alert = bool(trail.get("incidents") or trail.get("pending_records")
+        alert = bool(trail.get("incidents") or trail.get("pending_records") or trail.get("degraded")
                      or not trail.get("signer", {}).get("available", True))
         return web.json_response(
             {"status": "degraded" if not healthy else "alert" if alert else "ok", "audit": healthy,

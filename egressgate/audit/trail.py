@@ -240,6 +240,7 @@ class TrailMixin:
         """What `/healthz` shows about the trail (no record content)."""
         return {
             "healthy": self.healthy(),
+            "degraded": self.degraded,  # a write failed (in allow-and-alert mode healthy() stays True)
             "write_failures": self.write_failures,
             "pending_records": len(self._pending),
             "records_retried": self.records_retried,
