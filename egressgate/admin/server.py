@@ -238,8 +238,10 @@ class AdminServer:
         event = AuditEvent(kind=EventKind.REVOCATION, time_ns=time.time_ns(), request_id=new_request_id(),
                            sandbox_id=sandbox_id, sandbox_labels=dict(record.labels), decision="allow",
                            policy_name=record.policy_name)
-        if not await self._audit(event):
-            logger.error("revocation of %s could not be audited; revoking anyway (fail closed)", sandbox_id)
+        # a revocation happens even when its record cannot be written now (fail closed): the record is
+        # queued and retried like an outcome, never dropped
+        if not await self.rt.audit.write_after(event):
+            logger.error("revocation of %s not audited yet (queued for retry); revoking anyway", sandbox_id)
         await self.rt.state.revoke(sandbox_id)
         return web.json_response({"id": sandbox_id, "revoked": True,
                                   "connections_closed": len(self.rt.by_sandbox.get(sandbox_id, ()))})

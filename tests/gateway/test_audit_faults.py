@@ -15,6 +15,7 @@ import uuid
 from pathlib import Path
 
 import httpx
+import pytest
 
 from egressgate.audit.find import iter_records
 from egressgate.audit.reqhash import canonical_fields, request_hash
@@ -160,6 +161,24 @@ def test_outside_rotation_mv_under_traffic(gateway, tmp_path):
 BODY_TYPE = [("Content-Type", "application/octet-stream")]
 
 
+def exhaust(gw, sbx) -> None:
+    """After `fill`, the audit file's last tmpfs page still has room for a record or two. Use it up with
+    real audited requests until even the sink's own probe checkpoint (1.4 KB, smaller than an outcome or a
+    padded revocation record) no longer fits: from then on those writes fail for certain."""
+    for _ in range(50):
+        with sbx.client() as c:  # a new tunnel each time: its CONNECT is audited too
+            try:
+                r = c.get(sbx.url("api.test", "/v1/exhaust"))
+                failed = r.status_code == 403 and r.json()["reason"] == "audit_unavailable"
+            except httpx.ProxyError as exc:  # the CONNECT itself was refused
+                failed = "403" in str(exc)
+            if failed:
+                time.sleep(1.6)  # the sink probes the disk every second with a checkpoint
+                if httpx.get(f"http://{gw.admin}/healthz", trust_env=False, timeout=5).status_code == 503:
+                    return
+    raise AssertionError("the audit disk did not fill up")
+
+
 def post_then_fill(gw, mnt: Path, tmp_path: Path) -> tuple[str, str, bytes, Path]:
     """A streamed POST whose decision record is written; then the audit disk fills up; then the body ends,
     the response comes back and the outcome write fails. Returns (request id, url, body, filler)."""
@@ -173,7 +192,7 @@ def post_then_fill(gw, mnt: Path, tmp_path: Path) -> tuple[str, str, bytes, Path
         yield rest
 
     result: dict = {}
-    sbx = gw.admit("gw-basic")
+    sbx, exhauster = gw.admit("gw-basic"), gw.admit("gw-basic")
     url = sbx.url("api.test", "/upload")
 
     def post():
@@ -184,6 +203,7 @@ def post_then_fill(gw, mnt: Path, tmp_path: Path) -> tuple[str, str, bytes, Path
     t.start()
     wait(lambda: b'"/upload"' in live.read_bytes())  # the decision is durable before anything goes upstream
     filler = fill(mnt)
+    exhaust(gw, exhauster)
     release.set()
     t.join(30)
     r = result["r"]
@@ -241,3 +261,23 @@ def test_queued_outcome_survives_kill9(gateway, tiny_fs, tmp_path):  # noqa: F81
     res = verify(files, gw.var / "audit-signing.key.pub")
     assert res.returncode == 0, res.stdout + res.stderr
     assert (gw.var / "audit-retry.jsonl").read_bytes() == b""  # emptied once written
+
+
+def test_revocation_on_a_full_disk_is_recorded_later(gateway, tiny_fs, tmp_path):  # noqa: F811
+    """Sibling of the outcome: a revocation takes effect even when its record cannot be written (fail
+    closed), so its record is queued and retried, not dropped."""
+    gw = start_gateway(gateway.world, tmp_path / "gw", {"audit": {"path": str(tiny_fs / "audit.jsonl")}})
+    live = tiny_fs / "audit.jsonl"
+    try:
+        sbx = gw.admit("gw-basic", labels={"pad": "x" * 800})  # its revocation record is > 1.4 KB
+        exhauster = gw.admit("gw-basic")
+        filler = fill(tiny_fs)
+        exhaust(gw, exhauster)
+        r = gw.revoke(sbx.id)
+        assert r.status_code == 200 and r.json()["revoked"], r.text
+        with sbx.client() as c, pytest.raises(httpx.ProxyError, match="407"):  # revoked, not yet audited
+            c.get(sbx.url("api.test", "/echo"))
+        filler.unlink()
+        wait(lambda: any(a.get("egressgate.sandbox.id") == sbx.id for a in records([live], "revocation").values()))
+    finally:
+        assert stop_gateway(gw) == 0
