@@ -27,9 +27,9 @@ from tests.broker.test_vault import vault_config
 @pytest.fixture(scope="module")
 def persistent_bao(tmp_path_factory):
     """One OpenBao with on-disk storage for the module (initializing one takes seconds); tests stop it."""
-    bao = PersistentBao(home=tmp_path_factory.mktemp("bao")).start().configure()
+    bao = PersistentBao(home=tmp_path_factory.mktemp("bao")).start()
     try:
-        yield bao
+        yield bao.configure()
     finally:
         bao.stop()
 

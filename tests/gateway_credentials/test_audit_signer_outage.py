@@ -32,10 +32,10 @@ def signer_status(gw) -> dict:
 
 
 def test_vault_outage_defers_audit_signatures_and_only_credentialed_routes_fail(cworld: World, tmp_path) -> None:
-    bao = PersistentBao(home=tmp_path / "bao").start().configure()
-    pub = transit_pub(bao, tmp_path / "transit.pub")
+    bao = PersistentBao(home=tmp_path / "bao").start()
     (tmp_path / "gw").mkdir()
     try:
+        pub = transit_pub(bao.configure(), tmp_path / "transit.pub")
         gw = launch(cworld, tmp_path / "gw", bao, kv_ttl=1, audit={"checkpoint_every": 3})
     except BaseException:
         bao.stop()
