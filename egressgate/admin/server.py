@@ -105,10 +105,16 @@ class AdminServer:
             await self.runner.cleanup()
 
     async def healthz(self, _request: web.Request) -> web.Response:
+        """503 `degraded` while the audit sink denies new requests; 200 `alert` when the trail needs an
+        operator although traffic flows (file deleted/moved from outside, crash recovered, checkpoint
+        signer down, records waiting for a retry); 200 `ok` otherwise. `audit_status` says which."""
         healthy = self.rt.audit.healthy()
+        trail = self.rt.audit.status() if hasattr(self.rt.audit, "status") else {}
+        alert = bool(trail.get("incidents") or trail.get("pending_records") or trail.get("degraded")
+                     or not trail.get("signer", {}).get("available", True))
         return web.json_response(
-            {"status": "ok" if healthy else "degraded", "audit": healthy,
-             "policies": sorted(self.rt.policies.policies)},
+            {"status": "degraded" if not healthy else "alert" if alert else "ok", "audit": healthy,
+             "audit_status": trail, "policies": sorted(self.rt.policies.policies)},
             status=200 if healthy else 503,
         )
 
@@ -232,8 +238,10 @@ class AdminServer:
         event = AuditEvent(kind=EventKind.REVOCATION, time_ns=time.time_ns(), request_id=new_request_id(),
                            sandbox_id=sandbox_id, sandbox_labels=dict(record.labels), decision="allow",
                            policy_name=record.policy_name)
-        if not await self._audit(event):
-            logger.error("revocation of %s could not be audited; revoking anyway (fail closed)", sandbox_id)
+        # a revocation happens even when its record cannot be written now (fail closed): the record is
+        # queued and retried like an outcome, never dropped
+        if not await self.rt.audit.write_after(event):
+            logger.error("revocation of %s not audited yet (queued for retry); revoking anyway", sandbox_id)
         await self.rt.state.revoke(sandbox_id)
         return web.json_response({"id": sandbox_id, "revoked": True,
                                   "connections_closed": len(self.rt.by_sandbox.get(sandbox_id, ()))})

@@ -9,6 +9,10 @@ any byte change to a line (including re-formatting) is detected.
 Every line carries `egressgate.chain.seq` (0, 1, 2, ... per file) and `egressgate.chain.prev` (the
 previous line's chain.hash; for seq 0, the last hash of the previous file or 64 "0"). Seq 0 is a
 `chain_start` record; a signed `checkpoint` record follows every N records and ends the file (`final`).
+
+Because every file's seq 0 links to the previous file's last hash, a signature covers everything before
+it, across files. That is what lets a checkpoint be *deferred* (written unsigned while the signer is down,
+covered by the next signed one) and a crashed file be sealed at restart by a `recovery` checkpoint.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from egressgate.audit.record import (
     K_CHAIN_SEQ,
     K_OPERATION,
     SEVERITY_INFO,
+    SEVERITY_WARN,
     Record,
 )
 
@@ -34,12 +39,23 @@ CHECKPOINT_DOMAIN = b"egressgate-audit-checkpoint-v1\n"
 
 OP_CHAIN_START = "chain_start"
 OP_CHECKPOINT = "checkpoint"
+OP_INCIDENT = "audit_incident"  # something happened to the trail itself (file deleted/moved, crash)
 K_CP_FINAL = "egressgate.checkpoint.final"
 K_CP_HEAD = "egressgate.checkpoint.head"
 K_CP_COUNT = "egressgate.checkpoint.count"
 K_CP_ALG = "egressgate.checkpoint.alg"
 K_CP_SIG = "egressgate.checkpoint.signature"
 K_KEY_ID = "egressgate.key_id"
+K_CP_RECOVERY = "egressgate.checkpoint.recovery"  # final checkpoint written at restart after a crash
+K_CP_DEFERRED = "egressgate.checkpoint.deferred"  # unsigned: the signer was unavailable
+K_CP_ERROR = "egressgate.checkpoint.error"
+K_INCIDENT = "egressgate.incident"
+K_INCIDENT_DETAIL = "egressgate.incident.detail"
+
+# what a checkpoint's signature states about its position (part of the signed message)
+KIND_PERIODIC = "periodic"
+KIND_FINAL = "final"
+KIND_RECOVERY = "recovery"  # final, written at restart into a file a crash left unsealed
 
 
 class ChainFormatError(ValueError):
@@ -70,30 +86,39 @@ def recorded_line_hash(line: bytes) -> str:
     return line[pos : pos + 64].decode("ascii", "replace")
 
 
-def checkpoint_message(seq: int, head: str, final: bool, time_ns: int) -> bytes:
-    """The exact bytes a checkpoint signs: it covers records 0..seq-1 (head = chain.hash of seq-1)."""
-    return CHECKPOINT_DOMAIN + f"{seq}\n{head}\n{'final' if final else 'periodic'}\n{time_ns}\n".encode()
+def checkpoint_message(seq: int, head: str, kind: str, time_ns: int) -> bytes:
+    """The exact bytes a checkpoint signs: it covers records 0..seq-1 (head = chain.hash of seq-1).
+    `kind` is `periodic`, `final` or `recovery`: a crash seal cannot pass for a clean close."""
+    return CHECKPOINT_DOMAIN + f"{seq}\n{head}\n{kind}\n{time_ns}\n".encode()
+
+
+def checkpoint_kind(attrs: dict) -> str:
+    """The signed kind of a checkpoint record, from its attributes."""
+    if attrs.get(K_CP_RECOVERY):
+        return KIND_RECOVERY
+    return KIND_FINAL if attrs.get(K_CP_FINAL) else KIND_PERIODIC
 
 
 @dataclass(slots=True)
 class ChainState:
     seq: int = 0  # seq of the next line
     prev: str = GENESIS  # chain.hash of the last line written
-    since_checkpoint: int = 0  # lines since the last checkpoint
+    since_checkpoint: int = 0  # lines since the last checkpoint (signed or deferred)
+    since_signed: int = 0  # lines since the last *signed* checkpoint, carried across files
 
 
 class ChainWriter:
     """Assigns seq/prev/hash to records and encodes them. Not thread-safe: one writer task owns it."""
 
-    def __init__(self, prev: str = GENESIS) -> None:
-        self.state = ChainState(prev=prev)
+    def __init__(self, prev: str = GENESIS, seq: int = 0, since_signed: int = 0) -> None:
+        self.state = ChainState(seq=seq, prev=prev, since_signed=since_signed)
 
     def snapshot(self) -> ChainState:
         s = self.state
-        return ChainState(s.seq, s.prev, s.since_checkpoint)
+        return ChainState(s.seq, s.prev, s.since_checkpoint, s.since_signed)
 
     def restore(self, snap: ChainState) -> None:
-        self.state = ChainState(snap.seq, snap.prev, snap.since_checkpoint)
+        self.state = ChainState(snap.seq, snap.prev, snap.since_checkpoint, snap.since_signed)
 
     def append(self, record: Record) -> bytes:
         """Encode `record` as the next line of the chain (no newline) and advance the chain."""
@@ -108,9 +133,9 @@ class ChainWriter:
         record.attributes[K_CHAIN_HASH] = digest
         s.seq += 1
         s.prev = digest
-        s.since_checkpoint = (
-            0 if record.attributes.get(K_OPERATION) == OP_CHECKPOINT else s.since_checkpoint + 1
-        )
+        is_cp = record.attributes.get(K_OPERATION) == OP_CHECKPOINT
+        s.since_checkpoint = 0 if is_cp else s.since_checkpoint + 1
+        s.since_signed = 0 if is_cp and K_CP_SIG in record.attributes else s.since_signed + 1
         return line
 
     @staticmethod
@@ -120,21 +145,48 @@ class ChainWriter:
             attrs["egressgate.chain.prev_file"] = prev_file
         return Record(time_ns, SEVERITY_INFO, "INFO", "egressgate.chain_start", "audit chain start", attrs)
 
-    def checkpoint_payload(self, time_ns: int, final: bool) -> bytes:
-        return checkpoint_message(self.state.seq, self.state.prev, final, time_ns)
+    def checkpoint_payload(self, time_ns: int, kind: str) -> bytes:
+        return checkpoint_message(self.state.seq, self.state.prev, kind, time_ns)
 
     def checkpoint_record(
-        self, time_ns: int, key_id: str, algorithm: str, signature: bytes, final: bool
+        self,
+        time_ns: int,
+        key_id: str,
+        algorithm: str,
+        signature: bytes | None,
+        kind: str,
+        *,
+        error: str | None = None,
+        extra: dict | None = None,
     ) -> Record:
+        """A checkpoint at the current position. `signature=None` writes a *deferred* checkpoint (the
+        signer is down): it marks the position but proves nothing; the next signed checkpoint covers it."""
         s = self.state
         attrs: dict = {
             K_OPERATION: OP_CHECKPOINT,
-            K_CP_FINAL: final,
+            K_CP_FINAL: kind != KIND_PERIODIC,
             K_CP_HEAD: s.prev,
             K_CP_COUNT: s.seq,
             K_CP_ALG: algorithm,
             K_KEY_ID: key_id,
-            K_CP_SIG: base64.b64encode(signature).decode("ascii"),
+            **(extra or {}),
         }
-        body = f"audit checkpoint {'final' if final else 'periodic'} covering seq 0..{s.seq - 1}"
-        return Record(time_ns, SEVERITY_INFO, "INFO", "egressgate.checkpoint", body, attrs)
+        if kind == KIND_RECOVERY:
+            attrs[K_CP_RECOVERY] = True
+        if signature is not None:
+            attrs[K_CP_SIG] = base64.b64encode(signature).decode("ascii")
+            body = f"audit checkpoint {kind} covering seq 0..{s.seq - 1}"
+            return Record(time_ns, SEVERITY_INFO, "INFO", "egressgate.checkpoint", body, attrs)
+        attrs[K_CP_DEFERRED] = True
+        if error:
+            attrs[K_CP_ERROR] = error[:300]
+        body = f"audit checkpoint {kind} DEFERRED (signer unavailable): seq 0..{s.seq - 1} not signed yet"
+        return Record(time_ns, SEVERITY_WARN, "WARN", "egressgate.checkpoint", body, attrs)
+
+
+def incident_record(time_ns: int, incident: str, detail: str, extra: dict | None = None) -> Record:
+    """A record about the trail itself (file deleted or moved from outside, crash recovered), chained and
+    signed like any other so the incident cannot be removed silently."""
+    attrs: dict = {K_OPERATION: OP_INCIDENT, K_INCIDENT: incident, K_INCIDENT_DETAIL: detail, **(extra or {})}
+    return Record(time_ns, SEVERITY_WARN, "WARN", "egressgate.audit_incident", f"audit incident {incident}: {detail}",
+                  attrs)

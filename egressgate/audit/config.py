@@ -26,6 +26,14 @@ class AuditSinkConfig(BaseModel):
     fsync: bool = False  # fsync every batch (survives power loss; written records already survive a crash)
     checkpoint_every: int = Field(default=1000, gt=0)  # signed checkpoint every N records
     on_failure: Literal["deny", "allow-and-alert"] = "deny"
+    # while the checkpoint signer (e.g. Vault) is down, checkpoints are deferred; beyond this many records
+    # since the last signature, records are refused (audit_unavailable) instead
+    max_unsigned_records: int = Field(default=100_000, gt=0)
+    # after-the-fact records (outcomes) waiting for a retry; at this many, new requests are denied
+    retry_queue_max: int = Field(default=10_000, gt=0)
+    # disk copy of that queue (survives kill -9); default <var_dir>/audit-retry.jsonl. Put it on another
+    # volume than `path` when the audit file has its own
+    retry_spool: str | None = None
     signing_key: str | None = None  # Ed25519 PEM, mode 0600, created if missing; default <var_dir>/audit-signing.key
     # who signs checkpoints: "auto" = the broker's Vault transit key when the broker is Vault, else the local key
     signer: Literal["auto", "local", "vault"] = "auto"
@@ -67,5 +75,8 @@ async def open_audit_sink(cfg: AuditSinkConfig, var_dir: str | Path, signer: Sig
         checkpoint_every=cfg.checkpoint_every,
         on_failure=cfg.on_failure,
         exporter=exporter,
+        max_unsigned=cfg.max_unsigned_records,
+        pending_max=cfg.retry_queue_max,
+        retry_spool=Path(cfg.retry_spool) if cfg.retry_spool else var_dir / "audit-retry.jsonl",
     )
     return await sink.start()

@@ -9,6 +9,8 @@ has no user-space buffer: once it returns, the record survives a gateway crash; 
 Failure never loses an accepted record and never leaves a half line: the file is truncated back to the
 last complete batch and the chain state rolled back, the batch's callers get AuditUnavailable (they deny),
 and `healthy()` is False until a write succeeds (a periodic checkpoint probes the disk meanwhile).
+Records of things that already happened (outcomes) cannot be denied: `write_after` queues them and the
+writer retries them first in every later batch (trail.py: incidents, crash seal, the retry queue).
 """
 
 from __future__ import annotations
@@ -16,18 +18,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import stat
 import time
+from collections import deque
 from collections.abc import Callable
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Literal
 
-from egressgate.audit.chain import ChainWriter, recorded_line_hash
+from egressgate.audit.chain import KIND_FINAL, KIND_PERIODIC, ChainWriter
+from egressgate.audit.checkpointer import Checkpointer
 from egressgate.audit.event import AuditEvent, AuditUnavailable
 from egressgate.audit.exporter import OtlpHttpExporter
+from egressgate.audit.filewatch import rotated_name
 from egressgate.audit.record import Record, record_from_event
 from egressgate.audit.signer import Signer
+from egressgate.audit.spool import RetrySpool
+from egressgate.audit.trail import WAKE as _WAKE
+from egressgate.audit.trail import TrailMixin
 
 log = logging.getLogger(__name__)
 
@@ -39,44 +45,7 @@ class ExportFailed(OSError):
     """The OTLP exporter (the only destination) did not accept the batch."""
 
 
-def rotated_name(path: Path, now: datetime | None = None) -> Path:
-    """`audit.jsonl` -> `audit.20261129T140102_123456Z.jsonl` (sorts by time; never overwrites)."""
-    now = now or datetime.now(UTC)
-    stamp = now.strftime("%Y%m%dT%H%M%S_%fZ")
-    candidate = path.with_name(f"{path.stem}.{stamp}{path.suffix}")
-    n = 1
-    while candidate.exists():
-        candidate = path.with_name(f"{path.stem}.{stamp}-{n}{path.suffix}")
-        n += 1
-    return candidate
-
-
-def last_chain_hash(path: Path) -> str | None:
-    """chain.hash of the last complete line of an existing audit file (None when it has none)."""
-    with open(path, "rb") as fh:
-        fh.seek(0, os.SEEK_END)
-        size = fh.tell()
-        fh.seek(max(0, size - 1_048_576))
-        lines = fh.read().split(b"\n")
-    for line in reversed(lines):
-        if line.strip():
-            try:
-                return recorded_line_hash(line)
-            except ValueError:
-                continue
-    return None
-
-
-def secure_directory(directory: Path) -> None:
-    """Create the audit directory 0700; strip world access from an existing one (audit files leak)."""
-    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-    mode = stat.S_IMODE(directory.stat().st_mode)
-    if mode & 0o007:
-        log.warning("audit directory %s had mode %04o; removing world access", directory, mode)
-        os.chmod(directory, mode & ~0o007)
-
-
-class FileSink:
+class FileSink(TrailMixin):
     """AuditSink writing to `path` (None: exporter only) and/or an OTLP/HTTP exporter."""
 
     def __init__(
@@ -94,6 +63,11 @@ class FileSink:
         clock: Callable[[], int] = time.time_ns,
         inline_write_max: int = 256 * 1024,
         inline_slow: float = 0.005,
+        watch_interval: float = 1.0,
+        max_unsigned: int = 100_000,
+        pending_max: int = 10_000,
+        sign_timeout: float = 10.0,
+        retry_spool: str | os.PathLike[str] | None = None,
     ) -> None:
         if path is None and exporter is None:
             raise ValueError("audit sink needs a file path, an OTLP exporter, or both")
@@ -118,6 +92,18 @@ class FileSink:
         self._size = 0
         self._chain = ChainWriter()
         self._prev_file: str | None = None
+        self.watch_interval = watch_interval  # how often the writer checks the file is still `path`
+        self._last_watch = time.monotonic()
+        self._last_fstat = 0.0
+        self.pending_max = pending_max  # queued after-the-fact records beyond which new requests are denied
+        self._pending: deque[Record] = deque()
+        self._spool = RetrySpool(Path(retry_spool) if retry_spool is not None else None)
+        self._spooled: set[int] = set()  # ids of queued records that also have a copy in the spool
+        self._incident_next: list[Record] = []  # written right after the next chain_start
+        self.incidents: list[dict] = []  # shown in /healthz
+        self._sign_due = False
+        self._cp = Checkpointer(signer, clock, max_unsigned=max_unsigned, probe_interval=probe_interval,
+                                sign_timeout=sign_timeout, on_restored=self._sign_now)
         self._queue: asyncio.Queue = asyncio.Queue()
         self._export_queue: asyncio.Queue = asyncio.Queue(maxsize=1024)
         self._writer: asyncio.Task | None = None
@@ -132,39 +118,19 @@ class FileSink:
         self.export_failures = 0
         self.rotations = 0
         self.slow_inline_writes = 0
+        self.records_retried = 0  # after-the-fact records written on a later attempt
+        self.records_lost = 0  # queued records that could not be written before the sink stopped
 
     # --- lifecycle -------------------------------------------------------------------------------
 
     async def start(self) -> FileSink:
         if self.path is not None:
-            await asyncio.to_thread(self._open_initial)
+            await self._open_initial()  # trail.py: seals a file a crash left open, then starts a new one
         self._writer = asyncio.create_task(self._write_loop(), name="audit-writer")
         self._writer.add_done_callback(self._writer_done)
         if self.path is not None and self.exporter is not None:
             self._export_task = asyncio.create_task(self._export_loop(), name="audit-exporter")
         return self
-
-    def _open_initial(self) -> None:
-        assert self.path is not None
-        secure_directory(self.path.parent)
-        if os.path.lexists(self.path):
-            st = os.stat(self.path, follow_symlinks=False)
-            if not stat.S_ISREG(st.st_mode):
-                raise AuditUnavailable(f"{self.path}: audit path is not a regular file")
-            if st.st_size > 0:  # a previous run's file: seal the link to it, never append to it
-                prev = last_chain_hash(self.path)
-                rotated = rotated_name(self.path)
-                os.rename(self.path, rotated)
-                self._chain = ChainWriter(prev=prev or ChainWriter().state.prev)
-                self._prev_file = rotated.name
-        self._open_new()
-
-    def _open_new(self) -> None:
-        assert self.path is not None
-        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
-        self._fd = os.open(self.path, flags, 0o600)
-        os.fchmod(self._fd, 0o600)
-        self._size = os.fstat(self._fd).st_size
 
     def _writer_done(self, task: asyncio.Task) -> None:
         """Fail closed if the writer task ever dies outside close(): no caller may wait forever."""
@@ -176,13 +142,15 @@ class FileSink:
         err = AuditUnavailable("audit writer is not running")
         while not self._queue.empty():
             item = self._queue.get_nowait()
-            if item is not _STOP and not item[1].done():
+            if item is not _STOP and item is not _WAKE and not item[1].done():
                 item[1].set_exception(err)
+        self._report_lost()
 
     def healthy(self) -> bool:
-        """False after a failed write until one succeeds. In allow-and-alert mode callers are not asked
-        to deny, so it stays True; `degraded` tells the truth for alerting."""
-        return self._healthy or self.on_failure == "allow-and-alert"
+        """False after a failed write until one succeeds, and while `pending_max` or more after-the-fact
+        records wait for a retry (new requests are denied rather than their records lost). In
+        allow-and-alert mode callers are not asked to deny, so it stays True; `degraded` tells the truth."""
+        return (self._healthy and len(self._pending) < self.pending_max) or self.on_failure == "allow-and-alert"
 
     @property
     def degraded(self) -> bool:
@@ -199,6 +167,7 @@ class FileSink:
         if self._export_task is not None:
             self._export_queue.put_nowait(_STOP)
             await self._export_task
+        await self._cp.close()
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
@@ -210,14 +179,17 @@ class FileSink:
     async def write(self, event: AuditEvent) -> None:
         await self.write_record(record_from_event(event))
 
-    async def write_record(self, record: Record) -> None:
-        """Queue one record and wait until it is durable (or raise AuditUnavailable)."""
+    async def _submit(self, record: Record) -> None:
         if self._closed or self._writer is None:
             raise AuditUnavailable("audit sink is not running")
         fut = asyncio.get_running_loop().create_future()
         self._queue.put_nowait((record, fut))
+        await fut
+
+    async def write_record(self, record: Record) -> None:
+        """Queue one record and wait until it is durable (or raise AuditUnavailable)."""
         try:
-            await fut
+            await self._submit(record)
         except AuditUnavailable as exc:
             if self.on_failure == "allow-and-alert":
                 self.records_dropped += 1
@@ -225,14 +197,22 @@ class FileSink:
                 return
             raise
 
+    def _idle_timeout(self) -> float | None:
+        if not self._healthy or self._pending or self._sign_due:
+            return self.probe_interval
+        return self.watch_interval if self.path is not None else None
+
     async def _write_loop(self) -> None:
         stopping = False
         while not stopping:
             try:
-                timeout = None if self._healthy else self.probe_interval
-                first = await asyncio.wait_for(self._queue.get(), timeout)
+                first = await asyncio.wait_for(self._queue.get(), self._idle_timeout())
             except TimeoutError:
-                await self._run_batch([], checkpoint=True)  # probe: does the disk accept a write again?
+                if not self._healthy or self._pending or self._sign_due:
+                    # probe: does the disk accept a write again? (and drain the retry queue, sign late)
+                    await self._run_batch([], checkpoint=not self._healthy or self._sign_due)
+                else:
+                    await self._run_batch([], watch_only=True)  # is the file still ours?
                 continue
             batch = []
             item = first
@@ -240,40 +220,52 @@ class FileSink:
                 if item is _STOP:
                     stopping = True
                     break
-                batch.append(item)
+                if item is not _WAKE:
+                    batch.append(item)
                 if len(batch) >= self.batch_max or self._queue.empty():
                     break
                 item = self._queue.get_nowait()
-            await self._run_batch(batch, final=stopping)
+            if batch or stopping or self._sign_due:
+                await self._run_batch(batch, final=stopping, checkpoint=self._sign_due)
+        self._report_lost()
 
-    async def _run_batch(self, batch: list, *, checkpoint: bool = False, final: bool = False) -> None:
+    async def _run_batch(
+        self, batch: list, *, checkpoint: bool = False, final: bool = False, watch_only: bool = False
+    ) -> None:
+        pending = list(self._pending)
         try:
-            await self._commit([r for r, _ in batch], checkpoint=checkpoint, final=final)
+            if watch_only:
+                await self._ensure_file(force=True)
+                return
+            await self._commit([*pending, *(r for r, _ in batch)], checkpoint=checkpoint, final=final)
         except Exception as exc:
             self._healthy = False
             self.write_failures += 1
-            log.error("audit write failed (%d records rejected): %s", len(batch), exc)
+            log.error("audit write failed (%d records rejected, %d queued for retry): %s",
+                      len(batch), len(self._pending), exc)
             err = AuditUnavailable(f"audit record could not be made durable: {exc}")
             for _, fut in batch:
                 if not fut.done():
                     fut.set_exception(err)
             return
         self._healthy = True
+        if checkpoint:  # signed, or the signer failed again: its probe asks for the next one
+            self._sign_due = False
+        if pending:
+            self._written_pending(pending)
         for _, fut in batch:
             if not fut.done():
                 fut.set_result(None)
 
-    async def _checkpoint(self, final: bool) -> tuple[bytes, Record]:
-        now = self._clock()
-        sig = await self.signer.sign(self._chain.checkpoint_payload(now, final))
-        rec = self._chain.checkpoint_record(now, self.signer.key_id, self.signer.algorithm, sig, final)
-        return self._chain.append(rec), rec
-
     async def _commit(self, records: list[Record], *, checkpoint: bool = False, final: bool = False) -> None:
-        if self.path is not None and self._fd is None:
-            await asyncio.to_thread(self._open_new)  # a failed rotation left no open file: retry, else fail
+        if self.path is not None:
+            await self._ensure_file(force=final)  # deleted / moved / truncated from outside (trail.py)
         if self._fd is not None and self._size >= self.max_bytes and (records or checkpoint):
             await self._rotate()
+        await self._append(records, checkpoint=checkpoint, final=final)
+
+    async def _append(self, records: list[Record], *, checkpoint: bool = False, final: bool = False) -> None:
+        """Chain, encode and write one batch (+ checkpoints); on failure the chain state is rolled back."""
         snap = self._chain.snapshot()
         prev_file = self._prev_file
         lines: list[bytes] = []
@@ -281,17 +273,18 @@ class FileSink:
         try:
             if self._chain.state.seq == 0:
                 start = ChainWriter.start_record(self._clock(), self.signer.key_id, self._prev_file)
-                lines.append(self._chain.append(start))
-                out.append(start)
+                for rec in (start, *self._incident_next):
+                    lines.append(self._chain.append(rec))
+                    out.append(rec)
             for rec in records:
                 lines.append(self._chain.append(rec))
                 out.append(rec)
                 if self._chain.state.since_checkpoint >= self.checkpoint_every:
-                    line, cp = await self._checkpoint(final=False)
+                    line, cp = await self._cp.make(self._chain, KIND_PERIODIC)
                     lines.append(line)
                     out.append(cp)
             if final or checkpoint:  # a probe must really write: an empty batch proves nothing
-                line, cp = await self._checkpoint(final=final)
+                line, cp = await self._cp.make(self._chain, KIND_FINAL if final else KIND_PERIODIC)
                 lines.append(line)
                 out.append(cp)
             if not lines:
@@ -306,6 +299,7 @@ class FileSink:
             self._prev_file = prev_file
             raise
         self._prev_file = None
+        self._incident_next.clear()
         self.records_written += len(out)
         self.batches_written += 1
         if self._export_task is not None:
@@ -362,7 +356,7 @@ class FileSink:
     async def _rotate(self) -> None:
         """Final checkpoint in the old file, rename it, start a new file whose chain links to it."""
         assert self.path is not None and self._fd is not None
-        await self._commit([], final=True)
+        await self._append([], final=True)
         if self.fsync:
             await asyncio.to_thread(os.fsync, self._fd)
         last = self._chain.state.prev
@@ -373,7 +367,7 @@ class FileSink:
             os.rename(self.path, target)
         finally:
             self._open_new()
-        self._chain = ChainWriter(prev=last)
+        self._chain = ChainWriter(prev=last, since_signed=self._chain.state.since_signed)
         self._prev_file = target.name
         self.rotations += 1
         log.info("audit file rotated to %s", target)

@@ -234,10 +234,12 @@ class AuditEmit:
 
     def _write_behind(self, event: AuditEvent) -> None:
         """Outcome records are written without holding the response: intent-before-effect is the
-        decision record's job, and it was durable before anything went upstream. The write is still
-        awaited (by a tracked task, drained at shutdown); a failure marks the sink unhealthy, so new
-        requests are denied, and is logged."""
-        task = asyncio.get_running_loop().create_task(self._write(event))
+        decision record's job, and it was durable before anything went upstream. An outcome cannot be
+        denied (the exchange happened) and may hold the only request hash of a streamed body, so it goes
+        through `write_after`: a failed write is queued and retried, never dropped (the sink logs the
+        request id; a full retry queue makes the sink unhealthy, so *new* requests are denied). The task
+        is tracked and drained at shutdown."""
+        task = asyncio.get_running_loop().create_task(self.rt.audit.write_after(event))
         self.rt.background.add(task)
         task.add_done_callback(self.rt.background.discard)
 
@@ -293,7 +295,7 @@ class AuditEmit:
         flow.metadata["egressgate.outcome"] = True
         out = flow.metadata.get(TCP_OUT, 0)
         in_ = flow.metadata.get(TCP_IN, 0)
-        await self._write(
+        self._write_behind(
             AuditEvent(
                 kind=EventKind.OUTCOME, time_ns=time.time_ns(),
                 request_id=conn.tcp_request_id or _orphan_id(flow),

@@ -413,7 +413,7 @@ class Gateway:
 
 
 def launch(w: World, tmp: Path, bao: BaoServer | None, *, kv_ttl: int = 300, broker: dict | None = None,
-           file_secret: str | None = None) -> Gateway:
+           file_secret: str | None = None, audit: dict | None = None) -> Gateway:
     policy_dir = tmp / "policies"
     policy_dir.mkdir(exist_ok=True)
     for name, doc in policies(w, kv_ttl=kv_ttl, file_secret=file_secret).items():
@@ -432,6 +432,8 @@ def launch(w: World, tmp: Path, bao: BaoServer | None, *, kv_ttl: int = 300, bro
     }
     if broker:
         config["broker"] = broker
+    if audit:
+        config["audit"] = audit
     cfg = tmp / "gateway.yaml"
     cfg.write_text(yaml.safe_dump(config))
     os.chmod(cfg, 0o600)

@@ -1,0 +1,118 @@
+"""Is the file the sink writes to still the audit file at `path`? (deleted, moved, truncated from outside)
+
+Why: the sink writes through an open descriptor. If someone deletes `audit.jsonl`, every later record goes
+to an inode nobody can see and vanishes when the gateway exits; if someone moves it (`mv`, logrotate), the
+records keep going into the moved file and nothing starts a new chain at `path`. The writer task checks the
+file's identity at most every `watch_interval` and at close; on a change it seals what it has, starts a new
+file whose chain continues from the last record, and records an `audit_incident`.
+
+A deleted file is *salvaged*: while the descriptor is open the inode still holds every record, and Linux
+lets us reopen it through `/proc/self/fd/N`, so the sink copies it (sealed) to a rotated name.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Literal
+
+from egressgate.audit.chain import recorded_line_hash
+
+log = logging.getLogger(__name__)
+
+FileChange = Literal["ok", "deleted", "moved", "truncated"]
+
+
+def rotated_name(path: Path, now: datetime | None = None) -> Path:
+    """`audit.jsonl` -> `audit.20261129T140102_123456Z.jsonl` (sorts by time; never overwrites)."""
+    now = now or datetime.now(UTC)
+    stamp = now.strftime("%Y%m%dT%H%M%S_%fZ")
+    candidate = path.with_name(f"{path.stem}.{stamp}{path.suffix}")
+    n = 1
+    while candidate.exists():
+        candidate = path.with_name(f"{path.stem}.{stamp}-{n}{path.suffix}")
+        n += 1
+    return candidate
+
+
+def last_chain_hash(path: Path) -> str | None:
+    """chain.hash of the last complete line of an existing audit file (None when it has none)."""
+    with open(path, "rb") as fh:
+        fh.seek(0, os.SEEK_END)
+        size = fh.tell()
+        fh.seek(max(0, size - 1_048_576))
+        lines = fh.read().split(b"\n")
+    for line in reversed(lines):
+        if line.strip():
+            try:
+                return recorded_line_hash(line)
+            except ValueError:
+                continue
+    return None
+
+
+def secure_directory(directory: Path) -> None:
+    """Create the audit directory 0700; strip world access from an existing one (audit files leak)."""
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    mode = stat.S_IMODE(directory.stat().st_mode)
+    if mode & 0o007:
+        log.warning("audit directory %s had mode %04o; removing world access", directory, mode)
+        os.chmod(directory, mode & ~0o007)
+
+
+def file_change(fd: int, path: Path, written: int) -> FileChange:
+    """What happened to the file open on `fd`, which should be `path` holding `written` bytes."""
+    st = os.fstat(fd)
+    if st.st_nlink == 0:
+        return "deleted"
+    try:
+        cur = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return "moved"
+    if (cur.st_dev, cur.st_ino) != (st.st_dev, st.st_ino):
+        return "moved"
+    if st.st_size < written:  # e.g. logrotate copytruncate: the records were copied elsewhere (or not)
+        return "truncated"
+    return "ok"
+
+
+def find_by_inode(directory: Path, fd: int) -> str | None:
+    """Name of the moved file if it is still in the audit directory (else None: moved elsewhere)."""
+    st = os.fstat(fd)
+    try:
+        with os.scandir(directory) as it:
+            for entry in it:
+                if (entry.inode() == st.st_ino and entry.is_file(follow_symlinks=False)
+                        and entry.stat(follow_symlinks=False).st_dev == st.st_dev):
+                    return entry.name
+    except OSError:
+        return None
+    return None
+
+
+def salvage_deleted(fd: int, target: Path, fsync: bool) -> int:
+    """Copy the deleted inode open on `fd` to `target` (created 0600, never overwritten); returns bytes."""
+    src = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+    dst = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    total = 0
+    try:
+        while chunk := os.read(src, 1 << 20):
+            view = memoryview(chunk)
+            while view:
+                view = view[os.write(dst, view) :]
+            total += len(chunk)
+        if fsync:
+            os.fsync(dst)
+    except BaseException:
+        os.close(dst)
+        dst = -1
+        target.unlink(missing_ok=True)  # a partial copy would be an unverifiable file
+        raise
+    finally:
+        os.close(src)
+        if dst >= 0:
+            os.close(dst)
+    return total

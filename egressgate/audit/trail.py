@@ -1,0 +1,251 @@
+"""The sink's answers to faults of the trail itself: a crashed previous run, the file deleted, moved or
+truncated from outside, after-the-fact records that could not be written (the retry queue), and the
+status `/healthz` reports. A mixin of `FileSink` (filesink.py keeps the write path); the writer task is the
+only caller of the methods that touch the chain, so no lock is needed.
+
+Rules enforced here:
+* a file a crash left unsealed is sealed at restart by a signed `recovery` checkpoint, only if its unsigned
+  tail verifies (recovery.py);
+* when the file at `path` is no longer the one being written (deleted, moved, truncated), the old file is
+  sealed (a deleted one is copied out of its still-open inode first), a new file continues the chain from
+  the last record, and an `audit_incident` record right after its `chain_start` says what happened;
+* an after-the-fact record (outcome) is never dropped: it is retried in every later batch; while
+  `pending_max` or more wait, `healthy()` is False so new requests are denied instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import stat
+import time
+from typing import TYPE_CHECKING
+
+from egressgate.audit.chain import KIND_RECOVERY, ChainWriter, incident_record
+from egressgate.audit.event import AuditEvent, AuditUnavailable
+from egressgate.audit.filewatch import (
+    FileChange,
+    file_change,
+    find_by_inode,
+    rotated_name,
+    salvage_deleted,
+    secure_directory,
+)
+from egressgate.audit.record import Record, record_from_event
+from egressgate.audit.recovery import TailState, append_seal, inspect_tail
+
+if TYPE_CHECKING:
+    from egressgate.audit.filesink import FileSink
+
+log = logging.getLogger("egressgate.audit.filesink")
+K_REQUEST_ID = "egressgate.request.id"
+MAX_INCIDENTS = 20
+FSTAT_INTERVAL = 0.01
+WAKE = object()  # queue item: the signer is back, sign the deferred range now even without traffic
+
+
+class TrailMixin:
+    # --- start: seal what a crash left, then start a new file linked to it ------------------------
+
+    async def _open_initial(self: FileSink) -> None:
+        assert self.path is not None
+        tail = await asyncio.to_thread(self._previous_tail)
+        restored = await asyncio.to_thread(self._spool.load)  # queued by a run that was killed
+        if restored:
+            self._pending.extend(restored)
+            self._spooled.update(id(r) for r in restored)
+            log.warning("%d audit records queued by the previous run are written first (request ids: %s)",
+                        len(restored), ", ".join(str(r.attributes.get(K_REQUEST_ID)) for r in restored[:20]))
+        last = tail.last_hash if tail is not None and tail.last_hash else None
+        since_signed = tail.since_signed if tail is not None else 0
+        if tail is not None and not tail.sealed:
+            last, since_signed = await self._seal_crashed(tail)
+        if os.path.lexists(self.path) and os.stat(self.path, follow_symlinks=False).st_size > 0:
+            rotated = rotated_name(self.path)  # a previous run's file: never append to it
+            os.rename(self.path, rotated)
+            self._chain = ChainWriter(prev=last or ChainWriter().state.prev, since_signed=since_signed)
+            self._prev_file = rotated.name
+        await asyncio.to_thread(self._open_new)
+
+    def _previous_tail(self: FileSink) -> TailState | None:
+        assert self.path is not None
+        secure_directory(self.path.parent)
+        if not os.path.lexists(self.path):
+            return None
+        st = os.stat(self.path, follow_symlinks=False)
+        if not stat.S_ISREG(st.st_mode):
+            raise AuditUnavailable(f"{self.path}: audit path is not a regular file")
+        return inspect_tail(self.path) if st.st_size > 0 else None
+
+    async def _seal_crashed(self: FileSink, tail: TailState) -> tuple[str, int]:
+        """Append a `recovery` checkpoint to a file the previous run did not seal (kill -9, power loss)."""
+        assert self.path is not None
+        if tail.problem is not None:
+            detail = (f"the previous audit file was not sealed and its unsigned tail does not verify "
+                      f"({tail.problem}); it was NOT signed at restart - run `egressgate audit verify`")
+            self._incident("crash_tail_invalid", detail)
+            return tail.last_hash, tail.since_signed
+        chain = ChainWriter(prev=tail.last_hash, seq=tail.last_seq + 1, since_signed=tail.since_signed)
+        extra = {
+            "egressgate.recovery.reason": "the gateway stopped without sealing this file (crash, kill -9 or "
+                                          "power loss); sealed when it started again",
+            "egressgate.recovery.last_record_time": str(tail.last_time_ns),
+            "egressgate.recovery.cut_bytes": tail.partial,
+        }
+        line, _ = await self._cp.make(chain, KIND_RECOVERY, extra)
+        await asyncio.to_thread(append_seal, self.path, line, tail.complete_size, self.fsync)
+        detail = (f"the previous run stopped without sealing its audit file after seq {tail.last_seq}; "
+                  f"sealed at restart with a recovery checkpoint"
+                  + (f" ({tail.partial} bytes of an unacknowledged partial line cut)" if tail.partial else ""))
+        self._incident("crash_recovered", detail, {"egressgate.incident.last_seq": tail.last_seq})
+        return chain.state.prev, chain.state.since_signed
+
+    def _open_new(self: FileSink) -> None:
+        assert self.path is not None
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+        self._fd = os.open(self.path, flags, 0o600)
+        os.fchmod(self._fd, 0o600)
+        self._size = os.fstat(self._fd).st_size
+
+    def _open_fresh(self: FileSink) -> None:
+        """Open a new file at `path`; whatever someone else left there (non-empty) is moved aside."""
+        assert self.path is not None
+        secure_directory(self.path.parent)  # the whole directory may have been removed
+        if os.path.lexists(self.path) and os.stat(self.path, follow_symlinks=False).st_size > 0:
+            aside = rotated_name(self.path)
+            os.rename(self.path, aside)
+            log.warning("foreign content found at %s after an outside change; moved aside to %s", self.path, aside)
+        self._open_new()
+
+    # --- while running: is `path` still the file we write? ------------------------------------------
+
+    async def _ensure_file(self: FileSink, force: bool = False) -> None:
+        if self._fd is None:
+            await asyncio.to_thread(self._open_new)  # a failed rotation/reopen left no open file: retry
+            return
+        assert self.path is not None
+        now = time.monotonic()
+        if force or now - self._last_watch >= self.watch_interval:
+            self._last_watch = now
+            change = file_change(self._fd, self.path, self._size)
+        elif now - self._last_fstat >= FSTAT_INTERVAL:
+            # one fstat (~1 us) at most every 10 ms: stop writing into an unlinked or truncated file at once
+            # without adding a syscall to every batch of a busy DNS resolver
+            self._last_fstat = now
+            st = os.fstat(self._fd)
+            change = "deleted" if st.st_nlink == 0 else "truncated" if st.st_size < self._size else "ok"
+        else:
+            return
+        if change != "ok":
+            await self._reopen(change)
+
+    async def _reopen(self: FileSink, change: FileChange) -> None:
+        assert self.path is not None and self._fd is not None
+        last_seq = self._chain.state.seq - 1
+        extra: dict = {}
+        if change in ("deleted", "moved"):
+            try:  # the old file stays a complete, sealed file
+                await self._append([], final=True)
+            except Exception as exc:
+                log.error("could not seal the %s audit file: %s", change, exc)
+        prev_file: str | None = None
+        if change == "deleted":
+            try:
+                await asyncio.to_thread(secure_directory, self.path.parent)  # `rm -rf` took the directory too
+                target = rotated_name(self.path)
+                size = await asyncio.to_thread(salvage_deleted, self._fd, target, self.fsync)
+                prev_file = target.name
+                detail = (f"the audit file was deleted while in use; its {last_seq + 1} records (sealed) were "
+                          f"restored from the open file to {target.name} ({size} bytes)")
+            except OSError as exc:
+                extra["egressgate.incident.lost_records"] = last_seq + 1
+                detail = (f"the audit file was deleted while in use and could not be restored ({exc}): "
+                          f"records seq 0..{last_seq} of that file are lost")
+        elif change == "moved":
+            prev_file = find_by_inode(self.path.parent, self._fd)
+            detail = (f"the audit file was moved from outside to "
+                      f"{prev_file or 'a place outside the audit directory'}; it was sealed there and the "
+                      f"chain continues in a new file")
+        else:
+            detail = (f"the audit file was truncated from outside ({self._size} bytes written, fewer left; e.g. "
+                      f"logrotate copytruncate): the records before are only in that copy, unsealed; the chain "
+                      f"continues here")
+        os.close(self._fd)
+        self._fd = None
+        state = self._chain.state
+        self._chain = ChainWriter(prev=state.prev, since_signed=state.since_signed)
+        self._prev_file = prev_file
+        self._incident(f"file_{change}", detail, extra)
+        await asyncio.to_thread(self._open_fresh)
+        await self._append([])  # chain_start + the incident record, at once
+
+    def _incident(self: FileSink, kind: str, detail: str, extra: dict | None = None) -> None:
+        log.critical("AUDIT TRAIL INCIDENT %s: %s", kind, detail)
+        self._incident_next.append(incident_record(self._clock(), kind, detail, extra))
+        self.incidents.append({"incident": kind, "detail": detail, "at": time.time()})
+        del self.incidents[:-MAX_INCIDENTS]
+
+    # --- after-the-fact records: retried, never dropped --------------------------------------------
+
+    async def write_after(self: FileSink, event: AuditEvent) -> bool:
+        """Write the record of something that already happened (an outcome): it cannot be denied, so
+        a failed write queues it for retry in every later batch instead of dropping it. True when
+        durable now, False when queued (the log names the request id)."""
+        record = record_from_event(event)
+        try:
+            await self._submit(record)
+            return True
+        except AuditUnavailable as exc:
+            self._pending.append(record)
+            if self._spool.add(record):
+                self._spooled.add(id(record))
+            log.error("audit record of request %s (%s) not written (%s); queued for retry, %d pending",
+                      event.request_id, event.kind, exc, len(self._pending))
+            if self._writer is None or self._writer.done():
+                self._report_lost()
+            return False
+
+    def _written_pending(self: FileSink, written: list[Record]) -> None:
+        for _ in written:
+            self._pending.popleft()
+        self.records_retried += len(written)
+        if not self._pending:
+            self._spool.clear()
+            self._spooled.clear()
+        ids = ", ".join(str(r.attributes.get(K_REQUEST_ID)) for r in written[:20])
+        log.warning("%d queued audit records written on retry (request ids: %s%s)", len(written), ids,
+                    ", ..." if len(written) > 20 else "")
+
+    def _report_lost(self: FileSink) -> None:
+        """The writer has stopped with records still queued: say exactly which (never silently)."""
+        while self._pending:
+            rec = self._pending.popleft()
+            what = (rec.attributes.get("egressgate.operation"), rec.attributes.get(K_REQUEST_ID),
+                    rec.attributes.get("egressgate.request.hash"))
+            if id(rec) in self._spooled:
+                log.critical("audit record not written before the audit sink stopped, kept in the retry spool "
+                             "%s for the next start: %s record of request %s (request hash %s)",
+                             self._spool.path, *what)
+                continue
+            self.records_lost += 1
+            log.critical("AUDIT RECORD LOST: %s record of request %s could not be written before the audit "
+                         "sink stopped (request hash %s)", *what)
+
+    def _sign_now(self: FileSink) -> None:
+        self._sign_due = True
+        self._queue.put_nowait(WAKE)
+
+    def status(self: FileSink) -> dict:
+        """What `/healthz` shows about the trail (no record content)."""
+        return {
+            "healthy": self.healthy(),
+            "degraded": self.degraded,  # a write failed (in allow-and-alert mode healthy() stays True)
+            "write_failures": self.write_failures,
+            "pending_records": len(self._pending),
+            "records_retried": self.records_retried,
+            "records_lost": self.records_lost,
+            "signer": self._cp.status(),
+            "unsigned_records": self._chain.state.since_signed,
+            "incidents": list(self.incidents),
+        }

@@ -1,0 +1,264 @@
+"""Faults of the trail itself, done for real to a running sink: the file unlinked, renamed, truncated from
+outside; a crash leaving the file unsealed (with a partial line, or an edited tail); writes failing on a
+genuinely full tmpfs while after-the-fact records wait. Each test checks that nothing is lost and that
+`verify` passes across the fault, with a positive control showing verify still catches a real edit."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+
+import pytest
+
+from egressgate.audit.filesink import FileSink
+from egressgate.audit.find import iter_records
+from egressgate.audit.signer import load_public_keys
+from egressgate.audit.verify import verify_file, verify_files
+from tests.audit.conftest import http_event
+from tests.audit.forge import line_index, rewrite_chain
+from tests.audit.test_filesink import _fill_until_failure, tiny_fs  # noqa: F401 - fixture
+
+
+def ids(*paths) -> list[str]:
+    return [f.record.attributes["egressgate.request.id"] for f in iter_records(paths)
+            if f.record.attributes.get("egressgate.operation") in ("http_request", "outcome")]
+
+
+def history(path) -> list:
+    """Every file of the trail, oldest first (rotated names sort by time, the live file last)."""
+    rotated = sorted(p for p in path.parent.iterdir() if p.name.startswith("audit.") and p != path
+                     and p.suffix == ".jsonl")
+    return [*rotated, path]
+
+
+def ops(path) -> list[str]:
+    return [str(f.record.attributes.get("egressgate.operation")) for f in iter_records([path])]
+
+
+async def until(cond, timeout: float = 10) -> None:
+    for _ in range(int(timeout / 0.02)):
+        if cond():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("condition not reached")
+
+
+async def write_burst(sink, start: int, n: int) -> list[str]:
+    events = [http_event(start + i) for i in range(n)]
+    await asyncio.gather(*(sink.write(e) for e in events))
+    return [e.request_id for e in events]
+
+
+# --- item 12: the live file is deleted -----------------------------------------------------------------
+
+@pytest.mark.parametrize("how", ["unlink", "rm -rf directory"])
+async def test_deleted_file_is_restored_and_the_chain_continues(make_sink, pubkey, how):
+    sink = await make_sink(checkpoint_every=4, watch_interval=0.05)
+    sent = await write_burst(sink, 0, 6)
+    if how == "unlink":
+        os.unlink(sink.path)
+    else:
+        shutil.rmtree(sink.path.parent)
+    sent += await write_burst(sink, 100, 5)  # these still land in the deleted inode
+    await until(lambda: sink.incidents)
+    assert sink.path.exists() and sink.incidents[0]["incident"] == "file_deleted"
+    assert sink.status()["incidents"][0]["incident"] == "file_deleted"  # what /healthz shows
+    sent += await write_burst(sink, 200, 5)
+    await sink.close()
+    files = history(sink.path)
+    assert len(files) == 2, files  # the restored copy + the new live file
+    keys = load_public_keys([pubkey])
+    reps = verify_files(files, keys)
+    assert all(r.ok for r in reps), [r.error for r in reps]
+    assert reps[0].sealed and any("file_deleted" in w for w in reps[1].warnings)
+    assert sorted(ids(*files)) == sorted(sent)  # nothing lost, nothing twice
+    assert ops(files[1])[:2] == ["chain_start", "audit_incident"]
+    # positive control: a record removed from the restored file is caught
+    lines = files[0].read_bytes().splitlines(keepends=True)
+    del lines[3]
+    files[0].write_bytes(b"".join(lines))
+    assert "records removed" in verify_files(files, keys)[0].error
+
+
+async def test_file_deleted_just_before_stop_is_still_on_disk(make_sink, pubkey):
+    """The reported failure: delete the file, stop the gateway - nothing was on disk. Close checks first."""
+    sink = await make_sink(watch_interval=3600)  # no periodic check: only the one at close
+    sent = await write_burst(sink, 0, 8)
+    os.unlink(sink.path)
+    await sink.close()
+    files = history(sink.path)
+    assert sorted(ids(*files)) == sorted(sent)
+    reps = verify_files(files, load_public_keys([pubkey]))
+    assert all(r.ok for r in reps), [r.error for r in reps]
+
+
+# --- item 13: the live file is renamed / truncated from outside ------------------------------------------
+
+@pytest.mark.parametrize("where", ["same-dir", "elsewhere", "logrotate-create"])
+async def test_outside_rename_continues_the_chain(make_sink, pubkey, tmp_path, where):
+    sink = await make_sink(checkpoint_every=5, watch_interval=0.05)
+    sent = await write_burst(sink, 0, 7)
+    moved = (sink.path.parent if where != "elsewhere" else tmp_path) / "audit.moved.jsonl"
+    inflight = asyncio.gather(*(sink.write(http_event(50 + i)) for i in range(10)))
+    os.rename(sink.path, moved)  # under traffic
+    if where == "logrotate-create":
+        fd = os.open(sink.path, os.O_WRONLY | os.O_CREAT, 0o600)  # logrotate's `create`: an empty file
+        os.close(fd)
+    await inflight
+    await until(lambda: sink.incidents)
+    sent += await write_burst(sink, 100, 6)
+    await sink.close()
+    files = [moved, sink.path]
+    keys = load_public_keys([pubkey])
+    reps = verify_files(files, keys)
+    assert all(r.ok for r in reps), [r.error for r in reps]
+    assert reps[0].sealed and reps[1].first_prev == reps[0].last_hash
+    assert len(ids(*files)) == 23 and set(ids(*files)) >= set(sent)
+    start = next(iter_records([sink.path])).record.attributes
+    assert start["egressgate.operation"] == "chain_start" and start["egressgate.chain.seq"] == 0
+    if where != "elsewhere":
+        assert start["egressgate.chain.prev_file"] == "audit.moved.jsonl"
+    # positive control: an edit of the moved file is caught
+    rewrite_chain(moved, 3, "server.address", "evil.example")
+    assert "bad signature" in verify_files(files, keys)[0].error
+
+
+async def test_copytruncate_continues_the_chain(make_sink, pubkey, tmp_path):
+    """logrotate copytruncate: copy the file, truncate it in place. The copy is unsealed, but the new
+    chain in the truncated file links to it, so a later signature covers it."""
+    sink = await make_sink(checkpoint_every=5, watch_interval=3600)  # the per-batch check must see it
+    sent = await write_burst(sink, 0, 7)
+    copy = tmp_path / "audit.copy.jsonl"
+    shutil.copy(sink.path, copy)
+    os.truncate(sink.path, 0)
+    await asyncio.sleep(0.02)  # > FSTAT_INTERVAL: the next batch checks the file before it writes
+    sent += await write_burst(sink, 100, 3)  # that batch starts a new chain first
+    await sink.close()
+    reps = verify_files([copy, sink.path], load_public_keys([pubkey]))
+    assert all(r.ok for r in reps), [r.error for r in reps]
+    assert any("signed late" in w for w in reps[1].warnings)
+    assert sorted(ids(copy, sink.path)) == sorted(sent)
+    assert sink.incidents[0]["incident"] == "file_truncated"
+
+
+# --- item 15: crash ----------------------------------------------------------------------------------
+
+async def crash(sink: FileSink) -> None:
+    """Stop the writer without the final checkpoint, as kill -9 would (the process-level test really
+    SIGKILLs `egressgate run`: tests/gateway/test_audit_faults.py)."""
+    sink._writer.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await sink._writer
+    os.close(sink._fd)
+    sink._fd = None
+
+
+async def test_crash_is_sealed_by_a_recovery_checkpoint(tmp_path, signer, pubkey):
+    path = tmp_path / "audit" / "audit.jsonl"
+    first = await FileSink(path, signer, checkpoint_every=3).start()
+    sent = await write_burst(first, 0, 5)
+    await crash(first)
+    keys = load_public_keys([pubkey])
+    assert verify_file(path, keys).error.startswith("truncated after seq")  # control: really unsealed
+    with open(path, "ab") as fh:  # and the crash cut a line in half (never acknowledged)
+        fh.write(b'{"resourceLogs":[{"resource"')
+    second = await FileSink(path, signer).start()
+    assert second.incidents[0]["incident"] == "crash_recovered"
+    sent += await write_burst(second, 100, 2)
+    await second.close()
+    files = history(path)
+    reps = verify_files(files, keys)
+    assert all(r.ok for r in reps), [r.error for r in reps]
+    assert reps[0].sealed and any("recovery checkpoint" in w for w in reps[0].warnings)
+    assert sorted(ids(*files)) == sorted(sent)
+    # positive control: a record removed from the crashed file is still caught
+    lines = files[0].read_bytes().splitlines(keepends=True)
+    del lines[-2]
+    files[0].write_bytes(b"".join(lines))
+    assert verify_files(files, keys)[0].error is not None
+
+
+async def test_edited_crash_tail_is_not_signed_at_restart(tmp_path, signer, pubkey):
+    """Someone edits the unsigned tail while the gateway is down: the restart must not launder the edit with
+    a signature. (An edit whose whole chain is recomputed is undetectable in an unsigned tail, with or
+    without this seal - docs/audit.md, limitation (b); the recovery checkpoint says the tail was signed late.)"""
+    path = tmp_path / "audit" / "audit.jsonl"
+    first = await FileSink(path, signer, checkpoint_every=3).start()
+    await write_burst(first, 0, 4)  # chain_start, 2 records, checkpoint, 2 records (unsigned tail)
+    await crash(first)
+    last = len(path.read_bytes().splitlines()) - 1
+    assert line_index(path, lambda a: a.get("egressgate.operation") == "checkpoint") == last - 2
+    data = path.read_bytes().splitlines(keepends=True)
+    data[last] = data[last].replace(b"api.openai.com", b"api.openai.org")
+    path.write_bytes(b"".join(data))
+    second = await FileSink(path, signer).start()
+    await second.close()
+    assert second.incidents[0]["incident"] == "crash_tail_invalid"
+    keys = load_public_keys([pubkey])
+    files = history(path)
+    rep = verify_files(files, keys)[0]
+    assert rep.error is not None and "record edited" in rep.error
+    assert "recovery" not in files[0].read_text()  # nothing was appended to the edited file
+
+
+# --- item 16: after-the-fact records when the write fails ---------------------------------------------------
+
+async def test_outcomes_are_retried_never_dropped(tiny_fs, signer, pubkey, caplog):  # noqa: F811
+    filler = tiny_fs / "filler"
+    filler.write_bytes(b"x" * 32 * 1024)
+    sink = await FileSink(tiny_fs / "audit" / "audit.jsonl", signer, checkpoint_every=10, probe_interval=0.05,
+                          pending_max=3).start()
+    accepted, _ = await _fill_until_failure(sink)
+    outcomes = [http_event(7000 + i, kind="outcome") for i in range(5)]
+    with caplog.at_level(logging.ERROR):
+        results = [await sink.write_after(ev) for ev in outcomes]  # the disk is full: queued, not lost
+    assert results == [False] * 5 and sink.status()["pending_records"] == 5
+    for ev in outcomes:
+        assert ev.request_id in caplog.text  # the log names every request id
+    assert not sink.healthy()  # the retry queue is full: new requests would be denied
+    filler.unlink()
+    await until(lambda: sink.status()["pending_records"] == 0)
+    assert sink.healthy() and sink.records_retried == 5
+    await sink.close()
+    rep = verify_file(sink.path, load_public_keys([pubkey]))
+    assert rep.ok, rep.error
+    assert ids(sink.path) == [*accepted, *(e.request_id for e in outcomes)]
+
+
+async def test_queued_outcomes_are_named_when_the_sink_stops(tiny_fs, signer, caplog):  # noqa: F811
+    """If the disk never comes back and there is no spool, the records cannot be written, but they are not
+    silently dropped: each is named."""
+    filler = tiny_fs / "filler"
+    filler.write_bytes(b"x" * 32 * 1024)
+    sink = await FileSink(tiny_fs / "audit" / "audit.jsonl", signer, probe_interval=0.05).start()
+    await _fill_until_failure(sink)
+    ev = http_event(1, kind="outcome")
+    assert await sink.write_after(ev) is False
+    with caplog.at_level(logging.CRITICAL):
+        await asyncio.wait_for(sink.close(), 10)
+    assert sink.records_lost == 1 and f"AUDIT RECORD LOST: outcome record of request {ev.request_id}" in caplog.text
+
+
+async def test_spooled_outcomes_are_written_by_the_next_start(tiny_fs, signer, pubkey, tmp_path):  # noqa: F811
+    filler = tiny_fs / "filler"
+    filler.write_bytes(b"x" * 32 * 1024)
+    spool = tmp_path / "var" / "audit-retry.jsonl"  # not on the full volume
+    path = tiny_fs / "audit" / "audit.jsonl"
+    sink = await FileSink(path, signer, probe_interval=0.05, retry_spool=spool).start()
+    accepted, _ = await _fill_until_failure(sink)
+    queued = [http_event(9000 + i, kind="outcome") for i in range(3)]
+    for ev in queued:
+        assert await sink.write_after(ev) is False
+    await asyncio.wait_for(sink.close(), 10)  # the disk never came back while it ran
+    assert sink.records_lost == 0 and all(ev.request_id in spool.read_text() for ev in queued)
+    filler.unlink()
+    again = await FileSink(path, signer, retry_spool=spool).start()
+    await until(lambda: again.records_retried == 3)
+    await again.close()
+    files = history(path)
+    reps = verify_files(files, load_public_keys([pubkey]))
+    assert all(r.ok for r in reps), [r.error for r in reps]
+    assert ids(*files) == [*accepted, *(e.request_id for e in queued)]
+    assert spool.read_bytes() == b""
