@@ -312,10 +312,9 @@ class Credentials(ResponseScrub):
             self.rt.abort_connection(flow.client_conn.id)
 
     async def _write_quiet(self, event: AuditEvent) -> None:
-        try:
-            await self.rt.audit.write(event)
-        except AuditUnavailable as exc:
-            logger.error("credential misuse could not be audited: %s", exc)
+        """The misuse was already refused (the flow is cut or answered): its record cannot be denied,
+        so it goes through write_after, which queues and retries it rather than dropping it."""
+        await self.rt.audit.write_after(event)
 
     async def request(self, flow: http.HTTPFlow) -> None:
         """Buffered request bodies (streamed ones are guarded chunk by chunk)."""
