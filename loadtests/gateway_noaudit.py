@@ -32,8 +32,15 @@ class DiscardSink:
     async def write(self, event: AuditEvent) -> None:
         self.count += 1
 
+    async def write_after(self, event: AuditEvent) -> bool:
+        self.count += 1
+        return True
+
     def healthy(self) -> bool:
         return True
+
+    def status(self) -> dict:
+        return {"status": "ok", "sink": "discard (bench only)"}
 
     async def close(self) -> None:
         return None
