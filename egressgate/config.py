@@ -12,12 +12,12 @@ import ipaddress
 from pathlib import Path
 from typing import Annotated, Literal
 
-import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
 from egressgate.audit.config import AuditSinkConfig
 from egressgate.broker.config import BrokerConfig
 from egressgate.dns.config import DnsConfig
+from egressgate.safeyaml import YamlError, load_yaml
 
 
 class ConfigError(ValueError):
@@ -182,10 +182,12 @@ def load_config(path: str | Path | None = None, overrides: dict | None = None) -
             text = Path(path).read_text(encoding="utf-8")
         except OSError as exc:
             raise ConfigError(f"{source}: cannot read config: {exc.strerror}") from exc
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"{source}: config is not UTF-8: {exc}") from None
         try:
-            loaded = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{source}: invalid YAML: {exc}") from exc
+            loaded = load_yaml(text)
+        except YamlError as exc:  # complex keys, deep nesting, alias bombs, duplicates: refused, never a crash
+            raise ConfigError(f"{source}: {exc}") from None
         if loaded is None:
             loaded = {}
         if not isinstance(loaded, dict):
