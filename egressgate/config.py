@@ -123,6 +123,31 @@ class DnsSection(_Strict):
         ).validate()
 
 
+class LimitsConfig(_Strict):
+    """Connection limits and timeouts of the proxy listener (gateway/connguard.py, docs/operations.md).
+
+    mitmproxy closes a connection only after `tcp_timeout` of *inactivity*, so a client sending one
+    header byte now and then (slow loris) held a connection forever; these bound every phase in which
+    the gateway waits for the client. Defaults are loose enough for any normal client."""
+
+    # accept (or the end of the client's TLS handshake in a tunnel) -> request headers complete
+    header_timeout: Seconds = Field(default=30.0, gt=0, le=3600)
+    # CONNECT answered -> the client's TLS handshake is complete; restarted once at the ClientHello,
+    # because the gateway then fetches the upstream certificate (bounded by upstream.connect_timeout)
+    tls_handshake_timeout: Seconds = Field(default=30.0, gt=0, le=3600)
+    # a kept-alive connection with no request in flight -> the next request's headers are complete
+    keepalive_timeout: Seconds = Field(default=120.0, gt=0, le=86400)
+    # mitmproxy's inactivity timeout for any connection (request bodies, tunnels, WebSockets)
+    idle_timeout: int = Field(default=600, gt=0, le=86400)
+    # connections from one source address that have not (yet) identified a sandbox
+    max_pending_per_source: int = Field(default=256, gt=0)
+    # identified connections of one sandbox open at the same time
+    max_connections_per_sandbox: int = Field(default=512, gt=0)
+    # audit records per second per (reason, source) for refused/closed connections; more are counted
+    # and written as one summary record per second with egressgate.suppressed = count
+    audit_per_second: int = Field(default=10, gt=0)
+
+
 class AdminConfig(_Strict):
     token_file: str | None = None  # default: var_dir/admin.token
 
@@ -138,6 +163,7 @@ class GatewayConfig(_Strict):
     dns: DnsSection = DnsSection()
     admin: AdminConfig = AdminConfig()
     broker: BrokerConfig = BrokerConfig()  # credential broker; the local backend is the default
+    limits: LimitsConfig = LimitsConfig()  # connection limits and timeouts of the proxy listener
 
     # Resolved paths: one place decides the defaults so the CLI, the admin API and tests agree.
     def var_path(self) -> Path:
