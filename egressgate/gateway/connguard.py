@@ -68,6 +68,7 @@ class ConnGuard:
         self.conns: dict[str, _Conn] = {}
         self.pending: dict[str, set[str]] = {}  # source address -> ids of not yet identified connections
         self.audit = LimitAudit(runtime, self.limits.audit_per_second)
+        runtime.header_overflow = self._header_overflow
 
     # ------------------------------------------------------------------ accept and the per-source limit
     def client_connected(self, client: connection.Client) -> None:
@@ -213,6 +214,18 @@ class ConnGuard:
                           extra={"egressgate.limit": setting})
         logger.info("closing connection %s from %s: %s after %gs", client_id, conn.source, reason, seconds)
         self._abort(client_id)
+
+    def _header_overflow(self, client_id: str, source: str, size: int) -> str:
+        """Called by http_limits.py, which answers 431 and closes; returns the id the deny body shows."""
+        request_id = new_request_id()
+        state = self.rt.conns.get(client_id)
+        limit = self.limits.max_header_bytes
+        self.audit.record(Reason.HEADER_TOO_LARGE, source,
+                          f"request head larger than {limit} bytes (limits.max_header_bytes; {size} buffered); "
+                          f"refused with 431 and closed",
+                          sandbox_id=state.sandbox_id if state is not None else None, request_id=request_id,
+                          extra={"egressgate.limit": "max_header_bytes"})
+        return request_id
 
     def _abort(self, client_id: str) -> None:
         if self.rt.abort_connection is not None:

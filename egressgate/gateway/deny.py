@@ -22,6 +22,7 @@ _STATUS = {
     Reason.SANDBOX_REVOKED: 407,
     Reason.BUDGET_EXCEEDED: 429,
     Reason.CONNECTION_LIMIT: 429,
+    Reason.HEADER_TOO_LARGE: 431,
     Reason.HOST_MISMATCH: 421,
     Reason.INTERNAL_ERROR: 500,
 }

@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import time
 
-from mitmproxy.addons.next_layer import NextLayer as MitmNextLayer
 from mitmproxy.net.tls import starts_like_tls_record
 from mitmproxy.proxy import commands, events, layer, layers, mode_specs
 from mitmproxy.proxy.layers import modes
@@ -26,6 +25,7 @@ from mitmproxy.proxy.layers.tls import HTTP_ALPNS
 from egressgate.audit.event import AuditEvent, AuditUnavailable, EventKind
 from egressgate.gateway.context import ConnState, Runtime, new_request_id
 from egressgate.gateway.deny import gateway_deny, raw_deny
+from egressgate.gateway.http_limits import explicit_http_proxy, http_layer
 from egressgate.policy.decide import decide
 from egressgate.policy.facts import Decision, Facts, Operation
 from egressgate.policy.reasons import Reason
@@ -73,7 +73,7 @@ class NextLayer:
         top = context.layers[-1] if context.layers else None
         if len(context.layers) == 1 and isinstance(top, modes.HttpProxy):
             if isinstance(context.client.proxy_mode, mode_specs.RegularMode):
-                nextlayer.layer = MitmNextLayer._setup_explicit_http_proxy(context, data)
+                nextlayer.layer = explicit_http_proxy(context, data, self.rt)
             return
         conn = self.rt.conns.get(context.client.id)
         if conn is None or conn.tunnel_host is None:
@@ -91,12 +91,12 @@ class NextLayer:
             nextlayer.layer = server_tls
             return
         if after_tls and context.client.alpn in HTTP_ALPNS:
-            nextlayer.layer = layers.HttpLayer(context, HTTPMode.transparent)
+            nextlayer.layer = http_layer(context, HTTPMode.transparent, self.rt)
             return
         if after_tls and len(data) < 3:
             return
         if looks_like_http(data):
-            nextlayer.layer = layers.HttpLayer(context, HTTPMode.transparent)
+            nextlayer.layer = http_layer(context, HTTPMode.transparent, self.rt)
             return
         decision = await self._tcp_decision(conn, context.client.peername)
         if decision.allowed:

@@ -49,5 +49,6 @@ class Reason(StrEnum):
     # connection limits and timeouts (gateway/connguard.py, `limits:` in the gateway config)
     CONNECTION_LIMIT = "connection_limit"
     HEADER_TIMEOUT = "header_timeout"
+    HEADER_TOO_LARGE = "header_too_large"
     TLS_HANDSHAKE_TIMEOUT = "tls_handshake_timeout"
     INTERNAL_ERROR = "internal_error"  # a gateway component failed on this request: refused, never passed

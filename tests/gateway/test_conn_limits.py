@@ -254,3 +254,42 @@ def test_per_sandbox_limit_refuses_n_plus_1(gw_small):
     denied = [r for r in gw.audit_records() if r.get("egressgate.operation") == "connect"
               and r.get("egressgate.sandbox.id") == sbx.id and r.get("egressgate.reason") == "connection_limit"]
     assert len(denied) == 1
+
+
+def test_oversized_request_head_refused_431_and_audited(gw_fast):
+    """mitmproxy buffered request-head bytes without limit (300 MB on one connection grew the gateway by
+    300 MB). Over limits.max_header_bytes: 431 header_too_large, closed, audited — on the proxy
+    connection and inside a TLS tunnel. Positive control: 30 kB of headers pass."""
+    gw = gw_fast
+    sbx = gw.admit("gw-basic")
+    with sbx.client() as c:
+        big = {f"X-Big-{i}": "b" * 6000 for i in range(5)}  # 30 kB (the upstream allows 8 kB per line)
+        res = c.get(sbx.url("api.test", "/echo"), headers=big)
+        assert res.status_code == 200 and res.json()["headers"]["x-big-4"] == "b" * 6000
+    s = dial(gw, "127.0.0.33")
+    s.sendall(f"GET http://api.test:{gw.world.http_port}/echo HTTP/1.1\r\nHost: api.test\r\nX-Big: ".encode())
+    status, _, body = (0, None, b"")
+    try:
+        for _ in range(64):  # 4 MiB at most; the gateway answers and closes long before
+            s.sendall(b"a" * 65536)
+    except OSError:
+        pass
+    status, headers, body = read_response(s)
+    assert status == 431 and headers.get("x-egressgate-decision") == "deny"
+    assert json.loads(body)["reason"] == "header_too_large"
+    assert closed(s, 2)
+    s.close()
+    # inside a TLS tunnel (identified sandbox)
+    target = f"api.test:{gw.world.https_port}"
+    t = dial(gw)
+    t.sendall(f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n{auth(sbx)}\r\n".encode())
+    assert read_response(t)[0] == 200
+    tls = ssl.create_default_context(cafile=gw.bundle).wrap_socket(t, server_hostname="api.test")
+    tls.sendall(b"GET /echo HTTP/1.1\r\nHost: " + target.encode() + b"\r\nX-Big: " + b"a" * (100 * 1024))
+    status, _, body = read_response(tls)
+    assert status == 431 and json.loads(body)["reason"] == "header_too_large"
+    tls.close()
+    assert wait_for(lambda: len(connection_records(gw, "header_too_large")) == 2, timeout=5)
+    recs = connection_records(gw, "header_too_large")
+    assert {r.get("egressgate.sandbox.id") for r in recs} == {None, sbx.id}
+    assert normal_request_ok(gw, sbx)
