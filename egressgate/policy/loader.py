@@ -61,6 +61,8 @@ def parse_policy(text: str, source: str) -> CompiledPolicy:
 def load_policy(path: str | Path) -> CompiledPolicy:
     path = Path(path)
     try:
+        if not path.is_file():  # a FIFO or device would block the reload thread or never end
+            raise PolicyError.single(str(path), "<file>", "not a regular file")
         with path.open("rb") as fh:
             raw = fh.read(MAX_POLICY_BYTES + 1)  # never read an unbounded file into memory
     except OSError as exc:

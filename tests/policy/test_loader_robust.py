@@ -134,3 +134,16 @@ def test_policy_test_case_file_and_gateway_config_use_the_same_bounds(tmp_path):
     cfg.write_text("listen: {proxy: '127.0.0.1:0'}\nlisten: {proxy: '127.0.0.1:1'}\n")
     with pytest.raises(ConfigError, match="duplicate key 'listen'"):
         load_config(cfg)
+
+
+def test_special_files_are_refused_not_read(tmp_path):
+    """A FIFO named *.yaml would block the loader (and the gateway's reload) forever."""
+    import os
+
+    fifo = tmp_path / "fifo.yaml"
+    os.mkfifo(fifo)
+    with pytest.raises(PolicyError, match=f"{fifo}: <file>: not a regular file"):
+        load_policy(fifo)
+    (tmp_path / "ok.yaml").write_text(HEAD)
+    with pytest.raises(PolicyError, match="not a regular file"):
+        load_policies(tmp_path)
