@@ -57,14 +57,17 @@ class _Conn:
 
 class ConnGuard:
     """Addon (first in the chain). `pending_bytes(client_id)` tells whether the client has sent part of a
-    next request (None: unknown); it comes from the master, which can see mitmproxy's layers."""
+    next request (None: unknown) and `write_backlog(client_id)` how much of a response it has not read
+    yet; both come from the master, which can see mitmproxy's layers and transports."""
 
     name = "connguard"
 
-    def __init__(self, runtime: Runtime, pending_bytes: Callable[[str], int | None]) -> None:
+    def __init__(self, runtime: Runtime, pending_bytes: Callable[[str], int | None],
+                 write_backlog: Callable[[str], int]) -> None:
         self.rt = runtime
         self.limits = runtime.config.limits
         self.pending_bytes = pending_bytes
+        self.write_backlog = write_backlog
         self.conns: dict[str, _Conn] = {}
         self.pending: dict[str, set[str]] = {}  # source address -> ids of not yet identified connections
         self.audit = LimitAudit(runtime, self.limits.audit_per_second)
@@ -195,6 +198,10 @@ class ConnGuard:
         conn.timer = None
         if conn.refused is not None:  # already audited as connection_limit
             self._abort(client_id)
+            return
+        if phase == PHASE_KEEPALIVE and self.write_backlog(client_id) > 0:
+            # the response hook runs before a buffered body is written: a slow reader is not idle
+            self._arm(client_id, PHASE_KEEPALIVE, seconds)
             return
         pending = self.pending_bytes(client_id) if phase == PHASE_KEEPALIVE else None
         logger.debug("deadline %s of %s passed (buffered request bytes: %s)", phase, client_id, pending)

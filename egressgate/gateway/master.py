@@ -122,6 +122,18 @@ class GatewayMaster:
                     stack.extend(children.values())
         return total if found else None
 
+    def write_backlog(self, client_id: str) -> int:
+        """Bytes queued for the client but not yet taken by its socket: a slow reader of a large
+        response is busy, not idle."""
+        ps = self.proxyserver
+        handler = ps.connections.get(client_id) if ps is not None else None
+        io = handler.transports.get(handler.client) if handler is not None else None
+        transport = getattr(getattr(io, "writer", None), "transport", None)
+        try:
+            return int(transport.get_write_buffer_size()) if transport is not None else 0
+        except Exception:
+            return 0
+
     def server_task(self, client_id: str, server) -> asyncio.Task | None:
         """The task mitmproxy runs to open (then serve) `server` for this client, if any."""
         ps = self.proxyserver
@@ -135,7 +147,7 @@ class GatewayMaster:
         self.proxyserver = proxyserver.Proxyserver()
         running = _Running()
         rt = self.rt
-        ours = [ConnGuard(rt, self.pending_bytes),
+        ours = [ConnGuard(rt, self.pending_bytes, self.write_backlog),
                 NextLayer(rt), tlsconfig.TlsConfig(), Identity(rt), Consistency(rt), Sanitize(), DecisionAddon(rt),
                 Pinning(rt), Streaming(), Budgets(rt), Credentials(rt), AuditEmit(rt), Revocation(rt)]
         # every addon in the decision path fails closed (failclosed.py); TlsConfig too, since a failed

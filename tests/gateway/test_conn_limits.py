@@ -293,3 +293,34 @@ def test_oversized_request_head_refused_431_and_audited(gw_fast):
     recs = connection_records(gw, "header_too_large")
     assert {r.get("egressgate.sandbox.id") for r in recs} == {None, sbx.id}
     assert normal_request_ok(gw, sbx)
+
+
+def test_slow_reader_of_a_large_response_is_not_cut(gw_fast):
+    """The keep-alive deadline starts at the response hook, which runs once the upstream body is read,
+    while the tail of it may still wait in the gateway's write buffer: a client that pauses near the end
+    of a large response for longer than keepalive_timeout is slow, not idle, and must get all of it."""
+    gw = gw_fast
+    sbx = gw.admit("gw-basic")
+    size = 8_000_000
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.bind(("127.0.0.34", 0))
+    s.connect(gw.proxy)
+    target = f"http://api.test:{gw.world.http_port}/big?n={size}"
+    s.sendall(f"GET {target} HTTP/1.1\r\nHost: api.test:{gw.world.http_port}\r\n{auth(sbx)}\r\n".encode())
+    s.settimeout(10)
+    data = b""
+    while len(data) < size - 1_500_000:  # read most of it, then stop reading for a while
+        chunk = s.recv(1 << 20)
+        assert chunk
+        data += chunk
+    time.sleep(FAST["keepalive_timeout"] * 2.5)
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200")
+    while len(body) < size:
+        chunk = s.recv(1 << 20)
+        if not chunk:
+            break
+        body += chunk
+    assert len(body) == size
+    s.close()
