@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from mitmproxy.net.tls import starts_like_tls_record
 from mitmproxy.proxy import commands, events, layer, layers, tunnel
 from mitmproxy.proxy.layers import modes
-from mitmproxy.proxy.layers.http import HttpLayer, HTTPMode
+from mitmproxy.proxy.layers.http import HttpLayer, HTTPMode, is_h3_alpn
 from mitmproxy.proxy.layers.http._http1 import Http1Server
 
 from egressgate.gateway.deny import gateway_deny, raw_deny
@@ -68,7 +68,8 @@ class BoundedHttpLayer(HttpLayer):
         self.rt = rt
 
     def _handle_event(self, event: events.Event):
-        if isinstance(event, events.Start) and self.context.client.alpn in (None, b"", b"http/1.1", b"http/1.0"):
+        alpn = self.context.client.alpn
+        if isinstance(event, events.Start) and alpn != b"h2" and not is_h3_alpn(alpn):  # as HttpLayer picks
             self.connections.setdefault(self.context.client, BoundedHttp1Server(
                 self.context.fork(), self.rt.config.limits.max_header_bytes, self.rt.header_overflow))
         yield from super()._handle_event(event)
