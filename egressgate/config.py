@@ -12,12 +12,12 @@ import ipaddress
 from pathlib import Path
 from typing import Annotated, Literal
 
-import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
 from egressgate.audit.config import AuditSinkConfig
 from egressgate.broker.config import BrokerConfig
 from egressgate.dns.config import DnsConfig
+from egressgate.safeyaml import YamlError, load_yaml
 
 
 class ConfigError(ValueError):
@@ -132,6 +132,33 @@ class WebsocketSection(_Strict):
     max_message_bytes: int = Field(default=4 * 1024 * 1024, ge=1024, le=1024 * 1024 * 1024)
 
 
+class LimitsConfig(_Strict):
+    """Connection limits and timeouts of the proxy listener (gateway/connguard.py, docs/operations.md).
+
+    mitmproxy closes a connection only after `tcp_timeout` of *inactivity*, so a client sending one
+    header byte now and then (slow loris) held a connection forever; these bound every phase in which
+    the gateway waits for the client. Defaults are loose enough for any normal client."""
+
+    # accept (or the end of the client's TLS handshake in a tunnel) -> request headers complete
+    header_timeout: Seconds = Field(default=30.0, gt=0, le=3600)
+    # CONNECT answered -> the client's TLS handshake is complete; restarted once at the ClientHello,
+    # because the gateway then fetches the upstream certificate (bounded by upstream.connect_timeout)
+    tls_handshake_timeout: Seconds = Field(default=30.0, gt=0, le=3600)
+    # a kept-alive connection with no request in flight -> the next request's headers are complete
+    keepalive_timeout: Seconds = Field(default=120.0, gt=0, le=86400)
+    # bytes of one HTTP/1 request head (request line + headers) the gateway buffers; more: 431
+    max_header_bytes: int = Field(default=64 * 1024, ge=1024, le=16 * 1024 * 1024)
+    # mitmproxy's inactivity timeout for any connection (request bodies, tunnels, WebSockets)
+    idle_timeout: int = Field(default=600, gt=0, le=86400)
+    # connections from one source address that have not (yet) identified a sandbox
+    max_pending_per_source: int = Field(default=256, gt=0)
+    # identified connections of one sandbox open at the same time
+    max_connections_per_sandbox: int = Field(default=512, gt=0)
+    # audit records per second per (reason, source) for refused/closed connections; more are counted
+    # and written as one summary record per second with egressgate.suppressed = count
+    audit_per_second: int = Field(default=10, gt=0)
+
+
 class AdminConfig(_Strict):
     token_file: str | None = None  # default: var_dir/admin.token
 
@@ -148,6 +175,7 @@ class GatewayConfig(_Strict):
     admin: AdminConfig = AdminConfig()
     websocket: WebsocketSection = WebsocketSection()
     broker: BrokerConfig = BrokerConfig()  # credential broker; the local backend is the default
+    limits: LimitsConfig = LimitsConfig()  # connection limits and timeouts of the proxy listener
 
     # Resolved paths: one place decides the defaults so the CLI, the admin API and tests agree.
     def var_path(self) -> Path:
@@ -192,10 +220,12 @@ def load_config(path: str | Path | None = None, overrides: dict | None = None) -
             text = Path(path).read_text(encoding="utf-8")
         except OSError as exc:
             raise ConfigError(f"{source}: cannot read config: {exc.strerror}") from exc
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"{source}: config is not UTF-8: {exc}") from None
         try:
-            loaded = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{source}: invalid YAML: {exc}") from exc
+            loaded = load_yaml(text)
+        except YamlError as exc:  # complex keys, deep nesting, alias bombs, duplicates: refused, never a crash
+            raise ConfigError(f"{source}: {exc}") from None
         if loaded is None:
             loaded = {}
         if not isinstance(loaded, dict):

@@ -55,3 +55,18 @@ def test_errors_name_the_key(tmp_path, text, fragment):
         load_config(write(tmp_path, text))
     assert fragment in str(info.value)
     assert str(tmp_path / "gateway.yaml") in str(info.value)
+
+
+def test_limits_defaults_and_validation(tmp_path):
+    cfg = load_config()
+    assert cfg.limits.header_timeout == 30.0 and cfg.limits.max_pending_per_source == 256
+    path = tmp_path / "gw.yaml"
+    path.write_text("limits: {header_timeout: 5, max_connections_per_sandbox: 8}\n")
+    cfg = load_config(path)
+    assert cfg.limits.header_timeout == 5.0 and cfg.limits.max_connections_per_sandbox == 8
+    for bad, key in (("header_timeout: 0", "limits.header_timeout"), ("max_pending_per_source: -1",
+                                                                       "limits.max_pending_per_source"),
+                     ("heder_timeout: 5", "limits.heder_timeout")):
+        path.write_text(f"limits: {{{bad}}}\n")
+        with pytest.raises(ConfigError, match=f"{path}: {key}"):
+            load_config(path)

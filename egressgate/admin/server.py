@@ -19,6 +19,7 @@ from urllib.parse import quote
 
 from aiohttp import web
 
+from egressgate.admin.jsonbody import MAX_BODY, BodyError, read_object
 from egressgate.audit.event import AuditEvent, AuditUnavailable, EventKind
 from egressgate.broker.inject import admission_phantoms
 from egressgate.gateway.context import Runtime, new_request_id
@@ -74,11 +75,29 @@ class AdminServer:
         self.rt = runtime
         self._token = token
         self.runner: web.AppRunner | None = None
-        self.app = web.Application(middlewares=[self._auth], client_max_size=64 * 1024)
+        self.app = web.Application(middlewares=[self._errors, self._auth], client_max_size=MAX_BODY)
         self.app.router.add_get("/healthz", self.healthz)
         self.app.router.add_post("/v1/sandboxes", self.admit)
         self.app.router.add_delete("/v1/sandboxes/{sandbox_id}", self.revoke)
         self.app.router.add_get(JWKS_PATH, self.jwks)
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler):
+        """Whatever a request makes a handler raise, the client gets JSON: aiohttp's own 4xx (bad method,
+        unknown path, body too large) keep their status with a JSON reason, and a bug is a 500 with no
+        detail in the body (the log has it)."""
+        try:
+            return await handler(request)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            return web.json_response({"error": exc.reason.lower().replace(" ", "_"), "message": exc.text},
+                                     status=exc.status, headers={k: v for k, v in exc.headers.items()
+                                                                 if k.lower() in ("allow", "www-authenticate")})
+        except Exception:
+            logger.exception("admin API: %s %s failed", request.method, request.path)
+            return web.json_response({"error": "internal_error", "message": "the gateway failed on this request; "
+                                      "see its log"}, status=500)
 
     @web.middleware
     async def _auth(self, request: web.Request, handler):
@@ -127,10 +146,10 @@ class AdminServer:
 
     async def admit(self, request: web.Request) -> web.Response:
         try:
-            body = await request.json()
-        except ValueError:
-            return web.json_response({"error": "invalid_json"}, status=400)
-        if not isinstance(body, dict) or set(body) - {"policy", "labels", "addresses"}:
+            body = await read_object(request)
+        except BodyError as exc:
+            return exc.response()
+        if set(body) - {"policy", "labels", "addresses"}:
             return web.json_response({"error": "invalid_request", "message": "keys: policy, labels, addresses"},
                                      status=400)
         policy_name = body.get("policy")

@@ -25,6 +25,7 @@ class EventKind(StrEnum):
     ADMISSION = "admission"
     REVOCATION = "revocation"
     POLICY_RELOAD = "policy_reload"
+    CONNECTION = "connection"  # a client connection refused or closed by a limit/timeout (gateway/connguard.py)
 
 
 @dataclass(slots=True)

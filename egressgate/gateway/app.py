@@ -118,10 +118,11 @@ class Gateway:
             try:
                 policies = await asyncio.to_thread(load_policies, path)
                 check_broker(self.rt.broker, policies)
-            except PolicyError as exc:
-                for line in str(exc).splitlines():
+            except Exception as exc:  # any failure (not only PolicyError) keeps the previous set
+                text = str(exc) if isinstance(exc, PolicyError) else f"{path}: {type(exc).__name__}: {exc}"
+                for line in text.splitlines():
                     logger.error("policy reload rejected (%s), keeping the previous policies: %s", reason, line)
-                await self._audit_reload(False, str(exc))
+                await self._audit_reload(False, text)
                 return False
             self.rt.policies.replace(policies)
             logger.info("policies reloaded (%s): %s", reason, ", ".join(sorted(policies)))
@@ -140,12 +141,17 @@ class Gateway:
             logger.error("policy reload could not be audited")
 
     async def _watch_policies(self) -> None:
+        """Poll for changes until stopped. Nothing may end this loop but cancellation: a watcher that
+        died on one bad file would never load the operator's fix (the previous set stays live)."""
         path = Path(self.config.policy)
         while True:
             await asyncio.sleep(WATCH_INTERVAL)
-            signature = policy_signature(path)
-            if signature != self._signature:
-                await self.reload("file change")
+            try:
+                signature = policy_signature(path)
+                if signature != self._signature:
+                    await self.reload("file change")
+            except Exception:
+                logger.exception("policy watcher: reload failed; keeping the previous policies and watching on")
 
     async def stop(self) -> None:
         if self._watch is not None:

@@ -148,6 +148,8 @@ class Runtime:
     server_task: Callable[[str, Any], Any] | None = None  # set by the master: (client id, server) -> Task
     broker: Broker | None = None  # credential broker (egressgate/broker); None: credentialed routes fail closed
     background: set[asyncio.Task] = field(default_factory=set)  # write-behind audit records, drained at stop
+    # set by connguard.py: audits an oversized request head (client id, source, bytes) -> request id
+    header_overflow: Callable[[str, str, int], str] | None = None
 
     def conn(self, client_id: str) -> ConnState:
         state = self.conns.get(client_id)

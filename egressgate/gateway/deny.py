@@ -21,6 +21,8 @@ _STATUS = {
     Reason.IDENTITY_UNKNOWN: 407,
     Reason.SANDBOX_REVOKED: 407,
     Reason.BUDGET_EXCEEDED: 429,
+    Reason.CONNECTION_LIMIT: 429,
+    Reason.HEADER_TOO_LARGE: 431,
     Reason.HOST_MISMATCH: 421,
     Reason.INTERNAL_ERROR: 500,
 }
@@ -46,6 +48,7 @@ _DEFAULT_MESSAGES = {
     Reason.UPSTREAM_UNRESOLVABLE: "The destination name could not be resolved.",
     Reason.SELF_CONNECTION: "Connections to the gateway's own listeners are not allowed.",
     Reason.INTERNAL_ERROR: "The gateway failed while checking this request, so it was refused; retry later.",
+    Reason.CONNECTION_LIMIT: "Too many open connections to the gateway; close idle ones or reuse them, then retry.",
 }
 
 

@@ -77,6 +77,19 @@ class Identity:
             )
             return False
         if conn.sandbox_id is None:
+            # Concurrent connections per sandbox are bounded (limits.max_connections_per_sandbox): one
+            # sandbox must not exhaust the gateway's sockets and memory for every other sandbox. The
+            # refusal is this request's decision (429 + Connection: close), audited like any deny.
+            limit = self.rt.config.limits.max_connections_per_sandbox
+            if len(self.rt.by_sandbox.get(record.id, ())) >= limit:
+                fs.sandbox_id = record.id
+                fs.policy_name = record.policy_name
+                fs.decision = gateway_deny(
+                    Reason.CONNECTION_LIMIT,
+                    f"This sandbox already has {limit} open connections through the gateway "
+                    f"(limits.max_connections_per_sandbox); close or reuse one, then retry.",
+                    detail="max_connections_per_sandbox")
+                return False
             self.rt.bind_sandbox(conn, record)
         fs.sandbox_id = record.id
         fs.policy_name = record.policy_name

@@ -4,9 +4,11 @@ No default addon set: no ignore/allow-hosts passthrough, no raw-TCP or DNS relay
 scripts, no onboarding app. The proxy server, TLS config and our addons, in an order that is part of the
 security design (each hook runs addons in this order; a deny set by an earlier addon is final):
 
-  Proxyserver → NextLayer (tunnel.py) → TlsConfig → Identity → Consistency → Sanitize → Decision →
+  Proxyserver → ConnGuard → NextLayer (tunnel.py) → TlsConfig → Identity → Consistency → Sanitize → Decision →
   Pinning → Streaming → Budgets → Trailers → Credentials → AuditEmit → Revocation
 
+ConnGuard (connguard.py) only observes phases and arms deadlines; it is first so that its next_layer
+hook can refuse a connection over the per-source limit before tunnel.py picks a layer.
 Credentials (credentials.py) comes after every check and before AuditEmit: it only touches flows that
 are still allowed and unanswered, its denies become the request's one audited decision, and its stream
 callables wrap the budget counters Budgets just installed. Pinning runs in server_connect, which for an
@@ -31,9 +33,13 @@ import logging
 from mitmproxy import master as mitm_master
 from mitmproxy import options
 from mitmproxy.addons import proxyserver, tlsconfig
+from mitmproxy.proxy import layer
+from mitmproxy.proxy.layers.http._http1 import Http1Server
+from mitmproxy.proxy.layers.http._http2 import Http2Server
 
 from egressgate.gateway.audit_emit import AuditEmit
 from egressgate.gateway.budgets import Budgets
+from egressgate.gateway.connguard import ConnGuard
 from egressgate.gateway.consistency import Consistency
 from egressgate.gateway.context import Runtime
 from egressgate.gateway.credentials import Credentials
@@ -90,6 +96,53 @@ class GatewayMaster:
                 logger.debug("abort of %s failed", client_id, exc_info=True)
         return True
 
+    def pending_bytes(self, client_id: str) -> int | None:
+        """Bytes of an unfinished request the client has sent on this connection (HTTP/1 receive buffers
+        of its layers), 0 when none, None when the connection or its layers are unknown (the caller then
+        treats the connection as if it had sent some)."""
+        ps = self.proxyserver
+        handler = ps.connections.get(client_id) if ps is not None else None
+        if handler is None:
+            return None
+        total = 0
+        found = False
+        stack: list[object] = [handler.layer]
+        seen: set[int] = set()
+        while stack:
+            item = stack.pop()
+            if item is None or id(item) in seen:
+                continue
+            seen.add(id(item))
+            if isinstance(item, Http1Server):
+                found = True
+                total += len(item.buf)
+                continue
+            if isinstance(item, Http2Server):  # h2 frames partial HEADERS itself; an idle h2 conn is idle
+                found = True
+                continue
+            if not isinstance(item, layer.Layer):
+                continue
+            stack.extend((getattr(item, "layer", None), getattr(item, "child_layer", None)))
+            # some layers (modes.HttpProxy) keep their child only as the bound method they delegate to
+            stack.append(getattr(vars(item).get("_handle_event"), "__self__", None))
+            for attr in ("connections", "streams"):
+                children = getattr(item, attr, None)
+                if isinstance(children, dict):
+                    stack.extend(children.values())
+        return total if found else None
+
+    def write_backlog(self, client_id: str) -> int:
+        """Bytes queued for the client but not yet taken by its socket: a slow reader of a large
+        response is busy, not idle."""
+        ps = self.proxyserver
+        handler = ps.connections.get(client_id) if ps is not None else None
+        io = handler.transports.get(handler.client) if handler is not None else None
+        transport = getattr(getattr(io, "writer", None), "transport", None)
+        try:
+            return int(transport.get_write_buffer_size()) if transport is not None else 0
+        except Exception:
+            return 0
+
     def server_task(self, client_id: str, server) -> asyncio.Task | None:
         """The task mitmproxy runs to open (then serve) `server` for this client, if any."""
         ps = self.proxyserver
@@ -104,7 +157,8 @@ class GatewayMaster:
         running = _Running()
         rt = self.rt
         audit_emit = AuditEmit(rt)
-        ours = [NextLayer(rt), tlsconfig.TlsConfig(), Identity(rt), Consistency(rt), Sanitize(), DecisionAddon(rt),
+        ours = [ConnGuard(rt, self.pending_bytes, self.write_backlog),
+                NextLayer(rt), tlsconfig.TlsConfig(), Identity(rt), Consistency(rt), Sanitize(), DecisionAddon(rt),
                 Pinning(rt), Streaming(), Budgets(rt), Trailers(rt), Credentials(rt), audit_emit, Revocation(rt)]
         # every addon in the decision path fails closed (failclosed.py); TlsConfig too, since a failed
         # certificate step must not leave a connection half-configured. A refused flow is audited.
@@ -127,6 +181,7 @@ class GatewayMaster:
             udp_hosts=[],
             stream_large_bodies=None,
             validate_inbound_headers=True,
+            tcp_timeout=rt.config.limits.idle_timeout,
         )
         rt.abort_connection = self.abort_connection
         rt.server_task = self.server_task

@@ -22,7 +22,7 @@ import logging
 import time
 
 from mitmproxy.net.tls import starts_like_tls_record
-from mitmproxy.proxy import commands, events, layer, layers, mode_specs, tunnel
+from mitmproxy.proxy import commands, events, layer, layers, mode_specs
 from mitmproxy.proxy.layers import modes
 from mitmproxy.proxy.layers.http import HTTPMode
 from mitmproxy.proxy.layers.tls import HTTP_ALPNS
@@ -31,7 +31,7 @@ from egressgate.audit.event import AuditEvent, AuditUnavailable, EventKind
 from egressgate.gateway import ws_layer
 from egressgate.gateway.context import ConnState, Runtime, new_request_id
 from egressgate.gateway.deny import gateway_deny, raw_deny
-from egressgate.gateway.http_layer import GatewayHttpLayer
+from egressgate.gateway.http_limits import explicit_http_proxy, http_layer
 from egressgate.policy.decide import decide
 from egressgate.policy.facts import Decision, Facts, Operation
 from egressgate.policy.reasons import Reason
@@ -43,16 +43,6 @@ def looks_like_http(data: bytes) -> bool:
     line_end = data.find(b"\n")
     space = data.find(b" ")
     return len(data) >= 3 and data[:3].isalpha() and space != -1 and (line_end == -1 or space < line_end)
-
-
-def explicit_http_proxy(context, data: bytes) -> layer.Layer:
-    """mitmproxy's explicit-proxy stack (next_layer._setup_explicit_http_proxy, regular mode, TCP), on the
-    gateway's HTTP layer."""
-    stack = tunnel.LayerStack()
-    if starts_like_tls_record(data):
-        stack /= layers.ClientTLSLayer(context)  # layers register in context.layers as they are built
-    stack /= GatewayHttpLayer(context, HTTPMode.regular)
-    return stack[0]
 
 
 class RefuseLayer(layer.Layer):
@@ -100,7 +90,7 @@ class NextLayer:
         top = context.layers[-1] if context.layers else None
         if len(context.layers) == 1 and isinstance(top, modes.HttpProxy):
             if isinstance(context.client.proxy_mode, mode_specs.RegularMode):
-                nextlayer.layer = explicit_http_proxy(context, data)
+                nextlayer.layer = explicit_http_proxy(context, data, self.rt)
             return
         conn = self.rt.conns.get(context.client.id)
         if conn is None or conn.tunnel_host is None:
@@ -118,12 +108,12 @@ class NextLayer:
             nextlayer.layer = server_tls
             return
         if after_tls and context.client.alpn in HTTP_ALPNS:
-            nextlayer.layer = GatewayHttpLayer(context, HTTPMode.transparent)
+            nextlayer.layer = http_layer(context, HTTPMode.transparent, self.rt)
             return
         if after_tls and len(data) < 3:
             return
         if looks_like_http(data):
-            nextlayer.layer = GatewayHttpLayer(context, HTTPMode.transparent)
+            nextlayer.layer = http_layer(context, HTTPMode.transparent, self.rt)
             return
         # One id for this decision: its audit record, the deny body the client reads, and the relay's
         # outcome record (via ConnState.tcp_request_id) all carry it.

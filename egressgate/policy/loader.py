@@ -12,12 +12,13 @@ import hashlib
 import json
 from pathlib import Path
 
-import yaml
 from pydantic import BaseModel, ValidationError
 
 from egressgate.policy import model as policy_model
 from egressgate.policy.compile import CompiledPolicy, compile_policy
 from egressgate.policy.errors import PolicyError
+from egressgate.policy.limits import MAX_POLICY_BYTES, MAX_POLICY_FILES, check_limits
+from egressgate.safeyaml import YamlError, load_yaml
 
 POLICY_SUFFIXES = (".yaml", ".yml")
 
@@ -33,52 +34,45 @@ def _model_class_names() -> frozenset[str]:
     return frozenset(names)
 
 
-class _StrictLoader(yaml.SafeLoader):
-    """SafeLoader that refuses duplicate keys: YAML's last-one-wins would silently drop a rule."""
-
-
-def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
-    seen = set()
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=deep)
-        if key in seen:
-            raise yaml.constructor.ConstructorError(
-                None, None, f"duplicate key {key!r}", key_node.start_mark
-            )
-        seen.add(key)
-    return loader.construct_mapping(node, deep=deep)
-
-
-_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
-
-
 def policy_hash(model: policy_model.Policy) -> str:
     canonical = json.dumps(model.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
     return "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()
 
 
 def parse_policy(text: str, source: str) -> CompiledPolicy:
+    """Every way a file can be wrong is a PolicyError naming `source` (and the key path or line when
+    known): a traceback here would be an outage in the gateway's reload and in `policy check`."""
+    if len(text) > MAX_POLICY_BYTES:  # characters >= bytes/4; load_policy checks the bytes first
+        raise PolicyError.single(source, "<file>", f"larger than {MAX_POLICY_BYTES} bytes")
     try:
-        data = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "<document>"
-        raise PolicyError.single(source, where, f"invalid YAML: {getattr(exc, 'problem', exc)}") from None
+        data = load_yaml(text)
+    except YamlError as exc:
+        raise PolicyError.single(source, exc.where, exc.message) from None
     if not isinstance(data, dict):
         raise PolicyError.single(source, "<root>", "a policy is a YAML mapping with a 'sandbox' key")
     try:
         model = policy_model.Policy.model_validate(data)
     except ValidationError as exc:
         raise PolicyError.from_validation(source, exc, _model_class_names()) from None
+    check_limits(model, source)
     return compile_policy(model, source, policy_hash(model))
 
 
 def load_policy(path: str | Path) -> CompiledPolicy:
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
+        if not path.is_file():  # a FIFO or device would block the reload thread or never end
+            raise PolicyError.single(str(path), "<file>", "not a regular file")
+        with path.open("rb") as fh:
+            raw = fh.read(MAX_POLICY_BYTES + 1)  # never read an unbounded file into memory
+    except OSError as exc:
         raise PolicyError.single(str(path), "<file>", f"cannot read: {exc}") from None
+    if len(raw) > MAX_POLICY_BYTES:
+        raise PolicyError.single(str(path), "<file>", f"larger than {MAX_POLICY_BYTES} bytes; split the policy")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise PolicyError.single(str(path), "<file>", f"not UTF-8: {exc}") from None
     return parse_policy(text, str(path))
 
 
@@ -89,7 +83,12 @@ def load_policies(path: str | Path) -> dict[str, CompiledPolicy]:
     because half a policy set silently missing is worse than refusing to start.
     """
     path = Path(path)
-    files = sorted(p for p in path.iterdir() if p.suffix in POLICY_SUFFIXES) if path.is_dir() else [path]
+    try:
+        files = sorted(p for p in path.iterdir() if p.suffix in POLICY_SUFFIXES) if path.is_dir() else [path]
+    except OSError as exc:
+        raise PolicyError.single(str(path), "<dir>", f"cannot list: {exc}") from None
+    if len(files) > MAX_POLICY_FILES:
+        raise PolicyError.single(str(path), "<dir>", f"more than {MAX_POLICY_FILES} policy files")
     if path.is_dir() and not files:
         raise PolicyError.single(str(path), "<dir>", "no *.yaml policy files in this directory")
     policies: dict[str, CompiledPolicy] = {}
@@ -99,6 +98,10 @@ def load_policies(path: str | Path) -> dict[str, CompiledPolicy]:
             policy = load_policy(file)
         except PolicyError as exc:
             problems.append(exc)
+            continue
+        except Exception as exc:  # a bug on odd input is still "this file is refused", never a traceback
+            problems.append(PolicyError.single(str(file), "<file>",
+                                               f"could not be loaded ({type(exc).__name__}: {exc})"))
             continue
         if policy.name in policies:
             other = policies[policy.name].source

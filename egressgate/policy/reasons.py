@@ -49,4 +49,9 @@ class Reason(StrEnum):
     STATE_UNAVAILABLE = "state_unavailable"
     POLICY_UNAVAILABLE = "policy_unavailable"
     UPSTREAM_UNRESOLVABLE = "upstream_unresolvable"
+    # connection limits and timeouts (gateway/connguard.py, `limits:` in the gateway config)
+    CONNECTION_LIMIT = "connection_limit"
+    HEADER_TIMEOUT = "header_timeout"
+    HEADER_TOO_LARGE = "header_too_large"
+    TLS_HANDSHAKE_TIMEOUT = "tls_handshake_timeout"
     INTERNAL_ERROR = "internal_error"  # a gateway component failed on this request: refused, never passed

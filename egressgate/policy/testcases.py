@@ -27,7 +27,6 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from egressgate.policy.canon import CanonError, canon_host
@@ -37,6 +36,7 @@ from egressgate.policy.errors import PolicyError
 from egressgate.policy.facts import Decision, SandboxState
 from egressgate.policy.loader import load_policies
 from egressgate.policy.target import parse_target
+from egressgate.safeyaml import YamlError, load_yaml
 
 FIXED_NOW = 1_700_000_000.0  # test cases are about elapsed time, not wall-clock time
 
@@ -86,9 +86,9 @@ def pick_policy(policies: dict[str, CompiledPolicy], sandbox: str | None, where:
 
 def load_case_file(path: Path) -> CaseFile:
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = load_yaml(path.read_text(encoding="utf-8"))
         return CaseFile.model_validate(data)
-    except (OSError, yaml.YAMLError) as exc:
+    except (OSError, UnicodeDecodeError, YamlError) as exc:
         raise PolicyError.single(str(path), "<file>", str(exc)) from None
     except ValidationError as exc:
         raise PolicyError.from_validation(str(path), exc) from None

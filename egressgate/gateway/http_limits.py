@@ -1,0 +1,91 @@
+"""HTTP/1 request heads with a size bound (`limits.max_header_bytes`).
+
+mitmproxy's HTTP/1 server buffers request-head bytes until it sees the blank line, with no limit: one
+connection sending 300 MB of a header line within the header deadline grew the gateway by 300 MB (and
+left it too busy to stop). The deadline (connguard.py) bounds how *long* the gateway waits for a head;
+this bounds how *much* it buffers meanwhile. Over the limit the client gets `431` with the deny contract
+(reason `header_too_large`) and the connection is closed; the event is audited like a header timeout.
+
+`BoundedHttpLayer` is the gateway's HTTP layer (http_layer.py: trailers, 1xx) whose HTTP/1 client side
+is a `BoundedHttp1Server` (the gateway's HTTP/1 server with the bound; the layer keeps a pre-set client
+connection: `connections.setdefault`). tunnel.py builds every HTTP layer
+through `http_layer()` / `explicit_http_proxy()`, so the bound holds on the proxy connection itself and
+inside every tunnel, after TLS.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from mitmproxy.net.tls import starts_like_tls_record
+from mitmproxy.proxy import commands, events, layer, layers, tunnel
+from mitmproxy.proxy.layers import modes
+from mitmproxy.proxy.layers.http import HTTPMode, is_h3_alpn
+
+from egressgate.gateway.deny import gateway_deny, raw_deny
+from egressgate.gateway.http1_framing import GatewayHttp1Server
+from egressgate.gateway.http_layer import GatewayHttpLayer
+from egressgate.policy.reasons import Reason
+
+if TYPE_CHECKING:
+    from egressgate.gateway.context import Runtime
+
+# (client id, source address, buffered bytes) -> request id of the audit record
+Overflow = Callable[[str, str, int], str]
+
+
+class BoundedHttp1Server(GatewayHttp1Server):
+    def __init__(self, context, max_bytes: int, overflow: Overflow | None) -> None:
+        super().__init__(context)
+        self.max_bytes = max_bytes
+        self.overflow = overflow
+
+    def read_headers(self, event: events.ConnectionEvent) -> layer.CommandGenerator[None]:
+        yield from super().read_headers(event)
+        # still waiting for the blank line: everything buffered is head bytes
+        if self.state == self.read_headers and len(self.buf) > self.max_bytes:
+            client = self.context.client
+            source = str(client.peername[0]) if client.peername else "unknown"
+            request_id = self.overflow(client.id, source, len(self.buf)) if self.overflow else "-"
+            self.buf.maybe_extract_at_most(len(self.buf))  # release the memory now
+            self.state = self.refused
+            decision = gateway_deny(
+                Reason.HEADER_TOO_LARGE,
+                f"The request head is larger than {self.max_bytes} bytes (limits.max_header_bytes); "
+                f"send smaller headers.")
+            yield commands.SendData(client, raw_deny(decision, request_id))
+            yield commands.CloseConnection(client)
+
+    def refused(self, event: events.Event) -> layer.CommandGenerator[None]:
+        """Terminal state: whatever still arrives is dropped, never buffered."""
+        if self.buf:
+            self.buf.maybe_extract_at_most(len(self.buf))
+        yield from ()
+
+
+class BoundedHttpLayer(GatewayHttpLayer):
+    def __init__(self, context, mode: HTTPMode, rt: Runtime) -> None:
+        super().__init__(context, mode)
+        self.rt = rt
+
+    def _handle_event(self, event: events.Event):
+        alpn = self.context.client.alpn
+        if isinstance(event, events.Start) and alpn != b"h2" and not is_h3_alpn(alpn):  # as HttpLayer picks
+            self.connections.setdefault(self.context.client, BoundedHttp1Server(
+                self.context.fork(), self.rt.config.limits.max_header_bytes, self.rt.header_overflow))
+        yield from super()._handle_event(event)
+
+
+def http_layer(context, mode: HTTPMode, rt: Runtime) -> layer.Layer:
+    return BoundedHttpLayer(context, mode, rt)
+
+
+def explicit_http_proxy(context, data_client: bytes, rt: Runtime) -> layer.Layer:
+    """mitmproxy's NextLayer._setup_explicit_http_proxy (regular mode, TCP), with the bounded layer."""
+    stack = tunnel.LayerStack()
+    if starts_like_tls_record(data_client):
+        stack /= layers.ClientTLSLayer(context)
+    assert not isinstance(context.layers[0], modes.HttpUpstreamProxy)  # we never run upstream mode
+    stack /= http_layer(context, HTTPMode.regular, rt)
+    return stack[0]

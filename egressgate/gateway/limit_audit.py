@@ -1,0 +1,82 @@
+"""Audit records for connections the gateway refused or closed because of a limit or timeout.
+
+These events can be caused by anyone who can reach the listener, before any identity is known: one
+record per event would let an attacker grow the audit log (and its hash chain) as fast as it can open
+sockets. So each (reason, source address) gets at most `limits.audit_per_second` individual records
+per second; beyond that, events are *counted*, and one summary record per (reason, source) per second
+carries `egressgate.suppressed` = how many were folded into it. Nothing is dropped silently: the sum
+of individual records and suppressed counts is the number of events. Writes are tracked tasks in
+`rt.background`, which the gateway drains before it closes the sink; `flush()` at shutdown writes the
+last summaries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from egressgate.audit.event import AuditEvent, AuditUnavailable, EventKind
+from egressgate.gateway.context import Runtime, new_request_id
+from egressgate.policy.reasons import Reason
+
+logger = logging.getLogger(__name__)
+
+WINDOW = 1.0  # seconds
+
+
+class LimitAudit:
+    def __init__(self, runtime: Runtime, per_second: int) -> None:
+        self.rt = runtime
+        self.per_second = per_second
+        self._window_start = 0.0
+        self._counts: dict[tuple[str, str], int] = {}
+        self._suppressed: dict[tuple[str, str], int] = {}
+        self._flush_handle: asyncio.TimerHandle | None = None
+
+    def record(self, reason: Reason, source: str, message: str, *, sandbox_id: str | None = None,
+               request_id: str | None = None, extra: dict | None = None) -> None:
+        """Write one record, or count it into the next summary when over the rate (never blocks)."""
+        now = time.monotonic()
+        if now - self._window_start >= WINDOW:
+            self._window_start = now
+            self._counts.clear()
+        key = (str(reason), source)
+        n = self._counts[key] = self._counts.get(key, 0) + 1
+        if n <= self.per_second:
+            self._write(AuditEvent(
+                kind=EventKind.CONNECTION, time_ns=time.time_ns(), request_id=request_id or new_request_id(),
+                sandbox_id=sandbox_id, decision="deny", reason=str(reason), client_address=source,
+                message=message, extra=dict(extra or {})))
+            return
+        self._suppressed[key] = self._suppressed.get(key, 0) + 1
+        if self._flush_handle is None:
+            self._flush_handle = asyncio.get_running_loop().call_later(WINDOW, self.flush)
+
+    def flush(self) -> None:
+        """One summary record per (reason, source) with events counted since the last flush."""
+        self._flush_handle = None
+        pending, self._suppressed = self._suppressed, {}
+        for (reason, source), count in sorted(pending.items()):
+            self._write(AuditEvent(
+                kind=EventKind.CONNECTION, time_ns=time.time_ns(), request_id=new_request_id(), decision="deny",
+                reason=reason, client_address=source,
+                message=f"{count} more connection(s) from {source} refused or closed for {reason} "
+                        f"(over {self.per_second} records/s: counted, not recorded one by one)",
+                extra={"egressgate.suppressed": count}))
+
+    def close(self) -> None:
+        if self._flush_handle is not None:
+            self._flush_handle.cancel()
+        self.flush()
+
+    def _write(self, event: AuditEvent) -> None:
+        task = asyncio.get_running_loop().create_task(self._write_one(event))
+        self.rt.background.add(task)
+        task.add_done_callback(self.rt.background.discard)
+
+    async def _write_one(self, event: AuditEvent) -> None:
+        try:
+            await self.rt.audit.write(event)
+        except AuditUnavailable:  # the connection is closed either way; the sink is marked unhealthy
+            logger.error("connection %s from %s could not be audited", event.reason, event.client_address)
