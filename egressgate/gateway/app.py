@@ -19,7 +19,7 @@ from pathlib import Path
 
 from egressgate.admin.server import AdminServer, ensure_admin_token
 from egressgate.audit.config import open_audit_sink
-from egressgate.audit.event import AuditEvent, AuditUnavailable, EventKind
+from egressgate.audit.event import AuditEvent, EventKind
 from egressgate.audit.signer import Signer
 from egressgate.broker.signer import TransitSigner
 from egressgate.config import ConfigError, GatewayConfig, parse_listen
@@ -135,10 +135,8 @@ class Gateway:
         event = AuditEvent(kind=EventKind.POLICY_RELOAD, time_ns=time.time_ns(), request_id=new_request_id(),
                            decision="allow" if ok else "deny", message=error[:2000] if error else None,
                            extra=extra)
-        try:
-            await self.rt.audit.write(event)
-        except AuditUnavailable:
-            logger.error("policy reload could not be audited")
+        # the reload already happened (or was refused): its record is queued and retried, never dropped
+        await self.rt.audit.write_after(event)
 
     async def _watch_policies(self) -> None:
         """Poll for changes until stopped. Nothing may end this loop but cancellation: a watcher that
