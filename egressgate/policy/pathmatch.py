@@ -23,7 +23,6 @@ differential test in tests/policy/test_glob_matcher.py checks that against the o
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 GLOBSTAR = None
 """A ``**`` element of a :class:`SegmentPattern` (zero or more whole segments)."""
@@ -35,28 +34,104 @@ Element = tuple[str, ...] | None
 _ENCODED_SEPARATORS = ("%2F", "%5C")
 
 
-@dataclass(frozen=True, slots=True)
+_FLAT, _ONE_STAR, _TRAILING, _GENERAL = range(4)
+
+
 class SegmentPattern:
     """A path glob as segment elements. ``guard``: wildcards must not consume an encoded separator
     (``%2F``/``%5C``, exactly as written in canonical paths) -- allow globs; deny globs widen instead.
-    ``fold_case``: ASCII case is ignored (canonical paths are ASCII: canon_path encodes the rest)."""
+    ``fold_case``: ASCII case is ignored (canonical paths are ASCII: canon_path encodes the rest).
 
-    elements: tuple[Element, ...]
-    guard: bool
-    fold_case: bool = False
+    The shape is classified once, so the globs policies mostly use cost a few string operations: no
+    ``**`` (one pass over the segments) and literal segments under one trailing ``**`` (a prefix test)."""
+
+    __slots__ = ("_base", "_flat", "_kind", "_prefix", "_suffix", "elements", "fold_case", "guard")
+
+    def __init__(self, elements: tuple[Element, ...], *, guard: bool, fold_case: bool = False) -> None:
+        self.elements = elements
+        self.guard = guard
+        self.fold_case = fold_case
+        stars = [i for i, e in enumerate(elements) if e is GLOBSTAR]
+        lead = elements[: stars[0]] if stars else elements
+        literal_lead: list[tuple[str, ...]] = []
+        for e in lead:
+            if len(e) != 1:  # type: ignore[arg-type]
+                break
+            literal_lead.append(e)  # type: ignore[arg-type]
+        # _FLAT: per path segment (after the leading ''), its literal text or its starred parts.
+        self._flat: tuple[str | tuple[str, ...] | None, ...] = ()
+        self._suffix = ""
+        starred = [e for e in elements if e is not GLOBSTAR and len(e) > 1]
+        if not stars and len(starred) == 1 and len(starred[0]) == 2:  # type: ignore[arg-type]
+            self._kind = _ONE_STAR  # e.g. /v1/*/items: prefix, one segment's worth of text, suffix
+            k = len(literal_lead)
+            self._suffix = starred[0][1] + "".join("/" + e[0] for e in elements[k + 1 :])  # type: ignore[index]
+        elif not stars:
+            self._kind = _FLAT
+            self._flat = (None, *(e[0] if len(e) == 1 else e for e in elements))  # type: ignore[arg-type,index]
+        elif len(literal_lead) == len(lead) and all(e is GLOBSTAR for e in elements[stars[0] :]):
+            self._kind = _TRAILING
+        else:
+            self._kind = _GENERAL
+        # Text every match starts with: the literal segments before the first wildcard, and the first
+        # literal part of a starred segment. Checked first, it turns most misses into one startswith.
+        self._base = "".join("/" + e[0] for e in literal_lead)
+        prefix = self._base
+        if len(literal_lead) < len(lead):
+            prefix += "/" + lead[len(literal_lead)][0]  # type: ignore[index]
+        self._prefix = prefix
+
+    def __repr__(self) -> str:
+        return f"SegmentPattern({self.elements!r}, guard={self.guard}, fold_case={self.fold_case})"
 
     def matches(self, path: str) -> bool:
         if self.fold_case:
             path = path.lower()
+        if not path.startswith(self._prefix):
+            return False
+        kind = self._kind
+        if kind == _ONE_STAR:
+            start, end = len(self._prefix), len(path) - len(self._suffix)
+            return (
+                start <= end
+                and path.endswith(self._suffix)
+                and path.find("/", start, end) < 0
+                and not (self.guard and _has_encoded_separator(path, start, end))
+            )
+        if kind == _TRAILING:  # e.g. /v1/**: the bare prefix, or the prefix, '/' and anything
+            n = len(self._base)
+            if len(path) == n:
+                return True
+            return path[n] == "/" and (not self.guard or _globstar_may_take_rest(path, n + 1))
         if not path.startswith("/"):
             # every pattern starts with '/', or with '**' which matches '' or '/...'
             return path == "" and all(e is GLOBSTAR for e in self.elements)
-        return match_segments(self.elements, path.split("/")[1:], self.guard)
+        segments = path.split("/")
+        if kind == _FLAT:
+            if len(segments) != len(self._flat):
+                return False
+            guard = self.guard
+            for segment, e in zip(segments, self._flat, strict=False):  # segments[0] is '' against None
+                if e is None:
+                    continue
+                if type(e) is str:
+                    if segment != e:
+                        return False
+                elif not segment_matches(e, segment, guard):
+                    return False
+            return True
+        del segments[0]
+        return match_segments(self.elements, segments, self.guard)
+
+
+def _globstar_may_take_rest(path: str, start: int) -> bool:
+    """:func:`globstar_may_take` for all of ``path[start:]`` (every segment of it), without copying."""
+    return path.find("%2F", start) < 0 and path.find("%5C", start) < 0 and path.find("\n", start) < 0
 
 
 def _has_encoded_separator(text: str, start: int, end: int) -> bool:
     """Does an encoded separator START at a position in [start, end) of ``text``? (It may run past end.)"""
-    return any(text.find(sep, start, end + 2) >= 0 for sep in _ENCODED_SEPARATORS)
+    return text.find("%2F", start, end + 2) >= 0 or text.find("%5C", start, end + 2) >= 0
 
 
 def globstar_may_take(segment: str, guard: bool) -> bool:
@@ -75,13 +150,12 @@ def segment_matches(parts: tuple[str, ...], segment: str, guard: bool) -> bool:
     leaves the following star only text that the later placement's own star or literal already covered,
     and a separator that a literal covered there would also sit, at the same offset, in the earlier
     copy's text inside the later placement's star span -- which is impossible."""
-    if len(parts) == 1:
-        return segment == parts[0]
     first, last = parts[0], parts[-1]
     pos, end = len(first), len(segment) - len(last)
     if end < pos or not segment.startswith(first) or not segment.endswith(last):
         return False
-    for part in parts[1:-1]:
+    guard = guard and "%" in segment
+    for part in parts[1:-1] if len(parts) > 2 else ():
         at = segment.find(part, pos, end)
         if at < 0 or (guard and _has_encoded_separator(segment, pos, at)):
             return False

@@ -15,7 +15,6 @@ Two kinds of test:
 from __future__ import annotations
 
 import re
-import textwrap
 import time
 from collections.abc import Callable
 from urllib.parse import unquote
