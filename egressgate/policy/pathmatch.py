@@ -31,16 +31,14 @@ Element = tuple[str, ...] | None
 """One path segment's glob as its literal parts between ``*`` (a literal segment has one part), or
 :data:`GLOBSTAR`."""
 
-_ENCODED_SEPARATORS = ("%2F", "%5C")
-
-
 _FLAT, _ONE_STAR, _TRAILING, _GENERAL = range(4)
 
 
 class SegmentPattern:
     """A path glob as segment elements. ``guard``: wildcards must not consume an encoded separator
     (``%2F``/``%5C``, exactly as written in canonical paths) -- allow globs; deny globs widen instead.
-    ``fold_case``: ASCII case is ignored (canonical paths are ASCII: canon_path encodes the rest).
+    ``fold_case``: case is ignored, the path lower-cased like the (already lower-cased) elements; that is
+    the old ``re.IGNORECASE`` exactly for ASCII, and canonical paths are ASCII (canon_path encodes the rest).
 
     The shape is classified once, so the globs policies mostly use cost a few string operations: no
     ``**`` (one pass over the segments) and literal segments under one trailing ``**`` (a prefix test)."""
@@ -144,12 +142,16 @@ def segment_matches(parts: tuple[str, ...], segment: str, guard: bool) -> bool:
     """Does ``segment`` (no ``/``) match ``parts[0] * parts[1] * ... * parts[-1]``?
 
     Greedy: the first part is a prefix, the last a suffix, each middle part at its leftmost occurrence
-    after the previous one. With ``guard`` the text a star consumes must not contain the start of an
-    encoded separator. Greedy is still exact then, given canonical rule text (a literal ``%`` is always
-    followed by two hex digits in the same part): if a later placement of a part worked, the earlier one
-    leaves the following star only text that the later placement's own star or literal already covered,
-    and a separator that a literal covered there would also sit, at the same offset, in the earlier
-    copy's text inside the later placement's star span -- which is impossible."""
+    after the previous one -- classic and exact when a star takes any text. With ``guard`` a star must
+    not take the first character of a ``%2F``/``%5C``; greedy stays exact given canonical rule text (a
+    literal ``%`` always has its two hex digits in the same part). Suppose a solution puts a part at
+    s' and greedy at s < s'. The solution's star before s' takes [s, s'), so that span holds no
+    separator start. Greedy's part then ends d = s' - s earlier, leaving the next star the extra span
+    [s + len, s' + len), covered in the solution by the same part; a separator starting there sits at
+    some offset o of the part, and then (the part's two copies agree; overlapping copies make it
+    d-periodic) also at offset o mod d -- that is, in the text at s + (o mod d), inside [s, s'). So the
+    extra span is clean, greedy's remaining problem is no harder, and by induction greedy finds a match
+    whenever one exists. The differential test checks this against the old regexes.
     first, last = parts[0], parts[-1]
     pos, end = len(first), len(segment) - len(last)
     if end < pos or not segment.startswith(first) or not segment.endswith(last):
