@@ -151,7 +151,7 @@ def segment_matches(parts: tuple[str, ...], segment: str, guard: bool) -> bool:
     some offset o of the part, and then (the part's two copies agree; overlapping copies make it
     d-periodic) also at offset o mod d -- that is, in the text at s + (o mod d), inside [s, s'). So the
     extra span is clean, greedy's remaining problem is no harder, and by induction greedy finds a match
-    whenever one exists. The differential test checks this against the old regexes.
+    whenever one exists. The differential test checks this against the old regexes."""
     first, last = parts[0], parts[-1]
     pos, end = len(first), len(segment) - len(last)
     if end < pos or not segment.startswith(first) or not segment.endswith(last):
