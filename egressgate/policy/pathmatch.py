@@ -11,10 +11,10 @@ How: the path is split on ``/`` and matched segment by segment.
   O(len(segment) x parts). Leftmost placement of each literal part is optimal because a star can absorb
   anything a later placement would have skipped -- see :func:`segment_matches` for the one restriction
   (allow globs: a star never consumes an encoded separator) and why greedy stays exact under it.
-* ``**`` (any number of whole segments) is a dynamic program over segment positions: one pass over the
-  path's segments per glob element, so O(segments x glob segments) segment tests in the worst case. The
-  literal head before the first ``**`` and the tail after the last are anchored first, so the common
-  globs (``/v1/**``, ``/a/*/b``) cost one pass.
+* ``**`` (any number of whole segments): the head before the first ``**`` and the tail after the last
+  are anchored, and each run of segment globs between two ``**`` is placed at its leftmost position
+  (see :func:`_place_run` for why that is exact), so O(segments x longest run) segment tests; the
+  common globs (``/v1/**``, ``/a/*/b``) cost a few string operations.
 
 The semantics (which paths a glob matches) are exactly those of the regexes they replace; the
 differential test in tests/policy/test_glob_matcher.py checks that against the old regexes.
@@ -22,7 +22,9 @@ differential test in tests/policy/test_glob_matcher.py checks that against the o
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
+from itertools import accumulate
 
 GLOBSTAR = None
 """A ``**`` element of a :class:`SegmentPattern` (zero or more whole segments)."""
@@ -169,47 +171,120 @@ def _element_matches(element: tuple[str, ...], segment: str, guard: bool) -> boo
     return segment == element[0] if len(element) == 1 else segment_matches(element, segment, guard)
 
 
-def match_segments(elements: Sequence[Element], segments: Sequence[str], guard: bool) -> bool:
-    """Do the path's ``segments`` match the glob ``elements``? O(len(segments) x len(elements)) tests."""
-    stars = [i for i, e in enumerate(elements) if e is GLOBSTAR]
-    if not stars:
-        return len(elements) == len(segments) and all(
-            _element_matches(e, s, guard) for e, s in zip(elements, segments, strict=True)  # type: ignore[arg-type]
-        )
-    head, tail = elements[: stars[0]], elements[stars[-1] + 1 :]
+def _run_matches(run: Sequence[tuple[str, ...]], segments: Sequence[str], at: int, guard: bool) -> bool:
+    return all(_element_matches(element, segments[at + i], guard) for i, element in enumerate(run))
+
+
+def match_segments(elements: Sequence[Element], segments: list[str], guard: bool) -> bool:
+    """Do the path's ``segments`` match the glob ``elements``?
+
+    The literal head (before the first ``**``) and tail (after the last) are anchored; the runs of
+    elements between ``**`` are then placed greedily, each at its leftmost position after the previous
+    one, the skipped segments going to the ``**`` between them. Cost: O(segments x longest run)
+    element tests -- O(segments) for the usual one-segment runs (``/**/a/**/b/**``)."""
+    runs: list[list[tuple[str, ...]]] = [[]]
+    for e in elements:
+        if e is GLOBSTAR:
+            runs.append([])
+        else:
+            runs[-1].append(e)
+    if len(runs) == 1:
+        return len(segments) == len(runs[0]) and _run_matches(runs[0], segments, 0, guard)
+    head, tail, middle_runs = runs[0], runs[-1], [r for r in runs[1:-1] if r]
     n = len(segments)
-    if n < len(head) + len(tail):
+    if n < len(head) + len(tail) or not _run_matches(head, segments, 0, guard):
         return False
-    for e, s in zip(head, segments, strict=False):
-        if not _element_matches(e, s, guard):  # type: ignore[arg-type]
-            return False
-    for e, s in zip(tail, segments[n - len(tail) :], strict=True):
-        if not _element_matches(e, s, guard):  # type: ignore[arg-type]
-            return False
+    if not _run_matches(tail, segments, n - len(tail), guard):
+        return False
     middle = segments[len(head) : n - len(tail)]
-    inner = elements[stars[0] + 1 : stars[-1]]
-    if not inner:  # one '**' (or adjacent ones): it takes the whole middle
+    if guard and any("\n" in s for s in middle):
+        return _match_middle_dp(middle_runs, middle, guard)
+    if not middle_runs:
         return all(globstar_may_take(s, guard) for s in middle)
-    return _match_middle(inner, middle, guard)
+    # The middle joined, so runs are found with str.find; starts[j]: offset of the '/' before middle[j].
+    joined = "/" + "/".join(middle) + "/"
+    starts = list(accumulate((len(s) + 1 for s in middle), initial=0))
+    pos = 0
+    for run in middle_runs:
+        if len(run) > 1 and all(len(e) == 1 for e in run):
+            pos = _place_literal_run(run, joined, starts, pos, guard)
+        else:
+            pos = _place_run(run, middle, joined, starts, pos, guard)
+        if pos < 0:
+            return False
+    return all(globstar_may_take(s, guard) for s in middle[pos:])
 
 
-def _match_middle(inner: Sequence[Element], middle: Sequence[str], guard: bool) -> bool:
-    """``** inner **`` against ``middle``: reach[j] says the elements so far can end after middle[:j]."""
+def _place_literal_run(run: list[tuple[str, ...]], joined: str, starts: list[int], start: int, guard: bool) -> int:
+    """:func:`_place_run` for a run of literal segments: one ``str.find`` of ``/a/b/c/`` in the joined
+    middle, so O(path length) whatever the run's length."""
+    found = joined.find("/" + "/".join(e[0] for e in run) + "/", starts[start])
+    if found < 0:
+        return -1
+    if guard and (joined.find("%2F", starts[start], found) >= 0 or joined.find("%5C", starts[start], found) >= 0):
+        return -1  # '**' would have to take a segment holding an encoded separator
+    return bisect_left(starts, found) + len(run)
+
+
+def _place_run(
+    run: list[tuple[str, ...]], middle: list[str], joined: str, starts: list[int], start: int, guard: bool
+) -> int:
+    """End of ``run`` placed at its leftmost position >= start such that ``**`` may take every segment
+    skipped on the way; -1 when there is none.
+
+    Leftmost is exact, because an element matches only segments ``**`` may take or only segments it may
+    not (deny globs: ``**`` takes anything; allow globs: an encoded separator is in the segment iff it
+    is in the element's literal text, and the newline case -- which a star may take but ``**`` not --
+    goes to the DP). If a solution places the run at p' > p (greedy), greedy hands the next ``**``
+    the extra segments [p + k, p' + k): those before p' the solution's ``**`` took; each one at or after
+    p' the solution matched with some element E_i, and E_i (or E_{i-d}, E_{i-2d}... with d = p' - p,
+    matching the same segments where the two placements overlap) matched a segment before p' in
+    greedy's placement -- one ``**`` may take, so E_i only matches such segments."""
+    last = len(middle) - len(run)
+    head = run[0]
+    # Jump to candidates: the segment equal to a literal first element, or holding the longest literal
+    # part of a starred one (every segment it matches contains that part).
+    key = head[0] if len(head) == 1 else max(head, key=len)
+    at = start
+    while at <= last:
+        if len(head) == 1:
+            try:
+                found = middle.index(key, at, last + 1)
+            except ValueError:
+                return -1
+        elif key:
+            offset = joined.find(key, starts[at] + 1)
+            found = bisect_right(starts, offset) - 1
+            if offset < 0 or found > last:
+                return -1
+        else:
+            found = at
+        if guard and not all(globstar_may_take(s, guard) for s in middle[at:found]):
+            return -1
+        at = found
+        if _run_matches(run, middle, at, guard):
+            return at + len(run)
+        if not globstar_may_take(middle[at], guard):
+            return -1
+        at += 1
+    return -1
+
+
+def _match_middle_dp(runs: list[list[tuple[str, ...]]], middle: list[str], guard: bool) -> bool:
+    """Exact fallback for a newline in an allow-side path (canonical paths never have one): a star may
+    take it but ``**`` may not, which breaks greedy's premise. reach[j]: the runs so far can end after
+    middle[:j]. O(segments x elements)."""
     m = len(middle)
     ok = [globstar_may_take(s, guard) for s in middle]
     reach = _globstar([True] + [False] * m, ok)
-    for element in (*inner, GLOBSTAR):
-        if element is GLOBSTAR:
-            reach = _globstar(reach, ok)
-            continue
-        nxt = [False] * (m + 1)
-        found = False
-        for j in range(m):
-            if reach[j] and _element_matches(element, middle[j], guard):
-                nxt[j + 1] = found = True
-        if not found:
-            return False
-        reach = nxt
+    for run in runs:
+        for element in run:
+            nxt = [False] * (m + 1)
+            for j in range(m):
+                if reach[j] and _element_matches(element, middle[j], guard):
+                    nxt[j + 1] = True
+            reach = nxt
+        reach = _globstar(reach, ok)
     return reach[m]
 
 

@@ -116,6 +116,9 @@ _DIFF = settings(max_examples=3000, deadline=None, suppress_health_check=[Health
 @example("/*2F", ["/%2F", "/x2F", "/2F"])
 @example("/*a%2F*", ["/a%2Fa%2F", "/xa%2F", "/a%2Fx%2F", "/%2Fa%2F"])
 @example("/**/**", ["", "/", "//", "/%2F"])
+@example("/**/*b/**", ["/%2F/xb", "/a/xb", "/%2Fb/xb", "/x%2Fb"])  # '**' cannot skip an encoded separator
+@example("/**/*/**/y", ["/a/\n/y", "/\n/y", "/a/b/y"])  # a star may take a newline, '**' may not
+@example("/**/a/a/b/**/c", ["/a/a/a/b/c", "/a/%2F/a/a/b/c", "/a/a/a/a/b/x/c"])  # overlapping runs
 def test_allow_and_canonical_deny_match_exactly_what_the_old_regexes_matched(raw_glob, paths) -> None:
     glob = _parse(raw_glob)
     if glob is None:
@@ -125,6 +128,34 @@ def test_allow_and_canonical_deny_match_exactly_what_the_old_regexes_matched(raw
     for path in paths:
         assert glob.matches(path) == (allow.fullmatch(path) is not None), (raw_glob, path, "allow")
         assert deny.canonical.matches(path) == (canonical.fullmatch(path) is not None), (raw_glob, path)
+
+
+_DENSE_GLOB_SEGMENTS = ["**", "**", "a", "b", "*", "a*", "*a", "*a*", "%2F", "*%2F*", "a%2Fb"]
+_DENSE_PATH_SEGMENTS = ["a", "a", "b", "", "ab", "ba", "aa", "%2F", "a%2F", "a%2Fb", "\n"]
+
+
+@_DIFF
+@given(
+    st.lists(st.sampled_from(_DENSE_GLOB_SEGMENTS), min_size=1, max_size=6),
+    st.lists(st.lists(st.sampled_from(_DENSE_PATH_SEGMENTS), max_size=7), min_size=1, max_size=6),
+)
+@example(["**", "a*", "**"], [["a"], ["a", "b"], ["ba"]])
+@example(["**", "a", "a", "**", "a", "**"], [["a", "a"], ["a", "a", "a"]])
+@example(["**", "a", "%2F", "**"], [["a", "%2F"], ["b", "a", "%2F"]])
+def test_dense_globs_of_stars_and_globstars_match_as_before(glob_segments, paths) -> None:
+    """Few symbols, many of them wildcards: every way runs between '**' can overlap, repeat or skip
+    a segment holding an encoded separator is tried."""
+    raw_glob = "/" + "/".join(glob_segments)
+    glob = _parse(raw_glob)
+    if glob is None:
+        return
+    allow, canonical, reading = _oracle(raw_glob)
+    deny = deny_glob(glob)
+    for segments in paths:
+        path = "/" + "/".join(segments)
+        assert glob.matches(path) == (allow.fullmatch(path) is not None), (raw_glob, path, "allow")
+        assert deny.canonical.matches(path) == (canonical.fullmatch(path) is not None), (raw_glob, path)
+        assert deny.reading.matches(path) == (reading.fullmatch(path) is not None), (raw_glob, path)
 
 
 @_DIFF
@@ -178,6 +209,9 @@ HOSTILE_GLOBS = [
     "/**/*a*a*a*a*b/**/a/**/*a*/**/*a*c",
     "/*a*a*a*a*a*a*a*a*b",
     "/a/*/**/*a*/**/*a*a*/**/a/**/*a*a*a*/b",
+    # the new matcher's own worst cases: head and tail match, so every segment is tried in the middle
+    "/**/*c*/**/a",
+    "/**/a/a/a/a/a/a/a/c/**/a",
 ]
 _N = 16 * 1024
 HOSTILE_PATHS = {
@@ -229,6 +263,8 @@ _MATCHING = {
     "/**/*a*a*a*a*b/**/a/**/*a*/**/*a*c": "/aaaab" + _BULK + "/ac",
     "/*a*a*a*a*a*a*a*a*b": "/" + "a" * _N + "b",
     "/a/*/**/*a*/**/*a*a*/**/a/**/*a*a*a*/b": "/a/x/a/aa" + _BULK + "/aaa/b",
+    "/**/*c*/**/a": _BULK + "/c/a",
+    "/**/a/a/a/a/a/a/a/c/**/a": _BULK + "/c/a",
 }
 
 
