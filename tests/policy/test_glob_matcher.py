@@ -195,8 +195,9 @@ def test_server_readings_of_real_paths_match_as_before(raw_glob, raw_path) -> No
 
 # --- adversarial timing ------------------------------------------------------------------------------
 
-# Generous bound for one decision on a 16 kB path: the new matcher takes ~1-20 ms on a loaded 2-core box;
-# the old regexes took from 0.7 s to hours on at least one hostile path per glob (> 3 s on most).
+# Generous bound for one decision on a 16 kB path: the new matcher takes ~1-3 ms on a loaded 2-core box;
+# the old regexes took from 0.7 s to hours on at least one hostile path for each of the first seven globs
+# (> 3 s on most), so each of their test cases fails on the old code.
 BOUND_S = 0.5
 
 # Globs with 1-5 '**' and many '*' that almost match the hostile paths below: a backtracking regex tries
@@ -209,7 +210,8 @@ HOSTILE_GLOBS = [
     "/**/*a*a*a*a*b/**/a/**/*a*/**/*a*c",
     "/*a*a*a*a*a*a*a*a*b",
     "/a/*/**/*a*/**/*a*a*/**/a/**/*a*a*a*/b",
-    # the new matcher's own worst cases: head and tail match, so every segment is tried in the middle
+    # the new matcher's own worst cases (the old regexes happen to be quick on these): head and tail
+    # match, so every segment of the middle is a candidate
     "/**/*c*/**/a",
     "/**/a/a/a/a/a/a/a/c/**/a",
 ]
