@@ -9,6 +9,9 @@ Paths: canonical origin-form paths (policy.canon.canon_path) where `*` matches w
 (`/v1/**` matches `/v1`). Wildcards never match `%2F` or `%5C`: an encoded slash or backslash can only
 be matched by literal rule text, so a server that decodes them cannot be walked outside an allowed
 subtree (`/repos/*` does not match `/repos/x%2F..%2Fadmin`).
+
+Globs are matched segment-wise by policy.pathmatch, never by a backtracking regex: the request path is
+the sandbox's to choose, and a regex per glob cost O(n^k) for k wildcards (seconds per request).
 """
 
 from __future__ import annotations
