@@ -169,13 +169,13 @@ def _deny_rule_verdict(
             readings.append(exc)
     found = readings[0]
     if isinstance(found, AmbiguousPath):
-        if any(g.canonical.fullmatch(path) for g in globs):
+        if any(g.canonical.matches(path) for g in globs):
             return Reason.DENIED_BY_RULE, None
         return Reason.PATH_AMBIGUOUS, found.code
-    if any(g.reading.fullmatch(r) for g in globs for r in found):
+    if any(g.reading.matches(r) for g in globs for r in found):
         return Reason.DENIED_BY_RULE, None
     # A path that is its only reading (plain: no escapes, no upper case...) is fully checked above.
-    if len(found) > 1 and any(g.canonical.fullmatch(path) for g in globs):
+    if len(found) > 1 and any(g.canonical.matches(path) for g in globs):
         return Reason.DENIED_BY_RULE, None
     return None
 

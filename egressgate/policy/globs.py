@@ -9,16 +9,19 @@ Paths: canonical origin-form paths (policy.canon.canon_path) where `*` matches w
 (`/v1/**` matches `/v1`). Wildcards never match `%2F` or `%5C`: an encoded slash or backslash can only
 be matched by literal rule text, so a server that decodes them cannot be walked outside an allowed
 subtree (`/repos/*` does not match `/repos/x%2F..%2Fadmin`).
+
+Globs are matched segment-wise by policy.pathmatch, never by a backtracking regex: the request path is
+the sandbox's to choose, and a regex per glob cost O(n^k) for k wildcards (seconds per request).
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import unquote
 
 from egressgate.policy.canon import CanonError, canon_host, canon_path, parse_ip_literal
+from egressgate.policy.pathmatch import GLOBSTAR, Element, SegmentPattern
 from egressgate.policy.readings import fold_separators
 
 
@@ -66,22 +69,17 @@ def parse_host_pattern(raw: str, *, allow_any: bool) -> HostPattern:
         raise GlobError(f"bad host: {exc}") from None
 
 
-_NO_ENCODED_SEP = r"(?!%2F|%5C)"
-_SEGMENT_CHARS = rf"(?:{_NO_ENCODED_SEP}[^/])*"
-_ANY_CHARS = rf"(?:{_NO_ENCODED_SEP}.)*"
-
-
 @dataclass(frozen=True, slots=True)
 class PathGlob:
     source: str
     exact: str | None  # set when the glob has no wildcard
-    regex: re.Pattern[str] | None
+    pattern: SegmentPattern | None  # the wildcard glob, matched segment-wise (policy.pathmatch)
 
     def matches(self, path: str) -> bool:
         if self.exact is not None:
             return path == self.exact
-        assert self.regex is not None
-        return self.regex.fullmatch(path) is not None
+        assert self.pattern is not None
+        return self.pattern.matches(path)
 
 
 def parse_path_glob(raw: str) -> PathGlob:
@@ -105,19 +103,31 @@ def parse_path_glob(raw: str) -> PathGlob:
         raise GlobError(f"path is not in canonical form; write it as {canonical!r}")
     if "*" not in raw:
         return PathGlob(raw, raw, None)
-    return PathGlob(raw, None, re.compile(_glob_regex(segments)))
+    # Wildcards never consume %2F/%5C (guard); canonical form makes every '%' start a whole escape
+    # inside one literal part, which the greedy segment matcher relies on (pathmatch.segment_matches).
+    return PathGlob(raw, None, SegmentPattern(_elements(segments, lambda text: text), guard=True))
 
 
-def _glob_regex(segments: list[str]) -> str:
-    out = ""
+def _elements(segments: list[str], literal: Callable[[str], str]) -> tuple[Element, ...]:
+    """Glob segments as pattern elements, each literal part mapped through ``literal``. A mapped
+    literal may contain '/' (a deny glob's decoded %2F): it then splits into further segments, as the
+    same text would have in a regex."""
+    out: list[Element] = []
     for segment in segments:
         if segment == "**":
-            # zero or more further segments; so a trailing '/**' also matches the bare prefix
-            out += f"(?:/{_ANY_CHARS})?"
+            out.append(GLOBSTAR)
             continue
-        parts = [re.escape(p) for p in segment.split("*")]
-        out += "/" + _SEGMENT_CHARS.join(parts)
-    return out
+        parts = [""]
+        for i, piece in enumerate(segment.split("*")):
+            if i:
+                parts.append("")  # a star between literal parts
+            first, *rest = literal(piece).split("/")
+            parts[-1] += first
+            for chunk in rest:
+                out.append(tuple(parts))
+                parts = [chunk]
+        out.append(tuple(parts))
+    return tuple(out)
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,16 +139,18 @@ class DenyGlob:
     ``reading`` matches server readings: its literal text decoded and folded like the readings."""
 
     source: str
-    canonical: re.Pattern[str]
-    reading: re.Pattern[str]
+    canonical: SegmentPattern
+    reading: SegmentPattern
 
 
 def deny_glob(glob: PathGlob) -> DenyGlob:
     segments = glob.source.split("/")[1:]
-    canonical = _glob_regex_with(segments, re.escape)
-    reading = _glob_regex_with(segments, lambda text: re.escape(fold_separators(_decode_literal(text))))
+    canonical = _elements(segments, str.lower)
+    reading = _elements(segments, lambda text: fold_separators(_decode_literal(text)))
     return DenyGlob(
-        glob.source, re.compile(canonical, re.IGNORECASE | re.DOTALL), re.compile(reading, re.DOTALL)
+        glob.source,
+        SegmentPattern(canonical, guard=False, fold_case=True),
+        SegmentPattern(reading, guard=False),
     )
 
 
@@ -146,13 +158,3 @@ def _decode_literal(text: str) -> str:
     """Rule text is canonical, so its escapes are well formed; bytes that are not UTF-8 stay escaped
     as surrogates (a reading never contains them: such a path is refused as ambiguous)."""
     return unquote(text, errors="surrogateescape") if "%" in text else text
-
-
-def _glob_regex_with(segments: list[str], literal: Callable[[str], str]) -> str:
-    out = ""
-    for segment in segments:
-        if segment == "**":
-            out += "(?:/.*)?"
-            continue
-        out += "/" + "[^/]*".join(literal(p) for p in segment.split("*"))
-    return out

@@ -7,11 +7,14 @@ Each is sent byte-for-byte inside the intercepted tunnel; the upstream logs ever
 receives, so "not hit" is observed, not assumed. Positive controls: an unrelated path on the same host
 IS forwarded (the upstream logs it, so a leaked bypass would have been seen), on both ports.
 Also: `no-other` has no `ports`, so it refuses other.allowed.test on 8443 although an allow rule opens it.
+And `no-deep` (four `**`): a hostile 16 kB path that nearly matches it once held the event loop for hours.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ssl
+import threading
 import time
 
 import pytest
@@ -90,3 +93,32 @@ def test_deny_rule_without_ports_holds_on_every_port(world: World, gateway: Gate
     assert_denied(_get(gateway, sbx_paths, "/x", 8443, host="other.allowed.test"), {"denied_by_rule"})
     assert_denied(_get(gateway, sbx_paths, "/admin./users", 8443), DENY_REASONS)
     assert _targets(world, mark, 8443) == []
+
+
+def test_a_hostile_path_against_a_deep_glob_does_not_stall_the_gateway(
+    world: World, gateway: Gateway, sbx_paths: Sandbox
+) -> None:
+    """A 16 kB path of `/a` segments nearly matches `/**/a/**/a/**/a/**/a/b`: the old regex matcher
+    backtracked through every split of it (hours of CPU on the event loop, so every sandbox stalled).
+    It is decided in time, is forwarded (no rule matches it: the upstream logs it), and a request on
+    another connection sent meanwhile is answered too. Control: the same bulk ending in `/b` is denied."""
+    hostile = "/a" * 8192
+    mark = world.mark()
+    results: dict[str, Response] = {}
+
+    def send() -> None:
+        with contextlib.suppress(AssertionError):  # reported below, without 16 kB of path in the message
+            results["hostile"] = _get(gateway, sbx_paths, hostile)
+
+    sender = threading.Thread(target=send)
+    start = time.monotonic()
+    sender.start()
+    time.sleep(0.2)
+    other = _get(gateway, sbx_paths, "/users/meanwhile")
+    sender.join(timeout=20)
+    assert "hostile" in results, "no response to the hostile path"
+    assert time.monotonic() - start < 10
+    assert other.status == 200 and not other.denied, other
+    assert results["hostile"].status == 200 and not results["hostile"].denied, results["hostile"]
+    assert sorted(_targets(world, mark, 443)) == sorted([hostile, "/users/meanwhile"])
+    assert assert_denied(_get(gateway, sbx_paths, hostile + "/b")) == "denied_by_rule"
