@@ -57,17 +57,12 @@ class BoundedHttp1Server(GatewayHttp1Server):
             yield commands.SendData(client, raw_deny(decision, request_id))
             yield commands.CloseConnection(client)
 
-    def refused(self, event: events.Event) -> layer.CommandGenerator[None]:
-        """Terminal state: whatever still arrives is dropped, never buffered."""
-        if self.buf:
-            self.buf.maybe_extract_at_most(len(self.buf))
-        yield from ()
-
 
 class BoundedHttpLayer(GatewayHttpLayer):
     def __init__(self, context, mode: HTTPMode, rt: Runtime) -> None:
         super().__init__(context, mode)
         self.rt = rt
+        self.max_response_head = rt.config.limits.max_header_bytes  # upstream heads: the same bound
 
     def _handle_event(self, event: events.Event):
         alpn = self.context.client.alpn
