@@ -36,7 +36,9 @@ mitmproxy's HTTP/1 layers (proxy/layers/http/_http1.py) have three gaps an agent
 
 from __future__ import annotations
 
+import asyncio
 import re
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import h11
@@ -67,6 +69,7 @@ if TYPE_CHECKING:
 TRAILER_SECTION_MAX = 64 * 1024
 CHUNK_LINE_MAX = 4 * 1024  # one chunk-size line, extensions included
 DEFAULT_RESPONSE_HEAD_MAX = 64 * 1024  # the default of limits.max_header_bytes
+ABORT_GRACE = 1.0  # seconds a refused client connection has to close cleanly before it is aborted
 INFORMATIONAL_MAX = 16
 _INFORMATIONAL = re.compile(rb"HTTP/1\.[01] (1(?!01)\d\d)(?:[ \r\n]|$)")
 
@@ -187,6 +190,11 @@ class GatewayHttp1Server(_Refusable, Http1Server):
     answers a refused request or upstream response with the deny contract."""
 
     _response_trailers: http.Headers | None = None
+    # aborts a client connection and its upstreams by client id (master.abort_connection); set by
+    # http_limits.py. mitmproxy can lose a CloseConnection: when it cancels a connection's reader task
+    # while that task waits for the event lock (a hostile peer that never stops sending makes this
+    # likely), the task ends without closing the socket, which then stays open, unread, for good.
+    abort: Callable[[str], object] | None = None
 
     def read_body(self, event: events.Event) -> layer.CommandGenerator[None]:
         yield from _read_body(self, event, RequestTrailers)
@@ -199,6 +207,8 @@ class GatewayHttp1Server(_Refusable, Http1Server):
                 yield commands.SendData(self.conn, event.raw())
             self.state = self.refused
             yield commands.CloseConnection(self.conn)
+            if self.abort is not None:  # whatever did not close by then (see `abort`) is cut
+                asyncio.get_running_loop().call_later(ABORT_GRACE, self.abort, self.conn.id)
             return
         if isinstance(event, ResponseTrailers):
             self._response_trailers = event.trailers  # written with the terminating chunk

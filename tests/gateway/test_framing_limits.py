@@ -53,6 +53,19 @@ def send_endless(sock: socket.socket, first: bytes, progress: dict | None = None
     return sent
 
 
+def closed_soon(sock: socket.socket, timeout: float = 5) -> bool:
+    """True once the gateway closed the connection (EOF or reset); what still arrives is ignored."""
+    sock.settimeout(timeout)
+    try:
+        while sock.recv(65536):
+            pass
+    except TimeoutError:
+        return False
+    except OSError:
+        pass
+    return True
+
+
 def settled(progress: dict, key: str = "sent") -> int:
     """The sender's count once it stopped growing (refused: the gateway closed or stopped reading)."""
     last = -1
@@ -191,15 +204,16 @@ def test_endless_upstream_response_head_refused_502(gw, hostile):
     sbx = gw.admit("framing")
     before = rss(gw.proc.pid)
     s = proxy_request(gw, sbx, hostile.port, "GET", "/endless-head")
-    status, headers, body = read_response(s, timeout=20)
-    s.close()
-    assert status == 502, (status, body[:200])
-    doc = json.loads(body)
-    assert doc["error"] == "upstream_response_refused" and doc["reason"] == "response_header_too_large"
-    assert doc["request_id"] == headers["x-egressgate-request-id"]
+    status, headers, body = read_response(s, timeout=30)
     sent = settled(hostile.seen["/endless-head"])
     assert sent < ENDLESS // 2, f"the gateway accepted {sent} bytes of one response head"
     assert rss(gw.proc.pid) - before < 16 << 20
+    assert status == 502, (status, body[:200])
+    assert closed_soon(s)
+    s.close()
+    doc = json.loads(body)
+    assert doc["error"] == "upstream_response_refused" and doc["reason"] == "response_header_too_large"
+    assert doc["request_id"] == headers["x-egressgate-request-id"]
     rec = outcome(gw, doc["request_id"])
     assert rec.get("egressgate.response_refused") == "response_header_too_large"
     # positive control: a 60 kB head (under the bound) passes whole
@@ -247,10 +261,11 @@ def test_endless_request_chunk_line_refused_400(gw, hostile):
     s = proxy_request(gw, sbx, hostile.port, "POST", "/upload-endless", "Transfer-Encoding: chunked\r\n")
     sent = send_endless(s, b"5\r\nhello\r\n5;x=")
     status, headers, body = read_response(s, timeout=20)
-    s.close()
     assert sent < ENDLESS // 2, f"the gateway accepted {sent} bytes of one chunk-size line"
     assert rss(gw.proc.pid) - before < 16 << 20
     assert status == 400 and headers.get("x-egressgate-decision") == "deny", (status, body[:200])
+    assert closed_soon(s)
+    s.close()
     doc = json.loads(body)
     assert doc["error"] == "egress_denied" and doc["reason"] == "invalid_request" and "chunk" in doc["message"]
     assert doc["request_id"] == headers["x-egressgate-request-id"]
