@@ -4,10 +4,11 @@
 Installed by the next-layer addon (tunnel.py) for the explicit-proxy listener and inside every tunnel, so
 no HTTP flow runs on mitmproxy's stock layers:
 
-* the client connection speaks HTTP/1 through `GatewayHttp1Server` (preset before mitmproxy's Start
+* the client connection speaks HTTP/1 through `GatewayHttp1Server` (HTTP/2: `GatewayHttp2Server`,
+  h2_limits.py; preset before mitmproxy's Start
   handler, which keeps a preset connection: its `setdefault` exists for client replay);
 * every new upstream connection stack gets `GatewayHttpClient`, which opens HTTP/1 upstreams with
-  `GatewayHttp1Client` (swapped in before the stack starts: mitmproxy builds the stack in
+  `GatewayHttp1Client` (HTTP/2: `GatewayHttp2Client`) (swapped in before the stack starts: mitmproxy builds the stack in
   `get_connection` and offers no factory for it);
 * streams are `GatewayHttpStream`.
 
@@ -47,11 +48,11 @@ from mitmproxy.proxy.layers.http._events import (
     ResponseProtocolError,
 )
 from mitmproxy.proxy.layers.http._hooks import HttpRequestHook, HttpResponseHeadersHook
-from mitmproxy.proxy.layers.http._http2 import Http2Client
 from mitmproxy.proxy.layers.http._http3 import Http3Client
 from mitmproxy.proxy.utils import expect
 
 from egressgate.gateway.context import flow_state
+from egressgate.gateway.h2_limits import GatewayHttp2Client, GatewayHttp2Server
 from egressgate.gateway.http1_framing import (
     DEFAULT_RESPONSE_HEAD_MAX,
     GatewayHttp1Client,
@@ -77,7 +78,7 @@ class GatewayHttpClient(HttpClient):
             if is_h3_alpn(self.context.server.alpn):
                 self.child_layer = Http3Client(self.context)
             elif self.context.server.alpn == b"h2":
-                self.child_layer = Http2Client(self.context)
+                self.child_layer = GatewayHttp2Client(self.context)
             else:
                 self.child_layer = GatewayHttp1Client(self.context, self.max_response_head)
             self._handle_event = self.child_layer.handle_event
@@ -186,7 +187,9 @@ class GatewayHttpLayer(HttpLayer):
     def _handle_event(self, event: events.Event):
         if isinstance(event, events.Start):
             alpn = self.context.client.alpn
-            if alpn != b"h2" and not is_h3_alpn(alpn):
+            if alpn == b"h2":
+                self.connections.setdefault(self.context.client, GatewayHttp2Server(self.context.fork()))
+            elif not is_h3_alpn(alpn):
                 self.connections.setdefault(self.context.client, GatewayHttp1Server(self.context.fork()))
         yield from super()._handle_event(event)
 
