@@ -36,7 +36,6 @@ mitmproxy's HTTP/1 layers (proxy/layers/http/_http1.py) have three gaps an agent
 
 from __future__ import annotations
 
-import asyncio
 import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -190,11 +189,12 @@ class GatewayHttp1Server(_Refusable, Http1Server):
     answers a refused request or upstream response with the deny contract."""
 
     _response_trailers: http.Headers | None = None
-    # aborts a client connection and its upstreams by client id (master.abort_connection); set by
-    # http_limits.py. mitmproxy can lose a CloseConnection: when it cancels a connection's reader task
-    # while that task waits for the event lock (a hostile peer that never stops sending makes this
-    # likely), the task ends without closing the socket, which then stays open, unread, for good.
-    abort: Callable[[str], object] | None = None
+    # aborts a client connection and its upstreams by client id in n seconds
+    # (master.abort_connection_later); set by http_limits.py. mitmproxy can lose a CloseConnection:
+    # when it cancels a connection's reader task while that task waits for its event lock (a hostile
+    # peer that never stops sending makes this likely), the task ends without closing the socket,
+    # which then stays open, unread, for good.
+    abort_later: Callable[[str, float], object] | None = None
 
     def read_body(self, event: events.Event) -> layer.CommandGenerator[None]:
         yield from _read_body(self, event, RequestTrailers)
@@ -207,8 +207,8 @@ class GatewayHttp1Server(_Refusable, Http1Server):
                 yield commands.SendData(self.conn, event.raw())
             self.state = self.refused
             yield commands.CloseConnection(self.conn)
-            if self.abort is not None:  # whatever did not close by then (see `abort`) is cut
-                asyncio.get_running_loop().call_later(ABORT_GRACE, self.abort, self.conn.id)
+            if self.abort_later is not None:  # whatever did not close by then (see `abort_later`) is cut
+                self.abort_later(self.conn.id, ABORT_GRACE)
             return
         if isinstance(event, ResponseTrailers):
             self._response_trailers = event.trailers  # written with the terminating chunk

@@ -37,11 +37,11 @@ Overflow = Callable[[str, str, int], str]
 
 class BoundedHttp1Server(GatewayHttp1Server):
     def __init__(self, context, max_bytes: int, overflow: Overflow | None,
-                 abort: Callable[[str], object] | None = None) -> None:
+                 abort_later: Callable[[str, float], object] | None = None) -> None:
         super().__init__(context)
         self.max_bytes = max_bytes
         self.overflow = overflow
-        self.abort = abort
+        self.abort_later = abort_later
 
     def read_headers(self, event: events.ConnectionEvent) -> layer.CommandGenerator[None]:
         yield from super().read_headers(event)
@@ -70,12 +70,14 @@ class BoundedHttpLayer(GatewayHttpLayer):
         alpn = self.context.client.alpn
         if isinstance(event, events.Start) and alpn != b"h2" and not is_h3_alpn(alpn):  # as HttpLayer picks
             self.connections.setdefault(self.context.client, BoundedHttp1Server(
-                self.context.fork(), self.rt.config.limits.max_header_bytes, self.rt.header_overflow, self._abort))
+                self.context.fork(), self.rt.config.limits.max_header_bytes, self.rt.header_overflow,
+                self._abort_later))
         yield from super()._handle_event(event)
 
 
-    def _abort(self, client_id: str) -> object:
-        return self.rt.abort_connection(client_id) if self.rt.abort_connection is not None else False
+    def _abort_later(self, client_id: str, delay: float) -> object:
+        later = self.rt.abort_connection_later
+        return later(client_id, delay) if later is not None else False
 
 
 def http_layer(context, mode: HTTPMode, rt: Runtime) -> layer.Layer:
