@@ -24,7 +24,7 @@ from mitmproxy.proxy.layers import modes
 from mitmproxy.proxy.layers.http import HTTPMode, is_h3_alpn
 
 from egressgate.gateway.deny import gateway_deny, raw_deny
-from egressgate.gateway.http1_framing import GatewayHttp1Server
+from egressgate.gateway.http1_framing import ABORT_GRACE, GatewayHttp1Server
 from egressgate.gateway.http_layer import GatewayHttpLayer
 from egressgate.policy.reasons import Reason
 
@@ -58,6 +58,8 @@ class BoundedHttp1Server(GatewayHttp1Server):
                 f"send smaller headers.")
             yield commands.SendData(client, raw_deny(decision, request_id))
             yield commands.CloseConnection(client)
+            if self.abort_later is not None:  # mitmproxy may fail to close it (GatewayHttp1Server.abort_later)
+                self.abort_later(client.id, ABORT_GRACE)
 
 
 class BoundedHttpLayer(GatewayHttpLayer):
