@@ -146,7 +146,8 @@ class LimitsConfig(_Strict):
     tls_handshake_timeout: Seconds = Field(default=30.0, gt=0, le=3600)
     # a kept-alive connection with no request in flight -> the next request's headers are complete
     keepalive_timeout: Seconds = Field(default=120.0, gt=0, le=86400)
-    # bytes of one HTTP/1 request head (request line + headers) the gateway buffers; more: 431
+    # bytes of one HTTP/1 head the gateway buffers: a request head over it gets 431, an upstream's
+    # response head over it a 502 (http_limits.py, http1_framing.py)
     max_header_bytes: int = Field(default=64 * 1024, ge=1024, le=16 * 1024 * 1024)
     # mitmproxy's inactivity timeout for any connection (request bodies, tunnels, WebSockets)
     idle_timeout: int = Field(default=600, gt=0, le=86400)

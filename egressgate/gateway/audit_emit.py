@@ -182,6 +182,8 @@ class AuditEmit:
             extra["egressgate.internal_error"] = fs.extra["internal_error"]  # the hook that crashed
         if fs.extra.get("response_refused"):  # credential_response.py: why the body was not forwarded
             extra["egressgate.response_refused"] = fs.extra["response_refused"]
+        if fs.extra.get("request_refused"):  # http1_framing.py: the request body's framing was refused
+            extra["egressgate.request_refused"] = fs.extra["request_refused"]
         req_hash, body_hash = request_hash.finish(fs)
         event = AuditEvent(
             kind=EventKind.OUTCOME,

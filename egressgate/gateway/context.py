@@ -145,6 +145,7 @@ class Runtime:
     by_sandbox: dict[str, set[str]] = field(default_factory=dict)
     clock: Callable[[], float] = time.time
     abort_connection: Callable[[str], bool] | None = None  # set by the master: client id -> aborted?
+    abort_connection_later: Callable[[str, float], bool] | None = None  # the same, in n seconds
     server_task: Callable[[str, Any], Any] | None = None  # set by the master: (client id, server) -> Task
     broker: Broker | None = None  # credential broker (egressgate/broker); None: credentialed routes fail closed
     background: set[asyncio.Task] = field(default_factory=set)  # write-behind audit records, drained at stop

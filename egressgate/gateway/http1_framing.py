@@ -21,14 +21,28 @@ mitmproxy's HTTP/1 layers (proxy/layers/http/_http1.py) have three gaps an agent
   the response hooks (no scrubbing of a `Link` header echoing a credential), and mitmproxy already
   answers `Expect: 100-continue` itself. At most INFORMATIONAL_MAX are accepted per request; an upstream
   that keeps sending them gets a 502.
+* **Unbounded framing buffers**: mitmproxy's HTTP/1 client buffers an upstream's unfinished response
+  head, and h11's chunked reader (used directly, so h11's own `max_incomplete_event_size` never applies)
+  an unfinished chunk-size line, without limit: an endless header or chunk-extension line grows the
+  gateway by whatever the peer sends. A response head is bounded by `limits.max_header_bytes` (the
+  request head's bound, http_limits.py), a chunk-size line (size + extensions, which no agent needs)
+  by CHUNK_LINE_MAX, in both directions. Over a bound the buffered bytes are released at once, the
+  peer's connection is closed, and the stream answers (http_layer.py): a request gets `400` with the
+  deny contract (`invalid_request`), a response not yet started a `502 upstream_response_refused`, one
+  already started is cut; the outcome record says which (`egressgate.request_refused` /
+  `egressgate.response_refused`). Checked when the buffered bytes are still incomplete, so at most the
+  bound plus one read is ever held.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import h11
 from mitmproxy import http
+from mitmproxy.connection import ConnectionState
 from mitmproxy.proxy import commands, events, layer
 from mitmproxy.proxy.layers.http import Http1Client, Http1Server
 from mitmproxy.proxy.layers.http._base import ReceiveHttp
@@ -36,6 +50,7 @@ from mitmproxy.proxy.layers.http._events import (
     ErrorCode,
     HttpEvent,
     RequestEndOfMessage,
+    RequestProtocolError,
     RequestTrailers,
     ResponseEndOfMessage,
     ResponseProtocolError,
@@ -43,9 +58,70 @@ from mitmproxy.proxy.layers.http._events import (
 )
 from mitmproxy.proxy.layers.http._http1 import make_error_response
 
+from egressgate.gateway.credential_streams import refusal_body
+from egressgate.gateway.deny import REQUEST_ID_HEADER, deny_body, gateway_deny
+from egressgate.policy.reasons import Reason
+
+if TYPE_CHECKING:
+    from h11._receivebuffer import ReceiveBuffer
+
 TRAILER_SECTION_MAX = 64 * 1024
+CHUNK_LINE_MAX = 4 * 1024  # one chunk-size line, extensions included
+DEFAULT_RESPONSE_HEAD_MAX = 64 * 1024  # the default of limits.max_header_bytes
+ABORT_GRACE = 1.0  # seconds a refused client connection has to close cleanly before it is aborted
 INFORMATIONAL_MAX = 16
 _INFORMATIONAL = re.compile(rb"HTTP/1\.[01] (1(?!01)\d\d)(?:[ \r\n]|$)")
+
+
+class RefusedRequest(RequestProtocolError):
+    """A request body whose framing the client side refused (`reason`); the stream answers it."""
+
+    def __init__(self, stream_id: int, message: str, reason: str) -> None:
+        super().__init__(stream_id, message, ErrorCode.GENERIC_CLIENT_ERROR)
+        self.reason = reason
+
+
+class Refusal(ResponseProtocolError):
+    """What the client gets for a refused request (400, deny contract) or upstream response (502,
+    `upstream_response_refused`); `request_id` is filled in by the stream, which knows the flow."""
+
+    def __init__(self, stream_id: int, message: str, reason: str, status: int = 502) -> None:
+        super().__init__(stream_id, message, ErrorCode.GENERIC_SERVER_ERROR)
+        self.reason = reason
+        self.status = status
+        self.request_id = "-"
+
+    def raw(self) -> bytes:
+        if self.status == 502:
+            body = refusal_body(self.request_id, self.reason, self.message)
+            extra = ""
+        else:
+            body = deny_body(gateway_deny(Reason.INVALID_REQUEST, self.message, detail=self.reason),
+                             self.request_id)
+            extra = "X-Egressgate-Decision: deny\r\n"
+        head = (f"HTTP/1.1 {self.status} {'Bad Gateway' if self.status == 502 else 'Bad Request'}\r\n"
+                f"Content-Type: application/json\r\n{extra}{REQUEST_ID_HEADER}: {self.request_id}\r\n"
+                f"Cache-Control: no-store\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n")
+        return head.encode() + body
+
+
+def _chunk_line_refusal(conn: Http1Server | Http1Client) -> layer.CommandGenerator[None]:
+    """An unfinished chunk-size line over CHUNK_LINE_MAX: drop it, stop reading, tell the stream."""
+    assert conn.stream_id is not None
+    size = len(conn.buf)
+    conn.buf.maybe_extract_at_most(size)  # release the memory now
+    conn.state = conn.refused
+    message = (f"A chunk-size line (with chunk extensions) longer than {CHUNK_LINE_MAX} bytes was refused "
+               f"({size} bytes unfinished); send chunks without extensions.")
+    if isinstance(conn, Http1Client):
+        yield commands.CloseConnection(conn.conn)
+        yield ReceiveHttp(Refusal(conn.stream_id, message, "chunk_line_too_large"))
+        return
+    # the stream answers (400 with its request id) and closes, possibly later: it may be waiting for a
+    # hook (events to it are queued meanwhile); until then nothing more is read into the buffer
+    yield ReceiveHttp(RefusedRequest(conn.stream_id, message, "chunk_line_too_large"))
+    if conn.response is not None and conn.conn.state & ConnectionState.CAN_WRITE:
+        yield commands.CloseConnection(conn.conn)  # answered early (a deny): no stream left to answer
 
 
 def _read_body(conn: Http1Server | Http1Client, event: events.Event, receive_trailers) -> layer.CommandGenerator[None]:
@@ -56,6 +132,11 @@ def _read_body(conn: Http1Server | Http1Client, event: events.Event, receive_tra
         try:
             if isinstance(event, events.DataReceived):
                 h11_event = conn.body_reader(conn.buf)
+                if h11_event is None and len(conn.buf) > CHUNK_LINE_MAX and not getattr(
+                        conn.body_reader, "_reading_trailer", False):
+                    # the only reader that leaves bytes unconsumed is the chunked one, waiting for a line
+                    yield from _chunk_line_refusal(conn)
+                    return
             elif isinstance(event, events.ConnectionClosed):
                 h11_event = conn.body_reader.read_eof()
             else:
@@ -92,15 +173,43 @@ def _read_body(conn: Http1Server | Http1Client, event: events.Event, receive_tra
             return
 
 
-class GatewayHttp1Server(Http1Server):
-    """The client side of an HTTP/1 connection: reads request trailers, writes response trailers."""
+class _Refusable:
+    buf: ReceiveBuffer
+
+    def refused(self, event: events.Event) -> layer.CommandGenerator[None]:
+        """Terminal state of a refused connection: whatever still arrives is dropped, never buffered
+        (`_handle_event` appends it to the buffer before calling the state)."""
+        if self.buf:
+            self.buf.maybe_extract_at_most(len(self.buf))
+        yield from ()
+
+
+class GatewayHttp1Server(_Refusable, Http1Server):
+    """The client side of an HTTP/1 connection: reads request trailers, writes response trailers, and
+    answers a refused request or upstream response with the deny contract."""
 
     _response_trailers: http.Headers | None = None
+    # aborts a client connection and its upstreams by client id in n seconds
+    # (master.abort_connection_later); set by http_limits.py. mitmproxy can lose a CloseConnection:
+    # when it cancels a connection's reader task while that task waits for its event lock (a hostile
+    # peer that never stops sending makes this likely), the task ends without closing the socket,
+    # which then stays open, unread, for good.
+    abort_later: Callable[[str, float], object] | None = None
 
     def read_body(self, event: events.Event) -> layer.CommandGenerator[None]:
         yield from _read_body(self, event, RequestTrailers)
 
     def send(self, event: HttpEvent) -> layer.CommandGenerator[None]:
+        if isinstance(event, Refusal):
+            if not self.conn.state & ConnectionState.CAN_WRITE:
+                return
+            if self.response is None:  # nothing of a response went out yet: answer; else cut
+                yield commands.SendData(self.conn, event.raw())
+            self.state = self.refused
+            yield commands.CloseConnection(self.conn)
+            if self.abort_later is not None:  # whatever did not close by then (see `abort_later`) is cut
+                self.abort_later(self.conn.id, ABORT_GRACE)
+            return
         if isinstance(event, ResponseTrailers):
             self._response_trailers = event.trailers  # written with the terminating chunk
             return
@@ -116,16 +225,33 @@ class GatewayHttp1Server(Http1Server):
         yield from super().send(event)
 
 
-class GatewayHttp1Client(Http1Client):
-    """The upstream side of an HTTP/1 connection: reads response trailers, swallows 1xx responses."""
+class GatewayHttp1Client(_Refusable, Http1Client):
+    """The upstream side of an HTTP/1 connection: reads response trailers, swallows 1xx responses,
+    bounds the response head."""
 
     _informational = 0
     _refused = False
+
+    def __init__(self, context, max_head_bytes: int = DEFAULT_RESPONSE_HEAD_MAX) -> None:
+        super().__init__(context)
+        self.max_head_bytes = max_head_bytes
 
     def read_body(self, event: events.Event) -> layer.CommandGenerator[None]:
         yield from _read_body(self, event, ResponseTrailers)
 
     def read_headers(self, event: events.ConnectionEvent) -> layer.CommandGenerator[None]:
+        yield from self._read_headers(event)
+        # still waiting for the blank line (of a 1xx or the final head): everything buffered is head
+        if self.state == self.read_headers and len(self.buf) > self.max_head_bytes and self.stream_id is not None:
+            size = len(self.buf)
+            self.buf.maybe_extract_at_most(size)  # release the memory now
+            self.state = self.refused
+            yield commands.CloseConnection(self.conn)
+            yield ReceiveHttp(Refusal(
+                self.stream_id, f"The upstream's response head was larger than {self.max_head_bytes} bytes "
+                f"(limits.max_header_bytes; {size} buffered), so it was refused.", "response_header_too_large"))
+
+    def _read_headers(self, event: events.ConnectionEvent) -> layer.CommandGenerator[None]:
         if isinstance(event, events.DataReceived) and self.request is not None and self.stream_id is not None:
             while (match := _INFORMATIONAL.match(bytes(self.buf)[:16])) is not None:
                 if self.buf.maybe_extract_lines() is None:

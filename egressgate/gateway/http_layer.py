@@ -4,10 +4,11 @@
 Installed by the next-layer addon (tunnel.py) for the explicit-proxy listener and inside every tunnel, so
 no HTTP flow runs on mitmproxy's stock layers:
 
-* the client connection speaks HTTP/1 through `GatewayHttp1Server` (preset before mitmproxy's Start
+* the client connection speaks HTTP/1 through `GatewayHttp1Server` (HTTP/2: `GatewayHttp2Server`,
+  h2_limits.py; preset before mitmproxy's Start
   handler, which keeps a preset connection: its `setdefault` exists for client replay);
 * every new upstream connection stack gets `GatewayHttpClient`, which opens HTTP/1 upstreams with
-  `GatewayHttp1Client` (swapped in before the stack starts: mitmproxy builds the stack in
+  `GatewayHttp1Client` (HTTP/2: `GatewayHttp2Client`) (swapped in before the stack starts: mitmproxy builds the stack in
   `get_connection` and offers no factory for it);
 * streams are `GatewayHttpStream`.
 
@@ -44,17 +45,29 @@ from mitmproxy.proxy.layers.http._events import (
     RequestEndOfMessage,
     RequestProtocolError,
     RequestTrailers,
+    ResponseProtocolError,
 )
 from mitmproxy.proxy.layers.http._hooks import HttpRequestHook, HttpResponseHeadersHook
-from mitmproxy.proxy.layers.http._http2 import Http2Client
 from mitmproxy.proxy.layers.http._http3 import Http3Client
 from mitmproxy.proxy.utils import expect
 
-from egressgate.gateway.http1_framing import GatewayHttp1Client, GatewayHttp1Server
+from egressgate.gateway.context import flow_state
+from egressgate.gateway.h2_limits import GatewayHttp2Client, GatewayHttp2Server
+from egressgate.gateway.http1_framing import (
+    DEFAULT_RESPONSE_HEAD_MAX,
+    GatewayHttp1Client,
+    GatewayHttp1Server,
+    Refusal,
+    RefusedRequest,
+)
 
 
 class GatewayHttpClient(HttpClient):
     """mitmproxy's HttpClient, opening HTTP/1 upstreams with GatewayHttp1Client."""
+
+    def __init__(self, context, max_response_head: int = DEFAULT_RESPONSE_HEAD_MAX) -> None:
+        super().__init__(context)
+        self.max_response_head = max_response_head
 
     @expect(events.Start)
     def _handle_event(self, event: events.Event) -> layer.CommandGenerator[None]:
@@ -65,15 +78,46 @@ class GatewayHttpClient(HttpClient):
             if is_h3_alpn(self.context.server.alpn):
                 self.child_layer = Http3Client(self.context)
             elif self.context.server.alpn == b"h2":
-                self.child_layer = Http2Client(self.context)
+                self.child_layer = GatewayHttp2Client(self.context)
             else:
-                self.child_layer = GatewayHttp1Client(self.context)
+                self.child_layer = GatewayHttp1Client(self.context, self.max_response_head)
             self._handle_event = self.child_layer.handle_event
             yield from self._handle_event(event)
         yield RegisterHttpConnection(self.context.server, err)
 
 
 class GatewayHttpStream(HttpStream):
+    def handle_protocol_error(
+            self, event: RequestProtocolError | ResponseProtocolError) -> layer.CommandGenerator[None]:
+        """A request or response the HTTP/1 framing refused (http1_framing.py: an unbounded line): the
+        outcome record keeps why, and the client's refusal carries this flow's request id. mitmproxy
+        sends nothing to the client for a request error, so the answer to a refused request is sent here."""
+        if not isinstance(event, (Refusal, RefusedRequest)):
+            yield from super().handle_protocol_error(event)
+            return
+        fs = flow_state(self.flow)
+        request_id = fs.request_id if fs is not None else "-"
+        if fs is not None:
+            fs.extra["request_refused" if isinstance(event, RefusedRequest) else "response_refused"] = event.reason
+        if isinstance(event, Refusal):
+            event.request_id = request_id
+        yield from super().handle_protocol_error(event)
+        if isinstance(event, RefusedRequest):
+            answer = Refusal(self.stream_id, event.message, event.reason, status=400)
+            answer.request_id = request_id
+            yield SendHttp(answer, self.context.client)
+
+    def check_killed(self, emit_error_hook: bool) -> layer.CommandGenerator[bool]:
+        """mitmproxy takes any request error queued while a hook ran for the client having gone away
+        (the flow is killed, the client gets no answer); a refused request is answered instead."""
+        refused = next((e for e in self._paused_event_queue if isinstance(e, RefusedRequest)), None)
+        killed_by_us = self.flow.error is not None and self.flow.error.msg == flow.Error.KILLED_MESSAGE
+        if refused is None or killed_by_us:
+            return (yield from super().check_killed(emit_error_hook))
+        self._paused_event_queue.remove(refused)
+        yield from self.handle_protocol_error(refused)
+        return True
+
     @expect(RequestData, RequestTrailers, RequestEndOfMessage)
     def state_stream_request_body(self, event: events.Event) -> layer.CommandGenerator[None]:
         if not isinstance(event, RequestEndOfMessage):
@@ -138,10 +182,14 @@ class GatewayHttpStream(HttpStream):
 
 
 class GatewayHttpLayer(HttpLayer):
+    max_response_head = DEFAULT_RESPONSE_HEAD_MAX  # bytes of an upstream's HTTP/1 response head
+
     def _handle_event(self, event: events.Event):
         if isinstance(event, events.Start):
             alpn = self.context.client.alpn
-            if alpn != b"h2" and not is_h3_alpn(alpn):
+            if alpn == b"h2":
+                self.connections.setdefault(self.context.client, GatewayHttp2Server(self.context.fork()))
+            elif not is_h3_alpn(alpn):
                 self.connections.setdefault(self.context.client, GatewayHttp1Server(self.context.fork()))
         yield from super()._handle_event(event)
 
@@ -163,7 +211,7 @@ class GatewayHttpLayer(HttpLayer):
             return top
         ctx = current.context
         ctx.layers.remove(current)  # Layer.__init__ registered it; the replacement registers itself
-        replacement = GatewayHttpClient(ctx)
+        replacement = GatewayHttpClient(ctx, self.max_response_head)
         if parent is not None:
             parent.child_layer = replacement
             return top

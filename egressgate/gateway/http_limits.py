@@ -24,7 +24,7 @@ from mitmproxy.proxy.layers import modes
 from mitmproxy.proxy.layers.http import HTTPMode, is_h3_alpn
 
 from egressgate.gateway.deny import gateway_deny, raw_deny
-from egressgate.gateway.http1_framing import GatewayHttp1Server
+from egressgate.gateway.http1_framing import ABORT_GRACE, GatewayHttp1Server
 from egressgate.gateway.http_layer import GatewayHttpLayer
 from egressgate.policy.reasons import Reason
 
@@ -36,10 +36,12 @@ Overflow = Callable[[str, str, int], str]
 
 
 class BoundedHttp1Server(GatewayHttp1Server):
-    def __init__(self, context, max_bytes: int, overflow: Overflow | None) -> None:
+    def __init__(self, context, max_bytes: int, overflow: Overflow | None,
+                 abort_later: Callable[[str, float], object] | None = None) -> None:
         super().__init__(context)
         self.max_bytes = max_bytes
         self.overflow = overflow
+        self.abort_later = abort_later
 
     def read_headers(self, event: events.ConnectionEvent) -> layer.CommandGenerator[None]:
         yield from super().read_headers(event)
@@ -56,25 +58,28 @@ class BoundedHttp1Server(GatewayHttp1Server):
                 f"send smaller headers.")
             yield commands.SendData(client, raw_deny(decision, request_id))
             yield commands.CloseConnection(client)
-
-    def refused(self, event: events.Event) -> layer.CommandGenerator[None]:
-        """Terminal state: whatever still arrives is dropped, never buffered."""
-        if self.buf:
-            self.buf.maybe_extract_at_most(len(self.buf))
-        yield from ()
+            if self.abort_later is not None:  # mitmproxy may fail to close it (GatewayHttp1Server.abort_later)
+                self.abort_later(client.id, ABORT_GRACE)
 
 
 class BoundedHttpLayer(GatewayHttpLayer):
     def __init__(self, context, mode: HTTPMode, rt: Runtime) -> None:
         super().__init__(context, mode)
         self.rt = rt
+        self.max_response_head = rt.config.limits.max_header_bytes  # upstream heads: the same bound
 
     def _handle_event(self, event: events.Event):
         alpn = self.context.client.alpn
         if isinstance(event, events.Start) and alpn != b"h2" and not is_h3_alpn(alpn):  # as HttpLayer picks
             self.connections.setdefault(self.context.client, BoundedHttp1Server(
-                self.context.fork(), self.rt.config.limits.max_header_bytes, self.rt.header_overflow))
+                self.context.fork(), self.rt.config.limits.max_header_bytes, self.rt.header_overflow,
+                self._abort_later))
         yield from super()._handle_event(event)
+
+
+    def _abort_later(self, client_id: str, delay: float) -> object:
+        later = self.rt.abort_connection_later
+        return later(client_id, delay) if later is not None else False
 
 
 def http_layer(context, mode: HTTPMode, rt: Runtime) -> layer.Layer:

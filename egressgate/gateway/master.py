@@ -66,6 +66,18 @@ class _Running:
         self.event.set()
 
 
+def _abort(client_id: str, writers: list) -> None:
+    for writer in writers:
+        transport = getattr(writer, "transport", None)
+        try:
+            if transport is not None:
+                transport.abort()
+            else:
+                writer.close()
+        except Exception:
+            logger.debug("abort of %s failed", client_id, exc_info=True)
+
+
 class GatewayMaster:
     def __init__(self, runtime: Runtime, listen: tuple[str, int]) -> None:
         self.rt = runtime
@@ -77,24 +89,30 @@ class GatewayMaster:
     def abort_connection(self, client_id: str) -> bool:
         """Abort a client connection and every upstream connection it owns, right now (RST, no
         graceful close: a cut body must not look complete to the upstream)."""
+        writers = self._writers(client_id)
+        if writers is None:
+            return False
+        _abort(client_id, writers)
+        return True
+
+    def abort_connection_later(self, client_id: str, delay: float) -> bool:
+        """`abort_connection` in `delay` seconds, on the sockets the connection has *now*: by then
+        mitmproxy may have forgotten a connection whose socket it failed to close (a reader task
+        cancelled while it waited for mitmproxy's event lock ends without closing it). Aborting a
+        socket that did close meanwhile does nothing."""
+        writers = self._writers(client_id)
+        if writers is None:
+            return False
+        asyncio.get_running_loop().call_later(delay, _abort, client_id, writers)
+        return True
+
+    def _writers(self, client_id: str) -> list | None:
         ps = self.proxyserver
         handler = ps.connections.get(client_id) if ps is not None else None
         if handler is None:
-            return False
+            return None
         ios = sorted(handler.transports.items(), key=lambda item: item[0] is handler.client)
-        for _conn, io in ios:  # servers first, then the client
-            writer = io.writer
-            if writer is None:
-                continue
-            transport = getattr(writer, "transport", None)
-            try:
-                if transport is not None:
-                    transport.abort()
-                else:
-                    writer.close()
-            except Exception:
-                logger.debug("abort of %s failed", client_id, exc_info=True)
-        return True
+        return [io.writer for _conn, io in ios if io.writer is not None]  # servers first, then the client
 
     def pending_bytes(self, client_id: str) -> int | None:
         """Bytes of an unfinished request the client has sent on this connection (HTTP/1 receive buffers
@@ -184,6 +202,7 @@ class GatewayMaster:
             tcp_timeout=rt.config.limits.idle_timeout,
         )
         rt.abort_connection = self.abort_connection
+        rt.abort_connection_later = self.abort_connection_later
         rt.server_task = self.server_task
         self.master = master
         self._task = asyncio.create_task(master.run(), name="mitmproxy-master")

@@ -1,0 +1,49 @@
+"""HTTP/2 header blocks with a size bound, on both sides of the gateway.
+
+h2 (4.4) buffers a header block split over CONTINUATION frames until END_HEADERS, bounded only by
+frame count (64) times the frame size mitmproxy advertises (128 KiB): ~8 MiB of compressed header
+block per connection before anything is decoded (the CONTINUATION-flood class, CVE-2024-27316). The
+decoded header list is already bounded at 64 KiB (h2's default `max_header_list_size`, which
+mitmproxy keeps), and an HPACK block larger than that cannot decode to less (HPACK never expands a
+header beyond name + value + 32 bytes of accounting), so the *compressed* block is bounded the same:
+HEADER_BLOCK_MAX. Beyond it the peer gets a connection error (GOAWAY) and the buffered frames are
+released; a header list any real client sends is far smaller.
+"""
+
+from __future__ import annotations
+
+from h2.exceptions import ProtocolError
+from h2.frame_buffer import FrameBuffer
+from mitmproxy.proxy.layers.http._http2 import Http2Client, Http2Server
+
+HEADER_BLOCK_MAX = 64 * 1024  # = h2's DEFAULT_MAX_HEADER_LIST_SIZE, the decoded bound
+
+
+class BoundedFrameBuffer(FrameBuffer):
+    def _update_header_buffer(self, f):
+        frame = super()._update_header_buffer(f)
+        if self._headers_buffer and sum(len(x.data) for x in self._headers_buffer) > HEADER_BLOCK_MAX:
+            self._headers_buffer = []  # release now
+            raise ProtocolError(f"header block larger than {HEADER_BLOCK_MAX} bytes")
+        return frame
+
+
+def _bound(conn: Http2Server | Http2Client, server: bool) -> None:
+    """Swap h2's frame buffer before any byte arrived (h2 offers no setting for it)."""
+    old = conn.h2_conn.incoming_buffer
+    assert not old._data and not old._headers_buffer
+    new = BoundedFrameBuffer(server=server)
+    new.max_frame_size = old.max_frame_size
+    conn.h2_conn.incoming_buffer = new
+
+
+class GatewayHttp2Server(Http2Server):
+    def __init__(self, context) -> None:
+        super().__init__(context)
+        _bound(self, server=True)
+
+
+class GatewayHttp2Client(Http2Client):
+    def __init__(self, context) -> None:
+        super().__init__(context)
+        _bound(self, server=False)
