@@ -44,12 +44,17 @@ _COUNTED = "egressgate.connguard"  # flow.metadata key: this request is counted 
 PHASE_HEADERS = "request_headers"
 PHASE_TLS = "tls_handshake"
 PHASE_KEEPALIVE = "keepalive"
+_EARLY = 0.001  # asyncio runs a timer up to its clock resolution early; within this a deadline has passed
 
 
 @dataclass(slots=True)
 class _Conn:
     source: str
-    timer: asyncio.TimerHandle | None = None
+    deadline: float | None = None  # loop.time() by which the current phase must end (None: no deadline)
+    phase: str = PHASE_HEADERS
+    seconds: float = 0.0  # the configured timeout of `phase` (for the audit text)
+    timer: asyncio.TimerHandle | None = None  # fires at `timer_at` <= deadline; re-armed if the deadline moved
+    timer_at: float = 0.0
     in_flight: int = 0
     streaming: bool = False  # a WebSocket or raw TCP relay: only the idle timeout applies
     refused: str | None = None  # request id of a refusal by the per-source limit
@@ -103,7 +108,7 @@ class ConnGuard:
         conn = self.conns.pop(client.id, None)
         if conn is None:
             return
-        self._cancel(conn)
+        self._drop_timer(conn)
         ids = self.pending.get(conn.source)
         if ids is not None:
             ids.discard(client.id)
@@ -113,7 +118,7 @@ class ConnGuard:
     def done(self) -> None:
         """Shutdown: write the last summary records (the gateway drains rt.background afterwards)."""
         for conn in self.conns.values():
-            self._cancel(conn)
+            self._drop_timer(conn)
         self.audit.close()
 
     # ------------------------------------------------------------------ phase changes
@@ -168,6 +173,12 @@ class ConnGuard:
             self._cancel(conn)
 
     # ------------------------------------------------------------------ deadlines
+    # A deadline is a timestamp on the connection, and each connection has at most one asyncio timer. A
+    # kept-alive connection moves its deadline twice per request (cleared at the request headers, set at
+    # the response); creating and cancelling a timer each time cost two heap operations and a TimerHandle
+    # per request, and left cancelled handles in the loop's heap. Now moving a deadline later only writes
+    # the timestamp; the timer, when it fires, re-arms itself for the deadline that holds then (or does
+    # nothing if none does). A deadline moved *earlier* replaces the timer, so no deadline ever fires late.
     def _identified(self, client_id: str) -> bool:
         state = self.rt.conns.get(client_id)
         return state is not None and state.sandbox_id is not None
@@ -176,9 +187,14 @@ class ConnGuard:
         conn = self.conns.get(client_id)
         if conn is None:
             return
-        self._cancel(conn)
         loop = asyncio.get_running_loop()
-        conn.timer = loop.call_later(seconds, self._expire, client_id, phase, seconds)
+        conn.deadline = loop.time() + seconds
+        conn.phase, conn.seconds = phase, seconds
+        if conn.timer is None or conn.timer_at > conn.deadline:
+            if conn.timer is not None:
+                conn.timer.cancel()
+            conn.timer = loop.call_at(conn.deadline, self._fire, client_id)
+            conn.timer_at = conn.deadline
 
     def _disarm(self, client_id: str) -> None:
         conn = self.conns.get(client_id)
@@ -187,15 +203,33 @@ class ConnGuard:
 
     @staticmethod
     def _cancel(conn: _Conn) -> None:
+        """No deadline runs; the timer, if any, finds none when it fires."""
+        conn.deadline = None
+
+    @staticmethod
+    def _drop_timer(conn: _Conn) -> None:
+        conn.deadline = None
         if conn.timer is not None:
             conn.timer.cancel()
             conn.timer = None
 
-    def _expire(self, client_id: str, phase: str, seconds: float) -> None:
+    def _fire(self, client_id: str) -> None:
         conn = self.conns.get(client_id)
-        if conn is None or conn.timer is None:
+        if conn is None:
             return
         conn.timer = None
+        if conn.deadline is None:
+            return
+        loop = asyncio.get_running_loop()
+        if conn.deadline > loop.time() + _EARLY:  # moved later since the timer was set: wait for it
+            conn.timer = loop.call_at(conn.deadline, self._fire, client_id)
+            conn.timer_at = conn.deadline
+            return
+        conn.deadline = None
+        self._expire(client_id, conn.phase, conn.seconds)
+
+    def _expire(self, client_id: str, phase: str, seconds: float) -> None:
+        conn = self.conns[client_id]
         if conn.refused is not None:  # already audited as connection_limit
             self._abort(client_id)
             return

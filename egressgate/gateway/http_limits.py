@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from mitmproxy.net.tls import starts_like_tls_record
 from mitmproxy.proxy import commands, events, layer, layers, tunnel
 from mitmproxy.proxy.layers import modes
-from mitmproxy.proxy.layers.http import HTTPMode, is_h3_alpn
+from mitmproxy.proxy.layers.http import HTTPMode
 
 from egressgate.gateway.deny import gateway_deny, raw_deny
 from egressgate.gateway.http1_framing import ABORT_GRACE, GatewayHttp1Server
@@ -68,14 +68,9 @@ class BoundedHttpLayer(GatewayHttpLayer):
         self.rt = rt
         self.max_response_head = rt.config.limits.max_header_bytes  # upstream heads: the same bound
 
-    def _handle_event(self, event: events.Event):
-        alpn = self.context.client.alpn
-        if isinstance(event, events.Start) and alpn != b"h2" and not is_h3_alpn(alpn):  # as HttpLayer picks
-            self.connections.setdefault(self.context.client, BoundedHttp1Server(
-                self.context.fork(), self.rt.config.limits.max_header_bytes, self.rt.header_overflow,
-                self._abort_later))
-        yield from super()._handle_event(event)
-
+    def _client_http1_server(self) -> BoundedHttp1Server:
+        return BoundedHttp1Server(self.context.fork(), self.rt.config.limits.max_header_bytes,
+                                  self.rt.header_overflow, self._abort_later)
 
     def _abort_later(self, client_id: str, delay: float) -> object:
         later = self.rt.abort_connection_later

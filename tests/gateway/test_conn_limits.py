@@ -187,6 +187,35 @@ def test_keepalive_slowloris_on_second_request(gw_fast):
     assert "limits.keepalive_timeout" in recs[-1]["egressgate.message"]
 
 
+def test_keepalive_deadline_follows_the_last_response(gw_fast):
+    """connguard keeps one timer per connection and moves a deadline by timestamp (the timer re-arms
+    itself when it fires early): a kept-alive connection busy for longer than every timeout is never cut
+    while it keeps sending requests, and once it stalls, the keep-alive deadline counts from its *last*
+    response — not from the accept or an earlier response, and not never."""
+    gw = gw_fast
+    sbx = gw.admit("gw-basic")
+    target = f"http://api.test:{gw.world.http_port}/echo"
+    request = f"GET {target} HTTP/1.1\r\nHost: api.test:{gw.world.http_port}\r\n{auth(sbx)}\r\n".encode()
+    s = dial(gw, "127.0.0.33")
+    started = time.monotonic()
+    while time.monotonic() - started < 2.5 * FAST["keepalive_timeout"]:  # past the accept's header deadline
+        s.sendall(request)
+        status, _headers, body = read_response(s)
+        assert status == 200 and json.loads(body)["path"] == "/echo"  # positive control: served throughout
+        time.sleep(0.6 * FAST["keepalive_timeout"])
+    s.sendall(request)
+    assert read_response(s)[0] == 200
+    last_response = time.monotonic()
+    s.sendall(b"GET " + target.encode() + b" HTTP/1.1\r\nHost: api")  # then stalls mid-head
+    assert wait_for(lambda: closed(s, 0.01), timeout=FAST["keepalive_timeout"] + 6)
+    waited = time.monotonic() - last_response
+    s.close()
+    assert FAST["keepalive_timeout"] - 0.1 <= waited < FAST["keepalive_timeout"] + 6
+    assert wait_for(lambda: any(r.get("client.address") == "127.0.0.33"
+                                and "limits.keepalive_timeout" in (r.get("egressgate.message") or "")
+                                for r in connection_records(gw, "header_timeout")), timeout=5)
+
+
 def test_per_source_limit_refuses_n_plus_1(gw_small):
     gw = gw_small
     n = SMALL["max_pending_per_source"]
