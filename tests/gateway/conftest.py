@@ -168,6 +168,10 @@ async def serve_h2(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, h
                     req = streams.pop(event.stream_id, {})
                     hits.add({"method": req.get(":method"), "path": req.get(":path"),
                               "host": req.get(":authority"), "headers": req, "body_len": 0, "h2": True})
+                    if req.get(":path") == "/ok/upstream-continuation-flood":
+                        writer.write(conn.data_to_send())
+                        hits.add(await continuation_flood(reader, writer, event.stream_id))
+                        return
                     body = json.dumps({"path": req.get(":path"), "h2": True}).encode()
                     conn.send_headers(event.stream_id, [(":status", "200"), ("content-type", "application/json"),
                                                         ("content-length", str(len(body)))])
@@ -178,6 +182,43 @@ async def serve_h2(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, h
         pass
     finally:
         writer.close()
+
+
+async def continuation_flood(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, stream_id: int,
+                             frames: int = 80, frame_bytes: int = 16000) -> dict:
+    """A hostile HTTP/2 upstream: a response HEADERS frame without END_HEADERS, then CONTINUATION
+    frames one at a time, each followed by 0.2 s to see whether the gateway reacted (GOAWAY, RST_STREAM
+    or EOF). Returns how many frames went out before it did: the bound is in the gateway's reaction, not
+    in the kernel's socket buffers."""
+    from hyperframe.frame import ContinuationFrame, HeadersFrame
+
+    headers = HeadersFrame(stream_id, data=b"\x88")  # ":status: 200", and no END_HEADERS
+    writer.write(headers.serialize())
+    seen = b""
+    for sent in range(1, frames + 1):
+        writer.write(ContinuationFrame(stream_id, data=b"\x00" * frame_bytes).serialize())
+        try:
+            await writer.drain()
+            data = await asyncio.wait_for(reader.read(65536), 0.2)
+        except TimeoutError:
+            continue
+        except (ConnectionError, OSError):
+            data = b""
+        seen += data
+        if not data or _has_frame(seen, (0x3, 0x7)):  # EOF, RST_STREAM or GOAWAY
+            return {"path": "upstream-flood-result", "frames": sent, "bytes": sent * frame_bytes}
+    return {"path": "upstream-flood-result", "frames": frames, "bytes": frames * frame_bytes, "ignored": True}
+
+
+def _has_frame(data: bytes, types: tuple[int, ...]) -> bool:
+    """Whether the HTTP/2 frames in `data` (no preface) include one of `types`."""
+    at = 0
+    while at + 9 <= len(data):
+        length = int.from_bytes(data[at:at + 3], "big")
+        if data[at + 3] in types:
+            return True
+        at += 9 + length
+    return False
 
 
 class DnsServer(asyncio.DatagramProtocol):

@@ -98,3 +98,41 @@ def test_continuation_flood_refused_after_64_kib(gateway):
     tls.close()
     assert status == b"200", seen
     assert json.loads(body)["path"] == "/ok/big-headers"
+
+
+def test_upstream_continuation_flood_refused(gateway):
+    """The upstream side: a hostile HTTP/2 upstream answering with a header block that never ends. Every
+    HTTP/2 server speaks first (SETTINGS), and mitmproxy then built a stock Http2Client for it, so the
+    gateway's bound (GatewayHttp2Client) never applied upstream: h2 took 64 frames before refusing. Now
+    the gateway gives up after 64 KiB (+ one frame) and the sandbox gets a refusal, not a hang. Positive
+    control: the same tunnel kind serves a normal request."""
+    sbx = gateway.admit("gw-basic")
+    mark = gateway.world.hits.mark()
+    tls, authority = h2_tunnel(gateway, sbx)
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    conn.initiate_connection()
+    conn.send_headers(1, [(":method", "GET"), (":scheme", "https"), (":authority", authority),
+                          (":path", "/ok/upstream-continuation-flood")], end_stream=True)
+    tls.sendall(conn.data_to_send())
+    seen = events_until(tls, conn, (h2.events.StreamEnded, h2.events.StreamReset,
+                                    h2.events.ConnectionTerminated), timeout=30)
+    tls.close()
+    status = next((dict(e.headers).get(b":status") for e in seen if isinstance(e, h2.events.ResponseReceived)), None)
+    assert status != b"200", seen  # the upstream's never-ending 200 never reaches the sandbox
+    refused = status is not None or (seen and (seen[-1] == "closed" or isinstance(
+        seen[-1], (h2.events.StreamReset, h2.events.ConnectionTerminated))))
+    assert refused, f"the sandbox got no answer: {seen}"
+    result = next(h for h in gateway.world.hits.since(mark) if h.get("path") == "upstream-flood-result")
+    assert not result.get("ignored"), result
+    assert result["bytes"] <= 64 * 1024 + 2 * 16000, f"the gateway took {result['bytes']} bytes of one header block"
+    # positive control: an ordinary request over the same kind of tunnel is served
+    tls, authority = h2_tunnel(gateway, sbx)
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    conn.initiate_connection()
+    conn.send_headers(1, [(":method", "GET"), (":scheme", "https"), (":authority", authority),
+                          (":path", "/ok/after-flood")], end_stream=True)
+    tls.sendall(conn.data_to_send())
+    seen = events_until(tls, conn, (h2.events.StreamEnded, h2.events.ConnectionTerminated), timeout=10)
+    tls.close()
+    status = next((dict(e.headers).get(b":status") for e in seen if isinstance(e, h2.events.ResponseReceived)), None)
+    assert status == b"200", seen
