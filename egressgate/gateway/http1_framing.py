@@ -253,7 +253,9 @@ class GatewayHttp1Client(_Refusable, Http1Client):
 
     def _read_headers(self, event: events.ConnectionEvent) -> layer.CommandGenerator[None]:
         if isinstance(event, events.DataReceived) and self.request is not None and self.stream_id is not None:
-            while (match := _INFORMATIONAL.match(bytes(self.buf)[:16])) is not None:
+            # the first 16 bytes only: bytes(self.buf) copied the whole buffer on every read, quadratic
+            # in a head an upstream trickles in (h11's ReceiveBuffer keeps its bytes in `_data`)
+            while (match := _INFORMATIONAL.match(self.buf._data[:16])) is not None:
                 if self.buf.maybe_extract_lines() is None:
                     return  # the rest of the informational head has not arrived yet
                 self._informational += 1
