@@ -1,0 +1,183 @@
+"""The client's TLS ClientHello is bounded (`limits.max_client_hello_bytes`, gateway/tls_limits.py), with
+real sockets against a real gateway process (default limits: 64 KiB).
+
+Before: mitmproxy buffered a ClientHello of up to 16 MiB (24-bit length over any number of records) and
+re-joined and re-parsed the whole buffer on every read, for up to `tls_handshake_timeout`: memory and
+the single event loop's CPU grew quadratically, for every sandbox. Positive control: a legal 20 KiB
+ClientHello, fragmented over many records and reads, still completes its handshake and its request.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import socket
+import ssl
+import struct
+import threading
+import time
+
+from .conftest import read_response, wait_for
+from .test_conn_limits import auth, connection_records, dial
+
+LIMIT = 64 * 1024  # the default
+ONE_READ = 65535  # mitmproxy's read size
+ALERT = b"\x15\x03\x03\x00\x02\x02\x2f"  # fatal illegal_parameter
+
+
+def connect_tunnel(gw, sbx, source: str) -> socket.socket:
+    target = f"api.test:{gw.world.https_port}"
+    s = dial(gw, source)
+    s.sendall(f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n{auth(sbx)}\r\n".encode())
+    assert read_response(s)[0] == 200
+    return s
+
+
+def record(body: bytes) -> bytes:
+    return b"\x16\x03\x01" + struct.pack("!H", len(body)) + body
+
+
+class Streamer(threading.Thread):
+    """Sends `chunks` until the gateway closes the connection; counts what the kernel accepted."""
+
+    def __init__(self, sock: socket.socket, first: bytes, chunk: bytes, total: int) -> None:
+        super().__init__(daemon=True)
+        self.sock, self.first, self.chunk, self.total = sock, first, chunk, total
+        self.sent = 0
+        self.error: OSError | None = None
+
+    def run(self) -> None:
+        try:
+            self.sock.sendall(self.first)
+            self.sent = len(self.first)
+            while self.sent < self.total:
+                self.sock.sendall(self.chunk)
+                self.sent += len(self.chunk)
+        except OSError as e:
+            self.error = e
+
+
+def read_all(sock: socket.socket, timeout: float) -> bytes:
+    sock.settimeout(timeout)
+    data = b""
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    except OSError:
+        pass
+    return data
+
+
+def latency(sbx) -> float:
+    start = time.monotonic()
+    with sbx.client() as c:
+        assert c.get(sbx.url("api.test", "/echo")).status_code == 200
+    return time.monotonic() - start
+
+
+def buffered(rec: dict) -> int:
+    m = re.search(r"(\d+) bytes of records buffered", str(rec))
+    assert m, rec
+    return int(m.group(1))
+
+
+def test_oversized_client_hello_closed_with_alert_and_audited(gateway):
+    """A record announcing a 16 MiB ClientHello, then 16 KiB records streamed behind it: closed with a TLS
+    alert as soon as the announced length is read (on the old code every byte was accepted and re-parsed
+    until the 30 s handshake deadline); a concurrent normal request stays fast; one audit record."""
+    gw = gateway
+    sbx = gw.admit("gw-basic")
+    baseline = latency(sbx)
+    s = connect_tunnel(gw, sbx, "127.0.0.71")
+    hello = b"\x01\xff\xff\xfc" + b"\x03\x03" + b"r" * 32  # handshake header: 16 MiB - 4
+    first = b"\x16\x03\x01\x40\x00" + hello + b"p" * (16384 - len(hello))
+    streamer = Streamer(s, first, record(b"p" * 16384), 16 * 1024 * 1024)
+    streamer.start()
+    during = latency(sbx)
+    start = time.monotonic()
+    data = read_all(s, 10)
+    took = time.monotonic() - start
+    streamer.join(10)
+    print(f"latency {baseline:.3f}s before, {during:.3f}s during; client sent {streamer.sent} bytes; "
+          f"got {data[:16]!r}; closed after {took:.3f}s")
+    assert data == ALERT  # a fatal TLS alert, then EOF/RST
+    assert not streamer.is_alive() and streamer.sent < 16 * 1024 * 1024, streamer.sent
+    s.close()
+    assert during < baseline + 1.0, (baseline, during)  # old code: 0.05 s -> 1.96 s
+    assert wait_for(lambda: [r for r in connection_records(gw, "client_hello_too_large")
+                             if "127.0.0.71" in str(r)], timeout=5)
+    recs = [r for r in connection_records(gw, "client_hello_too_large") if "127.0.0.71" in str(r)]
+    assert len(recs) == 1 and recs[0].get("egressgate.sandbox.id") == sbx.id
+    assert recs[0].get("egressgate.limit") == "max_client_hello_bytes"
+    assert "announced 16777216 bytes" in str(recs[0]) and buffered(recs[0]) <= ONE_READ
+
+
+def test_client_hello_in_tiny_records_bounded_by_buffered_bytes(gateway):
+    """A ClientHello announcing a legal 60 000 bytes, sent in 1-byte records (6 bytes of records per
+    byte of hello): the records buffered are bounded too, closed after at most the limit + one read."""
+    gw = gateway
+    sbx = gw.admit("gw-basic")
+    s = connect_tunnel(gw, sbx, "127.0.0.72")
+    head = b"".join(record(bytes([b])) for b in b"\x01\x00\xea\x5c")  # announces 60 000 + 4
+    streamer = Streamer(s, head, b"".join(record(b"x") for _ in range(4096)), 400 * 1024)
+    streamer.start()
+    data = read_all(s, 10)
+    streamer.join(10)
+    print(f"tiny records: client sent {streamer.sent} bytes; got {data[:16]!r}")
+    assert data == ALERT
+    s.close()
+    assert wait_for(lambda: [r for r in connection_records(gw, "client_hello_too_large")
+                             if "127.0.0.72" in str(r)], timeout=5)
+    rec = next(r for r in connection_records(gw, "client_hello_too_large") if "127.0.0.72" in str(r))
+    assert LIMIT < buffered(rec) <= LIMIT + ONE_READ, rec
+
+
+def test_large_legal_client_hello_over_many_records_still_works(gateway):
+    """Positive control: a real ClientHello of ~20 KiB (a long ALPN list), re-fragmented into 1 000-byte
+    records and sent in pieces over many reads, completes the handshake and the request."""
+    gw = gateway
+    sbx = gw.admit("gw-basic")
+    s = connect_tunnel(gw, sbx, "127.0.0.73")
+    ctx = ssl.create_default_context(cafile=gw.bundle)
+    ctx.set_alpn_protocols([f"x-{i:03d}-" + "a" * 200 for i in range(100)] + ["http/1.1"])
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    tls = ctx.wrap_bio(incoming, outgoing, server_hostname="api.test")
+    with contextlib.suppress(ssl.SSLWantReadError):
+        tls.do_handshake()
+    records = outgoing.read()
+    hello = b""
+    off = 0
+    while off < len(records):
+        size = struct.unpack("!H", records[off + 3:off + 5])[0]
+        hello += records[off + 5:off + 5 + size]
+        off += 5 + size
+    assert 20_000 < len(hello) < LIMIT
+    fragmented = b"".join(record(hello[i:i + 1000]) for i in range(0, len(hello), 1000))
+    for i in range(0, len(fragmented), 1500):  # 1 500-byte writes: record headers straddle the reads
+        s.sendall(fragmented[i:i + 1500])
+        time.sleep(0.002)
+    s.settimeout(10)
+    while True:
+        try:
+            tls.do_handshake()
+            break
+        except ssl.SSLWantReadError:
+            if out := outgoing.read():
+                s.sendall(out)
+            data = s.recv(65536)
+            assert data, "gateway closed the connection during a legal handshake"
+            incoming.write(data)
+    s.sendall(outgoing.read())
+    tls.write(b"GET /echo HTTP/1.1\r\nHost: api.test\r\nConnection: close\r\n\r\n")
+    s.sendall(outgoing.read())
+    response = b""
+    while b"\r\n\r\n" not in response:
+        try:
+            response += tls.read(65536)
+        except ssl.SSLWantReadError:
+            data = s.recv(65536)
+            assert data
+            incoming.write(data)
+    assert response.startswith(b"HTTP/1.1 200"), response[:200]
+    s.close()
+    assert not [r for r in connection_records(gw, "client_hello_too_large") if "127.0.0.73" in str(r)]
