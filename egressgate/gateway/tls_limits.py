@@ -7,14 +7,16 @@ quadratically with what a client streams, bounded only by `limits.tls_handshake_
 event loop that serves every sandbox, one such connection (or a few) starved all the others.
 
 `BoundedClientTLSLayer` is the gateway's ClientTLSLayer: it walks the incoming records *incrementally*
-(each byte is looked at once; only record headers and the 4-byte handshake header are read) and hands
-the buffer to mitmproxy's parser only once the announced ClientHello has fully arrived, so parsing is
-linear. It refuses, with a fatal TLS alert and a close, as soon as either the announced ClientHello
-cannot fit in the bound or the buffered record bytes exceed it; the event is audited like the other
-limit events (limit_audit.py, reason `client_hello_too_large`). Real ClientHellos, even with
-post-quantum key shares, are under 8 KiB; the default bound is 64 KiB. (OpenSSL, which handles the rest
-of the handshake, has its own bound on every later handshake message, so this is the only buffer of
-the handshake the gateway leaves to mitmproxy's Python code. DTLS is never reached: tunnel.py refuses UDP.)
+(each byte is looked at once) and hands the buffer to mitmproxy's parser only once the announced
+ClientHello has fully arrived, re-framed into full-size records (mitmproxy joins record bodies one `+=`
+at a time: thousands of tiny records would make even that one parse quadratic), so parsing is linear.
+It refuses, with a fatal TLS alert and a close, as soon as either the announced ClientHello cannot fit
+in the bound or the buffered record bytes exceed it (so at most the bound plus one read is buffered);
+the event is audited like the other limit events (limit_audit.py, reason `client_hello_too_large`).
+Real ClientHellos, even with post-quantum key shares, are under 8 KiB; the default bound is 64 KiB.
+OpenSSL, which handles the rest of the handshake (and the upstream's side of it), bounds every later
+handshake message itself, so this is the only handshake buffer left to mitmproxy's Python code. DTLS is
+never reached: tunnel.py refuses UDP.
 
 tunnel.py and http_limits.py build every ClientTLSLayer through `client_tls_layer()`.
 """
@@ -30,7 +32,6 @@ from mitmproxy.net.tls import starts_like_tls_record
 from mitmproxy.proxy import commands, layer
 from mitmproxy.proxy.layers import tls
 
-from egressgate.gateway.http1_framing import ABORT_GRACE
 from egressgate.policy.reasons import Reason
 
 if TYPE_CHECKING:
@@ -40,29 +41,35 @@ logger = logging.getLogger(__name__)
 
 RECORD_HEADER = 5  # content type, version (2), length (2)
 HANDSHAKE_HEADER = 4  # msg type, length (3)
+MAX_RECORD = 16384  # largest plaintext record body (RFC 8446 5.1)
 # A fatal `illegal_parameter` alert (RFC 8446 6.2; what OpenSSL sends for an excessive message size),
 # sent in clear: no TLS state exists yet.
 ALERT_ILLEGAL_PARAMETER = b"\x15\x03\x03\x00\x02\x02\x2f"
+# The alert is written before the abort is scheduled; this only lets it leave. mitmproxy does not always
+# close a client connection inside a CONNECT tunnel on a layer's CloseConnection (it reads on, and we
+# discard, until the abort), so the abort comes soon, not after http1_framing.ABORT_GRACE.
+ALERT_GRACE = 0.1  # seconds
 
 
 class HelloScan:
-    """Incremental walk over the records of a ClientHello: where the next record header is, how many
-    handshake bytes have arrived and how many were announced. `feed(buffer)` resumes where it stopped,
-    so every byte is looked at once however the client splits its records across reads."""
+    """Incremental walk over the records of a ClientHello. `feed(buffer)` resumes where it stopped, so
+    every byte is looked at once however the client splits its records across reads; the record bodies
+    are collected as they pass (`hello`), so the complete ClientHello can be handed on re-framed."""
 
-    __slots__ = ("announced", "body", "got", "head", "invalid", "offset")
+    __slots__ = ("announced", "body", "hello", "invalid", "offset", "version")
 
     def __init__(self) -> None:
         self.offset = 0  # index in the buffer of the next unread byte (record header or body)
         self.body = 0  # bytes of the current record's body not yet in the buffer
-        self.got = 0  # handshake bytes (record bodies) received
-        self.head = bytearray()  # the first HANDSHAKE_HEADER bytes of handshake content
+        self.hello = bytearray()  # handshake bytes (record bodies) received
         self.announced: int | None = None  # ClientHello size incl. its 4-byte header, once known
-        self.invalid = False  # not a TLS handshake record: left to mitmproxy's parser to reject
+        self.version = b"\x03\x01"  # record-layer version of the first record
+        self.invalid = False  # not a TLS handshake record (or an empty one)
 
     @property
     def complete(self) -> bool:
-        return self.announced is not None and self.got >= self.announced
+        """The announced ClientHello and the whole record that ends it have arrived."""
+        return self.announced is not None and len(self.hello) >= self.announced and self.body == 0
 
     def feed(self, buf: bytearray) -> None:
         n = len(buf)
@@ -71,13 +78,11 @@ class HelloScan:
                 take = min(self.body, n - self.offset)
                 if take == 0:
                     return
-                if self.announced is None:
-                    self.head += buf[self.offset:self.offset + min(HANDSHAKE_HEADER - len(self.head), take)]
-                    if len(self.head) == HANDSHAKE_HEADER:
-                        self.announced = struct.unpack("!I", b"\x00" + self.head[1:])[0] + HANDSHAKE_HEADER
+                self.hello += buf[self.offset:self.offset + take]
                 self.offset += take
                 self.body -= take
-                self.got += take
+                if self.announced is None and len(self.hello) >= HANDSHAKE_HEADER:
+                    self.announced = struct.unpack("!I", b"\x00" + self.hello[1:4])[0] + HANDSHAKE_HEADER
                 continue
             if n - self.offset < RECORD_HEADER:
                 return
@@ -86,7 +91,21 @@ class HelloScan:
             if not starts_like_tls_record(header) or self.body == 0:
                 self.invalid = True
                 return
+            if self.offset == 0:
+                self.version = header[1:3]
             self.offset += RECORD_HEADER
+
+    def reframed(self, buf: bytearray) -> bytearray:
+        """The complete ClientHello's records rebuilt as full-size records, then the bytes after them.
+        Handshake messages may be fragmented over records at will (RFC 8446 5.1) and the transcript
+        covers messages, not records, so this is the same handshake; but mitmproxy's parser, which joins
+        record bodies one `+=` at a time, now sees a handful of records instead of thousands."""
+        out = bytearray()
+        for i in range(0, len(self.hello), MAX_RECORD):
+            body = self.hello[i:i + MAX_RECORD]
+            out += b"\x16" + self.version + struct.pack("!H", len(body)) + body
+        out += buf[self.offset:]
+        return out
 
 
 # (client id, source address, bytes buffered, announced ClientHello size or None) -> None
@@ -116,7 +135,11 @@ class BoundedClientTLSLayer(tls.ClientTLSLayer):
         scan.feed(self.recv_buffer)
         if (scan.announced is not None and scan.announced > self.max_bytes) or scan.offset > self.max_bytes:
             return (yield from self._refuse())
-        if scan.complete or scan.invalid:
+        if scan.invalid:  # what mitmproxy's parser says too, without its hex dump of the whole buffer
+            return False, f"Cannot parse ClientHello: not a TLS handshake record at byte {scan.offset}"
+        if scan.complete:
+            self.recv_buffer = scan.reframed(self.recv_buffer)
+            self.scan = HelloScan()  # release the copy
             return (yield from super().receive_handshake_data(b""))  # one parse, of a bounded buffer
         return False, None
 
@@ -129,8 +152,8 @@ class BoundedClientTLSLayer(tls.ClientTLSLayer):
         if self.overflow is not None:
             self.overflow(client.id, source, buffered, self.scan.announced)
         yield commands.SendData(self.tunnel_connection, ALERT_ILLEGAL_PARAMETER)
-        if self.abort_later is not None:  # mitmproxy may fail to close it (GatewayHttp1Server.abort_later)
-            self.abort_later(client.id, ABORT_GRACE)
+        if self.abort_later is not None:
+            self.abort_later(client.id, ALERT_GRACE)
         announced = f"announced {self.scan.announced} bytes, " if self.scan.announced is not None else ""
         return False, (f"ClientHello larger than {self.max_bytes} bytes ({announced}{buffered} buffered; "
                        f"limits.max_client_hello_bytes); connection closed")

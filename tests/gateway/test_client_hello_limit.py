@@ -17,6 +17,10 @@ import struct
 import threading
 import time
 
+from mitmproxy.proxy.layers import tls as tls_parse
+
+from egressgate.gateway.tls_limits import HelloScan
+
 from .conftest import read_response, wait_for
 from .test_conn_limits import auth, connection_records, dial
 
@@ -79,6 +83,54 @@ def buffered(rec: dict) -> int:
     m = re.search(r"(\d+) bytes of records buffered", str(rec))
     assert m, rec
     return int(m.group(1))
+
+
+def real_client_hello(alpn: list[str]) -> bytes:
+    """The handshake bytes (no record headers) of a ClientHello produced by the real OpenSSL client."""
+    ctx = ssl.create_default_context()
+    ctx.set_alpn_protocols(alpn)
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    tls = ctx.wrap_bio(incoming, outgoing, server_hostname="api.test")
+    with contextlib.suppress(ssl.SSLWantReadError):
+        tls.do_handshake()
+    records, hello, off = outgoing.read(), b"", 0
+    while off < len(records):
+        size = struct.unpack("!H", records[off + 3:off + 5])[0]
+        hello += records[off + 5:off + 5 + size]
+        off += 5 + size
+    return hello
+
+
+def test_hello_scan_agrees_with_mitmproxy_parser():
+    """The incremental scan says "complete" at exactly the prefix at which mitmproxy's own parser first
+    finds the ClientHello, however records and reads are split; the re-framed buffer parses to the same
+    ClientHello with the trailing bytes kept; a non-handshake record is invalid."""
+    hello = real_client_hello(["h2", "http/1.1"] + [f"p{i}" * 20 for i in range(40)])
+    sizes = [1, 2, 3, 1, 7, 100, 1, 1000, 5, 4000]
+    records, i, k = b"", 0, 0
+    while i < len(hello):
+        records += record(hello[i:i + sizes[k % len(sizes)]])
+        i += sizes[k % len(sizes)]
+        k += 1
+    stream = records + b"\x14\x03\x03\x00\x01\x01"  # a ChangeCipherSpec record after it
+    for step in (1, 3, 64, 1500):
+        scan, buf, first = HelloScan(), bytearray(), None
+        for pos in range(0, len(stream), step):
+            buf += stream[pos:pos + step]
+            scan.feed(buf)
+            if first is None and tls_parse.get_client_hello(bytes(buf)) is not None:
+                first = len(buf)
+            assert scan.complete == (first is not None), (step, len(buf))
+            if scan.complete:
+                break
+        assert scan.announced == len(hello) and not scan.invalid
+        framed = scan.reframed(buf)
+        assert framed.endswith(bytes(buf[len(records):]))
+        assert tls_parse.get_client_hello(bytes(framed)) == hello
+        assert tls_parse.parse_client_hello(bytes(framed)).alpn_protocols[:2] == [b"h2", b"http/1.1"]
+    bad = HelloScan()
+    bad.feed(bytearray(record(hello[:10]) + b"\x17\x03\x03\x00\x05hello"))
+    assert bad.invalid and not bad.complete
 
 
 def test_oversized_client_hello_closed_with_alert_and_audited(gateway):
