@@ -19,8 +19,6 @@ import time
 
 from mitmproxy.proxy.layers import tls as tls_parse
 
-from egressgate.gateway.tls_limits import HelloScan
-
 from .conftest import read_response, wait_for
 from .test_conn_limits import auth, connection_records, dial
 
@@ -105,6 +103,7 @@ def test_hello_scan_agrees_with_mitmproxy_parser():
     """The incremental scan says "complete" at exactly the prefix at which mitmproxy's own parser first
     finds the ClientHello, however records and reads are split; the re-framed buffer parses to the same
     ClientHello with the trailing bytes kept; a non-handshake record is invalid."""
+    from egressgate.gateway.tls_limits import HelloScan  # here: the other tests also run on the old code
     hello = real_client_hello(["h2", "http/1.1"] + [f"p{i}" * 20 for i in range(40)])
     sizes = [1, 2, 3, 1, 7, 100, 1, 1000, 5, 4000]
     records, i, k = b"", 0, 0
@@ -233,3 +232,22 @@ def test_large_legal_client_hello_over_many_records_still_works(gateway):
     assert response.startswith(b"HTTP/1.1 200"), response[:200]
     s.close()
     assert not [r for r in connection_records(gw, "client_hello_too_large") if "127.0.0.73" in str(r)]
+
+
+def test_oversized_client_hello_on_the_proxy_connection_itself(gateway):
+    """The proxy listener also speaks TLS (an HTTPS proxy: http_limits.explicit_http_proxy): the same
+    bound holds there, before any sandbox is identified (the record has no sandbox id)."""
+    gw = gateway
+    s = dial(gw, "127.0.0.74")
+    hello = b"\x01\xff\xff\xfc" + b"\x03\x03" + b"r" * 32
+    streamer = Streamer(s, b"\x16\x03\x01\x40\x00" + hello + b"p" * (16384 - len(hello)),
+                        record(b"p" * 16384), 16 * 1024 * 1024)
+    streamer.start()
+    data = read_all(s, 10)
+    streamer.join(10)
+    assert data == ALERT and not streamer.is_alive()
+    s.close()
+    assert wait_for(lambda: [r for r in connection_records(gw, "client_hello_too_large")
+                             if "127.0.0.74" in str(r)], timeout=5)
+    rec = next(r for r in connection_records(gw, "client_hello_too_large") if "127.0.0.74" in str(r))
+    assert rec.get("egressgate.sandbox.id") is None and buffered(rec) <= ONE_READ
