@@ -149,6 +149,10 @@ class LimitsConfig(_Strict):
     # bytes of one HTTP/1 head the gateway buffers: a request head over it gets 431, an upstream's
     # response head over it a 502 (http_limits.py, http1_framing.py)
     max_header_bytes: int = Field(default=64 * 1024, ge=1024, le=16 * 1024 * 1024)
+    # bytes of TLS records the gateway buffers for a client's ClientHello (announced size included):
+    # over it, a fatal TLS alert and close (tls_limits.py). Real ClientHellos are under 8 KiB; OpenSSL
+    # itself refuses a ClientHello over ~128 KiB, hence the upper bound.
+    max_client_hello_bytes: int = Field(default=64 * 1024, ge=8 * 1024, le=128 * 1024)
     # mitmproxy's inactivity timeout for any connection (request bodies, tunnels, WebSockets)
     idle_timeout: int = Field(default=600, gt=0, le=86400)
     # connections from one source address that have not (yet) identified a sandbox

@@ -60,13 +60,16 @@ def test_errors_name_the_key(tmp_path, text, fragment):
 def test_limits_defaults_and_validation(tmp_path):
     cfg = load_config()
     assert cfg.limits.header_timeout == 30.0 and cfg.limits.max_pending_per_source == 256
+    assert cfg.limits.max_client_hello_bytes == 64 * 1024  # documented in docs/operations.md
     path = tmp_path / "gw.yaml"
     path.write_text("limits: {header_timeout: 5, max_connections_per_sandbox: 8}\n")
     cfg = load_config(path)
     assert cfg.limits.header_timeout == 5.0 and cfg.limits.max_connections_per_sandbox == 8
     for bad, key in (("header_timeout: 0", "limits.header_timeout"), ("max_pending_per_source: -1",
                                                                        "limits.max_pending_per_source"),
-                     ("heder_timeout: 5", "limits.heder_timeout")):
+                     ("heder_timeout: 5", "limits.heder_timeout"),
+                     # above OpenSSL's own ClientHello cap: a setting that would only pretend
+                     ("max_client_hello_bytes: 16777216", "limits.max_client_hello_bytes")):
         path.write_text(f"limits: {{{bad}}}\n")
         with pytest.raises(ConfigError, match=f"{path}: {key}"):
             load_config(path)

@@ -77,6 +77,7 @@ class ConnGuard:
         self.pending: dict[str, set[str]] = {}  # source address -> ids of not yet identified connections
         self.audit = LimitAudit(runtime, self.limits.audit_per_second)
         runtime.header_overflow = self._header_overflow
+        runtime.limit_audit = self.audit  # tls_limits.py
 
     # ------------------------------------------------------------------ accept and the per-source limit
     def client_connected(self, client: connection.Client) -> None:

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from egressgate.audit.sink import AuditSink
     from egressgate.broker.broker import Broker
     from egressgate.gateway.budgets import ByteLedger
+    from egressgate.gateway.limit_audit import LimitAudit
     from egressgate.gateway.resolver import Resolver
     from egressgate.state.base import SandboxRecord, StateStore
 
@@ -151,6 +152,8 @@ class Runtime:
     background: set[asyncio.Task] = field(default_factory=set)  # write-behind audit records, drained at stop
     # set by connguard.py: audits an oversized request head (client id, source, bytes) -> request id
     header_overflow: Callable[[str, str, int], str] | None = None
+    # set by connguard.py: the rate-limited audit of limit events (limit_audit.py), for other layers
+    limit_audit: LimitAudit | None = None
 
     def conn(self, client_id: str) -> ConnState:
         state = self.conns.get(client_id)

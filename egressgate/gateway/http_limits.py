@@ -19,13 +19,14 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from mitmproxy.net.tls import starts_like_tls_record
-from mitmproxy.proxy import commands, events, layer, layers, tunnel
+from mitmproxy.proxy import commands, events, layer, tunnel
 from mitmproxy.proxy.layers import modes
 from mitmproxy.proxy.layers.http import HTTPMode
 
 from egressgate.gateway.deny import gateway_deny, raw_deny
 from egressgate.gateway.http1_framing import ABORT_GRACE, GatewayHttp1Server
 from egressgate.gateway.http_layer import GatewayHttpLayer
+from egressgate.gateway.tls_limits import client_tls_layer
 from egressgate.policy.reasons import Reason
 
 if TYPE_CHECKING:
@@ -85,7 +86,7 @@ def explicit_http_proxy(context, data_client: bytes, rt: Runtime) -> layer.Layer
     """mitmproxy's NextLayer._setup_explicit_http_proxy (regular mode, TCP), with the bounded layer."""
     stack = tunnel.LayerStack()
     if starts_like_tls_record(data_client):
-        stack /= layers.ClientTLSLayer(context)
+        stack /= client_tls_layer(context, rt)
     assert not isinstance(context.layers[0], modes.HttpUpstreamProxy)  # we never run upstream mode
     stack /= http_layer(context, HTTPMode.regular, rt)
     return stack[0]

@@ -32,6 +32,7 @@ from egressgate.gateway import ws_layer
 from egressgate.gateway.context import ConnState, Runtime, new_request_id
 from egressgate.gateway.deny import gateway_deny, raw_deny
 from egressgate.gateway.http_limits import explicit_http_proxy, http_layer
+from egressgate.gateway.tls_limits import client_tls_layer
 from egressgate.policy.decide import decide
 from egressgate.policy.facts import Decision, Facts, Operation
 from egressgate.policy.reasons import Reason
@@ -104,7 +105,7 @@ class NextLayer:
             return  # wait for more bytes (mitmproxy asks again on the next DataReceived)
         if not after_tls and starts_like_tls_record(data):
             server_tls = layers.ServerTLSLayer(context)
-            server_tls.child_layer = layers.ClientTLSLayer(context)
+            server_tls.child_layer = client_tls_layer(context, self.rt)
             nextlayer.layer = server_tls
             return
         if after_tls and context.client.alpn in HTTP_ALPNS:

@@ -54,4 +54,5 @@ class Reason(StrEnum):
     HEADER_TIMEOUT = "header_timeout"
     HEADER_TOO_LARGE = "header_too_large"
     TLS_HANDSHAKE_TIMEOUT = "tls_handshake_timeout"
+    CLIENT_HELLO_TOO_LARGE = "client_hello_too_large"  # over limits.max_client_hello_bytes (tls_limits.py)
     INTERNAL_ERROR = "internal_error"  # a gateway component failed on this request: refused, never passed
