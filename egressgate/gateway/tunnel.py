@@ -21,9 +21,10 @@ from __future__ import annotations
 import logging
 import time
 
+from mitmproxy import tls as mitm_tls
 from mitmproxy.net.tls import starts_like_tls_record
 from mitmproxy.proxy import commands, events, layer, layers, mode_specs
-from mitmproxy.proxy.layers import modes
+from mitmproxy.proxy.layers import modes, tls
 from mitmproxy.proxy.layers.http import HTTPMode
 from mitmproxy.proxy.layers.tls import HTTP_ALPNS
 
@@ -32,7 +33,7 @@ from egressgate.gateway import ws_layer
 from egressgate.gateway.context import ConnState, Runtime, new_request_id
 from egressgate.gateway.deny import gateway_deny, raw_deny
 from egressgate.gateway.http_limits import explicit_http_proxy, http_layer
-from egressgate.gateway.tls_limits import client_tls_layer
+from egressgate.gateway.tls_limits import BoundedClientTLSLayer, client_tls_layer
 from egressgate.policy.decide import decide
 from egressgate.policy.facts import Decision, Facts, Operation
 from egressgate.policy.reasons import Reason
@@ -79,6 +80,17 @@ class NextLayer:
             logger.error("websocket of client %s is not guarded; aborting it", flow.client_conn.id)
             if self.rt.abort_connection is not None:
                 self.rt.abort_connection(flow.client_conn.id)
+
+    def tls_clienthello(self, data: mitm_tls.ClientHelloData) -> None:
+        """Fail closed: a client handshake that did not run on tls_limits.BoundedClientTLSLayer (a layer
+        built somewhere other than `client_tls_layer()`, e.g. after a mitmproxy upgrade) had its
+        ClientHello buffered without the gateway's bound: the connection is cut, not intercepted."""
+        client_layers = [lay for lay in data.context.layers if isinstance(lay, tls.ClientTLSLayer)]
+        if client_layers and isinstance(client_layers[-1], BoundedClientTLSLayer):
+            return
+        logger.error("TLS handshake of client %s is not on the bounded layer; aborting it", data.context.client.id)
+        if self.rt.abort_connection is not None:
+            self.rt.abort_connection(data.context.client.id)
 
     async def next_layer(self, nextlayer: layer.NextLayer) -> None:
         if nextlayer.layer is not None:
