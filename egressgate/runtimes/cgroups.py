@@ -85,9 +85,14 @@ def swap_active(swaps: Path = Path("/proc/swaps")) -> bool:
 
 
 def make_dir(path: Path) -> None:
-    """mkdir of a cgroup (the kernel populates its interface files). A module function so a fake cgroupfs
-    in tests can play the kernel's part."""
+    """mkdir of a cgroup (the kernel populates its interface files). make_dir and remove_dir are module
+    functions so a fake cgroupfs in tests can play the kernel's part."""
     os.mkdir(path, 0o755)
+
+
+def remove_dir(path: Path) -> None:
+    """rmdir of a cgroup (allowed with its interface files in it, refused with EBUSY while populated)."""
+    os.rmdir(path)
 
 
 @dataclass(frozen=True)
@@ -105,7 +110,7 @@ class Group:
 
     def write(self, name: str, value: str) -> None:
         """Write one value; no O_CREAT (see the module docstring). Raises OSError as the kernel reports it."""
-        fd = os.open(self.path / name, os.O_WRONLY | os.O_CLOEXEC)
+        fd = os.open(self.path / name, os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC)
         try:
             os.write(fd, value.encode())
         finally:
@@ -140,7 +145,7 @@ class Group:
         deadline = time.monotonic() + timeout
         while True:
             try:
-                os.rmdir(self.path)
+                remove_dir(self.path)
                 return
             except FileNotFoundError:
                 return

@@ -287,7 +287,8 @@ def _hierarchies(mounts: Mounts) -> list[tuple[Path, int]]:
 
 def docker_flags(resources: dict) -> list[str]:
     """The same limits for `docker run`: --memory with an equal --memory-swap (no swap), --pids-limit,
-    --cpus (cpu_millis / 1000). Unknown keys are refused, as for cgroups."""
+    --cpus (cpu_millis / 1000; --cpu-period/--cpu-quota under 10 millis). Unknown keys are refused, as for
+    cgroups. Docker itself refuses what it cannot enforce (e.g. --memory under 6 MiB): the run fails."""
     wanted = _wanted(resources)
     flags: list[str] = []
     if "memory" in wanted:
@@ -296,5 +297,9 @@ def docker_flags(resources: dict) -> list[str]:
     if "pids" in wanted:
         flags += ["--pids-limit", str(wanted["pids"])]
     if "cpu" in wanted:
-        flags += ["--cpus", f"{wanted['cpu'] / 1000:.3f}".rstrip("0").rstrip(".")]
+        if wanted["cpu"] >= 10:
+            flags += ["--cpus", f"{wanted['cpu'] / 1000:.3f}".rstrip("0").rstrip(".")]
+        else:  # docker refuses --cpus below 0.01; the same quota over a 1 s period is accepted
+            quota, period = cfs(wanted["cpu"])
+            flags += ["--cpu-period", str(period), "--cpu-quota", str(quota)]
     return flags

@@ -82,8 +82,9 @@ class WorkspaceWatch:
         self._seen: set[tuple[int, int]] = set()
         self._total = 0
 
-    def tick(self) -> bool:
-        """One bounded step of the current pass; True once the total is over the limit (then on_exceed ran)."""
+    def tick(self, stop_early: bool = True) -> bool:
+        """One bounded step of the current pass; True once the total is over the limit (then on_exceed ran).
+        The pass stops at the first byte over the limit unless `stop_early` is False (scan: full total)."""
         if self._walk is None:
             self._walk, self._seen, self._total = _entries(self.path), set(), 0
         for _ in range(self.entries_per_tick):
@@ -99,20 +100,21 @@ class WorkspaceWatch:
                 continue
             self._seen.add((dev, ino))
             self._total += size
-            if self._total > self.max_bytes:
+            if stop_early and self._total > self.max_bytes:
                 break
         if self._total > self.max_bytes and not self.exceeded:
             self.exceeded = True
-            self.used = max(self.used, self._total)
+            self.used = max(self.used, self._total)  # a lower bound when the pass stopped early
             self.on_exceed()
         return self.exceeded
 
     def scan(self) -> int:
-        """A complete pass now, in the caller's thread (the final check at the end of a run); returns bytes."""
+        """A complete pass now, in the caller's thread, with the watch thread stopped (the final check at the
+        end of a run: it also fires on_exceed if the total is over); returns the total in bytes."""
         self._walk = None
         passes = self.passes
-        while self.passes == passes and not self.tick():
-            pass
+        while self.passes == passes:
+            self.tick(stop_early=False)
         return self.used
 
     def _run(self) -> None:
