@@ -105,3 +105,35 @@ def exit_signal(proc: subprocess.Popen) -> int | None:
 
 
 SIGKILL = int(signal.SIGKILL)
+
+
+# --- fork bombs with a safety net that does not depend on the code under test ---------------------
+
+BOMB_NPROC = 400  # RLIMIT_NPROC of the bomb's own uid: far above the pids limits tested, far below pid_max
+
+_BOMB_WRAPPER = """
+import os, resource, sys
+uid = int(sys.argv[1])
+resource.setrlimit(resource.RLIMIT_NPROC, ({n}, {n}))
+os.setgroups([]); os.setgid(uid); os.setuid(uid)
+os.execv(sys.argv[3], [sys.argv[3], "-I", "-c", sys.argv[2]])
+"""
+
+
+def bomb_argv(code: str) -> list[str]:
+    """argv running `code` (a fork bomb) as a fresh unprivileged uid whose process count the kernel caps at
+    BOMB_NPROC: if the cgroup pids limit were missing (a regression, a mutation test), the bomb would hit
+    that cap and the test would fail on its peak, instead of filling the machine's pid table."""
+    import shutil
+    import sys
+
+    uid = 61000 + secrets.randbelow(4000)
+    # a python the unprivileged uid may execute (the test venv's may live under a private home)
+    exe = shutil.which("python3", path="/usr/bin:/bin") or sys.executable
+    return [sys.executable, "-c", _BOMB_WRAPPER.format(n=BOMB_NPROC), str(uid), code, exe]
+
+
+def assert_pids_capped(limits: ResourceLimits, cap: int) -> None:
+    """Before a bomb starts: the pids.max the kernel holds for the run is the one asked for."""
+    values = [g.read("pids.max").strip() for g in limits.groups if g.has("pids.max")]
+    assert values == [str(cap)], values

@@ -15,7 +15,15 @@ from pathlib import Path
 
 from egressgate.runtimes.base import Limit
 from tests.runtimes import limits_support
-from tests.runtimes.limits_support import SIGKILL, alive, exit_signal, require_cgroups, wait_for
+from tests.runtimes.limits_support import (
+    SIGKILL,
+    alive,
+    assert_pids_capped,
+    bomb_argv,
+    exit_signal,
+    require_cgroups,
+    wait_for,
+)
 
 runs = limits_support.runs  # the fixture
 
@@ -38,7 +46,8 @@ def sample_max(limits, seconds: float) -> int:
 
 def test_fork_bomb_contained_and_reported_as_pids(runs):
     limits = runs.create("bomb", {"pids_max": 40})
-    proc = runs.spawn(limits, [sys.executable, "-c", BOMB])
+    assert_pids_capped(limits, 40)
+    proc = runs.spawn(limits, bomb_argv(BOMB))
     peak = sample_max(limits, 2.0)
     assert 0 < peak <= 40, peak
     assert proc.poll() is None and len(limits.pids()) > 30  # still bombing: only the limit holds it
@@ -54,7 +63,8 @@ def test_fork_bomb_contained_and_reported_as_pids(runs):
 def test_positive_control_the_same_bomb_grows_past_the_limit_when_the_limit_is_higher(runs):
     """Without a low pids.max the bomb reaches far more than 40 processes (bounded at 150 for the machine's sake)."""
     limits = runs.create("bomb-ctl", {"pids_max": 150})
-    runs.spawn(limits, [sys.executable, "-c", BOMB])
+    assert_pids_capped(limits, 150)
+    runs.spawn(limits, bomb_argv(BOMB))
     assert wait_for(lambda: len(limits.pids()) > 60, timeout=10)
     limits.kill_all()
     assert limits.pids() == []

@@ -7,7 +7,6 @@ without the stronger ones; each must leave no process behind a fork bomb that fo
 
 from __future__ import annotations
 
-import sys
 import time
 from dataclasses import replace
 
@@ -15,7 +14,7 @@ import pytest
 
 from egressgate.runtimes.cgroups import read_mounts
 from tests.runtimes import limits_support
-from tests.runtimes.limits_support import alive, require_cgroups, wait_for
+from tests.runtimes.limits_support import alive, assert_pids_capped, bomb_argv, require_cgroups, wait_for
 
 runs = limits_support.runs  # the fixture
 
@@ -50,7 +49,8 @@ def test_kill_all_ends_a_fork_bomb_and_leaves_no_process(runs, view):
         assert any(g.has("freezer.state") for g in limits.groups) and all(g.version == 1 for g in limits.groups)
     else:
         assert [g.path.parent.parent.name for g in limits.groups] == ["pids"]
-    proc = runs.spawn(limits, [sys.executable, "-c", FAST_BOMB])
+    assert_pids_capped(limits, 64)
+    proc = runs.spawn(limits, bomb_argv(FAST_BOMB))
     assert wait_for(lambda: len(limits.pids()) >= 20, timeout=10)
     time.sleep(0.3)
     members = limits.pids()
