@@ -234,9 +234,12 @@ def test_real_cgroup2_freshly_mounted_in_a_test_mount_namespace(tmp_path, real_v
         assert " {point} " in Path("/proc/self/mountinfo").read_text()
         mounts = Mounts(v2=Path({str(point)!r}), v1={{}})
         lim = ResourceLimits.create({run_id("v2-mnt")!r}, {{}}, mounts=mounts, parent={PARENT!r})
-        p = subprocess.Popen(["sleep", "1000"], preexec_fn=lim.preexec())
-        assert lim.pids() == [p.pid], lim.pids()
-        lim.kill_all(); p.wait(); lim.remove()
+        p = subprocess.Popen(["sleep", "1000"], preexec_fn=lim.preexec(), stdout=subprocess.DEVNULL)
+        try:
+            assert lim.pids() == [p.pid], lim.pids()
+            lim.kill_all()
+        finally:
+            p.kill(); p.wait(); lim.remove()
         print("ok", lim.paths()[0])
         """)
     env = dict(os.environ, PYTHONPATH=os.getcwd())
