@@ -8,8 +8,8 @@ kill_all here to end the whole tree) and `outbound_bytes_max` (the gateway count
 Where the groups go: `<parent>/<run_id>` at the root of each hierarchy used. cgroup2 when a cgroup2 mount
 offers every controller needed (pure v2 hosts); otherwise one v1 group per controller, plus a tracking group
 to find and kill the whole tree — in the cgroup2 mount when there is one (hybrid hosts: cgroup.kill is
-atomic) or else in the v1 freezer. Only the run's own group is removed at the end; `<parent>` stays (it is
-shared by concurrent runs, and removing it would race with their mkdir).
+atomic), else in the v1 freezer, else in any v1 hierarchy. Only the run's own group is removed at the end;
+`<parent>` stays (it is shared by concurrent runs, and removing it would race with their mkdir).
 """
 
 from __future__ import annotations
@@ -77,6 +77,9 @@ def _layout(mounts: Mounts, needed: set[str]) -> list[tuple[Path, int, str]]:
         out.append((mounts.v2, 2, "track"))
     elif "freezer" in mounts.v1:
         out.append((mounts.v1["freezer"], 1, "track"))
+    elif not out and mounts.v1:  # any v1 hierarchy lists the tree's processes (killed by SIGKILL rounds)
+        first = "pids" if "pids" in mounts.v1 else sorted(mounts.v1)[0]
+        out.append((mounts.v1[first], 1, "track"))
     if not out:
         raise LimitsUnavailable("no cgroup hierarchy is mounted: cannot track (and kill) the workload's process tree")
     # one directory per hierarchy: v1 controllers co-mounted ("cpu,cpuacct") share it

@@ -65,6 +65,22 @@ def test_kill_all_ends_a_fork_bomb_and_leaves_no_process(runs, view):
     assert took < 5, took
 
 
+@pytest.mark.parametrize("view", sorted(VIEWS))
+def test_kill_all_ends_an_unlimited_fork_bomb(runs, view):
+    """No pids limit at all: the bomb grows until its uid's RLIMIT_NPROC net (bomb_argv, 400 processes) and
+    every mechanism still empties the group while it forks as fast as it can."""
+    limits = runs.create("kill-free", {}, mounts=VIEWS[view])
+    assert limits.groups and not any(g.has("pids.max") and g.read("pids.max").strip() != "max" for g in limits.groups)
+    proc = runs.spawn(limits, bomb_argv(FAST_BOMB))
+    assert wait_for(lambda: len(limits.pids()) >= 300, timeout=20)
+    started = time.monotonic()
+    limits.kill_all()
+    took = time.monotonic() - started
+    assert limits.pids() == []
+    proc.wait(5)
+    assert took < 5, took
+
+
 def test_kill_all_without_any_limit_tracks_the_tree(runs):
     """No limit requested: the run still gets a tracking group, so the wall-time kill reaches every process."""
     limits = runs.create("track", {})
