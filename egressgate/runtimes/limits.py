@@ -192,6 +192,16 @@ class ResourceLimits:
         else:  # pragma: no cover - _wanted only yields the three above
             raise LimitsUnavailable(f"unknown controller {controller}")
 
+    @staticmethod
+    def planned_paths(run_id: str, resources: dict, *, mounts: Mounts | None = None,
+                      parent: str = "egressgate") -> list[str]:
+        """The directories `create` would make, for the run record written BEFORE they exist (so `sandbox gc`
+        finds them even if `sandbox run` is killed in the middle of `create`). Raises as `create` would."""
+        if not NAME_RE.match(run_id) or not NAME_RE.match(parent):
+            raise LimitsUnavailable(f"run id {run_id!r} or cgroup parent {parent!r} is not a safe cgroup name")
+        mounts = cgroups.read_mounts() if mounts is None else mounts
+        return [str(root / parent / run_id) for root, _, _ in _layout(mounts, set(_wanted(resources)))]
+
     @classmethod
     def existing(cls, run_id: str, *, mounts: Mounts | None = None, parent: str = "egressgate") -> ResourceLimits:
         """The groups a (possibly dead) run left behind, in every hierarchy: for `sandbox gc`."""

@@ -120,6 +120,16 @@ def test_gc_view_finds_and_removes_a_dead_runs_groups(runs):
     assert limits.run_id not in ResourceLimits.run_ids(parent=PARENT)
 
 
+@pytest.mark.parametrize("resources", [{}, {"memory_mb": 64}, {"memory_mb": 64, "pids_max": 10, "cpu_millis": 300}])
+def test_planned_paths_are_the_paths_create_makes(runs, resources):
+    rid = run_id("plan")
+    planned = ResourceLimits.planned_paths(rid, resources, parent=PARENT)
+    assert not any(Path(p).exists() for p in planned)
+    made = ResourceLimits.create(rid, resources, parent=PARENT)
+    runs.made.append(made)
+    assert made.paths() == planned
+
+
 def test_docker_flags():
     assert docker_flags({"memory_mb": 256, "pids_max": 64, "cpu_millis": 1500, "wall_time_seconds": 9}) == [
         "--memory", "256m", "--memory-swap", "256m", "--pids-limit", "64", "--cpus", "1.5"]
