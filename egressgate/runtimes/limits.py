@@ -60,10 +60,12 @@ def cfs(cpu_millis: int) -> tuple[int, int]:
     return cpu_millis * period // 1000, period
 
 
-def _layout(mounts: Mounts, needed: set[str]) -> list[tuple[Path, int, str]]:
-    """[(hierarchy root, version, what it is for)] or LimitsUnavailable naming the missing controllers."""
+def _layout(mounts: Mounts, needed: set[str]) -> list[tuple[Path, int, frozenset[str]]]:
+    """[(hierarchy root, version, controllers to configure there)] or LimitsUnavailable naming the missing
+    controllers. One directory per hierarchy: v1 controllers co-mounted ("cpu,cpuacct") share one group, which
+    then gets the limits of all of them. A hierarchy with no controller to configure is the tracking group."""
     if mounts.v2 is not None and needed <= mounts.v2_controllers():
-        return [(mounts.v2, 2, "all")]
+        return [(mounts.v2, 2, frozenset(needed))]
     missing = needed - set(mounts.v1)
     if missing:
         offer = sorted(mounts.v2_controllers())
@@ -72,19 +74,21 @@ def _layout(mounts: Mounts, needed: set[str]) -> list[tuple[Path, int, str]]:
             f"(cgroup2 at {mounts.v2}: {offer or 'none'}; v1: {sorted(mounts.v1) or 'none'}); "
             "mount it or drop that limit from the policy"
         )
-    out = [(mounts.v1[c], 1, c) for c in sorted(needed)]
+    by_root: dict[Path, set[str]] = {}
+    for c in sorted(needed):
+        by_root.setdefault(mounts.v1[c], set()).add(c)
+    out = [(root, 1, frozenset(cs)) for root, cs in by_root.items()]
     if mounts.v2 is not None:
-        out.append((mounts.v2, 2, "track"))
+        out.append((mounts.v2, 2, frozenset()))
     elif "freezer" in mounts.v1:
-        out.append((mounts.v1["freezer"], 1, "track"))
+        if mounts.v1["freezer"] not in by_root:
+            out.append((mounts.v1["freezer"], 1, frozenset()))
     elif not out and mounts.v1:  # any v1 hierarchy lists the tree's processes (killed by SIGKILL rounds)
         first = "pids" if "pids" in mounts.v1 else sorted(mounts.v1)[0]
-        out.append((mounts.v1[first], 1, "track"))
+        out.append((mounts.v1[first], 1, frozenset()))
     if not out:
         raise LimitsUnavailable("no cgroup hierarchy is mounted: cannot track (and kill) the workload's process tree")
-    # one directory per hierarchy: v1 controllers co-mounted ("cpu,cpuacct") share it
-    seen: set[Path] = set()
-    return [x for x in out if not (x[0] in seen or seen.add(x[0]))]
+    return out
 
 
 class ResourceLimits:
@@ -111,13 +115,10 @@ class ResourceLimits:
         layout = _layout(mounts, set(wanted))
         self = cls(run_id, [], wanted)
         try:
-            for root, version, role in layout:
-                group = self._mkdir(root, version, parent, set(wanted) if version == 2 and role == "all" else set())
-                if role in wanted:
-                    self._configure(group, role, wanted[role])
-                elif role == "all":
-                    for controller, value in wanted.items():
-                        self._configure(group, controller, value)
+            for root, version, controllers in layout:
+                group = self._mkdir(root, version, parent, set(controllers) if version == 2 else set())
+                for controller in sorted(controllers):
+                    self._configure(group, controller, wanted[controller])
         except LimitsUnavailable:
             self._cleanup_quietly()
             raise

@@ -44,6 +44,21 @@ def test_missing_pids_controller_is_refused_and_nothing_is_created():
     assert dirs_named(rid) == []
 
 
+@pytest.mark.skipif("memory" not in MOUNTS.v1, reason="needs a v1 memory hierarchy (hybrid/v1 host)")
+def test_co_mounted_controllers_each_get_their_limit():
+    """Two controllers reported on one hierarchy share one group, and BOTH limits are written there. Here the
+    view claims pids is co-mounted with memory (it is not): the pids limit is attempted in the memory group
+    and, its files being absent, refused; a layout keeping one limit per directory would silently drop it."""
+    view = Mounts(v2=None, v1={"memory": MOUNTS.v1["memory"], "pids": MOUNTS.v1["memory"]})
+    rid = run_id("comount")
+    with pytest.raises(LimitsUnavailable, match="pids"):
+        ResourceLimits.create(rid, {"memory_mb": 64, "pids_max": 10}, mounts=view, parent=PARENT)
+    assert dirs_named(rid) == []
+    ok = ResourceLimits.create(rid, {"memory_mb": 64}, mounts=view, parent=PARENT)  # control: memory alone works
+    assert [int(g.read("memory.limit_in_bytes")) for g in ok.groups] == [64 * 1024 * 1024]
+    ok.remove()
+
+
 def test_no_cgroup_hierarchy_at_all_is_refused():
     with pytest.raises(LimitsUnavailable, match="no cgroup hierarchy"):
         ResourceLimits.create(run_id("none"), {}, mounts=Mounts(), parent=PARENT)
