@@ -83,7 +83,8 @@ class Gateway:
             info = json.loads(line)
         except ValueError as exc:
             proc.kill()
-            raise RuntimeError(f"gateway did not start: {line!r} {(base / 'gateway.stderr').read_text()[-3000:]}") from exc
+            tail = (base / "gateway.stderr").read_text()[-3000:]
+            raise RuntimeError(f"gateway did not start: {line!r} {tail}") from exc
         threading.Thread(target=lambda: proc.stdout.read(), daemon=True).start()  # type: ignore[union-attr]
         gw = cls(world=world, base=base, proc=proc, config=cfg, info=info)
         gw._stderr = stderr
@@ -109,9 +110,13 @@ class Gateway:
         return self.base / "var" / "audit.jsonl"
 
     def cmd(self, *args: str) -> list[str]:
-        return ["ip", "netns", "exec", self.world.gw, EGRESSGATE, *args]
+        """`egressgate ARGS` in the gw network namespace. nsenter, not `ip netns exec`: the latter also
+        gives the command a private mount namespace, so the `ip netns add` of `sandbox run` would mount
+        the sandbox's /run/netns entry where no other process (gc, the test) sees it."""
+        return ["nsenter", f"--net=/run/netns/{self.world.gw}", EGRESSGATE, *args]
 
-    def run_argv(self, *command: str, policy: str, workspace: Path | None = None, labels: tuple[str, ...] = ()) -> list[str]:
+    def run_argv(self, *command: str, policy: str, workspace: Path | None = None,
+                 labels: tuple[str, ...] = ()) -> list[str]:
         extra = ["--workspace", str(workspace)] if workspace else []
         for label in labels:
             extra += ["--label", label]

@@ -5,6 +5,7 @@ decides, together with the canaries' logs, whether anything got out.
 Usage: python3 probe.py '[["tcp", "169.254.169.254", 80], ...]' → one JSON list of results on stdout.
 """
 
+import contextlib
 import errno
 import json
 import os
@@ -30,10 +31,8 @@ def tcp(host, port, payload=""):
             data = b""
             if payload:
                 sock.sendall(payload.encode())
-                try:
+                with contextlib.suppress(OSError):
                     data = sock.recv(4096)
-                except OSError:
-                    pass
             return {"ok": True, "data": data.decode("latin-1")[:300]}
     except OSError as exc:
         return err(exc)
@@ -131,7 +130,9 @@ def main():
         elif kind == "exists":
             out.append({"ok": os.path.lexists(args[0])})
         elif kind == "uid":
-            out.append({"ok": True, "uid": os.getuid(), "caps": open("/proc/self/status").read().split("CapEff:")[1].split()[0]})
+            with open("/proc/self/status") as fh:
+                caps = fh.read().split("CapEff:")[1].split()[0]
+            out.append({"ok": True, "uid": os.getuid(), "caps": caps})
         else:
             fn = {"tcp": tcp, "udp": udp, "dns": dns, "tls": tls, "raw": raw_socket, "icmp": icmp_dgram,
                   "open": open_file}[kind]

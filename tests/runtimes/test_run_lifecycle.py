@@ -25,7 +25,7 @@ def leftovers(gateway: Gateway) -> dict[str, list[str]]:
     runs = gateway.state_dir / "runs"
     return {
         "tables": [line for line in tables.splitlines() if "egressgate_" in line],
-        "veths": [line.split(":")[1].strip() for line in links.splitlines() if ": egh" in line],
+        "veths": [line.split(":")[1].strip().split("@")[0] for line in links.splitlines() if ": egh" in line],
         "netns": [line.split()[0] for line in netns.splitlines() if line.startswith("egressgate-")],
         "records": sorted(p.name for p in runs.glob("*.json")) if runs.is_dir() else [],
     }
@@ -98,12 +98,29 @@ def test_gateway_not_running_is_a_setup_failure(gateway: Gateway) -> None:
         remove(empty)
 
 
-def _wait_for_workload(gateway: Gateway, proc: subprocess.Popen[str], timeout: float = 20) -> dict:
+def netns_commands(run_id: str) -> list[str]:
+    """Names of the processes in a run's network namespace (the sandbox's processes)."""
+    res = subprocess.run(["ip", "netns", "pids", f"egressgate-{run_id}"], capture_output=True, text=True,
+                         check=False)
+    out = []
+    for pid in res.stdout.split():
+        try:
+            out.append(Path(f"/proc/{pid}/comm").read_text().strip())
+        except OSError:
+            continue
+    return out
+
+
+def _wait_for_workload(gateway: Gateway, proc: subprocess.Popen[str], command: str = "sleep",
+                       timeout: float = 20) -> dict:
+    """The run's record once its workload (`command`) runs inside the sandbox: killing `sandbox run`
+    earlier would race bubblewrap's own start-up (its --die-with-parent is set after its fork)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for path in (gateway.state_dir / "runs").glob("*.json"):
             record = json.loads(path.read_text())
-            if record.get("owner_pid") == proc.pid and record.get("workload_pid"):
+            if (record.get("owner_pid") == proc.pid and record.get("workload_pid")
+                    and command in netns_commands(record["run_id"])):
                 return record
         assert proc.poll() is None, proc.communicate()
         time.sleep(0.05)
@@ -113,7 +130,6 @@ def _wait_for_workload(gateway: Gateway, proc: subprocess.Popen[str], timeout: f
 def test_sigterm_kills_the_sandbox_and_cleans_up(gateway: Gateway) -> None:
     proc = gateway.popen_run("sleep", "60", policy="rt-allow")
     record = _wait_for_workload(gateway, proc)
-    time.sleep(0.2)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=20)
     assert proc.returncode == 128 + signal.SIGTERM, err
@@ -127,7 +143,13 @@ def test_sigkill_then_gc_leaves_nothing(gateway: Gateway) -> None:
     proc = gateway.popen_run("sleep", "60", policy="rt-allow")
     record = _wait_for_workload(gateway, proc)
     proc.send_signal(signal.SIGKILL)
-    proc.communicate(timeout=20)
+    proc.wait(timeout=20)
+    # the sandbox's processes die with `sandbox run` (PDEATHSIG on bwrap, --die-with-parent inside)
+    deadline = time.monotonic() + 10
+    while netns_commands(record["run_id"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert netns_commands(record["run_id"]) == []
+    proc.communicate(timeout=10)
     left = leftovers(gateway)
     # positive control: SIGKILL left the run's objects behind (so gc has something to prove)
     assert left["records"] == [f"{record['run_id']}.json"]
