@@ -7,6 +7,10 @@ configured (IPv6 off, defence-in-depth rules) before the workload starts (the ad
 `attach` returns). Host-side commands run in the caller's namespace (the gateway's); sandbox-side ones
 run in a thread that joined the sandbox namespace with setns(2), so any netns path works without
 naming it and the children that thread forks (`ip`, `nft`) inherit that namespace.
+
+Used by run.py for every adapter: `Plumbing(run_id, spec.address, endpoints).attach(adapter.netns_path())`
+after `adapter.prepare()` and before `adapter.start()`; `detach()` at teardown. An adapter only has to
+provide a network namespace with nothing but `lo` in it (docker/gvisor: `--network none`).
 """
 
 from __future__ import annotations
