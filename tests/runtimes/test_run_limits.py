@@ -23,7 +23,8 @@ PY = "/usr/bin/python3"
 # refuses to start unless the safety net is in place (verified inside the workload, before it forks/allocates)
 NET_CHECK = f"""
 import resource, sys
-if resource.getrlimit(resource.RLIMIT_NPROC)[0] > {SAFETY_NPROC} or resource.getrlimit(resource.RLIMIT_AS)[0] > {SAFETY_AS}:
+nproc, mem = resource.getrlimit(resource.RLIMIT_NPROC)[0], resource.getrlimit(resource.RLIMIT_AS)[0]
+if nproc < 0 or nproc > {SAFETY_NPROC} or mem < 0 or mem > {SAFETY_AS}:  # RLIM_INFINITY is -1
     print("no safety net", flush=True); sys.exit(99)
 """
 
