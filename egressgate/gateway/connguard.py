@@ -34,7 +34,7 @@ from mitmproxy.proxy import layer
 from egressgate.gateway.context import Runtime, new_request_id
 from egressgate.gateway.deny import gateway_deny, raw_deny
 from egressgate.gateway.limit_audit import LimitAudit
-from egressgate.gateway.tunnel import RefuseLayer
+from egressgate.gateway.refuse import RefuseLayer
 from egressgate.policy.reasons import Reason
 
 logger = logging.getLogger(__name__)

@@ -91,10 +91,11 @@ class Gateway:
         proxy_port = world.in_ns(world.gw, lambda: _free_port(nw.GW_SBX))
         admin_port = world.in_ns(world.gw, lambda: _free_port("127.0.0.1"))
         dns_port = world.in_ns(world.gw, lambda: _free_port(nw.GW_SBX, udp=True))
+        transparent_port = world.in_ns(world.gw, lambda: _free_port("127.0.0.1"))
         (pdir / "escape-self.yaml").write_text(yaml.safe_dump(_self_policy(proxy_port, admin_port)))
         config = {
             "listen": {"proxy": f"{nw.GW_SBX}:{proxy_port}", "admin": f"127.0.0.1:{admin_port}",
-                       "dns": f"{nw.GW_SBX}:{dns_port}"},
+                       "dns": f"{nw.GW_SBX}:{dns_port}", "transparent": f"127.0.0.1:{transparent_port}"},
             # cache_min_ttl 0: honour the world's TTL 0, so every sandbox query reaches the world resolver
             # (rebinding answers are really delivered to the gateway, not hidden by a cache floor)
             "dns": {"upstreams": [f"{nw.DNS_ADDR}:53"], "cache_min_ttl": 0},
@@ -143,6 +144,12 @@ class Gateway:
     @property
     def proxy_url(self) -> str:
         return f"http://{self.proxy[0]}:{self.proxy[1]}"
+
+    @property
+    def transparent(self) -> tuple[str, int]:
+        """The transparent listener (where a runtime DNATs sandbox TCP), from the startup line."""
+        host, _, port = self.info["transparent"].rpartition(":")
+        return host.strip("[]"), int(port)
 
     @property
     def dns(self) -> tuple[str, int]:
