@@ -154,6 +154,9 @@ class World:
         self.extra.append(ns)
         self._register()
         sh("ip", "netns", "add", ns)
+        etc = Path("/etc/netns") / ns  # like _build: a resolver inside the world only
+        etc.mkdir(parents=True, exist_ok=True)
+        (etc / "resolv.conf").write_text(f"nameserver {DNS_ADDR}\n")
         sh("ip", "-n", ns, "link", "set", "lo", "up")
         ia, ib = f"{PREFIX}{self.sid}{tag}a", f"{PREFIX}{self.sid}{tag}b"
         sh("ip", "link", "add", ia, "netns", self.gw, "type", "veth", "peer", "name", ib, "netns", ns)
