@@ -78,7 +78,7 @@ class Gateway:
     _stderr: Any = None
 
     @classmethod
-    def start(cls, world: World, tmp: Path, policies: Path = POLICIES) -> Gateway:
+    def start(cls, world: World, tmp: Path, policies: Path = POLICIES, extra_config: dict | None = None) -> Gateway:
         """Start with every policy in `policies`, plus escape-self, which allows the gateway's own
         listeners by rule (so only the self-connection check can refuse them). Its ports are picked
         free inside the private gw namespace before the start, since the policy must name them."""
@@ -103,6 +103,7 @@ class Gateway:
             "var_dir": str(var),
             "upstream": {"resolver": f"{nw.DNS_ADDR}:53", "ca_bundle": str(world.ca_pem)},
             "state": {"backend": "memory"},
+            **(extra_config or {}),
         }
         cfg = tmp / "gateway.yaml"
         cfg.write_text(yaml.safe_dump(config))

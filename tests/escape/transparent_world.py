@@ -36,27 +36,31 @@ class Transparent:
     ns: str
     ifname: str
     sbx: Sandbox
+    table: str = TABLE
 
     @classmethod
-    def create(cls, world: World, gateway: Gateway) -> Transparent:
-        ns, ifname = world.add_namespace("tsb", GW_TSB, TSB)
-        for extra in (UNKNOWN_SOURCE, REVOKED_SOURCE, LIMITED_SOURCE):
-            nw.sh("ip", "-n", ns, "addr", "add", f"{extra}/32", "dev", f"{nw.PREFIX}{world.sid}tsbb")
+    def create(cls, world: World, gateway: Gateway, tag: str = "tsb", net: str = "198.18.5",
+               table: str = TABLE) -> Transparent:
+        """The `tag` namespace on `net`.0/24: .1 gw side, .2 the sandbox admitted here, .3-.5 the extra
+        source addresses (UNKNOWN/REVOKED/LIMITED_SOURCE, shifted to `net`); DNAT to `gateway`."""
+        ns, ifname = world.add_namespace(tag, f"{net}.1", f"{net}.2")
+        for last in (3, 4, 5):
+            nw.sh("ip", "-n", ns, "addr", "add", f"{net}.{last}/32", "dev", f"{nw.PREFIX}{world.sid}{tag}b")
         host, port = gateway.transparent
         nw.sh("ip", "netns", "exec", world.gw, "sysctl", "-qw", f"net.ipv4.conf.{ifname}.route_localnet=1")
         ruleset = (
-            f"table ip {TABLE} {{\n"
+            f"table ip {table} {{\n"
             f"  chain egt_pre {{ type nat hook prerouting priority -100; policy accept;\n"
             f"    iifname \"{ifname}\" ip protocol tcp dnat to {host}:{port}\n  }}\n"
             f"  chain egt_fwd {{ type filter hook forward priority 0; policy accept;\n"
             f"    iifname \"{ifname}\" drop\n    oifname \"{ifname}\" drop\n  }}\n}}\n"
         )
         nw.sh("ip", "netns", "exec", world.gw, "nft", "-f", "-", input=ruleset)
-        sbx = gateway.admit("escape-transparent", address=TSB)
-        return cls(world=world, gateway=gateway, ns=ns, ifname=ifname, sbx=sbx)
+        sbx = gateway.admit("escape-transparent", address=f"{net}.2")
+        return cls(world=world, gateway=gateway, ns=ns, ifname=ifname, sbx=sbx, table=table)
 
     def close(self) -> None:
-        nw.sh("ip", "netns", "exec", self.world.gw, "nft", "delete", "table", "ip", TABLE, check=False)
+        nw.sh("ip", "netns", "exec", self.world.gw, "nft", "delete", "table", "ip", self.table, check=False)
 
     def in_tsb(self, fn: Callable[[], T]) -> T:
         return self.world.in_ns(self.ns, fn)
