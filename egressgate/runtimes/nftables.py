@@ -93,14 +93,21 @@ def host_ruleset(run_id: str, address: SandboxAddress, gw: GatewayEndpoints) -> 
 def sandbox_ruleset(address: SandboxAddress) -> str:
     """Inside the sandbox namespace, defence in depth (the host table is the control): out of the
     sandbox link only IPv4 TCP and UDP/53, nothing else on any interface but loopback. The workload
-    has no CAP_NET_ADMIN to change it."""
+    has no CAP_NET_ADMIN to change it. It refuses first (EPERM to the sender), so it counts what it
+    refuses under the same names as the host table; `drop_counts` adds both."""
     ifname = address.sandbox_if
+    counters = "".join(f"  counter drop_{name} {{ }}\n" for name in DROP_COUNTERS)
     return (
         f"table inet {SANDBOX_TABLE} {{\n"
+        f"{counters}"
         f"  chain output {{\n    type filter hook output priority filter; policy drop;\n"
         f'    oifname "lo" accept\n'
-        f'    oifname "{ifname}" meta nfproto ipv4 meta l4proto tcp accept\n'
-        f'    oifname "{ifname}" meta nfproto ipv4 meta l4proto {{ tcp, udp }} th dport 53 accept\n'
+        f'    meta nfproto != ipv4 counter name "drop_ipv6" drop\n'
+        f'    oifname "{ifname}" meta l4proto tcp accept\n'
+        f'    oifname "{ifname}" udp dport 53 accept\n'
+        f'    meta l4proto udp counter name "drop_udp" drop\n'
+        f'    meta l4proto tcp counter name "drop_tcp" drop\n'
+        f'    meta l4proto != {{ tcp, udp }} counter name "drop_not_tcp_udp" drop\n'
         f"  }}\n"
         f"}}\n"
     )
@@ -115,7 +122,8 @@ def apply(ruleset: str) -> None:
 
 
 def drop_counts(name: str) -> dict[str, int]:
-    """Packets each DROP_COUNTERS rule refused (empty when the table is gone)."""
+    """Packets each DROP_COUNTERS rule of table `name` (in the caller's netns) refused; empty when the
+    table is gone."""
     res = subprocess.run(["nft", "-j", "list", "counters", "table", "inet", name], capture_output=True,
                          text=True, check=False, timeout=30)
     if res.returncode != 0:

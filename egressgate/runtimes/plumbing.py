@@ -74,6 +74,7 @@ class Plumbing:
         self.address = address
         self.gateway = gateway
         self.table = nftables.table_name(run_id)
+        self.netns_path: str | None = None
 
     def host_objects(self) -> dict[str, str]:
         """What `attach` creates on the host, for the run record (written before attach)."""
@@ -81,6 +82,7 @@ class Plumbing:
 
     def attach(self, netns_path: str) -> None:
         a = self.address
+        self.netns_path = netns_path
         nftables.apply(nftables.host_ruleset(self.run_id, a, self.gateway))
         ip_batch([
             f"link add {a.host_if} type veth peer name {a.sandbox_if} netns {netns_path}",
@@ -106,8 +108,17 @@ class Plumbing:
         nftables.apply(nftables.sandbox_ruleset(a))
 
     def drop_counts(self) -> dict[str, int]:
-        """What the host table refused so far (for the revocation's audit record)."""
-        return nftables.drop_counts(self.table)
+        """What the host table and the sandbox's own table refused (for the revocation's audit record:
+        a packet the kernel drops never reaches the gateway). Read before teardown."""
+        counts = nftables.drop_counts(self.table)
+        if self.netns_path is not None:
+            try:
+                inside = in_netns(self.netns_path, lambda: nftables.drop_counts(nftables.SANDBOX_TABLE))
+            except OSError:  # the namespace is already gone
+                inside = {}
+            for key, value in inside.items():
+                counts[key] = counts.get(key, 0) + value
+        return counts
 
     def detach(self) -> None:
         delete_link(self.address.host_if)

@@ -80,7 +80,8 @@ class Gateway:
         for name, body in policies.items():
             (pdir / f"{name}.yaml").write_text(yaml.safe_dump(body))
         config = {
-            "listen": {"proxy": "127.0.0.1:0", "admin": "127.0.0.1:0", "dns": "127.0.0.1:0"},
+            "listen": {"proxy": "127.0.0.1:0", "admin": "127.0.0.1:0", "dns": "127.0.0.1:0",
+                       "transparent": "127.0.0.2:0"},
             "dns": {"upstreams": [f"{nw.DNS_ADDR}:53"], "cache_min_ttl": 0},
             "policy": str(pdir),
             "var_dir": str(base / "var"),

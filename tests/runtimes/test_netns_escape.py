@@ -32,7 +32,7 @@ def network_checks(leak: str, leak_tcp: str) -> list[list]:
         ["tcp", "10.0.0.5", 80, "GET / HTTP/1.0\r\nHost: 10.0.0.5\r\n\r\n"],  # 1 private IP
         ["tcp", "fd00:ec2::254", 80, "GET / HTTP/1.0\r\n\r\n"],  # 2 IPv6 literal
         ["dns", nw.DNS_ADDR, leak, "udp"],  # 3 "public" resolver, UDP 53
-        ["tcp", nw.DNS_ADDR, 853, ""],  # 4 DNS over TLS
+        ["tls", nw.DNS_ADDR, 853, "dns.public.test"],  # 4 DNS over TLS
         ["udp", nw.UPSTREAM, 443],  # 5 QUIC
         ["icmp", nw.UPSTREAM],  # 6 ICMP echo (unprivileged ICMP socket)
         ["raw", 1],  # 7 raw ICMP socket
@@ -42,8 +42,13 @@ def network_checks(leak: str, leak_tcp: str) -> list[list]:
     ]
 
 
-def probe_argv(checks: list[list]) -> list[str]:
-    return [PY, "-c", PROBE, json.dumps(checks)]
+def probe_argv(checks: list[list], hostile: bool = True) -> list[str]:
+    """The probe as hostile code runs it: no proxy settings at all, NO_PROXY=* for good measure
+    (hostile=False: in the environment the sandbox was given)."""
+    if not hostile:
+        return [PY, "-c", PROBE, json.dumps(checks)]
+    return ["env", "-u", "HTTP_PROXY", "-u", "HTTPS_PROXY", "-u", "http_proxy", "-u", "https_proxy", "NO_PROXY=*",
+            PY, "-c", PROBE, json.dumps(checks)]
 
 
 def parse(stdout: str) -> list[dict]:
@@ -57,7 +62,7 @@ def test_admission_checks_inside(gateway: Gateway, host_files: Path) -> None:
     checks = [["env"], ["exists", "/var/run/docker.sock"], ["exists", "/run/docker.sock"],
               ["open", "/etc/shadow", "r"], ["open", denied, "r"], ["uid"],
               ["open", "/etc/hosts", "a"], ["open", "/etc/resolv.conf", "a"]]
-    res = gateway.run(*probe_argv(checks), policy="rt-allow")
+    res = gateway.run(*probe_argv(checks, hostile=False), policy="rt-allow")
     assert res.returncode == 0, res.stderr
     env, sock1, sock2, shadow, masked, ident, hosts, resolv = parse(res.stdout)
     assert "AWS_SECRET_ACCESS_KEY" not in env["env"] and CALLER_SECRET not in json.dumps(env["env"])
@@ -94,11 +99,18 @@ def test_no_direct_path_reaches_a_canary(gateway: Gateway, canaries: dict) -> No
     assert not out[5]["ok"] or out[5]["reply_from"] is None  # QUIC: nothing answers, nothing arrived
     assert not out[6]["ok"] and not out[7]["ok"] and not out[8]["ok"]  # ICMP and raw sockets refused
     assert out[7]["error"] == "EPERM" and out[8]["error"] == "EPERM"
-    # each DNS denial is audited with the sandbox id (identity = the sandbox's registered source address)
-    records = gateway.records(predicate=lambda r: r.get("dns.question.name") == leak_tcp)
-    names = {r.get("dns.question.name") for r in records
-             if r.get("egressgate.sandbox.id") == sid and r.get("egressgate.decision") == "deny"}
+    # each denial is audited with the sandbox id (identity = the sandbox's registered source address):
+    # DNS by the resolver, TCP by the transparent listener, dropped packets in the revocation's counters
+    records = gateway.records(predicate=lambda r: r.get("egressgate.operation") == "revocation"
+                              and r.get("egressgate.sandbox.id") == sid)
+    mine = [r for r in records if r.get("egressgate.sandbox.id") == sid]
+    names = {r.get("dns.question.name") for r in mine if r.get("egressgate.decision") == "deny"}
     assert {leak, leak_tcp} <= names
+    transparent = {r.get("server.address"): r for r in mine if r.get("egressgate.mode") == "transparent"}
+    for target in ("169.254.169.254", "10.0.0.5", "dns.public.test"):
+        assert transparent[target]["egressgate.decision"] == "deny", transparent.get(target)
+    (revocation,) = [r for r in mine if r.get("egressgate.operation") == "revocation"]
+    assert int(revocation["egressgate.run.dropped.udp"]) >= 1  # the QUIC datagram
 
     # positive control: the same attempts from `open` (no egressgate rules) reach every canary
     control_leak = leak_name()
@@ -107,8 +119,33 @@ def test_no_direct_path_reaches_a_canary(gateway: Gateway, canaries: dict) -> No
     assert ctl.returncode == 0, ctl.stderr
     hit = {h["listener"] for h in world.canary_hits(mark)}
     assert {"metadata", "private", "metadata-v6", "private-tls"} <= hit, hit
+    assert ctl_out_ok(ctl.stdout)
     assert control_leak in {q["qname"] for q in world.dns_queries(mark)}
     assert canaries["dot"].hits and canaries["quic"].hits
+
+
+def ctl_out_ok(stdout: str) -> bool:
+    """From `open`, the direct attempts connect (metadata, private IP, IPv6, the world's resolver; the
+    853 and QUIC canaries record their hits themselves)."""
+    out = parse(stdout)
+    return all(out[i]["ok"] for i in (0, 1, 2, 3))
+
+
+def test_allowed_https_transparently(gateway: Gateway) -> None:
+    """Positive control: with no proxy configured at all, an allowed HTTPS GET works through the
+    transparent listener (TLS intercepted with the sandbox CA), and is audited as transparent."""
+    world = gateway.world
+    mark = world.mark()
+    res = gateway.run("env", "-u", "HTTP_PROXY", "-u", "HTTPS_PROXY", "-u", "http_proxy", "-u", "https_proxy",
+                      "NO_PROXY=*", "curl", "-sS", "--noproxy", "*", "--max-time", "10", "-o", "/dev/null",
+                      "-w", "%{http_code}", "https://api.allowed.test/", policy="rt-allow")
+    assert res.returncode == 0 and res.stdout == "200", res.stdout + res.stderr
+    assert "upstream-tls" in {h.get("listener") for h in world.hits(mark)}
+    sid = sandbox_id(res.stderr)
+    records = gateway.records(predicate=lambda r: r.get("egressgate.sandbox.id") == sid
+                              and r.get("egressgate.mode") == "transparent")
+    assert any(r.get("egressgate.decision") == "allow" and r.get("server.address") == "api.allowed.test"
+               for r in records if r.get("egressgate.sandbox.id") == sid)
 
 
 def test_allowed_https_via_explicit_proxy(gateway: Gateway) -> None:
