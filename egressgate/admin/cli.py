@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import shlex
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -54,6 +52,9 @@ def _token(cfg: GatewayConfig) -> str:
 def _call(method: str, url: str, token: str, body: dict | None = None) -> tuple[int, dict]:
     """One request to the loopback admin API with the stdlib (urllib): the CLI needs no HTTP client
     library beyond the runtime dependencies (httpx is only a test dependency)."""
+    import urllib.error  # here: `sandbox run` shares this module and never needs urllib (start-up time)
+    import urllib.request
+
     if not url.startswith(("http://", "https://")):  # urllib would also open file: and ftp: URLs
         raise click.ClickException(f"admin API URL must be http(s)://, got {url!r}")
     data = json.dumps(body).encode() if body is not None else None

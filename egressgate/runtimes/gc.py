@@ -90,19 +90,21 @@ def remove_cgroup(path: Path) -> None:
 
 
 def _revoke(var_dir: Path, info: endpoints.GatewayInfo | None, record: dict[str, Any]) -> str | None:
-    if info is None or not record.get("sandbox_id"):
+    if not record.get("sandbox_id"):
         return None
-    from egressgate.admin.cli import _call
+    if info is None:  # the record (and its address slot) stays until the sandbox is revoked
+        return (f"cannot revoke {record['sandbox_id']}: the gateway is not running (its var dir has no live "
+                "gateway.json); run `sandbox gc` again once it runs")
+    from egressgate.runtimes.adminapi import AdminUnreachable, call
 
-    host, port = info.endpoints.admin
     try:
         token = info.admin_token_file.read_text().strip()
-        status, data = _call("DELETE", f"http://{host}:{port}/v1/sandboxes/{record['sandbox_id']}", token,
-                             {"outcome": {"runtime": record.get("runtime") or "unknown", "exit_code": None,
-                                          "status": None, "signal": None, "limit": None, "duration_ms": None,
-                                          "ended_by": "gc"}})
-    except Exception as exc:
-        return f"cannot revoke {record['sandbox_id']}: {getattr(exc, 'message', exc)}"
+        status, data = call(info.endpoints.admin, "DELETE", f"/v1/sandboxes/{record['sandbox_id']}", token,
+                            {"outcome": {"runtime": record.get("runtime") or "unknown", "exit_code": None,
+                                         "status": None, "signal": None, "limit": None, "duration_ms": None,
+                                         "ended_by": "gc"}})
+    except (OSError, AdminUnreachable) as exc:
+        return f"cannot revoke {record['sandbox_id']}: {exc}"
     if status not in (200, 404):
         return f"revocation of {record['sandbox_id']} failed ({status}): {data}"
     return None

@@ -42,6 +42,17 @@ BWRAP = "bwrap"
 TMP = "/tmp"  # noqa: S108 - the sandbox's own /tmp: a fresh tmpfs per run, no host directory
 
 
+def ensure_mount_point(path: str | None) -> None:
+    """Create an empty root-owned directory on the host where bwrap must mount something that has no
+    mount point yet (the CA directory, the workspace path). Without it, bwrap (unprivileged, on a
+    read-only root) can only make room by rebuilding the parent as a tmpfs with every host entry bound
+    back: ~120 ms for /etc alone (loadtests/RESULTS.md). Where the host root is read-only that fallback
+    is still used (build_command)."""
+    if path and path.startswith("/") and not os.path.lexists(path):
+        with contextlib.suppress(OSError):
+            os.makedirs(path, mode=0o755, exist_ok=True)
+
+
 def netns_name(run_id: str) -> str:
     return NETNS_PREFIX + run_id
 
@@ -114,7 +125,8 @@ def build_command(spec: RunSpec, workspace_fd: int | None) -> BwrapCommand:
     # root_fs read_write still never makes the HOST root writable (that would let the workload change
     # the host); it gets writable scratch space instead (documented in docs/runtimes.md)
     cmd.args += ["--ro-bind", "/", "/"]
-    cmd.make_room(CA_PATH_IN_SANDBOX)
+    ca_dir = os.path.dirname(CA_PATH_IN_SANDBOX)
+    cmd.make_room(ca_dir)
     if ws_path and workspace_fd is not None:
         cmd.make_room(ws_path)
     cmd.emit_rooms()
@@ -125,13 +137,15 @@ def build_command(spec: RunSpec, workspace_fd: int | None) -> BwrapCommand:
                 cmd.args += ["--tmpfs", scratch]
     if ws_path and workspace_fd is not None:
         cmd.args += ["--bind-fd", str(workspace_fd), ws_path]
+    # the CA directory is a tmpfs of its own (whatever the host keeps there stays hidden), read-only below
+    cmd.args += ["--tmpfs", ca_dir]
     cmd.data(spec.ca_bundle.read_bytes(), CA_PATH_IN_SANDBOX, "0444")
     cmd.data(f"nameserver {spec.address.host_ip}\noptions edns0\n".encode(), "/etc/resolv.conf", "0444")
     hostname = str(sandbox.get("name") or "sandbox")
     cmd.data(f"127.0.0.1\tlocalhost\n{spec.address.sandbox_ip}\t{hostname}\n".encode(), "/etc/hosts", "0444")
     for path in [*ALWAYS_MASKED, *fs.get("deny", [])]:
         _mask(cmd, os.path.normpath(path), ws_path)
-    for anchor in cmd.expanded:
+    for anchor in [*cmd.expanded, ca_dir]:
         cmd.args += ["--remount-ro", anchor]
     cmd.args += ["--clearenv"]
     for key, value in spec.env.items():
@@ -175,6 +189,9 @@ class NetnsAdapter:
         self.ns = ns
         if spec.workspace is not None:
             self._ws_fd = os.open(spec.workspace, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        ws_path = ((spec.policy.get("sandbox") or {}).get("workspace") or {}).get("path")
+        for mount_point in (os.path.dirname(CA_PATH_IN_SANDBOX), ws_path if self._ws_fd is not None else None):
+            ensure_mount_point(mount_point)
         self._cmd = build_command(spec, self._ws_fd)
 
     def netns_path(self) -> str:

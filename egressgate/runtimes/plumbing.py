@@ -84,15 +84,17 @@ class Plumbing:
         a = self.address
         self.netns_path = netns_path
         nftables.apply(nftables.host_ruleset(self.run_id, a, self.gateway))
+        # one `ip -batch`; addrgenmode none: the host end never gets an IPv6 (link-local) address
         ip_batch([
             f"link add {a.host_if} type veth peer name {a.sandbox_if} netns {netns_path}",
+            f"link set dev {a.host_if} addrgenmode none",
             f"addr add {a.host_ip}/{a.prefix_len} dev {a.host_if}",
+            f"link set {a.host_if} up",
         ])
         # route_localnet on this interface only: DNAT to listeners on 127.0.0.1 (the input chain admits
-        # only those three listeners); IPv6 off on the host end too (no link-local path at all)
+        # only those three listeners). Set before the workload starts (after attach returns).
         write_sysctl(f"net.ipv4.conf.{a.host_if}.route_localnet", "1")
         write_sysctl(f"net.ipv6.conf.{a.host_if}.disable_ipv6", "1")
-        ip_batch([f"link set {a.host_if} up"])
         in_netns(netns_path, self._configure_inside)
 
     def _configure_inside(self) -> None:

@@ -54,6 +54,10 @@ def log(message: str) -> None:
     print(f"egressgate: {message}", file=sys.stderr, flush=True)
 
 
+# EGRESSGATE_RUN_TIMING=1: one stderr line with the milliseconds of each phase (loadtests/RESULTS.md)
+TIMING = os.environ.get("EGRESSGATE_RUN_TIMING") == "1"
+
+
 def inside_env(admitted: dict[str, str], sandbox_id: str, address: SandboxAddress, proxy_port: int,
                home: str) -> tuple[dict[str, str], Path]:
     """Admission's env rewritten for inside the sandbox, and the host path of the CA bundle.
@@ -128,22 +132,25 @@ class Run:
         self.started = False
         self.signal: int | None = None
         self.temp_workspace: Path | None = None
+        self._marks: list[tuple[str, float]] = [("start", time.monotonic())]
+
+    def mark(self, phase: str) -> None:
+        if TIMING:
+            self._marks.append((phase, time.monotonic()))
 
     # ------------------------------------------------------------------------------ admin API
     def _admin(self, method: str, path: str, body: dict | None) -> tuple[int, dict]:
-        from egressgate.admin.cli import _call  # urllib + click only
+        from egressgate.runtimes.adminapi import AdminUnreachable, call
 
         assert self.info is not None
-        host, port = self.info.endpoints.admin
-        url = f"http://[{host}]:{port}{path}" if ":" in host else f"http://{host}:{port}{path}"
         try:
             token = self.info.admin_token_file.read_text(encoding="utf-8").strip()
         except OSError as exc:
             raise SetupFailed(f"cannot read the admin token {self.info.admin_token_file}: {exc.strerror}") from None
         try:
-            return _call(method, url, token, body)
-        except Exception as exc:  # click.ClickException: unreachable
-            raise SetupFailed(str(getattr(exc, "message", exc))) from None
+            return call(self.info.endpoints.admin, method, path, token, body)
+        except AdminUnreachable as exc:
+            raise SetupFailed(str(exc)) from None
 
     # ------------------------------------------------------------------------------ signals
     def _on_signal(self, signum: int, _frame: object) -> None:
@@ -187,6 +194,7 @@ class Run:
         address = addressing.allocate(info.state_dir, info.subnet, self.run_id,
                                       {"owner_pid": os.getpid(), "runtime": req.runtime, "created": time.time(),
                                        "var_dir": str(req.var_dir.absolute())})
+        self.mark("allocate")
         status, data = self._admin("POST", "/v1/sandboxes", {"policy": req.policy, "labels": req.labels,
                                                              "addresses": [address.sandbox_ip]})
         if status != 201:
@@ -218,13 +226,16 @@ class Run:
                        env=env, policy=policy, address=address, ca_bundle=bundle, workspace=workspace,
                        image=req.image, labels=dict(req.labels), state_dir=info.state_dir)
         self._interrupted()
+        self.mark("admission")
         self.adapter.prepare(spec)
         self._interrupted()
+        self.mark("prepare")
         from egressgate.runtimes.plumbing import Plumbing
 
         self.plumbing = Plumbing(self.run_id, address, info.endpoints)
         records.update(info.state_dir, self.run_id, **self.plumbing.host_objects())
         self.plumbing.attach(self.adapter.netns_path())
+        self.mark("plumbing")
         resources = sandbox.get("resources") or {}
         self._limits(resources)
         self._interrupted()
@@ -239,7 +250,9 @@ class Run:
             self.watch.start()
         if self.signal is not None:  # arrived between start() and here
             self.adapter.kill()
+        self.mark("start")
         result = self.adapter.wait(deadline)
+        self.mark("wait")
         limit = result.limit
         if limit is None and self.limits is not None:
             limit = self.limits.hit()
@@ -277,6 +290,7 @@ class Run:
                 dropped = self.plumbing.drop_counts()
         if self.signal is not None and exit_info is not None and exit_info.limit is None:
             exit_info = ExitInfo(status=None, signal=self.signal)
+        self.mark("counters")
         for step in (lambda: self.watch and self.watch.stop(),
                      lambda: self.adapter and self.adapter.kill(),
                      lambda: self.limits and self.limits.kill_all(),
@@ -301,7 +315,9 @@ class Run:
                        "signal": exit_info.signal if exit_info else self.signal,
                        "limit": str(exit_info.limit) if exit_info and exit_info.limit else None,
                        "duration_ms": duration_ms, "dropped": dropped}
+            self.mark("teardown")
             revoked = self._revoke(outcome)
+            self.mark("revoke")
             clean = clean and revoked
             what = f"limit {exit_info.limit}" if exit_info and exit_info.limit else f"exit {code}"
             log(f"sandbox {self.sandbox_id} ended ({what}){' and was revoked' if revoked else ''}; "
@@ -309,6 +325,11 @@ class Run:
         if self.info is not None and clean:
             with contextlib.suppress(OSError):
                 records.remove(self.info.state_dir, self.run_id)
+        if TIMING:
+            self.mark("end")
+            pairs = zip(self._marks, self._marks[1:], strict=False)
+            phases = [f"{name}={(t - prev) * 1000:.1f}" for (_, prev), (name, t) in pairs]
+            log("timing ms: " + " ".join(phases))
         return code
 
 
