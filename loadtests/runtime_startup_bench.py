@@ -32,12 +32,15 @@ BARE = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--ro-bi
         "--dev", "/dev", "--tmpfs", "/tmp", "--cap-drop", "ALL", "true"]
 
 
-def timed(argv: list[str], env: dict[str, str]) -> float:
+def timed(argv: list[str], env: dict[str, str], phases: list[dict[str, float]] | None = None) -> float:
     begin = time.perf_counter()
     res = subprocess.run(argv, capture_output=True, text=True, env=env, check=False, timeout=60)
     took = time.perf_counter() - begin
     if res.returncode != 0:
         raise RuntimeError(f"{argv[:6]}... exited {res.returncode}: {res.stderr[-2000:]}")
+    if phases is not None:  # EGRESSGATE_RUN_TIMING=1: "egressgate: timing ms: allocate=5.9 admission=8.2 ..."
+        line = next(x for x in res.stderr.splitlines() if "timing ms:" in x)
+        phases.append({k: float(v) for k, v in (w.split("=") for w in line.split("timing ms:")[1].split())})
     return took
 
 
@@ -65,7 +68,7 @@ def main() -> None:
                                    stdout=subprocess.PIPE, stderr=open(base / "gateway.stderr", "w"), text=True)  # noqa: SIM115
         assert gateway.stdout is not None
         addresses = json.loads(gateway.stdout.readline())
-        env = {**os.environ}
+        env = {**os.environ, "EGRESSGATE_RUN_TIMING": "1"}
         run = [*enter, EGRESSGATE, "sandbox", "run", "--var-dir", str(base / "var"), "--policy", "bench", "--",
                "true"]
         bare = [*enter, *BARE]
@@ -74,9 +77,13 @@ def main() -> None:
             timed(bare, env)
         ours: list[float] = []
         theirs: list[float] = []
+        helps: list[float] = []
+        phases: list[dict[str, float]] = []
+        cli_only = [*enter, EGRESSGATE, "sandbox", "run", "--help"]  # interpreter + imports + click, no run
         for _ in range(args.n):
-            ours.append(timed(run, env))
+            ours.append(timed(run, env, phases))
             theirs.append(timed(bare, env))
+            helps.append(timed(cli_only, env))
         m_ours, m_bare = statistics.median(ours), statistics.median(theirs)
         print(json.dumps({
             "n": args.n, "gateway": addresses,
@@ -84,6 +91,8 @@ def main() -> None:
             "overhead_ms": round((m_ours - m_bare) * 1000, 1), "ratio": round(m_ours / m_bare, 2),
             "sandbox_run_p90_ms": round(sorted(ours)[int(0.9 * (len(ours) - 1))] * 1000, 1),
             "bwrap_p90_ms": round(sorted(theirs)[int(0.9 * (len(theirs) - 1))] * 1000, 1),
+            "cli_startup_median_ms": round(statistics.median(helps) * 1000, 1),
+            "phase_medians_ms": {k: round(statistics.median(p[k] for p in phases), 1) for k in phases[0]},
             "load_avg": os.getloadavg(),
         }, indent=1))
     finally:
