@@ -1,45 +1,26 @@
-"""`egressgate` command line. Each component contributes its own click group.
+"""`egressgate` console script entry point.
 
-Groups are imported when invoked, not at start-up: `egressgate sandbox run` is on the path of every
-sandbox start (its overhead is measured, loadtests/RESULTS.md), and importing every group up front loads
-mitmproxy, pydantic and the audit stack for nothing.
+`egressgate sandbox run ... -- CMD` in its common, well-formed shape is run without importing click
+(runtimes/fastargs.py): it starts every sandbox, its overhead over bare bubblewrap is a measured goal
+(loadtests/RESULTS.md), and click alone costs ~40 ms. Everything else, including every malformed or
+`--help` invocation of `sandbox run`, goes to the click group in egressgate/commands.py.
 """
 
 from __future__ import annotations
 
-import importlib
-
-import click
-
-# name -> "module:attribute" of the click command or group
-COMMANDS = {
-    "policy": "egressgate.policy.cli:policy",
-    "audit": "egressgate.audit.cli:audit",
-    "run": "egressgate.gateway.cli:run_cmd",
-    "sandbox": "egressgate.admin.cli:sandbox",
-    "ca": "egressgate.gateway.cli:ca_group",
-}
+import sys
 
 
-def _load(name: str) -> click.Command:
-    module, _, attr = COMMANDS[name].partition(":")
-    command = getattr(importlib.import_module(module), attr)
-    if name == "sandbox":
-        from egressgate.runtimes.cli import register
-
-        register(command)
-    return command
-
-
-class LazyGroup(click.Group):
-    def list_commands(self, ctx: click.Context) -> list[str]:
-        return sorted(COMMANDS)
-
-    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
-        return _load(cmd_name) if cmd_name in COMMANDS else None
-
-
-@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(package_name="egressgate")
 def main() -> None:
-    """Network chokepoint for AI-agent sandboxes: egress gateway, DNS resolver, credential broker, audit."""
+    args = sys.argv[1:]
+    if args[:2] == ["sandbox", "run"]:
+        from egressgate.runtimes.fastargs import parse
+
+        parsed = parse(args[2:])
+        if parsed is not None:
+            from egressgate.runtimes.run import run_from_args
+
+            sys.exit(run_from_args(**parsed))
+    from egressgate.commands import cli
+
+    cli()

@@ -2,7 +2,9 @@
 
 Imports only click and the stdlib at start-up (the runtime modules are stdlib-only): `sandbox run`'s
 overhead over bare bubblewrap is a measured goal (loadtests/RESULTS.md), and loading the gateway's config
-models alone costs more than the whole budget. The gateway's settings come from its runtime file.
+models alone costs more than the whole budget. The gateway's settings come from its runtime file. The
+common invocation of `sandbox run` does not even get here (egressgate/cli.py, runtimes/fastargs.py):
+this command is its definition, help and error messages.
 """
 
 from __future__ import annotations
@@ -11,26 +13,6 @@ import sys
 from pathlib import Path
 
 import click
-
-DEFAULT_VAR_DIR = "./var"  # GatewayConfig.var_dir's default (egressgate/config.py)
-
-
-def var_dir_of(config_file: str | None, var_dir: str | None) -> Path:
-    """--var-dir wins; else `var_dir` of --config (read without the config models); else ./var."""
-    if var_dir:
-        return Path(var_dir)
-    if config_file is None:
-        return Path(DEFAULT_VAR_DIR)
-    from egressgate.safeyaml import YamlError, load_yaml
-
-    try:
-        data = load_yaml(Path(config_file).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, YamlError) as exc:
-        raise click.ClickException(f"{config_file}: {exc}") from None
-    value = data.get("var_dir", DEFAULT_VAR_DIR) if isinstance(data, dict) else DEFAULT_VAR_DIR
-    if not isinstance(value, str):
-        raise click.ClickException(f"{config_file}: var_dir: expected a string")
-    return Path(value)
 
 
 def _labels(items: tuple[str, ...]) -> dict[str, str]:
@@ -59,11 +41,10 @@ def run_cmd(config_file: str | None, var_dir: str | None, policy: str, runtime: 
 
     Exit codes: the workload's status (128+N if signal N killed it); 120 setup failed; 121 memory,
     122 pids, 123 workspace bytes, 124 wall time limit (docs/runtimes.md)."""
-    from egressgate.runtimes.run import RunRequest, run
+    from egressgate.runtimes.run import run_from_args
 
-    req = RunRequest(policy=policy, runtime=runtime, command=tuple(command), var_dir=var_dir_of(config_file, var_dir),
-                     workspace=workspace.absolute() if workspace else None, image=image, labels=_labels(labels))
-    sys.exit(run(req))
+    _labels(labels)  # k=v, else a usage error
+    sys.exit(run_from_args(config_file, var_dir, policy, runtime, image, workspace, labels, tuple(command)))
 
 
 @click.command("gc")
@@ -77,8 +58,13 @@ def gc_cmd(config_file: str | None, var_dir: str | None, state_dir: str | None, 
     """Remove what runs killed with SIGKILL left behind (namespaces, veths, nft tables, cgroups,
     containers, run records) and revoke their sandboxes when the gateway is reachable."""
     from egressgate.runtimes.gc import collect
+    from egressgate.runtimes.run import SetupFailed, var_dir_of
 
-    removed, problems = collect(var_dir_of(config_file, var_dir), Path(state_dir) if state_dir else None, grace)
+    try:
+        directory = var_dir_of(config_file, var_dir)
+    except SetupFailed as exc:
+        raise click.ClickException(str(exc)) from None
+    removed, problems = collect(directory, Path(state_dir) if state_dir else None, grace)
     for line in removed:
         click.echo(f"removed {line}")
     for line in problems:
