@@ -69,7 +69,11 @@ def gateway(world: World, host_files: Path) -> Iterator[Gateway]:
         "rt-wall": _policy("rt-wall", sandbox__resources={"wall_time_seconds": 2}),
         "rt-ws": _policy("rt-ws", sandbox__workspace={"path": "/workspace", "max_bytes": 1_000_000}),
     }
-    gw = Gateway.start(world, base, policies)
+    try:
+        gw = Gateway.start(world, base, policies)
+    except BaseException:
+        remove(base)
+        raise
     try:
         yield gw
     finally:
