@@ -61,10 +61,12 @@ def test_admission_checks_inside(gateway: Gateway, host_files: Path) -> None:
     denied = str(host_files / DENIED_FILE_NAME)
     checks = [["env"], ["exists", "/var/run/docker.sock"], ["exists", "/run/docker.sock"],
               ["open", "/etc/shadow", "r"], ["open", denied, "r"], ["uid"],
-              ["open", "/etc/hosts", "a"], ["open", "/etc/resolv.conf", "a"]]
+              ["open", "/etc/hosts", "a"], ["open", "/etc/resolv.conf", "a"],
+              ["open", "/usr/egN-written", "w"], ["open", "/tmp/egN-written", "w"],
+              ["open", "/workspace/egN-written", "w"], ["exists", "/run/netns"]]
     res = gateway.run(*probe_argv(checks, hostile=False), policy="rt-allow")
     assert res.returncode == 0, res.stderr
-    env, sock1, sock2, shadow, masked, ident, hosts, resolv = parse(res.stdout)
+    env, sock1, sock2, shadow, masked, ident, hosts, resolv, usr, tmp, ws, netns = parse(res.stdout)
     assert "AWS_SECRET_ACCESS_KEY" not in env["env"] and CALLER_SECRET not in json.dumps(env["env"])
     assert "NO_PROXY" not in env["env"] and "no_proxy" not in env["env"]
     assert env["env"]["EGRESSGATE_SANDBOX_ID"] == sandbox_id(res.stderr)
@@ -75,6 +77,9 @@ def test_admission_checks_inside(gateway: Gateway, host_files: Path) -> None:
     assert masked == {"ok": False, "error": "EACCES"}
     assert ident["uid"] == 65534 and int(ident["caps"], 16) == 0
     assert hosts["error"] in ("EROFS", "EACCES") and resolv["error"] in ("EROFS", "EACCES")
+    assert usr == {"ok": False, "error": "EROFS"}  # root_fs: read_only
+    assert tmp == {"ok": True} and ws == {"ok": True}  # tmpfs /tmp and the workspace are writable
+    assert netns == {"ok": False}  # the host's /run (netns mounts, run records) is not visible
     # positive control for the mask: the same file IS readable under a policy that does not deny it
     control = gateway.run(*probe_argv([["open", denied, "r"]]), policy="rt-nomask")
     assert parse(control.stdout) == [{"ok": True}], control.stderr

@@ -61,6 +61,21 @@ def test_every_run_is_a_new_admission_only_the_workspace_survives(gateway: Gatew
         remove(ws)
 
 
+def test_parallel_runs_get_their_own_link_and_identity(gateway: Gateway) -> None:
+    """Two runs at once: distinct addresses, ids and host objects; both reach the allowed upstream
+    transparently (each identified by its own source address)."""
+    curl = ("curl", "-sS", "--noproxy", "*", "--max-time", "10", "-o", "/dev/null", "-w", "%{http_code} ",
+            "https://api.allowed.test/")
+    procs = [gateway.popen_run(*curl, policy="rt-allow") for _ in range(2)]
+    outs = [p.communicate(timeout=60) for p in procs]
+    for proc, (out, err) in zip(procs, outs, strict=True):
+        assert proc.returncode == 0 and out.startswith("200 "), out + err
+    sids = {sandbox_id(err) for _, err in outs}
+    ips = {err.split(", netns, ")[1].split(")")[0] for _, err in outs}
+    assert len(sids) == 2 and len(ips) == 2, outs
+    assert leftovers(gateway) == {"tables": [], "veths": [], "netns": [], "records": []}
+
+
 def test_old_token_is_refused_with_407(gateway: Gateway) -> None:
     """The same property, observed on the CONNECT itself (not through curl's summary)."""
     first = gateway.run("sh", "-c", 'echo "$HTTP_PROXY"', policy="rt-allow")
