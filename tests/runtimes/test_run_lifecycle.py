@@ -155,8 +155,11 @@ def test_sigterm_kills_the_sandbox_and_cleans_up(gateway: Gateway) -> None:
 
 
 def test_sigkill_then_gc_leaves_nothing(gateway: Gateway) -> None:
-    proc = gateway.popen_run("sleep", "60", policy="rt-allow")
+    """A run with a pids limit (so it has cgroups too) killed with SIGKILL; `sandbox gc` removes the rest."""
+    proc = gateway.popen_run("sleep", "60", policy="rt-pids")
     record = _wait_for_workload(gateway, proc)
+    cgroups = [Path(p) for p in record.get("cgroups") or []]
+    assert cgroups and all(p.is_dir() for p in cgroups), record
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=20)
     # the sandbox's processes die with `sandbox run` (PDEATHSIG on bwrap, --die-with-parent inside)
@@ -174,6 +177,7 @@ def test_sigkill_then_gc_leaves_nothing(gateway: Gateway) -> None:
                         text=True, timeout=60, check=False)
     assert gc.returncode == 0, gc.stdout + gc.stderr
     assert leftovers(gateway) == {"tables": [], "veths": [], "netns": [], "records": []}
+    assert [p for p in cgroups if p.exists()] == []
     (rev,) = revocations(gateway, record["sandbox_id"])
     assert rev["egressgate.run.ended_by"] == "gc"
     again = subprocess.run(gateway.cmd("sandbox", "gc", "--config", str(gateway.config)), capture_output=True,
