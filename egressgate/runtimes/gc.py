@@ -118,8 +118,11 @@ def clean_record(record: dict[str, Any]) -> list[str]:
         _kill_pids(netns_pids(ns))
         if delete_netns(ns):
             removed.append(f"netns {ns}")
-    for path in record.get("cgroups") or []:
-        p = Path(path)
+    # the record names its cgroups only once they exist (limits.py creates them in one step): groups of
+    # this run id a SIGKILL left unrecorded are found by name
+    named = {Path(path) for path in record.get("cgroups") or []}
+    named |= {p for p in cgroup_dirs() if p.name == record.get("run_id")}
+    for p in sorted(named):
         if p.is_dir() and p.is_relative_to(CGROUP_ROOT):
             remove_cgroup(p)
             removed.append(f"cgroup {p}")
