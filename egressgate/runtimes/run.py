@@ -291,14 +291,15 @@ class Run:
         if self.signal is not None and exit_info is not None and exit_info.limit is None:
             exit_info = ExitInfo(status=None, signal=self.signal)
         self.mark("counters")
-        for step in (lambda: self.watch and self.watch.stop(),
-                     lambda: self.adapter and self.adapter.kill(),
-                     lambda: self.limits and self.limits.kill_all(),
-                     lambda: self.adapter and self.adapter.teardown(),
-                     lambda: self.plumbing and self.plumbing.detach(),
-                     lambda: self.limits and self.limits.remove()):
+        for name, step in (("t_watch", lambda: self.watch and self.watch.stop()),
+                           ("t_kill", lambda: self.adapter and self.adapter.kill()),
+                           ("t_killall", lambda: self.limits and self.limits.kill_all()),
+                           ("t_adapter", lambda: self.adapter and self.adapter.teardown()),
+                           ("t_plumbing", lambda: self.plumbing and self.plumbing.detach()),
+                           ("t_limits", lambda: self.limits and self.limits.remove())):
             try:
                 step()
+                self.mark(name)
             except Exception as exc:
                 clean = False
                 log(f"teardown step failed ({type(exc).__name__}: {exc}); `egressgate sandbox gc` will retry")
