@@ -104,9 +104,21 @@ def unreachable_parent(path: Path) -> Path | None:
     return None
 
 
+# directories whose ownership must never change: a --workspace typo must not give /etc to the sandbox uid
+SYSTEM_DIRS = frozenset({"/", "/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib32", "/lib64", "/opt",
+                         "/proc", "/root", "/run", "/sbin", "/srv", "/sys", "/tmp", "/usr", "/var", "/var/tmp"})  # noqa: S108 - refused, not used
+
+
+def check_workspace(path: Path) -> None:
+    """Refuse a system directory (after resolving `..` and symlinks) before anything is changed."""
+    if str(path.resolve()) in SYSTEM_DIRS:
+        raise SetupFailed(f"the workspace {path} is a system directory; give the sandbox a directory of its own")
+
+
 def prepare_workspace(path: Path) -> None:
     """The workspace must be writable by the sandbox uid: created if missing, and its top directory
-    given to uid/gid 65534 (files inside keep their owners)."""
+    given to uid/gid 65534 (files inside keep their owners). A system directory is refused."""
+    check_workspace(path)
     path.mkdir(parents=True, exist_ok=True)
     blocked = unreachable_parent(path)
     if blocked is not None:

@@ -137,3 +137,19 @@ def test_runtime_file(tmp_path: Path) -> None:
     _runtime_file(tmp_path, runtime=None)
     with pytest.raises(endpoints.GatewayNotRunning, match=r"older gateway\?"):
         endpoints.load(tmp_path)
+
+
+@pytest.mark.parametrize("path", ["/", "/etc", "/etc/../etc", "/usr/", "/var/tmp", "/tmp/.."])
+def test_a_system_directory_is_never_a_workspace(path: str) -> None:
+    """Checked before prepare_workspace changes any ownership (tested on the pure check: an end-to-end
+    test would chown the host's /etc if the check ever regressed)."""
+    from egressgate.runtimes.run import SetupFailed, check_workspace
+
+    with pytest.raises(SetupFailed, match="system directory"):
+        check_workspace(Path(path))
+
+
+def test_a_directory_of_its_own_is_a_workspace(tmp_path: Path) -> None:
+    from egressgate.runtimes.run import check_workspace
+
+    check_workspace(tmp_path / "ws")  # no exception
