@@ -58,7 +58,8 @@ def gc_cmd(config_file: str | None, var_dir: str | None, state_dir: str | None, 
     """Remove what runs killed with SIGKILL left behind (namespaces, veths, nft tables, cgroups,
     containers, run records) and revoke their sandboxes when the gateway is reachable."""
     from egressgate.runtimes.gc import collect
-    from egressgate.runtimes.run import SetupFailed, var_dir_of
+    from egressgate.runtimes.run import var_dir_of
+    from egressgate.runtimes.workload import SetupFailed
 
     try:
         directory = var_dir_of(config_file, var_dir)

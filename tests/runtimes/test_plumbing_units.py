@@ -143,13 +143,13 @@ def test_runtime_file(tmp_path: Path) -> None:
 def test_a_system_directory_is_never_a_workspace(path: str) -> None:
     """Checked before prepare_workspace changes any ownership (tested on the pure check: an end-to-end
     test would chown the host's /etc if the check ever regressed)."""
-    from egressgate.runtimes.run import SetupFailed, check_workspace
+    from egressgate.runtimes.workload import SetupFailed, check_workspace
 
     with pytest.raises(SetupFailed, match="system directory"):
         check_workspace(Path(path))
 
 
 def test_a_directory_of_its_own_is_a_workspace(tmp_path: Path) -> None:
-    from egressgate.runtimes.run import check_workspace
+    from egressgate.runtimes.workload import check_workspace
 
     check_workspace(tmp_path / "ws")  # no exception
