@@ -40,6 +40,7 @@ HOST_RULES = [
 ]
 
 
+@pytest.mark.netns  # `unshare --net` + nft: root
 def test_host_ruleset_has_every_rule_and_the_kernel_accepts_it() -> None:
     text = nftables.host_ruleset("0123456789", ADDR, GW)
     for rule in HOST_RULES:
@@ -49,6 +50,7 @@ def test_host_ruleset_has_every_rule_and_the_kernel_accepts_it() -> None:
     assert res.returncode == 0, res.stderr
 
 
+@pytest.mark.netns  # `unshare --net` + nft: root
 def test_without_a_transparent_listener_other_tcp_is_not_dnated_but_refused() -> None:
     gw = GatewayEndpoints(proxy=GW.proxy, transparent=None, dns=GW.dns, admin=GW.admin)
     text = nftables.host_ruleset("0123456789", ADDR, gw)
@@ -57,6 +59,7 @@ def test_without_a_transparent_listener_other_tcp_is_not_dnated_but_refused() ->
     assert nft_check(text).returncode == 0
 
 
+@pytest.mark.netns  # `unshare --net` + nft: root
 def test_sandbox_ruleset_is_accepted_and_drops_by_default() -> None:
     text = nftables.sandbox_ruleset(ADDR)
     assert "policy drop;" in text and 'oifname "egs0123456789" udp dport 53 accept' in text
