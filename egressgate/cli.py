@@ -1,23 +1,26 @@
-"""`egressgate` command line. Each component contributes its own click group."""
+"""`egressgate` console script entry point.
+
+`egressgate sandbox run ... -- CMD` in its common, well-formed shape is run without importing click
+(runtimes/fastargs.py): it starts every sandbox, its overhead over bare bubblewrap is a measured goal
+(loadtests/RESULTS.md), and click alone costs ~40 ms. Everything else, including every malformed or
+`--help` invocation of `sandbox run`, goes to the click group in egressgate/commands.py.
+"""
 
 from __future__ import annotations
 
-import click
-
-from egressgate.admin.cli import sandbox
-from egressgate.audit.cli import audit
-from egressgate.gateway.cli import ca_group, run_cmd
-from egressgate.policy.cli import policy
+import sys
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(package_name="egressgate")
 def main() -> None:
-    """Network chokepoint for AI-agent sandboxes: egress gateway, DNS resolver, credential broker, audit."""
+    args = sys.argv[1:]
+    if args[:2] == ["sandbox", "run"]:
+        from egressgate.runtimes.fastargs import parse
 
+        parsed = parse(args[2:])
+        if parsed is not None:
+            from egressgate.runtimes.run import run_from_args
 
-main.add_command(policy)
-main.add_command(audit)
-main.add_command(run_cmd)
-main.add_command(sandbox)
-main.add_command(ca_group)
+            sys.exit(run_from_args(**parsed))
+    from egressgate.commands import cli
+
+    cli()

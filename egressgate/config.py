@@ -12,7 +12,7 @@ import ipaddress
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from egressgate.audit.config import AuditSinkConfig
 from egressgate.broker.config import BrokerConfig
@@ -60,13 +60,24 @@ class ListenConfig(_Strict):
     proxy: str = "127.0.0.1:8080"
     admin: str = "127.0.0.1:8081"
     dns: str | None = "127.0.0.1:5353"  # the DNS resolver; null turns it off (use 53 when running as root)
+    # the transparent listener (gateway/transparent.py): runtimes DNAT a sandbox's TCP here; null turns it off
+    transparent: str | None = "127.0.0.1:8082"
 
-    @field_validator("proxy", "admin", "dns")
+    @field_validator("proxy", "admin", "dns", "transparent")
     @classmethod
     def _valid(cls, value: str | None) -> str | None:
         if value is not None:
             parse_listen(value)
         return value
+
+    @model_validator(mode="after")
+    def _distinct(self) -> ListenConfig:
+        # mitmproxy runs both on one server manager, which refuses two listeners on one host:port (port 0
+        # included: "pick a free port" is still the same spec), so say it here with the key names
+        if self.transparent is not None and parse_listen(self.transparent) == parse_listen(self.proxy):
+            raise ValueError("listen.transparent must differ from listen.proxy (use another address or port; "
+                             "with port 0 for both, another address such as 127.0.0.2)")
+        return self
 
 
 class UpstreamConfig(_Strict):
@@ -164,6 +175,25 @@ class LimitsConfig(_Strict):
     audit_per_second: int = Field(default=10, gt=0)
 
 
+class RuntimeSection(_Strict):
+    """What `egressgate sandbox run` needs from the gateway (egressgate/runtimes/, docs/runtimes.md). The
+    running gateway publishes these in `var_dir/gateway.json`, so `sandbox run` never loads this model."""
+
+    # each run gets a /30 of it (host end = the sandbox's gateway, resolver and proxy address). It must
+    # not overlap a network the gateway host routes to, or that network becomes unreachable from it.
+    subnet: str = "198.18.128.0/17"
+    # run records (for `sandbox gc`), address slots, generated /etc files of each run
+    state_dir: str = "/run/egressgate"
+
+    @field_validator("subnet")
+    @classmethod
+    def _subnet(cls, value: str) -> str:
+        net = ipaddress.ip_network(value, strict=True)  # ValueError names the problem
+        if net.version != 4 or net.prefixlen > 30:
+            raise ValueError(f"runtime.subnet must be an IPv4 network of /30 or larger, got {value!r}")
+        return value
+
+
 class AdminConfig(_Strict):
     token_file: str | None = None  # default: var_dir/admin.token
 
@@ -181,6 +211,7 @@ class GatewayConfig(_Strict):
     websocket: WebsocketSection = WebsocketSection()
     broker: BrokerConfig = BrokerConfig()  # credential broker; the local backend is the default
     limits: LimitsConfig = LimitsConfig()  # connection limits and timeouts of the proxy listener
+    runtime: RuntimeSection = RuntimeSection()  # `sandbox run`: address pool and state dir
 
     # Resolved paths: one place decides the defaults so the CLI, the admin API and tests agree.
     def var_path(self) -> Path:

@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 import yaml
 from click.testing import CliRunner
 
-from egressgate.cli import main
+from egressgate.commands import cli as main
 from tests.conftest import free_port
 
 

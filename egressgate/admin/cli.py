@@ -4,16 +4,21 @@ from __future__ import annotations
 
 import json
 import shlex
-import urllib.error
-import urllib.request
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
-from egressgate.config import ConfigError, GatewayConfig, load_config, parse_listen
+if TYPE_CHECKING:
+    from egressgate.config import GatewayConfig
+
+# egressgate.config (pydantic) is imported inside the commands that need it: `sandbox run` lives in this
+# group and must start fast (runtimes/cli.py; start-up measured in loadtests/).
 
 
 def _config(config_file: str | None) -> GatewayConfig:
+    from egressgate.config import ConfigError, load_config
+
     try:
         return load_config(config_file)
     except ConfigError as exc:
@@ -22,6 +27,8 @@ def _config(config_file: str | None) -> GatewayConfig:
 
 def admin_url(cfg: GatewayConfig, override: str | None) -> str:
     """--admin wins; else the address a running gateway recorded (port 0 safe); else the config."""
+    from egressgate.config import parse_listen
+
     if override:
         return override.rstrip("/")
     runtime = cfg.runtime_path()
@@ -45,6 +52,9 @@ def _token(cfg: GatewayConfig) -> str:
 def _call(method: str, url: str, token: str, body: dict | None = None) -> tuple[int, dict]:
     """One request to the loopback admin API with the stdlib (urllib): the CLI needs no HTTP client
     library beyond the runtime dependencies (httpx is only a test dependency)."""
+    import urllib.error  # here: `sandbox run` shares this module and never needs urllib (start-up time)
+    import urllib.request
+
     if not url.startswith(("http://", "https://")):  # urllib would also open file: and ftp: URLs
         raise click.ClickException(f"admin API URL must be http(s)://, got {url!r}")
     data = json.dumps(body).encode() if body is not None else None
@@ -69,7 +79,7 @@ def _call(method: str, url: str, token: str, body: dict | None = None) -> tuple[
 
 @click.group("sandbox")
 def sandbox() -> None:
-    """Admit and revoke sandboxes on the running gateway."""
+    """Admit, run and revoke sandboxes on the running gateway."""
 
 
 @sandbox.command("admit")
