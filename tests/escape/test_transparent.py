@@ -278,3 +278,33 @@ def test_non_http_tcp_with_a_tcp_rule_for_the_ip_is_relayed(tp: Transparent, wor
         got = read_all(sock, 1.0, first=10)
     assert got.startswith(b"RAW-ACK"), got
     assert [h["event"] for h in world.hits(mark, listener="upstream-raw")][:2] == ["accept", "data"]
+
+
+def test_server_first_protocol_with_a_tcp_rule_is_relayed(tp: Transparent, world: World, gateway: Gateway):
+    """A server-first protocol (the client waits for a banner): after a second of client silence the
+    gateway relays raw TCP because a tcp rule allows 198.18.1.10:2224, and the record says so."""
+    from escape.harness import read_all
+    mark = world.mark()
+    with tp.connect(UPSTREAM, 2224) as sock:
+        got = read_all(sock, 1.0, first=10)
+        assert got.startswith(b"BANNER upstream-banner"), got
+        sock.sendall(b"HELO client")
+        assert read_all(sock, 1.0, first=10).startswith(b"RAW-ACK")
+    assert [h["event"] for h in world.hits(mark, listener="upstream-banner")][:2] == ["accept", "data"]
+
+
+def test_server_first_protocol_without_a_tcp_rule_is_never_dialed(tp: Transparent, world: World):
+    """Same banner server on a port no rule allows: the silent client gets nothing, and the server sees
+    no connection (the gateway waits for the client's bytes instead of dialing the original address)."""
+    import socket
+
+    from escape.harness import read_all
+
+    def direct() -> bytes:  # positive control: the server is live and speaks first to a direct client
+        with socket.create_connection((UPSTREAM, 2225), timeout=10) as s:
+            return read_all(s, 1.0, first=10)
+    assert world.in_ns(world.open, direct).startswith(b"BANNER upstream-banner-denied")
+    mark = world.mark()
+    with tp.connect(UPSTREAM, 2225) as sock:
+        assert read_all(sock, 3.0, first=3.0) == b""
+    assert world.hits(mark, listener="upstream-banner-denied") == []
