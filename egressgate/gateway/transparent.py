@@ -42,6 +42,7 @@ from egressgate.gateway import transparent_decide as td
 from egressgate.gateway.context import ConnState, FlowState, Runtime, ensure_flow_state, new_request_id
 from egressgate.gateway.deny import gateway_deny, raw_deny
 from egressgate.gateway.http_limits import http_layer
+from egressgate.gateway.identity import NOT_A_PROXY
 from egressgate.gateway.refuse import RefuseLayer, looks_like_http
 from egressgate.gateway.tls_limits import client_tls_layer
 from egressgate.policy.canon import CanonError, split_host_port
@@ -49,8 +50,6 @@ from egressgate.policy.reasons import Reason
 
 logger = logging.getLogger(__name__)
 
-NOT_A_PROXY = ("This connection was redirected to the gateway transparently: send requests to the "
-               "destination itself (origin-form, with its Host), not CONNECT or absolute-form proxy requests.")
 # An HTTP method still arriving (no space yet): wait for more bytes instead of judging it as raw TCP.
 _METHOD_MAX = 24
 # Client silence after which a connection may be a server-first protocol (TransparentRoot).

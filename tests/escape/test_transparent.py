@@ -308,3 +308,27 @@ def test_server_first_protocol_without_a_tcp_rule_is_never_dialed(tp: Transparen
     with tp.connect(UPSTREAM, 2225) as sock:
         assert read_all(sock, 3.0, first=3.0) == b""
     assert world.hits(mark, listener="upstream-banner-denied") == []
+
+
+@pytest.mark.parametrize(("source", "sni", "reason"), [
+    ("unknown", "api.allowed.test", "identity_unknown"),
+    ("sandbox", "forbidden.test", None),
+    ("sandbox", "api.allowed.test", "protocol_not_allowed"),
+])
+def test_connect_inside_transparent_tls_is_refused(tp: Transparent, world: World, gateway: Gateway,
+                                                  source: str, sni: str, reason: str | None):
+    """Inside the TLS of a transparent connection (refused or allowed), a CONNECT carrying a valid
+    sandbox's Proxy-Authorization is not a way in: the credentials are never read, nothing is dialed."""
+    from escape.harness import read_response
+    from escape.transparent_world import UNKNOWN_SOURCE
+    mark = world.mark()
+    src = UNKNOWN_SOURCE if source == "unknown" else None
+    with tp.tls(tp.connect(UPSTREAM, 443, src), sni) as tsock:
+        tsock.sendall(f"CONNECT api.allowed.test:443 HTTP/1.1\r\nHost: api.allowed.test:443\r\n"
+                      f"Proxy-Authorization: {tp.sbx.auth_header}\r\n\r\n".encode())
+        resp = read_response(tsock)
+    record = audited(gateway, resp)
+    assert record["egressgate.reason"] == (reason or "host_not_allowed")  # None: the SNI refusal stands
+    assert requests_on(world, mark, "upstream-tls") == requests_on(world, mark, "forbidden-tls") == []
+    if source == "unknown" or reason is None:  # a refused connection dials nothing at all
+        assert world.hits(mark, listener="upstream-tls") == world.hits(mark, listener="forbidden-tls") == []
