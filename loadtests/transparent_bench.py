@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import secrets
+import shutil
 import statistics
 import subprocess
 import sys
@@ -102,6 +103,8 @@ def inner(args: argparse.Namespace) -> dict:
         if eg is not None:
             eg.stop()
         up.stop()
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
     summary = {}
     for conc in args.concurrency:
         med = {t: statistics.median(r["rps"] for r in rows if r["conc"] == conc and r["target"] == t)
@@ -123,6 +126,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--keep", action="store_true", help="keep the work dir (logs, audit file)")
     args = ap.parse_args()
     if not os.environ.get(INNER):
         sys.exit(outer(sys.argv[1:]))
