@@ -332,3 +332,24 @@ def test_connect_inside_transparent_tls_is_refused(tp: Transparent, world: World
     assert requests_on(world, mark, "upstream-tls") == requests_on(world, mark, "forbidden-tls") == []
     if source == "unknown" or reason is None:  # a refused connection dials nothing at all
         assert world.hits(mark, listener="upstream-tls") == world.hits(mark, listener="forbidden-tls") == []
+
+
+def test_h2_streams_are_decided_on_their_authority(tp: Transparent, world: World):
+    """HTTP/2 on the transparent listener: the SNI binds the connection, every stream's :authority must
+    name it (stream-level fronting refused); control: the consistent streams reach upstream-h2."""
+    import time
+
+    from escape.checks import SETTLE
+    from escape.test_h2 import GOOD, STREAMS, exchange
+    mark = world.mark()
+    with tp.tls(tp.connect(UPSTREAM, 9443), "api.allowed.test", alpn=("h2",)) as tls:
+        assert tls.selected_alpn_protocol() == "h2"
+        result = exchange(tls, STREAMS)
+    time.sleep(SETTLE)
+    assert result.get(1) == 200 and result.get(9) == 200, result
+    for sid in (3, 5, 7):
+        assert result.get(sid) in (403, 421, "reset", "closed"), result
+    authorities = [r["authority"] or r["host"] for r in requests_on(world, mark, "upstream-h2")]
+    assert authorities and set(authorities) <= {GOOD, "api.allowed.test"}, authorities
+    assert world.hits(mark, listener="forbidden-tls") == []
+    assert_untouched(world, mark, "h2 streams on the transparent listener")
