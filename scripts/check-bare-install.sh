@@ -66,7 +66,7 @@ policy=$("$bin/python" -c 'import sys, yaml; print(yaml.safe_load(open(sys.argv[
 
 step "egressgate run (loopback, port 0)"
 cat >"$tmp/gateway.yaml" <<EOF
-listen: {proxy: "127.0.0.1:0", admin: "127.0.0.1:0", dns: null}
+listen: {proxy: "127.0.0.1:0", admin: "127.0.0.1:0", dns: null, transparent: "127.0.0.2:0"}
 policy: "$root/policies"
 var_dir: "$tmp/var"
 EOF

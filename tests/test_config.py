@@ -73,3 +73,16 @@ def test_limits_defaults_and_validation(tmp_path):
         path.write_text(f"limits: {{{bad}}}\n")
         with pytest.raises(ConfigError, match=f"{path}: {key}"):
             load_config(path)
+
+
+def test_transparent_listener_default_off_and_distinct(tmp_path):
+    """listen.transparent (gateway/transparent.py): on by default on loopback, null turns it off, and it
+    may not share listen.proxy's address (mitmproxy would refuse the second listener at start)."""
+    assert load_config(None).listen.transparent == "127.0.0.1:8082"
+    assert load_config(write(tmp_path, "listen: {transparent: null}\n")).listen.transparent is None
+    assert load_config(write(tmp_path, "listen: {transparent: '127.0.0.2:0', proxy: '127.0.0.1:0'}\n"))
+    for bad, fragment in (("listen: {transparent: '127.0.0.1:8080'}\n", "must differ from listen.proxy"),
+                          ("listen: {transparent: 'nonsense'}\n", "listen.transparent")):
+        with pytest.raises(ConfigError) as exc:
+            load_config(write(tmp_path, bad))
+        assert fragment in str(exc.value)

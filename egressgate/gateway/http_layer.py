@@ -34,6 +34,7 @@ from mitmproxy.proxy import commands, events, layer
 from mitmproxy.proxy.layers.http import (
     HttpClient,
     HttpLayer,
+    HTTPMode,
     HttpStream,
     RegisterHttpConnection,
     SendHttp,
@@ -45,13 +46,22 @@ from mitmproxy.proxy.layers.http._events import (
     RequestEndOfMessage,
     RequestProtocolError,
     RequestTrailers,
+    ResponseData,
+    ResponseEndOfMessage,
+    ResponseHeaders,
     ResponseProtocolError,
 )
-from mitmproxy.proxy.layers.http._hooks import HttpRequestHook, HttpResponseHeadersHook
+from mitmproxy.proxy.layers.http._hooks import (
+    HttpRequestHeadersHook,
+    HttpRequestHook,
+    HttpResponseHeadersHook,
+    HttpResponseHook,
+)
 from mitmproxy.proxy.layers.http._http3 import Http3Client
 from mitmproxy.proxy.utils import expect
 
 from egressgate.gateway.context import flow_state
+from egressgate.gateway.deny import deny_response, gateway_deny
 from egressgate.gateway.h2_limits import GatewayHttp2Client, GatewayHttp2Server
 from egressgate.gateway.http1_framing import (
     DEFAULT_RESPONSE_HEAD_MAX,
@@ -60,6 +70,7 @@ from egressgate.gateway.http1_framing import (
     Refusal,
     RefusedRequest,
 )
+from egressgate.policy.reasons import Reason
 
 
 class GatewayHttpClient(HttpClient):
@@ -106,6 +117,28 @@ class GatewayHttpStream(HttpStream):
             answer = Refusal(self.stream_id, event.message, event.reason, status=400)
             answer.request_id = request_id
             yield SendHttp(answer, self.context.client)
+
+    def check_invalid(self, request: bool) -> layer.CommandGenerator[bool]:
+        """On the transparent listener mitmproxy refuses a CONNECT with a 400 HTML page of its own (no
+        hook sees it as a request). There the addons refuse it (transparent.py: a CONNECT is not a
+        way in, whatever Proxy-Authorization it carries), and the refusal is audited and answered with
+        the deny contract like any other: decision record, deny body, outcome record, then the end."""
+        if not (request and self.mode is HTTPMode.transparent and self.flow.request.method.upper() == "CONNECT"):
+            return (yield from super().check_invalid(request))
+        yield HttpRequestHeadersHook(self.flow)
+        if self.flow.response is None:  # fail closed: nothing may answer a CONNECT here but a deny
+            fs = flow_state(self.flow)
+            self.flow.response = deny_response(gateway_deny(Reason.PROTOCOL_NOT_ALLOWED),
+                                               fs.request_id if fs is not None else "-")
+        yield HttpResponseHook(self.flow)
+        response = self.flow.response
+        yield SendHttp(ResponseHeaders(self.stream_id, response, not response.raw_content), self.context.client)
+        if response.raw_content:
+            yield SendHttp(ResponseData(self.stream_id, response.raw_content), self.context.client)
+        yield SendHttp(ResponseEndOfMessage(self.stream_id), self.context.client)
+        self.flow.live = False
+        self.client_state = self.server_state = self.state_errored
+        return True
 
     def check_killed(self, emit_error_hook: bool) -> layer.CommandGenerator[bool]:
         """mitmproxy takes any request error queued while a hook ran for the client having gone away

@@ -26,6 +26,8 @@ from egressgate.state.base import SandboxRecord, StateUnavailable, token_matches
 logger = logging.getLogger(__name__)
 
 MAX_AUTH_LEN = 1024
+NOT_A_PROXY = ("This connection was redirected to the gateway transparently: send requests to the "
+               "destination itself (origin-form, with its Host), not CONNECT or absolute-form proxy requests.")
 UNKNOWN_SOURCE = ("This source address is not registered to any sandbox; start the workload with "
                   "`egressgate sandbox run` (or admit it with `sandbox admit --address`).")
 
@@ -125,6 +127,12 @@ class Identity:
     async def http_connect(self, flow: http.HTTPFlow) -> None:
         fs = ensure_flow_state(flow, "connect")
         conn = self.rt.conn(flow.client_conn.id)
+        if conn.transparent:
+            # never a way in on the transparent listener: its Proxy-Authorization is not read (http_layer.py
+            # answers such a CONNECT before this hook; this is the rule, should that ever change)
+            fs.sandbox_id, fs.policy_name = conn.sandbox_id, conn.policy_name
+            fs.decision = conn.refusal or gateway_deny(Reason.PROTOCOL_NOT_ALLOWED, NOT_A_PROXY)
+            return
         if conn.tunnel_host is not None:
             # CONNECT inside an established tunnel: never a legitimate client behaviour here.
             fs.sandbox_id = conn.sandbox_id

@@ -33,16 +33,16 @@ import logging
 from mitmproxy import http
 from mitmproxy import tls as mitm_tls
 from mitmproxy.net.tls import starts_like_tls_record
-from mitmproxy.proxy import events, layer, layers, mode_servers
+from mitmproxy.proxy import commands, events, layer, layers, mode_servers
 from mitmproxy.proxy.layers import tls
 from mitmproxy.proxy.layers.http import HTTPMode
 from mitmproxy.proxy.layers.tls import HTTP_ALPNS
-from mitmproxy.proxy.utils import expect
 
 from egressgate.gateway import transparent_decide as td
 from egressgate.gateway.context import ConnState, FlowState, Runtime, ensure_flow_state, new_request_id
 from egressgate.gateway.deny import gateway_deny, raw_deny
 from egressgate.gateway.http_limits import http_layer
+from egressgate.gateway.identity import NOT_A_PROXY
 from egressgate.gateway.refuse import RefuseLayer, looks_like_http
 from egressgate.gateway.tls_limits import client_tls_layer
 from egressgate.policy.canon import CanonError, split_host_port
@@ -50,21 +50,44 @@ from egressgate.policy.reasons import Reason
 
 logger = logging.getLogger(__name__)
 
-NOT_A_PROXY = ("This connection was redirected to the gateway transparently: send requests to the "
-               "destination itself (origin-form, with its Host), not CONNECT or absolute-form proxy requests.")
 # An HTTP method still arriving (no space yet): wait for more bytes instead of judging it as raw TCP.
 _METHOD_MAX = 24
+# Client silence after which a connection may be a server-first protocol (TransparentRoot).
+SERVER_FIRST_AFTER = 1.0
+
+
+class _TransparentNext(layer.NextLayer):
+    """The root's next-layer slot; `client_silent` is set when the client sent nothing for
+    SERVER_FIRST_AFTER seconds (the next_layer hook is then asked once more, with no data)."""
+
+    client_silent: bool = False
 
 
 class TransparentRoot(layer.Layer):
     """Top layer of a transparent connection: hands the connection to the next-layer decision without
-    opening any upstream connection."""
+    opening any upstream connection.
 
-    @expect(events.Start)
+    A server-first protocol (SMTP, MySQL, FTP) never sends the first byte, so the decision would wait
+    for data until the header deadline. After SERVER_FIRST_AFTER seconds of client silence the root
+    asks once more, with `client_silent` set: root_layer() then relays raw TCP if (and only if) a `tcp`
+    rule allows the original IP:port; otherwise it keeps waiting for the client."""
+
+    child: _TransparentNext
+    wakeup: commands.RequestWakeup | None = None
+
     def _handle_event(self, event: events.Event) -> layer.CommandGenerator[None]:
-        child = layer.NextLayer(self.context)
-        self._handle_event = child.handle_event  # type: ignore[method-assign]
-        yield from child.handle_event(event)
+        if isinstance(event, events.Start):
+            self.child = _TransparentNext(self.context)
+            yield from self.child.handle_event(event)
+            self.wakeup = commands.RequestWakeup(SERVER_FIRST_AFTER)
+            yield self.wakeup
+        elif isinstance(event, events.Wakeup) and event.command is self.wakeup:
+            self.wakeup = None
+            if self.child.layer is None and not self.child.data_client():
+                self.child.client_silent = True
+                yield from self.child._ask()  # the next_layer hook, then the chosen layer's replay
+        else:
+            yield from self.child.handle_event(event)
 
 
 def _make_top_layer(_instance, context) -> layer.Layer:
@@ -92,6 +115,9 @@ async def root_layer(rt: Runtime, nextlayer: layer.NextLayer) -> layer.Layer | N
     if conn.original_dst is None:
         return RefuseLayer(context, b"")
     data = nextlayer.data_client()
+    if not data and isinstance(nextlayer, _TransparentNext) and nextlayer.client_silent:
+        nextlayer.client_silent = False  # asked once; the client's first bytes are judged as usual
+        return await _server_first(rt, conn, context)
     if len(data) < 3:
         return None
     if starts_like_tls_record(data):
@@ -119,14 +145,27 @@ async def _refuse_raw(rt: Runtime, conn: ConnState, context, decision, as_sent: 
     return RefuseLayer(context, raw_deny(decision, request_id))
 
 
-async def _raw_tcp(rt: Runtime, conn: ConnState, context) -> layer.Layer:
+async def _server_first(rt: Runtime, conn: ConnState, context) -> layer.Layer | None:
+    """A silent client: relay raw TCP when a `tcp` rule allows the original IP:port (the server may
+    speak first); anything else keeps waiting for the client's bytes (a slow HTTP or TLS client is
+    judged when they come; a silent one is cut at the header deadline), and nothing is recorded yet."""
+    if conn.refusal is not None:
+        return None
+    host, decided = await td.raw_tcp_decision(rt, conn)
+    if not decided[0].allowed:
+        return None
+    return await _raw_tcp(rt, conn, context, (host, decided))
+
+
+async def _raw_tcp(rt: Runtime, conn: ConnState, context,
+                   known: tuple[str, td.Decided] | None = None) -> layer.Layer:
     """Neither TLS nor HTTP: raw TCP, allowed only by a `tcp` rule for the original IP:port."""
     assert conn.original_dst is not None
     as_sent = _fmt(*conn.original_dst)
     if conn.refusal is not None:
         return await _refuse_raw(rt, conn, context, conn.refusal, as_sent)
     request_id = new_request_id()
-    host, decided = await td.raw_tcp_decision(rt, conn)
+    host, decided = known or await td.raw_tcp_decision(rt, conn)
     port = conn.original_dst[1]
     decision = await td.record(rt, conn, context.client, request_id, decided, host=host, port=port,
                                as_sent=as_sent, scheme="tcp")

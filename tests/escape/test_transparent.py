@@ -278,3 +278,78 @@ def test_non_http_tcp_with_a_tcp_rule_for_the_ip_is_relayed(tp: Transparent, wor
         got = read_all(sock, 1.0, first=10)
     assert got.startswith(b"RAW-ACK"), got
     assert [h["event"] for h in world.hits(mark, listener="upstream-raw")][:2] == ["accept", "data"]
+
+
+def test_server_first_protocol_with_a_tcp_rule_is_relayed(tp: Transparent, world: World, gateway: Gateway):
+    """A server-first protocol (the client waits for a banner): after a second of client silence the
+    gateway relays raw TCP because a tcp rule allows 198.18.1.10:2224, and the record says so."""
+    from escape.harness import read_all
+    mark = world.mark()
+    with tp.connect(UPSTREAM, 2224) as sock:
+        got = read_all(sock, 1.0, first=10)
+        assert got.startswith(b"BANNER upstream-banner"), got
+        sock.sendall(b"HELO client")
+        assert read_all(sock, 1.0, first=10).startswith(b"RAW-ACK")
+    assert [h["event"] for h in world.hits(mark, listener="upstream-banner")][:2] == ["accept", "data"]
+
+
+def test_server_first_protocol_without_a_tcp_rule_is_never_dialed(tp: Transparent, world: World):
+    """Same banner server on a port no rule allows: the silent client gets nothing, and the server sees
+    no connection (the gateway waits for the client's bytes instead of dialing the original address)."""
+    import socket
+
+    from escape.harness import read_all
+
+    def direct() -> bytes:  # positive control: the server is live and speaks first to a direct client
+        with socket.create_connection((UPSTREAM, 2225), timeout=10) as s:
+            return read_all(s, 1.0, first=10)
+    assert world.in_ns(world.open, direct).startswith(b"BANNER upstream-banner-denied")
+    mark = world.mark()
+    with tp.connect(UPSTREAM, 2225) as sock:
+        assert read_all(sock, 3.0, first=3.0) == b""
+    assert world.hits(mark, listener="upstream-banner-denied") == []
+
+
+@pytest.mark.parametrize(("source", "sni", "reason"), [
+    ("unknown", "api.allowed.test", "identity_unknown"),
+    ("sandbox", "forbidden.test", None),
+    ("sandbox", "api.allowed.test", "protocol_not_allowed"),
+])
+def test_connect_inside_transparent_tls_is_refused(tp: Transparent, world: World, gateway: Gateway,
+                                                  source: str, sni: str, reason: str | None):
+    """Inside the TLS of a transparent connection (refused or allowed), a CONNECT carrying a valid
+    sandbox's Proxy-Authorization is not a way in: the credentials are never read, nothing is dialed."""
+    from escape.harness import read_response
+    from escape.transparent_world import UNKNOWN_SOURCE
+    mark = world.mark()
+    src = UNKNOWN_SOURCE if source == "unknown" else None
+    with tp.tls(tp.connect(UPSTREAM, 443, src), sni) as tsock:
+        tsock.sendall(f"CONNECT api.allowed.test:443 HTTP/1.1\r\nHost: api.allowed.test:443\r\n"
+                      f"Proxy-Authorization: {tp.sbx.auth_header}\r\n\r\n".encode())
+        resp = read_response(tsock)
+    record = audited(gateway, resp)
+    assert record["egressgate.reason"] == (reason or "host_not_allowed")  # None: the SNI refusal stands
+    assert requests_on(world, mark, "upstream-tls") == requests_on(world, mark, "forbidden-tls") == []
+    if source == "unknown" or reason is None:  # a refused connection dials nothing at all
+        assert world.hits(mark, listener="upstream-tls") == world.hits(mark, listener="forbidden-tls") == []
+
+
+def test_h2_streams_are_decided_on_their_authority(tp: Transparent, world: World):
+    """HTTP/2 on the transparent listener: the SNI binds the connection, every stream's :authority must
+    name it (stream-level fronting refused); control: the consistent streams reach upstream-h2."""
+    import time
+
+    from escape.checks import SETTLE
+    from escape.test_h2 import GOOD, STREAMS, exchange
+    mark = world.mark()
+    with tp.tls(tp.connect(UPSTREAM, 9443), "api.allowed.test", alpn=("h2",)) as tls:
+        assert tls.selected_alpn_protocol() == "h2"
+        result = exchange(tls, STREAMS)
+    time.sleep(SETTLE)
+    assert result.get(1) == 200 and result.get(9) == 200, result
+    for sid in (3, 5, 7):
+        assert result.get(sid) in (403, 421, "reset", "closed"), result
+    authorities = [r["authority"] or r["host"] for r in requests_on(world, mark, "upstream-h2")]
+    assert authorities and set(authorities) <= {GOOD, "api.allowed.test"}, authorities
+    assert world.hits(mark, listener="forbidden-tls") == []
+    assert_untouched(world, mark, "h2 streams on the transparent listener")

@@ -53,7 +53,7 @@ class Listener:
     name: str
     host: str
     port: int
-    kind: str = "http"  # http | raw
+    kind: str = "http"  # http | raw | banner (raw, server speaks first)
     tls: bool = False
     framing: str = "te"  # te: Transfer-Encoding wins (RFC 9112); cl: Content-Length wins
     banner: str = ""  # body prefix of every HTTP response (canaries say "CANARY:<name>")
@@ -252,7 +252,9 @@ def handle(
     log.write(listener=lst.name, event="accept", peer=peer)
     conn.settimeout(10)
     try:
-        if lst.kind == "raw":
+        if lst.kind in ("raw", "banner"):
+            if lst.kind == "banner":  # server-first protocol (SMTP, MySQL, FTP): speaks before the client
+                conn.sendall(b"BANNER %s\n" % lst.name.encode())
             serve_raw(conn, lst, log, peer)
             return
         sni: str | None = None

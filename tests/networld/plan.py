@@ -45,6 +45,9 @@ UPSTREAMS: list[dict[str, Any]] = [
     {"name": "upstream-http", "host": UPSTREAM, "port": 80, "framing": "te"},
     {"name": "upstream-http-cl", "host": UPSTREAM, "port": 8080, "framing": "cl"},
     {"name": "upstream-raw", "host": UPSTREAM, "port": 2222, "kind": "raw"},
+    # server-first (speaks on accept): 2224 is allowed by a tcp rule in escape-transparent, 2225 is not
+    {"name": "upstream-banner", "host": UPSTREAM, "port": 2224, "kind": "banner"},
+    {"name": "upstream-banner-denied", "host": UPSTREAM, "port": 2225, "kind": "banner"},
     {"name": "forbidden-tls", "host": FORBIDDEN_UPSTREAM, "port": 443, "tls": True},
     {"name": "forbidden-http", "host": FORBIDDEN_UPSTREAM, "port": 80},
 ]
