@@ -1,7 +1,8 @@
 """Container images built offline for the test dockerd (there is no image registry here).
 
 - busybox: the host's static /bin/busybox, its applet links, /etc/passwd and /etc/group (root and
-  nobody), a root-only /etc/shadow (so "unreadable by the workload" is a real check) and /tmp: ~0.1 s.
+  nobody), a root-only /etc/shadow (so "unreadable by the workload" is a real check), /tmp and a
+  world-writable /scratch (so "read-only root" is checked by a write the permissions would allow): ~0.1 s.
 - python: Debian's python3 + ca-certificates, made by mmdebstrap from the machine's own apt mirror (a
   package install, not test traffic). ~20 s, so the root filesystem tarball is cached on disk, keyed by
   everything that determines it (suite, packages, mirror); `docker import` of the cached tar is ~3 s.
@@ -40,7 +41,8 @@ def busybox(d: Dockerd) -> str:
     root = d.state / "img-busybox.tar"
     applets = subprocess.run([BUSYBOX, "--list"], capture_output=True, text=True, check=True).stdout.split()
     with tarfile.open(root, "w") as tar:
-        for directory, mode in (("bin", 0o755), ("etc", 0o755), ("tmp", 0o1777), ("root", 0o700)):
+        for directory, mode in (("bin", 0o755), ("etc", 0o755), ("tmp", 0o1777), ("root", 0o700),
+                                ("scratch", 0o1777)):
             info = tarfile.TarInfo(directory)
             info.type, info.mode = tarfile.DIRTYPE, mode
             tar.addfile(info)
