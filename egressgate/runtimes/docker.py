@@ -36,11 +36,8 @@ import threading
 import time
 from pathlib import Path
 
-from egressgate.runtimes import dockermasks
-from egressgate.runtimes.base import ExitInfo, Limit, RunSpec
-
-SANDBOX_UID = 65534  # never root: owner-only host files stay unreadable even where no mask covers them
-CA_PATH_IN_SANDBOX = "/etc/egressgate/ca.pem"
+from egressgate.runtimes import dockermasks, records
+from egressgate.runtimes.base import CA_PATH_IN_SANDBOX, SANDBOX_UID, ExitInfo, Limit, RunSpec
 
 DOCKER_CLI = "/usr/bin/docker"
 DEFAULT_DOCKER_HOST = "unix:///var/run/docker.sock"
@@ -62,14 +59,19 @@ def docker_host() -> str:
     return os.environ.get("DOCKER_HOST") or DEFAULT_DOCKER_HOST
 
 
-def docker(host: str, *args: str, timeout: float = CLI_TIMEOUT, check: bool = True) -> subprocess.CompletedProcess[str]:
-    """Run the docker CLI against `host` with a minimal environment (no inherited DOCKER_* settings)."""
+def _cli_env(host: str) -> dict[str, str]:
+    """A minimal environment for the CLI: no inherited DOCKER_* setting points it elsewhere."""
     env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "DOCKER_HOST": host, "HOME": os.environ.get("HOME", "/root")}
     if os.environ.get("DOCKER_CONFIG"):
         env["DOCKER_CONFIG"] = os.environ["DOCKER_CONFIG"]
+    return env
+
+
+def docker(host: str, *args: str, timeout: float = CLI_TIMEOUT, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """Run the docker CLI against `host`; failures raise DockerError with its stderr when `check`."""
     try:
-        res = subprocess.run([DOCKER_CLI, *args], capture_output=True, text=True, timeout=timeout, env=env,
-                             check=False)
+        res = subprocess.run([DOCKER_CLI, *args], capture_output=True, text=True, timeout=timeout,
+                             env=_cli_env(host), check=False)
     except FileNotFoundError:
         raise DockerError(f"{DOCKER_CLI} not found: install the docker CLI (Debian docker.io)") from None
     if check and res.returncode != 0:
@@ -91,6 +93,7 @@ class DockerAdapter:
         self._pids_hit = threading.Event()
         self._stop_watch = threading.Event()
         self._killed_by: Limit | None = None
+        self._logs: subprocess.Popen[bytes] | None = None
 
     # ------------------------------------------------------------------------------ prepare
     def refuse_unenforceable(self, resources: dict) -> None:
@@ -110,6 +113,8 @@ class DockerAdapter:
         hold.chmod(0o755)
         (hold / "go").unlink(missing_ok=True)
         args = self.create_args(spec, run_dir)
+        # recorded before it exists: `sandbox gc` removes it if this process dies from here on
+        records.update(spec.state_dir, spec.run_id, **self.record())
         try:
             docker(self.host, "create", *args)
         finally:
@@ -124,6 +129,10 @@ class DockerAdapter:
         if os.readlink(f"/proc/{self.pid}/ns/net") == os.readlink("/proc/self/ns/net"):
             raise DockerError(f"container {self.container} shares the caller's network namespace")
         threading.Thread(target=self._watch_pids, daemon=True).start()
+        # the workload's stdout/stderr become ours (`docker logs -f` replays from the container's start,
+        # so nothing written before it connects is lost; the holder itself writes nothing)
+        self._logs = subprocess.Popen([DOCKER_CLI, "logs", "--follow", self.container],
+                                      env=_cli_env(self.host), stdin=subprocess.DEVNULL)
 
     def create_args(self, spec: RunSpec, run_dir: Path) -> list[str]:
         """The `docker create` arguments (pure apart from the files it writes into run_dir)."""
@@ -246,13 +255,13 @@ class DockerAdapter:
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
             res = subprocess.run([DOCKER_CLI, "wait", self.container or ""], capture_output=True, text=True,
-                                 timeout=timeout, env={"DOCKER_HOST": self.host, "PATH": "/usr/bin:/bin"},
-                                 check=False)
+                                 timeout=timeout, env=_cli_env(self.host), check=False)
         except subprocess.TimeoutExpired:
             self._killed_by = Limit.WALL_TIME
             self.kill()
             res = docker(self.host, "wait", self.container or "", check=False)
         self._stop_watch.set()
+        self._stop_logs(grace=5.0)  # the follower ends with the container: let it flush the tail
         if res.returncode != 0:
             raise DockerError(f"docker wait failed: {res.stderr.strip()}")
         state = self._inspect()["State"]
@@ -271,8 +280,18 @@ class DockerAdapter:
         if self.container:
             docker(self.host, "kill", self.container, check=False)
 
+    def _stop_logs(self, grace: float) -> None:
+        if self._logs is not None:
+            try:
+                self._logs.wait(grace)
+            except subprocess.TimeoutExpired:
+                self._logs.kill()
+                self._logs.wait()
+            self._logs = None
+
     def teardown(self) -> None:
         self._stop_watch.set()
+        self._stop_logs(grace=0)
         if self.container:
             res = docker(self.host, "rm", "-f", "-v", self.container, check=False)
             if res.returncode != 0 and "No such container" not in res.stderr:

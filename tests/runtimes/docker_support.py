@@ -10,8 +10,8 @@ from pathlib import Path
 import trustme
 from support.dockerd import Dockerd
 
-from egressgate.runtimes.base import ExitInfo, RunSpec, SandboxAddress
-from egressgate.runtimes.docker import SANDBOX_UID, DockerAdapter, GvisorAdapter
+from egressgate.runtimes.base import SANDBOX_UID, ExitInfo, RunSpec, SandboxAddress
+from egressgate.runtimes.docker import DockerAdapter, GvisorAdapter
 
 ADAPTERS = {"docker": DockerAdapter, "gvisor": GvisorAdapter}
 
