@@ -12,7 +12,7 @@ import ipaddress
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from egressgate.audit.config import AuditSinkConfig
 from egressgate.broker.config import BrokerConfig
@@ -60,13 +60,24 @@ class ListenConfig(_Strict):
     proxy: str = "127.0.0.1:8080"
     admin: str = "127.0.0.1:8081"
     dns: str | None = "127.0.0.1:5353"  # the DNS resolver; null turns it off (use 53 when running as root)
+    # the transparent listener (gateway/transparent.py): runtimes DNAT a sandbox's TCP here; null turns it off
+    transparent: str | None = "127.0.0.1:8082"
 
-    @field_validator("proxy", "admin", "dns")
+    @field_validator("proxy", "admin", "dns", "transparent")
     @classmethod
     def _valid(cls, value: str | None) -> str | None:
         if value is not None:
             parse_listen(value)
         return value
+
+    @model_validator(mode="after")
+    def _distinct(self) -> ListenConfig:
+        # mitmproxy runs both on one server manager, which refuses two listeners on one host:port (port 0
+        # included: "pick a free port" is still the same spec), so say it here with the key names
+        if self.transparent is not None and parse_listen(self.transparent) == parse_listen(self.proxy):
+            raise ValueError("listen.transparent must differ from listen.proxy (use another address or port; "
+                             "with port 0 for both, another address such as 127.0.0.2)")
+        return self
 
 
 class UpstreamConfig(_Strict):

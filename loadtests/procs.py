@@ -273,7 +273,7 @@ def start_egressgate(directory: Path, upstream_ca: Path, http_port: int, https_p
     (d / "policies" / "bench-cred.yaml").write_text(yaml.safe_dump(
         bench_policy(http_port, https_port, name="bench-cred", host=upstream_host, credential_file=secret)))
     config = {
-        "listen": {"proxy": "127.0.0.1:0", "admin": "127.0.0.1:0", "dns": None},
+        "listen": {"proxy": "127.0.0.1:0", "admin": "127.0.0.1:0", "dns": None, "transparent": "127.0.0.2:0"},
         "policy": str(d / "policies"),
         "var_dir": str(d / "var"),
         "upstream": {"resolver": "system", "ca_bundle": str(upstream_ca)},

@@ -88,13 +88,18 @@ class Gateway:
             self.dns = DnsServer(rt.policies.get, state, sink, cfg.dns.resolver_config())
             dns_addr = await self.dns.start(*parse_listen(cfg.listen.dns))
             rt.listeners.append(dns_addr)
-        self.master = GatewayMaster(rt, parse_listen(cfg.listen.proxy))
-        proxy_addrs = await self.master.start()
+        transparent = parse_listen(cfg.listen.transparent) if cfg.listen.transparent else None
+        self.master = GatewayMaster(rt, parse_listen(cfg.listen.proxy), transparent)
+        bound = await self.master.start()
+        proxy_addrs = bound["proxy"]
         rt.listeners.extend(proxy_addrs)
+        rt.listeners.extend(bound["transparent"])
         proxy_host, proxy_port = proxy_addrs[0]
         rt.proxy_url_host = "127.0.0.1" if proxy_host in ("0.0.0.0", "::") else proxy_host
         rt.proxy_port = proxy_port
         self.addresses = {"proxy": _fmt(proxy_host, proxy_port), "admin": _fmt(*admin_addr)}
+        if bound["transparent"]:  # where runtimes DNAT sandbox TCP (egressgate/runtimes/)
+            self.addresses["transparent"] = _fmt(*bound["transparent"][0][:2])
         if dns_addr is not None:
             self.addresses["dns"] = rt.dns_address = _fmt(*dns_addr[:2])
         self._write_runtime_file()

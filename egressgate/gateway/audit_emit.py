@@ -17,7 +17,7 @@ from mitmproxy import http, tcp
 from egressgate.audit.event import AuditEvent, AuditUnavailable, EventKind
 from egressgate.gateway import request_hash, ws_layer
 from egressgate.gateway.budgets import TCP_CUT, TCP_IN, TCP_OUT, WS_IN, WS_OUT
-from egressgate.gateway.context import FlowState, Runtime, ensure_flow_state, flow_state, new_request_id
+from egressgate.gateway.context import ConnState, FlowState, Runtime, ensure_flow_state, flow_state, new_request_id
 from egressgate.gateway.deny import REQUEST_ID_HEADER, deny_response, gateway_deny
 from egressgate.gateway.target import note_target
 from egressgate.policy.facts import Decision
@@ -28,6 +28,9 @@ logger = logging.getLogger(__name__)
 
 
 DENY_BUFFER_MAX = 64 * 1024
+# FlowState.extra key: the `egressgate.mode` / `egressgate.original_dst` attributes of a flow on the
+# transparent listener (transparent.py), repeated on its decision and outcome records
+TRANSPARENT = "transparent"
 WS_AUDITED = "egressgate.ws_audited"  # flow.metadata: the websocket session's outcome was written
 
 
@@ -49,6 +52,8 @@ def decision_event(kind: EventKind, fs: FlowState, labels: dict[str, str], clien
         extra["egressgate.detail"] = d.detail
     if "intercept" in fs.extra:
         extra["egressgate.intercept"] = bool(fs.extra["intercept"])
+    if fs.extra.get(TRANSPARENT):
+        extra.update(fs.extra[TRANSPARENT])
     return AuditEvent(
         kind=kind,
         time_ns=fs.started_ns,
@@ -80,6 +85,24 @@ def decision_event(kind: EventKind, fs: FlowState, labels: dict[str, str], clien
     )
 
 
+def transparent_attributes(conn: ConnState | None) -> dict[str, str]:
+    """`egressgate.mode` = `transparent` (and the address the sandbox dialed) for a connection on the
+    transparent listener; nothing for the explicit proxy (its records are unchanged)."""
+    if conn is None or not conn.transparent:
+        return {}
+    out = {"egressgate.mode": "transparent"}
+    if conn.original_dst is not None:
+        host, port = conn.original_dst
+        out["egressgate.original_dst"] = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return out
+
+
+def mark_transparent(conn: ConnState | None, fs: FlowState) -> None:
+    attributes = transparent_attributes(conn)
+    if attributes:
+        fs.extra[TRANSPARENT] = attributes
+
+
 def _orphan_id(flow: tcp.TCPFlow) -> str:
     """A raw-TCP relay with no recorded decision id cannot happen (ConnState.allow_tcp sets both); if it
     ever does, the outcome is still written, under a fresh id, and the log says so."""
@@ -106,6 +129,7 @@ class AuditEmit:
         conn = self.rt.conns.get(flow.client_conn.id)
         labels = conn.labels if conn is not None else {}
         client = flow.client_conn.peername[0] if flow.client_conn.peername else None
+        mark_transparent(conn, fs)
         ok = await self._write(decision_event(kind, fs, labels, client))
         fs.audited = True
         if not ok and fs.decision.allowed:
@@ -184,6 +208,8 @@ class AuditEmit:
             extra["egressgate.response_refused"] = fs.extra["response_refused"]
         if fs.extra.get("request_refused"):  # http1_framing.py: the request body's framing was refused
             extra["egressgate.request_refused"] = fs.extra["request_refused"]
+        if fs.extra.get(TRANSPARENT):
+            extra.update(fs.extra[TRANSPARENT])
         req_hash, body_hash = request_hash.finish(fs)
         event = AuditEvent(
             kind=EventKind.OUTCOME,
@@ -231,6 +257,7 @@ class AuditEmit:
             logger.exception("could not describe the target of a refused flow")
         conn = self.rt.conns.get(flow.client_conn.id)
         client = flow.client_conn.peername[0] if flow.client_conn.peername else None
+        mark_transparent(conn, fs)
         kind = EventKind.CONNECT if fs.kind == "connect" else EventKind.HTTP_REQUEST
         self._write_behind(decision_event(kind, fs, conn.labels if conn is not None else {}, client))
 
@@ -304,6 +331,7 @@ class AuditEmit:
                 sandbox_id=conn.sandbox_id, decision="allow", reason=str(Reason.RULE_MATCHED),
                 rule_id=conn.tcp_allowed_rule, host=conn.tunnel_host, port=conn.tunnel_port, scheme="tcp",
                 bytes_out=out, bytes_in=in_,
-                extra={"egressgate.budget_cut": True} if flow.metadata.get(TCP_CUT) else {},
+                extra={**({"egressgate.budget_cut": True} if flow.metadata.get(TCP_CUT) else {}),
+                       **transparent_attributes(conn)},
             )
         )

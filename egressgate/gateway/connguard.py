@@ -34,7 +34,7 @@ from mitmproxy.proxy import layer
 from egressgate.gateway.context import Runtime, new_request_id
 from egressgate.gateway.deny import gateway_deny, raw_deny
 from egressgate.gateway.limit_audit import LimitAudit
-from egressgate.gateway.tunnel import RefuseLayer
+from egressgate.gateway.refuse import RefuseLayer
 from egressgate.policy.reasons import Reason
 
 logger = logging.getLogger(__name__)
@@ -181,8 +181,11 @@ class ConnGuard:
     # the timestamp; the timer, when it fires, re-arms itself for the deadline that holds then (or does
     # nothing if none does). A deadline moved *earlier* replaces the timer, so no deadline ever fires late.
     def _identified(self, client_id: str) -> bool:
+        """Bound to a sandbox and not refused. A refused transparent connection (revoked sandbox, over
+        the sandbox's limit: transparent_decide.identify) names the sandbox in its records but keeps
+        counting against its source, or a revoked sandbox could hold any number of them open."""
         state = self.rt.conns.get(client_id)
-        return state is not None and state.sandbox_id is not None
+        return state is not None and state.sandbox_id is not None and state.refusal is None
 
     def _arm(self, client_id: str, phase: str, seconds: float) -> None:
         conn = self.conns.get(client_id)

@@ -69,6 +69,11 @@ class ConnState:
     # address tuple (as mitmproxy will present it in server_connect) -> checked target
     approved: dict[tuple[str, int], PinnedTarget] = field(default_factory=dict)
     closed: bool = False
+    # transparent listener (transparent.py): identity is the source address, the name the SNI or Host
+    transparent: bool = False
+    original_dst: tuple[str, int] | None = None  # what the sandbox dialed (SO_ORIGINAL_DST): never dialed
+    refusal: Decision | None = None  # every request on this transparent connection gets this deny
+    refusal_id: str | None = None  # request id of the record of that refusal, when one was written
 
     def allow_tcp(self, rule_id: str | None, request_id: str) -> None:
         """Raw TCP in this tunnel was allowed by `rule_id` in the decision recorded as `request_id`."""

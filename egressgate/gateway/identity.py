@@ -4,6 +4,9 @@ Explicit-proxy identity is `Proxy-Authorization: Basic base64(id:token)`. It is 
 (the tunnel inherits it) and on every absolute-form request; inside a tunnel each request re-reads the
 sandbox record so a revocation takes effect on the next request even before the connection is torn
 down. Unknown, malformed or revoked identities get 407 with the deny body.
+
+On the transparent listener the identity is the source address (transparent.py binds it when the
+connection's first bytes arrive); Proxy-Authorization means nothing there and is never read.
 """
 
 from __future__ import annotations
@@ -16,12 +19,15 @@ from mitmproxy import http
 
 from egressgate.gateway.context import ConnState, FlowState, Runtime, ensure_flow_state
 from egressgate.gateway.deny import gateway_deny
+from egressgate.policy.facts import Decision
 from egressgate.policy.reasons import Reason
 from egressgate.state.base import SandboxRecord, StateUnavailable, token_matches
 
 logger = logging.getLogger(__name__)
 
 MAX_AUTH_LEN = 1024
+UNKNOWN_SOURCE = ("This source address is not registered to any sandbox; start the workload with "
+                  "`egressgate sandbox run` (or admit it with `sandbox admit --address`).")
 
 
 def parse_proxy_authorization(value: str | None) -> tuple[str, str] | None:
@@ -39,6 +45,34 @@ def parse_proxy_authorization(value: str | None) -> tuple[str, str] | None:
     if not sep or not sandbox_id or not token:
         return None
     return sandbox_id, token
+
+
+def connection_limit(rt: Runtime, record: SandboxRecord) -> Decision | None:
+    """Concurrent connections per sandbox are bounded (limits.max_connections_per_sandbox): one sandbox
+    must not exhaust the gateway's sockets and memory for every other sandbox. The refusal is the
+    request's decision (429 + Connection: close), audited like any deny."""
+    limit = rt.config.limits.max_connections_per_sandbox
+    if len(rt.by_sandbox.get(record.id, ())) < limit:
+        return None
+    return gateway_deny(
+        Reason.CONNECTION_LIMIT,
+        f"This sandbox already has {limit} open connections through the gateway "
+        f"(limits.max_connections_per_sandbox); close or reuse one, then retry.",
+        detail="max_connections_per_sandbox")
+
+
+async def recheck(rt: Runtime, fs: FlowState, conn: ConnState) -> None:
+    """A connection already bound to a sandbox: re-read its record, so a revocation takes effect on
+    the next request even before the connection is torn down."""
+    fs.sandbox_id = conn.sandbox_id
+    fs.policy_name = conn.policy_name
+    try:
+        record = await rt.state.get(conn.sandbox_id) if conn.sandbox_id else None
+    except StateUnavailable:
+        fs.decision = gateway_deny(Reason.STATE_UNAVAILABLE)
+        return
+    if record is None or record.revoked:
+        fs.decision = gateway_deny(Reason.SANDBOX_REVOKED)
 
 
 class Identity:
@@ -77,18 +111,11 @@ class Identity:
             )
             return False
         if conn.sandbox_id is None:
-            # Concurrent connections per sandbox are bounded (limits.max_connections_per_sandbox): one
-            # sandbox must not exhaust the gateway's sockets and memory for every other sandbox. The
-            # refusal is this request's decision (429 + Connection: close), audited like any deny.
-            limit = self.rt.config.limits.max_connections_per_sandbox
-            if len(self.rt.by_sandbox.get(record.id, ())) >= limit:
+            over = connection_limit(self.rt, record)
+            if over is not None:
                 fs.sandbox_id = record.id
                 fs.policy_name = record.policy_name
-                fs.decision = gateway_deny(
-                    Reason.CONNECTION_LIMIT,
-                    f"This sandbox already has {limit} open connections through the gateway "
-                    f"(limits.max_connections_per_sandbox); close or reuse one, then retry.",
-                    detail="max_connections_per_sandbox")
+                fs.decision = over
                 return False
             self.rt.bind_sandbox(conn, record)
         fs.sandbox_id = record.id
@@ -117,17 +144,21 @@ class Identity:
         if fs.decision is not None:
             return
         conn = self.rt.conn(flow.client_conn.id)
-        if conn.tunnel_host is not None:
-            # Identity came with the CONNECT; re-check the record for revocation on every request.
+        if conn.transparent:
+            # Identity came with the source address (transparent.py); a refused connection (unknown
+            # source, revoked, over the limit, a denied name) answers every request with that refusal.
             fs.sandbox_id = conn.sandbox_id
             fs.policy_name = conn.policy_name
-            try:
-                record = await self.rt.state.get(conn.sandbox_id) if conn.sandbox_id else None
-            except StateUnavailable:
-                fs.decision = gateway_deny(Reason.STATE_UNAVAILABLE)
-                return
-            if record is None or record.revoked:
-                fs.decision = gateway_deny(Reason.SANDBOX_REVOKED)
+            if conn.refusal is not None:
+                fs.decision = conn.refusal
+            elif conn.sandbox_id is None:
+                fs.decision = gateway_deny(Reason.IDENTITY_UNKNOWN, UNKNOWN_SOURCE)
+            else:
+                await recheck(self.rt, fs, conn)
+            return
+        if conn.tunnel_host is not None:
+            # Identity came with the CONNECT; re-check the record for revocation on every request.
+            await recheck(self.rt, fs, conn)
             return
         record = await self._lookup(fs, flow)
         if record is not None:

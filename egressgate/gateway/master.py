@@ -4,8 +4,14 @@ No default addon set: no ignore/allow-hosts passthrough, no raw-TCP or DNS relay
 scripts, no onboarding app. The proxy server, TLS config and our addons, in an order that is part of the
 security design (each hook runs addons in this order; a deny set by an earlier addon is final):
 
-  Proxyserver → ConnGuard → NextLayer (tunnel.py) → TlsConfig → Identity → Consistency → Sanitize → Decision →
-  Pinning → Streaming → Budgets → Trailers → Credentials → AuditEmit → Revocation
+  Proxyserver → ConnGuard → NextLayer (tunnel.py) → TlsConfig → Identity → Transparent → Consistency → Sanitize →
+  Decision → Pinning → Streaming → Budgets → Trailers → Credentials → AuditEmit → Revocation
+
+Two listeners share that chain: the explicit proxy (`regular@listen.proxy`) and, unless turned off, the
+transparent listener (`transparent@listen.transparent`, transparent.py), where runtimes DNAT sandbox TCP.
+Transparent (after TlsConfig, so its `establish_server_tls_first = False` for a refused name wins; before
+Consistency, which then checks every request against the name it bound) only acts on connections of the
+transparent listener.
 
 ConnGuard (connguard.py) only observes phases and arms deadlines; it is first so that its next_layer
 hook can refuse a connection over the per-source limit before tunnel.py picks a layer.
@@ -33,7 +39,7 @@ import logging
 from mitmproxy import master as mitm_master
 from mitmproxy import options
 from mitmproxy.addons import proxyserver, tlsconfig
-from mitmproxy.proxy import layer
+from mitmproxy.proxy import layer, mode_specs
 from mitmproxy.proxy.layers.http._http1 import Http1Server
 from mitmproxy.proxy.layers.http._http2 import Http2Server
 
@@ -51,6 +57,7 @@ from egressgate.gateway.revocation import Revocation
 from egressgate.gateway.sanitize import Sanitize
 from egressgate.gateway.streaming import Streaming
 from egressgate.gateway.trailers import Trailers
+from egressgate.gateway.transparent import Transparent
 from egressgate.gateway.tunnel import NextLayer
 
 logger = logging.getLogger(__name__)
@@ -78,10 +85,17 @@ def _abort(client_id: str, writers: list) -> None:
             logger.debug("abort of %s failed", client_id, exc_info=True)
 
 
+def _spec(kind: str, address: tuple[str, int]) -> str:
+    host, port = address
+    return f"{kind}@[{host}]:{port}" if ":" in host else f"{kind}@{host}:{port}"
+
+
 class GatewayMaster:
-    def __init__(self, runtime: Runtime, listen: tuple[str, int]) -> None:
+    def __init__(self, runtime: Runtime, listen: tuple[str, int],
+                 transparent: tuple[str, int] | None = None) -> None:
         self.rt = runtime
         self.listen = listen
+        self.transparent = transparent
         self.master: mitm_master.Master | None = None
         self.proxyserver: proxyserver.Proxyserver | None = None
         self._task: asyncio.Task | None = None
@@ -168,7 +182,8 @@ class GatewayMaster:
         io = handler.transports.get(server) if handler is not None else None
         return io.handler if io is not None else None
 
-    async def start(self) -> list[tuple[str, int]]:
+    async def start(self) -> dict[str, list[tuple[str, int]]]:
+        """Start the listeners; returns their bound addresses by kind ("proxy", "transparent")."""
         opts = options.Options()
         master = mitm_master.Master(opts, with_termlog=False)
         self.proxyserver = proxyserver.Proxyserver()
@@ -176,16 +191,19 @@ class GatewayMaster:
         rt = self.rt
         audit_emit = AuditEmit(rt)
         ours = [ConnGuard(rt, self.pending_bytes, self.write_backlog),
-                NextLayer(rt), tlsconfig.TlsConfig(), Identity(rt), Consistency(rt), Sanitize(), DecisionAddon(rt),
+                NextLayer(rt), tlsconfig.TlsConfig(), Identity(rt), Transparent(rt), Consistency(rt), Sanitize(),
+                DecisionAddon(rt),
                 Pinning(rt), Streaming(), Budgets(rt), Trailers(rt), Credentials(rt), audit_emit, Revocation(rt)]
         # every addon in the decision path fails closed (failclosed.py); TlsConfig too, since a failed
         # certificate step must not leave a connection half-configured. A refused flow is audited.
         guarded = (FailClosed(a, self.abort_connection, audit_emit.refused) for a in ours)
         master.addons.add(self.proxyserver, *guarded, running)
-        host, port = self.listen
-        spec_host = f"[{host}]" if ":" in host else host
+        _host, _port = self.listen
+        modes = [_spec("regular", self.listen)]
+        if self.transparent is not None:
+            modes.append(_spec("transparent", self.transparent))
         opts.update(
-            mode=[f"regular@{spec_host}:{port}"],
+            mode=modes,
             confdir=str(rt.config.ca_path()),
             ssl_verify_upstream_trusted_ca=rt.upstream_bundle,
             ssl_insecure=False,
@@ -212,11 +230,18 @@ class GatewayMaster:
             waiter.cancel()
             exc = self._task.exception()
             raise RuntimeError(f"proxy failed to start: {exc}")
-        addrs = [(str(a[0]), int(a[1])) for a in self.proxyserver.listen_addrs()]
-        if not addrs:
+        bound: dict[str, list[tuple[str, int]]] = {"proxy": [], "transparent": []}
+        for server in self.proxyserver.servers:
+            kind = "transparent" if isinstance(server.mode, mode_specs.TransparentMode) else "proxy"
+            bound[kind].extend((str(a[0]), int(a[1])) for a in server.listen_addrs)
+        missing = [what for what, want in (("proxy", self.listen), ("transparent", self.transparent))
+                   if want is not None and not bound[what]]
+        if missing:  # a runtime would DNAT sandboxes to a listener that is not there: refuse to start
             await self.stop()
-            raise RuntimeError(f"proxy failed to listen on {host}:{port} (see log)")
-        return addrs
+            wanted = {"proxy": self.listen, "transparent": self.transparent}
+            raise RuntimeError("; ".join(f"{what} listener failed to listen on {wanted[what]} (see log)"
+                                         for what in missing))
+        return bound
 
     async def stop(self) -> None:
         if self.master is not None:

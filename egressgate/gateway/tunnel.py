@@ -5,6 +5,8 @@ for non-HTTP bytes, a DNS relay for port 53 and passthrough for ignore_hosts —
 per-request decision. Here every layer is chosen explicitly:
 
 * root (explicit proxy): mitmproxy's explicit-HTTP-proxy stack;
+* root (transparent listener): transparent.py picks TLS interception, HTTP, or a raw-TCP decision by the
+  original destination; after that, a transparent connection bound to its name is handled like a tunnel;
 * every HTTP layer is the gateway's (http_layer.py: HTTP/1 trailers and 1xx handled, a refusal in the
   `request` hook of a streamed request enforced);
 * inside a tunnel whose CONNECT was allowed only by a raw-TCP rule (`intercept=False`): a TCP relay;
@@ -23,45 +25,23 @@ import time
 
 from mitmproxy import tls as mitm_tls
 from mitmproxy.net.tls import starts_like_tls_record
-from mitmproxy.proxy import commands, events, layer, layers, mode_specs
+from mitmproxy.proxy import layer, layers, mode_specs
 from mitmproxy.proxy.layers import modes, tls
 from mitmproxy.proxy.layers.http import HTTPMode
 from mitmproxy.proxy.layers.tls import HTTP_ALPNS
 
 from egressgate.audit.event import AuditEvent, AuditUnavailable, EventKind
-from egressgate.gateway import ws_layer
+from egressgate.gateway import transparent, ws_layer
 from egressgate.gateway.context import ConnState, Runtime, new_request_id
 from egressgate.gateway.deny import gateway_deny, raw_deny
 from egressgate.gateway.http_limits import explicit_http_proxy, http_layer
+from egressgate.gateway.refuse import RefuseLayer, looks_like_http
 from egressgate.gateway.tls_limits import BoundedClientTLSLayer, client_tls_layer
 from egressgate.policy.decide import decide
 from egressgate.policy.facts import Decision, Facts, Operation
 from egressgate.policy.reasons import Reason
 
 logger = logging.getLogger(__name__)
-
-
-def looks_like_http(data: bytes) -> bool:
-    line_end = data.find(b"\n")
-    space = data.find(b" ")
-    return len(data) >= 3 and data[:3].isalpha() and space != -1 and (line_end == -1 or space < line_end)
-
-
-class RefuseLayer(layer.Layer):
-    """Answers with the deny contract and closes; forwards nothing."""
-
-    def __init__(self, context, payload: bytes) -> None:
-        super().__init__(context)
-        self.payload = payload
-        self.done = False
-
-    def _handle_event(self, event: events.Event) -> layer.CommandGenerator[None]:
-        if not self.done and isinstance(event, events.Start | events.DataReceived):
-            self.done = True
-            yield commands.SendData(self.context.client, self.payload)
-            yield commands.CloseConnection(self.context.client)
-            if self.context.server.connected:
-                yield commands.CloseConnection(self.context.server)
 
 
 class NextLayer:
@@ -72,6 +52,7 @@ class NextLayer:
 
     def load(self, loader) -> None:
         ws_layer.install(self.rt.config.websocket.max_message_bytes)
+        transparent.install()
 
     def websocket_start(self, flow) -> None:
         """Fail closed: a websocket whose frames would not pass GuardedWebsocketLayer (install() did not
@@ -105,7 +86,16 @@ class NextLayer:
             if isinstance(context.client.proxy_mode, mode_specs.RegularMode):
                 nextlayer.layer = explicit_http_proxy(context, data, self.rt)
             return
+        if len(context.layers) == 1 and isinstance(top, transparent.TransparentRoot):
+            nextlayer.layer = await transparent.root_layer(self.rt, nextlayer)
+            return
         conn = self.rt.conns.get(context.client.id)
+        if conn is not None and conn.transparent and conn.refusal is not None:
+            if isinstance(top, layers.ClientTLSLayer):
+                nextlayer.layer = transparent.refused_inner_layer(self.rt, conn, context, data)
+            else:
+                nextlayer.layer = RefuseLayer(context, b"")
+            return
         if conn is None or conn.tunnel_host is None:
             nextlayer.layer = RefuseLayer(context, b"")
             return

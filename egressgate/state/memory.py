@@ -39,9 +39,9 @@ class MemoryState:
         record = self._records.get(sandbox_id)
         if record is None:
             return False
+        # The address keeps pointing at the revoked record until a new admission registers it: a
+        # connection or query from it is then refused as `sandbox_revoked`, not as an unknown source.
         record.revoked = True
-        for address in record.addresses:
-            self._by_address.pop(address, None)
         for callback in list(self._revoke_callbacks):
             callback(sandbox_id)
         return True

@@ -78,7 +78,7 @@ class Gateway:
     _stderr: Any = None
 
     @classmethod
-    def start(cls, world: World, tmp: Path, policies: Path = POLICIES) -> Gateway:
+    def start(cls, world: World, tmp: Path, policies: Path = POLICIES, extra_config: dict | None = None) -> Gateway:
         """Start with every policy in `policies`, plus escape-self, which allows the gateway's own
         listeners by rule (so only the self-connection check can refuse them). Its ports are picked
         free inside the private gw namespace before the start, since the policy must name them."""
@@ -91,10 +91,11 @@ class Gateway:
         proxy_port = world.in_ns(world.gw, lambda: _free_port(nw.GW_SBX))
         admin_port = world.in_ns(world.gw, lambda: _free_port("127.0.0.1"))
         dns_port = world.in_ns(world.gw, lambda: _free_port(nw.GW_SBX, udp=True))
+        transparent_port = world.in_ns(world.gw, lambda: _free_port("127.0.0.1"))
         (pdir / "escape-self.yaml").write_text(yaml.safe_dump(_self_policy(proxy_port, admin_port)))
         config = {
             "listen": {"proxy": f"{nw.GW_SBX}:{proxy_port}", "admin": f"127.0.0.1:{admin_port}",
-                       "dns": f"{nw.GW_SBX}:{dns_port}"},
+                       "dns": f"{nw.GW_SBX}:{dns_port}", "transparent": f"127.0.0.1:{transparent_port}"},
             # cache_min_ttl 0: honour the world's TTL 0, so every sandbox query reaches the world resolver
             # (rebinding answers are really delivered to the gateway, not hidden by a cache floor)
             "dns": {"upstreams": [f"{nw.DNS_ADDR}:53"], "cache_min_ttl": 0},
@@ -102,6 +103,7 @@ class Gateway:
             "var_dir": str(var),
             "upstream": {"resolver": f"{nw.DNS_ADDR}:53", "ca_bundle": str(world.ca_pem)},
             "state": {"backend": "memory"},
+            **(extra_config or {}),
         }
         cfg = tmp / "gateway.yaml"
         cfg.write_text(yaml.safe_dump(config))
@@ -143,6 +145,12 @@ class Gateway:
     @property
     def proxy_url(self) -> str:
         return f"http://{self.proxy[0]}:{self.proxy[1]}"
+
+    @property
+    def transparent(self) -> tuple[str, int]:
+        """The transparent listener (where a runtime DNATs sandbox TCP), from the startup line."""
+        host, _, port = self.info["transparent"].rpartition(":")
+        return host.strip("[]"), int(port)
 
     @property
     def dns(self) -> tuple[str, int]:

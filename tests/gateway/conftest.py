@@ -543,7 +543,7 @@ def start_gateway(w: World, tmp: Path, extra_config: dict | None = None, launche
     ca_bundle = tmp / "upstream-ca.pem"
     ca_bundle.write_bytes(w.ca.cert_pem.bytes())
     config = {
-        "listen": {"proxy": "127.0.0.1:0", "admin": "127.0.0.1:0", "dns": None},
+        "listen": {"proxy": "127.0.0.1:0", "admin": "127.0.0.1:0", "dns": None, "transparent": "127.0.0.2:0"},
         "policy": str(policy_dir),
         "var_dir": str(var),
         "upstream": {"resolver": f"127.0.0.1:{w.dns_port}", "ca_bundle": str(ca_bundle)},

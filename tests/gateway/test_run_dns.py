@@ -20,7 +20,8 @@ OTHER_SOURCE = "127.0.0.10"
 @pytest.fixture(scope="module")
 def dns_gateway(world, tmp_path_factory):
     gw = start_gateway(world, tmp_path_factory.mktemp("gwdns"), {
-        "listen": {"proxy": "127.0.0.1:0", "admin": "127.0.0.1:0", "dns": "127.0.0.1:0"},
+        "listen": {"proxy": "127.0.0.1:0", "admin": "127.0.0.1:0", "dns": "127.0.0.1:0",
+                   "transparent": "127.0.0.2:0"},
         "dns": {"upstreams": [f"127.0.0.1:{world.dns_port}"], "cache_min_ttl": 0},
     })
     try:

@@ -426,7 +426,7 @@ def launch(w: World, tmp: Path, bao: BaoServer | None, *, kv_ttl: int = 300, bro
         broker = {"backend": "vault", "vault_addr": bao.addr, "auth": "approle", "role_id": bao.role_id,
                   "secret_id": bao.secret_id, "timeout_seconds": 2}
     config = {
-        "listen": {"proxy": "127.0.0.1:0", "admin": "127.0.0.1:0", "dns": None},
+        "listen": {"proxy": "127.0.0.1:0", "admin": "127.0.0.1:0", "dns": None, "transparent": "127.0.0.2:0"},
         "policy": str(policy_dir), "var_dir": str(var),
         "upstream": {"resolver": f"127.0.0.1:{w.dns_port}", "ca_bundle": str(ca_bundle)},
     }

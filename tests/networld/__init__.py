@@ -121,6 +121,7 @@ class World:
     tmp: Path
     sid: str = field(default_factory=lambda: secrets.token_hex(3))
     procs: list[subprocess.Popen[str]] = field(default_factory=list)
+    extra: list[str] = field(default_factory=list)  # namespaces added by add_namespace()
     _files: list[Any] = field(default_factory=list)
     ca: trustme.CA = field(default_factory=trustme.CA)
 
@@ -143,7 +144,28 @@ class World:
 
     @property
     def namespaces(self) -> list[str]:
-        return [self.gw, self.net, self.sbx, self.open]
+        return [self.gw, self.net, self.sbx, self.open, *self.extra]
+
+    def add_namespace(self, tag: str, gw_addr: str, addr: str) -> tuple[str, str]:
+        """One more namespace linked to gw (`addr`/24, gw side `gw_addr`/24, default route via gw), with no
+        firewall of its own; registered with the world, so close() and a later session's reaper remove
+        it. Returns (namespace, gw-side interface name)."""
+        ns = f"{PREFIX}{self.sid}-{tag}"
+        self.extra.append(ns)
+        self._register()
+        sh("ip", "netns", "add", ns)
+        etc = Path("/etc/netns") / ns  # like _build: a resolver inside the world only
+        etc.mkdir(parents=True, exist_ok=True)
+        (etc / "resolv.conf").write_text(f"nameserver {DNS_ADDR}\n")
+        sh("ip", "-n", ns, "link", "set", "lo", "up")
+        ia, ib = f"{PREFIX}{self.sid}{tag}a", f"{PREFIX}{self.sid}{tag}b"
+        sh("ip", "link", "add", ia, "netns", self.gw, "type", "veth", "peer", "name", ib, "netns", ns)
+        sh("ip", "-n", self.gw, "addr", "add", f"{gw_addr}/24", "dev", ia)
+        sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", ib)
+        for n, ifc in ((self.gw, ia), (ns, ib)):
+            sh("ip", "-n", n, "link", "set", ifc, "up")
+        sh("ip", "-n", ns, "route", "add", "default", "via", gw_addr)
+        return ns, ia
 
     @property
     def ca_pem(self) -> Path:

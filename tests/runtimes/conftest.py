@@ -60,6 +60,10 @@ def gateway(world: World, host_files: Path) -> Iterator[Gateway]:
         "rt-allow": _policy("rt-allow", filesystem__deny=["/etc/shadow", "/var/run/docker.sock", denied]),
         "rt-nomask": _policy("rt-nomask"),
         "rt-commands": _policy("rt-commands", execution__commands=["python3", "true"]),
+        "rt-mem": _policy("rt-mem", sandbox__resources={"memory_mb": 64}),
+        "rt-pids": _policy("rt-pids", sandbox__resources={"pids_max": 32}),
+        "rt-wall": _policy("rt-wall", sandbox__resources={"wall_time_seconds": 2}),
+        "rt-ws": _policy("rt-ws", sandbox__workspace={"path": "/workspace", "max_bytes": 1_000_000}),
     }
     gw = Gateway.start(world, base, policies)
     try:

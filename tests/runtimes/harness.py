@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
 import signal
 import socket
@@ -28,6 +29,19 @@ from networld import World
 
 EGRESSGATE = str(Path(sys.executable).with_name("egressgate"))
 CALLER_SECRET = "AKIAEGNCALLERSECRET0123456789"  # in the caller's env: must never reach a sandbox
+
+
+# Safety net of every `sandbox run` a test starts, independent of the code under test (PREAMBLE: no fork
+# bomb or memory hog without one): limits set on `sandbox run` itself and inherited by the workload. The
+# workload runs as uid 65534, for which RLIMIT_NPROC is enforced (it is not for root), and RLIMIT_AS caps
+# every process of the tree. Far above the cgroup limits under test, far below what hurts the machine.
+SAFETY_NPROC = 400
+SAFETY_AS = 1536 * 2**20
+
+
+def safety_net() -> None:
+    resource.setrlimit(resource.RLIMIT_NPROC, (SAFETY_NPROC, SAFETY_NPROC))
+    resource.setrlimit(resource.RLIMIT_AS, (SAFETY_AS, SAFETY_AS))
 
 
 def flatten(record: dict[str, Any]) -> dict[str, Any]:
@@ -131,11 +145,12 @@ class Gateway:
     def run(self, *command: str, policy: str, workspace: Path | None = None, timeout: float = 60,
             labels: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
         return subprocess.run(self.run_argv(*command, policy=policy, workspace=workspace, labels=labels),
-                              capture_output=True, text=True, timeout=timeout, env=self.caller_env(), check=False)
+                              capture_output=True, text=True, timeout=timeout, env=self.caller_env(), check=False,
+                              preexec_fn=safety_net)
 
     def popen_run(self, *command: str, policy: str, **kw: Any) -> subprocess.Popen[str]:
         return subprocess.Popen(self.run_argv(*command, policy=policy), text=True, env=self.caller_env(),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=safety_net, **kw)
 
     def records(self, timeout: float = 5.0, predicate: Any = None) -> list[dict[str, Any]]:
         """Flattened audit records; waits (batched writer) until one matches `predicate` if given."""

@@ -1,0 +1,177 @@
+"""Who is behind a transparent connection, and what it may reach (decisions for transparent.py).
+
+The sandbox never said "proxy", so there is no CONNECT and no Proxy-Authorization: the identity is the
+client's source address as a runtime registered it at admission (`state.by_address`), and the
+destination is the *name* the client presented (TLS SNI, or the Host of the first plain-HTTP request).
+That name is decided exactly like a CONNECT target (`Operation.CONNECT`), then resolved and pinned by
+the gateway (pinning.py). The original destination IP the client dialed is only ever used as the key
+under which mitmproxy will ask to connect; it is never dialed, except where a `tcp` rule allows raw TCP
+to exactly that IP:port (judged as an IP literal, with every address check).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import time
+
+from mitmproxy import connection
+
+from egressgate.audit.event import AuditEvent, AuditUnavailable, EventKind
+from egressgate.gateway.audit_emit import transparent_attributes
+from egressgate.gateway.context import ConnState, PinnedTarget, Runtime
+from egressgate.gateway.deny import gateway_deny
+from egressgate.gateway.identity import UNKNOWN_SOURCE, connection_limit
+from egressgate.gateway.pinning import resolve_target
+from egressgate.policy.canon import CanonError, canon_host, ip_text
+from egressgate.policy.decide import decide
+from egressgate.policy.facts import Decision, Facts, Operation, SandboxState
+from egressgate.policy.reasons import Reason
+from egressgate.state.base import StateUnavailable
+
+NO_NAME = ("A transparent connection must name its destination: TLS with SNI, or HTTP with a Host header; "
+           "the address alone is not enough.")
+_ADDRESS_REASONS = (Reason.METADATA_ENDPOINT, Reason.ADDRESS_FORBIDDEN, Reason.SELF_CONNECTION)
+
+
+def source_text(client: connection.Client) -> str | None:
+    """The client's source address in the canonical text admission stores (`ip_text`)."""
+    if not client.peername:
+        return None
+    try:
+        address = ipaddress.ip_address(str(client.peername[0]).split("%", 1)[0])
+    except ValueError:
+        return None
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped  # a dual-stack listener reports IPv4 clients as ::ffff:a.b.c.d
+    return ip_text(address)
+
+
+async def identify(rt: Runtime, conn: ConnState, client: connection.Client) -> None:
+    """Bind the connection to the sandbox registered for its source address, or set the refusal every
+    request on it will get (unknown source, revoked sandbox, over the per-sandbox connection limit).
+    Refusals are audited where the connection names its destination (so the record says what was asked)."""
+    conn.transparent = True
+    source = source_text(client)
+    try:
+        record = await rt.state.by_address(source) if source is not None else None
+    except StateUnavailable:
+        conn.refusal = gateway_deny(Reason.STATE_UNAVAILABLE)
+        return
+    if record is None:
+        conn.refusal = gateway_deny(Reason.IDENTITY_UNKNOWN, UNKNOWN_SOURCE)
+        return
+    refusal = gateway_deny(Reason.SANDBOX_REVOKED) if record.revoked else connection_limit(rt, record)
+    if refusal is not None:
+        # named in the records, but not counted as one of the sandbox's connections
+        conn.sandbox_id, conn.policy_name, conn.labels = record.id, record.policy_name, dict(record.labels)
+        conn.refusal = refusal
+        return
+    rt.bind_sandbox(conn, record)
+
+
+def canonical_name(raw: str | None) -> tuple[str | None, Decision | None]:
+    """The canonical host of an SNI / Host name, or the deny for a missing or unparseable one."""
+    if not raw:
+        return None, gateway_deny(Reason.INVALID_REQUEST, NO_NAME)
+    try:
+        return canon_host(raw), None
+    except CanonError as exc:
+        return None, gateway_deny(Reason.INVALID_REQUEST, f"The destination name is not valid: {exc}")
+
+
+Decided = tuple[Decision, PinnedTarget | None, Facts | None, SandboxState | None]
+
+
+async def _inputs(rt: Runtime, conn: ConnState):
+    policy = rt.policies.get(conn.policy_name)
+    if policy is None:
+        return None, None, gateway_deny(Reason.POLICY_UNAVAILABLE)
+    try:
+        assert conn.sandbox_id is not None
+        snapshot = policy.relevant_state(await rt.state.snapshot(conn.sandbox_id))
+    except (StateUnavailable, KeyError):
+        return policy, None, gateway_deny(Reason.STATE_UNAVAILABLE)
+    return policy, snapshot, None
+
+
+async def name_decision(rt: Runtime, conn: ConnState, host: str, port: int) -> Decided:
+    """Decide the name like a CONNECT target (deny early: a denied name is never resolved), then
+    resolve and check every address and pin one. Only intercepted traffic is possible here (TLS is
+    always intercepted on this listener), so a name only a `tcp` rule allows is refused."""
+    policy, snapshot, denied = await _inputs(rt, conn)
+    if denied is not None:
+        return denied, None, None, None
+    facts = Facts(operation=Operation.CONNECT, host=host, port=port)
+    decision = decide(policy, facts, snapshot, rt.clock())
+    if decision.allowed and not decision.intercept:
+        decision = gateway_deny(
+            Reason.PROTOCOL_NOT_ALLOWED,
+            f"Only a network.tcp rule allows {host}:{port}; on the transparent listener TLS and HTTP are "
+            f"always inspected. Use the explicit proxy (CONNECT) for raw TCP by name.",
+            rule_id=decision.rule_id)
+    if not decision.allowed:
+        return decision, None, facts, snapshot
+    target, denied = await resolve_target(rt, policy, host, port)
+    return (denied or decision), target, facts, snapshot
+
+
+async def raw_tcp_decision(rt: Runtime, conn: ConnState) -> tuple[str, Decided]:
+    """Bytes that are neither TLS nor HTTP carry no name: only a `tcp` rule for the original destination
+    IP:port, judged as an IP literal (address classes, allow_private, the gateway's own listeners),
+    lets them through. Returns the canonical host text and the decision."""
+    assert conn.original_dst is not None
+    raw_host, port = conn.original_dst
+    host = canon_host(raw_host)
+    policy, snapshot, denied = await _inputs(rt, conn)
+    if denied is not None:
+        return host, (denied, None, None, None)
+    literal = ipaddress.ip_address(host)
+    facts = Facts(operation=Operation.HTTP_REQUEST, host=host, port=port, scheme="tcp", addresses=(literal,))
+    decision = decide(policy, facts, snapshot, rt.clock())
+    target = None
+    if decision.allowed:
+        target, refused = await resolve_target(rt, policy, host, port)
+        decision = refused or decision
+    elif decision.reason not in _ADDRESS_REASONS:
+        decision = gateway_deny(
+            Reason.PROTOCOL_NOT_ALLOWED,
+            f"Only HTTP(S) naming its destination (TLS SNI or Host) is allowed here; no network.tcp rule "
+            f"allows raw TCP to {host}:{port}.",
+            rule_id=decision.rule_id)
+    return host, (decision, target, facts, snapshot)
+
+
+async def record(rt: Runtime, conn: ConnState, client: connection.Client, request_id: str,
+                 decided: Decided, *, host: str | None, port: int | None, as_sent: str | None,
+                 scheme: str | None = None) -> Decision:
+    """The connection-level record (operation `connect`, `egressgate.mode` = `transparent`) of a name or
+    raw-TCP decision; returns the decision to enforce (an allow whose record is not durable is denied)."""
+    decision, target, facts, snapshot = decided
+    policy = rt.policies.get(conn.policy_name)
+    extra: dict = transparent_attributes(conn)
+    if decision.detail:
+        extra["egressgate.detail"] = decision.detail
+    event = AuditEvent(
+        kind=EventKind.CONNECT, time_ns=time.time_ns(), request_id=request_id, sandbox_id=conn.sandbox_id,
+        sandbox_labels=dict(conn.labels), decision=str(decision.effect), reason=str(decision.reason),
+        rule_id=decision.rule_id, policy_name=conn.policy_name,
+        policy_hash=policy.hash if policy is not None else None, target_as_sent=as_sent, scheme=scheme,
+        host=host, port=port, pinned_address=str(target.address) if target and decision.allowed else None,
+        client_address=source_text(client), capability=decision.capability,
+        message=None if decision.allowed else decision.message, extra=extra, facts=facts, state=snapshot,
+    )
+    try:
+        await rt.audit.write(event)
+    except AuditUnavailable:
+        return gateway_deny(Reason.AUDIT_UNAVAILABLE)
+    return decision
+
+
+def commit(conn: ConnState, host: str, port: int, as_sent: str | None, target: PinnedTarget) -> None:
+    """The name is allowed and recorded: the connection is now bound to it like a CONNECT tunnel, and
+    mitmproxy's connection to the original destination will be dialed to the pinned address instead."""
+    assert conn.original_dst is not None
+    conn.tunnel_host, conn.tunnel_port, conn.tunnel_as_sent = host, port, as_sent
+    conn.tunnel_target = target
+    conn.tunnel_raw_address = conn.original_dst
+    conn.approved[conn.original_dst] = target
