@@ -31,6 +31,7 @@ import json
 import os
 import select
 import shutil
+import signal
 import subprocess
 import threading
 import time
@@ -57,6 +58,14 @@ class DockerError(RuntimeError):
 def docker_host() -> str:
     """The daemon `sandbox run` talks to: $DOCKER_HOST, else Docker's default socket."""
     return os.environ.get("DOCKER_HOST") or DEFAULT_DOCKER_HOST
+
+
+def _die_with_parent() -> None:
+    """In the log follower (preexec): SIGKILL it when `sandbox run` dies, even by SIGKILL — it would
+    otherwise keep the caller's stdout/stderr open and print the orphaned container's output."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def _cli_env(host: str) -> dict[str, str]:
@@ -133,7 +142,7 @@ class DockerAdapter:
         # the workload's stdout/stderr become ours (`docker logs -f` replays from the container's start,
         # so nothing written before it connects is lost; the holder itself writes nothing)
         self._logs = subprocess.Popen([DOCKER_CLI, "logs", "--follow", self.container],
-                                      env=_cli_env(self.host), stdin=subprocess.DEVNULL)
+                                      env=_cli_env(self.host), stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
 
     def create_args(self, spec: RunSpec, run_dir: Path) -> list[str]:
         """The `docker run --detach` arguments (pure apart from the files it writes into run_dir)."""
@@ -334,12 +343,36 @@ def gc_record(record: dict) -> list[str]:
 
 
 def labelled_containers(host: str | None = None) -> dict[str, str]:
-    """Every container with an `egressgate.run` label on the daemon: name → run id (for `sandbox gc`)."""
+    """Every container with an `egressgate.run` label on the daemon: name → run id."""
     res = docker(host or docker_host(), "ps", "-a", "--filter", f"label={LABEL}",
-                 "--format", '{{.Names}} {{.Label "' + LABEL + '"}}', check=False)
+                 "--format", '{{.Names}} {{.Label "' + LABEL + '"}}')
     out: dict[str, str] = {}
     for line in res.stdout.splitlines():
         name, _, run_id = line.partition(" ")
         if name and run_id:
             out[name] = run_id
     return out
+
+
+def gc_orphans(live: set[str], host: str | None = None) -> tuple[list[str], list[str]]:
+    """`sandbox gc` sweep: remove containers labelled `egressgate.run` whose run is not live (its record is
+    gone or its owner dead) — e.g. after the state dir was lost. Returns (removed, problems). A host with
+    no docker CLI, or no daemon at the default socket, has nothing to sweep; a configured daemon that does
+    not answer is a problem (reported, never ignored)."""
+    if not Path(DOCKER_CLI).exists():
+        return [], []
+    host = host or docker_host()
+    if host == DEFAULT_DOCKER_HOST and not Path(DEFAULT_DOCKER_HOST[len("unix://"):]).exists():
+        return [], []
+    res = docker(host, "ps", "-a", "--filter", f"label={LABEL}", "--format", '{{.Names}} {{.Label "' + LABEL + '"}}',
+                 check=False)
+    if res.returncode != 0:
+        return [], [f"could not list containers at {host}: {res.stderr.strip()[-300:]}"]
+    removed: list[str] = []
+    for line in res.stdout.splitlines():
+        name, _, run_id = line.partition(" ")
+        if not name or run_id in live:
+            continue
+        if docker(host, "rm", "-f", "-v", name, check=False).returncode == 0:
+            removed.append(f"orphan container {name}")
+    return removed, []
