@@ -52,7 +52,7 @@ def test_exit_status_and_signal(dockerd: Dockerd, tmp_path: Path, runtime: str) 
 
 
 REPORT = (
-    "exec > /workspace/report 2>&1; echo uid=$(id -u); grep CapEff /proc/self/status; "
+    "exec > /workspace/report 2>&1; echo uid=$(id -u); grep -E 'Cap(Eff|Bnd)' /proc/self/status; "
     "touch /scratch/x && echo ROOT_WRITABLE; ls /var/run/docker.sock /run/docker.sock && echo SOCK; "
     "echo shadow=$(stat -c '%s:%a' /etc/shadow); cat /etc/shadow >/dev/null && echo SHADOW_READ; "
     "echo sys=$(ls /sys | wc -l); cat /etc/resolv.conf; head -1 /etc/egressgate/ca.pem; "
@@ -77,6 +77,7 @@ def test_isolation(dockerd: Dockerd, tmp_path: Path, runtime: str, monkeypatch: 
     text, env = str(r["text"]), r["env"]
     assert "uid=65534" in text
     assert "CapEff:\t0000000000000000" in text
+    assert "CapBnd:\t0000000000000000" in text  # --cap-drop ALL (a non-root uid has no CapEff anyway)
     assert "ROOT_WRITABLE" not in text and "Read-only file system" in text
     assert "SOCK" not in text
     assert "shadow=0:0" in text and "SHADOW_READ" not in text  # masked by an empty mode-000 file
