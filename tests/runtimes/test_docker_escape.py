@@ -14,6 +14,7 @@ import subprocess
 import pytest
 from support.dockerd import Dockerd
 
+from egressgate.runtimes.docker import labelled_containers
 from runtimes.harness import CALLER_SECRET, Gateway, sandbox_id
 from runtimes.test_netns_escape import leak_name, network_checks, parse, probe_argv
 
@@ -44,6 +45,11 @@ def test_admission_checks_inside(gateway: Gateway, dockerd: Dockerd, runtime: st
     assert shadow["ok"] is False and shadow["error"] in ("EACCES", "ENOENT")  # masked, or not in the image
     assert ident["uid"] == 65534 and int(ident["caps"], 16) == 0
     assert hosts["error"] in ("EROFS", "EACCES") and resolv["error"] in ("EROFS", "EACCES")
+    # the run left nothing: no container (labelled with its run id), no run dir, no run record
+    run_id = res.stderr.split("(run ", 1)[1].split(",", 1)[0]
+    assert run_id not in labelled_containers(dockerd.host).values()
+    assert not (gateway.state_dir / "docker" / run_id).exists()
+    assert not (gateway.state_dir / "runs" / f"{run_id}.json").exists()
 
 
 @pytest.mark.parametrize("runtime", RUNTIMES)
