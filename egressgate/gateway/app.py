@@ -120,7 +120,8 @@ class Gateway:
         settings the gateway runs with."""
         cfg = self.config
         audit = cfg.audit_path()
-        return {"runtime": {"subnet": cfg.runtime.subnet, "state_dir": str(Path(cfg.runtime.state_dir).absolute())},
+        return {"runtime": {"subnet": cfg.runtime.subnet, "state_dir": str(Path(cfg.runtime.state_dir).absolute()),
+                            "docker_host": cfg.runtime.docker_host},
                 "admin_token_file": str(cfg.admin_token_path().absolute()),
                 "audit_file": str(audit.absolute()) if audit is not None else None}
 

@@ -29,6 +29,7 @@ class GatewayInfo:
     state_dir: Path  # runtime.state_dir: run records
     admin_token_file: Path
     audit_file: Path | None  # the local audit file, None when audit goes only to a collector
+    docker_host: str | None = None  # runtime.docker_host: the daemon of --runtime docker|gvisor
 
 
 def split_hostport(value: str) -> tuple[str, int]:
@@ -71,6 +72,7 @@ def load(var_dir: Path) -> GatewayInfo:
             state_dir=Path(runtime["state_dir"]),
             admin_token_file=Path(data["admin_token_file"]),
             audit_file=Path(data["audit_file"]) if data.get("audit_file") else None,
+            docker_host=str(runtime["docker_host"]) if runtime.get("docker_host") else None,
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise GatewayNotRunning(f"{path} lacks {exc} (written by an older gateway? restart it)") from None

@@ -198,4 +198,7 @@ def collect(var_dir: Path, state_dir: Path | None = None, grace: float = 60.0) -
             continue
         remove_cgroup(group)
         removed.append(f"orphan cgroup {group}")
-    return removed, problems
+    from egressgate.runtimes import docker
+
+    gone, trouble = docker.gc_orphans(live, info.docker_host if info else None)
+    return removed + gone, problems + trouble

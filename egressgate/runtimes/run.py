@@ -122,6 +122,8 @@ class Run:
             self.adapter = registry.adapter(req.runtime)
         except registry.UnknownRuntime as exc:
             raise SetupFailed(str(exc)) from None
+        if info.docker_host and hasattr(self.adapter, "host"):  # docker/gvisor: the configured daemon wins
+            self.adapter.host = info.docker_host
         address = addressing.allocate(info.state_dir, info.subnet, self.run_id,
                                       {"owner_pid": os.getpid(), "runtime": req.runtime, "created": time.time(),
                                        "var_dir": str(req.var_dir.absolute())})

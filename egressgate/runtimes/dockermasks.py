@@ -1,0 +1,88 @@
+"""`filesystem.deny` for containers: cover each denied path with an empty, read-only, root-owned file or
+directory, whichever the path is in the image.
+
+Why a probe: a bind mount must match the kind of what it covers (a directory over a file fails the
+container start), and the kind depends on the image (and, for /proc and /sys, on the runtime: gVisor's
+are synthetic). Docker's CLI has no "masked paths" option, so the image is asked once: a throwaway
+container (no network, no capability, read-only, our static busybox as the only program run) stats the
+paths. The answer is cached by image ID + runtime + paths under the state dir, so only the first run of
+an image pays for it (~0.3 s). A path the image does not have needs no mask on a read-only root (the
+workload cannot create it); paths inside the workspace are judged on the host, where they live.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path, PurePosixPath
+
+PROBE = 'for p; do t=$(/.egressgate/busybox stat -L -c %F "$p" 2>/dev/null) || t=absent; echo "$t"; done'
+
+
+def _under(path: str, root: str | None) -> bool:
+    return bool(root) and (path == root or path.startswith(root.rstrip("/") + "/"))
+
+
+def kinds(host: str, image: str, paths: list[str], oci_runtime: str | None, state_dir: Path,
+          workspace: tuple[Path, str] | None = None) -> dict[str, str]:
+    """path → "dir" | "file" | "absent" for every path (see the module docstring)."""
+    from egressgate.runtimes.docker import BUSYBOX, DockerError, docker
+
+    out: dict[str, str] = {}
+    probe: list[str] = []
+    for path in paths:
+        if not PurePosixPath(path).is_absolute():
+            raise DockerError(f"filesystem.deny path {path!r} is not absolute")
+        if workspace is not None and _under(path, workspace[1]):
+            host_path = workspace[0] / os.path.relpath(path, workspace[1])
+            out[path] = "dir" if host_path.is_dir() else "file" if host_path.exists() else "absent"
+        else:
+            probe.append(path)
+    if not probe:
+        return out
+    image_id = docker(host, "image", "inspect", "--format", "{{.Id}}", image).stdout.strip()
+    key = hashlib.sha256(json.dumps([host, image_id, oci_runtime, probe]).encode()).hexdigest()[:24]
+    cache = state_dir / "docker" / "probes" / f"{key}.json"
+    try:
+        out.update(json.loads(cache.read_text()))
+        return out
+    except (OSError, ValueError):
+        pass
+    args = ["run", "--rm", "--network", "none", "--cap-drop", "ALL", "--security-opt", "no-new-privileges",
+            "--read-only", "--user", "0:0", "--label", "egressgate.probe=1", "--log-driver", "none",
+            "--mount", f"type=bind,src={BUSYBOX},dst=/.egressgate/busybox,readonly",
+            "--entrypoint", "/.egressgate/busybox"]
+    if oci_runtime:
+        args += ["--runtime", oci_runtime]
+    res = docker(host, *args, image_id, "sh", "-c", PROBE, "probe", *probe, timeout=120)
+    lines = res.stdout.splitlines()
+    if len(lines) != len(probe):
+        raise DockerError(f"probing filesystem.deny paths in {image} gave {lines!r}")
+    found = {p: ("dir" if t == "directory" else "absent" if t == "absent" else "file")
+             for p, t in zip(probe, lines, strict=True)}
+    cache.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    tmp = cache.with_suffix(f".{os.getpid()}")
+    tmp.write_text(json.dumps(found))
+    tmp.replace(cache)
+    out.update(found)
+    return out
+
+
+def mount_args(kinds_by_path: dict[str, str], run_dir: Path) -> list[str]:
+    """`--mount` arguments covering every present path with an empty read-only file or directory."""
+    empty_file, empty_dir = run_dir / "mask-file", run_dir / "mask-dir"
+    args: list[str] = []
+    for path, kind in kinds_by_path.items():
+        if kind == "absent":
+            continue
+        if kind == "dir":
+            empty_dir.mkdir(exist_ok=True)
+            empty_dir.chmod(0o555)
+            src = empty_dir
+        else:
+            empty_file.touch(exist_ok=True)
+            empty_file.chmod(0o000)
+            src = empty_file
+        args += ["--mount", f"type=bind,src={src},dst={path},readonly"]
+    return args

@@ -1,0 +1,119 @@
+"""From inside `egressgate sandbox run --runtime docker|gvisor`, hostile code that ignores the proxy
+(HTTP_PROXY unset, NO_PROXY=*) tries every other way out. None reaches its canary; each DNS denial is
+audited with the sandbox id; the allowed HTTPS call works (explicit proxy and transparently). The probe
+and checks are the netns runtime's (tests/runtimes/probe.py), run by the python image's python3; the
+positive control (the same attempts from the world's `open` namespace reach the canaries) is
+test_netns_escape's, and is repeated here once so this file stands on its own.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+from support.dockerd import Dockerd
+
+from egressgate.runtimes.docker import labelled_containers
+from runtimes.harness import CALLER_SECRET, Gateway, sandbox_id
+from runtimes.test_netns_escape import leak_name, network_checks, parse, probe_argv
+
+pytestmark = pytest.mark.netns
+RUNTIMES = ["docker", "gvisor"]
+
+
+def run_in(gateway: Gateway, dockerd: Dockerd, runtime: str, *command: str, policy: str = "rt-allow",
+           timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    argv = gateway.cmd("sandbox", "run", "--config", str(gateway.config), "--policy", policy,
+                       "--runtime", runtime, "--image", dockerd.python_image(), "--", *command)
+    env = {**gateway.caller_env(), "DOCKER_HOST": dockerd.host}
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env, check=False)
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_admission_checks_inside(gateway: Gateway, dockerd: Dockerd, runtime: str) -> None:
+    checks = [["env"], ["exists", "/var/run/docker.sock"], ["exists", "/run/docker.sock"],
+              ["open", "/etc/shadow", "r"], ["uid"], ["open", "/etc/hosts", "a"], ["open", "/etc/resolv.conf", "a"]]
+    res = run_in(gateway, dockerd, runtime, *probe_argv(checks))
+    assert res.returncode == 0, res.stderr
+    env, sock1, sock2, shadow, ident, hosts, resolv = parse(res.stdout)
+    assert "AWS_SECRET_ACCESS_KEY" not in env["env"] and CALLER_SECRET not in json.dumps(env["env"])
+    assert "NO_PROXY" not in env["env"] and "no_proxy" not in env["env"]
+    assert env["env"]["EGRESSGATE_SANDBOX_ID"] == sandbox_id(res.stderr)
+    assert env["env"]["SSL_CERT_FILE"] == "/etc/egressgate/ca.pem"
+    assert not sock1["ok"] and not sock2["ok"]
+    assert shadow["ok"] is False and shadow["error"] in ("EACCES", "ENOENT")  # masked, or not in the image
+    assert ident["uid"] == 65534 and int(ident["caps"], 16) == 0
+    assert hosts["error"] in ("EROFS", "EACCES") and resolv["error"] in ("EROFS", "EACCES")
+    # the run left nothing: no container (labelled with its run id), no run dir, no run record
+    run_id = res.stderr.split("(run ", 1)[1].split(",", 1)[0]
+    assert run_id not in labelled_containers(dockerd.host).values()
+    assert not (gateway.state_dir / "docker" / run_id).exists()
+    assert not (gateway.state_dir / "runs" / f"{run_id}.json").exists()
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_no_direct_path_reaches_a_canary(gateway: Gateway, dockerd: Dockerd, canaries: dict, runtime: str) -> None:
+    world = gateway.world
+    leak, leak_tcp = leak_name(), leak_name()
+    mark = world.mark()
+    dot_before, quic_before = len(canaries["dot"].hits), len(canaries["quic"].hits)
+    res = run_in(gateway, dockerd, runtime, *probe_argv(network_checks(leak, leak_tcp)))
+    assert res.returncode == 0, res.stderr
+    out = parse(res.stdout)
+    sid = sandbox_id(res.stderr)
+    assert world.canary_hits(mark) == [], world.canary_hits(mark)
+    assert len(canaries["dot"].hits) == dot_before and len(canaries["quic"].hits) == quic_before
+    assert not out[0].get("data", "").count("CANARY") and not out[1].get("data", "").count("CANARY")
+    assert not out[2]["ok"], out[2]  # IPv6 literal: no IPv6 in the sandbox
+    assert out[3]["ok"] and out[3]["rcode"] in (3, 5), out[3]  # answered by OUR resolver, refused
+    assert out[10]["ok"] and out[10]["rcode"] in (3, 5), out[10]
+    queried = {q["qname"] for q in world.dns_queries(mark)}
+    assert leak not in queried and leak_tcp not in queried
+    assert not out[5]["ok"] or out[5]["reply_from"] is None  # QUIC: nothing answers
+    assert not out[6]["ok"] and not out[7]["ok"] and not out[8]["ok"], out[6:9]  # ICMP, raw sockets
+    assert "CANARY" not in json.dumps(out[9])  # an allowed name pinned to a private IP (edited hosts)
+    records = gateway.records(predicate=lambda r: r.get("dns.question.name") == leak_tcp)
+    names = {r.get("dns.question.name") for r in records
+             if r.get("egressgate.sandbox.id") == sid and r.get("egressgate.decision") == "deny"}
+    assert {leak, leak_tcp} <= names
+    # the metadata and private-IP connects landed on the transparent listener: denied, audited with the id
+    # (the probe reads one segment: the deny head, whose body may come in the next)
+    assert all("X-Egressgate-Decision: deny" in o.get("data", "") for o in out[:2]), out[:2]
+    records = gateway.records(predicate=lambda r: r.get("egressgate.sandbox.id") == sid
+                              and r.get("egressgate.original_dst") == "10.0.0.5:80")
+    dsts = {r.get("egressgate.original_dst") for r in records
+            if r.get("egressgate.sandbox.id") == sid and r.get("egressgate.decision") == "deny"}
+    assert {"169.254.169.254:80", "10.0.0.5:80"} <= dsts, dsts
+
+
+def test_open_namespace_reaches_the_canaries(gateway: Gateway, canaries: dict) -> None:
+    """Positive control for the test above: without the runtime's plumbing the same probe gets out."""
+    world = gateway.world
+    control_leak = leak_name()
+    mark = world.mark()
+    ctl = world.exec(world.open, *probe_argv(network_checks(control_leak, leak_name())), timeout=60)
+    assert ctl.returncode == 0, ctl.stderr
+    hit = {h["listener"] for h in world.canary_hits(mark)}
+    assert {"metadata", "private", "metadata-v6", "private-tls"} <= hit, hit
+    assert control_leak in {q["qname"] for q in world.dns_queries(mark)}
+
+
+HTTPS_GET = """
+import sys, urllib.request
+handlers = [] if sys.argv[1] == "proxy" else [urllib.request.ProxyHandler({})]
+opener = urllib.request.build_opener(*handlers)
+print(opener.open("https://api.allowed.test/", timeout=15).status)
+"""
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+@pytest.mark.parametrize("mode", ["proxy", "transparent"])
+def test_allowed_https(gateway: Gateway, dockerd: Dockerd, runtime: str, mode: str) -> None:
+    """Positive control: the one way out works, through the explicit proxy and transparently (no proxy:
+    the TCP connection to api.allowed.test:443 is sent to the transparent listener)."""
+    world = gateway.world
+    mark = world.mark()
+    res = run_in(gateway, dockerd, runtime, "python3", "-c", HTTPS_GET, mode)
+    assert res.returncode == 0 and res.stdout.strip() == "200", (res.stdout, res.stderr)
+    assert "upstream-tls" in {h.get("listener") for h in world.hits(mark)}
