@@ -8,6 +8,7 @@ from egressgate.admin.cli import sandbox
 from egressgate.audit.cli import audit
 from egressgate.gateway.cli import ca_group, run_cmd
 from egressgate.policy.cli import policy
+from egressgate.runtimes.render.cli import runtime
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -21,3 +22,4 @@ main.add_command(audit)
 main.add_command(run_cmd)
 main.add_command(sandbox)
 main.add_command(ca_group)
+main.add_command(runtime)
