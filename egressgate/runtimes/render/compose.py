@@ -176,9 +176,9 @@ def compose_file(ctx: RenderContext, nets: dict[str, ipaddress.IPv4Network], con
         if name != "egress":
             # `internal` alone is enforced by dockerd's iptables rules; a dockerd started without them
             # (--iptables=false) still gives the bridge an address and the containers a default route
-            # to it, i.e. to every service of the host and, with forwarding on, beyond (tests/runtimes/
-            # render/test_compose_up.py shows the metadata canary answering). With no address on the
-            # bridge the default route leads nowhere, whatever the daemon's firewall settings.
+            # to it, i.e. to every service of the host and, with forwarding on, beyond (without this,
+            # tests/render/test_compose_up.py sees the metadata canary answer the agent). With no
+            # address on the bridge the default route leads nowhere, whatever the daemon's firewall.
             networks[name]["driver_opts"] = {"com.docker.network.bridge.inhibit_ipv4": "true"}
     volumes = {"gateway-var": {}, "agent-env": {}}
     if sandbox.workspace is not None:
