@@ -12,6 +12,11 @@ have ip || need+=(iproute2)
 have dig || need+=(dnsutils)
 have curl || need+=(curl)
 have wrk || need+=(wrk)
+# tests/render: a private dockerd + Debian docker-compose 1.29 bring compose.yaml up; mmdebstrap builds the
+# images' base offline (scripts/build-images.sh)
+have dockerd || need+=(docker.io)
+have docker-compose || need+=(docker-compose)
+have mmdebstrap || need+=(mmdebstrap)
 [ ${#need[@]} -eq 0 ] && exit 0
 if [ "$(id -u)" != 0 ]; then
   echo "missing Debian packages (run as root to install): ${need[*]}" >&2
