@@ -1,4 +1,4 @@
-"""An admission (`egressgate sandbox admit --format json`) rewritten for a workload in another network
+"""An admission (the JSON of POST /v1/sandboxes) rewritten for a workload in another network
 namespace: a container, a pod, a VM.
 
 Admission hands out the proxy URL as the gateway sees itself (often 127.0.0.1) and the CA bundle as a
@@ -12,7 +12,6 @@ build the proxy URL themselves (the Kubernetes Pod does, from the gateway Servic
 
 from __future__ import annotations
 
-import json
 from urllib.parse import quote
 
 from egressgate.runtimes.render.common import CA_ENV_VARS, NO_PROXY_VARS, PROXY_ENV_VARS, RenderError
@@ -24,7 +23,7 @@ def inside_env(admission: dict, *, proxy: str | None, ca_path: str) -> dict[str,
     try:
         sandbox_id, token, env = str(admission["id"]), str(admission["token"]), dict(admission["env"])
     except (KeyError, TypeError, ValueError):
-        raise RenderError("the admission JSON needs 'id', 'token' and 'env' (use `sandbox admit --format json`)") \
+        raise RenderError("the admission JSON needs 'id', 'token' and 'env'") \
             from None
     out = {key: str(value) for key, value in env.items()
            if key not in PROXY_ENV_VARS + NO_PROXY_VARS + CA_ENV_VARS}
@@ -50,12 +49,3 @@ def env_file(env: dict[str, str]) -> str:
         lines.append(f"{key}={value}")
     return "\n".join(lines) + "\n"
 
-
-def load_admission(text: str) -> dict:
-    try:
-        data = json.loads(text)
-    except ValueError as exc:
-        raise RenderError(f"the admission is not JSON ({exc}); use `sandbox admit --format json`") from None
-    if not isinstance(data, dict):
-        raise RenderError("the admission JSON must be an object")
-    return data

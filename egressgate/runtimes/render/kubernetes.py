@@ -9,7 +9,7 @@ What holds the agent in, and where each rule lives:
 * the gateway's NetworkPolicy: only this policy's agents may connect to it (its resolver answers
   unknown clients with this policy, which is safe only because nobody else reaches it).
 The admission (sandbox id + token + phantom credentials) is a Secret the operator creates with
-`egressgate sandbox admit` + `egressgate runtime env` (docs/runtimes-deploy.md); it never is rendered here.
+`egressgate runtime admit` run in the gateway pod (docs/runtimes-deploy.md); it is never rendered here.
 """
 
 from __future__ import annotations
