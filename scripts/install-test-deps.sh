@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Install the Debian packages the tests and benchmarks use (nftables, iproute2, dig, curl; Squid, dnsmasq, wrk)
+# Install the Debian packages the tests and benchmarks use (nftables, iproute2, dig, curl; Squid, dnsmasq, wrk;
+# Docker, gVisor runsc, static busybox, mmdebstrap and bubblewrap for the runtime adapters)
 # when they are missing. Needs root; otherwise it says what is missing and the tests that need it skip
 # (outside CI) or fail (in CI).
 set -eu
@@ -12,11 +13,14 @@ have ip || need+=(iproute2)
 have dig || need+=(dnsutils)
 have curl || need+=(curl)
 have wrk || need+=(wrk)
-# tests/render: a private dockerd + Debian docker-compose 1.29 bring compose.yaml up; mmdebstrap builds the
-# images' base offline (scripts/build-images.sh)
 have dockerd || need+=(docker.io)
-have docker-compose || need+=(docker-compose)
+have runsc || need+=(runsc)
 have mmdebstrap || need+=(mmdebstrap)
+have bwrap || need+=(bubblewrap)
+# the test images copy /bin/busybox into containers: it must be the statically linked build
+dpkg-query -W -f='${Status}' busybox-static 2>/dev/null | grep -q 'install ok installed' || need+=(busybox-static)
+# tests/render: Debian docker-compose 1.29 brings compose.yaml up against the private dockerd
+have docker-compose || need+=(docker-compose)
 [ ${#need[@]} -eq 0 ] && exit 0
 if [ "$(id -u)" != 0 ]; then
   echo "missing Debian packages (run as root to install): ${need[*]}" >&2
