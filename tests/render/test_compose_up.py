@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import trustme
 import yaml
-from support.compose_dockerd import COMPOSE, ClosedDockerd, sh
+from support.dockerd import Dockerd
 
 from egressgate.config import GatewayConfig
 
@@ -32,23 +32,32 @@ UPSTREAM_IP = "198.18.70.10"
 UPSTREAM_NAME = "upstream.egr.test"
 METADATA_IP = "169.254.169.254"
 PEER = str(Path(__file__).with_name("compose_peer.py"))
+COMPOSE = "/usr/bin/docker-compose"  # Debian's docker-compose 1.29
 AGENT_ENV = "set -a && . /run/egressgate-agent/agent.env && set +a && "
 
 pytestmark = pytest.mark.netns
 
 
+def sh(*args: str, check: bool = True, timeout: float = 60, **kw) -> subprocess.CompletedProcess[str]:
+    res = subprocess.run(list(args), capture_output=True, text=True, timeout=timeout, check=False, **kw)
+    if check and res.returncode != 0:
+        raise RuntimeError(f"{' '.join(args)} failed ({res.returncode}): {res.stdout[-2000:]} {res.stderr[-2000:]}")
+    return res
+
+
 @pytest.fixture(scope="session")
-def built_dockerd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClosedDockerd]:
-    """The private daemon with the four images built once per session (the Debian base and the Python
+def built_dockerd(dockerd: Dockerd) -> Dockerd:
+    """The session's private dockerd (tests/support/dockerd.py: its own namespace with no route out,
+    198.18/15 only) with the four images built once per session (the Debian base and the Python
     packages are cached on disk in build/images/ by the script)."""
-    d = ClosedDockerd(tmp_path_factory.mktemp("egR-dockerd")).start()
-    try:
-        res = subprocess.run(["bash", str(ROOT / "scripts" / "build-images.sh")], capture_output=True, text=True,
-                             env={**d.env(), "PYTHON": sys.executable}, timeout=900, check=False)
-        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-        yield d
-    finally:
-        d.close()
+    res = subprocess.run(["bash", str(ROOT / "scripts" / "build-images.sh")], capture_output=True, text=True,
+                         env={**dockerd.env(), "PYTHON": sys.executable}, timeout=900, check=False)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return dockerd
+
+
+def in_netns(d: Dockerd, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return sh("ip", "netns", "exec", d.netns, *args, check=check)
 
 
 def _override(tmp: Path) -> Path:
@@ -83,13 +92,13 @@ def _override(tmp: Path) -> Path:
 
 
 @pytest.fixture
-def stack(built_dockerd: ClosedDockerd, tmp_path: Path) -> Iterator[tuple[ClosedDockerd, list[str], Path]]:
+def stack(built_dockerd: Dockerd, tmp_path: Path) -> Iterator[tuple[Dockerd, list[str], Path]]:
     d = built_dockerd
     tmp_path.chmod(0o755)
     override = _override(tmp_path)
     # the namespace's own addresses: the upstream and the metadata canary (nothing else exists there)
-    d.in_netns("ip", "addr", "add", f"{UPSTREAM_IP}/32", "dev", "lo")
-    d.in_netns("ip", "addr", "add", f"{METADATA_IP}/32", "dev", "lo")
+    in_netns(d, "ip", "addr", "add", f"{UPSTREAM_IP}/32", "dev", "lo")
+    in_netns(d, "ip", "addr", "add", f"{METADATA_IP}/32", "dev", "lo")
     hits = tmp_path / "hits.log"
     hits.touch()
     peer = subprocess.Popen(["ip", "netns", "exec", d.netns, sys.executable, PEER, str(hits),
@@ -108,11 +117,11 @@ def stack(built_dockerd: ClosedDockerd, tmp_path: Path) -> Iterator[tuple[Closed
         peer.stdin.close()
         peer.kill()
         peer.wait()
-        d.in_netns("ip", "addr", "del", f"{UPSTREAM_IP}/32", "dev", "lo", check=False)
-        d.in_netns("ip", "addr", "del", f"{METADATA_IP}/32", "dev", "lo", check=False)
+        in_netns(d, "ip", "addr", "del", f"{UPSTREAM_IP}/32", "dev", "lo", check=False)
+        in_netns(d, "ip", "addr", "del", f"{METADATA_IP}/32", "dev", "lo", check=False)
 
 
-def in_service(d: ClosedDockerd, compose: list[str], service: str, script: str) -> subprocess.CompletedProcess[str]:
+def in_service(d: Dockerd, compose: list[str], service: str, script: str) -> subprocess.CompletedProcess[str]:
     return sh(*compose, "exec", "-T", service, "sh", "-c", script, check=False, timeout=60, env=d.env(), cwd=ROOT)
 
 
@@ -120,9 +129,10 @@ def hit_lines(hits: Path, name: str) -> list[str]:
     return [line for line in hits.read_text().splitlines() if line.startswith(name + " ")]
 
 
+@pytest.mark.timeout(900)  # the first test of a session also builds the images (setup counts)
 def test_agent_reaches_the_allowed_upstream_only_through_the_gateway(stack):
     d, compose, hits = stack
-    curl = "curl -sS --max-time 10 "
+    curl = "curl -sS --connect-timeout 5 --max-time 10 "
     # allowed HTTPS through the gateway (HTTPS_PROXY + the gateway's CA from admission)
     ok = in_service(d, compose, "agent", AGENT_ENV + curl + f"https://{UPSTREAM_NAME}/allowed")
     assert ok.returncode == 0 and ok.stdout == "UPSTREAM says hello\n", ok.stdout + ok.stderr
