@@ -11,6 +11,9 @@
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 DOCKER=${DOCKER:-/usr/bin/docker}
+# BuildKit (built into dockerd, no frontend image pulled: the Dockerfile has no `# syntax=` line) sends
+# each target only the files it copies and skips the other stages: ~2x faster than the classic builder
+export DOCKER_BUILDKIT=${DOCKER_BUILDKIT:-1}
 PYTHON=${PYTHON:-$ROOT/.venv/bin/python}
 [ -x "$PYTHON" ] || PYTHON=$(command -v python3)
 SUITE=${SUITE:-trixie}
