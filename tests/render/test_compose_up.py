@@ -104,7 +104,7 @@ def stack(built_dockerd: Dockerd, tmp_path: Path) -> Iterator[tuple[Dockerd, lis
     peer = subprocess.Popen(["ip", "netns", "exec", d.netns, sys.executable, PEER, str(hits),
                              f"https:{UPSTREAM_IP}:443:UPSTREAM:{tmp_path}/upstream.pem:{tmp_path}/upstream.pem",
                              f"http:{METADATA_IP}:80:CANARY"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    compose = [COMPOSE, "--no-ansi", "-p", f"egr{d.sid}", "-f", str(ROOT / "compose.yaml"), "-f", str(override)]
+    compose = [COMPOSE, "--ansi", "never", "-p", f"egr{d.sid}", "-f", str(ROOT / "compose.yaml"), "-f", str(override)]
     try:
         assert peer.stdout.readline().strip() == "ready"
         up = sh(*compose, "up", "-d", "--no-build", check=False, timeout=300, env=d.env(), cwd=ROOT)
