@@ -14,6 +14,7 @@ the upstream's CA for the gateway, and the upstream's name in the gateway's /etc
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -142,14 +143,20 @@ def test_agent_reaches_the_allowed_upstream_only_through_the_gateway(stack):
     # the metadata address: directly (no proxy) and through the proxy
     direct = in_service(d, compose, "agent", AGENT_ENV + curl + f"--noproxy '*' http://{METADATA_IP}/direct")
     assert direct.returncode != 0, direct.stdout
-    proxied = in_service(d, compose, "agent", AGENT_ENV + curl + f"-o /dev/null -w '%{{http_code}}' "
-                                                                 f"http://{METADATA_IP}/proxied")
-    assert proxied.stdout == "403", proxied.stdout + proxied.stderr
+    proxied = in_service(d, compose, "agent", AGENT_ENV + curl + f"-w '\\n%{{http_code}}' http://{METADATA_IP}/proxied")
+    body, _, code = proxied.stdout.rpartition("\n")
+    assert code == "403" and json.loads(body)["reason"] == "metadata_endpoint", proxied.stdout + proxied.stderr
     # the upstream itself, bypassing the proxy by address
     bypass = in_service(d, compose, "agent", AGENT_ENV + curl + f"-k --noproxy '*' https://{UPSTREAM_IP}/bypass")
     assert bypass.returncode != 0, bypass.stdout
     assert hit_lines(hits, "CANARY") == []
     assert len(hit_lines(hits, "UPSTREAM")) == 1
+
+    # the denial is audited under the agent's sandbox id (the one admission wrote into its env)
+    sandbox_id = in_service(d, compose, "agent", AGENT_ENV + 'printf %s "$EGRESSGATE_SANDBOX_ID"').stdout
+    audit = in_service(d, compose, "gateway", "cat /var/lib/egressgate/audit.jsonl").stdout
+    denials = [line for line in audit.splitlines() if "metadata_endpoint" in line]
+    assert sandbox_id and denials and all(sandbox_id in line for line in denials), (sandbox_id, audit[-2000:])
 
     # positive control: the canary answers a container that has a route (the gateway's egress network)
     probe = ("import urllib.request as u; "
