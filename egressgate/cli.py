@@ -1,25 +1,46 @@
-"""`egressgate` command line. Each component contributes its own click group."""
+"""`egressgate` command line. Each component contributes its own click group.
+
+Groups are imported when invoked, not at start-up: `egressgate sandbox run` is on the path of every
+sandbox start (its overhead is measured, loadtests/RESULTS.md), and importing every group up front loads
+mitmproxy, pydantic and the audit stack for nothing.
+"""
 
 from __future__ import annotations
 
+import importlib
+
 import click
 
-from egressgate.admin.cli import sandbox
-from egressgate.audit.cli import audit
-from egressgate.gateway.cli import ca_group, run_cmd
-from egressgate.policy.cli import policy
-from egressgate.runtimes.render.cli import runtime
+# name -> "module:attribute" of the click command or group
+COMMANDS = {
+    "policy": "egressgate.policy.cli:policy",
+    "audit": "egressgate.audit.cli:audit",
+    "run": "egressgate.gateway.cli:run_cmd",
+    "sandbox": "egressgate.admin.cli:sandbox",
+    "ca": "egressgate.gateway.cli:ca_group",
+    "runtime": "egressgate.runtimes.render.cli:runtime",
+}
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def _load(name: str) -> click.Command:
+    module, _, attr = COMMANDS[name].partition(":")
+    command = getattr(importlib.import_module(module), attr)
+    if name == "sandbox":
+        from egressgate.runtimes.cli import register
+
+        register(command)
+    return command
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        return _load(cmd_name) if cmd_name in COMMANDS else None
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="egressgate")
 def main() -> None:
     """Network chokepoint for AI-agent sandboxes: egress gateway, DNS resolver, credential broker, audit."""
-
-
-main.add_command(policy)
-main.add_command(audit)
-main.add_command(run_cmd)
-main.add_command(sandbox)
-main.add_command(ca_group)
-main.add_command(runtime)

@@ -164,6 +164,25 @@ class LimitsConfig(_Strict):
     audit_per_second: int = Field(default=10, gt=0)
 
 
+class RuntimeSection(_Strict):
+    """What `egressgate sandbox run` needs from the gateway (egressgate/runtimes/, docs/runtimes.md). The
+    running gateway publishes these in `var_dir/gateway.json`, so `sandbox run` never loads this model."""
+
+    # each run gets a /30 of it (host end = the sandbox's gateway, resolver and proxy address). It must
+    # not overlap a network the gateway host routes to, or that network becomes unreachable from it.
+    subnet: str = "198.18.128.0/17"
+    # run records (for `sandbox gc`), address slots, generated /etc files of each run
+    state_dir: str = "/run/egressgate"
+
+    @field_validator("subnet")
+    @classmethod
+    def _subnet(cls, value: str) -> str:
+        net = ipaddress.ip_network(value, strict=True)  # ValueError names the problem
+        if net.version != 4 or net.prefixlen > 30:
+            raise ValueError(f"runtime.subnet must be an IPv4 network of /30 or larger, got {value!r}")
+        return value
+
+
 class AdminConfig(_Strict):
     token_file: str | None = None  # default: var_dir/admin.token
 
@@ -181,6 +200,7 @@ class GatewayConfig(_Strict):
     websocket: WebsocketSection = WebsocketSection()
     broker: BrokerConfig = BrokerConfig()  # credential broker; the local backend is the default
     limits: LimitsConfig = LimitsConfig()  # connection limits and timeouts of the proxy listener
+    runtime: RuntimeSection = RuntimeSection()  # `sandbox run`: address pool and state dir
 
     # Resolved paths: one place decides the defaults so the CLI, the admin API and tests agree.
     def var_path(self) -> Path:

@@ -7,13 +7,20 @@ import shlex
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
-from egressgate.config import ConfigError, GatewayConfig, load_config, parse_listen
+if TYPE_CHECKING:
+    from egressgate.config import GatewayConfig
+
+# egressgate.config (pydantic) is imported inside the commands that need it: `sandbox run` lives in this
+# group and must start fast (runtimes/cli.py; start-up measured in loadtests/).
 
 
 def _config(config_file: str | None) -> GatewayConfig:
+    from egressgate.config import ConfigError, load_config
+
     try:
         return load_config(config_file)
     except ConfigError as exc:
@@ -22,6 +29,8 @@ def _config(config_file: str | None) -> GatewayConfig:
 
 def admin_url(cfg: GatewayConfig, override: str | None) -> str:
     """--admin wins; else the address a running gateway recorded (port 0 safe); else the config."""
+    from egressgate.config import parse_listen
+
     if override:
         return override.rstrip("/")
     runtime = cfg.runtime_path()
@@ -69,7 +78,7 @@ def _call(method: str, url: str, token: str, body: dict | None = None) -> tuple[
 
 @click.group("sandbox")
 def sandbox() -> None:
-    """Admit and revoke sandboxes on the running gateway."""
+    """Admit, run and revoke sandboxes on the running gateway."""
 
 
 @sandbox.command("admit")

@@ -70,6 +70,44 @@ def sandbox_env(proxy_host: str, proxy_port: int, sandbox_id: str, token: str, b
     return env
 
 
+OUTCOME_LIMITS = ("memory", "pids", "wall_time", "workspace_bytes")
+OUTCOME_RUNTIMES = ("netns", "docker", "gvisor", "unknown")
+OUTCOME_DROPS = ("ipv6", "not_tcp_udp", "udp", "tcp", "other")  # runtimes/nftables.py DROP_COUNTERS
+
+
+def run_outcome(body: dict) -> dict[str, object]:
+    """The revocation body of `sandbox run`/`sandbox gc` → `egressgate.run.*` audit attributes of the
+    revocation record (that is how a limit hit is audited). Strictly typed: these values go into the
+    audit trail, so anything unexpected is a 400, never recorded as-is."""
+    if set(body) - {"outcome"}:
+        raise BodyError(400, "invalid_request", "keys: outcome")
+    raw = body.get("outcome")
+    if not isinstance(raw, dict):
+        raise BodyError(400, "invalid_request", "outcome: an object")
+    ints = ("exit_code", "status", "signal", "duration_ms")
+    if set(raw) - {"runtime", "limit", "ended_by", "dropped", *ints}:
+        raise BodyError(400, "invalid_request",
+                        f"outcome keys: runtime, limit, ended_by, dropped, {', '.join(ints)}")
+    if raw.get("runtime") not in OUTCOME_RUNTIMES:
+        raise BodyError(400, "invalid_request", f"outcome.runtime: one of {', '.join(OUTCOME_RUNTIMES)}")
+    if raw.get("limit") is not None and raw["limit"] not in OUTCOME_LIMITS:
+        raise BodyError(400, "invalid_request", f"outcome.limit: null or one of {', '.join(OUTCOME_LIMITS)}")
+    if raw.get("ended_by") not in (None, "gc"):
+        raise BodyError(400, "invalid_request", "outcome.ended_by: null or \"gc\"")
+    for key in ints:
+        value = raw.get(key)
+        if value is not None and (type(value) is not int or not 0 <= value < 2**53):
+            raise BodyError(400, "invalid_request", f"outcome.{key}: null or a non-negative integer")
+    dropped = raw.get("dropped") or {}
+    if (not isinstance(dropped, dict) or set(dropped) - set(OUTCOME_DROPS)
+            or not all(type(v) is int and 0 <= v < 2**53 for v in dropped.values())):
+        raise BodyError(400, "invalid_request", f"outcome.dropped: counts by {', '.join(OUTCOME_DROPS)}")
+    out: dict[str, object] = {f"egressgate.run.{key}": value for key, value in raw.items()
+                              if value is not None and key != "dropped"}
+    out.update({f"egressgate.run.dropped.{key}": value for key, value in dropped.items()})
+    return out
+
+
 class AdminServer:
     def __init__(self, runtime: Runtime, token: str) -> None:
         self.rt = runtime
@@ -198,6 +236,11 @@ class AdminServer:
             {"id": sandbox_id, "token": token, "policy": policy_name, "policy_hash": policy.hash,
              "addresses": list(addresses), "dns": self.rt.dns_address,
              "proxy_url": env["HTTP_PROXY"], "env": env,
+             # what runtimes enforce (egressgate/runtimes/): the sections of the same policy version the
+             # gateway decides with, so `sandbox run` never reads policy files itself
+             "runtime_policy": {"sandbox": policy.model.sandbox.model_dump(mode="json"),
+                                "filesystem": policy.model.filesystem.model_dump(mode="json"),
+                                "execution": policy.model.execution.model_dump(mode="json")},
              "notes": {"NO_PROXY": "must be unset in the sandbox; the empty value overrides an inherited one",
                        "ca_bundle": "system roots + the gateway CA (TLS is intercepted)"}},
             status=201,
@@ -248,6 +291,13 @@ class AdminServer:
 
     async def revoke(self, request: web.Request) -> web.Response:
         sandbox_id = request.match_info["sandbox_id"]
+        outcome: dict[str, object] = {}
+        if request.can_read_body:  # optional {"outcome": {...}} from `sandbox run`: how the workload ended
+            try:
+                body = await read_object(request)
+                outcome = run_outcome(body)
+            except BodyError as exc:
+                return exc.response()
         try:
             record = await self.rt.state.get(sandbox_id)
         except StateUnavailable:
@@ -256,7 +306,7 @@ class AdminServer:
             return web.json_response({"error": "unknown_sandbox"}, status=404)
         event = AuditEvent(kind=EventKind.REVOCATION, time_ns=time.time_ns(), request_id=new_request_id(),
                            sandbox_id=sandbox_id, sandbox_labels=dict(record.labels), decision="allow",
-                           policy_name=record.policy_name)
+                           policy_name=record.policy_name, extra=outcome)
         # a revocation happens even when its record cannot be written now (fail closed): the record is
         # queued and retried like an outcome, never dropped
         if not await self.rt.audit.write_after(event):

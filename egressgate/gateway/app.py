@@ -106,8 +106,18 @@ class Gateway:
         tmp = path.with_suffix(".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as fh:
-            json.dump({**self.addresses, "pid": os.getpid()}, fh)
+            json.dump({**self.addresses, "pid": os.getpid(), **self._runtime_settings()}, fh)
         tmp.replace(path)
+
+    def _runtime_settings(self) -> dict:
+        """What `sandbox run` needs besides the addresses (runtimes/endpoints.py reads it): published by
+        the running gateway so the CLI needs no config parsing (start-up time) and uses exactly the
+        settings the gateway runs with."""
+        cfg = self.config
+        audit = cfg.audit_path()
+        return {"runtime": {"subnet": cfg.runtime.subnet, "state_dir": str(Path(cfg.runtime.state_dir).absolute())},
+                "admin_token_file": str(cfg.admin_token_path().absolute()),
+                "audit_file": str(audit.absolute()) if audit is not None else None}
 
     async def reload(self, reason: str = "signal") -> bool:
         """Load the policy set; swap it in only when every file is valid."""

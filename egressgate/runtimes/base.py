@@ -28,6 +28,12 @@ class Limit(enum.StrEnum):
     WORKSPACE_BYTES = "workspace_bytes"
 
 
+# where every runtime mounts the sandbox CA bundle (read-only); admission's CA variables point here
+CA_PATH_IN_SANDBOX = "/etc/egressgate/ca.pem"
+# the workload's uid/gid on the host (netns) and in containers: never root, so files the host keeps
+# owner-readable (keys, /etc/shadow) stay unreadable even where a path is not masked
+SANDBOX_UID = 65534
+
 # `sandbox run` exits with the workload's status (128+N when a signal N killed it) unless one of these
 # says egressgate itself ended the run. 124 is what coreutils `timeout` uses for the same event.
 EXIT_SETUP_FAILED = 120  # gateway unreachable, admission refused, runtime or plumbing failed to start
@@ -44,7 +50,9 @@ class GatewayEndpoints:
     """Where the running gateway listens (from its runtime file `var_dir/gateway.json`)."""
 
     proxy: tuple[str, int]  # explicit proxy (HTTP_PROXY)
-    transparent: tuple[str, int]  # transparent listener: every other TCP connection is sent here
+    # transparent listener: every other TCP connection is sent here; None when the gateway runs none
+    # (`listen.transparent: null`): then every other TCP connection is refused (fail closed)
+    transparent: tuple[str, int] | None
     dns: tuple[str, int]  # the DNS resolver (UDP and TCP)
     admin: tuple[str, int]
 

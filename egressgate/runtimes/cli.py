@@ -1,0 +1,91 @@
+"""`egressgate sandbox run` and `egressgate sandbox gc` (registered on the `sandbox` group).
+
+Imports only click and the stdlib at start-up (the runtime modules are stdlib-only): `sandbox run`'s
+overhead over bare bubblewrap is a measured goal (loadtests/RESULTS.md), and loading the gateway's config
+models alone costs more than the whole budget. The gateway's settings come from its runtime file.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+DEFAULT_VAR_DIR = "./var"  # GatewayConfig.var_dir's default (egressgate/config.py)
+
+
+def var_dir_of(config_file: str | None, var_dir: str | None) -> Path:
+    """--var-dir wins; else `var_dir` of --config (read without the config models); else ./var."""
+    if var_dir:
+        return Path(var_dir)
+    if config_file is None:
+        return Path(DEFAULT_VAR_DIR)
+    from egressgate.safeyaml import YamlError, load_yaml
+
+    try:
+        data = load_yaml(Path(config_file).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, YamlError) as exc:
+        raise click.ClickException(f"{config_file}: {exc}") from None
+    value = data.get("var_dir", DEFAULT_VAR_DIR) if isinstance(data, dict) else DEFAULT_VAR_DIR
+    if not isinstance(value, str):
+        raise click.ClickException(f"{config_file}: var_dir: expected a string")
+    return Path(value)
+
+
+def _labels(items: tuple[str, ...]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"expected k=v, got {item!r}", param_hint="--label")
+        out[key] = value
+    return out
+
+
+@click.command("run", context_settings={"ignore_unknown_options": False})
+@click.option("--config", "config_file", type=click.Path(dir_okay=False), help="the gateway's config (for var_dir)")
+@click.option("--var-dir", "var_dir", type=click.Path(file_okay=False), help="the running gateway's var dir")
+@click.option("--policy", required=True, help="Policy name (sandbox.name)")
+@click.option("--runtime", default="netns", show_default=True, help="netns | docker | gvisor")
+@click.option("--image", help="container image (docker, gvisor)")
+@click.option("--workspace", type=click.Path(file_okay=False, path_type=Path),
+              help="host directory mounted read-write at the policy's sandbox.workspace.path (kept across runs)")
+@click.option("--label", "labels", multiple=True, help="k=v, repeatable")
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+def run_cmd(config_file: str | None, var_dir: str | None, policy: str, runtime: str, image: str | None,
+            workspace: Path | None, labels: tuple[str, ...], command: tuple[str, ...]) -> None:
+    """Run COMMAND in a new sandbox whose only way out is the gateway; exit with its status.
+
+    Exit codes: the workload's status (128+N if signal N killed it); 120 setup failed; 121 memory,
+    122 pids, 123 workspace bytes, 124 wall time limit (docs/runtimes.md)."""
+    from egressgate.runtimes.run import RunRequest, run
+
+    req = RunRequest(policy=policy, runtime=runtime, command=tuple(command), var_dir=var_dir_of(config_file, var_dir),
+                     workspace=workspace.absolute() if workspace else None, image=image, labels=_labels(labels))
+    sys.exit(run(req))
+
+
+@click.command("gc")
+@click.option("--config", "config_file", type=click.Path(dir_okay=False), help="the gateway's config (for var_dir)")
+@click.option("--var-dir", "var_dir", type=click.Path(file_okay=False), help="the gateway's var dir")
+@click.option("--state-dir", "state_dir", type=click.Path(file_okay=False),
+              help="runtime.state_dir (default: from the running gateway, else /run/egressgate)")
+@click.option("--grace", default=60.0, show_default=True, type=click.FloatRange(min=0),
+              help="seconds an unrecorded netns/cgroup must exist before it counts as an orphan")
+def gc_cmd(config_file: str | None, var_dir: str | None, state_dir: str | None, grace: float) -> None:
+    """Remove what runs killed with SIGKILL left behind (namespaces, veths, nft tables, cgroups,
+    containers, run records) and revoke their sandboxes when the gateway is reachable."""
+    from egressgate.runtimes.gc import collect
+
+    removed, problems = collect(var_dir_of(config_file, var_dir), Path(state_dir) if state_dir else None, grace)
+    for line in removed:
+        click.echo(f"removed {line}")
+    for line in problems:
+        click.echo(f"egressgate: gc: {line}", err=True)
+    sys.exit(1 if problems else 0)
+
+
+def register(group: click.Group) -> None:
+    group.add_command(run_cmd)
+    group.add_command(gc_cmd)

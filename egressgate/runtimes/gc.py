@@ -1,0 +1,196 @@
+"""`egressgate sandbox gc`: remove what runs killed with SIGKILL left behind.
+
+Two passes. (1) Run records (`state_dir/runs/*.json`) whose `sandbox run` (owner_pid) is dead: every
+object the record names is removed (processes in its namespace and cgroups killed first), its sandbox is
+revoked on the gateway (when reachable), then the record. (2) Orphans no record claims: product-named
+objects (`egressgate-<id>` netns, `egressgate_<id>` nft tables, `egh<id>` veths, `egressgate/<id>`
+cgroups) whose run id no live record holds. Only exact product names (`<id>` = 10 hex digits) are ever
+touched, and an orphan netns or cgroup must be older than `grace` seconds and empty of processes, so a
+run that is being set up right now (its record may live in another state dir) is never broken.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from egressgate.runtimes import endpoints, nftables, records
+from egressgate.runtimes.netns import NETNS_PREFIX, delete_netns
+from egressgate.runtimes.plumbing import delete_link
+
+DEFAULT_STATE_DIR = Path("/run/egressgate")
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+ID = r"[0-9a-f]{10}"
+
+
+def _kill_pids(pids: list[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def netns_pids(name: str) -> list[int]:
+    res = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True, check=False, timeout=30)
+    return [int(p) for p in res.stdout.split() if p.isdigit()]
+
+
+def list_netns() -> list[str]:
+    netns_dir = Path("/run/netns")
+    if not netns_dir.is_dir():
+        return []
+    return [p.name for p in netns_dir.iterdir() if re.fullmatch(NETNS_PREFIX + ID, p.name)]
+
+
+def list_veths() -> list[str]:
+    res = subprocess.run(["ip", "-o", "link", "show", "type", "veth"], capture_output=True, text=True,
+                         check=False, timeout=30)
+    out = []
+    for line in res.stdout.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) >= 2:
+            name = parts[1].strip().split("@")[0]
+            if re.fullmatch("egh" + ID, name):
+                out.append(name)
+    return out
+
+
+def cgroup_dirs() -> list[Path]:
+    """`egressgate/<id>` groups in every hierarchy (v1 controllers and the cgroup2 mount)."""
+    found: list[Path] = []
+    if not CGROUP_ROOT.is_dir():
+        return found
+    for base in [CGROUP_ROOT, *CGROUP_ROOT.iterdir()]:
+        parent = base / "egressgate"
+        if parent.is_dir():
+            found += [p for p in parent.iterdir() if p.is_dir() and re.fullmatch(ID, p.name)]
+    return found
+
+
+def remove_cgroup(path: Path) -> None:
+    """Kill what is left in the group (and its children), then remove it bottom-up."""
+    for sub in [*sorted((p for p in path.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True), path]:
+        with contextlib.suppress(OSError):
+            _kill_pids([int(x) for x in (sub / "cgroup.procs").read_text().split()])
+    for sub in [*sorted((p for p in path.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True), path]:
+        for _ in range(20):
+            try:
+                sub.rmdir()
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                time.sleep(0.05)  # killed processes take a moment to leave the group
+
+
+def _revoke(var_dir: Path, info: endpoints.GatewayInfo | None, record: dict[str, Any]) -> str | None:
+    if info is None or not record.get("sandbox_id"):
+        return None
+    from egressgate.admin.cli import _call
+
+    host, port = info.endpoints.admin
+    try:
+        token = info.admin_token_file.read_text().strip()
+        status, data = _call("DELETE", f"http://{host}:{port}/v1/sandboxes/{record['sandbox_id']}", token,
+                             {"outcome": {"runtime": record.get("runtime") or "unknown", "exit_code": None,
+                                          "status": None, "signal": None, "limit": None, "duration_ms": None,
+                                          "ended_by": "gc"}})
+    except Exception as exc:
+        return f"cannot revoke {record['sandbox_id']}: {getattr(exc, 'message', exc)}"
+    if status not in (200, 404):
+        return f"revocation of {record['sandbox_id']} failed ({status}): {data}"
+    return None
+
+
+def clean_record(record: dict[str, Any]) -> list[str]:
+    """Remove every object a dead run's record names; returns what was removed."""
+    removed = []
+    ns = record.get("netns")
+    if isinstance(ns, str) and ns.startswith(NETNS_PREFIX):
+        _kill_pids(netns_pids(ns))
+        if delete_netns(ns):
+            removed.append(f"netns {ns}")
+    for path in record.get("cgroups") or []:
+        p = Path(path)
+        if p.is_dir() and p.is_relative_to(CGROUP_ROOT):
+            remove_cgroup(p)
+            removed.append(f"cgroup {p}")
+    if record.get("host_if") and delete_link(record["host_if"]):
+        removed.append(f"veth {record['host_if']}")
+    table = record.get("nft_table")
+    if isinstance(table, str) and table.startswith(nftables.TABLE_PREFIX) and nftables.delete_table(table):
+        removed.append(f"nft table {table}")
+    if record.get("container"):
+        from egressgate.runtimes import registry
+
+        module = registry.ADAPTERS.get(record.get("runtime", ""), "").partition(":")[0]
+        if module:
+            import importlib
+
+            hook = getattr(importlib.import_module(module), "gc_record", None)
+            if hook is not None:
+                removed += hook(record)
+    ws = record.get("temp_workspace")
+    if ws and Path(ws).is_dir():
+        shutil.rmtree(ws, ignore_errors=True)
+        removed.append(f"workspace {ws}")
+    return removed
+
+
+def collect(var_dir: Path, state_dir: Path | None = None, grace: float = 60.0) -> tuple[list[str], list[str]]:
+    """Both passes; returns (what was removed, problems)."""
+    try:
+        info: endpoints.GatewayInfo | None = endpoints.load(var_dir)
+    except endpoints.GatewayNotRunning:
+        info = None
+    state_dir = state_dir or (info.state_dir if info else DEFAULT_STATE_DIR)
+    removed: list[str] = []
+    problems: list[str] = []
+    live: set[str] = set()
+    for record in records.all_records(state_dir):
+        run_id = record["run_id"]
+        if records.pid_alive(record.get("owner_pid")):
+            live.add(run_id)
+            continue
+        removed += [f"{what} (run {run_id})" for what in clean_record(record)]
+        problem = _revoke(var_dir, info, record)
+        if problem:
+            problems.append(problem)
+            live.add(run_id)  # keep the record: the revocation is retried by the next gc
+            continue
+        if record.get("sandbox_id"):
+            removed.append(f"sandbox {record['sandbox_id']} revoked (run {run_id})")
+        records.remove(state_dir, run_id)
+        removed.append(f"run record {run_id}")
+    now = time.time()
+    for name in list_netns():
+        run_id = name[len(NETNS_PREFIX):]
+        path = Path("/run/netns") / name
+        if run_id in live or now - path.stat().st_mtime < grace or netns_pids(name):
+            continue
+        if delete_netns(name):
+            removed.append(f"orphan netns {name}")
+    for table in nftables.list_tables():
+        ours = re.fullmatch(nftables.TABLE_PREFIX + ID, table) and table[len(nftables.TABLE_PREFIX):] not in live
+        if ours and nftables.delete_table(table):
+            removed.append(f"orphan nft table {table}")
+    for veth in list_veths():
+        if veth[3:] not in live and delete_link(veth):
+            removed.append(f"orphan veth {veth}")
+    for group in cgroup_dirs():
+        if group.name in live or now - group.stat().st_mtime < grace:
+            continue
+        try:
+            if (group / "cgroup.procs").read_text().strip():
+                continue
+        except OSError:
+            continue
+        remove_cgroup(group)
+        removed.append(f"orphan cgroup {group}")
+    return removed, problems

@@ -1,0 +1,256 @@
+"""`--runtime netns`: a fresh network namespace (`ip netns add egressgate-<run_id>`) plus bubblewrap for
+files and processes.
+
+The namespace is created in `prepare` and the plumbing attaches to it before `start` runs bwrap inside
+it (setns in the child before exec), so the workload never runs without its only way out in place. bwrap
+does NOT get --unshare-net: the namespace it must use is the prepared one.
+
+Isolation (each line is a rule enforced here):
+* the workload runs as uid/gid 65534 on the host, in a new user namespace, with every capability dropped
+  (no CAP_NET_RAW: no raw sockets; no CAP_NET_ADMIN: the namespace's routes and nftables stay as set;
+  no CAP_DAC_OVERRIDE: mode-000 masks and owner-only host files are unreadable);
+* the host root is mounted read-only; directories that must hold a new mount point (the workspace,
+  /etc/egressgate) are rebuilt as read-only tmpfs with the host's entries bound back;
+* new pid, ipc, uts (and cgroup, where possible) namespaces, a new session (no TIOCSTI into the
+  caller's terminal), killed with `sandbox run` (--die-with-parent);
+* /proc of the new pid namespace, a minimal /dev, tmpfs /tmp and /run (no /run/netns, no run records,
+  no docker.sock), the workspace read-write at sandbox.workspace.path;
+* `filesystem.deny` paths and the docker sockets are masked by mode-000 read-only files/directories;
+* /etc/resolv.conf (`nameserver <host_ip>`), /etc/hosts and the CA bundle are generated read-only
+  copies (data passed by fd: no host path has to be reachable by uid 65534);
+* the environment is exactly RunSpec.env (`--clearenv`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from egressgate.runtimes import records
+from egressgate.runtimes.base import CA_PATH_IN_SANDBOX, SANDBOX_UID, ExitInfo, Limit, RunSpec
+
+NETNS_PREFIX = "egressgate-"
+PR_SET_PDEATHSIG = 1
+EXIT_PARENT_GONE = 120
+ALWAYS_MASKED = ("/var/run/docker.sock", "/run/docker.sock", "/run/containerd/containerd.sock")
+BWRAP = "bwrap"
+TMP = "/tmp"  # noqa: S108 - the sandbox's own /tmp: a fresh tmpfs per run, no host directory
+
+
+def netns_name(run_id: str) -> str:
+    return NETNS_PREFIX + run_id
+
+
+def _data_fd(data: bytes) -> int:
+    """A memfd holding `data`, positioned at 0 (bwrap copies it into the sandbox). Not a pipe: a CA bundle
+    with the system roots is larger than a pipe buffer."""
+    fd = os.memfd_create("egressgate-data", os.MFD_CLOEXEC)
+    os.write(fd, data)
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+def _deepest_existing(path: str) -> str:
+    p = Path(path)
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return str(p)
+
+
+class BwrapCommand:
+    """The bwrap argv and the fds it reads; built once in prepare (pure apart from reading the host tree)."""
+
+    def __init__(self) -> None:
+        self.args: list[str] = []
+        self.fds: list[int] = []
+        self.expanded: list[str] = []  # host dirs rebuilt as tmpfs (remounted read-only at the end)
+
+    def data(self, content: bytes, dest: str, perms: str | None = None) -> None:
+        fd = _data_fd(content)
+        self.fds.append(fd)
+        self.args += ([ "--perms", perms] if perms else []) + ["--ro-bind-data", str(fd), dest]
+
+    def make_room(self, dest: str) -> None:
+        """Make `dest` mountable on a read-only root: its deepest existing ancestor will become a tmpfs with
+        the host's entries bound back read-only (`emit_rooms`), so the new mount point can be created."""
+        anchor = _deepest_existing(dest)
+        if anchor != dest and anchor not in self.expanded:
+            self.expanded.append(anchor)
+
+    def emit_rooms(self) -> None:
+        """Shallowest first: a tmpfs on / rebinds /etc from the host, so /etc's own tmpfs must come after."""
+        self.expanded.sort(key=lambda p: (p.count("/") if p != "/" else 0, p))
+        for anchor in self.expanded:
+            self.args += ["--tmpfs", anchor]
+            for entry in sorted(os.listdir(anchor)):
+                src = os.path.join(anchor, entry)
+                if os.path.islink(src):
+                    self.args += ["--symlink", os.readlink(src), src]
+                else:
+                    self.args += ["--ro-bind", src, src]
+
+    def close(self) -> None:
+        for fd in self.fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.fds.clear()
+
+
+def build_command(spec: RunSpec, workspace_fd: int | None) -> BwrapCommand:
+    """The whole bwrap invocation for `spec` (see the module docstring for the rules)."""
+    sandbox = spec.policy.get("sandbox") or {}
+    fs = spec.policy.get("filesystem") or {}
+    ws_path = (sandbox.get("workspace") or {}).get("path")
+    cmd = BwrapCommand()
+    cmd.args += ["--unshare-user", "--disable-userns", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID),
+                 "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+                 "--die-with-parent", "--new-session", "--cap-drop", "ALL",
+                 "--hostname", str(sandbox.get("name") or "sandbox")[:63]]
+    # root_fs read_write still never makes the HOST root writable (that would let the workload change
+    # the host); it gets writable scratch space instead (documented in docs/runtimes.md)
+    cmd.args += ["--ro-bind", "/", "/"]
+    cmd.make_room(CA_PATH_IN_SANDBOX)
+    if ws_path and workspace_fd is not None:
+        cmd.make_room(ws_path)
+    cmd.emit_rooms()
+    cmd.args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", TMP, "--tmpfs", "/run"]
+    if sandbox.get("root_fs") == "read_write":
+        for scratch in ("/var/tmp", "/home"):  # noqa: S108 - fresh tmpfs mounts inside the sandbox
+            if os.path.isdir(scratch):
+                cmd.args += ["--tmpfs", scratch]
+    if ws_path and workspace_fd is not None:
+        cmd.args += ["--bind-fd", str(workspace_fd), ws_path]
+    cmd.data(spec.ca_bundle.read_bytes(), CA_PATH_IN_SANDBOX, "0444")
+    cmd.data(f"nameserver {spec.address.host_ip}\noptions edns0\n".encode(), "/etc/resolv.conf", "0444")
+    hostname = str(sandbox.get("name") or "sandbox")
+    cmd.data(f"127.0.0.1\tlocalhost\n{spec.address.sandbox_ip}\t{hostname}\n".encode(), "/etc/hosts", "0444")
+    for path in [*ALWAYS_MASKED, *fs.get("deny", [])]:
+        _mask(cmd, os.path.normpath(path), ws_path)
+    for anchor in cmd.expanded:
+        cmd.args += ["--remount-ro", anchor]
+    cmd.args += ["--clearenv"]
+    for key, value in spec.env.items():
+        cmd.args += ["--setenv", key, value]
+    cmd.args += ["--chdir", ws_path if ws_path and workspace_fd is not None else TMP, "--", *spec.command]
+    return cmd
+
+
+def _mask(cmd: BwrapCommand, path: str, ws_path: str | None) -> None:
+    """Mode-000 read-only stand-in for a denied path. A path that does not exist is masked only where the
+    workload could create it (/tmp, the workspace); elsewhere the root is read-only, so it stays absent."""
+    if not path.startswith("/"):
+        return
+    writable = path.startswith(TMP + "/") or (ws_path and path.startswith(ws_path.rstrip("/") + "/"))
+    if os.path.isdir(path) and not os.path.islink(path):
+        cmd.args += ["--perms", "0000", "--tmpfs", path, "--remount-ro", path]
+    elif os.path.lexists(path) or writable:
+        cmd.data(b"", path, "0000")
+
+
+class NetnsAdapter:
+    """bubblewrap in a prepared network namespace (see the module docstring)."""
+
+    name = "netns"
+
+    def __init__(self) -> None:
+        self.spec: RunSpec | None = None
+        self.ns: str | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.preexec: Callable[[], None] | None = None  # run.py: move the child into the run's cgroups
+        self._cmd: BwrapCommand | None = None
+        self._ws_fd: int | None = None
+
+    def prepare(self, spec: RunSpec) -> None:
+        self.spec = spec
+        ns = netns_name(spec.run_id)
+        records.update(spec.state_dir, spec.run_id, netns=ns)  # recorded before it exists
+        res = subprocess.run(["ip", "netns", "add", ns], capture_output=True, text=True, check=False, timeout=30)
+        if res.returncode != 0:
+            raise RuntimeError(f"ip netns add {ns} failed: {res.stderr.strip()}")
+        self.ns = ns
+        if spec.workspace is not None:
+            self._ws_fd = os.open(spec.workspace, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        self._cmd = build_command(spec, self._ws_fd)
+
+    def netns_path(self) -> str:
+        assert self.ns is not None, "prepare() first"
+        return f"/run/netns/{self.ns}"
+
+    def _child_setup(self) -> None:
+        """In the child, before exec: join the sandbox netns, then the cgroups (needs root), then drop
+        to the sandbox uid (bwrap then runs unprivileged and cannot regain anything)."""
+        fd = os.open(self.netns_path(), os.O_RDONLY)
+        os.setns(fd, os.CLONE_NEWNET)
+        os.close(fd)
+        if self.preexec is not None:
+            self.preexec()
+        os.setgroups([])
+        os.setresgid(SANDBOX_UID, SANDBOX_UID, SANDBOX_UID)
+        os.setresuid(SANDBOX_UID, SANDBOX_UID, SANDBOX_UID)
+        # after the uid change (which clears it): bwrap dies with `sandbox run`, even on SIGKILL, and its
+        # sandbox's pid 1 (--die-with-parent) with it, so no workload outlives its run
+        self._prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != self._parent:
+            os._exit(EXIT_PARENT_GONE)
+
+    def start(self) -> None:
+        assert self._cmd is not None, "prepare() first"
+        import ctypes  # here, not in the child: no imports between fork and exec
+
+        self._prctl = ctypes.CDLL(None, use_errno=True).prctl
+        self._parent = os.getpid()
+        fds = [*self._cmd.fds, *([self._ws_fd] if self._ws_fd is not None else [])]
+        try:
+            self.proc = subprocess.Popen([BWRAP, *self._cmd.args], pass_fds=fds,
+                                         preexec_fn=self._child_setup)
+        finally:
+            self._cmd.close()
+        records.update(self.spec.state_dir, self.spec.run_id, workload_pid=self.proc.pid)  # type: ignore[union-attr]
+
+    def wait(self, deadline: float | None) -> ExitInfo:
+        assert self.proc is not None, "start() first"
+        while True:
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                rc = self.proc.wait(timeout=timeout)
+                break
+            except subprocess.TimeoutExpired:
+                self.kill()
+                self.proc.wait()
+                return ExitInfo(status=None, signal=signal.SIGKILL, limit=Limit.WALL_TIME)
+        if rc < 0:  # bwrap itself was killed (kill(), or a signal from outside)
+            return ExitInfo(status=None, signal=-rc)
+        return ExitInfo(status=rc)  # bwrap reports a workload killed by signal N as 128+N
+
+    def kill(self) -> None:
+        """SIGKILL the outer bwrap: its child (pid 1 of the sandbox's pid namespace) has PDEATHSIG, and
+        when pid 1 dies the kernel kills every process in the namespace."""
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()
+
+    def teardown(self) -> None:
+        self.kill()
+        if self.proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=10)
+        if self._cmd is not None:
+            self._cmd.close()
+        if self._ws_fd is not None:
+            os.close(self._ws_fd)
+            self._ws_fd = None
+        if self.ns is not None:
+            delete_netns(self.ns)
+            self.ns = None
+
+
+def delete_netns(name: str) -> bool:
+    if not name.startswith(NETNS_PREFIX):
+        raise ValueError(f"refusing to delete a namespace that is not ours: {name!r}")
+    res = subprocess.run(["ip", "netns", "del", name], capture_output=True, text=True, check=False, timeout=30)
+    return res.returncode == 0

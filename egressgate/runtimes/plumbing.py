@@ -1,0 +1,120 @@
+"""One network plumbing for every runtime: a veth pair from the gateway's namespace into the sandbox's
+network namespace (given by path: `/run/netns/NAME` for netns, `/proc/PID/ns/net` for a container),
+addresses, the default route, sysctls and the nftables of runtimes/nftables.py.
+
+Order matters (fail closed): the host table goes in before the veth exists, the sandbox side is fully
+configured (IPv6 off, defence-in-depth rules) before the workload starts (the adapter starts it after
+`attach` returns). Host-side commands run in the caller's namespace (the gateway's); sandbox-side ones
+run in a thread that joined the sandbox namespace with setns(2), so any netns path works without
+naming it and the children that thread forks (`ip`, `nft`) inherit that namespace.
+
+Used by run.py for every adapter: `Plumbing(run_id, spec.address, endpoints).attach(adapter.netns_path())`
+after `adapter.prepare()` and before `adapter.start()`; `detach()` at teardown. An adapter only has to
+provide a network namespace with nothing but `lo` in it (docker/gvisor: `--network none`).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+from egressgate.runtimes import nftables
+from egressgate.runtimes.base import GatewayEndpoints, SandboxAddress
+
+T = TypeVar("T")
+
+
+def in_netns[T](netns_path: str, fn: Callable[[], T], timeout: float = 30) -> T:
+    """Run `fn` in a thread joined to the network namespace at `netns_path`. Files under /proc/sys/net it
+    opens and processes it forks belong to that namespace; the calling thread is untouched."""
+    box: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            fd = os.open(netns_path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                os.setns(fd, os.CLONE_NEWNET)
+            finally:
+                os.close(fd)
+            box["value"] = fn()
+        except BaseException as exc:  # re-raised in the caller
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name="egressgate-netns", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        raise RuntimeError(f"configuring the sandbox namespace {netns_path} took longer than {timeout}s")
+    if "error" in box:
+        raise box["error"]  # type: ignore[misc]
+    return box["value"]  # type: ignore[return-value]
+
+
+def write_sysctl(key: str, value: str) -> None:
+    Path("/proc/sys", *key.split(".")).write_text(value)
+
+
+def ip_batch(commands: list[str]) -> None:
+    """All link/address/route changes of one side in one `ip -batch -` (one process, stops at the first error)."""
+    res = subprocess.run(["ip", "-batch", "-"], input="\n".join(commands) + "\n", capture_output=True,
+                         text=True, check=False, timeout=30)
+    if res.returncode != 0:
+        raise RuntimeError(f"ip -batch failed ({res.returncode}): {res.stderr.strip()}")
+
+
+class Plumbing:
+    """The network side of one run; `detach` is idempotent and safe after a partial `attach`."""
+
+    def __init__(self, run_id: str, address: SandboxAddress, gateway: GatewayEndpoints) -> None:
+        self.run_id = run_id
+        self.address = address
+        self.gateway = gateway
+        self.table = nftables.table_name(run_id)
+
+    def host_objects(self) -> dict[str, str]:
+        """What `attach` creates on the host, for the run record (written before attach)."""
+        return {"nft_table": self.table, "host_if": self.address.host_if}
+
+    def attach(self, netns_path: str) -> None:
+        a = self.address
+        nftables.apply(nftables.host_ruleset(self.run_id, a, self.gateway))
+        ip_batch([
+            f"link add {a.host_if} type veth peer name {a.sandbox_if} netns {netns_path}",
+            f"addr add {a.host_ip}/{a.prefix_len} dev {a.host_if}",
+        ])
+        # route_localnet on this interface only: DNAT to listeners on 127.0.0.1 (the input chain admits
+        # only those three listeners); IPv6 off on the host end too (no link-local path at all)
+        write_sysctl(f"net.ipv4.conf.{a.host_if}.route_localnet", "1")
+        write_sysctl(f"net.ipv6.conf.{a.host_if}.disable_ipv6", "1")
+        ip_batch([f"link set {a.host_if} up"])
+        in_netns(netns_path, self._configure_inside)
+
+    def _configure_inside(self) -> None:
+        a = self.address
+        for scope in ("all", "default", a.sandbox_if, "lo"):  # before any link is up: no IPv6 address ever
+            write_sysctl(f"net.ipv6.conf.{scope}.disable_ipv6", "1")
+        ip_batch([
+            "link set lo up",
+            f"addr add {a.sandbox_ip}/{a.prefix_len} dev {a.sandbox_if}",
+            f"link set {a.sandbox_if} up",
+            f"route add default via {a.host_ip} dev {a.sandbox_if}",
+        ])
+        nftables.apply(nftables.sandbox_ruleset(a))
+
+    def drop_counts(self) -> dict[str, int]:
+        """What the host table refused so far (for the revocation's audit record)."""
+        return nftables.drop_counts(self.table)
+
+    def detach(self) -> None:
+        delete_link(self.address.host_if)
+        nftables.delete_table(self.table)
+
+
+def delete_link(ifname: str) -> bool:
+    """Delete a veth by name (its peer goes with it); False when it did not exist."""
+    res = subprocess.run(["ip", "link", "del", ifname], capture_output=True, text=True, check=False, timeout=30)
+    return res.returncode == 0

@@ -1,0 +1,334 @@
+"""`egressgate sandbox run`: admission → adapter.prepare → plumbing → limits → start → wait → teardown →
+revocation with the outcome. Every run is a NEW admission (new id, token, phantom credentials); only the
+workspace directory survives ("preserve state without preserving authority").
+
+Fail closed: any failure before the workload starts ends the run with EXIT_SETUP_FAILED (120) and one
+sentence on stderr; teardown runs whatever happened (each step idempotent), and the run record names
+every host object before it is created so `sandbox gc` can clean up after a SIGKILL. Stdlib only at
+import time: the CLI's start-up is measured (loadtests/).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from egressgate.runtimes import addressing, endpoints, records
+from egressgate.runtimes.base import (
+    CA_PATH_IN_SANDBOX,
+    EXIT_SETUP_FAILED,
+    SANDBOX_UID,
+    ExitInfo,
+    Limit,
+    RunSpec,
+    SandboxAddress,
+)
+
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+PROXY_VARS = ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy")
+
+
+class SetupFailed(RuntimeError):
+    """The run cannot start; the message is the one sentence the operator sees."""
+
+
+@dataclass
+class RunRequest:
+    policy: str
+    runtime: str
+    command: tuple[str, ...]
+    var_dir: Path
+    workspace: Path | None = None
+    image: str | None = None
+    labels: dict[str, str] = field(default_factory=dict)
+
+
+def log(message: str) -> None:
+    print(f"egressgate: {message}", file=sys.stderr, flush=True)
+
+
+def inside_env(admitted: dict[str, str], sandbox_id: str, address: SandboxAddress, proxy_port: int,
+               home: str) -> tuple[dict[str, str], Path]:
+    """Admission's env rewritten for inside the sandbox, and the host path of the CA bundle.
+
+    Proxy URLs point at the host end of the sandbox link (the nat rule sends <host_ip>:<proxy port> to the
+    explicit proxy); CA variables point at the in-sandbox copy; NO_PROXY is removed (not just empty);
+    nothing from the caller's environment is added but PATH/HOME/LANG defaults."""
+    proxy = admitted.get("HTTP_PROXY")
+    if not proxy:
+        raise SetupFailed("admission returned no HTTP_PROXY; the gateway is too old for `sandbox run`")
+    bundle = admitted.get("SSL_CERT_FILE")
+    if not bundle:
+        raise SetupFailed("admission returned no CA bundle (SSL_CERT_FILE); the gateway publishes none")
+    parts = urlsplit(proxy)
+    userinfo = parts.netloc.rpartition("@")[0]
+    inside_proxy = urlunsplit((parts.scheme, f"{userinfo}@{address.host_ip}:{proxy_port}", "", "", ""))
+    env: dict[str, str] = {"PATH": DEFAULT_PATH, "HOME": home, "LANG": "C.UTF-8"}
+    for key, value in admitted.items():
+        if key in ("NO_PROXY", "no_proxy"):
+            continue
+        env[key] = inside_proxy if key in PROXY_VARS else CA_PATH_IN_SANDBOX if value == bundle else str(value)
+    env["EGRESSGATE_SANDBOX_ID"] = sandbox_id
+    return env, Path(bundle)
+
+
+def check_command(command: tuple[str, ...], execution: dict[str, Any]) -> None:
+    """`execution.commands` non-empty: the command's basename must be one of them (exact match)."""
+    allowed = execution.get("commands") or []
+    if allowed and os.path.basename(command[0]) not in allowed:
+        raise SetupFailed(f"the policy allows only the commands {', '.join(allowed)} (execution.commands); "
+                          f"{os.path.basename(command[0])!r} is not one of them")
+
+
+def unreachable_parent(path: Path) -> Path | None:
+    """The first ancestor of `path` that uid 65534 cannot traverse (bwrap runs as that uid and opens
+    the workspace by path), or None."""
+    for parent in reversed(path.parents):
+        st = parent.stat()
+        if st.st_mode & 0o001:
+            continue
+        if (st.st_uid == SANDBOX_UID and st.st_mode & 0o100) or (st.st_gid == SANDBOX_UID and st.st_mode & 0o010):
+            continue
+        return parent
+    return None
+
+
+def prepare_workspace(path: Path) -> None:
+    """The workspace must be writable by the sandbox uid: created if missing, and its top directory
+    given to uid/gid 65534 (files inside keep their owners)."""
+    path.mkdir(parents=True, exist_ok=True)
+    blocked = unreachable_parent(path)
+    if blocked is not None:
+        raise SetupFailed(f"the workspace {path} is not reachable by the sandbox uid {SANDBOX_UID}: {blocked} "
+                          f"has mode {blocked.stat().st_mode & 0o7777:04o} (allow traversal: chmod o+x {blocked})")
+    st = path.stat()
+    if (st.st_uid, st.st_gid) != (SANDBOX_UID, SANDBOX_UID):
+        os.chown(path, SANDBOX_UID, SANDBOX_UID)
+
+
+class Run:
+    """One `sandbox run` (see the module docstring)."""
+
+    def __init__(self, req: RunRequest) -> None:
+        self.req = req
+        self.info: endpoints.GatewayInfo | None = None
+        self.run_id = records.new_run_id()
+        self.sandbox_id: str | None = None
+        self.adapter: Any = None
+        self.plumbing: Any = None
+        self.limits: Any = None
+        self.watch: Any = None
+        self.started = False
+        self.signal: int | None = None
+        self.temp_workspace: Path | None = None
+
+    # ------------------------------------------------------------------------------ admin API
+    def _admin(self, method: str, path: str, body: dict | None) -> tuple[int, dict]:
+        from egressgate.admin.cli import _call  # urllib + click only
+
+        assert self.info is not None
+        host, port = self.info.endpoints.admin
+        url = f"http://[{host}]:{port}{path}" if ":" in host else f"http://{host}:{port}{path}"
+        try:
+            token = self.info.admin_token_file.read_text(encoding="utf-8").strip()
+        except OSError as exc:
+            raise SetupFailed(f"cannot read the admin token {self.info.admin_token_file}: {exc.strerror}") from None
+        try:
+            return _call(method, url, token, body)
+        except Exception as exc:  # click.ClickException: unreachable
+            raise SetupFailed(str(getattr(exc, "message", exc))) from None
+
+    # ------------------------------------------------------------------------------ signals
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        """SIGINT/SIGTERM/SIGHUP: kill the sandbox now; the main flow tears down and revokes."""
+        self.signal = signum
+        if self.adapter is not None and self.started:
+            self.adapter.kill()
+
+    def _interrupted(self) -> None:
+        if self.signal is not None:
+            raise SetupFailed(f"interrupted by signal {self.signal} before the workload started")
+
+    # ------------------------------------------------------------------------------ the run
+    def execute(self) -> int:
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, self._on_signal)
+        begin = time.monotonic()
+        exit_info: ExitInfo | None = None
+        try:
+            exit_info = self._run()
+        except SetupFailed as exc:
+            log(f"setup failed: {exc}")
+        except Exception as exc:  # any other failure before/while starting is a setup failure too
+            log(f"setup failed: {type(exc).__name__}: {exc}")
+        finally:
+            code = self._teardown(exit_info, int((time.monotonic() - begin) * 1000))
+        return code
+
+    def _run(self) -> ExitInfo:
+        from egressgate.runtimes import registry
+
+        req = self.req
+        try:
+            self.info = info = endpoints.load(req.var_dir)
+        except endpoints.GatewayNotRunning as exc:
+            raise SetupFailed(str(exc)) from None
+        try:
+            self.adapter = registry.adapter(req.runtime)
+        except registry.UnknownRuntime as exc:
+            raise SetupFailed(str(exc)) from None
+        address = addressing.allocate(info.state_dir, info.subnet, self.run_id,
+                                      {"owner_pid": os.getpid(), "runtime": req.runtime, "created": time.time(),
+                                       "var_dir": str(req.var_dir.absolute())})
+        status, data = self._admin("POST", "/v1/sandboxes", {"policy": req.policy, "labels": req.labels,
+                                                             "addresses": [address.sandbox_ip]})
+        if status != 201:
+            raise SetupFailed(f"admission refused ({status}): {data.get('message') or data.get('error')}")
+        self.sandbox_id = data["id"]
+        records.update(info.state_dir, self.run_id, sandbox_id=self.sandbox_id)
+        audit = info.audit_file or "the gateway's OTLP collector (audit.file is off)"
+        log(f"sandbox {self.sandbox_id} (run {self.run_id}, {req.runtime}, {address.sandbox_ip}); "
+            f"audit records: {audit}")
+        policy = data.get("runtime_policy")
+        if not isinstance(policy, dict):
+            raise SetupFailed("the gateway's admission has no runtime_policy; upgrade the gateway")
+        check_command(req.command, policy.get("execution") or {})
+        sandbox = policy.get("sandbox") or {}
+        ws_policy = sandbox.get("workspace") or {}
+        workspace = req.workspace
+        if workspace is not None and not ws_policy.get("path"):
+            raise SetupFailed(f"--workspace given but policy {req.policy!r} has no sandbox.workspace.path")
+        if workspace is None and ws_policy.get("path"):
+            (info.state_dir / "workspaces").mkdir(mode=0o711, exist_ok=True)
+            info.state_dir.chmod(0o711)  # traversable (not listable) by the sandbox uid; records stay 0700
+            workspace = self.temp_workspace = info.state_dir / "workspaces" / self.run_id
+            records.update(info.state_dir, self.run_id, temp_workspace=str(workspace))
+        if workspace is not None:
+            prepare_workspace(workspace)
+        env, bundle = inside_env(data["env"], self.sandbox_id, address, info.endpoints.proxy[1],
+                                 ws_policy.get("path") or "/tmp")  # noqa: S108 - HOME inside
+        spec = RunSpec(run_id=self.run_id, sandbox_id=self.sandbox_id, runtime=req.runtime, command=req.command,
+                       env=env, policy=policy, address=address, ca_bundle=bundle, workspace=workspace,
+                       image=req.image, labels=dict(req.labels), state_dir=info.state_dir)
+        self._interrupted()
+        self.adapter.prepare(spec)
+        self._interrupted()
+        from egressgate.runtimes.plumbing import Plumbing
+
+        self.plumbing = Plumbing(self.run_id, address, info.endpoints)
+        records.update(info.state_dir, self.run_id, **self.plumbing.host_objects())
+        self.plumbing.attach(self.adapter.netns_path())
+        resources = sandbox.get("resources") or {}
+        self._limits(resources)
+        self._interrupted()
+        wall = resources.get("wall_time_seconds")
+        self.adapter.start()
+        self.started = True
+        deadline = time.monotonic() + wall if wall else None
+        if ws_policy.get("max_bytes") and workspace is not None:
+            from egressgate.runtimes.limits import WorkspaceWatch
+
+            self.watch = WorkspaceWatch(workspace, int(ws_policy["max_bytes"]), self.adapter.kill)
+            self.watch.start()
+        if self.signal is not None:  # arrived between start() and here
+            self.adapter.kill()
+        result = self.adapter.wait(deadline)
+        limit = result.limit
+        if limit is None and self.limits is not None:
+            limit = self.limits.hit()
+        if limit is None and self.watch is not None and self.watch.exceeded:
+            limit = Limit.WORKSPACE_BYTES
+        if limit is not None and limit is not result.limit:
+            result = ExitInfo(status=result.status, signal=result.signal, limit=limit)
+        return result
+
+    def _limits(self, resources: dict[str, Any]) -> None:
+        wanted = {k: v for k, v in resources.items() if k in ("memory_mb", "pids_max", "cpu_millis") and v}
+        if not wanted or self.req.runtime != "netns":  # containers get docker flags from their adapter
+            return
+        try:
+            from egressgate.runtimes.limits import LimitsUnavailable, ResourceLimits
+        except ImportError as exc:
+            raise SetupFailed(f"the policy sets resources {sorted(wanted)} but resource limits are not "
+                              f"available in this build ({exc})") from None
+        assert self.info is not None
+        try:
+            self.limits = ResourceLimits.create(self.run_id, wanted)
+        except LimitsUnavailable as exc:
+            raise SetupFailed(str(exc)) from None
+        records.update(self.info.state_dir, self.run_id, cgroups=self.limits.paths())
+        self.adapter.preexec = self.limits.preexec()
+        if hasattr(self.adapter, "on_kill"):
+            self.adapter.on_kill = self.limits.kill_all
+
+    def _teardown(self, exit_info: ExitInfo | None, duration_ms: int) -> int:
+        """Every step runs whatever failed before it; the record goes last (only a clean teardown removes it)."""
+        clean = True
+        dropped: dict[str, int] = {}
+        if self.plumbing is not None:
+            with contextlib.suppress(Exception):
+                dropped = self.plumbing.drop_counts()
+        if self.signal is not None and exit_info is not None and exit_info.limit is None:
+            exit_info = ExitInfo(status=None, signal=self.signal)
+        for step in (lambda: self.watch and self.watch.stop(),
+                     lambda: self.adapter and self.adapter.kill(),
+                     lambda: self.limits and self.limits.kill_all(),
+                     lambda: self.adapter and self.adapter.teardown(),
+                     lambda: self.plumbing and self.plumbing.detach(),
+                     lambda: self.limits and self.limits.remove()):
+            try:
+                step()
+            except Exception as exc:
+                clean = False
+                log(f"teardown step failed ({type(exc).__name__}: {exc}); `egressgate sandbox gc` will retry")
+        if self.temp_workspace is not None:
+            import shutil
+
+            shutil.rmtree(self.temp_workspace, ignore_errors=True)
+        code = exit_info.exit_code() if exit_info is not None else EXIT_SETUP_FAILED
+        if exit_info is None and self.signal is not None:
+            code = 128 + self.signal
+        if self.sandbox_id is not None:
+            outcome = {"runtime": self.req.runtime, "exit_code": code,
+                       "status": exit_info.status if exit_info else None,
+                       "signal": exit_info.signal if exit_info else self.signal,
+                       "limit": str(exit_info.limit) if exit_info and exit_info.limit else None,
+                       "duration_ms": duration_ms, "dropped": dropped}
+            revoked = self._revoke(outcome)
+            clean = clean and revoked
+            what = f"limit {exit_info.limit}" if exit_info and exit_info.limit else f"exit {code}"
+            log(f"sandbox {self.sandbox_id} ended ({what}){' and was revoked' if revoked else ''}; "
+                f"audit records: {self.info.audit_file if self.info else '?'}")
+        if self.info is not None and clean:
+            with contextlib.suppress(OSError):
+                records.remove(self.info.state_dir, self.run_id)
+        return code
+
+
+    def _revoke(self, outcome: dict[str, Any]) -> bool:
+        """Revoke with the outcome; a gateway that refuses the outcome body (older version) still gets a
+        plain revocation: the sandbox's authority must end with the run whatever the record says."""
+        path = f"/v1/sandboxes/{self.sandbox_id}"
+        for body in ({"outcome": outcome}, None):
+            try:
+                status, data = self._admin("DELETE", path, body)
+            except SetupFailed as exc:
+                log(f"revocation of {self.sandbox_id} failed: {exc}; `egressgate sandbox gc` retries it")
+                return False
+            if status == 200:
+                return True
+            log(f"revocation of {self.sandbox_id} answered {status}: {data}")
+            if status != 400:
+                return False
+        return False
+
+
+def run(req: RunRequest) -> int:
+    return Run(req).execute()

@@ -1,0 +1,201 @@
+"""The real gateway inside a test world, with loopback listeners (as `make run` binds them), and the real
+`egressgate sandbox run` next to it in the world's gw namespace.
+
+Each sandbox is a new network namespace hanging off gw through the run's veth; gw forwards to the net
+namespace (canaries, upstreams, the world's DNS server), so a direct route WOULD reach the canaries: the
+world's `open` namespace (same position, no egressgate rules) is the positive control.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import networld as nw
+import yaml
+from networld import World
+
+EGRESSGATE = str(Path(sys.executable).with_name("egressgate"))
+CALLER_SECRET = "AKIAEGNCALLERSECRET0123456789"  # in the caller's env: must never reach a sandbox
+
+
+def flatten(record: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for rl in record.get("resourceLogs", []):
+        for sl in rl.get("scopeLogs", []):
+            for lr in sl.get("logRecords", []):
+                for attr in lr.get("attributes", []):
+                    value = attr["value"]
+                    out[attr["key"]] = next(iter(value.values())) if value else None
+    return out
+
+
+def base_dir(parent: str | None = None) -> Path:
+    """A temp dir uid 65534 can traverse (pytest's tmp_path is under a 0700 dir): bwrap runs as that uid
+    and opens the workspace by path."""
+    path = Path(tempfile.mkdtemp(prefix="egN-", dir=parent))
+    path.chmod(0o711)
+    return path
+
+
+@dataclass
+class Gateway:
+    world: World
+    base: Path
+    proc: subprocess.Popen[str]
+    config: Path
+    info: dict[str, Any]
+    _stderr: Any = None
+    extra: list[Any] = field(default_factory=list)
+
+    @classmethod
+    def start(cls, world: World, base: Path, policies: dict[str, dict[str, Any]]) -> Gateway:
+        pdir = base / "policies"
+        pdir.mkdir()
+        for name, body in policies.items():
+            (pdir / f"{name}.yaml").write_text(yaml.safe_dump(body))
+        config = {
+            "listen": {"proxy": "127.0.0.1:0", "admin": "127.0.0.1:0", "dns": "127.0.0.1:0"},
+            "dns": {"upstreams": [f"{nw.DNS_ADDR}:53"], "cache_min_ttl": 0},
+            "policy": str(pdir),
+            "var_dir": str(base / "var"),
+            "upstream": {"resolver": f"{nw.DNS_ADDR}:53", "ca_bundle": str(world.ca_pem)},
+            "runtime": {"state_dir": str(base / "state")},
+        }
+        cfg = base / "gateway.yaml"
+        cfg.write_text(yaml.safe_dump(config))
+        stderr = open(base / "gateway.stderr", "w")  # noqa: SIM115 - closed in stop()
+        proc = world.popen(world.gw, EGRESSGATE, "run", "--config", str(cfg), stdout=subprocess.PIPE, stderr=stderr)
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        try:
+            info = json.loads(line)
+        except ValueError as exc:
+            proc.kill()
+            tail = (base / "gateway.stderr").read_text()[-3000:]
+            raise RuntimeError(f"gateway did not start: {line!r} {tail}") from exc
+        threading.Thread(target=lambda: proc.stdout.read(), daemon=True).start()  # type: ignore[union-attr]
+        gw = cls(world=world, base=base, proc=proc, config=cfg, info=info)
+        gw._stderr = stderr
+        return gw
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        if self._stderr is not None:
+            self._stderr.close()
+
+    @property
+    def state_dir(self) -> Path:
+        return self.base / "state"
+
+    @property
+    def audit_path(self) -> Path:
+        return self.base / "var" / "audit.jsonl"
+
+    def cmd(self, *args: str) -> list[str]:
+        """`egressgate ARGS` in the gw network namespace. nsenter, not `ip netns exec`: the latter also
+        gives the command a private mount namespace, so the `ip netns add` of `sandbox run` would mount
+        the sandbox's /run/netns entry where no other process (gc, the test) sees it."""
+        return ["nsenter", f"--net=/run/netns/{self.world.gw}", EGRESSGATE, *args]
+
+    def run_argv(self, *command: str, policy: str, workspace: Path | None = None,
+                 labels: tuple[str, ...] = ()) -> list[str]:
+        extra = ["--workspace", str(workspace)] if workspace else []
+        for label in labels:
+            extra += ["--label", label]
+        return self.cmd("sandbox", "run", "--config", str(self.config), "--policy", policy, *extra, "--", *command)
+
+    @staticmethod
+    def caller_env() -> dict[str, str]:
+        """The caller's environment, with secrets and proxy settings that must NOT reach the sandbox."""
+        return {**os.environ, "AWS_SECRET_ACCESS_KEY": CALLER_SECRET, "HTTP_PROXY": "http://198.18.0.2:1",
+                "NO_PROXY": "*"}
+
+    def run(self, *command: str, policy: str, workspace: Path | None = None, timeout: float = 60,
+            labels: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(self.run_argv(*command, policy=policy, workspace=workspace, labels=labels),
+                              capture_output=True, text=True, timeout=timeout, env=self.caller_env(), check=False)
+
+    def popen_run(self, *command: str, policy: str, **kw: Any) -> subprocess.Popen[str]:
+        return subprocess.Popen(self.run_argv(*command, policy=policy), text=True, env=self.caller_env(),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
+
+    def records(self, timeout: float = 5.0, predicate: Any = None) -> list[dict[str, Any]]:
+        """Flattened audit records; waits (batched writer) until one matches `predicate` if given."""
+        deadline = time.monotonic() + timeout
+        while True:
+            lines = self.audit_path.read_text().splitlines() if self.audit_path.exists() else []
+            out = [flatten(json.loads(line)) for line in lines if line.strip()]
+            if predicate is None or any(predicate(r) for r in out) or time.monotonic() > deadline:
+                return out
+            time.sleep(0.1)
+
+
+def sandbox_id(stderr: str) -> str:
+    for word in stderr.split():
+        if word.startswith("sbx-"):
+            return word
+    raise AssertionError(f"no sandbox id in: {stderr}")
+
+
+class Canary:
+    """A TCP or UDP canary the test owns inside a world namespace: records every accept/datagram."""
+
+    def __init__(self, world: World, ns: str, host: str, port: int, udp: bool = False) -> None:
+        self.hits: list[tuple[str, int]] = []
+        kind = socket.SOCK_DGRAM if udp else socket.SOCK_STREAM
+
+        def make() -> socket.socket:
+            sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, kind)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+            if not udp:
+                sock.listen(16)
+            return sock
+
+        self.sock = world.in_ns(ns, make)
+        self.sock.settimeout(0.2)
+        self.udp = udp
+        self.closed = False
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while not self.closed:
+            try:
+                if self.udp:
+                    _, peer = self.sock.recvfrom(65536)
+                else:
+                    conn, peer = self.sock.accept()
+                    conn.close()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            self.hits.append(peer[:2])
+
+    def close(self) -> None:
+        self.closed = True
+        self.thread.join(2)
+        self.sock.close()
+
+
+def remove(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,143 @@
+"""Escape attempts run INSIDE a sandbox (by the system python3, stdlib only; no proxy is used: the
+probe ignores HTTP_PROXY exactly as hostile code would). Each check returns what happened; the test
+decides, together with the canaries' logs, whether anything got out.
+
+Usage: python3 probe.py '[["tcp", "169.254.169.254", 80], ...]' → one JSON list of results on stdout.
+"""
+
+import contextlib
+import errno
+import json
+import os
+import socket
+import ssl
+import struct
+import sys
+
+TIMEOUT = 3.0
+
+
+def err(exc):
+    code = getattr(exc, "errno", None)
+    return {"ok": False, "error": errno.errorcode.get(code, type(exc).__name__) if code else type(exc).__name__}
+
+
+def tcp(host, port, payload=""):
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.settimeout(TIMEOUT)
+            sock.connect((host, port))
+            data = b""
+            if payload:
+                sock.sendall(payload.encode())
+                with contextlib.suppress(OSError):
+                    data = sock.recv(4096)
+            return {"ok": True, "data": data.decode("latin-1")[:300]}
+    except OSError as exc:
+        return err(exc)
+
+
+def udp(host, port):
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            sock.settimeout(1.0)
+            sock.sendto(b"\x00" * 32, (host, port))
+            try:
+                data, peer = sock.recvfrom(4096)
+                return {"ok": True, "reply_from": list(peer), "data": data.hex()[:80]}
+            except OSError:
+                return {"ok": True, "reply_from": None}
+    except OSError as exc:
+        return err(exc)
+
+
+def dns_query(name, qid=0x4547):
+    header = struct.pack("!HHHHHH", qid, 0x0100, 1, 0, 0, 0)
+    qname = b"".join(bytes([len(p)]) + p.encode() for p in name.split(".")) + b"\x00"
+    return header + qname + struct.pack("!HH", 1, 1)
+
+
+def dns(server, name, transport="udp"):
+    query = dns_query(name)
+    try:
+        if transport == "udp":
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+                sock.settimeout(TIMEOUT)
+                sock.sendto(query, (server, 53))
+                data, peer = sock.recvfrom(4096)
+        else:
+            with socket.create_connection((server, 53), timeout=TIMEOUT) as sock:
+                sock.sendall(struct.pack("!H", len(query)) + query)
+                data = sock.recv(4096)[2:]
+                peer = (server, 53)
+        flags, ancount = struct.unpack("!H", data[2:4])[0], struct.unpack("!H", data[6:8])[0]
+        return {"ok": True, "rcode": flags & 0xF, "answers": ancount, "reply_from": list(peer)}
+    except OSError as exc:
+        return err(exc)
+
+
+def tls(host, port, sni):
+    ctx = ssl.create_default_context()
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    try:
+        with socket.create_connection((host, port), timeout=TIMEOUT) as raw, \
+                ctx.wrap_socket(raw, server_hostname=sni) as sock:
+            sock.sendall(f"GET / HTTP/1.1\r\nHost: {sni}\r\nConnection: close\r\n\r\n".encode())
+            return {"ok": True, "data": sock.recv(4096).decode("latin-1")[:300]}
+    except (OSError, ssl.SSLError) as exc:
+        return err(exc)
+
+
+def raw_socket(proto):
+    try:
+        socket.socket(socket.AF_INET, socket.SOCK_RAW, proto).close()
+        return {"ok": True}
+    except OSError as exc:
+        return err(exc)
+
+
+def icmp_dgram(host):
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM, socket.IPPROTO_ICMP) as sock:
+            sock.settimeout(1.0)
+            sock.sendto(struct.pack("!BBHHH", 8, 0, 0, 0, 1) + b"egN", (host, 0))
+            sock.recvfrom(1024)
+            return {"ok": True, "reply": True}
+    except OSError as exc:
+        return err(exc)
+
+
+def open_file(path, mode):
+    try:
+        with open(path, mode) as fh:
+            if "r" in mode:
+                fh.read(1)
+            else:
+                fh.write("198.18.0.53 api.allowed.test\n")
+        return {"ok": True}
+    except OSError as exc:
+        return err(exc)
+
+
+def main():
+    out = []
+    for check in json.loads(sys.argv[1]):
+        kind, args = check[0], check[1:]
+        if kind == "env":
+            out.append({"ok": True, "env": dict(os.environ)})
+        elif kind == "exists":
+            out.append({"ok": os.path.lexists(args[0])})
+        elif kind == "uid":
+            with open("/proc/self/status") as fh:
+                caps = fh.read().split("CapEff:")[1].split()[0]
+            out.append({"ok": True, "uid": os.getuid(), "caps": caps})
+        else:
+            fn = {"tcp": tcp, "udp": udp, "dns": dns, "tls": tls, "raw": raw_socket, "icmp": icmp_dgram,
+                  "open": open_file}[kind]
+            out.append(fn(*args))
+    print(json.dumps(out))
+
+
+main()

@@ -1,0 +1,192 @@
+"""`sandbox run` end to end: a new admission per run, exit codes, the command allow-list, signals, and
+cleanup after SIGKILL by `sandbox gc` (nothing left in the host namespace)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from runtimes.harness import EGRESSGATE, Gateway, base_dir, remove, sandbox_id
+
+pytestmark = pytest.mark.netns
+
+
+def leftovers(gateway: Gateway) -> dict[str, list[str]]:
+    """Product objects in the gateway's namespace (tables, veths), global netns names, and run records."""
+    world = gateway.world
+    tables = world.exec(world.gw, "nft", "list", "tables").stdout
+    links = world.exec(world.gw, "ip", "-o", "link").stdout
+    netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False).stdout
+    runs = gateway.state_dir / "runs"
+    return {
+        "tables": [line for line in tables.splitlines() if "egressgate_" in line],
+        "veths": [line.split(":")[1].strip().split("@")[0] for line in links.splitlines() if ": egh" in line],
+        "netns": [line.split()[0] for line in netns.splitlines() if line.startswith("egressgate-")],
+        "records": sorted(p.name for p in runs.glob("*.json")) if runs.is_dir() else [],
+    }
+
+
+def revocations(gateway: Gateway, sid: str) -> list[dict]:
+    return [r for r in gateway.records(predicate=lambda r: r.get("egressgate.operation") == "revocation"
+                                       and r.get("egressgate.sandbox.id") == sid)
+            if r.get("egressgate.operation") == "revocation" and r.get("egressgate.sandbox.id") == sid]
+
+
+def test_every_run_is_a_new_admission_only_the_workspace_survives(gateway: Gateway) -> None:
+    ws = base_dir()
+    try:
+        first = gateway.run("sh", "-c", 'echo "$HTTP_PROXY" > /workspace/old-proxy; echo kept > /workspace/note',
+                            policy="rt-allow", workspace=ws)
+        assert first.returncode == 0, first.stderr
+        # run 2: the workspace file is there; run 1's token is refused by the proxy (407), its own works
+        second = gateway.run("sh", "-c",
+                             'cat /workspace/note; '
+                             'curl -s -o /dev/null -w "%{http_code}\\n" --max-time 10 -x "$(cat /workspace/old-proxy)" '
+                             'https://api.allowed.test/; '
+                             'curl -s -o /dev/null -w "%{http_code}\\n" --max-time 10 https://api.allowed.test/',
+                             policy="rt-allow", workspace=ws)
+        assert second.returncode == 0, second.stderr
+        lines = second.stdout.split()
+        assert lines[0] == "kept"
+        assert lines[1] in ("407", "000"), second.stdout  # curl reports the CONNECT refusal as 000
+        assert lines[2] == "200", second.stdout
+        assert sandbox_id(first.stderr) != sandbox_id(second.stderr)
+        assert str(gateway.audit_path) in first.stderr  # where the audit records are
+    finally:
+        remove(ws)
+
+
+def test_old_token_is_refused_with_407(gateway: Gateway) -> None:
+    """The same property, observed on the CONNECT itself (not through curl's summary)."""
+    first = gateway.run("sh", "-c", 'echo "$HTTP_PROXY"', policy="rt-allow")
+    old_proxy = first.stdout.strip()
+    second = gateway.run("curl", "-sS", "-o", "/dev/null", "-D", "-", "--max-time", "10", "-x", old_proxy,
+                         "https://api.allowed.test/", policy="rt-allow")
+    assert "407" in second.stdout.splitlines()[0], second.stdout + second.stderr
+
+
+def test_exit_status_and_signal_are_reported(gateway: Gateway) -> None:
+    assert gateway.run("sh", "-c", "exit 7", policy="rt-allow").returncode == 7
+    killed = gateway.run("sh", "-c", "kill -9 $$", policy="rt-allow")
+    assert killed.returncode == 137
+    sid = sandbox_id(killed.stderr)
+    (record,) = revocations(gateway, sid)
+    assert record["egressgate.run.exit_code"] in (137, "137") and record["egressgate.run.runtime"] == "netns"
+
+
+def test_command_allow_list(gateway: Gateway) -> None:
+    refused = gateway.run("sh", "-c", "true", policy="rt-commands")
+    assert refused.returncode == 120
+    assert "execution.commands" in refused.stderr and "'sh'" in refused.stderr
+    assert gateway.run("/bin/true", policy="rt-commands").returncode == 0  # basename `true` is allowed
+    assert leftovers(gateway)["records"] == []
+
+
+def test_gateway_not_running_is_a_setup_failure(gateway: Gateway) -> None:
+    empty = base_dir()
+    try:
+        res = subprocess.run(gateway.cmd("sandbox", "run", "--var-dir", str(empty), "--policy", "rt-allow", "--",
+                                         "true"), capture_output=True, text=True, timeout=30, check=False)
+        assert res.returncode == 120
+        assert "gateway.json does not exist" in res.stderr
+    finally:
+        remove(empty)
+
+
+def netns_commands(run_id: str) -> list[str]:
+    """Names of the processes in a run's network namespace (the sandbox's processes)."""
+    res = subprocess.run(["ip", "netns", "pids", f"egressgate-{run_id}"], capture_output=True, text=True,
+                         check=False)
+    out = []
+    for pid in res.stdout.split():
+        try:
+            out.append(Path(f"/proc/{pid}/comm").read_text().strip())
+        except OSError:
+            continue
+    return out
+
+
+def _wait_for_workload(gateway: Gateway, proc: subprocess.Popen[str], command: str = "sleep",
+                       timeout: float = 20) -> dict:
+    """The run's record once its workload (`command`) runs inside the sandbox: killing `sandbox run`
+    earlier would race bubblewrap's own start-up (its --die-with-parent is set after its fork)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for path in (gateway.state_dir / "runs").glob("*.json"):
+            record = json.loads(path.read_text())
+            if (record.get("owner_pid") == proc.pid and record.get("workload_pid")
+                    and command in netns_commands(record["run_id"])):
+                return record
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    raise AssertionError("the workload did not start")
+
+
+def test_sigterm_kills_the_sandbox_and_cleans_up(gateway: Gateway) -> None:
+    proc = gateway.popen_run("sleep", "60", policy="rt-allow")
+    record = _wait_for_workload(gateway, proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=20)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert leftovers(gateway) == {"tables": [], "veths": [], "netns": [], "records": []}
+    assert not Path(f"/proc/{record['workload_pid']}").exists()
+    (rev,) = revocations(gateway, record["sandbox_id"])
+    assert rev["egressgate.run.signal"] in (15, "15")
+
+
+def test_sigkill_then_gc_leaves_nothing(gateway: Gateway) -> None:
+    proc = gateway.popen_run("sleep", "60", policy="rt-allow")
+    record = _wait_for_workload(gateway, proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=20)
+    # the sandbox's processes die with `sandbox run` (PDEATHSIG on bwrap, --die-with-parent inside)
+    deadline = time.monotonic() + 10
+    while netns_commands(record["run_id"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert netns_commands(record["run_id"]) == []
+    proc.communicate(timeout=10)
+    left = leftovers(gateway)
+    # positive control: SIGKILL left the run's objects behind (so gc has something to prove)
+    assert left["records"] == [f"{record['run_id']}.json"]
+    assert left["veths"] == [f"egh{record['run_id']}"] and left["netns"] == [f"egressgate-{record['run_id']}"]
+    assert len(left["tables"]) == 1
+    gc = subprocess.run(gateway.cmd("sandbox", "gc", "--config", str(gateway.config)), capture_output=True,
+                        text=True, timeout=60, check=False)
+    assert gc.returncode == 0, gc.stdout + gc.stderr
+    assert leftovers(gateway) == {"tables": [], "veths": [], "netns": [], "records": []}
+    (rev,) = revocations(gateway, record["sandbox_id"])
+    assert rev["egressgate.run.ended_by"] == "gc"
+    again = subprocess.run(gateway.cmd("sandbox", "gc", "--config", str(gateway.config)), capture_output=True,
+                           text=True, timeout=60, check=False)
+    assert again.returncode == 0 and again.stdout == ""
+
+
+def test_gc_removes_unrecorded_product_objects_only(gateway: Gateway) -> None:
+    """Orphans (no record at all, e.g. a lost state dir): product-named objects go, anything else stays."""
+    world = gateway.world
+    run_id = "0123456789"
+    world.exec(world.gw, "nft", "add", "table", "inet", f"egressgate_{run_id}")
+    world.exec(world.gw, "nft", "add", "table", "inet", "egNkeep")
+    world.exec(world.gw, "ip", "link", "add", f"egh{run_id}", "type", "veth", "peer", "name", "egNpeer")
+    world.exec(world.gw, "ip", "link", "add", "egNkeep0", "type", "veth", "peer", "name", "egNkeep1")
+    subprocess.run(["ip", "netns", "add", f"egressgate-{run_id}"], check=True)
+    try:
+        gc = subprocess.run(gateway.cmd("sandbox", "gc", "--config", str(gateway.config), "--grace", "0"),
+                            capture_output=True, text=True, timeout=60, check=False)
+        assert gc.returncode == 0, gc.stderr
+        assert leftovers(gateway) == {"tables": [], "veths": [], "netns": [], "records": []}
+        assert "egNkeep" in world.exec(world.gw, "nft", "list", "tables").stdout
+        assert "egNkeep0" in world.exec(world.gw, "ip", "-o", "link").stdout
+    finally:
+        world.exec(world.gw, "nft", "delete", "table", "inet", "egNkeep")
+        world.exec(world.gw, "ip", "link", "del", "egNkeep0")
+        subprocess.run(["ip", "netns", "del", f"egressgate-{run_id}"], capture_output=True, check=False)
+
+
+def test_console_script_is_used() -> None:
+    assert Path(EGRESSGATE).exists()
