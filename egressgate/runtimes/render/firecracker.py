@@ -3,7 +3,7 @@ script for the VM's tap device.
 
 A microVM's only NIC is a tap on the host; the host side of that tap is the VM's default route. The
 nftables table (one per VM, `inet egressgate_fc_<tap>`) makes the gateway the VM's only way out, with the
-same rules the netns runtime applies to its veth (docs/runtimes.md): on packets arriving from the tap,
+very rules the netns runtime applies to its veth (built by runtimes/nftables.py): on packets arriving from the tap,
 IPv6 and everything but TCP/UDP is dropped, UDP other than port 53 is dropped (QUIC, other resolvers),
 DNS (UDP and TCP 53, to ANY address) is sent to the gateway's resolver, TCP to the host address on the
 proxy port to the explicit proxy, every other TCP to the transparent listener; the input hook accepts
@@ -21,6 +21,8 @@ import json
 import math
 import re
 
+from egressgate.runtimes import nftables
+from egressgate.runtimes.base import GatewayEndpoints, SandboxAddress
 from egressgate.runtimes.render.common import RenderContext, RenderError
 
 MAX_VCPUS = 32  # Firecracker's machine-config limit
@@ -85,45 +87,20 @@ def vm_config(ctx: RenderContext, *, tap: str, kernel: str, rootfs: str, workspa
     }
 
 
-def nft_script(*, tap: str, host_ip: str, proxy: tuple[str, int], transparent: tuple[str, int],
-               dns: tuple[str, int]) -> str:
-    """The tap's ruleset. nft has no structured input format we can dump to, so this is the one text
-    template; every interpolated value was validated above (interface name pattern, IPv4 + port)."""
-    table = "egressgate_fc_" + re.sub(r"[^A-Za-z0-9_]", "_", tap)
-    listeners = ", ".join(f"{ip} . {port}" for ip, port in sorted({proxy, transparent, dns}))
-    lines = [
-        f"# egressgate: the only way out of the VM behind tap {tap} is the gateway.",
-        f"# Needs: sysctl -w net.ipv4.conf.{tap}.route_localnet=1 (DNAT to 127.0.0.1); input below keeps",
-        "# every other loopback service (the admin API included) unreachable from the tap.",
-        f"table inet {table}",
-        f"delete table inet {table}",
-        f"table inet {table} {{",
-        "  chain pre_filter {",
-        "    type filter hook prerouting priority raw; policy accept;",
-        f'    iifname "{tap}" meta nfproto ipv6 drop',
-        f'    iifname "{tap}" meta l4proto != {{ tcp, udp }} drop',
-        f'    iifname "{tap}" udp dport != 53 drop',
-        "  }",
-        "  chain pre_nat {",
-        "    type nat hook prerouting priority dstnat; policy accept;",
-        f'    iifname "{tap}" udp dport 53 dnat ip to {dns[0]}:{dns[1]}',
-        f'    iifname "{tap}" tcp dport 53 dnat ip to {dns[0]}:{dns[1]}',
-        f'    iifname "{tap}" ip daddr {host_ip} tcp dport {proxy[1]} dnat ip to {proxy[0]}:{proxy[1]}',
-        f'    iifname "{tap}" meta l4proto tcp dnat ip to {transparent[0]}:{transparent[1]}',
-        "  }",
-        "  chain input {",
-        "    type filter hook input priority filter; policy accept;",
-        f'    iifname "{tap}" ct status dnat ip daddr . th dport {{ {listeners} }} accept',
-        f'    iifname "{tap}" drop',
-        "  }",
-        "  chain forward {",
-        "    type filter hook forward priority filter; policy accept;",
-        f'    iifname "{tap}" drop',
-        f'    oifname "{tap}" drop',
-        "  }",
-        "}",
-    ]
-    return "\n".join(lines) + "\n"
+def nft_script(*, tap: str, host_ip: str, guest_ip: str, prefix: int, proxy: tuple[str, int],
+               transparent: tuple[str, int], dns: tuple[str, int]) -> str:
+    """The tap's ruleset: the netns runtime's host table (runtimes/nftables.py, where each rule and its
+    reason is stated once) keyed on the tap instead of a veth, preceded by the create-then-delete idiom
+    so `nft -f` can be re-run to replace the table. Every interpolated value was validated above."""
+    run_id = "fc_" + re.sub(r"[^A-Za-z0-9_]", "_", tap)
+    table = nftables.table_name(run_id)
+    link = SandboxAddress(host_ip=host_ip, sandbox_ip=guest_ip, prefix_len=prefix, host_if=tap, sandbox_if="eth0")
+    endpoints = GatewayEndpoints(proxy=proxy, transparent=transparent, dns=dns, admin=("127.0.0.1", 0))
+    header = (f"# egressgate: the only way out of the VM behind tap {tap} is the gateway (docs/runtimes-deploy.md).\n"
+              f"# Needs: sysctl -w net.ipv4.conf.{tap}.route_localnet=1 (DNAT to 127.0.0.1); the input chain keeps\n"
+              "# every other loopback service (the admin API included) unreachable from the tap.\n"
+              f"table inet {table}\ndelete table inet {table}\n")
+    return header + nftables.host_ruleset(run_id, link, endpoints)
 
 
 def render_firecracker(ctx: RenderContext, *, tap: str | None = None, subnet: str = "198.18.128.0/30",
@@ -141,7 +118,8 @@ def render_firecracker(ctx: RenderContext, *, tap: str | None = None, subnet: st
     host_ip, guest_ip, prefix = tap_addresses(subnet)
     config = vm_config(ctx, tap=tap, kernel=kernel, rootfs=rootfs, workspace_image=workspace_image,
                        host_ip=host_ip, guest_ip=guest_ip, prefix=prefix)
-    script = nft_script(tap=tap, host_ip=host_ip, proxy=_endpoint(proxy, "--gateway-proxy"),
+    script = nft_script(tap=tap, host_ip=host_ip, guest_ip=guest_ip, prefix=prefix,
+                        proxy=_endpoint(proxy, "--gateway-proxy"),
                         transparent=_endpoint(transparent, "--gateway-transparent"),
                         dns=_endpoint(dns, "--gateway-dns"))
     return {"vm.json": json.dumps(config, indent=2) + "\n", "tap.nft": script}
