@@ -218,7 +218,8 @@ def gateway_network_policy(ctx: RenderContext, namespace: str, private: list[str
 def agent_env(service_ip: str | None) -> list[dict]:
     """HTTP(S)_PROXY built from the admission Secret's id and token (envFrom) and the gateway Service's
     address; CA variables point at the mounted bundle; NO_PROXY is emptied (an inherited one would let
-    a client skip the gateway for some hosts)."""
+    a client skip the gateway for some hosts). The id (`sbx-` + hex) and token (urlsafe base64, admin/
+    server.py) are spliced into the URL unquoted: neither alphabet holds a character a URL would need quoted."""
     host = service_ip or f"$({SERVICE_HOST_VAR})"
     port = str(PROXY_PORT) if service_ip else f"$({SERVICE_PORT_VAR})"
     url = f"http://$(EGRESSGATE_SANDBOX_ID):$(EGRESSGATE_SANDBOX_TOKEN)@{host}:{port}"
