@@ -19,6 +19,8 @@ have mmdebstrap || need+=(mmdebstrap)
 have bwrap || need+=(bubblewrap)
 # the test images copy /bin/busybox into containers: it must be the statically linked build
 dpkg-query -W -f='${Status}' busybox-static 2>/dev/null | grep -q 'install ok installed' || need+=(busybox-static)
+# tests/render: Debian docker-compose 1.29 brings compose.yaml up against the private dockerd
+have docker-compose || need+=(docker-compose)
 [ ${#need[@]} -eq 0 ] && exit 0
 if [ "$(id -u)" != 0 ]; then
   echo "missing Debian packages (run as root to install): ${need[*]}" >&2

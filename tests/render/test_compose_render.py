@@ -1,0 +1,69 @@
+"""`runtime render compose`: the repository's compose.yaml is exactly what the renderer writes (so the
+file the docker-compose test brings up is the file the code vouches for), its addresses stay inside
+198.18.0.0/15, and the agent sits only on internal networks whose one other member is the gateway."""
+
+from __future__ import annotations
+
+import ipaddress
+from pathlib import Path
+
+import pytest
+import yaml
+
+from egressgate.config import GatewayConfig
+
+from .conftest import POLICIES, ROOT, cli
+
+BENCH = ipaddress.ip_network("198.18.0.0/15")
+
+
+def rendered(tmp_path: Path, *args: str) -> Path:
+    out = tmp_path / "out"
+    res = cli("runtime", "render", "compose", "--policies", str(POLICIES), "--policy", "example-agent",
+              "--out", str(out), *args)
+    assert res.returncode == 0, res.stderr
+    return out
+
+
+def test_repository_compose_files_are_the_rendered_ones(tmp_path):
+    out = rendered(tmp_path)
+    for name in ("compose.yaml", "deploy/compose/gateway.yaml", "deploy/compose/policies/example-agent.yaml"):
+        assert (ROOT / name).read_text() == (out / name).read_text(), (
+            f"{name} is stale: egressgate runtime render compose --policy example-agent --out .")
+    GatewayConfig.model_validate(yaml.safe_load((ROOT / "deploy/compose/gateway.yaml").read_text()))
+
+
+def test_agent_only_way_out_is_the_gateway(tmp_path):
+    doc = yaml.safe_load((rendered(tmp_path) / "compose.yaml").read_text())
+    services, networks = doc["services"], doc["networks"]
+    for name, net in networks.items():
+        for cfg in net["ipam"]["config"]:
+            assert ipaddress.ip_network(cfg["subnet"]).subnet_of(BENCH), name
+    agent_nets = set(services["agent"]["networks"])
+    assert agent_nets and all(networks[n]["internal"] is True for n in agent_nets)
+    # the internal bridges carry no host address: no default route to the daemon's namespace either
+    assert all(networks[n]["driver_opts"]["com.docker.network.bridge.inhibit_ipv4"] == "true" for n in agent_nets)
+    members = {n: {s for s, spec in services.items() if n in spec.get("networks", {})} for n in agent_nets}
+    assert all(m == {"agent", "gateway"} for m in members.values()), members
+    outside = [s for s, spec in services.items() if any(not networks[n]["internal"] for n in spec.get("networks", {}))]
+    assert outside == ["gateway"]
+    agent = services["agent"]
+    assert agent["cap_drop"] == ["ALL"] and "no-new-privileges:true" in agent["security_opt"]
+    assert agent["read_only"] is True and agent["user"] == "65532:65532"
+    assert "network_mode" not in agent and "privileged" not in agent
+    # the admin API is not published anywhere; only `admit` shares the gateway's namespace
+    assert not any("ports" in spec for spec in services.values())
+    assert [s for s, spec in services.items() if "network_mode" in spec] == ["admit"]
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--subnet", "10.0.0.0/22"], "--subnet must be a /22 or larger inside 198.18.0.0/15"),
+    (["--subnet", "198.18.64.0/24"], "--subnet must be a /22 or larger"),
+    (["--subnet", "nonsense"], "--subnet 'nonsense' is not a network"),
+    (["--config-dir", "../elsewhere"], "--config-dir must be a relative path below the compose file"),
+])
+def test_bad_inputs_fail_clearly(tmp_path, args, message):
+    res = cli("runtime", "render", "compose", "--policies", str(POLICIES), "--policy", "example-agent",
+              "--out", str(tmp_path / "out"), *args)
+    assert res.returncode == 2 and message in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr and not (tmp_path / "out").exists()
