@@ -44,10 +44,23 @@ def inside_env(admitted: dict[str, str], sandbox_id: str, address: SandboxAddres
     return env, Path(bundle)
 
 
+def command_allowed(name: str, allowed: list[str]) -> bool:
+    """`python` in `execution.commands` also admits `python3` and `python3.12`: a version suffix (digits
+    and dots) names the same program, and distributions ship only the versioned name. Nothing else is
+    stretched: `python3-config`, `pythonw` or a path that merely ends in an allowed name do not match."""
+    for entry in allowed:
+        if name == entry:
+            return True
+        suffix = name.removeprefix(entry)
+        if suffix != name and suffix[:1].isdigit() and all(part.isdigit() for part in suffix.split(".")):
+            return True
+    return False
+
+
 def check_command(command: tuple[str, ...], execution: dict[str, Any]) -> None:
-    """`execution.commands` non-empty: the command's basename must be one of them (exact match)."""
+    """`execution.commands` non-empty: the command's basename must be one of them (see command_allowed)."""
     allowed = execution.get("commands") or []
-    if allowed and os.path.basename(command[0]) not in allowed:
+    if allowed and not command_allowed(os.path.basename(command[0]), allowed):
         raise SetupFailed(f"the policy allows only the commands {', '.join(allowed)} (execution.commands); "
                           f"{os.path.basename(command[0])!r} is not one of them")
 
