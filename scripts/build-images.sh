@@ -31,8 +31,11 @@ py_minor=$("$PYTHON" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_
 
 # 1. base
 if ! "$DOCKER" image inspect "egressgate-base:$SUITE" >/dev/null 2>&1; then
-  if [ ! -s "$OUT/base-$SUITE.tar" ]; then
-    mmdebstrap --quiet --variant=essential --include=python3,ca-certificates,curl,redis-server \
+  if [ ! -f "$OUT/base-$SUITE.tar" ] || [ ! -s "$OUT/base-$SUITE.tar" ]; then
+    # --format=tar: mmdebstrap guesses the format from the file name, and `.part` is no tar name (it
+    # would build a directory); a directory left by such a run is removed first
+    rm -rf "$OUT/base-$SUITE.tar" "$OUT/base-$SUITE.tar.part"
+    mmdebstrap --quiet --format=tar --variant=essential --include=python3,ca-certificates,curl,redis-server \
       "$SUITE" "$OUT/base-$SUITE.tar.part" "$MIRROR"
     mv "$OUT/base-$SUITE.tar.part" "$OUT/base-$SUITE.tar"
   fi

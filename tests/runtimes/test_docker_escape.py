@@ -34,12 +34,13 @@ def run_in(gateway: Gateway, dockerd: Dockerd, runtime: str, *command: str, poli
 def test_admission_checks_inside(gateway: Gateway, dockerd: Dockerd, runtime: str) -> None:
     checks = [["env"], ["exists", "/var/run/docker.sock"], ["exists", "/run/docker.sock"],
               ["open", "/etc/shadow", "r"], ["uid"], ["open", "/etc/hosts", "a"], ["open", "/etc/resolv.conf", "a"]]
-    res = run_in(gateway, dockerd, runtime, *probe_argv(checks))
+    res = run_in(gateway, dockerd, runtime, *probe_argv(checks, hostile=False))  # the env the sandbox was given
     assert res.returncode == 0, res.stderr
     env, sock1, sock2, shadow, ident, hosts, resolv = parse(res.stdout)
     assert "AWS_SECRET_ACCESS_KEY" not in env["env"] and CALLER_SECRET not in json.dumps(env["env"])
     assert "NO_PROXY" not in env["env"] and "no_proxy" not in env["env"]
     assert env["env"]["EGRESSGATE_SANDBOX_ID"] == sandbox_id(res.stderr)
+    assert "198.18.0.2:1" not in env["env"]["HTTP_PROXY"]  # the caller's proxy setting did not leak in
     assert env["env"]["SSL_CERT_FILE"] == "/etc/egressgate/ca.pem"
     assert not sock1["ok"] and not sock2["ok"]
     assert shadow["ok"] is False and shadow["error"] in ("EACCES", "ENOENT")  # masked, or not in the image
