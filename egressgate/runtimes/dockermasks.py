@@ -5,9 +5,11 @@ Why a probe: a bind mount must match the kind of what it covers (a directory ove
 container start), and the kind depends on the image (and, for /proc and /sys, on the runtime: gVisor's
 are synthetic). HostConfig.MaskedPaths would replace the daemon's default masked /proc paths rather than
 add to them, so the image is asked once instead: a throwaway container (no network, no capability,
-read-only, our static busybox as the only program run) stats the paths. The answer is cached by image ID + runtime + paths under the state dir, so only the first run of
-an image pays for it (~0.3 s); later runs pay one image lookup over the socket (~1 ms). A path the
-image does not have needs no mask on a read-only root (the workload cannot create it); paths inside the workspace are judged on the host, where they live.
+read-only, our static busybox as the only program run) stats the paths. The answer is cached by image
+ID + runtime + paths under the state dir, so only the first run of an image pays for it (~0.3 s); later
+runs pay one image lookup over the socket (~1 ms). A path the image does not have needs no mask on a
+read-only root (the workload cannot create it); paths inside the workspace are judged on the host,
+where they live.
 """
 
 from __future__ import annotations
