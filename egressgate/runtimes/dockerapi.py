@@ -3,8 +3,8 @@
 Why not the docker CLI: each fork of the Go CLI costs 25-40 ms of start-up before it sends one request,
 and a `sandbox run` needs six or more (create+start, inspect, logs, wait, inspect, rm): most of the
 docker runtime's start-up overhead (loadtests/RESULTS.md). The same requests over the socket cost about
-a millisecond each. http.client is already imported by `sandbox run` (urllib, for admission), so this
-adds no import time.
+a millisecond each, with a small HTTP/1.1 reader of its own (see _Response: http.client would add
+~20 ms of imports).
 
 Why unix sockets only: a `tcp://` daemon socket without TLS is root on the host for anyone who can reach
 it, and egressgate would have to carry the CLI's TLS settings to talk to one safely; `ssh://` needs the
@@ -18,7 +18,6 @@ fails closed with exit 120 and one readable line, never a traceback.
 from __future__ import annotations
 
 import contextlib
-import http.client
 import json
 import os
 import socket
@@ -29,6 +28,8 @@ from urllib.parse import quote, urlencode
 DEFAULT_DOCKER_HOST = "unix:///var/run/docker.sock"
 MIN_API = (1, 25)  # HostConfig.Init, Mounts: what containers/create needs
 TIMEOUT = 60.0
+MAX_LINE = 65536  # one status/header/chunk-size line
+MAX_HEADERS = 100
 
 
 class DockerError(RuntimeError):
@@ -49,22 +50,88 @@ def socket_path(host: str) -> str:
                       f"its unix socket only (set runtime.docker_host or DOCKER_HOST to unix:///path/to/docker.sock)")
 
 
-class _UnixConnection(http.client.HTTPConnection):
-    """HTTP/1.1 over a unix stream socket (the Host header is a placeholder the daemon ignores)."""
+class HTTPError(OSError):
+    """The daemon's answer is not well-formed HTTP/1.1."""
 
-    def __init__(self, path: str, timeout: float | None) -> None:
-        super().__init__("localhost", timeout=timeout)
-        self._path = path
 
-    def connect(self) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.settimeout(self.timeout)
-            sock.connect(self._path)
-        except BaseException:
-            sock.close()
-            raise
+class _Response:
+    """One HTTP/1.1 response read from a unix socket (the request said `Connection: close`). A hand-made
+    reader, not http.client: that module pulls in the email package (~20 ms of `sandbox run` start-up,
+    which no longer imports urllib). Bodies are Content-Length, chunked (wait, logs) or until EOF."""
+
+    def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
+        self._file = sock.makefile("rb")
+        line = self._line()
+        parts = line.split(None, 2)
+        if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
+            raise HTTPError(f"not an HTTP response: {line[:80]!r}")
+        self.status = int(parts[1])
+        self.headers: dict[str, str] = {}
+        for _ in range(MAX_HEADERS):
+            line = self._line()
+            if not line:
+                break
+            key, _, value = line.decode("latin-1").partition(":")
+            self.headers[key.strip().lower()] = value.strip()
+        else:
+            raise HTTPError("too many response headers")
+        self._chunked = "chunked" in self.headers.get("transfer-encoding", "").lower()
+        length = self.headers.get("content-length", "")
+        self._left: int | None = int(length) if length.isdigit() and not self._chunked else None
+        self._chunk_left = 0
+        self._eof = self.status in (204, 304) or self._left == 0
+
+    def _line(self) -> bytes:
+        line = self._file.readline(MAX_LINE + 1)
+        if len(line) > MAX_LINE:
+            raise HTTPError("response line too long")
+        if not line.endswith(b"\n"):
+            raise HTTPError("connection closed in the response head")
+        return line.rstrip(b"\r\n")
+
+    def getheader(self, name: str) -> str | None:
+        return self.headers.get(name.lower())
+
+    def read(self, n: int = -1) -> bytes:
+        """Up to n body bytes (all when n < 0); fewer only at the end of the body."""
+        out = bytearray()
+        while not self._eof and (n < 0 or len(out) < n):
+            want = (1 << 16) if n < 0 else n - len(out)
+            if self._chunked:
+                if self._chunk_left == 0:
+                    size = self._line().split(b";", 1)[0].strip()
+                    try:
+                        self._chunk_left = int(size, 16)
+                    except ValueError:
+                        raise HTTPError(f"bad chunk size {size[:20]!r}") from None
+                    if self._chunk_left == 0:
+                        while self._line():  # trailers
+                            pass
+                        self._eof = True
+                        break
+                data = self._file.read(min(want, self._chunk_left))
+                if not data:
+                    raise HTTPError("connection closed inside a chunk")
+                self._chunk_left -= len(data)
+                if self._chunk_left == 0:
+                    self._line()  # the CRLF after the chunk
+            elif self._left is not None:
+                data = self._file.read(min(want, self._left))
+                if not data:
+                    raise HTTPError("connection closed before the end of the body")
+                self._left -= len(data)
+                self._eof = self._left == 0
+            else:
+                data = self._file.read1(want) if n < 0 else self._file.read(want)
+                if not data:
+                    self._eof = True
+            out += data
+        return bytes(out)
+
+    def close(self) -> None:
+        self._file.close()
+        self.sock.close()
 
 
 class DockerAPI:
@@ -77,19 +144,22 @@ class DockerAPI:
         self._prefix: str | None = None
 
     # ------------------------------------------------------------------------------ transport
-    def _open(self, method: str, url: str, body: object | None, timeout: float | None,
-              call: str) -> tuple[_UnixConnection, http.client.HTTPResponse]:
-        conn = _UnixConnection(self.path, timeout)
-        data = None if body is None else json.dumps(body).encode()
-        headers = {"Content-Type": "application/json"} if data is not None else {}
+    def _open(self, method: str, url: str, body: object | None, timeout: float | None, call: str) -> _Response:
+        data = b"" if body is None else json.dumps(body).encode()
+        head = f"{method} {url} HTTP/1.1\r\nHost: docker\r\nConnection: close\r\nContent-Length: {len(data)}\r\n"
+        if body is not None:
+            head += "Content-Type: application/json\r\n"
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            conn.request(method, url, body=data, headers=headers)
-            return conn, conn.getresponse()
+            sock.settimeout(timeout)
+            sock.connect(self.path)
+            sock.sendall(head.encode("latin-1") + b"\r\n" + data)
+            return _Response(sock)
         except TimeoutError:
-            conn.close()
+            sock.close()
             raise
-        except (OSError, http.client.HTTPException) as exc:
-            conn.close()
+        except OSError as exc:
+            sock.close()
             raise DockerError(f"docker API {call}: cannot reach the daemon at {self.host}: {exc}") from None
 
     def _url(self, path: str, query: dict[str, object] | None) -> str:
@@ -101,12 +171,14 @@ class DockerAPI:
     def _negotiate(self) -> str:
         """The daemon's own API version (GET /_ping's API-Version header, as the CLI negotiates it): every
         field sent here exists since 1.25, and a daemon's minimum may be above any version pinned today."""
-        conn, resp = self._open("GET", "/_ping", None, TIMEOUT, "ping")
+        resp = self._open("GET", "/_ping", None, TIMEOUT, "ping")
         try:
             resp.read()
             version = resp.getheader("API-Version") or ""
+        except OSError as exc:
+            raise DockerError(f"docker API ping: the connection to {self.host} broke: {exc}") from None
         finally:
-            conn.close()
+            resp.close()
         try:
             parsed = tuple(int(p) for p in version.split("."))
         except ValueError:
@@ -122,15 +194,15 @@ class DockerAPI:
     def call(self, method: str, path: str, call: str, *, query: dict[str, object] | None = None,
              body: object | None = None, timeout: float | None = TIMEOUT, ok: tuple[int, ...] = ()) -> object:
         """One request; the decoded JSON answer (None when empty). Statuses >= 400 not in `ok` raise."""
-        conn, resp = self._open(method, self._url(path, query), body, timeout, call)
+        resp = self._open(method, self._url(path, query), body, timeout, call)
         try:
             raw = resp.read()
         except TimeoutError:
             raise
-        except (OSError, http.client.HTTPException) as exc:
+        except OSError as exc:
             raise DockerError(f"docker API {call}: the connection to {self.host} broke: {exc}") from None
         finally:
-            conn.close()
+            resp.close()
         if resp.status >= 400 and resp.status not in ok:
             message = _message(raw)
             kind = NotFound if resp.status == 404 else DockerError
@@ -193,37 +265,35 @@ class DockerAPI:
         big-endian length) before each frame."""
         url = self._url(f"/containers/{quote(ref)}/logs",
                         {"stdout": "1", "stderr": "1", "follow": "1" if follow else "0"})
-        conn, resp = self._open("GET", url, None, timeout, f"logs {ref}")
+        resp = self._open("GET", url, None, timeout, f"logs {ref}")
         try:
             if resp.status >= 400:
                 raise DockerError(f"docker API logs {ref} failed (HTTP {resp.status}): {_message(resp.read())}")
             yield from _frames(resp.read)
         finally:
-            conn.close()
+            resp.close()
 
     def log_stream(self, ref: str) -> tuple[Callable[[], None], Iterator[tuple[int, bytes]]]:
         """Follow the logs in a thread that can be stopped: (close, frames). close() shuts the socket
         down, which ends the iteration in the other thread."""
         url = self._url(f"/containers/{quote(ref)}/logs", {"stdout": "1", "stderr": "1", "follow": "1"})
-        conn, resp = self._open("GET", url, None, None, f"logs {ref}")
+        resp = self._open("GET", url, None, None, f"logs {ref}")
         if resp.status >= 400:
             message = _message(resp.read())
-            conn.close()
+            resp.close()
             raise DockerError(f"docker API logs {ref} failed (HTTP {resp.status}): {message}")
 
         def close() -> None:
-            sock = conn.sock
-            if sock is not None:
-                with contextlib.suppress(OSError):
-                    sock.shutdown(socket.SHUT_RDWR)
+            with contextlib.suppress(OSError):
+                resp.sock.shutdown(socket.SHUT_RDWR)
 
         def frames() -> Iterator[tuple[int, bytes]]:
             try:
                 yield from _frames(resp.read)
-            except (OSError, ValueError, http.client.HTTPException):
+            except (OSError, ValueError):
                 return
             finally:
-                conn.close()
+                resp.close()
 
         return close, frames()
 
