@@ -91,7 +91,10 @@ class DockerAdapter:
 
     # ------------------------------------------------------------------------------ prepare
     def limit_flags(self, resources: dict) -> list[str]:
-        """Docker's flags for `sandbox.resources` (runtimes/limits.py)."""
+        """Docker's flags for `sandbox.resources` (runtimes/limits.py). No limit set: nothing to translate,
+        and limits.py (with cgroups.py, ~10 ms of imports) stays out of `sandbox run`'s start-up."""
+        if all(value is None for value in resources.values()):
+            return []
         from egressgate.runtimes.limits import docker_flags
 
         return docker_flags(resources)
