@@ -257,7 +257,10 @@ class DockerAdapter:
         except TimeoutError:
             self._killed_by = Limit.WALL_TIME
             self.kill()
-            code = self.api.wait(self.container or "", 60.0)
+            try:
+                code = self.api.wait(self.container or "", 60.0)
+            except TimeoutError:
+                raise DockerError(f"container {self.container} did not exit within 60 s of SIGKILL") from None
         self._stop_watch.set()
         self._stop_logs(grace=5.0)  # the stream ends with the container: let it copy the tail
         state = self._inspect().get("State") or {}

@@ -192,17 +192,23 @@ class DockerAPI:
         return version
 
     def call(self, method: str, path: str, call: str, *, query: dict[str, object] | None = None,
-             body: object | None = None, timeout: float | None = TIMEOUT, ok: tuple[int, ...] = ()) -> object:
-        """One request; the decoded JSON answer (None when empty). Statuses >= 400 not in `ok` raise."""
-        resp = self._open(method, self._url(path, query), body, timeout, call)
+             body: object | None = None, timeout: float | None = TIMEOUT, ok: tuple[int, ...] = (),
+             timeout_raises: bool = False) -> object:
+        """One request; the decoded JSON answer (None when empty). Statuses >= 400 not in `ok` raise. No
+        answer within `timeout`: a DockerError naming the call, or TimeoutError with `timeout_raises`
+        (for a deadline the caller acts on)."""
         try:
-            raw = resp.read()
+            resp = self._open(method, self._url(path, query), body, timeout, call)
+            try:
+                raw = resp.read()
+            finally:
+                resp.close()
         except TimeoutError:
-            raise
+            if timeout_raises:
+                raise
+            raise DockerError(f"docker API {call}: no answer from {self.host} within {timeout} s") from None
         except OSError as exc:
             raise DockerError(f"docker API {call}: the connection to {self.host} broke: {exc}") from None
-        finally:
-            resp.close()
         if resp.status >= 400 and resp.status not in ok:
             message = _message(raw)
             kind = NotFound if resp.status == 404 else DockerError
@@ -233,7 +239,7 @@ class DockerAPI:
     def wait(self, ref: str, timeout: float | None) -> int:
         """The exit status once the container is not running; TimeoutError after `timeout` seconds."""
         out = self.call("POST", f"/containers/{quote(ref)}/wait", f"wait {ref}", query={"condition": "not-running"},
-                        timeout=timeout)
+                        timeout=timeout, timeout_raises=True)
         if not isinstance(out, dict) or "StatusCode" not in out:
             raise DockerError(f"docker API wait {ref}: unexpected answer {out!r}")
         error = (out.get("Error") or {}).get("Message") if isinstance(out.get("Error"), dict) else None

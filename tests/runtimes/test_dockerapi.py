@@ -180,3 +180,40 @@ def test_limit_flags_become_host_config(dockerd: Dockerd) -> None:
     finally:
         api.remove(ours)
         api.remove(theirs)
+
+
+def test_a_daemon_that_stops_answering_is_a_named_error(tmp_path: Path) -> None:
+    """A daemon that answers the ping and then hangs: the call ends at its timeout with a DockerError
+    naming it (exit 120 in `sandbox run`), not a bare TimeoutError; wait's deadline stays a TimeoutError
+    (the adapter turns it into the wall-time kill)."""
+    path = tmp_path / "egA-hang.sock"
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(str(path))
+    srv.listen(8)
+    held: list[socket.socket] = []
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                return
+            if b"/_ping" in conn.recv(4096):
+                conn.sendall(b"HTTP/1.1 200 OK\r\nApi-Version: 1.41\r\nContent-Length: 2\r\n\r\nOK")
+                conn.close()
+            else:
+                held.append(conn)  # never answered
+
+    threading.Thread(target=serve, daemon=True).start()
+    api = DockerAPI(f"unix://{path}")
+    try:
+        begin = time.monotonic()
+        with pytest.raises(DockerError, match=r"docker API inspect egA-x: no answer from unix://.* within 0.3 s"):
+            api.call("GET", "/containers/egA-x/json", "inspect egA-x", timeout=0.3)
+        with pytest.raises(TimeoutError):
+            api.wait("egA-x", 0.3)
+        assert time.monotonic() - begin < 5
+    finally:
+        srv.close()
+        for conn in held:
+            conn.close()
