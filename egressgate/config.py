@@ -184,16 +184,16 @@ class RuntimeSection(_Strict):
     subnet: str = "198.18.128.0/17"
     # run records (for `sandbox gc`), address slots, generated /etc files of each run
     state_dir: str = "/run/egressgate"
-    # the Docker daemon of `--runtime docker|gvisor` (DOCKER_HOST syntax); None: the DOCKER_HOST of
-    # `sandbox run`, else unix:///var/run/docker.sock
+    # the Docker daemon of `--runtime docker|gvisor` (unix:///path only: runtimes/dockerapi.py talks to a
+    # local daemon over its socket); None: the DOCKER_HOST of `sandbox run`, else unix:///var/run/docker.sock
     docker_host: str | None = None
 
     @field_validator("docker_host")
     @classmethod
     def _docker_host(cls, value: str | None) -> str | None:
-        if value is not None and not value.startswith(("unix:///", "tcp://", "ssh://", "fd://")):
-            raise ValueError(f"runtime.docker_host must be a DOCKER_HOST URL (unix:///..., tcp://..., ssh://...), "
-                             f"got {value!r}")
+        if value is not None and not value.startswith("unix:///"):
+            raise ValueError(f"runtime.docker_host must be a local daemon's unix socket (unix:///path/to/docker.sock)"
+                             f"; tcp://, ssh:// and fd:// are not supported, got {value!r}")
         return value
 
     @field_validator("subnet")

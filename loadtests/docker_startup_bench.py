@@ -7,6 +7,10 @@ runtime tests do. Run as root:
 
     PYTHONPATH=$PWD:$PWD/tests .venv/bin/python -m loadtests.docker_startup_bench [--runs 15]
 
+With `--baseline TREE` (a checkout of an earlier commit, e.g. `git archive h10-docker | tar -x -C TREE`)
+each round also runs TREE's `sandbox run` (PYTHONPATH=TREE), so before and after are measured interleaved
+in one invocation, under the same machine noise.
+
 Prints one JSON object (medians in ms, overhead, ratio) and writes it to
 loadtests/results/docker_startup.json.
 """
@@ -44,6 +48,7 @@ def timed(argv: list[str], env: dict[str, str]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=15)
+    parser.add_argument("--baseline", type=Path, help="an earlier source tree to time interleaved")
     args = parser.parse_args()
     results: dict[str, object] = {"runs": args.runs}
     with tempfile.TemporaryDirectory(prefix="egD-bench-") as tmp, running(Path(tmp) / "dockerd") as dockerd:
@@ -59,17 +64,30 @@ def main() -> None:
                         "none", *oci, img, "true"]
                 ours = gw.cmd("sandbox", "run", "--config", str(gw.config), "--policy", "bench", "--runtime",
                               runtime, "--image", img, "--", "true")
+                base_env = None
+                if args.baseline:
+                    base_env = {**env, "PYTHONPATH": f"{args.baseline}:{args.baseline / 'tests'}"}
                 timed(bare, env), timed(ours, env)  # warm-up (image probe cache, page cache)
-                b, o = [], []
-                for _ in range(args.runs):  # interleaved: machine noise hits both alike
+                if base_env:
+                    timed(ours, base_env)
+                b, o, old = [], [], []
+                for _ in range(args.runs):  # interleaved: machine noise hits all alike
                     b.append(timed(bare, env))
                     o.append(timed(ours, env))
+                    if base_env:
+                        old.append(timed(ours, base_env))
                 mb, mo = statistics.median(b), statistics.median(o)
                 results[runtime] = {"bare_ms": round(mb, 1), "sandbox_run_ms": round(mo, 1),
                                     "overhead_ms": round(mo - mb, 1), "ratio": round(mo / mb, 2),
+                                    "bare_all_ms": [round(x) for x in b], "sandbox_run_all_ms": [round(x) for x in o],
                                     "bare_cmd": "docker run --rm --network none " + " ".join([*oci, img, "true"]),
                                     "sandbox_cmd": f"egressgate sandbox run --policy bench --runtime {runtime} "
                                                    f"--image {img} -- true"}
+                if old:
+                    mold = statistics.median(old)
+                    results[runtime].update({"baseline_sandbox_run_ms": round(mold, 1),  # type: ignore[union-attr]
+                                             "baseline_overhead_ms": round(mold - mb, 1),
+                                             "baseline_all_ms": [round(x) for x in old]})
             # reference: the same `sandbox run` with the netns runtime (admission, plumbing, revocation
             # without any container): the part of the overhead that is not the docker adapter's
             ours = gw.cmd("sandbox", "run", "--config", str(gw.config), "--policy", "bench", "--", "/bin/true")

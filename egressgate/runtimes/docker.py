@@ -8,18 +8,20 @@ exec-ing the command. A FIFO would wake it sooner but gVisor's gofer refuses to 
 (EPERM); a polled file works under both runc and runsc (verified), for a start latency of ≤ 10 ms.
 Nothing of the image runs before the file exists, and only root on the host can create it.
 
-Isolation (each rule enforced here, on the `docker run --detach` command line):
-* `--network none`: the container's namespace has only `lo` until the plumbing adds its veth;
-* `--cap-drop ALL --security-opt no-new-privileges --user 65534:65534 --init`: no capability (no raw
+Isolation (each rule enforced here, in the containers/create request of the Engine API, sent over the
+daemon's unix socket by runtimes/dockerapi.py; no docker CLI is forked):
+* NetworkMode `none`: the container's namespace has only `lo` until the plumbing adds its veth;
+* CapDrop ALL, SecurityOpt no-new-privileges, User 65534:65534, Init: no capability (no raw
   sockets, no route or nftables changes), setuid binaries do not raise privileges, never root, and a
   PID 1 that forwards signals and reaps;
-* `--read-only` when `sandbox.root_fs: read_only`; tmpfs `/tmp`; the workspace read-write at
+* ReadonlyRootfs when `sandbox.root_fs: read_only`; tmpfs `/tmp`; the workspace read-write at
   `sandbox.workspace.path`; the CA bundle, `/etc/resolv.conf` (`nameserver <host_ip>`) and
   `/etc/hosts` bind-mounted read-only;
 * `filesystem.deny` paths and the docker/containerd sockets are covered by an empty read-only file or
   directory (mode 000 / 555, owned by root); no docker.sock is ever mounted;
-* resources from `sandbox.resources` (runtimes/limits.py `docker_flags`); the environment is exactly
-  RunSpec.env, passed by a 0600 file (never on a command line other users can read in /proc).
+* resources from `sandbox.resources` (runtimes/limits.py `docker_flags`, translated to HostConfig by
+  `host_config_limits`); the environment is exactly RunSpec.env, in the request body (never on a
+  command line other users can read in /proc).
 
 Every container carries the label `egressgate.run=<run_id>` and is named `egressgate-<run_id>`, so
 `sandbox gc` finds leftovers by label even when the run record is gone.
@@ -27,65 +29,39 @@ Every container carries the label `egressgate.run=<run_id>` and is named `egress
 
 from __future__ import annotations
 
-import json
+import contextlib
 import os
 import select
 import shutil
-import signal
-import subprocess
 import threading
 import time
 from pathlib import Path
 
 from egressgate.runtimes import dockermasks, records
 from egressgate.runtimes.base import CA_PATH_IN_SANDBOX, SANDBOX_UID, ExitInfo, Limit, RunSpec
+from egressgate.runtimes.dockerapi import (
+    DEFAULT_DOCKER_HOST,
+    DockerAPI,
+    DockerError,
+    bind,
+    host_config_limits,
+    write_all,
+)
 
-DOCKER_CLI = "/usr/bin/docker"
-DEFAULT_DOCKER_HOST = "unix:///var/run/docker.sock"
+__all__ = ["DEFAULT_DOCKER_HOST", "DockerAdapter", "DockerError", "GvisorAdapter", "docker_host"]
+
 BUSYBOX = "/usr/bin/busybox"  # Debian busybox-static: runs in any image
 LABEL = "egressgate.run"
 NAME_PREFIX = "egressgate-"
 INSIDE = "/.egressgate"  # where the holder and its barrier directory are mounted
 HOLD = f'while [ ! -e {INSIDE}/hold/go ]; do usleep 10000; done; exec "$@"'
-CLI_TIMEOUT = 60.0
 ALWAYS_MASKED = ("/var/run/docker.sock", "/run/docker.sock", "/run/containerd/containerd.sock")
 
 
-class DockerError(RuntimeError):
-    """The docker CLI failed; the message carries its stderr (setup fails closed with it)."""
-
-
 def docker_host() -> str:
-    """The daemon `sandbox run` talks to: $DOCKER_HOST, else Docker's default socket."""
+    """The daemon `sandbox run` talks to: $DOCKER_HOST, else Docker's default socket (run.py puts the
+    gateway's runtime.docker_host first)."""
     return os.environ.get("DOCKER_HOST") or DEFAULT_DOCKER_HOST
-
-
-def _die_with_parent() -> None:
-    """In the log follower (preexec): SIGKILL it when `sandbox run` dies, even by SIGKILL — it would
-    otherwise keep the caller's stdout/stderr open and print the orphaned container's output."""
-    import ctypes
-
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
-def _cli_env(host: str) -> dict[str, str]:
-    """A minimal environment for the CLI: no inherited DOCKER_* setting points it elsewhere."""
-    env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "DOCKER_HOST": host, "HOME": os.environ.get("HOME", "/root")}
-    if os.environ.get("DOCKER_CONFIG"):
-        env["DOCKER_CONFIG"] = os.environ["DOCKER_CONFIG"]
-    return env
-
-
-def docker(host: str, *args: str, timeout: float = CLI_TIMEOUT, check: bool = True) -> subprocess.CompletedProcess[str]:
-    """Run the docker CLI against `host`; failures raise DockerError with its stderr when `check`."""
-    try:
-        res = subprocess.run([DOCKER_CLI, *args], capture_output=True, text=True, timeout=timeout,
-                             env=_cli_env(host), check=False)
-    except FileNotFoundError:
-        raise DockerError(f"{DOCKER_CLI} not found: install the docker CLI (Debian docker.io)") from None
-    if check and res.returncode != 0:
-        raise DockerError(f"docker {args[0]} failed ({res.returncode}): {res.stderr.strip()[-1500:]}")
-    return res
 
 
 class DockerAdapter:
@@ -102,11 +78,23 @@ class DockerAdapter:
         self._pids_hit = threading.Event()
         self._stop_watch = threading.Event()
         self._killed_by: Limit | None = None
-        self._logs: subprocess.Popen[bytes] | None = None
+        self._logs: threading.Thread | None = None
+        self._close_logs = lambda: None
+        self._api: DockerAPI | None = None
+
+    @property
+    def api(self) -> DockerAPI:
+        """The client of self.host (created on first use: run.py may replace host after __init__)."""
+        if self._api is None or self._api.host != self.host:
+            self._api = DockerAPI(self.host)
+        return self._api
 
     # ------------------------------------------------------------------------------ prepare
     def limit_flags(self, resources: dict) -> list[str]:
-        """Docker's flags for `sandbox.resources` (runtimes/limits.py)."""
+        """Docker's flags for `sandbox.resources` (runtimes/limits.py). No limit set: nothing to translate,
+        and limits.py (with cgroups.py, ~10 ms of imports) stays out of `sandbox run`'s start-up."""
+        if all(value is None for value in resources.values()):
+            return []
         from egressgate.runtimes.limits import docker_flags
 
         return docker_flags(resources)
@@ -116,6 +104,7 @@ class DockerAdapter:
             raise DockerError(f"--runtime {self.name} needs --image (the container image to run)")
         if not Path(BUSYBOX).is_file():
             raise DockerError(f"{BUSYBOX} is missing: install Debian busybox-static (it holds the workload)")
+        api = self.api  # refuses a non-unix host before anything is created
         self.container = NAME_PREFIX + spec.run_id
         self.run_dir = run_dir = spec.state_dir / "docker" / spec.run_id
         run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -123,14 +112,12 @@ class DockerAdapter:
         hold.mkdir(mode=0o755, exist_ok=True)
         hold.chmod(0o755)
         (hold / "go").unlink(missing_ok=True)
-        args = self.create_args(spec, run_dir)
+        config = self.create_config(spec, run_dir)
         # recorded before it exists: `sandbox gc` removes it if this process dies from here on
         records.update(spec.state_dir, spec.run_id, **self.record())
-        try:  # create + start in one CLI call (each call costs ~40 ms): only the holder runs
-            docker(self.host, "run", "--detach", *args)
-        finally:
-            (run_dir / "env").unlink(missing_ok=True)
-        state = self._inspect()["State"]
+        api.create(self.container, config)
+        api.start(self.container)  # only the holder runs
+        state = api.inspect(self.container).get("State") or {}
         if not state.get("Running") or not state.get("Pid"):
             raise DockerError(f"container {self.container} did not stay running: {state.get('Error') or state}")
         self.pid = int(state["Pid"])
@@ -139,13 +126,15 @@ class DockerAdapter:
         if os.readlink(f"/proc/{self.pid}/ns/net") == os.readlink("/proc/self/ns/net"):
             raise DockerError(f"container {self.container} shares the caller's network namespace")
         threading.Thread(target=self._watch_pids, daemon=True).start()
-        # the workload's stdout/stderr become ours (`docker logs -f` replays from the container's start,
-        # so nothing written before it connects is lost; the holder itself writes nothing)
-        self._logs = subprocess.Popen([DOCKER_CLI, "logs", "--follow", self.container],
-                                      env=_cli_env(self.host), stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+        # the workload's stdout/stderr become ours (the log stream replays from the container's start, so
+        # nothing written before it connects is lost; the holder itself writes nothing). A thread, not a
+        # process: it dies with `sandbox run`, even by SIGKILL, and never prints an orphan's output.
+        self._close_logs, frames = api.log_stream(self.container)
+        self._logs = threading.Thread(target=_copy_frames, args=(frames,), daemon=True)
+        self._logs.start()
 
-    def create_args(self, spec: RunSpec, run_dir: Path) -> list[str]:
-        """The `docker run --detach` arguments (pure apart from the files it writes into run_dir)."""
+    def create_config(self, spec: RunSpec, run_dir: Path) -> dict:
+        """The containers/create body (pure apart from the files it writes into run_dir)."""
         sandbox = spec.policy.get("sandbox") or {}
         ws_path = (sandbox.get("workspace") or {}).get("path")
         hostname = str(sandbox.get("name") or "sandbox")
@@ -156,46 +145,48 @@ class DockerAdapter:
         for name, text in etc.items():
             (run_dir / name).write_text(text)
             (run_dir / name).chmod(0o444)
-        env_file = run_dir / "env"
-        fd = os.open(env_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            for key, value in spec.env.items():
-                if "\n" in value or "\n" in key or "=" in key:
-                    raise DockerError(f"environment variable {key!r} cannot be passed to docker (newline or '=')")
-                fh.write(f"{key}={value}\n")
-        args = [
-            "--name", self.container or NAME_PREFIX + spec.run_id,
-            "--label", f"{LABEL}={spec.run_id}", "--label", f"egressgate.sandbox={spec.sandbox_id}",
-            "--network", "none", "--cap-drop", "ALL", "--security-opt", "no-new-privileges",
-            "--user", f"{SANDBOX_UID}:{SANDBOX_UID}", "--init", "--hostname", hostname,
-            "--env-file", str(env_file),
-            "--tmpfs", "/tmp:rw,nosuid,nodev,mode=1777",  # noqa: S108 - the container's own tmpfs
-            "--mount", f"type=bind,src={BUSYBOX},dst={INSIDE}/busybox,readonly",
-            "--mount", f"type=bind,src={run_dir / 'hold'},dst={INSIDE}/hold,readonly",
-            "--mount", f"type=bind,src={spec.ca_bundle},dst={CA_PATH_IN_SANDBOX},readonly",
-            "--mount", f"type=bind,src={run_dir / 'resolv.conf'},dst=/etc/resolv.conf,readonly",
-            "--mount", f"type=bind,src={run_dir / 'hosts'},dst=/etc/hosts,readonly",
+        env: list[str] = []
+        for key, value in spec.env.items():
+            if not key or "=" in key or "\0" in key or "\0" in value:
+                raise DockerError(f"environment variable {key!r} cannot be passed to docker ('=' or NUL)")
+            env.append(f"{key}={value}")
+        mounts = [
+            bind(BUSYBOX, f"{INSIDE}/busybox"),
+            bind(run_dir / "hold", f"{INSIDE}/hold"),
+            bind(spec.ca_bundle, CA_PATH_IN_SANDBOX),
+            bind(run_dir / "resolv.conf", "/etc/resolv.conf"),
+            bind(run_dir / "hosts", "/etc/hosts"),
         ]
-        if sandbox.get("root_fs", "read_only") == "read_only":
-            args.append("--read-only")
+        config: dict = {
+            "Image": spec.image, "Hostname": hostname, "User": f"{SANDBOX_UID}:{SANDBOX_UID}", "Env": env,
+            "Labels": {LABEL: spec.run_id, "egressgate.sandbox": spec.sandbox_id},
+            "Entrypoint": [f"{INSIDE}/busybox"],
+            "Cmd": ["sh", "-c", HOLD, "egressgate-hold", *spec.command],
+            "AttachStdin": False, "AttachStdout": False, "AttachStderr": False, "Tty": False, "OpenStdin": False,
+        }
+        host: dict = {
+            "NetworkMode": "none", "CapDrop": ["ALL"], "SecurityOpt": ["no-new-privileges"], "Init": True,
+            "ReadonlyRootfs": sandbox.get("root_fs", "read_only") == "read_only",
+            "Tmpfs": {"/tmp": "rw,nosuid,nodev,mode=1777"},  # noqa: S108 - the container's own tmpfs
+            "Mounts": mounts,
+        }
         if spec.workspace is not None:
             if not ws_path:
                 raise DockerError("a workspace was given but the policy has no sandbox.workspace.path")
-            args += ["--mount", f"type=bind,src={spec.workspace},dst={ws_path}", "--workdir", ws_path]
+            mounts.append(bind(spec.workspace, ws_path, readonly=False))
+            config["WorkingDir"] = ws_path
         deny = list(dict.fromkeys([*ALWAYS_MASKED, *((spec.policy.get("filesystem") or {}).get("deny") or [])]))
         ws = (spec.workspace, ws_path) if spec.workspace is not None and ws_path else None
-        kinds = dockermasks.kinds(self.host, spec.image or "", deny, self.oci_runtime, spec.state_dir, ws)
-        args += dockermasks.mount_args(kinds, run_dir)
+        kinds = dockermasks.kinds(self.api, spec.image or "", deny, self.oci_runtime, spec.state_dir, ws)
+        mounts += dockermasks.mounts(kinds, run_dir)
         if self.oci_runtime:
-            args += ["--runtime", self.oci_runtime]
-        args += self.limit_flags(sandbox.get("resources") or {})
-        args += ["--entrypoint", f"{INSIDE}/busybox", spec.image, "sh", "-c", HOLD, "egressgate-hold",
-                 *spec.command]
-        return args
+            host["Runtime"] = self.oci_runtime
+        host.update(host_config_limits(self.limit_flags(sandbox.get("resources") or {})))
+        config["HostConfig"] = host
+        return config
 
     def _inspect(self) -> dict:
-        res = docker(self.host, "inspect", "--type", "container", self.container or "")
-        return json.loads(res.stdout)[0]
+        return self.api.inspect(self.container or "")
 
     def netns_path(self) -> str:
         """/proc/<pid>/ns/net of the container's first process (runc: docker-init; runsc: the sandbox
@@ -260,20 +251,19 @@ class DockerAdapter:
             os.close(fd)
 
     def wait(self, deadline: float | None) -> ExitInfo:
-        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        timeout = None if deadline is None else max(0.001, deadline - time.monotonic())
         try:
-            res = subprocess.run([DOCKER_CLI, "wait", self.container or ""], capture_output=True, text=True,
-                                 timeout=timeout, env=_cli_env(self.host), check=False)
-        except subprocess.TimeoutExpired:
+            code = self.api.wait(self.container or "", timeout)
+        except TimeoutError:
             self._killed_by = Limit.WALL_TIME
             self.kill()
-            res = docker(self.host, "wait", self.container or "", check=False)
+            try:
+                code = self.api.wait(self.container or "", 60.0)
+            except TimeoutError:
+                raise DockerError(f"container {self.container} did not exit within 60 s of SIGKILL") from None
         self._stop_watch.set()
-        self._stop_logs(grace=5.0)  # the follower ends with the container: let it flush the tail
-        if res.returncode != 0:
-            raise DockerError(f"docker wait failed: {res.stderr.strip()}")
-        state = self._inspect()["State"]
-        code = int(state.get("ExitCode", res.stdout.strip() or 0))
+        self._stop_logs(grace=5.0)  # the stream ends with the container: let it copy the tail
+        state = self._inspect().get("State") or {}
         limit = self._killed_by
         if limit is None and state.get("OOMKilled"):
             limit = Limit.MEMORY
@@ -286,24 +276,25 @@ class DockerAdapter:
 
     def kill(self) -> None:
         if self.container:
-            docker(self.host, "kill", self.container, check=False)
+            with contextlib.suppress(DockerError):  # best effort: wait() and teardown() report what is left
+                self.api.kill(self.container)
 
     def _stop_logs(self, grace: float) -> None:
         if self._logs is not None:
-            try:
-                self._logs.wait(grace)
-            except subprocess.TimeoutExpired:
-                self._logs.kill()
-                self._logs.wait()
+            self._logs.join(grace)
+            if self._logs.is_alive():
+                self._close_logs()
+                self._logs.join(1.0)
             self._logs = None
 
     def teardown(self) -> None:
         self._stop_watch.set()
         self._stop_logs(grace=0)
         if self.container:
-            res = docker(self.host, "rm", "-f", "-v", self.container, check=False)
-            if res.returncode != 0 and "No such container" not in res.stderr:
-                raise DockerError(f"could not remove container {self.container}: {res.stderr.strip()}")
+            try:
+                self.api.remove(self.container)
+            except DockerError as exc:
+                raise DockerError(f"could not remove container {self.container}: {exc}") from None
         if self.run_dir is not None:
             shutil.rmtree(self.run_dir, ignore_errors=True)
 
@@ -333,46 +324,57 @@ class GvisorAdapter(DockerAdapter):
         return flags
 
 
+def _copy_frames(frames: object) -> None:
+    """The log stream's frames to our stdout (1) and stderr (2), until it ends or the reader is gone."""
+    for stream, data in frames:  # type: ignore[attr-defined]
+        if not write_all(2 if stream == 2 else 1, data):
+            break
+
+
 def gc_record(record: dict) -> list[str]:
     """`sandbox gc` hook: remove the container a dead run's record names."""
     name = record.get("container")
     if not isinstance(name, str) or not name.startswith(NAME_PREFIX):
         return []
-    res = docker(str(record.get("docker_host") or docker_host()), "rm", "-f", "-v", name, check=False)
-    return [f"container {name}"] if res.returncode == 0 else []
+    try:
+        DockerAPI(str(record.get("docker_host") or docker_host())).remove(name)
+    except DockerError:
+        return []
+    return [f"container {name}"]
 
 
 def labelled_containers(host: str | None = None) -> dict[str, str]:
     """Every container with an `egressgate.run` label on the daemon: name → run id."""
-    res = docker(host or docker_host(), "ps", "-a", "--filter", f"label={LABEL}",
-                 "--format", '{{.Names}} {{.Label "' + LABEL + '"}}')
     out: dict[str, str] = {}
-    for line in res.stdout.splitlines():
-        name, _, run_id = line.partition(" ")
-        if name and run_id:
-            out[name] = run_id
+    for c in DockerAPI(host or docker_host()).containers(LABEL):
+        names = c.get("Names") or []
+        run_id = (c.get("Labels") or {}).get(LABEL)
+        if names and run_id:
+            out[str(names[0]).lstrip("/")] = str(run_id)
     return out
 
 
 def gc_orphans(live: set[str], host: str | None = None) -> tuple[list[str], list[str]]:
     """`sandbox gc` sweep: remove containers labelled `egressgate.run` whose run is not live (its record is
     gone or its owner dead) — e.g. after the state dir was lost. Returns (removed, problems). A host with
-    no docker CLI, or no daemon at the default socket, has nothing to sweep; a configured daemon that does
-    not answer is a problem (reported, never ignored)."""
-    if not Path(DOCKER_CLI).exists():
-        return [], []
+    no daemon at the default socket has nothing to sweep; a configured daemon that does not answer (or
+    is not a unix socket) is a problem (reported, never ignored)."""
     host = host or docker_host()
     if host == DEFAULT_DOCKER_HOST and not Path(DEFAULT_DOCKER_HOST[len("unix://"):]).exists():
         return [], []
-    res = docker(host, "ps", "-a", "--filter", f"label={LABEL}", "--format", '{{.Names}} {{.Label "' + LABEL + '"}}',
-                 check=False)
-    if res.returncode != 0:
-        return [], [f"could not list containers at {host}: {res.stderr.strip()[-300:]}"]
+    try:
+        api = DockerAPI(host)
+        found = labelled_containers(host)
+    except DockerError as exc:
+        return [], [f"could not list containers at {host}: {str(exc)[-300:]}"]
     removed: list[str] = []
-    for line in res.stdout.splitlines():
-        name, _, run_id = line.partition(" ")
-        if not name or run_id in live:
+    problems: list[str] = []
+    for name, run_id in found.items():
+        if run_id in live:
             continue
-        if docker(host, "rm", "-f", "-v", name, check=False).returncode == 0:
-            removed.append(f"orphan container {name}")
-    return removed, []
+        try:
+            if api.remove(name):
+                removed.append(f"orphan container {name}")
+        except DockerError as exc:
+            problems.append(f"could not remove orphan container {name}: {str(exc)[-300:]}")
+    return removed, problems

@@ -3,19 +3,28 @@ directory, whichever the path is in the image.
 
 Why a probe: a bind mount must match the kind of what it covers (a directory over a file fails the
 container start), and the kind depends on the image (and, for /proc and /sys, on the runtime: gVisor's
-are synthetic). Docker's CLI has no "masked paths" option, so the image is asked once: a throwaway
-container (no network, no capability, read-only, our static busybox as the only program run) stats the
-paths. The answer is cached by image ID + runtime + paths under the state dir, so only the first run of
-an image pays for it (~0.3 s). A path the image does not have needs no mask on a read-only root (the
-workload cannot create it); paths inside the workspace are judged on the host, where they live.
+are synthetic). HostConfig.MaskedPaths would replace the daemon's default masked /proc paths rather than
+add to them, so the image is asked once instead: a throwaway container (no network, no capability,
+read-only, our static busybox as the only program run) stats the paths. The answer is cached by image
+ID + runtime + paths under the state dir, so only the first run of an image pays for it (~0.3 s); later
+runs pay one image lookup over the socket (~1 ms). A path the image does not have needs no mask on a
+read-only root (the workload cannot create it); paths inside the workspace are judged on the host,
+where they live.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING
+
+from egressgate.runtimes.dockerapi import DockerError, bind
+
+if TYPE_CHECKING:
+    from egressgate.runtimes.dockerapi import DockerAPI
 
 PROBE = 'for p; do t=$(/.egressgate/busybox stat -L -c %F "$p" 2>/dev/null) || t=absent; echo "$t"; done'
 
@@ -24,10 +33,10 @@ def _under(path: str, root: str | None) -> bool:
     return bool(root) and (path == root or path.startswith(root.rstrip("/") + "/"))
 
 
-def kinds(host: str, image: str, paths: list[str], oci_runtime: str | None, state_dir: Path,
+def kinds(api: DockerAPI, image: str, paths: list[str], oci_runtime: str | None, state_dir: Path,
           workspace: tuple[Path, str] | None = None) -> dict[str, str]:
     """path → "dir" | "file" | "absent" for every path (see the module docstring)."""
-    from egressgate.runtimes.docker import BUSYBOX, DockerError, docker
+    from egressgate.runtimes.docker import BUSYBOX
 
     out: dict[str, str] = {}
     probe: list[str] = []
@@ -41,22 +50,33 @@ def kinds(host: str, image: str, paths: list[str], oci_runtime: str | None, stat
             probe.append(path)
     if not probe:
         return out
-    image_id = docker(host, "image", "inspect", "--format", "{{.Id}}", image).stdout.strip()
-    key = hashlib.sha256(json.dumps([host, image_id, oci_runtime, probe]).encode()).hexdigest()[:24]
+    image_id = api.image_id(image)
+    key = hashlib.sha256(json.dumps([api.host, image_id, oci_runtime, probe]).encode()).hexdigest()[:24]
     cache = state_dir / "docker" / "probes" / f"{key}.json"
     try:
         out.update(json.loads(cache.read_text()))
         return out
     except (OSError, ValueError):
         pass
-    args = ["run", "--rm", "--network", "none", "--cap-drop", "ALL", "--security-opt", "no-new-privileges",
-            "--read-only", "--user", "0:0", "--label", "egressgate.probe=1", "--log-driver", "none",
-            "--mount", f"type=bind,src={BUSYBOX},dst=/.egressgate/busybox,readonly",
-            "--entrypoint", "/.egressgate/busybox"]
+    host: dict = {"NetworkMode": "none", "CapDrop": ["ALL"], "SecurityOpt": ["no-new-privileges"],
+                  "ReadonlyRootfs": True, "Mounts": [bind(BUSYBOX, "/.egressgate/busybox")]}
     if oci_runtime:
-        args += ["--runtime", oci_runtime]
-    res = docker(host, *args, image_id, "sh", "-c", PROBE, "probe", *probe, timeout=120)
-    lines = res.stdout.splitlines()
+        host["Runtime"] = oci_runtime
+    name = f"egressgate-probe-{os.getpid()}-{os.urandom(3).hex()}"
+    config = {"Image": image_id, "User": "0:0", "Labels": {"egressgate.probe": "1"},
+              "Entrypoint": ["/.egressgate/busybox"], "Cmd": ["sh", "-c", PROBE, "probe", *probe],
+              "Tty": False, "HostConfig": host}
+    try:
+        api.create(name, config)
+        api.start(name)
+        api.wait(name, 120.0)
+        lines = b"".join(data for stream, data in api.logs(name, follow=False, timeout=30.0)
+                         if stream == 1).decode(errors="replace").splitlines()
+    except TimeoutError:
+        raise DockerError(f"probing filesystem.deny paths in {image} timed out") from None
+    finally:
+        with contextlib.suppress(DockerError):
+            api.remove(name)
     if len(lines) != len(probe):
         raise DockerError(f"probing filesystem.deny paths in {image} gave {lines!r}")
     found = {p: ("dir" if t == "directory" else "absent" if t == "absent" else "file")
@@ -69,10 +89,11 @@ def kinds(host: str, image: str, paths: list[str], oci_runtime: str | None, stat
     return out
 
 
-def mount_args(kinds_by_path: dict[str, str], run_dir: Path) -> list[str]:
-    """`--mount` arguments covering every present path with an empty read-only file or directory."""
+def mounts(kinds_by_path: dict[str, str], run_dir: Path) -> list[dict[str, object]]:
+    """HostConfig.Mounts entries covering every present path with an empty read-only file or directory."""
+
     empty_file, empty_dir = run_dir / "mask-file", run_dir / "mask-dir"
-    args: list[str] = []
+    out: list[dict[str, object]] = []
     for path, kind in kinds_by_path.items():
         if kind == "absent":
             continue
@@ -84,5 +105,5 @@ def mount_args(kinds_by_path: dict[str, str], run_dir: Path) -> list[str]:
             empty_file.touch(exist_ok=True)
             empty_file.chmod(0o000)
             src = empty_file
-        args += ["--mount", f"type=bind,src={src},dst={path},readonly"]
-    return args
+        out.append(bind(src, path))
+    return out

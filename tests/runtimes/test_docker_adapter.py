@@ -205,3 +205,27 @@ def test_teardown_after_failed_prepare(dockerd: Dockerd, tmp_path: Path) -> None
     a.teardown()
     assert spec.run_id not in labelled_containers(dockerd.host).values()
     assert not (spec.state_dir / "docker" / spec.run_id).exists()
+
+
+def test_docker_cli_config_cannot_add_environment(dockerd: Dockerd, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The docker CLI's config.json `proxies` adds HTTP_PROXY/NO_PROXY to every container it creates;
+    the adapter talks to the Engine API itself, so a caller's DOCKER_CONFIG (or ~/.docker) cannot put
+    a proxy bypass (NO_PROXY=*) or an address into the sandbox's environment."""
+    cfg = tmp_path / "egA-cli-config"
+    cfg.mkdir()
+    (cfg / "config.json").write_text('{"proxies": {"default": {"httpProxy": "http://198.18.0.9:1", '
+                                     '"noProxy": "*"}}}')
+    # positive control: the CLI with that config does inject them
+    env = dict(dockerd.env(), DOCKER_CONFIG=str(cfg))
+    ctrl = subprocess.run(["/usr/bin/docker", "run", "--rm", "--network", "none", dockerd.busybox_image(), "env"],
+                          capture_output=True, text=True, env=env, timeout=60, check=True).stdout
+    assert "NO_PROXY=*" in ctrl and "HTTP_PROXY=http://198.18.0.9:1" in ctrl
+    monkeypatch.setenv("DOCKER_CONFIG", str(cfg))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / ".docker").mkdir()
+    (tmp_path / ".docker" / "config.json").write_text((cfg / "config.json").read_text())
+    spec = make_spec(tmp_path, dockerd.busybox_image(), ["sh", "-c", "env > /workspace/env"])
+    assert run(dockerd, "docker", spec).exit_code() == 0
+    inside = (tmp_path / "ws" / "env").read_text()
+    assert "PROXY" not in inside.upper() and "198.18.0.9" not in inside, inside

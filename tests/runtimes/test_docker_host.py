@@ -27,6 +27,9 @@ def test_config_validates_docker_host() -> None:
     assert load_config(None).runtime.docker_host is None
     with pytest.raises(ConfigError, match="docker_host"):
         load_config(None, {"runtime": {"docker_host": "/var/run/docker.sock"}})
+    for remote in ("tcp://127.0.0.1:2375", "ssh://root@127.0.0.1", "fd://"):  # the API client is unix-only
+        with pytest.raises(ConfigError, match="unix socket"):
+            load_config(None, {"runtime": {"docker_host": remote}})
 
 
 @pytest.fixture
