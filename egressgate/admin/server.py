@@ -72,7 +72,7 @@ def sandbox_env(proxy_host: str, proxy_port: int, sandbox_id: str, token: str, b
 
 OUTCOME_LIMITS = ("memory", "pids", "wall_time", "workspace_bytes")
 OUTCOME_RUNTIMES = ("netns", "docker", "gvisor", "unknown")
-OUTCOME_DROPS = ("ipv6", "not_tcp_udp", "udp", "tcp", "other")  # runtimes/nftables.py DROP_COUNTERS
+OUTCOME_DROPS = ("ipv6", "spoofed", "not_tcp_udp", "udp", "tcp", "other")  # runtimes/nftables.py DROP_COUNTERS
 
 
 def run_outcome(body: dict) -> dict[str, object]:

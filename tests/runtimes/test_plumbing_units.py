@@ -29,6 +29,7 @@ def nft_check(ruleset: str) -> subprocess.CompletedProcess[str]:
 # one line per rule the module docstring promises (the escape tests prove each one's effect)
 HOST_RULES = [
     'iifname "egh0123456789" meta nfproto != ipv4 counter name "drop_ipv6" drop',
+    'iifname "egh0123456789" ip saddr != 198.18.128.2 counter name "drop_spoofed" drop',
     'iifname "egh0123456789" meta l4proto != { tcp, udp } counter name "drop_not_tcp_udp" drop',
     'iifname "egh0123456789" udp dport != 53 counter name "drop_udp" drop',
     'iifname "egh0123456789" ip daddr 198.18.128.1 tcp dport 8080 dnat ip to 127.0.0.1:8080',
