@@ -1,4 +1,4 @@
-"""Source-address spoofing from inside a sandbox, at the kernel level.
+"""The host veth's guards at the kernel level: source-address spoofing, and what route_localnet exposes.
 
 In transparent mode and for DNS the gateway identifies a sandbox by its source address, so a workload
 that can forge one (root with CAP_NET_RAW/CAP_NET_ADMIN in some runtime) must not get a packet with any
@@ -16,6 +16,7 @@ from __future__ import annotations
 import socket
 import struct
 import subprocess
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -111,11 +112,16 @@ def test_a_forged_source_address_never_reaches_the_resolver(link) -> None:
     legit = udp_packet(SANDBOX_IP, HOST_IP, 40000, 53, b"legit")
     forged = [udp_packet(src, HOST_IP, 40000, 53, b"forged " + src.encode()) for src in FORGED]
 
-    in_netns(sandbox_path, lambda: send_raw([legit, *forged]))
+    # the resolver's real port and DoT/mDNS ports on the host address: only port 53 is DNATed to it
+    port = listener.getsockname()[1]
+    direct = [udp_packet(SANDBOX_IP, HOST_IP, 40000, p, b"direct %d" % p) for p in (port, 853, 5353)]
+
+    in_netns(sandbox_path, lambda: send_raw([legit, *forged, *direct]))
     got = received(listener)
     assert got == {b"legit": SANDBOX_IP}, got  # the sandbox's own address works; nothing forged arrives
     counts = in_netns(host_path, lambda: nftables.drop_counts(plumbing.table))
     assert counts["spoofed"] == len(FORGED), counts
+    assert counts["udp"] == len(direct), counts
 
     # positive control: without the anti-spoofing rule and with rp_filter off, the same packets DO reach
     # the listener, under the forged identities (the test above could fail)
@@ -142,3 +148,96 @@ def test_strict_rp_filter_is_set_on_the_host_veth(link) -> None:
     host_path, _sandbox_path, address, _plumbing, _listener = link
     value = in_netns(host_path, Path(f"/proc/sys/net/ipv4/conf/{address.host_if}/rp_filter").read_text)
     assert value.strip() == "1"
+
+
+class Listener:
+    """A TCP listener in the host namespace that records the connections it accepts (with their original
+    destination, SO_ORIGINAL_DST, when they were DNATed)."""
+
+    def __init__(self, host_path: str, addr: str) -> None:
+        def make() -> socket.socket:
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind((addr, 0))
+            s.listen(16)
+            return s
+
+        self.sock = in_netns(host_path, make)
+        self.port = self.sock.getsockname()[1]
+        self.accepted: list[tuple[str, int]] = []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _peer = self.sock.accept()
+            except OSError:
+                return
+            try:
+                raw = conn.getsockopt(socket.SOL_IP, 80, 16)  # SO_ORIGINAL_DST
+                port, ip = struct.unpack("!2xH4s8x", raw)
+                self.accepted.append((socket.inet_ntoa(ip), port))
+            except OSError:
+                self.accepted.append(conn.getsockname())
+            conn.close()
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def connect_all(targets: list[tuple[str, int]]) -> dict[tuple[str, int], str]:
+    out = {}
+    for target in targets:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.settimeout(1.0)
+            try:
+                s.connect(target)
+                out[target] = "connected"
+            except OSError as exc:
+                out[target] = type(exc).__name__
+    return out
+
+
+@pytest.mark.netns
+def test_route_localnet_exposes_nothing_on_loopback_but_the_listeners(link) -> None:
+    """route_localnet=1 on the host veth (needed to DNAT to 127.0.0.1) must not expose the admin API or
+    anything else bound to 127/8. The attacker is root in the sandbox namespace with every capability: it
+    deletes the sandbox's own nftables, turns route_localnet on at its end and routes 127/8 out of its veth,
+    so its packets arrive at the host addressed to 127.0.0.1/127.0.0.2 (and to the host end's address)."""
+    host_path, sandbox_path, address, plumbing, _dns = link
+    transparent = Listener(host_path, "127.0.0.1")
+    admin = Listener(host_path, "127.0.0.1")
+    canary = Listener(host_path, "127.0.0.1")
+    canary2 = Listener(host_path, "127.0.0.2")
+    in_netns(host_path, plumbing.detach)  # re-attach with the transparent listener of this test
+    gw = GatewayEndpoints(proxy=("127.0.0.1", 1), transparent=("127.0.0.1", transparent.port),
+                          dns=plumbing.gateway.dns, admin=("127.0.0.1", admin.port))
+    plumbing = Plumbing(plumbing.run_id, address, gw)
+    in_netns(host_path, lambda: plumbing.attach(sandbox_path))
+
+    def take_over() -> None:
+        subprocess.run(["nft", "delete", "table", "inet", nftables.SANDBOX_TABLE], check=True, timeout=30)
+        for scope in ("all", address.sandbox_if):
+            write_sysctl(f"net.ipv4.conf.{scope}.route_localnet", "1")
+        subprocess.run(["ip", "addr", "flush", "dev", "lo"], check=True, timeout=30)
+        subprocess.run(["ip", "link", "set", "lo", "down"], check=True, timeout=30)
+        subprocess.run(["ip", "route", "add", "127.0.0.0/8", "via", HOST_IP, "dev", address.sandbox_if],
+                       check=True, timeout=30)
+
+    in_netns(sandbox_path, take_over)
+    targets = [("127.0.0.1", admin.port), ("127.0.0.1", canary.port), ("127.0.0.2", canary2.port),
+               (HOST_IP, admin.port), (HOST_IP, canary.port)]
+    try:
+        result = in_netns(sandbox_path, lambda: connect_all(targets))
+        # every attempt ended at the transparent listener (which decides on a name and denies), none at
+        # the admin API or a canary
+        assert admin.accepted == [] and canary.accepted == [] and canary2.accepted == [], result
+        assert sorted(transparent.accepted) == sorted(targets), (result, transparent.accepted)
+
+        # positive control: without the host table, route_localnet alone lets the sandbox reach them
+        in_netns(host_path, lambda: nftables.delete_table(plumbing.table))
+        result = in_netns(sandbox_path, lambda: connect_all(targets[:3]))
+        assert result == dict.fromkeys(targets[:3], "connected"), result
+        assert admin.accepted and canary.accepted and canary2.accepted
+    finally:
+        for item in (transparent, admin, canary, canary2):
+            item.close()
