@@ -54,7 +54,10 @@ def udp_packet(src: str, dst: str, sport: int, dport: int, payload: bytes) -> by
 
 
 def send_raw(packets: list[bytes]) -> None:
-    """In the sandbox namespace, as root: raw socket, our own IP header."""
+    """In the sandbox namespace, as root: the sandbox's own (defence-in-depth) table deleted first, then a
+    raw socket with our own IP header: only the host table stands in the way."""
+    subprocess.run(["nft", "delete", "table", "inet", nftables.SANDBOX_TABLE], check=False, timeout=30,
+                   capture_output=True)
     s = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_RAW)
     try:
         for pkt in packets:
