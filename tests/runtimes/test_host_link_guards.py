@@ -17,6 +17,7 @@ import socket
 import struct
 import subprocess
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -233,6 +234,9 @@ def test_route_localnet_exposes_nothing_on_loopback_but_the_listeners(link) -> N
         result = in_netns(sandbox_path, lambda: connect_all(targets))
         # every attempt ended at the transparent listener (which decides on a name and denies), none at
         # the admin API or a canary
+        deadline = time.monotonic() + 3  # the accept thread records asynchronously
+        while len(transparent.accepted) < len(targets) and time.monotonic() < deadline:
+            time.sleep(0.02)
         assert admin.accepted == [] and canary.accepted == [] and canary2.accepted == [], result
         assert sorted(transparent.accepted) == sorted(targets), (result, transparent.accepted)
 
@@ -240,6 +244,9 @@ def test_route_localnet_exposes_nothing_on_loopback_but_the_listeners(link) -> N
         in_netns(host_path, lambda: nftables.delete_table(plumbing.table))
         result = in_netns(sandbox_path, lambda: connect_all(targets[:3]))
         assert result == dict.fromkeys(targets[:3], "connected"), result
+        deadline = time.monotonic() + 3
+        while not (admin.accepted and canary.accepted and canary2.accepted) and time.monotonic() < deadline:
+            time.sleep(0.02)
         assert admin.accepted and canary.accepted and canary2.accepted
     finally:
         for item in (transparent, admin, canary, canary2):
