@@ -7,40 +7,32 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
+from egressgate.runtimes.admitenv import rewrite_env
 from egressgate.runtimes.base import CA_PATH_IN_SANDBOX, SANDBOX_UID, SandboxAddress
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-PROXY_VARS = ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy")
 
 
 class SetupFailed(RuntimeError):
     """The run cannot start; the message is the one sentence the operator sees."""
 
 
-def inside_env(admitted: dict[str, str], sandbox_id: str, address: SandboxAddress, proxy_port: int,
+def inside_env(admission: dict[str, Any], address: SandboxAddress, proxy_port: int,
                home: str) -> tuple[dict[str, str], Path]:
-    """Admission's env rewritten for inside the sandbox, and the host path of the CA bundle.
-
-    Proxy URLs point at the host end of the sandbox link (the nat rule sends <host_ip>:<proxy port> to the
-    explicit proxy); CA variables point at the in-sandbox copy; NO_PROXY is removed (not just empty);
-    nothing from the caller's environment is added but PATH/HOME/LANG defaults."""
-    proxy = admitted.get("HTTP_PROXY")
-    if not proxy:
+    """Admission's env rewritten for inside the sandbox (runtimes/admitenv.py: the one rewrite), plus
+    PATH/HOME/LANG defaults, and the host path of the CA bundle. The proxy is the host end of the
+    sandbox link (the nat rule sends <host_ip>:<proxy port> to the explicit proxy). Nothing from the
+    caller's environment is added."""
+    admitted = admission.get("env") or {}
+    if not admitted.get("HTTP_PROXY"):
         raise SetupFailed("admission returned no HTTP_PROXY; the gateway is too old for `sandbox run`")
     bundle = admitted.get("SSL_CERT_FILE")
     if not bundle:
         raise SetupFailed("admission returned no CA bundle (SSL_CERT_FILE); the gateway publishes none")
-    parts = urlsplit(proxy)
-    userinfo = parts.netloc.rpartition("@")[0]
-    inside_proxy = urlunsplit((parts.scheme, f"{userinfo}@{address.host_ip}:{proxy_port}", "", "", ""))
     env: dict[str, str] = {"PATH": DEFAULT_PATH, "HOME": home, "LANG": "C.UTF-8"}
-    for key, value in admitted.items():
-        if key in ("NO_PROXY", "no_proxy"):
-            continue
-        env[key] = inside_proxy if key in PROXY_VARS else CA_PATH_IN_SANDBOX if value == bundle else str(value)
-    env["EGRESSGATE_SANDBOX_ID"] = sandbox_id
+    env.update(rewrite_env(admitted, sandbox_id=str(admission["id"]), token=str(admission["token"]),
+                           proxy=(address.host_ip, proxy_port), ca_path=CA_PATH_IN_SANDBOX))
     return env, Path(bundle)
 
 
