@@ -5,6 +5,7 @@ Stdlib only (start-up time)."""
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -68,15 +69,53 @@ def check_workspace(path: Path) -> None:
         raise SetupFailed(f"the workspace {path} is a system directory; give the sandbox a directory of its own")
 
 
-def prepare_workspace(path: Path) -> None:
+def sandbox_controlled(path: Path, _depth: int = 0) -> Path | None:
+    """The first point where the sandbox uid could have planted or could swap part of `path`: a symlink it
+    owns, or any entry of a directory it owns (an earlier run's workspace, which a concurrent run may be
+    writing). Every symlink on the way is followed one link at a time (a root-made link may lead through
+    a planted one). None when root and the operator alone decide what `path` names."""
+    if _depth > 40:  # the kernel's own limit (ELOOP)
+        return path
+    parent = Path("/")
+    for part in path.absolute().parts[1:]:
+        entry = parent / part
+        try:
+            parent_uid, st = os.lstat(parent).st_uid, os.lstat(entry)
+        except FileNotFoundError:
+            return None
+        if parent_uid == SANDBOX_UID or (stat.S_ISLNK(st.st_mode) and st.st_uid == SANDBOX_UID):
+            return entry
+        if stat.S_ISLNK(st.st_mode):
+            found = sandbox_controlled(parent / os.readlink(entry), _depth + 1)
+            if found is not None:
+                return found
+            entry = entry.resolve()
+        parent = entry
+    return None
+
+
+def prepare_workspace(path: Path) -> Path:
     """The workspace must be writable by the sandbox uid: created if missing, and its top directory
-    given to uid/gid 65534 (files inside keep their owners). A system directory is refused."""
+    given to uid/gid 65534 (files inside keep their owners). Returns the resolved path every later step
+    uses. Refused: a system directory, and a path a sandbox could have redirected (a symlink it planted
+    in an earlier workspace would otherwise make this chown, then bind read-write, e.g. /root/.ssh)."""
     check_workspace(path)
+    planted = sandbox_controlled(path)
+    if planted is not None:
+        raise SetupFailed(f"the workspace {path} goes through {planted}, which the sandbox uid {SANDBOX_UID} "
+                          "controls; give a directory outside earlier workspaces")
     path.mkdir(parents=True, exist_ok=True)
+    path = path.resolve()
+    check_workspace(path)
     blocked = unreachable_parent(path)
     if blocked is not None:
         raise SetupFailed(f"the workspace {path} is not reachable by the sandbox uid {SANDBOX_UID}: {blocked} "
                           f"has mode {blocked.stat().st_mode & 0o7777:04o} (allow traversal: chmod o+x {blocked})")
-    st = path.stat()
-    if (st.st_uid, st.st_gid) != (SANDBOX_UID, SANDBOX_UID):
-        os.chown(path, SANDBOX_UID, SANDBOX_UID)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:  # by fd: the directory checked is the directory chowned
+        st = os.fstat(fd)
+        if (st.st_uid, st.st_gid) != (SANDBOX_UID, SANDBOX_UID):
+            os.fchown(fd, SANDBOX_UID, SANDBOX_UID)
+    finally:
+        os.close(fd)
+    return path
