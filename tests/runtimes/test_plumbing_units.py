@@ -157,3 +157,13 @@ def test_a_directory_of_its_own_is_a_workspace(tmp_path: Path) -> None:
     from egressgate.runtimes.workload import check_workspace
 
     check_workspace(tmp_path / "ws")  # no exception
+
+
+def test_the_seccomp_filter_exists_for_known_arches_only() -> None:
+    """Fail closed: on an architecture with no filter the netns runtime refuses to start (the escape
+    test proves the x86_64 filter's effect)."""
+    from egressgate.runtimes.seccomp import SeccompUnavailable, no_unix_sockets
+
+    assert len(no_unix_sockets("x86_64")) == len(no_unix_sockets("aarch64")) == 14 * 8
+    with pytest.raises(SeccompUnavailable, match="riscv64"):
+        no_unix_sockets("riscv64")
