@@ -24,6 +24,7 @@ from egressgate.audit.event import AuditEvent, AuditUnavailable, EventKind
 from egressgate.broker.inject import admission_phantoms
 from egressgate.gateway.context import Runtime, new_request_id
 from egressgate.policy.canon import ip_text
+from egressgate.runtimes.admitenv import CA_ENV_VARS
 from egressgate.state.base import SandboxRecord, StateUnavailable, hash_token
 
 logger = logging.getLogger(__name__)
@@ -32,8 +33,6 @@ MAX_LABELS = 32
 MAX_ADDRESSES = 16
 JWKS_PATH = "/.well-known/jwks.json"  # public keys only: no auth, so upstreams can verify our JWTs
 PUBLIC_JWK_MEMBERS = frozenset({"kty", "crv", "x", "kid", "alg", "use"})  # never "d" (a private key)
-CA_ENV_VARS = ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "NODE_EXTRA_CA_CERTS",
-               "GIT_SSL_CAINFO", "PIP_CERT")
 
 
 def ensure_admin_token(path: Path) -> str:
@@ -72,7 +71,7 @@ def sandbox_env(proxy_host: str, proxy_port: int, sandbox_id: str, token: str, b
 
 OUTCOME_LIMITS = ("memory", "pids", "wall_time", "workspace_bytes")
 OUTCOME_RUNTIMES = ("netns", "docker", "gvisor", "unknown")
-OUTCOME_DROPS = ("ipv6", "not_tcp_udp", "udp", "tcp", "other")  # runtimes/nftables.py DROP_COUNTERS
+OUTCOME_DROPS = ("ipv6", "spoofed", "not_tcp_udp", "udp", "tcp", "other")  # runtimes/nftables.py DROP_COUNTERS
 
 
 def run_outcome(body: dict) -> dict[str, object]:

@@ -110,7 +110,7 @@ def _revoke(var_dir: Path, info: endpoints.GatewayInfo | None, record: dict[str,
     return None
 
 
-def clean_record(record: dict[str, Any]) -> list[str]:
+def clean_record(record: dict[str, Any], state_dir: Path | None = None) -> list[str]:
     """Remove every object a dead run's record names; returns what was removed."""
     removed = []
     ns = record.get("netns")
@@ -126,7 +126,10 @@ def clean_record(record: dict[str, Any]) -> list[str]:
         if p.is_dir() and p.is_relative_to(CGROUP_ROOT):
             remove_cgroup(p)
             removed.append(f"cgroup {p}")
-    if record.get("host_if") and delete_link(record["host_if"]):
+    run_id = str(record.get("run_id"))
+    # only the names this run's own id gives (addressing.slot_address, Run._run): a record is data, and
+    # gc must not delete a link or a directory of someone else's because a record says so
+    if record.get("host_if") == f"egh{run_id}" and delete_link(record["host_if"]):
         removed.append(f"veth {record['host_if']}")
     table = record.get("nft_table")
     if isinstance(table, str) and table.startswith(nftables.TABLE_PREFIX) and nftables.delete_table(table):
@@ -142,7 +145,7 @@ def clean_record(record: dict[str, Any]) -> list[str]:
             if hook is not None:
                 removed += hook(record)
     ws = record.get("temp_workspace")
-    if ws and Path(ws).is_dir():
+    if ws and state_dir is not None and Path(ws) == state_dir / "workspaces" / run_id and Path(ws).is_dir():
         shutil.rmtree(ws, ignore_errors=True)
         removed.append(f"workspace {ws}")
     return removed
@@ -163,7 +166,7 @@ def collect(var_dir: Path, state_dir: Path | None = None, grace: float = 60.0) -
         if records.pid_alive(record.get("owner_pid")):
             live.add(run_id)
             continue
-        removed += [f"{what} (run {run_id})" for what in clean_record(record)]
+        removed += [f"{what} (run {run_id})" for what in clean_record(record, state_dir)]
         problem = _revoke(var_dir, info, record)
         if problem:
             problems.append(problem)

@@ -18,7 +18,9 @@ Isolation (each line is a rule enforced here):
 * `filesystem.deny` paths and the docker sockets are masked by mode-000 read-only files/directories;
 * /etc/resolv.conf (`nameserver <host_ip>`), /etc/hosts and the CA bundle are generated read-only
   copies (data passed by fd: no host path has to be reachable by uid 65534);
-* the environment is exactly RunSpec.env (`--clearenv`).
+* the environment is exactly RunSpec.env (`--clearenv`);
+* no AF_UNIX socket(2), no io_uring, native ABI only (seccomp.py): a host Unix socket on the read-only
+  root is not a way out.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from pathlib import Path
 
 from egressgate.runtimes import records
 from egressgate.runtimes.base import CA_PATH_IN_SANDBOX, SANDBOX_UID, ExitInfo, Limit, RunSpec
+from egressgate.runtimes.seccomp import no_unix_sockets
 
 NETNS_PREFIX = "egressgate-"
 PR_SET_PDEATHSIG = 1
@@ -148,7 +151,10 @@ def build_command(spec: RunSpec, workspace_fd: int | None) -> BwrapCommand:
         _mask(cmd, os.path.normpath(path), ws_path)
     for anchor in [*cmd.expanded, ca_dir]:
         cmd.args += ["--remount-ro", anchor]
-    cmd.args += ["--clearenv"]
+    # no Unix sockets of its own: host sockets on the read-only root would be a way out (seccomp.py)
+    program = _data_fd(no_unix_sockets())
+    cmd.fds.append(program)
+    cmd.args += ["--seccomp", str(program), "--clearenv"]
     for key, value in spec.env.items():
         cmd.args += ["--setenv", key, value]
     cmd.args += ["--chdir", ws_path if ws_path and workspace_fd is not None else TMP, "--", *spec.command]

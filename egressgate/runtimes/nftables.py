@@ -6,7 +6,11 @@ run's host veth (`iifname`; a name match works before the interface exists, so t
 and there is no instant in which the link exists without its rules). The sandbox cannot touch it: it
 lives in another namespace and the workload has no CAP_NET_ADMIN.
 
-* raw prerouting: IPv6 dropped; everything but TCP and UDP dropped (ICMP, SCTP, raw IP protocols);
+* raw prerouting: IPv6 dropped; any source address but the sandbox's own dropped (anti-spoofing: in
+  transparent mode and for DNS the source address IS the identity, so a workload that can forge it, root
+  with CAP_NET_ADMIN/CAP_NET_RAW in some runtime, would get another sandbox's policy and audit trail;
+  127/8 sources too, in front of the kernel's martian checks); everything but TCP and UDP dropped (ICMP,
+  SCTP, raw IP protocols);
   UDP other than port 53 dropped (QUIC, other resolvers, anything tunnelled over UDP).
 * nat prerouting: TCP to <host_ip>:<proxy port> → the explicit proxy; TCP and UDP port 53 to ANY
   address → our resolver (a "public" resolver gets our answers); every other TCP → the transparent
@@ -28,7 +32,7 @@ from egressgate.runtimes.base import GatewayEndpoints, SandboxAddress
 TABLE_PREFIX = "egressgate_"
 # named counters of what the host table refused; read at teardown into the revocation's audit record
 # (egressgate.run.dropped.*), because a packet the kernel drops never reaches the gateway's audit trail
-DROP_COUNTERS = ("ipv6", "not_tcp_udp", "udp", "tcp", "other")
+DROP_COUNTERS = ("ipv6", "spoofed", "not_tcp_udp", "udp", "tcp", "other")
 SANDBOX_TABLE = "egressgate_sandbox"
 
 
@@ -68,6 +72,7 @@ def host_ruleset(run_id: str, address: SandboxAddress, gw: GatewayEndpoints) -> 
         f"{counters}"
         f"  chain raw_pre {{\n    type filter hook prerouting priority raw; policy accept;\n"
         f'    iifname "{ifname}" meta nfproto != ipv4 counter name "drop_ipv6" drop\n'
+        f'    iifname "{ifname}" ip saddr != {address.sandbox_ip} counter name "drop_spoofed" drop\n'
         f'    iifname "{ifname}" meta l4proto != {{ tcp, udp }} counter name "drop_not_tcp_udp" drop\n'
         f'    iifname "{ifname}" udp dport != 53 counter name "drop_udp" drop\n'
         f"  }}\n"

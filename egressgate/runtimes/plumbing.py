@@ -95,6 +95,9 @@ class Plumbing:
         # only those three listeners). Set before the workload starts (after attach returns).
         write_sysctl(f"net.ipv4.conf.{a.host_if}.route_localnet", "1")
         write_sysctl(f"net.ipv6.conf.{a.host_if}.disable_ipv6", "1")
+        # strict reverse-path filtering as a second layer under the table's anti-spoofing rule (which is
+        # the control, counted and audited): a source not routed back through this veth is dropped
+        write_sysctl(f"net.ipv4.conf.{a.host_if}.rp_filter", "1")
         in_netns(netns_path, self._configure_inside)
 
     def _configure_inside(self) -> None:

@@ -152,8 +152,8 @@ class Run:
             workspace = self.temp_workspace = info.state_dir / "workspaces" / self.run_id
             records.update(info.state_dir, self.run_id, temp_workspace=str(workspace))
         if workspace is not None:
-            prepare_workspace(workspace)
-        env, bundle = inside_env(data["env"], self.sandbox_id, address, info.endpoints.proxy[1],
+            workspace = prepare_workspace(workspace)
+        env, bundle = inside_env(data, address, info.endpoints.proxy[1],
                                  ws_policy.get("path") or "/tmp")  # noqa: S108 - HOME inside
         spec = RunSpec(run_id=self.run_id, sandbox_id=self.sandbox_id, runtime=req.runtime, command=req.command,
                        env=env, policy=policy, address=address, ca_bundle=bundle, workspace=workspace,

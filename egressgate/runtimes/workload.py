@@ -5,42 +5,35 @@ Stdlib only (start-up time)."""
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
+from egressgate.runtimes.admitenv import rewrite_env
 from egressgate.runtimes.base import CA_PATH_IN_SANDBOX, SANDBOX_UID, SandboxAddress
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-PROXY_VARS = ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy")
 
 
 class SetupFailed(RuntimeError):
     """The run cannot start; the message is the one sentence the operator sees."""
 
 
-def inside_env(admitted: dict[str, str], sandbox_id: str, address: SandboxAddress, proxy_port: int,
+def inside_env(admission: dict[str, Any], address: SandboxAddress, proxy_port: int,
                home: str) -> tuple[dict[str, str], Path]:
-    """Admission's env rewritten for inside the sandbox, and the host path of the CA bundle.
-
-    Proxy URLs point at the host end of the sandbox link (the nat rule sends <host_ip>:<proxy port> to the
-    explicit proxy); CA variables point at the in-sandbox copy; NO_PROXY is removed (not just empty);
-    nothing from the caller's environment is added but PATH/HOME/LANG defaults."""
-    proxy = admitted.get("HTTP_PROXY")
-    if not proxy:
+    """Admission's env rewritten for inside the sandbox (runtimes/admitenv.py: the one rewrite), plus
+    PATH/HOME/LANG defaults, and the host path of the CA bundle. The proxy is the host end of the
+    sandbox link (the nat rule sends <host_ip>:<proxy port> to the explicit proxy). Nothing from the
+    caller's environment is added."""
+    admitted = admission.get("env") or {}
+    if not admitted.get("HTTP_PROXY"):
         raise SetupFailed("admission returned no HTTP_PROXY; the gateway is too old for `sandbox run`")
     bundle = admitted.get("SSL_CERT_FILE")
     if not bundle:
         raise SetupFailed("admission returned no CA bundle (SSL_CERT_FILE); the gateway publishes none")
-    parts = urlsplit(proxy)
-    userinfo = parts.netloc.rpartition("@")[0]
-    inside_proxy = urlunsplit((parts.scheme, f"{userinfo}@{address.host_ip}:{proxy_port}", "", "", ""))
     env: dict[str, str] = {"PATH": DEFAULT_PATH, "HOME": home, "LANG": "C.UTF-8"}
-    for key, value in admitted.items():
-        if key in ("NO_PROXY", "no_proxy"):
-            continue
-        env[key] = inside_proxy if key in PROXY_VARS else CA_PATH_IN_SANDBOX if value == bundle else str(value)
-    env["EGRESSGATE_SANDBOX_ID"] = sandbox_id
+    env.update(rewrite_env(admitted, sandbox_id=str(admission["id"]), token=str(admission["token"]),
+                           proxy=(address.host_ip, proxy_port), ca_path=CA_PATH_IN_SANDBOX))
     return env, Path(bundle)
 
 
@@ -89,15 +82,53 @@ def check_workspace(path: Path) -> None:
         raise SetupFailed(f"the workspace {path} is a system directory; give the sandbox a directory of its own")
 
 
-def prepare_workspace(path: Path) -> None:
+def sandbox_controlled(path: Path, _depth: int = 0) -> Path | None:
+    """The first point where the sandbox uid could have planted or could swap part of `path`: a symlink it
+    owns, or any entry of a directory it owns (an earlier run's workspace, which a concurrent run may be
+    writing). Every symlink on the way is followed one link at a time (a root-made link may lead through
+    a planted one). None when root and the operator alone decide what `path` names."""
+    if _depth > 40:  # the kernel's own limit (ELOOP)
+        return path
+    parent = Path("/")
+    for part in path.absolute().parts[1:]:
+        entry = parent / part
+        try:
+            parent_uid, st = os.lstat(parent).st_uid, os.lstat(entry)
+        except FileNotFoundError:
+            return None
+        if parent_uid == SANDBOX_UID or (stat.S_ISLNK(st.st_mode) and st.st_uid == SANDBOX_UID):
+            return entry
+        if stat.S_ISLNK(st.st_mode):
+            found = sandbox_controlled(parent / os.readlink(entry), _depth + 1)
+            if found is not None:
+                return found
+            entry = entry.resolve()
+        parent = entry
+    return None
+
+
+def prepare_workspace(path: Path) -> Path:
     """The workspace must be writable by the sandbox uid: created if missing, and its top directory
-    given to uid/gid 65534 (files inside keep their owners). A system directory is refused."""
+    given to uid/gid 65534 (files inside keep their owners). Returns the resolved path every later step
+    uses. Refused: a system directory, and a path a sandbox could have redirected (a symlink it planted
+    in an earlier workspace would otherwise make this chown, then bind read-write, e.g. /root/.ssh)."""
     check_workspace(path)
+    planted = sandbox_controlled(path)
+    if planted is not None:
+        raise SetupFailed(f"the workspace {path} goes through {planted}, which the sandbox uid {SANDBOX_UID} "
+                          "controls; give a directory outside earlier workspaces")
     path.mkdir(parents=True, exist_ok=True)
+    path = path.resolve()
+    check_workspace(path)
     blocked = unreachable_parent(path)
     if blocked is not None:
         raise SetupFailed(f"the workspace {path} is not reachable by the sandbox uid {SANDBOX_UID}: {blocked} "
                           f"has mode {blocked.stat().st_mode & 0o7777:04o} (allow traversal: chmod o+x {blocked})")
-    st = path.stat()
-    if (st.st_uid, st.st_gid) != (SANDBOX_UID, SANDBOX_UID):
-        os.chown(path, SANDBOX_UID, SANDBOX_UID)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:  # by fd: the directory checked is the directory chowned
+        st = os.fstat(fd)
+        if (st.st_uid, st.st_gid) != (SANDBOX_UID, SANDBOX_UID):
+            os.fchown(fd, SANDBOX_UID, SANDBOX_UID)
+    finally:
+        os.close(fd)
+    return path

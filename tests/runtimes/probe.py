@@ -121,6 +121,29 @@ def open_file(path, mode):
         return err(exc)
 
 
+def unix(path):
+    """Connect to a Unix socket on the host file system and send a line."""
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(TIMEOUT)
+            sock.connect(path)
+            sock.sendall(b"egV leak\n")
+            return {"ok": True}
+    except OSError as exc:
+        return err(exc)
+
+
+def pair():
+    """socketpair(2): anonymous, already connected (what asyncio and multiprocessing use)."""
+    try:
+        a, b = socket.socketpair()
+        with a, b:
+            a.sendall(b"x")
+            return {"ok": b.recv(1) == b"x"}
+    except OSError as exc:
+        return err(exc)
+
+
 def main():
     out = []
     for check in json.loads(sys.argv[1]):
@@ -135,7 +158,7 @@ def main():
             out.append({"ok": True, "uid": os.getuid(), "caps": caps})
         else:
             fn = {"tcp": tcp, "udp": udp, "dns": dns, "tls": tls, "raw": raw_socket, "icmp": icmp_dgram,
-                  "open": open_file}[kind]
+                  "open": open_file, "unix": unix, "pair": pair}[kind]
             out.append(fn(*args))
     print(json.dumps(out))
 

@@ -160,3 +160,56 @@ def test_allowed_https_via_explicit_proxy(gateway: Gateway) -> None:
     res = gateway.run("curl", "-sS", "--max-time", "10", "https://api.allowed.test/", policy="rt-allow")
     assert res.returncode == 0, res.stderr
     assert "upstream-tls" in {h.get("listener") for h in world.hits(mark)}
+
+
+def test_no_host_unix_socket_is_a_way_out(gateway: Gateway, host_files: Path) -> None:
+    """The host root is visible read-only, and a read-only mount does not stop connect(2): a host Unix
+    socket that uid 65534 may open (0666, traversable directories) would be a way out that no nftables
+    rule sees. The workload may not create AF_UNIX sockets (runtimes/seccomp.py); socketpair still works.
+    Positive control: a uid-65534 process on the host connects to the same socket."""
+    import socket
+    import subprocess
+    import threading
+
+    path = host_files / "egV-host.sock"
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(path))
+    path.chmod(0o666)
+    server.listen(4)
+    server.settimeout(0.5)
+    got: list[bytes] = []
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                got.append(conn.recv(100))
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        res = gateway.run(*probe_argv([["unix", str(path)], ["pair"]]), policy="rt-allow")
+        assert res.returncode == 0, res.stderr
+        refused, paired = parse(res.stdout)
+        assert refused == {"ok": False, "error": "EACCES"}, refused
+        assert paired == {"ok": True}
+        assert got == []
+        # positive control: the socket is reachable by the sandbox's uid outside the sandbox
+        ctl = subprocess.run(["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", PY, "-c",
+                              PROBE, json.dumps([["unix", str(path)]])], capture_output=True, text=True,
+                             timeout=30, check=False)
+        assert parse(ctl.stdout) == [{"ok": True}], ctl.stderr
+        for _ in range(50):
+            if got:
+                break
+            stop.wait(0.1)
+        assert got == [b"egV leak\n"]
+    finally:
+        stop.set()
+        thread.join(2)
+        server.close()
+        path.unlink(missing_ok=True)

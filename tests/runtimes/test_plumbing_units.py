@@ -29,6 +29,7 @@ def nft_check(ruleset: str) -> subprocess.CompletedProcess[str]:
 # one line per rule the module docstring promises (the escape tests prove each one's effect)
 HOST_RULES = [
     'iifname "egh0123456789" meta nfproto != ipv4 counter name "drop_ipv6" drop',
+    'iifname "egh0123456789" ip saddr != 198.18.128.2 counter name "drop_spoofed" drop',
     'iifname "egh0123456789" meta l4proto != { tcp, udp } counter name "drop_not_tcp_udp" drop',
     'iifname "egh0123456789" udp dport != 53 counter name "drop_udp" drop',
     'iifname "egh0123456789" ip daddr 198.18.128.1 tcp dport 8080 dnat ip to 127.0.0.1:8080',
@@ -156,3 +157,13 @@ def test_a_directory_of_its_own_is_a_workspace(tmp_path: Path) -> None:
     from egressgate.runtimes.workload import check_workspace
 
     check_workspace(tmp_path / "ws")  # no exception
+
+
+def test_the_seccomp_filter_exists_for_known_arches_only() -> None:
+    """Fail closed: on an architecture with no filter the netns runtime refuses to start (the escape
+    test proves the x86_64 filter's effect)."""
+    from egressgate.runtimes.seccomp import SeccompUnavailable, no_unix_sockets
+
+    assert len(no_unix_sockets("x86_64")) == len(no_unix_sockets("aarch64")) == 14 * 8
+    with pytest.raises(SeccompUnavailable, match="riscv64"):
+        no_unix_sockets("riscv64")

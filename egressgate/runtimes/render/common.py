@@ -20,6 +20,7 @@ from egressgate.policy.errors import PolicyError
 from egressgate.policy.loader import load_policies
 from egressgate.policy.model import Resources
 from egressgate.policy.testcases import pick_policy
+from egressgate.runtimes.admitenv import CA_ENV_VARS, NO_PROXY_VARS, PROXY_ENV_VARS  # noqa: F401 - re-exported
 
 PROXY_PORT = 8080  # explicit proxy (HTTP_PROXY) inside the gateway container
 ADMIN_PORT = 8081  # loopback only, never published
@@ -32,11 +33,6 @@ AGENT_CA_PATH = "/etc/egressgate/ca.pem"  # the sandbox CA bundle inside an agen
 NONROOT_UID = 65532  # the uid both images run as (no name needed: runAsNonRoot checks the number)
 DEFAULT_IMAGE = "egressgate:0.1.0"
 DEFAULT_AGENT_IMAGE = "egressgate-agent:0.1.0"
-# Every variable a client library reads for its CA bundle (admin/server.py hands out the same list).
-CA_ENV_VARS = ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "NODE_EXTRA_CA_CERTS",
-               "GIT_SSL_CAINFO", "PIP_CERT")
-PROXY_ENV_VARS = ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy")
-NO_PROXY_VARS = ("NO_PROXY", "no_proxy")
 
 
 class RenderError(ValueError):
