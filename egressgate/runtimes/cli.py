@@ -14,15 +14,7 @@ from pathlib import Path
 
 import click
 
-
-def _labels(items: tuple[str, ...]) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise click.BadParameter(f"expected k=v, got {item!r}", param_hint="--label")
-        out[key] = value
-    return out
+from egressgate.admin.cli import parse_labels
 
 
 @click.command("run", context_settings={"ignore_unknown_options": False})
@@ -43,7 +35,7 @@ def run_cmd(config_file: str | None, var_dir: str | None, policy: str, runtime: 
     122 pids, 123 workspace bytes, 124 wall time limit (docs/runtimes.md)."""
     from egressgate.runtimes.run import run_from_args
 
-    _labels(labels)  # k=v, else a usage error
+    parse_labels(labels)  # k=v, else a usage error
     sys.exit(run_from_args(config_file, var_dir, policy, runtime, image, workspace, labels, tuple(command)))
 
 
