@@ -86,6 +86,7 @@ class Plumbing:
         self.gateway = gateway
         self.table = nftables.table_name(run_id)
         self.netns_path: str | None = None
+        self._unlink: threading.Thread | None = None  # release(): the veth being deleted
 
     def host_objects(self) -> dict[str, str]:
         """What `attach` creates on the host, for the run record (written before attach)."""
@@ -151,8 +152,26 @@ class Plumbing:
             counts[key] = counts.get(key, 0) + value
         return counts
 
+    def release(self) -> dict[str, int]:
+        """Teardown, first half: called once the workload is dead and before the adapter removes the
+        sandbox namespace. Starts deleting the veth (the kernel takes ~20 ms: RCU grace periods) and
+        meanwhile reads both tables' drop counters (final: nothing runs in the sandbox any more). The
+        host table stays until `detach` has seen the veth deletion finish."""
+        if self._unlink is None:
+            self._unlink = threading.Thread(target=delete_link, args=(self.address.host_if,),
+                                            name="egressgate-unlink", daemon=True)
+            self._unlink.start()
+        return self.drop_counts()
+
     def detach(self) -> None:
-        delete_link(self.address.host_if)
+        """The veth first, then the host table: never an instant in which the link exists without its
+        rules (a veth deletion still running after 30 s fails this step; `sandbox gc` retries)."""
+        if self._unlink is not None:
+            self._unlink.join(30)
+            if self._unlink.is_alive():
+                raise RuntimeError(f"deleting {self.address.host_if} took longer than 30s; its table stays")
+            self._unlink = None
+        delete_link(self.address.host_if)  # no-op (False) after release; the deletion when release never ran
         nftables.delete_table(self.table)
 
 

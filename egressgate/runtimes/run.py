@@ -218,15 +218,21 @@ class Run:
         """Every step runs whatever failed before it; the record goes last (only a clean teardown removes it)."""
         clean = True
         dropped: dict[str, int] = {}
-        if self.plumbing is not None:
-            with contextlib.suppress(Exception):
-                dropped = self.plumbing.drop_counts()
         if self.signal is not None and exit_info is not None and exit_info.limit is None:
             exit_info = ExitInfo(status=None, signal=self.signal)
-        self.mark("counters")
+
+        def release() -> None:
+            """After the kills, before the adapter removes the namespace: the drop counters (final now)
+            while the veth deletion runs (plumbing.release); a failure only loses the counters."""
+            nonlocal dropped
+            if self.plumbing is not None:
+                with contextlib.suppress(Exception):
+                    dropped = self.plumbing.release()
+
         for name, step in (("t_watch", lambda: self.watch and self.watch.stop()),
                            ("t_kill", lambda: self.adapter and self.adapter.kill()),
                            ("t_killall", lambda: self.limits and self.limits.kill_all()),
+                           ("counters", release),
                            ("t_adapter", lambda: self.adapter and self.adapter.teardown()),
                            ("t_plumbing", lambda: self.plumbing and self.plumbing.detach()),
                            ("t_limits", lambda: self.limits and self.limits.remove())):
