@@ -15,9 +15,10 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from types import MappingProxyType
+from typing import Any, NamedTuple
 
 from egressgate.runtimes import addressing, endpoints, records
 from egressgate.runtimes.base import (
@@ -29,15 +30,14 @@ from egressgate.runtimes.base import (
 from egressgate.runtimes.workload import SetupFailed, check_command, inside_env, prepare_workspace
 
 
-@dataclass
-class RunRequest:
+class RunRequest(NamedTuple):  # not a dataclass: start-up budget (runtimes/base.py)
     policy: str
     runtime: str
     command: tuple[str, ...]
     var_dir: Path
     workspace: Path | None = None
     image: str | None = None
-    labels: dict[str, str] = field(default_factory=dict)
+    labels: Mapping[str, str] = MappingProxyType({})  # read-only: a NamedTuple default is shared
 
 
 def log(message: str) -> None:

@@ -54,12 +54,14 @@ def test_anything_else_goes_to_click(args: list[str]) -> None:
 
 def test_the_fast_path_does_not_import_click(tmp_path: Path) -> None:
     """The start-up saving is real: a well-formed `sandbox run` never loads click (nor pydantic,
-    mitmproxy or the audit stack). The fast path ends with os._exit: it is intercepted here to look at
+    mitmproxy or the audit stack; nor dataclasses, which pulls in inspect and ast: ~20 ms, see
+    runtimes/base.py). The fast path ends with os._exit: it is intercepted here to look at
     sys.modules at that moment."""
     code = ("import os, sys; sys.argv = ['egressgate', 'sandbox', 'run', '--var-dir', sys.argv[1], '--policy', 'p', "
             "'--', 'true']\nfrom egressgate.cli import main\n"
             "def report(code):\n    print(code, sorted(m for m in sys.modules if m.split('.')[0] in "
-            "('click', 'pydantic', 'mitmproxy', 'yaml') or m.startswith('egressgate.audit')), flush=True)\n"
+            "('click', 'pydantic', 'mitmproxy', 'yaml', 'dataclasses', 'inspect') "
+            "or m.startswith('egressgate.audit')), flush=True)\n"
             "    os.abort()\n"
             "os._exit = report\nmain()")
     res = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=False,
