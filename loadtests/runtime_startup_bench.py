@@ -16,6 +16,10 @@ bench compiles the egressgate package it imports (`compileall` into the gitignor
 before measuring. A source checkout run with PYTHONDONTWRITEBYTECODE=1 (as this dev environment sets)
 recompiles every module at each start (+~23 ms): `--source` measures that instead (it moves the
 package's __pycache__ dirs aside for the duration and puts them back).
+
+Before/after on a shared machine: `--baseline DIR` also times `sandbox run` importing egressgate from DIR
+(e.g. `git archive <commit> | tar -x -C DIR`), interleaved with the others in the same loop, so both see
+the same load (same bytecode mode; the gateway is the current tree's).
 """
 
 from __future__ import annotations
@@ -79,9 +83,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("-n", type=int, default=30, help="runs of each")
     ap.add_argument("--source", action="store_true", help="no compiled bytecode for egressgate (see above)")
+    ap.add_argument("--baseline", help="a source tree whose `sandbox run` is timed too, interleaved")
     args = ap.parse_args()
-    pkg = package_dir(dict(os.environ))
-    aside = set_bytecode(pkg, compiled=not args.source)
+    base_env = None
+    if args.baseline:
+        base_env = {**os.environ, "PYTHONPATH": str(Path(args.baseline).absolute())}
+    aside = []
+    for env_of in ([dict(os.environ)] + ([base_env] if base_env else [])):
+        aside += set_bytecode(package_dir(env_of), compiled=not args.source)
     ns = f"egN-bench-{os.getpid()}"
     base = Path(tempfile.mkdtemp(prefix="egN-bench-"))
     base.chmod(0o711)
@@ -109,15 +118,20 @@ def main() -> None:
         for _ in range(3):  # warm the page cache for both
             timed(run, env)
             timed(bare, env)
+            if base_env is not None:
+                timed(run, base_env)
         ours: list[float] = []
         theirs: list[float] = []
         helps: list[float] = []
+        baseline: list[float] = []
         phases: list[dict[str, float]] = []
         cli_only = [*enter, EGRESSGATE, "sandbox", "run", "--help"]  # interpreter + imports + click, no run
         for _ in range(args.n):
             ours.append(timed(run, env, phases))
             theirs.append(timed(bare, env))
             helps.append(timed(cli_only, env))
+            if base_env is not None:
+                baseline.append(timed(run, {**base_env, "EGRESSGATE_RUN_TIMING": "1"}))
         m_ours, m_bare = statistics.median(ours), statistics.median(theirs)
         print(json.dumps({
             "n": args.n, "gateway": addresses,
@@ -126,6 +140,8 @@ def main() -> None:
             "sandbox_run_p90_ms": round(sorted(ours)[int(0.9 * (len(ours) - 1))] * 1000, 1),
             "bwrap_p90_ms": round(sorted(theirs)[int(0.9 * (len(theirs) - 1))] * 1000, 1),
             "cli_startup_median_ms": round(statistics.median(helps) * 1000, 1),
+            **({"baseline": args.baseline, "baseline_median_ms": round(statistics.median(baseline) * 1000, 1),
+                "baseline_overhead_ms": round((statistics.median(baseline) - m_bare) * 1000, 1)} if baseline else {}),
             "phase_medians_ms": {k: round(statistics.median(p[k] for p in phases), 1) for k in phases[0]},
             "bytecode": "source" if args.source else "compiled", "load_avg": os.getloadavg(),
         }, indent=1))
