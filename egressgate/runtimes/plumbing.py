@@ -9,8 +9,10 @@ run in a thread that joined the sandbox namespace with setns(2), so any netns pa
 naming it and the children that thread forks (`ip`, `nft`) inherit that namespace.
 
 Used by run.py for every adapter: `Plumbing(run_id, spec.address, endpoints).attach(adapter.netns_path())`
-after `adapter.prepare()` and before `adapter.start()`; `detach()` at teardown. An adapter only has to
-provide a network namespace with nothing but `lo` in it (docker/gvisor: `--network none`).
+after `adapter.prepare()` and before `adapter.start()`; at teardown `release()` (after the kills, before
+the adapter's teardown: counters read, veth deletion started) and `detach()` (after it: the veth gone,
+then the table). An adapter only has to provide a network namespace with nothing but `lo` in it
+(docker/gvisor: `--network none`).
 """
 
 from __future__ import annotations
