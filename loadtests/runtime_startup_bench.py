@@ -9,12 +9,23 @@ the netns, teardown and the revocation with its outcome. The bare bwrap gets com
 
 Everything runs in a private network namespace this bench creates (`egN-bench-<pid>`), with a real
 gateway on its loopback; nothing leaves it. Run as root:
-    PYTHONPATH=$PWD .venv/bin/python -m loadtests.runtime_startup_bench [-n 30]
+    PYTHONPATH=$PWD .venv/bin/python -m loadtests.runtime_startup_bench [-n 30] [--source]
+
+Bytecode: an installed egressgate has its modules compiled (`pip install` writes the .pyc files), so the
+bench compiles the egressgate package it imports (`compileall` into the gitignored __pycache__ dirs)
+before measuring. A source checkout run with PYTHONDONTWRITEBYTECODE=1 (as this dev environment sets)
+recompiles every module at each start (+~23 ms): `--source` measures that instead (it moves the
+package's __pycache__ dirs aside for the duration and puts them back).
+
+Before/after on a shared machine: `--baseline DIR` also times `sandbox run` importing egressgate from DIR
+(e.g. `git archive <commit> | tar -x -C DIR`), interleaved with the others in the same loop, so both see
+the same load (same bytecode mode; the gateway is the current tree's).
 """
 
 from __future__ import annotations
 
 import argparse
+import compileall
 import json
 import os
 import signal
@@ -44,10 +55,42 @@ def timed(argv: list[str], env: dict[str, str], phases: list[dict[str, float]] |
     return took
 
 
+def package_dir(env: dict[str, str]) -> Path:
+    """The egressgate package the runs import (PYTHONPATH decides, as for them)."""
+    out = subprocess.run([sys.executable, "-c", "import egressgate; print(egressgate.__path__[0])"], env=env,
+                         capture_output=True, text=True, check=True).stdout.strip()
+    return Path(out)
+
+
+def set_bytecode(pkg: Path, compiled: bool) -> list[Path]:
+    """Compile the package, or move its __pycache__ dirs aside (returned, for restore_bytecode)."""
+    if compiled:
+        compileall.compile_dir(str(pkg), quiet=1)
+        return []
+    aside = []
+    for cache in sorted(pkg.rglob("__pycache__")):
+        cache.rename(cache.with_name("__pycache__.bench-aside"))
+        aside.append(cache)
+    return aside
+
+
+def restore_bytecode(aside: list[Path]) -> None:
+    for cache in aside:
+        cache.with_name("__pycache__.bench-aside").rename(cache)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("-n", type=int, default=30, help="runs of each")
+    ap.add_argument("--source", action="store_true", help="no compiled bytecode for egressgate (see above)")
+    ap.add_argument("--baseline", help="a source tree whose `sandbox run` is timed too, interleaved")
     args = ap.parse_args()
+    base_env = None
+    if args.baseline:
+        base_env = {**os.environ, "PYTHONPATH": str(Path(args.baseline).absolute())}
+    aside = []
+    for env_of in ([dict(os.environ)] + ([base_env] if base_env else [])):
+        aside += set_bytecode(package_dir(env_of), compiled=not args.source)
     ns = f"egN-bench-{os.getpid()}"
     base = Path(tempfile.mkdtemp(prefix="egN-bench-"))
     base.chmod(0o711)
@@ -75,15 +118,20 @@ def main() -> None:
         for _ in range(3):  # warm the page cache for both
             timed(run, env)
             timed(bare, env)
+            if base_env is not None:
+                timed(run, base_env)
         ours: list[float] = []
         theirs: list[float] = []
         helps: list[float] = []
+        baseline: list[float] = []
         phases: list[dict[str, float]] = []
         cli_only = [*enter, EGRESSGATE, "sandbox", "run", "--help"]  # interpreter + imports + click, no run
         for _ in range(args.n):
             ours.append(timed(run, env, phases))
             theirs.append(timed(bare, env))
             helps.append(timed(cli_only, env))
+            if base_env is not None:
+                baseline.append(timed(run, {**base_env, "EGRESSGATE_RUN_TIMING": "1"}))
         m_ours, m_bare = statistics.median(ours), statistics.median(theirs)
         print(json.dumps({
             "n": args.n, "gateway": addresses,
@@ -92,8 +140,10 @@ def main() -> None:
             "sandbox_run_p90_ms": round(sorted(ours)[int(0.9 * (len(ours) - 1))] * 1000, 1),
             "bwrap_p90_ms": round(sorted(theirs)[int(0.9 * (len(theirs) - 1))] * 1000, 1),
             "cli_startup_median_ms": round(statistics.median(helps) * 1000, 1),
+            **({"baseline": args.baseline, "baseline_median_ms": round(statistics.median(baseline) * 1000, 1),
+                "baseline_overhead_ms": round((statistics.median(baseline) - m_bare) * 1000, 1)} if baseline else {}),
             "phase_medians_ms": {k: round(statistics.median(p[k] for p in phases), 1) for k in phases[0]},
-            "load_avg": os.getloadavg(),
+            "bytecode": "source" if args.source else "compiled", "load_avg": os.getloadavg(),
         }, indent=1))
     finally:
         if gateway is not None and gateway.poll() is None:
@@ -104,6 +154,7 @@ def main() -> None:
                 gateway.kill()
         subprocess.run(["ip", "netns", "del", ns], check=False)
         subprocess.run(["rm", "-rf", str(base)], check=False)
+        restore_bytecode(aside)
 
 
 if __name__ == "__main__":

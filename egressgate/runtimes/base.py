@@ -9,14 +9,18 @@ which the workload runs before its only way out is in place.
 
 Everything a run creates on the host is recorded in a `RunRecord` file before it is created, so
 `sandbox gc` can remove the leftovers of a run killed with SIGKILL.
+
+The value types below are immutable `typing.NamedTuple`s, not frozen dataclasses: importing dataclasses
+pulls in inspect and ast, ~20 ms of every `sandbox run` start-up (loadtests/RESULTS.md).
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Protocol
+from types import MappingProxyType
+from typing import NamedTuple, Protocol
 
 
 class Limit(enum.StrEnum):
@@ -45,8 +49,7 @@ EXIT_BY_LIMIT: dict[Limit, int] = {
 }
 
 
-@dataclass(frozen=True)
-class GatewayEndpoints:
+class GatewayEndpoints(NamedTuple):
     """Where the running gateway listens (from its runtime file `var_dir/gateway.json`)."""
 
     proxy: tuple[str, int]  # explicit proxy (HTTP_PROXY)
@@ -57,8 +60,7 @@ class GatewayEndpoints:
     admin: tuple[str, int]
 
 
-@dataclass(frozen=True)
-class SandboxAddress:
+class SandboxAddress(NamedTuple):
     """The point-to-point link between the host and one sandbox (a /30 of the runtime subnet)."""
 
     host_ip: str  # the host end of the veth: the sandbox's default gateway, resolver and proxy address
@@ -68,8 +70,7 @@ class SandboxAddress:
     sandbox_if: str
 
 
-@dataclass(frozen=True)
-class RunSpec:
+class RunSpec(NamedTuple):
     """What the operator asked for plus what admission handed out (the policy's runtime sections come
     from the gateway, so the runtime enforces the same policy version the gateway decides with)."""
 
@@ -83,12 +84,11 @@ class RunSpec:
     ca_bundle: Path  # host path of the sandbox CA bundle; mounted read-only inside
     workspace: Path | None = None  # host directory bind-mounted read-write at sandbox.workspace.path
     image: str | None = None  # docker/gvisor
-    labels: dict[str, str] = field(default_factory=dict)
+    labels: Mapping[str, str] = MappingProxyType({})  # read-only: a NamedTuple default is shared
     state_dir: Path = Path("/run/egressgate")  # run records, barrier files, generated resolv.conf/hosts
 
 
-@dataclass(frozen=True)
-class ExitInfo:
+class ExitInfo(NamedTuple):
     """How the workload ended."""
 
     status: int | None  # exit status when it exited

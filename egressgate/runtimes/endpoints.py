@@ -11,8 +11,8 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from egressgate.runtimes.base import GatewayEndpoints
 
@@ -21,8 +21,7 @@ class GatewayNotRunning(RuntimeError):
     """No usable runtime file: the gateway is not running with this var dir (or is too old)."""
 
 
-@dataclass(frozen=True)
-class GatewayInfo:
+class GatewayInfo(NamedTuple):  # not a dataclass: start-up budget (runtimes/base.py)
     endpoints: GatewayEndpoints
     pid: int
     subnet: str  # runtime.subnet: the address pool of sandbox links

@@ -15,9 +15,10 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from types import MappingProxyType
+from typing import Any, NamedTuple
 
 from egressgate.runtimes import addressing, endpoints, records
 from egressgate.runtimes.base import (
@@ -29,15 +30,14 @@ from egressgate.runtimes.base import (
 from egressgate.runtimes.workload import SetupFailed, check_command, inside_env, prepare_workspace
 
 
-@dataclass
-class RunRequest:
+class RunRequest(NamedTuple):  # not a dataclass: start-up budget (runtimes/base.py)
     policy: str
     runtime: str
     command: tuple[str, ...]
     var_dir: Path
     workspace: Path | None = None
     image: str | None = None
-    labels: dict[str, str] = field(default_factory=dict)
+    labels: Mapping[str, str] = MappingProxyType({})  # read-only: a NamedTuple default is shared
 
 
 def log(message: str) -> None:
@@ -218,15 +218,21 @@ class Run:
         """Every step runs whatever failed before it; the record goes last (only a clean teardown removes it)."""
         clean = True
         dropped: dict[str, int] = {}
-        if self.plumbing is not None:
-            with contextlib.suppress(Exception):
-                dropped = self.plumbing.drop_counts()
         if self.signal is not None and exit_info is not None and exit_info.limit is None:
             exit_info = ExitInfo(status=None, signal=self.signal)
-        self.mark("counters")
+
+        def release() -> None:
+            """After the kills, before the adapter removes the namespace: the drop counters (final now)
+            while the veth deletion runs (plumbing.release); a failure only loses the counters."""
+            nonlocal dropped
+            if self.plumbing is not None:
+                with contextlib.suppress(Exception):
+                    dropped = self.plumbing.release()
+
         for name, step in (("t_watch", lambda: self.watch and self.watch.stop()),
                            ("t_kill", lambda: self.adapter and self.adapter.kill()),
                            ("t_killall", lambda: self.limits and self.limits.kill_all()),
+                           ("counters", release),
                            ("t_adapter", lambda: self.adapter and self.adapter.teardown()),
                            ("t_plumbing", lambda: self.plumbing and self.plumbing.detach()),
                            ("t_limits", lambda: self.limits and self.limits.remove())):
