@@ -19,6 +19,7 @@ import pytest
 from support.dockerd import Dockerd
 
 from egressgate.runtimes.docker import labelled_containers
+from egressgate.runtimes.gc import clean_record
 from egressgate.runtimes.plumbing import in_netns
 from runtimes.harness import Gateway, base_dir, remove, safety_net
 from runtimes.test_run_lifecycle import leftovers, netns_commands, revocations
@@ -27,6 +28,11 @@ pytestmark = pytest.mark.netns
 
 WORKLOAD = 'echo "$EGRESSGATE_SANDBOX_ID $EGRESSGATE_SANDBOX_TOKEN" > /workspace/identity; exec sleep 60'
 NOTHING = {"tables": [], "veths": [], "netns": [], "records": []}
+
+
+def leftovers_of(gateway: Gateway, run_id: str) -> dict[str, list[str]]:
+    """test_run_lifecycle.leftovers, only this run's objects (one failing test must not fail the next)."""
+    return {kind: [x for x in found if run_id in x] for kind, found in leftovers(gateway).items()}
 CLEANUP_WITHIN = 5.0  # seconds; the watchdog's target is ~2 s (figures in the report / RESULTS.md)
 
 
@@ -73,17 +79,17 @@ def wait_running(gateway: Gateway, proc: subprocess.Popen[str], ws: Path) -> tup
     raise AssertionError("the workload did not start")
 
 
-def sigkill_and_wait_clean(gateway: Gateway, proc: subprocess.Popen[str], gone: object) -> float:
+def sigkill_and_wait_clean(gateway: Gateway, proc: subprocess.Popen[str], run_id: str, gone: object) -> float:
     """SIGKILL `sandbox run` only (never gc); seconds until `gone()` holds and no product object is left."""
     t0 = time.monotonic()
     proc.send_signal(signal.SIGKILL)
     proc.wait(20)
     _, err = proc.communicate(timeout=10)  # EOF: the watchdog holds none of the caller's pipes
     while time.monotonic() - t0 < 30:
-        if gone() and leftovers(gateway) == NOTHING:  # type: ignore[operator]
+        if gone() and leftovers_of(gateway, run_id) == NOTHING:  # type: ignore[operator]
             return time.monotonic() - t0
         time.sleep(0.05)
-    raise AssertionError(f"left after 30 s: {leftovers(gateway)} {err}")
+    raise AssertionError(f"left after 30 s: {leftovers_of(gateway, run_id)} {err}")
 
 
 def assert_revoked_by_watchdog(gateway: Gateway, sid: str, token: str) -> None:
@@ -94,6 +100,7 @@ def assert_revoked_by_watchdog(gateway: Gateway, sid: str, token: str) -> None:
 
 def test_netns_run_killed_is_cleaned_by_its_watchdog(gateway: Gateway) -> None:
     ws = base_dir()
+    run_id = ""
     try:
         proc = start_run(gateway, ws, [], {})
         sid, token, record = wait_running(gateway, proc, ws)
@@ -102,7 +109,7 @@ def test_netns_run_killed_is_cleaned_by_its_watchdog(gateway: Gateway) -> None:
         watchdog_pid = record["watchdog_pid"]
         # positive controls: the workload runs, its objects exist, its token is accepted
         assert "sleep" in netns_commands(run_id)
-        left = leftovers(gateway)
+        left = leftovers_of(gateway, run_id)
         assert left["netns"] == [f"egressgate-{run_id}"] and left["veths"] == [f"egh{run_id}"], left
         assert len(left["tables"]) == 1 and cgroups and all(p.is_dir() for p in cgroups), (left, cgroups)
         assert proxy_connect_status(gateway, sid, token) == 200
@@ -113,7 +120,7 @@ def test_netns_run_killed_is_cleaned_by_its_watchdog(gateway: Gateway) -> None:
         assert all(c.startswith("pipe:") for c in callers) and not callers & held, (callers, held)
         assert held - {"/dev/null"} and all(h.startswith("pipe:") for h in held - {"/dev/null"}), held
         assert len(held - {"/dev/null"}) == 1, held
-        took = sigkill_and_wait_clean(gateway, proc, lambda: not [p for p in cgroups if p.exists()])
+        took = sigkill_and_wait_clean(gateway, proc, run_id, lambda: not [p for p in cgroups if p.exists()])
         assert took < CLEANUP_WITHIN, took
         assert_revoked_by_watchdog(gateway, sid, token)
         deadline = time.monotonic() + 5
@@ -123,6 +130,8 @@ def test_netns_run_killed_is_cleaned_by_its_watchdog(gateway: Gateway) -> None:
         print(f"netns: clean {took:.2f} s after SIGKILL")
     finally:
         remove(ws)
+        if run_id:  # whatever a failure left in the host's global namespace list and cgroups
+            clean_record({"run_id": run_id, "netns": f"egressgate-{run_id}"})
 
 
 @pytest.mark.parametrize("runtime", ["docker", "gvisor"])
@@ -139,10 +148,10 @@ def test_container_run_killed_is_cleaned_by_its_watchdog(gateway: Gateway, docke
         assert {n: r for n, r in labelled_containers(dockerd.host).items() if n not in before} == {
             f"egressgate-{run_id}": run_id}
         assert dockerd.docker("inspect", "-f", "{{.State.Running}}", f"egressgate-{run_id}").stdout.strip() == "true"
-        left = leftovers(gateway)
+        left = leftovers_of(gateway, run_id)
         assert left["veths"] == [f"egh{run_id}"] and len(left["tables"]) == 1, left
         assert proxy_connect_status(gateway, sid, token) == 200
-        took = sigkill_and_wait_clean(gateway, proc,
+        took = sigkill_and_wait_clean(gateway, proc, run_id,
                                       lambda: run_id not in labelled_containers(dockerd.host).values())
         assert took < CLEANUP_WITHIN, took
         names = dockerd.docker("ps", "-a", "--format", "{{.Names}}").stdout.split()
