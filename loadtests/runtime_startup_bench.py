@@ -9,7 +9,11 @@ the netns, teardown and the revocation with its outcome. The bare bwrap gets com
 
 Everything runs in a private network namespace this bench creates (`egN-bench-<pid>`), with a real
 gateway on its loopback; nothing leaves it. Run as root:
-    PYTHONPATH=$PWD .venv/bin/python -m loadtests.runtime_startup_bench [-n 30]
+    PYTHONPATH=$PWD .venv/bin/python -m loadtests.runtime_startup_bench [-n 30] [--baseline TREE]
+
+With `--baseline TREE` (an export of an earlier commit: `git archive main | tar -x -C TREE`) each round
+also runs TREE's `sandbox run` (PYTHONPATH=TREE), so before and after are timed interleaved, under the
+same machine noise.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ def timed(argv: list[str], env: dict[str, str], phases: list[dict[str, float]] |
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("-n", type=int, default=30, help="runs of each")
+    ap.add_argument("--baseline", type=Path, help="an earlier source tree to time interleaved")
     args = ap.parse_args()
     ns = f"egN-bench-{os.getpid()}"
     base = Path(tempfile.mkdtemp(prefix="egN-bench-"))
@@ -72,9 +77,13 @@ def main() -> None:
         run = [*enter, EGRESSGATE, "sandbox", "run", "--var-dir", str(base / "var"), "--policy", "bench", "--",
                "true"]
         bare = [*enter, *BARE]
+        base_env = {**env, "PYTHONPATH": str(args.baseline)} if args.baseline else None
         for _ in range(3):  # warm the page cache for both
             timed(run, env)
             timed(bare, env)
+            if base_env:
+                timed(run, base_env)
+        old: list[float] = []
         ours: list[float] = []
         theirs: list[float] = []
         helps: list[float] = []
@@ -84,8 +93,12 @@ def main() -> None:
             ours.append(timed(run, env, phases))
             theirs.append(timed(bare, env))
             helps.append(timed(cli_only, env))
+            if base_env:
+                old.append(timed(run, base_env))
         m_ours, m_bare = statistics.median(ours), statistics.median(theirs)
-        print(json.dumps({
+        extra = {"baseline_sandbox_run_median_ms": round(statistics.median(old) * 1000, 1),
+                 "baseline_overhead_ms": round((statistics.median(old) - m_bare) * 1000, 1)} if old else {}
+        print(json.dumps({**extra,
             "n": args.n, "gateway": addresses,
             "sandbox_run_median_ms": round(m_ours * 1000, 1), "bwrap_median_ms": round(m_bare * 1000, 1),
             "overhead_ms": round((m_ours - m_bare) * 1000, 1), "ratio": round(m_ours / m_bare, 2),
