@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 
 ENDED_BY = "watchdog"
@@ -30,13 +31,15 @@ ENDED_BY = "watchdog"
 def start(state_dir: Path, run_id: str, var_dir: Path) -> int:
     """Fork the watchdog of `run_id`; returns its pid. The pipe's write end stays open in this process
     until it exits (deliberately never closed: its closing by the kernel is the signal)."""
-    read_end, write_end = os.pipe()  # both O_CLOEXEC (PEP 446)
+    read_end, write_end = (_above_stdio(fd) for fd in os.pipe())  # both O_CLOEXEC (PEP 446)
+    parent = os.getpid()
     pid = os.fork()
     if pid == 0:  # the watchdog
         code = 0
         try:
+            os.close(write_end)
             _detach(read_end)
-            _watch(read_end, state_dir, run_id, var_dir)
+            _watch(read_end, parent, state_dir, run_id, var_dir)
         except BaseException:  # never return into `sandbox run`'s code in the child
             code = 1
         os._exit(code)
@@ -46,6 +49,18 @@ def start(state_dir: Path, run_id: str, var_dir: Path) -> int:
 
 
 _KEEP: list[int] = []  # the write ends, referenced so nothing closes them before exit
+
+
+def _above_stdio(fd: int) -> int:
+    """`sandbox run` started with stdio closed gets a pipe end as fd 0-2: its own prints would then write
+    into the pipe, and the watchdog's /dev/null redirection would close it. Moved to fd >= 3."""
+    if fd > 2:
+        return fd
+    import fcntl
+
+    high = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 3)
+    os.close(fd)
+    return high
 
 
 def _detach(read_end: int) -> None:
@@ -67,9 +82,17 @@ def _max_fd() -> int:
         return os.sysconf("SC_OPEN_MAX")
 
 
-def _watch(read_end: int, state_dir: Path, run_id: str, var_dir: Path) -> None:
+def _watch(read_end: int, parent: int, state_dir: Path, run_id: str, var_dir: Path) -> None:
     while os.read(read_end, 64):  # nothing is ever written: only EOF (b"") ends this
         pass
+    # EOF alone is not proof: the kernel closes a dying process's files just before it reparents its
+    # children, and an EOF from anything else (a bug, a closed fd reused) must never tear down a LIVE run.
+    # The parent is gone once this process has been handed to another one.
+    deadline = time.monotonic() + 5
+    while os.getppid() == parent:
+        if time.monotonic() > deadline:
+            return  # still our parent: not ours to clean (`sandbox gc` is the backstop)
+        time.sleep(0.005)
     cleanup(state_dir, run_id, var_dir)
 
 

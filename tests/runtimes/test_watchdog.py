@@ -163,3 +163,29 @@ def test_container_run_killed_is_cleaned_by_its_watchdog(gateway: Gateway, docke
         for name, rid in labelled_containers(dockerd.host).items():
             if name not in before and rid:
                 dockerd.docker("rm", "-f", name, check=False)
+
+
+def test_a_run_started_with_stdio_closed_keeps_its_watchdog(gateway: Gateway) -> None:
+    """`sandbox run` with fds 0-2 closed: its pipe to the watchdog would get fds 0-1, which the watchdog's
+    /dev/null redirection would clobber (an early EOF: the watchdog gives up, or worse, cleans a LIVE
+    run). The watchdog must still be there well into the run (> its 5 s give-up) and clean after SIGKILL."""
+    ws = base_dir()
+    run_id = ""
+    try:
+        argv = gateway.cmd("sandbox", "run", "--config", str(gateway.config), "--policy", "rt-allow",
+                           "--workspace", str(ws), "--", "sh", "-c", WORKLOAD)
+        proc = subprocess.Popen(["sh", "-c", 'exec "$@" <&- >&- 2>&-', "sh", *argv], env=gateway.caller_env(),
+                                text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=safety_net)
+        sid, token, record = wait_running(gateway, proc, ws)
+        run_id = record["run_id"]
+        assert proxy_connect_status(gateway, sid, token) == 200  # positive control: the run is live
+        time.sleep(6)
+        assert Path(f"/proc/{record['watchdog_pid']}").exists(), "the watchdog is gone while its run is live"
+        assert leftovers_of(gateway, run_id)["records"] == [f"{run_id}.json"]
+        took = sigkill_and_wait_clean(gateway, proc, run_id, lambda: True)
+        assert took < CLEANUP_WITHIN, took
+        assert_revoked_by_watchdog(gateway, sid, token)
+    finally:
+        remove(ws)
+        if run_id:
+            clean_record({"run_id": run_id, "netns": f"egressgate-{run_id}"})
