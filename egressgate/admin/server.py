@@ -91,8 +91,8 @@ def run_outcome(body: dict) -> dict[str, object]:
         raise BodyError(400, "invalid_request", f"outcome.runtime: one of {', '.join(OUTCOME_RUNTIMES)}")
     if raw.get("limit") is not None and raw["limit"] not in OUTCOME_LIMITS:
         raise BodyError(400, "invalid_request", f"outcome.limit: null or one of {', '.join(OUTCOME_LIMITS)}")
-    if raw.get("ended_by") not in (None, "gc"):
-        raise BodyError(400, "invalid_request", "outcome.ended_by: null or \"gc\"")
+    if raw.get("ended_by") not in (None, "gc", "watchdog"):
+        raise BodyError(400, "invalid_request", "outcome.ended_by: null, \"gc\" or \"watchdog\"")
     for key in ints:
         value = raw.get(key)
         if value is not None and (type(value) is not int or not 0 <= value < 2**53):

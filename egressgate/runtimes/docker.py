@@ -334,7 +334,7 @@ def _copy_frames(frames: object) -> None:
 def gc_record(record: dict) -> list[str]:
     """`sandbox gc` hook: remove the container a dead run's record names."""
     name = record.get("container")
-    if not isinstance(name, str) or not name.startswith(NAME_PREFIX):
+    if name != NAME_PREFIX + str(record.get("run_id")):  # this run's own container, never another
         return []
     try:
         DockerAPI(str(record.get("docker_host") or docker_host())).remove(name)

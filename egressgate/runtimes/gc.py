@@ -89,7 +89,9 @@ def remove_cgroup(path: Path) -> None:
                 time.sleep(0.05)  # killed processes take a moment to leave the group
 
 
-def _revoke(var_dir: Path, info: endpoints.GatewayInfo | None, record: dict[str, Any]) -> str | None:
+def revoke(info: endpoints.GatewayInfo | None, record: dict[str, Any], ended_by: str = "gc") -> str | None:
+    """Revoke the record's sandbox (`ended_by`: gc, or watchdog for runtimes/watchdog.py); returns the
+    problem, or None when revoked (or there was nothing to revoke)."""
     if not record.get("sandbox_id"):
         return None
     if info is None:  # the record (and its address slot) stays until the sandbox is revoked
@@ -102,7 +104,7 @@ def _revoke(var_dir: Path, info: endpoints.GatewayInfo | None, record: dict[str,
         status, data = call(info.endpoints.admin, "DELETE", f"/v1/sandboxes/{record['sandbox_id']}", token,
                             {"outcome": {"runtime": record.get("runtime") or "unknown", "exit_code": None,
                                          "status": None, "signal": None, "limit": None, "duration_ms": None,
-                                         "ended_by": "gc"}})
+                                         "ended_by": ended_by}})
     except (OSError, AdminUnreachable) as exc:
         return f"cannot revoke {record['sandbox_id']}: {exc}"
     if status not in (200, 404):
@@ -111,28 +113,32 @@ def _revoke(var_dir: Path, info: endpoints.GatewayInfo | None, record: dict[str,
 
 
 def clean_record(record: dict[str, Any], state_dir: Path | None = None) -> list[str]:
-    """Remove every object a dead run's record names; returns what was removed."""
+    """Remove every object a dead run's record names; returns what was removed.
+
+    Only the names this run's own id gives (netns.netns_name, addressing.slot_address, nftables,
+    limits.py's `egressgate/<id>` groups, docker.py's container name) are touched: a record is data, and
+    neither gc nor a run's watchdog may delete another run's objects because a record says so."""
     removed = []
+    run_id = str(record.get("run_id"))
+    if not re.fullmatch(ID, run_id):
+        return removed
     ns = record.get("netns")
-    if isinstance(ns, str) and ns.startswith(NETNS_PREFIX):
+    if ns == NETNS_PREFIX + run_id:
         _kill_pids(netns_pids(ns))
         if delete_netns(ns):
             removed.append(f"netns {ns}")
     # the record names its cgroups only once they exist (limits.py creates them in one step): groups of
     # this run id a SIGKILL left unrecorded are found by name
     named = {Path(path) for path in record.get("cgroups") or []}
-    named |= {p for p in cgroup_dirs() if p.name == record.get("run_id")}
+    named |= {p for p in cgroup_dirs() if p.name == run_id}
     for p in sorted(named):
-        if p.is_dir() and p.is_relative_to(CGROUP_ROOT):
+        if p.name == run_id and p.parent.name == "egressgate" and p.is_dir() and p.is_relative_to(CGROUP_ROOT):
             remove_cgroup(p)
             removed.append(f"cgroup {p}")
-    run_id = str(record.get("run_id"))
-    # only the names this run's own id gives (addressing.slot_address, Run._run): a record is data, and
-    # gc must not delete a link or a directory of someone else's because a record says so
     if record.get("host_if") == f"egh{run_id}" and delete_link(record["host_if"]):
         removed.append(f"veth {record['host_if']}")
     table = record.get("nft_table")
-    if isinstance(table, str) and table.startswith(nftables.TABLE_PREFIX) and nftables.delete_table(table):
+    if table == nftables.TABLE_PREFIX + run_id and nftables.delete_table(table):
         removed.append(f"nft table {table}")
     if record.get("container"):
         from egressgate.runtimes import registry
@@ -167,7 +173,7 @@ def collect(var_dir: Path, state_dir: Path | None = None, grace: float = 60.0) -
             live.add(run_id)
             continue
         removed += [f"{what} (run {run_id})" for what in clean_record(record, state_dir)]
-        problem = _revoke(var_dir, info, record)
+        problem = revoke(info, record)
         if problem:
             problems.append(problem)
             live.add(run_id)  # keep the record: the revocation is retried by the next gc

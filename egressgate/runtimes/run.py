@@ -4,7 +4,8 @@ workspace directory survives ("preserve state without preserving authority").
 
 Fail closed: any failure before the workload starts ends the run with EXIT_SETUP_FAILED (120) and one
 sentence on stderr; teardown runs whatever happened (each step idempotent), and the run record names
-every host object before it is created so `sandbox gc` can clean up after a SIGKILL. Stdlib only at
+every host object before it is created so the run's watchdog (runtimes/watchdog.py), or `sandbox gc`
+if the watchdog is gone too, can clean up after a SIGKILL. Stdlib only at
 import time: the CLI's start-up is measured (loadtests/).
 """
 
@@ -128,12 +129,17 @@ class Run:
                                       {"owner_pid": os.getpid(), "runtime": req.runtime, "created": time.time(),
                                        "var_dir": str(req.var_dir.absolute())})
         self.mark("allocate")
+        # from here on host objects exist: the watchdog cleans them up if this process dies by SIGKILL
+        from egressgate.runtimes import watchdog
+
+        watchdog_pid = watchdog.start(info.state_dir, self.run_id, req.var_dir.absolute())
+        self.mark("watchdog")
         status, data = self._admin("POST", "/v1/sandboxes", {"policy": req.policy, "labels": req.labels,
                                                              "addresses": [address.sandbox_ip]})
         if status != 201:
             raise SetupFailed(f"admission refused ({status}): {data.get('message') or data.get('error')}")
         self.sandbox_id = data["id"]
-        records.update(info.state_dir, self.run_id, sandbox_id=self.sandbox_id)
+        records.update(info.state_dir, self.run_id, sandbox_id=self.sandbox_id, watchdog_pid=watchdog_pid)
         audit = info.audit_file or "the gateway's OTLP collector (audit.file is off)"
         log(f"sandbox {self.sandbox_id} (run {self.run_id}, {req.runtime}, {address.sandbox_ip}); "
             f"audit records: {audit}")

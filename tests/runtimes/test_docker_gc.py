@@ -1,6 +1,6 @@
-"""Cleanup of docker runs killed with SIGKILL: the container outlives `sandbox run` (Docker owns it), so
-`sandbox gc` must remove it from the run record; containers labelled `egressgate.run` with no live run
-are swept too, anything else on the daemon stays."""
+"""Cleanup of docker runs killed with SIGKILL together with their watchdog: the container outlives
+`sandbox run` (Docker owns it), so `sandbox gc` must remove it from the run record; containers labelled
+`egressgate.run` with no live run are swept too, anything else on the daemon stays."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from support.dockerd import Dockerd
 
 from egressgate.runtimes.docker import labelled_containers
 from runtimes.harness import Gateway
+from runtimes.test_run_lifecycle import kill_watchdog
 
 pytestmark = pytest.mark.netns
 
@@ -38,6 +39,8 @@ def test_sigkill_then_gc_removes_the_container(gateway: Gateway, dockerd: Docker
         time.sleep(0.05)
     assert started, "the workload never started"
     run_id = started[0].parent.parent.name
+    record = json.loads((gateway.state_dir / "runs" / f"{run_id}.json").read_text())
+    kill_watchdog(record)  # else it removes the container itself (test_watchdog.py)
     proc.send_signal(signal.SIGKILL)
     proc.wait(20)
     proc.communicate(timeout=10)

@@ -51,3 +51,42 @@ def test_gc_removes_only_what_the_run_id_names() -> None:
         subprocess.run(["ip", "netns", "del", ns], check=False, timeout=30)
         shutil.rmtree(state, ignore_errors=True)
         shutil.rmtree(outsider, ignore_errors=True)
+
+
+@pytest.mark.netns
+def test_a_record_cannot_name_another_runs_netns_table_or_cgroup() -> None:
+    """gc and a run's watchdog (runtimes/watchdog.py) both call clean_record: a record of run X naming run
+    Y's namespace, nft table or cgroup (product names, just not X's) must leave them alone."""
+    own, other = uuid.uuid4().hex[:10], uuid.uuid4().hex[:10]
+    scratch = f"egW-gc{own}"
+    victim_ns = f"egressgate-{other}"
+    victim_cg = Path("/sys/fs/cgroup/pids/egressgate") / other
+    subprocess.run(["ip", "netns", "add", scratch], check=True, timeout=30)
+    subprocess.run(["ip", "netns", "add", victim_ns], check=True, timeout=30)
+    victim_cg.mkdir(parents=True)
+    try:
+        def tables() -> str:
+            return subprocess.run(["nft", "list", "tables"], capture_output=True, text=True, check=True,
+                                  timeout=30).stdout
+
+        def scenario() -> tuple[list[str], str, list[str], str]:
+            subprocess.run(["nft", "add", "table", "inet", f"egressgate_{other}"], check=True, timeout=30)
+            hostile = clean_record({"run_id": own, "netns": victim_ns, "nft_table": f"egressgate_{other}",
+                                    "cgroups": [str(victim_cg)]})
+            after_hostile = tables()
+            victims = clean_record({"run_id": other, "netns": victim_ns, "nft_table": f"egressgate_{other}",
+                                    "cgroups": [str(victim_cg)]})
+            return hostile, after_hostile, victims, tables()
+
+        hostile, after_hostile, victims, after = in_netns(f"/run/netns/{scratch}", scenario)
+        assert hostile == [], hostile
+        assert f"egressgate_{other}" in after_hostile
+        # positive control: the same record under its own run id removes them
+        assert set(victims) == {f"netns {victim_ns}", f"nft table egressgate_{other}", f"cgroup {victim_cg}"}
+        assert f"egressgate_{other}" not in after and not victim_cg.exists()
+        assert not Path(f"/run/netns/{victim_ns}").exists()
+    finally:
+        subprocess.run(["ip", "netns", "del", scratch], check=False, timeout=30)
+        subprocess.run(["ip", "netns", "del", victim_ns], capture_output=True, check=False, timeout=30)
+        if victim_cg.exists():
+            victim_cg.rmdir()

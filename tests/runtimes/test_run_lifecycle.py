@@ -1,9 +1,10 @@
 """`sandbox run` end to end: a new admission per run, exit codes, the command allow-list, signals, and
-cleanup after SIGKILL by `sandbox gc` (nothing left in the host namespace)."""
+cleanup after SIGKILL (of `sandbox run` and its watchdog) by `sandbox gc` (nothing left in the host namespace)."""
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import time
@@ -154,12 +155,24 @@ def test_sigterm_kills_the_sandbox_and_cleans_up(gateway: Gateway) -> None:
     assert rev["egressgate.run.signal"] in (15, "15")
 
 
+def kill_watchdog(record: dict) -> None:
+    """SIGKILL the run's watchdog (runtimes/watchdog.py) and wait until it is gone."""
+    pid = record["watchdog_pid"]
+    assert Path(f"/proc/{pid}").exists(), "the run has no live watchdog"
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.02)  # it is not our child: init reaps it
+
+
 def test_sigkill_then_gc_leaves_nothing(gateway: Gateway) -> None:
-    """A run with a pids limit (so it has cgroups too) killed with SIGKILL; `sandbox gc` removes the rest."""
+    """A run with a pids limit (so it has cgroups too) killed with SIGKILL together with its watchdog (the
+    watchdog alone cleans up otherwise: test_watchdog.py); `sandbox gc` removes the rest."""
     proc = gateway.popen_run("sleep", "60", policy="rt-pids")
     record = _wait_for_workload(gateway, proc)
     cgroups = [Path(p) for p in record.get("cgroups") or []]
     assert cgroups and all(p.is_dir() for p in cgroups), record
+    kill_watchdog(record)
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=20)
     # the sandbox's processes die with `sandbox run` (PDEATHSIG on bwrap, --die-with-parent inside)
