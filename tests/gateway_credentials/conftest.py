@@ -35,6 +35,7 @@ from tests.gateway.conftest import EGRESSGATE, DnsServer, Hits, LoopThread, _rea
 NAMES = ["api.test", "jwt.test", "phantom.test", "other.test", "basic.test", "query.test", "forbidden.test",
          "oidc.test"]
 MAX_TTL = 120
+TRANSPARENT_BUDGET = 20000  # cred-transparent: outbound bytes of one sandbox
 
 
 def secret_of(request: web.Request) -> str:
@@ -318,6 +319,10 @@ def policies(w: World, *, kv_ttl: int = 300, file_secret: str | None = None) -> 
         return {"sandbox": {"name": name}, "network": network,
                 "credentials": {"max_ttl_seconds": MAX_TTL, "capabilities": caps}}
 
+    def budgeted(d: dict, outbound_bytes_max: int) -> dict:
+        d["sandbox"]["resources"] = {"outbound_bytes_max": outbound_bytes_max}
+        return d
+
     source = {"file": file_secret} if file_secret else KV  # local backend: a 0600 file
     oidc_rules, oidc_caps = [], {}
     if not file_secret:  # vault_oidc needs the vault backend
@@ -352,6 +357,24 @@ def policies(w: World, *, kv_ttl: int = 300, file_secret: str | None = None) -> 
         "cred-clash": doc("cred-clash", [
             {"id": "openai", "host": "phantom.test", "ports": [https], "credential": "openai"},
         ], {"openai": {**kv_cap, "mode": "phantom", "phantom_env": "HTTPS_PROXY"}}),
+        # test_transparent.py: credentialed, phantom and plain routes under one byte budget, used over the
+        # transparent listener and the explicit proxy by the same sandbox
+        "cred-transparent": budgeted(doc("cred-transparent", [
+            {"id": "api-cred", "host": "api.test", "ports": [https], "methods": ["GET", "POST"],
+             "paths": ["/echo", "/reflect/*"], "credential": "kv"},
+            {"id": "api-open", "host": "api.test", "ports": [https], "methods": ["POST"], "paths": ["/open/**"]},
+            {"id": "api-quota", "host": "api.test", "ports": [https], "methods": ["GET"], "paths": ["/quota/**"],
+             "budget": {"requests": 2}},
+            {"id": "api-qbytes", "host": "api.test", "ports": [https], "methods": ["POST"], "paths": ["/qbytes/**"],
+             "budget": {"bytes": 3000}},
+            {"id": "openai", "host": "phantom.test", "ports": [https], "methods": ["GET", "POST"],
+             "paths": ["/v1/**"], "credential": "openai"},
+            {"id": "other", "host": "other.test", "ports": [https]},
+            {"id": "ws", "host": "other.test", "ports": [https2], "credential": "kv"},
+        ], {"kv": kv_cap,
+            "openai": {**kv_cap, "mode": "phantom", "phantom_env": "OPENAI_API_KEY",
+                       "placement": {"header": "Authorization", "format": "Bearer {value}"}}}),
+            TRANSPARENT_BUDGET),
         "cred-jwt": doc("cred-jwt", [
             {"id": "jwt", "host": "jwt.test", "ports": [https], "methods": ["GET"], "paths": ["/jwt", "/reflect/*"],
              "credential": "billing"},
