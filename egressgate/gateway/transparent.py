@@ -253,12 +253,7 @@ class Transparent:
             return
         port = conn.original_dst[1]
         raw = hosts[0] if hosts else None
-        host, denied = td.canonical_name(raw)
-        if denied is None and raw is not None:
-            try:
-                host, _ = split_host_port(raw, port)  # a port in Host must be the dialed one (consistency.py)
-            except CanonError as exc:
-                denied = gateway_deny(Reason.INVALID_REQUEST, f"The Host header is not valid: {exc}")
+        host, denied = td.host_header_name(raw, port)
         if denied is not None or host is None:
             fs.decision = denied
             conn.refusal = denied

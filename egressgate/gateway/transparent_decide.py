@@ -22,7 +22,7 @@ from egressgate.gateway.context import ConnState, PinnedTarget, Runtime
 from egressgate.gateway.deny import gateway_deny
 from egressgate.gateway.identity import UNKNOWN_SOURCE, connection_limit
 from egressgate.gateway.pinning import resolve_target
-from egressgate.policy.canon import CanonError, canon_host, ip_text
+from egressgate.policy.canon import CanonError, canon_host, ip_text, split_host_port
 from egressgate.policy.decide import decide
 from egressgate.policy.facts import Decision, Facts, Operation, SandboxState
 from egressgate.policy.reasons import Reason
@@ -77,6 +77,19 @@ def canonical_name(raw: str | None) -> tuple[str | None, Decision | None]:
         return canon_host(raw), None
     except CanonError as exc:
         return None, gateway_deny(Reason.INVALID_REQUEST, f"The destination name is not valid: {exc}")
+
+
+def host_header_name(raw: str | None, port: int) -> tuple[str | None, Decision | None]:
+    """The canonical host a plain-HTTP Host header names. Clients write the port whenever it is not
+    the scheme's default (`Host: api.test:8080`), so the port is split off here, not judged as part of
+    the name; that it is the dialed port is consistency.py's check, as on the explicit proxy."""
+    if not raw:
+        return None, gateway_deny(Reason.INVALID_REQUEST, NO_NAME)
+    try:
+        host, _ = split_host_port(raw, port)
+    except CanonError as exc:
+        return None, gateway_deny(Reason.INVALID_REQUEST, f"The Host header is not valid: {exc}")
+    return host, None
 
 
 Decided = tuple[Decision, PinnedTarget | None, Facts | None, SandboxState | None]

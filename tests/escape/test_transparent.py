@@ -353,3 +353,24 @@ def test_h2_streams_are_decided_on_their_authority(tp: Transparent, world: World
     assert authorities and set(authorities) <= {GOOD, "api.allowed.test"}, authorities
     assert world.hits(mark, listener="forbidden-tls") == []
     assert_untouched(world, mark, "h2 streams on the transparent listener")
+
+
+# ------------------------------------------------------------------ Host with a port
+def test_host_with_the_dialed_port_is_allowed(tp: Transparent, world: World):
+    """Clients write the port in Host (always for a non-default port, some even for 80): it is split
+    off, not judged as part of the name (was refused as invalid_request)."""
+    mark = world.mark()
+    resp = tp.http(UPSTREAM, "api.allowed.test:80")
+    assert resp.status == 200, resp.raw[:400]
+    assert [r["host"] for r in requests_on(world, mark, "upstream-http")] == ["api.allowed.test:80"]
+
+
+@pytest.mark.parametrize("host", ["api.allowed.test:8080", "api.allowed.test:0", "api.allowed.test:x"])
+def test_host_with_another_port_is_refused(tp: Transparent, world: World, gateway: Gateway, host: str):
+    """The port a Host names must be the dialed one (consistency.py, as on the explicit proxy)."""
+    mark = world.mark()
+    resp = tp.http(UPSTREAM, host)
+    record = audited(gateway, resp)
+    assert record["egressgate.reason"] in ("host_mismatch", "invalid_request"), record
+    assert record["egressgate.sandbox.id"] == tp.sbx.id
+    assert requests_on(world, mark, "upstream-http") == []
