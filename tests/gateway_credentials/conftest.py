@@ -371,9 +371,12 @@ def policies(w: World, *, kv_ttl: int = 300, file_secret: str | None = None) -> 
              "paths": ["/v1/**"], "credential": "openai"},
             {"id": "other", "host": "other.test", "ports": [https]},
             {"id": "ws", "host": "other.test", "ports": [https2], "credential": "kv"},
+            {"id": "api-h2", "host": "api.test", "ports": [w.h2_port], "methods": ["GET"], "paths": ["/h2/*"],
+             "credential": "kv"},
         ], {"kv": kv_cap,
             "openai": {**kv_cap, "mode": "phantom", "phantom_env": "OPENAI_API_KEY",
-                       "placement": {"header": "Authorization", "format": "Bearer {value}"}}}),
+                       "placement": {"header": "Authorization", "format": "Bearer {value}"}}},
+            http_rules=[{"id": "plain", "host": "api.test", "ports": [http]}]),
             TRANSPARENT_BUDGET),
         "cred-jwt": doc("cred-jwt", [
             {"id": "jwt", "host": "jwt.test", "ports": [https], "methods": ["GET"], "paths": ["/jwt", "/reflect/*"],

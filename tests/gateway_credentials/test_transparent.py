@@ -42,7 +42,7 @@ def tgw(cgw: Gateway) -> Iterator[Gateway]:
     info = json.loads((cgw.var / "gateway.json").read_text())
     host, _, port = info["transparent"].rpartition(":")
     w = cgw.world
-    ports = ", ".join(str(p) for p in (w.https_port, w.https2_port))
+    ports = ", ".join(str(p) for p in (w.https_port, w.https2_port, w.http_port, w.h2_port))
     _nft("delete", "table", "ip", TABLE, check=False)
     _nft("-f", "-", stdin=(
         f"table ip {TABLE} {{\n  chain out {{ type nat hook output priority -100; policy accept;\n"
@@ -61,28 +61,26 @@ class Both:
     sbx: dict
     source: str
 
-    def transparent(self) -> httpx.Client:
-        ctx = ssl.create_default_context(cafile=self.gw.bundle)
-        return httpx.Client(transport=httpx.HTTPTransport(local_address=self.source, verify=ctx),
-                            timeout=15, trust_env=False)
-
-    def explicit(self) -> httpx.Client:
-        return self.gw.client(self.sbx)
-
-    def t_request(self, method: str, host: str, path: str, **kw) -> httpx.Response:
-        """`method https://host:port/path` sent to 127.0.0.1 (DNATed), naming `host` in SNI and Host."""
-        port = self.gw.world.https_port
+    def t_request(self, method: str, host: str, path: str, *, port: int | None = None, scheme: str = "https",
+                  http2: bool = False, **kw) -> httpx.Response:
+        """`method scheme://host:port/path` sent to 127.0.0.1 (DNATed), naming `host` in SNI and Host."""
+        w = self.gw.world
+        port = port or (w.https_port if scheme == "https" else w.http_port)
         headers = {"Host": f"{host}:{port}", **kw.pop("headers", {})}
-        with self.transparent() as c:
-            r = c.request(method, f"https://127.0.0.1:{port}{path}", headers=headers,
-                          extensions={"sni_hostname": host}, **kw)
+        ctx = ssl.create_default_context(cafile=self.gw.bundle)
+        transport = httpx.HTTPTransport(local_address=self.source, verify=ctx, http2=http2, http1=not http2)
+        with httpx.Client(transport=transport, timeout=15, trust_env=False) as c:
+            r = c.request(method, f"{scheme}://127.0.0.1:{port}{path}", headers=headers,
+                          extensions={"sni_hostname": host} if scheme == "https" else {}, **kw)
         rec = transparent_record(self.gw, r)
         assert rec["egressgate.mode"] == "transparent" and rec["egressgate.sandbox.id"] == self.sbx["id"], rec
         return r
 
-    def e_request(self, method: str, host: str, path: str, **kw) -> httpx.Response:
-        with self.explicit() as c:
-            return c.request(method, self.gw.url(host, path), **kw)
+    def e_request(self, method: str, host: str, path: str, *, port: int | None = None, scheme: str = "https",
+                  http2: bool = False, **kw) -> httpx.Response:
+        with httpx.Client(proxy=self.sbx["proxy_url"], verify=ssl.create_default_context(cafile=self.gw.bundle),
+                          http2=http2, http1=not http2, timeout=15, trust_env=False) as c:
+            return c.request(method, self.gw.url(host, path, port=port, scheme=scheme), **kw)
 
 
 def admit(gw: Gateway) -> Both:
@@ -129,6 +127,40 @@ def test_credential_injected_and_response_scrubbed(tgw: Gateway, path: str, mode
     seen = r.text + repr(list(r.headers.multi_items())) + r.reason_phrase
     for form in secret_forms():
         assert form not in seen, f"{form!r} flowed back to the sandbox over the {path} path"
+
+
+@pytest.mark.parametrize("path", ["explicit", "transparent"])
+def test_http2_credential_injected_and_scrubbed(tgw: Gateway, path: str) -> None:
+    """HTTP/2 to an h2-only upstream: the credential reaches it, its echo (split over DATA frames, or
+    gzip-compressed) does not come back."""
+    b = admit(tgw)
+    send = b.t_request if path == "transparent" else b.e_request
+    port = tgw.world.h2_port
+    mark = tgw.world.hits.mark()
+    r = send("GET", "api.test", "/h2/chunks", port=port, http2=True, headers={"Authorization": "Bearer mine"})
+    assert r.http_version == "HTTP/2" and r.status_code == 200, r.text
+    assert last(tgw, mark, "api.test")["auth"] == [f"Bearer {KV_SECRET}"]
+    assert "[REDACTED]" in r.text and r.text.endswith("y" * 1000)
+    r2 = send("GET", "api.test", "/h2/gzip", port=port, http2=True)
+    assert r2.status_code == 200 and "[REDACTED]" in r2.text
+    for form in secret_forms():
+        assert form not in r.text + r2.text
+
+
+@pytest.mark.parametrize("path", ["explicit", "transparent"])
+def test_no_credential_over_plain_http(tgw: Gateway, path: str) -> None:
+    """Plain HTTP (named by its Host on the transparent listener) never carries a credential, and a
+    phantom in it is misuse on any route."""
+    b = admit(tgw)
+    send = b.t_request if path == "transparent" else b.e_request
+    mark = tgw.world.hits.mark()
+    r = send("GET", "api.test", "/echo", scheme="http", headers={"Authorization": "Bearer mine"})
+    assert r.status_code == 200, r.text
+    assert last(tgw, mark, "api.test")["auth"] == ["Bearer mine"]
+    mark = tgw.world.hits.mark()
+    r = send("GET", "api.test", "/echo", scheme="http", headers={"X-Key": b.sbx["env"]["OPENAI_API_KEY"]})
+    assert r.status_code == 403 and r.json()["reason"] == "credential_misuse", r.text
+    assert tgw.world.hits.since(mark) == []
 
 
 # ------------------------------------------------------------------ phantom credentials
