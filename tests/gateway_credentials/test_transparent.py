@@ -329,3 +329,51 @@ def test_websocket_frames_count_against_the_budget(tgw: Gateway, path: str) -> N
         ws.close()
     msgs = [h["body"][:1] for h in tgw.world.hits.since(mark) if h["method"] == "WSMSG"]
     assert msgs == [b"a"], msgs
+
+
+# ------------------------------------------------------------------ revocation mid-connection
+def _tls_to(b: Both, path: str, host: str) -> ssl.SSLSocket:
+    port = b.gw.world.https_port
+    if path == "explicit":
+        return open_tunnel(b.gw.proxy, b.sbx["id"], b.sbx["token"], f"{host}:{port}", b.gw.bundle, host)
+    ctx = ssl.create_default_context(cafile=b.gw.bundle)
+    raw = socket.create_connection(("127.0.0.1", port), timeout=10, source_address=(b.source, 0))
+    return ctx.wrap_socket(raw, server_hostname=host)
+
+
+def _exchange(sock: ssl.SSLSocket, host: str, path: str) -> bytes:
+    """One keep-alive GET; the response head and Content-Length body ('' when the connection is cut)."""
+    try:
+        sock.sendall(f"GET {path} HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = sock.recv(65536)
+            if not chunk:
+                return data
+            data += chunk
+        head, _, body = data.partition(b"\r\n\r\n")
+        length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                       if line.lower().startswith(b"content-length:")), 0)
+        while len(body) < length:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            body += chunk
+        return head + b"\r\n\r\n" + body
+    except OSError:
+        return b""
+
+
+@pytest.mark.parametrize("path", ["explicit", "transparent"])
+def test_revocation_cuts_an_open_connection(tgw: Gateway, path: str) -> None:
+    b = admit(tgw)
+    mark = tgw.world.hits.mark()
+    with _tls_to(b, path, "other.test") as sock:
+        first = _exchange(sock, f"other.test:{tgw.world.https_port}", "/one")
+        assert first.startswith(b"HTTP/1.1 200"), first[:300]
+        res = httpx.delete(f"http://{tgw.admin}/v1/sandboxes/{b.sbx['id']}",
+                           headers={"Authorization": f"Bearer {tgw.token}"}, timeout=10, trust_env=False)
+        assert res.status_code in (200, 204), res.text
+        second = _exchange(sock, f"other.test:{tgw.world.https_port}", "/two")
+    assert second == b"" or b"sandbox_revoked" in second, second[:300]
+    assert [h["path"] for h in hits_for(tgw, mark, "other.test")] == ["/one"]
