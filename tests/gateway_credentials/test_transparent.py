@@ -29,6 +29,8 @@ from tests.gateway.wsclient import CloseConnection, Ping, TextMessage, WsClient,
 from .conftest import TRANSPARENT_BUDGET, Gateway
 from .test_inject import hits_for, last
 
+pytestmark = pytest.mark.netns  # root + nftables (a nat table in this namespace), like the netns tests
+
 TABLE = "egB_ctransparent"
 SOURCES = (f"127.0.77.{n}" for n in itertools.count(10))
 
