@@ -81,7 +81,7 @@ class ListenConfig(_Strict):
 
 
 class UpstreamConfig(_Strict):
-    # "system" (getaddrinfo) or "host:port" of a DNS server queried directly over UDP.
+    # "system" (getaddrinfo) or "host:port" of a DNS server queried directly (UDP, TCP on truncation).
     resolver: str = "system"
     # Extra CA certificates trusted for upstream TLS, ADDED to the system roots.
     ca_bundle: str | None = None
