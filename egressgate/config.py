@@ -95,10 +95,6 @@ class UpstreamConfig(_Strict):
         return value
 
 
-class StateConfig(_Strict):
-    backend: Literal["memory"] = "memory"  # "redis" comes with the Redis issue
-
-
 class DnsSection(_Strict):
     """The DNS resolver (egressgate/dns/, docs/dns.md); listens on `listen.dns`."""
 
@@ -215,7 +211,6 @@ class GatewayConfig(_Strict):
     var_dir: str = "./var"
     ca_dir: str | None = None
     upstream: UpstreamConfig = UpstreamConfig()
-    state: StateConfig = StateConfig()
     audit: AuditSinkConfig = AuditSinkConfig()
     dns: DnsSection = DnsSection()
     admin: AdminConfig = AdminConfig()

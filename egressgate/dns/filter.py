@@ -30,7 +30,7 @@ from dnslib import HTTPS, RD, RR, Buffer, DNSLabel
 
 from egressgate.policy.addr import check_address
 
-T_A, T_NS, T_CNAME, T_SOA, T_AAAA, T_SVCB, T_HTTPS, T_ANY = 1, 2, 5, 6, 28, 64, 65, 255
+T_A, T_CNAME, T_SOA, T_AAAA, T_SVCB, T_HTTPS, T_ANY = 1, 5, 6, 28, 64, 65, 255
 CLASS_IN = 1
 MAX_CHAIN = 16  # CNAME hops we follow; longer chains are cut (and the answer is then emptied)
 _HINT_KEYS = (4, 6)  # ipv4hint, ipv6hint
