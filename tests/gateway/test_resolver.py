@@ -396,3 +396,17 @@ def test_gateway_denies_when_the_dns_server_does_not_answer(dns_gateway, scripte
     # control: the same name answered normally goes through
     scripted.plans["other.test"] = Plan([("", "A", REAL)], ttl=0)
     assert fetch(dns_gateway, dns_gateway.admit("gw-basic"), "other.test", world.https_port) == (200, {})
+
+
+@pytest.mark.parametrize("forge", ["id", "question", "source"])
+def test_gateway_dials_no_address_from_a_forged_reply(dns_gateway, scripted, world, forge):
+    """A forged reply naming the canary arrives before the real one; under a policy that would let the
+    gateway dial the canary, only the real answer is used. Control: the same reply untampered wins."""
+    scripted.plans["rebind.test"] = Plan([("", "A", REAL)], ttl=0, forge=forge)
+    mark, canary_mark = world.hits.mark(), world.canary.mark()
+    status, _ = fetch(dns_gateway, dns_gateway.admit("canary-open"), "rebind.test", world.https_port)
+    assert status == 200
+    assert world.canary.since(canary_mark) == [] and len(world.hits.since(mark)) == 1
+    scripted.plans["rebind.test"] = Plan([("", "A", REAL)], ttl=0, forge="control")
+    status, _ = fetch(dns_gateway, dns_gateway.admit("canary-open"), "rebind.test", world.https_port)
+    assert status == 200 and len(world.canary.since(canary_mark)) == 1
