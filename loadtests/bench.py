@@ -243,6 +243,7 @@ def outer(args: argparse.Namespace, argv: list[str]) -> int:
     meter = bench_load.RunMeter()
     meter.start()
     world = World.create()
+    meta["world"] = world.tag
     log(f"world {world.tag}: client {ADDR['cli']}, proxies {ADDR['gw']}, upstream {ADDR['up']} ({UPSTREAM_NAME})")
     result_file = Path(tempfile.mkstemp(prefix="egB-bench-result-")[1])
     try:
