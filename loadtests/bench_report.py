@@ -38,6 +38,8 @@ def git_state(root: Path) -> str:
                                text=True, timeout=10).stdout.splitlines()
     except (OSError, subprocess.TimeoutExpired):
         return "unknown"
+    if not head:
+        return "unknown (not a git checkout)"
     return head + (f" (+{len(dirty)} uncommitted files under egressgate/)" if dirty else "")
 
 
@@ -123,13 +125,15 @@ def markdown(report: dict) -> str:
         ("**Noisy run, compare with care:** " + "; ".join(m["noisy"]) + ".") if m.get("noisy")
         else "Quiet enough: no other load above the thresholds of loadtests/bench_load.py.",
         "",
-        "| mode | conc | candidate | rps (median) | rps per run | p50 ms | p99 ms | proxy CPU | errors |",
-        "|---|---:|---|---:|---|---:|---:|---:|---:|",
+        "| mode | conc | candidate | rps (median) | rps per run | p50 ms | p99 ms | proxy CPU | upstream conns "
+        "| errors |",
+        "|---|---:|---|---:|---|---:|---:|---:|---:|---:|",
     ]
     for s in report["summary"]:
         lines.append(f"| {s['mode']} | {s['conc']} | {LABEL[(s['candidate'], s['mode'])]} | {_f(s['rps'])} | "
                      f"{' / '.join(f'{x:.0f}' for x in s['runs'])} | {_f(s['p50_ms'], '.2f')} | "
-                     f"{_f(s['p99_ms'], '.2f')} | {_f(s['proxy_cpu'], '.2f')} | {s['errors']} |")
+                     f"{_f(s['p99_ms'], '.2f')} | {_f(s['proxy_cpu'], '.2f')} | {_f(s.get('upstream_conns'))} | "
+                     f"{s['errors']} |")
     lines += ["", f"| mode | conc | egressgate / mitmdump rps (goal >= {GOALS['vs_mitmdump']}x) | egressgate added "
               f"p50 over direct (goal <= {GOALS['added_p50_ms']} ms at c=1) | mitmdump added p50 | passthrough / "
               f"squid CONNECT rps (goal >= {GOALS['pt_vs_squid']}x) | passthrough added p50 |",
