@@ -97,3 +97,11 @@ def test_load_generator_dials_only_loopback_or_the_bench_range(addr: str) -> Non
         Target(scheme="http", host="h", port=80, dial=(addr, 80), via_proxy=False)
     for ok in ("127.0.0.1", "198.18.0.1", "198.19.255.254"):
         Target(scheme="http", host="h", port=80, dial=(ok, 80), via_proxy=False)
+
+
+def test_record_appends_and_keeps_what_was_there(tmp_path: Path) -> None:
+    results = tmp_path / "RESULTS.md"
+    results.write_text("# Benchmark results\n\nolder section\n")
+    bench_report.record("### `make bench` run, now\n\n| a |", results)
+    text = results.read_text()
+    assert text.startswith("# Benchmark results\n\nolder section\n") and text.endswith("| a |\n")
