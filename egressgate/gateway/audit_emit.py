@@ -52,6 +52,8 @@ def decision_event(kind: EventKind, fs: FlowState, labels: dict[str, str], clien
         extra["egressgate.detail"] = d.detail
     if "intercept" in fs.extra:
         extra["egressgate.intercept"] = bool(fs.extra["intercept"])
+    if d.passthrough:
+        extra["egressgate.tls"] = "passthrough"
     if fs.extra.get(TRANSPARENT):
         extra.update(fs.extra[TRANSPARENT])
     return AuditEvent(
@@ -152,8 +154,9 @@ class AuditEmit:
         conn.tunnel_as_sent = fs.target_as_sent
         conn.tunnel_target = fs.pinned
         conn.intercept = bool(fs.extra.get("intercept", True))
+        conn.passthrough = decision.passthrough  # spliced after passthrough.py's SNI check
         if not conn.intercept:
-            conn.allow_tcp(decision.rule_id, fs.request_id)  # allowed only by a raw-TCP rule: relay, no MITM
+            conn.allow_tcp(decision.rule_id, fs.request_id)  # a raw-TCP or passthrough rule: relay, no MITM
         raw = fs.extra.get("raw_address")
         if raw is not None:
             conn.tunnel_raw_address = (raw[0], raw[1])
