@@ -224,10 +224,12 @@ def plot(report: dict, path: Path) -> str | None:
         names = [c for c, b in bulk.items() if b["mib_per_s"] is not None]
         bars = ax.barh([BULK_LABEL[c] for c in names], [bulk[c]["mib_per_s"] for c in names],
                        color=[COLOR[c] for c in names])
-        ax.bar_label(bars, fmt="%.0f MiB/s", fontsize=8)
-        ax.set_title("bulk download over HTTPS, MiB/s" + "".join(
-            f"; egressgate {BULK_LABEL[c].split(' ', 1)[1]} peak RSS {bulk[c]['peak_rss_mb']} MB"
-            for c in names if bulk[c].get("peak_rss_mb") is not None))
+        ax.bar_label(bars, fontsize=8, labels=[
+            f"{bulk[c]['mib_per_s']:.0f} MiB/s" + (f", peak RSS {bulk[c]['peak_rss_mb']:.0f} MB"
+                                                    if bulk[c].get("peak_rss_mb") is not None else "")
+            for c in names])
+        ax.margins(x=0.25)
+        ax.set_title("bulk download over HTTPS, MiB/s (median); egressgate's peak RSS during it")
     m = report["meta"]
     fig.suptitle(f"make bench, {m['started']}, tree {m['git']}" + (" (NOISY RUN)" if m.get("noisy") else ""))
     fig.savefig(path, dpi=90)
