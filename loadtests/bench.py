@@ -206,6 +206,9 @@ def summarize(rows: list[dict]) -> list[dict]:
             "p50_ms": statistics.median(x["p50_ms"] for x in ok) if ok else None,
             "p99_ms": statistics.median(x["p99_ms"] for x in ok) if ok else None,
             "proxy_cpu": statistics.median(cpus) if cpus else None,
+            # requests per proxy CPU-second: less sensitive to CPU other work takes on a shared machine
+            "req_per_cpu_s": statistics.median(x["rps"] / x["proxy_cpu"] for x in ok)
+            if ok and all(x["proxy_cpu"] for x in ok) else None,
             "upstream_conns": statistics.median(conns) if (conns := [x["upstream_conns"] for x in ok
                                                                     if "upstream_conns" in x]) else None,
             "errors": sum(sum(x["errors"].values()) for x in ok) + sum(1 for x in rs if "failed" in x),

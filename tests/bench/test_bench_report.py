@@ -52,6 +52,8 @@ def test_ratios_use_the_right_reference() -> None:
     assert r["pt_vs_squid"] == pytest.approx(1750 / 3500)
     assert r["eg_added_p50_ms"] == pytest.approx(1.3 - 0.3)
     assert r["mitmdump_added_p50_ms"] == pytest.approx(1.8 - 0.3)
+    # every row has proxy CPU 0.5: per CPU-second the ratio is the same
+    assert r["eg_vs_mitmdump_per_cpu"] == pytest.approx(440 / 400)
 
 
 def test_missing_candidates_give_no_ratio_rather_than_a_wrong_one() -> None:
