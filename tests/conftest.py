@@ -8,7 +8,8 @@ import socket
 import subprocess
 
 import pytest
-from support.dockerd import dockerd  # noqa: F401 - the session's private dockerd, for every folder
+
+from tests.support.dockerd import dockerd  # noqa: F401 - the session's private dockerd, for every folder
 
 IN_CI = os.environ.get("CI") == "true"
 

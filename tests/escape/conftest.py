@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from networld import World
 
-from escape.harness import Gateway, Sandbox
+from tests.escape.harness import Gateway, Sandbox
+from tests.networld import World
 
 
 @pytest.fixture(scope="session")

@@ -24,9 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import networld as nw
 import yaml
-from networld import World
+
+import tests.networld as nw
+from tests.networld import World
 
 EGRESSGATE = str(Path(sys.executable).with_name("egressgate"))
 POLICIES = Path(__file__).resolve().parent / "policies"

@@ -8,10 +8,10 @@ is the join key.
 from __future__ import annotations
 
 import pytest
-from networld import World
 
-from escape.checks import deny_reason, proxied_get
-from escape.harness import Gateway, Sandbox, parse_response
+from tests.escape.checks import deny_reason, proxied_get
+from tests.escape.harness import Gateway, Sandbox, parse_response
+from tests.networld import World
 
 pytestmark = pytest.mark.netns
 

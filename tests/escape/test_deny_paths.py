@@ -18,10 +18,10 @@ import threading
 import time
 
 import pytest
-from networld import World
 
-from escape.checks import SETTLE, assert_denied, requests_on
-from escape.harness import Gateway, Response, Sandbox, read_response
+from tests.escape.checks import SETTLE, assert_denied, requests_on
+from tests.escape.harness import Gateway, Response, Sandbox, read_response
+from tests.networld import World
 
 pytestmark = pytest.mark.netns
 

@@ -14,11 +14,11 @@ import ipaddress
 import re
 import secrets
 
-import networld as nw
 import pytest
-from networld import World
 
-from escape.harness import Gateway, Sandbox
+import tests.networld as nw
+from tests.escape.harness import Gateway, Sandbox
+from tests.networld import World
 
 pytestmark = pytest.mark.netns
 

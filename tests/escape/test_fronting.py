@@ -12,10 +12,10 @@ from __future__ import annotations
 import ssl
 
 import pytest
-from networld import World
 
-from escape.checks import SETTLE, assert_denied, assert_untouched, requests_on
-from escape.harness import Gateway, Sandbox, read_response
+from tests.escape.checks import SETTLE, assert_denied, assert_untouched, requests_on
+from tests.escape.harness import Gateway, Sandbox, read_response
+from tests.networld import World
 
 pytestmark = pytest.mark.netns
 

@@ -15,12 +15,12 @@ import time
 import h2.config
 import h2.connection
 import h2.events
-import networld as nw
 import pytest
-from networld import World
 
-from escape.checks import SETTLE, assert_untouched, requests_on
-from escape.harness import Gateway, Sandbox
+import tests.networld as nw
+from tests.escape.checks import SETTLE, assert_untouched, requests_on
+from tests.escape.harness import Gateway, Sandbox
+from tests.networld import World
 
 pytestmark = pytest.mark.netns
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 import time
 
 import pytest
-from networld import World
 
-from escape.checks import ADDRESS_REASONS, SETTLE, assert_denied, assert_untouched, proxied_get, requests_on
-from escape.harness import Gateway, Sandbox, parse_response
+from tests.escape.checks import ADDRESS_REASONS, SETTLE, assert_denied, assert_untouched, proxied_get, requests_on
+from tests.escape.harness import Gateway, Sandbox, parse_response
+from tests.networld import World
 
 pytestmark = pytest.mark.netns
 

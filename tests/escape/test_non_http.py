@@ -11,10 +11,10 @@ from __future__ import annotations
 import time
 
 import pytest
-from networld import World
 
-from escape.checks import SETTLE, assert_denied, assert_untouched
-from escape.harness import Gateway, Sandbox, parse_response, read_all
+from tests.escape.checks import SETTLE, assert_denied, assert_untouched
+from tests.escape.harness import Gateway, Sandbox, parse_response, read_all
+from tests.networld import World
 
 pytestmark = pytest.mark.netns
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 import time
 
 import pytest
-from networld import World
 
-from escape.checks import SETTLE, proxied_get
-from escape.harness import Gateway, Sandbox, parse_response
+from tests.escape.checks import SETTLE, proxied_get
+from tests.escape.harness import Gateway, Sandbox, parse_response
+from tests.networld import World
 
 pytestmark = pytest.mark.netns
 

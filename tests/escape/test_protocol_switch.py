@@ -9,12 +9,12 @@ from __future__ import annotations
 import socket
 import time
 
-import networld as nw
 import pytest
-from networld import World
 
-from escape.checks import SETTLE
-from escape.harness import Gateway, Sandbox, read_all, read_response
+import tests.networld as nw
+from tests.escape.checks import SETTLE
+from tests.escape.harness import Gateway, Sandbox, read_all, read_response
+from tests.networld import World
 
 pytestmark = pytest.mark.netns
 

@@ -8,12 +8,12 @@ reaches the upstream, so the name is usable and the test is not vacuous.
 
 from __future__ import annotations
 
-import networld as nw
 import pytest
-from networld import World
 
-from escape.checks import ADDRESS_REASONS, assert_denied, assert_untouched, requests_on
-from escape.harness import Gateway, Sandbox, read_response
+import tests.networld as nw
+from tests.escape.checks import ADDRESS_REASONS, assert_denied, assert_untouched, requests_on
+from tests.escape.harness import Gateway, Sandbox, read_response
+from tests.networld import World
 
 pytestmark = pytest.mark.netns
 

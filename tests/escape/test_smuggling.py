@@ -13,12 +13,12 @@ from __future__ import annotations
 import socket
 import ssl
 
-import networld as nw
 import pytest
-from networld import World
 
-from escape.checks import assert_untouched, requests_on
-from escape.harness import Gateway, Sandbox, read_all
+import tests.networld as nw
+from tests.escape.checks import assert_untouched, requests_on
+from tests.escape.harness import Gateway, Sandbox, read_all
+from tests.networld import World
 
 pytestmark = pytest.mark.netns
 

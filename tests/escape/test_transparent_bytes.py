@@ -14,13 +14,13 @@ import socket
 import time
 from collections.abc import Iterator
 
-import networld as nw
 import pytest
-from networld import World
 
-from escape.checks import SETTLE, requests_on
-from escape.harness import Gateway, read_all, read_response
-from escape.transparent_world import UPSTREAM, Transparent
+import tests.networld as nw
+from tests.escape.checks import SETTLE, requests_on
+from tests.escape.harness import Gateway, read_all, read_response
+from tests.escape.transparent_world import UPSTREAM, Transparent
+from tests.networld import World
 
 pytestmark = pytest.mark.netns
 

@@ -17,10 +17,10 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from networld import World
 
-from escape.harness import EGRESSGATE, Gateway, parse_response, read_all
-from escape.transparent_world import UPSTREAM, Transparent
+from tests.escape.harness import EGRESSGATE, Gateway, parse_response, read_all
+from tests.escape.transparent_world import UPSTREAM, Transparent
+from tests.networld import World
 
 NET = "198.18.6"
 HEADER_TIMEOUT = 3.0

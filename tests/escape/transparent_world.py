@@ -15,10 +15,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-import networld as nw
-from networld import World
-
-from escape.harness import Gateway, Response, Sandbox, read_response
+import tests.networld as nw
+from tests.escape.harness import Gateway, Response, Sandbox, read_response
+from tests.networld import World
 
 T = TypeVar("T")
 

@@ -23,9 +23,9 @@ from pathlib import Path
 import pytest
 import trustme
 import yaml
-from support.dockerd import Dockerd
 
 from egressgate.config import GatewayConfig
+from tests.support.dockerd import Dockerd
 
 from .conftest import ROOT
 

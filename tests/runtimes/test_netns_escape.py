@@ -10,11 +10,11 @@ import json
 import secrets
 from pathlib import Path
 
-import networld as nw
 import pytest
 
-from runtimes.conftest import DENIED_FILE_NAME
-from runtimes.harness import CALLER_SECRET, Gateway, sandbox_id
+import tests.networld as nw
+from tests.runtimes.conftest import DENIED_FILE_NAME
+from tests.runtimes.harness import CALLER_SECRET, Gateway, sandbox_id
 
 pytestmark = pytest.mark.netns
 

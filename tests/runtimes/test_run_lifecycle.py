@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from runtimes.harness import EGRESSGATE, Gateway, base_dir, remove, sandbox_id
+from tests.runtimes.harness import EGRESSGATE, Gateway, base_dir, remove, sandbox_id
 
 pytestmark = pytest.mark.netns
 
