@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import tests.networld as nw
-from tests.escape.harness import Gateway, Response, Sandbox, read_response
 from tests.networld import World
+from tests.support.http1 import Response, read_response
+from tests.support.netgateway import Gateway, Sandbox
 
 T = TypeVar("T")
 
