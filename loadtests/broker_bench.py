@@ -29,7 +29,7 @@ from egressgate.broker.credential import Credential
 from egressgate.broker.decompress import scrubbing_stream
 from egressgate.broker.inject import find_phantoms, inject
 from egressgate.broker.redact import Scrubber, SecretSpec, cached_scrubber
-from tests.broker.bao import BaoServer
+from tests.support.bao import BaoServer
 
 CAP = TypeAdapter(Capability)
 JWT = CAP.validate_python({"type": "jwt", "ttl_seconds": 300})
