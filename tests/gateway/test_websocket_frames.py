@@ -14,8 +14,10 @@ from collections.abc import Iterator
 import pytest
 import yaml
 
-from .conftest import Gateway, Sandbox, start_gateway, stop_gateway, wait_for
-from .wsclient import BytesMessage, CloseConnection, Ping, Pong, TextMessage, WsClient, open_tunnel
+from tests.support.gwworld import Gateway, Sandbox, start_gateway
+from tests.support.launcher import stop_gateway
+from tests.support.waiting import wait_for
+from tests.support.wsclient import BytesMessage, CloseConnection, Ping, Pong, TextMessage, WsClient, open_tunnel
 
 MAX_MESSAGE = 1024 * 1024
 BUDGET_20K = 20_000
