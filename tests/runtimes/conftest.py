@@ -10,9 +10,7 @@ import pytest
 
 import tests.networld as nw
 from tests.networld import World
-from tests.runtimes.harness import Canary, Gateway, base_dir, remove
-
-DENIED_FILE_NAME = "egN-denied.txt"
+from tests.runtimes.harness import DENIED_FILE_NAME, Canary, Gateway, base_dir, remove
 
 
 def _policy(name: str, **extra: object) -> dict:

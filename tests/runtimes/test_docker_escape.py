@@ -14,8 +14,8 @@ import subprocess
 import pytest
 
 from egressgate.runtimes.docker import labelled_containers
+from tests.runtimes.escape_probe import leak_name, network_checks, parse, probe_argv
 from tests.runtimes.harness import CALLER_SECRET, Gateway, sandbox_id
-from tests.runtimes.test_netns_escape import leak_name, network_checks, parse, probe_argv
 from tests.support.dockerd import Dockerd
 
 pytestmark = pytest.mark.netns

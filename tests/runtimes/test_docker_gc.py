@@ -14,7 +14,7 @@ import pytest
 
 from egressgate.runtimes.docker import labelled_containers
 from tests.runtimes.harness import Gateway
-from tests.runtimes.test_run_lifecycle import kill_watchdog
+from tests.runtimes.runs import kill_watchdog
 from tests.support.dockerd import Dockerd
 
 pytestmark = pytest.mark.netns

@@ -15,8 +15,9 @@ import yaml
 import tests.networld as nw
 from egressgate.config import ConfigError, load_config
 from tests.networld import World
-from tests.runtimes.harness import EGRESSGATE, base_dir, remove
+from tests.runtimes.harness import base_dir, remove
 from tests.support.dockerd import Dockerd
+from tests.support.launcher import EGRESSGATE
 
 pytestmark = pytest.mark.netns
 
