@@ -25,9 +25,8 @@ import trustme
 import yaml
 
 from egressgate.config import GatewayConfig
+from tests.support.cli import ROOT
 from tests.support.dockerd import Dockerd
-
-from .conftest import ROOT
 
 UPSTREAM_IP = "198.18.70.10"
 UPSTREAM_NAME = "upstream.egr.test"
