@@ -11,8 +11,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.escape.harness import Gateway, Sandbox
 from tests.networld import World
+from tests.support.netgateway import Gateway, Sandbox
 
 
 @pytest.fixture(scope="session")

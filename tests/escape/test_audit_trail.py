@@ -10,8 +10,9 @@ from __future__ import annotations
 import pytest
 
 from tests.escape.checks import deny_reason, proxied_get
-from tests.escape.harness import Gateway, Sandbox, parse_response
 from tests.networld import World
+from tests.support.http1 import parse_response
+from tests.support.netgateway import Gateway, Sandbox
 
 pytestmark = pytest.mark.netns
 

@@ -14,8 +14,8 @@ import pytest
 
 import tests.networld as nw
 from tests.escape.checks import assert_untouched, requests_on
-from tests.escape.harness import Gateway, Sandbox
 from tests.networld import World
+from tests.support.netgateway import Gateway, Sandbox
 
 pytestmark = pytest.mark.netns
 

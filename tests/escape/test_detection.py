@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from tests.escape.checks import proxied_get, requests_on
-from tests.escape.harness import parse_response, read_all
 from tests.networld import GW_SBX, World
+from tests.support.http1 import parse_response, read_all
 
 pytestmark = pytest.mark.netns
 

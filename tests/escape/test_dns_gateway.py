@@ -17,8 +17,8 @@ import secrets
 import pytest
 
 import tests.networld as nw
-from tests.escape.harness import Gateway, Sandbox
 from tests.networld import World
+from tests.support.netgateway import Gateway, Sandbox
 
 pytestmark = pytest.mark.netns
 

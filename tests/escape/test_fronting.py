@@ -14,8 +14,9 @@ import ssl
 import pytest
 
 from tests.escape.checks import SETTLE, assert_denied, assert_untouched, requests_on
-from tests.escape.harness import Gateway, Sandbox, read_response
 from tests.networld import World
+from tests.support.http1 import read_response
+from tests.support.netgateway import Gateway, Sandbox
 
 pytestmark = pytest.mark.netns
 

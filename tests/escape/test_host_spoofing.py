@@ -14,8 +14,9 @@ import time
 import pytest
 
 from tests.escape.checks import ADDRESS_REASONS, SETTLE, assert_denied, assert_untouched, proxied_get, requests_on
-from tests.escape.harness import Gateway, Sandbox, parse_response
 from tests.networld import World
+from tests.support.http1 import parse_response
+from tests.support.netgateway import Gateway, Sandbox
 
 pytestmark = pytest.mark.netns
 

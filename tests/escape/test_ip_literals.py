@@ -13,8 +13,9 @@ import pytest
 
 import tests.networld as nw
 from tests.escape.checks import ADDRESS_REASONS, assert_denied, assert_untouched, proxied_get
-from tests.escape.harness import Gateway, Sandbox, parse_response, read_response
 from tests.networld import World
+from tests.support.http1 import parse_response, read_response
+from tests.support.netgateway import Gateway, Sandbox
 
 pytestmark = pytest.mark.netns
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 import pytest
 
 from tests.escape.checks import assert_denied, assert_untouched, proxied_get
-from tests.escape.harness import Gateway, parse_response
 from tests.networld import World
+from tests.support.http1 import parse_response
+from tests.support.netgateway import Gateway
 
 pytestmark = pytest.mark.netns
 

@@ -13,8 +13,9 @@ import time
 import pytest
 
 from tests.escape.checks import SETTLE, assert_denied, assert_untouched
-from tests.escape.harness import Gateway, Sandbox, parse_response, read_all
 from tests.networld import World
+from tests.support.http1 import parse_response, read_all
+from tests.support.netgateway import Gateway, Sandbox
 
 pytestmark = pytest.mark.netns
 

@@ -13,8 +13,9 @@ import pytest
 
 import tests.networld as nw
 from tests.escape.checks import SETTLE
-from tests.escape.harness import Gateway, Sandbox, read_all, read_response
 from tests.networld import World
+from tests.support.http1 import read_all, read_response
+from tests.support.netgateway import Gateway, Sandbox
 
 pytestmark = pytest.mark.netns
 

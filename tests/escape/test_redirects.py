@@ -11,8 +11,8 @@ import pytest
 
 import tests.networld as nw
 from tests.escape.checks import ADDRESS_REASONS, assert_denied, assert_untouched
-from tests.escape.harness import Gateway, Sandbox
 from tests.networld import World
+from tests.support.netgateway import Gateway, Sandbox
 
 pytestmark = pytest.mark.netns
 

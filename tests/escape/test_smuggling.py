@@ -17,8 +17,9 @@ import pytest
 
 import tests.networld as nw
 from tests.escape.checks import assert_untouched, requests_on
-from tests.escape.harness import Gateway, Sandbox, read_all
 from tests.networld import World
+from tests.support.http1 import read_all
+from tests.support.netgateway import Gateway, Sandbox
 
 pytestmark = pytest.mark.netns
 

@@ -1,5 +1,5 @@
 """Every byte of every WebSocket frame meets the budget, and a fragmented message is bounded (issue 9,
-items 3 and 5). A raw wsproto client (tests/gateway/wsclient.py) sends the frames an attacker would;
+items 3 and 5). A raw wsproto client (tests/support/wsclient.py) sends the frames an attacker would;
 the upstream is the world's aiohttp websocket (`/ws`: answers pings, echoes `echo:<len>` per message).
 
 Own gateway: `websocket.max_message_bytes` = 1 MiB, plus a policy with a 20 kB budget (the issue's
