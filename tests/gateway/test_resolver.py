@@ -29,8 +29,10 @@ from egressgate.gateway.resolver import (
     SystemLookup,
     make_resolver,
 )
-
-from .conftest import LoopThread, connect_tunnel, read_response, start_gateway, stop_gateway, tls_wrap
+from tests.support.gwworld import connect_tunnel, start_gateway, tls_wrap
+from tests.support.http1 import read_reply
+from tests.support.launcher import stop_gateway
+from tests.support.loopback import LoopThread
 
 CANARY = "127.0.0.2"
 REAL = "127.0.0.1"
@@ -343,7 +345,7 @@ def fetch(gateway, sbx, host: str, port: int) -> tuple[int, dict]:
         return status, json.loads(body) if body else {}
     tls = tls_wrap(sock, gateway, host)
     tls.sendall(f"GET /echo HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n".encode())
-    status, _, body = read_response(tls)
+    status, _, body = read_reply(tls)
     tls.close()
     return status, {}
 
