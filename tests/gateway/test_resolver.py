@@ -24,8 +24,7 @@ from egressgate.gateway.resolver import (
     SystemLookup,
     make_resolver,
 )
-
-from .scripted_dns import CANARY, REAL, Plan, ScriptedDns
+from tests.support.scripted_dns import CANARY, REAL, Plan, ScriptedDns
 
 
 @pytest.fixture(scope="module")

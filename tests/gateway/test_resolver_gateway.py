@@ -12,8 +12,10 @@ import time
 
 import pytest
 
-from .conftest import connect_tunnel, read_response, start_gateway, stop_gateway, tls_wrap
-from .scripted_dns import CANARY, REAL, Plan, ScriptedDns
+from tests.support.gwworld import connect_tunnel, start_gateway, tls_wrap
+from tests.support.http1 import read_reply
+from tests.support.launcher import stop_gateway
+from tests.support.scripted_dns import CANARY, REAL, Plan, ScriptedDns
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +49,7 @@ def fetch(gateway, sbx, host: str, port: int) -> tuple[int, dict]:
         return status, json.loads(body) if body else {}
     tls = tls_wrap(sock, gateway, host)
     tls.sendall(f"GET /echo HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n".encode())
-    status, _, body = read_response(tls)
+    status, _, body = read_reply(tls)
     tls.close()
     return status, {}
 
