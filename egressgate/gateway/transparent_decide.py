@@ -109,14 +109,14 @@ async def _inputs(rt: Runtime, conn: ConnState):
 
 async def name_decision(rt: Runtime, conn: ConnState, host: str, port: int) -> Decided:
     """Decide the name like a CONNECT target (deny early: a denied name is never resolved), then
-    resolve and check every address and pin one. Only intercepted traffic is possible here (TLS is
-    always intercepted on this listener), so a name only a `tcp` rule allows is refused."""
-    policy, snapshot, denied = await _inputs(rt, conn)
-    if denied is not None:
-        return denied, None, None, None
-    facts = Facts(operation=Operation.CONNECT, host=host, port=port)
-    decision = decide(policy, facts, snapshot, rt.clock())
-    if decision.allowed and not decision.intercept:
+    resolve and check every address and pin one. TLS and HTTP by name are intercepted here, or spliced
+    when the first allowing rule is `tls: passthrough` (transparent.py's passthrough_name; a passthrough
+    name whose ClientHello cannot be spliced is intercepted: checked more, never less), so a name only
+    a `tcp` rule allows is refused."""
+    decision, facts, snapshot = await connect_decision(rt, conn, host, port)
+    if facts is None:
+        return decision, None, None, None
+    if decision.allowed and not decision.intercept and not decision.passthrough:
         decision = gateway_deny(
             Reason.PROTOCOL_NOT_ALLOWED,
             f"Only a network.tcp rule allows {host}:{port}; on the transparent listener TLS and HTTP are "
@@ -124,8 +124,18 @@ async def name_decision(rt: Runtime, conn: ConnState, host: str, port: int) -> D
             rule_id=decision.rule_id)
     if not decision.allowed:
         return decision, None, facts, snapshot
-    target, denied = await resolve_target(rt, policy, host, port)
+    target, denied = await resolve_target(rt, rt.policies.get(conn.policy_name), host, port)
     return (denied or decision), target, facts, snapshot
+
+
+async def connect_decision(rt: Runtime, conn: ConnState, host: str, port: int
+                           ) -> tuple[Decision, Facts | None, SandboxState | None]:
+    """The pure CONNECT-level decision for a name (no resolution); facts None when it could not be made."""
+    policy, snapshot, denied = await _inputs(rt, conn)
+    if denied is not None:
+        return denied, None, None
+    facts = Facts(operation=Operation.CONNECT, host=host, port=port)
+    return decide(policy, facts, snapshot, rt.clock()), facts, snapshot
 
 
 async def raw_tcp_decision(rt: Runtime, conn: ConnState) -> tuple[str, Decided]:
@@ -164,6 +174,8 @@ async def record(rt: Runtime, conn: ConnState, client: connection.Client, reques
     extra: dict = transparent_attributes(conn)
     if decision.detail:
         extra["egressgate.detail"] = decision.detail
+    if decision.allowed and decision.passthrough:
+        extra["egressgate.tls"] = "passthrough"
     event = AuditEvent(
         kind=EventKind.CONNECT, time_ns=time.time_ns(), request_id=request_id, sandbox_id=conn.sandbox_id,
         sandbox_labels=dict(conn.labels), decision=str(decision.effect), reason=str(decision.reason),
