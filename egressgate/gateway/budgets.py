@@ -1,9 +1,14 @@
 """Byte budgets, exact to the byte: `resources.outbound_bytes_max` over everything sent upstream.
 
-Counted out: request head (HTTP/1.1 serialization after sanitizing, see decision.request_head_size),
+Counted out: request head (HTTP/1.1 serialization of what goes upstream: after sanitizing and, on a
+credentialed route, with the injected credential; see decision.request_head_size),
 request body bytes (de-chunked payload), every websocket frame byte from the client as read (headers,
 masks, data fragments, ping/pong/close; see ws_layer.py), raw TCP bytes from the client. Counted in:
 response bodies, websocket frame bytes and raw TCP bytes from the server.
+
+Credentials are decided before this stage (master.py), so nothing after the prepayment turns the
+request into a deny except a failed audit write or what only the body reveals (trailers, a phantom in a
+buffered body): those return it through `refund_prepaid`, the one refund.
 
 A request with a known length is paid in full before connecting (429 when it does not fit, so the
 upstream never sees a request that could not complete). Chunked / HTTP/2 bodies of unknown length are
@@ -90,6 +95,20 @@ class ByteLedger:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
 
+def refund_prepaid(rt: Runtime, fs: FlowState) -> None:
+    """A prepaid request that a later check refused before anything of it went upstream: return the
+    bytes to the sandbox's budget (the only place a refund happens)."""
+    if fs.prepaid_out and fs.sandbox_id:
+        rt.ledger.refund_out(fs.sandbox_id, fs.prepaid_out)
+        fs.bytes_out -= fs.prepaid_out
+        fs.prepaid_out = 0
+
+
+def outbound_limit(rt: Runtime, fs: FlowState) -> int | None:
+    policy = rt.policies.get(fs.policy_name)
+    return policy.outbound_bytes_max if policy is not None else None
+
+
 def out_counter(rt: Runtime, fs: FlowState, client_id: str, limit: int | None) -> Callable[[bytes], object]:
     """Stream callable for request bodies: count, and cut + abort on the chunk that would cross."""
     sandbox_id = fs.sandbox_id
@@ -132,8 +151,7 @@ class Budgets:
         self.rt = runtime
 
     def _limit(self, fs: FlowState) -> int | None:
-        policy = self.rt.policies.get(fs.policy_name)
-        return policy.outbound_bytes_max if policy is not None else None
+        return outbound_limit(self.rt, fs)
 
     async def _load(self, fs: FlowState) -> bool:
         try:
@@ -173,22 +191,15 @@ class Budgets:
             return
         fs.prepaid_out = prepay
         fs.bytes_out = prepay
-        if body is None:
-            flow.request.stream = out_counter(self.rt, fs, flow.client_conn.id, limit)
-        elif body > STREAM_THRESHOLD:
-            flow.request.stream = True  # already paid in full; just do not buffer it
-
-    def responseheaders(self, flow: http.HTTPFlow) -> None:
-        fs = flow_state(flow)
-        if fs is None or fs.sandbox_id is None or flow.response is None:
-            return
-        if flow.response.stream:  # the streaming addon decided to stream: count chunk by chunk
-            flow.response.stream = in_counter(self.rt, fs)
+        # the plan; compose.py builds the callable once the decision is recorded (enforce.py)
+        fs.meter_request = body is None  # unknown length: counted (and cut) chunk by chunk
+        fs.stream_request = body is None or body > STREAM_THRESHOLD  # a large known one is paid in full
 
     def response(self, flow: http.HTTPFlow) -> None:
         fs = flow_state(flow)
-        if fs is None or fs.sandbox_id is None or flow.response is None or flow.response.stream:
-            return
+        if (fs is None or fs.sandbox_id is None or flow.response is None or fs.stream_response
+                or fs.replacement is not None):
+            return  # a streamed body is counted by its callable; a replaced one never reaches the sandbox
         if fs.decision is not None and fs.decision.allowed and flow.response.raw_content:
             n = len(flow.response.raw_content)
             fs.bytes_in += n

@@ -20,6 +20,7 @@ from mitmproxy import http
 
 from egressgate.broker.credential import Credential
 from egressgate.broker.redact import SecretSpec, cached_scrubber
+from egressgate.gateway.compose import ScrubPlan
 from egressgate.gateway.context import FlowState, Runtime, flow_state
 from egressgate.gateway.credential_streams import as_chunks, reframe, refusal_body, refuse, scrub_chain
 from egressgate.gateway.deny import REQUEST_ID_HEADER
@@ -57,9 +58,11 @@ def fields(pairs: list[tuple[str, str]]) -> http.Headers:
 
 
 class ResponseScrub:
-    """Mixin: the response hooks of the Credentials addon (one addon, so hook order stays one place)."""
+    """Addon: the response side of credential injection. Its own addon (after Budgets in master.py) so
+    the budget counts a buffered body as the upstream sent it, before the scrub rewrites it."""
 
-    rt: Runtime
+    def __init__(self, runtime: Runtime) -> None:
+        self.rt = runtime
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         fs = flow_state(flow)
@@ -84,9 +87,8 @@ class ResponseScrub:
         except Uninspectable as exc:
             self._refuse(flow, fs, applied, exc, bodiless)
             return
-        if not resp.stream:
+        if not fs.stream_response:
             return  # buffered: scrubbed whole in `response`
-        inner = resp.stream if callable(resp.stream) else None
         client_id = flow.client_conn.id
 
         def on_error(exc: Exception) -> None:
@@ -95,14 +97,14 @@ class ResponseScrub:
             if self.rt.abort_connection is not None:
                 self.rt.abort_connection(client_id)
 
-        resp.stream = scrub_chain(inner, codings, scrubber, STREAM_MAX_DECODED, on_error)
+        fs.scrub = ScrubPlan(codings, scrubber, STREAM_MAX_DECODED, on_error)  # compose.py chains it
         reframe(flow)
 
     @staticmethod
     def _refuse(flow: http.HTTPFlow, fs: FlowState, applied: Applied, exc: Uninspectable, bodiless: bool) -> None:
         """502 with a reason the client reads and the outcome record keeps (AuditEmit)."""
         logger.warning("refused %s response from %s: %s", applied.capability, fs.host, exc.reason)
-        refuse(flow, fs.request_id, exc.reason, exc.message, bodiless)
+        fs.replacement = refuse(flow, fs.request_id, exc.reason, exc.message, bodiless)
         fs.response_refused = exc.reason
 
     def error(self, flow: http.HTTPFlow) -> None:
@@ -139,7 +141,7 @@ class ResponseScrub:
         if resp.trailers:  # sent after this hook, for streamed responses too
             scrubber = cached_scrubber(applied.spec())
             resp.trailers = fields(scrubber.scrub_headers(list(resp.trailers.items(multi=True))))
-        if resp.stream:
+        if fs.stream_response or fs.replacement is not None:
             return
         raw = resp.raw_content
         if not raw or flow.request.method.upper() == "HEAD":

@@ -47,6 +47,7 @@ from egressgate.gateway.budgets import Budgets
 from egressgate.gateway.connguard import ConnGuard
 from egressgate.gateway.consistency import Consistency
 from egressgate.gateway.context import Runtime
+from egressgate.gateway.credential_response import ResponseScrub
 from egressgate.gateway.credentials import Credentials
 from egressgate.gateway.decision import DecisionAddon
 from egressgate.gateway.enforce import Enforce
@@ -193,7 +194,7 @@ class GatewayMaster:
         record = Record(rt)
         ours = [ConnGuard(rt, self.pending_bytes, self.write_backlog),
                 NextLayer(rt), tlsconfig.TlsConfig(), Identity(rt), Transparent(rt), Consistency(rt), Sanitize(),
-                DecisionAddon(rt), Streaming(), Budgets(rt), Trailers(rt), Credentials(rt),
+                DecisionAddon(rt), Streaming(), Trailers(rt), Credentials(rt), Budgets(rt), ResponseScrub(rt),
                 record, Pinning(rt), Enforce(rt), Revocation(rt)]
         # every addon in the decision path fails closed (failclosed.py); TlsConfig too, since a failed
         # certificate step must not leave a connection half-configured. A refused flow is audited.

@@ -18,6 +18,7 @@ from mitmproxy import http, tcp
 from egressgate.audit.build import build
 from egressgate.audit.event import AuditEvent, AuditUnavailable, EventKind
 from egressgate.gateway import request_hash, ws_layer
+from egressgate.gateway.budgets import refund_prepaid
 from egressgate.gateway.context import ConnState, FlowState, Runtime, ensure_flow_state, flow_state, new_request_id
 from egressgate.gateway.deny import REQUEST_ID_HEADER, gateway_deny
 from egressgate.gateway.target import note_target
@@ -102,9 +103,7 @@ class Record:
         ok = await self._write(decision_event(kind, fs, labels, client))
         fs.audited = True
         if not ok and fs.decision.allowed:
-            if fs.prepaid_out and fs.sandbox_id:
-                self.rt.ledger.refund_out(fs.sandbox_id, fs.prepaid_out)
-                fs.prepaid_out = 0
+            refund_prepaid(self.rt, fs)  # nothing goes upstream
             fs.decision = gateway_deny(Reason.AUDIT_UNAVAILABLE)
         return fs.decision
 

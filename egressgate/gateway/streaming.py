@@ -4,7 +4,7 @@ Streamed: every `text/event-stream` response (an agent waits for the first event
 body larger than 64 KiB, and every body of unknown length (chunked / read-until-close / HTTP/2 without
 content-length), since its size is only known once it has been buffered — too late. Small bodies with
 a known length are buffered so a later addon (the credential broker's redaction) can see them whole.
-The budgets addon (after this one) replaces `stream = True` with a counting callable.
+This stage only decides (`FlowState.stream_response`); compose.py builds the callable (count, scrub).
 """
 
 from __future__ import annotations
@@ -40,5 +40,4 @@ class Streaming:
         fs = flow_state(flow)
         if fs is None or fs.decision is None or not fs.decision.allowed or flow.response is None:
             return
-        if should_stream(flow):
-            flow.response.stream = True
+        fs.stream_response = should_stream(flow)

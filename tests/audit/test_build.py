@@ -84,7 +84,8 @@ def test_every_audit_event_is_built_by_the_builder() -> None:
         if path.relative_to(ROOT).as_posix() in ("audit/build.py", "audit/event.py"):
             continue
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "AuditEvent":
+            name = getattr(node.func, "id", getattr(node.func, "attr", None)) if isinstance(node, ast.Call) else None
+            if name == "AuditEvent":
                 offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert offenders == [], offenders
     assert AuditEvent.__name__ == "AuditEvent"  # the name the check looks for
