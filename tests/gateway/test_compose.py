@@ -68,11 +68,15 @@ async def test_a_phantom_is_never_counted_against_the_budget() -> None:
     rt, fs = await _world()
     phantom = phantom_value().encode()
     body = b"b" * 30 + phantom + b"c" * 30
-    stream = compose_request(_hasher(), hits.extend, out_counter(rt, fs, "c1", 10_000))
+    hasher, reference = _hasher(), _hasher()
+    stream = compose_request(hasher, hits.extend, out_counter(rt, fs, "c1", 10_000))
     out = _feed(stream, [body])
     assert hits and phantom not in out
     # guard before counter: the budget was not charged for the phantom's chunk
     assert rt.ledger.bytes_out("sbx-1") == 0 and fs.bytes_out == 0
+    # hash before guard: the request hash covers what the sandbox sent, phantom included
+    reference.update(body)
+    assert hasher.body_hash() == reference.body_hash()
     await rt.ledger.flush()
 
 
