@@ -1,10 +1,10 @@
 """Response side of credential injection: what flows back from a credentialed request is scrubbed.
 
-A mixin of the `Credentials` addon (credentials.py places the credential and records `Applied` in
-`FlowState.credential`); kept apart so each module has one concern. Headers (incl. Location,
-Set-Cookie), the reason phrase and trailers are scrubbed; a buffered body (known length <= 64 KiB) is
-decoded and scrubbed whole in `response`; a streamed body gets `budget counter -> decode -> sliding
-window scrubber` and is reframed. "Decode" means every coding on the body — Content-Encoding *and* a
+The `ResponseScrub` addon, after Budgets (credentials.py places the credential and records `Applied`
+in `FlowState.credential`). Headers (incl. Location, Set-Cookie), the reason phrase and trailers are
+scrubbed; a buffered body (known length <= 64 KiB) is decoded and scrubbed whole in `response`; a
+streamed body gets a `ScrubPlan` that compose.py chains as `budget counter -> decode -> sliding window
+scrubber`, and is reframed. "Decode" means every coding on the body — Content-Encoding *and* a
 Transfer-Encoding other than chunked, which mitmproxy forwards undecoded (response_codings.py); a
 coding we cannot decode, ambiguous framing or a folded header is refused (502, reason in the body and
 in the outcome record as `egressgate.response_refused`) — never forwarded.
@@ -102,7 +102,7 @@ class ResponseScrub:
 
     @staticmethod
     def _refuse(flow: http.HTTPFlow, fs: FlowState, applied: Applied, exc: Uninspectable, bodiless: bool) -> None:
-        """502 with a reason the client reads and the outcome record keeps (AuditEmit)."""
+        """502 with a reason the client reads and the outcome record keeps (record.py)."""
         logger.warning("refused %s response from %s: %s", applied.capability, fs.host, exc.reason)
         fs.replacement = refuse(flow, fs.request_id, exc.reason, exc.message, bodiless)
         fs.response_refused = exc.reason
@@ -110,7 +110,7 @@ class ResponseScrub:
     def error(self, flow: http.HTTPFlow) -> None:
         """mitmproxy quotes upstream bytes it could not parse — a malformed Transfer-Encoding,
         Content-Length, header name or line, status line, a cut head — in its 502 page (sent right
-        after this hook, with no hook able to change it) and in `flow.error`, which AuditEmit records
+        after this hook, with no hook able to change it) and in `flow.error`, which record.py records
         next. On a credentialed flow those bytes may echo the credential (even compressed, inside a
         bytes repr). So when the message quotes anything or holds the secret: cut the client
         connection before the page goes out (the sandbox sees a reset, not a 502), and keep only a

@@ -1,11 +1,12 @@
 """Credential injection and scrubbing in the live gateway (the mitmproxy side of egressgate/broker/).
 
-Where it sits (master.py): after Identity, Consistency, Sanitize, Decision, Pinning, Streaming and
-Budgets, before AuditEmit. So in `requestheaders` every earlier check has already had its say — a flow
-that is answered (`flow.response`) or not allowed is never touched — and a deny set here
-(`credential_unavailable`, `credential_misuse`, TRACE) is the one decision record AuditEmit writes and
-enforces; AuditEmit also refuses the request if that record cannot be written, so an injected header
-never leaves without its audit record. Address pinning ran even earlier: with the eager connection
+Where it sits (master.py, docs/architecture.md): after Identity, Consistency, Sanitize, Decision and
+Trailers, before Budgets and Record. So in `requestheaders` every earlier check has already had its say —
+a flow that is answered (`flow.response`) or not allowed is never touched — a deny set here
+(`credential_unavailable`, `credential_misuse`, TRACE) comes before Budgets reserves any byte, and it is
+the one decision record Record writes; Record also refuses the request if that record cannot be
+written, so an injected header never leaves without its audit record. For an intercepted tunnel,
+address pinning ran even earlier: with the eager connection
 strategy the upstream connection of a CONNECT tunnel is opened (server_connect → Pinning rewrites the
 address, server_connected checks the peer) and its TLS is established before the client's first
 request; a later reconnect goes through Pinning again. `_channel_problem` re-checks all of it before a
@@ -14,9 +15,9 @@ credential is placed, and refuses rather than trusts.
 Request side: only HTTPS inside an intercepted tunnel, only when the decision's matched rule names the
 capability (`Decision.capability`); TRACE refused; phantoms anywhere except their one bound header are
 `credential_misuse` — headers, query and path here, buffered bodies in `request`, streamed bodies by a
-guard chained before the budget counter. Response side: headers (Location, Set-Cookie, ...) and bodies
+guard compose.py chains before the budget counter. Response side: headers (Location, Set-Cookie, ...) and bodies
 are scrubbed of the injected value; compressed bodies are decoded first or the response is refused
-(credential_response.py, a mixin of this addon; the stream callables live in credential_streams.py).
+(credential_response.py, its own addon after Budgets; the stream callables live in credential_streams.py).
 Audit records carry the capability name and key id, never a value; so do logs and error pages.
 """
 

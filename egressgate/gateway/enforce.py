@@ -17,7 +17,7 @@ from egressgate.gateway.budgets import in_counter, out_counter, outbound_limit
 from egressgate.gateway.compose import compose_request, compose_response
 from egressgate.gateway.context import Runtime, flow_state
 from egressgate.gateway.credentials import stream_misuse
-from egressgate.gateway.deny import deny_response, gateway_deny
+from egressgate.gateway.deny import REQUEST_ID_HEADER, deny_response, gateway_deny
 from egressgate.policy.reasons import Reason
 from egressgate.state.base import StateUnavailable
 
@@ -83,7 +83,10 @@ class Enforce:
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         fs = flow_state(flow)
-        if fs is None or flow.response is None or fs.decision is None or not fs.decision.allowed:
+        if fs is None or flow.response is None or fs.decision is None:
+            return
+        flow.response.headers[REQUEST_ID_HEADER] = fs.request_id  # joins the response to its records
+        if not fs.decision.allowed:
             return
         if fs.stream_response or fs.replacement is not None:
             counter = in_counter(self.rt, fs) if fs.sandbox_id is not None else None

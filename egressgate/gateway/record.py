@@ -20,7 +20,7 @@ from egressgate.audit.event import AuditEvent, AuditUnavailable, EventKind
 from egressgate.gateway import request_hash, ws_layer
 from egressgate.gateway.budgets import refund_prepaid
 from egressgate.gateway.context import ConnState, FlowState, Runtime, ensure_flow_state, flow_state, new_request_id
-from egressgate.gateway.deny import REQUEST_ID_HEADER, gateway_deny
+from egressgate.gateway.deny import gateway_deny
 from egressgate.gateway.target import note_target
 from egressgate.policy.facts import Decision
 from egressgate.policy.reasons import Reason
@@ -116,11 +116,6 @@ class Record:
             return
         fs.bodyless_hash = request_hash.bodyless_hash(flow.request, fs)
         await self._record(EventKind.HTTP_REQUEST, flow, fs)
-
-    def responseheaders(self, flow: http.HTTPFlow) -> None:
-        fs = flow_state(flow)
-        if fs is not None and flow.response is not None and fs.decision is not None:
-            flow.response.headers[REQUEST_ID_HEADER] = fs.request_id
 
     async def _outcome(self, flow: http.HTTPFlow, error: str | None = None) -> None:
         fs = flow_state(flow)

@@ -274,7 +274,7 @@ class Transparent:
         flow.request.data.host = pinned[0]
         flow.server_conn.address = pinned
         conn.approved.pop(conn.original_dst, None)
-        fs.dial_key = pinned  # approved by audit_emit.py once the decision record is durable
+        fs.dial_key = pinned  # approved by pinning.py once the decision record is durable
 
     @staticmethod
     def _name_for_record(fs: FlowState, request: http.Request, conn: ConnState) -> None:
