@@ -277,7 +277,6 @@ def start_egressgate(directory: Path, upstream_ca: Path, http_port: int, https_p
         "policy": str(d / "policies"),
         "var_dir": str(d / "var"),
         "upstream": {"resolver": "system", "ca_bundle": str(upstream_ca)},
-        "state": {"backend": "memory"},
         "audit": {"path": str(d / "var" / "audit" / "audit.jsonl")},
         **(extra_config or {}),
     }

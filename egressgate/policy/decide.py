@@ -25,7 +25,6 @@ from egressgate.policy.messages import deny_message
 from egressgate.policy.readings import AmbiguousPath, server_readings
 from egressgate.policy.reasons import Effect, Reason
 
-HTTP_SCHEMES = ("https", "http")
 CONNECT_SCHEMES = ("https", "http", "tcp")
 
 # Depth of the check where a candidate rule failed; higher is more specific.

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import StrEnum
 from types import MappingProxyType
 
@@ -75,7 +75,6 @@ class Decision:
     # CONNECT only: the first rule that allows the target has `tls: passthrough` (intercept is then False):
     # the tunnel must carry TLS whose SNI names the target, spliced without interception
     passthrough: bool = False
-    tags: tuple[str, ...] = field(default=())
 
     @property
     def allowed(self) -> bool:

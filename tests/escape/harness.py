@@ -102,7 +102,6 @@ class Gateway:
             "policy": str(pdir),
             "var_dir": str(var),
             "upstream": {"resolver": f"{nw.DNS_ADDR}:53", "ca_bundle": str(world.ca_pem)},
-            "state": {"backend": "memory"},
             **(extra_config or {}),
         }
         cfg = tmp / "gateway.yaml"
