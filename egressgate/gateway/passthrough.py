@@ -17,9 +17,10 @@ fronting through a shared front end). `check_hello` refuses, before a single byt
 
 A refusal is a fatal TLS `access_denied` alert (`illegal_parameter` for the size bound) and a close,
 recorded as the tunnel's outcome record with decision `deny` and the reason. An accepted tunnel relays
-client and server bytes unchanged, in this layer (no per-chunk addon hook: that path made mitmproxy's TCP
-relay slow), counting every byte in both directions against the sandbox's ledger; a client chunk that
-would cross `outbound_bytes_max` is dropped and the connection aborted (budgets.py's rule for raw TCP).
+client and server bytes unchanged, counting every byte in both directions against the sandbox's ledger;
+a client chunk that would cross `outbound_bytes_max` is dropped and the connection aborted (budgets.py's
+rule for raw TCP). The relay runs here (no per-chunk addon hook) until splice.py takes both sockets off
+mitmproxy's event path, with the same counting.
 Revocation aborts the connection like any other (revocation.py). When both sides are closed, one outcome
 record (bytes, duration, `egressgate.tls` = `passthrough`, the SNI) follows the CONNECT's allow record,
 under its request id. Nothing inside the TLS is checked: no Host, method, path, credential, or response.
@@ -42,6 +43,7 @@ from egressgate.audit.event import AuditEvent, EventKind
 from egressgate.gateway.audit_emit import transparent_attributes
 from egressgate.gateway.context import ConnState, Runtime, new_request_id
 from egressgate.gateway.deny import gateway_deny
+from egressgate.gateway.splice import Splice, Tally
 from egressgate.gateway.tls_limits import ALERT_GRACE, ALERT_ILLEGAL_PARAMETER, HelloScan
 from egressgate.policy.canon import CanonError, canon_host, parse_ip_literal
 from egressgate.policy.facts import Decision
@@ -158,8 +160,8 @@ class PassthroughLayer(layer.Layer):
         self.started_ns = time.time_ns()
         self.sandbox_id = conn.sandbox_id or ""
         self.sni: str | None = None
-        self.out = self.in_ = 0
-        self.cut = False
+        self.tally = Tally()
+        self.splice: Splice | None = None
         self.refusal: Decision | None = None
         self.error: str | None = None
         self.recorded = False
@@ -229,6 +231,17 @@ class PassthroughLayer(layer.Layer):
         self._handle_event = self._relay
         first, self.buf = bytes(self.buf), bytearray()
         yield from self._to_server(first)
+        # the rest of the tunnel bypasses mitmproxy's event path (splice.py), as soon as the loop is free
+        asyncio.get_running_loop().call_soon(self._take_over)
+
+    def _take_over(self) -> None:
+        if self.tally.cut or self.conn.closed or self._handle_event != self._relay:
+            return
+        splice = Splice(self.rt, self.sandbox_id, self.conn.policy_name, self.tally)
+        if splice.take_over(self.context.client, self.context.server):
+            self.splice = splice
+        else:
+            logger.debug("passthrough tunnel of %s stays on the event path", self.context.client.id)
 
     def _relay(self, event: events.Event) -> layer.CommandGenerator[None]:
         if isinstance(event, events.DataReceived):
@@ -236,7 +249,7 @@ class PassthroughLayer(layer.Layer):
                 yield from self._to_server(event.data)
             else:
                 n = len(event.data)
-                self.in_ += n
+                self.tally.in_ += n
                 self.rt.ledger.add_in(self.sandbox_id, n)
                 yield commands.SendData(self.context.client, event.data)
         elif isinstance(event, events.ConnectionClosed):
@@ -252,19 +265,19 @@ class PassthroughLayer(layer.Layer):
 
     # ------------------------------------------------------------------ helpers
     def _to_server(self, data: bytes) -> layer.CommandGenerator[None]:
-        if self.cut:
+        if self.tally.cut:
             return
         policy = self.rt.policies.get(self.conn.policy_name)
         limit = policy.outbound_bytes_max if policy is not None else 0
         if not self.rt.ledger.try_out(self.sandbox_id, len(data), limit):
             # the chunk that would cross is never relayed; RST both sides (a cut stream must not look
             # complete to the upstream)
-            self.cut = True
+            self.tally.cut = True
             logger.info("sandbox %s crossed outbound_bytes_max in a passthrough tunnel; cutting", self.sandbox_id)
             if self.rt.abort_connection is not None:
                 self.rt.abort_connection(self.context.client.id)
             return
-        self.out += len(data)
+        self.tally.out += len(data)
         yield commands.SendData(self.context.server, data)
 
     def _refuse(self, decision: Decision, alert: bytes = ALERT_ACCESS_DENIED) -> layer.CommandGenerator[None]:
@@ -292,7 +305,8 @@ class PassthroughLayer(layer.Layer):
         self.recorded = True
         conn = self.conn
         refusal = self.refusal
-        if refusal is None and self.cut:
+        tally = self.tally
+        if refusal is None and tally.cut:
             refusal = gateway_deny(Reason.BUDGET_EXCEEDED, detail="outbound_bytes_max")
         elif refusal is None and conn.closed:
             refusal = gateway_deny(Reason.SANDBOX_REVOKED)
@@ -301,7 +315,7 @@ class PassthroughLayer(layer.Layer):
             extra["egressgate.tls.sni"] = self.sni
         if refusal is not None and refusal.detail:
             extra["egressgate.detail"] = refusal.detail
-        if self.cut:
+        if tally.cut:
             extra["egressgate.budget_cut"] = True
         if self.error:
             extra["egressgate.error"] = self.error
@@ -314,7 +328,7 @@ class PassthroughLayer(layer.Layer):
             reason=str(refusal.reason if refusal is not None else Reason.RULE_MATCHED),
             rule_id=conn.tcp_allowed_rule, policy_name=conn.policy_name,
             policy_hash=policy.hash if policy is not None else None, scheme="https", host=conn.tunnel_host,
-            port=conn.tunnel_port, bytes_out=self.out, bytes_in=self.in_,
+            port=conn.tunnel_port, bytes_out=tally.out, bytes_in=tally.in_,
             duration_ms=(time.time_ns() - self.started_ns) / 1e6,
             message=refusal.message if refusal is not None else None, extra=extra,
         ))
