@@ -304,3 +304,22 @@ def test_revocation_cuts_an_open_passthrough_tunnel(gw, world):
     assert [h for h in world.hits.since(mark) if h["path"] == "/echo?rev=2"] == []
     out = outcome(gw, sbx.id)
     assert (out["egressgate.decision"], out["egressgate.reason"]) == ("deny", "sandbox_revoked")
+
+
+def test_bulk_download_through_the_splice_is_complete_and_counted(gw, world):
+    """8 MB through the spliced tunnel to a reader that starts slowly (the gateway's write buffer fills and
+    it must stop reading the upstream, not buffer it): every byte arrives, in order, and is counted in."""
+    sbx = gw.admit("pt")
+    size = 8_000_000
+    sock = open_tunnel(gw, sbx, f"api.test:{world.https_port}")
+    tls = upstream_ctx(world).wrap_socket(sock, server_hostname="api.test")
+    tls.sendall(f"GET /big?n={size} HTTP/1.1\r\nHost: api.test\r\nConnection: close\r\n\r\n".encode())
+    time.sleep(1.0)  # let the upstream fill every buffer on the way
+    data = bytearray()
+    while chunk := tls.recv(1 << 20):
+        data += chunk
+    tls.close()
+    head, _, body = bytes(data).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and len(body) == size and body.count(b"x") == size
+    out = outcome(gw, sbx.id)
+    assert out["egressgate.decision"] == "allow" and int(out["egressgate.bytes.in"]) > size
