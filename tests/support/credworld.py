@@ -18,11 +18,10 @@ from pathlib import Path
 
 import httpx
 import trustme
-from aiohttp import web
 
 from tests.support.bao import BaoServer
 from tests.support.launcher import LoopbackGateway, launch_loopback, write_policies
-from tests.support.loopback import DnsServer, Hits, LoopThread, server_context, start_dns
+from tests.support.loopback import DnsServer, Hits, LoopThread, serve_app, server_context, start_dns
 from tests.support.reflect import make_app, serve_h2
 
 NAMES = ["api.test", "jwt.test", "phantom.test", "other.test", "basic.test", "query.test", "forbidden.test",
@@ -61,18 +60,12 @@ def open_world(tmp: Path) -> Iterator[World]:
     async def start():
         runners, ports = [], []
         for tls in (ctx, ctx, None):
-            runner = web.AppRunner(make_app(hits, jwks_url), access_log=None)
-            await runner.setup()
-            site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=tls)
-            await site.start()
-            ports.append(site._server.sockets[0].getsockname()[1])
+            runner, port = await serve_app(make_app(hits, jwks_url), "127.0.0.1", tls)
+            ports.append(port)
             runners.append(runner)
         # the canary: a forbidden address (127.0.0.2) a credential must never reach unless a policy allows it
-        runner = web.AppRunner(make_app(canary, jwks_url), access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.2", 0, ssl_context=ctx)
-        await site.start()
-        ports.append(site._server.sockets[0].getsockname()[1])
+        runner, port = await serve_app(make_app(canary, jwks_url), "127.0.0.2", ctx)
+        ports.append(port)
         runners.append(runner)
         h2ctx = server_context(cert, ["h2"])
         h2_server = await asyncio.start_server(lambda r, w: serve_h2(r, w, hits), "127.0.0.1", 0, ssl=h2ctx)
