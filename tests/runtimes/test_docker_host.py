@@ -10,14 +10,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import yaml
 
 import tests.networld as nw
 from egressgate.config import ConfigError, load_config
 from tests.networld import World
 from tests.runtimes.harness import base_dir, remove
 from tests.support.dockerd import Dockerd
-from tests.support.launcher import EGRESSGATE, startup_info, stop_process, write_policies
+from tests.support.launcher import EGRESSGATE, launch_in_namespace, stop_process, write_policies
 
 pytestmark = pytest.mark.netns
 
@@ -42,12 +41,8 @@ def gateway_with_docker_host(world: World, dockerd: Dockerd) -> Iterator[tuple[P
               "dns": {"upstreams": [f"{nw.DNS_ADDR}:53"]}, "policy": str(base / "policies"),
               "var_dir": str(base / "var"),
               "runtime": {"state_dir": str(base / "state"), "docker_host": dockerd.host}}
-    (base / "gateway.yaml").write_text(yaml.safe_dump(config))
-    stderr = open(base / "gateway.stderr", "w")  # noqa: SIM115 - closed below
-    proc = world.popen(world.gw, EGRESSGATE, "run", "--config", str(base / "gateway.yaml"),
-                       stdout=subprocess.PIPE, stderr=stderr)
+    proc, _, _, stderr = launch_in_namespace(world, world.gw, base, config)  # the gateway is up
     try:
-        startup_info(proc, base / "gateway.stderr")  # the gateway is up
         yield base, proc
     finally:
         stop_process(proc, timeout=10)
