@@ -82,37 +82,58 @@ def server_names(body: bytes) -> list[tuple[int, bytes]] | None:
     return out
 
 
-def check_hello(hello: bytes, host: str) -> tuple[str | None, Decision | None]:
-    """(the SNI, None) when handshake message `hello` is a ClientHello naming `host` (canonical) exactly
-    once in clear; (the SNI or None, the deny) otherwise."""
+def read_sni(hello: bytes) -> tuple[str | None, str | None]:
+    """(SNI, None) for handshake message `hello` carrying exactly one host_name in clear; (None or the raw
+    name, problem) otherwise. Parsed here, not with mitmproxy's `ClientHello.sni`, which skips a
+    malformed server_name and takes the first good one: a server that reads another would be fronted."""
     if not hello or hello[0] != 1:
-        return None, gateway_deny(Reason.PROTOCOL_NOT_ALLOWED, f"A passthrough route to {host} carries TLS "
-                                  "only; the first handshake message was not a ClientHello.", detail="not_client_hello")
+        return None, "not_client_hello"
     try:
         extensions = ClientHello(hello[4:]).extensions
     except Exception:  # kaitai raises EOFError, ValueError, its own errors... all mean "not parseable"
-        return None, gateway_deny(Reason.INVALID_REQUEST, "The TLS ClientHello could not be parsed.",
-                                  detail="client_hello_unparseable")
+        return None, "client_hello_unparseable"
     for kind, _ in extensions:
         if kind in ENCRYPTED_NAME:
-            return None, gateway_deny(
-                Reason.PROTOCOL_NOT_ALLOWED,
-                f"Encrypted ClientHello hides the server name; a passthrough route to {host} needs the SNI "
-                f"in clear. Turn ECH off for this client.", detail=ENCRYPTED_NAME[kind])
+            return None, ENCRYPTED_NAME[kind]
     bodies = [bytes(body) for kind, body in extensions if kind == SERVER_NAME]
     if not bodies:
-        if parse_ip_literal(host) is not None:
-            return None, None  # an IP-literal target: clients send no SNI (RFC 6066 3), the pin is the check
-        return None, _mismatch(host, "it sent none", "sni_missing")
+        return None, "sni_missing"
     names = server_names(bodies[0]) if len(bodies) == 1 else None
     if names is None or len(names) != 1 or names[0][0] != 0:
-        return None, _mismatch(host, "it sent several or a malformed one", "sni_ambiguous")
-    raw = names[0][1]
+        return None, "sni_ambiguous"
     try:
-        sni = raw.decode("ascii")
-        same = canon_host(sni) == host
-    except (UnicodeDecodeError, CanonError):
-        return raw.decode("latin-1")[:255], _mismatch(host, "its SNI is not a valid name", "sni_invalid")
+        return names[0][1].decode("ascii"), None
+    except UnicodeDecodeError:
+        return names[0][1].decode("latin-1")[:255], "sni_invalid"
+
+
+def check_hello(hello: bytes, host: str) -> tuple[str | None, Decision | None]:
+    """(the SNI, None) when handshake message `hello` is a ClientHello naming `host` (canonical) exactly
+    once in clear; (the SNI or None, the deny) otherwise."""
+    sni, problem = read_sni(hello)
+    if problem == "not_client_hello":
+        return None, gateway_deny(Reason.PROTOCOL_NOT_ALLOWED, f"A passthrough route to {host} carries TLS "
+                                  "only; the first handshake message was not a ClientHello.", detail=problem)
+    if problem == "client_hello_unparseable":
+        return None, gateway_deny(Reason.INVALID_REQUEST, "The TLS ClientHello could not be parsed.", detail=problem)
+    if problem in ENCRYPTED_NAME.values():
+        return None, gateway_deny(
+            Reason.PROTOCOL_NOT_ALLOWED,
+            f"Encrypted ClientHello hides the server name; a passthrough route to {host} needs the SNI "
+            f"in clear. Turn ECH off for this client.", detail=problem)
+    if problem == "sni_missing":
+        if parse_ip_literal(host) is not None:
+            return None, None  # an IP-literal target: clients send no SNI (RFC 6066 3), the pin is the check
+        return None, _mismatch(host, "it sent none", problem)
+    if problem == "sni_ambiguous":
+        return None, _mismatch(host, "it sent several or a malformed one", problem)
+    assert sni is not None
+    try:
+        same = problem is None and canon_host(sni) == host
+    except CanonError:
+        same, problem = False, "sni_invalid"
+    if problem is not None:
+        return sni, _mismatch(host, "its SNI is not a valid name", problem)
     if not same:
         return sni, _mismatch(host, f"it named {sni[:255]}", "sni_mismatch")
     return sni, None
@@ -298,3 +319,4 @@ class PassthroughLayer(layer.Layer):
             duration_ms=(time.time_ns() - self.started_ns) / 1e6,
             message=refusal.message if refusal is not None else None, extra=extra,
         ))
+
