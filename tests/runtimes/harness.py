@@ -42,6 +42,24 @@ def safety_net() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (SAFETY_AS, SAFETY_AS))
 
 
+def runtime_policy(name: str, **extra: object) -> dict:
+    """The runtime tests' base policy (workspace, denied host files, one allowed API) with `section__key=value`
+    overrides, e.g. `sandbox__resources={"pids_max": 32}`."""
+    body: dict = {
+        "sandbox": {"name": name, "workspace": {"path": "/workspace"}},
+        "filesystem": {"deny": ["/etc/shadow", "/var/run/docker.sock"]},
+        "network": {
+            "allow_private": ["198.18.1.0/24"],
+            "dns": {"allow": ["api.allowed.test"]},
+            "https": {"allow": [{"id": "allowed-api", "host": "api.allowed.test"}]},
+        },
+    }
+    for key, value in extra.items():
+        section, _, field = key.partition("__")
+        body.setdefault(section, {})[field] = value
+    return body
+
+
 def base_dir(parent: str | None = None) -> Path:
     """A temp dir uid 65534 can traverse (pytest's tmp_path is under a 0700 dir): bwrap runs as that uid
     and opens the workspace by path."""
