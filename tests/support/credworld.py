@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ssl
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -189,14 +188,10 @@ class Gateway(LoopbackGateway):
     world: World
 
     def admit(self, policy: str) -> dict:
-        res = httpx.post(f"http://{self.admin}/v1/sandboxes", json={"policy": policy},
-                         headers={"Authorization": f"Bearer {self.token}"}, timeout=10, trust_env=False)
-        assert res.status_code == 201, res.text
-        return res.json()
+        return self.admit_sandbox({"policy": policy})
 
     def client(self, sbx: dict, **kw) -> httpx.Client:
-        return httpx.Client(proxy=sbx["proxy_url"], verify=ssl.create_default_context(cafile=self.bundle),
-                            timeout=15, trust_env=False, **kw)
+        return self.proxied_client(sbx["proxy_url"], **kw)
 
     def url(self, host: str, path: str, port: int | None = None, scheme: str = "https") -> str:
         port = port or (self.world.https_port if scheme == "https" else self.world.http_port)

@@ -234,15 +234,8 @@ class Gateway(LoopbackGateway):
     world: World
 
     def admit(self, policy: str, labels: dict | None = None) -> Sandbox:
-        res = httpx.post(f"http://{self.admin}/v1/sandboxes", json={"policy": policy, "labels": labels or {}},
-                         headers={"Authorization": f"Bearer {self.token}"}, timeout=10, trust_env=False)
-        assert res.status_code == 201, res.text
-        data = res.json()
+        data = self.admit_sandbox({"policy": policy, "labels": labels or {}})
         return Sandbox(id=data["id"], token=data["token"], proxy_url=data["proxy_url"], env=data["env"], gw=self)
-
-    def revoke(self, sandbox_id: str) -> httpx.Response:
-        return httpx.delete(f"http://{self.admin}/v1/sandboxes/{sandbox_id}",
-                            headers={"Authorization": f"Bearer {self.token}"}, timeout=10, trust_env=False)
 
 
 @dataclass
@@ -254,8 +247,7 @@ class Sandbox:
     gw: Gateway
 
     def client(self, **kw) -> httpx.Client:
-        verify = ssl.create_default_context(cafile=self.gw.bundle)
-        return httpx.Client(proxy=self.proxy_url, verify=verify, timeout=15, trust_env=False, **kw)
+        return self.gw.proxied_client(self.proxy_url, **kw)
 
     def url(self, host: str, path: str, port: int | None = None, scheme: str = "https") -> str:
         port = port or (self.gw.world.https_port if scheme == "https" else self.gw.world.http_port)

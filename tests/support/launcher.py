@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import threading
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+import httpx
 import yaml
 
 if TYPE_CHECKING:
@@ -128,6 +130,23 @@ class LoopbackGateway:
 
     def stderr(self) -> str:
         return self.stderr_path.read_text(errors="replace")
+
+    def admit_sandbox(self, body: dict[str, Any]) -> dict[str, Any]:
+        """POST /v1/sandboxes on the admin API (asserts 201): the new sandbox's id, token, proxy_url, env."""
+        res = httpx.post(f"http://{self.admin}/v1/sandboxes", json=body,
+                         headers={"Authorization": f"Bearer {self.token}"}, timeout=10, trust_env=False)
+        assert res.status_code == 201, res.text
+        return res.json()
+
+    def revoke(self, sandbox_id: str) -> httpx.Response:
+        return httpx.delete(f"http://{self.admin}/v1/sandboxes/{sandbox_id}",
+                            headers={"Authorization": f"Bearer {self.token}"}, timeout=10, trust_env=False)
+
+    def proxied_client(self, proxy_url: str, **kw: Any) -> httpx.Client:
+        """An httpx client through the proxy (`proxy_url` carries the sandbox's credentials), trusting the
+        gateway's interception CA only; no environment proxies."""
+        return httpx.Client(proxy=proxy_url, verify=ssl.create_default_context(cafile=self.bundle), timeout=15,
+                            trust_env=False, **kw)
 
 
 def stop_gateway(gw: LoopbackGateway) -> int:
