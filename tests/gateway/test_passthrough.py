@@ -447,3 +447,21 @@ def test_a_second_client_hello_pipelined_before_the_retry_is_judged_not_relayed(
     time.sleep(0.2)
     assert hrr.snis[mark:] == ["hrr.test"]
     assert outcome(gw, sbx.id)["egressgate.detail"] == "sni_mismatch"
+
+
+def test_client_reset_mid_download_ends_the_tunnel_cleanly(gw, world):
+    """The sandbox resets its socket in the middle of a spliced download: the upstream side is cut too,
+    mitmproxy gets the end handed back (the outcome record is written, so its layers saw the close) and
+    the gateway keeps serving (positive control: a new tunnel works)."""
+    sbx = gw.admit("pt")
+    sock = open_tunnel(gw, sbx, f"api.test:{world.https_port}")
+    tls = upstream_ctx(world).wrap_socket(sock, server_hostname="api.test")
+    tls.sendall(b"GET /big?n=50000000 HTTP/1.1\r\nHost: api.test\r\nConnection: close\r\n\r\n")
+    assert len(tls.recv(65536)) > 0
+    tls.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    tls.close()  # RST
+    out = outcome(gw, sbx.id)
+    assert out["egressgate.decision"] == "allow" and 0 < int(out["egressgate.bytes.in"]) < 50_000_000
+    again = open_tunnel(gw, sbx, f"api.test:{world.https_port}")
+    assert tls_get(world, again, "api.test").startswith(b"HTTP/1.1 200")
+    assert "Traceback" not in (gw.var.parent / "gateway.stderr").read_text()
