@@ -43,7 +43,7 @@ from pathlib import Path
 from loadtests import bench_load, bench_procs, bench_report
 from loadtests.bench_world import ADDR, UPSTREAM_NAME, World
 from loadtests.loadgen import Target, run_cell
-from loadtests.procs import Proc
+from loadtests.procs import Proc, upstream_stats
 from loadtests.streaming import Download, curl_download, download
 
 CANDIDATES = ("direct", "squid", "mitmdump", "egressgate", "egressgate-pt")
@@ -138,6 +138,7 @@ class Driver:
         a = self.args
         p = self.proc_of(name)
         cpu0 = p.cpu_seconds() if p else 0.0
+        conns0 = upstream_stats(self.procs["upstream"])["connections"]
         row: dict = {"rep": rep, "mode": mode, "conc": conc, "candidate": name}
         try:
             r = run_cell(self.target(name, mode), conc, a.seconds)
@@ -145,11 +146,14 @@ class Driver:
             log(f"rep {rep + 1} {mode:5} c={conc:<3} {name:13} FAILED {exc}")
             return {**row, "failed": str(exc)}
         cpu = (p.cpu_seconds() - cpu0) / a.seconds if p else None
+        # connections the upstream accepted for this cell (-1: the /__stats one): ~conc when the proxy reuses
+        # its upstream connections, ~requests when it opens one per request
+        conns = upstream_stats(self.procs["upstream"])["connections"] - conns0 - 1
         row.update({"rps": r.rps, "p50_ms": r.p50_ms, "p99_ms": r.p99_ms, "errors": r.errors, "proxy_cpu": cpu,
-                    "client_cpu": r.loadgen_cpu})
+                    "client_cpu": r.loadgen_cpu, "upstream_conns": conns, "requests": r.ok})
         err = sum(r.errors.values())
         log(f"rep {rep + 1} {mode:5} c={conc:<3} {name:13} {r.rps:9.1f} rps  p50 {r.p50_ms:7.2f} ms  "
-            f"p99 {r.p99_ms:7.2f} ms  proxy cpu {cpu or 0:.2f}  client cpu {r.loadgen_cpu:.2f}"
+            f"p99 {r.p99_ms:7.2f} ms  proxy cpu {cpu or 0:.2f}  client cpu {r.loadgen_cpu:.2f}  upstream conns {conns}"
             + (f"  ERRORS {err}: {r.errors}" if err else ""))
         return row
 
@@ -202,6 +206,11 @@ def summarize(rows: list[dict]) -> list[dict]:
             "p50_ms": statistics.median(x["p50_ms"] for x in ok) if ok else None,
             "p99_ms": statistics.median(x["p99_ms"] for x in ok) if ok else None,
             "proxy_cpu": statistics.median(cpus) if cpus else None,
+            # requests per proxy CPU-second: less sensitive to CPU other work takes on a shared machine
+            "req_per_cpu_s": statistics.median(x["rps"] / x["proxy_cpu"] for x in ok)
+            if ok and all(x["proxy_cpu"] for x in ok) else None,
+            "upstream_conns": statistics.median(conns) if (conns := [x["upstream_conns"] for x in ok
+                                                                    if "upstream_conns" in x]) else None,
             "errors": sum(sum(x["errors"].values()) for x in ok) + sum(1 for x in rs if "failed" in x),
         })
     order = {c: i for i, c in enumerate(CANDIDATES)}
@@ -243,6 +252,7 @@ def outer(args: argparse.Namespace, argv: list[str]) -> int:
     meter = bench_load.RunMeter()
     meter.start()
     world = World.create()
+    meta["world"] = world.tag
     log(f"world {world.tag}: client {ADDR['cli']}, proxies {ADDR['gw']}, upstream {ADDR['up']} ({UPSTREAM_NAME})")
     result_file = Path(tempfile.mkstemp(prefix="egB-bench-result-")[1])
     try:
@@ -275,7 +285,7 @@ def outer(args: argparse.Namespace, argv: list[str]) -> int:
 
 def parse(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seconds", type=float, default=7.0, help="measured window per cell")
+    ap.add_argument("--seconds", type=float, default=8.0, help="measured window per cell")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--body-bytes", type=int, default=1024, help="response body of each GET in the rps cells")

@@ -38,6 +38,8 @@ def git_state(root: Path) -> str:
                                text=True, timeout=10).stdout.splitlines()
     except (OSError, subprocess.TimeoutExpired):
         return "unknown"
+    if not head:
+        return "unknown (not a git checkout)"
     return head + (f" (+{len(dirty)} uncommitted files under egressgate/)" if dirty else "")
 
 
@@ -82,6 +84,7 @@ def ratios(summary: list[dict]) -> list[dict]:
 
         out.append({"mode": mode, "conc": conc,
                     "eg_vs_mitmdump": div(get("egressgate", "rps"), get("mitmdump", "rps")),
+                    "eg_vs_mitmdump_per_cpu": div(get("egressgate", "req_per_cpu_s"), get("mitmdump", "req_per_cpu_s")),
                     "eg_added_p50_ms": sub(get("egressgate", "p50_ms"), get("direct", "p50_ms")),
                     "mitmdump_added_p50_ms": sub(get("mitmdump", "p50_ms"), get("direct", "p50_ms")),
                     "pt_vs_squid": div(get("egressgate-pt", "rps"), get("squid", "rps")),
@@ -123,22 +126,26 @@ def markdown(report: dict) -> str:
         ("**Noisy run, compare with care:** " + "; ".join(m["noisy"]) + ".") if m.get("noisy")
         else "Quiet enough: no other load above the thresholds of loadtests/bench_load.py.",
         "",
-        "| mode | conc | candidate | rps (median) | rps per run | p50 ms | p99 ms | proxy CPU | errors |",
-        "|---|---:|---|---:|---|---:|---:|---:|---:|",
+        "| mode | conc | candidate | rps (median) | rps per run | p50 ms | p99 ms | proxy CPU | upstream conns "
+        "| errors |",
+        "|---|---:|---|---:|---|---:|---:|---:|---:|---:|",
     ]
     for s in report["summary"]:
         lines.append(f"| {s['mode']} | {s['conc']} | {LABEL[(s['candidate'], s['mode'])]} | {_f(s['rps'])} | "
                      f"{' / '.join(f'{x:.0f}' for x in s['runs'])} | {_f(s['p50_ms'], '.2f')} | "
-                     f"{_f(s['p99_ms'], '.2f')} | {_f(s['proxy_cpu'], '.2f')} | {s['errors']} |")
-    lines += ["", f"| mode | conc | egressgate / mitmdump rps (goal >= {GOALS['vs_mitmdump']}x) | egressgate added "
-              f"p50 over direct (goal <= {GOALS['added_p50_ms']} ms at c=1) | mitmdump added p50 | passthrough / "
-              f"squid CONNECT rps (goal >= {GOALS['pt_vs_squid']}x) | passthrough added p50 |",
-              "|---|---:|---:|---:|---:|---:|---:|"]
+                     f"{_f(s['p99_ms'], '.2f')} | {_f(s['proxy_cpu'], '.2f')} | {_f(s.get('upstream_conns'))} | "
+                     f"{s['errors']} |")
+    lines += ["", f"| mode | conc | egressgate / mitmdump rps (goal >= {GOALS['vs_mitmdump']}x) | same, per proxy "
+              f"CPU-second | egressgate added p50 over direct (goal <= {GOALS['added_p50_ms']} ms at c=1) | mitmdump "
+              f"added p50 | passthrough / squid CONNECT rps (goal >= {GOALS['pt_vs_squid']}x) "
+              "| passthrough added p50 |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in ratios(report["summary"]):
         p50_goal = _goal(r["eg_added_p50_ms"], GOALS["added_p50_ms"], higher=False) if r["conc"] == 1 else ""
         lines.append(
             f"| {r['mode']} | {r['conc']} | {_f(r['eg_vs_mitmdump'], '.2f', 'x')}"
-            f"{_goal(r['eg_vs_mitmdump'], GOALS['vs_mitmdump'])} | {_f(r['eg_added_p50_ms'], '.2f', ' ms')}{p50_goal} "
+            f"{_goal(r['eg_vs_mitmdump'], GOALS['vs_mitmdump'])} | {_f(r['eg_vs_mitmdump_per_cpu'], '.2f', 'x')} "
+            f"| {_f(r['eg_added_p50_ms'], '.2f', ' ms')}{p50_goal} "
             f"| {_f(r['mitmdump_added_p50_ms'], '.2f', ' ms')} | {_f(r['pt_vs_squid'], '.2f', 'x')}"
             f"{_goal(r['pt_vs_squid'], GOALS['pt_vs_squid'])} | {_f(r['pt_added_p50_ms'], '.2f', ' ms')} |")
     bulk = bulk_summary(report.get("bulk", []))
@@ -220,10 +227,12 @@ def plot(report: dict, path: Path) -> str | None:
         names = [c for c, b in bulk.items() if b["mib_per_s"] is not None]
         bars = ax.barh([BULK_LABEL[c] for c in names], [bulk[c]["mib_per_s"] for c in names],
                        color=[COLOR[c] for c in names])
-        ax.bar_label(bars, fmt="%.0f MiB/s", fontsize=8)
-        ax.set_title("bulk download over HTTPS, MiB/s" + "".join(
-            f"; egressgate {BULK_LABEL[c].split(' ', 1)[1]} peak RSS {bulk[c]['peak_rss_mb']} MB"
-            for c in names if bulk[c].get("peak_rss_mb") is not None))
+        ax.bar_label(bars, fontsize=8, labels=[
+            f"{bulk[c]['mib_per_s']:.0f} MiB/s" + (f", peak RSS {bulk[c]['peak_rss_mb']:.0f} MB"
+                                                    if bulk[c].get("peak_rss_mb") is not None else "")
+            for c in names])
+        ax.margins(x=0.25)
+        ax.set_title("bulk download over HTTPS, MiB/s (median); egressgate's peak RSS during it")
     m = report["meta"]
     fig.suptitle(f"make bench, {m['started']}, tree {m['git']}" + (" (NOISY RUN)" if m.get("noisy") else ""))
     fig.savefig(path, dpi=90)

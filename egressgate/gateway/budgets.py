@@ -31,8 +31,6 @@ from egressgate.state.base import StateStore, StateUnavailable
 logger = logging.getLogger(__name__)
 
 STREAM_THRESHOLD = 64 * 1024
-TCP_OUT, TCP_IN, TCP_CUT = "egressgate.tcp_out", "egressgate.tcp_in", "egressgate.budget_cut"
-WS_OUT, WS_IN = "ws_out", "ws_in"  # FlowState.extra: bytes of the websocket session (after the 101)
 
 
 class ByteLedger:
@@ -107,7 +105,7 @@ def out_counter(rt: Runtime, fs: FlowState, client_id: str, limit: int | None) -
             fs.bytes_out += len(chunk)
             return chunk
         state["cut"] = True
-        fs.extra["budget_cut"] = True
+        fs.budget_cut = True
         logger.info("sandbox %s crossed outbound_bytes_max mid-stream; cutting", sandbox_id)
         if rt.abort_connection is not None:
             rt.abort_connection(client_id)
@@ -147,14 +145,14 @@ class Budgets:
             return False
 
     async def http_connect(self, flow: http.HTTPFlow) -> None:
-        fs = ensure_flow_state(flow, "connect")
+        fs = ensure_flow_state(flow)
         if fs.decision is None or not fs.decision.allowed:
             return
         if await self._load(fs) and self.rt.ledger.exhausted(fs.sandbox_id, self._limit(fs)):
             fs.decision = gateway_deny(Reason.BUDGET_EXCEEDED, detail="outbound_bytes_max")
 
     async def requestheaders(self, flow: http.HTTPFlow) -> None:
-        fs = ensure_flow_state(flow, "http_request")
+        fs = ensure_flow_state(flow)
         if fs.decision is None or not fs.decision.allowed or flow.response is not None:
             return
         if not await self._load(fs):
@@ -210,17 +208,17 @@ class Budgets:
         n = chunk.size
         if not chunk.from_client:
             fs.bytes_in += n
-            fs.extra[WS_IN] = fs.extra.get(WS_IN, 0) + n
+            fs.ws_in += n
             self.rt.ledger.add_in(fs.sandbox_id, n)
             return
         if not self.rt.ledger.try_out(fs.sandbox_id, n, self._limit(fs)):
-            fs.extra["budget_cut"] = True
+            fs.budget_cut = True
             logger.info("sandbox %s crossed outbound_bytes_max on a websocket; closing it", fs.sandbox_id)
             ws_layer.refuse(flow, Reason.BUDGET_EXCEEDED, ws_layer.POLICY_VIOLATION,
                             "The sandbox's outbound byte budget is exhausted.", detail="outbound_bytes_max")
             return
         fs.bytes_out += n
-        fs.extra[WS_OUT] = fs.extra.get(WS_OUT, 0) + n
+        fs.ws_out += n
 
     def websocket_message(self, flow: http.HTTPFlow) -> None:
         """Messages were paid for as their frames arrived (websocket_wire); only keep memory bounded."""
@@ -232,7 +230,8 @@ class Budgets:
     def tcp_message(self, flow: tcp.TCPFlow) -> None:
         conn = self.rt.conns.get(flow.client_conn.id)
         message = flow.messages[-1]
-        del flow.messages[:-1]  # bounded memory for long relays; totals are kept in metadata
+        del flow.messages[:-1]  # bounded memory for long relays; totals are kept in the FlowState
+        fs = ensure_flow_state(flow)
         if conn is None or conn.sandbox_id is None or conn.tcp_allowed_rule is None:
             message.content = b""
             if self.rt.abort_connection is not None:
@@ -244,11 +243,11 @@ class Budgets:
         if message.from_client:
             if not self.rt.ledger.try_out(conn.sandbox_id, n, limit):
                 message.content = b""
-                flow.metadata[TCP_CUT] = True
+                fs.budget_cut = True
                 if self.rt.abort_connection is not None:
                     self.rt.abort_connection(flow.client_conn.id)
                 return
-            flow.metadata[TCP_OUT] = flow.metadata.get(TCP_OUT, 0) + n
+            fs.bytes_out += n
         else:
-            flow.metadata[TCP_IN] = flow.metadata.get(TCP_IN, 0) + n
+            fs.bytes_in += n
             self.rt.ledger.add_in(conn.sandbox_id, n)

@@ -1,7 +1,7 @@
 """Response side of credential injection: what flows back from a credentialed request is scrubbed.
 
 A mixin of the `Credentials` addon (credentials.py places the credential and records `Applied` in
-`flow.metadata[META_CRED]`); kept apart so each module has one concern. Headers (incl. Location,
+`FlowState.credential`); kept apart so each module has one concern. Headers (incl. Location,
 Set-Cookie), the reason phrase and trailers are scrubbed; a buffered body (known length <= 64 KiB) is
 decoded and scrubbed whole in `response`; a streamed body gets `budget counter -> decode -> sliding
 window scrubber` and is reframed. "Decode" means every coding on the body — Content-Encoding *and* a
@@ -27,7 +27,6 @@ from egressgate.gateway.response_codings import Uninspectable, body_codings, fol
 
 logger = logging.getLogger(__name__)
 
-META_CRED = "egressgate.credential"
 STREAM_MAX_DECODED = 1 << 30  # decoded bytes per streamed response (decompression-bomb bound)
 BUFFERED_MAX_DECODED = 16 << 20  # a buffered (<= 64 KiB on the wire) body may not inflate beyond this
 # a repr'd literal in a mitmproxy error message: b'...', b"...", '...', "..." (upstream bytes it quotes)
@@ -63,8 +62,8 @@ class ResponseScrub:
     rt: Runtime
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
-        applied: Applied | None = flow.metadata.get(META_CRED)
         fs = flow_state(flow)
+        applied = fs.credential if fs is not None else None
         resp = flow.response
         if applied is None or resp is None or fs is None or fs.decision is None or not fs.decision.allowed:
             return
@@ -92,7 +91,7 @@ class ResponseScrub:
 
         def on_error(exc: Exception) -> None:
             logger.warning("killed %s response from %s: %s", applied.capability, fs.host, type(exc).__name__)
-            fs.extra["response_refused"] = "undecodable_body"  # cut mid-stream: corrupt or a bomb
+            fs.response_refused = "undecodable_body"  # cut mid-stream: corrupt or a bomb
             if self.rt.abort_connection is not None:
                 self.rt.abort_connection(client_id)
 
@@ -104,7 +103,7 @@ class ResponseScrub:
         """502 with a reason the client reads and the outcome record keeps (AuditEmit)."""
         logger.warning("refused %s response from %s: %s", applied.capability, fs.host, exc.reason)
         refuse(flow, fs.request_id, exc.reason, exc.message, bodiless)
-        fs.extra["response_refused"] = exc.reason
+        fs.response_refused = exc.reason
 
     def error(self, flow: http.HTTPFlow) -> None:
         """mitmproxy quotes upstream bytes it could not parse — a malformed Transfer-Encoding,
@@ -114,8 +113,8 @@ class ResponseScrub:
         bytes repr). So when the message quotes anything or holds the secret: cut the client
         connection before the page goes out (the sandbox sees a reset, not a 502), and keep only a
         sanitized message for the audit record."""
-        applied: Applied | None = flow.metadata.get(META_CRED)
         fs = flow_state(flow)
+        applied = fs.credential if fs is not None else None
         if applied is None or fs is None or flow.error is None:
             return
         msg = flow.error.msg
@@ -126,15 +125,15 @@ class ResponseScrub:
         logger.warning("cut %s response from %s: the upstream's response was malformed (%s)",
                        applied.capability, fs.host, clean[:200])
         flow.error.msg = clean
-        fs.extra.setdefault("response_refused", "malformed_response")
+        fs.response_refused = fs.response_refused or "malformed_response"
         cut = self.rt.abort_connection is not None and self.rt.abort_connection(flow.client_conn.id)
         if not cut and flow.killable:
             flow.kill()  # no connection to cut: at least mitmproxy's page after a parse error is suppressed
 
     def response(self, flow: http.HTTPFlow) -> None:
-        applied: Applied | None = flow.metadata.get(META_CRED)
-        resp = flow.response
         fs = flow_state(flow)
+        applied = fs.credential if fs is not None else None
+        resp = flow.response
         if applied is None or resp is None or fs is None:
             return
         if resp.trailers:  # sent after this hook, for streamed responses too
@@ -162,7 +161,7 @@ class ResponseScrub:
         if errors:
             why = errors[0] if isinstance(errors[0], Uninspectable) else Uninspectable("undecodable_body", _UNDECODABLE)
             logger.warning("refused %s response from %s: %s", applied.capability, fs.host, why.reason)
-            fs.extra["response_refused"] = why.reason
+            fs.response_refused = why.reason
             flow.response = http.Response.make(
                 502, refusal_body(fs.request_id, why.reason, why.message),
                 {"Content-Type": "application/json", REQUEST_ID_HEADER: fs.request_id, "Cache-Control": "no-store"})

@@ -26,12 +26,12 @@ import asyncio
 import ipaddress
 import logging
 import re
-import time
 from collections import OrderedDict
 from dataclasses import replace
 
 from mitmproxy import http
 
+from egressgate.audit.build import build
 from egressgate.audit.event import AuditEvent, AuditUnavailable, EventKind
 from egressgate.broker.broker import Broker
 from egressgate.broker.config import BasicPlacement, QueryPlacement
@@ -40,8 +40,8 @@ from egressgate.broker.inject import PhantomHit, find_phantoms, inject, swap_pha
 from egressgate.broker.redact import cached_scrubber
 from egressgate.config import GatewayConfig
 from egressgate.gateway import ws_layer
-from egressgate.gateway.context import FlowState, Runtime, flow_state, new_request_id
-from egressgate.gateway.credential_response import META_CRED, Applied, ResponseScrub, fields
+from egressgate.gateway.context import FlowState, Runtime, flow_state
+from egressgate.gateway.credential_response import Applied, ResponseScrub, fields
 from egressgate.gateway.credential_streams import phantom_guard
 from egressgate.gateway.deny import deny_response, gateway_deny
 from egressgate.policy.errors import PolicyError
@@ -244,8 +244,7 @@ class Credentials(ResponseScrub):
             return True  # phantom mode without the phantom: nothing injected (its own Authorization is gone)
         req.headers["accept-encoding"] = "identity"
         username = cap.placement.basic.username if isinstance(cap.placement, BasicPlacement) else None
-        flow.metadata[META_CRED] = Applied(name, cred, username)
-        fs.extra["key_id"] = cred.key_id
+        fs.credential = Applied(name, cred, username)
         return True
 
     async def _audit_mint(self, fs: FlowState, name: str, cred: Credential) -> bool:
@@ -255,9 +254,8 @@ class Credentials(ResponseScrub):
         key = (name, fs.sandbox_id, fs.host)
         if self._seen.get(key) is cred:
             return True
-        event = AuditEvent(
-            kind=EventKind.CREDENTIAL_ISSUE, time_ns=time.time_ns(), request_id=new_request_id(),
-            sandbox_id=fs.sandbox_id, decision="allow", reason=str(Reason.RULE_MATCHED),
+        event = build(
+            EventKind.CREDENTIAL_ISSUE, sandbox_id=fs.sandbox_id, decision="allow", reason=str(Reason.RULE_MATCHED),
             rule_id=fs.decision.rule_id if fs.decision else None, policy_name=fs.policy_name,
             policy_hash=fs.policy_hash, host=fs.host, port=fs.port, capability=name, key_id=cred.key_id,
             extra={"egressgate.trigger_request": fs.request_id,
@@ -286,8 +284,8 @@ class Credentials(ResponseScrub):
         self._deny(fs, Reason.CREDENTIAL_MISUSE, _MISUSE_MESSAGE, detail=where[:200])
 
     def _misuse_event(self, fs: FlowState, where: str) -> AuditEvent:
-        return AuditEvent(
-            kind=EventKind.HTTP_REQUEST, time_ns=time.time_ns(), request_id=fs.request_id,
+        return build(
+            EventKind.HTTP_REQUEST, request_id=fs.request_id,
             sandbox_id=fs.sandbox_id, decision="deny", reason=str(Reason.CREDENTIAL_MISUSE),
             rule_id=fs.decision.rule_id if fs.decision else None, policy_name=fs.policy_name,
             policy_hash=fs.policy_hash, scheme=fs.scheme, host=fs.host, port=fs.port, method=fs.method,
@@ -301,7 +299,6 @@ class Credentials(ResponseScrub):
         never sees a complete body; `cut=False` when the caller closes it another way) and the deny is
         audited."""
         logger.warning("phantom credential misuse by %s to %s (streamed %s)", fs.sandbox_id, fs.host, where)
-        fs.extra["credential_misuse"] = True
         event = self._misuse_event(fs, where)
         fs.decision = gateway_deny(Reason.CREDENTIAL_MISUSE, _MISUSE_MESSAGE, detail=where,
                                    rule_id=fs.decision.rule_id if fs.decision else None)
@@ -327,7 +324,7 @@ class Credentials(ResponseScrub):
         if not hits:
             return
         self._misuse(fs, hits)
-        flow.metadata.pop(META_CRED, None)
+        fs.credential = None
         await self._write_quiet(self._misuse_event(fs, "body"))
         assert fs.decision is not None
         flow.response = deny_response(fs.decision, fs.request_id)
@@ -347,7 +344,7 @@ class Credentials(ResponseScrub):
                 message.drop()
                 self._ws_misuse(flow, fs, hits, "websocket")
             return
-        applied: Applied | None = flow.metadata.get(META_CRED)
+        applied = fs.credential
         if applied is not None:
             message.content = cached_scrubber(applied.spec()).scrub(message.content)
 
@@ -366,7 +363,7 @@ class Credentials(ResponseScrub):
             if hits:
                 self._ws_misuse(flow, fs, hits, f"websocket_{frame.kind}")
             return
-        applied: Applied | None = flow.metadata.get(META_CRED)
+        applied = fs.credential
         if applied is not None and frame.payload:
             frame.payload = cached_scrubber(applied.spec()).scrub(frame.payload)
 

@@ -43,16 +43,17 @@ from mitmproxy.proxy import layer, mode_specs
 from mitmproxy.proxy.layers.http._http1 import Http1Server
 from mitmproxy.proxy.layers.http._http2 import Http2Server
 
-from egressgate.gateway.audit_emit import AuditEmit
 from egressgate.gateway.budgets import Budgets
 from egressgate.gateway.connguard import ConnGuard
 from egressgate.gateway.consistency import Consistency
 from egressgate.gateway.context import Runtime
 from egressgate.gateway.credentials import Credentials
 from egressgate.gateway.decision import DecisionAddon
+from egressgate.gateway.enforce import Enforce
 from egressgate.gateway.failclosed import FailClosed
 from egressgate.gateway.identity import Identity
 from egressgate.gateway.pinning import Pinning
+from egressgate.gateway.record import Record
 from egressgate.gateway.revocation import Revocation
 from egressgate.gateway.sanitize import Sanitize
 from egressgate.gateway.streaming import Streaming
@@ -189,14 +190,14 @@ class GatewayMaster:
         self.proxyserver = proxyserver.Proxyserver()
         running = _Running()
         rt = self.rt
-        audit_emit = AuditEmit(rt)
+        record = Record(rt)
         ours = [ConnGuard(rt, self.pending_bytes, self.write_backlog),
                 NextLayer(rt), tlsconfig.TlsConfig(), Identity(rt), Transparent(rt), Consistency(rt), Sanitize(),
-                DecisionAddon(rt),
-                Pinning(rt), Streaming(), Budgets(rt), Trailers(rt), Credentials(rt), audit_emit, Revocation(rt)]
+                DecisionAddon(rt), Streaming(), Budgets(rt), Trailers(rt), Credentials(rt),
+                record, Pinning(rt), Enforce(rt), Revocation(rt)]
         # every addon in the decision path fails closed (failclosed.py); TlsConfig too, since a failed
         # certificate step must not leave a connection half-configured. A refused flow is audited.
-        guarded = (FailClosed(a, self.abort_connection, audit_emit.refused) for a in ours)
+        guarded = (FailClosed(a, self.abort_connection, record.refused) for a in ours)
         master.addons.add(self.proxyserver, *guarded, running)
         _host, _port = self.listen
         modes = [_spec("regular", self.listen)]

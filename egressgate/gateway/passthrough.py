@@ -42,11 +42,12 @@ from mitmproxy.connection import ConnectionState
 from mitmproxy.proxy import commands, events, layer
 from mitmproxy.proxy.layers.tcp import TcpStartHook
 
+from egressgate.audit.build import build
 from egressgate.audit.event import AuditEvent, EventKind
-from egressgate.gateway.audit_emit import transparent_attributes
 from egressgate.gateway.client_hello import ALERT_ACCESS_DENIED, check_hello, server_hello_kind
 from egressgate.gateway.context import ConnState, Runtime, new_request_id
 from egressgate.gateway.deny import gateway_deny
+from egressgate.gateway.record import conn_attributes
 from egressgate.gateway.splice import Splice, Tally
 from egressgate.gateway.tls_limits import ALERT_GRACE, ALERT_ILLEGAL_PARAMETER, HelloScan
 from egressgate.policy.facts import Decision
@@ -59,7 +60,7 @@ TLS_ATTRIBUTE = {"egressgate.tls": "passthrough"}
 
 def write_behind(rt: Runtime, event: AuditEvent) -> None:
     """An outcome cannot be denied (the bytes moved): written through the sink's retry queue, never
-    dropped, and tracked so shutdown drains it (the same rule as audit_emit.AuditEmit._write_behind)."""
+    dropped, and tracked so shutdown drains it (the same rule as record.Record._write_behind)."""
     task = asyncio.get_running_loop().create_task(rt.audit.write_after(event))
     rt.background.add(task)
     task.add_done_callback(rt.background.discard)
@@ -300,7 +301,7 @@ class PassthroughLayer(layer.Layer):
             refusal = gateway_deny(Reason.BUDGET_EXCEEDED, detail="outbound_bytes_max")
         elif refusal is None and conn.closed:
             refusal = gateway_deny(Reason.SANDBOX_REVOKED)
-        extra: dict = {**TLS_ATTRIBUTE, **transparent_attributes(conn)}
+        extra: dict = {**TLS_ATTRIBUTE, **conn_attributes(conn)}
         if self.sni is not None:
             extra["egressgate.tls.sni"] = self.sni
         if refusal is not None and refusal.detail:
@@ -312,8 +313,8 @@ class PassthroughLayer(layer.Layer):
         policy = self.rt.policies.get(conn.policy_name)
         if conn.tcp_request_id is None:
             logger.error("passthrough outcome for client %s has no decision request id", conn.client_id)
-        write_behind(self.rt, AuditEvent(
-            kind=EventKind.OUTCOME, time_ns=time.time_ns(), request_id=conn.tcp_request_id or new_request_id(),
+        write_behind(self.rt, build(
+            EventKind.OUTCOME, request_id=conn.tcp_request_id or new_request_id(),
             sandbox_id=conn.sandbox_id, decision="deny" if refusal is not None else "allow",
             reason=str(refusal.reason if refusal is not None else Reason.RULE_MATCHED),
             rule_id=conn.tcp_allowed_rule, policy_name=conn.policy_name,

@@ -18,8 +18,6 @@ from mitmproxy import http
 from egressgate.audit.reqhash import EMPTY_BODY_SHA256, StreamingRequestHash, content_type_value, request_hash
 from egressgate.gateway.context import FlowState
 
-HASHER_KEY = "request_hasher"
-
 
 def has_no_body(request: http.Request) -> bool:
     """Known at the headers: HTTP/1 without Content-Length/Transfer-Encoding (or Content-Length: 0).
@@ -51,7 +49,7 @@ def start(request: http.Request, fs: FlowState) -> None:
     if fields is None:
         return
     hasher = StreamingRequestHash(*fields)
-    fs.extra[HASHER_KEY] = hasher
+    fs.hasher = hasher
     if request.stream:
         inner: Callable[[bytes], object] | None = request.stream if callable(request.stream) else None
 
@@ -64,14 +62,14 @@ def start(request: http.Request, fs: FlowState) -> None:
 
 def feed_buffered(request: http.Request, fs: FlowState) -> None:
     """A buffered (not streamed) body is complete in the `request` hook."""
-    hasher = fs.extra.get(HASHER_KEY)
+    hasher = fs.hasher
     if hasher is not None and not request.stream and request.raw_content:
         hasher.update(request.raw_content)
 
 
 def finish(fs: FlowState) -> tuple[str | None, str | None]:
     """(request hash, body hash) for the outcome record."""
-    hasher: StreamingRequestHash | None = fs.extra.get(HASHER_KEY)
+    hasher = fs.hasher
     if hasher is None:
         return None, None
     return hasher.request_hash(), hasher.body_hash()

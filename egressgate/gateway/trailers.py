@@ -22,12 +22,12 @@ may itself be a phantom); only their count and size.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import replace
 
 from mitmproxy import http
 
-from egressgate.audit.event import AuditEvent, AuditUnavailable, EventKind
+from egressgate.audit.build import build
+from egressgate.audit.event import AuditUnavailable, EventKind
 from egressgate.gateway.context import Runtime, flow_state
 from egressgate.gateway.deny import deny_response, gateway_deny
 from egressgate.policy.reasons import Reason
@@ -57,13 +57,11 @@ class Trailers:
         fs.decision = replace(gateway_deny(Reason.TRAILERS_NOT_ALLOWED, detail=detail, rule_id=allowed.rule_id),
                               capability=allowed.capability)
         logger.warning("refused request trailers from %s to %s (%s)", fs.sandbox_id, fs.host, detail)
-        event = AuditEvent(
-            kind=EventKind.HTTP_REQUEST, time_ns=time.time_ns(), request_id=fs.request_id,
-            sandbox_id=fs.sandbox_id, decision=str(fs.decision.effect), reason=str(fs.decision.reason),
-            rule_id=allowed.rule_id, policy_name=fs.policy_name, policy_hash=fs.policy_hash, scheme=fs.scheme,
-            host=fs.host, port=fs.port, method=fs.method, path=fs.path, capability=allowed.capability,
-            message=fs.decision.message, bytes_out=fs.bytes_out,
-            extra={"egressgate.detail": detail, "egressgate.phase": "after_body"},
+        event = build(
+            EventKind.HTTP_REQUEST, request_id=fs.request_id, verdict=fs.decision,
+            extra={"egressgate.phase": "after_body"}, sandbox_id=fs.sandbox_id, policy_name=fs.policy_name,
+            policy_hash=fs.policy_hash, scheme=fs.scheme, host=fs.host, port=fs.port, method=fs.method,
+            path=fs.path, bytes_out=fs.bytes_out,
         )
         try:
             await self.rt.audit.write(event)

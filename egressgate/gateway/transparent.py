@@ -276,7 +276,7 @@ class Transparent:
         conn = self.rt.conns.get(flow.client_conn.id)
         if conn is None or not conn.transparent or flow.response is not None:
             return
-        fs = ensure_flow_state(flow, "http_request")
+        fs = ensure_flow_state(flow)
         request = flow.request
         if fs.decision is None and _is_proxy_form(request):
             fs.decision = gateway_deny(Reason.PROTOCOL_NOT_ALLOWED, NOT_A_PROXY)
@@ -308,7 +308,7 @@ class Transparent:
         fs.policy_hash = policy.hash if policy is not None else None
         if not decision.allowed or target is None:
             fs.decision = decision
-            fs.extra["facts"], fs.extra["state"] = facts, snapshot
+            fs.facts, fs.state = facts, snapshot
             conn.refusal = decision  # the response closes the connection; nothing after it may pass
             return
         td.commit(conn, host, port, raw, target)
@@ -318,7 +318,7 @@ class Transparent:
         flow.request.data.host = pinned[0]
         flow.server_conn.address = pinned
         conn.approved.pop(conn.original_dst, None)
-        fs.extra["raw_address"] = pinned  # approved by audit_emit.py once the decision record is durable
+        fs.dial_key = pinned  # approved by pinning.py once the decision record is durable
 
     @staticmethod
     def _name_for_record(fs: FlowState, request: http.Request, conn: ConnState) -> None:

@@ -12,16 +12,16 @@ to exactly that IP:port (judged as an IP literal, with every address check).
 from __future__ import annotations
 
 import ipaddress
-import time
 
 from mitmproxy import connection
 
-from egressgate.audit.event import AuditEvent, AuditUnavailable, EventKind
-from egressgate.gateway.audit_emit import transparent_attributes
+from egressgate.audit.build import build
+from egressgate.audit.event import AuditUnavailable, EventKind
 from egressgate.gateway.context import ConnState, PinnedTarget, Runtime
 from egressgate.gateway.deny import gateway_deny
 from egressgate.gateway.identity import UNKNOWN_SOURCE, connection_limit
 from egressgate.gateway.pinning import resolve_target
+from egressgate.gateway.record import conn_attributes
 from egressgate.policy.canon import CanonError, canon_host, ip_text, split_host_port
 from egressgate.policy.decide import decide
 from egressgate.policy.facts import Decision, Facts, Operation, SandboxState
@@ -171,19 +171,15 @@ async def record(rt: Runtime, conn: ConnState, client: connection.Client, reques
     raw-TCP decision; returns the decision to enforce (an allow whose record is not durable is denied)."""
     decision, target, facts, snapshot = decided
     policy = rt.policies.get(conn.policy_name)
-    extra: dict = transparent_attributes(conn)
-    if decision.detail:
-        extra["egressgate.detail"] = decision.detail
+    extra = conn_attributes(conn)
     if decision.allowed and decision.passthrough:
         extra["egressgate.tls"] = "passthrough"
-    event = AuditEvent(
-        kind=EventKind.CONNECT, time_ns=time.time_ns(), request_id=request_id, sandbox_id=conn.sandbox_id,
-        sandbox_labels=dict(conn.labels), decision=str(decision.effect), reason=str(decision.reason),
-        rule_id=decision.rule_id, policy_name=conn.policy_name,
+    event = build(
+        EventKind.CONNECT, request_id=request_id, verdict=decision, sandbox_labels=conn.labels,
+        extra=extra, sandbox_id=conn.sandbox_id, policy_name=conn.policy_name,
         policy_hash=policy.hash if policy is not None else None, target_as_sent=as_sent, scheme=scheme,
-        host=host, port=port, pinned_address=str(target.address) if target and decision.allowed else None,
-        client_address=source_text(client), capability=decision.capability,
-        message=None if decision.allowed else decision.message, extra=extra, facts=facts, state=snapshot,
+        host=host, port=port, pinned_address=str(target.address) if target else None,
+        client_address=source_text(client), facts=facts, state=snapshot,
     )
     try:
         await rt.audit.write(event)
@@ -198,5 +194,4 @@ def commit(conn: ConnState, host: str, port: int, as_sent: str | None, target: P
     assert conn.original_dst is not None
     conn.tunnel_host, conn.tunnel_port, conn.tunnel_as_sent = host, port, as_sent
     conn.tunnel_target = target
-    conn.tunnel_raw_address = conn.original_dst
     conn.approved[conn.original_dst] = target

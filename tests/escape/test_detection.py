@@ -16,10 +16,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from networld import GW_SBX, World
 
-from escape.checks import proxied_get, requests_on
-from escape.harness import parse_response, read_all
+from tests.escape.checks import proxied_get, requests_on
+from tests.networld import GW_SBX, World
+from tests.support.http1 import parse_response, read_all
 
 pytestmark = pytest.mark.netns
 

@@ -16,13 +16,15 @@ import ssl
 import time
 from collections.abc import Iterator
 
-import networld as nw
 import pytest
-from networld import World
 
-from escape.checks import SETTLE, assert_untouched, requests_on
-from escape.harness import Gateway, _flatten_otlp, read_response
-from escape.transparent_world import UPSTREAM, Transparent
+import tests.networld as nw
+from tests.escape.checks import SETTLE, assert_untouched, requests_on
+from tests.networld import World
+from tests.support.http1 import read_response
+from tests.support.launcher import flatten_otlp
+from tests.support.netgateway import Gateway
+from tests.support.transparent import UPSTREAM, Transparent
 
 pytestmark = pytest.mark.netns
 
@@ -140,7 +142,7 @@ def test_transparent_passthrough_name_is_spliced_and_audited(tpt: Transparent, w
     while time.monotonic() < deadline:
         lines = [json.loads(ln) for ln in (gateway.tmp / "var" / "audit.jsonl").read_text().splitlines()
                  if sbx.id in ln]
-        records = [_flatten_otlp(rec) for rec in lines]
+        records = [flatten_otlp(rec) for rec in lines]
         if len([r for r in records if r.get("egressgate.operation") == "outcome"]) >= 1:
             break
         time.sleep(0.1)

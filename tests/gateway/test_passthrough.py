@@ -20,7 +20,9 @@ from dataclasses import dataclass
 import pytest
 import yaml
 
-from tests.gateway.conftest import connect_tunnel, start_gateway, stop_gateway, wait_for
+from tests.support.gwworld import connect_tunnel, start_gateway
+from tests.support.launcher import stop_gateway
+from tests.support.waiting import wait_for
 
 ALERT_ACCESS_DENIED = b"\x15\x03\x03\x00\x02\x02\x31"
 ALERT_ILLEGAL_PARAMETER = b"\x15\x03\x03\x00\x02\x02\x2f"

@@ -6,13 +6,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-import networld as nw
 import pytest
-from networld import World
 
-from runtimes.harness import Canary, Gateway, base_dir, remove
-
-DENIED_FILE_NAME = "egN-denied.txt"
+import tests.networld as nw
+from tests.networld import World
+from tests.runtimes.harness import DENIED_FILE_NAME, Canary, Gateway, base_dir, remove
 
 
 def _policy(name: str, **extra: object) -> dict:

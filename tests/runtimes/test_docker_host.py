@@ -9,14 +9,15 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
-import networld as nw
 import pytest
 import yaml
-from networld import World
-from support.dockerd import Dockerd
 
+import tests.networld as nw
 from egressgate.config import ConfigError, load_config
-from runtimes.harness import EGRESSGATE, base_dir, remove
+from tests.networld import World
+from tests.runtimes.harness import base_dir, remove
+from tests.support.dockerd import Dockerd
+from tests.support.launcher import EGRESSGATE
 
 pytestmark = pytest.mark.netns
 

@@ -17,6 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import hvac
+from pydantic import TypeAdapter
+
+from egressgate.broker.config import BrokerConfig, Capability
 
 
 def free_port() -> int:
@@ -125,3 +128,21 @@ class BaoServer:
         role_id = c.auth.approle.read_role_id(name)["data"]["role_id"]
         secret_id = c.auth.approle.generate_secret_id(name)["data"]["secret_id"]
         return role_id, secret_id
+
+
+# Capabilities and broker config the broker tests (and the audit transit tests) use against a BaoServer.
+CAP = TypeAdapter(Capability)
+KV_CAP = CAP.validate_python(
+    {
+        "type": "static",
+        "source": {"vault": {"path": "egressgate/openai", "field": "api_key"}},
+        "placement": {"header": "Authorization", "format": "Bearer {value}"},
+    }
+)
+JWT_CAP = CAP.validate_python({"type": "jwt", "ttl_seconds": 120})
+OIDC_CAP = CAP.validate_python({"type": "vault_oidc", "role": "sbx-api"})
+
+
+def vault_config(bao: BaoServer, **kw) -> BrokerConfig:
+    base = {"backend": "vault", "vault_addr": bao.addr, "role_id": bao.role_id, "secret_id": bao.secret_id}
+    return BrokerConfig(**(base | kw))
