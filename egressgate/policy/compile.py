@@ -318,10 +318,23 @@ def hosts_overlap(a: HostPattern, b: HostPattern) -> bool:
 def _passthrough_problems(policy: CompiledPolicy) -> Iterator[tuple[str, str]]:
     """A https deny rule with methods or paths is enforced per request inside an intercepted tunnel; a
     passthrough tunnel to a host it covers would carry those requests unseen, so the deny would read
-    narrower than it is. Refused at load (conservatively: any host and port overlap counts)."""
+    narrower than it is. Refused at load (conservatively: any host and port overlap counts). So is a
+    credential rule that an earlier passthrough rule always wins over (first match sets the mode)."""
     passthrough = [r for r in policy.rules if r.passthrough]
     if not passthrough:
         return
+    for allow in passthrough:  # a credential rule after a passthrough rule that covers it is dead
+        assert allow.ports is not None
+        for rule in policy.rules:
+            if (rule.credential is None or rule.index < allow.index or allow.when is not None
+                    or not allow.host.matches(rule.host.value) or rule.ports is None
+                    or not rule.ports <= allow.ports or any(p.matches(rule.host.value) for p in allow.except_hosts)):
+                continue
+            yield (
+                f"{rule.key_path}.credential",
+                f"passthrough rule {allow.id!r} ({allow.key_path}) comes first and splices every tunnel to "
+                f"{rule.host}, so this credential would never be injected; move this rule above it",
+            )
     l7_denies = [r for r in policy.rules if r.effect is Effect.DENY and r.scheme == "https"
                  and (r.methods is not None or r.paths is not None)]
     for allow in passthrough:

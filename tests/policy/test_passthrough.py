@@ -102,6 +102,30 @@ def test_unrelated_or_connect_level_denies_are_fine(deny):
     assert compiled.has_passthrough
 
 
+def test_a_credential_rule_behind_a_covering_passthrough_rule_is_refused():
+    """The first allowing rule sets the tunnel's mode, so a credential rule after a passthrough rule that
+    covers its host and ports could never inject: an error naming the credential. Controls: the same
+    rules in the other order load, and so does a passthrough rule that does not cover it."""
+    later = policy("""
+        allow:
+          - {id: dl, host: "*.example.com", tls: passthrough}
+          - {id: api, host: api.example.com, credential: gh}
+        """)
+    message = problems(later)["network.https.allow[1].credential"]
+    assert "'dl'" in message and "never be injected" in message
+    load(policy("""
+        allow:
+          - {id: api, host: api.example.com, credential: gh}
+          - {id: dl, host: "*.example.com", tls: passthrough}
+        """))
+    for narrower in ('except_hosts: [api.example.com]', 'when: {labels: {team: dl}}', 'ports: [8443]'):
+        load(policy(f"""
+        allow:
+          - {{id: dl, host: "*.example.com", tls: passthrough, {narrower}}}
+          - {{id: api, host: api.example.com, credential: gh}}
+        """))
+
+
 def test_connect_decision_carries_the_tunnel_mode():
     compiled = load(policy("""
         allow:
