@@ -91,6 +91,13 @@ def gw(world, hrr, tmp_path_factory):
         {"id": "pt-canary", "host": "canary.test", "ports": [canary], "tls": "passthrough"},
         {"id": "pt-hrr", "host": "hrr.test", "ports": [hrr.port], "tls": "passthrough"},
     ]}})
+    # the sandbox's history: upload.test (other.test) only while it never reached api.test or tcp.test
+    write("pt-history", {
+        "https": {"allow": [
+            {"id": "pt-secrets", "host": "api.test", "ports": [https], "tls": "passthrough"},
+            {"id": "upload", "host": "other.test", "ports": [https],
+             "when": {"unless_request_to": ["api.test", "tcp.test"]}}]},
+        "tcp": {"allow": [{"id": "raw", "host": "tcp.test", "ports": [world.tcp_port]}]}})
     write("pt-budget", {"https": {"allow": [{"id": "pt-api", "host": "api.test", "ports": [https],
                                              "tls": "passthrough"}]}}, {"outbound_bytes_max": 6000})
     # positive control for the address check: the canary is reachable when its address is allowed
@@ -467,3 +474,26 @@ def test_client_reset_mid_download_ends_the_tunnel_cleanly(gw, world):
     again = open_tunnel(gw, sbx, f"api.test:{world.https_port}")
     assert tls_get(world, again, "api.test").startswith(b"HTTP/1.1 200")
     assert "Traceback" not in (gw.var.parent / "gateway.stderr").read_text()
+
+
+@pytest.mark.parametrize("via", ["passthrough", "tcp"])
+def test_a_relayed_tunnel_enters_the_sandbox_history(gw, world, via):
+    """`unless_request_to: [api.test, tcp.test]` on the upload rule: once the sandbox has reached api.test
+    through a passthrough tunnel (or tcp.test through a raw TCP one), the upload host is closed to it.
+    Positive control: before that contact the same CONNECT to the upload host is allowed."""
+    sbx = gw.admit("pt-history")
+    before, head = connect_tunnel(gw, sbx, f"other.test:{world.https_port}")
+    before.close()
+    assert head.startswith(b"HTTP/1.1 200"), head
+    if via == "passthrough":
+        sock = open_tunnel(gw, sbx, f"api.test:{world.https_port}")
+        assert tls_get(world, sock, "api.test", "/echo?secret=1").startswith(b"HTTP/1.1 200")
+    else:
+        sock = open_tunnel(gw, sbx, f"tcp.test:{world.tcp_port}")
+        sock.sendall(b"secret")
+        sock.settimeout(5)
+        assert sock.recv(100) == b"echo:secret"
+        sock.close()
+    after, head = connect_tunnel(gw, sbx, f"other.test:{world.https_port}")
+    after.close()
+    assert head.startswith(b"HTTP/1.1 403") and b"condition_failed" in head, head
