@@ -256,6 +256,13 @@ def _compile_rule(
             problems.extend(_tls_problems(raw, scheme, effect, path))
     if raw.budget is not None and effect is Effect.DENY:
         problems.append((f"{path}.budget", "budgets belong on allow rules"))
+    relayed = isinstance(raw, TcpRule) or (isinstance(raw, HttpRule) and raw.tls == "passthrough")
+    if raw.budget is not None and raw.budget.bytes is not None and relayed and effect is Effect.ALLOW:
+        # a relayed tunnel's requests are the tunnels themselves (`requests` counts them); its bytes
+        # are not per-rule (the ledger is per sandbox)
+        problems.append((f"{path}.budget.bytes", "per-rule byte budgets count HTTP requests, which a relayed "
+                         "tunnel (tcp rule or tls: passthrough) never shows; use budget.requests (tunnels) "
+                         "or sandbox.resources.outbound_bytes_max"))
     when = _conditions(raw.when, f"{path}.when", problems) if raw.when is not None else None
     ports = _ports(raw.ports, scheme, effect)
     if len(problems) > before or host is None:
@@ -285,8 +292,6 @@ _NEEDS_HTTP = {
     "methods": "a passthrough route never sees the request method (TLS is not intercepted)",
     "paths": "a passthrough route never sees the request path (TLS is not intercepted)",
     "credential": "credentials are injected into intercepted HTTPS only; a passthrough route never sees a request",
-    "budget": ("per-rule budgets count HTTP requests, which a passthrough route never sees; "
-               "bound its bytes with sandbox.resources.outbound_bytes_max"),
 }
 
 

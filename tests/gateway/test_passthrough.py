@@ -91,6 +91,8 @@ def gw(world, hrr, tmp_path_factory):
         {"id": "pt-canary", "host": "canary.test", "ports": [canary], "tls": "passthrough"},
         {"id": "pt-hrr", "host": "hrr.test", "ports": [hrr.port], "tls": "passthrough"},
     ]}})
+    write("pt-once", {"https": {"allow": [{"id": "pt-once", "host": "api.test", "ports": [https],
+                                           "tls": "passthrough", "budget": {"requests": 1}}]}})
     # the sandbox's history: upload.test (other.test) only while it never reached api.test or tcp.test
     write("pt-history", {
         "https": {"allow": [
@@ -497,3 +499,14 @@ def test_a_relayed_tunnel_enters_the_sandbox_history(gw, world, via):
     after, head = connect_tunnel(gw, sbx, f"other.test:{world.https_port}")
     after.close()
     assert head.startswith(b"HTTP/1.1 403") and b"condition_failed" in head, head
+
+
+def test_rule_budget_counts_passthrough_tunnels(gw, world):
+    """`budget: {requests: 1}` on a passthrough rule: the first tunnel is spliced (positive control), the
+    second CONNECT is refused with 429 budget_exceeded before anything is dialed."""
+    sbx = gw.admit("pt-once")
+    first = open_tunnel(gw, sbx, f"api.test:{world.https_port}")
+    assert tls_get(world, first, "api.test").startswith(b"HTTP/1.1 200")
+    second, head = connect_tunnel(gw, sbx, f"api.test:{world.https_port}")
+    second.close()
+    assert head.startswith(b"HTTP/1.1 429") and b"budget_exceeded" in head, head
