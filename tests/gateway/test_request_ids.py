@@ -22,15 +22,14 @@ import yaml
 
 from tests.support.gwworld import connect_tunnel, start_gateway, tls_wrap
 from tests.support.http1 import read_reply
-from tests.support.launcher import EGRESSGATE, stop_gateway
+from tests.support.launcher import EGRESSGATE, flatten_otlp, stop_gateway
 from tests.support.waiting import wait_for
 
 LAUNCHER = [sys.executable, str(Path(__file__).with_name("fault_launcher.py"))]
 
 
 def attrs(line: str) -> dict:
-    rec = json.loads(line)["resourceLogs"][0]["scopeLogs"][0]["logRecords"][0]
-    return {kv["key"]: (next(iter(kv["value"].values())) if kv["value"] else None) for kv in rec["attributes"]}
+    return flatten_otlp(json.loads(line))
 
 
 def audit_find(gw, request_id: str) -> list[dict]:

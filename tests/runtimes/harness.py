@@ -21,11 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 import tests.networld as nw
 from tests.networld import World
-from tests.support.launcher import EGRESSGATE, drain, flatten_otlp, startup_info, stop_process, write_policies
+from tests.support.launcher import EGRESSGATE, flatten_otlp, launch_in_namespace, stop_process, write_policies
 
 CALLER_SECRET = "AKIAEGNCALLERSECRET0123456789"  # in the caller's env: must never reach a sandbox
 DENIED_FILE_NAME = "egN-denied.txt"  # a host file the runtime policies deny (the host_files fixture)
@@ -42,6 +40,24 @@ SAFETY_AS = 1536 * 2**20
 def safety_net() -> None:
     resource.setrlimit(resource.RLIMIT_NPROC, (SAFETY_NPROC, SAFETY_NPROC))
     resource.setrlimit(resource.RLIMIT_AS, (SAFETY_AS, SAFETY_AS))
+
+
+def runtime_policy(name: str, **extra: object) -> dict:
+    """The runtime tests' base policy (workspace, denied host files, one allowed API) with `section__key=value`
+    overrides, e.g. `sandbox__resources={"pids_max": 32}`."""
+    body: dict = {
+        "sandbox": {"name": name, "workspace": {"path": "/workspace"}},
+        "filesystem": {"deny": ["/etc/shadow", "/var/run/docker.sock"]},
+        "network": {
+            "allow_private": ["198.18.1.0/24"],
+            "dns": {"allow": ["api.allowed.test"]},
+            "https": {"allow": [{"id": "allowed-api", "host": "api.allowed.test"}]},
+        },
+    }
+    for key, value in extra.items():
+        section, _, field = key.partition("__")
+        body.setdefault(section, {})[field] = value
+    return body
 
 
 def base_dir(parent: str | None = None) -> Path:
@@ -74,12 +90,7 @@ class Gateway:
             "upstream": {"resolver": f"{nw.DNS_ADDR}:53", "ca_bundle": str(world.ca_pem)},
             "runtime": {"state_dir": str(base / "state")},
         }
-        cfg = base / "gateway.yaml"
-        cfg.write_text(yaml.safe_dump(config))
-        stderr = open(base / "gateway.stderr", "w")  # noqa: SIM115 - closed in stop()
-        proc = world.popen(world.gw, EGRESSGATE, "run", "--config", str(cfg), stdout=subprocess.PIPE, stderr=stderr)
-        info = startup_info(proc, base / "gateway.stderr")
-        drain(proc)
+        proc, info, cfg, stderr = launch_in_namespace(world, world.gw, base, config)  # stderr: closed in stop()
         gw = cls(world=world, base=base, proc=proc, config=cfg, info=info)
         gw._stderr = stderr
         return gw

@@ -8,7 +8,6 @@ KV v2 secret, a least-privilege policy for the gateway, AppRole roles, and an id
 from __future__ import annotations
 
 import secrets
-import socket
 import subprocess
 import sys
 import time
@@ -20,13 +19,7 @@ import hvac
 from pydantic import TypeAdapter
 
 from egressgate.broker.config import BrokerConfig, Capability
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
+from tests.support.env import free_port
 
 BAO = str(Path(sys.executable).parent / "bao")
 KV_SECRET = "sk-kv-" + secrets.token_urlsafe(24)

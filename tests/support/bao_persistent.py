@@ -16,7 +16,8 @@ from pathlib import Path
 
 import hvac
 
-from tests.support.bao import BAO, BaoServer, free_port
+from tests.support.bao import BAO, BaoServer
+from tests.support.env import free_port
 
 
 @dataclass

@@ -11,18 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ssl
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import trustme
-from aiohttp import web
 
 from tests.support.bao import BaoServer
 from tests.support.launcher import LoopbackGateway, launch_loopback, write_policies
-from tests.support.loopback import DnsServer, Hits, LoopThread, server_context, start_dns
+from tests.support.loopback import DnsServer, Hits, LoopThread, serve_app, server_context, start_dns
 from tests.support.reflect import make_app, serve_h2
 
 NAMES = ["api.test", "jwt.test", "phantom.test", "other.test", "basic.test", "query.test", "forbidden.test",
@@ -61,18 +59,12 @@ def open_world(tmp: Path) -> Iterator[World]:
     async def start():
         runners, ports = [], []
         for tls in (ctx, ctx, None):
-            runner = web.AppRunner(make_app(hits, jwks_url), access_log=None)
-            await runner.setup()
-            site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=tls)
-            await site.start()
-            ports.append(site._server.sockets[0].getsockname()[1])
+            runner, port = await serve_app(make_app(hits, jwks_url), "127.0.0.1", tls)
+            ports.append(port)
             runners.append(runner)
         # the canary: a forbidden address (127.0.0.2) a credential must never reach unless a policy allows it
-        runner = web.AppRunner(make_app(canary, jwks_url), access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.2", 0, ssl_context=ctx)
-        await site.start()
-        ports.append(site._server.sockets[0].getsockname()[1])
+        runner, port = await serve_app(make_app(canary, jwks_url), "127.0.0.2", ctx)
+        ports.append(port)
         runners.append(runner)
         h2ctx = server_context(cert, ["h2"])
         h2_server = await asyncio.start_server(lambda r, w: serve_h2(r, w, hits), "127.0.0.1", 0, ssl=h2ctx)
@@ -196,14 +188,10 @@ class Gateway(LoopbackGateway):
     world: World
 
     def admit(self, policy: str) -> dict:
-        res = httpx.post(f"http://{self.admin}/v1/sandboxes", json={"policy": policy},
-                         headers={"Authorization": f"Bearer {self.token}"}, timeout=10, trust_env=False)
-        assert res.status_code == 201, res.text
-        return res.json()
+        return self.admit_sandbox({"policy": policy})
 
     def client(self, sbx: dict, **kw) -> httpx.Client:
-        return httpx.Client(proxy=sbx["proxy_url"], verify=ssl.create_default_context(cafile=self.bundle),
-                            timeout=15, trust_env=False, **kw)
+        return self.proxied_client(sbx["proxy_url"], **kw)
 
     def url(self, host: str, path: str, port: int | None = None, scheme: str = "https") -> str:
         port = port or (self.world.https_port if scheme == "https" else self.world.http_port)

@@ -21,11 +21,10 @@ from pathlib import Path
 
 import httpx
 import trustme
-from aiohttp import web
 
 from tests.support.http1 import read_reply
 from tests.support.launcher import LoopbackGateway, launch_loopback, write_policies
-from tests.support.loopback import DnsServer, Hits, LoopThread, server_context, start_dns
+from tests.support.loopback import DnsServer, Hits, LoopThread, serve_app, server_context, start_dns
 from tests.support.upstreams import make_app, serve_h2
 
 NAMES = ["untrusted.test", "badname.test", "h2.test", "api.test", "other.test", "sse.test", "tcp.test",
@@ -79,18 +78,11 @@ def open_world(tmp: Path) -> Iterator[World]:
         out = {}
         # The real HTTPS upstream (127.0.0.1:P) and the rebinding canary (127.0.0.2:P) share a port.
         for _attempt in range(20):
-            canary_runner = web.AppRunner(make_app(canary, sse_release), access_log=None)
-            await canary_runner.setup()
-            canary_site = web.TCPSite(canary_runner, "127.0.0.2", 0, ssl_context=ctx)
-            await canary_site.start()
-            port = canary_site._server.sockets[0].getsockname()[1]
-            https_runner = web.AppRunner(make_app(hits, sse_release), access_log=None)
-            await https_runner.setup()
+            canary_runner, port = await serve_app(make_app(canary, sse_release), "127.0.0.2", ctx)
             try:
-                await web.TCPSite(https_runner, "127.0.0.1", port, ssl_context=ctx).start()
-            except OSError:
+                https_runner, _ = await serve_app(make_app(hits, sse_release), "127.0.0.1", ctx, port)
+            except OSError:  # the port is taken on 127.0.0.1: try another
                 await canary_runner.cleanup()
-                await https_runner.cleanup()
                 continue
             runners += [canary_runner, https_runner]
             out["https"] = port
@@ -102,11 +94,7 @@ def open_world(tmp: Path) -> Iterator[World]:
             ("http", make_app(hits, sse_release), "127.0.0.1", None),
             ("canary", make_app(canary, sse_release), "127.0.0.2", ctx),
         ):
-            runner = web.AppRunner(app, access_log=None)
-            await runner.setup()
-            site = web.TCPSite(runner, host, 0, ssl_context=tls)
-            await site.start()
-            out[key] = site._server.sockets[0].getsockname()[1]
+            runner, out[key] = await serve_app(app, host, tls)
             runners.append(runner)
 
         async def tcp_echo(reader, writer):
@@ -246,15 +234,8 @@ class Gateway(LoopbackGateway):
     world: World
 
     def admit(self, policy: str, labels: dict | None = None) -> Sandbox:
-        res = httpx.post(f"http://{self.admin}/v1/sandboxes", json={"policy": policy, "labels": labels or {}},
-                         headers={"Authorization": f"Bearer {self.token}"}, timeout=10, trust_env=False)
-        assert res.status_code == 201, res.text
-        data = res.json()
+        data = self.admit_sandbox({"policy": policy, "labels": labels or {}})
         return Sandbox(id=data["id"], token=data["token"], proxy_url=data["proxy_url"], env=data["env"], gw=self)
-
-    def revoke(self, sandbox_id: str) -> httpx.Response:
-        return httpx.delete(f"http://{self.admin}/v1/sandboxes/{sandbox_id}",
-                            headers={"Authorization": f"Bearer {self.token}"}, timeout=10, trust_env=False)
 
 
 @dataclass
@@ -266,8 +247,7 @@ class Sandbox:
     gw: Gateway
 
     def client(self, **kw) -> httpx.Client:
-        verify = ssl.create_default_context(cafile=self.gw.bundle)
-        return httpx.Client(proxy=self.proxy_url, verify=verify, timeout=15, trust_env=False, **kw)
+        return self.gw.proxied_client(self.proxy_url, **kw)
 
     def url(self, host: str, path: str, port: int | None = None, scheme: str = "https") -> str:
         port = port or (self.gw.world.https_port if scheme == "https" else self.gw.world.http_port)

@@ -12,14 +12,19 @@ from __future__ import annotations
 import json
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, TYPE_CHECKING, Any
 
+import httpx
 import yaml
+
+if TYPE_CHECKING:
+    from tests.networld import World
 
 EGRESSGATE = str(Path(sys.executable).with_name("egressgate"))
 
@@ -126,6 +131,23 @@ class LoopbackGateway:
     def stderr(self) -> str:
         return self.stderr_path.read_text(errors="replace")
 
+    def admit_sandbox(self, body: dict[str, Any]) -> dict[str, Any]:
+        """POST /v1/sandboxes on the admin API (asserts 201): the new sandbox's id, token, proxy_url, env."""
+        res = httpx.post(f"http://{self.admin}/v1/sandboxes", json=body,
+                         headers={"Authorization": f"Bearer {self.token}"}, timeout=10, trust_env=False)
+        assert res.status_code == 201, res.text
+        return res.json()
+
+    def revoke(self, sandbox_id: str) -> httpx.Response:
+        return httpx.delete(f"http://{self.admin}/v1/sandboxes/{sandbox_id}",
+                            headers={"Authorization": f"Bearer {self.token}"}, timeout=10, trust_env=False)
+
+    def proxied_client(self, proxy_url: str, **kw: Any) -> httpx.Client:
+        """An httpx client through the proxy (`proxy_url` carries the sandbox's credentials), trusting the
+        gateway's interception CA only; no environment proxies."""
+        return httpx.Client(proxy=proxy_url, verify=ssl.create_default_context(cafile=self.bundle), timeout=15,
+                            trust_env=False, **kw)
+
 
 def stop_gateway(gw: LoopbackGateway) -> int:
     """Stop a loopback gateway (SIGTERM, then SIGKILL after 15 s); its exit code."""
@@ -151,3 +173,17 @@ def launch_loopback(tmp: Path, config: dict[str, Any], *, launcher: list[str] | 
             "token": (var / "admin.token").read_text().strip(), "stderr_path": stderr_path}
 
 
+
+
+def launch_in_namespace(world: World, ns: str, tmp: Path,
+                        config: dict[str, Any]) -> tuple[subprocess.Popen, dict[str, Any], Path, IO[str]]:
+    """Write `config` to tmp/gateway.yaml and run the gateway inside the world's namespace `ns` (as an
+    operator would, at the default log level); returns the process, its startup line, the config path
+    and its open stderr file (close it after stopping the process). Stdout is drained after the line."""
+    cfg = tmp / "gateway.yaml"
+    cfg.write_text(yaml.safe_dump(config))
+    stderr = open(tmp / "gateway.stderr", "w")  # noqa: SIM115 - lives as long as the process
+    proc = world.popen(ns, EGRESSGATE, "run", "--config", str(cfg), stdout=subprocess.PIPE, stderr=stderr)
+    info = startup_info(proc, tmp / "gateway.stderr")
+    drain(proc)
+    return proc, info, cfg, stderr

@@ -13,6 +13,7 @@ import threading
 from dataclasses import dataclass, field
 
 import trustme
+from aiohttp import web
 from dnslib import QTYPE, RR, A, DNSRecord
 
 
@@ -99,3 +100,17 @@ async def start_dns(dns: DnsServer, host: str = "127.0.0.1") -> tuple[asyncio.Da
     """Serve `dns` on a free UDP port of `host` (call on the world's loop); returns the transport and port."""
     transport, _ = await asyncio.get_running_loop().create_datagram_endpoint(lambda: dns, local_addr=(host, 0))
     return transport, transport.get_extra_info("sockname")[1]
+
+
+async def serve_app(app: web.Application, host: str, tls: ssl.SSLContext | None,
+                    port: int = 0) -> tuple[web.AppRunner, int]:
+    """Serve `app` on host:port (0: a free one) on the running loop; the runner (cleanup it) and the port."""
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, ssl_context=tls)
+    try:
+        await site.start()
+    except OSError:
+        await runner.cleanup()
+        raise
+    return runner, site._server.sockets[0].getsockname()[1]

@@ -26,7 +26,7 @@ import yaml
 import tests.networld as nw
 from tests.networld import World
 from tests.support.http1 import Response, read_all, read_response
-from tests.support.launcher import EGRESSGATE, drain, flatten_otlp, host_port, startup_info, stop_process
+from tests.support.launcher import EGRESSGATE, flatten_otlp, host_port, launch_in_namespace, stop_process
 
 POLICIES = Path(__file__).resolve().parents[1] / "escape" / "policies"  # the escape tests' policies
 
@@ -85,14 +85,8 @@ class Gateway:
             "upstream": {"resolver": f"{nw.DNS_ADDR}:53", "ca_bundle": str(world.ca_pem)},
             **(extra_config or {}),
         }
-        cfg = tmp / "gateway.yaml"
-        cfg.write_text(yaml.safe_dump(config))
-        stderr = open(tmp / "gateway.stderr", "w")  # noqa: SIM115 - lives as long as the process
-        proc = world.popen(world.gw, EGRESSGATE, "run", "--config", str(cfg),
-                           stdout=subprocess.PIPE, stderr=stderr)
-        info = startup_info(proc, tmp / "gateway.stderr")
+        proc, info, cfg, stderr = launch_in_namespace(world, world.gw, tmp, config)
         proxy = host_port(info["proxy"])
-        drain(proc)
         world.allow_sandbox_to(*proxy)
         world.allow_sandbox_to(nw.GW_SBX, dns_port)
         gw = cls(world=world, tmp=tmp, proc=proc, config=cfg, proxy=proxy, info=info)
