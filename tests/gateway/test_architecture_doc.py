@@ -12,7 +12,8 @@ from mitmproxy import hooks
 from mitmproxy.addons import tlsconfig
 
 ROOT = Path(__file__).resolve().parents[2]
-EXTRA_HOOKS = {"websocket_wire", "websocket_control"}  # ws_layer.py's own hooks
+EXTRA_HOOKS = {"websocket_wire", "websocket_control",  # ws_layer.py's own hooks
+               "passthrough_name"}  # passthrough_peek.py's
 
 
 def _table() -> list[tuple[str, str, list[str]]]:
