@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from egressgate.audit.sink import AuditSink
     from egressgate.broker.broker import Broker
     from egressgate.gateway.budgets import ByteLedger
+    from egressgate.gateway.compose import ScrubPlan
     from egressgate.gateway.credential_response import Applied
     from egressgate.gateway.limit_audit import LimitAudit
     from egressgate.gateway.resolver import Resolver
@@ -118,11 +119,18 @@ class FlowState:
     bytes_out: int = 0
     bytes_in: int = 0
     prepaid_out: int = 0  # bytes reserved up front (head + Content-Length)
+    stream_request: bool = False  # the request body is relayed as it arrives (large or of unknown length) ...
+    meter_request: bool = False  # ... and counted chunk by chunk (unknown length: not prepaid)
     budget_cut: bool = False
     ws_out: int = 0
     ws_in: int = 0
-    # credentials.py: the credential placed on this request (its response is scrubbed of it)
+    # streaming.py: the response body is relayed as it arrives (compose.py builds its callable)
+    stream_response: bool = False
+    # credentials.py: the credential placed on this request (its response is scrubbed of it) and, from
+    # credential_response.py, how its streamed body is scrubbed or what replaces a refused one
     credential: Applied | None = None
+    scrub: ScrubPlan | None = None
+    replacement: bytes | None = None
     # request_hash.py: the canonical request hash (complete at the headers, or fed by the body)
     bodyless_hash: str | None = None
     hasher: StreamingRequestHash | None = None

@@ -1,10 +1,10 @@
 """Response side of credential injection: what flows back from a credentialed request is scrubbed.
 
-A mixin of the `Credentials` addon (credentials.py places the credential and records `Applied` in
-`FlowState.credential`); kept apart so each module has one concern. Headers (incl. Location,
-Set-Cookie), the reason phrase and trailers are scrubbed; a buffered body (known length <= 64 KiB) is
-decoded and scrubbed whole in `response`; a streamed body gets `budget counter -> decode -> sliding
-window scrubber` and is reframed. "Decode" means every coding on the body — Content-Encoding *and* a
+The `ResponseScrub` addon, after Budgets (credentials.py places the credential and records `Applied`
+in `FlowState.credential`). Headers (incl. Location, Set-Cookie), the reason phrase and trailers are
+scrubbed; a buffered body (known length <= 64 KiB) is decoded and scrubbed whole in `response`; a
+streamed body gets a `ScrubPlan` that compose.py chains as `budget counter -> decode -> sliding window
+scrubber`, and is reframed. "Decode" means every coding on the body — Content-Encoding *and* a
 Transfer-Encoding other than chunked, which mitmproxy forwards undecoded (response_codings.py); a
 coding we cannot decode, ambiguous framing or a folded header is refused (502, reason in the body and
 in the outcome record as `egressgate.response_refused`) — never forwarded.
@@ -20,6 +20,7 @@ from mitmproxy import http
 
 from egressgate.broker.credential import Credential
 from egressgate.broker.redact import SecretSpec, cached_scrubber
+from egressgate.gateway.compose import ScrubPlan
 from egressgate.gateway.context import FlowState, Runtime, flow_state
 from egressgate.gateway.credential_streams import as_chunks, reframe, refusal_body, refuse, scrub_chain
 from egressgate.gateway.deny import REQUEST_ID_HEADER
@@ -57,9 +58,11 @@ def fields(pairs: list[tuple[str, str]]) -> http.Headers:
 
 
 class ResponseScrub:
-    """Mixin: the response hooks of the Credentials addon (one addon, so hook order stays one place)."""
+    """Addon: the response side of credential injection. Its own addon (after Budgets in master.py) so
+    the budget counts a buffered body as the upstream sent it, before the scrub rewrites it."""
 
-    rt: Runtime
+    def __init__(self, runtime: Runtime) -> None:
+        self.rt = runtime
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         fs = flow_state(flow)
@@ -84,9 +87,8 @@ class ResponseScrub:
         except Uninspectable as exc:
             self._refuse(flow, fs, applied, exc, bodiless)
             return
-        if not resp.stream:
+        if not fs.stream_response:
             return  # buffered: scrubbed whole in `response`
-        inner = resp.stream if callable(resp.stream) else None
         client_id = flow.client_conn.id
 
         def on_error(exc: Exception) -> None:
@@ -95,20 +97,20 @@ class ResponseScrub:
             if self.rt.abort_connection is not None:
                 self.rt.abort_connection(client_id)
 
-        resp.stream = scrub_chain(inner, codings, scrubber, STREAM_MAX_DECODED, on_error)
+        fs.scrub = ScrubPlan(codings, scrubber, STREAM_MAX_DECODED, on_error)  # compose.py chains it
         reframe(flow)
 
     @staticmethod
     def _refuse(flow: http.HTTPFlow, fs: FlowState, applied: Applied, exc: Uninspectable, bodiless: bool) -> None:
-        """502 with a reason the client reads and the outcome record keeps (AuditEmit)."""
+        """502 with a reason the client reads and the outcome record keeps (record.py)."""
         logger.warning("refused %s response from %s: %s", applied.capability, fs.host, exc.reason)
-        refuse(flow, fs.request_id, exc.reason, exc.message, bodiless)
+        fs.replacement = refuse(flow, fs.request_id, exc.reason, exc.message, bodiless)
         fs.response_refused = exc.reason
 
     def error(self, flow: http.HTTPFlow) -> None:
         """mitmproxy quotes upstream bytes it could not parse — a malformed Transfer-Encoding,
         Content-Length, header name or line, status line, a cut head — in its 502 page (sent right
-        after this hook, with no hook able to change it) and in `flow.error`, which AuditEmit records
+        after this hook, with no hook able to change it) and in `flow.error`, which record.py records
         next. On a credentialed flow those bytes may echo the credential (even compressed, inside a
         bytes repr). So when the message quotes anything or holds the secret: cut the client
         connection before the page goes out (the sandbox sees a reset, not a 502), and keep only a
@@ -139,7 +141,7 @@ class ResponseScrub:
         if resp.trailers:  # sent after this hook, for streamed responses too
             scrubber = cached_scrubber(applied.spec())
             resp.trailers = fields(scrubber.scrub_headers(list(resp.trailers.items(multi=True))))
-        if resp.stream:
+        if fs.stream_response or fs.replacement is not None:
             return
         raw = resp.raw_content
         if not raw or flow.request.method.upper() == "HEAD":

@@ -29,7 +29,8 @@ logger = logging.getLogger(__name__)
 
 def request_head_size(request: http.Request) -> int:
     """Bytes of the request head as counted against budgets: the HTTP/1.1 serialization of what goes
-    upstream (request line, headers after sanitizing, blank line). Used for HTTP/2 too, so one request
+    upstream (request line, headers after sanitizing — and, when Budgets prepays, after credential
+    injection — blank line). Used for HTTP/2 too, so one request
     costs the same whatever the wire version (documented counting rule)."""
     target = request.path or "/"
     size = len(request.method) + 1 + len(target.encode()) + len(b" HTTP/1.1\r\n") + 2

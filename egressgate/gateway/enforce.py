@@ -1,8 +1,9 @@
-"""Make a recorded decision take effect on the flow: answer a deny, account an allow.
+"""Make a recorded decision take effect on the flow: answer a deny, wire up an allow.
 
 Runs after record.py (the decision is durable, or was turned into `audit_unavailable`) and pinning.py
 (an allowed destination is committed). A deny is answered with the deny contract whether or not its
-record could be written; an allow starts its request hash and its request history.
+record could be written; an allow gets its body stream callables, built once by compose.py from what the
+earlier stages planned, its request hash and its request history.
 """
 
 from __future__ import annotations
@@ -12,8 +13,11 @@ import logging
 from mitmproxy import http
 
 from egressgate.gateway import request_hash
+from egressgate.gateway.budgets import in_counter, out_counter, outbound_limit
+from egressgate.gateway.compose import compose_request, compose_response
 from egressgate.gateway.context import Runtime, flow_state
-from egressgate.gateway.deny import deny_response, gateway_deny
+from egressgate.gateway.credentials import stream_misuse
+from egressgate.gateway.deny import REQUEST_ID_HEADER, deny_response, gateway_deny
 from egressgate.policy.reasons import Reason
 from egressgate.state.base import StateUnavailable
 
@@ -66,8 +70,24 @@ class Enforce:
             flow.response = deny_response(decision, fs.request_id)
             return
         request_hash.start(flow.request, fs)
+        if fs.stream_request:
+            counter = (out_counter(self.rt, fs, flow.client_conn.id, outbound_limit(self.rt, fs))
+                       if fs.meter_request else None)
+            flow.request.stream = compose_request(
+                fs.hasher, lambda hits: stream_misuse(self.rt, flow, fs, hits), counter)
         if fs.sandbox_id is not None and fs.host is not None:
             try:
                 await self.rt.state.record_request(fs.sandbox_id, fs.host, decision.rule_id, fs.prepaid_out)
             except StateUnavailable:
                 logger.error("could not record request history for %s", fs.sandbox_id)
+
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        fs = flow_state(flow)
+        if fs is None or flow.response is None or fs.decision is None:
+            return
+        flow.response.headers[REQUEST_ID_HEADER] = fs.request_id  # joins the response to its records
+        if not fs.decision.allowed:
+            return
+        if fs.stream_response or fs.replacement is not None:
+            counter = in_counter(self.rt, fs) if fs.sandbox_id is not None else None
+            flow.response.stream = compose_response(counter, fs.scrub, fs.replacement)

@@ -20,8 +20,9 @@ from typing import Any
 from mitmproxy.proxy import commands, events, layer
 from mitmproxy.proxy.commands import StartHook
 
+from egressgate.gateway.client_hello import read_sni
 from egressgate.gateway.context import ConnState, Runtime
-from egressgate.gateway.passthrough import PassthroughLayer, read_sni
+from egressgate.gateway.passthrough import PassthroughLayer
 from egressgate.gateway.tls_limits import HelloScan
 
 

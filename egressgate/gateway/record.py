@@ -18,8 +18,9 @@ from mitmproxy import http, tcp
 from egressgate.audit.build import build
 from egressgate.audit.event import AuditEvent, AuditUnavailable, EventKind
 from egressgate.gateway import request_hash, ws_layer
+from egressgate.gateway.budgets import refund_prepaid
 from egressgate.gateway.context import ConnState, FlowState, Runtime, ensure_flow_state, flow_state, new_request_id
-from egressgate.gateway.deny import REQUEST_ID_HEADER, gateway_deny
+from egressgate.gateway.deny import gateway_deny
 from egressgate.gateway.target import note_target
 from egressgate.policy.facts import Decision
 from egressgate.policy.reasons import Reason
@@ -104,9 +105,7 @@ class Record:
         ok = await self._write(decision_event(kind, fs, labels, client))
         fs.audited = True
         if not ok and fs.decision.allowed:
-            if fs.prepaid_out and fs.sandbox_id:
-                self.rt.ledger.refund_out(fs.sandbox_id, fs.prepaid_out)
-                fs.prepaid_out = 0
+            refund_prepaid(self.rt, fs)  # nothing goes upstream
             fs.decision = gateway_deny(Reason.AUDIT_UNAVAILABLE)
         return fs.decision
 
@@ -119,11 +118,6 @@ class Record:
             return
         fs.bodyless_hash = request_hash.bodyless_hash(flow.request, fs)
         await self._record(EventKind.HTTP_REQUEST, flow, fs)
-
-    def responseheaders(self, flow: http.HTTPFlow) -> None:
-        fs = flow_state(flow)
-        if fs is not None and flow.response is not None and fs.decision is not None:
-            flow.response.headers[REQUEST_ID_HEADER] = fs.request_id
 
     async def _outcome(self, flow: http.HTTPFlow, error: str | None = None) -> None:
         fs = flow_state(flow)

@@ -11,8 +11,6 @@ are never part of it: a request that carries them is refused (trailers.py) and n
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from mitmproxy import http
 
 from egressgate.audit.reqhash import EMPTY_BODY_SHA256, StreamingRequestHash, content_type_value, request_hash
@@ -44,20 +42,10 @@ def bodyless_hash(request: http.Request, fs: FlowState) -> str | None:
 
 
 def start(request: http.Request, fs: FlowState) -> None:
-    """Begin hashing an allowed request's body: wrap whatever stream the other addons installed."""
+    """Begin hashing an allowed request's body (a streamed one is fed by compose.py's outermost wrapper)."""
     fields = _fields(request, fs)
-    if fields is None:
-        return
-    hasher = StreamingRequestHash(*fields)
-    fs.hasher = hasher
-    if request.stream:
-        inner: Callable[[bytes], object] | None = request.stream if callable(request.stream) else None
-
-        def hashing(chunk: bytes) -> object:
-            hasher.update(chunk)
-            return inner(chunk) if inner is not None else chunk
-
-        request.stream = hashing
+    if fields is not None:
+        fs.hasher = StreamingRequestHash(*fields)
 
 
 def feed_buffered(request: http.Request, fs: FlowState) -> None:

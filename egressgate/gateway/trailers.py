@@ -28,6 +28,7 @@ from mitmproxy import http
 
 from egressgate.audit.build import build
 from egressgate.audit.event import AuditUnavailable, EventKind
+from egressgate.gateway.budgets import refund_prepaid
 from egressgate.gateway.context import Runtime, flow_state
 from egressgate.gateway.deny import deny_response, gateway_deny
 from egressgate.policy.reasons import Reason
@@ -49,10 +50,8 @@ class Trailers:
         streamed = bool(flow.request.stream)
         size = sum(len(name) + len(value) + 4 for name, value in trailers.fields)
         detail = f"{len(trailers.fields)} trailer fields, {size} bytes, {'streamed' if streamed else 'buffered'} body"
-        if not streamed and fs.prepaid_out and fs.sandbox_id:
-            self.rt.ledger.refund_out(fs.sandbox_id, fs.prepaid_out)  # nothing of it went upstream
-            fs.bytes_out -= fs.prepaid_out
-            fs.prepaid_out = 0
+        if not streamed:
+            refund_prepaid(self.rt, fs)  # nothing of it went upstream
         allowed = fs.decision
         fs.decision = replace(gateway_deny(Reason.TRAILERS_NOT_ALLOWED, detail=detail, rule_id=allowed.rule_id),
                               capability=allowed.capability)

@@ -22,7 +22,7 @@ overrides `relay_messages` (and nothing else), keeping mitmproxy's relay logic a
   frame cannot make the gateway build a huge message before the check sees it.
 * after every hook (wire, control, message): a refusal set by an addon (`refuse`) or a killed flow
   (FailClosed) closes both sides with a Close frame naming the reason code, then `websocket_end` runs
-  (AuditEmit writes the session's record). mitmproxy itself ignores `flow.kill()` on a live websocket.
+  (record.py writes the session's record). mitmproxy itself ignores `flow.kill()` on a live websocket.
   The sandbox's side gets a bounded lingering close (`_lingering`), so a sandbox that is still sending
   reads the Close instead of a connection reset.
 * control payloads are logged by size only (a payload can hold a credential; logs never carry one).
