@@ -62,6 +62,9 @@ class ConnState:
     tunnel_as_sent: str | None = None
     tunnel_target: PinnedTarget | None = None
     intercept: bool = True
+    # `tls: passthrough` tunnel (passthrough.py): the ClientHello must name tunnel_host, then bytes are
+    # spliced unread; also a relay in the tcp_allowed_rule sense (allow_tcp records its rule and id)
+    passthrough: bool = False
     sni_mismatch: str | None = None  # the offending SNI, when it does not name the CONNECT target
     tcp_allowed_rule: str | None = None  # rule id when raw TCP in this tunnel was allowed
     # request id of the decision that allowed that raw TCP (the CONNECT's, or the in-tunnel raw-TCP

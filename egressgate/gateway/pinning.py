@@ -117,8 +117,9 @@ class Pinning:
         assert fs.host is not None and fs.port is not None
         conn = self.rt.conn(flow.client_conn.id)
         conn.intercept = fs.intercept is not False
+        conn.passthrough = fs.decision.passthrough  # spliced after passthrough.py's SNI check
         if not conn.intercept:
-            conn.allow_tcp(fs.decision.rule_id, fs.request_id)  # allowed only by a raw-TCP rule: relay, no MITM
+            conn.allow_tcp(fs.decision.rule_id, fs.request_id)  # a raw-TCP or passthrough rule: relay, no MITM
         fs.dial_key = (flow.request.host, flow.request.port)
         bind_tunnel(conn, fs.host, fs.port, fs.target_as_sent, fs.pinned, fs.dial_key)
 

@@ -51,6 +51,8 @@ def decision_event(kind: EventKind, fs: FlowState, labels: dict[str, str], clien
     extra: dict = transparent_attributes(fs.transparent, fs.original_dst)
     if fs.intercept is not None:
         extra["egressgate.intercept"] = fs.intercept
+    if d.passthrough:
+        extra["egressgate.tls"] = "passthrough"
     return build(
         kind, time_ns=fs.started_ns, request_id=fs.request_id, verdict=d, sandbox_labels=labels, extra=extra,
         sandbox_id=fs.sandbox_id, policy_name=fs.policy_name, policy_hash=fs.policy_hash,

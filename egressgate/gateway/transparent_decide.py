@@ -109,14 +109,14 @@ async def _inputs(rt: Runtime, conn: ConnState):
 
 async def name_decision(rt: Runtime, conn: ConnState, host: str, port: int) -> Decided:
     """Decide the name like a CONNECT target (deny early: a denied name is never resolved), then
-    resolve and check every address and pin one. Only intercepted traffic is possible here (TLS is
-    always intercepted on this listener), so a name only a `tcp` rule allows is refused."""
-    policy, snapshot, denied = await _inputs(rt, conn)
-    if denied is not None:
-        return denied, None, None, None
-    facts = Facts(operation=Operation.CONNECT, host=host, port=port)
-    decision = decide(policy, facts, snapshot, rt.clock())
-    if decision.allowed and not decision.intercept:
+    resolve and check every address and pin one. TLS and HTTP by name are intercepted here, or spliced
+    when the first allowing rule is `tls: passthrough` (transparent.py's passthrough_name; a passthrough
+    name whose ClientHello cannot be spliced is intercepted: checked more, never less), so a name only
+    a `tcp` rule allows is refused."""
+    decision, facts, snapshot = await connect_decision(rt, conn, host, port)
+    if facts is None:
+        return decision, None, None, None
+    if decision.allowed and not decision.intercept and not decision.passthrough:
         decision = gateway_deny(
             Reason.PROTOCOL_NOT_ALLOWED,
             f"Only a network.tcp rule allows {host}:{port}; on the transparent listener TLS and HTTP are "
@@ -124,8 +124,18 @@ async def name_decision(rt: Runtime, conn: ConnState, host: str, port: int) -> D
             rule_id=decision.rule_id)
     if not decision.allowed:
         return decision, None, facts, snapshot
-    target, denied = await resolve_target(rt, policy, host, port)
+    target, denied = await resolve_target(rt, rt.policies.get(conn.policy_name), host, port)
     return (denied or decision), target, facts, snapshot
+
+
+async def connect_decision(rt: Runtime, conn: ConnState, host: str, port: int
+                           ) -> tuple[Decision, Facts | None, SandboxState | None]:
+    """The pure CONNECT-level decision for a name (no resolution); facts None when it could not be made."""
+    policy, snapshot, denied = await _inputs(rt, conn)
+    if denied is not None:
+        return denied, None, None
+    facts = Facts(operation=Operation.CONNECT, host=host, port=port)
+    return decide(policy, facts, snapshot, rt.clock()), facts, snapshot
 
 
 async def raw_tcp_decision(rt: Runtime, conn: ConnState) -> tuple[str, Decided]:
@@ -161,9 +171,12 @@ async def record(rt: Runtime, conn: ConnState, client: connection.Client, reques
     raw-TCP decision; returns the decision to enforce (an allow whose record is not durable is denied)."""
     decision, target, facts, snapshot = decided
     policy = rt.policies.get(conn.policy_name)
+    extra = conn_attributes(conn)
+    if decision.allowed and decision.passthrough:
+        extra["egressgate.tls"] = "passthrough"
     event = build(
         EventKind.CONNECT, request_id=request_id, verdict=decision, sandbox_labels=conn.labels,
-        extra=conn_attributes(conn), sandbox_id=conn.sandbox_id, policy_name=conn.policy_name,
+        extra=extra, sandbox_id=conn.sandbox_id, policy_name=conn.policy_name,
         policy_hash=policy.hash if policy is not None else None, target_as_sent=as_sent, scheme=scheme,
         host=host, port=port, pinned_address=str(target.address) if target else None,
         client_address=source_text(client), facts=facts, state=snapshot,

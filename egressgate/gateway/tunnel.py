@@ -9,6 +9,8 @@ per-request decision. Here every layer is chosen explicitly:
   original destination; after that, a transparent connection bound to its name is handled like a tunnel;
 * every HTTP layer is the gateway's (http_layer.py: HTTP/1 trailers and 1xx handled, a refusal in the
   `request` hook of a streamed request enforced);
+* inside a tunnel whose CONNECT was allowed by a `tls: passthrough` rule: passthrough.py (the ClientHello
+  must name the CONNECT host, then a counting splice, no interception);
 * inside a tunnel whose CONNECT was allowed only by a raw-TCP rule (`intercept=False`): a TCP relay;
 * otherwise TLS → intercept (MITM with the gateway CA) → HTTP; plaintext HTTP → HTTP;
 * any other bytes → a raw-TCP decision (`network.tcp.allow` for host:port) → relay, or the deny
@@ -35,6 +37,7 @@ from egressgate.gateway import transparent, ws_layer
 from egressgate.gateway.context import ConnState, Runtime, new_request_id
 from egressgate.gateway.deny import gateway_deny, raw_deny
 from egressgate.gateway.http_limits import explicit_http_proxy, http_layer
+from egressgate.gateway.passthrough import PassthroughLayer
 from egressgate.gateway.refuse import RefuseLayer, looks_like_http
 from egressgate.gateway.tls_limits import BoundedClientTLSLayer, client_tls_layer
 from egressgate.policy.decide import decide
@@ -98,6 +101,9 @@ class NextLayer:
             return
         if conn is None or conn.tunnel_host is None:
             nextlayer.layer = RefuseLayer(context, b"")
+            return
+        if conn.passthrough and conn.tcp_allowed_rule is not None and not context.client.tls:
+            nextlayer.layer = PassthroughLayer(context, self.rt, conn)  # checks the SNI, then splices
             return
         if not conn.intercept and conn.tcp_allowed_rule is not None and not context.client.tls:
             nextlayer.layer = layers.TCPLayer(context)
