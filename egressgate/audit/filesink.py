@@ -111,7 +111,6 @@ class FileSink(TrailMixin, WriteMixin):
         self._queue: asyncio.Queue = asyncio.Queue()
         self._export_queue: asyncio.Queue = asyncio.Queue(maxsize=1024)
         self._writer: asyncio.Task | None = None
-        self._idle = False  # the writer task waits for the queue and holds no batch
         self._export_task: asyncio.Task | None = None
         self._healthy = True
         self._closed = False
@@ -187,8 +186,6 @@ class FileSink(TrailMixin, WriteMixin):
     async def _submit(self, record: Record) -> None:
         if self._closed or self._writer is None:
             raise AuditUnavailable("audit sink is not running")
-        if self._idle and self._queue.empty() and self._commit_now(record):
-            return  # written and durable by this caller, in chain order (inline.py)
         fut = asyncio.get_running_loop().create_future()
         self._queue.put_nowait((record, fut))
         await fut
@@ -212,15 +209,9 @@ class FileSink(TrailMixin, WriteMixin):
     async def _write_loop(self) -> None:
         stopping = False
         while not stopping:
-            # only while it waits here, holding no batch, may a caller commit a record itself (inline.py)
-            self._idle = True
             try:
                 first = await asyncio.wait_for(self._queue.get(), self._idle_timeout())
             except TimeoutError:
-                first = None
-            finally:
-                self._idle = False
-            if first is None:
                 if not self._healthy or self._pending or self._sign_due:
                     # probe: does the disk accept a write again? (and drain the retry queue, sign late)
                     await self._run_batch([], checkpoint=not self._healthy or self._sign_due)

@@ -1,16 +1,12 @@
-"""How a batch reaches the file: inline on the event loop when that is cheap, in a thread when not, and
-the caller's own commit of a single record when the writer task is idle.
+"""How a batch reaches the file: inline on the event loop when that is cheap, in a thread when not.
 
 Kept apart from filesink.py (the writer task, batching and failure handling) because this is the part
 that decides *where* the bytes are written; both share FileSink's state (this is a mixin of it).
 
-Why a caller may commit itself: with one request at a time (a sandbox's usual pattern) every record was
-its own batch, and the hand-over to the writer task (queue, future, two task switches and loop
-iterations) cost more than chaining, encoding and writing the record. When the writer task is waiting
-on an empty queue it holds no batch and no chain state, so the caller runs exactly what the writer would
-have run for a batch of one — chain, encode, one `os.write` — synchronously, on the event loop, and
-returns only once the record is durable. Anything out of the ordinary (a checkpoint, a rotation, a file
-check, a retry queue, fsync, a disk that was slow) is left to the writer task, by returning False.
+Tried and not kept (issue 11): letting a caller commit a lone record itself while the writer task was
+idle, to save the hand-over (queue, future, two task switches). Interleaved against the same tree
+without it, c=1: rps 1.06x / 1.08x, per CPU-second 0.99x, p50 unchanged — inside the noise, so the
+single writer stays the only code path that touches the chain.
 """
 
 from __future__ import annotations
@@ -21,10 +17,6 @@ import os
 import time
 from typing import TYPE_CHECKING
 
-from egressgate.audit.event import AuditUnavailable
-from egressgate.audit.record import Record
-from egressgate.audit.trail import FSTAT_INTERVAL
-
 if TYPE_CHECKING:
     from egressgate.audit.filesink import FileSink
 
@@ -32,52 +24,6 @@ log = logging.getLogger("egressgate.audit.filesink")
 
 
 class WriteMixin:
-    def _commit_now(self: FileSink, record: Record) -> bool:
-        """Write `record` as the writer task would write a batch of one; False (nothing done) when the
-        writer must handle it. Raises AuditUnavailable when the write failed (state as after a failed
-        batch: unhealthy, chain rolled back, file truncated back to the last complete line)."""
-        state = self._chain.state
-        if (not self._healthy or self._pending or self._sign_due or self.fsync or self._fd is None
-                or self._incident_next or not self._inline_ok or state.seq == 0
-                or state.since_checkpoint + 1 >= self.checkpoint_every or self._size >= self.max_bytes):
-            return False
-        now = time.monotonic()
-        if now - self._last_watch >= self.watch_interval:
-            return False  # the full file check (moved, replaced...) is the writer's
-        if now - self._last_fstat >= FSTAT_INTERVAL:
-            st = os.fstat(self._fd)
-            if st.st_nlink == 0 or st.st_size < self._size:
-                return False  # deleted or truncated: the writer's _ensure_file reopens and records it
-            self._last_fstat = now
-        snap = self._chain.snapshot()
-        try:
-            data = self._chain.append(record) + b"\n"
-            if len(data) > self.inline_write_max:
-                self._chain.restore(snap)
-                return False
-            started = time.perf_counter()
-            self._write_durable(data)
-            elapsed = time.perf_counter() - started
-        except Exception as exc:
-            self._chain.restore(snap)
-            self._healthy = False
-            self.write_failures += 1
-            log.error("audit write failed (1 record rejected, %d queued for retry): %s", len(self._pending), exc)
-            raise AuditUnavailable(f"audit record could not be made durable: {exc}") from None
-        if elapsed > self.inline_slow:
-            self.slow_inline_writes += 1
-            self._inline_ok = False
-            self._inline_retry_at = time.monotonic() + self.inline_retry
-        self.records_written += 1
-        self.batches_written += 1
-        if self._export_task is not None:
-            try:
-                self._export_queue.put_nowait([record])
-            except asyncio.QueueFull:
-                self.export_failures += 1
-                log.warning("OTLP export queue full; 1 record only in the local file")
-        return True
-
     async def _write_batch(self: FileSink, data: bytes) -> None:
         """One batch to the file: inline on the event loop when that is cheap, else in a worker thread.
 

@@ -89,38 +89,9 @@ async def test_writes_go_back_inline_even_when_thread_writes_look_slow(make_sink
     assert len(request_ids(sink.path)) == n - 1
 
 
-async def test_a_lone_record_is_written_by_its_caller_without_a_task_switch(make_sink, pubkey):
-    """One request at a time (the usual sandbox pattern): with the writer task idle, the caller commits
-    its record itself (inline.py) and write() returns without handing over to another task. Positive
-    control: with a checkpoint due on this record the writer task does it, which takes a task switch."""
-    sink = await make_sink(checkpoint_every=5)  # chain_start + 4 records, then a checkpoint
-    events = [http_event(i) for i in range(4)]
-    await sink.write(events[0])  # the chain_start record is written by the writer task
-    ran: list[int] = []
-
-    def other(n: int) -> None:
-        ran.append(n)
-
-    for i in range(1, 3):
-        asyncio.get_running_loop().call_soon(other, i)
-        await sink.write(events[i])
-        assert ran == [], "write() yielded to the event loop"
-        await asyncio.sleep(0)
-        assert ran == [i]
-        ran.clear()
-    asyncio.get_running_loop().call_soon(other, 3)
-    await sink.write(events[3])  # the 4th record since chain_start: a checkpoint follows it
-    assert ran == [3]
-    assert (sink.records_written, sink.batches_written) == (1 + 4 + 1, 1 + 3)  # start + 4 + checkpoint
-    await sink.close()
-    rep = verify_file(sink.path, load_public_keys([pubkey]))
-    assert rep.ok and rep.sealed, rep.error
-    assert request_ids(sink.path) == [e.request_id for e in events]
-
-
-async def test_callers_and_the_writer_task_keep_one_chain(make_sink, pubkey):
-    """Lone records committed by their callers, concurrent ones batched by the writer task, checkpoints
-    in between: one valid chain with every record, in the order write() was called."""
+async def test_lone_and_concurrent_records_keep_one_chain(make_sink, pubkey):
+    """Lone records (a batch each), concurrent ones (batched), checkpoints in between: one valid chain
+    with every record, in the order write() was called."""
     sink = await make_sink(checkpoint_every=7)
     expected: list[str] = []
     for round_ in range(6):
