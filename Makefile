@@ -4,7 +4,7 @@ VENV  := .venv
 BIN   := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint bench venv test-deps clean
+.PHONY: run test lint bench bench-all venv test-deps clean
 
 $(STAMP): pyproject.toml
 	@py=$$(scripts/find-python.sh) && echo "using $$py" && \
@@ -27,8 +27,19 @@ test: $(STAMP) test-deps
 lint: $(STAMP)
 	$(BIN)/ruff check egressgate tests loadtests
 
-bench: $(STAMP) test-deps
-	$(BIN)/python -m loadtests.run_all
+# One interleaved run in a closed namespace world (loadtests/bench.py; needs root): direct, Squid, bare
+# mitmdump, egressgate. `make bench BENCH_ARGS="--quick"` for a smoke run, "--record" to append to RESULTS.md.
+BENCH_STAMP := $(VENV)/.bench-installed
+$(BENCH_STAMP): $(STAMP) pyproject.toml
+	$(BIN)/pip install -q -e '.[dev,bench]'
+	@touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP) test-deps
+	$(BIN)/python -m loadtests.bench $(BENCH_ARGS)
+
+# Every benchmark module (loadtests/*_bench.py), each with its defaults.
+bench-all: $(STAMP) test-deps
+	$(BIN)/python -m loadtests.run_all $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

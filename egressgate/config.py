@@ -81,7 +81,7 @@ class ListenConfig(_Strict):
 
 
 class UpstreamConfig(_Strict):
-    # "system" (getaddrinfo) or "host:port" of a DNS server queried directly over UDP.
+    # "system" (getaddrinfo) or "host:port" of a DNS server queried directly (UDP, TCP on truncation).
     resolver: str = "system"
     # Extra CA certificates trusted for upstream TLS, ADDED to the system roots.
     ca_bundle: str | None = None
@@ -93,10 +93,6 @@ class UpstreamConfig(_Strict):
         if value != "system":
             parse_listen(value)
         return value
-
-
-class StateConfig(_Strict):
-    backend: Literal["memory"] = "memory"  # "redis" comes with the Redis issue
 
 
 class DnsSection(_Strict):
@@ -215,7 +211,6 @@ class GatewayConfig(_Strict):
     var_dir: str = "./var"
     ca_dir: str | None = None
     upstream: UpstreamConfig = UpstreamConfig()
-    state: StateConfig = StateConfig()
     audit: AuditSinkConfig = AuditSinkConfig()
     dns: DnsSection = DnsSection()
     admin: AdminConfig = AdminConfig()

@@ -152,7 +152,7 @@ def start_upstream(certs: Certs, directory: Path, sse_gap: float = 2.0) -> Proc:
 
 def upstream_stats(up: Proc) -> dict:
     """The upstream's counters (GET /__stats straight to it): requests, bearer_seen."""
-    with socket.create_connection(("127.0.0.1", up.info["http_port"]), 5) as s:
+    with socket.create_connection((up.info["http"].rsplit(":", 1)[0], up.info["http_port"]), 5) as s:
         s.sendall(b"GET /__stats HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
         data = b""
         while chunk := s.recv(65536):
@@ -277,7 +277,6 @@ def start_egressgate(directory: Path, upstream_ca: Path, http_port: int, https_p
         "policy": str(d / "policies"),
         "var_dir": str(d / "var"),
         "upstream": {"resolver": "system", "ca_bundle": str(upstream_ca)},
-        "state": {"backend": "memory"},
         "audit": {"path": str(d / "var" / "audit" / "audit.jsonl")},
         **(extra_config or {}),
     }

@@ -9,7 +9,9 @@ warmed with one small request first, so handshakes and certificate minting are n
 from __future__ import annotations
 
 import asyncio
+import os
 import statistics
+import subprocess
 import time
 from dataclasses import dataclass
 
@@ -121,3 +123,35 @@ def sse_first_event(target: Target, repeats: int = 3, timeout: float = 15.0) -> 
         "runs": len(runs),
         "errors": [r.error for r in runs if r.error],
     }
+
+
+def curl_download(target: Target, n: int, timeout: float = 300.0) -> Download:
+    """The same download with curl (C, OpenSSL) as the client: a Python client tops out near ~120-330 MiB/s on
+    these machines, below a good proxy's bulk rate, so the client, not the proxy, would set the figure.
+    The clock runs from curl's pre-transfer point (TCP, CONNECT and TLS done) to the last byte; the body must
+    be exactly `n` bytes with status 200. Proxy variables of the environment are ignored (explicit or none)."""
+    url = f"{target.scheme}://{target.authority}/bytes/{n}"
+    cmd = ["curl", "-sS", "--http1.1", "-o", "/dev/null", "--max-time", str(timeout),
+           "-w", "%{http_code} %{size_download} %{time_pretransfer} %{time_total}"]
+    if target.ca_file:
+        cmd += ["--cacert", target.ca_file]
+    if target.via_proxy:
+        cmd += ["--proxy", f"http://{target.dial[0]}:{target.dial[1]}"]
+        if target.proxy_auth:
+            cmd += ["--proxy-user", f"{target.proxy_auth[0]}:{target.proxy_auth[1]}"]
+    else:
+        cmd += ["--noproxy", "*", "--resolve", f"{target.host}:{target.port}:{target.dial[0]}"]
+    env = {k: v for k, v in os.environ.items() if not k.lower().endswith("_proxy")}
+    try:
+        res = subprocess.run([*cmd, url], capture_output=True, text=True, timeout=timeout + 10, env=env)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return Download(0, 0.0, False, f"curl: {type(exc).__name__}: {exc}")
+    try:
+        code, size, pre, total = res.stdout.split()
+        got, seconds = int(size), float(total) - float(pre)
+    except ValueError:
+        return Download(0, 0.0, False, f"curl exit {res.returncode}: {res.stderr.strip()[:200]}")
+    if code != "200" or got != n or res.returncode != 0:
+        return Download(got, seconds, False, f"curl exit {res.returncode}, status {code}, {got} of {n} bytes: "
+                        + res.stderr.strip()[:200])
+    return Download(got, seconds, True)

@@ -6,8 +6,8 @@ Why not aiohttp: the upstream must never be the bottleneck of a proxy benchmark.
 aiohttp's routing and header objects cost several times more per request.
 
 Routes (any method; request bodies framed by Content-Length are read and discarded):
-  /bytes/N   N bytes (Content-Length), written in 256 KiB chunks with transport flow control, so a
-             1 GiB download never sits in this process's memory
+  /bytes/N   N bytes (Content-Length); up to 256 KiB in one write, more in 256 KiB chunks with transport
+             flow control, so a 1 GiB download never sits in this process's memory
   /sse       text/event-stream, chunked: one event at once, the next after --sse-gap seconds, then end
   /__stats   JSON counters: connections accepted, requests, and requests that carried
              `Authorization: Bearer bench-secret-...`
@@ -15,13 +15,15 @@ Routes (any method; request bodies framed by Content-Length are read and discard
   anything   200 with a fixed small body (SMALL_BODY)
 
 Run: `python -m loadtests.upstream --cert C --key K` prints one JSON line {"http": "127.0.0.1:P",
-"https": "127.0.0.1:Q", "pid": N} and serves until SIGTERM/SIGINT. Loopback only, ports picked by the OS.
+"https": "127.0.0.1:Q", "pid": N} and serves until SIGTERM/SIGINT. Loopback (or, with --host, an address of
+a namespace the bench created, in 198.18.0.0/15) only; ports picked by the OS.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import json
 import os
 import signal
@@ -36,6 +38,7 @@ SMALL_RESPONSE = (
 CHUNK = 256 * 1024
 FILLER = (b"0123456789abcdef" * (CHUNK // 16))
 MAX_HEAD = 64 * 1024
+BYTES_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\nContent-Length: "
 
 
 class Upstream(asyncio.Protocol):
@@ -101,7 +104,11 @@ class Upstream(asyncio.Protocol):
             parts = head[: line_end if line_end >= 0 else None].split(b" ")
             path = parts[1] if len(parts) == 3 else b"/"
             if path.startswith(b"/bytes/"):
-                self.busy = asyncio.ensure_future(self._bytes(int(path[7:].split(b"?")[0])))
+                n = int(path[7:].split(b"?")[0])
+                if n <= CHUNK:  # small: one write, no task (the bench's 1 KiB GETs must not slow the upstream)
+                    transport.write(BYTES_HEAD + str(n).encode() + b"\r\n\r\n" + FILLER[:n])
+                    continue
+                self.busy = asyncio.ensure_future(self._bytes(n))
             elif path == b"/__stats":
                 body = json.dumps({"requests": Upstream.requests, "bearer_seen": Upstream.bearer_seen,
                                    "connections": Upstream.connections}).encode()
@@ -123,8 +130,7 @@ class Upstream(asyncio.Protocol):
     async def _bytes(self, n: int) -> None:
         transport = self.transport
         assert transport is not None
-        transport.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\n"
-                        b"Content-Length: " + str(n).encode() + b"\r\n\r\n")
+        transport.write(BYTES_HEAD + str(n).encode() + b"\r\n\r\n")
         view = memoryview(FILLER)
         while n > 0 and not transport.is_closing():
             await self.can_write.wait()
@@ -167,11 +173,20 @@ async def serve(cert: str | None, key: str | None, host: str, sse_gap: float) ->
         server.close()
 
 
+def _bench_address(value: str) -> str:
+    """Network safety: serve only on loopback or in the bench's own namespaces (loadtests/bench_world.py)."""
+    addr = ipaddress.ip_address(value)
+    if not (addr.is_loopback or addr in ipaddress.ip_network("198.18.0.0/15")):
+        raise argparse.ArgumentTypeError(f"{value}: not loopback nor 198.18.0.0/15")
+    return value
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cert", help="PEM certificate chain for the TLS listener (omit: plain only)")
     ap.add_argument("--key", help="PEM private key")
-    ap.add_argument("--host", default="127.0.0.1", choices=["127.0.0.1", "::1"])
+    ap.add_argument("--host", default="127.0.0.1", type=_bench_address,
+                    help="loopback, or a 198.18.0.0/15 address of a namespace the bench created")
     ap.add_argument("--sse-gap", type=float, default=2.0)
     args = ap.parse_args()
     asyncio.run(serve(args.cert, args.key, args.host, args.sse_gap))

@@ -46,7 +46,7 @@ audit: {path: /tmp/x.jsonl, on_failure: allow-and-alert, checkpoint_every: 10}
         ("audit: {on_failure: allow}\n", "audit.on_failure"),
         ("audit: {local_file: false}\n", "otlp_endpoint"),
         ("listen: {proxy: 'localhost:8080'}\n", "listen.proxy"),
-        ("state: {backend: redis}\n", "state.backend"),
+        ("state: {backend: memory}\n", "state: Extra inputs"),  # no state section until a real backend
         ("websocket: {max_message_bytes: 0}\n", "websocket.max_message_bytes"),
     ],
 )

@@ -19,8 +19,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Literal
 
-from egressgate.audit.chain import recorded_line_hash
-
 log = logging.getLogger(__name__)
 
 FileChange = Literal["ok", "deleted", "moved", "truncated"]
@@ -36,22 +34,6 @@ def rotated_name(path: Path, now: datetime | None = None) -> Path:
         candidate = path.with_name(f"{path.stem}.{stamp}-{n}{path.suffix}")
         n += 1
     return candidate
-
-
-def last_chain_hash(path: Path) -> str | None:
-    """chain.hash of the last complete line of an existing audit file (None when it has none)."""
-    with open(path, "rb") as fh:
-        fh.seek(0, os.SEEK_END)
-        size = fh.tell()
-        fh.seek(max(0, size - 1_048_576))
-        lines = fh.read().split(b"\n")
-    for line in reversed(lines):
-        if line.strip():
-            try:
-                return recorded_line_hash(line)
-            except ValueError:
-                continue
-    return None
 
 
 def secure_directory(directory: Path) -> None:

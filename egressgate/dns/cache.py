@@ -25,7 +25,6 @@ T_SOA = 6
 @dataclass(slots=True)
 class CacheEntry:
     answer: UpstreamAnswer
-    stored: float  # monotonic seconds
     expires: float
     filtered: dict[Any, Any] = field(default_factory=dict)  # allow_private -> filter result
     packed: dict[Any, tuple[int, bytes]] = field(default_factory=dict)  # see Resolver._pack
@@ -72,7 +71,7 @@ class AnswerCache:
 
     def put(self, key: tuple[str, int], answer: UpstreamAnswer, now: float) -> CacheEntry:
         ttl = answer_ttl(answer, self.min_ttl, self.max_ttl, self.negative_ttl)
-        entry = CacheEntry(answer, now, now + ttl)
+        entry = CacheEntry(answer, now + ttl)
         if self.size <= 0 or ttl <= 0:
             return entry  # caching disabled: the entry still serves this one query
         self._entries[key] = entry

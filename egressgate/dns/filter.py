@@ -30,7 +30,7 @@ from dnslib import HTTPS, RD, RR, Buffer, DNSLabel
 
 from egressgate.policy.addr import check_address
 
-T_A, T_NS, T_CNAME, T_SOA, T_AAAA, T_SVCB, T_HTTPS, T_ANY = 1, 2, 5, 6, 28, 64, 65, 255
+T_A, T_CNAME, T_SOA, T_AAAA, T_SVCB, T_HTTPS, T_ANY = 1, 5, 6, 28, 64, 65, 255
 CLASS_IN = 1
 MAX_CHAIN = 16  # CNAME hops we follow; longer chains are cut (and the answer is then emptied)
 _HINT_KEYS = (4, 6)  # ipv4hint, ipv6hint
@@ -83,7 +83,8 @@ def sanitize_svcb(rr: RR) -> RR | None:
         return None
 
 
-def _address(rr: RR) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+def record_address(rr: RR) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """The address of an A/AAAA record whose rdata has exactly the right length, else None."""
     data = rr.rdata.data if hasattr(rr.rdata, "data") else None
     if data is None:
         return None
@@ -93,15 +94,11 @@ def _address(rr: RR) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
     return None
 
 
-def filter_answer(
-    qname: DNSLabel,
-    qtype: int,
-    answers: Sequence[RR],
-    authority: Sequence[RR],
-    allow_private: tuple,
-) -> Filtered:
-    """Apply the shape rules and the address check (see the module docstring). Pure; never raises on
-    content it does not like, it removes it."""
+def cname_chain(qname: DNSLabel, answers: Sequence[RR]) -> tuple[set[tuple[bytes, ...]], set[int]]:
+    """(owner names on the CNAME chain that starts at `qname`, ids of the CNAME records forming it).
+
+    The one rule for "which records of an answer belong to the question", shared by the answer filter
+    and the gateway's own lookups (gateway/resolver.py): a record owned by any other name is ignored."""
     by_owner: dict[tuple[bytes, ...], RR] = {}
     for rr in answers:
         if rr.rtype == T_CNAME and rr.rclass == CLASS_IN:
@@ -117,7 +114,19 @@ def filter_answer(
         if target in chain:  # loop: keep what we have, the terminal type will be missing
             break
         chain.append(target)
-    on_chain = set(chain)
+    return set(chain), cnames
+
+
+def filter_answer(
+    qname: DNSLabel,
+    qtype: int,
+    answers: Sequence[RR],
+    authority: Sequence[RR],
+    allow_private: tuple,
+) -> Filtered:
+    """Apply the shape rules and the address check (see the module docstring). Pure; never raises on
+    content it does not like, it removes it."""
+    on_chain, cnames = cname_chain(qname, answers)
 
     kept: list[RR] = []
     addresses: list[str] = []
@@ -137,7 +146,7 @@ def filter_answer(
             stripped += 1
             continue
         if rr.rtype in (T_A, T_AAAA):
-            ip = _address(rr)
+            ip = record_address(rr)
             if ip is None or check_address(ip, allow_private) is not None:
                 stripped += 1
                 continue

@@ -9,6 +9,8 @@ per-request decision. Here every layer is chosen explicitly:
   original destination; after that, a transparent connection bound to its name is handled like a tunnel;
 * every HTTP layer is the gateway's (http_layer.py: HTTP/1 trailers and 1xx handled, a refusal in the
   `request` hook of a streamed request enforced);
+* inside a tunnel whose CONNECT was allowed by a `tls: passthrough` rule: passthrough.py (the ClientHello
+  must name the CONNECT host, then a counting splice, no interception);
 * inside a tunnel whose CONNECT was allowed only by a raw-TCP rule (`intercept=False`): a TCP relay;
 * otherwise TLS → intercept (MITM with the gateway CA) → HTTP; plaintext HTTP → HTTP;
 * any other bytes → a raw-TCP decision (`network.tcp.allow` for host:port) → relay, or the deny
@@ -21,7 +23,6 @@ per-request decision. Here every layer is chosen explicitly:
 from __future__ import annotations
 
 import logging
-import time
 
 from mitmproxy import tls as mitm_tls
 from mitmproxy.net.tls import starts_like_tls_record
@@ -30,11 +31,14 @@ from mitmproxy.proxy.layers import modes, tls
 from mitmproxy.proxy.layers.http import HTTPMode
 from mitmproxy.proxy.layers.tls import HTTP_ALPNS
 
-from egressgate.audit.event import AuditEvent, AuditUnavailable, EventKind
+from egressgate.audit.build import build
+from egressgate.audit.event import AuditUnavailable, EventKind
 from egressgate.gateway import transparent, ws_layer
 from egressgate.gateway.context import ConnState, Runtime, new_request_id
 from egressgate.gateway.deny import gateway_deny, raw_deny
+from egressgate.gateway.history import record_contact
 from egressgate.gateway.http_limits import explicit_http_proxy, http_layer
+from egressgate.gateway.passthrough import PassthroughLayer
 from egressgate.gateway.refuse import RefuseLayer, looks_like_http
 from egressgate.gateway.tls_limits import BoundedClientTLSLayer, client_tls_layer
 from egressgate.policy.decide import decide
@@ -57,7 +61,7 @@ class NextLayer:
     def websocket_start(self, flow) -> None:
         """Fail closed: a websocket whose frames would not pass GuardedWebsocketLayer (install() did not
         take, e.g. after a mitmproxy upgrade) is cut before it relays a frame."""
-        if not flow.metadata.get(ws_layer.GUARDED):
+        if not ws_layer.guarded(flow):
             logger.error("websocket of client %s is not guarded; aborting it", flow.client_conn.id)
             if self.rt.abort_connection is not None:
                 self.rt.abort_connection(flow.client_conn.id)
@@ -100,7 +104,14 @@ class NextLayer:
             nextlayer.layer = RefuseLayer(context, b"")
             return
         if not conn.intercept and conn.tcp_allowed_rule is not None and not context.client.tls:
-            nextlayer.layer = layers.TCPLayer(context)
+            # a relayed tunnel is a request to its host: into the history before its first byte goes up
+            refusal = await record_contact(self.rt, conn.sandbox_id, conn.tunnel_host, conn.tcp_allowed_rule)
+            if conn.passthrough:
+                nextlayer.layer = PassthroughLayer(context, self.rt, conn, refusal)  # checks the SNI, splices
+            elif refusal is None:
+                nextlayer.layer = layers.TCPLayer(context)
+            else:
+                nextlayer.layer = RefuseLayer(context, raw_deny(refusal, conn.tcp_request_id or new_request_id()))
             return
         after_tls = isinstance(top, layers.ClientTLSLayer)
         if not after_tls and len(data) < 3:
@@ -122,6 +133,8 @@ class NextLayer:
         # outcome record (via ConnState.tcp_request_id) all carry it.
         request_id = new_request_id()
         decision = await self._tcp_decision(conn, context.client.peername, request_id)
+        if decision.allowed:
+            decision = await record_contact(self.rt, conn.sandbox_id, conn.tunnel_host, decision.rule_id) or decision
         if decision.allowed:
             conn.allow_tcp(decision.rule_id, request_id)
             nextlayer.layer = layers.TCPLayer(context)
@@ -149,15 +162,13 @@ class NextLayer:
                     f"allows raw TCP there.",
                     rule_id=decision.rule_id,
                 )
-        event = AuditEvent(
-            kind=EventKind.CONNECT, time_ns=time.time_ns(), request_id=request_id,
-            sandbox_id=conn.sandbox_id, sandbox_labels=dict(conn.labels), decision=str(decision.effect),
-            reason=str(decision.reason), rule_id=decision.rule_id, policy_name=conn.policy_name,
+        event = build(
+            EventKind.CONNECT, request_id=request_id, verdict=decision, sandbox_labels=conn.labels,
+            sandbox_id=conn.sandbox_id, policy_name=conn.policy_name,
             policy_hash=policy.hash if policy is not None else None, target_as_sent=conn.tunnel_as_sent,
             scheme="tcp", host=conn.tunnel_host, port=conn.tunnel_port,
             pinned_address=str(conn.tunnel_target.address) if conn.tunnel_target else None,
-            client_address=peer[0] if peer else None, message=None if decision.allowed else decision.message,
-            facts=facts,
+            client_address=peer[0] if peer else None, capability=None, facts=facts,
         )
         try:
             await self.rt.audit.write(event)

@@ -14,10 +14,10 @@ import click
 from egressgate.policy.canon import CanonError, canon_host
 from egressgate.policy.decide import decide
 from egressgate.policy.errors import PolicyError
-from egressgate.policy.facts import SandboxState
+from egressgate.policy.facts import Operation, SandboxState
 from egressgate.policy.loader import load_policies
 from egressgate.policy.target import parse_target
-from egressgate.policy.testcases import pick_policy, run_case_file
+from egressgate.policy.testcases import pick_policy, run_case_file, tunnel_mode
 
 EXIT_INVALID = 2
 
@@ -37,7 +37,9 @@ def check(path: str) -> None:
         click.echo(str(exc), err=True)
         sys.exit(EXIT_INVALID)
     for name, compiled in sorted(policies.items()):
-        click.echo(f"ok  {name}  {compiled.hash}  ({compiled.source}, {len(compiled.rules)} rules)")
+        passthrough = sum(r.passthrough for r in compiled.rules)
+        spliced = f", {passthrough} tls: passthrough" if passthrough else ""
+        click.echo(f"ok  {name}  {compiled.hash}  ({compiled.source}, {len(compiled.rules)} rules{spliced})")
 
 
 def _label(values: tuple[str, ...]) -> dict[str, str]:
@@ -96,11 +98,14 @@ def explain(
         "policy": compiled.name,
         "policy_hash": compiled.hash,
         "canonical": {"host": facts.host, "port": facts.port, "method": facts.method, "path": facts.path},
+        "tunnel": tunnel_mode(decision) if facts.operation is Operation.CONNECT else None,
     }
     if as_json:
         click.echo(json.dumps(out, indent=2))
         return
     click.echo(f"{out['decision'].upper()}  reason={out['reason']}  rule={out['rule'] or '-'}")
+    if out["tunnel"]:
+        click.echo(f"tunnel: {out['tunnel']}")
     if decision.capability:
         click.echo(f"credential: {decision.capability} (injected by the gateway)")
     if decision.message:

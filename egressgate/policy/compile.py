@@ -27,6 +27,7 @@ from egressgate.policy.globs import (
     parse_path_glob,
 )
 from egressgate.policy.model import Budget, Conditions, HttpRule, Policy, TcpRule
+from egressgate.policy.passthrough import passthrough_problems, tls_problems
 from egressgate.policy.reasons import Effect
 
 DEFAULT_PORTS = {"https": (443,), "http": (80,)}
@@ -61,6 +62,7 @@ class CompiledRule:
     key_path: str = ""  # where the rule is in the file, for error messages
     # Deny rules only: `paths` widened to fail closed against every server reading (policy.readings).
     deny_paths: tuple[DenyGlob, ...] | None = None
+    passthrough: bool = False  # an https allow rule with `tls: passthrough`: its tunnels are spliced
 
     def path_allows(self, path: str | None) -> bool:
         if self.paths is None:
@@ -133,6 +135,7 @@ class CompiledPolicy:
         self.dns: DnsSettings
         self.history_patterns: tuple[HostPattern, ...] = ()  # hosts any `when` asks the history about
         self.budgeted_rules: frozenset[str] = frozenset()  # rules whose usage decide() reads
+        self.has_passthrough = False  # some rule has `tls: passthrough` (transparent.py peeks at SNI first)
 
     def relevant_state(self, state: SandboxState) -> SandboxState:
         """`state` reduced to what decide() can read under this policy: only history hosts some `when`
@@ -200,7 +203,8 @@ def compile_policy(model: Policy, source: str, policy_hash: str) -> CompiledPoli
         for p in (*(r.when.after_request_to or ()), *(r.when.unless_request_to or ()))
     )
     policy.budgeted_rules = frozenset(r.id for r in policy.rules if r.budget is not None)
-    problems.extend(_credential_problems(policy))
+    policy.has_passthrough = any(r.passthrough for r in policy.rules)
+    problems.extend((*_credential_problems(policy), *passthrough_problems(policy)))
     if problems:
         raise PolicyError(source, problems)
     return policy
@@ -249,6 +253,7 @@ def _compile_rule(
                                  "credentials.capabilities)"))
     if raw.budget is not None and effect is Effect.DENY:
         problems.append((f"{path}.budget", "budgets belong on allow rules"))
+    problems.extend(tls_problems(raw, scheme, effect, path))  # `tls:`, and budgets of relayed tunnels
     when = _conditions(raw.when, f"{path}.when", problems) if raw.when is not None else None
     ports = _ports(raw.ports, scheme, effect)
     if len(problems) > before or host is None:
@@ -268,6 +273,7 @@ def _compile_rule(
         budget=raw.budget,
         key_path=path,
         deny_paths=tuple(deny_glob(g) for g in paths) if paths is not None and effect is Effect.DENY else None,
+        passthrough=isinstance(raw, HttpRule) and raw.tls == "passthrough",
     )
 
 

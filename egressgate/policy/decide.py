@@ -11,7 +11,8 @@ same answer for the same inputs. Order of checks (first failure wins):
    reading no model covers is refused as `path_ambiguous` wherever a path deny rule applies;
 4. allow rules for the host in file order: the first that fully matches allows. When none does, the
    reason is the deepest check some candidate got to (host < scheme < port < method < path <
-   condition < budget), which tells the agent precisely what to change.
+   condition < budget), which tells the agent precisely what to change. For a CONNECT, that first rule
+   also sets the tunnel's mode: intercepted, raw TCP (`tcp` rules only) or `tls: passthrough`.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from egressgate.policy.messages import deny_message
 from egressgate.policy.readings import AmbiguousPath, server_readings
 from egressgate.policy.reasons import Effect, Reason
 
-HTTP_SCHEMES = ("https", "http")
 CONNECT_SCHEMES = ("https", "http", "tcp")
 
 # Depth of the check where a candidate rule failed; higher is more specific.
@@ -83,20 +83,23 @@ def decide(policy: CompiledPolicy, facts: Facts, state: SandboxState, now: float
     if best[0] == _TRACE_ON_CREDENTIAL:
         best = (Reason.METHOD_NOT_ALLOWED, best[1])
     if allowed is not None:
-        return _allow(allowed, intercept=intercept)
+        # The first allowing rule sets the tunnel's mode (file order, https before http before tcp): a
+        # passthrough rule first means no interception, whatever later rules would have matched.
+        return _allow(allowed, intercept=intercept and not allowed.passthrough, passthrough=allowed.passthrough)
 
     if best[1] is None and not connect and _host_in_other_scheme(policy, facts):
         best = (Reason.SCHEME_NOT_ALLOWED, None)
     return _deny(policy, facts, best[0], best[1])
 
 
-def _allow(rule: CompiledRule, *, intercept: bool) -> Decision:
+def _allow(rule: CompiledRule, *, intercept: bool, passthrough: bool = False) -> Decision:
     return Decision(
         effect=Effect.ALLOW,
         reason=Reason.RULE_MATCHED,
         rule_id=rule.id,
         capability=rule.credential,
         intercept=intercept,
+        passthrough=passthrough,
     )
 
 
@@ -194,7 +197,9 @@ def _allow_rule_failure(
             return _TRACE_ON_CREDENTIAL  # TRACE echoes the request, injected credential included
     if rule.when is not None and not _conditions_hold(rule.when, state, now):
         return Reason.CONDITION_FAILED
-    if not connect and rule.budget is not None and _over_budget(rule, facts, state):
+    # an intercepted tunnel's requests are each checked; a relayed tunnel (tcp, passthrough) is its one request
+    relayed = rule.scheme == "tcp" or rule.passthrough
+    if (not connect or relayed) and rule.budget is not None and _over_budget(rule, facts, state):
         return Reason.BUDGET_EXCEEDED
     return None
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import StrEnum
 from types import MappingProxyType
 
@@ -72,7 +72,9 @@ class Decision:
     detail: str | None = None  # e.g. the address class for address_forbidden
     message: str = ""  # one sentence an agent can act on; never contains secrets
     intercept: bool = True  # CONNECT only: False when only a raw-TCP rule allows the target
-    tags: tuple[str, ...] = field(default=())
+    # CONNECT only: the first rule that allows the target has `tls: passthrough` (intercept is then False):
+    # the tunnel must carry TLS whose SNI names the target, spliced without interception
+    passthrough: bool = False
 
     @property
     def allowed(self) -> bool:

@@ -95,6 +95,10 @@ class HttpRule(Strict):
     credential: str | None = None
     when: Conditions | None = None
     budget: Budget | None = None
+    # network.https allow rules only (compile.py): `passthrough` splices the client's TLS to the pinned
+    # address without interception, after checking the ClientHello's SNI names the CONNECT host; such a
+    # rule can carry nothing that needs to read HTTP (docs/policy.md, "Passthrough routes").
+    tls: Literal["intercept", "passthrough"] | None = None
 
 
 class TcpRule(Strict):

@@ -18,7 +18,6 @@ class Reason(StrEnum):
     # allow
     RULE_MATCHED = "rule_matched"
     # policy-level denials
-    NO_MATCHING_RULE = "no_matching_rule"
     HOST_NOT_ALLOWED = "host_not_allowed"
     SCHEME_NOT_ALLOWED = "scheme_not_allowed"
     METHOD_NOT_ALLOWED = "method_not_allowed"

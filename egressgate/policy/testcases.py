@@ -16,6 +16,9 @@ cases:
     elapsed_seconds: 30                           # time since admission (optional, default 0)
     seen_hosts: [vault.internal.example]          # earlier requests (optional)
     expect: deny
+  - request: CONNECT objects.githubusercontent.com:443
+    expect: allow
+    tunnel: passthrough                           # CONNECT only: intercept | passthrough | tcp (optional)
 ```
 """
 
@@ -53,6 +56,7 @@ class Case(BaseModel):
     elapsed_seconds: float = 0
     seen_hosts: list[str] = []
     sandbox_id: str = "policy-test"
+    tunnel: Literal["intercept", "passthrough", "tcp"] | None = None
 
 
 class CaseFile(BaseModel):
@@ -72,6 +76,14 @@ class CaseResult:
     @property
     def passed(self) -> bool:
         return not self.problems
+
+
+def tunnel_mode(decision: Decision) -> str | None:
+    """How the gateway carries an allowed CONNECT: `intercept` (TLS terminated, every request decided),
+    `passthrough` (TLS spliced after the SNI check) or `tcp` (raw relay); None for a deny."""
+    if not decision.allowed:
+        return None
+    return "passthrough" if decision.passthrough else "intercept" if decision.intercept else "tcp"
 
 
 def pick_policy(policies: dict[str, CompiledPolicy], sandbox: str | None, where: str) -> CompiledPolicy:
@@ -117,6 +129,8 @@ def run_case(policy: CompiledPolicy, case: Case, index: int) -> CaseResult:
         problems.append(f"expected reason {case.reason}, got {decision.reason.value}")
     if case.rule is not None and decision.rule_id != case.rule:
         problems.append(f"expected rule {case.rule}, got {decision.rule_id}")
+    if case.tunnel is not None and tunnel_mode(decision) != case.tunnel:
+        problems.append(f"expected tunnel {case.tunnel}, got {tunnel_mode(decision)}")
     return CaseResult(case, index, decision, tuple(problems))
 
 

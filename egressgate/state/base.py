@@ -59,9 +59,6 @@ class StateStore(Protocol):
     async def add_bytes(self, sandbox_id: str, out: int = 0, in_: int = 0) -> tuple[int, int]:
         """Atomically add and return the new (bytes_out, bytes_in) totals."""
 
-    async def reserve_bytes_out(self, sandbox_id: str, amount: int, limit: int | None) -> bool:
-        """Atomically add `amount` to bytes_out unless that would exceed `limit`; True when added."""
-
     async def record_request(self, sandbox_id: str, host: str, rule_id: str | None, nbytes: int) -> None:
         """Remember an allowed request: host history (for `when.after_request_to`) and per-rule usage."""
 

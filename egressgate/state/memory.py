@@ -89,13 +89,6 @@ class MemoryState:
         counters[1] += in_
         return counters[0], counters[1]
 
-    async def reserve_bytes_out(self, sandbox_id: str, amount: int, limit: int | None) -> bool:
-        counters = self._bytes.setdefault(sandbox_id, [0, 0])
-        if limit is not None and counters[0] + amount > limit:
-            return False
-        counters[0] += amount
-        return True
-
     async def record_request(self, sandbox_id: str, host: str, rule_id: str | None, nbytes: int) -> None:
         hosts = self._hosts.setdefault(sandbox_id, set())
         if host not in hosts:

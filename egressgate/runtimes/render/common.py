@@ -76,7 +76,7 @@ def load_context(policies: str | Path, name: str, *, image: str = DEFAULT_IMAGE,
     return RenderContext(policy=compiled, policy_text=text, image=image, agent_image=agent_image)
 
 
-def gateway_config(*, state_backend: str = "memory", broker: dict | None = None) -> dict:
+def gateway_config(*, broker: dict | None = None) -> dict:
     """The gateway's config inside a container (egressgate/config.py's schema; unknown keys are refused
     there, so `GatewayConfig.model_validate` in the tests keeps this in step with the code)."""
     cfg: dict = {
@@ -87,7 +87,6 @@ def gateway_config(*, state_backend: str = "memory", broker: dict | None = None)
         },
         "policy": POLICY_DIR,
         "var_dir": VAR_DIR,
-        "state": {"backend": state_backend},
     }
     if broker:
         cfg["broker"] = broker
