@@ -88,6 +88,25 @@ async def test_writes_go_back_inline_even_when_thread_writes_look_slow(make_sink
     assert len(request_ids(sink.path)) == n - 1
 
 
+async def test_lone_and_concurrent_records_keep_one_chain(make_sink, pubkey):
+    """Lone records (a batch each), concurrent ones (batched), checkpoints in between: one valid chain
+    with every record, in the order write() was called."""
+    sink = await make_sink(checkpoint_every=7)
+    expected: list[str] = []
+    for round_ in range(6):
+        for _ in range(3):  # lone
+            event = http_event(len(expected))
+            await sink.write(event)
+            expected.append(event.request_id)
+        burst = [http_event(len(expected) + i) for i in range(5 + round_)]  # concurrent: queued, batched
+        await asyncio.gather(*(sink.write(e) for e in burst))
+        expected.extend(e.request_id for e in burst)
+    await sink.close()
+    rep = verify_file(sink.path, load_public_keys([pubkey]))
+    assert rep.ok and rep.sealed, rep.error
+    assert request_ids(sink.path) == expected
+
+
 async def test_concurrent_writers_share_flushes(make_sink, pubkey):
     sink = await make_sink(fsync=True)
     events = [http_event(i) for i in range(300)]
