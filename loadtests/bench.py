@@ -95,6 +95,14 @@ class Driver:
         if "egressgate" in self.unavailable and "egressgate-pt" not in self.unavailable:
             self.unavailable["egressgate-pt"] = "egressgate did not start"
 
+    def audit_records(self) -> int | None:
+        """Lines egressgate's audit file holds at the end: proof that the measured pipeline had audit on."""
+        eg = self.procs.get("egressgate")
+        if eg is None:
+            return None
+        with Path(eg.info["audit"]).open("rb") as fh:
+            return sum(1 for _ in fh)
+
     def stop(self) -> None:
         for p in reversed(list(self.procs.values())):
             p.stop()
@@ -230,6 +238,7 @@ def inner(args: argparse.Namespace) -> None:
         rows = driver.matrix()
         result.update({"rows": rows, "summary": summarize(rows)})
         result["bulk"] = driver.bulk() if args.bulk_bytes > 0 and args.bulk_repeats > 0 else []
+        result["audit_records"] = driver.audit_records()
     finally:
         driver.stop()
         Path(os.environ[RESULT_ENV]).write_text(json.dumps(result, indent=1, default=str))
