@@ -1,7 +1,7 @@
 """Credential broker cost: cold mints against a real OpenBao, cached issues, scrubbing throughput.
 
 Run: `.venv/bin/python -m loadtests.broker_bench [--n 200]`. Starts its own `bao server -dev` on a free
-loopback port (tests/broker/bao.py), logs in by AppRole like the gateway does, then measures:
+loopback port (tests/support/bao.py), logs in by AppRole like the gateway does, then measures:
 - cold mint latency (cache miss: a new sandbox id each time) for a transit-signed JWT, a KV v2 static
   read and an identity OIDC token — one Vault round trip each, through hvac in a worker thread;
 - the same for the local backend (in-process Ed25519);
@@ -29,7 +29,7 @@ from egressgate.broker.credential import Credential
 from egressgate.broker.decompress import scrubbing_stream
 from egressgate.broker.inject import find_phantoms, inject
 from egressgate.broker.redact import Scrubber, SecretSpec, cached_scrubber
-from tests.broker.bao import BaoServer
+from tests.support.bao import BaoServer
 
 CAP = TypeAdapter(Capability)
 JWT = CAP.validate_python({"type": "jwt", "ttl_seconds": 300})

@@ -5,7 +5,7 @@ Everything runs inside a closed test world (tests/networld) with the test suite'
 (tests/support/dockerd.py) and the real gateway on loopback in the world's gw namespace, exactly as the
 runtime tests do. Run as root:
 
-    PYTHONPATH=$PWD:$PWD/tests .venv/bin/python -m loadtests.docker_startup_bench [--runs 15]
+    PYTHONPATH=$PWD .venv/bin/python -m loadtests.docker_startup_bench [--runs 15]
 
 With `--baseline TREE` (a checkout of an earlier commit, e.g. `git archive h10-docker | tar -x -C TREE`)
 each round also runs TREE's `sandbox run` (PYTHONPATH=TREE), so before and after are measured interleaved
@@ -27,11 +27,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT)]
 
-from networld import World  # noqa: E402
-from runtimes.harness import Gateway, base_dir, remove  # noqa: E402
-from support.dockerd import running  # noqa: E402
+from tests.networld import World  # noqa: E402
+from tests.runtimes.harness import Gateway, base_dir, remove  # noqa: E402
+from tests.support.dockerd import running  # noqa: E402
 
 POLICY = {"sandbox": {"name": "bench"}, "network": {"dns": {"allow": ["api.allowed.test"]}}}
 

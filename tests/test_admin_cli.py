@@ -14,7 +14,7 @@ import yaml
 from click.testing import CliRunner
 
 from egressgate.commands import cli as main
-from tests.conftest import free_port
+from tests.support.env import free_port
 
 
 def config(tmp_path) -> str:

@@ -20,9 +20,10 @@ from urllib.parse import quote
 from aiohttp import web
 
 from egressgate.admin.jsonbody import MAX_BODY, BodyError, read_object
+from egressgate.audit.build import build
 from egressgate.audit.event import AuditEvent, AuditUnavailable, EventKind
 from egressgate.broker.inject import admission_phantoms
-from egressgate.gateway.context import Runtime, new_request_id
+from egressgate.gateway.context import Runtime
 from egressgate.policy.canon import ip_text
 from egressgate.runtimes.admitenv import CA_ENV_VARS
 from egressgate.state.base import SandboxRecord, StateUnavailable, hash_token
@@ -220,9 +221,8 @@ class AdminServer:
         record = SandboxRecord(id=sandbox_id, token_hash=hash_token(token), policy_name=policy_name,
                                admitted_at=time.time(), labels=dict(labels), phantoms=phantom_hashes,
                                addresses=addresses)
-        event = AuditEvent(kind=EventKind.ADMISSION, time_ns=time.time_ns(), request_id=new_request_id(),
-                           sandbox_id=sandbox_id, sandbox_labels=dict(labels), decision="allow",
-                           policy_name=policy_name, policy_hash=policy.hash)
+        event = build(EventKind.ADMISSION, sandbox_id=sandbox_id, sandbox_labels=labels, decision="allow",
+                      policy_name=policy_name, policy_hash=policy.hash)
         if not await self._audit(event):
             return web.json_response({"error": "audit_unavailable"}, status=503)
         try:
@@ -303,9 +303,8 @@ class AdminServer:
             return web.json_response({"error": "state_unavailable"}, status=503)
         if record is None:
             return web.json_response({"error": "unknown_sandbox"}, status=404)
-        event = AuditEvent(kind=EventKind.REVOCATION, time_ns=time.time_ns(), request_id=new_request_id(),
-                           sandbox_id=sandbox_id, sandbox_labels=dict(record.labels), decision="allow",
-                           policy_name=record.policy_name, extra=outcome)
+        event = build(EventKind.REVOCATION, sandbox_id=sandbox_id, sandbox_labels=record.labels,
+                      decision="allow", policy_name=record.policy_name, extra=outcome)
         # a revocation happens even when its record cannot be written now (fail closed): the record is
         # queued and retried like an outcome, never dropped
         if not await self.rt.audit.write_after(event):

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from dnslib import QTYPE
 
+from egressgate.audit.build import build
 from egressgate.audit.event import AuditEvent, EventKind
 from egressgate.dns.filter import Filtered
 from egressgate.dns.wire import RCODE_BY_NAME, Query
@@ -89,23 +90,20 @@ def dns_event(ctx: QueryContext, decision: Decision, rcode: int, answers: list[s
     }
     if ctx.cache:
         extra["egressgate.dns.cache"] = ctx.cache
-    if decision.detail:
-        extra["egressgate.decision.detail"] = decision.detail
     if ctx.dns_counts is not None:
         # The state decide() was given, as far as a DNS decision reads it (docs/audit.md, "Replay"). The facts
         # (operation, name, scheme, qtype) are the record's own attributes.
         extra["egressgate.state.admitted_at"] = float(ctx.admitted_at or 0.0)
         extra["egressgate.state.dns_queries"] = ctx.dns_counts[0]
         extra["egressgate.state.dns_name_bytes"] = ctx.dns_counts[1]
-    return AuditEvent(
-        kind=EventKind.DNS_QUERY,
-        time_ns=time.time_ns(),
+    return build(
+        EventKind.DNS_QUERY,
         request_id=request_id,
+        verdict=decision,
+        detail_key="egressgate.decision.detail",  # the DNS records' name for it (docs/audit.md)
         sandbox_id=ctx.sandbox_id,
-        sandbox_labels=ctx.labels or {},
-        decision=str(decision.effect),
-        reason=str(decision.reason),
-        rule_id=decision.rule_id,
+        sandbox_labels=ctx.labels,
+        capability=None,
         policy_name=policy.name if policy else None,
         policy_hash=policy.hash if policy else None,
         target_as_sent=b".".join(query.labels).decode("ascii", "backslashreplace"),
@@ -115,6 +113,6 @@ def dns_event(ctx: QueryContext, decision: Decision, rcode: int, answers: list[s
         answers=answers,
         client_address=ctx.client,
         duration_ms=(time.monotonic() - ctx.started) * 1000.0,
-        message=decision.message or None,
+        message=decision.message or None,  # DNS records keep an allow's message too (docs/audit.md)
         extra=extra,
     )

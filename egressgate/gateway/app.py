@@ -14,19 +14,19 @@ import json
 import logging
 import os
 import signal
-import time
 from pathlib import Path
 
 from egressgate.admin.server import AdminServer, ensure_admin_token
+from egressgate.audit.build import build
 from egressgate.audit.config import open_audit_sink
-from egressgate.audit.event import AuditEvent, EventKind
+from egressgate.audit.event import EventKind
 from egressgate.audit.signer import Signer
 from egressgate.broker.signer import TransitSigner
 from egressgate.config import ConfigError, GatewayConfig, parse_listen
 from egressgate.dns import DnsServer
 from egressgate.gateway import ca
 from egressgate.gateway.budgets import ByteLedger
-from egressgate.gateway.context import PolicyHolder, Runtime, new_request_id
+from egressgate.gateway.context import PolicyHolder, Runtime
 from egressgate.gateway.credentials import check_broker, start_broker
 from egressgate.gateway.master import GatewayMaster
 from egressgate.gateway.resolver import make_resolver
@@ -148,9 +148,8 @@ class Gateway:
     async def _audit_reload(self, ok: bool, error: str | None, policies: dict | None = None) -> None:
         assert self.rt is not None
         extra = {"egressgate.policies": ",".join(f"{n}={p.hash}" for n, p in sorted((policies or {}).items()))}
-        event = AuditEvent(kind=EventKind.POLICY_RELOAD, time_ns=time.time_ns(), request_id=new_request_id(),
-                           decision="allow" if ok else "deny", message=error[:2000] if error else None,
-                           extra=extra)
+        event = build(EventKind.POLICY_RELOAD, decision="allow" if ok else "deny",
+                      message=error[:2000] if error else None, extra=extra)
         # the reload already happened (or was refused): its record is queued and retried, never dropped
         await self.rt.audit.write_after(event)
 

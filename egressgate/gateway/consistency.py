@@ -121,7 +121,7 @@ class Consistency:
             logger.info("SNI %r does not match CONNECT target %s", sni, conn.tunnel_host)
 
     def requestheaders(self, flow: http.HTTPFlow) -> None:
-        fs: FlowState = ensure_flow_state(flow, "http_request")
+        fs: FlowState = ensure_flow_state(flow)
         if fs.decision is not None or flow.response is not None:
             return
         conn = self.rt.conn(flow.client_conn.id)

@@ -11,27 +11,30 @@ re-derives a destination from attacker-controlled headers.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import ipaddress
-import itertools
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from egressgate.audit.build import new_request_id
 from egressgate.config import GatewayConfig
-from egressgate.policy.facts import Decision, IPAddress
+from egressgate.policy.facts import Decision, Facts, IPAddress, SandboxState
 
 if TYPE_CHECKING:
+    from egressgate.audit.reqhash import StreamingRequestHash
     from egressgate.audit.sink import AuditSink
     from egressgate.broker.broker import Broker
     from egressgate.gateway.budgets import ByteLedger
+    from egressgate.gateway.compose import ScrubPlan
+    from egressgate.gateway.credential_response import Applied
     from egressgate.gateway.limit_audit import LimitAudit
     from egressgate.gateway.resolver import Resolver
+    from egressgate.gateway.ws_layer import Refusal as WsRefusal
     from egressgate.state.base import SandboxRecord, StateStore
 
-# flow.metadata keys (namespaced so they never collide with mitmproxy's or a future addon's).
+# The one flow.metadata key the gateway uses: it holds the flow's FlowState (every other per-flow fact
+# is a typed field of it, so no stage reads a fact another stage never wrote under a misspelt key).
 META = "egressgate"
 
 
@@ -43,7 +46,6 @@ class PinnedTarget:
     port: int
     address: IPAddress
     sni: str | None  # None for IP literal targets (RFC 6066: no IP in SNI)
-    addr_class: str = "global"
 
 
 @dataclass(slots=True)
@@ -58,7 +60,6 @@ class ConnState:
     tunnel_host: str | None = None  # canonical
     tunnel_port: int | None = None
     tunnel_as_sent: str | None = None
-    tunnel_raw_address: tuple[str, int] | None = None  # what mitmproxy will put in server.address
     tunnel_target: PinnedTarget | None = None
     intercept: bool = True
     # `tls: passthrough` tunnel (passthrough.py): the ClientHello must name tunnel_host, then bytes are
@@ -69,7 +70,8 @@ class ConnState:
     # request id of the decision that allowed that raw TCP (the CONNECT's, or the in-tunnel raw-TCP
     # decision's): the relay's outcome record reuses it, so `audit find --request-id` links the two
     tcp_request_id: str | None = None
-    # address tuple (as mitmproxy will present it in server_connect) -> checked target
+    # address tuple (as mitmproxy will present it in server_connect) -> checked target; written only by
+    # pinning.py (commit), read only by pinning.py (server_connect / server_connected)
     approved: dict[tuple[str, int], PinnedTarget] = field(default_factory=dict)
     closed: bool = False
     # transparent listener (transparent.py): identity is the source address, the name the SNI or Host
@@ -86,14 +88,16 @@ class ConnState:
 
 @dataclass(slots=True)
 class FlowState:
-    """Per-flow record the addons fill in; the audit addon turns it into one decision event."""
+    """Everything the pipeline learns about one flow (an HTTP request, a CONNECT, a websocket session or
+    a raw-TCP relay), as typed fields. Each group is written by one stage (named in its comment) and
+    only read by the later ones; the audit stage turns it into the flow's records (audit/build.py)."""
 
     request_id: str
     started_ns: int
-    kind: str  # "connect" | "http_request" | "tcp"
+    # identity.py / transparent.py: who is asking
     sandbox_id: str | None = None
     policy_name: str | None = None
-    policy_hash: str | None = None
+    # consistency.py / decision.py (target.py for refused flows): what was asked, as sent and canonical
     target_as_sent: str | None = None
     scheme: str | None = None
     host: str | None = None
@@ -101,26 +105,53 @@ class FlowState:
     method: str | None = None
     path: str | None = None
     query: str | None = None
+    # decision.py: the verdict and exactly the inputs decide() saw (recorded for `audit replay`);
+    # later stages may only turn an allow into a deny, never the reverse
+    policy_hash: str | None = None
     decision: Decision | None = None
+    facts: Facts | None = None
+    state: SandboxState | None = None
+    intercept: bool | None = None  # CONNECT only: False when only a raw-TCP rule allowed the tunnel
+    # pinning: the checked destination, and the address mitmproxy will ask to dial for this flow
     pinned: PinnedTarget | None = None
-    status: int | None = None
+    dial_key: tuple[str, int] | None = None
+    # budgets.py: bytes of this flow (HTTP exchange, raw-TCP relay; ws_* the websocket session after the 101)
     bytes_out: int = 0
     bytes_in: int = 0
     prepaid_out: int = 0  # bytes reserved up front (head + Content-Length)
+    stream_request: bool = False  # the request body is relayed as it arrives (large or of unknown length) ...
+    meter_request: bool = False  # ... and counted chunk by chunk (unknown length: not prepaid)
+    budget_cut: bool = False
+    ws_out: int = 0
+    ws_in: int = 0
+    # streaming.py: the response body is relayed as it arrives (compose.py builds its callable)
+    stream_response: bool = False
+    # credentials.py: the credential placed on this request (its response is scrubbed of it) and, from
+    # credential_response.py, how its streamed body is scrubbed or what replaces a refused one
+    credential: Applied | None = None
+    scrub: ScrubPlan | None = None
+    replacement: bytes | None = None
+    # request_hash.py: the canonical request hash (complete at the headers, or fed by the body)
+    bodyless_hash: str | None = None
+    hasher: StreamingRequestHash | None = None
+    # ws_layer.py: the websocket runs on the guarded layer / why the gateway closed it
+    ws_guarded: bool = False
+    ws_refusal: WsRefusal | None = None
+    # why an allowed exchange did not complete normally (the outcome record says so)
+    internal_error: str | None = None  # failclosed.py: the hook that crashed
+    response_refused: str | None = None  # credential_response.py / http_layer.py
+    request_refused: str | None = None  # http_layer.py: the request body's framing was refused
+    # record.py: connection facts repeated on every record of the flow, and what was already written
+    transparent: bool = False
+    original_dst: tuple[str, int] | None = None
     audited: bool = False
     outcome_sent: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
+    ws_audited: bool = False
 
-
-_ID_KEY = os.urandom(32)
-_ID_COUNTER = itertools.count()
-
-
-def new_request_id() -> str:
-    """128-bit ids, unique per process (a counter) and unguessable across sandboxes (keyed BLAKE2b of
-    it: a sequential id in a deny body would tell one sandbox how busy the others are). About 4x cheaper
-    than uuid4, which costs a getrandom syscall and a UUID object per request."""
-    return hashlib.blake2b(next(_ID_COUNTER).to_bytes(8, "big"), key=_ID_KEY, digest_size=16).hexdigest()
+    @property
+    def key_id(self) -> str | None:
+        """Key id of the placed credential (records carry it, never the value)."""
+        return self.credential.credential.key_id if self.credential is not None else None
 
 
 class PolicyHolder:
@@ -202,9 +233,9 @@ def flow_state(flow: Any) -> FlowState | None:
     return flow.metadata.get(META)
 
 
-def ensure_flow_state(flow: Any, kind: str) -> FlowState:
+def ensure_flow_state(flow: Any) -> FlowState:
     state = flow.metadata.get(META)
     if state is None:
-        state = FlowState(request_id=new_request_id(), started_ns=time.time_ns(), kind=kind)
+        state = FlowState(request_id=new_request_id(), started_ns=time.time_ns())
         flow.metadata[META] = state
     return state

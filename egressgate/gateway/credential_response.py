@@ -1,10 +1,10 @@
 """Response side of credential injection: what flows back from a credentialed request is scrubbed.
 
-A mixin of the `Credentials` addon (credentials.py places the credential and records `Applied` in
-`flow.metadata[META_CRED]`); kept apart so each module has one concern. Headers (incl. Location,
-Set-Cookie), the reason phrase and trailers are scrubbed; a buffered body (known length <= 64 KiB) is
-decoded and scrubbed whole in `response`; a streamed body gets `budget counter -> decode -> sliding
-window scrubber` and is reframed. "Decode" means every coding on the body — Content-Encoding *and* a
+The `ResponseScrub` addon, after Budgets (credentials.py places the credential and records `Applied`
+in `FlowState.credential`). Headers (incl. Location, Set-Cookie), the reason phrase and trailers are
+scrubbed; a buffered body (known length <= 64 KiB) is decoded and scrubbed whole in `response`; a
+streamed body gets a `ScrubPlan` that compose.py chains as `budget counter -> decode -> sliding window
+scrubber`, and is reframed. "Decode" means every coding on the body — Content-Encoding *and* a
 Transfer-Encoding other than chunked, which mitmproxy forwards undecoded (response_codings.py); a
 coding we cannot decode, ambiguous framing or a folded header is refused (502, reason in the body and
 in the outcome record as `egressgate.response_refused`) — never forwarded.
@@ -20,6 +20,7 @@ from mitmproxy import http
 
 from egressgate.broker.credential import Credential
 from egressgate.broker.redact import SecretSpec, cached_scrubber
+from egressgate.gateway.compose import ScrubPlan
 from egressgate.gateway.context import FlowState, Runtime, flow_state
 from egressgate.gateway.credential_streams import as_chunks, reframe, refusal_body, refuse, scrub_chain
 from egressgate.gateway.deny import REQUEST_ID_HEADER
@@ -27,7 +28,6 @@ from egressgate.gateway.response_codings import Uninspectable, body_codings, fol
 
 logger = logging.getLogger(__name__)
 
-META_CRED = "egressgate.credential"
 STREAM_MAX_DECODED = 1 << 30  # decoded bytes per streamed response (decompression-bomb bound)
 BUFFERED_MAX_DECODED = 16 << 20  # a buffered (<= 64 KiB on the wire) body may not inflate beyond this
 # a repr'd literal in a mitmproxy error message: b'...', b"...", '...', "..." (upstream bytes it quotes)
@@ -58,13 +58,15 @@ def fields(pairs: list[tuple[str, str]]) -> http.Headers:
 
 
 class ResponseScrub:
-    """Mixin: the response hooks of the Credentials addon (one addon, so hook order stays one place)."""
+    """Addon: the response side of credential injection. Its own addon (after Budgets in master.py) so
+    the budget counts a buffered body as the upstream sent it, before the scrub rewrites it."""
 
-    rt: Runtime
+    def __init__(self, runtime: Runtime) -> None:
+        self.rt = runtime
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
-        applied: Applied | None = flow.metadata.get(META_CRED)
         fs = flow_state(flow)
+        applied = fs.credential if fs is not None else None
         resp = flow.response
         if applied is None or resp is None or fs is None or fs.decision is None or not fs.decision.allowed:
             return
@@ -85,37 +87,36 @@ class ResponseScrub:
         except Uninspectable as exc:
             self._refuse(flow, fs, applied, exc, bodiless)
             return
-        if not resp.stream:
+        if not fs.stream_response:
             return  # buffered: scrubbed whole in `response`
-        inner = resp.stream if callable(resp.stream) else None
         client_id = flow.client_conn.id
 
         def on_error(exc: Exception) -> None:
             logger.warning("killed %s response from %s: %s", applied.capability, fs.host, type(exc).__name__)
-            fs.extra["response_refused"] = "undecodable_body"  # cut mid-stream: corrupt or a bomb
+            fs.response_refused = "undecodable_body"  # cut mid-stream: corrupt or a bomb
             if self.rt.abort_connection is not None:
                 self.rt.abort_connection(client_id)
 
-        resp.stream = scrub_chain(inner, codings, scrubber, STREAM_MAX_DECODED, on_error)
+        fs.scrub = ScrubPlan(codings, scrubber, STREAM_MAX_DECODED, on_error)  # compose.py chains it
         reframe(flow)
 
     @staticmethod
     def _refuse(flow: http.HTTPFlow, fs: FlowState, applied: Applied, exc: Uninspectable, bodiless: bool) -> None:
-        """502 with a reason the client reads and the outcome record keeps (AuditEmit)."""
+        """502 with a reason the client reads and the outcome record keeps (record.py)."""
         logger.warning("refused %s response from %s: %s", applied.capability, fs.host, exc.reason)
-        refuse(flow, fs.request_id, exc.reason, exc.message, bodiless)
-        fs.extra["response_refused"] = exc.reason
+        fs.replacement = refuse(flow, fs.request_id, exc.reason, exc.message, bodiless)
+        fs.response_refused = exc.reason
 
     def error(self, flow: http.HTTPFlow) -> None:
         """mitmproxy quotes upstream bytes it could not parse — a malformed Transfer-Encoding,
         Content-Length, header name or line, status line, a cut head — in its 502 page (sent right
-        after this hook, with no hook able to change it) and in `flow.error`, which AuditEmit records
+        after this hook, with no hook able to change it) and in `flow.error`, which record.py records
         next. On a credentialed flow those bytes may echo the credential (even compressed, inside a
         bytes repr). So when the message quotes anything or holds the secret: cut the client
         connection before the page goes out (the sandbox sees a reset, not a 502), and keep only a
         sanitized message for the audit record."""
-        applied: Applied | None = flow.metadata.get(META_CRED)
         fs = flow_state(flow)
+        applied = fs.credential if fs is not None else None
         if applied is None or fs is None or flow.error is None:
             return
         msg = flow.error.msg
@@ -126,21 +127,21 @@ class ResponseScrub:
         logger.warning("cut %s response from %s: the upstream's response was malformed (%s)",
                        applied.capability, fs.host, clean[:200])
         flow.error.msg = clean
-        fs.extra.setdefault("response_refused", "malformed_response")
+        fs.response_refused = fs.response_refused or "malformed_response"
         cut = self.rt.abort_connection is not None and self.rt.abort_connection(flow.client_conn.id)
         if not cut and flow.killable:
             flow.kill()  # no connection to cut: at least mitmproxy's page after a parse error is suppressed
 
     def response(self, flow: http.HTTPFlow) -> None:
-        applied: Applied | None = flow.metadata.get(META_CRED)
-        resp = flow.response
         fs = flow_state(flow)
+        applied = fs.credential if fs is not None else None
+        resp = flow.response
         if applied is None or resp is None or fs is None:
             return
         if resp.trailers:  # sent after this hook, for streamed responses too
             scrubber = cached_scrubber(applied.spec())
             resp.trailers = fields(scrubber.scrub_headers(list(resp.trailers.items(multi=True))))
-        if resp.stream:
+        if fs.stream_response or fs.replacement is not None:
             return
         raw = resp.raw_content
         if not raw or flow.request.method.upper() == "HEAD":
@@ -162,7 +163,7 @@ class ResponseScrub:
         if errors:
             why = errors[0] if isinstance(errors[0], Uninspectable) else Uninspectable("undecodable_body", _UNDECODABLE)
             logger.warning("refused %s response from %s: %s", applied.capability, fs.host, why.reason)
-            fs.extra["response_refused"] = why.reason
+            fs.response_refused = why.reason
             flow.response = http.Response.make(
                 502, refusal_body(fs.request_id, why.reason, why.message),
                 {"Content-Type": "application/json", REQUEST_ID_HEADER: fs.request_id, "Cache-Control": "no-store"})

@@ -2,7 +2,7 @@
 scrub/decode on responses, reframing or refusing a response whose body we rewrite.
 
 mitmproxy's `flow.request.stream` / `flow.response.stream` callables are synchronous, called per chunk
-and then once with b"". The budgets addon already installed a byte-counting callable; these wrap it, so
+and then once with b"". compose.py chains these with the budget counters in the one stated order, so
 one chain both counts and inspects. Two rules of that contract matter here:
 
 - An empty *non-final* return must be `[]`, never b"": mitmproxy frames every returned bytes object, and
@@ -141,10 +141,11 @@ def refusal_body(request_id: str, reason: str, message: str) -> bytes:
                        "message": message}, separators=(",", ":")).encode()
 
 
-def refuse(flow: http.HTTPFlow, request_id: str, reason: str, message: str, bodiless: bool = False) -> None:
+def refuse(flow: http.HTTPFlow, request_id: str, reason: str, message: str, bodiless: bool = False) -> bytes:
     """Turn the upstream's response (headers not yet sent) into a 502 whose body we write: none of the
-    upstream's bytes go out, since they could not be inspected. `bodiless`: the exchange has no body
-    (HEAD, 204, 304): the 502 then has none either, or the client would wait for it."""
+    upstream's bytes go out, since they could not be inspected; returns that body (compose.py streams it
+    in place of the upstream's). `bodiless`: the exchange has no body (HEAD, 204, 304): the 502 then has
+    none either, or the client would wait for it."""
     resp = flow.response
     assert resp is not None
     body = refusal_body(request_id, reason, message)
@@ -153,4 +154,4 @@ def refuse(flow: http.HTTPFlow, request_id: str, reason: str, message: str, bodi
     resp.headers = http.Headers(content_type="application/json", cache_control="no-store",
                                 content_length="0" if bodiless else str(len(body)))
     resp.headers[REQUEST_ID_HEADER] = request_id
-    resp.stream = replace_body(b"" if bodiless else body)
+    return b"" if bodiless else body

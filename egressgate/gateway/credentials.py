@@ -1,11 +1,12 @@
 """Credential injection and scrubbing in the live gateway (the mitmproxy side of egressgate/broker/).
 
-Where it sits (master.py): after Identity, Consistency, Sanitize, Decision, Pinning, Streaming and
-Budgets, before AuditEmit. So in `requestheaders` every earlier check has already had its say — a flow
-that is answered (`flow.response`) or not allowed is never touched — and a deny set here
-(`credential_unavailable`, `credential_misuse`, TRACE) is the one decision record AuditEmit writes and
-enforces; AuditEmit also refuses the request if that record cannot be written, so an injected header
-never leaves without its audit record. Address pinning ran even earlier: with the eager connection
+Where it sits (master.py, docs/architecture.md): after Identity, Consistency, Sanitize, Decision and
+Trailers, before Budgets and Record. So in `requestheaders` every earlier check has already had its say —
+a flow that is answered (`flow.response`) or not allowed is never touched — a deny set here
+(`credential_unavailable`, `credential_misuse`, TRACE) comes before Budgets reserves any byte, and it is
+the one decision record Record writes; Record also refuses the request if that record cannot be
+written, so an injected header never leaves without its audit record. For an intercepted tunnel,
+address pinning ran even earlier: with the eager connection
 strategy the upstream connection of a CONNECT tunnel is opened (server_connect → Pinning rewrites the
 address, server_connected checks the peer) and its TLS is established before the client's first
 request; a later reconnect goes through Pinning again. `_channel_problem` re-checks all of it before a
@@ -14,9 +15,9 @@ credential is placed, and refuses rather than trusts.
 Request side: only HTTPS inside an intercepted tunnel, only when the decision's matched rule names the
 capability (`Decision.capability`); TRACE refused; phantoms anywhere except their one bound header are
 `credential_misuse` — headers, query and path here, buffered bodies in `request`, streamed bodies by a
-guard chained before the budget counter. Response side: headers (Location, Set-Cookie, ...) and bodies
+guard compose.py chains before the budget counter. Response side: headers (Location, Set-Cookie, ...) and bodies
 are scrubbed of the injected value; compressed bodies are decoded first or the response is refused
-(credential_response.py, a mixin of this addon; the stream callables live in credential_streams.py).
+(credential_response.py, its own addon after Budgets; the stream callables live in credential_streams.py).
 Audit records carry the capability name and key id, never a value; so do logs and error pages.
 """
 
@@ -26,12 +27,12 @@ import asyncio
 import ipaddress
 import logging
 import re
-import time
 from collections import OrderedDict
 from dataclasses import replace
 
 from mitmproxy import http
 
+from egressgate.audit.build import build
 from egressgate.audit.event import AuditEvent, AuditUnavailable, EventKind
 from egressgate.broker.broker import Broker
 from egressgate.broker.config import BasicPlacement, QueryPlacement
@@ -40,9 +41,9 @@ from egressgate.broker.inject import PhantomHit, find_phantoms, inject, swap_pha
 from egressgate.broker.redact import cached_scrubber
 from egressgate.config import GatewayConfig
 from egressgate.gateway import ws_layer
-from egressgate.gateway.context import FlowState, Runtime, flow_state, new_request_id
-from egressgate.gateway.credential_response import META_CRED, Applied, ResponseScrub, fields
-from egressgate.gateway.credential_streams import phantom_guard
+from egressgate.gateway.budgets import refund_prepaid
+from egressgate.gateway.context import FlowState, Runtime, flow_state
+from egressgate.gateway.credential_response import Applied, fields
 from egressgate.gateway.deny import deny_response, gateway_deny
 from egressgate.policy.errors import PolicyError
 from egressgate.policy.reasons import Reason
@@ -107,12 +108,45 @@ async def start_broker(config: GatewayConfig, policies: dict) -> Broker:
     return broker
 
 
-class Credentials(ResponseScrub):
+def misuse_event(fs: FlowState, where: str) -> AuditEvent:
+    return build(
+        EventKind.HTTP_REQUEST, request_id=fs.request_id,
+        sandbox_id=fs.sandbox_id, decision="deny", reason=str(Reason.CREDENTIAL_MISUSE),
+        rule_id=fs.decision.rule_id if fs.decision else None, policy_name=fs.policy_name,
+        policy_hash=fs.policy_hash, scheme=fs.scheme, host=fs.host, port=fs.port, method=fs.method,
+        path=fs.path, capability=fs.decision.capability if fs.decision else None,
+        message=_MISUSE_MESSAGE, extra={"egressgate.detail": where, "egressgate.phase": "after_headers"},
+    )
+
+
+def write_quiet(rt: Runtime, event: AuditEvent) -> None:
+    """A misuse already refused (the flow is cut or answered): its record cannot be denied, so it goes
+    through write_after, which queues and retries it rather than dropping it (tracked in rt.background,
+    drained at shutdown)."""
+    task = asyncio.get_running_loop().create_task(rt.audit.write_after(event))
+    rt.background.add(task)
+    task.add_done_callback(rt.background.discard)
+
+
+def stream_misuse(rt: Runtime, flow: http.HTTPFlow, fs: FlowState, hits: list[PhantomHit], where: str = "body",
+                  *, cut: bool = True) -> None:
+    """A phantom in a streamed body (compose.py's guard calls this): nothing more is forwarded, the
+    connection is cut (the upstream never sees a complete body; `cut=False` when the caller closes it
+    another way) and the deny is audited."""
+    logger.warning("phantom credential misuse by %s to %s (streamed %s)", fs.sandbox_id, fs.host, where)
+    event = misuse_event(fs, where)
+    fs.decision = gateway_deny(Reason.CREDENTIAL_MISUSE, _MISUSE_MESSAGE, detail=where,
+                               rule_id=fs.decision.rule_id if fs.decision else None)
+    write_quiet(rt, event)
+    if cut and rt.abort_connection is not None:
+        rt.abort_connection(flow.client_conn.id)
+
+
+class Credentials:
     def __init__(self, runtime: Runtime) -> None:
         self.rt = runtime
         # (capability, sandbox, audience) -> last credential used: a different object means a new mint
         self._seen: OrderedDict[tuple[str, str, str], Credential] = OrderedDict()
-        self._tasks: set[asyncio.Task] = set()
         runtime.state.on_revoke(self._revoked)
 
     def _revoked(self, sandbox_id: str) -> None:
@@ -123,13 +157,11 @@ class Credentials(ResponseScrub):
 
     # ------------------------------------------------------------------ request side
     def _deny(self, fs: FlowState, reason: Reason, message: str, detail: str | None = None) -> None:
-        """Turn the allow into a deny before AuditEmit records/enforces it; the prepaid budget is
-        returned because nothing goes upstream."""
+        """Turn the allow into a deny before record.py records it. At the headers nothing is prepaid yet
+        (Budgets runs after this addon); a buffered body's misuse (`request`) returns the prepayment."""
         rule = fs.decision.rule_id if fs.decision is not None else None
         capability = fs.decision.capability if fs.decision is not None else None
-        if fs.prepaid_out and fs.sandbox_id:
-            self.rt.ledger.refund_out(fs.sandbox_id, fs.prepaid_out)
-            fs.prepaid_out = 0
+        refund_prepaid(self.rt, fs)
         # the record keeps the capability the rule named (never a value)
         fs.decision = replace(gateway_deny(reason, message, detail=detail, rule_id=rule), capability=capability)
 
@@ -187,11 +219,9 @@ class Credentials(ResponseScrub):
                 return
         elif cap is not None and isinstance(cap.placement, QueryPlacement):
             query = list(req.query.items(multi=True))  # parsed only when the credential goes there
-        if name is not None and not await self._inject(flow, fs, policy, name, cap, phantom_hash, headers, query):
-            return
-        if req.stream:
-            inner = req.stream if callable(req.stream) else None
-            req.stream = phantom_guard(inner, lambda found: self._stream_misuse(flow, fs, found))
+        if name is not None:
+            await self._inject(flow, fs, policy, name, cap, phantom_hash, headers, query)
+        # a streamed body is guarded chunk by chunk (compose.py: phantom guard, calls stream_misuse)
 
     async def _inject(self, flow, fs: FlowState, policy, name: str, cap, phantom_hash, headers, query) -> bool:
         req = flow.request
@@ -244,8 +274,7 @@ class Credentials(ResponseScrub):
             return True  # phantom mode without the phantom: nothing injected (its own Authorization is gone)
         req.headers["accept-encoding"] = "identity"
         username = cap.placement.basic.username if isinstance(cap.placement, BasicPlacement) else None
-        flow.metadata[META_CRED] = Applied(name, cred, username)
-        fs.extra["key_id"] = cred.key_id
+        fs.credential = Applied(name, cred, username)
         return True
 
     async def _audit_mint(self, fs: FlowState, name: str, cred: Credential) -> bool:
@@ -255,9 +284,8 @@ class Credentials(ResponseScrub):
         key = (name, fs.sandbox_id, fs.host)
         if self._seen.get(key) is cred:
             return True
-        event = AuditEvent(
-            kind=EventKind.CREDENTIAL_ISSUE, time_ns=time.time_ns(), request_id=new_request_id(),
-            sandbox_id=fs.sandbox_id, decision="allow", reason=str(Reason.RULE_MATCHED),
+        event = build(
+            EventKind.CREDENTIAL_ISSUE, sandbox_id=fs.sandbox_id, decision="allow", reason=str(Reason.RULE_MATCHED),
             rule_id=fs.decision.rule_id if fs.decision else None, policy_name=fs.policy_name,
             policy_hash=fs.policy_hash, host=fs.host, port=fs.port, capability=name, key_id=cred.key_id,
             extra={"egressgate.trigger_request": fs.request_id,
@@ -285,37 +313,6 @@ class Credentials(ResponseScrub):
             fs.target_as_sent = _PHANTOM_TEXT.sub("egph_[REDACTED]", fs.target_as_sent)
         self._deny(fs, Reason.CREDENTIAL_MISUSE, _MISUSE_MESSAGE, detail=where[:200])
 
-    def _misuse_event(self, fs: FlowState, where: str) -> AuditEvent:
-        return AuditEvent(
-            kind=EventKind.HTTP_REQUEST, time_ns=time.time_ns(), request_id=fs.request_id,
-            sandbox_id=fs.sandbox_id, decision="deny", reason=str(Reason.CREDENTIAL_MISUSE),
-            rule_id=fs.decision.rule_id if fs.decision else None, policy_name=fs.policy_name,
-            policy_hash=fs.policy_hash, scheme=fs.scheme, host=fs.host, port=fs.port, method=fs.method,
-            path=fs.path, capability=fs.decision.capability if fs.decision else None,
-            message=_MISUSE_MESSAGE, extra={"egressgate.detail": where, "egressgate.phase": "after_headers"},
-        )
-
-    def _stream_misuse(self, flow: http.HTTPFlow, fs: FlowState, hits: list[PhantomHit], where: str = "body",
-                       *, cut: bool = True) -> None:
-        """A phantom in a streamed body: nothing more is forwarded, the connection is cut (the upstream
-        never sees a complete body; `cut=False` when the caller closes it another way) and the deny is
-        audited."""
-        logger.warning("phantom credential misuse by %s to %s (streamed %s)", fs.sandbox_id, fs.host, where)
-        fs.extra["credential_misuse"] = True
-        event = self._misuse_event(fs, where)
-        fs.decision = gateway_deny(Reason.CREDENTIAL_MISUSE, _MISUSE_MESSAGE, detail=where,
-                                   rule_id=fs.decision.rule_id if fs.decision else None)
-        task = asyncio.get_running_loop().create_task(self._write_quiet(event))
-        self._tasks.add(task)  # keep a reference until written
-        task.add_done_callback(self._tasks.discard)
-        if cut and self.rt.abort_connection is not None:
-            self.rt.abort_connection(flow.client_conn.id)
-
-    async def _write_quiet(self, event: AuditEvent) -> None:
-        """The misuse was already refused (the flow is cut or answered): its record cannot be denied,
-        so it goes through write_after, which queues and retries it rather than dropping it."""
-        await self.rt.audit.write_after(event)
-
     async def request(self, flow: http.HTTPFlow) -> None:
         """Buffered request bodies (streamed ones are guarded chunk by chunk)."""
         fs = flow_state(flow)
@@ -327,8 +324,8 @@ class Credentials(ResponseScrub):
         if not hits:
             return
         self._misuse(fs, hits)
-        flow.metadata.pop(META_CRED, None)
-        await self._write_quiet(self._misuse_event(fs, "body"))
+        fs.credential = None
+        await self.rt.audit.write_after(misuse_event(fs, "body"))
         assert fs.decision is not None
         flow.response = deny_response(fs.decision, fs.request_id)
 
@@ -347,7 +344,7 @@ class Credentials(ResponseScrub):
                 message.drop()
                 self._ws_misuse(flow, fs, hits, "websocket")
             return
-        applied: Applied | None = flow.metadata.get(META_CRED)
+        applied = fs.credential
         if applied is not None:
             message.content = cached_scrubber(applied.spec()).scrub(message.content)
 
@@ -366,7 +363,7 @@ class Credentials(ResponseScrub):
             if hits:
                 self._ws_misuse(flow, fs, hits, f"websocket_{frame.kind}")
             return
-        applied: Applied | None = flow.metadata.get(META_CRED)
+        applied = fs.credential
         if applied is not None and frame.payload:
             frame.payload = cached_scrubber(applied.spec()).scrub(frame.payload)
 
@@ -374,6 +371,6 @@ class Credentials(ResponseScrub):
         """A phantom on a websocket: the frame is not relayed, the websocket is closed (1008) by the
         layer and the deny is audited like a phantom in a streamed body."""
         ws_layer.refuse(flow, Reason.CREDENTIAL_MISUSE, ws_layer.POLICY_VIOLATION, _MISUSE_MESSAGE, detail=where)
-        self._stream_misuse(flow, fs, hits, where, cut=False)
+        stream_misuse(self.rt, flow, fs, hits, where, cut=False)
 
     # ------------------------------------------------------------------ response side

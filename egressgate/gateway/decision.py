@@ -3,8 +3,9 @@
 At CONNECT the decision is host/port level (deny early, never resolve a denied name — a resolver query
 is itself an exfiltration channel); inside a tunnel every request (each keep-alive request, each HTTP/2
 stream) is decided on its own method, path and scheme against the tunnel's CONNECT target — never
-against a header. Nothing here commits state: the enforce addon (audit_emit.py) commits an allow only
-after its audit record is durable.
+against a header. Resolution and the address check are part of the decision (pinning.resolve_target: a
+forbidden address is a deny like any other); nothing here commits state: pinning.py commits an allowed
+destination only after its audit record is durable (record.py).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ logger = logging.getLogger(__name__)
 
 def request_head_size(request: http.Request) -> int:
     """Bytes of the request head as counted against budgets: the HTTP/1.1 serialization of what goes
-    upstream (request line, headers after sanitizing, blank line). Used for HTTP/2 too, so one request
+    upstream (request line, headers after sanitizing — and, when Budgets prepays, after credential
+    injection — blank line). Used for HTTP/2 too, so one request
     costs the same whatever the wire version (documented counting rule)."""
     target = request.path or "/"
     size = len(request.method) + 1 + len(target.encode()) + len(b" HTTP/1.1\r\n") + 2
@@ -67,8 +69,8 @@ class DecisionAddon:
         """The pure decision, plus exactly the inputs it saw for the audit record (and replay)."""
         snapshot = policy.relevant_state(snapshot)  # same decision; what the audit record carries
         fs.decision = decide(policy, facts, snapshot, self.rt.clock())
-        fs.extra["facts"] = facts
-        fs.extra["state"] = snapshot
+        fs.facts = facts
+        fs.state = snapshot
         return fs.decision
 
     def _policy(self, fs: FlowState):
@@ -80,7 +82,7 @@ class DecisionAddon:
         return policy
 
     async def http_connect(self, flow: http.HTTPFlow) -> None:
-        fs = ensure_flow_state(flow, "connect")
+        fs = ensure_flow_state(flow)
         fs.target_as_sent = as_sent(flow.request)
         if fs.decision is not None:
             note_target(self.rt, flow, fs)  # an identity deny's record names what was asked for too
@@ -104,11 +106,10 @@ class DecisionAddon:
             fs.decision = denied
             return
         fs.pinned = target
-        fs.extra["intercept"] = allowed.intercept
-        fs.extra["raw_address"] = (flow.request.host, flow.request.port)
+        fs.intercept = allowed.intercept
 
     async def requestheaders(self, flow: http.HTTPFlow) -> None:
-        fs = ensure_flow_state(flow, "http_request")
+        fs = ensure_flow_state(flow)
         req = flow.request
         if fs.target_as_sent is None:
             fs.target_as_sent = as_sent(req)
@@ -155,10 +156,3 @@ class DecisionAddon:
             return
         fs.pinned = target
         fs.decision = allowed
-        if scheme == "http" and target is not None:
-            # Plain HTTP: dial by the checked IP (data.host: the Host header stays as sent), so the next
-            # request to the same pinned address reuses the upstream connection instead of opening a
-            # new one per request. Not for absolute-form https: a TLS session authenticated for one name
-            # must not carry another name's requests.
-            req.data.host = str(target.address)
-        fs.extra["raw_address"] = (req.host, req.port)

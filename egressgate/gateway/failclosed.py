@@ -17,9 +17,9 @@ from typing import Any
 from mitmproxy import exceptions, http, tcp
 from mitmproxy.proxy import server_hooks
 
-from egressgate.gateway.audit_emit import pending_body_too_large
 from egressgate.gateway.context import ensure_flow_state
 from egressgate.gateway.deny import deny_response, gateway_deny
+from egressgate.gateway.enforce import pending_body_too_large
 from egressgate.policy.reasons import Reason
 
 logger = logging.getLogger(__name__)
@@ -33,7 +33,7 @@ _AFTER_THE_FACT = frozenset({"error", "tcp_end", "tcp_error", "client_disconnect
 _LIFECYCLE = frozenset({"load", "configure", "running", "done", "update", "add_log"})
 
 Abort = Callable[[str], object]  # abort a client connection by id
-# Records a refused HTTP flow (audit_emit.AuditEmit.refused): (flow, hook). A refusal is a decision like
+# Records a refused HTTP flow (record.Record.refused): (flow, hook). A refusal is a decision like
 # any other; without its record the request id in the 500 body would lead an auditor nowhere.
 Refused = Callable[[http.HTTPFlow, str], object]
 
@@ -108,7 +108,7 @@ def refuse(hook: str, subject: Any, abort: Abort, refused: Refused | None = None
         cannot_answer = bool(request.stream) if hook == "request" else pending_body_too_large(request)
         if hook in _BEFORE_UPSTREAM and subject.response is None and subject.live and not cannot_answer:
             # the flow's one request id (assigned once, in context.py), never mitmproxy's flow id
-            fs = ensure_flow_state(subject, "connect" if hook == "http_connect" else "http_request")
+            fs = ensure_flow_state(subject)
             subject.response = deny_response(gateway_deny(Reason.INTERNAL_ERROR), fs.request_id)
             subject.request.stream = False
         elif subject.killable:

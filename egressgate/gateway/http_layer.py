@@ -109,7 +109,10 @@ class GatewayHttpStream(HttpStream):
         fs = flow_state(self.flow)
         request_id = fs.request_id if fs is not None else "-"
         if fs is not None:
-            fs.extra["request_refused" if isinstance(event, RefusedRequest) else "response_refused"] = event.reason
+            if isinstance(event, RefusedRequest):
+                fs.request_refused = event.reason
+            else:
+                fs.response_refused = event.reason
         if isinstance(event, Refusal):
             event.request_id = request_id
         yield from super().handle_protocol_error(event)

@@ -125,7 +125,7 @@ class Identity:
         return True
 
     async def http_connect(self, flow: http.HTTPFlow) -> None:
-        fs = ensure_flow_state(flow, "connect")
+        fs = ensure_flow_state(flow)
         conn = self.rt.conn(flow.client_conn.id)
         if conn.transparent:
             # never a way in on the transparent listener: its Proxy-Authorization is not read (http_layer.py
@@ -148,7 +148,7 @@ class Identity:
     async def requestheaders(self, flow: http.HTTPFlow) -> None:
         if flow.response is not None:
             return
-        fs = ensure_flow_state(flow, "http_request")
+        fs = ensure_flow_state(flow)
         if fs.decision is not None:
             return
         conn = self.rt.conn(flow.client_conn.id)

@@ -16,8 +16,9 @@ import asyncio
 import logging
 import time
 
+from egressgate.audit.build import build
 from egressgate.audit.event import AuditEvent, AuditUnavailable, EventKind
-from egressgate.gateway.context import Runtime, new_request_id
+from egressgate.gateway.context import Runtime
 from egressgate.policy.reasons import Reason
 
 logger = logging.getLogger(__name__)
@@ -44,10 +45,9 @@ class LimitAudit:
         key = (str(reason), source)
         n = self._counts[key] = self._counts.get(key, 0) + 1
         if n <= self.per_second:
-            self._write(AuditEvent(
-                kind=EventKind.CONNECTION, time_ns=time.time_ns(), request_id=request_id or new_request_id(),
-                sandbox_id=sandbox_id, decision="deny", reason=str(reason), client_address=source,
-                message=message, extra=dict(extra or {})))
+            self._write(build(
+                EventKind.CONNECTION, request_id=request_id, sandbox_id=sandbox_id, decision="deny",
+                reason=str(reason), client_address=source, message=message, extra=extra))
             return
         self._suppressed[key] = self._suppressed.get(key, 0) + 1
         if self._flush_handle is None:
@@ -58,9 +58,8 @@ class LimitAudit:
         self._flush_handle = None
         pending, self._suppressed = self._suppressed, {}
         for (reason, source), count in sorted(pending.items()):
-            self._write(AuditEvent(
-                kind=EventKind.CONNECTION, time_ns=time.time_ns(), request_id=new_request_id(), decision="deny",
-                reason=reason, client_address=source,
+            self._write(build(
+                EventKind.CONNECTION, decision="deny", reason=reason, client_address=source,
                 message=f"{count} more connection(s) from {source} refused or closed for {reason} "
                         f"(over {self.per_second} records/s: counted, not recorded one by one)",
                 extra={"egressgate.suppressed": count}))

@@ -1,32 +1,11 @@
 """mitmproxy embedded as a library, with only the addons egressgate needs.
 
 No default addon set: no ignore/allow-hosts passthrough, no raw-TCP or DNS relays, no replay, no
-scripts, no onboarding app. The proxy server, TLS config and our addons, in an order that is part of the
-security design (each hook runs addons in this order; a deny set by an earlier addon is final):
-
-  Proxyserver → ConnGuard → NextLayer (tunnel.py) → TlsConfig → Identity → Transparent → Consistency → Sanitize →
-  Decision → Pinning → Streaming → Budgets → Trailers → Credentials → AuditEmit → Revocation
-
-Two listeners share that chain: the explicit proxy (`regular@listen.proxy`) and, unless turned off, the
-transparent listener (`transparent@listen.transparent`, transparent.py), where runtimes DNAT sandbox TCP.
-Transparent (after TlsConfig, so its `establish_server_tls_first = False` for a refused name wins; before
-Consistency, which then checks every request against the name it bound) only acts on connections of the
-transparent listener.
-
-ConnGuard (connguard.py) only observes phases and arms deadlines; it is first so that its next_layer
-hook can refuse a connection over the per-source limit before tunnel.py picks a layer.
-Credentials (credentials.py) comes after every check and before AuditEmit: it only touches flows that
-are still allowed and unanswered, its denies become the request's one audited decision, and its stream
-callables wrap the budget counters Budgets just installed. Pinning runs in server_connect, which for an
-eager CONNECT happens (with the upstream TLS handshake) before the tunnel's first request. Trailers
-(trailers.py) refuses requests that carry trailers in `request`, before Credentials scans a buffered body.
-Every HTTP flow runs on the gateway's HTTP layer (http_layer.py, installed by NextLayer), which also fixes
-mitmproxy's HTTP/1 handling of trailers and 1xx responses (http1_framing.py).
-
-WebSockets: NextLayer installs ws_layer.GuardedWebsocketLayer in place of mitmproxy's layer; its hooks
-`websocket_wire` (every read, before parsing: Budgets counts it) and `websocket_control` (Ping, Pong,
-Close: Credentials scans / scrubs) run in the same addon order, and AuditEmit records the session in
-`websocket_end`.
+scripts, no onboarding app. The addon order below is part of the security design (each hook runs the
+addons in this order; a deny set by an earlier addon is final). docs/architecture.md is the one
+description of it: which addon implements which hook, why it sits where it does, and the path of a
+plain HTTP request, an intercepted CONNECT, a WebSocket, a raw-TCP relay, a DNS query and a
+transparent connection. Change the order here and there together.
 
 `mitmproxy.ctx` is process-global: one GatewayMaster per process.
 """
@@ -43,19 +22,20 @@ from mitmproxy.proxy import layer, mode_specs
 from mitmproxy.proxy.layers.http._http1 import Http1Server
 from mitmproxy.proxy.layers.http._http2 import Http2Server
 
-from egressgate.gateway.audit_emit import AuditEmit
 from egressgate.gateway.budgets import Budgets
 from egressgate.gateway.connguard import ConnGuard
 from egressgate.gateway.consistency import Consistency
 from egressgate.gateway.context import Runtime
+from egressgate.gateway.credential_response import ResponseScrub
 from egressgate.gateway.credentials import Credentials
 from egressgate.gateway.decision import DecisionAddon
+from egressgate.gateway.enforce import Enforce
 from egressgate.gateway.failclosed import FailClosed
 from egressgate.gateway.identity import Identity
 from egressgate.gateway.pinning import Pinning
+from egressgate.gateway.record import Record
 from egressgate.gateway.revocation import Revocation
 from egressgate.gateway.sanitize import Sanitize
-from egressgate.gateway.streaming import Streaming
 from egressgate.gateway.trailers import Trailers
 from egressgate.gateway.transparent import Transparent
 from egressgate.gateway.tunnel import NextLayer
@@ -189,14 +169,14 @@ class GatewayMaster:
         self.proxyserver = proxyserver.Proxyserver()
         running = _Running()
         rt = self.rt
-        audit_emit = AuditEmit(rt)
+        record = Record(rt)
         ours = [ConnGuard(rt, self.pending_bytes, self.write_backlog),
                 NextLayer(rt), tlsconfig.TlsConfig(), Identity(rt), Transparent(rt), Consistency(rt), Sanitize(),
-                DecisionAddon(rt),
-                Pinning(rt), Streaming(), Budgets(rt), Trailers(rt), Credentials(rt), audit_emit, Revocation(rt)]
+                DecisionAddon(rt), Trailers(rt), Credentials(rt), Budgets(rt), ResponseScrub(rt),
+                record, Pinning(rt), Enforce(rt), Revocation(rt)]
         # every addon in the decision path fails closed (failclosed.py); TlsConfig too, since a failed
         # certificate step must not leave a connection half-configured. A refused flow is audited.
-        guarded = (FailClosed(a, self.abort_connection, audit_emit.refused) for a in ours)
+        guarded = (FailClosed(a, self.abort_connection, record.refused) for a in ours)
         master.addons.add(self.proxyserver, *guarded, running)
         _host, _port = self.listen
         modes = [_spec("regular", self.listen)]

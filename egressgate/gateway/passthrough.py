@@ -5,7 +5,7 @@ downloads. The CONNECT was decided, resolved and pinned like any other (decision
 upstream connection goes to the checked address only), and its allow record is durable before this layer
 runs. What is left to check is the one name the gateway can still see, the SNI in the client's
 ClientHello, because a tunnel to an allowed host must not carry a TLS session to another one (domain
-fronting through a shared front end). `check_hello` refuses, before a single byte goes upstream:
+fronting through a shared front end). client_hello.check_hello refuses, before a byte goes upstream:
 
 * bytes that are not TLS handshake records, or a first handshake message that is not a ClientHello;
 * a ClientHello larger than `limits.max_client_hello_bytes` (scanned incrementally with tls_limits'
@@ -15,11 +15,17 @@ fronting through a shared front end). `check_hello` refuses, before a single byt
   a name that is not the CONNECT host after canonicalization (policy/canon.py), or an Encrypted
   ClientHello (its outer SNI is not the name the session is for).
 
+Whatever the client sends behind its ClientHello is held (up to the same bound) until the server's first
+handshake message arrives: a TLS 1.3 HelloRetryRequest makes the client send a second ClientHello in
+clear, which servers act on again, so it gets the same check (and bytes pipelined before the retry are
+judged as that second ClientHello, never relayed unseen).
+
 A refusal is a fatal TLS `access_denied` alert (`illegal_parameter` for the size bound) and a close,
 recorded as the tunnel's outcome record with decision `deny` and the reason. An accepted tunnel relays
-client and server bytes unchanged, in this layer (no per-chunk addon hook: that path made mitmproxy's TCP
-relay slow), counting every byte in both directions against the sandbox's ledger; a client chunk that
-would cross `outbound_bytes_max` is dropped and the connection aborted (budgets.py's rule for raw TCP).
+client and server bytes unchanged, counting every byte in both directions against the sandbox's ledger;
+a client chunk that would cross `outbound_bytes_max` is dropped and the connection aborted (budgets.py's
+rule for raw TCP). The relay runs here (no per-chunk addon hook) until splice.py takes both sockets off
+mitmproxy's event path, with the same counting.
 Revocation aborts the connection like any other (revocation.py). When both sides are closed, one outcome
 record (bytes, duration, `egressgate.tls` = `passthrough`, the SNI) follows the CONNECT's allow record,
 under its request id. Nothing inside the TLS is checked: no Host, method, path, credential, or response.
@@ -29,97 +35,32 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import struct
 import time
 
 from mitmproxy import tcp
 from mitmproxy.connection import ConnectionState
 from mitmproxy.proxy import commands, events, layer
 from mitmproxy.proxy.layers.tcp import TcpStartHook
-from mitmproxy.tls import ClientHello
 
+from egressgate.audit.build import build
 from egressgate.audit.event import AuditEvent, EventKind
-from egressgate.gateway.audit_emit import transparent_attributes
+from egressgate.gateway.client_hello import ALERT_ACCESS_DENIED, check_hello, server_hello_kind
 from egressgate.gateway.context import ConnState, Runtime, new_request_id
 from egressgate.gateway.deny import gateway_deny
+from egressgate.gateway.record import conn_attributes
+from egressgate.gateway.splice import Splice, Tally
 from egressgate.gateway.tls_limits import ALERT_GRACE, ALERT_ILLEGAL_PARAMETER, HelloScan
-from egressgate.policy.canon import CanonError, canon_host, parse_ip_literal
 from egressgate.policy.facts import Decision
 from egressgate.policy.reasons import Reason
 
 logger = logging.getLogger(__name__)
 
-ALERT_ACCESS_DENIED = b"\x15\x03\x03\x00\x02\x02\x31"  # fatal access_denied (RFC 8446 6.2), in clear
-SERVER_NAME = 0x0000
-# Encrypted ClientHello (RFC 9849) and its draft predecessor ESNI: the real name is not in clear.
-ENCRYPTED_NAME = {0xFE0D: "encrypted_client_hello", 0xFFCE: "encrypted_server_name"}
 TLS_ATTRIBUTE = {"egressgate.tls": "passthrough"}
-
-
-def _mismatch(host: str, what: str, detail: str) -> Decision:
-    return gateway_deny(
-        Reason.HOST_MISMATCH,
-        f"This tunnel is a TLS passthrough route to {host}; its ClientHello must carry exactly one SNI "
-        f"naming {host} ({what}). Connect with SNI {host}, or open a new CONNECT for another host.",
-        detail=detail,
-    )
-
-
-def server_names(body: bytes) -> list[tuple[int, bytes]] | None:
-    """The (name_type, name) entries of a server_name extension body (RFC 6066 3); None if malformed."""
-    if len(body) < 2 or struct.unpack("!H", body[:2])[0] != len(body) - 2:
-        return None
-    out, i = [], 2
-    while i < len(body):
-        if i + 3 > len(body):
-            return None
-        kind, size = body[i], struct.unpack("!H", body[i + 1:i + 3])[0]
-        if i + 3 + size > len(body):
-            return None
-        out.append((kind, body[i + 3:i + 3 + size]))
-        i += 3 + size
-    return out
-
-
-def check_hello(hello: bytes, host: str) -> tuple[str | None, Decision | None]:
-    """(the SNI, None) when handshake message `hello` is a ClientHello naming `host` (canonical) exactly
-    once in clear; (the SNI or None, the deny) otherwise."""
-    if not hello or hello[0] != 1:
-        return None, gateway_deny(Reason.PROTOCOL_NOT_ALLOWED, f"A passthrough route to {host} carries TLS "
-                                  "only; the first handshake message was not a ClientHello.", detail="not_client_hello")
-    try:
-        extensions = ClientHello(hello[4:]).extensions
-    except Exception:  # kaitai raises EOFError, ValueError, its own errors... all mean "not parseable"
-        return None, gateway_deny(Reason.INVALID_REQUEST, "The TLS ClientHello could not be parsed.",
-                                  detail="client_hello_unparseable")
-    for kind, _ in extensions:
-        if kind in ENCRYPTED_NAME:
-            return None, gateway_deny(
-                Reason.PROTOCOL_NOT_ALLOWED,
-                f"Encrypted ClientHello hides the server name; a passthrough route to {host} needs the SNI "
-                f"in clear. Turn ECH off for this client.", detail=ENCRYPTED_NAME[kind])
-    bodies = [bytes(body) for kind, body in extensions if kind == SERVER_NAME]
-    if not bodies:
-        if parse_ip_literal(host) is not None:
-            return None, None  # an IP-literal target: clients send no SNI (RFC 6066 3), the pin is the check
-        return None, _mismatch(host, "it sent none", "sni_missing")
-    names = server_names(bodies[0]) if len(bodies) == 1 else None
-    if names is None or len(names) != 1 or names[0][0] != 0:
-        return None, _mismatch(host, "it sent several or a malformed one", "sni_ambiguous")
-    raw = names[0][1]
-    try:
-        sni = raw.decode("ascii")
-        same = canon_host(sni) == host
-    except (UnicodeDecodeError, CanonError):
-        return raw.decode("latin-1")[:255], _mismatch(host, "its SNI is not a valid name", "sni_invalid")
-    if not same:
-        return sni, _mismatch(host, f"it named {sni[:255]}", "sni_mismatch")
-    return sni, None
 
 
 def write_behind(rt: Runtime, event: AuditEvent) -> None:
     """An outcome cannot be denied (the bytes moved): written through the sink's retry queue, never
-    dropped, and tracked so shutdown drains it (the same rule as audit_emit.AuditEmit._write_behind)."""
+    dropped, and tracked so shutdown drains it (the same rule as record.Record._write_behind)."""
     task = asyncio.get_running_loop().create_task(rt.audit.write_after(event))
     rt.background.add(task)
     task.add_done_callback(rt.background.discard)
@@ -137,8 +78,11 @@ class PassthroughLayer(layer.Layer):
         self.started_ns = time.time_ns()
         self.sandbox_id = conn.sandbox_id or ""
         self.sni: str | None = None
-        self.out = self.in_ = 0
-        self.cut = False
+        self.hellos = 0  # ClientHellos checked (2 after a HelloRetryRequest)
+        self.held = bytearray()  # client bytes behind a checked ClientHello, until the server answers
+        self.server_scan, self.server_buf = HelloScan(), bytearray()
+        self.tally = Tally()
+        self.splice: Splice | None = None
         self.refusal: Decision | None = None
         self.error: str | None = None
         self.recorded = False
@@ -158,17 +102,36 @@ class PassthroughLayer(layer.Layer):
                 self._record()
 
     def _hello(self, event: events.Event) -> layer.CommandGenerator[None]:
+        """Waiting for a ClientHello: the first one, or the second one after a HelloRetryRequest."""
         if isinstance(event, events.ConnectionClosed):
             self.error = "closed before the ClientHello was complete"
             yield from self._close_all()
             return
         if not isinstance(event, events.DataReceived):
             return
-        if event.connection is not self.context.client:  # TLS: the server never speaks first
-            yield from self._refuse(gateway_deny(Reason.PROTOCOL_NOT_ALLOWED, "The upstream spoke before the "
-                                                 "client's ClientHello; this is not TLS.", detail="server_first"))
+        if event.connection is not self.context.client:
+            if not self.hellos:  # TLS: the server never speaks first
+                yield from self._refuse(gateway_deny(Reason.PROTOCOL_NOT_ALLOWED, "The upstream spoke before "
+                                                     "the client's ClientHello; this is not TLS.",
+                                                     detail="server_first"))
+                return
+            yield from self._to_client(event.data)
             return
         self.buf += event.data
+        yield from self._scan_hello()
+
+    def _scan_hello(self) -> layer.CommandGenerator[None]:
+        if self.hellos:
+            # after a HelloRetryRequest: the client's change_cipher_spec (middlebox compatibility) and any
+            # early data still in flight come before the second ClientHello; they pass, in order
+            while len(self.buf) >= 5 and self.buf[0] in (0x14, 0x17):
+                size = 5 + int.from_bytes(self.buf[3:5], "big")
+                if len(self.buf) < size:
+                    return
+                record, self.buf = bytes(self.buf[:size]), self.buf[size:]
+                yield from self._to_server(record)
+            if len(self.buf) < 5:
+                return
         scan = self.scan
         scan.feed(self.buf)
         limit = self.rt.config.limits.max_client_hello_bytes
@@ -191,33 +154,90 @@ class PassthroughLayer(layer.Layer):
             yield from self._refuse(gateway_deny(Reason.INVALID_REQUEST, "Nothing may follow the ClientHello "
                                                  "in its last record.", detail="trailing_handshake_data"))
             return
-        self.sni, refusal = check_hello(bytes(scan.hello), self.conn.tunnel_host)
-        self.scan = HelloScan()  # release the copy of the handshake bytes
+        sni, refusal = check_hello(bytes(scan.hello), self.conn.tunnel_host)
+        self.sni = self.sni if self.hellos else sni
         if refusal is None and self.conn.closed:
             refusal = gateway_deny(Reason.SANDBOX_REVOKED)
         if refusal is not None:
+            self.sni = sni
             yield from self._refuse(refusal)
             return
-        # One hook per tunnel, not per chunk: tunnel.py's tcp_start refuses a relay no decision allowed,
-        # connguard.py stops the handshake deadline (a relay has only the idle timeout).
-        yield TcpStartHook(self.flow)
-        if self.flow.error is not None or self.conn.closed:
-            yield from self._refuse(gateway_deny(Reason.INTERNAL_ERROR if not self.conn.closed
-                                                 else Reason.SANDBOX_REVOKED))
+        if not self.hellos:
+            # One hook per tunnel, not per chunk: tunnel.py's tcp_start refuses a relay no decision
+            # allowed, connguard.py stops the handshake deadline (a relay has only the idle timeout).
+            yield TcpStartHook(self.flow)
+            if self.flow.error is not None or self.conn.closed:
+                yield from self._refuse(gateway_deny(Reason.INTERNAL_ERROR if not self.conn.closed
+                                                     else Reason.SANDBOX_REVOKED))
+                return
+        self.hellos += 1
+        # the ClientHello goes up; whatever the client sent behind it is held until the server has
+        # answered: were that answer a HelloRetryRequest, a second ClientHello must be checked first
+        hello, self.held, self.buf = bytes(self.buf[:scan.offset]), self.buf[scan.offset:], bytearray()
+        self.scan, self.server_scan, self.server_buf = HelloScan(), HelloScan(), bytearray()
+        self._handle_event = self._await_server
+        yield from self._to_server(hello)
+        yield from self._check_held()
+
+    def _await_server(self, event: events.Event) -> layer.CommandGenerator[None]:
+        """A checked ClientHello went up; the server's first handshake message decides what follows."""
+        if isinstance(event, events.ConnectionClosed):
+            self.error = "closed before the server's hello"
+            yield from self._close_all()
+            return
+        if not isinstance(event, events.DataReceived):
+            return
+        if event.connection is self.context.client:
+            self.held += event.data
+            yield from self._check_held()
+            return
+        yield from self._to_client(event.data)
+        self.server_buf += event.data
+        kind = server_hello_kind(self.server_scan, self.server_buf)
+        if kind is None:
+            if len(self.server_buf) > self.rt.config.limits.max_client_hello_bytes:
+                yield from self._refuse(gateway_deny(Reason.PROTOCOL_NOT_ALLOWED, "The upstream's first TLS "
+                                                     "message could not be read.", detail="server_hello_unreadable"))
+            return
+        self.server_scan, self.server_buf = HelloScan(), bytearray()
+        held, self.held = bytes(self.held), bytearray()
+        if kind == "hrr":
+            if self.hellos >= 2:  # RFC 8446 4.1.4: a client aborts on a second HelloRetryRequest
+                yield from self._refuse(gateway_deny(Reason.PROTOCOL_NOT_ALLOWED, "A second HelloRetryRequest "
+                                                     "is not TLS 1.3.", detail="second_hello_retry"))
+                return
+            self._handle_event = self._hello
+            self.buf = bytearray(held)
+            yield from self._scan_hello()
             return
         self._handle_event = self._relay
-        first, self.buf = bytes(self.buf), bytearray()
-        yield from self._to_server(first)
+        if held:
+            yield from self._to_server(held)
+        # the rest of the tunnel bypasses mitmproxy's event path (splice.py), as soon as the loop is free
+        asyncio.get_running_loop().call_soon(self._take_over)
+
+    def _check_held(self) -> layer.CommandGenerator[None]:
+        if len(self.held) > self.rt.config.limits.max_client_hello_bytes:
+            yield from self._refuse(gateway_deny(
+                Reason.PROTOCOL_NOT_ALLOWED,
+                "Too much data before the server's TLS hello (it is held until the server answers).",
+                detail="early_data_too_large"))
+
+    def _take_over(self) -> None:
+        if self.tally.cut or self.conn.closed or self._handle_event != self._relay:
+            return
+        splice = Splice(self.rt, self.sandbox_id, self.conn.policy_name, self.tally)
+        if splice.take_over(self.context.client, self.context.server):
+            self.splice = splice
+        else:
+            logger.debug("passthrough tunnel of %s stays on the event path", self.context.client.id)
 
     def _relay(self, event: events.Event) -> layer.CommandGenerator[None]:
         if isinstance(event, events.DataReceived):
             if event.connection is self.context.client:
                 yield from self._to_server(event.data)
             else:
-                n = len(event.data)
-                self.in_ += n
-                self.rt.ledger.add_in(self.sandbox_id, n)
-                yield commands.SendData(self.context.client, event.data)
+                yield from self._to_client(event.data)
         elif isinstance(event, events.ConnectionClosed):
             client, server = self.context.client, self.context.server
             if (client.state & ConnectionState.CAN_READ) or (server.state & ConnectionState.CAN_READ):
@@ -231,24 +251,29 @@ class PassthroughLayer(layer.Layer):
 
     # ------------------------------------------------------------------ helpers
     def _to_server(self, data: bytes) -> layer.CommandGenerator[None]:
-        if self.cut:
+        if self.tally.cut:
             return
         policy = self.rt.policies.get(self.conn.policy_name)
         limit = policy.outbound_bytes_max if policy is not None else 0
         if not self.rt.ledger.try_out(self.sandbox_id, len(data), limit):
             # the chunk that would cross is never relayed; RST both sides (a cut stream must not look
             # complete to the upstream)
-            self.cut = True
+            self.tally.cut = True
             logger.info("sandbox %s crossed outbound_bytes_max in a passthrough tunnel; cutting", self.sandbox_id)
             if self.rt.abort_connection is not None:
                 self.rt.abort_connection(self.context.client.id)
             return
-        self.out += len(data)
+        self.tally.out += len(data)
         yield commands.SendData(self.context.server, data)
+
+    def _to_client(self, data: bytes) -> layer.CommandGenerator[None]:
+        self.tally.in_ += len(data)
+        self.rt.ledger.add_in(self.sandbox_id, len(data))
+        yield commands.SendData(self.context.client, data)
 
     def _refuse(self, decision: Decision, alert: bytes = ALERT_ACCESS_DENIED) -> layer.CommandGenerator[None]:
         self.refusal = decision
-        self.buf = bytearray()
+        self.buf, self.held = bytearray(), bytearray()
         logger.info("passthrough tunnel %s:%s refused: %s (%s)", self.conn.tunnel_host, self.conn.tunnel_port,
                     decision.reason, decision.detail)
         yield commands.SendData(self.context.client, alert)
@@ -271,29 +296,31 @@ class PassthroughLayer(layer.Layer):
         self.recorded = True
         conn = self.conn
         refusal = self.refusal
-        if refusal is None and self.cut:
+        tally = self.tally
+        if refusal is None and tally.cut:
             refusal = gateway_deny(Reason.BUDGET_EXCEEDED, detail="outbound_bytes_max")
         elif refusal is None and conn.closed:
             refusal = gateway_deny(Reason.SANDBOX_REVOKED)
-        extra: dict = {**TLS_ATTRIBUTE, **transparent_attributes(conn)}
+        extra: dict = {**TLS_ATTRIBUTE, **conn_attributes(conn)}
         if self.sni is not None:
             extra["egressgate.tls.sni"] = self.sni
         if refusal is not None and refusal.detail:
             extra["egressgate.detail"] = refusal.detail
-        if self.cut:
+        if tally.cut:
             extra["egressgate.budget_cut"] = True
         if self.error:
             extra["egressgate.error"] = self.error
         policy = self.rt.policies.get(conn.policy_name)
         if conn.tcp_request_id is None:
             logger.error("passthrough outcome for client %s has no decision request id", conn.client_id)
-        write_behind(self.rt, AuditEvent(
-            kind=EventKind.OUTCOME, time_ns=time.time_ns(), request_id=conn.tcp_request_id or new_request_id(),
+        write_behind(self.rt, build(
+            EventKind.OUTCOME, request_id=conn.tcp_request_id or new_request_id(),
             sandbox_id=conn.sandbox_id, decision="deny" if refusal is not None else "allow",
             reason=str(refusal.reason if refusal is not None else Reason.RULE_MATCHED),
             rule_id=conn.tcp_allowed_rule, policy_name=conn.policy_name,
             policy_hash=policy.hash if policy is not None else None, scheme="https", host=conn.tunnel_host,
-            port=conn.tunnel_port, bytes_out=self.out, bytes_in=self.in_,
+            port=conn.tunnel_port, bytes_out=tally.out, bytes_in=tally.in_,
             duration_ms=(time.time_ns() - self.started_ns) / 1e6,
             message=refusal.message if refusal is not None else None, extra=extra,
         ))
+

@@ -1,10 +1,16 @@
 """Resolve once, check every address, dial exactly the checked one, verify the peer.
 
 mitmproxy resolves a name again after `server_connect`, which would let a rebinding resolver answer
-differently for the check and for the dial. So the decision addons resolve (here, `resolve_target`),
-classify every address with policy/addr.py, and stage a `PinnedTarget`; `server_connect` then rewrites
-the server address to that IP (mitmproxy dials it without resolving) and the SNI to the name, and
-refuses any server connection nobody decided on. `server_connected` checks the socket's real peer.
+differently for the check and for the dial. So pinning is one stage in three steps, all here:
+
+- stage: the decision addons resolve (`resolve_target`), classify every address with policy/addr.py
+  and put the `PinnedTarget` on the flow (`FlowState.pinned`); a forbidden address is the decision;
+- commit (`Pinning.http_connect` / `requestheaders`, right after record.py): only an allow whose audit
+  record is durable becomes dialable — the address mitmproxy will ask for (`FlowState.dial_key`) is
+  approved on the connection, a CONNECT binds its tunnel to the target;
+- enforce: `server_connect` rewrites the server address to the pinned IP (mitmproxy dials it without
+  resolving) and the SNI to the name, and refuses any server connection nobody decided on;
+  `server_connected` checks the socket's real peer.
 """
 
 from __future__ import annotations
@@ -13,9 +19,10 @@ import asyncio
 import ipaddress
 import logging
 
+from mitmproxy import http
 from mitmproxy.proxy import server_hooks
 
-from egressgate.gateway.context import PinnedTarget, Runtime
+from egressgate.gateway.context import PinnedTarget, Runtime, flow_state
 from egressgate.gateway.deny import gateway_deny
 from egressgate.gateway.resolver import ResolveError
 from egressgate.policy.addr import METADATA_HOSTNAMES, AddrClass, check_address
@@ -82,11 +89,49 @@ def _same_ip(a: IPAddress, b: IPAddress) -> bool:
 
 
 class Pinning:
-    """Addon: the only place a server address is set; refuses undecided destinations."""
+    """Addon: the only place a destination becomes dialable and a server address is set; refuses
+    undecided destinations. Runs after record.py, so `fs.audited` and an allowed `fs.decision` together
+    mean: allowed, and the record saying so is durable."""
 
     def __init__(self, runtime: Runtime) -> None:
         self.rt = runtime
         self._timers: dict[str, asyncio.TimerHandle] = {}
+
+    def http_connect(self, flow: http.HTTPFlow) -> None:
+        """Commit an allowed CONNECT: the connection becomes a tunnel to the pinned target."""
+        fs = flow_state(flow)
+        if fs is None or not fs.audited or fs.decision is None or not fs.decision.allowed or fs.pinned is None:
+            return
+        conn = self.rt.conn(flow.client_conn.id)
+        conn.tunnel_host, conn.tunnel_port = fs.host, fs.port
+        conn.tunnel_as_sent = fs.target_as_sent
+        conn.tunnel_target = fs.pinned
+        conn.intercept = fs.intercept is not False
+        conn.passthrough = fs.decision.passthrough  # spliced after passthrough.py's SNI check
+        if not conn.intercept:
+            conn.allow_tcp(fs.decision.rule_id, fs.request_id)  # a raw-TCP or passthrough rule: relay, no MITM
+        conn.approved[(flow.request.host, flow.request.port)] = fs.pinned
+
+    def requestheaders(self, flow: http.HTTPFlow) -> None:
+        """Commit an allowed request's destination. Inside a tunnel there is nothing to commit (the
+        CONNECT did); a transparent connection's first request staged its own key (transparent.py)."""
+        fs = flow_state(flow)
+        if (fs is None or not fs.audited or fs.decision is None or not fs.decision.allowed or fs.pinned is None
+                or flow.response is not None):
+            return
+        conn = self.rt.conn(flow.client_conn.id)
+        if fs.dial_key is None:
+            if conn.tunnel_host is not None:
+                return
+            req = flow.request
+            if fs.scheme == "http":
+                # Plain HTTP: dial by the checked IP (data.host: the Host header stays as sent), so the next
+                # request to the same pinned address reuses the upstream connection instead of opening a
+                # new one per request. Not for absolute-form https: a TLS session authenticated for one name
+                # must not carry another name's requests.
+                req.data.host = str(fs.pinned.address)
+            fs.dial_key = (req.host, req.port)
+        conn.approved[fs.dial_key] = fs.pinned
 
     def server_connect(self, data: server_hooks.ServerConnectionHookData) -> None:
         conn = self.rt.conns.get(data.client.id)

@@ -11,14 +11,10 @@ are never part of it: a request that carries them is refused (trailers.py) and n
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from mitmproxy import http
 
 from egressgate.audit.reqhash import EMPTY_BODY_SHA256, StreamingRequestHash, content_type_value, request_hash
 from egressgate.gateway.context import FlowState
-
-HASHER_KEY = "request_hasher"
 
 
 def has_no_body(request: http.Request) -> bool:
@@ -46,32 +42,22 @@ def bodyless_hash(request: http.Request, fs: FlowState) -> str | None:
 
 
 def start(request: http.Request, fs: FlowState) -> None:
-    """Begin hashing an allowed request's body: wrap whatever stream the other addons installed."""
+    """Begin hashing an allowed request's body (a streamed one is fed by compose.py's outermost wrapper)."""
     fields = _fields(request, fs)
-    if fields is None:
-        return
-    hasher = StreamingRequestHash(*fields)
-    fs.extra[HASHER_KEY] = hasher
-    if request.stream:
-        inner: Callable[[bytes], object] | None = request.stream if callable(request.stream) else None
-
-        def hashing(chunk: bytes) -> object:
-            hasher.update(chunk)
-            return inner(chunk) if inner is not None else chunk
-
-        request.stream = hashing
+    if fields is not None:
+        fs.hasher = StreamingRequestHash(*fields)
 
 
 def feed_buffered(request: http.Request, fs: FlowState) -> None:
     """A buffered (not streamed) body is complete in the `request` hook."""
-    hasher = fs.extra.get(HASHER_KEY)
+    hasher = fs.hasher
     if hasher is not None and not request.stream and request.raw_content:
         hasher.update(request.raw_content)
 
 
 def finish(fs: FlowState) -> tuple[str | None, str | None]:
     """(request hash, body hash) for the outcome record."""
-    hasher: StreamingRequestHash | None = fs.extra.get(HASHER_KEY)
+    hasher = fs.hasher
     if hasher is None:
         return None, None
     return hasher.request_hash(), hasher.body_hash()

@@ -153,6 +153,9 @@ class GatewayResolver:
         hit = self._cache.get(host)
         if hit is not None and hit[0] > self._clock():
             return hit[1]
+        return await self._miss(host)
+
+    async def _miss(self, host: str) -> tuple[IPAddress, ...]:
         task = self._inflight.get(host)
         if task is None:
             task = asyncio.ensure_future(self._fill(host))

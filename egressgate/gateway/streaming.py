@@ -4,14 +4,13 @@ Streamed: every `text/event-stream` response (an agent waits for the first event
 body larger than 64 KiB, and every body of unknown length (chunked / read-until-close / HTTP/2 without
 content-length), since its size is only known once it has been buffered — too late. Small bodies with
 a known length are buffered so a later addon (the credential broker's redaction) can see them whole.
-The budgets addon (after this one) replaces `stream = True` with a counting callable.
+budgets.py records the verdict (`FlowState.stream_response`, next to the request body's plan); compose.py
+builds the callable (count, scrub).
 """
 
 from __future__ import annotations
 
 from mitmproxy import http
-
-from egressgate.gateway.context import flow_state
 
 STREAM_THRESHOLD = 64 * 1024
 
@@ -34,11 +33,3 @@ def should_stream(flow: http.HTTPFlow) -> bool:
     except ValueError:
         return True
 
-
-class Streaming:
-    def responseheaders(self, flow: http.HTTPFlow) -> None:
-        fs = flow_state(flow)
-        if fs is None or fs.decision is None or not fs.decision.allowed or flow.response is None:
-            return
-        if should_stream(flow):
-            flow.response.stream = True

@@ -22,12 +22,13 @@ may itself be a phantom); only their count and size.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import replace
 
 from mitmproxy import http
 
-from egressgate.audit.event import AuditEvent, AuditUnavailable, EventKind
+from egressgate.audit.build import build
+from egressgate.audit.event import AuditUnavailable, EventKind
+from egressgate.gateway.budgets import refund_prepaid
 from egressgate.gateway.context import Runtime, flow_state
 from egressgate.gateway.deny import deny_response, gateway_deny
 from egressgate.policy.reasons import Reason
@@ -49,21 +50,17 @@ class Trailers:
         streamed = bool(flow.request.stream)
         size = sum(len(name) + len(value) + 4 for name, value in trailers.fields)
         detail = f"{len(trailers.fields)} trailer fields, {size} bytes, {'streamed' if streamed else 'buffered'} body"
-        if not streamed and fs.prepaid_out and fs.sandbox_id:
-            self.rt.ledger.refund_out(fs.sandbox_id, fs.prepaid_out)  # nothing of it went upstream
-            fs.bytes_out -= fs.prepaid_out
-            fs.prepaid_out = 0
+        if not streamed:
+            refund_prepaid(self.rt, fs)  # nothing of it went upstream
         allowed = fs.decision
         fs.decision = replace(gateway_deny(Reason.TRAILERS_NOT_ALLOWED, detail=detail, rule_id=allowed.rule_id),
                               capability=allowed.capability)
         logger.warning("refused request trailers from %s to %s (%s)", fs.sandbox_id, fs.host, detail)
-        event = AuditEvent(
-            kind=EventKind.HTTP_REQUEST, time_ns=time.time_ns(), request_id=fs.request_id,
-            sandbox_id=fs.sandbox_id, decision=str(fs.decision.effect), reason=str(fs.decision.reason),
-            rule_id=allowed.rule_id, policy_name=fs.policy_name, policy_hash=fs.policy_hash, scheme=fs.scheme,
-            host=fs.host, port=fs.port, method=fs.method, path=fs.path, capability=allowed.capability,
-            message=fs.decision.message, bytes_out=fs.bytes_out,
-            extra={"egressgate.detail": detail, "egressgate.phase": "after_body"},
+        event = build(
+            EventKind.HTTP_REQUEST, request_id=fs.request_id, verdict=fs.decision,
+            extra={"egressgate.phase": "after_body"}, sandbox_id=fs.sandbox_id, policy_name=fs.policy_name,
+            policy_hash=fs.policy_hash, scheme=fs.scheme, host=fs.host, port=fs.port, method=fs.method,
+            path=fs.path, bytes_out=fs.bytes_out,
         )
         try:
             await self.rt.audit.write(event)

@@ -13,6 +13,9 @@ Such a connection carries no CONNECT and no Proxy-Authorization, so:
   that name itself (pinning.py): **the original destination IP the client dialed is never dialed**,
   and an IP-literal SNI/Host is judged as that literal (metadata and private ranges refused). No name →
   deny. Bytes that are neither TLS nor HTTP pass only a `tcp` rule for the original IP:port.
+* **Passthrough by SNI**: when the sandbox's policy has `tls: passthrough` rules, a TLS connection starts
+  on passthrough_peek.SniPeekLayer; if its one clear SNI's first allowing rule is a passthrough rule it
+  is decided, pinned, recorded and spliced unread (passthrough.py), otherwise intercepted as below.
 * **A refusal is delivered** the way the explicit proxy delivers one inside a tunnel: TLS is intercepted
   with the gateway CA (no upstream connection) and every request gets the deny body; plain HTTP gets it
   directly; other bytes get the raw deny bytes and the close. The refusal is audited with the sandbox id.
@@ -43,6 +46,8 @@ from egressgate.gateway.context import ConnState, FlowState, Runtime, ensure_flo
 from egressgate.gateway.deny import gateway_deny, raw_deny
 from egressgate.gateway.http_limits import http_layer
 from egressgate.gateway.identity import NOT_A_PROXY
+from egressgate.gateway.passthrough_peek import SniName, SniPeekLayer
+from egressgate.gateway.pinning import resolve_target
 from egressgate.gateway.refuse import RefuseLayer, looks_like_http
 from egressgate.gateway.tls_limits import client_tls_layer
 from egressgate.policy.canon import CanonError, split_host_port
@@ -121,11 +126,11 @@ async def root_layer(rt: Runtime, nextlayer: layer.NextLayer) -> layer.Layer | N
     if len(data) < 3:
         return None
     if starts_like_tls_record(data):
-        # intercepted whatever happens: the SNI decision (Transparent.tls_clienthello) either binds the
-        # connection to the pinned name or leaves the refusal that every request inside will get
-        server_tls = layers.ServerTLSLayer(context)
-        server_tls.child_layer = client_tls_layer(context, rt)
-        return server_tls
+        policy = rt.policies.get(conn.policy_name)
+        if conn.refusal is None and policy is not None and policy.has_passthrough:
+            # the SNI may name a passthrough route: read it first (Transparent.passthrough_name decides)
+            return SniPeekLayer(context, rt, conn, lambda: _intercepting(context, rt))
+        return _intercepting(context, rt)
     if looks_like_http(data):
         if data[:8].upper() == b"CONNECT ":
             return await _refuse_raw(rt, conn, context, gateway_deny(Reason.PROTOCOL_NOT_ALLOWED, NOT_A_PROXY),
@@ -134,6 +139,14 @@ async def root_layer(rt: Runtime, nextlayer: layer.NextLayer) -> layer.Layer | N
     if data.isalpha() and len(data) < _METHOD_MAX:
         return None  # an HTTP method still arriving
     return await _raw_tcp(rt, conn, context)
+
+
+def _intercepting(context, rt: Runtime) -> layer.Layer:
+    """TLS intercepted whatever happens: the SNI decision (Transparent.tls_clienthello) either binds the
+    connection to the pinned name or leaves the refusal that every request inside will get."""
+    server_tls = layers.ServerTLSLayer(context)
+    server_tls.child_layer = client_tls_layer(context, rt)
+    return server_tls
 
 
 async def _refuse_raw(rt: Runtime, conn: ConnState, context, decision, as_sent: str | None) -> layer.Layer:
@@ -228,11 +241,42 @@ class Transparent:
         # intercept with the gateway CA and answer each request with the deny; no upstream connection
         data.establish_server_tls_first = False
 
+    async def passthrough_name(self, data: SniName) -> None:
+        """A ClientHello naming `data.sni` on a policy with passthrough rules: when the name's first
+        allowing rule is a passthrough rule, decide, resolve, pin, record and commit it here and splice
+        (passthrough.py). Anything else is left to the interception path (tls_clienthello), which
+        decides and records it: nothing is recorded here for a name that is not spliced."""
+        conn = self.rt.conns.get(data.context.client.id)
+        if (conn is None or not conn.transparent or conn.tunnel_host is not None or conn.original_dst is None
+                or conn.refusal is not None):
+            return
+        host, refusal = td.canonical_name(data.sni)
+        if refusal is not None or host is None:
+            return
+        port = conn.original_dst[1]
+        decision, facts, snapshot = await td.connect_decision(self.rt, conn, host, port)
+        if not decision.passthrough:
+            return
+        target, denied = await resolve_target(self.rt, self.rt.policies.get(conn.policy_name), host, port)
+        if denied is not None or target is None:
+            return  # tls_clienthello decides again and records the refusal (one record per connection)
+        request_id = new_request_id()
+        decision = await td.record(self.rt, conn, data.context.client, request_id,
+                                   (decision, target, facts, snapshot), host=host, port=port, as_sent=data.sni)
+        if not decision.allowed:  # the record was not durable: intercepted, every request denied
+            conn.refusal, conn.refusal_id = decision, request_id
+            return
+        td.commit(conn, host, port, data.sni, target)
+        conn.passthrough = True
+        conn.intercept = False
+        conn.allow_tcp(decision.rule_id, request_id)
+        data.splice = True
+
     async def requestheaders(self, flow: http.HTTPFlow) -> None:
         conn = self.rt.conns.get(flow.client_conn.id)
         if conn is None or not conn.transparent or flow.response is not None:
             return
-        fs = ensure_flow_state(flow, "http_request")
+        fs = ensure_flow_state(flow)
         request = flow.request
         if fs.decision is None and _is_proxy_form(request):
             fs.decision = gateway_deny(Reason.PROTOCOL_NOT_ALLOWED, NOT_A_PROXY)
@@ -264,7 +308,7 @@ class Transparent:
         fs.policy_hash = policy.hash if policy is not None else None
         if not decision.allowed or target is None:
             fs.decision = decision
-            fs.extra["facts"], fs.extra["state"] = facts, snapshot
+            fs.facts, fs.state = facts, snapshot
             conn.refusal = decision  # the response closes the connection; nothing after it may pass
             return
         td.commit(conn, host, port, raw, target)
@@ -274,7 +318,7 @@ class Transparent:
         flow.request.data.host = pinned[0]
         flow.server_conn.address = pinned
         conn.approved.pop(conn.original_dst, None)
-        fs.extra["raw_address"] = pinned  # approved by audit_emit.py once the decision record is durable
+        fs.dial_key = pinned  # approved by pinning.py once the decision record is durable
 
     @staticmethod
     def _name_for_record(fs: FlowState, request: http.Request, conn: ConnState) -> None:

@@ -12,16 +12,16 @@ to exactly that IP:port (judged as an IP literal, with every address check).
 from __future__ import annotations
 
 import ipaddress
-import time
 
 from mitmproxy import connection
 
-from egressgate.audit.event import AuditEvent, AuditUnavailable, EventKind
-from egressgate.gateway.audit_emit import transparent_attributes
+from egressgate.audit.build import build
+from egressgate.audit.event import AuditUnavailable, EventKind
 from egressgate.gateway.context import ConnState, PinnedTarget, Runtime
 from egressgate.gateway.deny import gateway_deny
 from egressgate.gateway.identity import UNKNOWN_SOURCE, connection_limit
 from egressgate.gateway.pinning import resolve_target
+from egressgate.gateway.record import conn_attributes
 from egressgate.policy.canon import CanonError, canon_host, ip_text, split_host_port
 from egressgate.policy.decide import decide
 from egressgate.policy.facts import Decision, Facts, Operation, SandboxState
@@ -109,14 +109,14 @@ async def _inputs(rt: Runtime, conn: ConnState):
 
 async def name_decision(rt: Runtime, conn: ConnState, host: str, port: int) -> Decided:
     """Decide the name like a CONNECT target (deny early: a denied name is never resolved), then
-    resolve and check every address and pin one. Only intercepted traffic is possible here (TLS is
-    always intercepted on this listener), so a name only a `tcp` rule allows is refused."""
-    policy, snapshot, denied = await _inputs(rt, conn)
-    if denied is not None:
-        return denied, None, None, None
-    facts = Facts(operation=Operation.CONNECT, host=host, port=port)
-    decision = decide(policy, facts, snapshot, rt.clock())
-    if decision.allowed and not decision.intercept:
+    resolve and check every address and pin one. TLS and HTTP by name are intercepted here, or spliced
+    when the first allowing rule is `tls: passthrough` (transparent.py's passthrough_name; a passthrough
+    name whose ClientHello cannot be spliced is intercepted: checked more, never less), so a name only
+    a `tcp` rule allows is refused."""
+    decision, facts, snapshot = await connect_decision(rt, conn, host, port)
+    if facts is None:
+        return decision, None, None, None
+    if decision.allowed and not decision.intercept and not decision.passthrough:
         decision = gateway_deny(
             Reason.PROTOCOL_NOT_ALLOWED,
             f"Only a network.tcp rule allows {host}:{port}; on the transparent listener TLS and HTTP are "
@@ -124,8 +124,18 @@ async def name_decision(rt: Runtime, conn: ConnState, host: str, port: int) -> D
             rule_id=decision.rule_id)
     if not decision.allowed:
         return decision, None, facts, snapshot
-    target, denied = await resolve_target(rt, policy, host, port)
+    target, denied = await resolve_target(rt, rt.policies.get(conn.policy_name), host, port)
     return (denied or decision), target, facts, snapshot
+
+
+async def connect_decision(rt: Runtime, conn: ConnState, host: str, port: int
+                           ) -> tuple[Decision, Facts | None, SandboxState | None]:
+    """The pure CONNECT-level decision for a name (no resolution); facts None when it could not be made."""
+    policy, snapshot, denied = await _inputs(rt, conn)
+    if denied is not None:
+        return denied, None, None
+    facts = Facts(operation=Operation.CONNECT, host=host, port=port)
+    return decide(policy, facts, snapshot, rt.clock()), facts, snapshot
 
 
 async def raw_tcp_decision(rt: Runtime, conn: ConnState) -> tuple[str, Decided]:
@@ -161,17 +171,15 @@ async def record(rt: Runtime, conn: ConnState, client: connection.Client, reques
     raw-TCP decision; returns the decision to enforce (an allow whose record is not durable is denied)."""
     decision, target, facts, snapshot = decided
     policy = rt.policies.get(conn.policy_name)
-    extra: dict = transparent_attributes(conn)
-    if decision.detail:
-        extra["egressgate.detail"] = decision.detail
-    event = AuditEvent(
-        kind=EventKind.CONNECT, time_ns=time.time_ns(), request_id=request_id, sandbox_id=conn.sandbox_id,
-        sandbox_labels=dict(conn.labels), decision=str(decision.effect), reason=str(decision.reason),
-        rule_id=decision.rule_id, policy_name=conn.policy_name,
+    extra = conn_attributes(conn)
+    if decision.allowed and decision.passthrough:
+        extra["egressgate.tls"] = "passthrough"
+    event = build(
+        EventKind.CONNECT, request_id=request_id, verdict=decision, sandbox_labels=conn.labels,
+        extra=extra, sandbox_id=conn.sandbox_id, policy_name=conn.policy_name,
         policy_hash=policy.hash if policy is not None else None, target_as_sent=as_sent, scheme=scheme,
-        host=host, port=port, pinned_address=str(target.address) if target and decision.allowed else None,
-        client_address=source_text(client), capability=decision.capability,
-        message=None if decision.allowed else decision.message, extra=extra, facts=facts, state=snapshot,
+        host=host, port=port, pinned_address=str(target.address) if target else None,
+        client_address=source_text(client), facts=facts, state=snapshot,
     )
     try:
         await rt.audit.write(event)
@@ -186,5 +194,4 @@ def commit(conn: ConnState, host: str, port: int, as_sent: str | None, target: P
     assert conn.original_dst is not None
     conn.tunnel_host, conn.tunnel_port, conn.tunnel_as_sent = host, port, as_sent
     conn.tunnel_target = target
-    conn.tunnel_raw_address = conn.original_dst
     conn.approved[conn.original_dst] = target

@@ -23,7 +23,6 @@ per-request decision. Here every layer is chosen explicitly:
 from __future__ import annotations
 
 import logging
-import time
 
 from mitmproxy import tls as mitm_tls
 from mitmproxy.net.tls import starts_like_tls_record
@@ -32,7 +31,8 @@ from mitmproxy.proxy.layers import modes, tls
 from mitmproxy.proxy.layers.http import HTTPMode
 from mitmproxy.proxy.layers.tls import HTTP_ALPNS
 
-from egressgate.audit.event import AuditEvent, AuditUnavailable, EventKind
+from egressgate.audit.build import build
+from egressgate.audit.event import AuditUnavailable, EventKind
 from egressgate.gateway import transparent, ws_layer
 from egressgate.gateway.context import ConnState, Runtime, new_request_id
 from egressgate.gateway.deny import gateway_deny, raw_deny
@@ -60,7 +60,7 @@ class NextLayer:
     def websocket_start(self, flow) -> None:
         """Fail closed: a websocket whose frames would not pass GuardedWebsocketLayer (install() did not
         take, e.g. after a mitmproxy upgrade) is cut before it relays a frame."""
-        if not flow.metadata.get(ws_layer.GUARDED):
+        if not ws_layer.guarded(flow):
             logger.error("websocket of client %s is not guarded; aborting it", flow.client_conn.id)
             if self.rt.abort_connection is not None:
                 self.rt.abort_connection(flow.client_conn.id)
@@ -155,15 +155,13 @@ class NextLayer:
                     f"allows raw TCP there.",
                     rule_id=decision.rule_id,
                 )
-        event = AuditEvent(
-            kind=EventKind.CONNECT, time_ns=time.time_ns(), request_id=request_id,
-            sandbox_id=conn.sandbox_id, sandbox_labels=dict(conn.labels), decision=str(decision.effect),
-            reason=str(decision.reason), rule_id=decision.rule_id, policy_name=conn.policy_name,
+        event = build(
+            EventKind.CONNECT, request_id=request_id, verdict=decision, sandbox_labels=conn.labels,
+            sandbox_id=conn.sandbox_id, policy_name=conn.policy_name,
             policy_hash=policy.hash if policy is not None else None, target_as_sent=conn.tunnel_as_sent,
             scheme="tcp", host=conn.tunnel_host, port=conn.tunnel_port,
             pinned_address=str(conn.tunnel_target.address) if conn.tunnel_target else None,
-            client_address=peer[0] if peer else None, message=None if decision.allowed else decision.message,
-            facts=facts,
+            client_address=peer[0] if peer else None, capability=None, facts=facts,
         )
         try:
             await self.rt.audit.write(event)

@@ -22,7 +22,7 @@ overrides `relay_messages` (and nothing else), keeping mitmproxy's relay logic a
   frame cannot make the gateway build a huge message before the check sees it.
 * after every hook (wire, control, message): a refusal set by an addon (`refuse`) or a killed flow
   (FailClosed) closes both sides with a Close frame naming the reason code, then `websocket_end` runs
-  (AuditEmit writes the session's record). mitmproxy itself ignores `flow.kill()` on a live websocket.
+  (record.py writes the session's record). mitmproxy itself ignores `flow.kill()` on a live websocket.
   The sandbox's side gets a bounded lingering close (`_lingering`), so a sandbox that is still sending
   reads the Close instead of a connection reset.
 * control payloads are logged by size only (a payload can hold a credential; logs never carry one).
@@ -52,10 +52,9 @@ from mitmproxy.proxy.utils import expect
 from wsproto import ConnectionState
 from wsproto.frame_protocol import CloseReason, Opcode
 
+from egressgate.gateway.context import ensure_flow_state
 from egressgate.policy.reasons import Reason
 
-GUARDED = "egressgate.ws_guarded"  # flow.metadata: this flow's frames run through GuardedWebsocketLayer
-REFUSAL = "egressgate.ws_refusal"  # flow.metadata: the Refusal that closed the websocket
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 CONTROL_MAX = 125  # RFC 6455 5.5: a control frame's payload
 LINGER_MAX_BYTES = 4 * 1024 * 1024  # after a refusal: discard at most this much from the sandbox ...
@@ -81,11 +80,18 @@ class Refusal:
 
 def refuse(flow: http.HTTPFlow, reason: Reason, code: int, message: str, detail: str | None = None) -> None:
     """Ask the layer to close this websocket after the current hook (the first refusal wins)."""
-    flow.metadata.setdefault(REFUSAL, Refusal(reason, code, message, detail))
+    fs = ensure_flow_state(flow)
+    if fs.ws_refusal is None:
+        fs.ws_refusal = Refusal(reason, code, message, detail)
 
 
 def refusal_of(flow: http.HTTPFlow) -> Refusal | None:
-    return flow.metadata.get(REFUSAL)
+    return ensure_flow_state(flow).ws_refusal
+
+
+def guarded(flow: http.HTTPFlow) -> bool:
+    """True once this flow's frames run through GuardedWebsocketLayer (tunnel.py aborts one that does not)."""
+    return ensure_flow_state(flow).ws_guarded
 
 
 @dataclass(slots=True)
@@ -193,7 +199,7 @@ class GuardedWebsocketLayer(mitm_ws.WebsocketLayer):
 
     @expect(events.Start)
     def start(self, event: events.Event) -> layer.CommandGenerator[None]:
-        self.flow.metadata[GUARDED] = True
+        ensure_flow_state(self.flow).ws_guarded = True
         self._buffers = {True: _MessageBuffer(), False: _MessageBuffer()}
         yield from super().start(event)  # mitmproxy's start; it sets _handle_event = self.relay_messages
         # mitmproxy built a wsproto PerMessageDeflate per side (when negotiated): bound its inflation.

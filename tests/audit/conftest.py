@@ -1,17 +1,17 @@
-"""Audit fixtures: a real Ed25519 signer, real files in tmp dirs, real sinks (no mocks)."""
+"""Audit fixtures: a real Ed25519 signer, real files in tmp dirs, real sinks (no mocks), a real full disk,
+and the loopback gateway world for the end-to-end test."""
 
 from __future__ import annotations
 
-import itertools
-import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
-from egressgate.audit.event import AuditEvent, EventKind
 from egressgate.audit.filesink import FileSink
 from egressgate.audit.signer import LocalEd25519Signer
-
-_ids = itertools.count()
+from tests.support.gwworld import World, open_world
+from tests.support.tmpfs import tiny_tmpfs
 
 
 @pytest.fixture
@@ -22,31 +22,6 @@ def signer(tmp_path) -> LocalEd25519Signer:
 @pytest.fixture
 def pubkey(signer, tmp_path):
     return tmp_path / "keys" / "audit-signing.key.pub"
-
-
-def http_event(i: int = 0, **kw) -> AuditEvent:
-    base = dict(
-        kind=EventKind.HTTP_REQUEST,
-        time_ns=1_795_000_000_000_000_000 + i * 1_000_000,
-        request_id=f"req-{i}-{next(_ids)}",
-        sandbox_id="sbx-1",
-        sandbox_labels={"team": "finance"},
-        decision="allow",
-        reason="rule_matched",
-        rule_id="openai",
-        policy_name="invoice-analysis",
-        policy_hash="sha256:" + "ab" * 32,
-        target_as_sent="https://api.openai.com/v1/responses",
-        scheme="https",
-        host="api.openai.com",
-        port=443,
-        method="POST",
-        path="/v1/responses",
-        pinned_address="198.18.0.10",
-        bytes_out=120,
-    )
-    base.update(kw)
-    return AuditEvent(**base)
 
 
 @pytest.fixture
@@ -65,5 +40,16 @@ async def make_sink(tmp_path, signer):
         await s.close()
 
 
-def now_ns() -> int:
-    return time.time_ns()
+
+@pytest.fixture
+def tiny_fs(tmp_path: Path) -> Iterator[Path]:
+    """A real 96 KiB tmpfs: a genuinely full disk (ENOSPC), not a simulated one."""
+    with tiny_tmpfs(tmp_path / "tiny", "96k") as mnt:
+        yield mnt
+
+
+@pytest.fixture(scope="session")
+def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+    """The loopback gateway world (tests/support/gwworld.py), for test_gateway_e2e.py."""
+    with open_world(tmp_path_factory.mktemp("gwworld")) as w:
+        yield w

@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from egressgate.audit.config import AuditSinkConfig, open_audit_sink
 from egressgate.audit.signer import LocalEd25519Signer, SigningKeyError, load_public_keys
 from egressgate.audit.verify import verify_file
-from tests.audit.conftest import http_event
+from tests.support.audit_events import http_event
 
 
 async def test_defaults_open_a_verifiable_sink(tmp_path):

@@ -17,7 +17,7 @@ from egressgate.audit.event import AuditUnavailable
 from egressgate.audit.exporter import OtlpHttpExporter
 from egressgate.audit.filesink import FileSink
 from egressgate.audit.find import iter_records
-from tests.audit.conftest import http_event
+from tests.support.audit_events import http_event
 
 
 class Receiver:

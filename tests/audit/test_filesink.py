@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import os
 import stat
-import subprocess
 
 import pytest
 
@@ -15,7 +14,7 @@ from egressgate.audit.filesink import FileSink
 from egressgate.audit.find import iter_records
 from egressgate.audit.signer import load_public_keys
 from egressgate.audit.verify import verify_file, verify_files
-from tests.audit.conftest import http_event
+from tests.support.audit_events import fill_until_failure, http_event
 
 
 def request_ids(*paths) -> list[str]:
@@ -119,33 +118,6 @@ async def test_restart_links_to_the_previous_file(tmp_path, signer, pubkey):
     assert all(r.ok for r in reps), [r.error for r in reps]
 
 
-@pytest.fixture
-def tiny_fs(tmp_path):
-    """A real 96 KiB tmpfs: a genuinely full disk (ENOSPC), not a simulated one."""
-    if os.geteuid() != 0 and os.environ.get("CI") != "true":
-        pytest.skip("mounting a tmpfs needs root")
-    mnt = tmp_path / "tiny"
-    mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=96k,mode=0700", "tmpfs", str(mnt)], check=True)
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
-
-
-async def _fill_until_failure(sink, start=0):
-    accepted, i = [], start
-    while True:
-        ev = http_event(i)
-        try:
-            await sink.write(ev)
-        except AuditUnavailable:
-            return accepted, ev
-        accepted.append(ev.request_id)
-        i += 1
-        assert i < start + 10_000, "disk never filled"
-
-
 @pytest.mark.parametrize("inline_write_max", [256 * 1024, 0], ids=["inline-write", "thread-write"])
 async def test_disk_full_denies_and_loses_no_accepted_record(tiny_fs, signer, pubkey, inline_write_max):
     filler = tiny_fs / "filler"
@@ -157,7 +129,7 @@ async def test_disk_full_denies_and_loses_no_accepted_record(tiny_fs, signer, pu
         probe_interval=0.05,
         inline_write_max=inline_write_max,
     ).start()
-    accepted, rejected = await _fill_until_failure(sink)
+    accepted, rejected = await fill_until_failure(sink)
     assert accepted and not sink.healthy()
     # concurrent writers on a full disk: every one is told, none silently dropped
     results = await asyncio.gather(*(sink.write(http_event(900 + i)) for i in range(20)), return_exceptions=True)

@@ -8,7 +8,7 @@ from click.testing import CliRunner
 
 from egressgate.audit.cli import audit
 from egressgate.audit.event import EventKind
-from tests.audit.conftest import http_event
+from tests.support.audit_events import http_event
 
 
 async def test_find_by_request_id_links_decision_outcome_and_credential(make_sink):

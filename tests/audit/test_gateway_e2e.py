@@ -9,10 +9,11 @@ from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsSer
 
 from egressgate.audit.cli import audit
 from egressgate.audit.find import iter_records
-from tests.gateway.conftest import start_gateway, stop_gateway, world  # noqa: F401 - `world` is a fixture
+from tests.support.gwworld import start_gateway
+from tests.support.launcher import stop_gateway
 
 
-def test_gateway_audit_log_verifies_and_replays(world, tmp_path):  # noqa: F811
+def test_gateway_audit_log_verifies_and_replays(world, tmp_path):
     gw = start_gateway(world, tmp_path)
     try:
         sbx = gw.admit("gw-basic", {"team": "e2e\r\ninjected"})

@@ -13,7 +13,7 @@ from egressgate.audit.encode import encode_record
 from egressgate.audit.event import AuditEvent, EventKind
 from egressgate.audit.record import parse_line, record_from_event
 from egressgate.policy.facts import Facts, Operation, RuleUsage, SandboxState
-from tests.audit.conftest import http_event
+from tests.support.audit_events import http_event
 
 HOSTILE = [
     'evil.com\r\n{"resourceLogs":[]}',

@@ -16,9 +16,8 @@ from egressgate.audit.filesink import FileSink
 from egressgate.audit.find import iter_records
 from egressgate.audit.signer import load_public_keys
 from egressgate.audit.verify import verify_file, verify_files
-from tests.audit.conftest import http_event
 from tests.audit.forge import line_index, rewrite_chain
-from tests.audit.test_filesink import _fill_until_failure, tiny_fs  # noqa: F401 - fixture
+from tests.support.audit_events import fill_until_failure, http_event
 
 
 def ids(*paths) -> list[str]:
@@ -205,12 +204,12 @@ async def test_edited_crash_tail_is_not_signed_at_restart(tmp_path, signer, pubk
 
 # --- item 16: after-the-fact records when the write fails ---------------------------------------------------
 
-async def test_outcomes_are_retried_never_dropped(tiny_fs, signer, pubkey, caplog):  # noqa: F811
+async def test_outcomes_are_retried_never_dropped(tiny_fs, signer, pubkey, caplog):
     filler = tiny_fs / "filler"
     filler.write_bytes(b"x" * 32 * 1024)
     sink = await FileSink(tiny_fs / "audit" / "audit.jsonl", signer, checkpoint_every=10, probe_interval=0.05,
                           pending_max=3).start()
-    accepted, _ = await _fill_until_failure(sink)
+    accepted, _ = await fill_until_failure(sink)
     outcomes = [http_event(7000 + i, kind="outcome") for i in range(5)]
     with caplog.at_level(logging.ERROR):
         results = [await sink.write_after(ev) for ev in outcomes]  # the disk is full: queued, not lost
@@ -227,13 +226,13 @@ async def test_outcomes_are_retried_never_dropped(tiny_fs, signer, pubkey, caplo
     assert ids(sink.path) == [*accepted, *(e.request_id for e in outcomes)]
 
 
-async def test_queued_outcomes_are_named_when_the_sink_stops(tiny_fs, signer, caplog):  # noqa: F811
+async def test_queued_outcomes_are_named_when_the_sink_stops(tiny_fs, signer, caplog):
     """If the disk never comes back and there is no spool, the records cannot be written, but they are not
     silently dropped: each is named."""
     filler = tiny_fs / "filler"
     filler.write_bytes(b"x" * 32 * 1024)
     sink = await FileSink(tiny_fs / "audit" / "audit.jsonl", signer, probe_interval=0.05).start()
-    await _fill_until_failure(sink)
+    await fill_until_failure(sink)
     ev = http_event(1, kind="outcome")
     assert await sink.write_after(ev) is False
     with caplog.at_level(logging.CRITICAL):
@@ -241,13 +240,13 @@ async def test_queued_outcomes_are_named_when_the_sink_stops(tiny_fs, signer, ca
     assert sink.records_lost == 1 and f"AUDIT RECORD LOST: outcome record of request {ev.request_id}" in caplog.text
 
 
-async def test_spooled_outcomes_are_written_by_the_next_start(tiny_fs, signer, pubkey, tmp_path):  # noqa: F811
+async def test_spooled_outcomes_are_written_by_the_next_start(tiny_fs, signer, pubkey, tmp_path):
     filler = tiny_fs / "filler"
     filler.write_bytes(b"x" * 32 * 1024)
     spool = tmp_path / "var" / "audit-retry.jsonl"  # not on the full volume
     path = tiny_fs / "audit" / "audit.jsonl"
     sink = await FileSink(path, signer, probe_interval=0.05, retry_spool=spool).start()
-    accepted, _ = await _fill_until_failure(sink)
+    accepted, _ = await fill_until_failure(sink)
     queued = [http_event(9000 + i, kind="outcome") for i in range(3)]
     for ev in queued:
         assert await sink.write_after(ev) is False

@@ -18,10 +18,10 @@ from egressgate.audit.signer import load_public_keys
 from egressgate.audit.verify import verify_files
 from egressgate.broker.signer import TransitSigner
 from egressgate.broker.vault import VaultBackend
-from tests.audit.conftest import http_event
 from tests.audit.forge import line_index, rewrite_chain
-from tests.broker.bao_persistent import PersistentBao
-from tests.broker.test_vault import vault_config
+from tests.support.audit_events import http_event
+from tests.support.bao import vault_config
+from tests.support.bao_persistent import PersistentBao
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from egressgate.audit.chain import compute_line_hash, hash_field_span
 from egressgate.audit.cli import audit
 from egressgate.audit.signer import LocalEd25519Signer, load_public_keys
 from egressgate.audit.verify import verify_file, verify_files
-from tests.audit.conftest import http_event
+from tests.support.audit_events import http_event
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from .bao import BaoServer
+from tests.support.bao import BaoServer
 
 
 @pytest.fixture(scope="session")

@@ -15,8 +15,7 @@ from egressgate.broker.broker import Broker
 from egressgate.broker.config import BrokerConfig, Capability
 from egressgate.broker.credential import CredentialUnavailable
 from egressgate.broker.local import KEY_FILE
-
-from . import jwtcheck
+from tests.support import jwtcheck
 
 CAP = TypeAdapter(Capability)
 SECRET = "sk-file-0123456789abcdef"

@@ -8,9 +8,7 @@ from egressgate.audit.signer import load_public_keys, verify_signature
 from egressgate.broker.credential import CredentialUnavailable
 from egressgate.broker.signer import TransitSigner
 from egressgate.broker.vault import VaultBackend
-
-from .bao import BaoServer
-from .test_vault import vault_config
+from tests.support.bao import BaoServer, vault_config
 
 
 async def test_transit_signer_for_audit(bao: BaoServer, tmp_path) -> None:

@@ -23,11 +23,9 @@ from egressgate.broker.config import Capability
 from egressgate.broker.decompress import scrubbing_stream
 from egressgate.broker.inject import inject
 from egressgate.broker.redact import Scrubber, SecretSpec
-
-from . import jwtcheck
-from .bao import KV_SECRET, BaoServer
-from .test_redact import leaks
-from .test_vault import KV_CAP, vault_config
+from tests.support import jwtcheck
+from tests.support.bao import KV_CAP, KV_SECRET, BaoServer, vault_config
+from tests.support.leaks import leaks
 
 CAP = TypeAdapter(Capability)
 JWT_CAP = CAP.validate_python({"type": "jwt", "ttl_seconds": 60})

@@ -13,31 +13,12 @@ from collections.abc import AsyncIterator
 
 import hvac
 import pytest
-from pydantic import TypeAdapter
 
 from egressgate.broker.broker import Broker
-from egressgate.broker.config import BrokerConfig, Capability
 from egressgate.broker.credential import CredentialUnavailable
 from egressgate.broker.vault import VaultBackend
-
-from . import jwtcheck
-from .bao import KV_SECRET, BaoServer
-
-CAP = TypeAdapter(Capability)
-KV_CAP = CAP.validate_python(
-    {
-        "type": "static",
-        "source": {"vault": {"path": "egressgate/openai", "field": "api_key"}},
-        "placement": {"header": "Authorization", "format": "Bearer {value}"},
-    }
-)
-JWT_CAP = CAP.validate_python({"type": "jwt", "ttl_seconds": 120})
-OIDC_CAP = CAP.validate_python({"type": "vault_oidc", "role": "sbx-api"})
-
-
-def vault_config(bao: BaoServer, **kw) -> BrokerConfig:
-    base = {"backend": "vault", "vault_addr": bao.addr, "role_id": bao.role_id, "secret_id": bao.secret_id}
-    return BrokerConfig(**(base | kw))
+from tests.support import jwtcheck
+from tests.support.bao import CAP, JWT_CAP, KV_CAP, KV_SECRET, OIDC_CAP, BaoServer, vault_config
 
 
 @pytest.fixture

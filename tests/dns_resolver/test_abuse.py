@@ -15,7 +15,7 @@ import dns.message
 import dns.rcode
 from dnslib import DNSRecord
 
-from .conftest import SANDBOX_IP, addresses, ask, dig, raw_udp, rcode
+from tests.support.dnsclients import SANDBOX_IP, addresses, ask, dig, raw_udp, rcode
 
 FORMERR, NOTIMP, REFUSED, NXDOMAIN = 1, 4, 5, 3
 
@@ -231,8 +231,7 @@ async def test_per_client_caps_keep_other_sandboxes_served(policies, state, audi
     from dataclasses import replace
 
     from egressgate.dns.server import DnsServer
-
-    from .conftest import PRIVATE_IP
+    from tests.support.dnsclients import PRIVATE_IP
 
     upstream.behaviour["slow.example.com"] = "timeout"
     config = replace(dns_config, udp_max_inflight_per_client=2, tcp_max_per_client=2)

@@ -7,8 +7,7 @@ from egressgate.audit.record import parse_line
 from egressgate.audit.replay import replay
 from egressgate.audit.signer import LocalEd25519Signer
 from egressgate.dns.server import DnsServer
-
-from .conftest import POLICIES, SANDBOX_IP, addresses, ask, rcode
+from tests.support.dnsclients import POLICIES, SANDBOX_IP, addresses, ask, rcode
 
 
 async def test_records_in_file_and_replay_agrees(tmp_path, policies, state, upstream, dns_config):

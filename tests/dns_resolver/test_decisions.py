@@ -8,8 +8,7 @@ from egressgate.dns.wire import parse_query
 from egressgate.policy.decide import decide
 from egressgate.policy.facts import Facts, Operation, SandboxState
 from egressgate.policy.loader import parse_policy
-
-from .conftest import POLICIES
+from tests.support.dnsclients import POLICIES
 
 NAMES = [
     "allowed.example.com",

@@ -8,8 +8,7 @@ that is not already canonical is never guessed: the record then has the raw text
 from __future__ import annotations
 
 from egressgate.audit.record import K_HOST, event_attributes
-
-from .conftest import SANDBOX_IP, UNKNOWN_IP, ask, rcode
+from tests.support.dnsclients import SANDBOX_IP, UNKNOWN_IP, ask, rcode
 
 
 async def test_unknown_client_record_names_the_canonical_name(server, upstream, audit):

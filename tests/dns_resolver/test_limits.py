@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from .conftest import BUDGET_IP, RATE_IP, SANDBOX_IP, addresses, ask, rcode
+from tests.support.dnsclients import BUDGET_IP, RATE_IP, SANDBOX_IP, addresses, ask, rcode
 
 
 async def test_query_budget_exhaustion(server, upstream, audit, state):

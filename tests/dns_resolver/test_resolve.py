@@ -11,17 +11,7 @@ import pytest
 
 from egressgate.dns.server import DnsServer
 from egressgate.state.base import SandboxRecord, hash_token
-
-from .conftest import (
-    PRIVATE_IP,
-    REFUSED_IP,
-    SANDBOX_IP,
-    UNKNOWN_IP,
-    addresses,
-    ask,
-    dig,
-    rcode,
-)
+from tests.support.dnsclients import PRIVATE_IP, REFUSED_IP, SANDBOX_IP, UNKNOWN_IP, addresses, ask, dig, rcode
 
 
 async def test_allowed_name_resolves_through_upstream(server, upstream, audit):

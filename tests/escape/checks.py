@@ -9,9 +9,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from networld import Mark, World
-
-from escape.harness import Curl, Response, Sandbox
+from tests.networld import Mark, World
+from tests.support.http1 import Response
+from tests.support.netgateway import Curl, Sandbox
 
 SETTLE = 0.1
 ADDRESS_REASONS = {"address_forbidden", "metadata_endpoint"}

@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from networld import World
 
-from escape.harness import Gateway, Sandbox
+from tests.networld import World
+from tests.support.netgateway import Gateway, Sandbox
 
 
 @pytest.fixture(scope="session")

@@ -8,10 +8,11 @@ is the join key.
 from __future__ import annotations
 
 import pytest
-from networld import World
 
-from escape.checks import deny_reason, proxied_get
-from escape.harness import Gateway, Sandbox, parse_response
+from tests.escape.checks import deny_reason, proxied_get
+from tests.networld import World
+from tests.support.http1 import parse_response
+from tests.support.netgateway import Gateway, Sandbox
 
 pytestmark = pytest.mark.netns
 

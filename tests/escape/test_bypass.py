@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import socket
 
-import networld as nw
 import pytest
-from networld import World
 
-from escape.checks import assert_untouched, requests_on
-from escape.harness import Gateway, Sandbox
+import tests.networld as nw
+from tests.escape.checks import assert_untouched, requests_on
+from tests.networld import World
+from tests.support.netgateway import Gateway, Sandbox
 
 pytestmark = pytest.mark.netns
 

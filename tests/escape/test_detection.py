@@ -16,10 +16,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from networld import GW_SBX, World
 
-from escape.checks import proxied_get, requests_on
-from escape.harness import parse_response, read_all
+from tests.escape.checks import proxied_get, requests_on
+from tests.networld import GW_SBX, World
+from tests.support.env import free_port
+from tests.support.http1 import parse_response, read_all
 
 pytestmark = pytest.mark.netns
 
@@ -28,7 +29,7 @@ MITMDUMP = str(Path(sys.executable).with_name("mitmdump"))
 
 @pytest.fixture(scope="module")
 def naive_proxy(world: World) -> Iterator[tuple[str, int]]:
-    port = world.in_ns(world.gw, lambda: _free_port(GW_SBX))
+    port = world.in_ns(world.gw, lambda: free_port(GW_SBX))
     proc = world.popen(world.gw, MITMDUMP, "-q", "--mode", f"regular@{GW_SBX}:{port}", "--ssl-insecure",
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -41,12 +42,6 @@ def naive_proxy(world: World) -> Iterator[tuple[str, int]]:
     finally:
         proc.terminate()
         proc.wait(10)
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def _can_connect(addr: tuple[str, int]) -> bool:

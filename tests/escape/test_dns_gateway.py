@@ -14,11 +14,11 @@ import ipaddress
 import re
 import secrets
 
-import networld as nw
 import pytest
-from networld import World
 
-from escape.harness import Gateway, Sandbox
+import tests.networld as nw
+from tests.networld import World
+from tests.support.netgateway import Gateway, Sandbox
 
 pytestmark = pytest.mark.netns
 

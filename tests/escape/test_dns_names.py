@@ -9,10 +9,10 @@ name and was handed the forbidden address (the attack was really delivered), eve
 from __future__ import annotations
 
 import pytest
-from networld import World
 
-from escape.checks import ADDRESS_REASONS, assert_denied, assert_untouched
-from escape.harness import Gateway, Sandbox
+from tests.escape.checks import ADDRESS_REASONS, assert_denied, assert_untouched
+from tests.networld import World
+from tests.support.netgateway import Gateway, Sandbox
 
 pytestmark = pytest.mark.netns
 

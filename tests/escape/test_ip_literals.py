@@ -9,12 +9,13 @@ dials the private canary for the encoded forms (canonicalisation works end to en
 
 from __future__ import annotations
 
-import networld as nw
 import pytest
-from networld import World
 
-from escape.checks import ADDRESS_REASONS, assert_denied, assert_untouched, proxied_get
-from escape.harness import Gateway, Sandbox, parse_response, read_response
+import tests.networld as nw
+from tests.escape.checks import ADDRESS_REASONS, assert_denied, assert_untouched, proxied_get
+from tests.networld import World
+from tests.support.http1 import parse_response, read_response
+from tests.support.netgateway import Gateway, Sandbox
 
 pytestmark = pytest.mark.netns
 

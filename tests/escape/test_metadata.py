@@ -9,10 +9,11 @@ land on the canary. Positive control: curl from the gateway namespace with the s
 from __future__ import annotations
 
 import pytest
-from networld import World
 
-from escape.checks import assert_denied, assert_untouched, proxied_get
-from escape.harness import Gateway, parse_response
+from tests.escape.checks import assert_denied, assert_untouched, proxied_get
+from tests.networld import World
+from tests.support.http1 import parse_response
+from tests.support.netgateway import Gateway
 
 pytestmark = pytest.mark.netns
 

@@ -11,10 +11,11 @@ from __future__ import annotations
 import time
 
 import pytest
-from networld import World
 
-from escape.checks import SETTLE, proxied_get
-from escape.harness import Gateway, Sandbox, parse_response
+from tests.escape.checks import SETTLE, proxied_get
+from tests.networld import World
+from tests.support.http1 import parse_response
+from tests.support.netgateway import Gateway, Sandbox
 
 pytestmark = pytest.mark.netns
 

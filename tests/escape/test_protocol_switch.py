@@ -9,12 +9,13 @@ from __future__ import annotations
 import socket
 import time
 
-import networld as nw
 import pytest
-from networld import World
 
-from escape.checks import SETTLE
-from escape.harness import Gateway, Sandbox, read_all, read_response
+import tests.networld as nw
+from tests.escape.checks import SETTLE
+from tests.networld import World
+from tests.support.http1 import read_all, read_response
+from tests.support.netgateway import Gateway, Sandbox
 
 pytestmark = pytest.mark.netns
 

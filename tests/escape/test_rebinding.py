@@ -8,12 +8,13 @@ reaches the upstream, so the name is usable and the test is not vacuous.
 
 from __future__ import annotations
 
-import networld as nw
 import pytest
-from networld import World
 
-from escape.checks import ADDRESS_REASONS, assert_denied, assert_untouched, requests_on
-from escape.harness import Gateway, Sandbox, read_response
+import tests.networld as nw
+from tests.escape.checks import ADDRESS_REASONS, assert_denied, assert_untouched, requests_on
+from tests.networld import World
+from tests.support.http1 import read_response
+from tests.support.netgateway import Gateway, Sandbox
 
 pytestmark = pytest.mark.netns
 

@@ -7,12 +7,12 @@ gateway namespace lands on the metadata canary, so the Location is live.
 
 from __future__ import annotations
 
-import networld as nw
 import pytest
-from networld import World
 
-from escape.checks import ADDRESS_REASONS, assert_denied, assert_untouched
-from escape.harness import Gateway, Sandbox
+import tests.networld as nw
+from tests.escape.checks import ADDRESS_REASONS, assert_denied, assert_untouched
+from tests.networld import World
+from tests.support.netgateway import Gateway, Sandbox
 
 pytestmark = pytest.mark.netns
 

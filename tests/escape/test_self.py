@@ -7,12 +7,13 @@ policy the gateway does dial another port on its own address and on its loopback
 
 from __future__ import annotations
 
-import networld as nw
 import pytest
-from networld import World
 
-from escape.checks import assert_denied, assert_untouched, proxied_get
-from escape.harness import Gateway, Sandbox, parse_response
+import tests.networld as nw
+from tests.escape.checks import assert_denied, assert_untouched, proxied_get
+from tests.networld import World
+from tests.support.http1 import parse_response
+from tests.support.netgateway import Gateway, Sandbox
 
 pytestmark = pytest.mark.netns
 

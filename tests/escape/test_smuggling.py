@@ -13,12 +13,13 @@ from __future__ import annotations
 import socket
 import ssl
 
-import networld as nw
 import pytest
-from networld import World
 
-from escape.checks import assert_untouched, requests_on
-from escape.harness import Gateway, Sandbox, read_all
+import tests.networld as nw
+from tests.escape.checks import assert_untouched, requests_on
+from tests.networld import World
+from tests.support.http1 import read_all
+from tests.support.netgateway import Gateway, Sandbox
 
 pytestmark = pytest.mark.netns
 

@@ -1,6 +1,6 @@
 """The transparent listener end to end: a sandbox whose TCP is DNATed to the gateway (no proxy settings).
 
-Every test runs its client in the `tsb` namespace (transparent_world.py): nothing but the gateway stands
+Every test runs its client in the `tsb` namespace (tests/support/transparent.py): nothing but the gateway stands
 between it and the world's canaries. Positive controls: allowed HTTPS and HTTP reach the real upstream,
 and the canaries the adversarial tests aim at are live and reachable from the `open` namespace.
 """
@@ -10,11 +10,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from networld import World
 
-from escape.checks import assert_untouched, requests_on
-from escape.harness import Gateway
-from escape.transparent_world import UPSTREAM, Transparent
+from tests.escape.checks import assert_untouched, requests_on
+from tests.networld import World
+from tests.support.netgateway import Gateway
+from tests.support.transparent import UPSTREAM, Transparent
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +28,7 @@ def tp(world: World, gateway: Gateway) -> Iterator[Transparent]:
 
 def read_responses(sock, n: int) -> list:
     """`n` pipelined responses (each Content-Length framed) from one connection."""
-    from escape.harness import parse_response, read_all
+    from tests.support.http1 import parse_response, read_all
     data = read_all(sock, 1.0, first=10)
     out = []
     for _ in range(n):
@@ -177,7 +177,7 @@ def test_host_switch_after_tls_sni_is_refused(tp: Transparent, world: World, gat
     mark = world.mark()
     with tp.tls(tp.connect(UPSTREAM, 443), "api.allowed.test") as tsock:
         tsock.sendall(b"GET /one HTTP/1.1\r\nHost: api.allowed.test\r\n\r\n")
-        from escape.harness import read_response
+        from tests.support.http1 import read_response
         first = read_response(tsock)
         tsock.sendall(b"GET /two HTTP/1.1\r\nHost: forbidden.test\r\n\r\n")
         second = read_response(tsock)
@@ -188,7 +188,7 @@ def test_host_switch_after_tls_sni_is_refused(tp: Transparent, world: World, gat
 
 # ------------------------------------------------------------------ identity
 def test_unknown_source_is_refused_over_tls(tp: Transparent, world: World, gateway: Gateway):
-    from escape.transparent_world import UNKNOWN_SOURCE
+    from tests.support.transparent import UNKNOWN_SOURCE
     mark = world.mark()
     resp = tp.https(UPSTREAM, "api.allowed.test", "api.allowed.test", source=UNKNOWN_SOURCE)
     record = audited(gateway, resp)
@@ -198,7 +198,7 @@ def test_unknown_source_is_refused_over_tls(tp: Transparent, world: World, gatew
 
 
 def test_unknown_source_is_refused_over_http(tp: Transparent, world: World, gateway: Gateway):
-    from escape.transparent_world import UNKNOWN_SOURCE
+    from tests.support.transparent import UNKNOWN_SOURCE
     mark = world.mark()
     resp = tp.http(UPSTREAM, "api.allowed.test", source=UNKNOWN_SOURCE)
     assert audited(gateway, resp)["egressgate.reason"] == "identity_unknown"
@@ -207,8 +207,8 @@ def test_unknown_source_is_refused_over_http(tp: Transparent, world: World, gate
 
 def test_proxy_authorization_is_not_an_identity(tp: Transparent, world: World, gateway: Gateway):
     """An unknown source cannot borrow a sandbox's identity with Proxy-Authorization (it is never read)."""
-    from escape.harness import read_response
-    from escape.transparent_world import UNKNOWN_SOURCE
+    from tests.support.http1 import read_response
+    from tests.support.transparent import UNKNOWN_SOURCE
     mark = world.mark()
     with tp.connect(UPSTREAM, 80, source=UNKNOWN_SOURCE) as sock:
         sock.sendall(f"GET / HTTP/1.1\r\nHost: api.allowed.test\r\nProxy-Authorization: {tp.sbx.auth_header}"
@@ -219,8 +219,8 @@ def test_proxy_authorization_is_not_an_identity(tp: Transparent, world: World, g
 
 
 def test_revoked_sandbox_is_refused(tp: Transparent, world: World, gateway: Gateway):
-    from escape.harness import EGRESSGATE
-    from escape.transparent_world import REVOKED_SOURCE
+    from tests.support.launcher import EGRESSGATE
+    from tests.support.transparent import REVOKED_SOURCE
     victim = gateway.admit("escape-transparent", address=REVOKED_SOURCE)
     assert tp.http(UPSTREAM, "api.allowed.test", source=REVOKED_SOURCE).status == 200  # control
     res = world.exec(world.gw, EGRESSGATE, "sandbox", "revoke", "--config", str(gateway.config), victim.id)
@@ -235,7 +235,7 @@ def test_revoked_sandbox_is_refused(tp: Transparent, world: World, gateway: Gate
 
 # ------------------------------------------------------------------ proxy forms and raw TCP
 def test_connect_to_the_transparent_listener_is_refused(tp: Transparent, world: World, gateway: Gateway):
-    from escape.harness import parse_response, read_all
+    from tests.support.http1 import parse_response, read_all
     mark = world.mark()
     with tp.connect(UPSTREAM, 80) as sock:
         sock.sendall(b"CONNECT api.allowed.test:443 HTTP/1.1\r\nHost: api.allowed.test:443\r\n"
@@ -255,7 +255,7 @@ def test_absolute_form_to_the_transparent_listener_is_refused(tp: Transparent, w
 
 
 def test_non_http_tcp_without_a_tcp_rule_is_refused(tp: Transparent, world: World, gateway: Gateway):
-    from escape.harness import parse_response, read_all
+    from tests.support.http1 import parse_response, read_all
     mark = world.mark()
     with tp.connect("10.0.0.5", 80) as sock:
         sock.sendall(b"\x00\x01\x02 binary protocol bytes\r\n")
@@ -271,7 +271,7 @@ def test_non_http_tcp_without_a_tcp_rule_is_refused(tp: Transparent, world: Worl
 
 def test_non_http_tcp_with_a_tcp_rule_for_the_ip_is_relayed(tp: Transparent, world: World, gateway: Gateway):
     """Positive control for the raw-TCP refusal: a tcp rule for 198.18.1.10:2222 lets raw bytes through."""
-    from escape.harness import read_all
+    from tests.support.http1 import read_all
     mark = world.mark()
     with tp.connect(UPSTREAM, 2222) as sock:
         sock.sendall(b"\x00\x01 raw hello")
@@ -283,7 +283,7 @@ def test_non_http_tcp_with_a_tcp_rule_for_the_ip_is_relayed(tp: Transparent, wor
 def test_server_first_protocol_with_a_tcp_rule_is_relayed(tp: Transparent, world: World, gateway: Gateway):
     """A server-first protocol (the client waits for a banner): after a second of client silence the
     gateway relays raw TCP because a tcp rule allows 198.18.1.10:2224, and the record says so."""
-    from escape.harness import read_all
+    from tests.support.http1 import read_all
     mark = world.mark()
     with tp.connect(UPSTREAM, 2224) as sock:
         got = read_all(sock, 1.0, first=10)
@@ -298,7 +298,7 @@ def test_server_first_protocol_without_a_tcp_rule_is_never_dialed(tp: Transparen
     no connection (the gateway waits for the client's bytes instead of dialing the original address)."""
     import socket
 
-    from escape.harness import read_all
+    from tests.support.http1 import read_all
 
     def direct() -> bytes:  # positive control: the server is live and speaks first to a direct client
         with socket.create_connection((UPSTREAM, 2225), timeout=10) as s:
@@ -319,8 +319,8 @@ def test_connect_inside_transparent_tls_is_refused(tp: Transparent, world: World
                                                   source: str, sni: str, reason: str | None):
     """Inside the TLS of a transparent connection (refused or allowed), a CONNECT carrying a valid
     sandbox's Proxy-Authorization is not a way in: the credentials are never read, nothing is dialed."""
-    from escape.harness import read_response
-    from escape.transparent_world import UNKNOWN_SOURCE
+    from tests.support.http1 import read_response
+    from tests.support.transparent import UNKNOWN_SOURCE
     mark = world.mark()
     src = UNKNOWN_SOURCE if source == "unknown" else None
     with tp.tls(tp.connect(UPSTREAM, 443, src), sni) as tsock:
@@ -339,8 +339,8 @@ def test_h2_streams_are_decided_on_their_authority(tp: Transparent, world: World
     name it (stream-level fronting refused); control: the consistent streams reach upstream-h2."""
     import time
 
-    from escape.checks import SETTLE
-    from escape.test_h2 import GOOD, STREAMS, exchange
+    from tests.escape.checks import SETTLE
+    from tests.escape.h2streams import GOOD, STREAMS, exchange
     mark = world.mark()
     with tp.tls(tp.connect(UPSTREAM, 9443), "api.allowed.test", alpn=("h2",)) as tls:
         assert tls.selected_alpn_protocol() == "h2"

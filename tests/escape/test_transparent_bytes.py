@@ -2,7 +2,7 @@
 HTTP named by its Host), each next to its explicit-proxy control. The credential, phantom, rule-budget
 and WebSocket paths are in tests/gateway_credentials/test_transparent.py.
 
-`tby` (198.18.7.0/24, transparent_world.py) has its TCP DNATed to the gateway's transparent listener;
+`tby` (198.18.7.0/24, tests/support/transparent.py) has its TCP DNATed to the gateway's transparent listener;
 each test admits an escape-transparent-budget sandbox (outbound_bytes_max 2000) at its own source address
 there, and the explicit control runs the same exchange from the world's `sbx` namespace through the proxy.
 """
@@ -14,13 +14,14 @@ import socket
 import time
 from collections.abc import Iterator
 
-import networld as nw
 import pytest
-from networld import World
 
-from escape.checks import SETTLE, requests_on
-from escape.harness import Gateway, read_all, read_response
-from escape.transparent_world import UPSTREAM, Transparent
+import tests.networld as nw
+from tests.escape.checks import SETTLE, requests_on
+from tests.networld import World
+from tests.support.http1 import read_all, read_response
+from tests.support.netgateway import Gateway
+from tests.support.transparent import UPSTREAM, Transparent
 
 pytestmark = pytest.mark.netns
 

@@ -1,7 +1,7 @@
 """The explicit proxy's connection guards are in force on the transparent listener too.
 
 A second gateway in the same world, with tight limits (`limits:`), and its own redirected namespace
-`tsg` (198.18.6.0/24, transparent_world.py): connguard's header deadline cuts a silent connection, the
+`tsg` (198.18.6.0/24, tests/support/transparent.py): connguard's header deadline cuts a silent connection, the
 bounded ClientHello layer (tls_limits.py) refuses an oversized handshake with an alert, the per-sandbox
 connection limit (identity.py) refuses with the deny body, and connections that identified no *live*
 sandbox (unknown source, revoked sandbox) count against their source address (connguard.py), so a
@@ -17,10 +17,12 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from networld import World
 
-from escape.harness import EGRESSGATE, Gateway, parse_response, read_all
-from escape.transparent_world import UPSTREAM, Transparent
+from tests.networld import World
+from tests.support.http1 import parse_response, read_all
+from tests.support.launcher import EGRESSGATE
+from tests.support.netgateway import Gateway
+from tests.support.transparent import UPSTREAM, Transparent
 
 NET = "198.18.6"
 HEADER_TIMEOUT = 3.0

@@ -11,9 +11,10 @@ import json
 import time
 from pathlib import Path
 
-import networld as nw
 import pytest
-from networld import World
+
+import tests.networld as nw
+from tests.networld import World
 
 pytestmark = pytest.mark.netns
 

@@ -12,7 +12,9 @@ import httpx
 import pytest
 import yaml
 
-from .conftest import connect_tunnel, read_response, tls_wrap, wait_for
+from tests.support.gwworld import connect_tunnel, tls_wrap
+from tests.support.http1 import read_reply
+from tests.support.waiting import wait_for
 
 CONNECT_STAGE: list[str] = []
 
@@ -31,7 +33,7 @@ def get_via(gateway, sbx, host: str, port: int, path: str = "/echo") -> tuple[in
     is_ip = name.replace(".", "").isdigit() or ":" in name or name.startswith("0x")
     tls = tls_wrap(sock, gateway, None if is_ip else name)
     tls.sendall(f"GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n".encode())
-    status, _, body = read_response(tls)
+    status, _, body = read_reply(tls)
     tls.close()
     return status, json.loads(body) if body.startswith(b"{") else {}
 

@@ -19,9 +19,9 @@ import pytest
 
 from egressgate.audit.find import iter_records
 from egressgate.audit.reqhash import canonical_fields, request_hash
-
-from .conftest import EGRESSGATE, start_gateway, stop_gateway
-from .test_audit_unavailable import fill, tiny_fs  # noqa: F401 - fixture
+from tests.support.gwworld import start_gateway
+from tests.support.launcher import EGRESSGATE, stop_gateway
+from tests.support.tmpfs import fill
 
 REQUEST_ID = "x-egressgate-request-id"
 
@@ -215,7 +215,7 @@ def post_then_fill(gw, mnt: Path, tmp_path: Path) -> tuple[str, str, bytes, Path
     return rid, url, first_part + rest, filler
 
 
-def test_outcome_write_failure_is_retried_not_lost(gateway, tiny_fs, tmp_path):  # noqa: F811
+def test_outcome_write_failure_is_retried_not_lost(gateway, tiny_fs, tmp_path):
     """The outcome record (written after the response) is the only place a streamed body's request hash
     lives. Its write fails on a full disk: it must be retried, logged with the request id, and written."""
     gw = start_gateway(gateway.world, tmp_path / "gw", {"audit": {"path": str(tiny_fs / "audit.jsonl")}})
@@ -236,7 +236,7 @@ def test_outcome_write_failure_is_retried_not_lost(gateway, tiny_fs, tmp_path): 
     assert during.status_code == 503 and during.json()["audit_status"]["pending_records"] >= 1  # /healthz said so
 
 
-def test_queued_outcome_survives_kill9(gateway, tiny_fs, tmp_path):  # noqa: F811
+def test_queued_outcome_survives_kill9(gateway, tiny_fs, tmp_path):
     """The queue has a copy on disk (the retry spool, in var_dir, not on the full audit volume): a gateway
     SIGKILLed while an outcome waits writes it after the restart."""
     extra = {"audit": {"path": str(tiny_fs / "audit.jsonl")}}
@@ -263,7 +263,7 @@ def test_queued_outcome_survives_kill9(gateway, tiny_fs, tmp_path):  # noqa: F81
     assert (gw.var / "audit-retry.jsonl").read_bytes() == b""  # emptied once written
 
 
-def test_revocation_on_a_full_disk_is_recorded_later(gateway, tiny_fs, tmp_path):  # noqa: F811
+def test_revocation_on_a_full_disk_is_recorded_later(gateway, tiny_fs, tmp_path):
     """Sibling of the outcome: a revocation takes effect even when its record cannot be written (fail
     closed), so its record is queued and retried, not dropped."""
     gw = start_gateway(gateway.world, tmp_path / "gw", {"audit": {"path": str(tiny_fs / "audit.jsonl")}})

@@ -4,41 +4,9 @@ service (positive control)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-from pathlib import Path
-
-import pytest
-
-from .conftest import start_gateway, stop_gateway
-
-IN_CI = os.environ.get("CI") == "true"
-
-
-@pytest.fixture
-def tiny_fs(tmp_path: Path):
-    if os.geteuid() != 0 and not IN_CI:
-        pytest.skip("mounting a tmpfs needs root")
-    mnt = tmp_path / "auditfs"
-    mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=128k,mode=0700", "tmpfs", str(mnt)], check=True)
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
-
-
-def fill(mnt: Path) -> Path:
-    filler = mnt / "filler"
-    fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
-    try:
-        while True:
-            os.write(fd, b"\0" * 1024)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-    return filler
+from tests.support.gwworld import start_gateway
+from tests.support.launcher import stop_gateway
+from tests.support.tmpfs import fill
 
 
 def test_full_audit_disk_denies_then_recovers(gateway, tiny_fs, tmp_path):

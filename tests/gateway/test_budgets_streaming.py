@@ -17,7 +17,8 @@ import time
 
 import aiohttp
 
-from .conftest import connect_tunnel, read_response, tls_wrap
+from tests.support.gwworld import connect_tunnel, tls_wrap
+from tests.support.http1 import read_reply
 
 LIMIT = 4000
 
@@ -51,7 +52,7 @@ def post_cl(gateway, sbx, n: int) -> tuple[int, bytes]:
     port = gateway.world.https_port
     with tls:
         tls.sendall(cl_head(port, n) + b"b" * n)
-        status, _, body = read_response(tls)
+        status, _, body = read_reply(tls)
     return status, body
 
 
@@ -91,7 +92,7 @@ def chunked_post(gateway, sbx, sizes: list[int], pause: float = 0.0) -> tuple[in
             if pause:
                 time.sleep(pause)
         tls.sendall(b"0\r\n\r\n")
-        status, _, _ = read_response(tls)
+        status, _, _ = read_reply(tls)
     except (ConnectionError, ssl.SSLError, OSError):
         status = 0
     finally:
@@ -203,5 +204,5 @@ def test_budget_counts_plain_http_too(gateway):
     for _ in range(2):
         with socket.create_connection(gateway.proxy, timeout=10) as s:
             s.sendall(req)
-            codes.append(read_response(s)[0])
+            codes.append(read_reply(s)[0])
     assert codes == [200, 429]

@@ -19,8 +19,9 @@ import time
 
 from mitmproxy.proxy.layers import tls as tls_parse
 
-from .conftest import read_response, wait_for
-from .test_conn_limits import auth, connection_records, dial
+from tests.support.gwworld import auth, connection_records, dial
+from tests.support.http1 import read_reply
+from tests.support.waiting import wait_for
 
 LIMIT = 64 * 1024  # the default
 ONE_READ = 65535  # mitmproxy's read size
@@ -31,7 +32,7 @@ def connect_tunnel(gw, sbx, source: str) -> socket.socket:
     target = f"api.test:{gw.world.https_port}"
     s = dial(gw, source)
     s.sendall(f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n{auth(sbx)}\r\n".encode())
-    assert read_response(s)[0] == 200
+    assert read_reply(s)[0] == 200
     return s
 
 

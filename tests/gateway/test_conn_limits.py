@@ -9,7 +9,6 @@ connection within the limit is served.
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import json
 import socket
@@ -19,7 +18,10 @@ import time
 
 import pytest
 
-from .conftest import read_response, start_gateway, stop_gateway, wait_for
+from tests.support.gwworld import auth, connection_records, dial, start_gateway
+from tests.support.http1 import read_reply
+from tests.support.launcher import stop_gateway
+from tests.support.waiting import wait_for
 
 FAST = {"header_timeout": 2.0, "tls_handshake_timeout": 2.0, "keepalive_timeout": 2.0,
         "audit_per_second": 3}
@@ -40,14 +42,6 @@ def gw_small(gateway, tmp_path_factory):
     stop_gateway(gw)
 
 
-def auth(sbx) -> str:
-    return "Proxy-Authorization: Basic " + base64.b64encode(f"{sbx.id}:{sbx.token}".encode()).decode() + "\r\n"
-
-
-def dial(gw, source: str = "127.0.0.1") -> socket.socket:
-    return socket.create_connection(gw.proxy, timeout=10, source_address=(source, 0))
-
-
 def closed(sock: socket.socket, timeout: float = 0.05) -> bool:
     """True once the gateway closed the connection (EOF or RST); data is read and ignored."""
     sock.settimeout(timeout)
@@ -60,11 +54,6 @@ def closed(sock: socket.socket, timeout: float = 0.05) -> bool:
         return False
     except OSError:
         return True
-
-
-def connection_records(gw, reason: str) -> list[dict]:
-    return [r for r in gw.audit_records()
-            if r.get("egressgate.operation") == "connection" and r.get("egressgate.reason") == reason]
 
 
 def events(records: list[dict]) -> int:
@@ -149,7 +138,7 @@ def test_stalled_tls_handshake_closed_and_audited(gw_fast):
     for _ in range(3):
         s = dial(gw)
         s.sendall(f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n{auth(sbx)}\r\n".encode())
-        status, _, _ = read_response(s)
+        status, _, _ = read_reply(s)
         assert status == 200
         s.send(b"\x16\x03\x01\x02\x00\x01")  # the first bytes of a ClientHello, then nothing
         stalled.append(s)
@@ -173,7 +162,7 @@ def test_keepalive_slowloris_on_second_request(gw_fast):
     slow, idle = dial(gw, "127.0.0.31"), dial(gw, "127.0.0.32")
     for s in (slow, idle):
         s.sendall(request)
-        status, _headers, body = read_response(s)
+        status, _headers, body = read_reply(s)
         assert status == 200 and json.loads(body)["path"] == "/echo"
     slow.sendall(b"GET " + target.encode() + b" HTTP/1.1\r\nHost: api")
     with Dripper([slow], every=0.3):
@@ -200,11 +189,11 @@ def test_keepalive_deadline_follows_the_last_response(gw_fast):
     started = time.monotonic()
     while time.monotonic() - started < 2.5 * FAST["keepalive_timeout"]:  # past the accept's header deadline
         s.sendall(request)
-        status, _headers, body = read_response(s)
+        status, _headers, body = read_reply(s)
         assert status == 200 and json.loads(body)["path"] == "/echo"  # positive control: served throughout
         time.sleep(0.6 * FAST["keepalive_timeout"])
     s.sendall(request)
-    assert read_response(s)[0] == 200
+    assert read_reply(s)[0] == 200
     last_response = time.monotonic()
     s.sendall(b"GET " + target.encode() + b" HTTP/1.1\r\nHost: api")  # then stalls mid-head
     assert wait_for(lambda: closed(s, 0.01), timeout=FAST["keepalive_timeout"] + 6)
@@ -225,7 +214,7 @@ def test_per_source_limit_refuses_n_plus_1(gw_small):
     assert not any(closed(s) for s in held)  # positive control: N connections are accepted and kept
     extra = dial(gw, "127.0.0.40")
     extra.sendall(b"GET http://api.test/ HTTP/1.1\r\nHost: api.test\r\n\r\n")
-    status, headers, body = read_response(extra)
+    status, headers, body = read_reply(extra)
     assert status == 429 and headers.get("x-egressgate-decision") == "deny"
     data = json.loads(body)
     assert data["reason"] == "connection_limit"
@@ -234,9 +223,9 @@ def test_per_source_limit_refuses_n_plus_1(gw_small):
     other = dial(gw, "127.0.0.41")
     target = f"http://api.test:{gw.world.http_port}/echo"
     other.sendall(f"GET {target} HTTP/1.1\r\nHost: api.test:{gw.world.http_port}\r\n{auth(sbx)}\r\n".encode())
-    assert read_response(other)[0] == 200
+    assert read_reply(other)[0] == 200
     held[0].sendall(f"GET {target} HTTP/1.1\r\nHost: api.test:{gw.world.http_port}\r\n{auth(sbx)}\r\n".encode())
-    assert read_response(held[0])[0] == 200
+    assert read_reply(held[0])[0] == 200
     # held[0] identified a sandbox: it no longer counts against the source, so one more is accepted
     again = dial(gw, "127.0.0.40")
     time.sleep(0.3)
@@ -259,25 +248,25 @@ def test_per_sandbox_limit_refuses_n_plus_1(gw_small):
     for _ in range(n):
         s = dial(gw)
         s.sendall(connect)
-        assert read_response(s)[0] == 200
+        assert read_reply(s)[0] == 200
         tunnels.append(s)
     refused = dial(gw)
     refused.sendall(connect)
-    status, _, body = read_response(refused)
+    status, _, body = read_reply(refused)
     assert status == 429 and json.loads(body)["reason"] == "connection_limit"
     refused.close()
     # positive controls: the N tunnels work, another sandbox is not affected
     ctx = ssl.create_default_context(cafile=gw.bundle)
     tls = ctx.wrap_socket(tunnels[0], server_hostname="api.test")
     tls.sendall(b"GET /echo HTTP/1.1\r\nHost: " + target.encode() + b"\r\n\r\n")
-    assert read_response(tls)[0] == 200
+    assert read_reply(tls)[0] == 200
     assert normal_request_ok(gw, other)
     # closing one frees a slot
     tls.close()
     time.sleep(0.3)
     again = dial(gw)
     again.sendall(connect)
-    assert read_response(again)[0] == 200
+    assert read_reply(again)[0] == 200
     for s in (*tunnels[1:], again):
         s.close()
     denied = [r for r in gw.audit_records() if r.get("egressgate.operation") == "connect"
@@ -303,7 +292,7 @@ def test_oversized_request_head_refused_431_and_audited(gw_fast):
             s.sendall(b"a" * 65536)
     except OSError:
         pass
-    status, headers, body = read_response(s)
+    status, headers, body = read_reply(s)
     assert status == 431 and headers.get("x-egressgate-decision") == "deny"
     assert json.loads(body)["reason"] == "header_too_large"
     assert closed(s, 2)
@@ -312,10 +301,10 @@ def test_oversized_request_head_refused_431_and_audited(gw_fast):
     target = f"api.test:{gw.world.https_port}"
     t = dial(gw)
     t.sendall(f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n{auth(sbx)}\r\n".encode())
-    assert read_response(t)[0] == 200
+    assert read_reply(t)[0] == 200
     tls = ssl.create_default_context(cafile=gw.bundle).wrap_socket(t, server_hostname="api.test")
     tls.sendall(b"GET /echo HTTP/1.1\r\nHost: " + target.encode() + b"\r\nX-Big: " + b"a" * (100 * 1024))
-    status, _, body = read_response(tls)
+    status, _, body = read_reply(tls)
     assert status == 431 and json.loads(body)["reason"] == "header_too_large"
     tls.close()
     assert wait_for(lambda: len(connection_records(gw, "header_too_large")) == 2, timeout=5)

@@ -7,7 +7,8 @@ import socket
 
 import pytest
 
-from .conftest import connect_tunnel, read_response, tls_wrap
+from tests.support.gwworld import connect_tunnel, tls_wrap
+from tests.support.http1 import read_reply
 
 
 def tunnel_request(gateway, sbx, connect: str, sni: str | None, request: bytes) -> tuple[int, dict, bytes]:
@@ -16,7 +17,7 @@ def tunnel_request(gateway, sbx, connect: str, sni: str | None, request: bytes) 
     tls = tls_wrap(sock, gateway, sni)
     try:
         tls.sendall(request)
-        return read_response(tls)
+        return read_reply(tls)
     finally:
         tls.close()
 
@@ -121,7 +122,7 @@ def plain(gateway, sbx, request: bytes) -> tuple[int, dict, bytes]:
     data = head + b"\r\nProxy-Authorization: Basic " + auth.encode() + b"\r\n" + rest
     with socket.create_connection(gateway.proxy, timeout=10) as s:
         s.sendall(data)
-        return read_response(s)
+        return read_reply(s)
 
 
 def test_absolute_form_and_host_must_agree(gateway):

@@ -9,7 +9,7 @@ import socket
 import httpx
 import pytest
 
-from .conftest import read_response
+from tests.support.http1 import read_reply
 
 DENY_KEYS = {"error", "reason", "rule", "request_id", "message"}
 
@@ -106,7 +106,7 @@ def raw_connect(gateway, target: str, auth: str | None) -> tuple[int, dict, byte
     with socket.create_connection(gateway.proxy, timeout=10) as s:
         extra = f"Proxy-Authorization: {auth}\r\n" if auth else ""
         s.sendall(f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n{extra}\r\n".encode())
-        return read_response(s)
+        return read_reply(s)
 
 
 def test_connect_deny_body_and_reasons(gateway):
@@ -238,7 +238,7 @@ def test_tunnel_request_never_forwards_proxy_credentials_or_hop_by_hop(gateway):
 def test_denied_large_upload_not_buffered(gateway):
     """A denied request whose body is chunked or > 64 KiB is cut (connection reset) instead of being
     buffered by the gateway; a small denied body still gets the deny contract."""
-    from .conftest import connect_tunnel, tls_wrap
+    from tests.support.gwworld import connect_tunnel, tls_wrap
 
     sbx = gateway.admit("gw-basic")
     port = gateway.world.https_port

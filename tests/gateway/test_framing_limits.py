@@ -23,7 +23,10 @@ import h11
 import pytest
 import yaml
 
-from .conftest import read_response, start_gateway, stop_gateway, wait_for
+from tests.support.gwworld import start_gateway
+from tests.support.http1 import read_reply
+from tests.support.launcher import stop_gateway
+from tests.support.waiting import wait_for
 
 ENDLESS = 32 << 20  # what a hostile peer tries to make the gateway hold
 STEP = 64 << 10
@@ -204,7 +207,7 @@ def test_endless_upstream_response_head_refused_502(gw, hostile):
     sbx = gw.admit("framing")
     before = rss(gw.proc.pid)
     s = proxy_request(gw, sbx, hostile.port, "GET", "/endless-head")
-    status, headers, body = read_response(s, timeout=30)
+    status, headers, body = read_reply(s, timeout=30)
     sent = settled(hostile.seen["/endless-head"])
     assert sent < ENDLESS // 2, f"the gateway accepted {sent} bytes of one response head"
     assert rss(gw.proc.pid) - before < 16 << 20
@@ -218,7 +221,7 @@ def test_endless_upstream_response_head_refused_502(gw, hostile):
     assert rec.get("egressgate.response_refused") == "response_header_too_large"
     # positive control: a 60 kB head (under the bound) passes whole
     s = proxy_request(gw, sbx, hostile.port, "GET", "/head-under")
-    status, headers, body = read_response(s)
+    status, headers, body = read_reply(s)
     s.close()
     assert status == 200 and body == b"ok" and headers["x-big"] == "b" * 60000
 
@@ -230,7 +233,7 @@ def test_endless_response_chunk_line_cut(gw, hostile):
     sbx = gw.admit("framing")
     before = rss(gw.proc.pid)
     s = proxy_request(gw, sbx, hostile.port, "GET", "/endless-chunk")
-    status, headers, _ = read_response(s, timeout=20)
+    status, headers, _ = read_reply(s, timeout=20)
     assert status == 200
     request_id = headers["x-egressgate-request-id"]
     s.settimeout(20)
@@ -260,7 +263,7 @@ def test_endless_request_chunk_line_refused_400(gw, hostile):
     before = rss(gw.proc.pid)
     s = proxy_request(gw, sbx, hostile.port, "POST", "/upload-endless", "Transfer-Encoding: chunked\r\n")
     sent = send_endless(s, b"5\r\nhello\r\n5;x=")
-    status, headers, body = read_response(s, timeout=20)
+    status, headers, body = read_reply(s, timeout=20)
     assert sent < ENDLESS // 2, f"the gateway accepted {sent} bytes of one chunk-size line"
     assert rss(gw.proc.pid) - before < 16 << 20
     assert status == 400 and headers.get("x-egressgate-decision") == "deny", (status, body[:200])
@@ -274,7 +277,7 @@ def test_endless_request_chunk_line_refused_400(gw, hostile):
     # positive control
     s = proxy_request(gw, sbx, hostile.port, "POST", "/upload-under", "Transfer-Encoding: chunked\r\n")
     s.sendall(b"5;x=" + b"e" * 4000 + b"\r\nhello\r\n6\r\n world\r\n0\r\n\r\n")
-    status, _, body = read_response(s)
+    status, _, body = read_reply(s)
     s.close()
     assert status == 200 and json.loads(body)["path"] == "/upload-under"
     seen = hostile.seen["/upload-under"]  # "done" is set after the answer is sent: not waited for here

@@ -18,7 +18,7 @@ import h2.connection
 import h2.events
 from hyperframe.frame import ContinuationFrame, HeadersFrame
 
-from .conftest import connect_tunnel
+from tests.support.gwworld import connect_tunnel
 
 FRAME = 128 * 1024 - 1  # under mitmproxy's advertised max frame size (2**17)
 

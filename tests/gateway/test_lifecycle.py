@@ -17,7 +17,10 @@ import httpx
 import pytest
 import yaml
 
-from .conftest import EGRESSGATE, connect_tunnel, read_response, start_gateway, stop_gateway, wait_for
+from tests.support.gwworld import connect_tunnel, start_gateway
+from tests.support.http1 import read_reply
+from tests.support.launcher import EGRESSGATE, stop_gateway
+from tests.support.waiting import wait_for
 
 
 def test_non_http_bytes_in_tunnel_refused_with_control(gateway):
@@ -30,7 +33,7 @@ def test_non_http_bytes_in_tunnel_refused_with_control(gateway):
     sock, head = connect_tunnel(gateway, sbx, f"open.test:{port}")
     assert head.startswith(b"HTTP/1.1 200")
     sock.sendall(b"\x00\x01\x02 raw bytes that are not http\n")
-    status, _, body = read_response(sock, timeout=5)
+    status, _, body = read_reply(sock, timeout=5)
     sock.close()
     assert status == 403 and json.loads(body)["reason"] == "protocol_not_allowed"
     time.sleep(0.3)
@@ -54,7 +57,7 @@ def test_raw_tcp_refused_unless_tcp_rule(gateway):
     sock, head = connect_tunnel(gateway, sbx, f"api.test:{world.https_port}")
     assert head.startswith(b"HTTP/1.1 200")
     sock.sendall(b"\x16 not-tls-not-http \x00\x00\n")
-    status, _headers, body = read_response(sock, timeout=5)
+    status, _headers, body = read_reply(sock, timeout=5)
     sock.close()
     assert status == 403 and json.loads(body)["reason"] == "protocol_not_allowed"
     # positive control: the tcp rule relays the same bytes to the echo server

@@ -8,22 +8,74 @@ the same bytes with the one difference removed reach the upstream.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import ssl
 import struct
+import threading
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import pytest
 import yaml
 
-from tests.gateway.conftest import connect_tunnel, start_gateway, stop_gateway, wait_for
+from tests.support.gwworld import connect_tunnel, start_gateway
+from tests.support.launcher import stop_gateway
+from tests.support.waiting import wait_for
 
 ALERT_ACCESS_DENIED = b"\x15\x03\x03\x00\x02\x02\x31"
 ALERT_ILLEGAL_PARAMETER = b"\x15\x03\x03\x00\x02\x02\x2f"
 
 
+@dataclass
+class HrrUpstream:
+    """A TLS 1.3 upstream that only accepts P-256 key shares: Python's client offers X25519 first, so
+    every handshake starts with a HelloRetryRequest and a second ClientHello. `snis` logs every SNI its
+    OpenSSL servername callback was called with (once per ClientHello)."""
+
+    port: int
+    snis: list
+
+
 @pytest.fixture(scope="module")
-def gw(world, tmp_path_factory):
+def hrr(world) -> Iterator[HrrUpstream]:
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    world.ca.issue_cert("hrr.test", "oth.test").configure_cert(ctx)
+    ctx.set_ecdh_curve("prime256v1")
+    snis: list = []
+    ctx.sni_callback = lambda _sock, name, _ctx: snis.append(name)
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+
+    def serve_one(conn: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            conn.settimeout(10)
+            tls = ctx.wrap_socket(conn, server_side=True)
+            data = b""
+            while b"\r\n\r\n" not in data and (chunk := tls.recv(4096)):
+                data += chunk
+            tls.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\nConnection: close\r\n\r\nhrr")
+            tls.close()
+        conn.close()
+
+    def accept() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = server.accept()
+                threading.Thread(target=serve_one, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    world.dns.records["hrr.test"] = "127.0.0.1"
+    try:
+        yield HrrUpstream(server.getsockname()[1], snis)
+    finally:
+        server.close()
+
+
+@pytest.fixture(scope="module")
+def gw(world, hrr, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("gw-passthrough")
     https, canary = world.https_port, world.canary_https_port
     (tmp / "policies").mkdir()
@@ -37,6 +89,7 @@ def gw(world, tmp_path_factory):
         {"id": "pt-api", "host": "api.test", "ports": [https], "tls": "passthrough"},
         {"id": "pt-literal", "host": "127.0.0.1", "ports": [https], "tls": "passthrough"},
         {"id": "pt-canary", "host": "canary.test", "ports": [canary], "tls": "passthrough"},
+        {"id": "pt-hrr", "host": "hrr.test", "ports": [hrr.port], "tls": "passthrough"},
     ]}})
     write("pt-budget", {"https": {"allow": [{"id": "pt-api", "host": "api.test", "ports": [https],
                                              "tls": "passthrough"}]}}, {"outbound_bytes_max": 6000})
@@ -304,3 +357,95 @@ def test_revocation_cuts_an_open_passthrough_tunnel(gw, world):
     assert [h for h in world.hits.since(mark) if h["path"] == "/echo?rev=2"] == []
     out = outcome(gw, sbx.id)
     assert (out["egressgate.decision"], out["egressgate.reason"]) == ("deny", "sandbox_revoked")
+
+
+def test_bulk_download_through_the_splice_is_complete_and_counted(gw, world):
+    """8 MB through the spliced tunnel to a reader that starts slowly (the gateway's write buffer fills and
+    it must stop reading the upstream, not buffer it): every byte arrives, in order, and is counted in."""
+    sbx = gw.admit("pt")
+    size = 8_000_000
+    sock = open_tunnel(gw, sbx, f"api.test:{world.https_port}")
+    tls = upstream_ctx(world).wrap_socket(sock, server_hostname="api.test")
+    tls.sendall(f"GET /big?n={size} HTTP/1.1\r\nHost: api.test\r\nConnection: close\r\n\r\n".encode())
+    time.sleep(1.0)  # let the upstream fill every buffer on the way
+    data = bytearray()
+    while chunk := tls.recv(1 << 20):
+        data += chunk
+    tls.close()
+    head, _, body = bytes(data).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and len(body) == size and body.count(b"x") == size
+    out = outcome(gw, sbx.id)
+    assert out["egressgate.decision"] == "allow" and int(out["egressgate.bytes.in"]) > size
+
+
+def hrr_exchange(world, sock: socket.socket, second_sni: bytes | None) -> bytes:
+    """ClientHello for hrr.test, read the server's HelloRetryRequest, then the client's real second
+    ClientHello with its SNI replaced by `second_sni` (same length: the lengths stay valid). Returns
+    what came back after the second ClientHello."""
+    ctx = upstream_ctx(world)
+    ctx.check_hostname = False
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    obj = ctx.wrap_bio(incoming, outgoing, server_hostname="hrr.test")
+    with contextlib.suppress(ssl.SSLWantReadError):
+        obj.do_handshake()
+    sock.sendall(outgoing.read())
+    sock.settimeout(5)
+    retry = sock.recv(65536)
+    assert bytes.fromhex("CF21AD74E59A6111BE1D8C021E65B891C2A211167ABB8C5E079E09E2C8A8339C") in retry
+    incoming.write(retry)
+    with contextlib.suppress(ssl.SSLWantReadError):
+        obj.do_handshake()
+    second = outgoing.read()
+    assert second.count(b"hrr.test") == 1
+    sock.sendall(second.replace(b"hrr.test", second_sni) if second_sni else second)
+    got = b""
+    with contextlib.suppress(OSError):
+        while chunk := sock.recv(65536):
+            got += chunk
+    return got
+
+
+def test_client_hello_after_a_hello_retry_request_is_checked_too(gw, world, hrr):
+    """TLS 1.3 HelloRetryRequest: the client's second ClientHello is in clear and the server acts on its
+    SNI again (positive control: sent straight to the upstream, its servername callback sees oth.test).
+    Through the tunnel, the same second ClientHello naming oth.test is refused; an honest client's retry
+    passes (its handshake completes, and the upstream saw hrr.test twice: the retry did happen)."""
+    mark = len(hrr.snis)
+    direct = socket.create_connection(("127.0.0.1", hrr.port), timeout=5)
+    hrr_exchange(world, direct, b"oth.test")
+    direct.close()
+    assert wait_for(lambda: "oth.test" in hrr.snis[mark:], timeout=3), hrr.snis[mark:]
+
+    mark = len(hrr.snis)
+    sbx = gw.admit("pt")
+    sock = open_tunnel(gw, sbx, f"hrr.test:{hrr.port}")
+    assert hrr_exchange(world, sock, b"oth.test") == ALERT_ACCESS_DENIED
+    time.sleep(0.2)
+    assert hrr.snis[mark:] == ["hrr.test"]
+    out = outcome(gw, sbx.id)
+    assert (out["egressgate.decision"], out["egressgate.reason"], out["egressgate.detail"]) == (
+        "deny", "host_mismatch", "sni_mismatch")
+    assert out["egressgate.tls.sni"] == "oth.test"
+
+    mark = len(hrr.snis)
+    honest = open_tunnel(gw, gw.admit("pt"), f"hrr.test:{hrr.port}")
+    assert tls_get(world, honest, "hrr.test").endswith(b"hrr")
+    assert hrr.snis[mark:] == ["hrr.test", "hrr.test"]
+
+
+def test_a_second_client_hello_pipelined_before_the_retry_is_judged_not_relayed(gw, world, hrr):
+    """Sent before the server asked for it, a second ClientHello naming another host would be read by
+    the server as the retry: the gateway holds what follows a ClientHello until the server answers."""
+    mark = len(hrr.snis)
+    sbx = gw.admit("pt")
+    sock = open_tunnel(gw, sbx, f"hrr.test:{hrr.port}")
+    sock.sendall(client_hello(world, "hrr.test") + client_hello(world, "oth.test"))
+    got = b""
+    sock.settimeout(5)
+    with contextlib.suppress(OSError):
+        while chunk := sock.recv(65536):
+            got += chunk
+    assert got.endswith(ALERT_ACCESS_DENIED), got[-20:]
+    time.sleep(0.2)
+    assert hrr.snis[mark:] == ["hrr.test"]
+    assert outcome(gw, sbx.id)["egressgate.detail"] == "sni_mismatch"

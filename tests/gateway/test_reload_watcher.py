@@ -10,7 +10,9 @@ import time
 import pytest
 import yaml
 
-from .conftest import start_gateway, stop_gateway, wait_for
+from tests.support.gwworld import start_gateway
+from tests.support.launcher import stop_gateway
+from tests.support.waiting import wait_for
 
 HOSTILE = {
     "complex key": "? [a, b]\n: 1\n",

@@ -4,7 +4,7 @@ sandbox sent (docs/audit.md), for body-less, buffered and streamed (chunked) req
 from __future__ import annotations
 
 from egressgate.audit.reqhash import body_sha256, request_hash_raw
-from tests.gateway.conftest import wait_for
+from tests.support.waiting import wait_for
 
 
 def records_for(gateway, request_id: str) -> list[dict]:

@@ -20,14 +20,16 @@ import httpx
 import pytest
 import yaml
 
-from .conftest import EGRESSGATE, connect_tunnel, read_response, start_gateway, stop_gateway, tls_wrap, wait_for
+from tests.support.gwworld import connect_tunnel, start_gateway, tls_wrap
+from tests.support.http1 import read_reply
+from tests.support.launcher import EGRESSGATE, flatten_otlp, stop_gateway
+from tests.support.waiting import wait_for
 
 LAUNCHER = [sys.executable, str(Path(__file__).with_name("fault_launcher.py"))]
 
 
 def attrs(line: str) -> dict:
-    rec = json.loads(line)["resourceLogs"][0]["scopeLogs"][0]["logRecords"][0]
-    return {kv["key"]: (next(iter(kv["value"].values())) if kv["value"] else None) for kv in rec["attributes"]}
+    return flatten_otlp(json.loads(line))
 
 
 def audit_find(gw, request_id: str) -> list[dict]:
@@ -69,7 +71,7 @@ def basic(user: str, token: str) -> str:
 def raw_proxy_request(gw, data: bytes) -> tuple[int, dict, bytes]:
     with socket.create_connection(gw.proxy, timeout=10) as sock:
         sock.sendall(data)
-        return read_response(sock)
+        return read_reply(sock)
 
 
 # ------------------------------------------------------------------------------------------ HTTP denials
@@ -109,7 +111,7 @@ def test_budget_429_body_id_finds_its_record(gateway):
     with tls_wrap(sock, gateway, "api.test") as tls:
         head = f"POST /upload HTTP/1.1\r\nHost: api.test:{port}\r\nContent-Length: 5000\r\n\r\n"
         tls.sendall(head.encode() + b"b" * 5000)
-        status, headers, body = read_response(tls)
+        status, headers, body = read_reply(tls)
     assert status == 429
     rec = decision_of(gateway, body_id(body, headers), "http_request")
     assert rec["egressgate.reason"] == "budget_exceeded"
@@ -185,7 +187,7 @@ def test_raw_tcp_deny_body_id_finds_its_record(gateway):
     sock, head = connect_tunnel(gateway, sbx, f"api.test:{gateway.world.https_port}")
     assert head.startswith(b"HTTP/1.1 200")
     sock.sendall(b"\x00\x01 raw bytes, neither TLS nor HTTP\n")
-    status, headers, body = read_response(sock, timeout=5)
+    status, headers, body = read_reply(sock, timeout=5)
     sock.close()
     assert status == 403 and json.loads(body)["reason"] == "protocol_not_allowed"
     rec = decision_of(gateway, body_id(body, headers), "connect")

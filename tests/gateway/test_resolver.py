@@ -1,25 +1,20 @@
 """The gateway's name resolution: one DNS client (dns/upstream.py) for `upstream.resolver: host:port`.
 
-A scripted DNS server on loopback (real UDP and TCP sockets) plays a hostile or broken upstream:
-truncated UDP answers, forged replies (wrong id, wrong question, wrong source), records for another
-owner in the answer section, silence, a TCP leg that hangs. Unit tests drive `make_resolver` directly;
-the end-to-end tests run the real gateway against the same server and watch the real upstream and the
-canary (127.0.0.2) in tests/gateway/conftest.py's world. Each attack comes with its control: the same
-bytes without the tampering are accepted, so the test would see the planted address if it got through.
+A scripted DNS server on loopback (tests/gateway/scripted_dns.py: real UDP and TCP sockets) plays a hostile
+or broken upstream: truncated UDP answers, forged replies (wrong id, question, QR bit, source), records for
+another owner in the answer section, silence, a TCP leg that hangs. These tests drive `make_resolver`
+directly; test_resolver_gateway.py runs the real gateway against the same server. Each attack comes with its
+control: the same bytes without the tampering are accepted, so the test would see the planted address if it
+got through.
 """
 
 from __future__ import annotations
 
 import asyncio
 import ipaddress
-import json
-import struct
-import threading
 import time
-from dataclasses import dataclass, field
 
 import pytest
-from dnslib import AAAA, CNAME, QTYPE, RR, A, DNSQuestion, DNSRecord
 
 from egressgate.gateway.resolver import (
     DNS_CACHE_MAX_SECONDS,
@@ -29,141 +24,7 @@ from egressgate.gateway.resolver import (
     SystemLookup,
     make_resolver,
 )
-
-from .conftest import LoopThread, connect_tunnel, read_response, start_gateway, stop_gateway, tls_wrap
-
-CANARY = "127.0.0.2"
-REAL = "127.0.0.1"
-
-
-# --------------------------------------------------------------------------------- scripted upstream
-@dataclass
-class Plan:
-    """How the scripted server answers one name."""
-
-    records: list[tuple[str, str, str]] = field(default_factory=list)  # (owner, type, value); "" = qname
-    ttl: int = 30
-    rcode: int = 0
-    mode: str = "udp"  # udp | tc (UDP says truncated, TCP answers) | silent | tc-hang (TCP never answers)
-    forge: str | None = None  # id | question | source | qr | control: a reply naming CANARY sent first
-    tcp_forge: bool = False  # on TCP, a wrong-id reply naming CANARY precedes the real one
-    delay: float = 0.0  # seconds before the real reply (UDP and TCP)
-
-
-class ScriptedDns:
-    """UDP + TCP DNS server on 127.0.0.1 in a loop thread; `log` lists (transport, name, qtype)."""
-
-    def __init__(self) -> None:
-        self.plans: dict[str, Plan] = {}
-        self.log: list[tuple[str, str, str]] = []
-        self.lock = threading.Lock()
-        self.loop = LoopThread()
-        self.port, self.spoof_port = self.loop.run(self._start())
-
-    async def _start(self) -> tuple[int, int]:
-        loop = asyncio.get_running_loop()
-        server = self
-
-        class Udp(asyncio.DatagramProtocol):
-            def connection_made(self, transport) -> None:
-                self.transport = transport
-
-            def datagram_received(self, data: bytes, addr) -> None:
-                server._udp(self.transport, data, addr)
-
-        self.udp, _ = await loop.create_datagram_endpoint(Udp, local_addr=(REAL, 0))
-        self.tcp = await asyncio.start_server(self._tcp, REAL, self.udp.get_extra_info("sockname")[1])
-        # a second socket on the same address: datagrams from here have the wrong source port
-        self.spoof, _ = await loop.create_datagram_endpoint(asyncio.DatagramProtocol, local_addr=(REAL, 0))
-        return self.udp.get_extra_info("sockname")[1], self.spoof.get_extra_info("sockname")[1]
-
-    def close(self) -> None:
-        async def stop() -> None:
-            self.udp.close()
-            self.spoof.close()
-            self.tcp.close()
-
-        self.loop.run(stop())
-        self.loop.stop()
-
-    def queries(self, name: str, transport: str | None = None, qtype: str = "A") -> int:
-        with self.lock:
-            return sum(1 for t, n, q in self.log if n == name and q == qtype and transport in (None, t))
-
-    def _reply(self, request: DNSRecord, plan: Plan | None, addresses: list[tuple[str, str]] | None = None):
-        reply = request.reply()
-        q = request.q
-        qtype = QTYPE[q.qtype]
-        if plan is None:
-            reply.header.rcode = 3
-            return reply
-        reply.header.rcode = plan.rcode
-        for owner, rtype, value in addresses if addresses is not None else plan.records:
-            name = owner or str(q.qname)
-            if rtype == "CNAME":
-                reply.add_answer(RR(name, QTYPE.CNAME, rdata=CNAME(value), ttl=plan.ttl))
-            elif rtype == qtype == "A":
-                reply.add_answer(RR(name, QTYPE.A, rdata=A(value), ttl=plan.ttl))
-            elif rtype == qtype == "AAAA":
-                reply.add_answer(RR(name, QTYPE.AAAA, rdata=AAAA(value), ttl=plan.ttl))
-        return reply
-
-    def _udp(self, transport, data: bytes, addr) -> None:
-        request = DNSRecord.parse(data)
-        name, qtype = str(request.q.qname).rstrip(".").lower(), QTYPE[request.q.qtype]
-        with self.lock:
-            self.log.append(("udp", name, qtype))
-        plan = self.plans.get(name)
-        if plan is not None and plan.mode == "silent":
-            return
-        if plan is not None and plan.forge and qtype == "A":
-            forged = self._reply(request, plan, [("", "A", CANARY)])
-            sender = transport
-            if plan.forge == "id":
-                forged.header.id = (request.header.id + 1) % 65536
-            elif plan.forge == "question":
-                forged.questions = [DNSQuestion("evil." + name, QTYPE.A)]  # reply() shares q
-                forged.rr = [RR("evil." + name, QTYPE.A, rdata=A(CANARY), ttl=plan.ttl)]
-            elif plan.forge == "qr":
-                forged.header.qr = 0
-            elif plan.forge == "source":
-                sender = self.spoof
-            sender.sendto(forged.pack(), addr)
-        reply = self._reply(request, plan)
-        if plan is not None and plan.mode in ("tc", "tc-hang"):
-            reply.rr = []
-            reply.header.tc = 1
-        delay = plan.delay if plan is not None else 0.0
-        # the real reply leaves after the forged one (and after `delay`)
-        asyncio.get_running_loop().call_later(max(delay, 0.05 if plan and plan.forge else 0), transport.sendto,
-                                              reply.pack(), addr)
-
-    async def _tcp(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while True:
-                (length,) = struct.unpack("!H", await reader.readexactly(2))
-                request = DNSRecord.parse(await reader.readexactly(length))
-                name, qtype = str(request.q.qname).rstrip(".").lower(), QTYPE[request.q.qtype]
-                with self.lock:
-                    self.log.append(("tcp", name, qtype))
-                plan = self.plans.get(name)
-                if plan is not None and plan.mode == "tc-hang":
-                    await reader.read()  # hold the connection open, answer nothing
-                    return
-                if plan is not None and plan.tcp_forge and qtype == "A":
-                    forged = self._reply(request, plan, [("", "A", CANARY)])
-                    forged.header.id = (request.header.id + 1) % 65536
-                    packed = forged.pack()
-                    writer.write(struct.pack("!H", len(packed)) + packed)
-                if plan is not None and plan.delay:
-                    await asyncio.sleep(plan.delay)
-                packed = self._reply(request, plan).pack()
-                writer.write(struct.pack("!H", len(packed)) + packed)
-                await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            writer.close()
+from tests.support.scripted_dns import CANARY, REAL, Plan, ScriptedDns
 
 
 @pytest.fixture(scope="module")
@@ -318,81 +179,3 @@ def test_system_lookup_is_real_getaddrinfo_reused_briefly():
     assert ttl == SYSTEM_CACHE_SECONDS
     with pytest.raises(ResolveError):
         asyncio.run(SystemLookup(5)("no-such-name.invalid"))
-
-
-# --------------------------------------------------------------------------------- through the gateway
-@pytest.fixture(scope="module")
-def dns_gateway(world, scripted, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("gwresolver")
-    gw = start_gateway(world, tmp, {"upstream": {
-        "resolver": f"127.0.0.1:{scripted.port}", "ca_bundle": str(tmp / "upstream-ca.pem"),
-        "connect_timeout": 1.0}})
-    try:
-        yield gw
-    finally:
-        stop_gateway(gw)
-
-
-def fetch(gateway, sbx, host: str, port: int) -> tuple[int, dict]:
-    """CONNECT host:port, TLS, one GET /echo: (status, deny body or {})."""
-    sock, head = connect_tunnel(gateway, sbx, f"{host}:{port}")
-    status = int(head.split(b" ")[1])
-    if status != 200:
-        sock.close()
-        body = head.partition(b"\r\n\r\n")[2]
-        return status, json.loads(body) if body else {}
-    tls = tls_wrap(sock, gateway, host)
-    tls.sendall(f"GET /echo HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n".encode())
-    status, _, body = read_response(tls)
-    tls.close()
-    return status, {}
-
-
-def test_gateway_follows_a_truncated_answer_over_tcp(dns_gateway, scripted, world):
-    """Fails on a UDP-only client (the gateway denied `upstream_unresolvable`)."""
-    scripted.plans["api.test"] = Plan([("", "A", REAL)], mode="tc", ttl=0)
-    mark = world.hits.mark()
-    sbx = dns_gateway.admit("gw-basic")
-    assert fetch(dns_gateway, sbx, "api.test", world.https_port) == (200, {})
-    assert len(world.hits.since(mark)) == 1
-    assert scripted.queries("api.test", "tcp") >= 1
-
-
-def test_gateway_still_refuses_a_private_answer_that_came_over_tcp(dns_gateway, scripted, world):
-    scripted.plans["canary.test"] = Plan([("", "A", CANARY)], mode="tc", ttl=0)
-    mark = world.canary.mark()
-    status, body = fetch(dns_gateway, dns_gateway.admit("gw-basic"), "canary.test", world.canary_https_port)
-    assert (status, body.get("reason")) == (403, "address_forbidden")
-    assert world.canary.since(mark) == []
-    # control: where the canary's address is allowed, the same answer does reach it
-    status, _ = fetch(dns_gateway, dns_gateway.admit("canary-open"), "canary.test", world.canary_https_port)
-    assert status == 200 and len(world.canary.since(mark)) == 1
-
-
-def test_gateway_dials_no_address_planted_for_another_owner(dns_gateway, scripted, world):
-    """The planted record (canary) comes first in the answer section; under a policy that would let the
-    gateway dial it, only the asked name's own address is used. Fails on a client that takes every A
-    record of the answer (the canary got the request)."""
-    scripted.plans["rebind.test"] = Plan([("canary.test", "A", CANARY), ("", "A", REAL)], ttl=0)
-    mark, canary_mark = world.hits.mark(), world.canary.mark()
-    status, _ = fetch(dns_gateway, dns_gateway.admit("canary-open"), "rebind.test", world.https_port)
-    assert status == 200
-    assert world.canary.since(canary_mark) == [] and len(world.hits.since(mark)) == 1
-    # control: owned by the asked name, the canary address is dialed (the canary listens on that port)
-    scripted.plans["rebind.test"] = Plan([("", "A", CANARY)], ttl=0)
-    status, _ = fetch(dns_gateway, dns_gateway.admit("canary-open"), "rebind.test", world.https_port)
-    assert status == 200 and len(world.canary.since(canary_mark)) == 1
-
-
-@pytest.mark.parametrize("mode", ["silent", "tc-hang"])
-def test_gateway_denies_when_the_dns_server_does_not_answer(dns_gateway, scripted, world, mode):
-    scripted.plans["other.test"] = Plan([("", "A", REAL)], mode=mode, ttl=0)
-    mark = world.hits.mark()
-    started = time.monotonic()
-    status, body = fetch(dns_gateway, dns_gateway.admit("gw-basic"), "other.test", world.https_port)
-    assert (status, body.get("reason")) == (403, "upstream_unresolvable")
-    assert time.monotonic() - started < 5
-    assert world.hits.since(mark) == []
-    # control: the same name answered normally goes through
-    scripted.plans["other.test"] = Plan([("", "A", REAL)], ttl=0)
-    assert fetch(dns_gateway, dns_gateway.admit("gw-basic"), "other.test", world.https_port) == (200, {})

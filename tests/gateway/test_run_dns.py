@@ -11,7 +11,8 @@ import dns.rcode
 import httpx
 import pytest
 
-from tests.gateway.conftest import start_gateway, stop_gateway
+from tests.support.gwworld import start_gateway
+from tests.support.launcher import stop_gateway
 
 SANDBOX_SOURCE = "127.0.0.9"
 OTHER_SOURCE = "127.0.0.10"
@@ -95,7 +96,7 @@ def test_admission_formats_for_shells_and_env_files(dns_gateway):
     import shlex
     import subprocess
 
-    from tests.gateway.conftest import EGRESSGATE
+    from tests.support.launcher import EGRESSGATE
 
     def admit_cli(fmt: str) -> str:
         out = subprocess.run([EGRESSGATE, "sandbox", "admit", "--config", str(dns_gateway.config),

@@ -14,7 +14,9 @@ import httpx
 import pytest
 import yaml
 
-from .conftest import connect_tunnel, start_gateway, stop_gateway, wait_for
+from tests.support.gwworld import connect_tunnel, start_gateway
+from tests.support.launcher import stop_gateway
+from tests.support.waiting import wait_for
 
 
 def transparent_of(gw) -> tuple[str, int]:

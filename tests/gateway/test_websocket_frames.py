@@ -1,5 +1,5 @@
 """Every byte of every WebSocket frame meets the budget, and a fragmented message is bounded (issue 9,
-items 3 and 5). A raw wsproto client (tests/gateway/wsclient.py) sends the frames an attacker would;
+items 3 and 5). A raw wsproto client (tests/support/wsclient.py) sends the frames an attacker would;
 the upstream is the world's aiohttp websocket (`/ws`: answers pings, echoes `echo:<len>` per message).
 
 Own gateway: `websocket.max_message_bytes` = 1 MiB, plus a policy with a 20 kB budget (the issue's
@@ -14,8 +14,10 @@ from collections.abc import Iterator
 import pytest
 import yaml
 
-from .conftest import Gateway, Sandbox, start_gateway, stop_gateway, wait_for
-from .wsclient import BytesMessage, CloseConnection, Ping, Pong, TextMessage, WsClient, open_tunnel
+from tests.support.gwworld import Gateway, Sandbox, start_gateway
+from tests.support.launcher import stop_gateway
+from tests.support.waiting import wait_for
+from tests.support.wsclient import BytesMessage, CloseConnection, Ping, Pong, TextMessage, WsClient, open_tunnel
 
 MAX_MESSAGE = 1024 * 1024
 BUDGET_20K = 20_000

@@ -9,6 +9,7 @@ import json
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from egressgate.audit.signer import key_id_for
+from tests.support.launcher import flatten_otlp
 
 
 def test_checkpoints_use_the_vault_transit_key(cgw, cbao):
@@ -17,8 +18,7 @@ def test_checkpoints_use_the_vault_transit_key(cgw, cbao):
     transit_key_id = key_id_for(Ed25519PublicKey.from_public_bytes(base64.b64decode(keys[latest]["public_key"])))
     cgw.admit("cred-kv")  # an audited admission: the file's chain starts with the signer's key id
     first = json.loads((cgw.var / "audit.jsonl").read_text().splitlines()[0])
-    attrs = {kv["key"]: next(iter(kv["value"].values())) for kv in
-             first["resourceLogs"][0]["scopeLogs"][0]["logRecords"][0]["attributes"]}
+    attrs = flatten_otlp(first)
     assert attrs["egressgate.operation"] == "chain_start"
     assert attrs["egressgate.key_id"] == transit_key_id
     assert not (cgw.var / "audit-signing.key").exists()  # no local signing key was ever created

@@ -14,10 +14,9 @@ import httpx
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from egressgate.audit.signer import public_pem
-from tests.broker.bao_persistent import PersistentBao
-from tests.gateway.conftest import EGRESSGATE, stop_gateway
-
-from .conftest import World, launch
+from tests.support.bao_persistent import PersistentBao
+from tests.support.credworld import World, launch
+from tests.support.launcher import EGRESSGATE, stop_gateway
 
 
 def transit_pub(bao: PersistentBao, path: Path) -> Path:

@@ -24,11 +24,18 @@ import httpx
 import pytest
 import yaml
 
-from tests.broker.bao import KV_SECRET, BaoServer
-from tests.gateway.conftest import stop_gateway
-
-from .conftest import KV, MAX_TTL, Gateway, World, launch
-from .rawcodings import DECODED, MALFORMED, MITM_REFUSED, REFUSED, RawUpstream, dechunk, leak_in
+from tests.gateway_credentials.rawcodings import (
+    DECODED,
+    MALFORMED,
+    MITM_REFUSED,
+    REFUSED,
+    RawUpstream,
+    dechunk,
+    leak_in,
+)
+from tests.support.bao import KV_SECRET, BaoServer
+from tests.support.credworld import KV, MAX_TTL, Gateway, World, launch
+from tests.support.launcher import stop_gateway
 
 EXPECTED = b"x" * 300 + b"[[REDACTED]][REDACTED]" + b"y" * 300  # payload(secret), scrubbed
 

@@ -11,11 +11,9 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.broker.bao import KV_SECRET, BaoServer
-from tests.gateway.conftest import stop_gateway
-
-from .conftest import Gateway, World, launch
-from .test_inject import last
+from tests.support.bao import KV_SECRET, BaoServer
+from tests.support.credworld import Gateway, World, last, launch
+from tests.support.launcher import stop_gateway
 
 
 @pytest.fixture

@@ -11,19 +11,8 @@ import time
 
 import httpx
 
-from tests.broker.bao import KV_SECRET
-
-from .conftest import MAX_TTL, Gateway
-
-
-def hits_for(gw: Gateway, mark: int, host: str) -> list[dict]:
-    return [h for h in gw.world.hits.since(mark) if (h["host"] or "").split(":")[0] == host]
-
-
-def last(gw: Gateway, mark: int, host: str) -> dict:
-    got = hits_for(gw, mark, host)
-    assert got, f"upstream {host} was not reached"
-    return got[-1]
+from tests.support.bao import KV_SECRET
+from tests.support.credworld import MAX_TTL, Gateway, hits_for, last
 
 
 def carries_secret(hit: dict) -> bool:

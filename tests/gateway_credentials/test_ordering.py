@@ -13,10 +13,8 @@ import time
 import aiohttp
 import httpx
 
-from tests.broker.bao import KV_SECRET
-
-from .conftest import Gateway
-from .test_inject import last
+from tests.support.bao import KV_SECRET
+from tests.support.credworld import Gateway, last
 
 
 def _tunnel(gw: Gateway, sbx: dict | None, authority: str, sni: str) -> tuple[ssl.SSLSocket | None, bytes]:

@@ -10,10 +10,8 @@ from urllib.parse import quote
 
 import httpx
 
-from tests.broker.bao import KV_SECRET
-
-from .conftest import Gateway
-from .test_inject import hits_for, last
+from tests.support.bao import KV_SECRET
+from tests.support.credworld import Gateway, hits_for, last
 
 
 def phantom_sandbox(gw: Gateway) -> tuple[dict, str]:

@@ -9,10 +9,8 @@ from urllib.parse import quote
 
 import pytest
 
-from tests.broker.bao import KV_SECRET
-
-from .conftest import Gateway
-from .test_inject import last
+from tests.support.bao import KV_SECRET
+from tests.support.credworld import Gateway, last
 
 
 def leaked_forms(secret: str) -> list[str]:

@@ -24,11 +24,7 @@ from collections.abc import Iterator
 import pytest
 import yaml
 
-from tests.broker.bao import KV_SECRET
-from tests.gateway.conftest import Hits, stop_gateway
-
-from .conftest import World, launch
-from .trailer_peers import (
+from tests.gateway_credentials.trailer_peers import (
     BIG_TRAILERS,
     TWorld,
     chunked_request,
@@ -43,6 +39,10 @@ from .trailer_peers import (
     settle,
     tunnel_tls,
 )
+from tests.support.bao import KV_SECRET
+from tests.support.credworld import World, launch
+from tests.support.launcher import stop_gateway
+from tests.support.loopback import Hits
 
 BUDGET = 20000
 HOSTS = ("trailers.test", "credtrail.test", "phtrail.test")

@@ -23,11 +23,9 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from tests.broker.bao import KV_SECRET
-from tests.gateway.wsclient import CloseConnection, Ping, TextMessage, WsClient, open_tunnel
-
-from .conftest import TRANSPARENT_BUDGET, Gateway
-from .test_inject import hits_for, last
+from tests.support.bao import KV_SECRET
+from tests.support.credworld import TRANSPARENT_BUDGET, Gateway, hits_for, last
+from tests.support.wsclient import CloseConnection, Ping, TextMessage, WsClient, open_tunnel
 
 pytestmark = pytest.mark.netns  # root + nftables (a nat table in this namespace), like the netns tests
 

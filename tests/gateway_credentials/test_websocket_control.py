@@ -12,10 +12,9 @@ import time
 
 import pytest
 
-from tests.broker.bao import KV_SECRET
-from tests.gateway.wsclient import CloseConnection, Ping, Pong, TextMessage, WsClient, open_tunnel
-
-from .conftest import Gateway
+from tests.support.bao import KV_SECRET
+from tests.support.credworld import Gateway
+from tests.support.wsclient import CloseConnection, Ping, Pong, TextMessage, WsClient, open_tunnel
 
 B64_SECRET = base64.b64encode(KV_SECRET.encode()).decode()
 

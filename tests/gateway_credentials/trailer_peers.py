@@ -19,9 +19,8 @@ import h2.exceptions
 import h2.settings
 import h11
 
-from tests.gateway.conftest import Hits
-
-from .conftest import Gateway
+from tests.support.credworld import Gateway
+from tests.support.loopback import Hits
 
 
 # --------------------------------------------------------------------------------------- upstreams

@@ -52,7 +52,7 @@ from typing import Any, TypeVar
 
 import trustme
 
-from .plan import (
+from tests.networld.plan import (
     CERT_NAMES,
     DEFAULT_DNS,
     DNS_ADDR,

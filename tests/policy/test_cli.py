@@ -3,18 +3,10 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.cli import ROOT, cli
+
 SEED = ROOT / "policies" / "seed-invoice-analysis.yaml"
-
-
-def cli(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "egressgate", *args], capture_output=True, text=True, cwd=cwd, check=False
-    )
 
 
 def test_check_valid_and_invalid(tmp_path):

@@ -11,8 +11,7 @@ import pytest
 import yaml
 
 from egressgate.config import GatewayConfig
-
-from .conftest import POLICIES, ROOT, cli
+from tests.support.cli import POLICIES, ROOT, cli
 
 BENCH = ipaddress.ip_network("198.18.0.0/15")
 

@@ -23,11 +23,10 @@ from pathlib import Path
 import pytest
 import trustme
 import yaml
-from support.dockerd import Dockerd
 
 from egressgate.config import GatewayConfig
-
-from .conftest import ROOT
+from tests.support.cli import ROOT
+from tests.support.dockerd import Dockerd
 
 UPSTREAM_IP = "198.18.70.10"
 UPSTREAM_NAME = "upstream.egr.test"

@@ -16,8 +16,7 @@ import pytest
 
 from egressgate.runtimes.render.common import RenderError, load_context
 from egressgate.runtimes.render.firecracker import render_firecracker
-
-from .conftest import POLICIES, cli
+from tests.support.cli import POLICIES, cli
 
 PEER = str(Path(__file__).with_name("fc_peer.py"))
 

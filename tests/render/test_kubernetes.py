@@ -12,8 +12,7 @@ import yaml
 from egressgate.config import GatewayConfig
 from egressgate.runtimes.render import kubernetes as k8s
 from egressgate.runtimes.render.common import DNS_PORT, PROXY_PORT, load_context
-
-from .conftest import POLICIES, cli, kubernetes_validate
+from tests.support.cli import POLICIES, cli, kubernetes_validate
 
 SEED = "invoice-analysis"
 

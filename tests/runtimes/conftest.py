@@ -6,29 +6,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-import networld as nw
 import pytest
-from networld import World
 
-from runtimes.harness import Canary, Gateway, base_dir, remove
-
-DENIED_FILE_NAME = "egN-denied.txt"
-
-
-def _policy(name: str, **extra: object) -> dict:
-    body: dict = {
-        "sandbox": {"name": name, "workspace": {"path": "/workspace"}},
-        "filesystem": {"deny": ["/etc/shadow", "/var/run/docker.sock"]},
-        "network": {
-            "allow_private": ["198.18.1.0/24"],
-            "dns": {"allow": ["api.allowed.test"]},
-            "https": {"allow": [{"id": "allowed-api", "host": "api.allowed.test"}]},
-        },
-    }
-    for key, value in extra.items():
-        section, _, field = key.partition("__")
-        body.setdefault(section, {})[field] = value
-    return body
+import tests.networld as nw
+from tests.networld import World
+from tests.runtimes.harness import DENIED_FILE_NAME, Canary, Gateway, base_dir, remove, runtime_policy
 
 
 @pytest.fixture(scope="module")
@@ -61,13 +43,13 @@ def gateway(world: World, host_files: Path) -> Iterator[Gateway]:
     base = base_dir()
     denied = str(host_files / DENIED_FILE_NAME)
     policies = {
-        "rt-allow": _policy("rt-allow", filesystem__deny=["/etc/shadow", "/var/run/docker.sock", denied]),
-        "rt-nomask": _policy("rt-nomask"),
-        "rt-commands": _policy("rt-commands", execution__commands=["python3", "true"]),
-        "rt-mem": _policy("rt-mem", sandbox__resources={"memory_mb": 64}),
-        "rt-pids": _policy("rt-pids", sandbox__resources={"pids_max": 32}),
-        "rt-wall": _policy("rt-wall", sandbox__resources={"wall_time_seconds": 2}),
-        "rt-ws": _policy("rt-ws", sandbox__workspace={"path": "/workspace", "max_bytes": 1_000_000}),
+        "rt-allow": runtime_policy("rt-allow", filesystem__deny=["/etc/shadow", "/var/run/docker.sock", denied]),
+        "rt-nomask": runtime_policy("rt-nomask"),
+        "rt-commands": runtime_policy("rt-commands", execution__commands=["python3", "true"]),
+        "rt-mem": runtime_policy("rt-mem", sandbox__resources={"memory_mb": 64}),
+        "rt-pids": runtime_policy("rt-pids", sandbox__resources={"pids_max": 32}),
+        "rt-wall": runtime_policy("rt-wall", sandbox__resources={"wall_time_seconds": 2}),
+        "rt-ws": runtime_policy("rt-ws", sandbox__workspace={"path": "/workspace", "max_bytes": 1_000_000}),
     }
     try:
         gw = Gateway.start(world, base, policies)

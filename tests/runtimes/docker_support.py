@@ -8,10 +8,10 @@ import time
 from pathlib import Path
 
 import trustme
-from support.dockerd import Dockerd
 
 from egressgate.runtimes.base import SANDBOX_UID, ExitInfo, RunSpec, SandboxAddress
 from egressgate.runtimes.docker import DockerAdapter, GvisorAdapter
+from tests.support.dockerd import Dockerd
 
 ADAPTERS = {"docker": DockerAdapter, "gvisor": GvisorAdapter}
 

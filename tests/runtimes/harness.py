@@ -12,10 +12,8 @@ import json
 import os
 import resource
 import shutil
-import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -23,12 +21,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import networld as nw
-import yaml
-from networld import World
+import tests.networld as nw
+from tests.networld import World
+from tests.support.launcher import EGRESSGATE, flatten_otlp, launch_in_namespace, stop_process, write_policies
 
-EGRESSGATE = str(Path(sys.executable).with_name("egressgate"))
 CALLER_SECRET = "AKIAEGNCALLERSECRET0123456789"  # in the caller's env: must never reach a sandbox
+DENIED_FILE_NAME = "egN-denied.txt"  # a host file the runtime policies deny (the host_files fixture)
 
 
 # Safety net of every `sandbox run` a test starts, independent of the code under test (PREAMBLE: no fork
@@ -44,15 +42,22 @@ def safety_net() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (SAFETY_AS, SAFETY_AS))
 
 
-def flatten(record: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for rl in record.get("resourceLogs", []):
-        for sl in rl.get("scopeLogs", []):
-            for lr in sl.get("logRecords", []):
-                for attr in lr.get("attributes", []):
-                    value = attr["value"]
-                    out[attr["key"]] = next(iter(value.values())) if value else None
-    return out
+def runtime_policy(name: str, **extra: object) -> dict:
+    """The runtime tests' base policy (workspace, denied host files, one allowed API) with `section__key=value`
+    overrides, e.g. `sandbox__resources={"pids_max": 32}`."""
+    body: dict = {
+        "sandbox": {"name": name, "workspace": {"path": "/workspace"}},
+        "filesystem": {"deny": ["/etc/shadow", "/var/run/docker.sock"]},
+        "network": {
+            "allow_private": ["198.18.1.0/24"],
+            "dns": {"allow": ["api.allowed.test"]},
+            "https": {"allow": [{"id": "allowed-api", "host": "api.allowed.test"}]},
+        },
+    }
+    for key, value in extra.items():
+        section, _, field = key.partition("__")
+        body.setdefault(section, {})[field] = value
+    return body
 
 
 def base_dir(parent: str | None = None) -> Path:
@@ -75,10 +80,7 @@ class Gateway:
 
     @classmethod
     def start(cls, world: World, base: Path, policies: dict[str, dict[str, Any]]) -> Gateway:
-        pdir = base / "policies"
-        pdir.mkdir()
-        for name, body in policies.items():
-            (pdir / f"{name}.yaml").write_text(yaml.safe_dump(body))
+        pdir = write_policies(base / "policies", policies)
         config = {
             "listen": {"proxy": "127.0.0.1:0", "admin": "127.0.0.1:0", "dns": "127.0.0.1:0",
                        "transparent": "127.0.0.2:0"},
@@ -88,31 +90,13 @@ class Gateway:
             "upstream": {"resolver": f"{nw.DNS_ADDR}:53", "ca_bundle": str(world.ca_pem)},
             "runtime": {"state_dir": str(base / "state")},
         }
-        cfg = base / "gateway.yaml"
-        cfg.write_text(yaml.safe_dump(config))
-        stderr = open(base / "gateway.stderr", "w")  # noqa: SIM115 - closed in stop()
-        proc = world.popen(world.gw, EGRESSGATE, "run", "--config", str(cfg), stdout=subprocess.PIPE, stderr=stderr)
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        try:
-            info = json.loads(line)
-        except ValueError as exc:
-            proc.kill()
-            tail = (base / "gateway.stderr").read_text()[-3000:]
-            raise RuntimeError(f"gateway did not start: {line!r} {tail}") from exc
-        threading.Thread(target=lambda: proc.stdout.read(), daemon=True).start()  # type: ignore[union-attr]
+        proc, info, cfg, stderr = launch_in_namespace(world, world.gw, base, config)  # stderr: closed in stop()
         gw = cls(world=world, base=base, proc=proc, config=cfg, info=info)
         gw._stderr = stderr
         return gw
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        stop_process(self.proc, timeout=10)
         if self._stderr is not None:
             self._stderr.close()
 
@@ -158,7 +142,7 @@ class Gateway:
         deadline = time.monotonic() + timeout
         while True:
             lines = self.audit_path.read_text().splitlines() if self.audit_path.exists() else []
-            out = [flatten(json.loads(line)) for line in lines if line.strip()]
+            out = [flatten_otlp(json.loads(line)) for line in lines if line.strip()]
             if predicate is None or any(predicate(r) for r in out) or time.monotonic() > deadline:
                 return out
             time.sleep(0.1)

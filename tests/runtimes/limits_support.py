@@ -19,7 +19,7 @@ import pytest
 
 from egressgate.runtimes.cgroups import read_mounts
 from egressgate.runtimes.limits import ResourceLimits
-from tests.conftest import IN_CI
+from tests.support.env import IN_CI
 
 PARENT = "egL"
 

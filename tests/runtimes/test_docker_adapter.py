@@ -11,11 +11,11 @@ import time
 from pathlib import Path
 
 import pytest
-from support.dockerd import Dockerd
 
 from egressgate.runtimes.base import Limit
 from egressgate.runtimes.docker import DockerError, labelled_containers
-from runtimes.docker_support import adapter, make_spec, run
+from tests.runtimes.docker_support import adapter, make_spec, run
+from tests.support.dockerd import Dockerd
 
 pytestmark = pytest.mark.netns
 RUNTIMES = ["docker", "gvisor"]

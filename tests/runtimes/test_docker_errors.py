@@ -9,10 +9,10 @@ import re
 import subprocess
 
 import pytest
-from support.dockerd import Dockerd
 
 from egressgate.runtimes.docker import labelled_containers
-from runtimes.harness import Gateway
+from tests.runtimes.harness import Gateway
+from tests.support.dockerd import Dockerd
 
 pytestmark = pytest.mark.netns
 

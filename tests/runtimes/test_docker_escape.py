@@ -12,11 +12,11 @@ import json
 import subprocess
 
 import pytest
-from support.dockerd import Dockerd
 
 from egressgate.runtimes.docker import labelled_containers
-from runtimes.harness import CALLER_SECRET, Gateway, sandbox_id
-from runtimes.test_netns_escape import leak_name, network_checks, parse, probe_argv
+from tests.runtimes.escape_probe import leak_name, network_checks, parse, probe_argv
+from tests.runtimes.harness import CALLER_SECRET, Gateway, sandbox_id
+from tests.support.dockerd import Dockerd
 
 pytestmark = pytest.mark.netns
 RUNTIMES = ["docker", "gvisor"]

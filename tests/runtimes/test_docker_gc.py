@@ -11,11 +11,11 @@ import subprocess
 import time
 
 import pytest
-from support.dockerd import Dockerd
 
 from egressgate.runtimes.docker import labelled_containers
-from runtimes.harness import Gateway
-from runtimes.test_run_lifecycle import kill_watchdog
+from tests.runtimes.harness import Gateway
+from tests.runtimes.runs import kill_watchdog
+from tests.support.dockerd import Dockerd
 
 pytestmark = pytest.mark.netns
 

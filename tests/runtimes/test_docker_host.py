@@ -9,14 +9,14 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
-import networld as nw
 import pytest
-import yaml
-from networld import World
-from support.dockerd import Dockerd
 
+import tests.networld as nw
 from egressgate.config import ConfigError, load_config
-from runtimes.harness import EGRESSGATE, base_dir, remove
+from tests.networld import World
+from tests.runtimes.harness import base_dir, remove
+from tests.support.dockerd import Dockerd
+from tests.support.launcher import EGRESSGATE, launch_in_namespace, stop_process, write_policies
 
 pytestmark = pytest.mark.netns
 
@@ -35,25 +35,17 @@ def test_config_validates_docker_host() -> None:
 @pytest.fixture
 def gateway_with_docker_host(world: World, dockerd: Dockerd) -> Iterator[tuple[Path, subprocess.Popen[str]]]:
     base = base_dir()
-    (base / "policies").mkdir()
-    (base / "policies" / "dh.yaml").write_text(yaml.safe_dump({"sandbox": {"name": "dh"}}))
+    write_policies(base / "policies", {"dh": {"sandbox": {"name": "dh"}}})
     config = {"listen": {"proxy": "127.0.0.1:0", "admin": "127.0.0.1:0", "dns": "127.0.0.1:0",
                          "transparent": "127.0.0.2:0"},
               "dns": {"upstreams": [f"{nw.DNS_ADDR}:53"]}, "policy": str(base / "policies"),
               "var_dir": str(base / "var"),
               "runtime": {"state_dir": str(base / "state"), "docker_host": dockerd.host}}
-    (base / "gateway.yaml").write_text(yaml.safe_dump(config))
-    stderr = open(base / "gateway.stderr", "w")  # noqa: SIM115 - closed below
-    proc = world.popen(world.gw, EGRESSGATE, "run", "--config", str(base / "gateway.yaml"),
-                       stdout=subprocess.PIPE, stderr=stderr)
+    proc, _, _, stderr = launch_in_namespace(world, world.gw, base, config)  # the gateway is up
     try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        assert line.startswith("{"), (base / "gateway.stderr").read_text()[-2000:]  # the gateway is up
         yield base, proc
     finally:
-        proc.terminate()
-        proc.wait(10)
+        stop_process(proc, timeout=10)
         stderr.close()
         remove(base)
 

@@ -12,10 +12,10 @@ import time
 from pathlib import Path
 
 import pytest
-from support.dockerd import Dockerd
 
 from egressgate.runtimes.dockerapi import DockerAPI, DockerError, NotFound, host_config_limits, socket_path
 from egressgate.runtimes.limits import docker_flags
+from tests.support.dockerd import Dockerd
 
 pytestmark = pytest.mark.netns
 

@@ -6,7 +6,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from support.dockerd import Dockerd, running
+
+from tests.support.dockerd import Dockerd, running
 
 pytestmark = pytest.mark.netns
 

@@ -9,9 +9,9 @@ import subprocess
 import pytest
 
 from egressgate.runtimes.base import Limit
-from tests.conftest import IN_CI
 from tests.runtimes import limits_support
 from tests.runtimes.limits_support import alive, assert_pids_capped, require_cgroups, wait_for
+from tests.support.env import IN_CI
 
 runs = limits_support.runs  # the fixture
 

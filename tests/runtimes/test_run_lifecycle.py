@@ -4,7 +4,6 @@ cleanup after SIGKILL (of `sandbox run` and its watchdog) by `sandbox gc` (nothi
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import time
@@ -12,30 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from runtimes.harness import EGRESSGATE, Gateway, base_dir, remove, sandbox_id
+from tests.runtimes.harness import Gateway, base_dir, remove, sandbox_id
+from tests.runtimes.runs import kill_watchdog, leftovers, netns_commands, revocations
+from tests.support.launcher import EGRESSGATE
 
 pytestmark = pytest.mark.netns
-
-
-def leftovers(gateway: Gateway) -> dict[str, list[str]]:
-    """Product objects in the gateway's namespace (tables, veths), global netns names, and run records."""
-    world = gateway.world
-    tables = world.exec(world.gw, "nft", "list", "tables").stdout
-    links = world.exec(world.gw, "ip", "-o", "link").stdout
-    netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False).stdout
-    runs = gateway.state_dir / "runs"
-    return {
-        "tables": [line for line in tables.splitlines() if "egressgate_" in line],
-        "veths": [line.split(":")[1].strip().split("@")[0] for line in links.splitlines() if ": egh" in line],
-        "netns": [line.split()[0] for line in netns.splitlines() if line.startswith("egressgate-")],
-        "records": sorted(p.name for p in runs.glob("*.json")) if runs.is_dir() else [],
-    }
-
-
-def revocations(gateway: Gateway, sid: str) -> list[dict]:
-    return [r for r in gateway.records(predicate=lambda r: r.get("egressgate.operation") == "revocation"
-                                       and r.get("egressgate.sandbox.id") == sid)
-            if r.get("egressgate.operation") == "revocation" and r.get("egressgate.sandbox.id") == sid]
 
 
 def test_every_run_is_a_new_admission_only_the_workspace_survives(gateway: Gateway) -> None:
@@ -114,19 +94,6 @@ def test_gateway_not_running_is_a_setup_failure(gateway: Gateway) -> None:
         remove(empty)
 
 
-def netns_commands(run_id: str) -> list[str]:
-    """Names of the processes in a run's network namespace (the sandbox's processes)."""
-    res = subprocess.run(["ip", "netns", "pids", f"egressgate-{run_id}"], capture_output=True, text=True,
-                         check=False)
-    out = []
-    for pid in res.stdout.split():
-        try:
-            out.append(Path(f"/proc/{pid}/comm").read_text().strip())
-        except OSError:
-            continue
-    return out
-
-
 def _wait_for_workload(gateway: Gateway, proc: subprocess.Popen[str], command: str = "sleep",
                        timeout: float = 20) -> dict:
     """The run's record once its workload (`command`) runs inside the sandbox: killing `sandbox run`
@@ -153,16 +120,6 @@ def test_sigterm_kills_the_sandbox_and_cleans_up(gateway: Gateway) -> None:
     assert not Path(f"/proc/{record['workload_pid']}").exists()
     (rev,) = revocations(gateway, record["sandbox_id"])
     assert rev["egressgate.run.signal"] in (15, "15")
-
-
-def kill_watchdog(record: dict) -> None:
-    """SIGKILL the run's watchdog (runtimes/watchdog.py) and wait until it is gone."""
-    pid = record["watchdog_pid"]
-    assert Path(f"/proc/{pid}").exists(), "the run has no live watchdog"
-    os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
-        time.sleep(0.02)  # it is not our child: init reaps it
 
 
 def test_sigkill_then_gc_leaves_nothing(gateway: Gateway) -> None:

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from runtimes.harness import SAFETY_AS, SAFETY_NPROC, Gateway, base_dir, remove, sandbox_id
+from tests.runtimes.harness import SAFETY_AS, SAFETY_NPROC, Gateway, base_dir, remove, sandbox_id
 
 pytestmark = pytest.mark.netns
 

@@ -16,13 +16,13 @@ import time
 from pathlib import Path
 
 import pytest
-from support.dockerd import Dockerd
 
 from egressgate.runtimes.docker import labelled_containers
 from egressgate.runtimes.gc import clean_record
 from egressgate.runtimes.plumbing import in_netns
-from runtimes.harness import Gateway, base_dir, remove, safety_net
-from runtimes.test_run_lifecycle import leftovers, netns_commands, revocations
+from tests.runtimes.harness import Gateway, base_dir, remove, safety_net
+from tests.runtimes.runs import leftovers, netns_commands, revocations
+from tests.support.dockerd import Dockerd
 
 pytestmark = pytest.mark.netns
 

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import pytest
 
-from support import images
+from tests.support import images
 
 DOCKER = "/usr/bin/docker"  # an older/newer CLI may be first on PATH
 DOCKERD = "/usr/sbin/dockerd"

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from support.dockerd import Dockerd
+    from tests.support.dockerd import Dockerd
 
 BUSYBOX = "/usr/bin/busybox"  # Debian busybox-static (statically linked: runs in any image)
 PYTHON_PACKAGES = ("python3", "ca-certificates")

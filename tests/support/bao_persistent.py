@@ -2,7 +2,7 @@
 
 Why not the dev server: `bao server -dev` keeps everything in memory, so a restarted dev server has no
 transit key, no AppRole and no tokens - that is a new Vault, not an outage. This one is initialized once
-(one unseal key), unsealed after every start, and provisioned exactly like tests/broker/bao.py's
+(one unseal key), unsealed after every start, and provisioned exactly like tests/support/bao.py's
 BaoServer (it reuses its `configure`), so an outage test can really stop the process and bring the same
 Vault back. Loopback only.
 """
@@ -16,7 +16,8 @@ from pathlib import Path
 
 import hvac
 
-from tests.broker.bao import BAO, BaoServer, free_port
+from tests.support.bao import BAO, BaoServer
+from tests.support.env import free_port
 
 
 @dataclass

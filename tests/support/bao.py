@@ -8,7 +8,6 @@ KV v2 secret, a least-privilege policy for the gateway, AppRole roles, and an id
 from __future__ import annotations
 
 import secrets
-import socket
 import subprocess
 import sys
 import time
@@ -17,13 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import hvac
+from pydantic import TypeAdapter
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
+from egressgate.broker.config import BrokerConfig, Capability
+from tests.support.env import free_port
 
 BAO = str(Path(sys.executable).parent / "bao")
 KV_SECRET = "sk-kv-" + secrets.token_urlsafe(24)
@@ -125,3 +121,21 @@ class BaoServer:
         role_id = c.auth.approle.read_role_id(name)["data"]["role_id"]
         secret_id = c.auth.approle.generate_secret_id(name)["data"]["secret_id"]
         return role_id, secret_id
+
+
+# Capabilities and broker config the broker tests (and the audit transit tests) use against a BaoServer.
+CAP = TypeAdapter(Capability)
+KV_CAP = CAP.validate_python(
+    {
+        "type": "static",
+        "source": {"vault": {"path": "egressgate/openai", "field": "api_key"}},
+        "placement": {"header": "Authorization", "format": "Bearer {value}"},
+    }
+)
+JWT_CAP = CAP.validate_python({"type": "jwt", "ttl_seconds": 120})
+OIDC_CAP = CAP.validate_python({"type": "vault_oidc", "role": "sbx-api"})
+
+
+def vault_config(bao: BaoServer, **kw) -> BrokerConfig:
+    base = {"backend": "vault", "vault_addr": bao.addr, "role_id": bao.role_id, "secret_id": bao.secret_id}
+    return BrokerConfig(**(base | kw))

@@ -1,4 +1,4 @@
-"""The real gateway inside the test world, and sandbox-side clients that talk to it.
+"""The real gateway inside the network-namespace test world (tests/networld), and sandbox-side clients.
 
 The gateway runs as its real console script (`egressgate run --config CFG`) inside the world's ``gw``
 namespace, exactly as an operator would run it; sandboxes are admitted with the real
@@ -10,26 +10,25 @@ framing, non-HTTP bytes, mismatched SNI/Host).
 from __future__ import annotations
 
 import base64
-import contextlib
 import json
 import shlex
 import shutil
 import socket
 import ssl
 import subprocess
-import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import networld as nw
 import yaml
-from networld import World
 
-EGRESSGATE = str(Path(sys.executable).with_name("egressgate"))
-POLICIES = Path(__file__).resolve().parent / "policies"
+import tests.networld as nw
+from tests.networld import World
+from tests.support.http1 import Response, read_all, read_response
+from tests.support.launcher import EGRESSGATE, flatten_otlp, host_port, launch_in_namespace, stop_process
+
+POLICIES = Path(__file__).resolve().parents[1] / "escape" / "policies"  # the escape tests' policies
 
 
 @dataclass
@@ -46,24 +45,6 @@ class Sandbox:
     def auth_header(self) -> str:
         raw = base64.b64encode(f"{self.id}:{self.token}".encode()).decode()
         return f"Basic {raw}"
-
-
-@dataclass
-class Response:
-    """A parsed HTTP/1.1 response head (+ body when framed by Content-Length or close)."""
-
-    status: int
-    reason: str
-    headers: dict[str, str]
-    body: bytes
-    raw: bytes
-
-    def json(self) -> Any:
-        return json.loads(self.body)
-
-    @property
-    def denied(self) -> bool:
-        return self.headers.get("x-egressgate-decision") == "deny"
 
 
 @dataclass
@@ -104,22 +85,8 @@ class Gateway:
             "upstream": {"resolver": f"{nw.DNS_ADDR}:53", "ca_bundle": str(world.ca_pem)},
             **(extra_config or {}),
         }
-        cfg = tmp / "gateway.yaml"
-        cfg.write_text(yaml.safe_dump(config))
-        stderr = open(tmp / "gateway.stderr", "w")  # noqa: SIM115 - lives as long as the process
-        proc = world.popen(world.gw, EGRESSGATE, "run", "--config", str(cfg),
-                           stdout=subprocess.PIPE, stderr=stderr)
-        line = _first_line(proc, 30)
-        try:
-            info = json.loads(line)
-            host, _, port = info["proxy"].rpartition(":")
-            proxy = (host.strip("[]"), int(port))
-        except (ValueError, KeyError) as exc:
-            proc.kill()
-            proc.wait(5)
-            err = (tmp / "gateway.stderr").read_text()[-3000:]
-            raise RuntimeError(f"gateway did not start: stdout={line!r}\n{err}") from exc
-        threading.Thread(target=_drain, args=(proc,), daemon=True).start()
+        proc, info, cfg, stderr = launch_in_namespace(world, world.gw, tmp, config)
+        proxy = host_port(info["proxy"])
         world.allow_sandbox_to(*proxy)
         world.allow_sandbox_to(nw.GW_SBX, dns_port)
         gw = cls(world=world, tmp=tmp, proc=proc, config=cfg, proxy=proxy, info=info)
@@ -127,13 +94,7 @@ class Gateway:
         return gw
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        stop_process(self.proc, timeout=10)
         if self._stderr is not None:
             self._stderr.close()
 
@@ -148,13 +109,11 @@ class Gateway:
     @property
     def transparent(self) -> tuple[str, int]:
         """The transparent listener (where a runtime DNATs sandbox TCP), from the startup line."""
-        host, _, port = self.info["transparent"].rpartition(":")
-        return host.strip("[]"), int(port)
+        return host_port(self.info["transparent"])
 
     @property
     def dns(self) -> tuple[str, int]:
-        host, _, port = self.info["dns"].rpartition(":")
-        return host.strip("[]"), int(port)
+        return host_port(self.info["dns"])
 
     def admit(self, policy: str, address: str | None = None) -> Sandbox:
         """Admit (once per policy) with the real CLI, inside the gateway namespace. `address` registers
@@ -212,7 +171,7 @@ class Gateway:
             if path.exists():
                 for line in path.read_text().splitlines():
                     if request_id and request_id in line:
-                        return _flatten_otlp(json.loads(line))
+                        return flatten_otlp(json.loads(line))
             time.sleep(0.1)
         raise AssertionError(f"no audit record for request id {request_id!r} in {path}")
 
@@ -280,66 +239,6 @@ class Curl:
                f"stderr={self.stderr.strip()!r} headers={self.headers!r} body={self.body[:300]!r}"
 
 
-def _flatten_otlp(record: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for rl in record.get("resourceLogs", []):
-        for sl in rl.get("scopeLogs", []):
-            for lr in sl.get("logRecords", []):
-                for attr in lr.get("attributes", []):
-                    value = attr["value"]
-                    out[attr["key"]] = next(iter(value.values())) if value else None
-    return out
-
-
-def read_all(sock: socket.socket, wait: float, first: float | None = None) -> bytes:
-    """Read until close or `wait` seconds of quiet. `first` (when an answer is expected) is the
-    patience for the first byte, so a loaded CI machine does not turn a slow answer into none."""
-    sock.settimeout(first if first is not None else wait)
-    out = bytearray()
-    with contextlib.suppress(TimeoutError, ConnectionResetError, ssl.SSLError, OSError):
-        while True:
-            chunk = sock.recv(65536)
-            if not chunk:
-                break
-            out.extend(chunk)
-            sock.settimeout(wait)
-    return bytes(out)
-
-
-def read_response(sock: socket.socket | ssl.SSLSocket, timeout: float = 10) -> Response:
-    """Read one response; Content-Length framed (or until close when absent)."""
-    sock.settimeout(timeout)
-    buf = bytearray()
-    while b"\r\n\r\n" not in buf:
-        chunk = sock.recv(65536)
-        if not chunk:
-            break
-        buf.extend(chunk)
-    return parse_response(bytes(buf), sock)
-
-
-def parse_response(data: bytes, sock: socket.socket | ssl.SSLSocket | None = None) -> Response:
-    head, sep, rest = data.partition(b"\r\n\r\n")
-    if not sep:
-        raise ConnectionError(f"no HTTP response head, got {data[:200]!r}")
-    lines = head.decode("latin-1").split("\r\n")
-    parts = lines[0].split(" ", 2)
-    headers = {}
-    for line in lines[1:]:
-        name, _, value = line.partition(":")
-        headers[name.strip().lower()] = value.strip()
-    body = bytearray(rest)
-    length = headers.get("content-length")
-    status = int(parts[1])
-    if sock is not None and length is not None:
-        while len(body) < int(length):
-            chunk = sock.recv(65536)
-            if not chunk:
-                break
-            body.extend(chunk)
-    return Response(status, parts[2] if len(parts) > 2 else "", headers, bytes(body), data)
-
-
 def _free_port(host: str, udp: bool = False) -> int:
     """A port free for TCP (and, with `udp`, for UDP too: the DNS listener binds both)."""
     for _ in range(50):
@@ -364,17 +263,3 @@ def _self_policy(proxy_port: int, admin_port: int) -> dict[str, Any]:
             "network": {"allow_private": [f"{nw.GW_SBX}/32", "127.0.0.1/32"],
                         "https": {"allow": rules},
                         "http": {"allow": [{**r, "id": r["id"] + "-http"} for r in rules]}}}
-
-
-def _first_line(proc: subprocess.Popen[str], timeout: float) -> str:
-    box: list[str] = []
-    t = threading.Thread(target=lambda: box.append(proc.stdout.readline() if proc.stdout else ""), daemon=True)
-    t.start()
-    t.join(timeout)
-    return box[0] if box else ""
-
-
-def _drain(proc: subprocess.Popen[str]) -> None:
-    if proc.stdout is not None:
-        for _ in proc.stdout:
-            pass

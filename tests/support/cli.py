@@ -1,4 +1,5 @@
-"""Shared helpers for the deployment-file renderers' tests."""
+"""Running the real console entry point as an operator does, and the tools that check what it writes
+(the deployment-file renderers' tests, and any test that needs the repository's own policies)."""
 
 from __future__ import annotations
 

@@ -15,10 +15,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-import networld as nw
-from networld import World
-
-from escape.harness import Gateway, Response, Sandbox, read_response
+import tests.networld as nw
+from tests.networld import World
+from tests.support.http1 import Response, read_response
+from tests.support.netgateway import Gateway, Sandbox
 
 T = TypeVar("T")
 

@@ -1,0 +1,170 @@
+"""Relaying a checked passthrough tunnel outside mitmproxy's per-chunk event path.
+
+mitmproxy moves every chunk of a connection through its handler: a StreamReader copy, the connection's
+event lock and watchdog, the layer stack (proxy mode, HTTP layer, tunnel, our layer) and then a drain of
+every writer. For a spliced tunnel none of that decides anything, and it made the passthrough route half
+as fast as Squid's CONNECT tunnel for small keep-alive requests (loadtests/RESULTS.md, "Issue 11:
+passthrough"). Once passthrough.py has checked the ClientHello, `Splice.take_over` swaps the asyncio
+protocols of the tunnel's two sockets for a pair of `_Side` protocols that write each chunk straight to the
+other socket, after counting it exactly as the layer does: a client chunk that would cross
+`outbound_bytes_max` is never written and both sockets are aborted; server bytes are counted in.
+
+What stays mitmproxy's: the sockets (so revocation's and the budget's `abort_connection` reach them), the
+idle timeout (each chunk registers activity with the connection's watchdog), and the end of the
+connection: when both directions are done, each socket's original protocol is told the connection is
+lost, so mitmproxy's tasks finish, its layers see the close and its hooks run as usual (the layer then
+writes the one outcome record from the shared `Tally`). Flow control is the transports': a socket whose
+write buffer passes the high-water mark pauses reading on the other one until it drains.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from mitmproxy import connection, ctx
+
+from egressgate.gateway.context import Runtime
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Tally:
+    """A tunnel's byte counts, shared by the layer (before the take-over) and the splice (after)."""
+
+    out: int = 0
+    in_: int = 0
+    cut: bool = False
+
+
+class _Side(asyncio.Protocol):
+    """One socket of the splice. `peer` is the other side; `old` the protocol mitmproxy had on it."""
+
+    def __init__(self, splice: Splice, transport: asyncio.Transport, old: asyncio.BaseProtocol,
+                 from_client: bool) -> None:
+        self.splice, self.transport, self.old, self.from_client = splice, transport, old, from_client
+        self.peer: _Side
+        self.eof = False
+        self.lost = False
+
+    def data_received(self, data: bytes) -> None:
+        self.splice.relay(self, data)
+
+    def eof_received(self) -> bool:
+        self.splice.eof(self)
+        return True  # keep the socket open for the other direction (half close)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.splice.lost(self, exc)
+
+    def pause_writing(self) -> None:
+        self.peer.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        if not self.peer.eof and not self.peer.lost:
+            self.peer.transport.resume_reading()
+
+
+class Splice:
+    """The two sockets of one passthrough tunnel, relayed directly (see the module docstring)."""
+
+    def __init__(self, rt: Runtime, sandbox_id: str, policy_name: str | None, tally: Tally) -> None:
+        self.rt, self.sandbox_id, self.policy_name, self.tally = rt, sandbox_id, policy_name, tally
+        self.sides: tuple[_Side, _Side] | None = None
+        self.activity: Callable[[], None] = lambda: None
+        self.finished = False
+
+    def take_over(self, client: connection.Client, server: connection.Server) -> bool:
+        """Move both sockets to the splice; False (nothing changed) when they are not both open plain
+        TCP sockets of a live mitmproxy connection, and the layer keeps relaying them itself."""
+        proxyserver = ctx.master.addons.get("proxyserver") if ctx.master is not None else None
+        handler = proxyserver.connections.get(client.id) if proxyserver is not None else None
+        if handler is None or client.state is not connection.ConnectionState.OPEN \
+                or server.state is not connection.ConnectionState.OPEN:
+            return False
+        ios = [handler.transports.get(client), handler.transports.get(server)]
+        transports = [getattr(getattr(io, "writer", None), "transport", None) for io in ios]
+        readers = [getattr(io, "reader", None) for io in ios]
+        if not all(t is not None and hasattr(t, "set_protocol") and not t.is_closing()
+                   and t.get_extra_info("sslcontext") is None for t in transports) \
+                or not all(isinstance(r, asyncio.StreamReader) for r in readers):
+            return False
+        c = _Side(self, transports[0], transports[0].get_protocol(), True)
+        s = _Side(self, transports[1], transports[1].get_protocol(), False)
+        c.peer, s.peer = s, c
+        self.sides = (c, s)
+        self.activity = handler.timeout_watchdog.register_activity
+        for side in (c, s):
+            side.transport.set_protocol(side)
+        for side, reader in zip((c, s), readers, strict=True):
+            # bytes mitmproxy read from the socket but has not handed to the layer yet go first, in order
+            pending = reader._buffer  # private, but no public API hands a StreamReader's buffer back
+            if pending:
+                data = bytes(pending)
+                pending.clear()
+                side.data_received(data)
+            if not side.transport.is_reading() and not side.lost:
+                side.transport.resume_reading()  # paused by the StreamReader's own limit
+            if getattr(side.old, "_paused", False):
+                side.old.resume_writing()  # release a drain mitmproxy may be waiting on (it writes no more)
+        return True
+
+    def _limit(self) -> int | None:
+        policy = self.rt.policies.get(self.policy_name)
+        return policy.outbound_bytes_max if policy is not None else 0
+
+    def relay(self, side: _Side, data: bytes) -> None:
+        if side.lost or self.tally.cut:
+            return
+        self.activity()
+        n = len(data)
+        if side.from_client:
+            if not self.rt.ledger.try_out(self.sandbox_id, n, self._limit()):
+                self.tally.cut = True
+                logger.info("sandbox %s crossed outbound_bytes_max in a passthrough tunnel; cutting", self.sandbox_id)
+                for each in self.sides or ():
+                    each.transport.abort()
+                return
+            self.tally.out += n
+        else:
+            self.tally.in_ += n
+            self.rt.ledger.add_in(self.sandbox_id, n)
+        side.peer.transport.write(data)
+
+    def eof(self, side: _Side) -> None:
+        side.eof = True
+        side.transport.pause_reading()
+        peer = side.peer
+        if peer.lost:
+            return
+        if peer.eof:  # both directions done: a clean close of both
+            side.transport.close()
+            peer.transport.close()
+        elif peer.transport.can_write_eof():
+            peer.transport.write_eof()
+
+    def lost(self, side: _Side, exc: Exception | None) -> None:
+        side.lost = True
+        peer = side.peer
+        if not peer.lost:
+            if exc is None and side.eof and peer.eof:
+                peer.transport.close()
+            else:  # one socket died (reset, abort: revocation, budget): the other must not look finished
+                peer.transport.abort()
+            return
+        self._finish()
+
+    def _finish(self) -> None:
+        """Both sockets are gone: hand the end back to mitmproxy (its readers see EOF, its layers the
+        close, its hooks run), once."""
+        if self.finished or self.sides is None:
+            return
+        self.finished = True
+        for side in self.sides:
+            try:
+                side.old.connection_lost(None)
+            except Exception:
+                logger.exception("handing a spliced connection's end back to mitmproxy failed")

@@ -1,0 +1,56 @@
+"""Inspecting `sandbox run`s from the host: what a run left behind, its revocation records, the processes
+in its namespace, and killing its watchdog (shared by the lifecycle, watchdog and docker gc tests)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from tests.runtimes.harness import Gateway
+
+
+def leftovers(gateway: Gateway) -> dict[str, list[str]]:
+    """Product objects in the gateway's namespace (tables, veths), global netns names, and run records."""
+    world = gateway.world
+    tables = world.exec(world.gw, "nft", "list", "tables").stdout
+    links = world.exec(world.gw, "ip", "-o", "link").stdout
+    netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False).stdout
+    runs = gateway.state_dir / "runs"
+    return {
+        "tables": [line for line in tables.splitlines() if "egressgate_" in line],
+        "veths": [line.split(":")[1].strip().split("@")[0] for line in links.splitlines() if ": egh" in line],
+        "netns": [line.split()[0] for line in netns.splitlines() if line.startswith("egressgate-")],
+        "records": sorted(p.name for p in runs.glob("*.json")) if runs.is_dir() else [],
+    }
+
+
+def revocations(gateway: Gateway, sid: str) -> list[dict]:
+    return [r for r in gateway.records(predicate=lambda r: r.get("egressgate.operation") == "revocation"
+                                       and r.get("egressgate.sandbox.id") == sid)
+            if r.get("egressgate.operation") == "revocation" and r.get("egressgate.sandbox.id") == sid]
+
+
+def netns_commands(run_id: str) -> list[str]:
+    """Names of the processes in a run's network namespace (the sandbox's processes)."""
+    res = subprocess.run(["ip", "netns", "pids", f"egressgate-{run_id}"], capture_output=True, text=True,
+                         check=False)
+    out = []
+    for pid in res.stdout.split():
+        try:
+            out.append(Path(f"/proc/{pid}/comm").read_text().strip())
+        except OSError:
+            continue
+    return out
+
+
+def kill_watchdog(record: dict) -> None:
+    """SIGKILL the run's watchdog (runtimes/watchdog.py) and wait until it is gone."""
+    pid = record["watchdog_pid"]
+    assert Path(f"/proc/{pid}").exists(), "the run has no live watchdog"
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.02)  # it is not our child: init reaps it

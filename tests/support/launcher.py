@@ -1,0 +1,189 @@
+"""Starting and stopping the real gateway (`egressgate run --config CFG`), as an operator would.
+
+Every harness that runs a gateway (the loopback worlds in tests/support/gwworld.py and credworld.py, the
+network-namespace world in tests/support/netgateway.py) goes through here, so the startup contract is
+read in one place: `egressgate run` prints ONE JSON line on stdout naming its listeners (`proxy`,
+`admin`, `dns`, `transparent`) once it serves, or exits; its log goes to stderr (kept in a file so a
+failing test can show it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import ssl
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
+
+import httpx
+import yaml
+
+if TYPE_CHECKING:
+    from tests.networld import World
+
+EGRESSGATE = str(Path(sys.executable).with_name("egressgate"))
+
+
+def write_policies(policy_dir: Path, docs: dict[str, dict]) -> Path:
+    """One `<name>.yaml` per policy document (key order kept: the files are read by people too)."""
+    policy_dir.mkdir(parents=True, exist_ok=True)
+    for name, doc in docs.items():
+        (policy_dir / f"{name}.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
+    return policy_dir
+
+
+def first_line(proc: subprocess.Popen, timeout: float) -> str:
+    """The first stdout line, or "" after `timeout` (a reader thread: readline itself cannot time out)."""
+    box: list[str] = []
+    t = threading.Thread(target=lambda: box.append(proc.stdout.readline() if proc.stdout else ""), daemon=True)
+    t.start()
+    t.join(timeout)
+    return box[0] if box else ""
+
+
+def startup_info(proc: subprocess.Popen, stderr_path: Path, timeout: float = 30) -> dict[str, Any]:
+    """The startup line as a dict; a gateway that does not print one is killed and its log shown."""
+    line = first_line(proc, timeout)
+    try:
+        info = json.loads(line)
+        if not isinstance(info, dict) or "proxy" not in info:
+            raise ValueError(line)
+    except ValueError as exc:
+        proc.kill()
+        proc.wait(5)
+        raise RuntimeError(f"gateway did not start: stdout={line!r}\n{stderr_path.read_text()[-3000:]}") from exc
+    return info
+
+
+def host_port(listener: str) -> tuple[str, int]:
+    """`host:port` or `[v6]:port` from the startup line -> (host, port)."""
+    host, _, port = listener.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def drain(proc: subprocess.Popen) -> None:
+    """Read stdout to the end in a daemon thread, so a chatty gateway never blocks on a full pipe."""
+    def run() -> None:
+        if proc.stdout is not None:
+            for _ in proc.stdout:
+                pass
+    threading.Thread(target=run, daemon=True).start()
+
+
+def stop_process(proc: subprocess.Popen, timeout: float = 15) -> int:
+    """SIGTERM (the gateway's graceful stop), then SIGKILL after `timeout`: its exit code, -9 if killed."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            return proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+            return -9
+    return proc.returncode
+
+
+def flatten_otlp(record: dict[str, Any]) -> dict[str, Any]:
+    """The attributes of an OTLP-JSON audit line as one flat {key: value} dict."""
+    out: dict[str, Any] = {}
+    for rl in record.get("resourceLogs", []):
+        for sl in rl.get("scopeLogs", []):
+            for lr in sl.get("logRecords", []):
+                for attr in lr.get("attributes", []):
+                    value = attr["value"]
+                    out[attr["key"]] = next(iter(value.values())) if value else None
+    return out
+
+
+def audit_records(path: Path) -> list[dict[str, Any]]:
+    """Every record of an audit trail file (one OTLP-JSON record per line), flattened, in order."""
+    return [flatten_otlp(json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+
+
+@dataclass
+class LoopbackGateway:
+    """A gateway process on loopback (no namespaces): its listeners, admin token and files."""
+
+    proc: subprocess.Popen
+    config: Path
+    var: Path
+    proxy: tuple[str, int]
+    admin: str
+    token: str
+    stderr_path: Path
+
+    @property
+    def bundle(self) -> str:
+        """The CA bundle a sandbox trusts (the gateway's interception CA)."""
+        return str(self.var / "ca" / "sandbox-ca-bundle.pem")
+
+    def audit_text(self) -> str:
+        return (self.var / "audit.jsonl").read_text()
+
+    def audit_records(self) -> list[dict]:
+        return audit_records(self.var / "audit.jsonl")
+
+    def stderr(self) -> str:
+        return self.stderr_path.read_text(errors="replace")
+
+    def admit_sandbox(self, body: dict[str, Any]) -> dict[str, Any]:
+        """POST /v1/sandboxes on the admin API (asserts 201): the new sandbox's id, token, proxy_url, env."""
+        res = httpx.post(f"http://{self.admin}/v1/sandboxes", json=body,
+                         headers={"Authorization": f"Bearer {self.token}"}, timeout=10, trust_env=False)
+        assert res.status_code == 201, res.text
+        return res.json()
+
+    def revoke(self, sandbox_id: str) -> httpx.Response:
+        return httpx.delete(f"http://{self.admin}/v1/sandboxes/{sandbox_id}",
+                            headers={"Authorization": f"Bearer {self.token}"}, timeout=10, trust_env=False)
+
+    def proxied_client(self, proxy_url: str, **kw: Any) -> httpx.Client:
+        """An httpx client through the proxy (`proxy_url` carries the sandbox's credentials), trusting the
+        gateway's interception CA only; no environment proxies."""
+        return httpx.Client(proxy=proxy_url, verify=ssl.create_default_context(cafile=self.bundle), timeout=15,
+                            trust_env=False, **kw)
+
+
+def stop_gateway(gw: LoopbackGateway) -> int:
+    """Stop a loopback gateway (SIGTERM, then SIGKILL after 15 s); its exit code."""
+    return stop_process(gw.proc)
+
+
+def launch_loopback(tmp: Path, config: dict[str, Any], *, launcher: list[str] | None = None,
+                    private: bool = False) -> dict[str, Any]:
+    """Write `config` to tmp/gateway.yaml (0600 with `private`: it holds broker secrets), run the
+    gateway (`launcher` replaces the `egressgate` command, e.g. a script that plants a fault first) and
+    wait for its startup line. Returns the LoopbackGateway fields, for the caller's own dataclass."""
+    cfg = tmp / "gateway.yaml"
+    cfg.write_text(yaml.safe_dump(config))
+    if private:
+        os.chmod(cfg, 0o600)
+    stderr_path = tmp / "gateway.stderr"
+    stderr = open(stderr_path, "w")  # noqa: SIM115 - lives with the process
+    proc = subprocess.Popen([*(launcher or [EGRESSGATE]), "run", "--config", str(cfg), "--log-level", "DEBUG"],
+                            stdout=subprocess.PIPE, stderr=stderr, text=True, env={**os.environ, "NO_PROXY": ""})
+    info = startup_info(proc, stderr_path)
+    var = Path(config["var_dir"])
+    return {"proc": proc, "config": cfg, "var": var, "proxy": host_port(info["proxy"]), "admin": info["admin"],
+            "token": (var / "admin.token").read_text().strip(), "stderr_path": stderr_path}
+
+
+
+
+def launch_in_namespace(world: World, ns: str, tmp: Path,
+                        config: dict[str, Any]) -> tuple[subprocess.Popen, dict[str, Any], Path, IO[str]]:
+    """Write `config` to tmp/gateway.yaml and run the gateway inside the world's namespace `ns` (as an
+    operator would, at the default log level); returns the process, its startup line, the config path
+    and its open stderr file (close it after stopping the process). Stdout is drained after the line."""
+    cfg = tmp / "gateway.yaml"
+    cfg.write_text(yaml.safe_dump(config))
+    stderr = open(tmp / "gateway.stderr", "w")  # noqa: SIM115 - lives as long as the process
+    proc = world.popen(ns, EGRESSGATE, "run", "--config", str(cfg), stdout=subprocess.PIPE, stderr=stderr)
+    info = startup_info(proc, tmp / "gateway.stderr")
+    drain(proc)
+    return proc, info, cfg, stderr
