@@ -96,12 +96,17 @@ class Driver:
             self.unavailable["egressgate-pt"] = "egressgate did not start"
 
     def audit_records(self) -> int | None:
-        """Lines egressgate's audit file holds at the end: proof that the measured pipeline had audit on."""
+        """Records in egressgate's audit files (the live one and the ones it rotated out at 64 MB; a line may
+        batch several records, each carries one chain hash): proof that the measured pipeline had audit on."""
         eg = self.procs.get("egressgate")
         if eg is None:
             return None
-        with Path(eg.info["audit"]).open("rb") as fh:
-            return sum(1 for _ in fh)
+        n = 0
+        for path in Path(eg.info["audit"]).parent.iterdir():
+            if path.is_file():
+                with path.open("rb") as fh:
+                    n += sum(line.count(b'"egressgate.chain.hash"') for line in fh)
+        return n
 
     def stop(self) -> None:
         for p in reversed(list(self.procs.values())):

@@ -167,7 +167,7 @@ def markdown(report: dict) -> str:
             lines += ["", f"Passthrough / Squid bulk MiB/s: {pt / sq:.2f}x{_goal(pt / sq, GOALS['pt_vs_squid'])}."]
     if report.get("audit_records") is not None:
         lines += ["", f"egressgate had written {report['audit_records']} audit records before it was stopped "
-                  "(hash-chained, one per decision: the measured pipeline ran with audit on)."]
+                  "(hash-chained: the measured pipeline ran with audit on)."]
     for name, why in report.get("unavailable", {}).items():
         lines += ["", f"{name}: not available ({why})."]
     return "\n".join(lines)
