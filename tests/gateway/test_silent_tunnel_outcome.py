@@ -23,6 +23,17 @@ from tests.support.launcher import stop_gateway
 from tests.support.waiting import wait_for
 
 
+def _free_port() -> int:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    return port
+
+
+DEAD_PORT = _free_port()  # nothing listens there: the upstream refuses the connection
+
+
 @pytest.fixture(scope="module")
 def counting(world):
     """A TCP upstream that counts the connections it accepted (and says nothing)."""
@@ -57,6 +68,12 @@ def gw(world, counting, tmp_path_factory):
         "allow_private": ["127.0.0.1/32"],
         "https": {"allow": [{"id": "pt", "host": "quiet.test", "ports": [port], "tls": "passthrough"}]},
         "tcp": {"allow": [{"id": "raw", "host": "tcp.test", "ports": [world.tcp_port]}]}}}
+    for name in ("pt-dead.test", "mitm-dead.test", "tcp-dead.test"):
+        world.dns.records[name] = "127.0.0.1"
+    doc["network"]["https"]["allow"] += [
+        {"id": "pt-dead", "host": "pt-dead.test", "ports": [DEAD_PORT], "tls": "passthrough"},
+        {"id": "mitm-dead", "host": "mitm-dead.test", "ports": [DEAD_PORT]}]
+    doc["network"]["tcp"]["allow"].append({"id": "tcp-dead", "host": "tcp-dead.test", "ports": [DEAD_PORT]})
     (tmp / "policies" / "silent.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
     gateway = start_gateway(world, tmp)
     try:
@@ -109,3 +126,20 @@ def test_tcp_relay_gets_its_outcome_with_or_without_bytes(gw, world, silent):
     [out] = _records(gw, sbx.id, "outcome")
     assert out["egressgate.request.id"] == decision["egressgate.request.id"]
     assert (int(out["egressgate.bytes.out"]) == 0) == silent
+
+
+@pytest.mark.parametrize("host", ["pt-dead.test", "mitm-dead.test", "tcp-dead.test"])
+def test_allowed_connect_whose_upstream_is_down_gets_its_outcome(gw, host):
+    """Sibling: an allowed CONNECT whose eager upstream connection fails is answered 502 by mitmproxy,
+    and no other hook sees the flow again; its allow record still gets an outcome saying why. Positive
+    control: the decision was an allow (the upstream was dialed and refused the connection)."""
+    sbx = gw.admit("silent")
+    sock, head = connect_tunnel(gw, sbx, f"{host}:{DEAD_PORT}")
+    sock.close()
+    assert head.startswith(b"HTTP/1.1 502"), head
+    [decision] = _records(gw, sbx.id, "connect")
+    assert decision["egressgate.decision"] == "allow"
+    assert wait_for(lambda: _records(gw, sbx.id, "outcome"), timeout=5), "allowed CONNECT without an outcome"
+    [out] = _records(gw, sbx.id, "outcome")
+    assert out["egressgate.request.id"] == decision["egressgate.request.id"]
+    assert out["http.response.status_code"] in (502, "502") and out["egressgate.error"]
