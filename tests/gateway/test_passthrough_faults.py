@@ -53,8 +53,9 @@ def hello(world) -> bytes:
     return outgoing.read()
 
 
-def read_all(sock: socket.socket) -> bytes:
-    sock.settimeout(5)
+def read_all(sock: socket.socket, timeout: float = 5) -> bytes:
+    """Until the gateway closes, or `timeout` of silence (the echo upstream never closes by itself)."""
+    sock.settimeout(timeout)
     got = b""
     try:
         while chunk := sock.recv(4096):
@@ -94,8 +95,7 @@ def test_raw_tcp_tunnel_without_history_is_refused(gw, world, labels):
     sock, head = connect_tunnel(gw, sbx, f"tcp.test:{world.tcp_port}")
     assert head.startswith(b"HTTP/1.1 200"), head
     sock.sendall(b"payload")
-    sock.shutdown(socket.SHUT_WR)  # the echo upstream closes after our EOF: no waiting for a timeout
-    got = read_all(sock)
+    got = read_all(sock, 2 if not labels else 5)
     sock.close()
     if labels:
         assert b"state_unavailable" in got and b"echo:" not in got
