@@ -63,6 +63,7 @@ class FileSink(TrailMixin):
         clock: Callable[[], int] = time.time_ns,
         inline_write_max: int = 256 * 1024,
         inline_slow: float = 0.005,
+        inline_retry: float = 1.0,
         watch_interval: float = 1.0,
         max_unsigned: int = 100_000,
         pending_max: int = 10_000,
@@ -87,7 +88,9 @@ class FileSink(TrailMixin):
         self._clock = clock
         self.inline_write_max = inline_write_max  # 0: always write in a worker thread
         self.inline_slow = inline_slow
+        self.inline_retry = inline_retry  # seconds after a slow inline write before writing inline again
         self._inline_ok = True  # False after a slow inline write, until a write (in a thread) is fast again
+        self._inline_retry_at = 0.0  # ... or until this monotonic time has passed
         self._fd: int | None = None
         self._size = 0
         self._chain = ChainWriter()
@@ -318,13 +321,24 @@ class FileSink(TrailMixin):
         the same either way (callers are released only after `os.write` returned). The loop must not stall
         on a slow disk, though: with fsync and for large batches the write goes to a thread, and after an
         inline write slower than `inline_slow` (dirty-page throttling, a slow device) so do all writes until
-        one of them is fast again - a slow disk stalls the loop at most once per slow period."""
-        if not self.fsync and len(data) <= self.inline_write_max and self._inline_ok:
+        one of them is fast again - a slow disk stalls the loop at most once per slow period.
+
+        "Fast again" is also assumed `inline_retry` seconds after the slow write: a thread's own timing
+        includes getting the GIL back from a busy event loop (up to the 5 ms switch interval), so on a
+        loaded gateway every thread write looked slow and the sink never returned inline - it paid the
+        thread round trip for every batch from the first hiccup on (measured: 5-15 % of the CPU of a busy
+        gateway, issue 11). A disk that is still slow costs one inline stall per `inline_retry`."""
+        if not self.fsync and len(data) <= self.inline_write_max and (
+                self._inline_ok or time.monotonic() >= self._inline_retry_at):
             started = time.perf_counter()
             self._write_durable(data)
-            if time.perf_counter() - started > self.inline_slow:
+            finished = time.perf_counter()
+            if finished - started > self.inline_slow:
                 self.slow_inline_writes += 1
                 self._inline_ok = False
+                self._inline_retry_at = time.monotonic() + self.inline_retry
+            else:
+                self._inline_ok = True
             return
         elapsed = await asyncio.to_thread(self._timed_write, data)
         if not self.fsync and elapsed <= self.inline_slow:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from mitmproxy import connection, http, tcp, tls
 from mitmproxy.proxy import layer
 
-from egressgate.gateway.context import Runtime, new_request_id
+from egressgate.gateway.context import Runtime, ensure_flow_state, flow_state, new_request_id
 from egressgate.gateway.deny import gateway_deny, raw_deny
 from egressgate.gateway.limit_audit import LimitAudit
 from egressgate.gateway.refuse import RefuseLayer
@@ -39,7 +39,6 @@ from egressgate.policy.reasons import Reason
 
 logger = logging.getLogger(__name__)
 
-_COUNTED = "egressgate.connguard"  # flow.metadata key: this request is counted as in flight
 
 PHASE_HEADERS = "request_headers"
 PHASE_TLS = "tls_handshake"
@@ -141,9 +140,12 @@ class ConnGuard:
 
     def requestheaders(self, flow: http.HTTPFlow) -> None:
         conn = self.conns.get(flow.client_conn.id)
-        if conn is None or flow.metadata.get(_COUNTED):
+        if conn is None:
             return
-        flow.metadata[_COUNTED] = True
+        fs = ensure_flow_state(flow)
+        if fs.in_flight:
+            return
+        fs.in_flight = True
         conn.in_flight += 1
         self._cancel(conn)
 
@@ -161,8 +163,10 @@ class ConnGuard:
 
     def _request_done(self, flow: http.HTTPFlow) -> None:
         conn = self.conns.get(flow.client_conn.id)
-        if conn is None or not flow.metadata.pop(_COUNTED, False):
+        fs = flow_state(flow)
+        if conn is None or fs is None or not fs.in_flight:
             return
+        fs.in_flight = False
         conn.in_flight -= 1
         if conn.in_flight == 0 and not conn.streaming and flow.websocket is None:
             self._arm(flow.client_conn.id, PHASE_KEEPALIVE, self.limits.keepalive_timeout)

@@ -134,6 +134,8 @@ class FlowState:
     # request_hash.py: the canonical request hash (complete at the headers, or fed by the body)
     bodyless_hash: str | None = None
     hasher: StreamingRequestHash | None = None
+    # connguard.py: this request is counted in its connection's in-flight requests
+    in_flight: bool = False
     # ws_layer.py: the websocket runs on the guarded layer / why the gateway closed it
     ws_guarded: bool = False
     ws_refusal: WsRefusal | None = None

@@ -22,7 +22,7 @@ import logging
 from mitmproxy import http
 from mitmproxy.proxy import server_hooks
 
-from egressgate.gateway.context import PinnedTarget, Runtime, flow_state
+from egressgate.gateway.context import ConnState, PinnedTarget, Runtime, flow_state
 from egressgate.gateway.deny import gateway_deny
 from egressgate.gateway.resolver import ResolveError
 from egressgate.policy.addr import METADATA_HOSTNAMES, AddrClass, check_address
@@ -88,6 +88,18 @@ def _same_ip(a: IPAddress, b: IPAddress) -> bool:
     return False
 
 
+def bind_tunnel(conn: ConnState, host: str, port: int, as_sent: str | None, target: PinnedTarget,
+                dial_key: tuple[str, int] | None) -> None:
+    """Commit an allowed, recorded name decision: the connection is now a tunnel to `target` (every
+    request on it is decided against this name and dialed to this address) and `dial_key`, the address
+    mitmproxy will ask to dial for it, becomes dialable. The one place a tunnel is bound (CONNECT here,
+    a transparent connection's name in transparent_decide.py)."""
+    conn.tunnel_host, conn.tunnel_port, conn.tunnel_as_sent = host, port, as_sent
+    conn.tunnel_target = target
+    if dial_key is not None:
+        conn.approved[dial_key] = target
+
+
 class Pinning:
     """Addon: the only place a destination becomes dialable and a server address is set; refuses
     undecided destinations. Runs after record.py, so `fs.audited` and an allowed `fs.decision` together
@@ -102,15 +114,14 @@ class Pinning:
         fs = flow_state(flow)
         if fs is None or not fs.audited or fs.decision is None or not fs.decision.allowed or fs.pinned is None:
             return
+        assert fs.host is not None and fs.port is not None
         conn = self.rt.conn(flow.client_conn.id)
-        conn.tunnel_host, conn.tunnel_port = fs.host, fs.port
-        conn.tunnel_as_sent = fs.target_as_sent
-        conn.tunnel_target = fs.pinned
         conn.intercept = fs.intercept is not False
         conn.passthrough = fs.decision.passthrough  # spliced after passthrough.py's SNI check
         if not conn.intercept:
             conn.allow_tcp(fs.decision.rule_id, fs.request_id)  # a raw-TCP or passthrough rule: relay, no MITM
-        conn.approved[(flow.request.host, flow.request.port)] = fs.pinned
+        fs.dial_key = (flow.request.host, flow.request.port)
+        bind_tunnel(conn, fs.host, fs.port, fs.target_as_sent, fs.pinned, fs.dial_key)
 
     def requestheaders(self, flow: http.HTTPFlow) -> None:
         """Commit an allowed request's destination. Inside a tunnel there is nothing to commit (the

@@ -20,7 +20,7 @@ from egressgate.audit.event import AuditUnavailable, EventKind
 from egressgate.gateway.context import ConnState, PinnedTarget, Runtime
 from egressgate.gateway.deny import gateway_deny
 from egressgate.gateway.identity import UNKNOWN_SOURCE, connection_limit
-from egressgate.gateway.pinning import resolve_target
+from egressgate.gateway.pinning import bind_tunnel, resolve_target
 from egressgate.gateway.record import conn_attributes
 from egressgate.policy.canon import CanonError, canon_host, ip_text, split_host_port
 from egressgate.policy.decide import decide
@@ -192,6 +192,4 @@ def commit(conn: ConnState, host: str, port: int, as_sent: str | None, target: P
     """The name is allowed and recorded: the connection is now bound to it like a CONNECT tunnel, and
     mitmproxy's connection to the original destination will be dialed to the pinned address instead."""
     assert conn.original_dst is not None
-    conn.tunnel_host, conn.tunnel_port, conn.tunnel_as_sent = host, port, as_sent
-    conn.tunnel_target = target
-    conn.approved[conn.original_dst] = target
+    bind_tunnel(conn, host, port, as_sent, target, conn.original_dst)
