@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import platform
 import shlex
 import shutil
@@ -37,7 +38,7 @@ from loadtests.profile import profile_during
 from loadtests.streaming import download, sse_first_event
 from loadtests.upstream import SMALL_BODY
 
-TARGETS = ("direct", "mitmdump", "egressgate", "egressgate-cred", "egressgate-noaudit", "squid")
+TARGETS = ("direct", "mitmdump", "egressgate", "egressgate-base", "egressgate-cred", "egressgate-noaudit", "squid")
 # Pseudo-targets: another sandbox on a running proxy (HTTPS only: credentials are injected only there).
 SANDBOX_OF = {"egressgate-cred": ("egressgate", "sandbox_cred")}
 LABEL = {
@@ -48,7 +49,27 @@ LABEL = {
     ("egressgate-cred", "https"): "egressgate (MITM) + injected credential",
     ("egressgate-noaudit", "http"): "egressgate, audit discarded (bench only)",
     ("egressgate-noaudit", "https"): "egressgate (MITM), audit discarded (bench only)",
+    ("egressgate-base", "http"): "egressgate, baseline tree (--baseline)",
+    ("egressgate-base", "https"): "egressgate (MITM), baseline tree (--baseline)",
 }
+
+
+@contextlib.contextmanager
+def _pythonpath(tree: Path | None):
+    """Start a process (and its `sandbox admit` calls) with another source tree first on the path: the
+    before/after comparison runs both trees in one interleaved run instead of two runs minutes apart."""
+    if tree is None:
+        yield
+        return
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = str(tree)
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = old
 
 
 def log(msg: str) -> None:
@@ -76,6 +97,7 @@ class Bench:
             "egressgate-noaudit": lambda: procs.start_egressgate(
                 self.dir, self.certs.ca_pem, up.info["http_port"], up.info["https_port"],
                 upstream_host=self.args.upstream_host, audit=False, name="egressgate-noaudit"),
+            "egressgate-base": lambda: self._baseline(up),
         }
         for name in targets:
             if name in starters:
@@ -85,6 +107,13 @@ class Bench:
                 except Exception as exc:  # one missing proxy must not hide the others' figures
                     self.unavailable[name] = str(exc).splitlines()[0][:300]
                     log(f"{name} UNAVAILABLE: {exc}")
+
+    def _baseline(self, up: procs.Proc) -> procs.Proc:
+        if self.args.baseline is None:
+            raise RuntimeError("no --baseline tree given")
+        with _pythonpath(self.args.baseline):
+            return procs.start_egressgate(self.dir, self.certs.ca_pem, up.info["http_port"], up.info["https_port"],
+                                          upstream_host=self.args.upstream_host, name="egressgate-base")
 
     def stop(self) -> None:
         for p in reversed(list(self.procs.values())):
@@ -199,10 +228,11 @@ class Bench:
             for mode in self.args.modes:
                 raw = self.dir / f"profile-{name}-{mode}.txt"
                 t = self.target(name, mode)
-                out[f"{name} {mode} c=32"] = profile_during(
+                conc = self.args.profile_concurrency
+                out[f"{name} {mode} c={conc}"] = profile_during(
                     p.pid, self.args.profile_seconds, raw,
-                    lambda t=t: run_cell(t, 32, self.args.profile_seconds - 1, procs=self.args.procs))
-                log(f"profile {name} {mode}: {json.dumps(out[f'{name} {mode} c=32'])[:600]}")
+                    lambda t=t, conc=conc: run_cell(t, conc, self.args.profile_seconds - 1, procs=self.args.procs))
+                log(f"profile {name} {mode}: {json.dumps(out[f'{name} {mode} c={conc}'])[:600]}")
         return out
 
 
@@ -246,19 +276,22 @@ def markdown(summary: list[dict], meta: dict) -> str:
                      f"{ratio} | {cpu} | {per_cpu} | {s['client_cpu']:.2f} | {s['errors']} |")
     lines += ["", "| mode | conc | egressgate / bare mitmdump rps (goal >= 1.0x, < 0.85x defect) "
               "| same, per proxy CPU-second | audit on / off rps (goal >= 0.9x) | same, per CPU-second "
-              "| credential / none rps (goal >= 0.9x) | same, per CPU-second |",
-              "|---|---|---:|---:|---:|---:|---:|---:|"]
+              "| credential / none rps (goal >= 0.9x) | same, per CPU-second "
+              "| this tree / baseline rps | same, per CPU-second | baseline / mitmdump rps |",
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
 
     def ratio(a: dict | None, b: dict | None, key: str) -> str:
         return f"{a[key] / b[key]:.2f}x" if a and b and a.get(key) and b.get(key) else "-"
 
     by = {(s["mode"], s["conc"], s["target"]): s for s in summary}
     for mode, conc in sorted({(s["mode"], s["conc"]) for s in summary}):
-        eg, md, off, cred = (by.get((mode, conc, t))
-                             for t in ("egressgate", "mitmdump", "egressgate-noaudit", "egressgate-cred"))
+        eg, md, off, cred, base = (by.get((mode, conc, t)) for t in (
+            "egressgate", "mitmdump", "egressgate-noaudit", "egressgate-cred", "egressgate-base"))
         lines.append(f"| {mode} | {conc} | {ratio(eg, md, 'rps')} | {ratio(eg, md, 'req_per_cpu_s')} "
                      f"| {ratio(eg, off, 'rps')} | {ratio(eg, off, 'req_per_cpu_s')} "
-                     f"| {ratio(cred, eg, 'rps')} | {ratio(cred, eg, 'req_per_cpu_s')} |")
+                     f"| {ratio(cred, eg, 'rps')} | {ratio(cred, eg, 'req_per_cpu_s')} "
+                     f"| {ratio(eg, base, 'rps')} | {ratio(eg, base, 'req_per_cpu_s')} "
+                     f"| {ratio(base, md, 'rps')} |")
     for name, why in meta.get("unavailable", {}).items():
         lines.append(f"\n{name}: not measured ({why})")
     return "\n".join(lines)
@@ -292,6 +325,10 @@ def main() -> None:
     ap.add_argument("--stream-modes", nargs="*", default=["https", "http"], choices=["http", "https"])
     ap.add_argument("--no-stream", action="store_true")
     ap.add_argument("--profile-seconds", type=float, default=8, help="py-spy profile runs after the matrix (0: none)")
+    ap.add_argument("--baseline", type=Path, default=None,
+                    help="a source tree (e.g. `git archive main egressgate | tar -x -C DIR`) run as target "
+                         "egressgate-base, interleaved with the working tree's egressgate")
+    ap.add_argument("--profile-concurrency", type=int, default=32)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--markdown", type=Path)
     ap.add_argument("--keep", action="store_true", help="keep the temp dir (logs, audit file, profiles)")

@@ -29,6 +29,7 @@ from egressgate.audit.checkpointer import Checkpointer
 from egressgate.audit.event import AuditEvent, AuditUnavailable
 from egressgate.audit.exporter import OtlpHttpExporter
 from egressgate.audit.filewatch import rotated_name
+from egressgate.audit.inline import WriteMixin
 from egressgate.audit.record import Record, record_from_event
 from egressgate.audit.signer import Signer
 from egressgate.audit.spool import RetrySpool
@@ -45,7 +46,7 @@ class ExportFailed(OSError):
     """The OTLP exporter (the only destination) did not accept the batch."""
 
 
-class FileSink(TrailMixin):
+class FileSink(TrailMixin, WriteMixin):
     """AuditSink writing to `path` (None: exporter only) and/or an OTLP/HTTP exporter."""
 
     def __init__(
@@ -63,6 +64,7 @@ class FileSink(TrailMixin):
         clock: Callable[[], int] = time.time_ns,
         inline_write_max: int = 256 * 1024,
         inline_slow: float = 0.005,
+        inline_retry: float = 1.0,
         watch_interval: float = 1.0,
         max_unsigned: int = 100_000,
         pending_max: int = 10_000,
@@ -87,7 +89,9 @@ class FileSink(TrailMixin):
         self._clock = clock
         self.inline_write_max = inline_write_max  # 0: always write in a worker thread
         self.inline_slow = inline_slow
+        self.inline_retry = inline_retry  # seconds after a slow inline write before writing inline again
         self._inline_ok = True  # False after a slow inline write, until a write (in a thread) is fast again
+        self._inline_retry_at = 0.0  # ... or until this monotonic time has passed
         self._fd: int | None = None
         self._size = 0
         self._chain = ChainWriter()
@@ -308,50 +312,6 @@ class FileSink(TrailMixin):
             except asyncio.QueueFull:
                 self.export_failures += 1
                 log.warning("OTLP export queue full; %d records only in the local file", len(out))
-
-    async def _write_batch(self, data: bytes) -> None:
-        """One batch to the file: inline on the event loop when that is cheap, else in a worker thread.
-
-        Why inline: without fsync the write is one `os.write` into the page cache (tens of microseconds for a
-        batch), while handing it to a thread costs a GIL round trip that, measured with the DNS resolver at
-        32 queries in flight, halved throughput (every waiting caller waits for the thread). Durability is
-        the same either way (callers are released only after `os.write` returned). The loop must not stall
-        on a slow disk, though: with fsync and for large batches the write goes to a thread, and after an
-        inline write slower than `inline_slow` (dirty-page throttling, a slow device) so do all writes until
-        one of them is fast again - a slow disk stalls the loop at most once per slow period."""
-        if not self.fsync and len(data) <= self.inline_write_max and self._inline_ok:
-            started = time.perf_counter()
-            self._write_durable(data)
-            if time.perf_counter() - started > self.inline_slow:
-                self.slow_inline_writes += 1
-                self._inline_ok = False
-            return
-        elapsed = await asyncio.to_thread(self._timed_write, data)
-        if not self.fsync and elapsed <= self.inline_slow:
-            self._inline_ok = True
-
-    def _timed_write(self, data: bytes) -> float:
-        started = time.perf_counter()
-        self._write_durable(data)
-        return time.perf_counter() - started
-
-    def _write_durable(self, data: bytes) -> None:
-        assert self._fd is not None
-        start = self._size
-        view = memoryview(data)
-        try:
-            while view:
-                n = os.write(self._fd, view)
-                view = view[n:]
-            if self.fsync:
-                os.fsync(self._fd)
-        except OSError:
-            try:  # never leave a partial line: the file must stay verifiable
-                os.ftruncate(self._fd, start)
-            except OSError:
-                log.critical("audit file %s could not be truncated after a failed write", self.path)
-            raise
-        self._size = start + len(data)
 
     async def _rotate(self) -> None:
         """Final checkpoint in the old file, rename it, start a new file whose chain links to it."""

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from egressgate.audit.find import iter_records
-from egressgate.audit.record import K_DNS_NAME, K_HOST, K_LABELS, K_OPERATION, addresses_of
+from egressgate.audit.record import K_DNS_NAME, K_HOST, K_LABELS, K_OPERATION, K_SCHEME, addresses_of
 from egressgate.policy.facts import Decision, Facts, Operation, RuleUsage, SandboxState
 
 REPLAYABLE = {op.value for op in Operation}
@@ -175,7 +175,8 @@ def _update_history(hist: _History, attrs: dict[str, Any], time_s: float) -> Non
     elif op == "dns_query":
         hist.dns_queries += 1
         hist.dns_name_bytes += len(str(attrs.get(K_DNS_NAME) or attrs.get(K_HOST) or "").encode())
-    elif op == "http_request" and attrs.get("egressgate.decision") == "allow":
+    elif attrs.get("egressgate.decision") == "allow" and (
+            op == "http_request" or (op == "connect" and _relayed(attrs))):
         host = attrs.get(K_HOST)
         if isinstance(host, str):
             hist.seen_hosts.add(host)
@@ -184,6 +185,14 @@ def _update_history(hist: _History, attrs: dict[str, Any], time_s: float) -> Non
             u = hist.usage.setdefault(rule, [0, 0])
             u[0] += 1
             u[1] += _int(attrs.get("egressgate.facts.request_bytes"))
+
+
+def _relayed(attrs: dict[str, Any]) -> bool:
+    """A connect record of a tunnel the gateway relays unread (a tcp rule, `tls: passthrough`): that tunnel
+    is the request and entered the sandbox's history (gateway/history.py); an intercepted tunnel's
+    requests have their own records."""
+    return (attrs.get("egressgate.intercept") is False or attrs.get(K_SCHEME) == "tcp"
+            or attrs.get("egressgate.tls") == "passthrough")
 
 
 def load_policy_set(path: str | Path) -> tuple[dict[str, Any], Any | None]:

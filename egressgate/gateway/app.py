@@ -24,7 +24,7 @@ from egressgate.audit.signer import Signer
 from egressgate.broker.signer import TransitSigner
 from egressgate.config import ConfigError, GatewayConfig, parse_listen
 from egressgate.dns import DnsServer
-from egressgate.gateway import ca
+from egressgate.gateway import ca, mitm_hotpaths, typecheck
 from egressgate.gateway.budgets import ByteLedger
 from egressgate.gateway.context import PolicyHolder, Runtime
 from egressgate.gateway.credentials import check_broker, start_broker
@@ -89,6 +89,8 @@ class Gateway:
             dns_addr = await self.dns.start(*parse_listen(cfg.listen.dns))
             rt.listeners.append(dns_addr)
         transparent = parse_listen(cfg.listen.transparent) if cfg.listen.transparent else None
+        typecheck.install()  # mitmproxy's per-message type check, same verdicts, cheaper (typecheck.py)
+        mitm_hotpaths.install()  # mitmproxy's per-hook task naming and watchdog, same effects (mitm_hotpaths.py)
         self.master = GatewayMaster(rt, parse_listen(cfg.listen.proxy), transparent)
         bound = await self.master.start()
         proxy_addrs = bound["proxy"]

@@ -22,6 +22,7 @@ from mitmproxy.proxy import layer, mode_specs
 from mitmproxy.proxy.layers.http._http1 import Http1Server
 from mitmproxy.proxy.layers.http._http2 import Http2Server
 
+from egressgate.gateway import dispatch
 from egressgate.gateway.budgets import Budgets
 from egressgate.gateway.connguard import ConnGuard
 from egressgate.gateway.consistency import Consistency
@@ -166,6 +167,7 @@ class GatewayMaster:
         """Start the listeners; returns their bound addresses by kind ("proxy", "transparent")."""
         opts = options.Options()
         master = mitm_master.Master(opts, with_termlog=False)
+        dispatch.install(master)  # hooks reach only the addons that implement them (dispatch.py)
         self.proxyserver = proxyserver.Proxyserver()
         running = _Running()
         rt = self.rt

@@ -69,7 +69,8 @@ def write_behind(rt: Runtime, event: AuditEvent) -> None:
 class PassthroughLayer(layer.Layer):
     """The whole tunnel after the CONNECT: ClientHello check, then a counting splice (see module doc)."""
 
-    def __init__(self, context, rt: Runtime, conn: ConnState) -> None:
+    def __init__(self, context, rt: Runtime, conn: ConnState, refusal: Decision | None = None) -> None:
+        """`refusal`: the tunnel is refused at the client's first bytes (history.py could not record it)."""
         super().__init__(context)
         self.rt, self.conn = rt, conn
         self.buf = bytearray()
@@ -84,6 +85,7 @@ class PassthroughLayer(layer.Layer):
         self.tally = Tally()
         self.splice: Splice | None = None
         self.refusal: Decision | None = None
+        self.preset = refusal
         self.error: str | None = None
         self.recorded = False
         self._handle_event = self._start
@@ -108,6 +110,9 @@ class PassthroughLayer(layer.Layer):
             yield from self._close_all()
             return
         if not isinstance(event, events.DataReceived):
+            return
+        if self.preset is not None:
+            yield from self._refuse(self.preset)
             return
         if event.connection is not self.context.client:
             if not self.hellos:  # TLS: the server never speaks first

@@ -117,7 +117,7 @@ class Splice:
         return policy.outbound_bytes_max if policy is not None else 0
 
     def relay(self, side: _Side, data: bytes) -> None:
-        if side.lost or self.tally.cut:
+        if side.lost or side.peer.lost or self.tally.cut:
             return
         self.activity()
         n = len(data)

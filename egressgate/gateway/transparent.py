@@ -44,6 +44,7 @@ from mitmproxy.proxy.layers.tls import HTTP_ALPNS
 from egressgate.gateway import transparent_decide as td
 from egressgate.gateway.context import ConnState, FlowState, Runtime, ensure_flow_state, new_request_id
 from egressgate.gateway.deny import gateway_deny, raw_deny
+from egressgate.gateway.history import record_contact
 from egressgate.gateway.http_limits import http_layer
 from egressgate.gateway.identity import NOT_A_PROXY
 from egressgate.gateway.passthrough_peek import SniName, SniPeekLayer
@@ -185,6 +186,9 @@ async def _raw_tcp(rt: Runtime, conn: ConnState, context,
     target = decided[1]
     if not decision.allowed or target is None:
         return RefuseLayer(context, raw_deny(decision, request_id))
+    refusal = await record_contact(rt, conn.sandbox_id, host, decision.rule_id)  # history.py
+    if refusal is not None:
+        return RefuseLayer(context, raw_deny(refusal, request_id))
     td.commit(conn, host, port, as_sent, target)
     conn.allow_tcp(decision.rule_id, request_id)
     return layers.TCPLayer(context)
@@ -260,6 +264,8 @@ class Transparent:
         target, denied = await resolve_target(self.rt, self.rt.policies.get(conn.policy_name), host, port)
         if denied is not None or target is None:
             return  # tls_clienthello decides again and records the refusal (one record per connection)
+        if await record_contact(self.rt, conn.sandbox_id, host, decision.rule_id) is not None:
+            return  # no history, no splice: intercepted instead, each request then enters the history itself
         request_id = new_request_id()
         decision = await td.record(self.rt, conn, data.context.client, request_id,
                                    (decision, target, facts, snapshot), host=host, port=port, as_sent=data.sni)

@@ -27,6 +27,7 @@ from egressgate.policy.globs import (
     parse_path_glob,
 )
 from egressgate.policy.model import Budget, Conditions, HttpRule, Policy, TcpRule
+from egressgate.policy.passthrough import passthrough_problems, tls_problems
 from egressgate.policy.reasons import Effect
 
 DEFAULT_PORTS = {"https": (443,), "http": (80,)}
@@ -61,8 +62,7 @@ class CompiledRule:
     key_path: str = ""  # where the rule is in the file, for error messages
     # Deny rules only: `paths` widened to fail closed against every server reading (policy.readings).
     deny_paths: tuple[DenyGlob, ...] | None = None
-    # https allow rules with `tls: passthrough`: a tunnel this rule opens is spliced, never intercepted
-    passthrough: bool = False
+    passthrough: bool = False  # an https allow rule with `tls: passthrough`: its tunnels are spliced
 
     def path_allows(self, path: str | None) -> bool:
         if self.paths is None:
@@ -204,8 +204,7 @@ def compile_policy(model: Policy, source: str, policy_hash: str) -> CompiledPoli
     )
     policy.budgeted_rules = frozenset(r.id for r in policy.rules if r.budget is not None)
     policy.has_passthrough = any(r.passthrough for r in policy.rules)
-    problems.extend(_credential_problems(policy))
-    problems.extend(_passthrough_problems(policy))
+    problems.extend((*_credential_problems(policy), *passthrough_problems(policy)))
     if problems:
         raise PolicyError(source, problems)
     return policy
@@ -252,10 +251,9 @@ def _compile_rule(
             if credential not in policy.capabilities:
                 problems.append((f"{path}.credential", f"unknown capability {credential!r} (define it in "
                                  "credentials.capabilities)"))
-        if raw.tls is not None:
-            problems.extend(_tls_problems(raw, scheme, effect, path))
     if raw.budget is not None and effect is Effect.DENY:
         problems.append((f"{path}.budget", "budgets belong on allow rules"))
+    problems.extend(tls_problems(raw, scheme, effect, path))  # `tls:`, and budgets of relayed tunnels
     when = _conditions(raw.when, f"{path}.when", problems) if raw.when is not None else None
     ports = _ports(raw.ports, scheme, effect)
     if len(problems) > before or host is None:
@@ -277,66 +275,6 @@ def _compile_rule(
         deny_paths=tuple(deny_glob(g) for g in paths) if paths is not None and effect is Effect.DENY else None,
         passthrough=isinstance(raw, HttpRule) and raw.tls == "passthrough",
     )
-
-
-# What a passthrough tunnel cannot enforce, because it never sees a request: each is refused at load
-# with the key that asks for it (the gateway splices TLS bytes it cannot read).
-_NEEDS_HTTP = {
-    "methods": "a passthrough route never sees the request method (TLS is not intercepted)",
-    "paths": "a passthrough route never sees the request path (TLS is not intercepted)",
-    "credential": "credentials are injected into intercepted HTTPS only; a passthrough route never sees a request",
-    "budget": ("per-rule budgets count HTTP requests, which a passthrough route never sees; "
-               "bound its bytes with sandbox.resources.outbound_bytes_max"),
-}
-
-
-def _tls_problems(raw: HttpRule, scheme: str, effect: Effect, path: str) -> Iterator[tuple[str, str]]:
-    """`tls:` is a property of an https allow rule; `passthrough` only on one that needs no HTTP."""
-    if scheme != "https":
-        yield f"{path}.tls", "tls applies to network.https rules only"
-        return
-    if effect is Effect.DENY:
-        yield f"{path}.tls", "deny rules have no tls mode (a deny refuses the whole tunnel)"
-        return
-    if raw.tls != "passthrough":
-        return
-    for key, why in _NEEDS_HTTP.items():
-        if getattr(raw, key) is not None:
-            yield f"{path}.{key}", f"{why}; drop `{key}` or `tls: passthrough`"
-
-
-def hosts_overlap(a: HostPattern, b: HostPattern) -> bool:
-    """Conservative: True when some host could match both patterns (`except_hosts` are ignored)."""
-    if a.kind == "any" or b.kind == "any":
-        return True
-    if a.kind == "exact" or b.kind == "exact":
-        exact, other = (a, b) if a.kind == "exact" else (b, a)
-        return other.matches(exact.value)
-    return a.value == b.value or a.value.endswith("." + b.value) or b.value.endswith("." + a.value)
-
-
-def _passthrough_problems(policy: CompiledPolicy) -> Iterator[tuple[str, str]]:
-    """A https deny rule with methods or paths is enforced per request inside an intercepted tunnel; a
-    passthrough tunnel to a host it covers would carry those requests unseen, so the deny would read
-    narrower than it is. Refused at load (conservatively: any host and port overlap counts)."""
-    passthrough = [r for r in policy.rules if r.passthrough]
-    if not passthrough:
-        return
-    l7_denies = [r for r in policy.rules if r.effect is Effect.DENY and r.scheme == "https"
-                 and (r.methods is not None or r.paths is not None)]
-    for allow in passthrough:
-        assert allow.ports is not None  # allow rules always have ports
-        for deny in l7_denies:
-            if not hosts_overlap(allow.host, deny.host):
-                continue
-            if deny.ports is not None and not (deny.ports & allow.ports):
-                continue
-            yield (
-                f"{allow.key_path}.tls",
-                f"deny rule {deny.id!r} ({deny.key_path}) restricts methods/paths on hosts this passthrough "
-                f"rule splices unseen, so it could not be enforced; narrow one of the hosts or drop "
-                f"`tls: passthrough`",
-            )
 
 
 def _ports(raw: list[int] | None, scheme: str, effect: Effect) -> frozenset[int] | None:

@@ -197,7 +197,9 @@ def _allow_rule_failure(
             return _TRACE_ON_CREDENTIAL  # TRACE echoes the request, injected credential included
     if rule.when is not None and not _conditions_hold(rule.when, state, now):
         return Reason.CONDITION_FAILED
-    if not connect and rule.budget is not None and _over_budget(rule, facts, state):
+    # an intercepted tunnel's requests are each checked; a relayed tunnel (tcp, passthrough) is its one request
+    relayed = rule.scheme == "tcp" or rule.passthrough
+    if (not connect or relayed) and rule.budget is not None and _over_budget(rule, facts, state):
         return Reason.BUDGET_EXCEEDED
     return None
 

@@ -10,7 +10,11 @@ from egressgate.state.base import SandboxRecord
 
 
 class MemoryState:
-    """Single event loop, so plain dict updates are atomic with respect to each other."""
+    """Single event loop, so plain dict updates are atomic with respect to each other.
+
+    `snapshot()` runs for every decision: the immutable views it hands out (labels, seen hosts, rule
+    usage) are built once and reused until what they show changes, instead of copied per request
+    (measured at up to 3.5 % of the gateway's CPU with a growing host history, issue 11)."""
 
     def __init__(self) -> None:
         self._records: dict[str, SandboxRecord] = {}
@@ -20,9 +24,14 @@ class MemoryState:
         self._hosts: dict[str, set[str]] = {}
         self._usage: dict[str, dict[str, RuleUsage]] = {}
         self._revoke_callbacks: list[Callable[[str], None]] = []
+        # sandbox id -> immutable views for snapshot(); dropped when the underlying data changes
+        self._labels_view: dict[str, MappingProxyType] = {}
+        self._hosts_view: dict[str, frozenset[str]] = {}
+        self._usage_view: dict[str, MappingProxyType] = {}
 
     async def admit(self, record: SandboxRecord) -> None:
         self._records[record.id] = record
+        self._labels_view.pop(record.id, None)
         for address in record.addresses:
             self._by_address[address] = record.id
         self._bytes.setdefault(record.id, [0, 0])
@@ -53,16 +62,25 @@ class MemoryState:
         record = self._records[sandbox_id]
         out, in_ = self._bytes.get(sandbox_id, (0, 0))
         queries, name_bytes = self._dns.get(sandbox_id, (0, 0))
+        labels = self._labels_view.get(sandbox_id)
+        if labels is None:  # a copy: the record's dict belongs to whoever admitted it
+            labels = self._labels_view[sandbox_id] = MappingProxyType(dict(record.labels))
+        hosts = self._hosts_view.get(sandbox_id)
+        if hosts is None:
+            hosts = self._hosts_view[sandbox_id] = frozenset(self._hosts.get(sandbox_id, ()))
+        usage = self._usage_view.get(sandbox_id)
+        if usage is None:
+            usage = self._usage_view[sandbox_id] = MappingProxyType(dict(self._usage.get(sandbox_id, {})))
         return SandboxState(
             sandbox_id=sandbox_id,
             admitted_at=record.admitted_at,
-            labels=MappingProxyType(dict(record.labels)),
+            labels=labels,
             bytes_out=out,
             bytes_in=in_,
             dns_queries=queries,
             dns_name_bytes=name_bytes,
-            seen_hosts=frozenset(self._hosts.get(sandbox_id, ())),
-            rule_usage=MappingProxyType(dict(self._usage.get(sandbox_id, {}))),
+            seen_hosts=hosts,
+            rule_usage=usage,
         )
 
     async def add_bytes(self, sandbox_id: str, out: int = 0, in_: int = 0) -> tuple[int, int]:
@@ -72,8 +90,12 @@ class MemoryState:
         return counters[0], counters[1]
 
     async def record_request(self, sandbox_id: str, host: str, rule_id: str | None, nbytes: int) -> None:
-        self._hosts.setdefault(sandbox_id, set()).add(host)
+        hosts = self._hosts.setdefault(sandbox_id, set())
+        if host not in hosts:
+            hosts.add(host)
+            self._hosts_view.pop(sandbox_id, None)
         if rule_id is not None:
+            self._usage_view.pop(sandbox_id, None)
             usage = self._usage.setdefault(sandbox_id, {})
             old = usage.get(rule_id, RuleUsage())
             usage[rule_id] = RuleUsage(requests=old.requests + 1, bytes=old.bytes + nbytes)

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import os
 import stat
+import time
 
 import pytest
 
@@ -51,6 +52,59 @@ async def test_slow_inline_write_moves_writes_off_the_event_loop(make_sink, pubk
     rep = verify_file(sink.path, load_public_keys([pubkey]))
     assert rep.ok and rep.sealed, rep.error
     assert len(request_ids(sink.path)) == 8
+
+
+async def test_writes_go_back_inline_even_when_thread_writes_look_slow(make_sink, pubkey):
+    """A worker thread's write is timed until it has the GIL back, and a busy event loop (many
+    connections per loop iteration) keeps the GIL for up to the 5 ms switch interval: under load every
+    thread write looked slow, so after one slow inline write (a preempted process is enough) the sink paid
+    a thread round trip per batch for good (seen in the issue 11 profiles). Here every write, inline or
+    in a thread, counts as slow: the sink must still try inline again after `inline_retry` (default 1 s),
+    and stay in threads in between (a slow disk stalls the loop at most once per retry period)."""
+    sink = await make_sink(inline_slow=-1.0)
+    await sink.write(http_event(1))
+    assert sink.slow_inline_writes == 1 and not sink._inline_ok
+    n = 2
+    started = time.monotonic()
+    while time.monotonic() - started < 0.5:  # well within the retry period: threads only
+        await sink.write(http_event(n))
+        n += 1
+    assert sink.slow_inline_writes == 1 and n > 3
+    while time.monotonic() - started < 3.0 and sink.slow_inline_writes == 1:
+        await sink.write(http_event(n))
+        n += 1
+        await asyncio.sleep(0.01)
+    assert sink.slow_inline_writes == 2, "the sink never tried an inline write again"
+    assert time.monotonic() - started >= 0.9
+    sink.inline_slow = 10.0  # the disk is fast: after the next retry the writes stay inline
+    while time.monotonic() - started < 5.0 and not sink._inline_ok:
+        await sink.write(http_event(n))
+        n += 1
+        await asyncio.sleep(0.01)
+    assert sink._inline_ok
+    await sink.close()
+    rep = verify_file(sink.path, load_public_keys([pubkey]))
+    assert rep.ok and rep.sealed, rep.error
+    assert len(request_ids(sink.path)) == n - 1
+
+
+async def test_lone_and_concurrent_records_keep_one_chain(make_sink, pubkey):
+    """Lone records (a batch each), concurrent ones (batched), checkpoints in between: one valid chain
+    with every record, in the order write() was called."""
+    sink = await make_sink(checkpoint_every=7)
+    expected: list[str] = []
+    for round_ in range(6):
+        for _ in range(3):  # lone
+            event = http_event(len(expected))
+            await sink.write(event)
+            expected.append(event.request_id)
+        burst = [http_event(len(expected) + i) for i in range(5 + round_)]  # concurrent: queued, batched
+        await asyncio.gather(*(sink.write(e) for e in burst))
+        expected.extend(e.request_id for e in burst)
+    await sink.close()
+    rep = verify_file(sink.path, load_public_keys([pubkey]))
+    assert rep.ok and rep.sealed, rep.error
+    assert request_ids(sink.path) == expected
 
 
 async def test_concurrent_writers_share_flushes(make_sink, pubkey):

@@ -288,3 +288,37 @@ async def test_replay_reads_history_the_recording_policy_did_not_record(make_sin
     result = replay([sink.path], budgeted)
     assert [(c.direction, c.new_reason) for c in result.changes] == [("allow->deny", "budget_exceeded")]
     assert result.unchanged == 1
+
+
+@pytest.mark.parametrize("relay", [{"egressgate.tls": "passthrough", "egressgate.intercept": False},
+                                   {"egressgate.intercept": False}, {}])
+async def test_replay_history_includes_relayed_tunnels(make_sink, tmp_path, relay):
+    """A tunnel the gateway relays unread (tls: passthrough, a tcp rule) is a request to its host and
+    enters the sandbox's history; replay's reconstruction must count it, or a replayed
+    `unless_request_to` would not see it. Control ({}): an intercepted CONNECT is not a request (its
+    requests are), so the same replay finds nothing to change."""
+    live = tmp_path / "live.yaml"
+    live.write_text("sandbox: {name: p}\nnetwork:\n  allow_private: [198.18.0.0/15]\n  https:\n    allow:\n"
+                    "      - {id: secrets, host: secrets.example.com, tls: passthrough}\n"
+                    "      - {id: up, host: uploads.example.com}\n")
+    strict = tmp_path / "strict.yaml"
+    strict.write_text("sandbox: {name: p}\nnetwork:\n  allow_private: [198.18.0.0/15]\n  https:\n    allow:\n"
+                      "      - {id: secrets, host: secrets.example.com, tls: passthrough}\n"
+                      "      - {id: up, host: uploads.example.com, when: {unless_request_to: [secrets.example.com]}}\n")
+    policy = load_policy(live)
+    sink = await make_sink()
+    state = policy.relevant_state(SandboxState("sbx-3", T0, {}, seen_hosts=frozenset({"secrets.example.com"})))
+    connect = Facts(Operation.CONNECT, "secrets.example.com", 443, addresses=ADDR)
+    await sink.write(AuditEvent(EventKind.CONNECT, int(T0 * 1e9), "c1", sandbox_id="sbx-3", decision="allow",
+                                reason="rule_matched", rule_id="secrets", policy_name="p", policy_hash=policy.hash,
+                                host=connect.host, port=443, facts=connect, state=state, extra=dict(relay)))
+    upload = Facts(Operation.HTTP_REQUEST, "uploads.example.com", 443, "https", "PUT", "/x", ADDR)
+    assert decide(policy, upload, state, T0 + 1).allowed
+    await sink.write(AuditEvent(EventKind.HTTP_REQUEST, int((T0 + 1) * 1e9), "r1", sandbox_id="sbx-3",
+                                decision="allow", reason="rule_matched", rule_id="up", policy_name="p",
+                                policy_hash=policy.hash, scheme="https", host=upload.host, port=443, method="PUT",
+                                path="/x", facts=upload, state=state))
+    await sink.close()
+    result = replay([sink.path], strict)
+    changes = [(c.direction, c.new_reason) for c in result.changes]
+    assert changes == ([("allow->deny", "condition_failed")] if relay else [])

@@ -181,3 +181,19 @@ def test_transparent_passthrough_never_reaches_a_canary(tpt: Transparent, world:
     except (ssl.SSLError, ConnectionError, OSError):
         assert sni != "api.allowed.test"
     assert_untouched(world, mark, f"{dst} / {sni}")
+
+
+def test_transparent_splice_enters_the_sandbox_history(tpt: Transparent, world: World, gateway: Gateway):
+    """`other.allowed.test` is allowed only `unless_request_to: [api.allowed.test]`: reachable (intercepted)
+    before, refused once the sandbox reached api.allowed.test through a transparent splice."""
+    source = f"{NET}.7"
+    nw.sh("ip", "-n", tpt.ns, "addr", "add", f"{source}/32", "dev", f"{nw.PREFIX}{world.sid}tptb")
+    gateway.admit("escape-passthrough-history", address=source)
+    with tpt.tls(tpt.connect(UPSTREAM, 443, source), "other.allowed.test") as tls:
+        assert get(tls, "other.allowed.test", "/before") == 200  # positive control
+    with world_tls(world, tpt.connect(UPSTREAM, 443, source), "api.allowed.test") as tls:
+        assert get(tls, "api.allowed.test", "/spliced") == 200
+    with tpt.tls(tpt.connect(UPSTREAM, 443, source), "other.allowed.test") as tls:
+        tls.sendall(b"GET /after HTTP/1.1\r\nHost: other.allowed.test\r\nConnection: close\r\n\r\n")
+        resp = read_response(tls)
+    assert resp.status == 403 and resp.json()["reason"] == "condition_failed", resp.raw[:300]

@@ -91,6 +91,15 @@ def gw(world, hrr, tmp_path_factory):
         {"id": "pt-canary", "host": "canary.test", "ports": [canary], "tls": "passthrough"},
         {"id": "pt-hrr", "host": "hrr.test", "ports": [hrr.port], "tls": "passthrough"},
     ]}})
+    write("pt-once", {"https": {"allow": [{"id": "pt-once", "host": "api.test", "ports": [https],
+                                           "tls": "passthrough", "budget": {"requests": 1}}]}})
+    # the sandbox's history: upload.test (other.test) only while it never reached api.test or tcp.test
+    write("pt-history", {
+        "https": {"allow": [
+            {"id": "pt-secrets", "host": "api.test", "ports": [https], "tls": "passthrough"},
+            {"id": "upload", "host": "other.test", "ports": [https],
+             "when": {"unless_request_to": ["api.test", "tcp.test"]}}]},
+        "tcp": {"allow": [{"id": "raw", "host": "tcp.test", "ports": [world.tcp_port]}]}})
     write("pt-budget", {"https": {"allow": [{"id": "pt-api", "host": "api.test", "ports": [https],
                                              "tls": "passthrough"}]}}, {"outbound_bytes_max": 6000})
     # positive control for the address check: the canary is reachable when its address is allowed
@@ -449,3 +458,55 @@ def test_a_second_client_hello_pipelined_before_the_retry_is_judged_not_relayed(
     time.sleep(0.2)
     assert hrr.snis[mark:] == ["hrr.test"]
     assert outcome(gw, sbx.id)["egressgate.detail"] == "sni_mismatch"
+
+
+def test_client_reset_mid_download_ends_the_tunnel_cleanly(gw, world):
+    """The sandbox resets its socket in the middle of a spliced download: the upstream side is cut too,
+    mitmproxy gets the end handed back (the outcome record is written, so its layers saw the close) and
+    the gateway keeps serving (positive control: a new tunnel works)."""
+    sbx = gw.admit("pt")
+    sock = open_tunnel(gw, sbx, f"api.test:{world.https_port}")
+    tls = upstream_ctx(world).wrap_socket(sock, server_hostname="api.test")
+    tls.sendall(b"GET /big?n=50000000 HTTP/1.1\r\nHost: api.test\r\nConnection: close\r\n\r\n")
+    assert len(tls.recv(65536)) > 0
+    tls.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    tls.close()  # RST
+    out = outcome(gw, sbx.id)
+    assert out["egressgate.decision"] == "allow" and 0 < int(out["egressgate.bytes.in"]) < 50_000_000
+    again = open_tunnel(gw, sbx, f"api.test:{world.https_port}")
+    assert tls_get(world, again, "api.test").startswith(b"HTTP/1.1 200")
+    assert "Traceback" not in (gw.var.parent / "gateway.stderr").read_text()
+
+
+@pytest.mark.parametrize("via", ["passthrough", "tcp"])
+def test_a_relayed_tunnel_enters_the_sandbox_history(gw, world, via):
+    """`unless_request_to: [api.test, tcp.test]` on the upload rule: once the sandbox has reached api.test
+    through a passthrough tunnel (or tcp.test through a raw TCP one), the upload host is closed to it.
+    Positive control: before that contact the same CONNECT to the upload host is allowed."""
+    sbx = gw.admit("pt-history")
+    before, head = connect_tunnel(gw, sbx, f"other.test:{world.https_port}")
+    before.close()
+    assert head.startswith(b"HTTP/1.1 200"), head
+    if via == "passthrough":
+        sock = open_tunnel(gw, sbx, f"api.test:{world.https_port}")
+        assert tls_get(world, sock, "api.test", "/echo?secret=1").startswith(b"HTTP/1.1 200")
+    else:
+        sock = open_tunnel(gw, sbx, f"tcp.test:{world.tcp_port}")
+        sock.sendall(b"secret")
+        sock.settimeout(5)
+        assert sock.recv(100) == b"echo:secret"
+        sock.close()
+    after, head = connect_tunnel(gw, sbx, f"other.test:{world.https_port}")
+    after.close()
+    assert head.startswith(b"HTTP/1.1 403") and b"condition_failed" in head, head
+
+
+def test_rule_budget_counts_passthrough_tunnels(gw, world):
+    """`budget: {requests: 1}` on a passthrough rule: the first tunnel is spliced (positive control), the
+    second CONNECT is refused with 429 budget_exceeded before anything is dialed."""
+    sbx = gw.admit("pt-once")
+    first = open_tunnel(gw, sbx, f"api.test:{world.https_port}")
+    assert tls_get(world, first, "api.test").startswith(b"HTTP/1.1 200")
+    second, head = connect_tunnel(gw, sbx, f"api.test:{world.https_port}")
+    second.close()
+    assert head.startswith(b"HTTP/1.1 429") and b"budget_exceeded" in head, head

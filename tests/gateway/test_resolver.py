@@ -173,6 +173,30 @@ def test_concurrent_lookups_of_one_name_share_one_query(scripted):
     assert scripted.queries("burst.test") == 1
 
 
+def test_an_asker_that_gives_up_does_not_cancel_the_shared_lookup(scripted):
+    """The first asker's client goes away mid-lookup (its task is cancelled, as mitmproxy does when a
+    connection closes); the others waiting on the same name still get the answer, from the one query.
+    Also under mitmproxy's eager task factory, where the shared lookup starts running at creation."""
+    scripted.plans["gone.test"] = Plan([("", "A", REAL)], ttl=0, delay=0.2)
+
+    async def run(eager: bool):
+        if eager:
+            asyncio.get_running_loop().set_task_factory(asyncio.eager_task_factory)
+        resolver = dns_resolver(scripted)
+        first = asyncio.ensure_future(resolver.resolve("gone.test"))
+        others = [asyncio.ensure_future(resolver.resolve("gone.test")) for _ in range(3)]
+        await asyncio.sleep(0.05)
+        first.cancel()
+        answers = await asyncio.gather(*others)
+        assert first.cancelled()
+        return {tuple(map(str, a)) for a in answers}
+
+    for eager in (False, True):
+        before = scripted.queries("gone.test")
+        assert asyncio.run(run(eager)) == {(REAL,)}
+        assert scripted.queries("gone.test") == before + 1
+
+
 def test_system_lookup_is_real_getaddrinfo_reused_briefly():
     addresses, ttl = asyncio.run(SystemLookup(5)("localhost"))
     assert ipaddress.ip_address("127.0.0.1") in addresses or ipaddress.ip_address("::1") in addresses

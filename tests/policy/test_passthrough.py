@@ -13,12 +13,13 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from types import MappingProxyType
 
 import pytest
 
 from egressgate.policy.decide import decide
 from egressgate.policy.errors import PolicyError
-from egressgate.policy.facts import Facts, Operation, SandboxState
+from egressgate.policy.facts import Facts, Operation, RuleUsage, SandboxState
 from egressgate.policy.loader import parse_policy
 from egressgate.policy.reasons import Reason
 from egressgate.policy.target import parse_target
@@ -55,7 +56,6 @@ def problems(text: str) -> dict[str, str]:
     ("methods", "[GET]", "never sees the request method"),
     ("paths", '["/v1/**"]', "never sees the request path"),
     ("credential", "gh", "credentials are injected into intercepted HTTPS only"),
-    ("budget", "{requests: 3}", "per-rule budgets count HTTP requests"),
 ])
 def test_l7_keys_are_refused_on_a_passthrough_rule(key, value, fragment):
     rule = f"allow:\n  - {{host: dl.example.com, {key}: {value}, tls: passthrough}}\n"
@@ -64,6 +64,23 @@ def test_l7_keys_are_refused_on_a_passthrough_rule(key, value, fragment):
     assert "tls: passthrough" in found[f"network.https.allow[0].{key}"]
     # positive control: the same rule, intercepted, is a valid rule
     assert load(policy(rule.replace(", tls: passthrough", ""))).rules[0].passthrough is False
+
+
+@pytest.mark.parametrize("section", ["https", "tcp"])
+def test_relayed_tunnels_budget_requests_not_bytes(section):
+    """A relayed tunnel (passthrough or tcp rule) is its one request: `budget.requests` counts tunnels and
+    is checked at the CONNECT; `budget.bytes` (per-rule body bytes) cannot be counted and is refused."""
+    extra = ", tls: passthrough" if section == "https" else ", ports: [443]"
+    text = ("sandbox: {name: pt}\nnetwork:\n  " + section + ":\n    allow:\n"
+            "      - {id: r, host: dl.example.com, budget: {requests: 2, bytes: 10}" + extra + "}\n")
+    assert "use budget.requests" in problems(text)[f"network.{section}.allow[0].budget.bytes"]
+    compiled = load(text.replace(", bytes: 10", ""))
+    connect = parse_target("CONNECT dl.example.com:443")
+    for used, allowed in ((1, True), (2, False)):
+        state = SandboxState(sandbox_id="s", admitted_at=NOW - 10,
+                             rule_usage=MappingProxyType({"r": RuleUsage(requests=used)}))
+        d = decide(compiled, connect, state, NOW)
+        assert d.allowed is allowed and (allowed or d.reason is Reason.BUDGET_EXCEEDED)
 
 
 def test_tls_only_on_https_allow_rules():
@@ -100,6 +117,30 @@ def test_a_passthrough_rule_cannot_hide_requests_from_an_l7_deny(deny):
 def test_unrelated_or_connect_level_denies_are_fine(deny):
     compiled = load(policy(f"deny:\n  - {deny}\nallow:\n  - {{id: dl, host: dl.example.com, tls: passthrough}}\n"))
     assert compiled.has_passthrough
+
+
+def test_a_credential_rule_behind_a_covering_passthrough_rule_is_refused():
+    """The first allowing rule sets the tunnel's mode, so a credential rule after a passthrough rule that
+    covers its host and ports could never inject: an error naming the credential. Controls: the same
+    rules in the other order load, and so does a passthrough rule that does not cover it."""
+    later = policy("""
+        allow:
+          - {id: dl, host: "*.example.com", tls: passthrough}
+          - {id: api, host: api.example.com, credential: gh}
+        """)
+    message = problems(later)["network.https.allow[1].credential"]
+    assert "'dl'" in message and "never be injected" in message
+    load(policy("""
+        allow:
+          - {id: api, host: api.example.com, credential: gh}
+          - {id: dl, host: "*.example.com", tls: passthrough}
+        """))
+    for narrower in ('except_hosts: [api.example.com]', 'when: {labels: {team: dl}}', 'ports: [8443]'):
+        load(policy(f"""
+        allow:
+          - {{id: dl, host: "*.example.com", tls: passthrough, {narrower}}}
+          - {{id: api, host: api.example.com, credential: gh}}
+        """))
 
 
 def test_connect_decision_carries_the_tunnel_mode():
