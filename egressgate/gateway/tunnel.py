@@ -110,6 +110,8 @@ class NextLayer:
                 nextlayer.layer = PassthroughLayer(context, self.rt, conn, refusal)  # checks the SNI, splices
             elif refusal is None:
                 nextlayer.layer = layers.TCPLayer(context)
+            elif not data:
+                return  # asked as the tunnel opened (http_layer.py): refused at its first bytes, as before
             else:
                 nextlayer.layer = RefuseLayer(context, raw_deny(refusal, conn.tcp_request_id or new_request_id()))
             return
