@@ -74,6 +74,9 @@ class ConnState:
     # pinning.py (commit), read only by pinning.py (server_connect / server_connected)
     approved: dict[tuple[str, int], PinnedTarget] = field(default_factory=dict)
     closed: bool = False
+    # identity.py: the Proxy-Authorization value that bound this plain-proxy connection (already verified;
+    # never in a repr, it holds the sandbox's token)
+    proxy_auth: str | None = field(default=None, repr=False)
     # transparent listener (transparent.py): identity is the source address, the name the SNI or Host
     transparent: bool = False
     original_dst: tuple[str, int] | None = None  # what the sandbox dialed (SO_ORIGINAL_DST): never dialed

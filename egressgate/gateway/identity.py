@@ -83,8 +83,7 @@ class Identity:
     def __init__(self, runtime: Runtime) -> None:
         self.rt = runtime
 
-    async def _lookup(self, fs: FlowState, flow: http.HTTPFlow) -> SandboxRecord | None:
-        values = flow.request.headers.get_all("proxy-authorization")
+    async def _lookup(self, fs: FlowState, values: list[str]) -> SandboxRecord | None:
         # exactly one: with two, different parsers could pick different identities
         creds = parse_proxy_authorization(values[0]) if len(values) == 1 else None
         if creds is None:
@@ -141,7 +140,7 @@ class Identity:
                 Reason.PROTOCOL_NOT_ALLOWED, "A CONNECT inside a CONNECT tunnel is not allowed."
             )
             return
-        record = await self._lookup(fs, flow)
+        record = await self._lookup(fs, flow.request.headers.get_all("proxy-authorization"))
         if record is not None:
             self._bind(fs, conn, record)
 
@@ -168,6 +167,12 @@ class Identity:
             # Identity came with the CONNECT; re-check the record for revocation on every request.
             await recheck(self.rt, fs, conn)
             return
-        record = await self._lookup(fs, flow)
-        if record is not None:
-            self._bind(fs, conn, record)
+        values = flow.request.headers.get_all("proxy-authorization")
+        if conn.sandbox_id is not None and conn.proxy_auth is not None and values == [conn.proxy_auth]:
+            # exactly the header that bound this keep-alive connection, verified then: only the record is
+            # re-read (revocation), the token is not hashed again; any other value is checked in full
+            await recheck(self.rt, fs, conn)
+            return
+        record = await self._lookup(fs, values)
+        if record is not None and self._bind(fs, conn, record):
+            conn.proxy_auth = values[0]

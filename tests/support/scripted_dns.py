@@ -56,8 +56,17 @@ class ScriptedDns:
             def datagram_received(self, data: bytes, addr) -> None:
                 server._udp(self.transport, data, addr)
 
-        self.udp, _ = await loop.create_datagram_endpoint(Udp, local_addr=(REAL, 0))
-        self.tcp = await asyncio.start_server(self._tcp, REAL, self.udp.get_extra_info("sockname")[1])
+        # UDP and TCP on one port number: the port the kernel picked for UDP may be taken for TCP by
+        # another process on this machine, so try again with a fresh one.
+        for attempt in range(50):
+            self.udp, _ = await loop.create_datagram_endpoint(Udp, local_addr=(REAL, 0))
+            try:
+                self.tcp = await asyncio.start_server(self._tcp, REAL, self.udp.get_extra_info("sockname")[1])
+                break
+            except OSError:
+                self.udp.close()
+                if attempt == 49:
+                    raise
         # a second socket on the same address: datagrams from here have the wrong source port
         self.spoof, _ = await loop.create_datagram_endpoint(asyncio.DatagramProtocol, local_addr=(REAL, 0))
         return self.udp.get_extra_info("sockname")[1], self.spoof.get_extra_info("sockname")[1]
