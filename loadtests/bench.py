@@ -95,6 +95,19 @@ class Driver:
         if "egressgate" in self.unavailable and "egressgate-pt" not in self.unavailable:
             self.unavailable["egressgate-pt"] = "egressgate did not start"
 
+    def audit_records(self) -> int | None:
+        """Records in egressgate's audit files (the live one and the ones it rotated out at 64 MB; a line may
+        batch several records, each carries one chain hash): proof that the measured pipeline had audit on."""
+        eg = self.procs.get("egressgate")
+        if eg is None:
+            return None
+        n = 0
+        for path in Path(eg.info["audit"]).parent.iterdir():
+            if path.is_file():
+                with path.open("rb") as fh:
+                    n += sum(line.count(b'"egressgate.chain.hash"') for line in fh)
+        return n
+
     def stop(self) -> None:
         for p in reversed(list(self.procs.values())):
             p.stop()
@@ -230,6 +243,7 @@ def inner(args: argparse.Namespace) -> None:
         rows = driver.matrix()
         result.update({"rows": rows, "summary": summarize(rows)})
         result["bulk"] = driver.bulk() if args.bulk_bytes > 0 and args.bulk_repeats > 0 else []
+        result["audit_records"] = driver.audit_records()
     finally:
         driver.stop()
         Path(os.environ[RESULT_ENV]).write_text(json.dumps(result, indent=1, default=str))

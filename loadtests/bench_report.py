@@ -165,6 +165,9 @@ def markdown(report: dict) -> str:
         pt, sq = bulk.get("egressgate-pt", {}).get("mib_per_s"), bulk.get("squid", {}).get("mib_per_s")
         if pt and sq:
             lines += ["", f"Passthrough / Squid bulk MiB/s: {pt / sq:.2f}x{_goal(pt / sq, GOALS['pt_vs_squid'])}."]
+    if report.get("audit_records") is not None:
+        lines += ["", f"egressgate had written {report['audit_records']} audit records before it was stopped "
+                  "(hash-chained: the measured pipeline ran with audit on)."]
     for name, why in report.get("unavailable", {}).items():
         lines += ["", f"{name}: not available ({why})."]
     return "\n".join(lines)

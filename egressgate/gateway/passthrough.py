@@ -26,6 +26,8 @@ client and server bytes unchanged, counting every byte in both directions agains
 a client chunk that would cross `outbound_bytes_max` is dropped and the connection aborted (budgets.py's
 rule for raw TCP). The relay runs here (no per-chunk addon hook) until splice.py takes both sockets off
 mitmproxy's event path, with the same counting.
+Before this layer runs, tunnel.py has written the tunnel into the sandbox's request history (history.py);
+a history that could not be written arrives here as `refusal`, applied at the client's first bytes.
 Revocation aborts the connection like any other (revocation.py). When both sides are closed, one outcome
 record (bytes, duration, `egressgate.tls` = `passthrough`, the SNI) follows the CONNECT's allow record,
 under its request id. Nothing inside the TLS is checked: no Host, method, path, credential, or response.

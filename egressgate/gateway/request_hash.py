@@ -19,12 +19,20 @@ from egressgate.gateway.context import FlowState
 
 def has_no_body(request: http.Request) -> bool:
     """Known at the headers: HTTP/1 without Content-Length/Transfer-Encoding (or Content-Length: 0).
-    An HTTP/2 request may always still send DATA frames, so it never counts as body-less here."""
-    if request.http_version.startswith("HTTP/2") or request.http_version.startswith("HTTP/3"):
+    An HTTP/2 request may always still send DATA frames, so it never counts as body-less here.
+    Hot path (every request): the raw bytes fields in one pass, not mitmproxy's decoding accessors
+    (`http_version` decodes per access, each header lookup re-encodes its name)."""
+    version = request.data.http_version
+    if version.startswith(b"HTTP/2") or version.startswith(b"HTTP/3"):
         return False
-    if "transfer-encoding" in request.headers:
-        return False
-    return request.headers.get("content-length", "0").strip() == "0"
+    lengths = []
+    for name, value in request.data.headers.fields:
+        lname = name.lower()
+        if lname == b"transfer-encoding":
+            return False
+        if lname == b"content-length":
+            lengths.append(value)
+    return not lengths or b", ".join(lengths).strip() == b"0"  # several: compared joined, as Headers.get does
 
 
 def _fields(request: http.Request, fs: FlowState) -> tuple | None:

@@ -510,3 +510,20 @@ def test_rule_budget_counts_passthrough_tunnels(gw, world):
     second, head = connect_tunnel(gw, sbx, f"api.test:{world.https_port}")
     second.close()
     assert head.startswith(b"HTTP/1.1 429") and b"budget_exceeded" in head, head
+
+
+def test_client_half_close_still_gets_the_response(gw, world):
+    """The client sends its request and shuts down its sending side (TCP half-close, no TLS close_notify):
+    the splice passes the FIN upstream and keeps relaying the response until the upstream closes."""
+    sbx = gw.admit("pt")
+    sock = open_tunnel(gw, sbx, f"api.test:{world.https_port}")
+    tls = upstream_ctx(world).wrap_socket(sock, server_hostname="api.test")
+    time.sleep(0.2)  # let the splice take over after the handshake
+    tls.sendall(b"GET /big?n=300000 HTTP/1.1\r\nHost: api.test\r\nConnection: close\r\n\r\n")
+    socket.socket.shutdown(tls, socket.SHUT_WR)  # the TCP FIN only: the TLS session stays usable
+    data = bytearray()
+    with contextlib.suppress(ssl.SSLError, OSError):
+        while chunk := tls.recv(1 << 16):
+            data += chunk
+    head, _, body = bytes(data).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and len(body) == 300000
