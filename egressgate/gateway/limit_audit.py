@@ -5,23 +5,21 @@ record per event would let an attacker grow the audit log (and its hash chain) a
 sockets. So each (reason, source address) gets at most `limits.audit_per_second` individual records
 per second; beyond that, events are *counted*, and one summary record per (reason, source) per second
 carries `egressgate.suppressed` = how many were folded into it. Nothing is dropped silently: the sum
-of individual records and suppressed counts is the number of events. Writes are tracked tasks in
-`rt.background`, which the gateway drains before it closes the sink; `flush()` at shutdown writes the
+of individual records and suppressed counts is the number of events, and a record the sink cannot
+take now is queued and retried (record.write_behind), never dropped; `flush()` at shutdown writes the
 last summaries.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 
 from egressgate.audit.build import build
-from egressgate.audit.event import AuditEvent, AuditUnavailable, EventKind
+from egressgate.audit.event import AuditEvent, EventKind
 from egressgate.gateway.context import Runtime
+from egressgate.gateway.record import write_behind
 from egressgate.policy.reasons import Reason
-
-logger = logging.getLogger(__name__)
 
 WINDOW = 1.0  # seconds
 
@@ -70,12 +68,6 @@ class LimitAudit:
         self.flush()
 
     def _write(self, event: AuditEvent) -> None:
-        task = asyncio.get_running_loop().create_task(self._write_one(event))
-        self.rt.background.add(task)
-        task.add_done_callback(self.rt.background.discard)
-
-    async def _write_one(self, event: AuditEvent) -> None:
-        try:
-            await self.rt.audit.write(event)
-        except AuditUnavailable:  # the connection is closed either way; the sink is marked unhealthy
-            logger.error("connection %s from %s could not be audited", event.reason, event.client_address)
+        """The refusal already took effect: its record goes through record.write_behind (queued and
+        retried when the sink fails, never dropped; shutdown drains it)."""
+        write_behind(self.rt, event)

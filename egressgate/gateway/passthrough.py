@@ -45,11 +45,11 @@ from mitmproxy.proxy import commands, events, layer
 from mitmproxy.proxy.layers.tcp import TcpStartHook
 
 from egressgate.audit.build import build
-from egressgate.audit.event import AuditEvent, EventKind
+from egressgate.audit.event import EventKind
 from egressgate.gateway.client_hello import ALERT_ACCESS_DENIED, check_hello, server_hello_kind
 from egressgate.gateway.context import ConnState, Runtime, new_request_id
 from egressgate.gateway.deny import gateway_deny
-from egressgate.gateway.record import conn_attributes
+from egressgate.gateway.record import conn_attributes, write_behind
 from egressgate.gateway.splice import Splice, Tally
 from egressgate.gateway.tls_limits import ALERT_GRACE, ALERT_ILLEGAL_PARAMETER, HelloScan
 from egressgate.policy.facts import Decision
@@ -61,14 +61,6 @@ TLS_ATTRIBUTE = {"egressgate.tls": "passthrough"}
 # Loop iterations the splice may wait for mitmproxy to hand on bytes it already read (splice.py,
 # `_unconsumed`); a tunnel that never pauses stays on the event path (slower, same counting).
 TAKE_OVER_TRIES = 100
-
-
-def write_behind(rt: Runtime, event: AuditEvent) -> None:
-    """An outcome cannot be denied (the bytes moved): written through the sink's retry queue, never
-    dropped, and tracked so shutdown drains it (the same rule as record.Record._write_behind)."""
-    task = asyncio.get_running_loop().create_task(rt.audit.write_after(event))
-    rt.background.add(task)
-    task.add_done_callback(rt.background.discard)
 
 
 class PassthroughLayer(layer.Layer):
@@ -113,6 +105,7 @@ class PassthroughLayer(layer.Layer):
         """Waiting for a ClientHello: the first one, or the second one after a HelloRetryRequest."""
         if isinstance(event, events.ConnectionClosed):
             self.error = "closed before the ClientHello was complete"
+            self.refusal = self.refusal or self.preset  # a refused tunnel stays refused in its outcome
             yield from self._close_all()
             return
         if not isinstance(event, events.DataReceived):

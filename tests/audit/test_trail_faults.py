@@ -9,6 +9,7 @@ import asyncio
 import logging
 import os
 import shutil
+from types import SimpleNamespace
 
 import pytest
 
@@ -16,6 +17,8 @@ from egressgate.audit.filesink import FileSink
 from egressgate.audit.find import iter_records
 from egressgate.audit.signer import load_public_keys
 from egressgate.audit.verify import verify_file, verify_files
+from egressgate.gateway.limit_audit import LimitAudit
+from egressgate.policy.reasons import Reason
 from tests.audit.forge import line_index, rewrite_chain
 from tests.support.audit_events import fill_until_failure, http_event
 
@@ -261,3 +264,28 @@ async def test_spooled_outcomes_are_written_by_the_next_start(tiny_fs, signer, p
     assert all(r.ok for r in reps), [r.error for r in reps]
     assert ids(*files) == [*accepted, *(e.request_id for e in queued)]
     assert spool.read_bytes() == b""
+
+
+async def test_connection_limit_records_on_a_full_disk_are_queued_not_dropped(tiny_fs, signer, pubkey):
+    """A limit refusal (gateway/limit_audit.py) took effect whether or not its record is written: on a full
+    disk the record is queued and retried like an outcome, never dropped; the summary of suppressed events
+    too. Control: the same records are in the file once the disk has room again."""
+    filler = tiny_fs / "filler"
+    filler.write_bytes(b"x" * 32 * 1024)
+    sink = await FileSink(tiny_fs / "audit" / "audit.jsonl", signer, probe_interval=0.05).start()
+    await fill_until_failure(sink)
+    rt = SimpleNamespace(audit=sink, background=set())
+    limits = LimitAudit(rt, per_second=1)
+    limits.record(Reason.CONNECTION_LIMIT, "198.18.7.7", "over limits.max_connections_per_source")
+    limits.record(Reason.CONNECTION_LIMIT, "198.18.7.7", "over limits.max_connections_per_source")
+    limits.close()  # the summary of the suppressed second event
+    await asyncio.gather(*list(rt.background))
+    assert sink.status()["pending_records"] == 2  # both queued for retry, none dropped
+    filler.unlink()
+    await until(lambda: sink.status()["pending_records"] == 0)
+    await sink.close()
+    assert verify_file(sink.path, load_public_keys([pubkey])).ok
+    refused = [f.record.attributes for f in iter_records([sink.path])
+               if f.record.attributes.get("egressgate.operation") == "connection"]
+    assert [a.get("client.address") for a in refused] == ["198.18.7.7", "198.18.7.7"]
+    assert [a.get("egressgate.suppressed") for a in refused] == [None, 1]
