@@ -13,7 +13,10 @@ upstream did see the connection that the silent tunnel opened.
 from __future__ import annotations
 
 import socket
+import sys
 import threading
+import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -143,3 +146,40 @@ def test_allowed_connect_whose_upstream_is_down_gets_its_outcome(gw, host):
     [out] = _records(gw, sbx.id, "outcome")
     assert out["egressgate.request.id"] == decision["egressgate.request.id"]
     assert out["http.response.status_code"] in (502, "502") and out["egressgate.error"]
+
+
+@pytest.fixture(scope="module")
+def faulty(world, tmp_path_factory):
+    """A gateway whose state store cannot write the history of sandboxes labelled fault=history
+    (tests/gateway/history_fault_launcher.py: a planted store outage)."""
+    tmp = tmp_path_factory.mktemp("gw-silent-faults")
+    (tmp / "policies").mkdir()
+    doc = {"sandbox": {"name": "silent-faults"}, "network": {
+        "allow_private": ["127.0.0.1/32"],
+        "https": {"allow": [{"id": "pt", "host": "api.test", "ports": [world.https_port], "tls": "passthrough"}]},
+        "tcp": {"allow": [{"id": "raw", "host": "tcp.test", "ports": [world.tcp_port]}]}}}
+    (tmp / "policies" / "silent-faults.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
+    launcher = [sys.executable, str(Path(__file__).with_name("history_fault_launcher.py"))]
+    gateway = start_gateway(world, tmp, launcher=launcher)
+    try:
+        yield gateway
+    finally:
+        stop_gateway(gateway)
+
+
+@pytest.mark.parametrize("target", ["api", "tcp"])
+@pytest.mark.parametrize("labels", [{"fault": "history"}, {}], ids=["refused", "control"])
+def test_silent_tunnel_refused_for_its_history_says_so(faulty, world, target, labels):
+    """A relayed tunnel whose history cannot be written is refused (history.py); closed before its first
+    byte, its one outcome still says deny/state_unavailable, never allow. Control: the same silent tunnel
+    of an unlabelled sandbox has an allow outcome."""
+    sbx = faulty.admit("silent-faults", labels)
+    port = world.https_port if target == "api" else world.tcp_port
+    sock, head = connect_tunnel(faulty, sbx, f"{target}.test:{port}")
+    assert head.startswith(b"HTTP/1.1 200"), head
+    sock.close()
+    assert wait_for(lambda: _records(faulty, sbx.id, "outcome"), timeout=5)
+    time.sleep(0.2)
+    [out] = _records(faulty, sbx.id, "outcome")
+    expected = ("deny", "state_unavailable") if labels else ("allow", "rule_matched")
+    assert (out["egressgate.decision"], out["egressgate.reason"]) == expected
