@@ -23,7 +23,6 @@ Audit records carry the capability name and key id, never a value; so do logs an
 
 from __future__ import annotations
 
-import asyncio
 import ipaddress
 import logging
 import re
@@ -45,6 +44,7 @@ from egressgate.gateway.budgets import refund_prepaid
 from egressgate.gateway.context import FlowState, Runtime, flow_state
 from egressgate.gateway.credential_response import Applied, fields
 from egressgate.gateway.deny import deny_response, gateway_deny
+from egressgate.gateway.record import write_behind
 from egressgate.policy.errors import PolicyError
 from egressgate.policy.reasons import Reason
 from egressgate.state.base import StateUnavailable
@@ -119,15 +119,6 @@ def misuse_event(fs: FlowState, where: str) -> AuditEvent:
     )
 
 
-def write_quiet(rt: Runtime, event: AuditEvent) -> None:
-    """A misuse already refused (the flow is cut or answered): its record cannot be denied, so it goes
-    through write_after, which queues and retries it rather than dropping it (tracked in rt.background,
-    drained at shutdown)."""
-    task = asyncio.get_running_loop().create_task(rt.audit.write_after(event))
-    rt.background.add(task)
-    task.add_done_callback(rt.background.discard)
-
-
 def stream_misuse(rt: Runtime, flow: http.HTTPFlow, fs: FlowState, hits: list[PhantomHit], where: str = "body",
                   *, cut: bool = True) -> None:
     """A phantom in a streamed body (compose.py's guard calls this): nothing more is forwarded, the
@@ -137,7 +128,7 @@ def stream_misuse(rt: Runtime, flow: http.HTTPFlow, fs: FlowState, hits: list[Ph
     event = misuse_event(fs, where)
     fs.decision = gateway_deny(Reason.CREDENTIAL_MISUSE, _MISUSE_MESSAGE, detail=where,
                                rule_id=fs.decision.rule_id if fs.decision else None)
-    write_quiet(rt, event)
+    write_behind(rt, event)  # already refused: its record cannot be denied (record.write_behind)
     if cut and rt.abort_connection is not None:
         rt.abort_connection(flow.client_conn.id)
 

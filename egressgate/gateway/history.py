@@ -8,15 +8,23 @@ goes upstream. Without it, a sandbox could read `secrets.example.com` through a 
 still pass `unless_request_to: [secrets.example.com]` on its way to an upload host.
 
 Fail closed: a history that cannot be written refuses the tunnel (`state_unavailable`), since every
-later condition would be judged on a history that misses this contact.
+later condition would be judged on a history that misses this contact. The refusal is audited: its
+decision record (an allow) was durable before the history was written, so `refuse_unrecorded` adds the
+tunnel's outcome record, under the same request id (the one the client's deny body carries), with decision
+`deny` and the reason, awaited before the client reads the refusal (`write_after`: queued and retried if
+the sink fails, never dropped). A passthrough tunnel's refusal is the outcome record passthrough.py
+writes anyway, so it calls `record_contact` alone.
 """
 
 from __future__ import annotations
 
 import logging
 
-from egressgate.gateway.context import Runtime
+from egressgate.audit.build import build
+from egressgate.audit.event import EventKind
+from egressgate.gateway.context import ConnState, Runtime
 from egressgate.gateway.deny import gateway_deny
+from egressgate.gateway.record import conn_attributes
 from egressgate.policy.facts import Decision
 from egressgate.policy.reasons import Reason
 from egressgate.state.base import StateUnavailable
@@ -35,3 +43,19 @@ async def record_contact(rt: Runtime, sandbox_id: str | None, host: str | None,
         logger.error("could not record the tunnel to %s in the history of %s", host, sandbox_id)
         return gateway_deny(Reason.STATE_UNAVAILABLE)
     return None
+
+
+async def refuse_unrecorded(rt: Runtime, conn: ConnState, host: str | None, port: int | None,
+                            rule_id: str | None, request_id: str, scheme: str) -> Decision | None:
+    """`record_contact` for a raw-TCP relay: the deny if the history could not be written, with its
+    outcome record written (module doc)."""
+    refusal = await record_contact(rt, conn.sandbox_id, host, rule_id)
+    if refusal is None:
+        return None
+    policy = rt.policies.get(conn.policy_name)
+    await rt.audit.write_after(build(
+        EventKind.OUTCOME, request_id=request_id, verdict=refusal, rule_id=rule_id, sandbox_id=conn.sandbox_id,
+        policy_name=conn.policy_name, policy_hash=policy.hash if policy is not None else None, scheme=scheme,
+        host=host, port=port, bytes_out=0, bytes_in=0, extra=conn_attributes(conn),
+    ))
+    return refusal

@@ -10,7 +10,7 @@ no HTTP flow runs on mitmproxy's stock layers:
 * every new upstream connection stack gets `GatewayHttpClient`, which opens HTTP/1 upstreams with
   `GatewayHttp1Client` (HTTP/2: `GatewayHttp2Client`) (swapped in before the stack starts: mitmproxy builds the stack in
   `get_connection` and offers no factory for it);
-* streams are `GatewayHttpStream`.
+* streams are `GatewayHttpStream` (a CONNECT tunnel's relay keeps half-closes: tunnel_close.py).
 
 `GatewayHttpStream`: for a *streamed* request body, mitmproxy runs the `request` hook after the body went
 upstream and then sends the trailers and the end of the request whatever the hook did — a deny response
@@ -36,7 +36,6 @@ from mitmproxy.proxy.layers.http import (
     HttpClient,
     HttpLayer,
     HTTPMode,
-    HttpStream,
     RegisterHttpConnection,
     SendHttp,
     is_h3_alpn,
@@ -71,6 +70,7 @@ from egressgate.gateway.http1_framing import (
     Refusal,
     RefusedRequest,
 )
+from egressgate.gateway.tunnel_close import HalfCloseTunnel
 from egressgate.policy.reasons import Reason
 
 
@@ -112,7 +112,7 @@ class GatewayHttpClient(HttpClient):
         yield RegisterHttpConnection(self.context.server, err)
 
 
-class GatewayHttpStream(HttpStream):
+class GatewayHttpStream(HalfCloseTunnel):
     def handle_protocol_error(
             self, event: RequestProtocolError | ResponseProtocolError) -> layer.CommandGenerator[None]:
         """A request or response the HTTP/1 framing refused (http1_framing.py: an unbounded line): the

@@ -45,11 +45,11 @@ from mitmproxy.proxy import commands, events, layer
 from mitmproxy.proxy.layers.tcp import TcpStartHook
 
 from egressgate.audit.build import build
-from egressgate.audit.event import AuditEvent, EventKind
+from egressgate.audit.event import EventKind
 from egressgate.gateway.client_hello import ALERT_ACCESS_DENIED, check_hello, server_hello_kind
 from egressgate.gateway.context import ConnState, Runtime, new_request_id
 from egressgate.gateway.deny import gateway_deny
-from egressgate.gateway.record import conn_attributes
+from egressgate.gateway.record import conn_attributes, write_behind
 from egressgate.gateway.splice import Splice, Tally
 from egressgate.gateway.tls_limits import ALERT_GRACE, ALERT_ILLEGAL_PARAMETER, HelloScan
 from egressgate.policy.facts import Decision
@@ -58,14 +58,6 @@ from egressgate.policy.reasons import Reason
 logger = logging.getLogger(__name__)
 
 TLS_ATTRIBUTE = {"egressgate.tls": "passthrough"}
-
-
-def write_behind(rt: Runtime, event: AuditEvent) -> None:
-    """An outcome cannot be denied (the bytes moved): written through the sink's retry queue, never
-    dropped, and tracked so shutdown drains it (the same rule as record.Record._write_behind)."""
-    task = asyncio.get_running_loop().create_task(rt.audit.write_after(event))
-    rt.background.add(task)
-    task.add_done_callback(rt.background.discard)
 
 
 class PassthroughLayer(layer.Layer):

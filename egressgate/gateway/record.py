@@ -28,6 +28,20 @@ from egressgate.policy.reasons import Reason
 logger = logging.getLogger(__name__)
 
 
+def write_behind(rt: Runtime, event: AuditEvent) -> None:
+    """The one way to write a record of something that already happened, without waiting for it.
+
+    Outcome records (and a refusal that takes effect whether or not its record is written) are written
+    without holding the response: intent-before-effect is the decision record's job, and it was durable
+    before anything went upstream. Such a record cannot be denied (the exchange happened) and may hold the
+    only request hash of a streamed body, so it goes through `write_after`: a failed write is queued and
+    retried, never dropped (the sink logs the request id; a full retry queue makes the sink unhealthy,
+    so *new* requests are denied). The task is tracked in `rt.background`, which shutdown drains."""
+    task = asyncio.get_running_loop().create_task(rt.audit.write_after(event))
+    rt.background.add(task)
+    task.add_done_callback(rt.background.discard)
+
+
 def transparent_attributes(transparent: bool, original_dst: tuple[str, int] | None) -> dict[str, str]:
     """`egressgate.mode` = `transparent` (and the address the sandbox dialed) for a connection on the
     transparent listener; nothing for the explicit proxy (its records are unchanged)."""
@@ -134,7 +148,7 @@ class Record:
             if value:
                 extra[key] = value
         req_hash, body_hash = request_hash.finish(fs)
-        self._write_behind(outcome_event(
+        write_behind(self.rt, outcome_event(
             fs, decision=str(fs.decision.effect),
             reason=str(Reason.BUDGET_EXCEEDED) if fs.budget_cut else str(fs.decision.reason),
             rule_id=fs.decision.rule_id, status=flow.response.status_code if flow.response is not None else None,
@@ -167,18 +181,7 @@ class Record:
         client = flow.client_conn.peername[0] if flow.client_conn.peername else None
         mark_transparent(conn, fs)
         kind = EventKind.CONNECT if flow.request.method == "CONNECT" else EventKind.HTTP_REQUEST
-        self._write_behind(decision_event(kind, fs, conn.labels if conn is not None else {}, client))
-
-    def _write_behind(self, event: AuditEvent) -> None:
-        """Outcome records are written without holding the response: intent-before-effect is the
-        decision record's job, and it was durable before anything went upstream. An outcome cannot be
-        denied (the exchange happened) and may hold the only request hash of a streamed body, so it goes
-        through `write_after`: a failed write is queued and retried, never dropped (the sink logs the
-        request id; a full retry queue makes the sink unhealthy, so *new* requests are denied). The task
-        is tracked and drained at shutdown."""
-        task = asyncio.get_running_loop().create_task(self.rt.audit.write_after(event))
-        self.rt.background.add(task)
-        task.add_done_callback(self.rt.background.discard)
+        write_behind(self.rt, decision_event(kind, fs, conn.labels if conn is not None else {}, client))
 
     def request(self, flow: http.HTTPFlow) -> None:
         fs = flow_state(flow)
@@ -230,7 +233,7 @@ class Record:
         fs.outcome_sent = True
         extra: dict = {"egressgate.budget_cut": True} if fs.budget_cut else {}
         extra.update(conn_attributes(conn))
-        self._write_behind(build(
+        write_behind(self.rt, build(
             EventKind.OUTCOME, request_id=conn.tcp_request_id or _orphan_id(flow), sandbox_id=conn.sandbox_id,
             decision="allow", reason=str(Reason.RULE_MATCHED), rule_id=conn.tcp_allowed_rule,
             host=conn.tunnel_host, port=conn.tunnel_port, scheme="tcp", bytes_out=fs.bytes_out,

@@ -44,7 +44,7 @@ from mitmproxy.proxy.layers.tls import HTTP_ALPNS
 from egressgate.gateway import transparent_decide as td
 from egressgate.gateway.context import ConnState, FlowState, Runtime, ensure_flow_state, new_request_id
 from egressgate.gateway.deny import gateway_deny, raw_deny
-from egressgate.gateway.history import record_contact
+from egressgate.gateway.history import record_contact, refuse_unrecorded
 from egressgate.gateway.http_limits import http_layer
 from egressgate.gateway.identity import NOT_A_PROXY
 from egressgate.gateway.passthrough_peek import SniName, SniPeekLayer
@@ -186,7 +186,7 @@ async def _raw_tcp(rt: Runtime, conn: ConnState, context,
     target = decided[1]
     if not decision.allowed or target is None:
         return RefuseLayer(context, raw_deny(decision, request_id))
-    refusal = await record_contact(rt, conn.sandbox_id, host, decision.rule_id)  # history.py
+    refusal = await refuse_unrecorded(rt, conn, host, port, decision.rule_id, request_id, "tcp")  # history.py
     if refusal is not None:
         return RefuseLayer(context, raw_deny(refusal, request_id))
     td.commit(conn, host, port, as_sent, target)

@@ -36,7 +36,7 @@ from egressgate.audit.event import AuditUnavailable, EventKind
 from egressgate.gateway import transparent, ws_layer
 from egressgate.gateway.context import ConnState, Runtime, new_request_id
 from egressgate.gateway.deny import gateway_deny, raw_deny
-from egressgate.gateway.history import record_contact
+from egressgate.gateway.history import record_contact, refuse_unrecorded
 from egressgate.gateway.http_limits import explicit_http_proxy, http_layer
 from egressgate.gateway.passthrough import PassthroughLayer
 from egressgate.gateway.refuse import RefuseLayer, looks_like_http
@@ -105,13 +105,15 @@ class NextLayer:
             return
         if not conn.intercept and conn.tcp_allowed_rule is not None and not context.client.tls:
             # a relayed tunnel is a request to its host: into the history before its first byte goes up
-            refusal = await record_contact(self.rt, conn.sandbox_id, conn.tunnel_host, conn.tcp_allowed_rule)
-            if conn.passthrough:
+            if conn.passthrough:  # its refusal is audited as the tunnel's outcome record (passthrough.py)
+                refusal = await record_contact(self.rt, conn.sandbox_id, conn.tunnel_host, conn.tcp_allowed_rule)
                 nextlayer.layer = PassthroughLayer(context, self.rt, conn, refusal)  # checks the SNI, splices
-            elif refusal is None:
-                nextlayer.layer = layers.TCPLayer(context)
-            else:
-                nextlayer.layer = RefuseLayer(context, raw_deny(refusal, conn.tcp_request_id or new_request_id()))
+                return
+            request_id = conn.tcp_request_id or new_request_id()
+            refusal = await refuse_unrecorded(self.rt, conn, conn.tunnel_host, conn.tunnel_port,
+                                              conn.tcp_allowed_rule, request_id, "tcp")
+            nextlayer.layer = layers.TCPLayer(context) if refusal is None else RefuseLayer(
+                context, raw_deny(refusal, request_id))
             return
         after_tls = isinstance(top, layers.ClientTLSLayer)
         if not after_tls and len(data) < 3:
@@ -134,7 +136,8 @@ class NextLayer:
         request_id = new_request_id()
         decision = await self._tcp_decision(conn, context.client.peername, request_id)
         if decision.allowed:
-            decision = await record_contact(self.rt, conn.sandbox_id, conn.tunnel_host, decision.rule_id) or decision
+            decision = await refuse_unrecorded(self.rt, conn, conn.tunnel_host, conn.tunnel_port, decision.rule_id,
+                                               request_id, "tcp") or decision
         if decision.allowed:
             conn.allow_tcp(decision.rule_id, request_id)
             nextlayer.layer = layers.TCPLayer(context)

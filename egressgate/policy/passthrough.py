@@ -53,8 +53,20 @@ def tls_problems(raw: HttpRule | TcpRule, scheme: str, effect: Effect, path: str
             yield f"{path}.{key}", f"{why}; drop `{key}` or `tls: passthrough`"
 
 
+def covers(outer: HostPattern, inner: HostPattern) -> bool:
+    """True when every host `inner` matches is also matched by `outer` (exact, or conservatively False)."""
+    if outer.kind == "any":
+        return True
+    if inner.kind == "exact":
+        return outer.matches(inner.value)
+    if outer.kind == "suffix" and inner.kind == "suffix":
+        return inner.value == outer.value or inner.value.endswith("." + outer.value)
+    return False
+
+
 def hosts_overlap(a: HostPattern, b: HostPattern) -> bool:
-    """Conservative: True when some host could match both patterns (`except_hosts` are ignored)."""
+    """Conservative: True when some host could match both patterns (`except_hosts` are not considered
+    here; the caller drops a deny whose `except_hosts` cover the whole passthrough pattern)."""
     if a.kind == "any" or b.kind == "any":
         return True
     if a.kind == "exact" or b.kind == "exact":
@@ -90,6 +102,8 @@ def passthrough_problems(policy: CompiledPolicy) -> Iterator[tuple[str, str]]:
         for deny in l7_denies:
             if not hosts_overlap(allow.host, deny.host):
                 continue
+            if any(covers(excepted, allow.host) for excepted in deny.except_hosts):
+                continue  # the deny never applies to a host this rule splices
             if deny.ports is not None and not (deny.ports & allow.ports):
                 continue
             yield (

@@ -100,6 +100,9 @@ def test_tls_only_on_https_allow_rules():
     "{id: no-admin, host: dl.example.com, paths: ['/admin/**']}",
     "{id: no-admin, host: '*.example.com', methods: [POST]}",
     "{id: no-admin, host: '*', paths: ['/x'], ports: [443]}",
+    # except_hosts that do not cover the whole passthrough host leave the overlap
+    "{id: no-admin, host: '*', except_hosts: [other.example.com], methods: [POST]}",
+    "{id: no-admin, host: '*', except_hosts: ['*.dl.example.com'], methods: [POST]}",
 ])
 def test_a_passthrough_rule_cannot_hide_requests_from_an_l7_deny(deny):
     text = policy(f"deny:\n  - {deny}\nallow:\n  - {{id: dl, host: dl.example.com, tls: passthrough}}\n")
@@ -113,6 +116,9 @@ def test_a_passthrough_rule_cannot_hide_requests_from_an_l7_deny(deny):
     "{id: d, host: other.example.com, paths: ['/admin/**']}",  # another host
     "{id: d, host: dl.example.com, paths: ['/admin/**'], ports: [8443]}",  # another port
     "{id: d, host: dl.example.com}",  # a whole-host deny is enforced at the CONNECT
+    # the deny's except_hosts exempt the spliced host: the deny never applies to it
+    "{id: d, host: '*', except_hosts: [dl.example.com], methods: [POST]}",
+    "{id: d, host: '*', except_hosts: ['*.example.com'], methods: [POST]}",
 ])
 def test_unrelated_or_connect_level_denies_are_fine(deny):
     compiled = load(policy(f"deny:\n  - {deny}\nallow:\n  - {{id: dl, host: dl.example.com, tls: passthrough}}\n"))

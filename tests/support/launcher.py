@@ -175,15 +175,16 @@ def launch_loopback(tmp: Path, config: dict[str, Any], *, launcher: list[str] | 
 
 
 
-def launch_in_namespace(world: World, ns: str, tmp: Path,
-                        config: dict[str, Any]) -> tuple[subprocess.Popen, dict[str, Any], Path, IO[str]]:
+def launch_in_namespace(world: World, ns: str, tmp: Path, config: dict[str, Any],
+                        launcher: list[str] | None = None) -> tuple[subprocess.Popen, dict[str, Any], Path, IO[str]]:
     """Write `config` to tmp/gateway.yaml and run the gateway inside the world's namespace `ns` (as an
     operator would, at the default log level); returns the process, its startup line, the config path
     and its open stderr file (close it after stopping the process). Stdout is drained after the line."""
     cfg = tmp / "gateway.yaml"
     cfg.write_text(yaml.safe_dump(config))
     stderr = open(tmp / "gateway.stderr", "w")  # noqa: SIM115 - lives as long as the process
-    proc = world.popen(ns, EGRESSGATE, "run", "--config", str(cfg), stdout=subprocess.PIPE, stderr=stderr)
+    proc = world.popen(ns, *(launcher or [EGRESSGATE]), "run", "--config", str(cfg), stdout=subprocess.PIPE,
+                       stderr=stderr)
     info = startup_info(proc, tmp / "gateway.stderr")
     drain(proc)
     return proc, info, cfg, stderr

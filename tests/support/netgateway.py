@@ -59,10 +59,12 @@ class Gateway:
     _stderr: Any = None
 
     @classmethod
-    def start(cls, world: World, tmp: Path, policies: Path = POLICIES, extra_config: dict | None = None) -> Gateway:
+    def start(cls, world: World, tmp: Path, policies: Path = POLICIES, extra_config: dict | None = None,
+              launcher: list[str] | None = None) -> Gateway:
         """Start with every policy in `policies`, plus escape-self, which allows the gateway's own
         listeners by rule (so only the self-connection check can refuse them). Its ports are picked
-        free inside the private gw namespace before the start, since the policy must name them."""
+        free inside the private gw namespace before the start, since the policy must name them.
+        `launcher` replaces the `egressgate` command (a script that plants a fault, then runs the CLI)."""
         var = tmp / "var"
         var.mkdir(parents=True, exist_ok=True)
         pdir = tmp / "policies"
@@ -85,7 +87,7 @@ class Gateway:
             "upstream": {"resolver": f"{nw.DNS_ADDR}:53", "ca_bundle": str(world.ca_pem)},
             **(extra_config or {}),
         }
-        proc, info, cfg, stderr = launch_in_namespace(world, world.gw, tmp, config)
+        proc, info, cfg, stderr = launch_in_namespace(world, world.gw, tmp, config, launcher)
         proxy = host_port(info["proxy"])
         world.allow_sandbox_to(*proxy)
         world.allow_sandbox_to(nw.GW_SBX, dns_port)
