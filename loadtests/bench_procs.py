@@ -9,7 +9,6 @@ program, so a Proc's pid is the program's own pid (its /proc figures are the pro
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import yaml
@@ -83,20 +82,8 @@ def start_egressgate(world: World, directory: Path, upstream_ca: Path, http_port
     if passthrough:
         (pol / "bench-pt.yaml").write_text(yaml.safe_dump(world_policy(http_port, https_port, "bench-pt", True)))
         sandboxes["sandbox_pt"] = "bench-pt"
-    config = {
-        "listen": {"proxy": f"{ADDR['gw']}:0", "admin": "127.0.0.1:0", "dns": None, "transparent": None},
-        "policy": str(pol),
-        "var_dir": str(d / "var"),
-        "upstream": {"resolver": "system", "ca_bundle": str(upstream_ca)},
-        "audit": {"path": str(d / "var" / "audit" / "audit.jsonl")},
-    }
-    cfg = d / "gateway.yaml"
-    cfg.write_text(yaml.safe_dump(config))
-    err = d / "gateway.stderr"
-    cmd = [*world.exec_prefix("gw"), procs.EGRESSGATE, "run", "--config", str(cfg)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err.open("w"), text=True, cwd=procs.ROOT)
-    p = procs.Proc("egressgate", proc, logs=[err], info={"cmd": " ".join(cmd), "config": str(cfg)})
-    return procs.admit_sandboxes(p, cfg, config["audit"]["path"], sandboxes, prefix=world.exec_prefix("gw"))
+    listen = {"proxy": f"{ADDR['gw']}:0", "admin": "127.0.0.1:0", "dns": None, "transparent": None}
+    return procs.launch_egressgate(d, upstream_ca, listen, sandboxes, prefix=world.exec_prefix("gw"))
 
 
 def reset_peak_rss(p: procs.Proc) -> bool:

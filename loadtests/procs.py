@@ -284,8 +284,22 @@ def start_egressgate(directory: Path, upstream_ca: Path, http_port: int, https_p
         fh.write("bench-secret-" + os.urandom(16).hex() + "\n")
     (d / "policies" / "bench-cred.yaml").write_text(yaml.safe_dump(
         bench_policy(http_port, https_port, name="bench-cred", host=upstream_host, credential_file=secret)))
+    listen = {"proxy": "127.0.0.1:0", "admin": "127.0.0.1:0", "dns": None, "transparent": "127.0.0.2:0"}
+    program = [EGRESSGATE, "run"] if audit else [sys.executable, "-m", "loadtests.gateway_noaudit"]
+    return launch_egressgate(d, upstream_ca, listen, {"sandbox": "bench", "sandbox_cred": "bench-cred"},
+                             name=name, extra_config=extra_config, program=program)
+
+
+def launch_egressgate(d: Path, upstream_ca: Path, listen: dict, sandboxes: dict[str, str], name: str = "egressgate",
+                      extra_config: dict | None = None, program: Sequence[str] = (EGRESSGATE, "run"),
+                      prefix: Sequence[str] = ()) -> Proc:
+    """Run `program --config d/gateway.yaml` (policies in d/policies, audit to a file under d/var) and, once
+    it prints its startup line: its proxy port, one sandbox per policy admitted with the real `egressgate
+    sandbox admit` (p.info[key] = (id, token)), its CA path and audit file. `prefix` runs the gateway and the
+    CLI elsewhere (its admin API listens on that namespace's loopback). Any failure stops the gateway and
+    raises with its log."""
     config = {
-        "listen": {"proxy": "127.0.0.1:0", "admin": "127.0.0.1:0", "dns": None, "transparent": "127.0.0.2:0"},
+        "listen": listen,
         "policy": str(d / "policies"),
         "var_dir": str(d / "var"),
         "upstream": {"resolver": "system", "ca_bundle": str(upstream_ca)},
@@ -295,19 +309,9 @@ def start_egressgate(directory: Path, upstream_ca: Path, http_port: int, https_p
     cfg = d / "gateway.yaml"
     cfg.write_text(yaml.safe_dump(config))
     err = d / "gateway.stderr"
-    cmd = [EGRESSGATE, "run", "--config", str(cfg)] if audit else [
-        sys.executable, "-m", "loadtests.gateway_noaudit", "--config", str(cfg)]
+    cmd = [*prefix, *program, "--config", str(cfg)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err.open("w"), text=True, cwd=ROOT)
     p = Proc(name, proc, logs=[err], info={"cmd": " ".join(cmd), "config": str(cfg)})
-    return admit_sandboxes(p, cfg, config["audit"]["path"], {"sandbox": "bench", "sandbox_cred": "bench-cred"})
-
-
-def admit_sandboxes(p: Proc, cfg: Path, audit_path: str, sandboxes: dict[str, str],
-                    prefix: Sequence[str] = ()) -> Proc:
-    """Once `egressgate run` (p) prints its startup line: its proxy port, one sandbox per policy admitted with
-    the real `egressgate sandbox admit` (p.info[key] = (id, token)), its CA path and audit file. `prefix`
-    runs the CLI where the gateway runs (its admin API listens on that namespace's loopback). Any failure
-    stops the gateway and raises with its log."""
     try:
         addrs = json.loads(_first_line(p.proc, 60))
         p.info["port"] = int(addrs["proxy"].rsplit(":", 1)[1])
@@ -323,7 +327,7 @@ def admit_sandboxes(p: Proc, cfg: Path, audit_path: str, sandboxes: dict[str, st
         if ca.returncode != 0:
             raise RuntimeError(f"ca path failed: {ca.stderr}")
         p.info["ca"] = ca.stdout.strip()
-        p.info["audit"] = audit_path
+        p.info["audit"] = config["audit"]["path"]
     except Exception as exc:
         p.stop()
         raise RuntimeError(f"egressgate did not start: {exc}\n" + p.log_tail()) from None
