@@ -8,7 +8,6 @@ same tunnels for an unlabelled sandbox of the same policy reach the upstream.
 
 from __future__ import annotations
 
-import socket
 import ssl
 import sys
 import time
@@ -19,6 +18,7 @@ import pytest
 import yaml
 
 from tests.support.gwworld import Gateway, connect_tunnel, start_gateway
+from tests.support.http1 import read_all
 from tests.support.launcher import stop_gateway
 from tests.support.waiting import wait_for
 
@@ -53,18 +53,6 @@ def hello(world) -> bytes:
     return outgoing.read()
 
 
-def read_all(sock: socket.socket, timeout: float = 5) -> bytes:
-    """Until the gateway closes, or `timeout` of silence (the echo upstream never closes by itself)."""
-    sock.settimeout(timeout)
-    got = b""
-    try:
-        while chunk := sock.recv(4096):
-            got += chunk
-    except (ConnectionResetError, TimeoutError):
-        pass
-    return got
-
-
 def outcomes(gw: Gateway, sandbox_id: str) -> list[dict]:
     return [r for r in gw.audit_records() if r.get("egressgate.sandbox.id") == sandbox_id
             and r.get("egressgate.operation") == "outcome"]
@@ -77,7 +65,7 @@ def test_passthrough_tunnel_without_history_is_refused(gw, world, labels):
     sock, head = connect_tunnel(gw, sbx, f"api.test:{world.https_port}")
     assert head.startswith(b"HTTP/1.1 200"), head
     sock.sendall(hello(world))
-    got = read_all(sock)
+    got = read_all(sock, 5)  # until the gateway closes, or 5 s of silence (the echo upstream never closes)
     time.sleep(0.2)
     if labels:
         assert got == b"\x15\x03\x03\x00\x02\x02\x31" and world.snis[snis:] == []
