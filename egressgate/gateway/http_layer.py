@@ -136,6 +136,20 @@ class GatewayHttpStream(HalfCloseTunnel):
             answer.request_id = request_id
             yield SendHttp(answer, self.context.client)
 
+    def handle_connect_finish(self) -> layer.CommandGenerator[None]:
+        """Once the CONNECT is answered, the tunnel's layer is chosen right away, not at the client's
+        first bytes (mitmproxy's NextLayer asks only on data). A relayed tunnel (`tls: passthrough`, a
+        `network.tcp` rule) writes its one outcome record from its layer: without a layer, an allowed and
+        dialed tunnel that the client closed, reset or that revocation cut before any byte had no
+        outcome record. Asked after the answer went out, so a refusing layer's bytes follow it; an
+        intercepted tunnel still waits for bytes (tunnel.py needs them to tell TLS from HTTP)."""
+        yield from super().handle_connect_finish()
+        child = self.child_layer
+        response = self.flow.response
+        if (type(child) is layer.NextLayer and child.layer is None and response is not None
+                and 200 <= response.status_code < 300):
+            yield from child._ask()  # mitmproxy's "manually trigger a next_layer hook"
+
     def check_invalid(self, request: bool) -> layer.CommandGenerator[bool]:
         """On the transparent listener mitmproxy refuses a CONNECT with a 400 HTML page of its own (no
         hook sees it as a request). There the addons refuse it (transparent.py: a CONNECT is not a

@@ -43,6 +43,8 @@ from egressgate.gateway.tunnel import NextLayer
 
 logger = logging.getLogger(__name__)
 
+STOP_GRACE = 2.0  # seconds stop() waits for aborted connections to finish (their records to be written)
+
 
 class _Running:
     """Tiny addon: tells start() when the listeners are up."""
@@ -163,6 +165,24 @@ class GatewayMaster:
         io = handler.transports.get(server) if handler is not None else None
         return io.handler if io is not None else None
 
+    async def _end_connections(self, grace: float = STOP_GRACE) -> None:
+        """Abort every open client connection and wait (up to `grace`) for mitmproxy to finish them, while
+        the addons and the audit sink still run. An outcome record is written when a layer or hook sees
+        its connection end (a spliced passthrough tunnel, a raw-TCP relay, a streamed flow): a connection
+        still open when the gateway stops would otherwise end after the sink closed, and its record would
+        miss this run's trail (kept only in the retry spool for the next start)."""
+        ps = self.proxyserver
+        if ps is None or not ps.connections:
+            return
+        for client_id in list(ps.connections):
+            self.abort_connection(client_id)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
+        while ps.connections and loop.time() < deadline:
+            await asyncio.sleep(0.01)
+        if ps.connections:
+            logger.warning("%d connection(s) still open after %.1fs at stop", len(ps.connections), grace)
+
     async def start(self) -> dict[str, list[tuple[str, int]]]:
         """Start the listeners; returns their bound addresses by kind ("proxy", "transparent")."""
         opts = options.Options()
@@ -226,6 +246,7 @@ class GatewayMaster:
         return bound
 
     async def stop(self) -> None:
+        await self._end_connections()
         if self.master is not None:
             self.master.shutdown()
         if self._task is not None:

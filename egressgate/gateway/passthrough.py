@@ -58,6 +58,9 @@ from egressgate.policy.reasons import Reason
 logger = logging.getLogger(__name__)
 
 TLS_ATTRIBUTE = {"egressgate.tls": "passthrough"}
+# Loop iterations the splice may wait for mitmproxy to hand on bytes it already read (splice.py,
+# `_unconsumed`); a tunnel that never pauses stays on the event path (slower, same counting).
+TAKE_OVER_TRIES = 100
 
 
 class PassthroughLayer(layer.Layer):
@@ -78,6 +81,7 @@ class PassthroughLayer(layer.Layer):
         self.server_scan, self.server_buf = HelloScan(), bytearray()
         self.tally = Tally()
         self.splice: Splice | None = None
+        self.take_over_tries = 0
         self.refusal: Decision | None = None
         self.preset = refusal
         self.error: str | None = None
@@ -226,8 +230,12 @@ class PassthroughLayer(layer.Layer):
         if self.tally.cut or self.conn.closed or self._handle_event != self._relay:
             return
         splice = Splice(self.rt, self.sandbox_id, self.conn.policy_name, self.tally)
-        if splice.take_over(self.context.client, self.context.server):
+        taken = splice.take_over(self.context.client, self.context.server)
+        if taken:
             self.splice = splice
+        elif taken is None and self.take_over_tries < TAKE_OVER_TRIES:
+            self.take_over_tries += 1  # mitmproxy still holds unread bytes: after they reached the layer
+            asyncio.get_running_loop().call_soon(self._take_over)
         else:
             logger.debug("passthrough tunnel of %s stays on the event path", self.context.client.id)
 

@@ -194,6 +194,12 @@ class Record:
     async def error(self, flow: http.HTTPFlow) -> None:
         await self._outcome(flow, flow.error.msg if flow.error else "error")
 
+    async def http_connect_error(self, flow: http.HTTPFlow) -> None:
+        """An allowed CONNECT that was not established (the eager upstream connection failed: mitmproxy
+        answers 502 and no other hook sees the flow again): its allow record gets its outcome, with why."""
+        why = flow.error.msg if flow.error else (flow.server_conn.error or "upstream connection failed")
+        await self._outcome(flow, why)
+
     async def websocket_end(self, flow: http.HTTPFlow) -> None:
         """One more `outcome` record (same request id) when a websocket ends: the frame bytes of the
         session after the 101 (whose own outcome was written with the response), how it was closed and,

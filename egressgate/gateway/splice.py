@@ -4,7 +4,8 @@ mitmproxy moves every chunk of a connection through its handler: a StreamReader 
 event lock and watchdog, the layer stack (proxy mode, HTTP layer, tunnel, our layer) and then a drain of
 every writer. For a spliced tunnel none of that decides anything, and it made the passthrough route half
 as fast as Squid's CONNECT tunnel for small keep-alive requests (loadtests/RESULTS.md, "Issue 11:
-passthrough"). Once passthrough.py has checked the ClientHello, `Splice.take_over` swaps the asyncio
+passthrough"). Once passthrough.py has checked the ClientHello and mitmproxy has handed the layer every
+byte it read (`_unconsumed`), `Splice.take_over` swaps the asyncio
 protocols of the tunnel's two sockets for a pair of `_Side` protocols that write each chunk straight to the
 other socket, after counting it exactly as the layer does: a client chunk that would cross
 `outbound_bytes_max` is never written and both sockets are aborted; server bytes are counted in.
@@ -38,6 +39,15 @@ class Tally:
     out: int = 0
     in_: int = 0
     cut: bool = False
+
+
+def _unconsumed(reader: asyncio.StreamReader) -> bool:
+    """mitmproxy's reader task has bytes (or an EOF, an error) in this StreamReader that it has not
+    taken yet. Its task may already be woken for them: were they taken from under it, its `read()` would
+    return b"" and mitmproxy would act on an EOF the peer never sent (half-close the other socket, then
+    close both), while the splice still relays: the server's answer would be lost and the client would
+    see a clean close. So the take-over waits until mitmproxy has handed every byte to the layer."""
+    return bool(reader._buffer) or reader._eof or reader.exception() is not None  # no public API for these
 
 
 class _Side(asyncio.Protocol):
@@ -77,9 +87,10 @@ class Splice:
         self.activity: Callable[[], None] = lambda: None
         self.finished = False
 
-    def take_over(self, client: connection.Client, server: connection.Server) -> bool:
+    def take_over(self, client: connection.Client, server: connection.Server) -> bool | None:
         """Move both sockets to the splice; False (nothing changed) when they are not both open plain
-        TCP sockets of a live mitmproxy connection, and the layer keeps relaying them itself."""
+        TCP sockets of a live mitmproxy connection, and the layer keeps relaying them itself; None (nothing
+        changed) when mitmproxy still holds bytes it read but did not hand on: try again shortly."""
         proxyserver = ctx.master.addons.get("proxyserver") if ctx.master is not None else None
         handler = proxyserver.connections.get(client.id) if proxyserver is not None else None
         if handler is None or client.state is not connection.ConnectionState.OPEN \
@@ -92,6 +103,8 @@ class Splice:
                    and t.get_extra_info("sslcontext") is None for t in transports) \
                 or not all(isinstance(r, asyncio.StreamReader) for r in readers):
             return False
+        if any(_unconsumed(r) for r in readers):
+            return None
         c = _Side(self, transports[0], transports[0].get_protocol(), True)
         s = _Side(self, transports[1], transports[1].get_protocol(), False)
         c.peer, s.peer = s, c
@@ -99,13 +112,7 @@ class Splice:
         self.activity = handler.timeout_watchdog.register_activity
         for side in (c, s):
             side.transport.set_protocol(side)
-        for side, reader in zip((c, s), readers, strict=True):
-            # bytes mitmproxy read from the socket but has not handed to the layer yet go first, in order
-            pending = reader._buffer  # private, but no public API hands a StreamReader's buffer back
-            if pending:
-                data = bytes(pending)
-                pending.clear()
-                side.data_received(data)
+        for side in (c, s):
             if not side.transport.is_reading() and not side.lost:
                 side.transport.resume_reading()  # paused by the StreamReader's own limit
             if getattr(side.old, "_paused", False):
