@@ -3,7 +3,7 @@
 Each writer awaits `sink.write(event)` in a loop (as a request handler does: durable before it proceeds),
 so the figure includes chaining, encoding, signing checkpoints, the write and (with --fsync) fsync.
 
-    .venv/bin/python loadtests/audit_sink_bench.py --concurrency 1 32 256 --seconds 5 [--fsync]
+    .venv/bin/python -m loadtests.audit_sink_bench --concurrency 1 32 256 --seconds 5 [--fsync]
 """
 
 from __future__ import annotations
@@ -15,34 +15,18 @@ import tempfile
 import time
 from pathlib import Path
 
-from egressgate.audit.event import AuditEvent, EventKind
+from egressgate.audit.event import AuditEvent
 from egressgate.audit.filesink import FileSink
 from egressgate.audit.signer import LocalEd25519Signer
+from tests.support.audit_events import http_event
 
 
 def event(i: int) -> AuditEvent:
-    return AuditEvent(
-        EventKind.HTTP_REQUEST,
-        time.time_ns(),
-        f"req-{i}",
-        sandbox_id="sbx-bench",
-        sandbox_labels={"team": "x"},
-        decision="allow",
-        reason="rule_matched",
-        rule_id="openai",
-        policy_name="invoice-analysis",
-        policy_hash="sha256:" + "ab" * 32,
-        target_as_sent="https://api.openai.com/v1/responses",
-        scheme="https",
-        host="api.openai.com",
-        port=443,
-        method="POST",
-        path="/v1/responses",
-        pinned_address="198.18.0.10",
-        bytes_out=512,
-        request_hash="sha256:" + "cd" * 32,
-        body_hash="sha256:" + "ef" * 32,
-    )
+    """The trail tests' realistic allowed HTTPS request (tests/support/audit_events.py), stamped now, with
+    the request and body hashes a real record carries (they are part of what is encoded and chained)."""
+    return http_event(i, time_ns=time.time_ns(), request_id=f"req-{i}", sandbox_id="sbx-bench",
+                      sandbox_labels={"team": "x"}, bytes_out=512, request_hash="sha256:" + "cd" * 32,
+                      body_hash="sha256:" + "ef" * 32)
 
 
 async def run(concurrency: int, seconds: float, fsync: bool, directory: Path) -> dict:

@@ -32,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from loadtests import procs
+from loadtests import bench_report, procs
 from loadtests.loadgen import Target, run_cell
 from loadtests.profile import profile_during
 from loadtests.streaming import download, sse_first_event
@@ -297,19 +297,6 @@ def markdown(summary: list[dict], meta: dict) -> str:
     return "\n".join(lines)
 
 
-def _git_state() -> str:
-    """HEAD and how many gateway files differ from it (the gateway is written concurrently)."""
-    root = Path(__file__).resolve().parent.parent
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
-                              timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--short", "egressgate"], cwd=root, capture_output=True,
-                               text=True, timeout=10).stdout.splitlines()
-    except (OSError, subprocess.TimeoutExpired):
-        return "unknown"
-    return f"{head} (+{len(dirty)} uncommitted/untracked files under egressgate/)"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=10.0, help="measured window per cell")
@@ -337,7 +324,8 @@ def main() -> None:
     bench = Bench(args, workdir)
     meta: dict = {"command": shlex.join([Path(sys.executable).name, "-m", "loadtests.gateway_bench", *sys.argv[1:]]),
                   "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "host": platform.node(),
-                  "cpus": __import__("os").cpu_count(), "workdir": str(workdir), "git": _git_state()}
+                  "cpus": __import__("os").cpu_count(), "workdir": str(workdir),
+                  "git": bench_report.git_state(procs.ROOT)}
     try:
         bench.start(args.targets)
         meta["unavailable"] = bench.unavailable

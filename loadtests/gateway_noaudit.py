@@ -36,6 +36,9 @@ class DiscardSink:
         self.count += 1
         return True
 
+    def enqueue_after(self, event: AuditEvent) -> None:
+        self.count += 1
+
     def healthy(self) -> bool:
         return True
 

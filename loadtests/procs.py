@@ -19,6 +19,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,6 +30,7 @@ VENV_BIN = Path(sys.executable).parent
 EGRESSGATE = str(VENV_BIN / "egressgate")
 MITMDUMP = str(VENV_BIN / "mitmdump")
 UPSTREAM_NAME = "localhost"  # resolves to 127.0.0.1 via /etc/hosts (checked at startup)
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def free_port() -> int:
@@ -37,15 +39,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_port(port: int, timeout: float, proc: subprocess.Popen | None = None) -> None:
+def wait_port(port: int, timeout: float, proc: subprocess.Popen | None = None, host: str = "127.0.0.1") -> None:
+    """Poll from this process's namespace until `host:port` accepts (or `proc` exits, or `timeout`)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"process exited with {proc.returncode} before listening on {port}")
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5):
+        with contextlib.suppress(OSError), socket.create_connection((host, port), 0.5):
             return
         time.sleep(0.05)
-    raise RuntimeError(f"nothing listening on 127.0.0.1:{port} after {timeout} s")
+    raise RuntimeError(f"nothing listening on {host}:{port} after {timeout} s")
 
 
 def _first_line(proc: subprocess.Popen, timeout: float, needle: str | None = None) -> str:
@@ -121,10 +124,11 @@ class Certs:
     key_pem: Path
 
 
-def make_certs(directory: Path) -> Certs:
-    """A trustme CA and a server certificate for localhost / 127.0.0.1 (the upstream's identity)."""
+def make_certs(directory: Path, names: Sequence[str] = (UPSTREAM_NAME, "127.0.0.1")) -> Certs:
+    """A trustme CA and a server certificate for `names` (the upstream's identity: localhost / 127.0.0.1
+    here, its name in the namespace world of loadtests/bench_procs.py)."""
     ca = trustme.CA()
-    cert = ca.issue_cert(UPSTREAM_NAME, "127.0.0.1")
+    cert = ca.issue_cert(*names)
     certs = Certs(directory / "upstream-ca.pem", directory / "upstream-cert.pem", directory / "upstream-key.pem")
     ca.cert_pem.write_to_path(str(certs.ca_pem))
     cert.private_key_and_cert_chain_pem.write_to_path(str(certs.cert_pem))
@@ -132,12 +136,15 @@ def make_certs(directory: Path) -> Certs:
     return certs
 
 
-def start_upstream(certs: Certs, directory: Path, sse_gap: float = 2.0) -> Proc:
+def start_upstream(certs: Certs, directory: Path, sse_gap: float = 2.0, prefix: Sequence[str] = (),
+                   host: str = "127.0.0.1") -> Proc:
+    """loadtests/upstream.py on `host` (HTTP and HTTPS, ports from the OS). `prefix` runs it elsewhere
+    (`ip netns exec NS`, which execs: the Proc's pid is still the upstream's own)."""
     err = directory / "upstream.stderr"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "loadtests.upstream", "--cert", str(certs.cert_pem), "--key", str(certs.key_pem),
-         "--sse-gap", str(sse_gap)],
-        stdout=subprocess.PIPE, stderr=err.open("w"), text=True, cwd=Path(__file__).resolve().parent.parent,
+        [*prefix, sys.executable, "-m", "loadtests.upstream", "--host", host, "--cert", str(certs.cert_pem),
+         "--key", str(certs.key_pem), "--sse-gap", str(sse_gap)],
+        stdout=subprocess.PIPE, stderr=err.open("w"), text=True, cwd=ROOT,
     )
     p = Proc("upstream", proc, logs=[err])
     try:
@@ -162,13 +169,14 @@ def upstream_stats(up: Proc) -> dict:
     return json.loads(data.split(b"\r\n\r\n", 1)[1])
 
 
-def start_mitmdump(directory: Path, upstream_ca: Path, flow_detail: int = 0) -> Proc:
+def start_mitmdump(directory: Path, upstream_ca: Path, flow_detail: int = 0, prefix: Sequence[str] = (),
+                   host: str = "127.0.0.1") -> Proc:
     """Bare mitmdump: no scripts, mitmproxy's default addons and options except the upstream trust store
-    (and flow_detail, the per-flow console line; 0 by default — see RESULTS.md)."""
+    (and flow_detail, the per-flow console line; 0 by default — see RESULTS.md). `prefix`: as start_upstream."""
     confdir = directory / "mitmdump-conf"
     confdir.mkdir(parents=True, exist_ok=True)
     log = directory / "mitmdump.out"
-    cmd = [MITMDUMP, "--listen-host", "127.0.0.1", "--listen-port", "0", "--set", f"confdir={confdir}",
+    cmd = [*prefix, MITMDUMP, "--listen-host", host, "--listen-port", "0", "--set", f"confdir={confdir}",
            "--set", f"ssl_verify_upstream_trusted_ca={upstream_ca}", "--set", f"flow_detail={flow_detail}"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log.open("w"), text=True)
     p = Proc("mitmdump", proc, logs=[log], info={"cmd": " ".join(cmd)})
@@ -184,12 +192,12 @@ def start_mitmdump(directory: Path, upstream_ca: Path, flow_detail: int = 0) -> 
 
 
 SQUID_CONF = """\
-# Minimal forward proxy for the benchmark: loopback only, no cache, logs in the temp dir.
-http_port 127.0.0.1:{port}
+# A plain forward proxy and CONNECT tunnel for the benchmarks: no cache, everything in its private dir.
+http_port {addr}:{port}
 visible_hostname egressgate-bench
 pid_filename {d}/squid.pid
 cache_log {d}/cache.log
-access_log stdio:{d}/access.log
+access_log {access_log}
 cache_store_log none
 coredump_dir {d}
 cache deny all
@@ -198,32 +206,36 @@ logfile_rotate 0
 pinger_enable off
 shutdown_lifetime 0 seconds
 dns_nameservers 127.0.0.1
-acl bench_clients src 127.0.0.1/32
+acl bench_clients src {net}
 http_access allow bench_clients
 http_access deny all
 """
 
 
-def start_squid(directory: Path) -> Proc:
-    """Squid (Debian package) in the foreground: plain HTTP forwarding and CONNECT tunnels (no TLS MITM)."""
+def start_squid(directory: Path, prefix: Sequence[str] = (), addr: str = "127.0.0.1", port: int | None = None,
+                net: str = "127.0.0.1/32", access_log: bool = True) -> Proc:
+    """Squid (Debian package) in the foreground (-N: one process): plain HTTP forwarding and CONNECT tunnels
+    (no TLS MITM) on addr:port (a port the OS just handed out by default), open to clients in `net`.
+    `prefix`: as start_upstream; the readiness probe then connects from here to addr:port."""
     squid = shutil.which("squid") or "/usr/sbin/squid"
     # Its own temp dir: squid runs as `proxy` and must traverse to it (the harness dir is 0700).
     d = Path(tempfile.mkdtemp(prefix="egressgate-bench-squid-", dir=directory.parent))
     d.chmod(0o755)
-    port = free_port()
+    port = port or free_port()
     conf = d / "squid.conf"
-    conf.write_text(SQUID_CONF.format(port=port, d=d))
+    conf.write_text(SQUID_CONF.format(addr=addr, port=port, d=d, net=net,
+                                      access_log=f"stdio:{d}/access.log" if access_log else "none"))
     if os.geteuid() == 0:  # squid drops to cache_effective_user (proxy); it must write its logs and pid
         with contextlib.suppress(KeyError):
             pw = pwd.getpwnam("proxy")
             for path in (d, *d.iterdir()):
                 os.chown(path, pw.pw_uid, pw.pw_gid)
     out = d / "squid.out"
-    cmd = [squid, "-N", "-f", str(conf)]
+    cmd = [*prefix, squid, "-N", "-f", str(conf)]
     proc = subprocess.Popen(cmd, stdout=out.open("w"), stderr=subprocess.STDOUT)
     p = Proc("squid", proc, logs=[out, d / "cache.log"], info={"port": port, "cmd": " ".join(cmd)}, remove=[d])
     try:
-        wait_port(port, 30, proc)
+        wait_port(port, 30, proc, host=addr)
     except RuntimeError as exc:
         p.stop()
         raise RuntimeError(f"squid did not start: {exc}\n" + p.log_tail()) from None
@@ -272,8 +284,22 @@ def start_egressgate(directory: Path, upstream_ca: Path, http_port: int, https_p
         fh.write("bench-secret-" + os.urandom(16).hex() + "\n")
     (d / "policies" / "bench-cred.yaml").write_text(yaml.safe_dump(
         bench_policy(http_port, https_port, name="bench-cred", host=upstream_host, credential_file=secret)))
+    listen = {"proxy": "127.0.0.1:0", "admin": "127.0.0.1:0", "dns": None, "transparent": "127.0.0.2:0"}
+    program = [EGRESSGATE, "run"] if audit else [sys.executable, "-m", "loadtests.gateway_noaudit"]
+    return launch_egressgate(d, upstream_ca, listen, {"sandbox": "bench", "sandbox_cred": "bench-cred"},
+                             name=name, extra_config=extra_config, program=program)
+
+
+def launch_egressgate(d: Path, upstream_ca: Path, listen: dict, sandboxes: dict[str, str], name: str = "egressgate",
+                      extra_config: dict | None = None, program: Sequence[str] = (EGRESSGATE, "run"),
+                      prefix: Sequence[str] = ()) -> Proc:
+    """Run `program --config d/gateway.yaml` (policies in d/policies, audit to a file under d/var) and, once
+    it prints its startup line: its proxy port, one sandbox per policy admitted with the real `egressgate
+    sandbox admit` (p.info[key] = (id, token)), its CA path and audit file. `prefix` runs the gateway and the
+    CLI elsewhere (its admin API listens on that namespace's loopback). Any failure stops the gateway and
+    raises with its log."""
     config = {
-        "listen": {"proxy": "127.0.0.1:0", "admin": "127.0.0.1:0", "dns": None, "transparent": "127.0.0.2:0"},
+        "listen": listen,
         "policy": str(d / "policies"),
         "var_dir": str(d / "var"),
         "upstream": {"resolver": "system", "ca_bundle": str(upstream_ca)},
@@ -283,23 +309,21 @@ def start_egressgate(directory: Path, upstream_ca: Path, http_port: int, https_p
     cfg = d / "gateway.yaml"
     cfg.write_text(yaml.safe_dump(config))
     err = d / "gateway.stderr"
-    cmd = [EGRESSGATE, "run", "--config", str(cfg)] if audit else [
-        sys.executable, "-m", "loadtests.gateway_noaudit", "--config", str(cfg)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err.open("w"), text=True,
-                            cwd=Path(__file__).resolve().parent.parent)
+    cmd = [*prefix, *program, "--config", str(cfg)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err.open("w"), text=True, cwd=ROOT)
     p = Proc(name, proc, logs=[err], info={"cmd": " ".join(cmd), "config": str(cfg)})
     try:
-        addrs = json.loads(_first_line(proc, 60))
+        addrs = json.loads(_first_line(p.proc, 60))
         p.info["port"] = int(addrs["proxy"].rsplit(":", 1)[1])
-        for key, policy in (("sandbox", "bench"), ("sandbox_cred", "bench-cred")):
-            admit = subprocess.run([EGRESSGATE, "sandbox", "admit", "--config", str(cfg), "--policy", policy],
-                                   capture_output=True, text=True, timeout=30)
+        for key, policy in sandboxes.items():
+            admit = subprocess.run([*prefix, EGRESSGATE, "sandbox", "admit", "--config", str(cfg), "--policy",
+                                    policy], capture_output=True, text=True, timeout=30)
             if admit.returncode != 0:
                 raise RuntimeError(f"sandbox admit --policy {policy} failed: {admit.stdout} {admit.stderr}")
             sbx = json.loads(admit.stdout)
             p.info[key] = (sbx["id"], sbx["token"])
-        ca = subprocess.run([EGRESSGATE, "ca", "path", "--config", str(cfg)], capture_output=True, text=True,
-                            timeout=30)
+        ca = subprocess.run([*prefix, EGRESSGATE, "ca", "path", "--config", str(cfg)], capture_output=True,
+                            text=True, timeout=30)
         if ca.returncode != 0:
             raise RuntimeError(f"ca path failed: {ca.stderr}")
         p.info["ca"] = ca.stdout.strip()

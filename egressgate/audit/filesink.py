@@ -146,7 +146,11 @@ class FileSink(TrailMixin, WriteMixin):
         err = AuditUnavailable("audit writer is not running")
         while not self._queue.empty():
             item = self._queue.get_nowait()
-            if item is not _STOP and item is not _WAKE and not item[1].done():
+            if item is _STOP or item is _WAKE:
+                continue
+            if item[1] is None:  # enqueue_after: nobody waits; queued (spooled) and named, never dropped
+                self._queue_for_retry(item[0], err)
+            elif not item[1].done():
                 item[1].set_exception(err)
         self._report_lost()
 
@@ -248,8 +252,10 @@ class FileSink(TrailMixin, WriteMixin):
             log.error("audit write failed (%d records rejected, %d queued for retry): %s",
                       len(batch), len(self._pending), exc)
             err = AuditUnavailable(f"audit record could not be made durable: {exc}")
-            for _, fut in batch:
-                if not fut.done():
+            for record, fut in batch:
+                if fut is None:  # enqueue_after: cannot be denied, so retried (trail.py), never dropped
+                    self._queue_for_retry(record, err)
+                elif not fut.done():
                     fut.set_exception(err)
             return
         self._healthy = True
@@ -258,7 +264,7 @@ class FileSink(TrailMixin, WriteMixin):
         if pending:
             self._written_pending(pending)
         for _, fut in batch:
-            if not fut.done():
+            if fut is not None and not fut.done():
                 fut.set_result(None)
 
     async def _commit(self, records: list[Record], *, checkpoint: bool = False, final: bool = False) -> None:

@@ -16,6 +16,10 @@ class AuditSink(Protocol):
         """For the record of something that already happened (an outcome): never raises, never drops;
         a record that cannot be written now is queued and retried (True: durable now, False: queued)."""
 
+    def enqueue_after(self, event: AuditEvent) -> None:
+        """`write_after` without waiting (no task per record): the same never-dropped rule, the result
+        only in the sink's log and status."""
+
     def healthy(self) -> bool:
         """False after a write failure until a write succeeds again; callers deny new requests."""
 

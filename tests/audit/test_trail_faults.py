@@ -279,8 +279,7 @@ async def test_connection_limit_records_on_a_full_disk_are_queued_not_dropped(ti
     limits.record(Reason.CONNECTION_LIMIT, "198.18.7.7", "over limits.max_connections_per_source")
     limits.record(Reason.CONNECTION_LIMIT, "198.18.7.7", "over limits.max_connections_per_source")
     limits.close()  # the summary of the suppressed second event
-    await asyncio.gather(*list(rt.background))
-    assert sink.status()["pending_records"] == 2  # both queued for retry, none dropped
+    await until(lambda: sink.status()["pending_records"] == 2)  # both queued for retry, none dropped
     filler.unlink()
     await until(lambda: sink.status()["pending_records"] == 0)
     await sink.close()
@@ -289,3 +288,81 @@ async def test_connection_limit_records_on_a_full_disk_are_queued_not_dropped(ti
                if f.record.attributes.get("egressgate.operation") == "connection"]
     assert [a.get("client.address") for a in refused] == ["198.18.7.7", "198.18.7.7"]
     assert [a.get("egressgate.suppressed") for a in refused] == [None, 1]
+# --- issue 11: enqueue_after (no task per outcome) keeps the never-dropped rule -------------------------------
+
+async def test_enqueued_outcomes_are_retried_never_dropped(tiny_fs, signer, pubkey, caplog):
+    """A genuinely full disk: outcomes handed over with enqueue_after (nobody awaits them) land in the retry
+    queue when their batch fails, are named in the log, and are written once the disk has room again."""
+    filler = tiny_fs / "filler"
+    filler.write_bytes(b"x" * 32 * 1024)
+    sink = await FileSink(tiny_fs / "audit" / "audit.jsonl", signer, checkpoint_every=10, probe_interval=0.05,
+                          pending_max=3).start()
+    accepted, _ = await fill_until_failure(sink)
+    outcomes = [http_event(7100 + i, kind="outcome") for i in range(5)]
+    with caplog.at_level(logging.ERROR):
+        for ev in outcomes:
+            assert sink.enqueue_after(ev) is None  # returns at once: no task, no await
+        await until(lambda: sink.status()["pending_records"] == 5)
+    for ev in outcomes:
+        assert ev.request_id in caplog.text  # the log names every request id
+    assert not sink.healthy()  # the retry queue is full: new requests would be denied
+    filler.unlink()
+    await until(lambda: sink.status()["pending_records"] == 0)
+    assert sink.healthy() and sink.records_retried == 5 and sink.records_lost == 0
+    await sink.close()
+    rep = verify_file(sink.path, load_public_keys([pubkey]))
+    assert rep.ok, rep.error
+    assert ids(sink.path) == [*accepted, *(e.request_id for e in outcomes)]
+
+
+async def test_enqueued_outcomes_are_written_by_close(tmp_path, signer, pubkey):
+    """Positive control and the shutdown drain: enqueued and immediately closed, every record is in the
+    verified file (close() waits for the writer's final batch)."""
+    sink = await FileSink(tmp_path / "audit.jsonl", signer).start()
+    events = [http_event(7200 + i, kind="outcome") for i in range(20)]
+    for ev in events:
+        sink.enqueue_after(ev)
+    await asyncio.wait_for(sink.close(), 10)
+    rep = verify_file(sink.path, load_public_keys([pubkey]))
+    assert rep.ok, rep.error
+    assert ids(sink.path) == [e.request_id for e in events] and sink.records_written >= 20
+
+
+async def test_enqueued_outcomes_are_named_when_the_writer_dies(tmp_path, signer, caplog):
+    """The writer task dies with records still in its queue: each is reported (AUDIT RECORD LOST with its
+    request id), never silently dropped; one handed over afterwards is reported too."""
+    sink = await FileSink(tmp_path / "audit.jsonl", signer).start()
+    events = [http_event(7300 + i, kind="outcome") for i in range(3)]
+    with caplog.at_level(logging.CRITICAL):
+        for ev in events:
+            sink.enqueue_after(ev)
+        assert sink._writer is not None
+        sink._writer.cancel()  # before it ran: the three are still queued
+        with pytest.raises(asyncio.CancelledError):
+            await sink._writer
+        late = http_event(7399, kind="outcome")
+        sink.enqueue_after(late)
+    assert sink.records_lost == 4 and not sink.healthy()
+    for ev in [*events, late]:
+        assert f"AUDIT RECORD LOST: outcome record of request {ev.request_id}" in caplog.text
+
+
+async def test_enqueued_outcomes_are_spooled_when_the_disk_never_returns(tiny_fs, signer, pubkey, tmp_path):
+    filler = tiny_fs / "filler"
+    filler.write_bytes(b"x" * 32 * 1024)
+    spool = tmp_path / "var" / "audit-retry.jsonl"
+    path = tiny_fs / "audit" / "audit.jsonl"
+    sink = await FileSink(path, signer, probe_interval=0.05, retry_spool=spool).start()
+    accepted, _ = await fill_until_failure(sink)
+    queued = [http_event(7400 + i, kind="outcome") for i in range(3)]
+    for ev in queued:
+        sink.enqueue_after(ev)
+    await asyncio.wait_for(sink.close(), 10)  # the final batch fails too: spooled, not lost
+    assert sink.records_lost == 0 and all(ev.request_id in spool.read_text() for ev in queued)
+    filler.unlink()
+    again = await FileSink(path, signer, retry_spool=spool).start()
+    await until(lambda: again.records_retried == 3)
+    await again.close()
+    files = history(path)
+    assert all(r.ok for r in verify_files(files, load_public_keys([pubkey])))
+    assert ids(*files) == [*accepted, *(e.request_id for e in queued)]

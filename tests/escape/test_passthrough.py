@@ -44,17 +44,6 @@ def get(tls: ssl.SSLSocket, host: str, path: str) -> int:
     return read_response(tls).status
 
 
-def alerted(sock: socket.socket) -> bytes:
-    sock.settimeout(5)
-    got = b""
-    try:
-        while chunk := sock.recv(100):
-            got += chunk
-    except (ConnectionResetError, TimeoutError):
-        pass
-    return got
-
-
 def test_passthrough_splices_to_the_pinned_upstream(world: World, gateway: Gateway):
     sbx = gateway.admit(POLICY)
     mark = world.mark()

@@ -10,6 +10,7 @@ import pytest
 
 from tests.support.gwworld import Gateway, World, open_world, start_gateway
 from tests.support.launcher import stop_gateway
+from tests.support.scripted_dns import ScriptedDns
 from tests.support.tmpfs import tiny_tmpfs
 
 
@@ -33,3 +34,13 @@ def tiny_fs(tmp_path: Path) -> Iterator[Path]:
     """A real 128 KiB tmpfs for the audit file: a full disk the gateway must fail closed on."""
     with tiny_tmpfs(tmp_path / "auditfs", "128k") as mnt:
         yield mnt
+
+
+@pytest.fixture(scope="module")
+def scripted() -> Iterator[ScriptedDns]:
+    """A scripted DNS server (tests/support/scripted_dns.py), one per module: each module scripts its own plans."""
+    server = ScriptedDns()
+    try:
+        yield server
+    finally:
+        server.close()

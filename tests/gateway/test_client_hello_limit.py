@@ -20,7 +20,7 @@ import time
 from mitmproxy.proxy.layers import tls as tls_parse
 
 from tests.support.gwworld import auth, connection_records, dial
-from tests.support.http1 import read_reply
+from tests.support.http1 import read_all, read_reply
 from tests.support.waiting import wait_for
 
 LIMIT = 64 * 1024  # the default
@@ -58,17 +58,6 @@ class Streamer(threading.Thread):
                 self.sent += len(self.chunk)
         except OSError as e:
             self.error = e
-
-
-def read_all(sock: socket.socket, timeout: float) -> bytes:
-    sock.settimeout(timeout)
-    data = b""
-    try:
-        while chunk := sock.recv(65536):
-            data += chunk
-    except OSError:
-        pass
-    return data
 
 
 def latency(sbx) -> float:

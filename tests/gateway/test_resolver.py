@@ -27,15 +27,6 @@ from egressgate.gateway.resolver import (
 from tests.support.scripted_dns import CANARY, REAL, Plan, ScriptedDns
 
 
-@pytest.fixture(scope="module")
-def scripted():
-    server = ScriptedDns()
-    try:
-        yield server
-    finally:
-        server.close()
-
-
 def resolve(resolver: GatewayResolver, host: str) -> tuple[str, ...]:
     return tuple(str(ip) for ip in asyncio.run(resolver.resolve(host)))
 

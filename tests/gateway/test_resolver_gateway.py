@@ -15,16 +15,7 @@ import pytest
 from tests.support.gwworld import connect_tunnel, start_gateway, tls_wrap
 from tests.support.http1 import read_reply
 from tests.support.launcher import stop_gateway
-from tests.support.scripted_dns import CANARY, REAL, Plan, ScriptedDns
-
-
-@pytest.fixture(scope="module")
-def scripted():
-    server = ScriptedDns()
-    try:
-        yield server
-    finally:
-        server.close()
+from tests.support.scripted_dns import CANARY, REAL, Plan
 
 
 @pytest.fixture(scope="module")

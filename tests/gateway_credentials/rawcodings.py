@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 import brotli
 from backports import zstd
 
+from tests.support.h2server import serve_h2_events
+
 
 def _raw_deflate(data: bytes) -> bytes:
     c = zlib.compressobj(9, zlib.DEFLATED, -15)
@@ -218,42 +220,34 @@ class RawUpstream:
         """HTTP/2: /te-gzip sends `transfer-encoding: gzip` and a gzip body; /ce-gzip-br the same body
         under `content-encoding: gzip, br` (that one is legal and must be decoded)."""
         import h2.config
-        import h2.connection
         import h2.events
+
+        reqs: dict[int, dict] = {}
+
+        async def on_event(conn, event) -> bool:
+            if isinstance(event, h2.events.RequestReceived):
+                reqs[event.stream_id] = {k.decode(): v.decode() for k, v in event.headers}
+            elif isinstance(event, h2.events.StreamEnded):
+                req = reqs.pop(event.stream_id, {})
+                auth = req.get("authorization", "")
+                secret = auth[7:] if auth.startswith("Bearer ") else req.get("x-echo", "")
+                path = req.get(":path", "")
+                body = payload(secret)
+                headers = [(":status", "200"), ("content-type", "text/plain")]
+                if path.endswith("/te-gzip"):
+                    body = gzip.compress(body)
+                    headers.append(("transfer-encoding", "gzip"))
+                else:
+                    body = brotli.compress(gzip.compress(body))
+                    headers.append(("content-encoding", "gzip, br"))
+                self.sent.append(Sent(path, secret, body))
+                conn.send_headers(event.stream_id, headers)
+                conn.send_data(event.stream_id, body, end_stream=True)
+            return False
 
         config = h2.config.H2Configuration(client_side=False, validate_outbound_headers=False,
                                            normalize_outbound_headers=False)
-        conn = h2.connection.H2Connection(config)
-        conn.initiate_connection()
-        writer.write(conn.data_to_send())
-        reqs: dict[int, dict] = {}
-        try:
-            while data := await reader.read(65536):
-                for event in conn.receive_data(data):
-                    if isinstance(event, h2.events.RequestReceived):
-                        reqs[event.stream_id] = {k.decode(): v.decode() for k, v in event.headers}
-                    elif isinstance(event, h2.events.StreamEnded):
-                        req = reqs.pop(event.stream_id, {})
-                        auth = req.get("authorization", "")
-                        secret = auth[7:] if auth.startswith("Bearer ") else req.get("x-echo", "")
-                        path = req.get(":path", "")
-                        body = payload(secret)
-                        headers = [(":status", "200"), ("content-type", "text/plain")]
-                        if path.endswith("/te-gzip"):
-                            body = gzip.compress(body)
-                            headers.append(("transfer-encoding", "gzip"))
-                        else:
-                            body = brotli.compress(gzip.compress(body))
-                            headers.append(("content-encoding", "gzip, br"))
-                        self.sent.append(Sent(path, secret, body))
-                        conn.send_headers(event.stream_id, headers)
-                        conn.send_data(event.stream_id, body, end_stream=True)
-                writer.write(conn.data_to_send())
-                await writer.drain()
-        except (ConnectionError, OSError):
-            pass
-        finally:
-            writer.close()
+        await serve_h2_events(reader, writer, on_event, config)
 
 
 # ----------------------------------------------------------------------------------- leak detector

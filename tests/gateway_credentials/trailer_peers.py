@@ -20,6 +20,7 @@ import h2.settings
 import h11
 
 from tests.support.credworld import Gateway
+from tests.support.h2server import serve_h2_events
 from tests.support.loopback import Hits
 
 
@@ -111,49 +112,45 @@ async def serve_h1(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, h
 async def serve_h2(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, hits: Hits) -> None:
     """HTTP/2 upstream: records each stream's headers, body length, trailers, and whether it ended or was
     reset; /resp-trailers answers with trailers echoing the credential."""
-    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False, header_encoding="utf-8"))
-    conn.initiate_connection()
-    writer.write(conn.data_to_send())
     streams: dict[int, dict] = {}
-    try:
-        while data := await reader.read(65536):
-            for event in conn.receive_data(data):
-                if isinstance(event, h2.events.RequestReceived):
-                    d = dict(event.headers)
-                    streams[event.stream_id] = {"method": d.get(":method"), "path": d.get(":path"), "body_len": 0,
-                                                "trailers": [], "headers": list(event.headers), "h2": True}
-                elif isinstance(event, h2.events.DataReceived):
-                    conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
-                    streams[event.stream_id]["body_len"] += len(event.data)
-                elif isinstance(event, h2.events.TrailersReceived):
-                    streams[event.stream_id]["trailers"] = list(event.headers)
-                elif isinstance(event, h2.events.StreamReset):
-                    if event.stream_id in streams:
-                        hits.add({**streams.pop(event.stream_id), "complete": False})
-                elif isinstance(event, h2.events.StreamEnded):
-                    req = streams.pop(event.stream_id)
-                    hits.add({**req, "complete": True})
-                    secret = ""
-                    for name, value in req["headers"]:
-                        if name == "authorization" and value.startswith("Bearer "):
-                            secret = value[7:]
-                    if req["path"] == "/resp-trailers":
-                        conn.send_headers(event.stream_id, [(":status", "200"), ("content-type", "text/plain")])
-                        conn.send_data(event.stream_id, b"body-before-trailers")
-                        conn.send_headers(event.stream_id, [("x-echo", f"token={secret}"), ("x-plain", "ok")],
-                                          end_stream=True)
-                    else:
-                        body = json.dumps({"path": req["path"], "body_len": req["body_len"]}).encode()
-                        conn.send_headers(event.stream_id, [(":status", "200"), ("content-length", str(len(body)))])
-                        conn.send_data(event.stream_id, body, end_stream=True)
-            writer.write(conn.data_to_send())
-            await writer.drain()
-    except (ConnectionError, OSError, h2.exceptions.ProtocolError):
-        pass
-    finally:
+
+    async def on_event(conn, event) -> bool:
+        if isinstance(event, h2.events.RequestReceived):
+            d = dict(event.headers)
+            streams[event.stream_id] = {"method": d.get(":method"), "path": d.get(":path"), "body_len": 0,
+                                        "trailers": [], "headers": list(event.headers), "h2": True}
+        elif isinstance(event, h2.events.DataReceived):
+            streams[event.stream_id]["body_len"] += len(event.data)
+        elif isinstance(event, h2.events.TrailersReceived):
+            streams[event.stream_id]["trailers"] = list(event.headers)
+        elif isinstance(event, h2.events.StreamReset):
+            if event.stream_id in streams:
+                hits.add({**streams.pop(event.stream_id), "complete": False})
+        elif isinstance(event, h2.events.StreamEnded):
+            req = streams.pop(event.stream_id)
+            hits.add({**req, "complete": True})
+            secret = ""
+            for name, value in req["headers"]:
+                if name == "authorization" and value.startswith("Bearer "):
+                    secret = value[7:]
+            if req["path"] == "/resp-trailers":
+                conn.send_headers(event.stream_id, [(":status", "200"), ("content-type", "text/plain")])
+                conn.send_data(event.stream_id, b"body-before-trailers")
+                conn.send_headers(event.stream_id, [("x-echo", f"token={secret}"), ("x-plain", "ok")],
+                                  end_stream=True)
+            else:
+                body = json.dumps({"path": req["path"], "body_len": req["body_len"]}).encode()
+                conn.send_headers(event.stream_id, [(":status", "200"), ("content-length", str(len(body)))])
+                conn.send_data(event.stream_id, body, end_stream=True)
+        return False
+
+    def unfinished() -> None:  # a stream that never ended (EOF, reset connection, protocol error) is a hit too
         for req in streams.values():
             hits.add({**req, "complete": False})
-        writer.close()
+
+    await serve_h2_events(reader, writer, on_event,
+                          h2.config.H2Configuration(client_side=False, header_encoding="utf-8"),
+                          errors=(ConnectionError, OSError, h2.exceptions.ProtocolError), on_close=unfinished)
 
 
 @dataclass

@@ -11,7 +11,6 @@ import os
 import secrets
 import signal
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import pytest
 
 from egressgate.runtimes.cgroups import read_mounts
 from egressgate.runtimes.limits import ResourceLimits
+from tests.support import waiting
 from tests.support.env import IN_CI
 
 PARENT = "egL"
@@ -91,12 +91,8 @@ def alive(pid: int) -> bool:
 
 
 def wait_for(predicate, timeout: float = 10.0, step: float = 0.02) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(step)
-    return predicate()
+    """tests.support.waiting.wait_for with this folder's defaults (cgroup and process teardown is slower)."""
+    return waiting.wait_for(predicate, timeout, step)
 
 
 def exit_signal(proc: subprocess.Popen) -> int | None:

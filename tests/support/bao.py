@@ -20,6 +20,7 @@ from pydantic import TypeAdapter
 
 from egressgate.broker.config import BrokerConfig, Capability
 from tests.support.env import free_port
+from tests.support.launcher import stop_process
 
 BAO = str(Path(sys.executable).parent / "bao")
 KV_SECRET = "sk-kv-" + secrets.token_urlsafe(24)
@@ -74,13 +75,8 @@ class BaoServer:
         raise RuntimeError("bao did not become healthy")
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        if self.proc is not None:
+            stop_process(self.proc, timeout=5)
 
     def root(self) -> hvac.Client:
         return hvac.Client(url=self.addr, token=self.root_token, timeout=5)

@@ -83,14 +83,7 @@ def open_world(tmp: Path) -> Iterator[World]:
     try:
         yield w
     finally:
-        async def stop():
-            for runner in runners:
-                await runner.cleanup()
-            for server in servers:
-                server.close()
-            transport.close()
-        loop.run(stop())
-        loop.stop()
+        loop.close(runners, servers, [transport])
 
 
 # --------------------------------------------------------------------------------------- policies

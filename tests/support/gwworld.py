@@ -159,14 +159,7 @@ def open_world(tmp: Path) -> Iterator[World]:
     try:
         yield w
     finally:
-        async def stop():
-            for runner in runners:
-                await runner.cleanup()
-            for server in tcp_servers:
-                server.close()
-            transport.close()
-        loop.run(stop())
-        loop.stop()
+        loop.close(runners, tcp_servers, [transport])
         filler.close()
         blackhole.close()
 

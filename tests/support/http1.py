@@ -85,6 +85,7 @@ def parse_response(data: bytes, sock: socket.socket | ssl.SSLSocket | None = Non
 
 
 def read_head(sock) -> bytes:
+    """Bytes up to and past the end of the head (what the last recv brought); all there was if it closed first."""
     data = b""
     while b"\r\n\r\n" not in data:
         chunk = sock.recv(65536)
@@ -97,13 +98,7 @@ def read_head(sock) -> bytes:
 def read_reply(sock, timeout: float = 10) -> tuple[int, dict, bytes]:
     """Read one HTTP/1.1 response (Content-Length or close-delimited); status 0 when no head came."""
     sock.settimeout(timeout)
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = sock.recv(65536)
-        if not chunk:
-            break
-        data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
+    head, _, body = read_head(sock).partition(b"\r\n\r\n")
     lines = head.decode("latin-1").split("\r\n")
     status = int(lines[0].split()[1]) if lines and len(lines[0].split()) > 1 else 0
     headers = {}

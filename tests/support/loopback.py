@@ -52,6 +52,19 @@ class LoopThread:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
 
+    def close(self, runners=(), servers=(), transports=()) -> None:
+        """A world's teardown: clean up its aiohttp runners, close its asyncio servers and datagram
+        transports on this loop (they belong to it), then stop the loop."""
+        async def stop():
+            for runner in runners:
+                await runner.cleanup()
+            for server in servers:
+                server.close()
+            for transport in transports:
+                transport.close()
+        self.run(stop())
+        self.stop()
+
 
 class DnsServer(asyncio.DatagramProtocol):
     """Answers A queries from `records`; `flip` names alternate between two answers with TTL 0."""

@@ -19,6 +19,7 @@ from urllib.parse import quote
 import httpx
 from aiohttp import web
 
+from tests.support.h2server import serve_h2_events
 from tests.support.jwtcheck import TokenRejected, verify
 from tests.support.loopback import Hits
 
@@ -172,44 +173,33 @@ def make_app(hits: Hits, jwks_url: dict) -> web.Application:
 async def serve_h2(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, hits: Hits) -> None:
     """An HTTP/2-only reflecting upstream: /h2/chunks streams the credential split over DATA frames (no
     content-length), /h2/gzip sends it gzip-compressed; the client side then negotiates h2 too."""
-    import h2.config
-    import h2.connection
     import h2.events
 
-    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False))
-    conn.initiate_connection()
-    writer.write(conn.data_to_send())
     streams: dict[int, list] = {}
-    try:
-        while data := await reader.read(65536):
-            for event in conn.receive_data(data):
-                if isinstance(event, h2.events.RequestReceived):
-                    streams[event.stream_id] = [(k.decode(), v.decode()) for k, v in event.headers]
-                elif isinstance(event, h2.events.DataReceived):
-                    conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
-                elif isinstance(event, h2.events.StreamEnded):
-                    req = streams.pop(event.stream_id, [])
-                    d = dict(req)
-                    auth = [v for k, v in req if k == "authorization"]
-                    hits.add({"method": d.get(":method"), "host": d.get(":authority"), "path": d.get(":path"),
-                              "query": "", "auth": auth, "headers": req, "body": b"", "port": None})
-                    s = auth[0][7:] if auth and auth[0].startswith("Bearer ") else ""
-                    payload = b"x" * 1000 + s.encode() + base64.b64encode(s.encode()) + b"y" * 1000
-                    headers = [(":status", "200"), ("content-type", "text/plain")]
-                    if d.get(":path") == "/h2/gzip":
-                        payload = gzip.compress(payload)
-                        headers.append(("content-encoding", "gzip"))
-                    conn.send_headers(event.stream_id, headers)
-                    for i in range(0, len(payload), 5):
-                        conn.send_data(event.stream_id, payload[i:i + 5])
-                        if i % 50 == 0:
-                            writer.write(conn.data_to_send())
-                            await writer.drain()
-                            await asyncio.sleep(0)
-                    conn.end_stream(event.stream_id)
-            writer.write(conn.data_to_send())
-            await writer.drain()
-    except (ConnectionError, OSError):
-        pass
-    finally:
-        writer.close()
+
+    async def on_event(conn, event) -> bool:
+        if isinstance(event, h2.events.RequestReceived):
+            streams[event.stream_id] = [(k.decode(), v.decode()) for k, v in event.headers]
+        elif isinstance(event, h2.events.StreamEnded):
+            req = streams.pop(event.stream_id, [])
+            d = dict(req)
+            auth = [v for k, v in req if k == "authorization"]
+            hits.add({"method": d.get(":method"), "host": d.get(":authority"), "path": d.get(":path"),
+                      "query": "", "auth": auth, "headers": req, "body": b"", "port": None})
+            s = auth[0][7:] if auth and auth[0].startswith("Bearer ") else ""
+            payload = b"x" * 1000 + s.encode() + base64.b64encode(s.encode()) + b"y" * 1000
+            headers = [(":status", "200"), ("content-type", "text/plain")]
+            if d.get(":path") == "/h2/gzip":
+                payload = gzip.compress(payload)
+                headers.append(("content-encoding", "gzip"))
+            conn.send_headers(event.stream_id, headers)
+            for i in range(0, len(payload), 5):
+                conn.send_data(event.stream_id, payload[i:i + 5])
+                if i % 50 == 0:
+                    writer.write(conn.data_to_send())
+                    await writer.drain()
+                    await asyncio.sleep(0)
+            conn.end_stream(event.stream_id)
+        return False
+
+    await serve_h2_events(reader, writer, on_event)

@@ -14,6 +14,7 @@ import json
 
 from aiohttp import web
 
+from tests.support.h2server import serve_h2_events
 from tests.support.loopback import Hits
 
 
@@ -91,39 +92,28 @@ def make_app(hits: Hits, sse_release: dict) -> web.Application:
 async def serve_h2(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, hits: Hits) -> None:
     """A minimal HTTP/2-only upstream (h2 state machine over asyncio) so the client side negotiates h2
     through the gateway (mitmproxy mirrors the upstream's ALPN)."""
-    import h2.config
-    import h2.connection
     import h2.events
 
-    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False))
-    conn.initiate_connection()
-    writer.write(conn.data_to_send())
     streams: dict[int, dict] = {}
-    try:
-        while data := await reader.read(65536):
-            for event in conn.receive_data(data):
-                if isinstance(event, h2.events.RequestReceived):
-                    streams[event.stream_id] = {k.decode(): v.decode() for k, v in event.headers}
-                elif isinstance(event, h2.events.DataReceived):
-                    conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
-                elif isinstance(event, h2.events.StreamEnded):
-                    req = streams.pop(event.stream_id, {})
-                    hits.add({"method": req.get(":method"), "path": req.get(":path"),
-                              "host": req.get(":authority"), "headers": req, "body_len": 0, "h2": True})
-                    if req.get(":path") == "/ok/upstream-continuation-flood":
-                        writer.write(conn.data_to_send())
-                        hits.add(await continuation_flood(reader, writer, event.stream_id))
-                        return
-                    body = json.dumps({"path": req.get(":path"), "h2": True}).encode()
-                    conn.send_headers(event.stream_id, [(":status", "200"), ("content-type", "application/json"),
-                                                        ("content-length", str(len(body)))])
-                    conn.send_data(event.stream_id, body, end_stream=True)
-            writer.write(conn.data_to_send())
-            await writer.drain()
-    except (ConnectionError, OSError):
-        pass
-    finally:
-        writer.close()
+
+    async def on_event(conn, event) -> bool:
+        if isinstance(event, h2.events.RequestReceived):
+            streams[event.stream_id] = {k.decode(): v.decode() for k, v in event.headers}
+        elif isinstance(event, h2.events.StreamEnded):
+            req = streams.pop(event.stream_id, {})
+            hits.add({"method": req.get(":method"), "path": req.get(":path"),
+                      "host": req.get(":authority"), "headers": req, "body_len": 0, "h2": True})
+            if req.get(":path") == "/ok/upstream-continuation-flood":
+                writer.write(conn.data_to_send())
+                hits.add(await continuation_flood(reader, writer, event.stream_id))
+                return True
+            body = json.dumps({"path": req.get(":path"), "h2": True}).encode()
+            conn.send_headers(event.stream_id, [(":status", "200"), ("content-type", "application/json"),
+                                                ("content-length", str(len(body)))])
+            conn.send_data(event.stream_id, body, end_stream=True)
+        return False
+
+    await serve_h2_events(reader, writer, on_event)
 
 
 async def continuation_flood(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, stream_id: int,
