@@ -70,6 +70,7 @@ class FileSink(TrailMixin, WriteMixin):
         pending_max: int = 10_000,
         sign_timeout: float = 10.0,
         retry_spool: str | os.PathLike[str] | None = None,
+        after_delay: float = 0.002,
     ) -> None:
         if path is None and exporter is None:
             raise ValueError("audit sink needs a file path, an OTLP exporter, or both")
@@ -101,6 +102,9 @@ class FileSink(TrailMixin, WriteMixin):
         self._last_fstat = 0.0
         self.pending_max = pending_max  # queued after-the-fact records beyond which new requests are denied
         self._pending: deque[Record] = deque()
+        self.after_delay = after_delay  # enqueue_after records wait at most this long for a batch to join
+        self._after: list[Record] = []
+        self._after_timer: asyncio.TimerHandle | None = None
         self._spool = RetrySpool(Path(retry_spool) if retry_spool is not None else None)
         self._spooled: set[int] = set()  # ids of queued records that also have a copy in the spool
         self._incident_next: list[Record] = []  # written right after the next chain_start
@@ -152,6 +156,8 @@ class FileSink(TrailMixin, WriteMixin):
                 self._queue_for_retry(item[0], err)
             elif not item[1].done():
                 item[1].set_exception(err)
+        for record, _ in self._take_after():  # enqueue_after records not yet in a batch
+            self._queue_for_retry(record, err)
         self._report_lost()
 
     def healthy(self) -> bool:
@@ -233,6 +239,8 @@ class FileSink(TrailMixin, WriteMixin):
                 if len(batch) >= self.batch_max or self._queue.empty():
                     break
                 item = self._queue.get_nowait()
+            if self._after:
+                batch[:0] = self._take_after()
             if batch or stopping or self._sign_due:
                 await self._run_batch(batch, final=stopping, checkpoint=self._sign_due)
         self._report_lost()

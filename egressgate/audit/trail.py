@@ -210,7 +210,22 @@ class TrailMixin:
         if self._closed or self._writer is None or self._writer.done():
             self._queue_for_retry(record, AuditUnavailable("audit sink is not running"))
             return
-        self._queue.put_nowait((record, None))
+        # Not queued at once: it rides the next batch (at c=1 the next request's decision record, so one
+        # os.write and one writer wake-up per request instead of two), or after `after_delay` at the latest.
+        self._after.append(record)
+        if self._after_timer is None:
+            self._after_timer = asyncio.get_running_loop().call_later(self.after_delay, self._kick_after)
+
+    def _kick_after(self: FileSink) -> None:
+        self._after_timer = None
+        if self._after:
+            self._queue.put_nowait(WAKE)
+
+    def _take_after(self: FileSink) -> list:
+        """The deferred after-the-fact records, as batch items with no future (the writer's only caller)."""
+        items = [(r, None) for r in self._after]
+        self._after.clear()  # the timer is left to fire (a no-op then): one timer per window, not per record
+        return items
 
     def _queue_for_retry(self: FileSink, record: Record, exc: Exception) -> None:
         """An after-the-fact record whose write failed: retried first in every later batch (and copied to

@@ -366,3 +366,23 @@ async def test_enqueued_outcomes_are_spooled_when_the_disk_never_returns(tiny_fs
     files = history(path)
     assert all(r.ok for r in verify_files(files, load_public_keys([pubkey])))
     assert ids(*files) == [*accepted, *(e.request_id for e in queued)]
+
+
+async def test_enqueued_outcome_rides_the_next_batch_or_its_timer(tmp_path, signer, pubkey):
+    """An outcome joins the next record's batch (one os.write for both, outcome first); alone, its timer
+    writes it within `after_delay` (it does not wait for traffic or close())."""
+    sink = await FileSink(tmp_path / "audit.jsonl", signer, after_delay=0.05).start()
+    first = http_event(7500)
+    await sink.write(first)
+    batches = sink.batches_written
+    out1, dec2 = http_event(7501, kind="outcome"), http_event(7502)
+    sink.enqueue_after(out1)
+    await sink.write(dec2)
+    assert sink.batches_written == batches + 1  # one batch for both
+    alone = http_event(7503, kind="outcome")
+    sink.enqueue_after(alone)
+    await until(lambda: sink.batches_written == batches + 2, timeout=2)  # no traffic, no close: the timer
+    assert alone.request_id in sink.path.read_text()
+    await sink.close()
+    assert verify_file(sink.path, load_public_keys([pubkey])).ok
+    assert ids(sink.path) == [e.request_id for e in (first, out1, dec2, alone)]
