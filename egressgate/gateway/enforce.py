@@ -9,15 +9,19 @@ earlier stages planned, its request hash and its request history.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 from mitmproxy import http
 
+from egressgate.audit.build import build
+from egressgate.audit.event import EventKind
 from egressgate.gateway import request_hash
-from egressgate.gateway.budgets import in_counter, out_counter, outbound_limit
+from egressgate.gateway.budgets import in_counter, out_counter, outbound_limit, refund_prepaid
 from egressgate.gateway.compose import compose_request, compose_response
 from egressgate.gateway.context import Runtime, flow_state
 from egressgate.gateway.credentials import stream_misuse
 from egressgate.gateway.deny import REQUEST_ID_HEADER, deny_response, gateway_deny
+from egressgate.gateway.record import write_behind
 from egressgate.policy.reasons import Reason
 from egressgate.state.base import StateUnavailable
 
@@ -69,17 +73,46 @@ class Enforce:
                 return
             flow.response = deny_response(decision, fs.request_id)
             return
+        if not await self._record_history(flow, fs):
+            return
         request_hash.start(flow.request, fs)
         if fs.stream_request:
             counter = (out_counter(self.rt, fs, flow.client_conn.id, outbound_limit(self.rt, fs))
                        if fs.meter_request else None)
             flow.request.stream = compose_request(
                 fs.hasher, lambda hits: stream_misuse(self.rt, flow, fs, hits), counter)
-        if fs.sandbox_id is not None and fs.host is not None:
-            try:
-                await self.rt.state.record_request(fs.sandbox_id, fs.host, decision.rule_id, fs.prepaid_out)
-            except StateUnavailable:
-                logger.error("could not record request history for %s", fs.sandbox_id)
+
+    async def _record_history(self, flow: http.HTTPFlow, fs) -> bool:
+        """Enter the allowed request into the sandbox's history before a byte of it goes upstream.
+
+        Fail closed: a request the history does not know of would be invisible to every later
+        `after_request_to` / `unless_request_to` condition and request budget, so when the state store
+        cannot write it the request is refused `state_unavailable` (prepaid bytes refunded: nothing went
+        upstream). The refusal is recorded under the request id of its allow record (a deny takes effect
+        whether or not its record is written: queued and retried, never dropped)."""
+        if fs.sandbox_id is None or fs.host is None:
+            return True
+        allowed = fs.decision
+        try:
+            await self.rt.state.record_request(fs.sandbox_id, fs.host, allowed.rule_id, fs.prepaid_out)
+            return True
+        except StateUnavailable as exc:
+            logger.error("could not record request history for %s: %s; refusing the request", fs.sandbox_id, exc)
+        refund_prepaid(self.rt, fs)
+        fs.decision = replace(gateway_deny(Reason.STATE_UNAVAILABLE, detail="request history not written",
+                                           rule_id=allowed.rule_id), capability=allowed.capability)
+        write_behind(self.rt, build(
+            EventKind.HTTP_REQUEST, request_id=fs.request_id, verdict=fs.decision,
+            extra={"egressgate.phase": "history"}, sandbox_id=fs.sandbox_id, policy_name=fs.policy_name,
+            policy_hash=fs.policy_hash, scheme=fs.scheme, host=fs.host, port=fs.port, method=fs.method,
+            path=fs.path, bytes_out=fs.bytes_out,
+        ))
+        flow.request.stream = False
+        if pending_body_too_large(flow.request):
+            flow.kill()  # as for any deny: never buffer an unbounded body to answer it
+        else:
+            flow.response = deny_response(fs.decision, fs.request_id)
+        return False
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         fs = flow_state(flow)
