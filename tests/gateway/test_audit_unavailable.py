@@ -7,6 +7,7 @@ from __future__ import annotations
 from tests.support.gwworld import start_gateway
 from tests.support.launcher import stop_gateway
 from tests.support.tmpfs import fill
+from tests.support.waiting import wait_for
 
 
 def test_full_audit_disk_denies_then_recovers(gateway, tiny_fs, tmp_path):
@@ -15,7 +16,13 @@ def test_full_audit_disk_denies_then_recovers(gateway, tiny_fs, tmp_path):
     try:
         sbx = gw.admit("gw-basic")
         with sbx.client() as c:
-            assert c.get(sbx.url("api.test", "/echo")).status_code == 200
+            first = c.get(sbx.url("api.test", "/echo"))
+            assert first.status_code == 200
+        # its outcome record is written behind the response (it may wait a moment for a batch to join):
+        # let it land before the disk fills, so what fails below is the next decision, not that outcome
+        rid = first.headers["x-egressgate-request-id"]
+        audit = tiny_fs / "audit.jsonl"
+        assert wait_for(lambda: audit.read_text().count(rid) >= 2, timeout=5)  # decision + outcome
         filler = fill(tiny_fs)
         mark = world.hits.mark()
         with sbx.client() as c:
