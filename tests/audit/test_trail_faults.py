@@ -47,6 +47,16 @@ async def until(cond, timeout: float = 10) -> None:
     raise AssertionError("condition not reached")
 
 
+async def full_disk_sink(tiny_fs, signer, **options) -> tuple[FileSink, object, list[str]]:
+    """A sink on a genuinely full tmpfs (ENOSPC): (sink, the filler file to unlink for room, the ids it
+    accepted before the disk filled)."""
+    filler = tiny_fs / "filler"
+    filler.write_bytes(b"x" * 32 * 1024)
+    sink = await FileSink(tiny_fs / "audit" / "audit.jsonl", signer, **options).start()
+    accepted, _ = await fill_until_failure(sink)
+    return sink, filler, accepted
+
+
 async def write_burst(sink, start: int, n: int) -> list[str]:
     events = [http_event(start + i) for i in range(n)]
     await asyncio.gather(*(sink.write(e) for e in events))
@@ -208,11 +218,8 @@ async def test_edited_crash_tail_is_not_signed_at_restart(tmp_path, signer, pubk
 # --- item 16: after-the-fact records when the write fails ---------------------------------------------------
 
 async def test_outcomes_are_retried_never_dropped(tiny_fs, signer, pubkey, caplog):
-    filler = tiny_fs / "filler"
-    filler.write_bytes(b"x" * 32 * 1024)
-    sink = await FileSink(tiny_fs / "audit" / "audit.jsonl", signer, checkpoint_every=10, probe_interval=0.05,
-                          pending_max=3).start()
-    accepted, _ = await fill_until_failure(sink)
+    sink, filler, accepted = await full_disk_sink(tiny_fs, signer, checkpoint_every=10,
+                                                   probe_interval=0.05, pending_max=3)
     outcomes = [http_event(7000 + i, kind="outcome") for i in range(5)]
     with caplog.at_level(logging.ERROR):
         results = [await sink.write_after(ev) for ev in outcomes]  # the disk is full: queued, not lost
@@ -232,10 +239,7 @@ async def test_outcomes_are_retried_never_dropped(tiny_fs, signer, pubkey, caplo
 async def test_queued_outcomes_are_named_when_the_sink_stops(tiny_fs, signer, caplog):
     """If the disk never comes back and there is no spool, the records cannot be written, but they are not
     silently dropped: each is named."""
-    filler = tiny_fs / "filler"
-    filler.write_bytes(b"x" * 32 * 1024)
-    sink = await FileSink(tiny_fs / "audit" / "audit.jsonl", signer, probe_interval=0.05).start()
-    await fill_until_failure(sink)
+    sink, _, _ = await full_disk_sink(tiny_fs, signer, probe_interval=0.05)
     ev = http_event(1, kind="outcome")
     assert await sink.write_after(ev) is False
     with caplog.at_level(logging.CRITICAL):
@@ -270,10 +274,7 @@ async def test_connection_limit_records_on_a_full_disk_are_queued_not_dropped(ti
     """A limit refusal (gateway/limit_audit.py) took effect whether or not its record is written: on a full
     disk the record is queued and retried like an outcome, never dropped; the summary of suppressed events
     too. Control: the same records are in the file once the disk has room again."""
-    filler = tiny_fs / "filler"
-    filler.write_bytes(b"x" * 32 * 1024)
-    sink = await FileSink(tiny_fs / "audit" / "audit.jsonl", signer, probe_interval=0.05).start()
-    await fill_until_failure(sink)
+    sink, filler, _ = await full_disk_sink(tiny_fs, signer, probe_interval=0.05)
     rt = SimpleNamespace(audit=sink, background=set())
     limits = LimitAudit(rt, per_second=1)
     limits.record(Reason.CONNECTION_LIMIT, "198.18.7.7", "over limits.max_connections_per_source")
@@ -288,16 +289,15 @@ async def test_connection_limit_records_on_a_full_disk_are_queued_not_dropped(ti
                if f.record.attributes.get("egressgate.operation") == "connection"]
     assert [a.get("client.address") for a in refused] == ["198.18.7.7", "198.18.7.7"]
     assert [a.get("egressgate.suppressed") for a in refused] == [None, 1]
+
+
 # --- issue 11: enqueue_after (no task per outcome) keeps the never-dropped rule -------------------------------
 
 async def test_enqueued_outcomes_are_retried_never_dropped(tiny_fs, signer, pubkey, caplog):
     """A genuinely full disk: outcomes handed over with enqueue_after (nobody awaits them) land in the retry
     queue when their batch fails, are named in the log, and are written once the disk has room again."""
-    filler = tiny_fs / "filler"
-    filler.write_bytes(b"x" * 32 * 1024)
-    sink = await FileSink(tiny_fs / "audit" / "audit.jsonl", signer, checkpoint_every=10, probe_interval=0.05,
-                          pending_max=3).start()
-    accepted, _ = await fill_until_failure(sink)
+    sink, filler, accepted = await full_disk_sink(tiny_fs, signer, checkpoint_every=10,
+                                                   probe_interval=0.05, pending_max=3)
     outcomes = [http_event(7100 + i, kind="outcome") for i in range(5)]
     with caplog.at_level(logging.ERROR):
         for ev in outcomes:
