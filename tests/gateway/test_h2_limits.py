@@ -19,6 +19,7 @@ import h2.events
 from hyperframe.frame import ContinuationFrame, HeadersFrame
 
 from tests.support.gwworld import connect_tunnel
+from tests.support.waiting import wait_for
 
 FRAME = 128 * 1024 - 1  # under mitmproxy's advertised max frame size (2**17)
 
@@ -122,7 +123,13 @@ def test_upstream_continuation_flood_refused(gateway):
     refused = status is not None or (seen and (seen[-1] == "closed" or isinstance(
         seen[-1], (h2.events.StreamReset, h2.events.ConnectionTerminated))))
     assert refused, f"the sandbox got no answer: {seen}"
-    result = next(h for h in gateway.world.hits.since(mark) if h.get("path") == "upstream-flood-result")
+    # the hostile upstream records what it managed to send once the gateway closes on it, which may come
+    # just after the sandbox saw the refusal: wait for that record instead of reading it at once
+    def flood_result() -> dict | None:
+        return next((h for h in gateway.world.hits.since(mark) if h.get("path") == "upstream-flood-result"), None)
+
+    assert wait_for(lambda: flood_result() is not None, timeout=10), "the hostile upstream recorded nothing"
+    result = flood_result()
     assert not result.get("ignored"), result
     assert result["bytes"] <= 64 * 1024 + 2 * 16000, f"the gateway took {result['bytes']} bytes of one header block"
     # positive control: an ordinary request over the same kind of tunnel is served
