@@ -14,7 +14,7 @@ import yaml
 from click.testing import CliRunner
 
 from egressgate.commands import cli as main
-from tests.support.env import free_port
+from tests.support.env import refusing_port
 
 
 def config(tmp_path) -> str:
@@ -27,9 +27,9 @@ def config(tmp_path) -> str:
 
 
 def test_unreachable_admin_api_is_one_clear_error(tmp_path):
-    port = free_port()  # nothing listens there
-    r = CliRunner().invoke(main, ["sandbox", "admit", "--config", config(tmp_path), "--admin",
-                                  f"http://127.0.0.1:{port}", "--policy", "p"])
+    with refusing_port() as port:
+        r = CliRunner().invoke(main, ["sandbox", "admit", "--config", config(tmp_path), "--admin",
+                                      f"http://127.0.0.1:{port}", "--policy", "p"])
     assert r.exit_code == 1 and "admin API unreachable" in r.output and "Traceback" not in r.output
 
 

@@ -21,20 +21,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.support.env import refusing_port
 from tests.support.gwworld import connect_tunnel, start_gateway
 from tests.support.launcher import stop_gateway
 from tests.support.waiting import wait_for
-
-
-def _free_port() -> int:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
-    return port
-
-
-DEAD_PORT = _free_port()  # nothing listens there: the upstream refuses the connection
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +53,14 @@ def counting(world):
 
 
 @pytest.fixture(scope="module")
-def gw(world, counting, tmp_path_factory):
+def dead_port():
+    """A port held bound and never listening for the module: the upstream refuses the connection."""
+    with refusing_port() as port:
+        yield port
+
+
+@pytest.fixture(scope="module")
+def gw(world, counting, dead_port, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("gw-silent")
     (tmp / "policies").mkdir()
     port, _ = counting
@@ -74,9 +71,9 @@ def gw(world, counting, tmp_path_factory):
     for name in ("pt-dead.test", "mitm-dead.test", "tcp-dead.test"):
         world.dns.records[name] = "127.0.0.1"
     doc["network"]["https"]["allow"] += [
-        {"id": "pt-dead", "host": "pt-dead.test", "ports": [DEAD_PORT], "tls": "passthrough"},
-        {"id": "mitm-dead", "host": "mitm-dead.test", "ports": [DEAD_PORT]}]
-    doc["network"]["tcp"]["allow"].append({"id": "tcp-dead", "host": "tcp-dead.test", "ports": [DEAD_PORT]})
+        {"id": "pt-dead", "host": "pt-dead.test", "ports": [dead_port], "tls": "passthrough"},
+        {"id": "mitm-dead", "host": "mitm-dead.test", "ports": [dead_port]}]
+    doc["network"]["tcp"]["allow"].append({"id": "tcp-dead", "host": "tcp-dead.test", "ports": [dead_port]})
     (tmp / "policies" / "silent.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
     gateway = start_gateway(world, tmp)
     try:
@@ -132,12 +129,12 @@ def test_tcp_relay_gets_its_outcome_with_or_without_bytes(gw, world, silent):
 
 
 @pytest.mark.parametrize("host", ["pt-dead.test", "mitm-dead.test", "tcp-dead.test"])
-def test_allowed_connect_whose_upstream_is_down_gets_its_outcome(gw, host):
+def test_allowed_connect_whose_upstream_is_down_gets_its_outcome(gw, dead_port, host):
     """Sibling: an allowed CONNECT whose eager upstream connection fails is answered 502 by mitmproxy,
     and no other hook sees the flow again; its allow record still gets an outcome saying why. Positive
     control: the decision was an allow (the upstream was dialed and refused the connection)."""
     sbx = gw.admit("silent")
-    sock, head = connect_tunnel(gw, sbx, f"{host}:{DEAD_PORT}")
+    sock, head = connect_tunnel(gw, sbx, f"{host}:{dead_port}")
     sock.close()
     assert head.startswith(b"HTTP/1.1 502"), head
     [decision] = _records(gw, sbx.id, "connect")
