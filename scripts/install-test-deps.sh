@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install the Debian packages the tests and benchmarks use (nftables, iproute2, dig, curl; Squid, dnsmasq, wrk;
+# Install the Debian packages the tests and benchmarks use (nftables, iproute2, dig, curl; Squid, dnsmasq, wrk; redis-server for the shared-state tests;
 # Docker, gVisor runsc, static busybox, mmdebstrap and bubblewrap for the runtime adapters)
 # when they are missing. Needs root; otherwise it says what is missing and the tests that need it skip
 # (outside CI) or fail (in CI).
@@ -7,6 +7,7 @@ set -eu
 need=()
 have() { command -v "$1" >/dev/null 2>&1; }
 have squid || need+=(squid)
+have redis-server || need+=(redis-server)
 have dnsmasq || need+=(dnsmasq-base)
 have nft || need+=(nftables)
 have ip || need+=(iproute2)
