@@ -35,6 +35,7 @@ import os
 import secrets
 import shlex
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -203,6 +204,39 @@ class Driver:
         return out
 
 
+    def profile(self, name: str) -> dict:
+        """One more gateway of candidate `name` (one process) under cProfile through a c=32 cell per mode;
+        where its CPU goes (loadtests/cprofile_gateway.py). Not part of the measured figures."""
+        up = self.procs["upstream"]
+        prof = self.dir / f"{name}.prof"
+        try:
+            p = state_procs.start_gateway(self.world, self.dir, self.certs.ca_pem, up.info["http_port"],
+                                          up.info["https_port"], state_procs.CANDIDATES[name],
+                                          self.redis.info["url"] if self.redis else None, self.tag, profile_to=prof)
+        except Exception as exc:
+            return {"error": " ".join(str(exc).split())[:300]}
+        out: dict = {"cells": []}
+        try:
+            self.procs[f"{name}-profiled"] = p
+            for mode in self.args.modes:
+                self.run_load(f"{name}-profiled", mode, 32)  # warm (connections, certificates, caches)
+                os.kill(p.pid, signal.SIGUSR1)
+                r, client = self.run_load(f"{name}-profiled", mode, 32)
+                os.kill(p.pid, signal.SIGUSR2)
+                out["cells"].append(f"{mode} c=32 {r.rps:.0f} rps under cProfile ({client})")
+                log(f"profile {name}: {out['cells'][-1]}")
+        finally:
+            p.stop()
+            self.procs.pop(f"{name}-profiled", None)
+        if not prof.exists():
+            return {**out, "error": "the profiled gateway wrote no stats"}
+        from loadtests import cprofile_gateway
+
+        out.update(cprofile_gateway.summarize(prof))
+        log(f"profile {name}:\n" + cprofile_gateway.describe(out))
+        return out
+
+
 def summarize(rows: list[dict]) -> list[dict]:
     cells: dict[tuple, list[dict]] = {}
     for r in rows:
@@ -252,6 +286,7 @@ def inner(args: argparse.Namespace) -> None:
         rows = driver.matrix() if driver.available() else []
         result.update({"rows": rows, "summary": summarize(rows)})
         result["budget"] = driver.budget() if args.budget_n > 0 else []
+        result["profiles"] = {name: driver.profile(name) for name in args.profile}
     finally:
         driver.stop()
         Path(os.environ[RESULT_ENV]).write_text(json.dumps(result, indent=1, default=str))
@@ -314,6 +349,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--http-client", choices=["wrk", "python"], default="wrk",
                     help="plain-HTTP client (wrk when installed; HTTPS always uses loadtests/loadgen.py)")
     ap.add_argument("--budget-n", type=int, default=20000, help="reserve_out calls per budget-check case (0: skip)")
+    ap.add_argument("--profile", nargs="*", default=[], choices=[n for n in NAMES if not n.endswith("-2w")],
+                    help="after the measured cells: this candidate (one process) under cProfile, a c=32 cell per mode")
     ap.add_argument("--quick", action="store_true", help="a smoke run: 2 s cells, 1 repeat, 2000 budget calls")
     ap.add_argument("--record", action="store_true", help="append the table and the command to RESULTS.md")
     ap.add_argument("--out-dir", type=Path, default=ROOT / "loadtests" / "results")

@@ -97,6 +97,16 @@ def markdown(report: dict) -> str:
             goal = _goal(r["p99_us"], GOALS["budget_p99_us"], higher=False) if b["case"].startswith("redis") else ""
             lines.append(f"| {b['case']} | {r['calls']} | {r['p50_us']:.0f} | {r['p90_us']:.0f} | "
                          f"{r['p99_us']:.0f}{goal} | {r['p999_us']:.0f} | {r['max_us']:.0f} | {st['p99_us']:.0f} |")
+    for name, prof in (report.get("profiles") or {}).items():
+        if "error" in prof:
+            lines += ["", f"Profile of `{name}`: not available ({prof['error']})."]
+            continue
+        comps = ", ".join(f"{k} {v}%" for k, v in prof["components_self_pct"].items() if v >= 1.0)
+        tops = "; ".join(f"{w} {p_}%" for w, p_, _us, _n in prof["top_self"][:8])
+        state = "; ".join(f"{w} {us} µs x{n}" for w, us, n in prof["state_inclusive"][:5]) or "-"
+        lines += ["", f"Profile of `{name}` (one process under cProfile, {'; '.join(prof['cells'])}; self time, % "
+                  f"of {prof['busy_s']} busy s): {comps}. Top functions: {tops}. State calls (inclusive, "
+                  f"profiled): {state}."]
     for name, why in report.get("unavailable", {}).items():
         lines += ["", f"{name}: not available ({why[:300]})."]
     return "\n".join(lines)
