@@ -87,16 +87,18 @@ def markdown(report: dict) -> str:
     if budget:
         lines += ["", f"Budget check (`reserve_out`, caller-side, loadtests/budget_check_bench.py in the gateway "
                   f"namespace; goal p99 <= {GOALS['budget_p99_us']:.0f} µs on loopback Redis):", "",
-                  "| case | calls | p50 µs | p90 µs | p99 µs | p99.9 µs | max µs | settle_out p99 µs |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
+                  "| case | calls | p50 µs | p90 µs | p99 µs | p99.9 µs | max µs | settle_out p99 µs | caller CPU µs "
+                  "per reserve+settle |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for b in budget:
             if "error" in b:
-                lines.append(f"| {b['case']} | not available: {b['error'][:200]} | | | | | | |")
+                lines.append(f"| {b['case']} | not available: {b['error'][:200]} | | | | | | | |")
                 continue
             r, st = b["reserve_out"], b["settle_out"]
             goal = _goal(r["p99_us"], GOALS["budget_p99_us"], higher=False) if b["case"].startswith("redis") else ""
-            lines.append(f"| {b['case']} | {r['calls']} | {r['p50_us']:.0f} | {r['p90_us']:.0f} | "
-                         f"{r['p99_us']:.0f}{goal} | {r['p999_us']:.0f} | {r['max_us']:.0f} | {st['p99_us']:.0f} |")
+            lines.append(f"| {b['case']} | {r['calls']} | {r['p50_us']:.1f} | {r['p90_us']:.1f} | "
+                         f"{r['p99_us']:.1f}{goal} | {r['p999_us']:.1f} | {r['max_us']:.0f} | {st['p99_us']:.1f} | "
+                         f"{b.get('cpu_us_per_pair', '-')} |")
     for name, prof in (report.get("profiles") or {}).items():
         if "error" in prof:
             lines += ["", f"Profile of `{name}`: not available ({prof['error']})."]

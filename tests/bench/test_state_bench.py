@@ -181,4 +181,4 @@ def test_ratios_and_goal_marks_match_hand_computed_values() -> None:
     ratio_line = next(line for line in md.splitlines() if line.startswith("| http | 32 | 0.86x"))
     assert ratio_line.count("**not met**") == 2, ratio_line
     budget_line = next(line for line in md.splitlines() if line.startswith("| redis, sequential"))
-    assert "1200 (**not met**)" in budget_line
+    assert "1200.0 (**not met**)" in budget_line
