@@ -9,9 +9,10 @@ import pytest
 
 from egressgate.state.base import StateStore
 from egressgate.state.memory import MemoryState
+from egressgate.state.redis import RedisState
 from tests.support.redis import RedisServer
 
-BACKENDS = ["memory"]
+BACKENDS = ["memory", "redis"]
 
 
 @pytest.fixture(scope="session")
@@ -24,9 +25,20 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
         server.stop()
 
 
+async def redis_store(server: RedisServer, prefix: str | None = None, **kwargs) -> RedisState:
+    """A started RedisState on `server` (a fresh prefix unless given), subscribed to its events."""
+    made = RedisState(server.url, prefix or server.prefix(), **kwargs)
+    await made.start()
+    await made.wait_subscribed()
+    return made
+
+
 @pytest.fixture(params=BACKENDS)
 async def store(request: pytest.FixtureRequest) -> AsyncIterator[StateStore]:
-    made: StateStore = MemoryState()
+    if request.param == "redis":
+        made: StateStore = await redis_store(request.getfixturevalue("redis_server"))
+    else:
+        made = MemoryState()
     try:
         yield made
     finally:
