@@ -9,7 +9,7 @@ import pytest
 
 from egressgate.state.base import StateStore
 from egressgate.state.memory import MemoryState
-from egressgate.state.redis import RedisState
+from tests.state.helpers import redis_store
 from tests.support.redis import RedisServer
 
 BACKENDS = ["memory", "redis"]
@@ -23,14 +23,6 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
         yield server
     finally:
         server.stop()
-
-
-async def redis_store(server: RedisServer, prefix: str | None = None, **kwargs) -> RedisState:
-    """A started RedisState on `server` (a fresh prefix unless given), subscribed to its events."""
-    made = RedisState(server.url, prefix or server.prefix(), **kwargs)
-    await made.start()
-    await made.wait_subscribed()
-    return made
 
 
 @pytest.fixture(params=BACKENDS)

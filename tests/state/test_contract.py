@@ -4,14 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from egressgate.state.base import SandboxRecord, StateStore, hash_token, token_matches
-
-TOKEN = "tok"
-
-
-def record(sid: str = "sbx", *, token: str = TOKEN, addresses: tuple[str, ...] = (), **labels: str) -> SandboxRecord:
-    return SandboxRecord(id=sid, token_hash=hash_token(token), policy_name="p", admitted_at=1.5,
-                         labels=dict(labels), addresses=addresses, phantoms={"gh": "ab" * 32})
+from egressgate.state.base import StateStore, token_matches
+from tests.state.helpers import record
 
 
 async def test_registry_round_trip(store: StateStore):
