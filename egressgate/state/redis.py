@@ -26,6 +26,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Collection
+from types import MappingProxyType
 
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
@@ -37,7 +38,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from egressgate.policy.facts import SandboxState
 from egressgate.state import lua
 from egressgate.state.base import SandboxRecord, StateUnavailable
-from egressgate.state.redis_codec import counter, decode_record, decode_usage, encode_record, pairs
+from egressgate.state.redis_codec import decode_record, decode_usage, encode_record, pairs
 from egressgate.state.redis_events import BACKOFF_MAX, BACKOFF_MIN, RecordCache, Subscriber
 
 logger = logging.getLogger(__name__)
@@ -219,28 +220,28 @@ class RedisState:
         epoch = self._cache.epoch
         args = ["1" if history else "0", "0" if record is not None else "1"]
         if rules is not None:
-            if not rules:  # no budgeted rule: usage is not needed at all
-                args.append("")  # an id no rule has: HMGET of nothing useful, cheap
+            args.append("")  # marks "these rules only" even when there are none (no rule has id "")
             args.extend(rules)
         keys = [self.key("ctr", sandbox_id), self.key("hosts", sandbox_id), self.key("usage", sandbox_id),
                 self.key("sbx", sandbox_id)]
-        ctr, hosts, usage, fields = await self._call(
-            "snapshot", lambda: self._scripts["SNAPSHOT"](keys=keys, args=args))
+        reply = await self._call("snapshot", lambda: self._scripts["SNAPSHOT"](keys=keys, args=args))
+        try:
+            # cjson encodes an empty Lua table as {}: `or ()` reads it as the empty list it is
+            ctr, hosts, usage, fields = json.loads(reply)
+            rule_usage = decode_usage(usage or ())
+            out, in_, queries, name_bytes = (int(v) for v in ctr)
+        except (ValueError, TypeError) as exc:
+            self.errors += 1
+            raise StateUnavailable(f"state backend error (snapshot): unreadable reply ({exc})") from exc
         if record is None:
-            record = self._decode(pairs(fields))
+            record = self._decode(pairs(fields or ()))
             if record is None:
                 raise KeyError(sandbox_id)
             self._remember(record, epoch)
-        try:
-            rule_usage = decode_usage(usage)
-            out, in_, queries, name_bytes = (counter(v) for v in ctr)
-        except ValueError as exc:
-            self.errors += 1
-            raise StateUnavailable(f"state backend error (snapshot): corrupt counters ({exc})") from exc
         return SandboxState(
-            sandbox_id=sandbox_id, admitted_at=record.admitted_at, labels=record.labels, bytes_out=out,
-            bytes_in=in_, dns_queries=queries, dns_name_bytes=name_bytes, seen_hosts=frozenset(hosts),
-            rule_usage=rule_usage)
+            sandbox_id=sandbox_id, admitted_at=record.admitted_at, labels=MappingProxyType(record.labels),
+            bytes_out=out, bytes_in=in_, dns_queries=queries, dns_name_bytes=name_bytes,
+            seen_hosts=frozenset(hosts or ()), rule_usage=MappingProxyType(rule_usage))
 
     async def reserve_out(self, sandbox_id: str, want: int, minimum: int, limit: int | None) -> int:
         keys = [self.key("ctr", sandbox_id), self.key("lease", self.worker_id), self.key("hb", self.worker_id),

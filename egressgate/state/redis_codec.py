@@ -59,7 +59,3 @@ def decode_usage(flat: Sequence[str]) -> dict[str, RuleUsage]:
         (requests if kind == "r" else nbytes)[rule] = int(value)
     return {rule: RuleUsage(requests=requests.get(rule, 0), bytes=nbytes.get(rule, 0))
             for rule in requests.keys() | nbytes.keys()}
-
-
-def counter(value: str | None) -> int:
-    return int(value) if value else 0
