@@ -21,6 +21,7 @@ from tests.support.gwworld import Gateway, World, policies
 from tests.support.launcher import launch_loopback, write_policies
 
 METRICS_POLICY = "c12-metrics"
+APPROVE_POLICY = "c12-approve"
 DNS_SOURCE = "127.0.0.41"
 
 
@@ -40,6 +41,12 @@ def control_policies(w: World) -> dict[str, dict]:
             ]},
         },
         "credentials": {"capabilities": {"billing": {"type": "jwt", "ttl_seconds": 120}}},
+    }, APPROVE_POLICY: {
+        # anything outside this allowlist asks an operator (egressgate/approvals): the approvals routes
+        "sandbox": {"name": APPROVE_POLICY},
+        "network": {"allow_private": ["127.0.0.1/32"], "http": {"allow": [
+            {"id": "c12-plain", "host": "api.test", "ports": [w.http_port], "methods": ["GET"]}]}},
+        "execution": {"require_approval_for": ["network_expansion"]},
     }}
 
 
