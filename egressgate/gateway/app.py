@@ -80,7 +80,7 @@ class Gateway:
         )
         token = ensure_admin_token(cfg.admin_token_path())
         admin_host, admin_port = parse_listen(cfg.listen.admin)
-        self.admin = AdminServer(rt, token)
+        self.admin = AdminServer(rt, token, reload=self.reload)
         admin_addr = await self.admin.start(admin_host, admin_port)
         rt.listeners.append(admin_addr)
         dns_addr = None
