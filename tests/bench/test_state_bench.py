@@ -42,7 +42,7 @@ def test_state_bench_runs_end_to_end_in_tiny_mode(tmp_path: Path) -> None:
     report = json.loads(next(tmp_path.glob("bench-state-*.json")).read_text())
     cells = {(s["mode"], s["candidate"]): s for s in report["summary"]}
     served = [c for c in state_procs.CANDIDATES if c not in report["unavailable"]]
-    assert "memory" in served
+    assert {"memory", "redis"} <= set(served), report["unavailable"]
     for cand in served:
         for mode in ("http", "https"):
             s = cells[(mode, cand)]
@@ -56,9 +56,11 @@ def test_state_bench_runs_end_to_end_in_tiny_mode(tmp_path: Path) -> None:
         if cand in served:  # the gateway really used Redis: its script ran for the requests
             calls = cells[("https", cand)]["redis_calls_per_req"]
             assert sum(calls.values()) >= 1, calls
-    for b in report["budget"]:
-        if "error" not in b:
-            assert b["reserve_out"]["calls"] > 0 and b["reserve_out"]["p99_us"] > 0, b
+    budget = {b["case"].split(",")[0] + "/" + b["case"].split(",")[1].split()[0]: b for b in report["budget"]}
+    assert set(budget) == {"memory/sequential", "redis/sequential", "redis/32", "redis/paced"}, list(budget)
+    for b in budget.values():
+        assert "error" not in b and b["reserve_out"]["calls"] > 0 and b["reserve_out"]["p99_us"] > 0, b
+    assert budget["redis/sequential"]["reserve_out"]["calls"] == 200
     prof = report["profiles"]["memory"]  # cProfile saw the request path, not only start-up
     assert prof["busy_s"] > 0 and prof["components_self_pct"].get("egressgate.policy (decide/canon)", 0) > 0, prof
     assert any("snapshot" in w for w, _us, _n in prof["state_inclusive"]), prof["state_inclusive"]
