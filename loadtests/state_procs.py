@@ -137,6 +137,16 @@ def _stat_fields(pid: int) -> list[str] | None:
         return None
 
 
+def tree_cpu_by_pid(pid: int) -> dict[int, float]:
+    """Own CPU seconds (utime+stime) of each live process of the tree: how the load spread over workers."""
+    out = {}
+    for p in tree_pids(pid):
+        f = _stat_fields(p)
+        if f is not None:
+            out[p] = (int(f[11]) + int(f[12])) / HZ
+    return out
+
+
 def tree_cpu_seconds(pid: int) -> float:
     """CPU seconds of the gateway's whole tree: utime+stime of every live process, plus cutime+cstime (what
     children that already exited and were waited for used; a restarted worker's CPU is not lost)."""

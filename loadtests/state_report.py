@@ -41,6 +41,12 @@ def _calls(s: dict) -> str:
     return ", ".join(f"{k} {v:g}" for k, v in c.items() if v >= 0.01) or "-"
 
 
+def _split(s: dict) -> str:
+    """Per-process cores when the gateway is several processes (supervisor + workers), busiest first."""
+    c = s.get("cores_by_process") or []
+    return f" ({' + '.join(f'{x:.2f}' for x in c)})" if len(c) > 1 else ""
+
+
 def markdown(report: dict) -> str:
     m = report["meta"]
     ls, le, lr = m["load_start"], m["load_end"], m["load_run"]
@@ -59,15 +65,15 @@ def markdown(report: dict) -> str:
         ("**Noisy run, compare with care:** " + "; ".join(m["noisy"]) + ".") if m.get("noisy")
         else "Quiet enough: no other load above the thresholds of loadtests/bench_load.py.",
         "",
-        "| mode | conc | gateway | rps (median) | rps per run | p50 ms | p99 ms | gateway cores | req per gateway "
-        "CPU-s | client cores | Redis cores | Redis commands per request | errors |",
+        "| mode | conc | gateway | rps (median) | rps per run | p50 ms | p99 ms | gateway cores (per process) | "
+        "req per gateway CPU-s | client cores | Redis cores | Redis commands per request | errors |",
         "|---|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
     for s in report["summary"]:
         lines.append(
             f"| {s['mode']} | {s['conc']} | {LABEL[s['candidate']]} | {_f(s['rps'])} | "
             f"{' / '.join(f'{x:.0f}' for x in s['runs'])} | {_f(s['p50_ms'], '.2f')} | {_f(s['p99_ms'], '.2f')} | "
-            f"{_f(s['gateway_cores'], '.2f')} | {_f(s['req_per_cpu_s'])} | {_f(s['client_cores'], '.2f')} | "
+            f"{_f(s['gateway_cores'], '.2f')}{_split(s)} | {_f(s['req_per_cpu_s'])} | {_f(s['client_cores'], '.2f')} | "
             f"{_f(s['redis_cores'], '.2f')} | {_calls(s)} | {s['errors']} |")
     lines += ["", f"| mode | conc | redis / memory rps (goal >= {GOALS['redis_vs_memory']}x) | same, per gateway "
               f"CPU-s | --workers 2 / 1 rps (goal >= {GOALS['workers2_vs_1']}x at c=32) | same, per gateway CPU-s "
