@@ -71,7 +71,8 @@ class RedisState:
         self._events = self.key("events")
         self._callbacks: list[Callable[[str], None]] = []
         self._cache = RecordCache()
-        self._subscriber = Subscriber(self.redis, self._events, self._cache, self._on_event, self._resync)
+        self._subscriber = Subscriber(self.redis, self._events, self._cache, self._on_event, self._resync,
+                                      self._drop_idle_connections)
         self._retry_at = 0.0  # monotonic; before it, operations are refused without trying
         self._backoff = 0.0
         self._tasks: list[asyncio.Task] = []
@@ -102,6 +103,7 @@ class RedisState:
             self._backoff = min(max(self._backoff * 2, BACKOFF_MIN), BACKOFF_MAX)
             self._retry_at = time.monotonic() + self._backoff
             self.errors += 1
+            await self._drop_idle_connections()
             raise StateUnavailable(f"state backend unavailable ({what}): {exc}") from exc
         except (RedisError, StateUnavailable) as exc:
             self.errors += 1
@@ -113,6 +115,12 @@ class RedisState:
         """One script (EVALSHA), sent with whatever else this tick sends (redis_batch.py)."""
         return await self._call(name.lower(), lambda: self._batch.call(
             "EVALSHA", self._scripts[name], len(keys), *keys, *args))
+
+    async def _drop_idle_connections(self) -> None:
+        """After a connection failure the pool's idle connections are likely dead too (Redis restarted):
+        close them, so the next operations connect afresh instead of each failing on a stale one."""
+        with contextlib.suppress(Exception):
+            await self.redis.connection_pool.disconnect(inuse_connections=False)
 
     # -- registry -----------------------------------------------------------------------------------
 

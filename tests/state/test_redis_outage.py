@@ -152,3 +152,26 @@ async def test_one_failing_command_in_a_batch_fails_only_its_caller(redis_server
         assert isinstance(results[10], StateUnavailable) and store.errors == 1
     finally:
         await store.close()
+
+
+async def test_after_a_restart_no_operation_fails_on_a_stale_pooled_connection(own_redis: RedisServer):
+    """The pool held several connections when Redis restarted; once Redis is back, a burst of operations
+    all succeed (none is handed a dead connection from before the restart)."""
+    store = await redis_store(own_redis)
+    try:
+        await store.admit(record())
+        await asyncio.gather(*(store.redis.blpop([store.key("nothing")], 0.1) for _ in range(12)))
+        assert len(store.redis.connection_pool._available_connections) >= 12  # positive control
+        await asyncio.to_thread(own_redis.stop)  # the loop runs meanwhile, as it would in a gateway
+        deadline = time.monotonic() + 5
+        while store._cache.live and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        await asyncio.to_thread(own_redis.start)
+        await store.wait_subscribed(timeout=5)
+        errors = store.errors
+        results = await asyncio.gather(*(store.reserve_out("sbx", 1, 1, None) for _ in range(12)),
+                                       *(store.redis.blpop([store.key("nothing")], 0.1) for _ in range(12)),
+                                       return_exceptions=True)
+        assert [str(r) for r in results if isinstance(r, Exception)] == [] and store.errors == errors
+    finally:
+        await store.close()
