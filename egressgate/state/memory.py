@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable
 from types import MappingProxyType
 
@@ -17,6 +18,8 @@ class MemoryState:
     (measured at up to 3.5 % of the gateway's CPU with a growing host history, issue 11)."""
 
     def __init__(self) -> None:
+        self.worker_id = uuid.uuid4().hex  # TEMPORARY SHIM (h12-ledger): replaced by h12-redis's memory.py
+        self._leases: dict[str, int] = {}
         self._records: dict[str, SandboxRecord] = {}
         self._by_address: dict[str, str] = {}
         self._bytes: dict[str, list[int]] = {}
@@ -89,7 +92,33 @@ class MemoryState:
         counters[1] += in_
         return counters[0], counters[1]
 
-    async def record_request(self, sandbox_id: str, host: str, rule_id: str | None, nbytes: int) -> None:
+    # ---- TEMPORARY SHIM (h12-ledger) of PLAN-12's contract, until h12-redis's memory.py lands
+    async def reserve_out(self, sandbox_id: str, want: int, minimum: int, limit: int | None) -> int:
+        counters = self._bytes.setdefault(sandbox_id, [0, 0])
+        grant = want if limit is None else min(want, limit - counters[0])
+        if grant < minimum or grant <= 0:
+            return 0
+        counters[0] += grant
+        self._leases[sandbox_id] = self._leases.get(sandbox_id, 0) + grant
+        return grant
+
+    async def settle_out(self, sandbox_id: str, spent: int, unused: int) -> None:
+        self._leases[sandbox_id] = self._leases.get(sandbox_id, 0) - spent - unused
+        self._bytes.setdefault(sandbox_id, [0, 0])[0] -= unused
+
+    async def add_in(self, sandbox_id: str, amount: int) -> None:
+        self._bytes.setdefault(sandbox_id, [0, 0])[1] += amount
+
+    async def reconcile(self, now: float) -> list[tuple[str, str, int]]:
+        return []
+
+    async def record_request(self, sandbox_id: str, host: str, rule_id: str | None, nbytes: int, *,
+                             requests_max: int | None = None, bytes_max: int | None = None) -> bool:
+        if rule_id is not None:
+            old = self._usage.get(sandbox_id, {}).get(rule_id, RuleUsage())
+            if (requests_max is not None and old.requests + 1 > requests_max) or \
+                    (bytes_max is not None and old.bytes + nbytes > bytes_max):
+                return False
         hosts = self._hosts.setdefault(sandbox_id, set())
         if host not in hosts:
             hosts.add(host)
@@ -99,6 +128,7 @@ class MemoryState:
             usage = self._usage.setdefault(sandbox_id, {})
             old = usage.get(rule_id, RuleUsage())
             usage[rule_id] = RuleUsage(requests=old.requests + 1, bytes=old.bytes + nbytes)
+        return True
 
     async def add_dns_query(self, sandbox_id: str, name_bytes: int) -> tuple[int, int]:
         counters = self._dns.setdefault(sandbox_id, [0, 0])
