@@ -22,13 +22,14 @@ import pytest
 from tests.support.budgetworld import (
     BudgetWorld,
     budget_world,
+    bytes_out,
     head,
     proxy_auth,
-    remaining,
     send,
     start_gateways,
 )
 from tests.support.launcher import LoopbackGateway, stop_gateway
+from tests.support.redis import RedisServer
 from tests.support.waiting import wait_for
 
 UPLOADS = 64
@@ -41,10 +42,20 @@ def bw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BudgetWorld]:
         yield w
 
 
-@pytest.fixture(params=["memory"])
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    with RedisServer(tmp_path_factory.mktemp("l12-redis")) as server:
+        yield server
+
+
+@pytest.fixture(params=["memory", "redis"])
 def backend(request) -> dict | None:
-    """The state backend config of the gateways under test (None: the embedded memory default)."""
-    return None
+    """The state backend config of the gateways under test (None: the embedded memory default, one
+    process; redis: two processes on one Redis, a fresh key prefix per test)."""
+    if request.param == "memory":
+        return None
+    server: RedisServer = request.getfixturevalue("redis_server")
+    return {"backend": "redis", "url": server.url, "key_prefix": server.prefix()}
 
 
 def gateways_for(bw: BudgetWorld, backend: dict | None, budget: int, requests_max: int = 1000):
@@ -52,9 +63,14 @@ def gateways_for(bw: BudgetWorld, backend: dict | None, budget: int, requests_ma
     return start_gateways(bw, bw.policy(budget, requests_max), backend, 2 if backend is not None else 1)
 
 
-def admit(gw: LoopbackGateway) -> str:
+def admit(gw: LoopbackGateway) -> tuple[str, str]:
+    """A new sandbox (admitted on one gateway, known to all on a shared store): (id, auth header line)."""
     data = gw.admit_sandbox({"policy": "exact", "labels": {}})
-    return proxy_auth(data["id"], data["token"])
+    return data["id"], proxy_auth(data["id"], data["token"])
+
+
+def spent_everywhere(gateways: list[LoopbackGateway], sandbox_id: str) -> list[int]:
+    return [bytes_out(gw, sandbox_id) for gw in gateways]
 
 
 def fan_out(gateways: list[LoopbackGateway], count: int, call) -> list[tuple[int, bytes]]:
@@ -70,7 +86,7 @@ def test_known_length_uploads_hold_one_budget_exactly(bw: BudgetWorld, backend: 
     budget = fit * size + size // 2  # room for 20 and a half: exactly 20 fit
     gateways = gateways_for(bw, backend, budget)
     try:
-        auth = admit(gateways[0])
+        sid, auth = admit(gateways[0])
         mark = bw.upstream.mark()
         results = fan_out(gateways, UPLOADS, lambda proxy: send(proxy, auth, port, "/k", b"k" * BODY))
         statuses = sorted(status for status, _ in results)
@@ -80,8 +96,7 @@ def test_known_length_uploads_hold_one_budget_exactly(bw: BudgetWorld, backend: 
         got = bw.upstream.since(mark)
         assert len(got) == fit and all(r.complete and r.body_len == BODY for r in got)
         assert bw.upstream.total(mark) == fit * size  # the gateway's count is what the upstream saw
-        for gw in gateways:  # every process reads the same store: exactly the half left
-            assert remaining(gw.proxy, auth, port) == size // 2
+        assert spent_everywhere(gateways, sid) == [fit * size] * len(gateways)  # one store, exact
     finally:
         for gw in gateways:
             stop_gateway(gw)
@@ -97,13 +112,14 @@ def test_chunked_uploads_use_the_whole_budget_and_no_more(bw: BudgetWorld, backe
     budget = UPLOADS * size + slack
     gateways = gateways_for(bw, backend, budget)
     try:
-        auth = admit(gateways[0])
+        sid, auth = admit(gateways[0])
         mark = bw.upstream.mark()
         results = fan_out(gateways, UPLOADS, lambda proxy: send(proxy, auth, port, "/c", None, chunks, 0.001))
         assert [status for status, _ in results] == [200] * UPLOADS
         assert bw.upstream.total(mark) == UPLOADS * size
-        assert wait_for(lambda: all(remaining(gw.proxy, auth, port) == slack for gw in gateways), timeout=5), \
-            [remaining(gw.proxy, auth, port) for gw in gateways]
+        # leases settled once the uploads are over: spent is exactly what the upstream received
+        assert wait_for(lambda: spent_everywhere(gateways, sid) == [UPLOADS * size] * len(gateways), timeout=5), \
+            spent_everywhere(gateways, sid)
     finally:
         for gw in gateways:
             stop_gateway(gw)
@@ -115,15 +131,14 @@ def test_chunked_uploads_over_the_budget_are_cut_never_over(bw: BudgetWorld, bac
     budget = 1_000_000
     gateways = gateways_for(bw, backend, budget)
     try:
-        auth = admit(gateways[0])
+        sid, auth = admit(gateways[0])
         mark = bw.upstream.mark()
         results = fan_out(gateways, UPLOADS, lambda proxy: send(proxy, auth, port, "/d", None, chunks, 0.001))
         statuses = [status for status, _ in results]
         assert 0 in statuses  # cut: the budget could not hold them all
         assert set(statuses) <= {0, 200}
         received = bw.upstream.total(mark)
-        assert wait_for(lambda: len({remaining(gw.proxy, auth, port) for gw in gateways}) == 1, timeout=5)
-        spent = budget - remaining(gateways[0].proxy, auth, port)
+        spent = bytes_out(gateways[0], sid)
         # never over; what reached the upstream was paid for (a cut socket may lose its last bytes)
         assert received <= spent <= budget
         assert spent > budget - 2 * 4000 * UPLOADS // 4  # and the budget was used, not stranded in leases
@@ -141,18 +156,18 @@ def test_rule_request_budget_is_exact_under_concurrency(bw: BudgetWorld, backend
     port = bw.upstream.port
     gateways = gateways_for(bw, backend, 10_000_000, requests_max=10)
     try:
-        auth = admit(gateways[0])
+        sid, auth = admit(gateways[0])
         mark = bw.upstream.mark()
         results = fan_out(gateways, UPLOADS, lambda proxy: send(proxy, auth, port, "/few", b"f" * 100))
         statuses = sorted(status for status, _ in results)
-        assert statuses == [200] * 10 + [403] * (UPLOADS - 10), statuses
-        refused = [json.loads(body) for status, body in results if status == 403]
+        assert statuses == [200] * 10 + [429] * (UPLOADS - 10), statuses
+        refused = [json.loads(body) for status, body in results if status == 429]
         assert {(r["reason"], r["rule"]) for r in refused} == {("budget_exceeded", "few")}
         assert len([r for r in bw.upstream.since(mark) if r.path == "/few"]) == 10
         assert send(gateways[-1].proxy, auth, port, "/other", b"o")[0] == 200  # positive control
         # refused ones were never counted against the byte budget: 10 + 1 requests are spent
-        spent = 10_000_000 - remaining(gateways[0].proxy, auth, port)
-        assert spent == bw.upstream.total(mark)
+        assert wait_for(lambda: spent_everywhere(gateways, sid) == [bw.upstream.total(mark)] * len(gateways),
+                        timeout=5), (spent_everywhere(gateways, sid), bw.upstream.total(mark))
     finally:
         for gw in gateways:
             stop_gateway(gw)

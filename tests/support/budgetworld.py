@@ -114,7 +114,8 @@ class BudgetWorld:
                 "network": {"allow_private": ["127.0.0.1/32"], "http": {"allow": [
                     {"id": "few", "host": HOST, "ports": [self.upstream.port], "paths": ["/few"],
                      "budget": {"requests": requests_max}},
-                    {"id": "up", "host": HOST, "ports": [self.upstream.port]}]}}}
+                    {"id": "up", "host": HOST, "ports": [self.upstream.port],
+                     "paths": ["/k", "/c", "/d", "/other"]}]}}}
 
 
 @contextmanager
@@ -149,7 +150,7 @@ def start_gateways(w: BudgetWorld, policy: dict, state: dict | None, count: int)
             tmp = w.tmp / f"gw{i}-{id(policy)}"
             (tmp / "policies").mkdir(parents=True)
             (tmp / "policies" / "exact.yaml").write_text(yaml.safe_dump(policy))
-            config = {"listen": {"proxy": "127.0.0.1:0", "admin": "127.0.0.1:0", "dns": None},
+            config = {"listen": {"proxy": "127.0.0.1:0", "admin": "127.0.0.1:0", "dns": None, "transparent": None},
                       "policy": str(tmp / "policies"), "var_dir": str(tmp / "var"),
                       "upstream": {"resolver": f"127.0.0.1:{w.dns_port}"}}
             if state is not None:
@@ -216,20 +217,11 @@ def send(proxy: tuple[str, int], auth: str, port: int, path: str, body: bytes | 
         return read_status(sock)
 
 
-REMAINING = re.compile(r"only (\d+) bytes of the sandbox's outbound budget remain")
+def bytes_out(gw: LoopbackGateway, sandbox_id: str) -> int:
+    """The store's bytes_out for the sandbox, as the control API shows it (GET /v1/sandboxes/{id})."""
+    import httpx
 
-
-def remaining(proxy: tuple[str, int], auth: str, port: int) -> int:
-    """What the store says is left of the sandbox's byte budget, read through the gateway's own 429
-    (a request far larger than any budget: refused, nothing reserved, nothing sent upstream)."""
-    status, body = _probe(proxy, auth, port)
-    m = REMAINING.search(body.decode())
-    assert status == 429 and m, (status, body)
-    return int(m.group(1))
-
-
-def _probe(proxy: tuple[str, int], auth: str, port: int) -> tuple[int, bytes]:
-    with socket.create_connection(proxy, timeout=30) as sock:
-        sock.sendall(f"POST http://{HOST}:{port}/probe HTTP/1.1\r\nHost: {HOST}:{port}\r\n{auth}"
-                     f"Content-Length: 1000000000\r\n\r\n".encode())
-        return read_status(sock)
+    res = httpx.get(f"http://{gw.admin}/v1/sandboxes/{sandbox_id}", headers={"Authorization": f"Bearer {gw.token}"},
+                    timeout=10, trust_env=False)
+    assert res.status_code == 200, res.text
+    return int(res.json()["usage"]["bytes_out"])
