@@ -14,6 +14,7 @@ snapshot.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -171,3 +172,47 @@ def test_rule_request_budget_is_exact_under_concurrency(bw: BudgetWorld, backend
     finally:
         for gw in gateways:
             stop_gateway(gw)
+
+
+def test_kill_9_mid_upload_survivor_serves_total_never_over(bw: BudgetWorld, redis_server: RedisServer) -> None:
+    """Two processes on one Redis; one is killed (-9) while it relays chunked uploads holding a lease.
+    The survivor keeps serving, the total spent never passes the budget (the dead lease stays spent),
+    and the dead worker's lease is reconciled and audited exactly once (heartbeat TTL, then a reconcile
+    round of the survivor)."""
+    port = bw.upstream.port
+    backend = {"backend": "redis", "url": redis_server.url, "key_prefix": redis_server.prefix()}
+    budget = 8_000_000  # room for every upload: a cut here is the kill's doing, not the budget's
+    survivor, doomed = gateways_for(bw, backend, budget)
+    try:
+        sid, auth = admit(survivor)
+        mark = bw.upstream.mark()
+        chunks = [b"s" * 4000] * 60  # 240 kB each, paced: still running when the kill comes
+        with ThreadPoolExecutor(UPLOADS) as pool:
+            futures = [pool.submit(send, (doomed if i % 2 else survivor).proxy, auth, port, "/c", None, chunks, 0.02)
+                       for i in range(UPLOADS // 2)]
+            assert wait_for(lambda: bytes_out(survivor, sid) > 200_000, timeout=10)
+            doomed.proc.kill()  # kill -9 mid-upload
+            doomed.proc.wait(10)
+            samples = []
+            while not all(f.done() for f in futures):
+                samples.append(bytes_out(survivor, sid))
+                assert send(survivor.proxy, auth, port, "/k", b"k" * 1000)[0] == 200  # survivor serves
+            statuses = [f.result()[0] for f in futures]
+        assert statuses[0::2] == [200] * (UPLOADS // 4)  # the survivor's uploads all completed
+        assert 0 in statuses[1::2]  # the doomed process's were cut by its death
+        received = bw.upstream.total(mark)
+        spent = bytes_out(survivor, sid)
+        assert max(samples) <= budget and received <= spent <= budget
+
+        def reconciled() -> list[dict]:
+            return [r for r in survivor.audit_records() if r.get("egressgate.operation") == "budget_reconcile"]
+
+        assert wait_for(reconciled, timeout=40, interval=0.5), "dead worker's lease never reconciled"
+        time.sleep(6)  # another reconcile round: the forfeited lease is not audited twice
+        [record] = reconciled()
+        assert record["egressgate.sandbox.id"] == sid
+        assert int(record["egressgate.forfeited_bytes"]) > 0
+        assert bytes_out(survivor, sid) == spent  # forfeited bytes stay spent (they may have gone out)
+    finally:
+        stop_gateway(survivor)
+        stop_gateway(doomed)
