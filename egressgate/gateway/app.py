@@ -24,7 +24,7 @@ from egressgate.audit.signer import Signer
 from egressgate.broker.signer import TransitSigner
 from egressgate.config import ConfigError, GatewayConfig, parse_listen
 from egressgate.dns import DnsServer
-from egressgate.gateway import ca, mitm_hotpaths, typecheck
+from egressgate.gateway import ca, mitm_hotpaths, reconcile, typecheck
 from egressgate.gateway.budgets import ByteLedger
 from egressgate.gateway.context import PolicyHolder, Runtime
 from egressgate.gateway.credentials import check_broker, start_broker
@@ -106,6 +106,7 @@ class Gateway:
             self.addresses["dns"] = rt.dns_address = _fmt(*dns_addr[:2])
         self._write_runtime_file()
         self._watch = asyncio.create_task(self._watch_policies(), name="policy-watch")
+        reconcile.start(rt)  # ledger sweep + dead workers' leases (stopped by ledger.flush at stop)
         return self.addresses
 
     def _write_runtime_file(self) -> None:
