@@ -49,14 +49,33 @@ def component(filename: str, func: str) -> str:
     return "other python (stdlib)"
 
 
+def _round_trip_functions() -> set[tuple[str, int, str]]:
+    """redis-py's two functions that each cost one round trip: Redis.execute_command (a command or a script
+    call) and Pipeline.execute (a MULTI/EXEC or plain pipeline); Pipeline.execute_command only queues."""
+    try:
+        import inspect
+
+        from redis.asyncio import client
+    except ImportError:
+        return set()
+    out = set()
+    for fn in (client.Redis.execute_command, client.Pipeline.execute):
+        out.add((inspect.getsourcefile(fn) or "", inspect.getsourcelines(fn)[1], fn.__name__))
+    return out
+
+
 def summarize(prof: Path, top: int = 20) -> dict:
     st = pstats.Stats(str(prof))
+    trips = _round_trip_functions()
+    round_trips = 0
     by_comp: dict[str, float] = {}
     funcs: list[tuple[float, float, int, str]] = []
     state_funcs: list[tuple[float, int, str]] = []
     total = 0.0
     idle = 0.0
     for (filename, line, func), (_cc, nc, tt, ct, _callers) in st.stats.items():  # type: ignore[attr-defined]
+        if (filename, line, func) in trips:
+            round_trips += nc
         comp = component(filename, func)
         if comp == IDLE:
             idle += tt
@@ -69,7 +88,7 @@ def summarize(prof: Path, top: int = 20) -> dict:
             state_funcs.append((ct, nc, where))
     pct = (lambda x: round(100 * x / total, 1)) if total else (lambda x: 0.0)
     return {
-        "busy_s": round(total, 2), "idle_s": round(idle, 2),
+        "busy_s": round(total, 2), "idle_s": round(idle, 2), "redis_round_trips": round_trips,
         "components_self_pct": dict(sorted(((k, pct(v)) for k, v in by_comp.items()), key=lambda kv: -kv[1])),
         "top_self": [(w, pct(tt), round(1e6 * tt / nc, 1) if nc else None, nc) for tt, _ct, nc, w in
                      sorted(funcs, reverse=True)[:top]],
@@ -79,7 +98,8 @@ def summarize(prof: Path, top: int = 20) -> dict:
 
 
 def describe(s: dict) -> str:
-    lines = [f"busy {s['busy_s']} s (self time outside the epoll wait), idle {s['idle_s']} s",
+    lines = [f"busy {s['busy_s']} s (self time outside the epoll wait), idle {s['idle_s']} s, "
+             f"{s['redis_round_trips']} Redis round trips",
              "self time by component:"]
     lines += [f"  {v:5.1f}%  {k}" for k, v in s["components_self_pct"].items() if v >= 0.5]
     lines.append("top functions by self time (% of busy, µs per call, calls):")

@@ -220,7 +220,7 @@ class Driver:
                                           self.redis.info["url"] if self.redis else None, self.tag, profile_to=prof)
         except Exception as exc:
             return {"error": " ".join(str(exc).split())[:300]}
-        out: dict = {"cells": []}
+        out: dict = {"cells": [], "requests": 0}
         try:
             self.procs[f"{name}-profiled"] = p
             for mode in self.args.modes:
@@ -228,6 +228,7 @@ class Driver:
                 os.kill(p.pid, signal.SIGUSR1)
                 r, client = self.run_load(f"{name}-profiled", mode, 32)
                 os.kill(p.pid, signal.SIGUSR2)
+                out["requests"] += r.ok + 32  # + the warm-up request of each connection (loadgen; wrk has none)
                 out["cells"].append(f"{mode} c=32 {r.rps:.0f} rps under cProfile ({client})")
                 log(f"profile {name}: {out['cells'][-1]}")
         finally:
@@ -238,6 +239,7 @@ class Driver:
         from loadtests import cprofile_gateway
 
         out.update(cprofile_gateway.summarize(prof))
+        out["round_trips_per_request"] = round(out["redis_round_trips"] / max(1, out["requests"]), 2)
         log(f"profile {name}:\n" + cprofile_gateway.describe(out))
         return out
 

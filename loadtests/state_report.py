@@ -115,7 +115,8 @@ def markdown(report: dict) -> str:
         tops = "; ".join(f"{w} {p_}%" for w, p_, _us, _n in prof["top_self"][:8])
         state = "; ".join(f"{w} {us} µs x{n}" for w, us, n in prof["state_inclusive"][:5]) or "-"
         lines += ["", f"Profile of `{name}` (one process under cProfile, {'; '.join(prof['cells'])}; self time, % "
-                  f"of {prof['busy_s']} busy s): {comps}. Top functions: {tops}. State calls (inclusive, "
+                  f"of {prof['busy_s']} busy s; {prof.get('round_trips_per_request', '-')} Redis round trips per "
+                  f"request): {comps}. Top functions: {tops}. State calls (inclusive, "
                   f"profiled): {state}."]
     for name, why in report.get("unavailable", {}).items():
         lines += ["", f"{name}: not available ({why[:300]})."]
