@@ -10,8 +10,9 @@ and the stats are written when the gateway returns (SIGTERM stops it cleanly). c
 is deterministic and slows the process down (~1.5-2x on this code), so a profiled run's rps is not a figure:
 what counts is the split. The summary sums *self* time (tottime, which adds up to the total without double
 counting) by component — the same components as loadtests/profile.py's py-spy summary, plus redis-py and
-asyncio — and lists the top functions by self time and the egressgate.state functions by inclusive time
-(what a request waits for in the state backend, including its I/O calls).
+asyncio — and lists the top functions by self time and the egressgate.state functions by inclusive time.
+Caveat: cProfile counts every resumption of a coroutine as a call, so "calls" of async functions are
+inflated (x2-3 here) and per-call times deflated; count round trips on the Redis side (state_bench does).
 """
 
 from __future__ import annotations
@@ -49,33 +50,14 @@ def component(filename: str, func: str) -> str:
     return "other python (stdlib)"
 
 
-def _round_trip_functions() -> set[tuple[str, int, str]]:
-    """redis-py's two functions that each cost one round trip: Redis.execute_command (a command or a script
-    call) and Pipeline.execute (a MULTI/EXEC or plain pipeline); Pipeline.execute_command only queues."""
-    try:
-        import inspect
-
-        from redis.asyncio import client
-    except ImportError:
-        return set()
-    out = set()
-    for fn in (client.Redis.execute_command, client.Pipeline.execute):
-        out.add((inspect.getsourcefile(fn) or "", inspect.getsourcelines(fn)[1], fn.__name__))
-    return out
-
-
 def summarize(prof: Path, top: int = 20) -> dict:
     st = pstats.Stats(str(prof))
-    trips = _round_trip_functions()
-    round_trips = 0
     by_comp: dict[str, float] = {}
     funcs: list[tuple[float, float, int, str]] = []
     state_funcs: list[tuple[float, int, str]] = []
     total = 0.0
     idle = 0.0
     for (filename, line, func), (_cc, nc, tt, ct, _callers) in st.stats.items():  # type: ignore[attr-defined]
-        if (filename, line, func) in trips:
-            round_trips += nc
         comp = component(filename, func)
         if comp == IDLE:
             idle += tt
@@ -88,7 +70,7 @@ def summarize(prof: Path, top: int = 20) -> dict:
             state_funcs.append((ct, nc, where))
     pct = (lambda x: round(100 * x / total, 1)) if total else (lambda x: 0.0)
     return {
-        "busy_s": round(total, 2), "idle_s": round(idle, 2), "redis_round_trips": round_trips,
+        "busy_s": round(total, 2), "idle_s": round(idle, 2),
         "components_self_pct": dict(sorted(((k, pct(v)) for k, v in by_comp.items()), key=lambda kv: -kv[1])),
         "top_self": [(w, pct(tt), round(1e6 * tt / nc, 1) if nc else None, nc) for tt, _ct, nc, w in
                      sorted(funcs, reverse=True)[:top]],
@@ -98,8 +80,7 @@ def summarize(prof: Path, top: int = 20) -> dict:
 
 
 def describe(s: dict) -> str:
-    lines = [f"busy {s['busy_s']} s (self time outside the epoll wait), idle {s['idle_s']} s, "
-             f"{s['redis_round_trips']} Redis round trips",
+    lines = [f"busy {s['busy_s']} s (self time outside the epoll wait), idle {s['idle_s']} s",
              "self time by component:"]
     lines += [f"  {v:5.1f}%  {k}" for k, v in s["components_self_pct"].items() if v >= 0.5]
     lines.append("top functions by self time (% of busy, µs per call, calls):")

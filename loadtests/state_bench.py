@@ -135,6 +135,8 @@ class Driver:
         if uses_redis:
             state_procs.redis_reset(self.gw_prefix, state_procs.REDIS_PORT)
             rcpu0 = state_procs.redis_cpu(self.gw_prefix, state_procs.REDIS_PORT)
+        if uses_redis:
+            reads0 = state_procs.redis_reads(self.gw_prefix, state_procs.REDIS_PORT)
         req0 = upstream_stats(self.procs["upstream"])["requests"]
         cpu0 = state_procs.tree_cpu_seconds(p.pid)
         by_pid0 = state_procs.tree_cpu_by_pid(p.pid)
@@ -153,6 +155,10 @@ class Driver:
                     "client_cores": r.loadgen_cpu, "upstream_requests": upstream_reqs,
                     "gateway_pids": len(by_pid), "cores_by_process": [round(x, 2) for x in split]})
         if uses_redis:
+            # read events Redis processed (one per request a client sends, a pipeline or MULTI..EXEC being
+            # one) less our own INFO: the round trips the gateway made, whatever ran inside scripts
+            reads = state_procs.redis_reads(self.gw_prefix, state_procs.REDIS_PORT) - reads0 - 1
+            row["redis_round_trips_per_req"] = reads / max(1, upstream_reqs)
             row["redis_cores"] = (state_procs.redis_cpu(self.gw_prefix, state_procs.REDIS_PORT) - rcpu0) / r.seconds
             st = state_procs.redis_stats(self.gw_prefix, state_procs.REDIS_PORT)
             row["redis_commands"] = {k: v["calls"] for k, v in st["commands"].items()
@@ -220,7 +226,7 @@ class Driver:
                                           self.redis.info["url"] if self.redis else None, self.tag, profile_to=prof)
         except Exception as exc:
             return {"error": " ".join(str(exc).split())[:300]}
-        out: dict = {"cells": [], "requests": 0}
+        out: dict = {"cells": []}
         try:
             self.procs[f"{name}-profiled"] = p
             for mode in self.args.modes:
@@ -228,7 +234,6 @@ class Driver:
                 os.kill(p.pid, signal.SIGUSR1)
                 r, client = self.run_load(f"{name}-profiled", mode, 32)
                 os.kill(p.pid, signal.SIGUSR2)
-                out["requests"] += r.ok + 32  # + the warm-up request of each connection (loadgen; wrk has none)
                 out["cells"].append(f"{mode} c=32 {r.rps:.0f} rps under cProfile ({client})")
                 log(f"profile {name}: {out['cells'][-1]}")
         finally:
@@ -239,7 +244,6 @@ class Driver:
         from loadtests import cprofile_gateway
 
         out.update(cprofile_gateway.summarize(prof))
-        out["round_trips_per_request"] = round(out["redis_round_trips"] / max(1, out["requests"]), 2)
         log(f"profile {name}:\n" + cprofile_gateway.describe(out))
         return out
 
@@ -272,6 +276,7 @@ def summarize(rows: list[dict]) -> list[dict]:
             # requests per gateway CPU-second: what a core buys, less sensitive to the CPU others take
             "req_per_cpu_s": statistics.median(x["rps"] / x["gateway_cores"] for x in ok)
             if ok and all(x["gateway_cores"] for x in ok) else None,
+            "redis_round_trips_per_req": med("redis_round_trips_per_req"),
             "redis_calls_per_req": {k: round(statistics.median(v), 2) for k, v in sorted(per_req.items())},
             "redis_script_p99_us": statistics.median([v for v in lua if v is not None]) if any(lua) else None,
             "errors": sum(sum(x["errors"].values()) for x in ok) + sum(1 for x in rs if "failed" in x),

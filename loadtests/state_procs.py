@@ -175,6 +175,12 @@ def redis_stats(prefix: Sequence[str], port: int) -> dict:
     return {"commands": cmds, "latency_usec": lat}
 
 
+def redis_reads(prefix: Sequence[str], port: int) -> int:
+    """INFO stats total_reads_processed: socket reads Redis served, ~ one per client round trip."""
+    info = redis_cmd(prefix, port, "info", "stats")
+    return int(info.split("total_reads_processed:", 1)[1].split()[0])
+
+
 def redis_reset(prefix: Sequence[str], port: int) -> None:
     redis_cmd(prefix, port, "config", "resetstat")
 

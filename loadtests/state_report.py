@@ -66,15 +66,17 @@ def markdown(report: dict) -> str:
         else "Quiet enough: no other load above the thresholds of loadtests/bench_load.py.",
         "",
         "| mode | conc | gateway | rps (median) | rps per run | p50 ms | p99 ms | gateway cores (per process) | "
-        "req per gateway CPU-s | client cores | Redis cores | Redis commands per request | errors |",
-        "|---|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---|---:|",
+        "req per gateway CPU-s | client cores | Redis cores | Redis round trips per request | Redis commands per "
+        "request (incl. inside scripts) | errors |",
+        "|---|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
     for s in report["summary"]:
         lines.append(
             f"| {s['mode']} | {s['conc']} | {LABEL[s['candidate']]} | {_f(s['rps'])} | "
             f"{' / '.join(f'{x:.0f}' for x in s['runs'])} | {_f(s['p50_ms'], '.2f')} | {_f(s['p99_ms'], '.2f')} | "
             f"{_f(s['gateway_cores'], '.2f')}{_split(s)} | {_f(s['req_per_cpu_s'])} | {_f(s['client_cores'], '.2f')} | "
-            f"{_f(s['redis_cores'], '.2f')} | {_calls(s)} | {s['errors']} |")
+            f"{_f(s['redis_cores'], '.2f')} | {_f(s.get('redis_round_trips_per_req'), '.2f')} | {_calls(s)} | "
+            f"{s['errors']} |")
     lines += ["", f"| mode | conc | redis / memory rps (goal >= {GOALS['redis_vs_memory']}x) | same, per gateway "
               f"CPU-s | --workers 2 / 1 rps (goal >= {GOALS['workers2_vs_1']}x at c=32) | same, per gateway CPU-s "
               "| --workers 2 (redis) / memory 1 process rps |", "|---|---:|---:|---:|---:|---:|---:|"]
@@ -115,9 +117,8 @@ def markdown(report: dict) -> str:
         tops = "; ".join(f"{w} {p_}%" for w, p_, _us, _n in prof["top_self"][:8])
         state = "; ".join(f"{w} {us} µs x{n}" for w, us, n in prof["state_inclusive"][:5]) or "-"
         lines += ["", f"Profile of `{name}` (one process under cProfile, {'; '.join(prof['cells'])}; self time, % "
-                  f"of {prof['busy_s']} busy s; {prof.get('round_trips_per_request', '-')} Redis round trips per "
-                  f"request): {comps}. Top functions: {tops}. State calls (inclusive, "
-                  f"profiled): {state}."]
+                  f"of {prof['busy_s']} busy s): {comps}. Top functions: {tops}. State calls (inclusive, "
+                  f"profiled; cProfile counts each coroutine resumption as a call): {state}."]
     for name, why in report.get("unavailable", {}).items():
         lines += ["", f"{name}: not available ({why[:300]})."]
     return "\n".join(lines)
