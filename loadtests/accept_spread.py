@@ -8,10 +8,13 @@ every worker serves it. asyncio accepts in a loop on each readiness event (up to
 wake-up, base_events/selector_events `_accept_connection`), so when a client opens its keep-alive connections
 in a burst, whichever worker wakes first can take most or all of them, and keep-alive keeps them there: the
 other worker idles while the load runs. With SO_REUSEPORT each worker has its own socket and the kernel
-hashes each connection to one of them. This measures both with a trivial server (every worker counts the
-connections it accepted and holds them open) on 127.0.0.1, so the gateway's own cost plays no part.
-Each round: N workers start, a client opens `--connections` connections at once, every worker reports its
-count. Printed: per round, the connections per worker, busiest first.
+hashes each connection to one of them. A third variant keeps the one shared socket but accepts one
+connection per wake-up (asyncio's accept loop runs `backlog` times: start_server(..., backlog=1), then
+listen() again so the queue keeps its size): a busy worker then takes fewer. This measures all three
+with a trivial server (every worker counts the connections it accepted and holds them open) on
+127.0.0.1, so the gateway's own cost plays no part. Each round: N workers start, a client opens
+`--connections` connections at once, every worker reports its count. Printed: per round, the
+connections per worker, busiest first.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import socket
 import time
 
 
-def _worker(sock: socket.socket | None, port: int, ready, report) -> None:
+def _worker(sock: socket.socket | None, port: int, ready, report, accept_burst: int = 100) -> None:
     async def main() -> None:
         count = 0
         held: list = []
@@ -36,7 +39,10 @@ def _worker(sock: socket.socket | None, port: int, ready, report) -> None:
         if sock is None:  # SO_REUSEPORT: this worker's own socket on the shared port
             server = await asyncio.start_server(on_conn, "127.0.0.1", port, reuse_port=True)
         else:
-            server = await asyncio.start_server(on_conn, sock=sock)
+            # start_server re-listens with `backlog`, which is also how many connections asyncio accepts per
+            # wake-up; listen() again afterwards so the shared queue keeps its size
+            server = await asyncio.start_server(on_conn, sock=sock, backlog=accept_burst)
+            sock.listen(1024)
         ready.send("up")
         await asyncio.get_running_loop().run_in_executor(None, report.recv)  # client is done
         report.send(count)
@@ -48,7 +54,7 @@ def _worker(sock: socket.socket | None, port: int, ready, report) -> None:
 def round_(mode: str, workers: int, connections: int) -> list[int]:
     ctx = mp.get_context("fork")
     shared = None
-    if mode == "shared":
+    if mode.startswith("shared"):
         shared = socket.create_server(("127.0.0.1", 0), backlog=1024)
         shared.setblocking(False)
         port = shared.getsockname()[1]
@@ -60,7 +66,8 @@ def round_(mode: str, workers: int, connections: int) -> list[int]:
     for _ in range(workers):
         a, b = ctx.Pipe()
         c, d = ctx.Pipe()
-        p = ctx.Process(target=_worker, args=(shared, port, b, d), daemon=True)
+        burst = 1 if mode == "shared-accept1" else 100
+        p = ctx.Process(target=_worker, args=(shared, port, b, d, burst), daemon=True)
         p.start()
         procs.append(p)
         pipes.append((a, c))
@@ -94,9 +101,9 @@ def main() -> None:
     ap.add_argument("--connections", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=5)
     a = ap.parse_args()
-    for mode in ("shared", "reuseport"):
+    for mode in ("shared", "shared-accept1", "reuseport"):
         rounds = [round_(mode, a.workers, a.connections) for _ in range(a.rounds)]
-        print(f"{mode:9} connections per worker (busiest first), {a.rounds} rounds: "
+        print(f"{mode:14} connections per worker (busiest first), {a.rounds} rounds: "
               + "  ".join("/".join(map(str, r)) for r in rounds))
 
 
