@@ -65,8 +65,7 @@ class RedisState:
         # "Too many connections" under a burst); waiting is bounded by SOCKET_TIMEOUT like the rest.
         pool = BlockingConnectionPool.from_url(
             url, max_connections=MAX_CONNECTIONS, timeout=timeout, decode_responses=True,
-            retry=Retry(NoBackoff(), 0), socket_timeout=timeout, socket_connect_timeout=CONNECT_TIMEOUT,
-            socket_keepalive=True)
+            retry=Retry(NoBackoff(), 0), socket_timeout=timeout, socket_connect_timeout=CONNECT_TIMEOUT)
         self.redis: Redis = Redis.from_pool(pool)  # owns the pool: aclose() closes it
         # the hot path's commands: one multiplexed connection (state/resp.py)
         self._conn = RespConnection(url, timeout=timeout, connect_timeout=CONNECT_TIMEOUT)
