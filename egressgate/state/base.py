@@ -108,9 +108,6 @@ class StateStore(Protocol):
     async def add_in(self, sandbox_id: str, amount: int) -> None:
         """Count bytes received from upstream (bytes_in)."""
 
-    async def add_bytes(self, sandbox_id: str, out: int = 0, in_: int = 0) -> tuple[int, int]:
-        """Deprecated (goes when the ledger uses reserve_out): add and return (bytes_out, bytes_in)."""
-
     async def record_request(self, sandbox_id: str, host: str, rule_id: str | None, nbytes: int, *,
                              requests_max: int | None = None, bytes_max: int | None = None) -> bool:
         """Atomically check the rule's budget and remember an allowed request: host history (for

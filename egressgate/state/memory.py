@@ -93,12 +93,6 @@ class MemoryState:
             rule_usage=usage,
         )
 
-    async def add_bytes(self, sandbox_id: str, out: int = 0, in_: int = 0) -> tuple[int, int]:
-        counters = self._bytes.setdefault(sandbox_id, [0, 0])
-        counters[0] += out
-        counters[1] += in_
-        return counters[0], counters[1]
-
     async def reserve_out(self, sandbox_id: str, want: int, minimum: int, limit: int | None) -> int:
         counters = self._bytes.setdefault(sandbox_id, [0, 0])
         grant = grant_size(counters[0], want, minimum, limit)

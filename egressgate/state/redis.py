@@ -284,11 +284,6 @@ class RedisState:
             await self._call("add_in", lambda: self._conn.call(
                 "HINCRBY", self.key("ctr", sandbox_id), "in", int(amount)))
 
-    async def add_bytes(self, sandbox_id: str, out: int = 0, in_: int = 0) -> tuple[int, int]:
-        ctr = [self.key("ctr", sandbox_id)]
-        new_out, new_in = await self._eval("ADD_COUNTERS", ctr, ["out", int(out), "in", int(in_)])
-        return int(new_out), int(new_in)
-
     async def record_request(self, sandbox_id: str, host: str, rule_id: str | None, nbytes: int, *,
                              requests_max: int | None = None, bytes_max: int | None = None) -> bool:
         keys = [self.key("hosts", sandbox_id), self.key("usage", sandbox_id)]
