@@ -7,6 +7,7 @@ from collections.abc import Callable, Collection
 from types import MappingProxyType
 
 from egressgate.policy.facts import RuleUsage, SandboxState
+from egressgate.policy.globs import HostPattern
 from egressgate.state.base import SandboxRecord, grant_size, rule_budget_allows
 
 
@@ -65,7 +66,7 @@ class MemoryState:
     def on_revoke(self, callback: Callable[[str], None]) -> None:
         self._revoke_callbacks.append(callback)
 
-    async def snapshot(self, sandbox_id: str, *, history: bool = True,
+    async def snapshot(self, sandbox_id: str, *, history: bool | Collection[HostPattern] = True,
                        rules: Collection[str] | None = None) -> SandboxState:
         # `history` / `rules` are hints for backends that pay per item fetched; the cached views here
         # cost nothing to hand out whole (policy.relevant_state reduces them)

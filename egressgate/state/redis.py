@@ -39,9 +39,10 @@ from redis.exceptions import NoScriptError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from egressgate.policy.facts import SandboxState
+from egressgate.policy.globs import HostPattern
 from egressgate.state import lua
 from egressgate.state.base import SandboxRecord, StateUnavailable
-from egressgate.state.redis_codec import decode_record, decode_usage, encode_record, pairs
+from egressgate.state.redis_codec import decode_record, decode_usage, encode_record, history_spec, pairs, rev_host
 from egressgate.state.redis_events import BACKOFF_MAX, BACKOFF_MIN, RecordCache, Subscriber
 from egressgate.state.resp import RespConnection
 
@@ -239,23 +240,24 @@ class RedisState:
 
     # -- counters -----------------------------------------------------------------------------------
 
-    async def snapshot(self, sandbox_id: str, *, history: bool = True,
+    async def snapshot(self, sandbox_id: str, *, history: bool | Collection[HostPattern] = True,
                        rules: Collection[str] | None = None) -> SandboxState:
         record = self._cache.record(sandbox_id)
         epoch = self._cache.epoch
-        args = ["1" if history else "0", "0" if record is not None else "1"]
+        spec = history_spec(history)
+        spec["rec"] = 0 if record is not None else 1
         if rules is not None:
-            args.append("")  # marks "these rules only" even when there are none (no rule has id "")
-            args.extend(rules)
-        keys = [self.key("ctr", sandbox_id), self.key("hosts", sandbox_id), self.key("usage", sandbox_id),
-                self.key("sbx", sandbox_id)]
-        reply = await self._eval("SNAPSHOT", keys, args)
+            spec["r"] = list(rules)
+        keys = [self.key("ctr", sandbox_id), self.key("hosts", sandbox_id), self.key("hist", sandbox_id),
+                self.key("usage", sandbox_id), self.key("sbx", sandbox_id)]
+        reply = await self._eval("SNAPSHOT", keys, [json.dumps(spec)])
         try:
             # cjson encodes an empty Lua table as {}: `or ()` reads it as the empty list it is
-            ctr, hosts, usage, fields = json.loads(reply)
+            ctr, hosts, reversed_hosts, usage, fields = json.loads(reply)
             rule_usage = decode_usage(usage or ())
             out, in_, queries, name_bytes = (int(v) for v in ctr)
-        except (ValueError, TypeError) as exc:
+            seen = frozenset(hosts) if hosts else frozenset(rev_host(h) for h in reversed_hosts or ())
+        except (ValueError, TypeError, AttributeError) as exc:
             self.errors += 1
             raise StateUnavailable(f"state backend error (snapshot): unreadable reply ({exc})") from exc
         if record is None:
@@ -266,7 +268,7 @@ class RedisState:
         return SandboxState(
             sandbox_id=sandbox_id, admitted_at=record.admitted_at, labels=MappingProxyType(record.labels),
             bytes_out=out, bytes_in=in_, dns_queries=queries, dns_name_bytes=name_bytes,
-            seen_hosts=frozenset(hosts or ()), rule_usage=MappingProxyType(rule_usage))
+            seen_hosts=seen, rule_usage=MappingProxyType(rule_usage))
 
     async def reserve_out(self, sandbox_id: str, want: int, minimum: int, limit: int | None) -> int:
         keys = [self.key("ctr", sandbox_id), self.key("lease", self.worker_id), self.key("hb", self.worker_id),
@@ -286,8 +288,8 @@ class RedisState:
 
     async def record_request(self, sandbox_id: str, host: str, rule_id: str | None, nbytes: int, *,
                              requests_max: int | None = None, bytes_max: int | None = None) -> bool:
-        keys = [self.key("hosts", sandbox_id), self.key("usage", sandbox_id)]
-        args = [host, rule_id or "", int(nbytes), -1 if requests_max is None else int(requests_max),
+        keys = [self.key("hosts", sandbox_id), self.key("hist", sandbox_id), self.key("usage", sandbox_id)]
+        args = [host, rev_host(host), rule_id or "", int(nbytes), -1 if requests_max is None else int(requests_max),
                 -1 if bytes_max is None else int(bytes_max)]
         return bool(await self._eval("RECORD_REQUEST", keys, args))
 
