@@ -146,6 +146,8 @@ class RespConnection:
         self._proto: _Protocol | None = None
         self._connecting: asyncio.Lock | None = None
         self._watchdog: asyncio.TimerHandle | None = None
+        self._failed_at = -1.0  # monotonic time of the last failed connect, and why
+        self._failure: Exception | None = None
 
     async def call(self, *args: Any) -> Any:
         proto = self._proto
@@ -156,35 +158,47 @@ class RespConnection:
     async def _connect(self) -> _Protocol:
         if self._connecting is None:
             self._connecting = asyncio.Lock()
+        started = time.monotonic()
         async with self._connecting:
             if self._proto is not None and not self._proto.closed:
                 return self._proto
-            loop = asyncio.get_running_loop()
-            kw = self.kwargs
+            if self._failed_at >= started and self._failure is not None:
+                # an attempt made while we waited has just failed: share its answer rather than queue
+                # one connect timeout per waiting caller behind each other
+                raise RedisConnectionError(str(self._failure))
             try:
-                if "path" in kw:
-                    connect = loop.create_unix_connection(_Protocol, kw["path"])
-                else:
-                    connect = loop.create_connection(_Protocol, kw.get("host", "localhost"), kw.get("port", 6379),
-                                                     ssl=self._ssl_context())
-                _, proto = await asyncio.wait_for(connect, self.connect_timeout)
-            except (OSError, TimeoutError) as exc:
-                raise RedisConnectionError(f"cannot connect to Redis: {exc}") from exc
-            setup = []
-            if kw.get("password") is not None:
-                user = (kw["username"],) if kw.get("username") else ()
-                setup.append(("AUTH", *user, kw["password"]))
-            if kw.get("db"):
-                setup.append(("SELECT", kw["db"]))
-            try:
-                for command in setup:
-                    await asyncio.wait_for(proto.send(pack(command)), self.timeout)
-            except BaseException:
-                proto.abort(RedisConnectionError("connection setup failed"))
+                return await self._open()
+            except BaseException as exc:
+                self._failed_at, self._failure = time.monotonic(), exc
                 raise
-            self._proto = proto
-            self._arm_watchdog()
-            return proto
+
+    async def _open(self) -> _Protocol:
+        loop = asyncio.get_running_loop()
+        kw = self.kwargs
+        try:
+            if "path" in kw:
+                connect = loop.create_unix_connection(_Protocol, kw["path"])
+            else:
+                connect = loop.create_connection(_Protocol, kw.get("host", "localhost"), kw.get("port", 6379),
+                                                 ssl=self._ssl_context())
+            _, proto = await asyncio.wait_for(connect, self.connect_timeout)
+        except (OSError, TimeoutError) as exc:
+            raise RedisConnectionError(f"cannot connect to Redis: {exc}") from exc
+        setup = []
+        if kw.get("password") is not None:
+            user = (kw["username"],) if kw.get("username") else ()
+            setup.append(("AUTH", *user, kw["password"]))
+        if kw.get("db"):
+            setup.append(("SELECT", kw["db"]))
+        try:
+            for command in setup:
+                await asyncio.wait_for(proto.send(pack(command)), self.timeout)
+        except BaseException:
+            proto.abort(RedisConnectionError("connection setup failed"))
+            raise
+        self._proto = proto
+        self._arm_watchdog()
+        return proto
 
     def _ssl_context(self) -> ssl.SSLContext | None:
         if self.kwargs.get("connection_class") is None or "SSL" not in self.kwargs["connection_class"].__name__:

@@ -10,6 +10,7 @@ import pytest
 import redis
 
 from egressgate.state.base import StateUnavailable
+from egressgate.state.redis import RedisState
 from egressgate.state.resp import _INCOMPLETE, RespConnection, pack, parse
 from tests.state.helpers import record, redis_store
 from tests.support.redis import RedisServer
@@ -96,3 +97,32 @@ async def test_a_late_reply_closes_the_connection_and_the_next_command_is_answer
     finally:
         other.close()
         await store.close()
+
+
+async def test_a_silent_server_fails_every_waiting_command_within_the_timeout():
+    """A peer that accepts and never answers (a hung Redis): every in-flight command fails closed once,
+    together, after the timeout, instead of one after another."""
+    held: list[asyncio.StreamWriter] = []
+
+    async def swallow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+        while await reader.read(65536):
+            pass
+
+    server = await asyncio.start_server(swallow, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    store = RedisState(f"redis://127.0.0.1:{port}/0", "r12silent:", timeout=0.5)
+    try:
+        start = time.monotonic()
+        results = await asyncio.gather(*(store.reserve_out("sbx", 1, 1, None) for _ in range(20)),
+                                       return_exceptions=True)
+        elapsed = time.monotonic() - start
+        assert all(isinstance(r, StateUnavailable) for r in results), results
+        assert 0.4 < elapsed < 1.5, elapsed
+        assert store.errors == 20
+    finally:
+        await store.close()
+        for writer in held:
+            writer.close()
+        server.close()
+        await server.wait_closed()
