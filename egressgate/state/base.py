@@ -108,7 +108,8 @@ class StateStore(Protocol):
     async def settle_out(self, sandbox_id: str, spent: int, unused: int) -> None:
         """Of this worker's lease, `spent` bytes were sent (the lease shrinks, bytes_out stays) and
         `unused` go back (lease and bytes_out shrink). Never gives back more than the lease still holds
-        (a lease forfeited by reconcile stays spent)."""
+        (a lease forfeited by reconcile stays spent). After StateUnavailable, do not call it again for
+        the same bytes: it may have run, and a second give-back would shrink another flow's lease."""
 
     async def add_in(self, sandbox_id: str, amount: int) -> None:
         """Count bytes received from upstream (bytes_in)."""
