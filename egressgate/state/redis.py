@@ -37,6 +37,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.maint_notifications import MaintNotificationsConfig
 
 from egressgate.policy.facts import SandboxState
 from egressgate.policy.globs import HostPattern
@@ -66,7 +67,10 @@ class RedisState:
         # "Too many connections" under a burst); waiting is bounded by SOCKET_TIMEOUT like the rest.
         pool = BlockingConnectionPool.from_url(
             url, max_connections=MAX_CONNECTIONS, timeout=timeout, decode_responses=True,
-            retry=Retry(NoBackoff(), 0), socket_timeout=timeout, socket_connect_timeout=CONNECT_TIMEOUT)
+            retry=Retry(NoBackoff(), 0), socket_timeout=timeout, socket_connect_timeout=CONNECT_TIMEOUT,
+            # off: one round trip less per new connection (Redis 7 refuses it anyway), and with it off
+            # the pool checks a pooled connection is still open before handing it out
+            maint_notifications_config=MaintNotificationsConfig(enabled=False))
         self.redis: Redis = Redis.from_pool(pool)  # owns the pool: aclose() closes it
         # the hot path's commands: one multiplexed connection (state/resp.py)
         self._conn = RespConnection(url, timeout=timeout, connect_timeout=CONNECT_TIMEOUT)
