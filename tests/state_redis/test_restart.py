@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.state_redis.workers_support import get_fresh, slots_with, start_workers
+from tests.state_redis.workers_support import get_fresh, start_workers, worker_records
 from tests.support.gwworld import Sandbox, World, open_world
 from tests.support.launcher import stop_gateway
 from tests.support.redis import RedisServer
@@ -62,8 +62,9 @@ def test_restart_keeps_tokens_and_spent_budgets(world: World, redis: RedisServer
         fresh = second.admit("gw-budget")  # positive control: a new budget takes the same upload
         assert upload(fresh).status_code == 200
         assert get_fresh(moved(stale, second)).status_code == 200
-        assert get_fresh(Sandbox(id=old.id, token=old.token + "x", proxy_url=old.proxy_url.replace(
-            old.token, old.token + "x"), env={}, gw=second)).status_code == 407  # the token is checked
+        wrong = Sandbox(id=old.id, token=old.token + "x", proxy_url=old.proxy_url.replace(old.token, old.token + "x"),
+                        env={}, gw=second)
+        assert get_fresh(wrong, scheme="http").status_code == 407  # control: the token is really checked
     finally:
         stop_gateway(second)
 
@@ -74,12 +75,15 @@ def test_redis_outage_denies_then_recovers_without_restart(world: World, redis: 
         sbx = gw.admit("gw-basic")
         assert get_fresh(sbx).status_code == 200
         redis.stop()
-        denied = [get_fresh(sbx) for _ in range(6)]  # new connections: both workers meet the outage
+        denied = [get_fresh(sbx, scheme="http") for _ in range(6)]  # new connections: both workers meet it
         for r in denied:
             assert r.status_code != 200
             assert json.loads(r.text)["reason"] == "state_unavailable", r.text
-        assert wait_for(lambda: slots_with(gw.var, **{"egressgate.sandbox.id": sbx.id,
-                                                      "egressgate.reason": "state_unavailable"}), timeout=10)
+        # every refusal is audited, under the request id its deny body names (by whichever worker refused it)
+        ids = {r.json()["request_id"] for r in denied}
+        assert wait_for(lambda: ids <= {rec.get("egressgate.request.id") for recs in worker_records(gw.var).values()
+                                        for rec in recs if rec.get("egressgate.reason") == "state_unavailable"},
+                        timeout=10)
         redis.start()  # same port, same data: the gateway reconnects by itself
         assert wait_for(lambda: get_fresh(sbx).status_code == 200, timeout=30)
         assert all(get_fresh(sbx).status_code == 200 for _ in range(10))

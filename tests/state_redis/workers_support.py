@@ -68,7 +68,9 @@ def slots_with(var: Path, **match: str) -> set[int]:
             if any(all(str(r.get(k)) == v for k, v in match.items()) for r in recs)}
 
 
-def get_fresh(sbx: Sandbox, path: str = "/echo", host: str = "api.test") -> httpx.Response:
-    """One GET through the proxy on a NEW connection (the kernel picks the worker per connection)."""
+def get_fresh(sbx: Sandbox, path: str = "/echo", host: str = "api.test", scheme: str = "https") -> httpx.Response:
+    """One GET through the proxy on a NEW connection (the kernel picks the worker per connection).
+    `scheme="http"`: a plain request, whose deny (407, 403, ...) is a response with the JSON body (an
+    https request is refused on its CONNECT, which httpx raises as ProxyError)."""
     with sbx.client() as c:
-        return c.get(sbx.url(host, path))
+        return c.get(sbx.url(host, path, scheme=scheme))
