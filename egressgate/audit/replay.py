@@ -19,6 +19,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from egressgate.approvals.grant import Grant
 from egressgate.audit.find import iter_records
 from egressgate.audit.record import K_DNS_NAME, K_HOST, K_LABELS, K_OPERATION, K_SCHEME, addresses_of
 from egressgate.policy.facts import Decision, Facts, Operation, RuleUsage, SandboxState
@@ -149,6 +150,7 @@ def state_from(
             seen_hosts=frozenset(hist.seen_hosts).union(str(h) for h in seen)
             if isinstance(seen, list) else frozenset(hist.seen_hosts),
             rule_usage={**history_usage, **usage} if isinstance(usage_raw, dict) else history_usage,
+            approvals=grants_from(attrs.get("egressgate.state.approvals")),
         ), True
     return SandboxState(
         sandbox_id=sandbox_id,
@@ -161,6 +163,18 @@ def state_from(
         seen_hosts=frozenset(hist.seen_hosts),
         rule_usage={r: RuleUsage(u[0], u[1]) for r, u in hist.usage.items()},
     ), False
+
+
+def grants_from(raw: Any) -> tuple[Grant, ...]:
+    """The operator approvals the gateway decided with (`egressgate.state.approvals`); a malformed entry
+    grants nothing in the replay either."""
+    out = []
+    for item in raw if isinstance(raw, list) else ():
+        try:
+            out.append(Grant.from_json(item) if isinstance(item, dict) else None)
+        except ValueError:
+            continue
+    return tuple(g for g in out if g is not None)
 
 
 def _update_history(hist: _History, attrs: dict[str, Any], time_s: float) -> None:
