@@ -19,6 +19,7 @@ from urllib.parse import quote
 
 from aiohttp import web
 
+from egressgate.admin.approvals_api import register_approvals
 from egressgate.admin.jsonbody import MAX_BODY, BodyError, read_object
 from egressgate.audit.build import build
 from egressgate.audit.event import AuditEvent, AuditUnavailable, EventKind
@@ -118,6 +119,7 @@ class AdminServer:
         self.app.router.add_post("/v1/sandboxes", self.admit)
         self.app.router.add_delete("/v1/sandboxes/{sandbox_id}", self.revoke)
         self.app.router.add_get(JWKS_PATH, self.jwks)
+        register_approvals(self)  # /v1/approvals (admin/approvals_api.py) and the expiry sweeper
 
     @web.middleware
     async def _errors(self, request: web.Request, handler):

@@ -12,7 +12,9 @@ from egressgate.approvals.model import Approval
 from egressgate.audit.build import APPROVAL_ID, build
 from egressgate.audit.event import AuditEvent, EventKind
 
-ACTIONS = ("requested", "approved", "denied", "expired")
+# not_applied: the approved/denied record just before (same approval id) did not take effect (another
+# decision won the race, or the store failed after the record was written)
+ACTIONS = ("requested", "approved", "denied", "expired", "not_applied")
 
 
 def approval_event(approval: Approval, action: str, labels: dict[str, str] | None = None) -> AuditEvent:
