@@ -8,7 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.approvals import harness
 from tests.approvals.redisproc import RedisProcess
+from tests.support.gwworld import Gateway, World, open_world
+from tests.support.launcher import stop_gateway
 
 
 @pytest.fixture(scope="session")
@@ -24,3 +27,19 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisProc
 @pytest.fixture
 def redis_prefix() -> str:
     return f"a12test-{secrets.token_hex(4)}:"
+
+
+@pytest.fixture(scope="session")
+def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+    with open_world(tmp_path_factory.mktemp("a12-world")) as w:
+        yield w
+
+
+@pytest.fixture(scope="session")
+def gateway(world: World, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    """One gateway for the module's tests; each test admits its own sandboxes (approvals are per sandbox)."""
+    gw = harness.start(world, tmp_path_factory.mktemp("a12-gw"))
+    try:
+        yield gw
+    finally:
+        stop_gateway(gw)
