@@ -74,6 +74,9 @@ class ReplayResult:
     changes: list[Change] = field(default_factory=list)
     skipped: dict[str, int] = field(default_factory=dict)
     approximated_state: int = 0  # records replayed with state reconstructed from the log
+    # approval id -> replayed decisions it allowed (reason approval_granted): allowed by an operator's
+    # approval (recorded in egressgate.state.approvals), not by any rule of the replayed policy
+    by_approval: dict[str, int] = field(default_factory=dict)
 
     def skip(self, why: str) -> None:
         self.skipped[why] = self.skipped.get(why, 0) + 1
@@ -267,6 +270,8 @@ def _replay_one(
         result.approximated_state += 1
     new = decide(policy, facts, state, time_s)
     result.replayed += 1
+    if new.approval_id is not None and new.allowed:
+        result.by_approval[new.approval_id] = result.by_approval.get(new.approval_id, 0) + 1
     new_decision = str(new.effect)
     if new_decision == old:
         result.unchanged += 1
@@ -281,13 +286,23 @@ def _replay_one(
             str(attrs.get(K_OPERATION)),
             str(target),
             str(old),
-            attrs.get("egressgate.rule") if isinstance(attrs.get("egressgate.rule"), str) else None,
+            _rule_or_approval(attrs.get("egressgate.rule"), attrs.get("egressgate.approval.id"), reason),
             str(reason) if reason is not None else None,
             new_decision,
-            new.rule_id,
+            _rule_or_approval(new.rule_id, new.approval_id, str(new.reason)),
             str(new.reason),
         )
     )
+
+
+def _rule_or_approval(rule: Any, approval_id: Any, reason: Any) -> str | None:
+    """What allowed (or was asked of) a decision: its rule, or `approval <id>` when an operator's approval
+    allowed it (approval_granted) or was asked for (approval_required)."""
+    if isinstance(rule, str):
+        return rule
+    if reason in ("approval_granted", "approval_required") and isinstance(approval_id, str):
+        return f"approval {approval_id}"
+    return None
 
 
 def printable(text: str) -> str:
@@ -320,6 +335,9 @@ def format_table(result: ReplayResult) -> str:
         if result.approximated_state
         else ""
     )
+    for approval_id, n in sorted(result.by_approval.items()):
+        summary += (f"\n{n} allowed by operator approval {printable(approval_id)} (approval_granted, not a rule; the "
+                    "`approval` audit records say who granted it, its scope and expiry)")
     for why, n in sorted(result.skipped.items()):
         summary += f"\nskipped {n}: {why}"
     return ("\n".join(lines) + "\n" if result.changes else "") + summary

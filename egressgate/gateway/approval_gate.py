@@ -1,8 +1,9 @@
 """Where the gateway meets approvals: live grants into decide(), pending approvals out of it.
 
-decide() is pure: it gets the sandbox's live grants in its `SandboxState` (only under a policy that
-requires approval for network_expansion: any other policy never pays the store lookup, and its sandboxes
-can never be widened) and answers `approval_required` for a request an operator could approve. Here that
+decide() is pure: it gets the sandbox's live grants in its `SandboxState` (read only when they can
+matter: a request the rules refused, under a policy that requires approval for network_expansion; any
+other policy's sandboxes can never be widened) and answers `approval_required` for a request an operator
+could approve. Here that
 deny gets its approval: the pending one for the same sandbox and target (retries share one id), a new
 one (audited `requested`), or none when the sandbox already has too many waiting. The request itself is
 refused at once: nothing is held open while an operator decides; the agent retries.
@@ -16,18 +17,33 @@ from egressgate.approvals.audit import approval_event
 from egressgate.approvals.model import MAX_PENDING_PER_SANDBOX, Approval, ApprovalState, new_approval_id
 from egressgate.approvals.overlay import NETWORK_EXPANSION
 from egressgate.gateway.context import Runtime
+from egressgate.gateway.deny import gateway_deny
 from egressgate.policy.compile import CompiledPolicy
+from egressgate.policy.decide import decide
 from egressgate.policy.facts import Decision, Facts, Operation, SandboxState
 from egressgate.policy.reasons import Reason
 from egressgate.state.base import StateUnavailable
 
 
-async def with_grants(rt: Runtime, policy: CompiledPolicy, state: SandboxState, now: float) -> SandboxState:
-    """`state` plus the sandbox's live grants (raises StateUnavailable when the store fails)."""
-    if NETWORK_EXPANSION not in policy.approval_kinds:
-        return state
-    grants = await rt.approvals.grants(state.sandbox_id, now)
-    return replace(state, approvals=grants) if grants else state
+async def decide_with_approvals(rt: Runtime, policy: CompiledPolicy, facts: Facts, state: SandboxState,
+                                now: float) -> tuple[Decision, SandboxState]:
+    """decide(), given the sandbox's live grants when they can matter; (decision, the state it saw).
+
+    Grants are read only when the decision without them is `approval_required` (the overlay is the
+    engine's last step, so they cannot change any other answer): a rule-allowed request costs no store
+    lookup and keeps working while the approval store is down. A store failure at that point is
+    `state_unavailable`, never an allow."""
+    decision = decide(policy, facts, state, now)
+    if decision.reason is not Reason.APPROVAL_REQUIRED or NETWORK_EXPANSION not in policy.approval_kinds:
+        return decision, state
+    try:
+        grants = await rt.approvals.grants(state.sandbox_id, now)
+    except StateUnavailable:
+        return gateway_deny(Reason.STATE_UNAVAILABLE), state
+    if not grants:
+        return decision, state
+    state = replace(state, approvals=grants)
+    return decide(policy, facts, state, now), state
 
 
 def _target(facts: Facts) -> str:

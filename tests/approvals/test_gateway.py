@@ -231,3 +231,26 @@ def test_api_validates_bodies(gateway: Gateway):
                          headers={"Authorization": f"Bearer {gateway.token}"})
     assert no_body.status_code == 200 and no_body.json()["scope"] == "host"  # defaults: host, 600 s
     assert abs(no_body.json()["expires_at"] - no_body.json()["decided_at"] - 600) < 1e-6
+
+
+def test_replay_explains_an_allow_that_an_approval_made(gateway: Gateway, tmp_path):
+    from egressgate.audit.replay import format_table, replay
+
+    sbx = gateway.admit("ap-gated")
+    approval_id = asked(gateway, sbx, "other.test", "/r")
+    assert approve(gateway, approval_id, by="carol").status_code == 200
+    assert http_get(gateway, sbx, "other.test", "/r").status == 200
+    time.sleep(0.3)
+    audit = gateway.var / "audit.jsonl"
+    same = replay([audit], gateway.policy_dir)  # the policy set it ran with: the approval still explains it
+    assert same.by_approval.get(approval_id) == 1
+    assert not [c for c in same.changes if c.sandbox_id == sbx.id]
+    assert f"1 allowed by operator approval {approval_id}" in format_table(same)
+    # under the same policy without network_expansion, the allow changes and the table says why it was one
+    text = (gateway.policy_dir / "ap-gated.yaml").read_text()
+    assert "network_expansion" in text
+    plain = tmp_path / "ap-gated.yaml"
+    plain.write_text(text.replace("- network_expansion\n", ""))
+    changed = [c for c in replay([audit], plain).changes if c.sandbox_id == sbx.id and c.old_decision == "allow"]
+    assert [(c.old_rule, c.old_reason, c.new_decision, c.new_reason) for c in changed] == [
+        (f"approval {approval_id}", "approval_granted", "deny", "host_not_allowed")]
