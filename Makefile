@@ -4,7 +4,7 @@ VENV  := .venv
 BIN   := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint bench bench-all venv test-deps clean
+.PHONY: run test lint bench bench-state bench-all venv test-deps clean
 
 $(STAMP): pyproject.toml
 	@py=$$(scripts/find-python.sh) && echo "using $$py" && \
@@ -36,6 +36,12 @@ $(BENCH_STAMP): $(STAMP) pyproject.toml
 
 bench: $(BENCH_STAMP) test-deps
 	$(BIN)/python -m loadtests.bench $(BENCH_ARGS)
+
+# Issue 12 (loadtests/state_bench.py; needs root): memory vs Redis state backend, `--workers 2` vs 1 (rps and
+# requests per gateway CPU-second), p99 of the budget check on loopback Redis; interleaved, medians, load printed.
+# `make bench-state BENCH_ARGS="--quick"` for a smoke run, "--record" to append to RESULTS.md.
+bench-state: $(STAMP) test-deps
+	$(BIN)/python -m loadtests.state_bench $(BENCH_ARGS)
 
 # Every benchmark module (loadtests/*_bench.py), each with its defaults.
 bench-all: $(STAMP) test-deps

@@ -18,6 +18,7 @@ from egressgate.audit.config import AuditSinkConfig
 from egressgate.broker.config import BrokerConfig
 from egressgate.dns.config import DnsConfig
 from egressgate.safeyaml import YamlError, load_yaml
+from egressgate.state.config import StateConfig
 
 
 class ConfigError(ValueError):
@@ -218,6 +219,7 @@ class GatewayConfig(_Strict):
     broker: BrokerConfig = BrokerConfig()  # credential broker; the local backend is the default
     limits: LimitsConfig = LimitsConfig()  # connection limits and timeouts of the proxy listener
     runtime: RuntimeSection = RuntimeSection()  # `sandbox run`: address pool and state dir
+    state: StateConfig = StateConfig()  # sandbox registry + counters: memory (one process) or redis (shared)
 
     # Resolved paths: one place decides the defaults so the CLI, the admin API and tests agree.
     def var_path(self) -> Path:

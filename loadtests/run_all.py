@@ -31,7 +31,8 @@ def discover() -> list[str]:
     present = sorted(p.stem for p in HERE.glob("*_bench.py"))
     others = [m for m in present if m not in KNOWN and m != LAST]
     return [*KNOWN, *others, LAST]
-QUICK_ARGS = {"gateway_bench": ["--seconds", "3", "--repeats", "1", "--stream-bytes", str(256 << 20)]}
+QUICK_ARGS = {"gateway_bench": ["--seconds", "3", "--repeats", "1", "--stream-bytes", str(256 << 20)],
+              "state_bench": ["--quick"]}
 
 
 def run_module(name: str, extra: list[str], timeout: float) -> tuple[int | None, float]:

@@ -46,7 +46,12 @@ audit: {path: /tmp/x.jsonl, on_failure: allow-and-alert, checkpoint_every: 10}
         ("audit: {on_failure: allow}\n", "audit.on_failure"),
         ("audit: {local_file: false}\n", "otlp_endpoint"),
         ("listen: {proxy: 'localhost:8080'}\n", "listen.proxy"),
-        ("state: {backend: memory}\n", "state: Extra inputs"),  # no state section until a real backend
+        ("state: {backend: memroy}\n", "state.backend"),
+        ("state: {backend: redis, url: 'http://127.0.0.1:6379'}\n", "state.url must start with redis://"),
+        ("state: {backend: redis}\n", "state.url is required"),
+        ("state: {url: 'redis://127.0.0.1:6379/0'}\n", "state.backend is memory"),
+        ("state: {backend: redis, url: 'redis://127.0.0.1/0', key_prefix: 'a b'}\n", "state.key_prefix"),
+        ("state: {backend: redis, url: 'redis://127.0.0.1/0', pasword: x}\n", "state.pasword: Extra inputs"),
         ("websocket: {max_message_bytes: 0}\n", "websocket.max_message_bytes"),
     ],
 )

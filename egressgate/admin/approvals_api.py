@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
+from egressgate.admin.errors import error_response as _error
 from egressgate.admin.jsonbody import BodyError, read_object
 from egressgate.approvals.audit import approval_event
 from egressgate.approvals.grant import SCOPE_HOST, SCOPES
@@ -52,12 +53,8 @@ def register_approvals(server: AdminServer) -> None:
     server.app.cleanup_ctx.append(api.sweeper)
 
 
-def _error(status: int, error: str, message: str) -> web.Response:
-    return web.json_response({"error": error, "message": message}, status=status)
-
-
 def _unavailable() -> web.Response:
-    return _error(503, "state_unavailable", "the approval store is unavailable; retry later")
+    return _error(503, "state_unavailable", "the approval store did not answer; retry when /readyz is ready")
 
 
 class ApprovalsApi:

@@ -1,4 +1,4 @@
-"""`egressgate sandbox admit|revoke`: talk to the running gateway's local admin API."""
+"""`egressgate sandbox admit|list|show|revoke`: talk to the running gateway's local admin API."""
 
 from __future__ import annotations
 
@@ -144,3 +144,52 @@ def revoke(config_file: str | None, admin: str | None, sandbox_id: str) -> None:
     if status != 200:
         raise click.ClickException(f"revocation failed ({status}): {json.dumps(data)}")
     click.echo(json.dumps(data))
+
+
+def _get(cfg: GatewayConfig, admin: str | None, path: str) -> dict:
+    status, data = _call("GET", admin_url(cfg, admin) + path, _token(cfg))
+    if status != 200:
+        raise click.ClickException(f"{data.get('error', 'error')} ({status}): {data.get('message', json.dumps(data))}")
+    return data
+
+
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows)
+
+
+@sandbox.command("list")
+@click.option("--config", "config_file", type=click.Path(dir_okay=False))
+@click.option("--admin", "admin", help="Admin API base URL (default: from the running gateway)")
+@click.option("--policy", help="Only sandboxes of this policy")
+@click.option("--revoked/--active", "revoked", default=None, help="Only revoked / only active sandboxes")
+@click.option("--json", "as_json", is_flag=True, help="Print the API's JSON")
+def list_cmd(config_file: str | None, admin: str | None, policy: str | None, revoked: bool | None,
+             as_json: bool) -> None:
+    """List admitted sandboxes (id, policy, state, open connections, labels)."""
+    from urllib.parse import urlencode
+
+    query = {k: v for k, v in (("policy", policy), ("revoked", None if revoked is None else str(revoked).lower()))
+             if v is not None}
+    data = _get(_config(config_file), admin, "/v1/sandboxes" + (f"?{urlencode(query)}" if query else ""))
+    if as_json:
+        click.echo(json.dumps(data, indent=2))
+        return
+    rows = [["ID", "POLICY", "STATE", "CONNS", "LABELS"]]
+    for sbx in data["sandboxes"]:
+        labels = ",".join(f"{k}={v}" for k, v in sorted(sbx["labels"].items()))
+        rows.append([sbx["id"], sbx["policy"], "revoked" if sbx["revoked"] else "active", str(sbx["connections"]),
+                     labels])
+    click.echo(_table(rows))
+
+
+@sandbox.command("show")
+@click.option("--config", "config_file", type=click.Path(dir_okay=False))
+@click.option("--admin", "admin", help="Admin API base URL (default: from the running gateway)")
+@click.argument("sandbox_id")
+def show_cmd(config_file: str | None, admin: str | None, sandbox_id: str) -> None:
+    """Show one sandbox as JSON: labels, policy, usage, budgets left, open connections."""
+    from urllib.parse import quote as urlquote
+
+    click.echo(json.dumps(_get(_config(config_file), admin, f"/v1/sandboxes/{urlquote(sandbox_id, safe='')}"),
+                          indent=2))

@@ -1,8 +1,10 @@
-"""Local admin API (aiohttp) on 127.0.0.1:8081: admit and revoke sandboxes, health.
+"""Local control API (aiohttp) on 127.0.0.1:8081: sandboxes, policies, health, readiness, metrics.
 
-Protected by a bearer token stored in a 0600 file in the var dir (created on first start): only the
-operator account that runs the gateway can read it, never a sandbox. Admission and revocation are
-audited before they take effect (an admission that cannot be recorded does not happen: 503).
+docs/openapi.yaml describes every route (tests/control_api check the server against it). Protected by a
+bearer token stored in a 0600 file in the var dir (created on first start): only the operator account
+that runs the gateway can read it, never a sandbox. Only /healthz, /readyz and the JWKS are public.
+Admission and revocation are audited before they take effect (an admission that cannot be recorded does
+not happen: 503). Every error is JSON `{"error", "message"}` (admin/errors.py).
 """
 
 from __future__ import annotations
@@ -20,7 +22,12 @@ from urllib.parse import quote
 from aiohttp import web
 
 from egressgate.admin.approvals_api import register_approvals
+from egressgate.admin.errors import error_response, state_unavailable
 from egressgate.admin.jsonbody import MAX_BODY, BodyError, read_object
+from egressgate.admin.metrics import GatewayMetrics
+from egressgate.admin.policies_api import PoliciesApi, Reload
+from egressgate.admin.readiness import Readiness
+from egressgate.admin.sandboxes_api import SandboxesApi
 from egressgate.audit.build import build
 from egressgate.audit.event import AuditEvent, AuditUnavailable, EventKind
 from egressgate.broker.inject import admission_phantoms
@@ -34,6 +41,9 @@ logger = logging.getLogger(__name__)
 MAX_LABELS = 32
 MAX_ADDRESSES = 16
 JWKS_PATH = "/.well-known/jwks.json"  # public keys only: no auth, so upstreams can verify our JWTs
+# no token: probes (kubelet, load balancers) and JWT verifiers rarely carry one; they reveal no secret
+PUBLIC_PATHS = frozenset({"/healthz", "/readyz", JWKS_PATH})
+METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 PUBLIC_JWK_MEMBERS = frozenset({"kty", "crv", "x", "kid", "alg", "use"})  # never "d" (a private key)
 
 
@@ -110,15 +120,26 @@ def run_outcome(body: dict) -> dict[str, object]:
 
 
 class AdminServer:
-    def __init__(self, runtime: Runtime, token: str) -> None:
+    def __init__(self, runtime: Runtime, token: str, reload: Reload | None = None) -> None:
+        """`reload`: the gateway's policy reload (app.py `Gateway.reload`), for POST /v1/policies/reload."""
         self.rt = runtime
         self._token = token
         self.runner: web.AppRunner | None = None
+        self.metrics = GatewayMetrics(runtime)  # observes the audit sink from now on
+        self.readiness = Readiness(runtime)
+        sandboxes, policies = SandboxesApi(runtime), PoliciesApi(runtime, reload)
         self.app = web.Application(middlewares=[self._errors, self._auth], client_max_size=MAX_BODY)
-        self.app.router.add_get("/healthz", self.healthz)
-        self.app.router.add_post("/v1/sandboxes", self.admit)
-        self.app.router.add_delete("/v1/sandboxes/{sandbox_id}", self.revoke)
-        self.app.router.add_get(JWKS_PATH, self.jwks)
+        router = self.app.router
+        router.add_get("/healthz", self.healthz)
+        router.add_get("/readyz", self.readiness.handle)
+        router.add_get("/metrics", self.metrics_text)
+        router.add_get("/v1/sandboxes", sandboxes.list)
+        router.add_post("/v1/sandboxes", self.admit)
+        router.add_get("/v1/sandboxes/{sandbox_id}", sandboxes.show)
+        router.add_delete("/v1/sandboxes/{sandbox_id}", self.revoke)
+        router.add_get("/v1/policies", policies.list)
+        router.add_post("/v1/policies/reload", policies.reload)
+        router.add_get(JWKS_PATH, self.jwks)
         register_approvals(self)  # /v1/approvals (admin/approvals_api.py) and the expiry sweeper
 
     @web.middleware
@@ -131,9 +152,12 @@ class AdminServer:
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
-            return web.json_response({"error": exc.reason.lower().replace(" ", "_"), "message": exc.text},
-                                     status=exc.status, headers={k: v for k, v in exc.headers.items()
-                                                                 if k.lower() in ("allow", "www-authenticate")})
+            code, message = exc.reason.lower().replace(" ", "_"), exc.text or exc.reason
+            if exc is request.match_info.http_exception:  # the router matched no route (not a handler's 404)
+                code = "unknown_route" if exc.status == 404 else code
+                message = f"{request.method} {request.path}: no such route; docs/openapi.yaml lists them"
+            headers = {k: v for k, v in exc.headers.items() if k.lower() in ("allow", "www-authenticate")}
+            return web.json_response({"error": code, "message": message}, status=exc.status, headers=headers)
         except Exception:
             logger.exception("admin API: %s %s failed", request.method, request.path)
             return web.json_response({"error": "internal_error", "message": "the gateway failed on this request; "
@@ -141,13 +165,15 @@ class AdminServer:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler):
-        if request.path in ("/healthz", JWKS_PATH) and request.method in ("GET", "HEAD"):
+        if request.path in PUBLIC_PATHS and request.method in ("GET", "HEAD"):
             return await handler(request)
         header = request.headers.get("Authorization", "")
         scheme, _, presented = header.partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(presented.strip().encode(), self._token.encode()):
-            return web.json_response({"error": "unauthorized"}, status=401,
-                                     headers={"WWW-Authenticate": 'Bearer realm="egressgate-admin"'})
+            response = error_response(401, "unauthorized", "send Authorization: Bearer <the admin token file's "
+                                      "content>")
+            response.headers["WWW-Authenticate"] = 'Bearer realm="egressgate-admin"'
+            return response
         return await handler(request)
 
     async def start(self, host: str, port: int) -> tuple[str, int]:
@@ -176,6 +202,10 @@ class AdminServer:
              "audit_status": trail, "policies": sorted(self.rt.policies.policies)},
             status=200 if healthy else 503,
         )
+
+    async def metrics_text(self, _request: web.Request) -> web.Response:
+        """Prometheus text format (admin/metrics.py), behind the admin token like every other route."""
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": METRICS_CONTENT_TYPE})
 
     async def _audit(self, event: AuditEvent) -> bool:
         try:
@@ -226,11 +256,12 @@ class AdminServer:
         event = build(EventKind.ADMISSION, sandbox_id=sandbox_id, sandbox_labels=labels, decision="allow",
                       policy_name=policy_name, policy_hash=policy.hash)
         if not await self._audit(event):
-            return web.json_response({"error": "audit_unavailable"}, status=503)
+            return error_response(503, "audit_unavailable", "the admission could not be recorded in the audit "
+                                  "trail, so it did not happen; retry when /readyz is ready")
         try:
             await self.rt.state.admit(record)
         except StateUnavailable:
-            return web.json_response({"error": "state_unavailable"}, status=503)
+            return state_unavailable()
         env = sandbox_env(self.rt.proxy_url_host, self.rt.proxy_port, sandbox_id, token, self.rt.sandbox_bundle)
         env.update(phantom_env)
         return web.json_response(
@@ -266,7 +297,7 @@ class AdminServer:
             try:
                 holder = await self.rt.state.by_address(text)
             except StateUnavailable:
-                return (), web.json_response({"error": "state_unavailable"}, status=503)
+                return (), state_unavailable()
             if holder is not None and not holder.revoked:
                 return bad(f"addresses: {text} is already registered to sandbox {holder.id}", status=409)
             if text not in out:
@@ -279,13 +310,14 @@ class AdminServer:
         than 503."""
         broker = self.rt.broker
         if broker is None:
-            return web.json_response({"error": "jwks_unavailable"}, status=503)
+            return error_response(503, "jwks_unavailable", "no credential broker is configured")
         try:
             doc = await broker.jwks()
         except Exception as exc:  # any backend failure is a plain 503
             logger.warning("jwks unavailable: %s", type(exc).__name__)
-            return web.json_response({"error": "jwks_unavailable"}, status=503,
-                                     headers={"Cache-Control": "no-store"})
+            response = error_response(503, "jwks_unavailable", "the signing keys cannot be read now; retry later")
+            response.headers["Cache-Control"] = "no-store"
+            return response
         keys = [{k: str(v) for k, v in key.items() if k in PUBLIC_JWK_MEMBERS} for key in doc.get("keys", [])]
         return web.json_response({"keys": keys}, headers={"Cache-Control": "public, max-age=60",
                                                           "X-Content-Type-Options": "nosniff"})
@@ -302,9 +334,9 @@ class AdminServer:
         try:
             record = await self.rt.state.get(sandbox_id)
         except StateUnavailable:
-            return web.json_response({"error": "state_unavailable"}, status=503)
+            return state_unavailable()
         if record is None:
-            return web.json_response({"error": "unknown_sandbox"}, status=404)
+            return error_response(404, "unknown_sandbox", f"no sandbox {sandbox_id!r} was admitted")
         event = build(EventKind.REVOCATION, sandbox_id=sandbox_id, sandbox_labels=record.labels,
                       decision="allow", policy_name=record.policy_name, extra=outcome)
         # a revocation happens even when its record cannot be written now (fail closed): the record is

@@ -33,7 +33,7 @@ from egressgate.gateway.master import GatewayMaster
 from egressgate.gateway.resolver import make_resolver
 from egressgate.policy.errors import PolicyError
 from egressgate.policy.loader import load_policies
-from egressgate.state.memory import MemoryState
+from egressgate.state import open_state
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ class Gateway:
         sandbox_bundle = str(ca.sandbox_bundle(cfg.ca_path()).resolve())  # absolute: sandboxes run elsewhere
         upstream_bundle = str(ca.upstream_bundle(cfg.ca_path(), cfg.upstream.ca_bundle))
         broker = await start_broker(cfg, policies)  # refuses capabilities its backend cannot serve
-        state = MemoryState()
+        state = await open_state(cfg.state)  # memory or Redis (egressgate/state/__init__.py)
         sink = await open_audit_sink(cfg.audit, var, await audit_signer(cfg, broker))
         self.rt = rt = Runtime(
             config=cfg, policies=PolicyHolder(policies), state=state, audit=sink,
@@ -82,7 +82,7 @@ class Gateway:
         rt.approvals = open_approvals(state)  # approvals live in the state backend (egressgate/approvals)
         token = ensure_admin_token(cfg.admin_token_path())
         admin_host, admin_port = parse_listen(cfg.listen.admin)
-        self.admin = AdminServer(rt, token)
+        self.admin = AdminServer(rt, token, reload=self.reload)
         admin_addr = await self.admin.start(admin_host, admin_port)
         rt.listeners.append(admin_addr)
         dns_addr = None

@@ -1,14 +1,22 @@
 """State shared by the gateway's components: the sandbox registry and the counters budgets read.
 
-A protocol with a memory backend (state/memory.py) and, later, Redis (several gateway replicas). All
-methods are async because the Redis backend does I/O; a store error must surface as StateUnavailable so
-callers deny (reason state_unavailable) instead of allowing on missing data.
+A protocol with a memory backend (state/memory.py, one process) and a Redis backend (state/redis.py,
+several workers and replicas). All methods are async because the Redis backend does I/O; a store error
+must surface as StateUnavailable so callers deny (reason state_unavailable) instead of allowing on
+missing data. `open_state` (state/__init__.py) picks the backend from the gateway config.
+
+Budget bookkeeping (reserve_out / settle_out / reconcile): bytes are taken from the sandbox's
+`outbound_bytes_max` *before* they are sent, as a lease of the worker that took them. A worker settles
+what it really sent and gives the rest back; a worker that dies holding a lease never settles, so a
+reconciler removes its leases and they stay spent (the bytes may have gone out). Total spent can then
+be higher than what was sent, never lower, so the limit is never exceeded.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -25,6 +33,7 @@ def hash_token(token: str) -> str:
 
 
 def token_matches(record: SandboxRecord, token: str) -> bool:
+    """Constant-time: the comparison must not tell an attacker how much of a guess was right."""
     return hmac.compare_digest(record.token_hash, hash_token(token))
 
 
@@ -40,29 +49,82 @@ class SandboxRecord:
     phantoms: dict[str, str] = field(default_factory=dict)  # capability -> sha256 of its phantom value
 
 
+def grant_size(used: int, want: int, minimum: int, limit: int | None) -> int:
+    """The reserve_out rule, stated once (the Redis Lua script mirrors it): as much of `want` as fits
+    under `limit`, at least `minimum` (capped at `want`), else 0."""
+    if want <= 0:
+        return 0
+    minimum = max(1, min(minimum, want))
+    grant = want if limit is None else min(want, limit - used)
+    return grant if grant >= minimum else 0
+
+
+def rule_budget_allows(requests: int, nbytes_used: int, nbytes: int,
+                       requests_max: int | None, bytes_max: int | None) -> bool:
+    """The record_request check (the Redis Lua script mirrors it), the same test as policy.decide's
+    `_over_budget`: one more request must stay within `requests_max`; the bytes budget refuses once
+    it is used up and when this request's bytes would go over it."""
+    if requests_max is not None and requests + 1 > requests_max:
+        return False
+    return bytes_max is None or (nbytes_used < bytes_max and nbytes_used + nbytes <= bytes_max)
+
+
 class StateStore(Protocol):
+    worker_id: str  # unique per process (uuid4 hex): leases and heartbeats belong to a worker
+    errors: int  # operations that raised StateUnavailable (read by /metrics at scrape time)
+
     async def admit(self, record: SandboxRecord) -> None: ...
 
     async def get(self, sandbox_id: str) -> SandboxRecord | None: ...
 
     async def by_address(self, address: str) -> SandboxRecord | None: ...
 
-    async def revoke(self, sandbox_id: str) -> bool:
-        """Mark revoked; return False when unknown. Subscribers (open connections) are notified."""
+    async def list_sandboxes(self) -> list[SandboxRecord]: ...
 
-    def on_revoke(self, callback) -> None:  # callback(sandbox_id: str) -> None
+    async def revoke(self, sandbox_id: str) -> bool:
+        """Mark revoked; return False when unknown. Every instance's on_revoke callbacks run (Redis:
+        within 1 s, by pub/sub), and the record says revoked for whoever reads it later."""
+
+    def on_revoke(self, callback: Callable[[str], None]) -> None:  # callback(sandbox_id)
         ...
 
-    async def snapshot(self, sandbox_id: str) -> SandboxState:
-        """Everything decide() needs about the sandbox's past, as one consistent value."""
+    async def snapshot(self, sandbox_id: str, *, history: bool = True,
+                       rules: Collection[str] | None = None) -> SandboxState:
+        """Everything decide() needs about the sandbox's past, as one consistent value. `history=False`
+        and `rules` (the budgeted rule ids; None = all) let a backend skip what the policy never reads
+        (CompiledPolicy.history_patterns / budgeted_rules); a backend may still return more, and
+        policy.relevant_state reduces it. Raises KeyError for an unknown sandbox."""
+
+    async def reserve_out(self, sandbox_id: str, want: int, minimum: int, limit: int | None) -> int:
+        """Atomically take as much of `want` as fits under `limit` (None: all of it), at least
+        `minimum`; the grant counts as spent (bytes_out) at once and is this worker's outstanding
+        lease. 0 when not even `minimum` fits. Exact under concurrency across processes."""
+
+    async def settle_out(self, sandbox_id: str, spent: int, unused: int) -> None:
+        """Of this worker's lease, `spent` bytes were sent (the lease shrinks, bytes_out stays) and
+        `unused` go back (lease and bytes_out shrink). Never gives back more than the lease still holds
+        (a lease forfeited by reconcile stays spent)."""
+
+    async def add_in(self, sandbox_id: str, amount: int) -> None:
+        """Count bytes received from upstream (bytes_in)."""
 
     async def add_bytes(self, sandbox_id: str, out: int = 0, in_: int = 0) -> tuple[int, int]:
-        """Atomically add and return the new (bytes_out, bytes_in) totals."""
+        """Deprecated (goes when the ledger uses reserve_out): add and return (bytes_out, bytes_in)."""
 
-    async def record_request(self, sandbox_id: str, host: str, rule_id: str | None, nbytes: int) -> None:
-        """Remember an allowed request: host history (for `when.after_request_to`) and per-rule usage."""
+    async def record_request(self, sandbox_id: str, host: str, rule_id: str | None, nbytes: int, *,
+                             requests_max: int | None = None, bytes_max: int | None = None) -> bool:
+        """Atomically check the rule's budget and remember an allowed request: host history (for
+        `when.after_request_to`) and per-rule usage. False, and nothing recorded, when this request
+        would take the rule over `requests_max` / `bytes_max` (rule_budget_allows)."""
 
     async def add_dns_query(self, sandbox_id: str, name_bytes: int) -> tuple[int, int]:
         """Atomically count one DNS query; return the new (queries, name_bytes) totals."""
+
+    async def ping(self) -> None:
+        """Raise StateUnavailable unless the backend answers (/readyz)."""
+
+    async def reconcile(self, now: float) -> list[tuple[str, str, int]]:
+        """For every worker whose heartbeat expired: remove its outstanding leases (they stay spent) and
+        return (worker_id, sandbox_id, forfeited_bytes), each exactly once across all reconcilers."""
 
     async def close(self) -> None: ...

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Collection
 from types import MappingProxyType
 
 from egressgate.policy.facts import RuleUsage, SandboxState
-from egressgate.state.base import SandboxRecord
+from egressgate.state.base import SandboxRecord, grant_size, rule_budget_allows
 
 
 class MemoryState:
@@ -17,6 +18,9 @@ class MemoryState:
     (measured at up to 3.5 % of the gateway's CPU with a growing host history, issue 11)."""
 
     def __init__(self) -> None:
+        self.worker_id = uuid.uuid4().hex
+        self.errors = 0  # nothing here can fail; kept for the StateStore counters /metrics reads
+        self._leases: dict[str, int] = {}  # sandbox -> bytes this worker reserved and has not settled
         self._records: dict[str, SandboxRecord] = {}
         self._by_address: dict[str, str] = {}
         self._bytes: dict[str, list[int]] = {}
@@ -44,6 +48,9 @@ class MemoryState:
         sandbox_id = self._by_address.get(address)
         return self._records.get(sandbox_id) if sandbox_id else None
 
+    async def list_sandboxes(self) -> list[SandboxRecord]:
+        return list(self._records.values())
+
     async def revoke(self, sandbox_id: str) -> bool:
         record = self._records.get(sandbox_id)
         if record is None:
@@ -58,7 +65,10 @@ class MemoryState:
     def on_revoke(self, callback: Callable[[str], None]) -> None:
         self._revoke_callbacks.append(callback)
 
-    async def snapshot(self, sandbox_id: str) -> SandboxState:
+    async def snapshot(self, sandbox_id: str, *, history: bool = True,
+                       rules: Collection[str] | None = None) -> SandboxState:
+        # `history` / `rules` are hints for backends that pay per item fetched; the cached views here
+        # cost nothing to hand out whole (policy.relevant_state reduces them)
         record = self._records[sandbox_id]
         out, in_ = self._bytes.get(sandbox_id, (0, 0))
         queries, name_bytes = self._dns.get(sandbox_id, (0, 0))
@@ -89,7 +99,34 @@ class MemoryState:
         counters[1] += in_
         return counters[0], counters[1]
 
-    async def record_request(self, sandbox_id: str, host: str, rule_id: str | None, nbytes: int) -> None:
+    async def reserve_out(self, sandbox_id: str, want: int, minimum: int, limit: int | None) -> int:
+        counters = self._bytes.setdefault(sandbox_id, [0, 0])
+        grant = grant_size(counters[0], want, minimum, limit)
+        if grant:
+            counters[0] += grant
+            self._leases[sandbox_id] = self._leases.get(sandbox_id, 0) + grant
+        return grant
+
+    async def settle_out(self, sandbox_id: str, spent: int, unused: int) -> None:
+        lease = self._leases.get(sandbox_id, 0)
+        back = min(max(unused, 0), lease)
+        lease -= back + min(max(spent, 0), lease - back)
+        if lease:
+            self._leases[sandbox_id] = lease
+        else:
+            self._leases.pop(sandbox_id, None)
+        if back:
+            self._bytes.setdefault(sandbox_id, [0, 0])[0] -= back
+
+    async def add_in(self, sandbox_id: str, amount: int) -> None:
+        self._bytes.setdefault(sandbox_id, [0, 0])[1] += amount
+
+    async def record_request(self, sandbox_id: str, host: str, rule_id: str | None, nbytes: int, *,
+                             requests_max: int | None = None, bytes_max: int | None = None) -> bool:
+        if rule_id is not None and (requests_max is not None or bytes_max is not None):
+            old = self._usage.get(sandbox_id, {}).get(rule_id, RuleUsage())
+            if not rule_budget_allows(old.requests, old.bytes, nbytes, requests_max, bytes_max):
+                return False
         hosts = self._hosts.setdefault(sandbox_id, set())
         if host not in hosts:
             hosts.add(host)
@@ -99,12 +136,21 @@ class MemoryState:
             usage = self._usage.setdefault(sandbox_id, {})
             old = usage.get(rule_id, RuleUsage())
             usage[rule_id] = RuleUsage(requests=old.requests + 1, bytes=old.bytes + nbytes)
+        return True
 
     async def add_dns_query(self, sandbox_id: str, name_bytes: int) -> tuple[int, int]:
         counters = self._dns.setdefault(sandbox_id, [0, 0])
         counters[0] += 1
         counters[1] += name_bytes
         return counters[0], counters[1]
+
+    async def ping(self) -> None:
+        return None
+
+    async def reconcile(self, now: float) -> list[tuple[str, str, int]]:
+        """Nothing to reconcile: every lease belongs to this process's one worker, which is alive
+        while it can call this (leases die with the process, and so do the counters)."""
+        return []
 
     async def close(self) -> None:
         return None

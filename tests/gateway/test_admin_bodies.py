@@ -59,12 +59,12 @@ def test_clean_body_admits_and_other_errors_are_json(gateway):
     res = post(gateway, b'{"policy": "gw-basic", "labels": {"team": "a"}}')
     assert res.status_code == 201, res.text
     assert res.json()["id"].startswith("sbx-")
-    wrong = httpx.get(f"http://{gateway.admin}/v1/sandboxes", timeout=10, trust_env=False,
+    wrong = httpx.put(f"http://{gateway.admin}/v1/sandboxes", timeout=10, trust_env=False,
                       headers={"Authorization": f"Bearer {gateway.token}"})
     assert wrong.status_code == 405 and wrong.json()["error"] == "method_not_allowed"
     missing = httpx.get(f"http://{gateway.admin}/v1/nothing", timeout=10, trust_env=False,
                         headers={"Authorization": f"Bearer {gateway.token}"})
-    assert missing.status_code == 404 and missing.json()["error"] == "not_found"
+    assert missing.status_code == 404 and missing.json()["error"] == "unknown_route"
 
 
 def test_depth_scan_ignores_brackets_in_strings():

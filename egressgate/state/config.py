@@ -1,0 +1,57 @@
+"""The `state:` section of the gateway config: where the sandbox registry and the counters live.
+
+`memory` (the default) keeps them in the gateway process: one process, nothing shared. `redis` shares
+them between workers and replicas (docs/operations.md, "State"). A `url` without `backend: redis` is
+refused rather than ignored: an operator who wrote it expects replicas to share budgets, and silently
+running on per-process memory would give each replica a full budget of its own.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+from urllib.parse import urlsplit
+
+from pydantic import BaseModel, ConfigDict, field_validator, model_validator
+
+_PREFIX = re.compile(r"[A-Za-z0-9_.:{}-]{1,64}")
+
+
+class StateConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    backend: Literal["memory", "redis"] = "memory"
+    url: str | None = None  # redis://[user:password@]host:port/db, rediss:// (TLS) or unix:///path/to/redis.sock
+    key_prefix: str = "egressgate:"  # every key this gateway writes starts with it (share a Redis safely)
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        parts = urlsplit(value)
+        if parts.scheme not in ("redis", "rediss", "unix"):
+            raise ValueError(f"state.url must start with redis://, rediss:// or unix://, got scheme "
+                             f"{parts.scheme or '(none)'!r}")
+        if parts.scheme == "unix" and not parts.path:
+            raise ValueError("state.url: unix:// needs the socket's path (unix:///run/redis/redis.sock)")
+        if parts.scheme != "unix" and not parts.hostname:
+            raise ValueError("state.url: no host (expected redis://host:port/db)")
+        return value
+
+    @field_validator("key_prefix")
+    @classmethod
+    def _prefix(cls, value: str) -> str:
+        if not _PREFIX.fullmatch(value):
+            raise ValueError("state.key_prefix must be 1-64 characters of letters, digits and _ . : { } -, "
+                             f"got {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _backend_needs(self) -> StateConfig:
+        if self.backend == "redis" and self.url is None:
+            raise ValueError("state.url is required with state.backend: redis (e.g. redis://127.0.0.1:6379/0)")
+        if self.backend == "memory" and self.url is not None:
+            raise ValueError("state.url is set but state.backend is memory: set `backend: redis` to share "
+                             "state through that Redis, or remove the url")
+        return self

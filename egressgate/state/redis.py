@@ -1,0 +1,324 @@
+"""Redis state backend: one registry and one set of counters for every worker and replica.
+
+Why it is shaped like this:
+- Exact budgets across processes: every check-and-change is one Lua script (state/lua.py), so two
+  gateways can never both take the last bytes of a budget.
+- One round trip per operation (a script, or one MULTI pipeline); records come from a per-process
+  cache that pub/sub keeps honest (state/redis_events.py), so the per-request re-read is free.
+- Fail closed: any Redis error (connection refused, timeout, a script error, a corrupt record) raises
+  StateUnavailable and counts in `errors`; callers deny `state_unavailable`. No command is retried
+  by the client library (a retried write could count twice, or give a lease back twice). After a
+  connection failure, operations are refused at once for a short backoff (50 ms doubling to 1 s)
+  instead of each waiting on a dead server; then the next one tries again, and the connection pool
+  reconnects by itself when Redis is back (no gateway restart).
+- Leases: reserve_out records the grant under this worker's lease hash and refreshes its heartbeat
+  key (TTL `heartbeat_ttl`); a task refreshes it while the process lives. reconcile() forfeits the
+  leases of workers whose heartbeat key is gone (Redis's clock decides expiry, so replica clock skew
+  does not matter; `now` is not used), atomically and so exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import Callable, Collection
+from types import MappingProxyType
+
+from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from egressgate.policy.facts import SandboxState
+from egressgate.state import lua
+from egressgate.state.base import SandboxRecord, StateUnavailable
+from egressgate.state.redis_codec import decode_record, decode_usage, encode_record, pairs
+from egressgate.state.redis_events import BACKOFF_MAX, BACKOFF_MIN, RecordCache, Subscriber
+
+logger = logging.getLogger(__name__)
+
+SOCKET_TIMEOUT = 2.0  # one operation waits at most this long for Redis, then the request is denied
+CONNECT_TIMEOUT = 1.0
+MAX_CONNECTIONS = 64  # per process; the subscription holds one of them
+HEARTBEAT_TTL = 15.0  # a worker silent this long is dead: its leases are forfeited by reconcile()
+_DOWN = (RedisConnectionError, RedisTimeoutError, OSError, asyncio.TimeoutError)
+
+
+class RedisState:
+    def __init__(self, url: str, key_prefix: str = "egressgate:", *, heartbeat_ttl: float = HEARTBEAT_TTL) -> None:
+        self.worker_id = uuid.uuid4().hex
+        self.errors = 0
+        self.prefix = key_prefix
+        self.heartbeat_ttl = heartbeat_ttl
+        # A bounded pool that makes callers wait for a free connection (the default pool fails with
+        # "Too many connections" under a burst); waiting is bounded by SOCKET_TIMEOUT like the rest.
+        pool = BlockingConnectionPool.from_url(
+            url, max_connections=MAX_CONNECTIONS, timeout=SOCKET_TIMEOUT, decode_responses=True,
+            retry=Retry(NoBackoff(), 0), socket_timeout=SOCKET_TIMEOUT, socket_connect_timeout=CONNECT_TIMEOUT,
+            socket_keepalive=True)
+        self.redis: Redis = Redis.from_pool(pool)  # owns the pool: aclose() closes it
+        self._scripts = {name: self.redis.register_script(getattr(lua, name)) for name in (
+            "RESERVE_OUT", "SETTLE_OUT", "RECORD_REQUEST", "SNAPSHOT", "BY_ADDRESS", "LIST_SANDBOXES",
+            "REVOKE", "RECONCILE")}
+        self._events = self.key("events")
+        self._callbacks: list[Callable[[str], None]] = []
+        self._cache = RecordCache()
+        self._subscriber = Subscriber(self.redis, self._events, self._cache, self._on_event, self._resync)
+        self._retry_at = 0.0  # monotonic; before it, operations are refused without trying
+        self._backoff = 0.0
+        self._tasks: list[asyncio.Task] = []
+
+    def key(self, *parts: str) -> str:
+        """A key under this gateway's prefix (approvals keep their own keys here too)."""
+        return self.prefix + ":".join(parts)
+
+    async def start(self) -> None:
+        """Start the subscription and the heartbeat (needs the running loop; open_state calls it)."""
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._subscriber.run(), name="state-subscriber"),
+                       loop.create_task(self._heartbeat(), name="state-heartbeat")]
+
+    async def wait_subscribed(self, timeout: float = 5.0) -> None:
+        await asyncio.wait_for(self._subscriber.subscribed.wait(), timeout)
+
+    # -- failure handling -------------------------------------------------------------------------
+
+    async def _call(self, what: str, op):
+        """Run one Redis operation (an awaitable factory); any failure → StateUnavailable."""
+        if self._backoff and time.monotonic() < self._retry_at:
+            self.errors += 1
+            raise StateUnavailable(f"state backend unavailable ({what}): Redis did not answer, retrying shortly")
+        try:
+            result = await op()
+        except _DOWN as exc:
+            self._backoff = min(max(self._backoff * 2, BACKOFF_MIN), BACKOFF_MAX)
+            self._retry_at = time.monotonic() + self._backoff
+            self.errors += 1
+            raise StateUnavailable(f"state backend unavailable ({what}): {exc}") from exc
+        except (RedisError, StateUnavailable) as exc:
+            self.errors += 1
+            raise StateUnavailable(f"state backend error ({what}): {exc}") from exc
+        self._backoff = 0.0
+        return result
+
+    # -- registry -----------------------------------------------------------------------------------
+
+    async def admit(self, record: SandboxRecord) -> None:
+        sbx = self.key("sbx", record.id)
+        event = json.dumps({"op": "admit", "id": record.id, "addresses": list(record.addresses), "w": self.worker_id})
+
+        async def op():
+            async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.delete(sbx)
+                pipe.hset(sbx, mapping=encode_record(record))
+                for address in record.addresses:
+                    pipe.set(self.key("addr", address), record.id)
+                pipe.sadd(self.key("sbxs"), record.id)
+                pipe.publish(self._events, event)
+                await pipe.execute()
+
+        await self._call("admit", op)
+        self._cache.invalidate(record.id, record.addresses)
+
+    async def get(self, sandbox_id: str) -> SandboxRecord | None:
+        cached = self._cache.record(sandbox_id)
+        if cached is not None:
+            return cached
+        epoch = self._cache.epoch
+        fields = await self._call("get", lambda: self.redis.hgetall(self.key("sbx", sandbox_id)))
+        record = self._decode(fields)
+        if record is not None:
+            self._remember(record, epoch)
+        return record
+
+    async def by_address(self, address: str) -> SandboxRecord | None:
+        cached = self._cache.by_address(address)
+        if cached is not None:
+            return cached
+        epoch = self._cache.epoch
+        flat = await self._call("by_address", lambda: self._scripts["BY_ADDRESS"](
+            keys=[self.key("addr", address)], args=[self.prefix]))
+        record = self._decode(pairs(flat))
+        if record is not None:
+            self._remember(record, epoch, address)
+        return record
+
+    async def list_sandboxes(self) -> list[SandboxRecord]:
+        flat = await self._call("list_sandboxes", lambda: self._scripts["LIST_SANDBOXES"](
+            keys=[self.key("sbxs")], args=[self.prefix]))
+        return [r for r in (self._decode(pairs(item)) for item in flat) if r is not None]
+
+    def _decode(self, fields) -> SandboxRecord | None:
+        try:
+            return decode_record(fields)
+        except StateUnavailable:
+            self.errors += 1
+            raise
+
+    def _remember(self, record: SandboxRecord, epoch: int, address: str | None = None) -> None:
+        if self._cache.live:
+            self._cache.put(record, epoch, address)
+        else:  # not subscribed: a revocation now would not reach us; check this id when we are back
+            self._subscriber.missed.add(record.id)
+
+    async def revoke(self, sandbox_id: str) -> bool:
+        event = json.dumps({"op": "revoke", "id": sandbox_id, "w": self.worker_id})
+        found = await self._call("revoke", lambda: self._scripts["REVOKE"](
+            keys=[self.key("sbx", sandbox_id), self._events], args=[event]))
+        self._cache.invalidate(sandbox_id)
+        if found:
+            self._run_callbacks(sandbox_id)  # here at once; other processes by the published event
+        return bool(found)
+
+    def on_revoke(self, callback: Callable[[str], None]) -> None:
+        self._callbacks.append(callback)
+
+    def _run_callbacks(self, sandbox_id: str) -> None:
+        for callback in list(self._callbacks):
+            try:
+                callback(sandbox_id)
+            except Exception:  # one failing subscriber must not keep the others from closing connections
+                logger.exception("on_revoke callback failed for %s", sandbox_id)
+
+    def _on_event(self, data: str) -> None:
+        try:
+            event = json.loads(data)
+            sandbox_id = str(event["id"])
+        except (ValueError, KeyError, TypeError):
+            logger.warning("state: ignoring a malformed event on %s", self._events)
+            self._cache.drop_all()  # cannot tell what it invalidates: forget everything
+            self._cache.live = True
+            return
+        self._cache.invalidate(sandbox_id, tuple(event.get("addresses") or ()))
+        if event.get("op") == "revoke" and event.get("w") != self.worker_id:
+            self._run_callbacks(sandbox_id)
+
+    async def _resync(self, ids: set[str]) -> None:
+        """Back on the subscription: run callbacks for sandboxes revoked while we could not hear it."""
+        if not ids:
+            return
+        ordered = sorted(ids)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for sandbox_id in ordered:
+                pipe.hget(self.key("sbx", sandbox_id), "revoked")
+            flags = await pipe.execute()
+        for sandbox_id, flag in zip(ordered, flags, strict=True):
+            if flag == "1":
+                self._run_callbacks(sandbox_id)
+
+    # -- counters -----------------------------------------------------------------------------------
+
+    async def snapshot(self, sandbox_id: str, *, history: bool = True,
+                       rules: Collection[str] | None = None) -> SandboxState:
+        record = self._cache.record(sandbox_id)
+        epoch = self._cache.epoch
+        args = ["1" if history else "0", "0" if record is not None else "1"]
+        if rules is not None:
+            args.append("")  # marks "these rules only" even when there are none (no rule has id "")
+            args.extend(rules)
+        keys = [self.key("ctr", sandbox_id), self.key("hosts", sandbox_id), self.key("usage", sandbox_id),
+                self.key("sbx", sandbox_id)]
+        reply = await self._call("snapshot", lambda: self._scripts["SNAPSHOT"](keys=keys, args=args))
+        try:
+            # cjson encodes an empty Lua table as {}: `or ()` reads it as the empty list it is
+            ctr, hosts, usage, fields = json.loads(reply)
+            rule_usage = decode_usage(usage or ())
+            out, in_, queries, name_bytes = (int(v) for v in ctr)
+        except (ValueError, TypeError) as exc:
+            self.errors += 1
+            raise StateUnavailable(f"state backend error (snapshot): unreadable reply ({exc})") from exc
+        if record is None:
+            record = self._decode(pairs(fields or ()))
+            if record is None:
+                raise KeyError(sandbox_id)
+            self._remember(record, epoch)
+        return SandboxState(
+            sandbox_id=sandbox_id, admitted_at=record.admitted_at, labels=MappingProxyType(record.labels),
+            bytes_out=out, bytes_in=in_, dns_queries=queries, dns_name_bytes=name_bytes,
+            seen_hosts=frozenset(hosts or ()), rule_usage=MappingProxyType(rule_usage))
+
+    async def reserve_out(self, sandbox_id: str, want: int, minimum: int, limit: int | None) -> int:
+        keys = [self.key("ctr", sandbox_id), self.key("lease", self.worker_id), self.key("hb", self.worker_id),
+                self.key("workers")]
+        args = [sandbox_id, int(want), int(minimum), -1 if limit is None else int(limit),
+                int(self.heartbeat_ttl * 1000), self.worker_id]
+        return int(await self._call("reserve_out", lambda: self._scripts["RESERVE_OUT"](keys=keys, args=args)))
+
+    async def settle_out(self, sandbox_id: str, spent: int, unused: int) -> None:
+        keys = [self.key("ctr", sandbox_id), self.key("lease", self.worker_id)]
+        await self._call("settle_out", lambda: self._scripts["SETTLE_OUT"](
+            keys=keys, args=[sandbox_id, int(spent), int(unused)]))
+
+    async def add_in(self, sandbox_id: str, amount: int) -> None:
+        if amount:
+            await self._call("add_in", lambda: self.redis.hincrby(self.key("ctr", sandbox_id), "in", int(amount)))
+
+    async def add_bytes(self, sandbox_id: str, out: int = 0, in_: int = 0) -> tuple[int, int]:
+        ctr = self.key("ctr", sandbox_id)
+
+        async def op():
+            async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.hincrby(ctr, "out", int(out))
+                pipe.hincrby(ctr, "in", int(in_))
+                return await pipe.execute()
+
+        new_out, new_in = await self._call("add_bytes", op)
+        return int(new_out), int(new_in)
+
+    async def record_request(self, sandbox_id: str, host: str, rule_id: str | None, nbytes: int, *,
+                             requests_max: int | None = None, bytes_max: int | None = None) -> bool:
+        keys = [self.key("hosts", sandbox_id), self.key("usage", sandbox_id)]
+        args = [host, rule_id or "", int(nbytes), -1 if requests_max is None else int(requests_max),
+                -1 if bytes_max is None else int(bytes_max)]
+        return bool(await self._call("record_request", lambda: self._scripts["RECORD_REQUEST"](keys=keys, args=args)))
+
+    async def add_dns_query(self, sandbox_id: str, name_bytes: int) -> tuple[int, int]:
+        ctr = self.key("ctr", sandbox_id)
+
+        async def op():
+            async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.hincrby(ctr, "dq", 1)
+                pipe.hincrby(ctr, "db", int(name_bytes))
+                return await pipe.execute()
+
+        queries, nbytes = await self._call("add_dns_query", op)
+        return int(queries), int(nbytes)
+
+    # -- liveness -----------------------------------------------------------------------------------
+
+    async def ping(self) -> None:
+        await self._call("ping", self.redis.ping)
+
+    async def reconcile(self, now: float) -> list[tuple[str, str, int]]:
+        flat = await self._call("reconcile", lambda: self._scripts["RECONCILE"](
+            keys=[self.key("workers")], args=[self.prefix]))
+        return [(flat[i], flat[i + 1], int(flat[i + 2])) for i in range(0, len(flat) - 2, 3)]
+
+    async def _heartbeat(self) -> None:
+        """Keep this worker's heartbeat key alive (its leases are not forfeited while it runs)."""
+        hb = self.key("hb", self.worker_id)
+        ttl_ms = int(self.heartbeat_ttl * 1000)
+        while True:
+            try:
+                await self.redis.set(hb, "1", px=ttl_ms)
+            except (RedisError, OSError) as exc:
+                logger.warning("state: heartbeat not written (%s)", exc)
+            await asyncio.sleep(self.heartbeat_ttl / 3)
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):  # stopping anyway
+                await task
+        self._tasks = []
+        # a stopped worker holds no lease: let reconcile() forfeit leftovers now, not after the TTL
+        with contextlib.suppress(RedisError, OSError):
+            await self.redis.delete(self.key("hb", self.worker_id))
+        await self.redis.aclose()

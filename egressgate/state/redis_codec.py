@@ -1,0 +1,61 @@
+"""How a SandboxRecord and the counters look in Redis (hash fields), and back.
+
+Strings only, JSON for the nested values; the token is only ever its SHA-256 (base.hash_token), so a
+dump of Redis cannot impersonate a sandbox. Decoding rejects a record it cannot read as a whole
+(StateUnavailable): a half-read record must never decide anything.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+
+from egressgate.policy.facts import RuleUsage
+from egressgate.state.base import SandboxRecord, StateUnavailable
+
+
+def encode_record(record: SandboxRecord) -> dict[str, str]:
+    return {
+        "id": record.id,
+        "token_hash": record.token_hash,
+        "policy": record.policy_name,
+        "admitted_at": repr(float(record.admitted_at)),
+        "labels": json.dumps(record.labels, sort_keys=True),
+        "addresses": json.dumps(list(record.addresses)),
+        "phantoms": json.dumps(record.phantoms, sort_keys=True),
+        "revoked": "1" if record.revoked else "0",
+    }
+
+
+def pairs(flat: Sequence[str]) -> dict[str, str]:
+    """A Lua HGETALL reply (field, value, field, value, ...) as a dict."""
+    return {flat[i]: flat[i + 1] for i in range(0, len(flat) - 1, 2)}
+
+
+def decode_record(fields: Mapping[str, str]) -> SandboxRecord | None:
+    if not fields:
+        return None
+    try:
+        return SandboxRecord(
+            id=fields["id"],
+            token_hash=fields["token_hash"],
+            policy_name=fields["policy"],
+            admitted_at=float(fields["admitted_at"]),
+            labels=dict(json.loads(fields["labels"])),
+            addresses=tuple(json.loads(fields["addresses"])),
+            revoked=fields["revoked"] == "1",
+            phantoms=dict(json.loads(fields["phantoms"])),
+        )
+    except (KeyError, ValueError, TypeError) as exc:
+        raise StateUnavailable(f"sandbox record in Redis is incomplete or corrupt ({exc!r})") from exc
+
+
+def decode_usage(flat: Sequence[str]) -> dict[str, RuleUsage]:
+    """Usage hash fields `r:<rule>` (requests) and `b:<rule>` (bytes) → {rule: RuleUsage}."""
+    requests: dict[str, int] = {}
+    nbytes: dict[str, int] = {}
+    for field, value in pairs(flat).items():
+        kind, _, rule = field.partition(":")
+        (requests if kind == "r" else nbytes)[rule] = int(value)
+    return {rule: RuleUsage(requests=requests.get(rule, 0), bytes=nbytes.get(rule, 0))
+            for rule in requests.keys() | nbytes.keys()}

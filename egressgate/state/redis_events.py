@@ -1,0 +1,121 @@
+"""The Redis backend's per-process record cache and the pub/sub subscription that keeps it honest.
+
+Why a cache: every request re-reads its sandbox's record (identity.recheck), and a record does not
+change except by admission (re-admitting an id) and revocation, both of which publish an event. So a
+record may be served from memory exactly while this process is subscribed: the subscription delivers
+every event in order on one TCP stream, and the only way to miss one is to lose that stream. When it
+drops, the cache is emptied and bypassed (every read goes to Redis, where the record says revoked)
+until the subscription is back; then the sandboxes this process had cached are checked once, and the
+on_revoke callbacks run for any revoked in between (a connection held open across the outage is still
+closed). A fetch racing an invalidation is not cached (`epoch`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from redis.asyncio import Redis
+
+from egressgate.state.base import SandboxRecord
+
+logger = logging.getLogger(__name__)
+
+PING_EVERY = 1.0  # seconds between pings on the subscription (a silent peer is noticed by DEAD_AFTER)
+DEAD_AFTER = 5.0
+BACKOFF_MIN, BACKOFF_MAX = 0.05, 1.0
+
+
+class RecordCache:
+    def __init__(self) -> None:
+        self.live = False  # subscribed: events reach invalidate() and entries may be used
+        self.epoch = 0  # bumped by every invalidation; a fetch that saw another epoch is not cached
+        self.records: dict[str, SandboxRecord] = {}
+        self.addresses: dict[str, str] = {}
+
+    def record(self, sandbox_id: str) -> SandboxRecord | None:
+        return self.records.get(sandbox_id) if self.live else None
+
+    def by_address(self, address: str) -> SandboxRecord | None:
+        if not self.live:
+            return None
+        sandbox_id = self.addresses.get(address)
+        return self.records.get(sandbox_id) if sandbox_id is not None else None
+
+    def put(self, record: SandboxRecord, epoch: int, address: str | None = None) -> None:
+        if self.live and epoch == self.epoch:
+            self.records[record.id] = record
+            if address is not None:
+                self.addresses[address] = record.id
+
+    def invalidate(self, sandbox_id: str, addresses: tuple[str, ...] | list[str] = ()) -> None:
+        self.epoch += 1
+        self.records.pop(sandbox_id, None)
+        for address in addresses:
+            self.addresses.pop(address, None)
+
+    def drop_all(self) -> set[str]:
+        """Forget everything (the subscription is gone); return the ids that were cached."""
+        self.live = False
+        self.epoch += 1
+        ids = set(self.records)
+        self.records.clear()
+        self.addresses.clear()
+        return ids
+
+
+class Subscriber:
+    """Runs until cancelled: subscribe, deliver events, resubscribe with backoff after any failure."""
+
+    def __init__(self, redis: Redis, channel: str, cache: RecordCache,
+                 on_event: Callable[[str], None], on_resync: Callable[[set[str]], Awaitable[None]]) -> None:
+        self.redis = redis
+        self.channel = channel
+        self.cache = cache
+        self.on_event = on_event
+        self.on_resync = on_resync  # (ids cached before the drop) -> runs callbacks for revoked ones
+        self.missed: set[str] = set()
+        self.subscribed = asyncio.Event()  # set while live (tests and start-up wait on it)
+
+    async def run(self) -> None:
+        backoff = BACKOFF_MIN
+        while True:
+            pubsub = self.redis.pubsub()
+            try:
+                await pubsub.subscribe(self.channel)
+                await self._listen(pubsub)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # any failure: drop the cache, resubscribe
+                logger.warning("state: Redis subscription lost (%s); records are read from Redis until it is back", exc)
+            finally:
+                self.subscribed.clear()
+                self.missed |= self.cache.drop_all()
+                with contextlib.suppress(Exception):  # the connection is already broken
+                    await pubsub.aclose()
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, BACKOFF_MAX)
+
+    async def _listen(self, pubsub) -> None:
+        last_rx = last_ping = time.monotonic()
+        while True:
+            msg = await pubsub.get_message(timeout=PING_EVERY)
+            now = time.monotonic()
+            if msg is not None:
+                last_rx = now
+                kind = msg["type"]
+                if kind == "subscribe":
+                    await self.on_resync(self.missed)  # raises on a Redis error: resubscribe
+                    self.missed = set()
+                    self.cache.live = True
+                    self.subscribed.set()
+                elif kind == "message":
+                    self.on_event(msg["data"])
+            if now - last_ping >= PING_EVERY:
+                await pubsub.ping()
+                last_ping = now
+            if now - last_rx > DEAD_AFTER:
+                raise ConnectionError(f"no answer on the subscription for {DEAD_AFTER:.0f} s")

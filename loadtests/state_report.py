@@ -1,0 +1,111 @@
+"""`make bench-state`'s outputs: the markdown table with issue 12's goals, a JSON dump, RESULTS.md.
+
+Ratios are of medians over repeats, in the same mode and concurrency: redis / memory (what the shared
+state costs one process), redis-2w / redis (what a second worker buys), each as rps and as requests per
+gateway CPU-second (the gateway's whole process tree, from /proc). On a 2-core machine shared by client,
+upstream, Redis and gateway, the rps ratio of two workers is capped by the cores left over; the per-CPU
+figure says whether the second worker wastes CPU (it stays ~1.0 when workers scale).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from loadtests.bench_report import _f, _goal
+
+GOALS = {"redis_vs_memory": 0.9, "workers2_vs_1": 1.6, "budget_p99_us": 1000.0}
+LABEL = {"memory": "memory, 1 process", "redis": "redis, 1 process", "redis-2w": "redis, --workers 2"}
+
+
+def ratios(summary: list[dict]) -> list[dict]:
+    by = {(s["mode"], s["conc"], s["candidate"]): s for s in summary}
+    out = []
+    for mode, conc in sorted({(s["mode"], s["conc"]) for s in summary}):
+        def div(a: str, b: str, key: str, mode: str = mode, conc: int = conc) -> float | None:
+            x, y = by.get((mode, conc, a), {}).get(key), by.get((mode, conc, b), {}).get(key)
+            return x / y if x and y else None
+
+        out.append({"mode": mode, "conc": conc,
+                    "redis_vs_memory": div("redis", "memory", "rps"),
+                    "redis_vs_memory_per_cpu": div("redis", "memory", "req_per_cpu_s"),
+                    "w2_vs_w1": div("redis-2w", "redis", "rps"),
+                    "w2_vs_w1_per_cpu": div("redis-2w", "redis", "req_per_cpu_s"),
+                    "w2_vs_memory": div("redis-2w", "memory", "rps")})
+    return out
+
+
+def _calls(s: dict) -> str:
+    c = s.get("redis_calls_per_req") or {}
+    return ", ".join(f"{k} {v:g}" for k, v in c.items() if v >= 0.01) or "-"
+
+
+def markdown(report: dict) -> str:
+    m = report["meta"]
+    ls, le, lr = m["load_start"], m["load_end"], m["load_run"]
+    lines = [
+        f"### `make bench-state` run (issue 12), {m['started']}, tree {m['git']}",
+        "",
+        f"Command: `{m['command']}` · mitmproxy {m['mitmproxy']} · redis-py {m['redis_py']} · Python {m['python']} "
+        f"· {ls['cpus']} CPUs · plain-HTTP client: {report.get('http_client', '?')}, HTTPS client: "
+        "loadtests/loadgen.py",
+        "",
+        f"Load: start loadavg {' '.join(f'{x:.2f}' for x in ls['loadavg'])}, others {ls['others_pct']}% / steal "
+        f"{ls['steal_pct']}% (1 s idle sample) · end loadavg {' '.join(f'{x:.2f}' for x in le['loadavg'])}, "
+        f"others {le['others_pct']}% / steal {le['steal_pct']}% · during the run ({lr['wall_s']} s) others used "
+        f"{lr['others_cores']} cores (the bench {lr['bench_cores']}), steal {lr['steal_pct']}%.",
+        "",
+        ("**Noisy run, compare with care:** " + "; ".join(m["noisy"]) + ".") if m.get("noisy")
+        else "Quiet enough: no other load above the thresholds of loadtests/bench_load.py.",
+        "",
+        "| mode | conc | gateway | rps (median) | rps per run | p50 ms | p99 ms | gateway cores | req per gateway "
+        "CPU-s | client cores | Redis cores | Redis commands per request | errors |",
+        "|---|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---|---:|",
+    ]
+    for s in report["summary"]:
+        lines.append(
+            f"| {s['mode']} | {s['conc']} | {LABEL[s['candidate']]} | {_f(s['rps'])} | "
+            f"{' / '.join(f'{x:.0f}' for x in s['runs'])} | {_f(s['p50_ms'], '.2f')} | {_f(s['p99_ms'], '.2f')} | "
+            f"{_f(s['gateway_cores'], '.2f')} | {_f(s['req_per_cpu_s'])} | {_f(s['client_cores'], '.2f')} | "
+            f"{_f(s['redis_cores'], '.2f')} | {_calls(s)} | {s['errors']} |")
+    lines += ["", f"| mode | conc | redis / memory rps (goal >= {GOALS['redis_vs_memory']}x) | same, per gateway "
+              f"CPU-s | --workers 2 / 1 rps (goal >= {GOALS['workers2_vs_1']}x at c=32) | same, per gateway CPU-s "
+              "| --workers 2 (redis) / memory 1 process rps |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in ratios(report["summary"]):
+        w2_goal = _goal(r["w2_vs_w1"], GOALS["workers2_vs_1"]) if r["conc"] >= 32 else ""
+        lines.append(f"| {r['mode']} | {r['conc']} | {_f(r['redis_vs_memory'], '.2f', 'x')}"
+                     f"{_goal(r['redis_vs_memory'], GOALS['redis_vs_memory'])} | "
+                     f"{_f(r['redis_vs_memory_per_cpu'], '.2f', 'x')} | {_f(r['w2_vs_w1'], '.2f', 'x')}{w2_goal} | "
+                     f"{_f(r['w2_vs_w1_per_cpu'], '.2f', 'x')} | {_f(r['w2_vs_memory'], '.2f', 'x')} |")
+    lua = [(s["mode"], s["conc"], s["candidate"], s["redis_script_p99_us"]) for s in report["summary"]
+           if s.get("redis_script_p99_us") is not None]
+    if lua:
+        lines += ["", "Redis server-side p99 of the Lua scripts (EVALSHA, INFO latencystats) during the gateway "
+                  "cells: " + "; ".join(f"{m_} c={c} {n} {v:.0f} µs" for m_, c, n, v in lua) + "."]
+    budget = report.get("budget") or []
+    if budget:
+        lines += ["", f"Budget check (`reserve_out`, caller-side, loadtests/budget_check_bench.py in the gateway "
+                  f"namespace; goal p99 <= {GOALS['budget_p99_us']:.0f} µs on loopback Redis):", "",
+                  "| case | calls | p50 µs | p90 µs | p99 µs | p99.9 µs | max µs | settle_out p99 µs |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for b in budget:
+            if "error" in b:
+                lines.append(f"| {b['case']} | not available: {b['error'][:200]} | | | | | | |")
+                continue
+            r, st = b["reserve_out"], b["settle_out"]
+            goal = _goal(r["p99_us"], GOALS["budget_p99_us"], higher=False) if b["case"].startswith("redis") else ""
+            lines.append(f"| {b['case']} | {r['calls']} | {r['p50_us']:.0f} | {r['p90_us']:.0f} | "
+                         f"{r['p99_us']:.0f}{goal} | {r['p999_us']:.0f} | {r['max_us']:.0f} | {st['p99_us']:.0f} |")
+    for name, why in report.get("unavailable", {}).items():
+        lines += ["", f"{name}: not available ({why[:300]})."]
+    return "\n".join(lines)
+
+
+def write(report: dict, md: str, out_dir: Path) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = out_dir / ("bench-state-" + time.strftime("%Y%m%dT%H%MZ", time.gmtime()))
+    paths = [stem.with_suffix(".md"), stem.with_suffix(".json")]
+    paths[0].write_text(md + "\n")
+    paths[1].write_text(json.dumps(report, indent=1, default=str) + "\n")
+    return paths
