@@ -2,21 +2,20 @@
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.approvals import harness
-from tests.approvals.redisproc import RedisProcess
 from tests.support.gwworld import Gateway, World, open_world
 from tests.support.launcher import stop_gateway
+from tests.support.redis import RedisServer
 
 
 @pytest.fixture(scope="session")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisProcess]:
-    server = RedisProcess(Path(tmp_path_factory.mktemp("a12-redis")))
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    server = RedisServer(Path(tmp_path_factory.mktemp("a12-redis")))
     server.start()
     try:
         yield server
@@ -25,8 +24,8 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisProc
 
 
 @pytest.fixture
-def redis_prefix() -> str:
-    return f"a12test-{secrets.token_hex(4)}:"
+def redis_prefix(redis_server: RedisServer) -> str:
+    return redis_server.prefix()
 
 
 @pytest.fixture(scope="session")
