@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import httpx
+import jsonschema
+import yaml
 
 from tests.approvals.harness import admin, approve, connect, http_get, records
 from tests.support.gwworld import Gateway
@@ -24,6 +27,10 @@ def asked(gw: Gateway, sbx, host: str, path: str = "/data", method: str = "GET")
     assert body["approval_id"].startswith("apr-") and body["approval_id"] in body["message"]
     assert "retry" in body["message"] and "\n" not in body["message"]
     return body["approval_id"]
+
+
+APPROVAL_SCHEMA = yaml.safe_load((Path(__file__).resolve().parents[2] / "docs" / "openapi.yaml").read_text())[
+    "components"]["schemas"]["Approval"]
 
 
 def upstream_saw(gw: Gateway, mark: int, host: str) -> list[dict]:
@@ -43,9 +50,11 @@ def test_request_approve_retry_is_allowed_and_every_step_is_audited(gateway: Gat
         "sandbox_id": sbx.id, "policy": "ap-gated", "kind": "network_expansion", "state": "pending",
         "scheme": "http", "host": "other.test", "port": gateway.world.http_port, "method": "GET", "path": "/data",
         "decided_at": None, "decided_by": None, "scope": None, "expires_at": None}
+    jsonschema.validate(shown, APPROVAL_SCHEMA)
     res = approve(gateway, first, for_seconds=600, scope="host", by="alice")
     assert res.status_code == 200, res.text
     granted = res.json()
+    jsonschema.validate(granted, APPROVAL_SCHEMA)
     assert (granted["state"], granted["decided_by"], granted["scope"]) == ("approved", "alice", "host")
     assert abs(granted["expires_at"] - granted["decided_at"] - 600) < 1e-6
     assert approve(gateway, first).status_code == 409  # decided once
@@ -105,6 +114,7 @@ def test_connect_asks_for_the_host_and_an_approved_tunnel_is_intercepted(gateway
     approval_id = refused.json()["approval_id"]
     shown = admin(gateway, "GET", f"/v1/approvals/{approval_id}").json()
     assert (shown["scheme"], shown["method"], shown["path"]) == (None, None, None)
+    jsonschema.validate(shown, APPROVAL_SCHEMA)  # docs/openapi.yaml
     bad = approve(gateway, approval_id, scope="host+path")  # nothing to scope a path to
     assert bad.status_code == 400 and "scope host" in bad.json()["message"]
     assert approve(gateway, approval_id, scope="host", for_seconds=60).status_code == 200
