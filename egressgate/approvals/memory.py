@@ -10,6 +10,7 @@ from egressgate.approvals.grant import Grant
 from egressgate.approvals.model import (
     DENIED_MEMORY_SECONDS,
     MAX_PENDING_PER_SANDBOX,
+    RETENTION_SECONDS,
     Approval,
     ApprovalNotFound,
     ApprovalState,
@@ -73,6 +74,13 @@ class MemoryApprovals:
     async def expire(self, now: float) -> list[Approval]:
         out = []
         for approval_id, approval in list(self._all.items()):
+            ended = approval.ended_at()
+            if ended is not None and now >= ended + RETENTION_SECONDS:  # retention over: forget it
+                del self._all[approval_id]
+                denied = self._denied.get(approval.sandbox_id, {})
+                if denied.get(approval.target_key) == approval_id:
+                    del denied[approval.target_key]
+                continue
             if approval.state not in (ApprovalState.PENDING, ApprovalState.APPROVED):
                 continue
             if approval.current(now).state is not ApprovalState.EXPIRED:

@@ -8,7 +8,8 @@ agent retries, and a retry of the same target while it is pending gets the same 
 
 Bounds (a sandbox must not be able to flood the operator's queue): at most MAX_PENDING_PER_SANDBOX
 pending approvals per sandbox; past that, refusals carry no new approval. A denied target is remembered
-for DENIED_MEMORY_SECONDS: retries get the denial back instead of a fresh request.
+for DENIED_MEMORY_SECONDS: retries get the denial back instead of a fresh request. Denied and expired
+approvals are dropped from the store RETENTION_SECONDS after they ended.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ from egressgate.state.base import StateUnavailable
 MAX_PENDING_PER_SANDBOX = 16
 PENDING_TTL_SECONDS = 3600.0
 DENIED_MEMORY_SECONDS = 3600.0
+# a denied or expired approval is dropped from the store this long after it ended (the audit trail keeps
+# every step): the store's size is bounded by what sandboxes can ask for in a day, not by uptime
+RETENTION_SECONDS = 86400.0
 DEFAULT_FOR_SECONDS = 600
 MAX_FOR_SECONDS = 86400
 MAX_BY_CHARS = 128
@@ -83,6 +87,14 @@ class Approval:
         if self.state is ApprovalState.PENDING and now >= self.requested_at + PENDING_TTL_SECONDS:
             return replace(self, state=ApprovalState.EXPIRED)
         return self
+
+    def ended_at(self) -> float | None:
+        """When a denied or expired approval ended (None while it can still change)."""
+        if self.state is ApprovalState.DENIED:
+            return self.decided_at
+        if self.state is ApprovalState.EXPIRED:
+            return self.expires_at if self.expires_at is not None else self.requested_at + PENDING_TTL_SECONDS
+        return None
 
     def decided(self, *, approve: bool, by: str | None, scope: str, for_seconds: int, now: float) -> Approval:
         if approve and scope == SCOPE_HOST_PATH and (self.method is None or self.path is None):

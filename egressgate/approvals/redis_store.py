@@ -12,6 +12,7 @@ Layout (B = key("approvals{a}")):
   B:grants:<sandbox>    hash: id -> Grant JSON (what decide() reads: one HGETALL per decision)
   B:index               zset: id by requested_at (listing)
   B:deadlines           zset: id by the instant it expires (pending: requested_at + PENDING_TTL_SECONDS)
+  B:ended               zset: id of a denied/expired approval by the instant it is dropped (RETENTION_SECONDS)
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from egressgate.approvals.model import (
     DENIED_MEMORY_SECONDS,
     MAX_PENDING_PER_SANDBOX,
     PENDING_TTL_SECONDS,
+    RETENTION_SECONDS,
     Approval,
     ApprovalNotFound,
     ApprovalState,
@@ -75,7 +77,7 @@ redis.call('ZADD', base .. ':deadlines', requested + ttl, id)
 return {id, 1}
 """
 
-# ARGV: base, id, now, ttl, dmem, target, sandbox, approve(1/0), grant json, expires_at, field/value pairs
+# ARGV: base, id, now, ttl, retention, target, sandbox, approve(1/0), grant json, expires_at, field/value pairs
 _DECIDE = _LIVE_PENDING + """
 local base, id, now, ttl = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
 local target, sandbox = ARGV[6], ARGV[7]
@@ -93,13 +95,29 @@ if ARGV[8] == '1' then
   redis.call('ZADD', base .. ':deadlines', tonumber(ARGV[10]), id)
 else
   redis.call('HSET', base .. ':denied:' .. sandbox, target, id)
+  redis.call('ZADD', base .. ':ended', now + tonumber(ARGV[5]), id)
 end
 return 2
 """
 
-# ARGV: base, now, batch. Returns the ids this call moved to `expired` (each id at most once, ever).
+# ARGV: base, now, batch, retention. Returns the ids this call moved to `expired` (each id at most once,
+# ever), after dropping the approvals whose retention is over.
 _EXPIRE = """
 local base, now = ARGV[1], tonumber(ARGV[2])
+local gone = redis.call('ZRANGEBYSCORE', base .. ':ended', '-inf', now, 'LIMIT', 0, tonumber(ARGV[3]))
+for _, id in ipairs(gone) do
+  redis.call('ZREM', base .. ':ended', id)
+  redis.call('ZREM', base .. ':index', id)
+  local akey = base .. ':a:' .. id
+  local f = redis.call('HMGET', akey, 'sandbox_id', 'scheme', 'host', 'port')
+  if f[1] then
+    local dkey = base .. ':denied:' .. f[1]
+    if redis.call('HGET', dkey, (f[2] or '-') .. '|' .. f[3] .. '|' .. f[4]) == id then
+      redis.call('HDEL', dkey, (f[2] or '-') .. '|' .. f[3] .. '|' .. f[4])
+    end
+  end
+  redis.call('DEL', akey)
+end
 local ids = redis.call('ZRANGEBYSCORE', base .. ':deadlines', '-inf', now, 'LIMIT', 0, tonumber(ARGV[3]))
 local out = {}
 for _, id in ipairs(ids) do
@@ -108,6 +126,7 @@ for _, id in ipairs(ids) do
   local f = redis.call('HMGET', akey, 'state', 'sandbox_id', 'scheme', 'host', 'port')
   if f[1] == 'pending' or f[1] == 'approved' then
     redis.call('HSET', akey, 'state', 'expired')
+    redis.call('ZADD', base .. ':ended', now + tonumber(ARGV[4]), id)
     redis.call('HDEL', base .. ':grants:' .. f[2], id)
     local target = (f[3] or '-') .. '|' .. f[4] .. '|' .. f[5]
     local pkey = base .. ':pending:' .. f[2]
@@ -188,7 +207,7 @@ class RedisApprovals:
         decided = approval.decided(approve=approve, by=by, scope=scope, for_seconds=for_seconds, now=now)
         grant = json.dumps(decided.grant().to_json()) if approve else ""
         status = await self._call(self._decide, [
-            self.base, approval_id, repr(now), repr(PENDING_TTL_SECONDS), repr(DENIED_MEMORY_SECONDS),
+            self.base, approval_id, repr(now), repr(PENDING_TTL_SECONDS), repr(RETENTION_SECONDS),
             approval.target_key, approval.sandbox_id, "1" if approve else "0", grant,
             repr(decided.expires_at or 0.0), *_flat(decided.to_fields())])
         if int(status) == 0:
@@ -213,7 +232,7 @@ class RedisApprovals:
         return tuple(out)
 
     async def expire(self, now: float) -> list[Approval]:
-        ids = [_text(i) for i in await self._call(self._expire, [self.base, repr(now), 256])]
+        ids = [_text(i) for i in await self._call(self._expire, [self.base, repr(now), 256, repr(RETENTION_SECONDS)])]
         return await self._fetch(ids) if ids else []
 
     async def close(self) -> None:

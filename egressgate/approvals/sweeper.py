@@ -29,11 +29,17 @@ async def sweep_once(store: ApprovalStore, audit, clock: Callable[[], float]) ->
 
 async def sweep_forever(store: ApprovalStore, audit, clock: Callable[[], float],
                         interval: float = SWEEP_INTERVAL) -> None:
+    failing = False  # log a store outage once, and its end, not every half second
     while True:
         try:
             await sweep_once(store, audit, clock)
+            if failing:
+                logger.warning("approval sweeper: the approval store answers again")
+            failing = False
         except StateUnavailable as exc:  # the store recovers by itself; expiry is enforced by decide()
-            logger.warning("approval sweeper: %s", exc)
+            if not failing:
+                logger.warning("approval sweeper: %s (expiry records wait until it answers)", exc)
+            failing = True
         except Exception:
             logger.exception("approval sweeper failed")
         await asyncio.sleep(interval)

@@ -15,6 +15,7 @@ from egressgate.approvals.model import (
     DENIED_MEMORY_SECONDS,
     MAX_PENDING_PER_SANDBOX,
     PENDING_TTL_SECONDS,
+    RETENTION_SECONDS,
     Approval,
     ApprovalNotFound,
     ApprovalState,
@@ -158,3 +159,20 @@ async def test_redis_outage_is_state_unavailable(redis_prefix):
             assert isinstance(exc.value, StateUnavailable)
     finally:
         await client.aclose()
+
+
+async def test_ended_approvals_are_dropped_after_the_retention(stores):
+    one, two = stores
+    denied, _ = await one.request(draft(host="d.example.com"), NOW)
+    await one.decide(denied.id, approve=False, by="bob", scope="host", for_seconds=1, now=NOW)
+    granted, _ = await one.request(draft(host="g.example.com"), NOW)
+    await one.decide(granted.id, approve=True, by="bob", scope="host", for_seconds=10, now=NOW)
+    live, _ = await one.request(draft(host="p.example.com"), NOW + RETENTION_SECONDS)  # control: still pending
+    assert [a.id for a in await two.expire(NOW + 10)] == [granted.id]
+    await two.expire(NOW + RETENTION_SECONDS - 1)
+    assert await one.get(denied.id) is not None and await one.get(granted.id) is not None  # not yet
+    await two.expire(NOW + RETENTION_SECONDS + 11)
+    assert await one.get(denied.id) is None and await one.get(granted.id) is None
+    assert [a.id for a in await one.list(None, NOW + RETENTION_SECONDS + 11)] == [live.id]
+    fresh, created = await one.request(draft(host="d.example.com"), NOW + RETENTION_SECONDS + 11)
+    assert created and fresh.id != denied.id
