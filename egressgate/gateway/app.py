@@ -22,6 +22,7 @@ import socket
 from pathlib import Path
 
 from egressgate.admin.server import AdminServer, ensure_admin_token
+from egressgate.approvals.store import open_approvals
 from egressgate.audit.build import build
 from egressgate.audit.config import open_audit_sink
 from egressgate.audit.event import EventKind
@@ -87,6 +88,7 @@ class Gateway:
             ledger=ByteLedger(state), upstream_bundle=upstream_bundle, sandbox_bundle=sandbox_bundle,
             broker=broker,
         )
+        rt.approvals = open_approvals(state)  # approvals live in the state backend (egressgate/approvals)
         token = ensure_admin_token(cfg.admin_token_path())
         admin_host, admin_port = parse_listen(cfg.listen.admin)
         self.admin = AdminServer(rt, token, reload=self.reload)
