@@ -19,7 +19,8 @@ Label cardinality is bounded by construction: `operation` is an EventKind, `reas
 e.g. an id an overlay made up - is "other"), `rcode` a DNS rcode name. No label ever carries a host, a
 path, a sandbox id or anything else a sandbox chooses.
 
-Per process: with several workers each process has its own counters (docs/operations.md, "Metrics").
+Per process: each process has its own counters, and every sample says which (`worker`, docs/operations.md
+"Metrics").
 """
 
 from __future__ import annotations
@@ -192,8 +193,13 @@ class GatewayCollector:
         self._pid = os.getpid()
 
     def collect(self) -> Iterator[Metric]:
-        yield from self._from_audit()
-        yield from self._components()
+        """Every family, each sample labelled `worker` (this process's state-store worker id, shortened):
+        the `--workers` processes of one gateway answer on one shared admin address, and without the label
+        their counters would interleave under one series (each scrape another process: false resets)."""
+        worker = self.rt.state.worker_id[:12]
+        for family in (*self._from_audit(), *self._components()):
+            family.samples = [s._replace(labels={**s.labels, "worker": worker}) for s in family.samples]
+            yield family
 
     def _from_audit(self) -> Iterator[Metric]:
         am = self.audit

@@ -76,15 +76,22 @@ def api(gw: Gateway, method: str, path: str, token: str | None = "", **kw: Any) 
 
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+SCRAPED_BY = "scraped_by"  # not a metric: the `worker` label every egressgate_* sample of the scrape had
 
 
 def scrape(gw: Gateway) -> Samples:
     res = api(gw, "GET", "/metrics")
     assert res.status_code == 200, res.text
     out: Samples = {}
+    workers = set()
     for family in text_string_to_metric_families(res.text):
         for sample in family.samples:
-            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+            labels = dict(sample.labels)
+            if family.name.startswith("egressgate_"):
+                workers.add(labels.pop("worker"))  # every egressgate sample names its process
+            out[(sample.name, tuple(sorted(labels.items())))] = sample.value
+    assert len(workers) == 1, workers  # one process answered the whole scrape
+    out[(SCRAPED_BY, (("worker", workers.pop()),))] = 1.0
     return out
 
 
