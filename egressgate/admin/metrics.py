@@ -31,7 +31,7 @@ from bisect import bisect_left
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from egressgate.audit.event import AuditEvent, EventKind
@@ -191,13 +191,15 @@ class GatewayCollector:
         self.rt = rt
         self.audit = audit
         self._pid = os.getpid()
+        self._process = ProcessCollector(registry=None)  # process_cpu_seconds_total, RSS, open fds (/proc)
 
     def collect(self) -> Iterator[Metric]:
-        """Every family, each sample labelled `worker` (this process's state-store worker id, shortened):
-        the `--workers` processes of one gateway answer on one shared admin address, and without the label
-        their counters would interleave under one series (each scrape another process: false resets)."""
+        """Every family (and the process's CPU, memory and fds), each sample labelled `worker` (this
+        process's state-store worker id, shortened): the `--workers` processes of one gateway answer on one
+        shared admin address, and without the label their counters would interleave under one series (each
+        scrape another process: false resets)."""
         worker = self.rt.state.worker_id[:12]
-        for family in (*self._from_audit(), *self._components()):
+        for family in (*self._from_audit(), *self._components(), *self._process.collect()):
             family.samples = [s._replace(labels={**s.labels, "worker": worker}) for s in family.samples]
             yield family
 

@@ -87,8 +87,7 @@ def scrape(gw: Gateway) -> Samples:
     for family in text_string_to_metric_families(res.text):
         for sample in family.samples:
             labels = dict(sample.labels)
-            if family.name.startswith("egressgate_"):
-                workers.add(labels.pop("worker"))  # every egressgate sample names its process
+            workers.add(labels.pop("worker"))  # every sample names its process
             out[(sample.name, tuple(sorted(labels.items())))] = sample.value
     assert len(workers) == 1, workers  # one process answered the whole scrape
     out[(SCRAPED_BY, (("worker", workers.pop()),))] = 1.0
