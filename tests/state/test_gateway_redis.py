@@ -127,5 +127,11 @@ def test_redis_down_after_connect_refuses_the_tunnels_bytes(world: World, tmp_pa
             time.sleep(0.3)
             assert not reply.startswith(b"echo:"), reply
             assert all(b"after-redis-stopped" not in d for d in world.hits.tcp[before:])
+            if target == "tcp.test":
+                return  # relayed by its rule: the cut is the ledger's (its outcome record: PLAN-12 note)
+            # ...and the raw-TCP decision's refusal says why: the store, not a gateway bug
+            reasons = [r.get("egressgate.reason") for r in gw.audit_records()
+                       if r.get("egressgate.sandbox.id") == sbx.id and r.get("egressgate.decision") == "deny"]
+            assert "state_unavailable" in reasons and "internal_error" not in reasons, reasons
         finally:
             stop_gateway(gw)
