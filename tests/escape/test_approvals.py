@@ -87,3 +87,17 @@ def test_forbidden_literals_are_never_offered_for_approval(world: World, gateway
     assert_denied(res, ADDRESS_REASONS)
     assert "approval_id" not in res.deny_body()
     assert_untouched(world, mark, literal)
+
+
+def test_an_approved_rebinding_name_is_pinned_per_connection(world: World, gateway: Gateway, sbx: Sandbox) -> None:
+    """rebind.evil.test answers the upstream, then 169.254.169.254, in turn: each request is checked and
+    dialed on the address it resolved to, so an approval never turns a rebind into a canary hit."""
+    mark = world.mark()
+    cli_approve(world, gateway, approval_id(gateway.curl(sbx, "http://rebind.evil.test/r")))
+    outcomes = []
+    for _ in range(4):
+        res = gateway.curl(sbx, "http://rebind.evil.test/r")
+        outcomes.append("allowed" if res.status == 200 and not res.denied
+                        else assert_denied(res, ADDRESS_REASONS))
+    assert "allowed" in outcomes and set(outcomes) - {"allowed"}, outcomes  # both answers were seen
+    assert_untouched(world, mark, "rebind.evil.test")
