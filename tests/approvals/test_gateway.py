@@ -234,6 +234,10 @@ def test_api_validates_bodies(gateway: Gateway):
     assert admin(gateway, "GET", "/v1/approvals/apr-0000").status_code == 404
     assert admin(gateway, "GET", "/v1/approvals/apr-0000").json()["error"] == "not_found"
     assert admin(gateway, "POST", "/v1/approvals/apr-0000/deny").status_code == 404
+    for unknown in ("apr-0123456789abcdef", f"{approval_id}:x", "x%3Apending%3A" + sbx.id, approval_id.upper()):
+        for method, suffix in (("GET", ""), ("POST", "/approve"), ("POST", "/deny")):
+            res = admin(gateway, method, f"/v1/approvals/{unknown}{suffix}")
+            assert res.status_code == 404 and res.json()["error"] == "not_found", (unknown, suffix)
     unauth = httpx.get(f"http://{gateway.admin}/v1/approvals", trust_env=False, timeout=10)
     assert unauth.status_code == 401
     assert admin(gateway, "GET", f"/v1/approvals/{approval_id}").json()["state"] == "pending"  # nothing applied
