@@ -14,6 +14,7 @@ import ipaddress
 import logging
 import os
 import secrets
+import socket
 import stat
 import time
 from pathlib import Path
@@ -176,10 +177,10 @@ class AdminServer:
             return response
         return await handler(request)
 
-    async def start(self, host: str, port: int) -> tuple[str, int]:
+    async def start(self, host: str, port: int, sock: socket.socket | None = None) -> tuple[str, int]:
         self.runner = web.AppRunner(self.app, access_log=None)
         await self.runner.setup()
-        site = web.TCPSite(self.runner, host, port)
+        site = web.SockSite(self.runner, sock) if sock is not None else web.TCPSite(self.runner, host, port)
         await site.start()
         sock = site._server.sockets[0]  # type: ignore[union-attr]
         bound = sock.getsockname()

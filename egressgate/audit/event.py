@@ -22,6 +22,7 @@ class EventKind(StrEnum):
     OUTCOME = "outcome"  # status / bytes / duration of an earlier allowed decision (same request_id)
     CREDENTIAL_ISSUE = "credential_issue"
     BUDGET = "budget"
+    BUDGET_RECONCILE = "budget_reconcile"  # a dead worker's outstanding byte lease, forfeited (gateway/reconcile.py)
     ADMISSION = "admission"
     REVOCATION = "revocation"
     POLICY_RELOAD = "policy_reload"

@@ -27,9 +27,9 @@ if TYPE_CHECKING:
     from egressgate.audit.reqhash import StreamingRequestHash
     from egressgate.audit.sink import AuditSink
     from egressgate.broker.broker import Broker
-    from egressgate.gateway.budgets import ByteLedger
     from egressgate.gateway.compose import ScrubPlan
     from egressgate.gateway.credential_response import Applied
+    from egressgate.gateway.ledger import ByteLedger, Meter
     from egressgate.gateway.limit_audit import LimitAudit
     from egressgate.gateway.resolver import Resolver
     from egressgate.gateway.ws_layer import Refusal as WsRefusal
@@ -124,6 +124,8 @@ class FlowState:
     bytes_out: int = 0
     bytes_in: int = 0
     prepaid_out: int = 0  # bytes reserved up front (head + Content-Length)
+    prepay_committed: bool = False  # ... and past the last refund: they stay spent (budgets.finish_flow)
+    meter: Meter | None = None  # bytes of unknown total (body, websocket, raw TCP) paid from the lease
     stream_request: bool = False  # the request body is relayed as it arrives (large or of unknown length) ...
     meter_request: bool = False  # ... and counted chunk by chunk (unknown length: not prepaid)
     budget_cut: bool = False

@@ -58,6 +58,15 @@ if back > 0 then redis.call('HINCRBY', KEYS[1], 'out', I(-back)) end
 return back
 """
 
+# KEYS: ctr   ARGV: field, delta, field, delta, ... -> the new values, in order
+ADD_COUNTERS = _HELPERS + """
+local out = {}
+for i = 1, #ARGV, 2 do
+  table.insert(out, redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1]))
+end
+return out
+"""
+
 # KEYS: hosts, usage   ARGV: host, rule ('' = none), nbytes, requests_max (-1), bytes_max (-1)
 RECORD_REQUEST = _HELPERS + """
 local rule = ARGV[2]

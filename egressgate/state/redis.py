@@ -38,6 +38,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from egressgate.policy.facts import SandboxState
 from egressgate.state import lua
 from egressgate.state.base import SandboxRecord, StateUnavailable
+from egressgate.state.redis_batch import Batcher
 from egressgate.state.redis_codec import decode_record, decode_usage, encode_record, pairs
 from egressgate.state.redis_events import BACKOFF_MAX, BACKOFF_MIN, RecordCache, Subscriber
 
@@ -63,13 +64,15 @@ class RedisState:
             retry=Retry(NoBackoff(), 0), socket_timeout=SOCKET_TIMEOUT, socket_connect_timeout=CONNECT_TIMEOUT,
             socket_keepalive=True)
         self.redis: Redis = Redis.from_pool(pool)  # owns the pool: aclose() closes it
-        self._scripts = {name: self.redis.register_script(getattr(lua, name)) for name in (
+        self._scripts = {name: self.redis.register_script(getattr(lua, name)).sha for name in (
             "RESERVE_OUT", "SETTLE_OUT", "RECORD_REQUEST", "SNAPSHOT", "BY_ADDRESS", "LIST_SANDBOXES",
-            "REVOKE", "RECONCILE")}
+            "REVOKE", "RECONCILE", "ADD_COUNTERS")}
+        self._batch = Batcher(self.redis, [getattr(lua, name) for name in self._scripts])
         self._events = self.key("events")
         self._callbacks: list[Callable[[str], None]] = []
         self._cache = RecordCache()
-        self._subscriber = Subscriber(self.redis, self._events, self._cache, self._on_event, self._resync)
+        self._subscriber = Subscriber(self.redis, self._events, self._cache, self._on_event, self._resync,
+                                      self._drop_idle_connections)
         self._retry_at = 0.0  # monotonic; before it, operations are refused without trying
         self._backoff = 0.0
         self._tasks: list[asyncio.Task] = []
@@ -100,12 +103,24 @@ class RedisState:
             self._backoff = min(max(self._backoff * 2, BACKOFF_MIN), BACKOFF_MAX)
             self._retry_at = time.monotonic() + self._backoff
             self.errors += 1
+            await self._drop_idle_connections()
             raise StateUnavailable(f"state backend unavailable ({what}): {exc}") from exc
         except (RedisError, StateUnavailable) as exc:
             self.errors += 1
             raise StateUnavailable(f"state backend error ({what}): {exc}") from exc
         self._backoff = 0.0
         return result
+
+    async def _eval(self, name: str, keys: list[str], args: list):
+        """One script (EVALSHA), sent with whatever else this tick sends (redis_batch.py)."""
+        return await self._call(name.lower(), lambda: self._batch.call(
+            "EVALSHA", self._scripts[name], len(keys), *keys, *args))
+
+    async def _drop_idle_connections(self) -> None:
+        """After a connection failure the pool's idle connections are likely dead too (Redis restarted):
+        close them, so the next operations connect afresh instead of each failing on a stale one."""
+        with contextlib.suppress(Exception):
+            await self.redis.connection_pool.disconnect(inuse_connections=False)
 
     # -- registry -----------------------------------------------------------------------------------
 
@@ -131,7 +146,7 @@ class RedisState:
         if cached is not None:
             return cached
         epoch = self._cache.epoch
-        fields = await self._call("get", lambda: self.redis.hgetall(self.key("sbx", sandbox_id)))
+        fields = await self._call("get", lambda: self._batch.call("HGETALL", self.key("sbx", sandbox_id)))
         record = self._decode(fields)
         if record is not None:
             self._remember(record, epoch)
@@ -142,16 +157,14 @@ class RedisState:
         if cached is not None:
             return cached
         epoch = self._cache.epoch
-        flat = await self._call("by_address", lambda: self._scripts["BY_ADDRESS"](
-            keys=[self.key("addr", address)], args=[self.prefix]))
+        flat = await self._eval("BY_ADDRESS", [self.key("addr", address)], [self.prefix])
         record = self._decode(pairs(flat))
         if record is not None:
             self._remember(record, epoch, address)
         return record
 
     async def list_sandboxes(self) -> list[SandboxRecord]:
-        flat = await self._call("list_sandboxes", lambda: self._scripts["LIST_SANDBOXES"](
-            keys=[self.key("sbxs")], args=[self.prefix]))
+        flat = await self._eval("LIST_SANDBOXES", [self.key("sbxs")], [self.prefix])
         return [r for r in (self._decode(pairs(item)) for item in flat) if r is not None]
 
     def _decode(self, fields) -> SandboxRecord | None:
@@ -169,8 +182,7 @@ class RedisState:
 
     async def revoke(self, sandbox_id: str) -> bool:
         event = json.dumps({"op": "revoke", "id": sandbox_id, "w": self.worker_id})
-        found = await self._call("revoke", lambda: self._scripts["REVOKE"](
-            keys=[self.key("sbx", sandbox_id), self._events], args=[event]))
+        found = await self._eval("REVOKE", [self.key("sbx", sandbox_id), self._events], [event])
         self._cache.invalidate(sandbox_id)
         if found:
             self._run_callbacks(sandbox_id)  # here at once; other processes by the published event
@@ -224,7 +236,7 @@ class RedisState:
             args.extend(rules)
         keys = [self.key("ctr", sandbox_id), self.key("hosts", sandbox_id), self.key("usage", sandbox_id),
                 self.key("sbx", sandbox_id)]
-        reply = await self._call("snapshot", lambda: self._scripts["SNAPSHOT"](keys=keys, args=args))
+        reply = await self._eval("SNAPSHOT", keys, args)
         try:
             # cjson encodes an empty Lua table as {}: `or ()` reads it as the empty list it is
             ctr, hosts, usage, fields = json.loads(reply)
@@ -248,27 +260,20 @@ class RedisState:
                 self.key("workers")]
         args = [sandbox_id, int(want), int(minimum), -1 if limit is None else int(limit),
                 int(self.heartbeat_ttl * 1000), self.worker_id]
-        return int(await self._call("reserve_out", lambda: self._scripts["RESERVE_OUT"](keys=keys, args=args)))
+        return int(await self._eval("RESERVE_OUT", keys, args))
 
     async def settle_out(self, sandbox_id: str, spent: int, unused: int) -> None:
         keys = [self.key("ctr", sandbox_id), self.key("lease", self.worker_id)]
-        await self._call("settle_out", lambda: self._scripts["SETTLE_OUT"](
-            keys=keys, args=[sandbox_id, int(spent), int(unused)]))
+        await self._eval("SETTLE_OUT", keys, [sandbox_id, int(spent), int(unused)])
 
     async def add_in(self, sandbox_id: str, amount: int) -> None:
         if amount:
-            await self._call("add_in", lambda: self.redis.hincrby(self.key("ctr", sandbox_id), "in", int(amount)))
+            await self._call("add_in", lambda: self._batch.call(
+                "HINCRBY", self.key("ctr", sandbox_id), "in", int(amount)))
 
     async def add_bytes(self, sandbox_id: str, out: int = 0, in_: int = 0) -> tuple[int, int]:
-        ctr = self.key("ctr", sandbox_id)
-
-        async def op():
-            async with self.redis.pipeline(transaction=True) as pipe:
-                pipe.hincrby(ctr, "out", int(out))
-                pipe.hincrby(ctr, "in", int(in_))
-                return await pipe.execute()
-
-        new_out, new_in = await self._call("add_bytes", op)
+        ctr = [self.key("ctr", sandbox_id)]
+        new_out, new_in = await self._eval("ADD_COUNTERS", ctr, ["out", int(out), "in", int(in_)])
         return int(new_out), int(new_in)
 
     async def record_request(self, sandbox_id: str, host: str, rule_id: str | None, nbytes: int, *,
@@ -276,28 +281,20 @@ class RedisState:
         keys = [self.key("hosts", sandbox_id), self.key("usage", sandbox_id)]
         args = [host, rule_id or "", int(nbytes), -1 if requests_max is None else int(requests_max),
                 -1 if bytes_max is None else int(bytes_max)]
-        return bool(await self._call("record_request", lambda: self._scripts["RECORD_REQUEST"](keys=keys, args=args)))
+        return bool(await self._eval("RECORD_REQUEST", keys, args))
 
     async def add_dns_query(self, sandbox_id: str, name_bytes: int) -> tuple[int, int]:
-        ctr = self.key("ctr", sandbox_id)
-
-        async def op():
-            async with self.redis.pipeline(transaction=True) as pipe:
-                pipe.hincrby(ctr, "dq", 1)
-                pipe.hincrby(ctr, "db", int(name_bytes))
-                return await pipe.execute()
-
-        queries, nbytes = await self._call("add_dns_query", op)
+        ctr = [self.key("ctr", sandbox_id)]
+        queries, nbytes = await self._eval("ADD_COUNTERS", ctr, ["dq", 1, "db", int(name_bytes)])
         return int(queries), int(nbytes)
 
     # -- liveness -----------------------------------------------------------------------------------
 
     async def ping(self) -> None:
-        await self._call("ping", self.redis.ping)
+        await self._call("ping", lambda: self._batch.call("PING"))
 
     async def reconcile(self, now: float) -> list[tuple[str, str, int]]:
-        flat = await self._call("reconcile", lambda: self._scripts["RECONCILE"](
-            keys=[self.key("workers")], args=[self.prefix]))
+        flat = await self._eval("RECONCILE", [self.key("workers")], [self.prefix])
         return [(flat[i], flat[i + 1], int(flat[i + 2])) for i in range(0, len(flat) - 2, 3)]
 
     async def _heartbeat(self) -> None:
@@ -318,6 +315,7 @@ class RedisState:
             with contextlib.suppress(asyncio.CancelledError, Exception):  # stopping anyway
                 await task
         self._tasks = []
+        await self._batch.close()
         # a stopped worker holds no lease: let reconcile() forfeit leftovers now, not after the TTL
         with contextlib.suppress(RedisError, OSError):
             await self.redis.delete(self.key("hb", self.worker_id))
