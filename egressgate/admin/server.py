@@ -22,6 +22,7 @@ from urllib.parse import quote
 
 from aiohttp import web
 
+from egressgate.admin.approvals_api import register_approvals
 from egressgate.admin.errors import error_response, state_unavailable
 from egressgate.admin.jsonbody import MAX_BODY, BodyError, read_object
 from egressgate.admin.metrics import GatewayMetrics
@@ -140,6 +141,7 @@ class AdminServer:
         router.add_get("/v1/policies", policies.list)
         router.add_post("/v1/policies/reload", policies.reload)
         router.add_get(JWKS_PATH, self.jwks)
+        register_approvals(self)  # /v1/approvals (admin/approvals_api.py) and the expiry sweeper
 
     @web.middleware
     async def _errors(self, request: web.Request, handler):

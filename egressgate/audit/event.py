@@ -22,9 +22,11 @@ class EventKind(StrEnum):
     OUTCOME = "outcome"  # status / bytes / duration of an earlier allowed decision (same request_id)
     CREDENTIAL_ISSUE = "credential_issue"
     BUDGET = "budget"
+    BUDGET_RECONCILE = "budget_reconcile"  # a dead worker's outstanding byte lease, forfeited (gateway/reconcile.py)
     ADMISSION = "admission"
     REVOCATION = "revocation"
     POLICY_RELOAD = "policy_reload"
+    APPROVAL = "approval"  # an approval requested, approved, denied or expired (egressgate/approvals)
     CONNECTION = "connection"  # a client connection refused or closed by a limit/timeout (gateway/connguard.py)
 
 

@@ -22,6 +22,7 @@ import socket
 from pathlib import Path
 
 from egressgate.admin.server import AdminServer, ensure_admin_token
+from egressgate.approvals.store import open_approvals
 from egressgate.audit.build import build
 from egressgate.audit.config import open_audit_sink
 from egressgate.audit.event import EventKind
@@ -29,7 +30,7 @@ from egressgate.audit.signer import Signer
 from egressgate.broker.signer import TransitSigner
 from egressgate.config import ConfigError, GatewayConfig, parse_listen
 from egressgate.dns import DnsServer
-from egressgate.gateway import ca, mitm_hotpaths, typecheck
+from egressgate.gateway import ca, mitm_hotpaths, reconcile, typecheck
 from egressgate.gateway import listeners as shared_listeners
 from egressgate.gateway.budgets import ByteLedger
 from egressgate.gateway.context import PolicyHolder, Runtime
@@ -87,6 +88,7 @@ class Gateway:
             ledger=ByteLedger(state), upstream_bundle=upstream_bundle, sandbox_bundle=sandbox_bundle,
             broker=broker,
         )
+        rt.approvals = open_approvals(state)  # approvals live in the state backend (egressgate/approvals)
         token = ensure_admin_token(cfg.admin_token_path())
         admin_host, admin_port = parse_listen(cfg.listen.admin)
         self.admin = AdminServer(rt, token, reload=self.reload)
@@ -120,6 +122,7 @@ class Gateway:
         if self.publish:
             write_runtime_file(cfg, {**self.addresses, "pid": os.getpid()})
         self._watch = asyncio.create_task(self._watch_policies(), name="policy-watch")
+        reconcile.start(rt)  # ledger sweep + dead workers' leases (stopped by ledger.flush at stop)
         return self.addresses
 
     async def reload(self, reason: str = "signal") -> bool:

@@ -1,4 +1,5 @@
-"""Byte budgets, exact to the byte: `resources.outbound_bytes_max` over everything sent upstream.
+"""Byte budgets, exact to the byte: `resources.outbound_bytes_max` over everything sent upstream, held
+by the state store and shared by every gateway process on it (ledger.py: the accounting).
 
 Counted out: request head (HTTP/1.1 serialization of what goes upstream: after sanitizing and, on a
 credentialed route, with the injected credential; see decision.request_head_size),
@@ -8,19 +9,21 @@ response bodies, websocket frame bytes and raw TCP bytes from the server.
 
 Credentials are decided before this stage (master.py), so nothing after the prepayment turns the
 request into a deny except a failed audit write or what only the body reveals (trailers, a phantom in a
-buffered body): those return it through `refund_prepaid`, the one refund.
+buffered body): those return it through `refund_prepaid`, the one refund. The prepayment is committed
+(spent) at the `request` hook, which runs after every stage that can refund it, or when the flow ends.
 
-A request with a known length is paid in full before connecting (429 when it does not fit, so the
-upstream never sees a request that could not complete). Chunked / HTTP/2 bodies of unknown length are
-streamed through a synchronous callable (mitmproxy's stream hook is synchronous, so the in-process
-`ByteLedger` is the authority and writes through to the async state store); the chunk that would cross
-the limit is dropped and the whole connection is aborted, so the upstream never sees the terminating
-chunk of a cut body.
+A request with a known length reserves exactly its size before connecting (429 with the remaining figure
+when it does not fit, so the upstream never sees a request that could not complete). Bytes of unknown
+total (chunked / HTTP/2 bodies, websocket frames, raw TCP) are paid from a per-flow `Meter` over the
+sandbox's leased pool: the synchronous stream callable and hooks spend from it; when it runs dry the
+flow pauses (http_layer.py yields a blocking `BudgetTopUpHook` before the chunk reaches the callable;
+`websocket_wire` and `tcp_message` await the top-up) and resumes when the store granted more. Only when
+the store says the budget cannot hold the chunk is it dropped and the whole connection aborted, so the
+upstream never sees the terminating chunk of a cut body.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable
 
@@ -30,104 +33,53 @@ from egressgate.gateway import ws_layer
 from egressgate.gateway.context import FlowState, Runtime, ensure_flow_state, flow_state
 from egressgate.gateway.decision import declared_body_size, request_head_size
 from egressgate.gateway.deny import gateway_deny
+from egressgate.gateway.ledger import ByteLedger as ByteLedger  # re-exported: app.py builds it from here
+from egressgate.gateway.ledger import Meter, TopUp, answer_top_up
 from egressgate.gateway.streaming import STREAM_THRESHOLD, should_stream
+from egressgate.policy.model import Budget
 from egressgate.policy.reasons import Reason
-from egressgate.state.base import StateStore, StateUnavailable
+from egressgate.state.base import StateUnavailable
 
 logger = logging.getLogger(__name__)
 
 
-
-class ByteLedger:
-    """Synchronous per-sandbox counters (authoritative in this process), written through to the store.
-
-    The write-through is coalesced: deltas are summed per sandbox and written once per event-loop tick
-    (one `add_bytes` per sandbox), not once per counted chunk — a task per chunk cost ~16 µs, a large
-    share of a streamed body's or a splice's CPU (measured, /work/wt/PERF-NOTES.md). The counters here
-    stay exact and synchronous; the store only lags by at most one tick more than before."""
-
-    def __init__(self, state: StateStore) -> None:
-        self.state = state
-        self._out: dict[str, int] = {}
-        self._in: dict[str, int] = {}
-        self._tasks: set[asyncio.Task] = set()
-        self._pending: dict[str, list[int]] = {}  # sandbox -> [out, in] not yet handed to the store
-        self._scheduled = False
-
-    async def load(self, sandbox_id: str) -> None:
-        if sandbox_id not in self._out:
-            snap = await self.state.snapshot(sandbox_id)
-            self._out.setdefault(sandbox_id, snap.bytes_out)
-            self._in.setdefault(sandbox_id, snap.bytes_in)
-
-    def bytes_out(self, sandbox_id: str) -> int:
-        return self._out.get(sandbox_id, 0)
-
-    def bytes_in(self, sandbox_id: str) -> int:
-        return self._in.get(sandbox_id, 0)
-
-    def exhausted(self, sandbox_id: str, limit: int | None) -> bool:
-        return limit is not None and self._out.get(sandbox_id, 0) >= limit
-
-    def try_out(self, sandbox_id: str, amount: int, limit: int | None) -> bool:
-        current = self._out.get(sandbox_id, 0)
-        if limit is not None and current + amount > limit:
-            return False
-        self._out[sandbox_id] = current + amount
-        self._write_through(sandbox_id, amount, 0)
-        return True
-
-    def refund_out(self, sandbox_id: str, amount: int) -> None:
-        if amount:
-            self._out[sandbox_id] = self._out.get(sandbox_id, 0) - amount
-            self._write_through(sandbox_id, -amount, 0)
-
-    def add_in(self, sandbox_id: str, amount: int) -> None:
-        if amount:
-            self._in[sandbox_id] = self._in.get(sandbox_id, 0) + amount
-            self._write_through(sandbox_id, 0, amount)
-
-    def _write_through(self, sandbox_id: str, out: int, in_: int) -> None:
-        pending = self._pending.get(sandbox_id)
-        if pending is None:
-            self._pending[sandbox_id] = [out, in_]
-        else:
-            pending[0] += out
-            pending[1] += in_
-        if not self._scheduled:
-            self._scheduled = True
-            asyncio.get_running_loop().call_soon(self._drain)
-
-    def _drain(self) -> None:
-        """Hand the summed deltas to the store: one tracked task per sandbox."""
-        self._scheduled = False
-        pending, self._pending = self._pending, {}
-        loop = asyncio.get_running_loop()
-        for sandbox_id, (out, in_) in pending.items():
-            if out or in_:
-                task = loop.create_task(self.state.add_bytes(sandbox_id, out=out, in_=in_))
-                self._tasks.add(task)
-                task.add_done_callback(self._done)
-
-    def _done(self, task: asyncio.Task) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            logger.error("state write-through failed: %s", task.exception())
-
-    async def flush(self) -> None:
-        if self._pending:
-            self._drain()
-        if self._tasks:
-            await asyncio.gather(*list(self._tasks), return_exceptions=True)
-
-
 def refund_prepaid(rt: Runtime, fs: FlowState) -> None:
     """A prepaid request that a later check refused before anything of it went upstream: return the
-    bytes to the sandbox's budget (the only place a refund happens)."""
-    if fs.prepaid_out and fs.sandbox_id:
-        rt.ledger.refund_out(fs.sandbox_id, fs.prepaid_out)
+    bytes to the sandbox's budget (the only place a refund happens). Its meter, if any, is closed."""
+    if fs.prepaid_out and fs.sandbox_id and not fs.prepay_committed:
+        rt.ledger.give_back(fs.sandbox_id, fs.prepaid_out)
         fs.bytes_out -= fs.prepaid_out
         fs.prepaid_out = 0
+    if fs.meter is not None:
+        fs.meter.close()
+
+
+def finish_flow(rt: Runtime, fs: FlowState) -> None:
+    """The request can no longer be refunded (it went, or may have gone, upstream): its prepayment stays
+    spent; its meter's unused credit goes back. Idempotent."""
+    if fs.prepaid_out and fs.sandbox_id and not fs.prepay_committed:
+        fs.prepay_committed = True
+        rt.ledger.commit(fs.sandbox_id, fs.prepaid_out)
+    if fs.meter is not None:
+        fs.meter.close()
+
+
+def flow_meter(rt: Runtime, fs: FlowState, sandbox_id: str, limit: int | None) -> Meter:
+    """The flow's open meter (a websocket or a raw-TCP relay opens one at its first counted bytes)."""
+    meter = fs.meter
+    if meter is None or meter.closed:
+        meter = fs.meter = rt.ledger.open(sandbox_id, limit)
+    return meter
+
+
+def rule_budget(rt: Runtime, fs: FlowState) -> Budget | None:
+    """The budget of the rule that allowed this flow (None: it has none), for the store's atomic
+    check-and-count (enforce.py)."""
+    rule_id = fs.decision.rule_id if fs.decision is not None else None
+    policy = rt.policies.get(fs.policy_name)
+    if rule_id is None or policy is None or rule_id not in policy.budgeted_rules:
+        return None
+    return next((rule.budget for rule in policy.rules if rule.id == rule_id), None)
 
 
 def outbound_limit(rt: Runtime, fs: FlowState) -> int | None:
@@ -135,10 +87,11 @@ def outbound_limit(rt: Runtime, fs: FlowState) -> int | None:
     return policy.outbound_bytes_max if policy is not None else None
 
 
-def out_counter(rt: Runtime, fs: FlowState, client_id: str, limit: int | None) -> Callable[[bytes], object]:
-    """Stream callable for request bodies: count, and cut + abort on the chunk that would cross."""
-    sandbox_id = fs.sandbox_id
-    assert sandbox_id is not None
+def out_counter(rt: Runtime, fs: FlowState, client_id: str) -> Callable[[bytes], object]:
+    """Stream callable for request bodies of unknown length: spend from the flow's meter (the layer
+    covered each chunk before it got here); cut + abort on a chunk the budget cannot hold."""
+    meter = fs.meter
+    assert fs.sandbox_id is not None and meter is not None
     state = {"cut": False}
 
     def count(chunk: bytes) -> object:
@@ -146,12 +99,12 @@ def out_counter(rt: Runtime, fs: FlowState, client_id: str, limit: int | None) -
             return []  # never b"": an empty chunk is the chunked terminator on HTTP/1
         if not chunk:
             return []
-        if rt.ledger.try_out(sandbox_id, len(chunk), limit):
+        if meter.take(len(chunk)):
             fs.bytes_out += len(chunk)
             return chunk
         state["cut"] = True
         fs.budget_cut = True
-        logger.info("sandbox %s crossed outbound_bytes_max mid-stream; cutting", sandbox_id)
+        logger.info("sandbox %s crossed outbound_bytes_max mid-stream; cutting", fs.sandbox_id)
         if rt.abort_connection is not None:
             rt.abort_connection(client_id)
         return []
@@ -179,35 +132,24 @@ class Budgets:
     def _limit(self, fs: FlowState) -> int | None:
         return outbound_limit(self.rt, fs)
 
-    async def _load(self, fs: FlowState) -> bool:
-        try:
-            assert fs.sandbox_id is not None
-            await self.rt.ledger.load(fs.sandbox_id)
-            return True
-        except (StateUnavailable, KeyError):
-            fs.decision = gateway_deny(Reason.STATE_UNAVAILABLE)
-            return False
-
-    async def http_connect(self, flow: http.HTTPFlow) -> None:
-        fs = ensure_flow_state(flow)
-        if fs.decision is None or not fs.decision.allowed:
-            return
-        if await self._load(fs) and self.rt.ledger.exhausted(fs.sandbox_id, self._limit(fs)):
-            fs.decision = gateway_deny(Reason.BUDGET_EXCEEDED, detail="outbound_bytes_max")
-
     async def requestheaders(self, flow: http.HTTPFlow) -> None:
         fs = ensure_flow_state(flow)
         if fs.decision is None or not fs.decision.allowed or flow.response is not None:
             return
-        if not await self._load(fs):
-            return
+        sandbox_id = fs.sandbox_id
+        assert sandbox_id is not None
         limit = self._limit(fs)
         head = request_head_size(flow.request)
         body = declared_body_size(flow.request)
         prepay = head + (body or 0)
-        assert fs.sandbox_id is not None
-        if not self.rt.ledger.try_out(fs.sandbox_id, prepay, limit):
-            remaining = max(0, (limit or 0) - self.rt.ledger.bytes_out(fs.sandbox_id))
+        try:
+            fits = await self.rt.ledger.reserve(sandbox_id, prepay, limit)
+            remaining = 0 if fits else await self.rt.ledger.remaining(sandbox_id, limit)
+        except (StateUnavailable, KeyError) as exc:
+            logger.error("byte budget of %s unavailable: %s", sandbox_id, exc)
+            fs.decision = gateway_deny(Reason.STATE_UNAVAILABLE, detail="outbound_bytes_max")
+            return
+        if not fits:
             fs.decision = gateway_deny(
                 Reason.BUDGET_EXCEEDED,
                 f"This request needs {prepay} bytes but only {remaining} bytes of the sandbox's outbound "
@@ -220,6 +162,23 @@ class Budgets:
         # the plan; compose.py builds the callable once the decision is recorded (enforce.py)
         fs.meter_request = body is None  # unknown length: counted (and cut) chunk by chunk
         fs.stream_request = body is None or body > STREAM_THRESHOLD  # a large known one is paid in full
+        if body is None:
+            fs.meter = self.rt.ledger.open(sandbox_id, limit)
+
+    async def budget_top_up(self, top: TopUp) -> None:
+        """A layer paused a flow until its meter holds the next chunk (ledger.BudgetTopUpHook)."""
+        await answer_top_up(top)
+
+    def request(self, flow: http.HTTPFlow) -> None:
+        """After Trailers and Credentials (the last refunds): the prepayment is spent."""
+        fs = flow_state(flow)
+        if fs is not None:
+            finish_flow(self.rt, fs)
+
+    def error(self, flow: http.HTTPFlow) -> None:
+        fs = flow_state(flow)
+        if fs is not None:
+            finish_flow(self.rt, fs)
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         """Plan the response body: streamed (counted by its callable) or buffered (counted in `response`)."""
@@ -229,7 +188,11 @@ class Budgets:
 
     def response(self, flow: http.HTTPFlow) -> None:
         fs = flow_state(flow)
-        if (fs is None or fs.sandbox_id is None or flow.response is None or fs.stream_response
+        if fs is None:
+            return
+        if flow.websocket is None and flow.request.timestamp_end is not None:
+            finish_flow(self.rt, fs)  # an early answer while the body still streams: `request` does it
+        if (fs.sandbox_id is None or flow.response is None or fs.stream_response
                 or fs.replacement is not None):
             return  # a streamed body is counted by its callable; a replaced one never reaches the sandbox
         if fs.decision is not None and fs.decision.allowed and flow.response.raw_content:
@@ -237,11 +200,12 @@ class Budgets:
             fs.bytes_in += n
             self.rt.ledger.add_in(fs.sandbox_id, n)
 
-    def websocket_wire(self, chunk: ws_layer.WireChunk) -> None:
+    async def websocket_wire(self, chunk: ws_layer.WireChunk) -> None:
         """Every byte of every websocket frame, counted as it is read and before it is parsed (frame
         headers, masks, data fragments — a message without FIN included — pings, pongs and closes).
-        A read from the sandbox that would cross the budget is refused unparsed: nothing of it is
-        relayed and the websocket is closed (1008 budget_exceeded)."""
+        The layer waits for this hook: a read the flow's lease cannot cover waits for a top-up; a read
+        that would cross the budget is refused unparsed: nothing of it is relayed and the websocket is
+        closed (1008 budget_exceeded)."""
         flow = chunk.flow
         fs = flow_state(flow)
         if fs is None or fs.sandbox_id is None:
@@ -254,12 +218,21 @@ class Budgets:
             fs.ws_in += n
             self.rt.ledger.add_in(fs.sandbox_id, n)
             return
-        if not self.rt.ledger.try_out(fs.sandbox_id, n, self._limit(fs)):
-            fs.budget_cut = True
-            logger.info("sandbox %s crossed outbound_bytes_max on a websocket; closing it", fs.sandbox_id)
-            ws_layer.refuse(flow, Reason.BUDGET_EXCEEDED, ws_layer.POLICY_VIOLATION,
-                            "The sandbox's outbound byte budget is exhausted.", detail="outbound_bytes_max")
-            return
+        meter = flow_meter(self.rt, fs, fs.sandbox_id, self._limit(fs))
+        if not meter.take(n):
+            top = TopUp(flow, meter, n)
+            await answer_top_up(top)
+            if not (top.ok and meter.take(n)):
+                fs.budget_cut = True
+                logger.info("sandbox %s crossed outbound_bytes_max on a websocket; closing it", fs.sandbox_id)
+                if top.error is not None:  # fail closed: the store could not say
+                    ws_layer.refuse(flow, Reason.STATE_UNAVAILABLE, ws_layer.INTERNAL_ERROR,
+                                    "The gateway could not read the sandbox's byte budget.",
+                                    detail="outbound_bytes_max")
+                else:
+                    ws_layer.refuse(flow, Reason.BUDGET_EXCEEDED, ws_layer.POLICY_VIOLATION,
+                                    "The sandbox's outbound byte budget is exhausted.", detail="outbound_bytes_max")
+                return
         fs.bytes_out += n
         fs.ws_out += n
 
@@ -270,7 +243,14 @@ class Budgets:
         # the current one is needed (later addons read messages[-1]); totals live in the FlowState.
         del flow.websocket.messages[:-1]
 
-    def tcp_message(self, flow: tcp.TCPFlow) -> None:
+    def websocket_end(self, flow: http.HTTPFlow) -> None:
+        fs = flow_state(flow)
+        if fs is not None:
+            finish_flow(self.rt, fs)
+
+    async def tcp_message(self, flow: tcp.TCPFlow) -> None:
+        """Raw TCP (a `network.tcp` rule): the relay waits for this hook, so a message the lease cannot
+        cover waits for a top-up; one the budget cannot hold is dropped and the connection cut."""
         conn = self.rt.conns.get(flow.client_conn.id)
         message = flow.messages[-1]
         del flow.messages[:-1]  # bounded memory for long relays; totals are kept in the FlowState
@@ -281,16 +261,26 @@ class Budgets:
                 self.rt.abort_connection(flow.client_conn.id)
             return
         n = len(message.content)
+        if not message.from_client:
+            fs.bytes_in += n
+            self.rt.ledger.add_in(conn.sandbox_id, n)
+            return
         policy = self.rt.policies.get(conn.policy_name)
-        limit = policy.outbound_bytes_max if policy is not None else 0
-        if message.from_client:
-            if not self.rt.ledger.try_out(conn.sandbox_id, n, limit):
+        meter = flow_meter(self.rt, fs, conn.sandbox_id, policy.outbound_bytes_max if policy is not None else 0)
+        if not meter.take(n):
+            top = TopUp(flow, meter, n)
+            await answer_top_up(top)
+            if not (top.ok and meter.take(n)):
                 message.content = b""
                 fs.budget_cut = True
                 if self.rt.abort_connection is not None:
                     self.rt.abort_connection(flow.client_conn.id)
                 return
-            fs.bytes_out += n
-        else:
-            fs.bytes_in += n
-            self.rt.ledger.add_in(conn.sandbox_id, n)
+        fs.bytes_out += n
+
+    def tcp_end(self, flow: tcp.TCPFlow) -> None:
+        fs = flow_state(flow)
+        if fs is not None and fs.meter is not None:
+            fs.meter.close()
+
+    tcp_error = tcp_end

@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from egressgate.approvals.memory import MemoryApprovals
+from egressgate.approvals.store import ApprovalStore
 from egressgate.audit.build import new_request_id
 from egressgate.config import GatewayConfig
 from egressgate.policy.facts import Decision, Facts, IPAddress, SandboxState
@@ -25,9 +27,9 @@ if TYPE_CHECKING:
     from egressgate.audit.reqhash import StreamingRequestHash
     from egressgate.audit.sink import AuditSink
     from egressgate.broker.broker import Broker
-    from egressgate.gateway.budgets import ByteLedger
     from egressgate.gateway.compose import ScrubPlan
     from egressgate.gateway.credential_response import Applied
+    from egressgate.gateway.ledger import ByteLedger, Meter
     from egressgate.gateway.limit_audit import LimitAudit
     from egressgate.gateway.resolver import Resolver
     from egressgate.gateway.ws_layer import Refusal as WsRefusal
@@ -122,6 +124,8 @@ class FlowState:
     bytes_out: int = 0
     bytes_in: int = 0
     prepaid_out: int = 0  # bytes reserved up front (head + Content-Length)
+    prepay_committed: bool = False  # ... and past the last refund: they stay spent (budgets.finish_flow)
+    meter: Meter | None = None  # bytes of unknown total (body, websocket, raw TCP) paid from the lease
     stream_request: bool = False  # the request body is relayed as it arrives (large or of unknown length) ...
     meter_request: bool = False  # ... and counted chunk by chunk (unknown length: not prepaid)
     budget_cut: bool = False
@@ -198,6 +202,8 @@ class Runtime:
     header_overflow: Callable[[str, str, int], str] | None = None
     # set by connguard.py: the rate-limited audit of limit events (limit_audit.py), for other layers
     limit_audit: LimitAudit | None = None
+    # operator approvals (egressgate/approvals): app.py puts them in the state backend's store
+    approvals: ApprovalStore = field(default_factory=MemoryApprovals)
 
     def conn(self, client_id: str) -> ConnState:
         state = self.conns.get(client_id)

@@ -16,7 +16,7 @@ from mitmproxy import http
 from egressgate.audit.build import build
 from egressgate.audit.event import EventKind
 from egressgate.gateway import request_hash
-from egressgate.gateway.budgets import in_counter, out_counter, outbound_limit, refund_prepaid
+from egressgate.gateway.budgets import in_counter, out_counter, refund_prepaid, rule_budget
 from egressgate.gateway.compose import compose_request, compose_response
 from egressgate.gateway.context import Runtime, flow_state
 from egressgate.gateway.credentials import stream_misuse
@@ -77,30 +77,41 @@ class Enforce:
             return
         request_hash.start(flow.request, fs)
         if fs.stream_request:
-            counter = (out_counter(self.rt, fs, flow.client_conn.id, outbound_limit(self.rt, fs))
-                       if fs.meter_request else None)
+            counter = out_counter(self.rt, fs, flow.client_conn.id) if fs.meter_request else None
             flow.request.stream = compose_request(
                 fs.hasher, lambda hits: stream_misuse(self.rt, flow, fs, hits), counter)
 
     async def _record_history(self, flow: http.HTTPFlow, fs) -> bool:
-        """Enter the allowed request into the sandbox's history before a byte of it goes upstream.
+        """Enter the allowed request into the sandbox's history before a byte of it goes upstream, and
+        count it against its rule's budget (`budget.requests` / `budget.bytes`) in the same atomic step.
 
+        decide() judged the rule's budget on a snapshot; concurrent requests (on this or another gateway
+        process) may all have passed on the same one. The store's check-and-count is the authority: a
+        request it refuses is denied `budget_exceeded` here, before anything goes upstream.
         Fail closed: a request the history does not know of would be invisible to every later
         `after_request_to` / `unless_request_to` condition and request budget, so when the state store
-        cannot write it the request is refused `state_unavailable` (prepaid bytes refunded: nothing went
-        upstream). The refusal is recorded under the request id of its allow record (a deny takes effect
-        whether or not its record is written: queued and retried, never dropped)."""
+        cannot write it the request is refused `state_unavailable`. Either refusal returns the prepaid
+        bytes (nothing went upstream) and is recorded under the request id of its allow record (a deny
+        takes effect whether or not its record is written: queued and retried, never dropped)."""
         if fs.sandbox_id is None or fs.host is None:
             return True
         allowed = fs.decision
+        budget = rule_budget(self.rt, fs)
         try:
-            await self.rt.state.record_request(fs.sandbox_id, fs.host, allowed.rule_id, fs.prepaid_out)
-            return True
+            if await self.rt.state.record_request(
+                    fs.sandbox_id, fs.host, allowed.rule_id, fs.prepaid_out,
+                    requests_max=budget.requests if budget is not None else None,
+                    bytes_max=budget.bytes if budget is not None else None):
+                return True
+            refusal = gateway_deny(Reason.BUDGET_EXCEEDED, f"The budget of rule {allowed.rule_id!r} is spent "
+                                   "(its budget.requests or budget.bytes); further requests under it are refused.",
+                                   detail="rule_budget", rule_id=allowed.rule_id)
         except StateUnavailable as exc:
             logger.error("could not record request history for %s: %s; refusing the request", fs.sandbox_id, exc)
+            refusal = gateway_deny(Reason.STATE_UNAVAILABLE, detail="request history not written",
+                                   rule_id=allowed.rule_id)
         refund_prepaid(self.rt, fs)
-        fs.decision = replace(gateway_deny(Reason.STATE_UNAVAILABLE, detail="request history not written",
-                                           rule_id=allowed.rule_id), capability=allowed.capability)
+        fs.decision = replace(refusal, capability=allowed.capability)
         write_behind(self.rt, build(
             EventKind.HTTP_REQUEST, request_id=fs.request_id, verdict=fs.decision,
             extra={"egressgate.phase": "history"}, sandbox_id=fs.sandbox_id, policy_name=fs.policy_name,

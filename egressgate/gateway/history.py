@@ -34,14 +34,35 @@ logger = logging.getLogger(__name__)
 
 async def record_contact(rt: Runtime, sandbox_id: str | None, host: str | None,
                          rule_id: str | None) -> Decision | None:
-    """Write the tunnel's host (and its rule's use) into the sandbox's history; the deny if it failed."""
+    """Write the tunnel's host (and its rule's use) into the sandbox's history; the deny if it failed.
+    The rule's `budget.requests` (tunnels) is checked and counted in the same atomic store step: decide()
+    saw a snapshot that concurrent tunnels (here or on another gateway process) may have shared."""
     if sandbox_id is None or host is None:
         return gateway_deny(Reason.STATE_UNAVAILABLE)
+    requests_max = _requests_max(rt, sandbox_id, rule_id)
     try:
-        await rt.state.record_request(sandbox_id, host, rule_id, 0)
+        if not await rt.state.record_request(sandbox_id, host, rule_id, 0, requests_max=requests_max):
+            return gateway_deny(Reason.BUDGET_EXCEEDED, f"The budget of rule {rule_id!r} is spent (its "
+                                "budget.requests); further tunnels under it are refused.",
+                                detail="rule_budget", rule_id=rule_id)
     except (StateUnavailable, KeyError):
         logger.error("could not record the tunnel to %s in the history of %s", host, sandbox_id)
         return gateway_deny(Reason.STATE_UNAVAILABLE)
+    return None
+
+
+def _requests_max(rt: Runtime, sandbox_id: str, rule_id: str | None) -> int | None:
+    """`budget.requests` of the rule that allowed a tunnel (its policy: the one its connection is bound to)."""
+    if rule_id is None:
+        return None
+    for client_id in rt.by_sandbox.get(sandbox_id, ()):
+        conn = rt.conns.get(client_id)
+        policy = rt.policies.get(conn.policy_name) if conn is not None else None
+        if policy is not None and rule_id in policy.budgeted_rules:
+            budget = next((r.budget for r in policy.rules if r.id == rule_id), None)
+            return budget.requests if budget is not None else None
+        if policy is not None:
+            return None
     return None
 
 

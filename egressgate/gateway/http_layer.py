@@ -21,6 +21,12 @@ connection closed before the terminating chunk; HTTP/2: stream reset), so it nev
 client gets the answer (or, for a kill, a reset). A buffered request that still carries trailers when it
 is about to be forwarded is killed as well: no request trailer ever leaves the gateway.
 
+`GatewayHttpStream` also pauses a metered request body (unknown length) whose next chunk the flow's byte
+lease cannot cover: it yields a blocking `BudgetTopUpHook` (ledger.py) and resumes once the Budgets addon
+has topped the lease up from the state store (the events that arrive meanwhile are queued by mitmproxy's
+Layer, none is dropped). Budgets are shared by every gateway process, so a lease that runs dry is normal,
+not exhaustion; the stream is cut only when the store refuses.
+
 The overridden methods copy mitmproxy 12.3.1's bodies (marked where they do); re-check them, and
 http1_framing.py, on any mitmproxy upgrade (tests/gateway_credentials/test_trailers.py exercises each path).
 """
@@ -70,6 +76,7 @@ from egressgate.gateway.http1_framing import (
     Refusal,
     RefusedRequest,
 )
+from egressgate.gateway.ledger import BudgetTopUpHook, TopUp
 from egressgate.gateway.tunnel_close import HalfCloseTunnel
 from egressgate.policy.reasons import Reason
 
@@ -186,6 +193,8 @@ class GatewayHttpStream(HalfCloseTunnel):
     @expect(RequestData, RequestTrailers, RequestEndOfMessage)
     def state_stream_request_body(self, event: events.Event) -> layer.CommandGenerator[None]:
         if not isinstance(event, RequestEndOfMessage):
+            if isinstance(event, RequestData) and not (yield from self._budget_covers(len(event.data))):
+                return
             yield from super().state_stream_request_body(event)
             return
         # mitmproxy 12.3.1's end-of-message branch, with the request hook's verdict enforced
@@ -211,6 +220,20 @@ class GatewayHttpStream(HalfCloseTunnel):
         yield SendHttp(event, self.context.server)
         if self.server_state == self.state_done:
             yield from self.flow_done()
+
+    def _budget_covers(self, size: int) -> layer.CommandGenerator[bool]:
+        """A metered body chunk (unknown length, budgets.py) is covered by the flow's lease before it
+        reaches the stream callable. When the lease cannot cover it, the stream pauses on a blocking
+        hook while the Budgets addon tops the lease up from the state store: mitmproxy queues this
+        stream's events meanwhile (Layer._paused), so nothing is dropped and nothing is cut while budget
+        remains. False: the flow was killed meanwhile (it is not continued). When the store refused, the
+        chunk still goes to the callable, whose counter cuts the connection (budget exhausted)."""
+        fs = flow_state(self.flow)
+        meter = fs.meter if fs is not None else None
+        if meter is None or meter.cover(size):
+            return True
+        yield BudgetTopUpHook(TopUp(self.flow, meter, size))
+        return not (yield from self.check_killed(True))
 
     def make_server_connection(self) -> layer.CommandGenerator[bool]:
         """For a buffered request this runs after the `request` hook: request trailers still attached

@@ -22,10 +22,12 @@ judged as that second ClientHello, never relayed unseen).
 
 A refusal is a fatal TLS `access_denied` alert (`illegal_parameter` for the size bound) and a close,
 recorded as the tunnel's outcome record with decision `deny` and the reason. An accepted tunnel relays
-client and server bytes unchanged, counting every byte in both directions against the sandbox's ledger;
-a client chunk that would cross `outbound_bytes_max` is dropped and the connection aborted (budgets.py's
-rule for raw TCP). The relay runs here (no per-chunk addon hook) until splice.py takes both sockets off
-mitmproxy's event path, with the same counting.
+client and server bytes unchanged, counting every byte in both directions against the sandbox's ledger
+(a `Meter` over the sandbox's leased pool, ledger.py); a client chunk the lease cannot cover pauses the
+tunnel (a blocking `BudgetTopUpHook` here, paused reading in splice.py) until the lease is topped up, and
+one the budget cannot hold is dropped and the connection aborted (budgets.py's rule for raw TCP). The
+relay runs here (no per-chunk addon hook) until splice.py takes both sockets off mitmproxy's event path,
+with the same counting. The meter is closed (its unused lease given back) with the outcome record.
 Before this layer runs, tunnel.py has written the tunnel into the sandbox's request history (history.py);
 a history that could not be written arrives here as `refusal`, applied at the client's first bytes.
 Revocation aborts the connection like any other (revocation.py). When both sides are closed, one outcome
@@ -49,6 +51,7 @@ from egressgate.audit.event import EventKind
 from egressgate.gateway.client_hello import ALERT_ACCESS_DENIED, check_hello, server_hello_kind
 from egressgate.gateway.context import ConnState, Runtime, new_request_id
 from egressgate.gateway.deny import gateway_deny
+from egressgate.gateway.ledger import BudgetTopUpHook, Meter, TopUp
 from egressgate.gateway.record import conn_attributes, write_behind
 from egressgate.gateway.splice import Splice, Tally
 from egressgate.gateway.tls_limits import ALERT_GRACE, ALERT_ILLEGAL_PARAMETER, HelloScan
@@ -80,6 +83,7 @@ class PassthroughLayer(layer.Layer):
         self.held = bytearray()  # client bytes behind a checked ClientHello, until the server answers
         self.server_scan, self.server_buf = HelloScan(), bytearray()
         self.tally = Tally()
+        self.meter: Meter | None = None  # opened at the first byte up, closed with the outcome record
         self.splice: Splice | None = None
         self.take_over_tries = 0
         self.refusal: Decision | None = None
@@ -230,7 +234,7 @@ class PassthroughLayer(layer.Layer):
     def _take_over(self) -> None:
         if self.tally.cut or self.conn.closed or self._handle_event != self._relay:
             return
-        splice = Splice(self.rt, self.sandbox_id, self.conn.policy_name, self.tally)
+        splice = Splice(self.rt, self.sandbox_id, self._meter(), self.tally)
         taken = splice.take_over(self.context.client, self.context.server)
         if taken:
             self.splice = splice
@@ -258,12 +262,22 @@ class PassthroughLayer(layer.Layer):
         yield from ()
 
     # ------------------------------------------------------------------ helpers
+    def _meter(self) -> Meter:
+        if self.meter is None:
+            policy = self.rt.policies.get(self.conn.policy_name)
+            self.meter = self.rt.ledger.open(self.sandbox_id, policy.outbound_bytes_max if policy is not None else 0)
+        return self.meter
+
     def _to_server(self, data: bytes) -> layer.CommandGenerator[None]:
         if self.tally.cut:
             return
-        policy = self.rt.policies.get(self.conn.policy_name)
-        limit = policy.outbound_bytes_max if policy is not None else 0
-        if not self.rt.ledger.try_out(self.sandbox_id, len(data), limit):
+        meter = self._meter()
+        if not meter.take(len(data)):
+            top = TopUp(self.flow, meter, len(data))
+            yield BudgetTopUpHook(top)  # this layer pauses (its events queue) while the lease tops up
+            if self.tally.cut or self._handle_event == self._done:
+                return
+        if not meter.take(len(data)):  # from the credit the hook covered, unless the store refused
             # the chunk that would cross is never relayed; RST both sides (a cut stream must not look
             # complete to the upstream)
             self.tally.cut = True
@@ -302,6 +316,8 @@ class PassthroughLayer(layer.Layer):
         if self.recorded:
             return
         self.recorded = True
+        if self.meter is not None:
+            self.meter.close()
         conn = self.conn
         refusal = self.refusal
         tally = self.tally

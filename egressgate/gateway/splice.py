@@ -7,8 +7,10 @@ as fast as Squid's CONNECT tunnel for small keep-alive requests (loadtests/RESUL
 passthrough"). Once passthrough.py has checked the ClientHello and mitmproxy has handed the layer every
 byte it read (`_unconsumed`), `Splice.take_over` swaps the asyncio
 protocols of the tunnel's two sockets for a pair of `_Side` protocols that write each chunk straight to the
-other socket, after counting it exactly as the layer does: a client chunk that would cross
-`outbound_bytes_max` is never written and both sockets are aborted; server bytes are counted in.
+other socket, after counting it exactly as the layer does, from the same meter (ledger.py): a client chunk
+the lease cannot cover stops reading from the client until the lease is topped up (one task per top-up,
+not per chunk), one the budget cannot hold is never written and both sockets are aborted; server bytes
+are counted in.
 
 What stays mitmproxy's: the sockets (so revocation's and the budget's `abort_connection` reach them), the
 idle timeout (each chunk registers activity with the connection's watchdog), and the end of the
@@ -28,6 +30,8 @@ from dataclasses import dataclass
 from mitmproxy import connection, ctx
 
 from egressgate.gateway.context import Runtime
+from egressgate.gateway.ledger import Meter
+from egressgate.state.base import StateUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +63,8 @@ class _Side(asyncio.Protocol):
         self.peer: _Side
         self.eof = False
         self.lost = False
+        self.budget_wait = False  # reading paused: a chunk waits for a lease top-up
+        self.backpressure = False  # reading paused: the peer's write buffer is full
 
     def data_received(self, data: bytes) -> None:
         self.splice.relay(self, data)
@@ -71,18 +77,25 @@ class _Side(asyncio.Protocol):
         self.splice.lost(self, exc)
 
     def pause_writing(self) -> None:
+        self.peer.backpressure = True
         self.peer.transport.pause_reading()
 
     def resume_writing(self) -> None:
-        if not self.peer.eof and not self.peer.lost:
-            self.peer.transport.resume_reading()
+        self.peer.backpressure = False
+        self.peer.resume()
+
+    def resume(self) -> None:
+        """Read again unless something still holds this side (budget wait, backpressure, its end)."""
+        if not (self.eof or self.lost or self.budget_wait or self.backpressure):
+            self.transport.resume_reading()
 
 
 class Splice:
     """The two sockets of one passthrough tunnel, relayed directly (see the module docstring)."""
 
-    def __init__(self, rt: Runtime, sandbox_id: str, policy_name: str | None, tally: Tally) -> None:
-        self.rt, self.sandbox_id, self.policy_name, self.tally = rt, sandbox_id, policy_name, tally
+    def __init__(self, rt: Runtime, sandbox_id: str, meter: Meter, tally: Tally) -> None:
+        self.rt, self.sandbox_id, self.meter, self.tally = rt, sandbox_id, meter, tally
+        self.top_up: asyncio.Task | None = None
         self.sides: tuple[_Side, _Side] | None = None
         self.activity: Callable[[], None] = lambda: None
         self.finished = False
@@ -119,27 +132,46 @@ class Splice:
                 side.old.resume_writing()  # release a drain mitmproxy may be waiting on (it writes no more)
         return True
 
-    def _limit(self) -> int | None:
-        policy = self.rt.policies.get(self.policy_name)
-        return policy.outbound_bytes_max if policy is not None else 0
-
     def relay(self, side: _Side, data: bytes) -> None:
         if side.lost or side.peer.lost or self.tally.cut:
             return
         self.activity()
         n = len(data)
         if side.from_client:
-            if not self.rt.ledger.try_out(self.sandbox_id, n, self._limit()):
-                self.tally.cut = True
-                logger.info("sandbox %s crossed outbound_bytes_max in a passthrough tunnel; cutting", self.sandbox_id)
-                for each in self.sides or ():
-                    each.transport.abort()
+            if not self.meter.take(n):
+                side.budget_wait = True
+                side.transport.pause_reading()
+                self.top_up = asyncio.get_running_loop().create_task(self._top_up(side, data))
                 return
             self.tally.out += n
         else:
             self.tally.in_ += n
             self.rt.ledger.add_in(self.sandbox_id, n)
         side.peer.transport.write(data)
+
+    async def _top_up(self, side: _Side, data: bytes) -> None:
+        """The client's chunk waits (reading paused) for the lease; relayed if the store granted it."""
+        try:
+            ok = await self.meter.top_up(len(data))
+        except StateUnavailable as exc:
+            logger.error("byte budget of %s unavailable: %s; cutting a passthrough tunnel", self.sandbox_id, exc)
+            ok = False
+        side.budget_wait = False
+        if side.lost or side.peer.lost or self.tally.cut:
+            return  # whatever the top-up brought goes back when the layer closes the meter
+        if not (ok and self.meter.take(len(data))):
+            self.cut()
+            return
+        self.tally.out += len(data)
+        self.activity()
+        side.peer.transport.write(data)
+        side.resume()
+
+    def cut(self) -> None:
+        self.tally.cut = True
+        logger.info("sandbox %s crossed outbound_bytes_max in a passthrough tunnel; cutting", self.sandbox_id)
+        for each in self.sides or ():
+            each.transport.abort()
 
     def eof(self, side: _Side) -> None:
         side.eof = True

@@ -16,11 +16,12 @@ from egressgate.state.memory import MemoryState
 _record_request = MemoryState.record_request
 
 
-async def _faulty_record_request(self: MemoryState, sandbox_id: str, host: str, rule_id, nbytes: int) -> None:
+async def _faulty_record_request(self: MemoryState, sandbox_id: str, host: str, rule_id, nbytes: int,
+                                 **budget) -> bool:
     record = await self.get(sandbox_id)
     if record is not None and record.labels.get("fault") == "history":
         raise StateUnavailable("planted outage: request history cannot be written")
-    await _record_request(self, sandbox_id, host, rule_id, nbytes)
+    return await _record_request(self, sandbox_id, host, rule_id, nbytes, **budget)
 
 
 MemoryState.record_request = _faulty_record_request  # type: ignore[method-assign]

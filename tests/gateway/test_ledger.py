@@ -1,62 +1,188 @@
-"""budgets.ByteLedger: exact, synchronous counters; the store write-through is coalesced per loop tick.
+"""ledger.ByteLedger over the real in-memory state store (PLAN-12's reserve_out / settle_out contract).
 
-A task per counted chunk (the old write-through) cost ~16 µs per chunk; the ledger now hands the store
-one summed delta per sandbox per tick. The totals must not change, and nothing may be lost at flush."""
+Exact reservations fit whole or not at all; leased streams never take more than the budget, even from
+several ledgers (gateway processes) on one store at once; unused leases go back when flows end, so the
+store's bytes_out is exact when idle; the per-chunk path makes no store call (leases of LEASE_MIN and
+more, writes summed per tick)."""
 
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 
-from egressgate.gateway.budgets import ByteLedger
-from egressgate.state.base import SandboxRecord
+from egressgate.gateway.ledger import LEASE_MIN, ByteLedger
+from egressgate.state.base import SandboxRecord, StateUnavailable
 from egressgate.state.memory import MemoryState
 
 
 class CountingState(MemoryState):
-    """The real in-memory store, counting the write-through calls it receives."""
+    """The real in-memory store, counting the calls it receives."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.calls = 0
+        self.calls: dict[str, int] = {"reserve_out": 0, "settle_out": 0, "add_in": 0}
 
-    async def add_bytes(self, sandbox_id: str, out: int = 0, in_: int = 0) -> tuple[int, int]:
-        self.calls += 1
-        return await super().add_bytes(sandbox_id, out=out, in_=in_)
+    async def reserve_out(self, sandbox_id: str, want: int, minimum: int, limit: int | None) -> int:
+        self.calls["reserve_out"] += 1
+        await asyncio.sleep(0)  # a round trip: other flows run meanwhile
+        return await super().reserve_out(sandbox_id, want, minimum, limit)
+
+    async def settle_out(self, sandbox_id: str, spent: int, unused: int) -> None:
+        self.calls["settle_out"] += 1
+        await super().settle_out(sandbox_id, spent, unused)
+
+    async def add_in(self, sandbox_id: str, amount: int) -> None:
+        self.calls["add_in"] += 1
+        await super().add_in(sandbox_id, amount)
 
 
-async def _ledger() -> tuple[CountingState, ByteLedger]:
+async def _state(*ids: str) -> CountingState:
     state = CountingState()
-    for sid in ("sbx-a", "sbx-b"):
+    for sid in ids or ("sbx-a",):
         await state.admit(SandboxRecord(id=sid, token_hash="x", policy_name="p", admitted_at=time.time()))
+    return state
+
+
+async def _out(state: MemoryState, sid: str = "sbx-a") -> int:
+    return (await state.snapshot(sid)).bytes_out
+
+
+async def test_exact_reservation_fits_whole_or_not_at_all() -> None:
+    state = await _state()
     ledger = ByteLedger(state)
-    await ledger.load("sbx-a")
-    await ledger.load("sbx-b")
-    return state, ledger
+    assert await ledger.reserve("sbx-a", 600, 1000)
+    assert not await ledger.reserve("sbx-a", 401, 1000)  # one byte too many: nothing taken
+    assert await _out(state) == 600
+    assert await ledger.remaining("sbx-a", 1000) == 400
+    assert await ledger.reserve("sbx-a", 400, 1000)  # exactly the rest
+    assert await _out(state) == 1000
+    ledger.give_back("sbx-a", 400)  # refused later (a refund): returned to the store
+    ledger.commit("sbx-a", 600)
+    await ledger.flush()
+    assert await _out(state) == 600
 
 
-async def test_many_chunks_in_one_tick_are_one_store_write_per_sandbox() -> None:
-    state, ledger = await _ledger()
+async def test_many_chunks_make_no_store_call_per_chunk() -> None:
+    state = await _state("sbx-a", "sbx-b")
+    ledger = ByteLedger(state)
+    meter = ledger.open("sbx-a", None)
+    assert not meter.take(10)  # an empty pool: the flow pauses for a top-up
+    assert await meter.top_up(10)
     for _ in range(1000):
-        assert ledger.try_out("sbx-a", 10, None)
+        assert meter.take(10)
         ledger.add_in("sbx-a", 3)
         ledger.add_in("sbx-b", 1)
-    ledger.refund_out("sbx-a", 10)
-    assert ledger.bytes_out("sbx-a") == 9990  # the in-process counters are exact at once
+    assert state.calls["reserve_out"] == 1  # one lease (LEASE_MIN) covered 10 000 bytes
+    meter.close()
     await ledger.flush()
-    assert state.calls == 2  # one per sandbox, not 3001
+    assert state.calls["settle_out"] == 1 and state.calls["add_in"] == 2  # one per sandbox, not 3000
     snap_a, snap_b = await state.snapshot("sbx-a"), await state.snapshot("sbx-b")
-    assert (snap_a.bytes_out, snap_a.bytes_in, snap_b.bytes_in) == (9990, 3000, 1000)
+    assert (snap_a.bytes_out, snap_a.bytes_in, snap_b.bytes_in) == (10_000, 3000, 1000)
 
 
-async def test_writes_across_ticks_all_reach_the_store_and_the_limit_is_exact() -> None:
-    state, ledger = await _ledger()
-    total = 0
-    for _ in range(5):
-        while ledger.try_out("sbx-a", 7, 100):
-            total += 7
-        await asyncio.sleep(0)  # let the scheduled write-through run
-    assert total == 98 and not ledger.try_out("sbx-a", 3, 100)
+async def test_a_stream_never_passes_the_limit_and_gives_the_rest_back() -> None:
+    state = await _state()
+    ledger = ByteLedger(state)
+    meter = ledger.open("sbx-a", 100)
+    sent = 0
+    while True:
+        if not meter.take(7) and not (await meter.top_up(7) and meter.take(7)):
+            break
+        sent += 7
+    assert sent == 98
+    assert await _out(state) <= 100  # leases held: counted as spent, never more than the limit
+    meter.close()
     await ledger.flush()
-    assert (await state.snapshot("sbx-a")).bytes_out == 98
-    assert 1 <= state.calls <= 5
+    assert await _out(state) == 98  # exact once idle
+
+
+async def test_two_ledgers_on_one_store_hold_one_budget_exactly() -> None:
+    """Two gateway processes (ledgers) on one store, 64 concurrent streams split between them, random
+    chunk sizes: what they send together never passes the limit, and the store is exact when idle."""
+    limit = 300_000
+    state = await _state()
+    ledgers = [ByteLedger(state), ByteLedger(state)]
+    sent = [0] * 64
+    rng = random.Random(12)
+
+    async def stream(i: int) -> None:
+        meter = ledgers[i % 2].open("sbx-a", limit)
+        try:
+            while True:
+                n = rng.randint(1, 9000)
+                if not meter.take(n) and not (await meter.top_up(n) and meter.take(n)):
+                    return
+                sent[i] += n
+                await asyncio.sleep(0)
+        finally:
+            meter.close()
+
+    await asyncio.gather(*(stream(i) for i in range(64)))
+    for ledger in ledgers:
+        await ledger.flush()
+    assert sum(sent) <= limit
+    assert limit - sum(sent) < 9000 * 64  # nobody stopped while plenty remained
+    assert await _out(state) == sum(sent)
+
+
+async def test_concurrent_exact_reservations_never_overbook() -> None:
+    state = await _state()
+    ledgers = [ByteLedger(state), ByteLedger(state)]
+    results = await asyncio.gather(*(ledgers[i % 2].reserve("sbx-a", 1000, 10_500) for i in range(64)))
+    assert results.count(True) == 10
+    assert await _out(state) == 10_000
+
+
+async def test_one_top_up_in_flight_per_pool() -> None:
+    state = await _state()
+    ledger = ByteLedger(state)
+    meters = [ledger.open("sbx-a", None) for _ in range(20)]
+    results = await asyncio.gather(*(m.top_up(100) for m in meters))
+    assert all(results)
+    assert state.calls["reserve_out"] == 1  # the others waited for that lease and shared it
+    assert all(m.take(100) for m in meters)
+    for m in meters:
+        m.close()
+    await ledger.flush()
+    assert await _out(state) == 2000
+
+
+async def test_an_idle_pool_goes_back_by_sweep() -> None:
+    state = await _state()
+    ledger = ByteLedger(state)
+    meter = ledger.open("sbx-a", None)  # a flow that never closes (a quiet websocket, a missed end hook)
+    assert await meter.top_up(10) and meter.take(10)
+    assert await _out(state) == LEASE_MIN
+    ledger.sweep()  # active since the last sweep: kept
+    await ledger.flush_writes()
+    assert await _out(state) == LEASE_MIN
+    ledger.sweep()  # no use since: given back
+    await ledger.flush_writes()
+    assert await _out(state) == 10
+    assert meter.take(10) is False  # the flow tops up again when it speaks
+    assert await meter.top_up(10) and meter.take(10)
+    meter.close()
+    await ledger.flush()
+    assert await _out(state) == 20
+
+
+class FailingSettle(CountingState):
+    async def settle_out(self, sandbox_id: str, spent: int, unused: int) -> None:
+        self.calls["settle_out"] += 1
+        raise StateUnavailable("planted outage")
+
+
+async def test_a_failed_settle_is_not_retried_and_only_overstates() -> None:
+    """Retrying an ambiguous settle could give unused bytes back twice (over budget); a lost one leaves
+    bytes_out too high (fail closed)."""
+    state = FailingSettle()
+    await state.admit(SandboxRecord(id="sbx-a", token_hash="x", policy_name="p", admitted_at=time.time()))
+    ledger = ByteLedger(state)
+    meter = ledger.open("sbx-a", None)
+    assert await meter.top_up(10) and meter.take(10)
+    meter.close()
+    await ledger.flush()
+    await ledger.flush()
+    assert state.calls["settle_out"] == 1 and ledger.settle_failures == 1
+    assert await _out(state) == LEASE_MIN >= 10

@@ -1,0 +1,355 @@
+"""ByteLedger: the sandbox's outbound byte budget, held by the state store and shared by every gateway process.
+
+The store is the authority (PLAN-12: `reserve_out` / `settle_out`). A reservation is counted as spent the
+moment it is granted and recorded as this worker's outstanding lease, so no set of processes can send more
+than the budget, even one that dies mid-stream: its lease stays spent and `reconcile` (reconcile.py)
+removes it, once. Two ways of paying:
+
+* exact (`reserve`): a request whose size is known (head + Content-Length) reserves exactly that before
+  anything is connected: it fits whole or it is refused (429, with the remaining figure).
+* leased (`Meter`): bytes whose total is unknown (a chunked or HTTP/2 body, websocket frames, raw TCP, a
+  passthrough tunnel) are paid from a per-sandbox pool that this process fills from the store by leases of
+  LEASE_MIN bytes, doubling up to LEASE_MAX while the sandbox keeps streaming, but never more than
+  1/LEASE_SHARE of the budget (a granted lease counts as spent for every decision and every process, so a
+  pool must not sit on much of a small budget; the store never grants more than remains anyway).
+  `take` (the per-chunk path) is a few comparisons and additions: no await, no task.
+  Only when the pool runs dry does the flow pause for `top_up` (the layers yield a blocking hook, the
+  splice stops reading), and it is cut only when the store says not even that chunk fits.
+
+Nothing reserved is lost: a flow's credit goes back to the pool when it ends, and a pool whose sandbox has
+no open flow here is settled with the store (spent + unused), so `bytes_out` is exact when the sandbox is
+idle. A pool left holding bytes without use (a flow that never reached its end hook, a quiet websocket)
+is settled by `sweep` (run every second by reconcile.py) after one to two seconds of no use.
+
+Writes after the fact (settle, add_in) are summed per sandbox and written once per event-loop tick (one
+task for all of them), never one per chunk (issue 11). A settle that fails is not retried: after a timeout
+the store may have applied it, and giving unused bytes back twice would let the sandbox exceed its
+budget. A lost settle only overstates what was spent (fail closed); it is logged and counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from mitmproxy.proxy.commands import StartHook
+
+from egressgate.state.base import StateStore, StateUnavailable
+
+logger = logging.getLogger(__name__)
+
+LEASE_MIN = 64 * 1024  # first lease of a sandbox's pool
+LEASE_MAX = 256 * 1024  # leases double up to this while the pool keeps running dry
+# ... and never more than this share of the budget: a lease is counted as spent the moment it is granted
+# (every decision and every other process sees it so), so a pool may not sit on much of a small budget
+LEASE_SHARE = 16
+SPENT_SETTLE = 1024 * 1024  # settle spent bytes once this many accumulate (keeps the lease record small)
+
+
+class _Pool:
+    """This process's share of one sandbox's budget."""
+
+    __slots__ = ("avail", "fetching", "in_", "lease", "seen", "settle_spent", "spent", "unused", "used", "users")
+
+    def __init__(self) -> None:
+        self.avail = 0  # reserved from the store, given to no flow yet
+        self.spent = 0  # sent, not yet settled as spent
+        self.unused = 0  # to give back to the store
+        self.in_ = 0  # bytes in, not yet written
+        self.users = 0  # open meters
+        self.fetching: asyncio.Future | None = None  # a top-up in flight (one per pool at a time)
+        self.lease = LEASE_MIN
+        self.used = 0  # activity counter (bumped per take; sweep compares it with `seen`)
+        self.seen = 0
+        self.settle_spent = False  # the next write settles `spent` too (idle, swept, or past SPENT_SETTLE)
+
+
+class ByteLedger:
+    """Outbound bytes paid from the store (module docstring); inbound bytes counted."""
+
+    def __init__(self, state: StateStore) -> None:
+        self.state = state
+        self._pools: dict[str, _Pool] = {}
+        self._dirty: set[str] = set()
+        self._scheduled = False
+        self._tasks: set[asyncio.Task] = set()
+        self.settle_failures = 0  # settles/add_ins the store refused (bytes_out overstated, never under)
+        self.periodic: asyncio.Task | None = None  # reconcile.py's loop, stopped by flush()
+
+    def _pool(self, sandbox_id: str) -> _Pool:
+        pool = self._pools.get(sandbox_id)
+        if pool is None:
+            pool = self._pools[sandbox_id] = _Pool()
+        return pool
+
+    # ------------------------------------------------------------------ exact
+    async def reserve(self, sandbox_id: str, amount: int, limit: int | None) -> bool:
+        """Reserve exactly `amount` bytes (this process's pool first, then the store): True when they
+        fit, False (nothing reserved) when they do not. Raises StateUnavailable."""
+        pool = self._pool(sandbox_id)
+        local = min(pool.avail, amount)
+        pool.avail -= local
+        rest = amount - local
+        if rest <= 0:
+            return True
+        try:
+            granted = await self.state.reserve_out(sandbox_id, rest, rest, limit)
+        except BaseException:
+            self.give_back(sandbox_id, local)
+            raise
+        if granted >= rest:
+            self.give_back(sandbox_id, granted - rest)  # never more than asked; defensive
+            return True
+        self.give_back(sandbox_id, local + granted)  # granted is 0 (all or nothing); defensive
+        return False
+
+    def commit(self, sandbox_id: str, amount: int) -> None:
+        """Reserved bytes were used (sent, or may have been): they stay spent."""
+        if amount > 0:
+            pool = self._pool(sandbox_id)
+            pool.spent += amount
+            if pool.spent >= SPENT_SETTLE:
+                self._mark(sandbox_id)
+
+    def give_back(self, sandbox_id: str, amount: int) -> None:
+        """Reserved bytes that were not used: to a flow of this sandbox here, else back to the store."""
+        if amount <= 0:
+            return
+        pool = self._pool(sandbox_id)
+        if pool.users:
+            pool.avail += amount
+        else:
+            pool.unused += amount
+            self._mark(sandbox_id)
+
+    async def remaining(self, sandbox_id: str, limit: int | None) -> int:
+        """What this sandbox could still send from here (for the 429 message; a store read)."""
+        if limit is None:
+            return 0
+        snap = await self.state.snapshot(sandbox_id)
+        pool = self._pools.get(sandbox_id)
+        return max(0, limit - snap.bytes_out + (pool.avail if pool is not None else 0))
+
+    # ------------------------------------------------------------------ leased
+    def open(self, sandbox_id: str, limit: int | None) -> Meter:
+        """A meter for one flow's bytes of unknown total (close it when the flow ends)."""
+        pool = self._pool(sandbox_id)
+        pool.users += 1
+        return Meter(self, sandbox_id, pool, limit)
+
+    def _idle(self, sandbox_id: str, pool: _Pool) -> None:
+        """No flow of the sandbox is open here: give the pool back, settle what was spent."""
+        pool.unused += pool.avail
+        pool.avail = 0
+        if pool.unused or pool.spent:
+            self._mark(sandbox_id, spent=True)
+
+    # ------------------------------------------------------------------ in
+    def add_in(self, sandbox_id: str, amount: int) -> None:
+        if amount:
+            self._pool(sandbox_id).in_ += amount
+            self._mark(sandbox_id)
+
+    # ------------------------------------------------------------------ store writes
+    def _mark(self, sandbox_id: str, spent: bool = False) -> None:
+        if spent:
+            self._pool(sandbox_id).settle_spent = True
+        self._dirty.add(sandbox_id)
+        if not self._scheduled:
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self._drain)
+
+    def _drain(self) -> None:
+        """Hand the summed deltas to the store: one tracked task per tick for every sandbox."""
+        self._scheduled = False
+        batch: list[tuple[str, int, int, int]] = []
+        for sandbox_id in self._dirty:
+            pool = self._pools.get(sandbox_id)
+            if pool is None:
+                continue
+            spent = pool.spent if (pool.unused or pool.settle_spent or pool.spent >= SPENT_SETTLE) else 0
+            pool.settle_spent = False
+            unused, in_ = pool.unused, pool.in_
+            pool.spent -= spent
+            pool.unused = pool.in_ = 0
+            if spent or unused or in_:
+                batch.append((sandbox_id, spent, unused, in_))
+        self._dirty.clear()
+        if batch:
+            task = asyncio.get_running_loop().create_task(self._write(batch))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _write(self, batch: list[tuple[str, int, int, int]]) -> None:
+        await asyncio.gather(*(self._write_one(*item) for item in batch))
+
+    async def _write_one(self, sandbox_id: str, spent: int, unused: int, in_: int) -> None:
+        if spent or unused:
+            try:
+                await self.state.settle_out(sandbox_id, spent, unused)
+            except Exception as exc:  # not retried: it may have been applied (module docstring)
+                self.settle_failures += 1
+                logger.error("settling %d spent / %d unused bytes of %s failed (%s); its bytes_out stays "
+                             "overstated until the lease is reconciled", spent, unused, sandbox_id, exc)
+        if in_:
+            try:
+                await self.state.add_in(sandbox_id, in_)
+            except Exception as exc:
+                self.settle_failures += 1
+                logger.error("counting %d bytes in for %s failed: %s", in_, sandbox_id, exc)
+
+    def sweep(self) -> None:
+        """Settle pools unused since the last sweep (bytes held by a flow that went quiet or never
+        closed go back; a later chunk tops up again) and forget empty ones. Called every second."""
+        for sandbox_id, pool in list(self._pools.items()):
+            if pool.used != pool.seen:
+                pool.seen = pool.used
+                continue
+            if pool.fetching is not None:
+                continue
+            if pool.avail or pool.spent or pool.unused or pool.in_:
+                pool.unused += pool.avail
+                pool.avail = 0
+                self._mark(sandbox_id, spent=True)
+            elif not pool.users:
+                del self._pools[sandbox_id]
+
+    async def flush(self) -> None:
+        """At stop: give every pool back, settle everything and wait for the writes."""
+        if self.periodic is not None:
+            self.periodic.cancel()
+            self.periodic = None
+        for sandbox_id, pool in self._pools.items():
+            pool.unused += pool.avail
+            pool.avail = 0
+            if pool.spent or pool.unused or pool.in_:
+                self._mark(sandbox_id, spent=True)
+        await self.flush_writes()
+
+    async def flush_writes(self) -> None:
+        """Write what is due now and wait for every write in flight."""
+        if self._dirty:
+            self._drain()
+        if self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+
+class Meter:
+    """One flow's outbound bytes of unknown total, paid from its sandbox's pool (module docstring).
+
+    `credit` is what this flow has taken from the pool but not sent yet (HTTP bodies: the layer covers
+    each chunk as it arrives, the stream callable spends it, possibly later: the phantom guard holds
+    bytes back)."""
+
+    __slots__ = ("closed", "credit", "ledger", "limit", "pool", "sandbox_id")
+
+    def __init__(self, ledger: ByteLedger, sandbox_id: str, pool: _Pool, limit: int | None) -> None:
+        self.ledger, self.sandbox_id, self.pool, self.limit = ledger, sandbox_id, pool, limit
+        self.credit = 0
+        self.closed = False
+
+    def cover(self, n: int) -> bool:
+        """Set `n` more bytes aside for this flow (pool -> credit); False when the pool cannot (top up).
+        The HTTP layer covers every body chunk as it arrives; the stream callable spends the credit as
+        the bytes go out, which may be later (the phantom guard holds a tail back)."""
+        pool = self.pool
+        if pool.avail < n or self.closed:
+            return False
+        pool.avail -= n
+        self.credit += n
+        return True
+
+    def take(self, n: int) -> bool:
+        """`n` bytes go out now: paid from the credit, else the pool; False when neither holds them."""
+        credit = self.credit
+        if credit >= n:
+            self.credit = credit - n
+        else:
+            pool = self.pool
+            if pool.avail < n - credit or self.closed:
+                return False
+            pool.avail -= n - credit
+            self.credit = 0
+        pool = self.pool
+        pool.spent += n
+        pool.used += 1
+        return True
+
+    async def top_up(self, n: int) -> bool:
+        """Pause point: make the pool hold `n` bytes for this flow, from the store. True when it does
+        (cover or take them before the next await); False when the store says the budget cannot hold
+        them. Raises StateUnavailable. One reservation per pool at a time; concurrent flows wait for it
+        and then look again."""
+        pool = self.pool
+        while pool.avail < n:
+            if self.closed:
+                return False
+            if pool.fetching is not None:
+                await asyncio.shield(pool.fetching)
+                continue
+            shortfall = n - pool.avail
+            lease = pool.lease if self.limit is None else min(pool.lease, self.limit // LEASE_SHARE)
+            fetching = pool.fetching = asyncio.get_running_loop().create_future()
+            try:
+                granted = await self.ledger.state.reserve_out(self.sandbox_id, max(shortfall, lease),
+                                                              shortfall, self.limit)
+            finally:
+                pool.fetching = None
+                fetching.set_result(None)
+            if granted <= 0:
+                return False
+            pool.lease = min(LEASE_MAX, pool.lease * 2)
+            pool.avail += granted
+            if pool.spent >= SPENT_SETTLE:  # a long stream: keep its lease record small (once per lease)
+                self.ledger._mark(self.sandbox_id)
+            if not pool.users:  # every flow ended while the lease was on its way
+                self.ledger._idle(self.sandbox_id, pool)
+                return False
+        return not self.closed
+
+    def close(self) -> None:
+        """The flow ended: its credit goes back; the last flow of the sandbox here settles the pool."""
+        if self.closed:
+            return
+        self.closed = True
+        pool = self.pool
+        pool.avail += self.credit
+        self.credit = 0
+        pool.users -= 1
+        if pool.users <= 0:
+            pool.users = 0
+            self.ledger._idle(self.sandbox_id, pool)
+
+
+@dataclass(slots=True)
+class TopUp:
+    """A flow paused until its meter covers `size` more bytes (`ok`: they are in its credit)."""
+
+    flow: Any  # http.HTTPFlow | tcp.TCPFlow: failclosed.py refuses the flow a crashed hook was guarding
+    meter: Meter
+    size: int
+    ok: bool = False
+    error: str | None = None
+
+    @property
+    def client_conn(self) -> Any:  # failclosed.py aborts this client when the hook crashes
+        return self.flow.client_conn
+
+
+@dataclass
+class BudgetTopUpHook(StartHook):
+    """Blocking: the layer that yields it (http_layer.py, passthrough.py) pauses — its events queue,
+    nothing is dropped — until the Budgets addon has topped up the meter (or found the budget spent)."""
+
+    top: TopUp
+
+
+async def answer_top_up(top: TopUp) -> None:
+    """What the Budgets addon does with a BudgetTopUpHook (fail closed: a store error is no coverage)."""
+    try:
+        top.ok = await top.meter.top_up(top.size) and top.meter.cover(top.size)  # no await in between
+    except StateUnavailable as exc:
+        top.ok, top.error = False, "state_unavailable"
+        logger.error("topping up the byte budget of %s failed: %s; cutting the stream", top.meter.sandbox_id, exc)

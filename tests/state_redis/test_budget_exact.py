@@ -1,0 +1,218 @@
+"""One sandbox's budgets held exactly by gateway processes sharing one state store (gateway/ledger.py).
+
+Every test drives real `egressgate run` processes through their proxy listener with 64 concurrent
+uploads (threads, raw sockets) to a counting upstream (tests/support/budgetworld.py) and compares three
+figures: what the upstream received (heads + payload bytes, partial bodies of cut requests included),
+what the store says is spent (read back through the gateway's own 429 "only N bytes remain"), and the
+budget. Known-length uploads are paid exactly (the number that fit is arithmetic); chunked uploads are
+paid from leases, paused while a top-up is in flight, cut only when the budget is really spent, and the
+unused leases are given back so the store is exact once the uploads are over. A rule's `requests`
+budget is checked and counted atomically by the store: concurrent requests cannot all pass on one
+snapshot.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from tests.support.budgetworld import (
+    BudgetWorld,
+    budget_world,
+    bytes_out,
+    head,
+    proxy_auth,
+    send,
+    start_gateways,
+)
+from tests.support.launcher import LoopbackGateway, stop_gateway
+from tests.support.redis import RedisServer
+from tests.support.waiting import wait_for
+
+UPLOADS = 64
+BODY = 10_000
+
+
+@pytest.fixture(scope="module")
+def bw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BudgetWorld]:
+    with budget_world(tmp_path_factory.mktemp("budgetworld")) as w:
+        yield w
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    with RedisServer(tmp_path_factory.mktemp("l12-redis")) as server:
+        yield server
+
+
+@pytest.fixture(params=["memory", "redis"])
+def backend(request) -> dict | None:
+    """The state backend config of the gateways under test (None: the embedded memory default, one
+    process; redis: two processes on one Redis, a fresh key prefix per test)."""
+    if request.param == "memory":
+        return None
+    server: RedisServer = request.getfixturevalue("redis_server")
+    return {"backend": "redis", "url": server.url, "key_prefix": server.prefix()}
+
+
+def gateways_for(bw: BudgetWorld, backend: dict | None, budget: int, requests_max: int = 1000):
+    """Two gateway processes on one store when the backend is shared; one on memory."""
+    return start_gateways(bw, bw.policy(budget, requests_max), backend, 2 if backend is not None else 1)
+
+
+def admit(gw: LoopbackGateway) -> tuple[str, str]:
+    """A new sandbox (admitted on one gateway, known to all on a shared store): (id, auth header line)."""
+    data = gw.admit_sandbox({"policy": "exact", "labels": {}})
+    return data["id"], proxy_auth(data["id"], data["token"])
+
+
+def spent_everywhere(gateways: list[LoopbackGateway], sandbox_id: str) -> list[int]:
+    return [bytes_out(gw, sandbox_id) for gw in gateways]
+
+
+def fan_out(gateways: list[LoopbackGateway], count: int, call) -> list[tuple[int, bytes]]:
+    """`count` concurrent calls, the i-th through gateway i % len(gateways)."""
+    with ThreadPoolExecutor(count) as pool:
+        return list(pool.map(lambda i: call(gateways[i % len(gateways)].proxy), range(count)))
+
+
+def test_known_length_uploads_hold_one_budget_exactly(bw: BudgetWorld, backend: dict | None) -> None:
+    port = bw.upstream.port
+    size = len(head(port, "/k", f"Content-Length: {BODY}")) + BODY
+    fit = 20
+    budget = fit * size + size // 2  # room for 20 and a half: exactly 20 fit
+    gateways = gateways_for(bw, backend, budget)
+    try:
+        sid, auth = admit(gateways[0])
+        mark = bw.upstream.mark()
+        results = fan_out(gateways, UPLOADS, lambda proxy: send(proxy, auth, port, "/k", b"k" * BODY))
+        statuses = sorted(status for status, _ in results)
+        assert statuses == [200] * fit + [429] * (UPLOADS - fit), statuses
+        refused = [json.loads(body) for status, body in results if status == 429]
+        assert {r["reason"] for r in refused} == {"budget_exceeded"}
+        got = bw.upstream.since(mark)
+        assert len(got) == fit and all(r.complete and r.body_len == BODY for r in got)
+        assert bw.upstream.total(mark) == fit * size  # the gateway's count is what the upstream saw
+        assert spent_everywhere(gateways, sid) == [fit * size] * len(gateways)  # one store, exact
+    finally:
+        for gw in gateways:
+            stop_gateway(gw)
+
+
+def test_chunked_uploads_use_the_whole_budget_and_no_more(bw: BudgetWorld, backend: dict | None) -> None:
+    """Leases are topped up while the streams pause: with room for all 64 uploads, none is cut (no
+    false cut while budget remains), and once they are done the store is exact to the byte."""
+    port = bw.upstream.port
+    chunks = [b"c" * 2000] * 20
+    size = len(head(port, "/c", "Transfer-Encoding: chunked")) + sum(map(len, chunks))
+    slack = 777
+    budget = UPLOADS * size + slack
+    gateways = gateways_for(bw, backend, budget)
+    try:
+        sid, auth = admit(gateways[0])
+        mark = bw.upstream.mark()
+        results = fan_out(gateways, UPLOADS, lambda proxy: send(proxy, auth, port, "/c", None, chunks, 0.001))
+        assert [status for status, _ in results] == [200] * UPLOADS
+        assert bw.upstream.total(mark) == UPLOADS * size
+        # leases settled once the uploads are over: spent is exactly what the upstream received
+        assert wait_for(lambda: spent_everywhere(gateways, sid) == [UPLOADS * size] * len(gateways), timeout=5), \
+            spent_everywhere(gateways, sid)
+    finally:
+        for gw in gateways:
+            stop_gateway(gw)
+
+
+def test_chunked_uploads_over_the_budget_are_cut_never_over(bw: BudgetWorld, backend: dict | None) -> None:
+    port = bw.upstream.port
+    chunks = [b"d" * 4000] * 25  # 100 kB each, 6.4 MB asked for
+    budget = 1_000_000
+    gateways = gateways_for(bw, backend, budget)
+    try:
+        sid, auth = admit(gateways[0])
+        mark = bw.upstream.mark()
+        results = fan_out(gateways, UPLOADS, lambda proxy: send(proxy, auth, port, "/d", None, chunks, 0.001))
+        statuses = [status for status, _ in results]
+        assert 0 in statuses  # cut: the budget could not hold them all
+        assert set(statuses) <= {0, 200}
+        received = bw.upstream.total(mark)
+        spent = bytes_out(gateways[0], sid)
+        # never over; what reached the upstream was paid for (a cut socket may lose its last bytes)
+        assert received <= spent <= budget
+        assert spent > budget - 2 * 4000 * UPLOADS // 4  # and the budget was used, not stranded in leases
+        completed = [r for r in bw.upstream.since(mark) if r.complete]
+        assert all(r.body_len == 100_000 for r in completed)
+    finally:
+        for gw in gateways:
+            stop_gateway(gw)
+
+
+def test_rule_request_budget_is_exact_under_concurrency(bw: BudgetWorld, backend: dict | None) -> None:
+    """`budget.requests: 10` on a rule: of 64 concurrent requests exactly 10 reach the upstream; decide()
+    alone (one snapshot shared by concurrent requests) let more through. Control: the sandbox's other rule
+    still serves it afterwards."""
+    port = bw.upstream.port
+    gateways = gateways_for(bw, backend, 10_000_000, requests_max=10)
+    try:
+        sid, auth = admit(gateways[0])
+        mark = bw.upstream.mark()
+        results = fan_out(gateways, UPLOADS, lambda proxy: send(proxy, auth, port, "/few", b"f" * 100))
+        statuses = sorted(status for status, _ in results)
+        assert statuses == [200] * 10 + [429] * (UPLOADS - 10), statuses
+        refused = [json.loads(body) for status, body in results if status == 429]
+        assert {(r["reason"], r["rule"]) for r in refused} == {("budget_exceeded", "few")}
+        assert len([r for r in bw.upstream.since(mark) if r.path == "/few"]) == 10
+        assert send(gateways[-1].proxy, auth, port, "/other", b"o")[0] == 200  # positive control
+        # refused ones were never counted against the byte budget: 10 + 1 requests are spent
+        assert wait_for(lambda: spent_everywhere(gateways, sid) == [bw.upstream.total(mark)] * len(gateways),
+                        timeout=5), (spent_everywhere(gateways, sid), bw.upstream.total(mark))
+    finally:
+        for gw in gateways:
+            stop_gateway(gw)
+
+
+def test_kill_9_mid_upload_survivor_serves_total_never_over(bw: BudgetWorld, redis_server: RedisServer) -> None:
+    """Two processes on one Redis; one is killed (-9) while it relays chunked uploads holding a lease.
+    The survivor keeps serving, the total spent never passes the budget (the dead lease stays spent),
+    and the dead worker's lease is reconciled and audited exactly once (heartbeat TTL, then a reconcile
+    round of the survivor)."""
+    port = bw.upstream.port
+    backend = {"backend": "redis", "url": redis_server.url, "key_prefix": redis_server.prefix()}
+    budget = 8_000_000  # room for every upload: a cut here is the kill's doing, not the budget's
+    survivor, doomed = gateways_for(bw, backend, budget)
+    try:
+        sid, auth = admit(survivor)
+        mark = bw.upstream.mark()
+        chunks = [b"s" * 4000] * 60  # 240 kB each, paced: still running when the kill comes
+        with ThreadPoolExecutor(UPLOADS) as pool:
+            futures = [pool.submit(send, (doomed if i % 2 else survivor).proxy, auth, port, "/c", None, chunks, 0.02)
+                       for i in range(UPLOADS // 2)]
+            assert wait_for(lambda: bytes_out(survivor, sid) > 200_000, timeout=10)
+            doomed.proc.kill()  # kill -9 mid-upload
+            doomed.proc.wait(10)
+            samples = []
+            while not all(f.done() for f in futures):
+                samples.append(bytes_out(survivor, sid))
+                assert send(survivor.proxy, auth, port, "/k", b"k" * 1000)[0] == 200  # survivor serves
+            statuses = [f.result()[0] for f in futures]
+        assert statuses[0::2] == [200] * (UPLOADS // 4)  # the survivor's uploads all completed
+        assert 0 in statuses[1::2]  # the doomed process's were cut by its death
+        received = bw.upstream.total(mark)
+        spent = bytes_out(survivor, sid)
+        assert max(samples) <= budget and received <= spent <= budget
+
+        def reconciled() -> list[dict]:
+            return [r for r in survivor.audit_records() if r.get("egressgate.operation") == "budget_reconcile"]
+
+        assert wait_for(reconciled, timeout=40, interval=0.5), "dead worker's lease never reconciled"
+        time.sleep(6)  # another reconcile round: the forfeited lease is not audited twice
+        [record] = reconciled()
+        assert record["egressgate.sandbox.id"] == sid
+        assert int(record["egressgate.forfeited_bytes"]) > 0
+        assert bytes_out(survivor, sid) == spent  # forfeited bytes stay spent (they may have gone out)
+    finally:
+        stop_gateway(survivor)
+        stop_gateway(doomed)
