@@ -130,8 +130,11 @@ def test_a_burst_of_connections_is_shared_between_processes(shared, mode):
     assert wait_for(lambda: ask(port, 2) != "", timeout=30)
     assert wait_for(lambda: {str(a.pid), str(b.pid)} <= set(spread(port, 20)), timeout=30)  # both serve
     rounds = [burst(port) for _ in range(5)]
-    fewest = [min(r.get(str(a.pid), 0), r.get(str(b.pid), 0)) for r in rounds]
+    # connections the less-used process took, over all 5 bursts of 32 (160): an even split gives ~80. Under
+    # machine load one process is sometimes descheduled and takes less (correctly: it is busy), so the
+    # bounds are on the sum (measured: shared 49..73, asyncio 1..10)
+    fewer = sum(min(r.get(str(a.pid), 0), r.get(str(b.pid), 0)) for r in rounds)
     if mode == "patch":
-        assert min(fewest) >= 6, rounds  # each process took a fair part of every burst
+        assert fewer >= 40, rounds  # each process took at least a quarter
     else:
-        assert min(fewest) <= 2, rounds  # at least one burst went (almost) all to one process
+        assert fewer <= 24, rounds  # the first process to wake took (nearly) every burst
