@@ -16,6 +16,7 @@ from __future__ import annotations
 _HELPERS = """
 local function I(n) return string.format('%d', n) end
 local function N(v) return tonumber(v or '0') or 0 end
+local MAX_AMOUNT = 9007199254740991
 """
 
 # Counting for a sandbox whose record Redis no longer has (FLUSHALL, a restart without persistence, an
@@ -34,7 +35,7 @@ end
 # KEYS: ctr, lease(worker), hb(worker), workers, sbx   ARGV: sandbox, want, minimum, limit (-1: none), ttl_ms, worker
 RESERVE_OUT = _HELPERS + _LIVE_RECORD + """
 local want = N(ARGV[2])
-if want <= 0 then return 0 end
+if want <= 0 or want > MAX_AMOUNT then return 0 end
 local gone = live_record(KEYS[5])
 if gone then return gone end
 local minimum = N(ARGV[3])
@@ -88,6 +89,7 @@ return out
 # ('' = none), nbytes, requests_max (-1), bytes_max (-1). The history is kept twice: `hosts` (a set, read
 # whole) and `hist` (sorted by reversed host, read by pattern; see SNAPSHOT)
 RECORD_REQUEST = _HELPERS + """
+if N(ARGV[4]) > MAX_AMOUNT then return 0 end
 local rule = ARGV[3]
 if rule ~= '' then
   local n = N(ARGV[4])
