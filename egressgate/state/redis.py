@@ -117,6 +117,9 @@ class RedisState:
         except (RedisError, StateUnavailable) as exc:
             self.errors += 1
             raise StateUnavailable(f"state backend error ({what}): {exc}") from exc
+        except UnicodeError as exc:  # a value the wire cannot carry (a lone surrogate): nothing was sent
+            self.errors += 1
+            raise StateUnavailable(f"state backend error ({what}): a value cannot be encoded for Redis") from exc
         self._backoff = 0.0
         return result
 

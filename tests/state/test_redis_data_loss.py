@@ -105,3 +105,21 @@ async def test_a_redis_restart_without_its_data_closes_the_sandboxes_it_forgot(t
         finally:
             await a.close()
             await b.close()
+
+
+async def test_a_value_redis_cannot_be_sent_fails_closed_and_harms_no_other_command(tmp_path):
+    """Every store failure is StateUnavailable (callers deny `state_unavailable`), also a value the wire
+    encoding refuses (a lone surrogate, as mitmproxy's surrogateescape decoding produces from non-UTF-8
+    bytes): before, a UnicodeEncodeError escaped the store and the callers' `except StateUnavailable`."""
+    with RedisServer(tmp_path / "redis") as server:
+        store = await redis_store(server)
+        try:
+            await store.admit(record())
+            for call in (store.get("sbx\udcff"), store.record_request("sbx", "a\udcff.example", "r", 1),
+                         store.by_address("198.18.0.\udcff")):
+                with pytest.raises(StateUnavailable):
+                    await call
+            assert (await store.get("sbx")) is not None  # the connection is intact for everyone else
+            assert await store.reserve_out("sbx", 5, 5, None) == 5
+        finally:
+            await store.close()
