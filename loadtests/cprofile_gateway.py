@@ -50,8 +50,9 @@ def component(filename: str, func: str) -> str:
     return "other python (stdlib)"
 
 
-def summarize(prof: Path, top: int = 20) -> dict:
-    st = pstats.Stats(str(prof))
+def summarize(*profs: Path, top: int = 20) -> dict:
+    """One process's stats, or several processes' (a supervisor and its workers) added together."""
+    st = pstats.Stats(*(str(p) for p in profs))
     by_comp: dict[str, float] = {}
     funcs: list[tuple[float, float, int, str]] = []
     state_funcs: list[tuple[float, int, str]] = []

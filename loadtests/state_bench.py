@@ -216,35 +216,43 @@ class Driver:
 
 
     def profile(self, name: str) -> dict:
-        """One more gateway of candidate `name` (one process) under cProfile through a c=32 cell per mode;
-        where its CPU goes (loadtests/cprofile_gateway.py). Not part of the measured figures."""
+        """Another gateway of candidate `name` (every process of it, workers too) under cProfile through a
+        c=32 cell per mode; where its CPU goes (loadtests/cprofile_gateway.py). Not a measured figure."""
         up = self.procs["upstream"]
-        prof = self.dir / f"{name}.prof"
+        pdir = self.dir / f"profile-{name}"
         try:
             p = state_procs.start_gateway(self.world, self.dir, self.certs.ca_pem, up.info["http_port"],
                                           up.info["https_port"], state_procs.CANDIDATES[name],
-                                          self.redis.info["url"] if self.redis else None, self.tag, profile_to=prof)
+                                          self.redis.info["url"] if self.redis else None, self.tag, profile_dir=pdir)
         except Exception as exc:
             return {"error": " ".join(str(exc).split())[:300]}
-        out: dict = {"cells": []}
+        out: dict = {"cells": [], "requests": 0}
         try:
             self.procs[f"{name}-profiled"] = p
             for mode in self.args.modes:
                 self.run_load(f"{name}-profiled", mode, 32)  # warm (connections, certificates, caches)
-                os.kill(p.pid, signal.SIGUSR1)
+                pids = state_procs.tree_pids(p.pid)
+                for pid in pids:
+                    os.kill(pid, signal.SIGUSR1)
                 r, client = self.run_load(f"{name}-profiled", mode, 32)
-                os.kill(p.pid, signal.SIGUSR2)
+                for pid in pids:
+                    os.kill(pid, signal.SIGUSR2)
+                out["requests"] += r.ok
                 out["cells"].append(f"{mode} c=32 {r.rps:.0f} rps under cProfile ({client})")
                 log(f"profile {name}: {out['cells'][-1]}")
         finally:
             p.stop()
             self.procs.pop(f"{name}-profiled", None)
-        if not prof.exists():
+        files = sorted(pdir.glob("*.prof")) if pdir.exists() else []
+        if not files:
             return {**out, "error": "the profiled gateway wrote no stats"}
         from loadtests import cprofile_gateway
 
-        out.update(cprofile_gateway.summarize(prof))
-        log(f"profile {name}:\n" + cprofile_gateway.describe(out))
+        out.update(cprofile_gateway.summarize(*files))
+        out["processes"] = len(files)
+        out["us_per_request"] = round(1e6 * out["busy_s"] / max(1, out["requests"]))
+        log(f"profile {name} ({len(files)} processes, {out['us_per_request']} µs busy per request):\n"
+            + cprofile_gateway.describe(out))
         return out
 
 
@@ -363,8 +371,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--http-client", choices=["wrk", "python"], default="wrk",
                     help="plain-HTTP client (wrk when installed; HTTPS always uses loadtests/loadgen.py)")
     ap.add_argument("--budget-n", type=int, default=20000, help="reserve_out calls per budget-check case (0: skip)")
-    ap.add_argument("--profile", nargs="*", default=[], choices=[n for n in NAMES if not n.endswith("-2w")],
-                    help="after the measured cells: this candidate (one process) under cProfile, a c=32 cell per mode")
+    ap.add_argument("--profile", nargs="*", default=[], choices=NAMES,
+                    help="after the measured cells: another gateway of this candidate (all its processes) under "
+                         "cProfile, a c=32 cell per mode")
     ap.add_argument("--quick", action="store_true", help="a smoke run: 2 s cells, 1 repeat, 2000 budget calls")
     ap.add_argument("--record", action="store_true", help="append the table and the command to RESULTS.md")
     ap.add_argument("--out-dir", type=Path, default=ROOT / "loadtests" / "results")

@@ -15,7 +15,6 @@ import contextlib
 import os
 import shutil
 import subprocess
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -82,14 +81,16 @@ def start_redis(directory: Path, port: int, prefix: Sequence[str] = ()) -> procs
 
 
 def start_gateway(world: World, directory: Path, upstream_ca: Path, http_port: int, https_port: int,
-                  cand: Candidate, redis_url: str | None, run_tag: str, profile_to: Path | None = None) -> procs.Proc:
+                  cand: Candidate, redis_url: str | None, run_tag: str, profile_dir: Path | None = None) -> procs.Proc:
     """`egressgate run [--workers N]` with `state:` for the candidate's backend, and one sandbox admitted
     with the real `egressgate sandbox admit` (through the admin API, so with Redis every worker sees it).
     Each Redis candidate has its own key prefix: they share the Redis server, never a sandbox or a budget.
-    `profile_to`: one process under cProfile (loadtests/cprofile_gateway.py) on ports 100 above the
-    candidate's, its own sandbox and key prefix; the stats are written there when it stops."""
-    if profile_to is not None:
-        cand = Candidate(cand.name + "-profiled", cand.backend, 1, cand.proxy_port + 100, cand.admin_port + 100)
+    `profile_dir`: another gateway of this candidate, every process of it (workers too) under cProfile
+    (loadtests/profile_env/sitecustomize.py: off until SIGUSR1, stats to profile_dir/PID.prof at exit), on
+    ports 100 above the candidate's, with its own sandbox and key prefix."""
+    if profile_dir is not None:
+        cand = Candidate(cand.name + "-profiled", cand.backend, cand.workers, cand.proxy_port + 100,
+                         cand.admin_port + 100)
     d = directory / cand.name
     pol = d / "policies"
     pol.mkdir(parents=True, exist_ok=True)
@@ -104,10 +105,9 @@ def start_gateway(world: World, directory: Path, upstream_ca: Path, http_port: i
             raise RuntimeError("no Redis")
         extra["state"] = {"backend": "redis", "url": redis_url, "key_prefix": f"egB-{run_tag}-{cand.name}:"}
     program = [procs.EGRESSGATE, "run"] + (["--workers", str(cand.workers)] if cand.workers > 1 else [])
-    if profile_to is not None:
-        program = [sys.executable, "-m", "loadtests.cprofile_gateway", str(profile_to), "--", "run"]
-    p = procs.launch_egressgate(d, upstream_ca, listen, {"sandbox": "bench"}, name=cand.name, extra_config=extra,
-                                program=program, prefix=world.exec_prefix("gw"))
+    with _profiling_env(profile_dir):
+        p = procs.launch_egressgate(d, upstream_ca, listen, {"sandbox": "bench"}, name=cand.name,
+                                    extra_config=extra, program=program, prefix=world.exec_prefix("gw"))
     p.info["key_prefix"] = extra.get("state", {}).get("key_prefix")
     pids = tree_pids(p.pid)
     p.info["pids_at_start"] = pids
@@ -115,6 +115,28 @@ def start_gateway(world: World, directory: Path, upstream_ca: Path, http_port: i
         p.stop()
         raise RuntimeError(f"--workers {cand.workers}: only {len(pids)} process(es) in the gateway's tree")
     return p
+
+
+@contextlib.contextmanager
+def _profiling_env(profile_dir: Path | None):
+    """The environment the gateway (and the workers it starts, which inherit it) is launched with."""
+    if profile_dir is None:
+        yield
+        return
+    profile_dir.mkdir(parents=True, exist_ok=True)
+    saved = {k: os.environ.get(k) for k in ("EGB_CPROFILE_DIR", "PYTHONPATH")}
+    here = Path(__file__).resolve().parent
+    os.environ["EGB_CPROFILE_DIR"] = str(profile_dir)
+    os.environ["PYTHONPATH"] = os.pathsep.join(x for x in (str(here / "profile_env"), str(here.parent),
+                                                            saved["PYTHONPATH"]) if x)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def tree_pids(pid: int) -> list[int]:

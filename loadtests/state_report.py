@@ -116,9 +116,10 @@ def markdown(report: dict) -> str:
         comps = ", ".join(f"{k} {v}%" for k, v in prof["components_self_pct"].items() if v >= 1.0)
         tops = "; ".join(f"{w} {p_}%" for w, p_, _us, _n in prof["top_self"][:8])
         state = "; ".join(f"{w} {us} µs x{n}" for w, us, n in prof["state_inclusive"][:5]) or "-"
-        lines += ["", f"Profile of `{name}` (one process under cProfile, {'; '.join(prof['cells'])}; self time, % "
-                  f"of {prof['busy_s']} busy s): {comps}. Top functions: {tops}. State calls (inclusive, "
-                  f"profiled; cProfile counts each coroutine resumption as a call): {state}."]
+        lines += ["", f"Profile of `{name}` ({prof.get('processes', 1)} process(es) under cProfile, "
+                  f"{'; '.join(prof['cells'])}; {prof.get('us_per_request', '-')} µs busy per request under the "
+                  f"profiler; self time, % of {prof['busy_s']} busy s): {comps}. Top functions: {tops}. State "
+                  f"calls (inclusive, profiled; cProfile counts each coroutine resumption as a call): {state}."]
     for name, why in report.get("unavailable", {}).items():
         lines += ["", f"{name}: not available ({why[:300]})."]
     return "\n".join(lines)

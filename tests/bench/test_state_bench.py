@@ -36,7 +36,7 @@ def test_state_bench_runs_end_to_end_in_tiny_mode(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("EGB_STATE_WORLD", None)
     cmd = [sys.executable, "-m", "loadtests.state_bench", "--seconds", "1", "--repeats", "1", "--concurrency", "2",
-           "--budget-n", "200", "--profile", "memory", "--out-dir", str(tmp_path)]
+           "--budget-n", "200", "--profile", "memory", "redis-2w", "--out-dir", str(tmp_path)]
     run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(next(tmp_path.glob("bench-state-*.json")).read_text())
@@ -64,6 +64,8 @@ def test_state_bench_runs_end_to_end_in_tiny_mode(tmp_path: Path) -> None:
     prof = report["profiles"]["memory"]  # cProfile saw the request path, not only start-up
     assert prof["busy_s"] > 0 and prof["components_self_pct"].get("egressgate.policy (decide/canon)", 0) > 0, prof
     assert any("snapshot" in w for w, _us, _n in prof["state_inclusive"]), prof["state_inclusive"]
+    prof = report["profiles"]["redis-2w"]  # the workers were profiled too, not only the supervisor
+    assert prof["processes"] == 3 and prof["components_self_pct"].get("egressgate.state", 0) > 0, prof
     md = next(tmp_path.glob("bench-state-*.md")).read_text()
     assert "loadavg" in md and "req per gateway CPU-s" in md and report["meta"]["command"] in md
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
