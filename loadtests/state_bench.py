@@ -230,15 +230,16 @@ class Driver:
         try:
             self.procs[f"{name}-profiled"] = p
             for mode in self.args.modes:
-                self.run_load(f"{name}-profiled", mode, 32)  # warm (connections, certificates, caches)
+                conc = self.args.profile_concurrency
+                self.run_load(f"{name}-profiled", mode, conc)  # warm (connections, certificates, caches)
                 pids = state_procs.tree_pids(p.pid)
                 for pid in pids:
                     os.kill(pid, signal.SIGUSR1)
-                r, client = self.run_load(f"{name}-profiled", mode, 32)
+                r, client = self.run_load(f"{name}-profiled", mode, conc)
                 for pid in pids:
                     os.kill(pid, signal.SIGUSR2)
                 out["requests"] += r.ok
-                out["cells"].append(f"{mode} c=32 {r.rps:.0f} rps under cProfile ({client})")
+                out["cells"].append(f"{mode} c={conc} {r.rps:.0f} rps under cProfile ({client})")
                 log(f"profile {name}: {out['cells'][-1]}")
         finally:
             p.stop()
@@ -367,13 +368,14 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--body-bytes", type=int, default=1024)
     ap.add_argument("--modes", nargs="+", default=["http", "https"], choices=["http", "https"])
-    ap.add_argument("--candidates", nargs="+", default=list(NAMES), choices=NAMES)
+    ap.add_argument("--candidates", nargs="+", default=[n for n in NAMES if n != "redis-setsid"], choices=NAMES)
     ap.add_argument("--http-client", choices=["wrk", "python"], default="wrk",
                     help="plain-HTTP client (wrk when installed; HTTPS always uses loadtests/loadgen.py)")
     ap.add_argument("--budget-n", type=int, default=20000, help="reserve_out calls per budget-check case (0: skip)")
     ap.add_argument("--profile", nargs="*", default=[], choices=NAMES,
                     help="after the measured cells: another gateway of this candidate (all its processes) under "
                          "cProfile, a c=32 cell per mode")
+    ap.add_argument("--profile-concurrency", type=int, default=32)
     ap.add_argument("--quick", action="store_true", help="a smoke run: 2 s cells, 1 repeat, 2000 budget calls")
     ap.add_argument("--record", action="store_true", help="append the table and the command to RESULTS.md")
     ap.add_argument("--out-dir", type=Path, default=ROOT / "loadtests" / "results")

@@ -36,12 +36,17 @@ class Candidate:
     workers: int
     proxy_port: int
     admin_port: int
+    own_session: bool = False  # started under setsid: its own session, so its own scheduler autogroup
 
 
 CANDIDATES = {
     "memory": Candidate("memory", "memory", 1, 8101, 9101),
     "redis": Candidate("redis", "redis", 1, 8102, 9102),
     "redis-2w": Candidate("redis-2w", "redis", 2, 8103, 9103),
+    # diagnostic: one process like `redis`, but in its own session as every --workers worker is (workers.py
+    # starts them with start_new_session); with kernel.sched_autogroup_enabled=1 a session is a scheduling
+    # group of its own, which changes how it shares a busy CPU with the client, upstream and Redis
+    "redis-setsid": Candidate("redis-setsid", "redis", 1, 8104, 9104, own_session=True),
 }
 
 
@@ -90,7 +95,7 @@ def start_gateway(world: World, directory: Path, upstream_ca: Path, http_port: i
     ports 100 above the candidate's, with its own sandbox and key prefix."""
     if profile_dir is not None:
         cand = Candidate(cand.name + "-profiled", cand.backend, cand.workers, cand.proxy_port + 100,
-                         cand.admin_port + 100)
+                         cand.admin_port + 100, cand.own_session)
     d = directory / cand.name
     pol = d / "policies"
     pol.mkdir(parents=True, exist_ok=True)
@@ -105,6 +110,8 @@ def start_gateway(world: World, directory: Path, upstream_ca: Path, http_port: i
             raise RuntimeError("no Redis")
         extra["state"] = {"backend": "redis", "url": redis_url, "key_prefix": f"egB-{run_tag}-{cand.name}:"}
     program = [procs.EGRESSGATE, "run"] + (["--workers", str(cand.workers)] if cand.workers > 1 else [])
+    if cand.own_session:
+        program = ["setsid", *program]  # not a group leader (Popen's child): setsid() then exec, same pid
     with _profiling_env(profile_dir):
         p = procs.launch_egressgate(d, upstream_ca, listen, {"sandbox": "bench"}, name=cand.name,
                                     extra_config=extra, program=program, prefix=world.exec_prefix("gw"))

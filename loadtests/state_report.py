@@ -16,7 +16,8 @@ from pathlib import Path
 from loadtests.bench_report import _f, _goal
 
 GOALS = {"redis_vs_memory": 0.9, "workers2_vs_1": 1.6, "budget_p99_us": 1000.0}
-LABEL = {"memory": "memory, 1 process", "redis": "redis, 1 process", "redis-2w": "redis, --workers 2"}
+LABEL = {"memory": "memory, 1 process", "redis": "redis, 1 process", "redis-2w": "redis, --workers 2",
+         "redis-setsid": "redis, 1 process, own session"}
 
 
 def ratios(summary: list[dict]) -> list[dict]:
