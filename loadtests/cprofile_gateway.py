@@ -11,6 +11,9 @@ is deterministic and slows the process down (~1.5-2x on this code), so a profile
 what counts is the split. The summary sums *self* time (tottime, which adds up to the total without double
 counting) by component — the same components as loadtests/profile.py's py-spy summary, plus redis-py and
 asyncio — and lists the top functions by self time and the egressgate.state functions by inclusive time.
+Caveat: cProfile's clock is wall time, so on a busy host the time a process waits for a CPU is charged
+to whatever it was running (often a socket send: the syscall is where it gets preempted); compare the
+split between runs on similar load only. (time.thread_time as the timer gave negative totals here.)
 Caveat: cProfile counts every resumption of a coroutine as a call, so "calls" of async functions are
 inflated (x2-3 here) and per-call times deflated; count round trips on the Redis side (state_bench does).
 """
