@@ -18,6 +18,7 @@ COMMANDS = {
     "audit": "egressgate.audit.cli:audit",
     "run": "egressgate.gateway.cli:run_cmd",
     "sandbox": "egressgate.admin.cli:sandbox",
+    "approvals": "egressgate.approvals.cli:approvals",
     "ca": "egressgate.gateway.cli:ca_group",
     "runtime": "egressgate.runtimes.render.cli:runtime",  # `runtime render` (branch h10-render)
 }

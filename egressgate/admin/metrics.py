@@ -25,6 +25,7 @@ Per process: with several workers each process has its own counters (docs/operat
 from __future__ import annotations
 
 import hashlib
+import os
 from bisect import bisect_left
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -188,6 +189,7 @@ class GatewayCollector:
     def __init__(self, rt: Runtime, audit: AuditMetrics) -> None:
         self.rt = rt
         self.audit = audit
+        self._pid = os.getpid()
 
     def collect(self) -> Iterator[Metric]:
         yield from self._from_audit()
@@ -259,6 +261,10 @@ class GatewayCollector:
                                  labels=("version",))
         info.add_metric((policy_set_version(policies),), 1)
         yield info
+        worker = GaugeMetricFamily("egressgate_worker_info", "The gateway process that answered this scrape (value 1)",
+                                   labels=("worker_id", "pid"))
+        worker.add_metric((rt.state.worker_id, str(self._pid)), 1)
+        yield worker
 
 
 def _sort_key(item: tuple[tuple, int]) -> tuple:

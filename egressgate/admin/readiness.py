@@ -8,7 +8,8 @@
   capability (`required`): a gateway without credentialed routes serves everything without it.
 
 200 `ready` when every required component is `ok`, else 503 `not_ready`. Like /healthz it needs no token
-(probes rarely carry one) and says nothing secret: statuses and one-line reasons. Probing is bounded: a
+(probes rarely carry one) and says nothing secret: statuses and the kind of each failure (the exception's
+text, which may hold a URL with a password, goes to the log only). Probing is bounded: a
 result is reused for `ttl` seconds and concurrent probes share one check, so hammering /readyz cannot
 hammer Redis or Vault.
 """
@@ -28,9 +29,11 @@ logger = logging.getLogger(__name__)
 
 
 def _failed(exc: BaseException) -> str:
+    """The kind of failure only: /readyz is public, and an exception's text may carry a backend URL with
+    its password or a token; the detail goes to the log."""
     if isinstance(exc, TimeoutError):
         return "did not answer in time"
-    return type(exc).__name__ + (f": {str(exc)[:200]}" if str(exc) else "")
+    return type(exc).__name__
 
 
 class Readiness:
@@ -68,6 +71,7 @@ class Readiness:
         try:
             await asyncio.wait_for(self.rt.state.ping(), self.timeout)
         except Exception as exc:  # StateUnavailable, a timeout, anything: not ready, with why
+            logger.warning("readyz: state store not ready: %s", exc)
             return {"status": "unavailable", "message": f"state store: {_failed(exc)}"}
         return {"status": "ok"}
 

@@ -14,6 +14,7 @@ import ipaddress
 import logging
 import os
 import secrets
+import socket
 import stat
 import time
 from pathlib import Path
@@ -21,6 +22,7 @@ from urllib.parse import quote
 
 from aiohttp import web
 
+from egressgate.admin.approvals_api import register_approvals
 from egressgate.admin.errors import error_response, state_unavailable
 from egressgate.admin.jsonbody import MAX_BODY, BodyError, read_object
 from egressgate.admin.metrics import GatewayMetrics
@@ -139,6 +141,7 @@ class AdminServer:
         router.add_get("/v1/policies", policies.list)
         router.add_post("/v1/policies/reload", policies.reload)
         router.add_get(JWKS_PATH, self.jwks)
+        register_approvals(self)  # /v1/approvals (admin/approvals_api.py) and the expiry sweeper
 
     @web.middleware
     async def _errors(self, request: web.Request, handler):
@@ -174,10 +177,10 @@ class AdminServer:
             return response
         return await handler(request)
 
-    async def start(self, host: str, port: int) -> tuple[str, int]:
+    async def start(self, host: str, port: int, sock: socket.socket | None = None) -> tuple[str, int]:
         self.runner = web.AppRunner(self.app, access_log=None)
         await self.runner.setup()
-        site = web.TCPSite(self.runner, host, port)
+        site = web.SockSite(self.runner, sock) if sock is not None else web.TCPSite(self.runner, host, port)
         await site.start()
         sock = site._server.sockets[0]  # type: ignore[union-attr]
         bound = sock.getsockname()

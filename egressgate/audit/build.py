@@ -29,6 +29,7 @@ from egressgate.audit.event import AuditEvent, EventKind
 from egressgate.policy.facts import Decision
 
 DETAIL = "egressgate.detail"  # the attribute a decision's detail goes to (docs/audit.md)
+APPROVAL_ID = "egressgate.approval.id"
 
 _ID_KEY = os.urandom(32)
 _ID_COUNTER = itertools.count()
@@ -68,6 +69,8 @@ def build(
         fields = derived
         if verdict.detail and detail_key not in attributes:
             attributes[detail_key] = verdict.detail
+        if verdict.approval_id:  # the approval that allowed it, or the one the deny asks an operator for
+            attributes.setdefault(APPROVAL_ID, verdict.approval_id)
         if not verdict.allowed:
             fields["pinned_address"] = None
     return AuditEvent(

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
 import click
 
+from egressgate.audit.filewatch import chain_name
 from egressgate.audit.find import find_records
 from egressgate.audit.reqhash import RequestHashError, canonical_fields, canonical_request, request_hash
 from egressgate.audit.signer import SigningKeyError, load_public_keys
@@ -50,12 +52,45 @@ def _trusted_keys(files: tuple[str, ...], given: tuple[str, ...]) -> dict:
 @click.option(
     "--allow-unsealed",
     is_flag=True,
-    help="Accept a missing final checkpoint on the last file (the live file).",
+    help="Accept a missing final checkpoint on the last file (the live file) of each chain.",
 )
-def verify(files: tuple[str, ...], public_keys: tuple[str, ...], allow_unsealed: bool) -> None:
+@click.option(
+    "--per-worker",
+    is_flag=True,
+    help="FILES hold several chains (one per worker of `run --workers N`: audit.w0.jsonl, audit.w1.jsonl and "
+         "their rotated files): verify each chain on its own, rotated files oldest first, the live file last.",
+)
+def verify(files: tuple[str, ...], public_keys: tuple[str, ...], allow_unsealed: bool, per_worker: bool) -> None:
     """Check the hash chain and checkpoint signatures of FILES (in chain order, oldest first)."""
     keys = _trusted_keys(files, public_keys)
-    reports = verify_files(list(files), keys, allow_unsealed=allow_unsealed)
+    chains = _chains(files)
+    if not per_worker and len(chains) > 1 and all(_WORKER.search(name) for name in chains):
+        click.echo(f"warning: FILES belong to {len(chains)} worker chains ({', '.join(chains)}): "
+                   "pass --per-worker to verify each on its own", err=True)
+    groups = chains.values() if per_worker else [list(files)]
+    failed = False
+    for group in groups:
+        failed |= _verify_chain(group, keys, allow_unsealed)
+    sys.exit(1 if failed else 0)
+
+
+_WORKER = re.compile(r"\.w\d+\.[^.]*$")  # gateway/workers.py: audit.jsonl -> audit.w<slot>.jsonl
+
+
+def _chains(files: tuple[str, ...]) -> dict[str, list[str]]:
+    """FILES by chain (the live file name they belong to), each in chain order: rotated files by their
+    time stamp, then the live file."""
+    chains: dict[str, list[str]] = {}
+    for f in files:
+        chains.setdefault(str(Path(f).parent / chain_name(Path(f))), []).append(f)
+    for members in chains.values():
+        members.sort(key=lambda f: (Path(f).name == chain_name(Path(f)), Path(f).name))
+    return chains
+
+
+def _verify_chain(files: list[str], keys: dict, allow_unsealed: bool) -> bool:
+    """Verify one chain and print a line per file; True when it failed."""
+    reports = verify_files(files, keys, allow_unsealed=allow_unsealed)
     failed = False
     for rep in reports:
         for w in rep.warnings:
@@ -68,7 +103,7 @@ def verify(files: tuple[str, ...], public_keys: tuple[str, ...], allow_unsealed:
             click.echo(f"FAIL {rep.path}: {rep.error}")
     if len(reports) < len(files):
         click.echo(f"not checked after the failure: {', '.join(files[len(reports) :])}")
-    sys.exit(1 if failed else 0)
+    return failed
 
 
 @audit.command("hash")

@@ -26,6 +26,7 @@ class EventKind(StrEnum):
     ADMISSION = "admission"
     REVOCATION = "revocation"
     POLICY_RELOAD = "policy_reload"
+    APPROVAL = "approval"  # an approval requested, approved, denied or expired (egressgate/approvals)
     CONNECTION = "connection"  # a client connection refused or closed by a limit/timeout (gateway/connguard.py)
 
 

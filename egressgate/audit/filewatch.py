@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import stat
 from datetime import UTC, datetime
 from pathlib import Path
@@ -34,6 +35,40 @@ def rotated_name(path: Path, now: datetime | None = None) -> Path:
         candidate = path.with_name(f"{path.stem}.{stamp}-{n}{path.suffix}")
         n += 1
     return candidate
+
+
+_STAMP = re.compile(r"\d{8}T\d{6}_\d{6}Z(?:-(\d+))?")
+
+
+def newest_rotated(path: Path) -> Path | None:
+    """The most recent file `rotated_name(path)` produced, or None (files of other chains, such as a
+    worker's `audit.w1.<stamp>.jsonl` beside `audit.jsonl`, never match)."""
+    best: tuple[str, int] | None = None
+    found = None
+    prefix, suffix = f"{path.stem}.", path.suffix
+    try:
+        names = os.listdir(path.parent)
+    except OSError:
+        return None
+    for name in names:
+        if not (name.startswith(prefix) and name.endswith(suffix)):
+            continue
+        match = _STAMP.fullmatch(name[len(prefix):len(name) - len(suffix)])
+        if match is None:
+            continue
+        key = (match.group(0).split("-")[0], int(match.group(1) or 0))
+        if best is None or key > best:
+            best, found = key, path.with_name(name)
+    return found
+
+
+def chain_name(path: Path) -> str:
+    """The live file name a (possibly rotated) audit file belongs to, i.e. its chain: `audit.w1.<stamp>.jsonl`
+    and `audit.w1.jsonl` -> `audit.w1.jsonl` (`audit verify --per-worker`)."""
+    stem, dot, last = path.stem.rpartition(".")
+    if dot and _STAMP.fullmatch(last):
+        return f"{stem}{path.suffix}"
+    return path.name
 
 
 def secure_directory(directory: Path) -> None:

@@ -244,8 +244,11 @@ def event_attributes(event: AuditEvent) -> dict[str, Value]:
 
 
 def state_attributes(state: Any) -> dict[str, Any]:
-    """SandboxState as recorded for replay: exactly what decide() was given about the past."""
-    return {
+    """SandboxState as recorded for replay: exactly what decide() was given about the past (live
+    operator approvals only when there were some: `audit replay` re-decides with them)."""
+    approvals = {"egressgate.state.approvals": [
+        {k: v for k, v in g.to_json().items() if v is not None} for g in state.approvals]} if state.approvals else {}
+    return {**approvals,
         "egressgate.state.admitted_at": float(state.admitted_at),
         "egressgate.state.bytes_out": state.bytes_out,
         "egressgate.state.bytes_in": state.bytes_in,

@@ -19,6 +19,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from egressgate.approvals.grant import Grant
 from egressgate.audit.find import iter_records
 from egressgate.audit.record import K_DNS_NAME, K_HOST, K_LABELS, K_OPERATION, K_SCHEME, addresses_of
 from egressgate.policy.facts import Decision, Facts, Operation, RuleUsage, SandboxState
@@ -73,6 +74,9 @@ class ReplayResult:
     changes: list[Change] = field(default_factory=list)
     skipped: dict[str, int] = field(default_factory=dict)
     approximated_state: int = 0  # records replayed with state reconstructed from the log
+    # approval id -> replayed decisions it allowed (reason approval_granted): allowed by an operator's
+    # approval (recorded in egressgate.state.approvals), not by any rule of the replayed policy
+    by_approval: dict[str, int] = field(default_factory=dict)
 
     def skip(self, why: str) -> None:
         self.skipped[why] = self.skipped.get(why, 0) + 1
@@ -149,6 +153,7 @@ def state_from(
             seen_hosts=frozenset(hist.seen_hosts).union(str(h) for h in seen)
             if isinstance(seen, list) else frozenset(hist.seen_hosts),
             rule_usage={**history_usage, **usage} if isinstance(usage_raw, dict) else history_usage,
+            approvals=grants_from(attrs.get("egressgate.state.approvals")),
         ), True
     return SandboxState(
         sandbox_id=sandbox_id,
@@ -161,6 +166,18 @@ def state_from(
         seen_hosts=frozenset(hist.seen_hosts),
         rule_usage={r: RuleUsage(u[0], u[1]) for r, u in hist.usage.items()},
     ), False
+
+
+def grants_from(raw: Any) -> tuple[Grant, ...]:
+    """The operator approvals the gateway decided with (`egressgate.state.approvals`); a malformed entry
+    grants nothing in the replay either."""
+    out = []
+    for item in raw if isinstance(raw, list) else ():
+        try:
+            out.append(Grant.from_json(item) if isinstance(item, dict) else None)
+        except ValueError:
+            continue
+    return tuple(g for g in out if g is not None)
 
 
 def _update_history(hist: _History, attrs: dict[str, Any], time_s: float) -> None:
@@ -253,6 +270,8 @@ def _replay_one(
         result.approximated_state += 1
     new = decide(policy, facts, state, time_s)
     result.replayed += 1
+    if new.approval_id is not None and new.allowed:
+        result.by_approval[new.approval_id] = result.by_approval.get(new.approval_id, 0) + 1
     new_decision = str(new.effect)
     if new_decision == old:
         result.unchanged += 1
@@ -267,13 +286,23 @@ def _replay_one(
             str(attrs.get(K_OPERATION)),
             str(target),
             str(old),
-            attrs.get("egressgate.rule") if isinstance(attrs.get("egressgate.rule"), str) else None,
+            _rule_or_approval(attrs.get("egressgate.rule"), attrs.get("egressgate.approval.id"), reason),
             str(reason) if reason is not None else None,
             new_decision,
-            new.rule_id,
+            _rule_or_approval(new.rule_id, new.approval_id, str(new.reason)),
             str(new.reason),
         )
     )
+
+
+def _rule_or_approval(rule: Any, approval_id: Any, reason: Any) -> str | None:
+    """What allowed (or was asked of) a decision: its rule, or `approval <id>` when an operator's approval
+    allowed it (approval_granted) or was asked for (approval_required)."""
+    if isinstance(rule, str):
+        return rule
+    if reason in ("approval_granted", "approval_required") and isinstance(approval_id, str):
+        return f"approval {approval_id}"
+    return None
 
 
 def printable(text: str) -> str:
@@ -306,6 +335,9 @@ def format_table(result: ReplayResult) -> str:
         if result.approximated_state
         else ""
     )
+    for approval_id, n in sorted(result.by_approval.items()):
+        summary += (f"\n{n} allowed by operator approval {printable(approval_id)} (approval_granted, not a rule; the "
+                    "`approval` audit records say who granted it, its scope and expiry)")
     for why, n in sorted(result.skipped.items()):
         summary += f"\nskipped {n}: {why}"
     return ("\n".join(lines) + "\n" if result.changes else "") + summary

@@ -20,6 +20,7 @@ import logging
 import os
 import stat
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from egressgate.audit.chain import KIND_RECOVERY, ChainWriter, incident_record
@@ -28,6 +29,7 @@ from egressgate.audit.filewatch import (
     FileChange,
     file_change,
     find_by_inode,
+    newest_rotated,
     rotated_name,
     salvage_deleted,
     secure_directory,
@@ -50,7 +52,7 @@ class TrailMixin:
 
     async def _open_initial(self: FileSink) -> None:
         assert self.path is not None
-        tail = await asyncio.to_thread(self._previous_tail)
+        tail_path, tail = await asyncio.to_thread(self._previous_tail)
         restored = await asyncio.to_thread(self._spool.load)  # queued by a run that was killed
         if restored:
             self._pending.extend(restored)
@@ -60,25 +62,37 @@ class TrailMixin:
         last = tail.last_hash if tail is not None and tail.last_hash else None
         since_signed = tail.since_signed if tail is not None else 0
         if tail is not None and not tail.sealed:
-            last, since_signed = await self._seal_crashed(tail)
+            last, since_signed = await self._seal_crashed(tail, tail_path)
         if os.path.lexists(self.path) and os.stat(self.path, follow_symlinks=False).st_size > 0:
             rotated = rotated_name(self.path)  # a previous run's file: never append to it
             os.rename(self.path, rotated)
             self._chain = ChainWriter(prev=last or ChainWriter().state.prev, since_signed=since_signed)
             self._prev_file = rotated.name
+        elif tail is not None and tail_path != self.path:  # an empty live file: link to the rotated one
+            self._chain = ChainWriter(prev=last or ChainWriter().state.prev, since_signed=since_signed)
+            self._prev_file = tail_path.name
         await asyncio.to_thread(self._open_new)
 
-    def _previous_tail(self: FileSink) -> TailState | None:
+    def _previous_tail(self: FileSink) -> tuple[Path, TailState | None]:
+        """The file the new chain continues and its tail: the live file, or, when the live file exists
+        but is empty, the newest rotated one. An empty live file is what a run leaves that rotated (or
+        opened) it and was stopped before its first record (chain_start is written with the first
+        batch): without the link, the next file started a new chain and the history of this chain's
+        writer (e.g. a restarted worker of `run --workers N`) was cut in two. A MISSING live file is not
+        linked over: if it held records, that is a deletion `verify` must still see as a break."""
         assert self.path is not None
         secure_directory(self.path.parent)
         if not os.path.lexists(self.path):
-            return None
+            return self.path, None
         st = os.stat(self.path, follow_symlinks=False)
         if not stat.S_ISREG(st.st_mode):
             raise AuditUnavailable(f"{self.path}: audit path is not a regular file")
-        return inspect_tail(self.path) if st.st_size > 0 else None
+        if st.st_size > 0:
+            return self.path, inspect_tail(self.path)
+        prior = newest_rotated(self.path)
+        return (prior, inspect_tail(prior)) if prior is not None else (self.path, None)
 
-    async def _seal_crashed(self: FileSink, tail: TailState) -> tuple[str, int]:
+    async def _seal_crashed(self: FileSink, tail: TailState, path: Path) -> tuple[str, int]:
         """Append a `recovery` checkpoint to a file the previous run did not seal (kill -9, power loss)."""
         assert self.path is not None
         if tail.problem is not None:
@@ -94,7 +108,7 @@ class TrailMixin:
             "egressgate.recovery.cut_bytes": tail.partial,
         }
         line, _ = await self._cp.make(chain, KIND_RECOVERY, extra)
-        await asyncio.to_thread(append_seal, self.path, line, tail.complete_size, self.fsync)
+        await asyncio.to_thread(append_seal, path, line, tail.complete_size, self.fsync)
         detail = (f"the previous run stopped without sealing its audit file after seq {tail.last_seq}; "
                   f"sealed at restart with a recovery checkpoint"
                   + (f" ({tail.partial} bytes of an unacknowledged partial line cut)" if tail.partial else ""))

@@ -119,6 +119,27 @@ def _udp_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def bind_dns(host: str, port: int) -> tuple[socket.socket, socket.socket]:
+    """Bind UDP and TCP on the same port (port 0: a free one both protocols can have) and listen.
+
+    Split from `DnsServer.start` so `egressgate run --workers N` (gateway/workers.py) can bind the pair
+    once in the supervisor and hand the same sockets to every worker."""
+    last_error: OSError | None = None
+    for _ in range(_BIND_ATTEMPTS if port == 0 else 1):
+        udp = _udp_socket(host, port)
+        bound = udp.getsockname()
+        try:
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            tcp = socket.create_server((host, bound[1]), family=family, backlog=100)
+        except OSError as exc:  # the UDP port's TCP twin is taken: try another port
+            udp.close()
+            last_error = exc
+            continue
+        tcp.setblocking(False)
+        return udp, tcp
+    raise last_error or OSError(f"cannot bind DNS listener on {host}:{port}")
+
+
 class DnsServer:
     """`await start(host, port)` -> bound (host, port); `await stop()`. One instance per listener address."""
 
@@ -140,28 +161,21 @@ class DnsServer:
         self._tcp_tasks: set[asyncio.Task[None]] = set()
         self.address: tuple[str, int] | None = None
 
-    async def start(self, host: str = "127.0.0.1", port: int = 5353) -> tuple[str, int]:
-        """Bind UDP and TCP on the same port (port 0: a free one both protocols can have)."""
-        last_error: OSError | None = None
-        for _ in range(_BIND_ATTEMPTS if port == 0 else 1):
-            sock = _udp_socket(host, port)
-            bound = sock.getsockname()
-            try:
-                self._tcp = await asyncio.start_server(self._serve_tcp, host, bound[1])
-            except OSError as exc:  # the UDP port's TCP twin is taken: try another port
-                sock.close()
-                last_error = exc
-                continue
-            if (bound[0], bound[1]) in self.resolver.upstream.servers:
-                # resolv.conf naming this very listener: every allowed query would come back to us
-                sock.close()
-                self._tcp.close()
-                self._tcp = None
-                raise DnsConfigError(f"upstream {bound[0]}:{bound[1]} is this resolver's own listener")
-            self._udp = _UdpListener(self, sock)
-            self.address = (bound[0], bound[1])
-            return self.address
-        raise last_error or OSError(f"cannot bind DNS listener on {host}:{port}")
+    async def start(self, host: str = "127.0.0.1", port: int = 5353,
+                    sockets: tuple[socket.socket, socket.socket] | None = None) -> tuple[str, int]:
+        """Serve on `sockets` (UDP, TCP: bound by `bind_dns`, e.g. in the workers' supervisor), or bind
+        UDP and TCP on `host`:`port` now."""
+        sock, tcp = sockets if sockets is not None else bind_dns(host, port)
+        bound = sock.getsockname()
+        if (bound[0], bound[1]) in self.resolver.upstream.servers:
+            # resolv.conf naming this very listener: every allowed query would come back to us
+            sock.close()
+            tcp.close()
+            raise DnsConfigError(f"upstream {bound[0]}:{bound[1]} is this resolver's own listener")
+        self._tcp = await asyncio.start_server(self._serve_tcp, sock=tcp)
+        self._udp = _UdpListener(self, sock)
+        self.address = (bound[0], bound[1])
+        return self.address
 
     async def stop(self) -> None:
         if self._udp is not None:

@@ -4,6 +4,10 @@ Startup prints one JSON line with the bound addresses (tests and runtimes start 
 writes the same to `var_dir/gateway.json` (0600) for `sandbox admit`. SIGTERM/SIGINT stop cleanly;
 SIGHUP and a file watch reload the policy set atomically — an invalid new set keeps the old one and
 logs every problem with its file and key path.
+
+A worker of `run --workers N` (gateway/workers.py) runs the same Gateway on listening sockets its
+supervisor bound (`listeners`) and leaves the runtime file to the supervisor (`publish=False`), which
+writes it once for all workers.
 """
 
 from __future__ import annotations
@@ -14,9 +18,11 @@ import json
 import logging
 import os
 import signal
+import socket
 from pathlib import Path
 
 from egressgate.admin.server import AdminServer, ensure_admin_token
+from egressgate.approvals.store import open_approvals
 from egressgate.audit.build import build
 from egressgate.audit.config import open_audit_sink
 from egressgate.audit.event import EventKind
@@ -25,6 +31,7 @@ from egressgate.broker.signer import TransitSigner
 from egressgate.config import ConfigError, GatewayConfig, parse_listen
 from egressgate.dns import DnsServer
 from egressgate.gateway import ca, mitm_hotpaths, reconcile, typecheck
+from egressgate.gateway import listeners as shared_listeners
 from egressgate.gateway.budgets import ByteLedger
 from egressgate.gateway.context import PolicyHolder, Runtime
 from egressgate.gateway.credentials import check_broker, start_broker
@@ -49,8 +56,11 @@ def policy_signature(path: Path) -> tuple:
 
 
 class Gateway:
-    def __init__(self, config: GatewayConfig) -> None:
+    def __init__(self, config: GatewayConfig, listeners: dict[str, socket.socket] | None = None,
+                 publish: bool = True) -> None:
         self.config = config
+        self.listeners = listeners or {}  # inherited listening sockets by kind (listeners.py)
+        self.publish = publish  # write (and remove) var_dir/gateway.json
         self.rt: Runtime | None = None
         self.master: GatewayMaster | None = None
         self.admin: AdminServer | None = None
@@ -78,19 +88,24 @@ class Gateway:
             ledger=ByteLedger(state), upstream_bundle=upstream_bundle, sandbox_bundle=sandbox_bundle,
             broker=broker,
         )
+        rt.approvals = open_approvals(state)  # approvals live in the state backend (egressgate/approvals)
         token = ensure_admin_token(cfg.admin_token_path())
         admin_host, admin_port = parse_listen(cfg.listen.admin)
         self.admin = AdminServer(rt, token, reload=self.reload)
-        admin_addr = await self.admin.start(admin_host, admin_port)
+        admin_addr = await self.admin.start(admin_host, admin_port, self.listeners.get("admin"))
         rt.listeners.append(admin_addr)
         dns_addr = None
         if cfg.listen.dns:
             self.dns = DnsServer(rt.policies.get, state, sink, cfg.dns.resolver_config())
-            dns_addr = await self.dns.start(*parse_listen(cfg.listen.dns))
+            inherited = (self.listeners["dns_udp"], self.listeners["dns_tcp"]) if "dns_udp" in self.listeners else None
+            dns_addr = await self.dns.start(*parse_listen(cfg.listen.dns), sockets=inherited)
             rt.listeners.append(dns_addr)
         transparent = parse_listen(cfg.listen.transparent) if cfg.listen.transparent else None
         typecheck.install()  # mitmproxy's per-message type check, same verdicts, cheaper (typecheck.py)
         mitm_hotpaths.install()  # mitmproxy's per-hook task naming and watchdog, same effects (mitm_hotpaths.py)
+        mitm_socks = [self.listeners[k] for k in ("proxy", "transparent") if k in self.listeners]
+        if mitm_socks:
+            shared_listeners.install_mitm(mitm_socks)
         self.master = GatewayMaster(rt, parse_listen(cfg.listen.proxy), transparent)
         bound = await self.master.start()
         proxy_addrs = bound["proxy"]
@@ -104,29 +119,11 @@ class Gateway:
             self.addresses["transparent"] = _fmt(*bound["transparent"][0][:2])
         if dns_addr is not None:
             self.addresses["dns"] = rt.dns_address = _fmt(*dns_addr[:2])
-        self._write_runtime_file()
+        if self.publish:
+            write_runtime_file(cfg, {**self.addresses, "pid": os.getpid()})
         self._watch = asyncio.create_task(self._watch_policies(), name="policy-watch")
         reconcile.start(rt)  # ledger sweep + dead workers' leases (stopped by ledger.flush at stop)
         return self.addresses
-
-    def _write_runtime_file(self) -> None:
-        path = self.config.runtime_path()
-        tmp = path.with_suffix(".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            json.dump({**self.addresses, "pid": os.getpid(), **self._runtime_settings()}, fh)
-        tmp.replace(path)
-
-    def _runtime_settings(self) -> dict:
-        """What `sandbox run` needs besides the addresses (runtimes/endpoints.py reads it): published by
-        the running gateway so the CLI needs no config parsing (start-up time) and uses exactly the
-        settings the gateway runs with."""
-        cfg = self.config
-        audit = cfg.audit_path()
-        return {"runtime": {"subnet": cfg.runtime.subnet, "state_dir": str(Path(cfg.runtime.state_dir).absolute()),
-                            "docker_host": cfg.runtime.docker_host},
-                "admin_token_file": str(cfg.admin_token_path().absolute()),
-                "audit_file": str(audit.absolute()) if audit is not None else None}
 
     async def reload(self, reason: str = "signal") -> bool:
         """Load the policy set; swap it in only when every file is valid."""
@@ -186,8 +183,9 @@ class Gateway:
             await self.rt.state.close()
             if self.rt.broker is not None:
                 await self.rt.broker.aclose()
-        with contextlib.suppress(OSError):
-            self.config.runtime_path().unlink()
+        if self.publish:
+            with contextlib.suppress(OSError):
+                self.config.runtime_path().unlink()
 
 
 async def audit_signer(cfg: GatewayConfig, broker) -> Signer | None:
@@ -206,13 +204,31 @@ async def audit_signer(cfg: GatewayConfig, broker) -> Signer | None:
                           f"to sign audit checkpoints: {exc}") from exc
 
 
+def write_runtime_file(cfg: GatewayConfig, info: dict, audit_file: str | None = None) -> None:
+    """var_dir/gateway.json (0600, atomic): the addresses, the pid to signal and what `sandbox run` needs
+    besides (runtimes/endpoints.py reads it), published by the running gateway so the CLI needs no config
+    parsing (start-up time) and uses exactly the settings the gateway runs with."""
+    path = cfg.runtime_path()
+    tmp = path.with_suffix(".tmp")
+    audit = audit_file or (str(cfg.audit_path().absolute()) if cfg.audit_path() is not None else None)
+    settings = {"runtime": {"subnet": cfg.runtime.subnet, "state_dir": str(Path(cfg.runtime.state_dir).absolute()),
+                            "docker_host": cfg.runtime.docker_host},
+                "admin_token_file": str(cfg.admin_token_path().absolute()),
+                "audit_file": audit}
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        json.dump({**info, **settings}, fh)
+    tmp.replace(path)
+
+
 def _fmt(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-async def serve(config: GatewayConfig, announce=print) -> None:
-    """Run until SIGTERM/SIGINT; SIGHUP reloads policies."""
-    gateway = Gateway(config)
+async def serve(config: GatewayConfig, announce=print, listeners: dict[str, socket.socket] | None = None,
+                publish: bool = True) -> None:
+    """Run until SIGTERM/SIGINT; SIGHUP reloads policies. `listeners`/`publish`: see Gateway."""
+    gateway = Gateway(config, listeners, publish)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     loop.add_signal_handler(signal.SIGTERM, stop.set)

@@ -69,7 +69,14 @@ def _write_bundle(out: Path, parts: list[Path]) -> Path:
         if b"-----BEGIN CERTIFICATE-----" not in chunk:
             raise CAError(f"{part} contains no PEM certificate")
         data += chunk.rstrip(b"\n") + b"\n"
-    tmp = out.with_suffix(".tmp")
+    try:
+        if out.read_bytes() == data and out.stat().st_mode & 0o777 == 0o644:
+            return out  # unchanged: no rewrite (every worker of `run --workers N` builds it at start)
+    except OSError:
+        pass
+    # a temporary name of this process: two workers starting at once each rename a complete file of
+    # their own (a shared name let one rename the file the other was still writing, or find it gone)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     tmp.write_bytes(data)
     os.chmod(tmp, 0o644)  # certificates only, meant to be handed to sandboxes
     tmp.replace(out)

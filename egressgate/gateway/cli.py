@@ -11,6 +11,7 @@ import click
 from egressgate.config import ConfigError, GatewayConfig, load_config
 from egressgate.dns.config import DnsConfigError
 from egressgate.gateway import ca as ca_mod
+from egressgate.logs import FORMATS, configure
 from egressgate.policy.errors import PolicyError
 
 
@@ -21,32 +22,78 @@ def _config(config_file: str | None, policy: str | None = None) -> GatewayConfig
         raise click.ClickException(str(exc)) from exc
 
 
-@click.command("run")
-@click.option("--config", "config_file", type=click.Path(dir_okay=False), help="gateway.yaml (optional)")
-@click.option("--policy", type=click.Path(), help="Policy file or directory (overrides the config)")
-@click.option("--log-level", default="INFO", show_default=True,
-              type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
-def run_cmd(config_file: str | None, policy: str | None, log_level: str) -> None:
-    """Start the gateway (proxy + admin API). Prints one JSON line with the bound addresses."""
-    cfg = _config(config_file, policy)
-    logging.basicConfig(stream=sys.stderr, level=log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for noisy in ("mitmproxy", "hpack", "aiohttp.access"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+class _WorkerTag(logging.Filter):
+    """Prefix every record's logger name with the worker slot (`w1/egressgate.gateway.app`), in any log
+    format: several workers write to one stderr, and an operator must see which one spoke."""
+
+    def __init__(self, tag: str) -> None:
+        super().__init__()
+        self.tag = tag
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.name.startswith(self.tag + "/"):
+            record.name = f"{self.tag}/{record.name}"
+        return True
+
+
+def configure_logging(level: str, fmt: str, worker: str | None = None) -> None:
+    """The process's logging (egressgate/logs.py: text or JSON lines on stderr) and, in a worker of
+    `run --workers N`, its slot on every record."""
+    configure(level.upper(), fmt)
+    if worker is not None:
+        for handler in logging.getLogger().handlers:
+            handler.addFilter(_WorkerTag(worker))
+
+
+def serve_or_fail(cfg: GatewayConfig, announce, **kwargs) -> None:
+    """Run the gateway (app.serve); every startup failure becomes one ClickException with what to fix."""
     from egressgate.gateway.app import serve
 
-    def announce(line: str) -> None:
-        click.echo(line)
-        sys.stdout.flush()
-
     try:
-        asyncio.run(serve(cfg, announce))
+        asyncio.run(serve(cfg, announce, **kwargs))
     except PolicyError as exc:
         raise click.ClickException(f"invalid policy, not starting:\n{exc}") from exc
     except (ConfigError, DnsConfigError) as exc:
         raise click.ClickException(f"invalid config, not starting: {exc}") from exc
     except (OSError, RuntimeError, ca_mod.CAError) as exc:
         raise click.ClickException(f"gateway failed: {exc}") from exc
+
+
+def _announce(line: str) -> None:
+    click.echo(line)
+    sys.stdout.flush()
+
+
+@click.command("run")
+@click.option("--config", "config_file", type=click.Path(dir_okay=False), help="gateway.yaml (optional)")
+@click.option("--policy", type=click.Path(), help="Policy file or directory (overrides the config)")
+@click.option("--log-level", default="INFO", show_default=True,
+              type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
+@click.option("--log-format", default="text", show_default=True, type=click.Choice(list(FORMATS)),
+              help="Log lines on stderr: text, or one JSON object per line (for a log collector).")
+@click.option("--workers", default=1, show_default=True, type=click.IntRange(1, 256),
+              help="Gateway processes sharing the listeners (one event loop, i.e. one core, each); "
+                   "more than 1 needs state.backend redis.")
+def run_cmd(config_file: str | None, policy: str | None, log_level: str, log_format: str, workers: int) -> None:
+    """Start the gateway (proxy + admin API). Prints one JSON line with the bound addresses."""
+    cfg = _config(config_file, policy)
+    configure_logging(log_level, log_format)
+    if workers == 1:
+        serve_or_fail(cfg, _announce)
+        return
+    from egressgate.gateway import workers as workers_mod
+
+    try:
+        workers_mod.check_workers(cfg, workers)
+        code = workers_mod.supervise(cfg, workers, _announce, log_level, log_format)
+    except PolicyError as exc:
+        raise click.ClickException(f"invalid policy, not starting:\n{exc}") from exc
+    except ConfigError as exc:
+        raise click.ClickException(f"invalid config, not starting: {exc}") from exc
+    except (OSError, ca_mod.CAError) as exc:
+        raise click.ClickException(f"gateway failed: {exc}") from exc
+    if code:
+        raise click.ClickException("gateway failed: a worker did not start (see its error above)")
 
 
 @click.group("ca")

@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from egressgate.approvals.memory import MemoryApprovals
+from egressgate.approvals.store import ApprovalStore
 from egressgate.audit.build import new_request_id
 from egressgate.config import GatewayConfig
 from egressgate.policy.facts import Decision, Facts, IPAddress, SandboxState
@@ -200,6 +202,8 @@ class Runtime:
     header_overflow: Callable[[str, str, int], str] | None = None
     # set by connguard.py: the rate-limited audit of limit events (limit_audit.py), for other layers
     limit_audit: LimitAudit | None = None
+    # operator approvals (egressgate/approvals): app.py puts them in the state backend's store
+    approvals: ApprovalStore = field(default_factory=MemoryApprovals)
 
     def conn(self, client_id: str) -> ConnState:
         state = self.conns.get(client_id)

@@ -14,12 +14,12 @@ import logging
 
 from mitmproxy import http
 
+from egressgate.gateway.approval_gate import decide_with_approvals, name_approval
 from egressgate.gateway.context import FlowState, Runtime, ensure_flow_state
 from egressgate.gateway.deny import gateway_deny
 from egressgate.gateway.pinning import resolve_target
 from egressgate.gateway.target import as_sent, note_target
 from egressgate.policy.canon import CanonError, canon_method, canon_path, split_host_port, split_path_query
-from egressgate.policy.decide import decide
 from egressgate.policy.facts import Facts, Operation, SandboxState
 from egressgate.policy.reasons import Reason
 from egressgate.state.base import StateUnavailable
@@ -65,10 +65,14 @@ class DecisionAddon:
             fs.decision = gateway_deny(Reason.STATE_UNAVAILABLE)
             return None
 
-    def _decide(self, fs: FlowState, policy, facts: Facts, snapshot: SandboxState):
-        """The pure decision, plus exactly the inputs it saw for the audit record (and replay)."""
+    async def _decide(self, fs: FlowState, policy, facts: Facts, snapshot: SandboxState):
+        """The pure decision, plus exactly the inputs it saw for the audit record (and replay); an
+        `approval_required` deny gets its approval (approval_gate.py)."""
         snapshot = policy.relevant_state(snapshot)  # same decision; what the audit record carries
-        fs.decision = decide(policy, facts, snapshot, self.rt.clock())
+        now = self.rt.clock()
+        decision, snapshot = await decide_with_approvals(self.rt, policy, facts, snapshot, now)
+        assert fs.sandbox_id is not None and fs.policy_name is not None
+        fs.decision = await name_approval(self.rt, fs.sandbox_id, fs.policy_name, facts, decision, now)
         fs.facts = facts
         fs.state = snapshot
         return fs.decision
@@ -98,7 +102,7 @@ class DecisionAddon:
         if policy is None or snapshot is None:
             return
         facts = Facts(operation=Operation.CONNECT, host=host, port=port)
-        if not self._decide(fs, policy, facts, snapshot).allowed:
+        if not (await self._decide(fs, policy, facts, snapshot)).allowed:
             return
         allowed = fs.decision
         target, denied = await resolve_target(self.rt, policy, host, port)
@@ -144,7 +148,7 @@ class DecisionAddon:
             operation=Operation.HTTP_REQUEST, host=fs.host, port=fs.port, scheme=scheme, method=method,
             path=path, addresses=addresses, request_bytes=request_head_size(req) + (body or 0),
         )
-        if not self._decide(fs, policy, facts, snapshot).allowed:
+        if not (await self._decide(fs, policy, facts, snapshot)).allowed:
             return
         if tunnel:
             fs.pinned = conn.tunnel_target

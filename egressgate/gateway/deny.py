@@ -69,17 +69,19 @@ def gateway_deny(reason: Reason, message: str | None = None, detail: str | None 
 
 
 def deny_body(decision: Decision, request_id: str) -> bytes:
+    """DESIGN.md's body; an `approval_required` deny also names its approval (`approval_id`, null when
+    the sandbox already has too many waiting) so the agent can tell the operator what to approve."""
     message = decision.message or _DEFAULT_MESSAGES.get(decision.reason, "Denied by the egress policy.")
-    return json.dumps(
-        {
-            "error": "egress_denied",
-            "reason": str(decision.reason),
-            "rule": decision.rule_id,
-            "request_id": request_id,
-            "message": message,
-        },
-        separators=(",", ":"),
-    ).encode()
+    body = {
+        "error": "egress_denied",
+        "reason": str(decision.reason),
+        "rule": decision.rule_id,
+        "request_id": request_id,
+        "message": message,
+    }
+    if decision.reason is Reason.APPROVAL_REQUIRED:
+        body["approval_id"] = decision.approval_id
+    return json.dumps(body, separators=(",", ":")).encode()
 
 
 def deny_response(decision: Decision, request_id: str) -> http.Response:

@@ -17,6 +17,7 @@ from mitmproxy import connection
 
 from egressgate.audit.build import build
 from egressgate.audit.event import AuditUnavailable, EventKind
+from egressgate.gateway.approval_gate import decide_with_approvals, name_approval
 from egressgate.gateway.context import ConnState, PinnedTarget, Runtime
 from egressgate.gateway.deny import gateway_deny
 from egressgate.gateway.identity import UNKNOWN_SOURCE, connection_limit
@@ -135,7 +136,11 @@ async def connect_decision(rt: Runtime, conn: ConnState, host: str, port: int
     if denied is not None:
         return denied, None, None
     facts = Facts(operation=Operation.CONNECT, host=host, port=port)
-    return decide(policy, facts, snapshot, rt.clock()), facts, snapshot
+    now = rt.clock()
+    decision, snapshot = await decide_with_approvals(rt, policy, facts, snapshot, now)
+    assert conn.sandbox_id is not None and conn.policy_name is not None
+    decision = await name_approval(rt, conn.sandbox_id, conn.policy_name, facts, decision, now, conn.labels)
+    return decision, facts, snapshot
 
 
 async def raw_tcp_decision(rt: Runtime, conn: ConnState) -> tuple[str, Decided]:

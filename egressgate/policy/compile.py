@@ -16,6 +16,7 @@ from typing import Any
 
 from egressgate.policy.canon import CanonError, canon_method, parse_ip_literal
 from egressgate.policy.errors import PolicyError
+from egressgate.policy.execution import approval_kinds
 from egressgate.policy.facts import SandboxState
 from egressgate.policy.globs import (
     DenyGlob,
@@ -65,9 +66,7 @@ class CompiledRule:
     passthrough: bool = False  # an https allow rule with `tls: passthrough`: its tunnels are spliced
 
     def path_allows(self, path: str | None) -> bool:
-        if self.paths is None:
-            return True
-        return path is not None and any(glob.matches(path) for glob in self.paths)
+        return self.paths is None or (path is not None and any(glob.matches(path) for glob in self.paths))
 
     def describe(self) -> str:
         methods = ",".join(sorted(self.methods)) if self.methods else "any method"
@@ -136,6 +135,7 @@ class CompiledPolicy:
         self.history_patterns: tuple[HostPattern, ...] = ()  # hosts any `when` asks the history about
         self.budgeted_rules: frozenset[str] = frozenset()  # rules whose usage decide() reads
         self.has_passthrough = False  # some rule has `tls: passthrough` (transparent.py peeks at SNI first)
+        self.approval_kinds: frozenset[str] = frozenset()  # execution.require_approval_for (policy/execution.py)
 
     def relevant_state(self, state: SandboxState) -> SandboxState:
         """`state` reduced to what decide() can read under this policy: only history hosts some `when`
@@ -204,6 +204,7 @@ def compile_policy(model: Policy, source: str, policy_hash: str) -> CompiledPoli
     )
     policy.budgeted_rules = frozenset(r.id for r in policy.rules if r.budget is not None)
     policy.has_passthrough = any(r.passthrough for r in policy.rules)
+    policy.approval_kinds = approval_kinds(model.execution, problems)
     problems.extend((*_credential_problems(policy), *passthrough_problems(policy)))
     if problems:
         raise PolicyError(source, problems)
@@ -328,8 +329,7 @@ def _conditions(raw: Conditions, path: str, problems: list[tuple[str, str]]) -> 
     def hosts(key: str, values: list[str] | None) -> tuple[HostPattern, ...] | None:
         if values is None:
             return None
-        out = tuple(p for j, h in enumerate(values) if (p := _host(h, f"{path}.{key}[{j}]", True, problems)))
-        return out
+        return tuple(p for j, h in enumerate(values) if (p := _host(h, f"{path}.{key}[{j}]", True, problems)))
 
     return CompiledConditions(
         labels=labels,

@@ -12,11 +12,16 @@ same answer for the same inputs. Order of checks (first failure wins):
 4. allow rules for the host in file order: the first that fully matches allows. When none does, the
    reason is the deepest check some candidate got to (host < scheme < port < method < path <
    condition < budget), which tells the agent precisely what to change. For a CONNECT, that first rule
-   also sets the tunnel's mode: intercepted, raw TCP (`tcp` rules only) or `tls: passthrough`.
+   also sets the tunnel's mode: intercepted, raw TCP (`tcp` rules only) or `tls: passthrough`;
+5. only when the allow rules refused the request for *where* it goes and the policy requires approval
+   for `network_expansion`: a live operator approval of this sandbox that covers it allows it
+   (`approval_granted`, intercepted, no credential); otherwise the deny is `approval_required`
+   (approvals/overlay.py states which requests an approval may cover).
 """
 
 from __future__ import annotations
 
+from egressgate.approvals.overlay import NETWORK_EXPANSION, approvable, covering
 from egressgate.policy.addr import METADATA_HOSTNAMES, AddrClass, check_address
 from egressgate.policy.canon import parse_ip_literal
 from egressgate.policy.compile import CompiledConditions, CompiledPolicy, CompiledRule
@@ -89,6 +94,12 @@ def decide(policy: CompiledPolicy, facts: Facts, state: SandboxState, now: float
 
     if best[1] is None and not connect and _host_in_other_scheme(policy, facts):
         best = (Reason.SCHEME_NOT_ALLOWED, None)
+    assert isinstance(best[0], Reason)
+    if NETWORK_EXPANSION in policy.approval_kinds and approvable(facts, best[0]):
+        grant = covering(state.approvals, facts, state.sandbox_id, now)
+        if grant is not None:
+            return Decision(effect=Effect.ALLOW, reason=Reason.APPROVAL_GRANTED, approval_id=grant.id)
+        return _deny(policy, facts, Reason.APPROVAL_REQUIRED, best[1], detail=str(best[0]))
     return _deny(policy, facts, best[0], best[1])
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from types import MappingProxyType
 
+from egressgate.approvals.grant import Grant
 from egressgate.policy.reasons import Effect, Reason
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -61,6 +62,9 @@ class SandboxState:
     dns_name_bytes: int = 0
     seen_hosts: frozenset[str] = frozenset()  # canonical hosts this sandbox made allowed requests to
     rule_usage: Mapping[str, RuleUsage] = _EMPTY
+    # live operator approvals of this sandbox (egressgate/approvals), given only under a policy that
+    # requires approval for network_expansion; decide() drops the expired ones by `now`
+    approvals: tuple[Grant, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +79,8 @@ class Decision:
     # CONNECT only: the first rule that allows the target has `tls: passthrough` (intercept is then False):
     # the tunnel must carry TLS whose SNI names the target, spliced without interception
     passthrough: bool = False
+    # approval_granted: the approval that allowed it; approval_required: the pending approval to ask for
+    approval_id: str | None = None
 
     @property
     def allowed(self) -> bool:

@@ -79,6 +79,9 @@ def deny_message(
         return (f"{target} is refused: rule {rule.id if rule else '?'!r} of policy {name!r} denies some paths "
                 f"on {facts.host}, and servers can read this path ({detail}) in ways that cannot be checked; "
                 f"{hint}.")
+    if reason is Reason.APPROVAL_REQUIRED:  # the gateway names the approval (gateway/approval_gate.py)
+        return (f"{target} is outside the allowlist of policy {name!r} and needs an operator's approval; do not "
+                "route around the gateway: retry this request after an operator approves it.")
     if reason is Reason.HOST_NOT_ALLOWED:
         if facts.operation is Operation.DNS_QUERY:
             return f"{facts.host} is not in policy {name!r}'s DNS allowlist; only listed names resolve."

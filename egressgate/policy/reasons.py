@@ -17,6 +17,7 @@ class Effect(StrEnum):
 class Reason(StrEnum):
     # allow
     RULE_MATCHED = "rule_matched"
+    APPROVAL_GRANTED = "approval_granted"  # outside the rules, allowed by a live operator approval
     # policy-level denials
     HOST_NOT_ALLOWED = "host_not_allowed"
     SCHEME_NOT_ALLOWED = "scheme_not_allowed"
@@ -28,6 +29,7 @@ class Reason(StrEnum):
     DENIED_BY_RULE = "denied_by_rule"
     CONDITION_FAILED = "condition_failed"
     BUDGET_EXCEEDED = "budget_exceeded"
+    APPROVAL_REQUIRED = "approval_required"  # outside the allowlist; the policy lets an operator approve it
     # address checks
     ADDRESS_FORBIDDEN = "address_forbidden"
     METADATA_ENDPOINT = "metadata_endpoint"

@@ -71,12 +71,14 @@ class Subscriber:
     """Runs until cancelled: subscribe, deliver events, resubscribe with backoff after any failure."""
 
     def __init__(self, redis: Redis, channel: str, cache: RecordCache,
-                 on_event: Callable[[str], None], on_resync: Callable[[set[str]], Awaitable[None]]) -> None:
+                 on_event: Callable[[str], None], on_resync: Callable[[set[str]], Awaitable[None]],
+                 on_lost: Callable[[], Awaitable[None]]) -> None:
         self.redis = redis
         self.channel = channel
         self.cache = cache
         self.on_event = on_event
         self.on_resync = on_resync  # (ids cached before the drop) -> runs callbacks for revoked ones
+        self.on_lost = on_lost  # the connection is gone: the pool's idle ones are likely stale too
         self.missed: set[str] = set()
         self.subscribed = asyncio.Event()  # set while live (tests and start-up wait on it)
 
@@ -96,6 +98,8 @@ class Subscriber:
                 self.missed |= self.cache.drop_all()
                 with contextlib.suppress(Exception):  # the connection is already broken
                     await pubsub.aclose()
+                with contextlib.suppress(Exception):
+                    await self.on_lost()
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, BACKOFF_MAX)
 

@@ -164,6 +164,8 @@ def test_component_gauges_at_rest(cgw):
     assert value(samples, "egressgate_audit_write_failures_total") == 0
     assert value(samples, "egressgate_state_errors_total") == 0
     assert value(samples, "egressgate_audit_records_written_total") > 0
+    workers = [dict(k[1]) for k in samples if k[0] == "egressgate_worker_info"]
+    assert len(workers) == 1 and workers[0]["pid"] == str(cgw.proc.pid) and workers[0]["worker_id"]
     versions = [dict(k[1])["version"] for k in samples if k[0] == "egressgate_policy_set"]
     assert versions == [api(cgw, "GET", "/v1/policies").json()["version"]]
 

@@ -53,7 +53,7 @@ cases:
 """)
     out = cli("policy", "test", str(cases))
     assert out.returncode == 1
-    assert "expected allow, got deny (method_not_allowed)" in out.stdout
+    assert "expected allow, got deny (approval_required)" in out.stdout
     assert "expected rule wrong-rule, got https.allow[0]" in out.stdout
     assert "1 passed, 2 failed" in out.stdout
     broken = tmp_path / "broken.yaml"

@@ -20,6 +20,14 @@ from egressgate.policy.target import parse_target
 
 ROOT = Path(__file__).resolve().parents[2]
 SEED = load_policy(ROOT / "policies" / "seed-invoice-analysis.yaml")
+# The seed requires approval for network_expansion, which turns allowlist refusals into approval_required
+# (tests/approvals); without it the allowlist's own, more specific reasons show.
+_SEED_TEXT = (ROOT / "policies" / "seed-invoice-analysis.yaml").read_text()
+assert "require_approval_for: [network_expansion, persistent_write, publish]" in _SEED_TEXT
+SEED_PLAIN = parse_policy(_SEED_TEXT.replace("require_approval_for: [network_expansion, ", "require_approval_for: ["),
+                          "seed-without-network-approval")
+_EXPANDABLE = {"host_not_allowed", "scheme_not_allowed", "port_not_allowed", "method_not_allowed",
+               "path_not_allowed"}
 NOW = 1_700_000_000.0
 
 EXTENDED = parse_policy(textwrap.dedent("""
@@ -108,10 +116,16 @@ def run(policy, text, st=None, resolved=(), now=NOW):
     ],
 )
 def test_seed_policy(request_text, effect, reason, rule):
-    decision = run(SEED, request_text)
+    decision = run(SEED_PLAIN, request_text)
     assert (decision.effect.value, decision.reason.value, decision.rule_id) == (effect, reason, rule)
     if decision.effect is Effect.DENY:
         assert decision.message and "\n" not in decision.message
+    gated = run(SEED, request_text)  # the seed as shipped: only allowlist refusals wait for an operator
+    if reason in _EXPANDABLE:
+        assert (gated.reason, gated.detail, gated.rule_id) == (Reason.APPROVAL_REQUIRED, reason, rule)
+        assert "retry" in gated.message and "\n" not in gated.message
+    else:
+        assert gated == decision
 
 
 def test_hidden_traversal_is_not_even_a_request():
@@ -253,9 +267,9 @@ def test_dns_budgets():
 
 
 def test_messages_say_what_is_allowed():
-    m = run(SEED, "GET https://api.openai.com/v1/models").message
+    m = run(SEED_PLAIN, "GET https://api.openai.com/v1/models").message
     assert "POST /v1/responses" in m
-    m = run(SEED, "GET https://evil.example/").message
+    m = run(SEED_PLAIN, "GET https://evil.example/").message
     assert "api.openai.com" in m and "files.pythonhosted.org" in m
 
 

@@ -121,3 +121,57 @@ async def test_start_with_redis_down_denies_until_it_is_up(tmp_path: Path):
     finally:
         await store.close()
         server.stop()
+
+
+async def test_scripts_flushed_are_reloaded_and_nothing_runs_twice(redis_server: RedisServer):
+    """A Redis restart (or SCRIPT FLUSH) forgets the scripts: NOSCRIPT means the command did not run, so
+    it is sent again once after loading them; a batch of concurrent reservations stays exact."""
+    store = await redis_store(redis_server)
+    try:
+        await store.admit(record())
+        await store.redis.script_flush()
+        grants = await asyncio.gather(*(store.reserve_out("sbx", 10, 10, 205) for _ in range(30)))
+        assert sorted(set(grants)) == [0, 10] and sum(grants) == 200
+        await store.redis.script_flush()
+        assert await store.reserve_out("sbx", 5, 5, 205) == 5  # alone (not batched) too
+        assert (await store.snapshot("sbx")).bytes_out == 205 and store.errors == 0
+    finally:
+        await store.close()
+
+
+async def test_one_failing_command_in_a_batch_fails_only_its_caller(redis_server: RedisServer):
+    store = await redis_store(redis_server)
+    try:
+        await store.admit(record())
+        await store.admit(record("sbx-bad"))
+        await store.redis.set(store.key("ctr", "sbx-bad"), "not a hash")  # WRONGTYPE for its counters
+        results = await asyncio.gather(
+            *(store.reserve_out("sbx", 1, 1, None) for _ in range(10)),
+            store.reserve_out("sbx-bad", 1, 1, None), return_exceptions=True)
+        assert results[:10] == [1] * 10
+        assert isinstance(results[10], StateUnavailable) and store.errors == 1
+    finally:
+        await store.close()
+
+
+async def test_after_a_restart_no_operation_fails_on_a_stale_pooled_connection(own_redis: RedisServer):
+    """The pool held several connections when Redis restarted; once Redis is back, a burst of operations
+    all succeed (none is handed a dead connection from before the restart)."""
+    store = await redis_store(own_redis)
+    try:
+        await store.admit(record())
+        await asyncio.gather(*(store.redis.blpop([store.key("nothing")], 0.1) for _ in range(12)))
+        assert len(store.redis.connection_pool._available_connections) >= 12  # positive control
+        await asyncio.to_thread(own_redis.stop)  # the loop runs meanwhile, as it would in a gateway
+        deadline = time.monotonic() + 5
+        while store._cache.live and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        await asyncio.to_thread(own_redis.start)
+        await store.wait_subscribed(timeout=5)
+        errors = store.errors
+        results = await asyncio.gather(*(store.reserve_out("sbx", 1, 1, None) for _ in range(12)),
+                                       *(store.redis.blpop([store.key("nothing")], 0.1) for _ in range(12)),
+                                       return_exceptions=True)
+        assert [str(r) for r in results if isinstance(r, Exception)] == [] and store.errors == errors
+    finally:
+        await store.close()

@@ -1,0 +1,34 @@
+"""The audit record of each approval step (operation `approval`, docs/audit.md).
+
+`egressgate.approval.action` is `requested`, `approved`, `denied` or `expired`; approved and denied
+records name who decided (`egressgate.approval.by`), approved ones the scope and the expiry instant.
+Built here once, so the gateway (requested), the admin API (approved, denied) and the sweeper (expired)
+write the same shape.
+"""
+
+from __future__ import annotations
+
+from egressgate.approvals.model import Approval
+from egressgate.audit.build import APPROVAL_ID, build
+from egressgate.audit.event import AuditEvent, EventKind
+
+# not_applied: the approved/denied record just before (same approval id) did not take effect (another
+# decision won the race, or the store failed after the record was written)
+ACTIONS = ("requested", "approved", "denied", "expired", "not_applied")
+
+
+def approval_event(approval: Approval, action: str, labels: dict[str, str] | None = None) -> AuditEvent:
+    assert action in ACTIONS
+    extra: dict[str, object] = {APPROVAL_ID: approval.id, "egressgate.approval.action": action,
+                                "egressgate.approval.kind": approval.kind,
+                                "egressgate.approval.requested_at": approval.requested_at}
+    if approval.decided_by is not None:
+        extra["egressgate.approval.by"] = approval.decided_by
+    if approval.scope is not None:
+        extra["egressgate.approval.scope"] = approval.scope
+    if approval.expires_at is not None:
+        extra["egressgate.approval.expires_at"] = approval.expires_at
+    decision = {"approved": "allow", "denied": "deny"}.get(action)
+    return build(EventKind.APPROVAL, sandbox_id=approval.sandbox_id, sandbox_labels=labels,
+                 decision=decision, policy_name=approval.policy, scheme=approval.scheme, host=approval.host,
+                 port=approval.port, method=approval.method, path=approval.path, extra=extra)

@@ -1,0 +1,86 @@
+"""Where the gateway meets approvals: live grants into decide(), pending approvals out of it.
+
+decide() is pure: it gets the sandbox's live grants in its `SandboxState` (read only when they can
+matter: a request the rules refused, under a policy that requires approval for network_expansion; any
+other policy's sandboxes can never be widened) and answers `approval_required` for a request an operator
+could approve. Here that
+deny gets its approval: the pending one for the same sandbox and target (retries share one id), a new
+one (audited `requested`), or none when the sandbox already has too many waiting. The request itself is
+refused at once: nothing is held open while an operator decides; the agent retries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from egressgate.approvals.audit import approval_event
+from egressgate.approvals.model import MAX_PENDING_PER_SANDBOX, Approval, ApprovalState, new_approval_id
+from egressgate.approvals.overlay import NETWORK_EXPANSION
+from egressgate.gateway.context import Runtime
+from egressgate.gateway.deny import gateway_deny
+from egressgate.policy.compile import CompiledPolicy
+from egressgate.policy.decide import decide
+from egressgate.policy.facts import Decision, Facts, Operation, SandboxState
+from egressgate.policy.reasons import Reason
+from egressgate.state.base import StateUnavailable
+
+
+async def decide_with_approvals(rt: Runtime, policy: CompiledPolicy, facts: Facts, state: SandboxState,
+                                now: float) -> tuple[Decision, SandboxState]:
+    """decide(), given the sandbox's live grants when they can matter; (decision, the state it saw).
+
+    Grants are read only when the decision without them is `approval_required` (the overlay is the
+    engine's last step, so they cannot change any other answer): a rule-allowed request costs no store
+    lookup and keeps working while the approval store is down. A store failure at that point is
+    `state_unavailable`, never an allow."""
+    decision = decide(policy, facts, state, now)
+    if decision.reason is not Reason.APPROVAL_REQUIRED or NETWORK_EXPANSION not in policy.approval_kinds:
+        return decision, state
+    try:
+        grants = await rt.approvals.grants(state.sandbox_id, now)
+    except StateUnavailable:
+        return gateway_deny(Reason.STATE_UNAVAILABLE), state
+    if not grants:
+        return decision, state
+    state = replace(state, approvals=grants)
+    return decide(policy, facts, state, now), state
+
+
+def _target(facts: Facts) -> str:
+    if facts.operation is Operation.CONNECT:
+        return f"{facts.host}:{facts.port}"
+    return f"{facts.method} {facts.scheme}://{facts.host}:{facts.port}{facts.path or '/'}"
+
+
+async def name_approval(rt: Runtime, sandbox_id: str, policy_name: str, facts: Facts, decision: Decision,
+                        now: float, labels: dict[str, str] | None = None) -> Decision:
+    """An `approval_required` deny with its approval id and the one sentence the agent acts on."""
+    if decision.reason is not Reason.APPROVAL_REQUIRED or decision.approval_id is not None:
+        return decision
+    assert facts.port is not None
+    http = facts.operation is Operation.HTTP_REQUEST
+    draft = Approval(id=new_approval_id(), sandbox_id=sandbox_id, policy=policy_name,
+                     state=ApprovalState.PENDING, scheme=facts.scheme if http else None, host=facts.host,
+                     port=facts.port, method=facts.method if http else None, path=facts.path if http else None,
+                     requested_at=now)
+    try:
+        approval, created = await rt.approvals.request(draft, now)
+    except StateUnavailable:
+        return replace(decision, approval_id=None, message=(
+            f"{_target(facts)} needs an operator's approval, but the approval store is unavailable; "
+            "retry later."))
+    target = _target(facts)
+    if approval is None:
+        return replace(decision, detail="too_many_pending", message=(
+            f"{target} needs an operator's approval, but {MAX_PENDING_PER_SANDBOX} approvals of this sandbox "
+            "are already waiting; retry after an operator decides them."))
+    if created:
+        rt.audit.enqueue_after(approval_event(approval, "requested", labels))  # queued, never dropped
+    if approval.state is ApprovalState.DENIED:
+        return replace(decision, approval_id=approval.id, message=(
+            f"An operator denied approval {approval.id} for {target}; do not retry it or route around "
+            "the gateway."))
+    return replace(decision, approval_id=approval.id, message=(
+        f"{target} is outside this sandbox's allowlist and waits for operator approval {approval.id}; retry "
+        f"this request after an operator approves it (egressgate approvals approve {approval.id})."))
+

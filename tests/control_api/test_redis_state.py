@@ -1,0 +1,87 @@
+"""The control API on the Redis state backend (a real `redis-server` the test starts on a free loopback port):
+
+- two gateways on one Redis: a sandbox admitted on one is listed and shown by the other (the list reads
+  the shared registry; connections are per process);
+- Redis stopped: /readyz 503 naming `state`, a sandbox's request is denied `state_unavailable`, and
+  `egressgate_state_errors_total` moves (it stays put while Redis is up: negative control); Redis back:
+  /readyz 200 again without a gateway restart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from tests.control_api.harness import METRICS_POLICY, api, scrape, start_control_gateway, value
+from tests.support.launcher import stop_gateway
+from tests.support.redis import RedisServer
+from tests.support.waiting import wait_for
+
+
+@pytest.fixture
+def redis(tmp_path) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path / "redis")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def _state(redis: RedisServer, prefix: str) -> dict:
+    return {"state": {"backend": "redis", "url": redis.url, "key_prefix": prefix}}
+
+
+def test_two_gateways_share_the_registry_the_api_shows(world, tmp_path, redis):
+    prefix = redis.prefix()
+    one = start_control_gateway(world, tmp_path / "one", _state(redis, prefix))
+    try:
+        two = start_control_gateway(world, tmp_path / "two", _state(redis, prefix))
+        try:
+            sbx = one.admit(METRICS_POLICY, labels={"team": "c12redis"})
+            with sbx.client() as c:
+                assert c.get(sbx.url("api.test", "/echo")).status_code == 200
+                listed = api(two, "GET", "/v1/sandboxes").json()["sandboxes"]
+                (entry,) = [s for s in listed if s["id"] == sbx.id]
+                assert entry["labels"] == {"team": "c12redis"}
+                assert entry["connections"] == 0  # the open connection is held by the other process
+                assert api(one, "GET", f"/v1/sandboxes/{sbx.id}").json()["connections"] == 1
+            detail = api(two, "GET", f"/v1/sandboxes/{sbx.id}").json()
+            assert detail["budgets"]["rules"]["c12-get"]["requests"] == {"limit": 3, "used": 1, "left": 2}
+            assert detail["usage"]["bytes_out"] > 0
+        finally:
+            stop_gateway(two)
+    finally:
+        stop_gateway(one)
+
+
+def test_redis_outage_makes_the_gateway_unready_and_counts_state_errors(world, tmp_path, redis):
+    gw = start_control_gateway(world, tmp_path / "gw", _state(redis, redis.prefix()))
+    try:
+        sbx = gw.admit(METRICS_POLICY)
+        with sbx.client() as c:
+            assert c.get(sbx.url("api.test", "/echo")).status_code == 200
+        ready = api(gw, "GET", "/readyz", token=None)
+        assert ready.status_code == 200 and ready.json()["components"]["state"] == {"status": "ok"}
+        healthy = scrape(gw)
+        assert value(healthy, "egressgate_state_errors_total") == 0  # negative control: Redis up, no errors
+
+        redis.stop()
+        assert wait_for(lambda: api(gw, "GET", "/readyz", token=None).status_code == 503, timeout=10)
+        body = api(gw, "GET", "/readyz", token=None).json()
+        assert body["components"]["state"]["status"] == "unavailable"
+        assert redis.url not in str(body) and str(redis.port) not in str(body)  # public: no backend address
+        assert body["components"]["audit"]["status"] == "ok"
+        with sbx.client() as c:  # plain HTTP: the deny body is readable (a refused CONNECT is an httpx error)
+            denied = c.get(sbx.url("api.test", "/v1/while-down", scheme="http"))
+        assert denied.status_code == 403 and denied.json()["reason"] == "state_unavailable", denied.text
+        assert value(scrape(gw), "egressgate_state_errors_total") > 0
+        listing = api(gw, "GET", "/v1/sandboxes")
+        assert listing.status_code == 503 and listing.json()["error"] == "state_unavailable"
+
+        redis.start()
+        assert wait_for(lambda: api(gw, "GET", "/readyz", token=None).status_code == 200, timeout=15)
+        assert api(gw, "GET", "/v1/sandboxes").status_code == 200
+    finally:
+        stop_gateway(gw)

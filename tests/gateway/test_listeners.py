@@ -1,0 +1,106 @@
+"""The listener sharing of `run --workers N` (egressgate/gateway/listeners.py), at the level of the mechanism:
+a parent binds the listening sockets once, child processes inherit them and real mitmproxy masters serve
+them. (Two gateway workers on the memory backend are refused, so the end-to-end tests with real workers
+run on Redis: tests/state_redis/test_workers.py; tests/gateway/test_supervisor.py covers the supervisor.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from egressgate.config import ListenConfig
+from egressgate.gateway import listeners
+from tests.support.waiting import wait_for
+
+CHILD = str(Path(__file__).with_name("listener_child.py"))
+
+
+def ask(port: int, timeout: float = 5) -> str:
+    """One plain-HTTP proxy request on a new connection; the answering process's pid ("" if none)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        sock.sendall(b"GET http://x.test/ HTTP/1.1\r\nHost: x.test\r\nConnection: close\r\n\r\n")
+        data = b""
+        try:
+            while chunk := sock.recv(4096):
+                data += chunk
+        except TimeoutError:
+            return ""
+    head, _, body = data.partition(b"\r\n\r\n")
+    return body.decode() if head.startswith(b"HTTP/1.1 200") else ""
+
+
+@pytest.fixture
+def shared(tmp_path):
+    """The proxy and admin sockets bound by "the supervisor" (this test), and a starter for children."""
+    socks = listeners.bind_all(ListenConfig(proxy="127.0.0.1:0", admin="127.0.0.1:0", dns=None, transparent=None))
+    fds = listeners.descriptors(socks)
+    procs: list[subprocess.Popen] = []
+
+    def start(mode: str) -> subprocess.Popen:
+        err = open(tmp_path / f"child{len(procs)}.err", "w")  # noqa: SIM115 - lives with the process
+        proc = subprocess.Popen([sys.executable, CHILD, json.dumps({"proxy": fds["proxy"]}), mode],
+                                pass_fds=list(fds.values()), stderr=err, env={**os.environ, "NO_PROXY": ""})
+        procs.append(proc)
+        return proc
+
+    try:
+        yield socks["proxy"].getsockname()[1], start
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(10)
+        listeners.close_all(socks)
+
+
+def spread(port: int, n: int) -> Counter:
+    with ThreadPoolExecutor(8) as pool:
+        return Counter(pool.map(lambda _: ask(port), range(n)))
+
+
+def test_two_processes_serve_one_inherited_port(shared):
+    """Both children answer on the one port the parent bound (each answer names its pid)."""
+    port, start = shared
+    a, b = start("patch"), start("patch")
+    assert wait_for(lambda: ask(port, 2) != "", timeout=30)
+    seen: Counter = Counter()
+
+    def both() -> bool:
+        seen.update(spread(port, 40))
+        return set(seen) == {str(a.pid), str(b.pid)}
+
+    assert wait_for(both, timeout=30), seen
+
+
+def test_a_killed_process_loses_no_new_connection(shared):
+    """One accept queue: once one child is SIGKILLed, every new connection is served by the other
+    (with one SO_REUSEPORT socket per process, the dead one's queued connections would be reset)."""
+    port, start = shared
+    a, b = start("patch"), start("patch")
+    assert wait_for(lambda: ask(port, 2) != "", timeout=30)
+    assert wait_for(lambda: {str(a.pid), str(b.pid)} <= set(spread(port, 20)), timeout=30)
+    os.kill(a.pid, signal.SIGKILL)
+    a.wait(10)
+    answers = spread(port, 60)
+    assert answers == Counter({str(b.pid): 60}), answers
+
+
+def test_without_the_patch_mitmproxy_does_not_serve_the_inherited_socket(shared):
+    """Control: mitmproxy binds by itself (no reuse_port) and cannot take the address the parent holds,
+    so without listeners.install_mitm a connection is accepted by the kernel and never answered; the
+    same child with the patch answers at once."""
+    port, start = shared
+    bare = start("nopatch")
+    wait_for(lambda: bare.poll() is not None, timeout=4)  # give it the time a patched child needs
+    assert ask(port, 3) == ""
+    start("patch")
+    assert wait_for(lambda: ask(port, 2) != "", timeout=30)

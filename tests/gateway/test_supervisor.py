@@ -1,0 +1,228 @@
+"""`egressgate run --workers N` (egressgate/gateway/workers.py) without Redis: the refusal on the memory
+backend, `--workers 1` unchanged, and the supervisor's mechanics (shared listeners, per-worker audit files,
+SIGHUP/SIGTERM fan-out, restart of a killed worker, workers dying with the supervisor, a worker that cannot
+start). The mechanics run through tests/gateway/unshared_workers_launcher.py (the refusal lifted; these
+tests admit no sandbox); shared-state behaviour is tested on Redis in tests/state_redis/test_workers.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+from dnslib import RCODE, DNSRecord
+
+from tests.support.cli import POLICIES
+from tests.support.launcher import EGRESSGATE, drain, first_line, stop_process
+from tests.support.waiting import wait_for
+
+LAUNCHER = [sys.executable, str(Path(__file__).with_name("unshared_workers_launcher.py"))]
+
+
+def children(pid: int) -> set[int]:
+    try:
+        return {int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()}
+    except FileNotFoundError:
+        return set()
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def config(tmp: Path, **extra) -> Path:
+    cfg = tmp / "gateway.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "listen": {"proxy": "127.0.0.1:0", "admin": "127.0.0.1:0", "dns": "127.0.0.1:0", "transparent": "127.0.0.2:0"},
+        "policy": str(POLICIES), "var_dir": str(tmp / "var"), "dns": {"upstreams": ["127.0.0.1:9"]}, **extra}))
+    return cfg
+
+
+class Run:
+    """A `run` process: its startup line (or None), its stderr file."""
+
+    def __init__(self, tmp: Path, cfg: Path, *args: str, launcher: list[str] | None = None) -> None:
+        self.err_path = tmp / "run.stderr"
+        err = open(self.err_path, "w")  # noqa: SIM115 - lives with the process
+        self.proc = subprocess.Popen([*(launcher or [EGRESSGATE]), "run", "--config", str(cfg), *args],
+                                     stdout=subprocess.PIPE, stderr=err, text=True, env={**os.environ, "NO_PROXY": ""})
+        line = first_line(self.proc, 60)
+        self.info = json.loads(line) if line.strip() else None
+        drain(self.proc)
+
+    def stderr(self) -> str:
+        return self.err_path.read_text(errors="replace")
+
+
+@pytest.fixture
+def runs():
+    started: list[Run] = []
+    yield started
+    for run in started:
+        workers = children(run.proc.pid) | set((run.info or {}).get("workers", []))
+        stop_process(run.proc)
+        for pid in workers:  # never left behind by a failing test
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_workers_refused_with_the_memory_backend(tmp_path, runs):
+    """The unmodified CLI: --workers 2 on the (default) memory backend stops before binding anything,
+    with what to do; the positive control is --workers 1 on the same config serving."""
+    port = free_port()
+    cfg = config(tmp_path, listen={"proxy": f"127.0.0.1:{port}", "admin": "127.0.0.1:0", "dns": None,
+                                   "transparent": None})
+    res = subprocess.run([EGRESSGATE, "run", "--config", str(cfg), "--workers", "2"], capture_output=True,
+                         text=True, timeout=60)
+    assert res.returncode != 0 and res.stdout == ""
+    assert "--workers 2 needs a shared state store" in res.stderr and "backend: redis" in res.stderr, res.stderr
+    assert not (tmp_path / "var" / "gateway.json").exists()
+    with socket.socket() as s:  # nothing was bound
+        s.bind(("127.0.0.1", port))
+    runs.append(run := Run(tmp_path, cfg, "--workers", "1"))
+    assert run.info is not None and run.info["proxy"] == f"127.0.0.1:{port}", run.stderr()
+
+
+def test_one_worker_is_the_gateway_itself(tmp_path, runs):
+    """--workers 1 (the default) is today's gateway: no supervisor, no child process, audit.jsonl, the
+    runtime file names the process itself."""
+    runs.append(run := Run(tmp_path, config(tmp_path), "--workers", "1"))
+    assert run.info is not None, run.stderr()
+    assert "workers" not in run.info
+    runtime = json.loads((tmp_path / "var" / "gateway.json").read_text())
+    assert runtime["pid"] == run.proc.pid and runtime["proxy"] == run.info["proxy"]
+    assert runtime["audit_file"] == str((tmp_path / "var" / "audit.jsonl").absolute())
+    assert children(run.proc.pid) == set()
+    assert (tmp_path / "var" / "audit.jsonl").exists() and not list((tmp_path / "var").glob("audit.w*"))
+
+
+def dns_rcode(dns: str, tcp: bool = False) -> int:
+    host, _, port = dns.rpartition(":")
+    reply = DNSRecord.question("example.test", "A").send(host, int(port), tcp=tcp, timeout=5)
+    return DNSRecord.parse(reply).header.rcode
+
+
+def proxy_407(proxy: str) -> bool:
+    res = httpx.get("http://example.test/", proxy=f"http://{proxy}", trust_env=False, timeout=10)
+    return res.status_code == 407
+
+
+def test_supervisor_shares_listeners_fans_out_signals_and_restarts(tmp_path, runs):
+    var = tmp_path / "var"
+    runs.append(run := Run(tmp_path, config(tmp_path), "--workers", "2", launcher=LAUNCHER))
+    assert run.info is not None, run.stderr()
+    sup = run.proc.pid
+    w0, w1 = run.info["workers"]
+    assert run.info["pid"] == sup and children(sup) == {w0, w1}
+    runtime = json.loads((var / "gateway.json").read_text())  # written once, by the supervisor
+    assert runtime["pid"] == sup and runtime["proxy"] == run.info["proxy"]
+    assert runtime["audit_file"] == str((var / "audit.w*.jsonl").absolute())
+    # every listener answers on its one address: proxy, admin, DNS over UDP and TCP
+    assert all(proxy_407(run.info["proxy"]) for _ in range(20))
+    assert httpx.get(f"http://{run.info['admin']}/healthz", timeout=10).status_code == 200
+    assert dns_rcode(run.info["dns"]) == RCODE.REFUSED and dns_rcode(run.info["dns"], tcp=True) == RCODE.REFUSED
+    # each worker writes its own chain; both served the proxy port (requests recorded in both files)
+
+    def both_served() -> bool:
+        assert all(proxy_407(run.info["proxy"]) for _ in range(10))
+        return all(_served(var / f"audit.w{i}.jsonl") for i in (0, 1))
+
+    assert wait_for(both_served, timeout=30)
+    assert _holds(w0, var / "audit.w0.jsonl") and _holds(w1, var / "audit.w1.jsonl")
+    # SIGHUP to the supervisor reloads the policies in every worker
+    run.proc.send_signal(signal.SIGHUP)
+    assert wait_for(lambda: all(f"w{i}/egressgate.gateway.app: policies reloaded (SIGHUP)" in run.stderr()
+                                for i in (0, 1)), timeout=15), run.stderr()[-3000:]
+    # kill -9 a worker: the other keeps serving at once, the supervisor starts a new one in its slot
+    os.kill(w0, signal.SIGKILL)
+    assert all(proxy_407(run.info["proxy"]) for _ in range(20))
+    assert wait_for(lambda: len(children(sup) - {w1}) == 1 and "worker w0 (pid" in run.stderr()
+                    and "serving again" in run.stderr(), timeout=30), run.stderr()[-3000:]
+    new_w0 = (children(sup) - {w1}).pop()
+    assert new_w0 != w0 and _holds(new_w0, var / "audit.w0.jsonl")
+    # SIGTERM: every worker stops gracefully (its file sealed), then the supervisor; nothing left behind
+    assert stop_process(run.proc, timeout=40) == 0
+    assert not alive(w1) and not alive(new_w0)
+    assert not (var / "gateway.json").exists()
+    files = sorted(str(p) for p in var.glob("audit*.jsonl"))
+    res = subprocess.run([EGRESSGATE, "audit", "verify", "--per-worker", "--public-key",
+                          str(var / "audit-signing.key.pub"), *files], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "new chain" not in res.stderr  # the killed worker's successor continued its chain
+    assert res.stdout.count("sealed") == len(files)  # without --allow-unsealed: every file was sealed
+
+
+def _served(path: Path) -> bool:
+    return path.exists() and '"identity_unknown"' in path.read_text()
+
+
+def _holds(pid: int, path: Path) -> bool:
+    """Process `pid` has `path` open (it is that file's one writer)."""
+    fd_dir = Path(f"/proc/{pid}/fd")
+    return any(os.path.realpath(fd_dir / fd) == str(path.resolve()) for fd in os.listdir(fd_dir))
+
+
+def test_workers_die_with_the_supervisor(tmp_path, runs):
+    """kill -9 of the supervisor: its workers get SIGTERM (PR_SET_PDEATHSIG) and stop; none is orphaned."""
+    runs.append(run := Run(tmp_path, config(tmp_path), "--workers", "2", launcher=LAUNCHER))
+    assert run.info is not None, run.stderr()
+    workers = set(run.info["workers"])
+    assert all(alive(pid) for pid in workers)  # control
+    run.proc.kill()
+    run.proc.wait(10)
+    assert wait_for(lambda: not any(alive(pid) for pid in workers), timeout=30)
+
+
+def test_a_worker_that_cannot_start_stops_the_supervisor(tmp_path, runs):
+    """A failure only a worker meets (here: audit.signer vault without a Vault broker) ends `run` with the
+    worker's error and exit 1; the listeners are released (the port can be bound again)."""
+    port = free_port()
+    cfg = config(tmp_path, audit={"signer": "vault"},
+                 listen={"proxy": f"127.0.0.1:{port}", "admin": "127.0.0.1:0", "dns": None, "transparent": None})
+    runs.append(run := Run(tmp_path, cfg, "--workers", "2", launcher=LAUNCHER))
+    assert run.info is None
+    assert run.proc.wait(60) == 1
+    err = run.stderr()
+    assert "audit.signer: vault needs broker.backend: vault" in err and "did not start" in err, err[-3000:]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+
+
+def test_log_format_json_in_the_supervisor_and_every_worker(tmp_path, runs):
+    """`--log-format json`: every stderr line of the supervisor and of both workers is one JSON object, the
+    workers' loggers carry their slot (control: the default text format is not JSON)."""
+    runs.append(run := Run(tmp_path, config(tmp_path), "--workers", "2", "--log-format", "json", launcher=LAUNCHER))
+    assert run.info is not None, run.stderr()
+    run.proc.send_signal(signal.SIGHUP)
+    assert wait_for(lambda: run.stderr().count("policies reloaded (SIGHUP)") == 2, timeout=15), run.stderr()[-2000:]
+    assert stop_process(run.proc, timeout=40) == 0
+    lines = [json.loads(line) for line in run.stderr().splitlines()]
+    loggers = {line["logger"] for line in lines}
+    assert "egressgate.gateway.workers" in loggers
+    assert {"w0/egressgate.gateway.app", "w1/egressgate.gateway.app"} <= loggers, loggers
+    assert all(set(line) >= {"ts", "level", "logger", "message"} for line in lines)
+    text = tmp_path / "text"
+    text.mkdir()
+    runs.append(plain := Run(text, config(text), "--log-level", "DEBUG"))
+    assert plain.info is not None
+    stop_process(plain.proc)
+    first = plain.stderr().splitlines()[0]
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(first)
