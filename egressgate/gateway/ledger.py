@@ -261,12 +261,13 @@ class Meter:
     each chunk as it arrives, the stream callable spends it, possibly later: the phantom guard holds
     bytes back)."""
 
-    __slots__ = ("closed", "credit", "ledger", "limit", "pool", "sandbox_id")
+    __slots__ = ("closed", "credit", "failed", "ledger", "limit", "pool", "sandbox_id")
 
     def __init__(self, ledger: ByteLedger, sandbox_id: str, pool: _Pool, limit: int | None) -> None:
         self.ledger, self.sandbox_id, self.pool, self.limit = ledger, sandbox_id, pool, limit
         self.credit = 0
         self.closed = False
+        self.failed: str | None = None  # "state_unavailable": a top-up failed for the store, not the budget
 
     def cover(self, n: int) -> bool:
         """Set `n` more bytes aside for this flow (pool -> credit); False when the pool cannot (top up).
@@ -381,4 +382,5 @@ async def answer_top_up(top: TopUp) -> None:
         top.ok = await top.meter.top_up(top.size) and top.meter.cover(top.size)  # no await in between
     except StateUnavailable as exc:
         top.ok, top.error = False, "state_unavailable"
+        top.meter.failed = top.error
         logger.error("topping up the byte budget of %s failed: %s; cutting the stream", top.meter.sandbox_id, exc)

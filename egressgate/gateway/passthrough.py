@@ -281,6 +281,7 @@ class PassthroughLayer(layer.Layer):
             # the chunk that would cross is never relayed; RST both sides (a cut stream must not look
             # complete to the upstream)
             self.tally.cut = True
+            self.tally.cut_reason = meter.failed  # the store failed during the top-up, not the budget
             logger.info("sandbox %s crossed outbound_bytes_max in a passthrough tunnel; cutting", self.sandbox_id)
             if self.rt.abort_connection is not None:
                 self.rt.abort_connection(self.context.client.id)
@@ -322,7 +323,8 @@ class PassthroughLayer(layer.Layer):
         refusal = self.refusal
         tally = self.tally
         if refusal is None and tally.cut:
-            refusal = gateway_deny(Reason.BUDGET_EXCEEDED, detail="outbound_bytes_max")
+            refusal = gateway_deny(Reason.STATE_UNAVAILABLE if tally.cut_reason else Reason.BUDGET_EXCEEDED,
+                                   detail="outbound_bytes_max")
         elif refusal is None and conn.closed:
             refusal = gateway_deny(Reason.SANDBOX_REVOKED)
         extra: dict = {**TLS_ATTRIBUTE, **conn_attributes(conn)}
@@ -330,7 +332,7 @@ class PassthroughLayer(layer.Layer):
             extra["egressgate.tls.sni"] = self.sni
         if refusal is not None and refusal.detail:
             extra["egressgate.detail"] = refusal.detail
-        if tally.cut:
+        if tally.cut and not tally.cut_reason:
             extra["egressgate.budget_cut"] = True
         if self.error:
             extra["egressgate.error"] = self.error
