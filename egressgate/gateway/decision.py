@@ -60,7 +60,7 @@ class DecisionAddon:
     async def _snapshot(self, fs: FlowState) -> SandboxState | None:
         try:
             assert fs.sandbox_id is not None
-            return await self.rt.state.snapshot(fs.sandbox_id)
+            return self.rt.ledger.spent_view(await self.rt.state.snapshot(fs.sandbox_id))  # leases held: unspent
         except (StateUnavailable, KeyError):
             fs.decision = gateway_deny(Reason.STATE_UNAVAILABLE)
             return None

@@ -31,11 +31,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from mitmproxy.proxy.commands import StartHook
 
+from egressgate.policy.facts import SandboxState
 from egressgate.state.base import StateStore, StateUnavailable
 from egressgate.state.memory import MemoryState
 
@@ -141,6 +142,16 @@ class ByteLedger:
         else:
             pool.unused += amount
             self._mark(sandbox_id)
+
+    def spent_view(self, snap: SandboxState) -> SandboxState:
+        """The store's snapshot as decisions, records and the control API read it: bytes this process
+        holds in leases but has not sent are not spent (the store counts a lease as spent the moment it
+        is granted, so that no process can overbook; a decision must not deny what the budget still
+        allows because a stream here holds a lease). Unchanged when nothing is held here."""
+        pool = self._pools.get(snap.sandbox_id)
+        if pool is None or not pool.avail:
+            return snap
+        return replace(snap, bytes_out=max(0, snap.bytes_out - pool.avail))
 
     async def remaining(self, sandbox_id: str, limit: int | None) -> int:
         """What this sandbox could still send from here (for the 429 message; a store read)."""
