@@ -235,7 +235,11 @@ class PassthroughLayer(layer.Layer):
         if self.tally.cut or self.conn.closed or self._handle_event != self._relay:
             return
         splice = Splice(self.rt, self.sandbox_id, self._meter(), self.tally)
-        taken = splice.take_over(self.context.client, self.context.server)
+        # not while this layer waits for a lease top-up (BudgetTopUpHook): mitmproxy queues the events
+        # that arrive meanwhile in the layer and replays them afterwards, which would write them to the
+        # sockets after bytes the splice relayed first
+        paused = self._paused is not None or bool(self._paused_event_queue)
+        taken = None if paused else splice.take_over(self.context.client, self.context.server)
         if taken:
             self.splice = splice
         elif taken is None and self.take_over_tries < TAKE_OVER_TRIES:
