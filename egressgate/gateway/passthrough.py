@@ -276,12 +276,14 @@ class PassthroughLayer(layer.Layer):
         if self.tally.cut:
             return
         meter = self._meter()
-        if not meter.take(len(data)):
+        paid = meter.take(len(data))
+        if not paid:
             top = TopUp(self.flow, meter, len(data))
             yield BudgetTopUpHook(top)  # this layer pauses (its events queue) while the lease tops up
             if self.tally.cut or self._handle_event == self._done:
                 return
-        if not meter.take(len(data)):  # from the credit the hook covered, unless the store refused
+            paid = meter.take(len(data))  # from the credit the hook covered, unless the store refused
+        if not paid:
             # the chunk that would cross is never relayed; RST both sides (a cut stream must not look
             # complete to the upstream)
             self.tally.cut = True
