@@ -56,6 +56,12 @@ HEARTBEAT_TTL = 15.0  # a worker silent this long is dead: its leases are forfei
 _DOWN = (RedisConnectionError, RedisTimeoutError, OSError, asyncio.TimeoutError)
 
 
+def _limit(value: int | None) -> int:
+    """A limit as the scripts read it: -1 is "none", so a limit below zero (no room at all) must not
+    reach them as itself: it would read as unlimited. It is sent as 0."""
+    return -1 if value is None else max(int(value), 0)
+
+
 class RedisState:
     def __init__(self, url: str, key_prefix: str = "egressgate:", *, heartbeat_ttl: float = HEARTBEAT_TTL,
                  timeout: float = SOCKET_TIMEOUT) -> None:
@@ -289,7 +295,7 @@ class RedisState:
     async def reserve_out(self, sandbox_id: str, want: int, minimum: int, limit: int | None) -> int:
         keys = [self.key("ctr", sandbox_id), self.key("lease", self.worker_id), self.key("hb", self.worker_id),
                 self.key("workers"), self.key("sbx", sandbox_id)]
-        args = [sandbox_id, int(want), int(minimum), -1 if limit is None else int(limit),
+        args = [sandbox_id, int(want), int(minimum), _limit(limit),
                 int(self.heartbeat_ttl * 1000), self.worker_id]
         return int(await self._eval("RESERVE_OUT", keys, args))
 
@@ -305,8 +311,7 @@ class RedisState:
     async def record_request(self, sandbox_id: str, host: str, rule_id: str | None, nbytes: int, *,
                              requests_max: int | None = None, bytes_max: int | None = None) -> bool:
         keys = [self.key("hosts", sandbox_id), self.key("hist", sandbox_id), self.key("usage", sandbox_id)]
-        args = [host, rev_host(host), rule_id or "", int(nbytes), -1 if requests_max is None else int(requests_max),
-                -1 if bytes_max is None else int(bytes_max)]
+        args = [host, rev_host(host), rule_id or "", int(nbytes), _limit(requests_max), _limit(bytes_max)]
         return bool(await self._eval("RECORD_REQUEST", keys, args))
 
     async def add_dns_query(self, sandbox_id: str, name_bytes: int) -> tuple[int, int]:
