@@ -52,6 +52,7 @@ logger = logging.getLogger(__name__)
 SOCKET_TIMEOUT = 2.0  # one operation waits at most this long for Redis, then the request is denied
 CONNECT_TIMEOUT = 1.0
 MAX_CONNECTIONS = 64  # per process; the subscription holds one of them
+REVOKED_RETENTION = 7 * 86400.0  # a revoked sandbox's keys are dropped this long after its revocation
 HEARTBEAT_TTL = 15.0  # a worker silent this long is dead: its leases are forfeited by reconcile()
 _DOWN = (RedisConnectionError, RedisTimeoutError, OSError, asyncio.TimeoutError)
 
@@ -209,7 +210,9 @@ class RedisState:
 
     async def revoke(self, sandbox_id: str) -> bool:
         event = json.dumps({"op": "revoke", "id": sandbox_id, "w": self.worker_id})
-        found = await self._eval("REVOKE", [self.key("sbx", sandbox_id), self._events], [event])
+        keys = [self.key("sbx", sandbox_id), self._events, self.key("ctr", sandbox_id),
+                self.key("hosts", sandbox_id), self.key("hist", sandbox_id), self.key("usage", sandbox_id)]
+        found = await self._eval("REVOKE", keys, [event, int(REVOKED_RETENTION * 1000)])
         cached = self._cache.records.get(sandbox_id) is not None
         self._cache.invalidate(sandbox_id)
         if found or cached:
