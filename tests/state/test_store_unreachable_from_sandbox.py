@@ -29,6 +29,9 @@ def _connect(proxy: tuple[str, int], sbx: dict, target: str) -> tuple[socket.soc
         if not chunk:
             break
         head += chunk
+    if not head.startswith(b"HTTP/1.1 200"):  # a refusal: its JSON body follows, then the proxy closes
+        while chunk := sock.recv(4096):
+            head += chunk
     return sock, head
 
 
