@@ -33,6 +33,8 @@ USER 65532:65532
 ENTRYPOINT ["bao"]
 
 FROM ${BASE} AS redis
+COPY --chown=65532:65532 build/images/dirs/ /data/
 ENV PATH=/usr/bin:/bin
 USER 65532:65532
-CMD ["redis-server", "--save", "", "--appendonly", "no"]
+WORKDIR /data
+CMD ["redis-server", "--save", "", "--appendonly", "yes", "--dir", "/data"]

@@ -35,6 +35,7 @@ import os
 import secrets
 import shlex
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -136,17 +137,21 @@ class Driver:
             rcpu0 = state_procs.redis_cpu(self.gw_prefix, state_procs.REDIS_PORT)
         req0 = upstream_stats(self.procs["upstream"])["requests"]
         cpu0 = state_procs.tree_cpu_seconds(p.pid)
+        by_pid0 = state_procs.tree_cpu_by_pid(p.pid)
         try:
             r, client = self.run_load(name, mode, conc)
         except RuntimeError as exc:
             log(f"rep {rep + 1} {mode:5} c={conc:<3} {name:9} FAILED {exc}")
             return {**row, "failed": str(exc)}
         cpu_s = state_procs.tree_cpu_seconds(p.pid) - cpu0
+        by_pid = state_procs.tree_cpu_by_pid(p.pid)
+        # cores per process of the tree (supervisor and workers), busiest first: did the load spread?
+        split = sorted(((by_pid[k] - by_pid0.get(k, 0.0)) / r.seconds for k in by_pid), reverse=True)
         upstream_reqs = upstream_stats(self.procs["upstream"])["requests"] - req0 - 1  # -1: the /__stats GET
         row.update({"rps": r.rps, "p50_ms": r.p50_ms, "p99_ms": r.p99_ms, "errors": r.errors, "requests": r.ok,
                     "gateway_cores": cpu_s / r.seconds, "gateway_cpu_s": cpu_s, "client": client,
                     "client_cores": r.loadgen_cpu, "upstream_requests": upstream_reqs,
-                    "gateway_pids": len(state_procs.tree_pids(p.pid))})
+                    "gateway_pids": len(by_pid), "cores_by_process": [round(x, 2) for x in split]})
         if uses_redis:
             row["redis_cores"] = (state_procs.redis_cpu(self.gw_prefix, state_procs.REDIS_PORT) - rcpu0) / r.seconds
             st = state_procs.redis_stats(self.gw_prefix, state_procs.REDIS_PORT)
@@ -155,7 +160,8 @@ class Driver:
             row["redis_latency_usec"] = st["latency_usec"]
         err = sum(r.errors.values())
         log(f"rep {rep + 1} {mode:5} c={conc:<3} {name:9} {r.rps:8.1f} rps  p50 {r.p50_ms:7.2f} ms  p99 "
-            f"{r.p99_ms:7.2f} ms  gateway {row['gateway_cores']:.2f} cores  {r.ok / cpu_s if cpu_s else 0:.0f} "
+            f"{r.p99_ms:7.2f} ms  gateway {row['gateway_cores']:.2f} cores {row['cores_by_process']}  "
+            f"{r.ok / cpu_s if cpu_s else 0:.0f} "
             f"req/CPU-s  client {r.loadgen_cpu:.2f} ({client})" + (f"  ERRORS {err}: {r.errors}" if err else ""))
         return row
 
@@ -203,6 +209,39 @@ class Driver:
         return out
 
 
+    def profile(self, name: str) -> dict:
+        """One more gateway of candidate `name` (one process) under cProfile through a c=32 cell per mode;
+        where its CPU goes (loadtests/cprofile_gateway.py). Not part of the measured figures."""
+        up = self.procs["upstream"]
+        prof = self.dir / f"{name}.prof"
+        try:
+            p = state_procs.start_gateway(self.world, self.dir, self.certs.ca_pem, up.info["http_port"],
+                                          up.info["https_port"], state_procs.CANDIDATES[name],
+                                          self.redis.info["url"] if self.redis else None, self.tag, profile_to=prof)
+        except Exception as exc:
+            return {"error": " ".join(str(exc).split())[:300]}
+        out: dict = {"cells": []}
+        try:
+            self.procs[f"{name}-profiled"] = p
+            for mode in self.args.modes:
+                self.run_load(f"{name}-profiled", mode, 32)  # warm (connections, certificates, caches)
+                os.kill(p.pid, signal.SIGUSR1)
+                r, client = self.run_load(f"{name}-profiled", mode, 32)
+                os.kill(p.pid, signal.SIGUSR2)
+                out["cells"].append(f"{mode} c=32 {r.rps:.0f} rps under cProfile ({client})")
+                log(f"profile {name}: {out['cells'][-1]}")
+        finally:
+            p.stop()
+            self.procs.pop(f"{name}-profiled", None)
+        if not prof.exists():
+            return {**out, "error": "the profiled gateway wrote no stats"}
+        from loadtests import cprofile_gateway
+
+        out.update(cprofile_gateway.summarize(prof))
+        log(f"profile {name}:\n" + cprofile_gateway.describe(out))
+        return out
+
+
 def summarize(rows: list[dict]) -> list[dict]:
     cells: dict[tuple, list[dict]] = {}
     for r in rows:
@@ -226,6 +265,8 @@ def summarize(rows: list[dict]) -> list[dict]:
             "rps": med("rps"), "p50_ms": med("p50_ms"), "p99_ms": med("p99_ms"),
             "gateway_cores": med("gateway_cores"), "client_cores": med("client_cores"),
             "redis_cores": med("redis_cores"), "client": ok[0]["client"] if ok else None,
+            "cores_by_process": [statistics.median(v) for v in zip(*(x["cores_by_process"] for x in ok), strict=False)]
+            if ok and all("cores_by_process" in x for x in ok) else [],
             # requests per gateway CPU-second: what a core buys, less sensitive to the CPU others take
             "req_per_cpu_s": statistics.median(x["rps"] / x["gateway_cores"] for x in ok)
             if ok and all(x["gateway_cores"] for x in ok) else None,
@@ -252,6 +293,7 @@ def inner(args: argparse.Namespace) -> None:
         rows = driver.matrix() if driver.available() else []
         result.update({"rows": rows, "summary": summarize(rows)})
         result["budget"] = driver.budget() if args.budget_n > 0 else []
+        result["profiles"] = {name: driver.profile(name) for name in args.profile}
     finally:
         driver.stop()
         Path(os.environ[RESULT_ENV]).write_text(json.dumps(result, indent=1, default=str))
@@ -314,6 +356,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--http-client", choices=["wrk", "python"], default="wrk",
                     help="plain-HTTP client (wrk when installed; HTTPS always uses loadtests/loadgen.py)")
     ap.add_argument("--budget-n", type=int, default=20000, help="reserve_out calls per budget-check case (0: skip)")
+    ap.add_argument("--profile", nargs="*", default=[], choices=[n for n in NAMES if not n.endswith("-2w")],
+                    help="after the measured cells: this candidate (one process) under cProfile, a c=32 cell per mode")
     ap.add_argument("--quick", action="store_true", help="a smoke run: 2 s cells, 1 repeat, 2000 budget calls")
     ap.add_argument("--record", action="store_true", help="append the table and the command to RESULTS.md")
     ap.add_argument("--out-dir", type=Path, default=ROOT / "loadtests" / "results")

@@ -15,6 +15,7 @@ import contextlib
 import os
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -81,10 +82,14 @@ def start_redis(directory: Path, port: int, prefix: Sequence[str] = ()) -> procs
 
 
 def start_gateway(world: World, directory: Path, upstream_ca: Path, http_port: int, https_port: int,
-                  cand: Candidate, redis_url: str | None, run_tag: str) -> procs.Proc:
+                  cand: Candidate, redis_url: str | None, run_tag: str, profile_to: Path | None = None) -> procs.Proc:
     """`egressgate run [--workers N]` with `state:` for the candidate's backend, and one sandbox admitted
     with the real `egressgate sandbox admit` (through the admin API, so with Redis every worker sees it).
-    Each Redis candidate has its own key prefix: they share the Redis server, never a sandbox or a budget."""
+    Each Redis candidate has its own key prefix: they share the Redis server, never a sandbox or a budget.
+    `profile_to`: one process under cProfile (loadtests/cprofile_gateway.py) on ports 100 above the
+    candidate's, its own sandbox and key prefix; the stats are written there when it stops."""
+    if profile_to is not None:
+        cand = Candidate(cand.name + "-profiled", cand.backend, 1, cand.proxy_port + 100, cand.admin_port + 100)
     d = directory / cand.name
     pol = d / "policies"
     pol.mkdir(parents=True, exist_ok=True)
@@ -99,6 +104,8 @@ def start_gateway(world: World, directory: Path, upstream_ca: Path, http_port: i
             raise RuntimeError("no Redis")
         extra["state"] = {"backend": "redis", "url": redis_url, "key_prefix": f"egB-{run_tag}-{cand.name}:"}
     program = [procs.EGRESSGATE, "run"] + (["--workers", str(cand.workers)] if cand.workers > 1 else [])
+    if profile_to is not None:
+        program = [sys.executable, "-m", "loadtests.cprofile_gateway", str(profile_to), "--", "run"]
     p = procs.launch_egressgate(d, upstream_ca, listen, {"sandbox": "bench"}, name=cand.name, extra_config=extra,
                                 program=program, prefix=world.exec_prefix("gw"))
     p.info["key_prefix"] = extra.get("state", {}).get("key_prefix")
@@ -128,6 +135,16 @@ def _stat_fields(pid: int) -> list[str] | None:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
         return None
+
+
+def tree_cpu_by_pid(pid: int) -> dict[int, float]:
+    """Own CPU seconds (utime+stime) of each live process of the tree: how the load spread over workers."""
+    out = {}
+    for p in tree_pids(pid):
+        f = _stat_fields(p)
+        if f is not None:
+            out[p] = (int(f[11]) + int(f[12])) / HZ
+    return out
 
 
 def tree_cpu_seconds(pid: int) -> float:

@@ -41,6 +41,12 @@ def _calls(s: dict) -> str:
     return ", ".join(f"{k} {v:g}" for k, v in c.items() if v >= 0.01) or "-"
 
 
+def _split(s: dict) -> str:
+    """Per-process cores when the gateway is several processes (supervisor + workers), busiest first."""
+    c = s.get("cores_by_process") or []
+    return f" ({' + '.join(f'{x:.2f}' for x in c)})" if len(c) > 1 else ""
+
+
 def markdown(report: dict) -> str:
     m = report["meta"]
     ls, le, lr = m["load_start"], m["load_end"], m["load_run"]
@@ -59,15 +65,15 @@ def markdown(report: dict) -> str:
         ("**Noisy run, compare with care:** " + "; ".join(m["noisy"]) + ".") if m.get("noisy")
         else "Quiet enough: no other load above the thresholds of loadtests/bench_load.py.",
         "",
-        "| mode | conc | gateway | rps (median) | rps per run | p50 ms | p99 ms | gateway cores | req per gateway "
-        "CPU-s | client cores | Redis cores | Redis commands per request | errors |",
+        "| mode | conc | gateway | rps (median) | rps per run | p50 ms | p99 ms | gateway cores (per process) | "
+        "req per gateway CPU-s | client cores | Redis cores | Redis commands per request | errors |",
         "|---|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
     for s in report["summary"]:
         lines.append(
             f"| {s['mode']} | {s['conc']} | {LABEL[s['candidate']]} | {_f(s['rps'])} | "
             f"{' / '.join(f'{x:.0f}' for x in s['runs'])} | {_f(s['p50_ms'], '.2f')} | {_f(s['p99_ms'], '.2f')} | "
-            f"{_f(s['gateway_cores'], '.2f')} | {_f(s['req_per_cpu_s'])} | {_f(s['client_cores'], '.2f')} | "
+            f"{_f(s['gateway_cores'], '.2f')}{_split(s)} | {_f(s['req_per_cpu_s'])} | {_f(s['client_cores'], '.2f')} | "
             f"{_f(s['redis_cores'], '.2f')} | {_calls(s)} | {s['errors']} |")
     lines += ["", f"| mode | conc | redis / memory rps (goal >= {GOALS['redis_vs_memory']}x) | same, per gateway "
               f"CPU-s | --workers 2 / 1 rps (goal >= {GOALS['workers2_vs_1']}x at c=32) | same, per gateway CPU-s "
@@ -86,17 +92,31 @@ def markdown(report: dict) -> str:
     budget = report.get("budget") or []
     if budget:
         lines += ["", f"Budget check (`reserve_out`, caller-side, loadtests/budget_check_bench.py in the gateway "
-                  f"namespace; goal p99 <= {GOALS['budget_p99_us']:.0f} µs on loopback Redis):", "",
-                  "| case | calls | p50 µs | p90 µs | p99 µs | p99.9 µs | max µs | settle_out p99 µs |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
+                  f"namespace; goal p99 <= {GOALS['budget_p99_us']:.0f} µs on loopback Redis; with 32 concurrent "
+                  "callers on one event loop a call also waits for the other callers' turns: that row shows "
+                  "queueing, not the script):", "",
+                  "| case | calls | p50 µs | p90 µs | p99 µs | p99.9 µs | max µs | settle_out p99 µs | caller CPU µs "
+                  "per reserve+settle |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for b in budget:
             if "error" in b:
-                lines.append(f"| {b['case']} | not available: {b['error'][:200]} | | | | | | |")
+                lines.append(f"| {b['case']} | not available: {b['error'][:200]} | | | | | | | |")
                 continue
             r, st = b["reserve_out"], b["settle_out"]
             goal = _goal(r["p99_us"], GOALS["budget_p99_us"], higher=False) if b["case"].startswith("redis") else ""
-            lines.append(f"| {b['case']} | {r['calls']} | {r['p50_us']:.0f} | {r['p90_us']:.0f} | "
-                         f"{r['p99_us']:.0f}{goal} | {r['p999_us']:.0f} | {r['max_us']:.0f} | {st['p99_us']:.0f} |")
+            lines.append(f"| {b['case']} | {r['calls']} | {r['p50_us']:.1f} | {r['p90_us']:.1f} | "
+                         f"{r['p99_us']:.1f}{goal} | {r['p999_us']:.1f} | {r['max_us']:.0f} | {st['p99_us']:.1f} | "
+                         f"{b.get('cpu_us_per_pair', '-')} |")
+    for name, prof in (report.get("profiles") or {}).items():
+        if "error" in prof:
+            lines += ["", f"Profile of `{name}`: not available ({prof['error']})."]
+            continue
+        comps = ", ".join(f"{k} {v}%" for k, v in prof["components_self_pct"].items() if v >= 1.0)
+        tops = "; ".join(f"{w} {p_}%" for w, p_, _us, _n in prof["top_self"][:8])
+        state = "; ".join(f"{w} {us} µs x{n}" for w, us, n in prof["state_inclusive"][:5]) or "-"
+        lines += ["", f"Profile of `{name}` (one process under cProfile, {'; '.join(prof['cells'])}; self time, % "
+                  f"of {prof['busy_s']} busy s): {comps}. Top functions: {tops}. State calls (inclusive, "
+                  f"profiled): {state}."]
     for name, why in report.get("unavailable", {}).items():
         lines += ["", f"{name}: not available ({why[:300]})."]
     return "\n".join(lines)

@@ -11,6 +11,7 @@ import click
 from egressgate.config import ConfigError, GatewayConfig, load_config
 from egressgate.dns.config import DnsConfigError
 from egressgate.gateway import ca as ca_mod
+from egressgate.logs import FORMATS, configure
 from egressgate.policy.errors import PolicyError
 
 
@@ -19,9 +20,6 @@ def _config(config_file: str | None, policy: str | None = None) -> GatewayConfig
         return load_config(config_file, {"policy": policy} if policy else None)
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from exc
-
-
-NOISY_LOGGERS = ("mitmproxy", "hpack", "aiohttp.access")
 
 
 class _WorkerTag(logging.Filter):
@@ -39,19 +37,9 @@ class _WorkerTag(logging.Filter):
 
 
 def configure_logging(level: str, fmt: str, worker: str | None = None) -> None:
-    """The process's logging: `egressgate.logs.configure(level, fmt)` (text or JSON lines on stderr), then
-    the chatty libraries quietened, and in a worker of `run --workers N` its tag on every record."""
-    try:
-        from egressgate.logs import configure
-    except ImportError:  # egressgate/logs.py (the JSON formatter) not merged yet: text only
-        if fmt != "text":
-            raise click.ClickException("--log-format json needs egressgate/logs.py") from None
-        logging.basicConfig(stream=sys.stderr, level=level.upper(),
-                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    else:
-        configure(level.upper(), fmt)
-    for noisy in NOISY_LOGGERS:
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    """The process's logging (egressgate/logs.py: text or JSON lines on stderr) and, in a worker of
+    `run --workers N`, its slot on every record."""
+    configure(level.upper(), fmt)
     if worker is not None:
         for handler in logging.getLogger().handlers:
             handler.addFilter(_WorkerTag(worker))
@@ -81,7 +69,7 @@ def _announce(line: str) -> None:
 @click.option("--policy", type=click.Path(), help="Policy file or directory (overrides the config)")
 @click.option("--log-level", default="INFO", show_default=True,
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
-@click.option("--log-format", default="text", show_default=True, type=click.Choice(["text", "json"]),
+@click.option("--log-format", default="text", show_default=True, type=click.Choice(list(FORMATS)),
               help="Log lines on stderr: text, or one JSON object per line (for a log collector).")
 @click.option("--workers", default=1, show_default=True, type=click.IntRange(1, 256),
               help="Gateway processes sharing the listeners (one event loop, i.e. one core, each); "

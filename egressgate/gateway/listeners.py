@@ -42,13 +42,20 @@ def bind_all(listen: ListenConfig) -> dict[str, socket.socket]:
     """Bind every configured listener: `proxy`, `admin`, `transparent`, `dns_udp` + `dns_tcp` (one port).
     Anything already bound is closed again when a later bind fails (the caller reports the OSError)."""
     socks: dict[str, socket.socket] = {}
+    key = "proxy"
     try:
         socks["proxy"] = _tcp_listener(*parse_listen(listen.proxy))
+        key = "admin"
         socks["admin"] = _tcp_listener(*parse_listen(listen.admin))
         if listen.transparent is not None:
+            key = "transparent"
             socks["transparent"] = _tcp_listener(*parse_listen(listen.transparent))
         if listen.dns is not None:
+            key = "dns"
             socks["dns_udp"], socks["dns_tcp"] = bind_dns(*parse_listen(listen.dns))
+    except OSError as exc:
+        close_all(socks)
+        raise OSError(exc.errno, f"listen.{key} {getattr(listen, key)}: {exc.strerror or exc}") from exc
     except BaseException:
         close_all(socks)
         raise

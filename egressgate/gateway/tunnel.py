@@ -22,6 +22,7 @@ per-request decision. Here every layer is chosen explicitly:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 from mitmproxy import tls as mitm_tls
@@ -44,6 +45,7 @@ from egressgate.gateway.tls_limits import BoundedClientTLSLayer, client_tls_laye
 from egressgate.policy.decide import decide
 from egressgate.policy.facts import Decision, Facts, Operation
 from egressgate.policy.reasons import Reason
+from egressgate.state.base import StateUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -149,10 +151,16 @@ class NextLayer:
         policy = self.rt.policies.get(conn.policy_name)
         decision: Decision
         facts = None
+        snapshot = None
+        if policy is not None and conn.sandbox_id is not None:
+            # a store that cannot answer leaves snapshot None: refused state_unavailable (fail closed)
+            with contextlib.suppress(StateUnavailable, KeyError):
+                snapshot = await self.rt.state.snapshot(conn.sandbox_id)
         if policy is None or conn.sandbox_id is None:
             decision = gateway_deny(Reason.POLICY_UNAVAILABLE)
+        elif snapshot is None:
+            decision = gateway_deny(Reason.STATE_UNAVAILABLE)
         else:
-            snapshot = await self.rt.state.snapshot(conn.sandbox_id)
             assert conn.tunnel_host is not None
             facts = Facts(
                 operation=Operation.HTTP_REQUEST, host=conn.tunnel_host, port=conn.tunnel_port, scheme="tcp",

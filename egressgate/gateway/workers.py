@@ -51,14 +51,9 @@ MAX_BACKOFF = 30.0
 _PR_SET_PDEATHSIG = 1
 
 
-def state_backend(cfg: GatewayConfig) -> str:
-    state = getattr(cfg, "state", None)
-    return str(getattr(state, "backend", "memory"))
-
-
 def check_workers(cfg: GatewayConfig, workers: int) -> None:
     """Refuse several workers on state that is not shared (the one place this rule is enforced)."""
-    if workers > 1 and state_backend(cfg) == "memory":
+    if workers > 1 and cfg.state.backend == "memory":
         raise ConfigError(
             f"--workers {workers} needs a shared state store: with state.backend memory each worker would keep "
             "its own sandboxes and budgets (a sandbox admitted by one worker is unknown to the others, and each "

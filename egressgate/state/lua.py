@@ -67,54 +67,73 @@ end
 return out
 """
 
-# KEYS: hosts, usage   ARGV: host, rule ('' = none), nbytes, requests_max (-1), bytes_max (-1)
+# KEYS: hosts, hist, usage   ARGV: host, host with its labels reversed (redis_codec.rev_host), rule
+# ('' = none), nbytes, requests_max (-1), bytes_max (-1). The history is kept twice: `hosts` (a set, read
+# whole) and `hist` (sorted by reversed host, read by pattern; see SNAPSHOT)
 RECORD_REQUEST = _HELPERS + """
-local rule = ARGV[2]
+local rule = ARGV[3]
 if rule ~= '' then
-  local n = N(ARGV[3])
-  local rmax = N(ARGV[4])
-  local bmax = N(ARGV[5])
+  local n = N(ARGV[4])
+  local rmax = N(ARGV[5])
+  local bmax = N(ARGV[6])
   if rmax >= 0 or bmax >= 0 then
-    local cur = redis.call('HMGET', KEYS[2], 'r:' .. rule, 'b:' .. rule)
+    local cur = redis.call('HMGET', KEYS[3], 'r:' .. rule, 'b:' .. rule)
     local r, b = N(cur[1]), N(cur[2])
     if rmax >= 0 and r + 1 > rmax then return 0 end
     if bmax >= 0 and (b >= bmax or b + n > bmax) then return 0 end
   end
-  redis.call('HINCRBY', KEYS[2], 'r:' .. rule, 1)
-  redis.call('HINCRBY', KEYS[2], 'b:' .. rule, I(n))
+  redis.call('HINCRBY', KEYS[3], 'r:' .. rule, 1)
+  redis.call('HINCRBY', KEYS[3], 'b:' .. rule, I(n))
 end
-redis.call('SADD', KEYS[1], ARGV[1])
+if redis.call('SADD', KEYS[1], ARGV[1]) == 1 then redis.call('ZADD', KEYS[2], 0, ARGV[2]) end
 return 1
 """
 
-# KEYS: ctr, hosts, usage, sbx   ARGV: want_hosts ('1'/'0'), want_record ('1'/'0'), rule ids... (none: all)
-# -> one JSON string [counters, hosts, usage (flat field/value), record (flat field/value)]: a single bulk
-# reply, decoded by the C json module, instead of one RESP element per host (the pure-Python RESP
-# parser cost ~6 us per element: most of a snapshot's CPU with a few dozen hosts in the history)
+# KEYS: ctr, hosts, hist, usage, sbx   ARGV[1]: JSON {"h": "all"|"none"|"some", "x": [exact reversed hosts],
+# "s": [reversed suffix prefixes, e.g. "com.example."], "r": [rule ids] or absent (all), "rec": 0|1}
+# -> one JSON string [counters, hosts, reversed hosts, usage (flat field/value), record (flat field/value)]:
+# a single bulk reply, decoded by the C json module, instead of one RESP element per host.
+# The history is a sorted set of hosts with their labels reversed, so "hosts under example.com" is one
+# lexicographic range (O(log n + matches)) and a history of thousands of hosts costs nothing to a
+# policy that asks about a few: neither this process nor Redis reads the rest.
 SNAPSHOT = """
+local spec = cjson.decode(ARGV[1])
 local ctr = redis.call('HMGET', KEYS[1], 'out', 'in', 'dq', 'db')
 for i = 1, 4 do if not ctr[i] then ctr[i] = '0' end end
 local hosts = {}
-if ARGV[1] == '1' then hosts = redis.call('SMEMBERS', KEYS[2]) end
+local reversed = {}
+if spec.h == 'all' then
+  hosts = redis.call('SMEMBERS', KEYS[2])
+elseif spec.h == 'some' then
+  for _, host in ipairs(spec.x) do
+    if redis.call('ZSCORE', KEYS[3], host) then table.insert(reversed, host) end
+  end
+  for _, prefix in ipairs(spec.s) do
+    local stop = string.sub(prefix, 1, -2) .. '/'  -- the prefix ends in '.', and '/' follows '.'
+    for _, host in ipairs(redis.call('ZRANGEBYLEX', KEYS[3], '[' .. prefix, '(' .. stop)) do
+      table.insert(reversed, host)
+    end
+  end
+end
 local usage = {}
-if #ARGV > 2 then
-  for i = 3, #ARGV do
-    local v = redis.call('HMGET', KEYS[3], 'r:' .. ARGV[i], 'b:' .. ARGV[i])
+if spec.r then
+  for _, rule in ipairs(spec.r) do
+    local v = redis.call('HMGET', KEYS[4], 'r:' .. rule, 'b:' .. rule)
     if v[1] then
-      table.insert(usage, 'r:' .. ARGV[i])
+      table.insert(usage, 'r:' .. rule)
       table.insert(usage, v[1])
     end
     if v[2] then
-      table.insert(usage, 'b:' .. ARGV[i])
+      table.insert(usage, 'b:' .. rule)
       table.insert(usage, v[2])
     end
   end
 else
-  usage = redis.call('HGETALL', KEYS[3])
+  usage = redis.call('HGETALL', KEYS[4])
 end
 local record = {}
-if ARGV[2] == '1' then record = redis.call('HGETALL', KEYS[4]) end
-return cjson.encode({ctr, hosts, usage, record})
+if spec.rec == 1 then record = redis.call('HGETALL', KEYS[5]) end
+return cjson.encode({ctr, hosts, reversed, usage, record})
 """
 
 # KEYS: addr   ARGV: prefix -> {} or the record (flat field/value) the address points at

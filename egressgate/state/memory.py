@@ -7,6 +7,7 @@ from collections.abc import Callable, Collection
 from types import MappingProxyType
 
 from egressgate.policy.facts import RuleUsage, SandboxState
+from egressgate.policy.globs import HostPattern
 from egressgate.state.base import SandboxRecord, grant_size, rule_budget_allows
 
 
@@ -65,7 +66,7 @@ class MemoryState:
     def on_revoke(self, callback: Callable[[str], None]) -> None:
         self._revoke_callbacks.append(callback)
 
-    async def snapshot(self, sandbox_id: str, *, history: bool = True,
+    async def snapshot(self, sandbox_id: str, *, history: bool | Collection[HostPattern] = True,
                        rules: Collection[str] | None = None) -> SandboxState:
         # `history` / `rules` are hints for backends that pay per item fetched; the cached views here
         # cost nothing to hand out whole (policy.relevant_state reduces them)
@@ -92,12 +93,6 @@ class MemoryState:
             seen_hosts=hosts,
             rule_usage=usage,
         )
-
-    async def add_bytes(self, sandbox_id: str, out: int = 0, in_: int = 0) -> tuple[int, int]:
-        counters = self._bytes.setdefault(sandbox_id, [0, 0])
-        counters[0] += out
-        counters[1] += in_
-        return counters[0], counters[1]
 
     async def reserve_out(self, sandbox_id: str, want: int, minimum: int, limit: int | None) -> int:
         counters = self._bytes.setdefault(sandbox_id, [0, 0])

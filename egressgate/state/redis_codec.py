@@ -8,9 +8,10 @@ dump of Redis cannot impersonate a sandbox. Decoding rejects a record it cannot 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 from egressgate.policy.facts import RuleUsage
+from egressgate.policy.globs import HostPattern
 from egressgate.state.base import SandboxRecord, StateUnavailable
 
 
@@ -59,3 +60,23 @@ def decode_usage(flat: Sequence[str]) -> dict[str, RuleUsage]:
         (requests if kind == "r" else nbytes)[rule] = int(value)
     return {rule: RuleUsage(requests=requests.get(rule, 0), bytes=nbytes.get(rule, 0))
             for rule in requests.keys() | nbytes.keys()}
+
+
+def rev_host(host: str) -> str:
+    """Labels reversed ("api.example.com" -> "com.example.api"): the history's sort key, so the hosts
+    under a suffix are one lexicographic range. Its own inverse."""
+    return ".".join(reversed(host.split(".")))
+
+
+def history_spec(history: bool | Collection[HostPattern]) -> dict:
+    """What the snapshot script reads of the history: all of it, none, or the hosts some patterns
+    could match (exact names, and the ranges under each suffix; "any" means all)."""
+    if history is True:
+        return {"h": "all"}
+    if history is False or not history:
+        return {"h": "none"}
+    patterns = list(history)
+    if any(p.kind == "any" for p in patterns):
+        return {"h": "all"}
+    return {"h": "some", "x": [rev_host(p.value) for p in patterns if p.kind == "exact"],
+            "s": [rev_host(p.value) + "." for p in patterns if p.kind == "suffix"]}

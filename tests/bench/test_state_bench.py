@@ -5,6 +5,7 @@
 - The /proc tree walk counts a forked worker's CPU (the per-CPU-second figure of `--workers 2` rests on it).
 - wrk as a forward-proxy client sends absolute-form requests with the sandbox's Proxy-Authorization, and a
   deny is never counted as throughput (positive control: the same server answering 200).
+- cProfile (no py-spy here) sees the gateway's request path when switched on around a load cell.
 - The ratios and goal marks are checked against hand-computed values.
 """
 
@@ -35,13 +36,13 @@ def test_state_bench_runs_end_to_end_in_tiny_mode(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("EGB_STATE_WORLD", None)
     cmd = [sys.executable, "-m", "loadtests.state_bench", "--seconds", "1", "--repeats", "1", "--concurrency", "2",
-           "--budget-n", "200", "--out-dir", str(tmp_path)]
+           "--budget-n", "200", "--profile", "memory", "--out-dir", str(tmp_path)]
     run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(next(tmp_path.glob("bench-state-*.json")).read_text())
     cells = {(s["mode"], s["candidate"]): s for s in report["summary"]}
     served = [c for c in state_procs.CANDIDATES if c not in report["unavailable"]]
-    assert "memory" in served
+    assert {"memory", "redis"} <= set(served), report["unavailable"]
     for cand in served:
         for mode in ("http", "https"):
             s = cells[(mode, cand)]
@@ -55,9 +56,14 @@ def test_state_bench_runs_end_to_end_in_tiny_mode(tmp_path: Path) -> None:
         if cand in served:  # the gateway really used Redis: its script ran for the requests
             calls = cells[("https", cand)]["redis_calls_per_req"]
             assert sum(calls.values()) >= 1, calls
-    for b in report["budget"]:
-        if "error" not in b:
-            assert b["reserve_out"]["calls"] > 0 and b["reserve_out"]["p99_us"] > 0, b
+    budget = {b["case"].split(",")[0] + "/" + b["case"].split(",")[1].split()[0]: b for b in report["budget"]}
+    assert set(budget) == {"memory/sequential", "redis/sequential", "redis/32", "redis/paced"}, list(budget)
+    for b in budget.values():
+        assert "error" not in b and b["reserve_out"]["calls"] > 0 and b["reserve_out"]["p99_us"] > 0, b
+    assert budget["redis/sequential"]["reserve_out"]["calls"] == 200
+    prof = report["profiles"]["memory"]  # cProfile saw the request path, not only start-up
+    assert prof["busy_s"] > 0 and prof["components_self_pct"].get("egressgate.policy (decide/canon)", 0) > 0, prof
+    assert any("snapshot" in w for w, _us, _n in prof["state_inclusive"]), prof["state_inclusive"]
     md = next(tmp_path.glob("bench-state-*.md")).read_text()
     assert "loadavg" in md and "req per gateway CPU-s" in md and report["meta"]["command"] in md
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
@@ -177,4 +183,4 @@ def test_ratios_and_goal_marks_match_hand_computed_values() -> None:
     ratio_line = next(line for line in md.splitlines() if line.startswith("| http | 32 | 0.86x"))
     assert ratio_line.count("**not met**") == 2, ratio_line
     budget_line = next(line for line in md.splitlines() if line.startswith("| redis, sequential"))
-    assert "1200 (**not met**)" in budget_line
+    assert "1200.0 (**not met**)" in budget_line

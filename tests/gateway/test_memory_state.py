@@ -18,7 +18,8 @@ async def test_snapshot_shows_every_change_and_old_snapshots_stay_as_they_were()
     first = await state.snapshot("sbx")
     assert first.seen_hosts == frozenset() and dict(first.rule_usage) == {} and dict(first.labels) == {"team": "a"}
     await state.record_request("sbx", "a.example", "r1", 10)
-    await state.add_bytes("sbx", out=10, in_=5)
+    assert await state.reserve_out("sbx", 10, 10, None) == 10
+    await state.add_in("sbx", 5)
     second = await state.snapshot("sbx")
     assert second.seen_hosts == {"a.example"}
     assert second.rule_usage["r1"].requests == 1 and second.rule_usage["r1"].bytes == 10

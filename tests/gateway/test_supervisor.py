@@ -203,3 +203,26 @@ def test_a_worker_that_cannot_start_stops_the_supervisor(tmp_path, runs):
     assert "audit.signer: vault needs broker.backend: vault" in err and "did not start" in err, err[-3000:]
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
+
+
+def test_log_format_json_in_the_supervisor_and_every_worker(tmp_path, runs):
+    """`--log-format json`: every stderr line of the supervisor and of both workers is one JSON object, the
+    workers' loggers carry their slot (control: the default text format is not JSON)."""
+    runs.append(run := Run(tmp_path, config(tmp_path), "--workers", "2", "--log-format", "json", launcher=LAUNCHER))
+    assert run.info is not None, run.stderr()
+    run.proc.send_signal(signal.SIGHUP)
+    assert wait_for(lambda: run.stderr().count("policies reloaded (SIGHUP)") == 2, timeout=15), run.stderr()[-2000:]
+    assert stop_process(run.proc, timeout=40) == 0
+    lines = [json.loads(line) for line in run.stderr().splitlines()]
+    loggers = {line["logger"] for line in lines}
+    assert "egressgate.gateway.workers" in loggers
+    assert {"w0/egressgate.gateway.app", "w1/egressgate.gateway.app"} <= loggers, loggers
+    assert all(set(line) >= {"ts", "level", "logger", "message"} for line in lines)
+    text = tmp_path / "text"
+    text.mkdir()
+    runs.append(plain := Run(text, config(text), "--log-level", "DEBUG"))
+    assert plain.info is not None
+    stop_process(plain.proc)
+    first = plain.stderr().splitlines()[0]
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(first)

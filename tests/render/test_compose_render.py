@@ -66,3 +66,25 @@ def test_bad_inputs_fail_clearly(tmp_path, args, message):
               "--out", str(tmp_path / "out"), *args)
     assert res.returncode == 2 and message in res.stderr, res.stderr
     assert "Traceback" not in res.stderr and not (tmp_path / "out").exists()
+
+
+def test_gateway_workers_share_state_in_redis(tmp_path):
+    """The compose gateway runs `--workers 2` on the rendered Redis (the config the gateway would refuse with
+    the memory backend passes), and Redis keeps its append-only file on a volume (a restart of Redis or of
+    the gateway keeps sandboxes and spent budgets); Redis sits only on the internal backend network."""
+    from egressgate.gateway.workers import check_workers
+
+    out = rendered(tmp_path)
+    doc = yaml.safe_load((out / "compose.yaml").read_text())
+    services = doc["services"]
+    cmd = services["gateway"]["command"]
+    workers = int(cmd[cmd.index("--workers") + 1])
+    assert workers == 2
+    cfg = GatewayConfig.model_validate(yaml.safe_load((out / "deploy/compose/gateway.yaml").read_text()))
+    redis_ip = services["redis"]["networks"]["backend"]["ipv4_address"]
+    assert cfg.state.backend == "redis" and cfg.state.url == f"redis://{redis_ip}:6379/0"
+    check_workers(cfg, workers)
+    redis = services["redis"]["command"]
+    assert redis[redis.index("--appendonly") + 1] == "yes" and redis[redis.index("--dir") + 1] == "/data"
+    assert "redis-data:/data" in services["redis"]["volumes"] and "redis-data" in doc["volumes"]
+    assert list(services["redis"]["networks"]) == ["backend"] and doc["networks"]["backend"]["internal"] is True

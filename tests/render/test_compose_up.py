@@ -153,7 +153,7 @@ def test_agent_reaches_the_allowed_upstream_only_through_the_gateway(stack):
 
     # the denial is audited under the agent's sandbox id (the one admission wrote into its env)
     sandbox_id = in_service(d, compose, "agent", AGENT_ENV + 'printf %s "$EGRESSGATE_SANDBOX_ID"').stdout
-    audit = in_service(d, compose, "gateway", "cat /var/lib/egressgate/audit.jsonl").stdout
+    audit = in_service(d, compose, "gateway", "cat /var/lib/egressgate/audit.w*.jsonl").stdout
     denials = [line for line in audit.splitlines() if "metadata_endpoint" in line]
     assert sandbox_id and denials and all(sandbox_id in line for line in denials), (sandbox_id, audit[-2000:])
 

@@ -50,6 +50,8 @@ def test_manifests_are_valid_kubernetes_1_30(tmp_path, runtime_class):
                    if " passed for resource " in line)
     assert kinds == sorted(["configmap/egressgate-gateway", "deployment/egressgate-gateway",
                             "service/egressgate-gateway", "networkpolicy/egressgate-gateway",
+                            "deployment/egressgate-redis", "service/egressgate-redis",
+                            "networkpolicy/egressgate-redis",
                             "networkpolicy/egressgate-agent-invoice-analysis",
                             "pod/egressgate-agent-invoice-analysis"])
     pod = yaml.safe_load_all((out / "agent.yaml").read_text())
@@ -73,7 +75,7 @@ def test_agent_network_policy_allows_only_the_gateway(tmp_path):
     docs = render(tmp_path)
     pod = by_kind(docs, "Pod")
     policy = by_kind(docs, "NetworkPolicy", "egressgate-agent-invoice-analysis")
-    gateway = by_kind(docs, "Deployment")
+    gateway = by_kind(docs, "Deployment", "egressgate-gateway")
     spec = policy["spec"]
     # it selects exactly the agent pod
     assert spec["podSelector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
@@ -151,7 +153,7 @@ def test_service_ip_makes_the_gateway_the_only_resolver(tmp_path):
     docs = render(tmp_path, "--service-ip", "10.96.0.53")
     spec = by_kind(docs, "Pod")["spec"]
     assert spec["dnsPolicy"] == "None" and spec["dnsConfig"] == {"nameservers": ["10.96.0.53"]}
-    assert by_kind(docs, "Service")["spec"]["clusterIP"] == "10.96.0.53"
+    assert by_kind(docs, "Service", "egressgate-gateway")["spec"]["clusterIP"] == "10.96.0.53"
     env = {e["name"]: e.get("value") for e in spec["containers"][0]["env"]}
     assert env["HTTP_PROXY"].endswith("@10.96.0.53:8080")
     assert validate(sorted((tmp_path / "out").glob("*.yaml"))).returncode == 0
@@ -181,3 +183,36 @@ def test_bad_policy_gives_the_loader_error_with_file_and_key_path(tmp_path):
     assert res.returncode == 2
     assert str(bad) in res.stderr and "sandbox.resources.memory_mb" in res.stderr
     assert "Traceback" not in res.stderr
+
+
+def test_replicas_share_one_redis_only_the_gateway_reaches(tmp_path):
+    """N gateway replicas (each `run --workers W`) behind the one Service, all configured with the rendered
+    Redis as their state store; Redis admits only the gateway pods (an agent that could write to it
+    could refill its own budget), and the gateway may reach it (pod addresses are private: the gateway's
+    public egress rule alone would not)."""
+    from egressgate.gateway.workers import check_workers
+
+    docs = render(tmp_path, "--replicas", "3", "--workers", "2", "--namespace", "agents")
+    gateway = by_kind(docs, "Deployment", "egressgate-gateway")
+    assert gateway["spec"]["replicas"] == 3
+    args = gateway["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--workers") + 1] == "2"
+    cfg = GatewayConfig.model_validate(yaml.safe_load(by_kind(docs, "ConfigMap")["data"]["gateway.yaml"]))
+    assert cfg.state.backend == "redis" and cfg.state.url == "redis://egressgate-redis.agents.svc:6379/0"
+    check_workers(cfg, 2)  # the gateway would not refuse its --workers on this config
+    redis = by_kind(docs, "Deployment", "egressgate-redis")
+    assert redis["spec"]["replicas"] == 1
+    container = redis["spec"]["template"]["spec"]["containers"][0]
+    assert "--appendonly" in container["command"] and container["securityContext"]["runAsNonRoot"] is True
+    service = by_kind(docs, "Service", "egressgate-redis")
+    assert service["spec"]["selector"] == redis["spec"]["template"]["metadata"]["labels"]
+    policy = by_kind(docs, "NetworkPolicy", "egressgate-redis")["spec"]
+    assert policy["podSelector"]["matchLabels"] == service["spec"]["selector"]
+    assert policy["ingress"] == [{"from": [{"podSelector": {"matchLabels": k8s.GATEWAY_LABELS}}],
+                                  "ports": [{"protocol": "TCP", "port": 6379}]}]
+    assert policy["egress"] == [] and sorted(policy["policyTypes"]) == ["Egress", "Ingress"]
+    egress = by_kind(docs, "NetworkPolicy", "egressgate-gateway")["spec"]["egress"]
+    assert {"to": [{"podSelector": {"matchLabels": service["spec"]["selector"]}}],
+            "ports": [{"protocol": "TCP", "port": 6379}]} in egress
+    res = cli("runtime", "render", "kubernetes", "--policies", str(POLICIES), "--policy", SEED, "--replicas", "0")
+    assert res.returncode != 0 and "--replicas must be 1..100" in res.stderr

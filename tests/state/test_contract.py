@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import textwrap
 
+from egressgate.policy.loader import parse_policy
 from egressgate.state.base import StateStore, token_matches
+from egressgate.state.redis import RedisState
 from tests.state.helpers import record
 
 
@@ -127,14 +130,42 @@ async def test_concurrent_rule_budget_is_exact(store: StateStore):
     assert (await store.snapshot("sbx")).rule_usage["r1"].requests == 17
 
 
-async def test_snapshot_hints_keep_what_the_policy_reads(store: StateStore):
+HISTORY_POLICY = parse_policy(textwrap.dedent("""
+    sandbox: {name: hist}
+    network:
+      https:
+        deny:
+          - {id: d1, host: "*", methods: [POST], when: {after_request_to: [secrets.example.com, "*.vault.example"]}}
+          - {id: d2, host: "*", methods: [PUT], when: {unless_request_to: ["*.internal"]}}
+        allow:
+          - {id: any-get, host: "*.example", methods: [GET]}
+          - {id: limited, host: limited.example, budget: {requests: 5}}
+          - {id: cheap, host: cheap.example, budget: {bytes: 500}}
+"""), "hist.yaml")
+HOSTS = ["secrets.example.com", "secrets.example.com.evil", "x.secrets.example.com", "vault.example", "a.vault.example",
+         "b.c.vault.example", "vault.example.org", "avault.example", "1.2.3.4", "db.internal", "x.y.internal",
+         "internal", "internal.example", "other.example", "::1"]
+
+
+async def test_snapshot_with_the_policys_needs_decides_like_the_full_one(store: StateStore):
+    """Asking only for what the policy reads (its history patterns, its budgeted rules) gives the same
+    relevant state as reading everything, on every backend."""
+    policy = HISTORY_POLICY
+    assert policy.history_patterns and policy.budgeted_rules == {"limited", "cheap"}  # positive control
     await store.admit(record())
-    await store.record_request("sbx", "a.example", "r1", 10)
-    await store.record_request("sbx", "a.example", "r2", 20)
-    snap = await store.snapshot("sbx", history=False, rules=("r2",))
-    assert snap.rule_usage["r2"].bytes == 20  # a backend may leave out the rest, never what was asked
+    for i, host in enumerate(HOSTS):
+        await store.record_request("sbx", host, ["any-get", "limited", "cheap"][i % 3], 10 * i)
+    if isinstance(store, RedisState):  # Redis reads only the matching hosts: fewer than the full history
+        some = await store.snapshot("sbx", history=policy.history_patterns)
+        assert len(some.seen_hosts) == 5
     full = await store.snapshot("sbx")
-    assert full.seen_hosts == frozenset({"a.example"}) and set(full.rule_usage) == {"r1", "r2"}
+    assert full.seen_hosts == frozenset(HOSTS) and set(full.rule_usage) == {"any-get", "limited", "cheap"}
+    hinted = await store.snapshot("sbx", history=policy.history_patterns, rules=policy.budgeted_rules)
+    assert policy.relevant_state(hinted) == policy.relevant_state(full)
+    assert policy.relevant_state(full).seen_hosts == {"secrets.example.com", "a.vault.example", "b.c.vault.example",
+                                                     "db.internal", "x.y.internal"}
+    nothing = await store.snapshot("sbx", history=False, rules=())
+    assert nothing.bytes_out == full.bytes_out and dict(nothing.labels) == dict(full.labels)
 
 
 async def test_reconcile_with_every_worker_alive_forfeits_nothing(store: StateStore):

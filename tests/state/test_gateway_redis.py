@@ -7,6 +7,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -96,3 +97,41 @@ def test_revocation_on_one_gateway_closes_a_stream_held_through_the_other(pair: 
     sock, head = connect_tunnel(b, via_b, f"api.test:{a.world.https_port}")
     sock.close()
     assert head.startswith(b"HTTP/1.1 407") and b"sandbox_revoked" in head
+
+
+@pytest.mark.parametrize("target", ["tcp.test", "open.test"])
+def test_redis_down_after_connect_refuses_the_tunnels_bytes(world: World, tmp_path: Path, target: str):
+    """A tunnel opened while Redis was up; Redis stops before its first bytes: the raw-TCP decision
+    cannot read the sandbox's state, so nothing reaches the upstream (fail closed, not a relay)."""
+    with RedisServer(tmp_path / "redis") as server:
+        gw = start_gateway(world, tmp_path / "gw", {"state": {"backend": "redis", "url": server.url}})
+        try:
+            sbx = gw.admit("gw-tcp")
+            port = world.tcp_port
+            sock, head = connect_tunnel(gw, sbx, f"tcp.test:{port}")  # positive control: relayed
+            sock.sendall(b"\x00control")
+            sock.settimeout(5)
+            assert sock.recv(100) == b"echo:\x00control"
+            sock.close()
+            sock, head = connect_tunnel(gw, sbx, f"{target}:{port}")
+            assert head.startswith(b"HTTP/1.1 200")
+            before = len(world.hits.tcp)
+            server.stop()
+            sock.sendall(b"\x00after-redis-stopped")
+            sock.settimeout(5)
+            try:
+                reply = sock.recv(200)
+            except OSError:
+                reply = b""
+            sock.close()
+            time.sleep(0.3)
+            assert not reply.startswith(b"echo:"), reply
+            assert all(b"after-redis-stopped" not in d for d in world.hits.tcp[before:])
+            if target == "tcp.test":
+                return  # relayed by its rule: the cut is the ledger's (its outcome record: PLAN-12 note)
+            # ...and the raw-TCP decision's refusal says why: the store, not a gateway bug
+            reasons = [r.get("egressgate.reason") for r in gw.audit_records()
+                       if r.get("egressgate.sandbox.id") == sbx.id and r.get("egressgate.decision") == "deny"]
+            assert "state_unavailable" in reasons and "internal_error" not in reasons, reasons
+        finally:
+            stop_gateway(gw)

@@ -6,8 +6,11 @@ import pytest
 
 from egressgate.config import ConfigError, load_config
 from egressgate.state import open_state
+from egressgate.state.base import StateUnavailable
+from egressgate.state.config import StateConfig
 from egressgate.state.memory import MemoryState
 from egressgate.state.redis import RedisState
+from tests.state.helpers import record
 from tests.support.redis import RedisServer
 
 
@@ -39,3 +42,26 @@ async def test_open_state_builds_the_named_backend(redis_server: RedisServer, tm
         await store.ping()
     finally:
         await store.close()
+
+
+async def test_password_and_unix_socket_urls_work_and_a_wrong_password_fails_closed(tmp_path):
+    secret = "r12-" + "pw" * 8
+    with RedisServer(tmp_path / "redis", password=secret, unixsocket=True) as server:
+        for url in (server.url, server.unix_url):
+            store = await open_state(StateConfig(backend="redis", url=url, key_prefix=server.prefix()))
+            try:
+                await store.admit(record())
+                assert await store.reserve_out("sbx", 5, 5, 10) == 5
+                assert (await store.snapshot("sbx")).bytes_out == 5 and (await store.get("sbx")) is not None
+            finally:
+                await store.close()
+        wrong = await open_state(StateConfig(backend="redis", url=server.url.replace(secret, "nope"),
+                                             key_prefix=server.prefix()))
+        try:
+            for op in (wrong.ping(), wrong.reserve_out("sbx", 1, 1, None), wrong.get("sbx")):
+                with pytest.raises(StateUnavailable) as info:
+                    await op
+                assert "nope" not in str(info.value) and secret not in str(info.value)
+            assert wrong.errors == 4  # and the ping open_state made at start
+        finally:
+            await wrong.close()

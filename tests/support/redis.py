@@ -26,16 +26,26 @@ REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 class RedisServer:
     """One redis-server process (restartable on the same port and data dir)."""
 
-    def __init__(self, directory: Path, *, appendfsync: str = "everysec", port: int | None = None) -> None:
+    def __init__(self, directory: Path, *, appendfsync: str = "everysec", port: int | None = None,
+                 password: str | None = None, unixsocket: bool = False) -> None:
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.appendfsync = appendfsync
+        self.password = password  # requirepass: clients must AUTH
+        self.socket = self.dir / "redis.sock" if unixsocket else None
         self.port = port or 0
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    @property
+    def unix_url(self) -> str:
+        assert self.socket is not None
+        auth = f":{self.password}@" if self.password else ""
+        return f"unix://{auth}{self.socket}"
 
     def prefix(self) -> str:
         """A fresh key prefix: tests sharing one server never see each other's keys."""
@@ -50,7 +60,9 @@ class RedisServer:
             self.proc = subprocess.Popen(
                 [REDIS_SERVER, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(self.dir),
                  "--appendonly", "yes", "--appendfsync", self.appendfsync, "--save", "",
-                 "--protected-mode", "yes", "--daemonize", "no", "--logfile", str(self.dir / "redis.log")],
+                 "--protected-mode", "yes", "--daemonize", "no", "--logfile", str(self.dir / "redis.log"),
+                 *(["--requirepass", self.password] if self.password else []),
+                 *(["--unixsocket", str(self.socket), "--unixsocketperm", "700"] if self.socket else [])],
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             )
             if self._wait_ready(port, timeout):
@@ -69,7 +81,8 @@ class RedisServer:
             try:
                 with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
                     s.sendall(b"PING\r\n")
-                    if s.recv(64).startswith(b"+PONG"):
+                    reply = s.recv(64)
+                    if reply.startswith(b"+PONG") or (self.password and reply.startswith(b"-NOAUTH")):
                         return True
             except OSError:
                 pass

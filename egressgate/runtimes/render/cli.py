@@ -72,14 +72,20 @@ def _run(build: Callable[[], dict[str, str]]) -> dict[str, str]:
 @click.option("--runtime-class", type=click.Choice(["gvisor", "kata"]), default="gvisor", show_default=True)
 @click.option("--service-ip", default=None,
               help="Fixed ClusterIP for the gateway Service; also becomes the agent's only nameserver.")
+@click.option("--replicas", default=2, show_default=True, type=int,
+              help="Gateway pods behind the one Service (they share state in the rendered Redis).")
+@click.option("--workers", default=1, show_default=True, type=int, help="`run --workers` in each gateway pod.")
+@click.option("--redis-image", default="egressgate-redis:0.1.0", show_default=True)
 def render_kubernetes_cmd(policy: str, policies: str, image: str, agent_image: str, out: str | None,
-                          namespace: str, runtime_class: str, service_ip: str | None) -> None:
-    """Gateway ConfigMap/Deployment/Service/NetworkPolicy + agent Pod/NetworkPolicy."""
+                          namespace: str, runtime_class: str, service_ip: str | None, replicas: int, workers: int,
+                          redis_image: str) -> None:
+    """Redis + gateway ConfigMap/Deployment/Service/NetworkPolicy + agent Pod/NetworkPolicy."""
     from egressgate.runtimes.render.kubernetes import render_kubernetes
 
     _emit(_run(lambda: render_kubernetes(load_context(policies, policy, image=image, agent_image=agent_image),
                                          namespace=namespace, runtime_class=runtime_class,
-                                         service_ip=service_ip)), out)
+                                         service_ip=service_ip, replicas=replicas, workers=workers,
+                                         redis_image=redis_image)), out)
 
 
 @render.command("compose")

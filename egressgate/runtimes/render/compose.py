@@ -39,6 +39,7 @@ OPENBAO_INIT = ("(bao secrets list | grep -q '^transit/' || bao secrets enable t
 AGENT_ENV_DIR = "/run/egressgate-agent"
 DEFAULT_BASE = "198.18.64.0/22"  # egress .64, backend .65, sandbox .66
 HARDENED = {"cap_drop": ["ALL"], "security_opt": ["no-new-privileges:true"]}
+GATEWAY_WORKERS = 2  # `run --workers`: one gateway container, two processes on its listeners
 
 
 def subnets(base: str) -> dict[str, ipaddress.IPv4Network]:
@@ -68,6 +69,9 @@ def compose_gateway_config(ip: dict[str, str]) -> dict:
     # port 53: Docker's `dns:` option takes addresses only; the container may bind it through the
     # namespaced sysctl below, without any capability
     cfg["listen"]["dns"] = "0.0.0.0:53"
+    # the gateway's workers share sandboxes, budgets and revocations through Redis (and keep them
+    # across a gateway restart: Redis writes its append-only file to the redis-data volume)
+    cfg["state"] = {"backend": "redis", "url": f"redis://{ip['redis']}:6379/0"}
     return cfg
 
 
@@ -137,13 +141,15 @@ def compose_file(ctx: RenderContext, nets: dict[str, ipaddress.IPv4Network], con
         },
         "redis": {
             "image": "egressgate-redis:0.1.0", "build": _build("redis"),
-            "command": ["redis-server", "--save", "", "--appendonly", "no", "--protected-mode", "no"],
+            "command": ["redis-server", "--save", "", "--appendonly", "yes", "--dir", "/data",
+                        "--protected-mode", "no"],
             "user": f"{NONROOT_UID}:{NONROOT_UID}", "read_only": True, "tmpfs": [CONTAINER_TMP],
+            "volumes": ["redis-data:/data"],
             "networks": {"backend": {"ipv4_address": ip["redis"]}}, **HARDENED,
         },
         "gateway": {
             "image": ctx.image, "build": _build("gateway"),
-            "command": ["run", "--config", f"{CONFIG_DIR}/gateway.yaml"],
+            "command": ["run", "--config", f"{CONFIG_DIR}/gateway.yaml", "--workers", str(GATEWAY_WORKERS)],
             "environment": {"EGRESSGATE_VAULT_TOKEN": OPENBAO_DEV_TOKEN},
             "depends_on": {"openbao-init": {"condition": "service_completed_successfully"},
                            "redis": {"condition": "service_started"}},
@@ -180,7 +186,7 @@ def compose_file(ctx: RenderContext, nets: dict[str, ipaddress.IPv4Network], con
             # tests/render/test_compose_up.py sees the metadata canary answer the agent). With no
             # address on the bridge the default route leads nowhere, whatever the daemon's firewall.
             networks[name]["driver_opts"] = {"com.docker.network.bridge.inhibit_ipv4": "true"}
-    volumes = {"gateway-var": {}, "agent-env": {}}
+    volumes = {"gateway-var": {}, "agent-env": {}, "redis-data": {}}
     if sandbox.workspace is not None:
         volumes["workspace"] = {}
     return {"services": services, "networks": networks, "volumes": volumes}

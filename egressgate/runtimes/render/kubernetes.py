@@ -1,5 +1,6 @@
-"""`runtime render kubernetes`: the gateway (ConfigMap, Deployment, Service, NetworkPolicy) and one agent
-Pod with the NetworkPolicy that leaves it no way out but the gateway.
+"""`runtime render kubernetes`: the gateway (ConfigMap, Deployment of N replicas behind one Service,
+NetworkPolicy), the Redis its replicas share (kubernetes_redis.py) and one agent Pod with the
+NetworkPolicy that leaves it no way out but the gateway.
 
 What holds the agent in, and where each rule lives:
 * its NetworkPolicy: egress ONLY to the gateway pods' proxy and resolver ports (no ipBlock, no
@@ -37,6 +38,12 @@ from egressgate.runtimes.render.common import (
     dump_yaml,
     gateway_config,
     memory_quantity,
+)
+from egressgate.runtimes.render.kubernetes_redis import (
+    DEFAULT_REDIS_IMAGE,
+    gateway_to_redis,
+    redis_objects,
+    redis_url,
 )
 
 GATEWAY = "egressgate-gateway"
@@ -88,6 +95,8 @@ def gateway_configmap(ctx: RenderContext, namespace: str) -> dict:
     # Only this policy's agents can reach the resolver (gateway NetworkPolicy), and their pod IPs are
     # not known at admission: name them by the policy instead of refusing every lookup.
     cfg["dns"] = {"unknown_client_policy": ctx.name}
+    # every replica (and worker) shares sandboxes, budgets and revocations through Redis
+    cfg["state"] = {"backend": "redis", "url": redis_url(namespace)}
     return {
         "apiVersion": "v1", "kind": "ConfigMap",
         "metadata": {"name": GATEWAY, "namespace": namespace, "labels": GATEWAY_LABELS},
@@ -95,7 +104,7 @@ def gateway_configmap(ctx: RenderContext, namespace: str) -> dict:
     }
 
 
-def gateway_deployment(ctx: RenderContext, namespace: str) -> dict:
+def gateway_deployment(ctx: RenderContext, namespace: str, replicas: int = 2, workers: int = 1) -> dict:
     ca_dir = f"{VAR_DIR}/ca"
     copy_ca = f"mkdir -p -m 700 {ca_dir} && cp /run/egressgate-ca/*.pem {ca_dir}/ && chmod 600 {ca_dir}/*.pem"
     mounts = [
@@ -107,8 +116,8 @@ def gateway_deployment(ctx: RenderContext, namespace: str) -> dict:
         "apiVersion": "apps/v1", "kind": "Deployment",
         "metadata": {"name": GATEWAY, "namespace": namespace, "labels": GATEWAY_LABELS},
         "spec": {
-            # one replica: sandbox state is in memory until the Redis backend lands (docs/runtimes-deploy.md)
-            "replicas": 1,
+            # replicas share their state in Redis; the Service spreads agents over them
+            "replicas": replicas,
             "selector": {"matchLabels": GATEWAY_LABELS},
             "template": {
                 "metadata": {"labels": GATEWAY_LABELS},
@@ -123,7 +132,7 @@ def gateway_deployment(ctx: RenderContext, namespace: str) -> dict:
                     }],
                     "containers": [{
                         "name": "gateway", "image": ctx.image,
-                        "args": ["run", "--config", f"{CONFIG_DIR}/gateway.yaml"],
+                        "args": ["run", "--config", f"{CONFIG_DIR}/gateway.yaml", "--workers", str(workers)],
                         "ports": [
                             {"name": "proxy", "containerPort": PROXY_PORT, "protocol": "TCP"},
                             {"name": "dns", "containerPort": DNS_PORT, "protocol": "UDP"},
@@ -201,6 +210,7 @@ def gateway_network_policy(ctx: RenderContext, namespace: str, private: list[str
         {"to": public + [{"ipBlock": {"cidr": n}} for n in v4 + v6]},
         {"to": [{"namespaceSelector": {}, "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}}}],
          "ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}]},
+        gateway_to_redis(),
     ]
     return {
         "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
@@ -278,7 +288,10 @@ def agent_pod(ctx: RenderContext, namespace: str, runtime_class: str, service_ip
             "spec": spec}
 
 
-def check_inputs(namespace: str, runtime_class: str, service_ip: str | None) -> None:
+def check_inputs(namespace: str, runtime_class: str, service_ip: str | None, replicas: int = 2,
+                 workers: int = 1) -> None:
+    if not 1 <= replicas <= 100 or not 1 <= workers <= 64:
+        raise RenderError(f"--replicas must be 1..100 and --workers 1..64, got {replicas} and {workers}")
     if not _DNS1123.match(namespace):
         raise RenderError(f"--namespace {namespace!r} is not a DNS-1123 label (lowercase letters, digits, '-')")
     if runtime_class not in RUNTIME_CLASSES:
@@ -292,10 +305,15 @@ def check_inputs(namespace: str, runtime_class: str, service_ip: str | None) -> 
 
 
 def render_kubernetes(ctx: RenderContext, *, namespace: str = "egressgate", runtime_class: str = "gvisor",
-                      service_ip: str | None = None) -> dict[str, str]:
-    """{file name: YAML}: gateway.yaml (apply first: the agent's env needs its Service) and agent.yaml."""
-    check_inputs(namespace, runtime_class, service_ip)
-    gateway = [gateway_configmap(ctx, namespace), gateway_deployment(ctx, namespace),
+                      service_ip: str | None = None, replicas: int = 2, workers: int = 1,
+                      redis_image: str = DEFAULT_REDIS_IMAGE) -> dict[str, str]:
+    """{file name: YAML}: gateway.yaml (Redis + gateway; apply first: the agent's env needs its Service)
+    and agent.yaml."""
+    check_inputs(namespace, runtime_class, service_ip, replicas, workers)
+    if not redis_image or any(c.isspace() for c in redis_image):
+        raise RenderError(f"--redis-image must be an image reference without spaces, got {redis_image!r}")
+    gateway = [*redis_objects(namespace, redis_image, _container_security(True), _pod_security(), GATEWAY_LABELS),
+               gateway_configmap(ctx, namespace), gateway_deployment(ctx, namespace, replicas, workers),
                gateway_service(namespace, service_ip), gateway_network_policy(ctx, namespace, allowed_private(ctx))]
     agent = [agent_network_policy(ctx, namespace), agent_pod(ctx, namespace, runtime_class, service_ip)]
     return {"gateway.yaml": dump_yaml(gateway), "agent.yaml": dump_yaml(agent)}
