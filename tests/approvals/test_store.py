@@ -24,7 +24,10 @@ from egressgate.approvals.model import (
     new_approval_id,
 )
 from egressgate.approvals.redis_store import RedisApprovals
+from egressgate.approvals.store import open_approvals
 from egressgate.state.base import StateUnavailable
+from egressgate.state.redis import RedisState
+from tests.support.env import refusing_port
 
 NOW = 1_800_000_000.0
 
@@ -148,17 +151,22 @@ async def test_host_path_needs_a_path(stores):
     assert ok.scheme is None and ok.state is ApprovalState.APPROVED
 
 
-async def test_redis_outage_is_state_unavailable(redis_prefix):
-    client = aioredis.Redis.from_url("redis://127.0.0.1:1/0", socket_connect_timeout=0.5)
-    store = RedisApprovals(client, lambda *parts: redis_prefix + ":".join(parts))
-    try:
-        for call in (store.request(draft(), NOW), store.grants("sbx-a", NOW), store.list(None, NOW),
-                     store.get("apr-x"), store.expire(NOW)):
-            with pytest.raises(ApprovalUnavailable) as exc:
-                await call
-            assert isinstance(exc.value, StateUnavailable)
-    finally:
-        await client.aclose()
+async def test_redis_outage_is_state_unavailable_and_counted(redis_prefix):
+    """The approval store shares the state store's Redis client (open_approvals) and its error counter."""
+    with refusing_port() as port:
+        state = RedisState(f"redis://127.0.0.1:{port}/0", redis_prefix)
+        store = open_approvals(state)
+        assert isinstance(store, RedisApprovals) and store.redis is state.redis
+        try:
+            before = state.errors
+            for call in (store.request(draft(), NOW), store.grants("sbx-a", NOW), store.list(None, NOW),
+                         store.get("apr-x"), store.expire(NOW)):
+                with pytest.raises(ApprovalUnavailable) as exc:
+                    await call
+                assert isinstance(exc.value, StateUnavailable)
+            assert state.errors == before + 5
+        finally:
+            await state.close()
 
 
 async def test_ended_approvals_are_dropped_after_the_retention(stores):

@@ -123,3 +123,31 @@ async def test_a_value_redis_cannot_be_sent_fails_closed_and_harms_no_other_comm
             assert await store.reserve_out("sbx", 5, 5, None) == 5
         finally:
             await store.close()
+
+
+async def test_a_revoked_sandbox_does_not_stay_in_redis_forever(tmp_path):
+    """Every admitted sandbox used to keep its keys (record, counters, history, usage) and its place in
+    `sbxs` forever: Redis grew with every `sandbox run`, and LIST_SANDBOXES (one script, blocking Redis
+    for every tenant while it runs) with it. Revoked: its keys expire after REVOKED_RETENTION; a live
+    sandbox's do not; the listing drops ids whose record is gone."""
+    from egressgate.state.redis import REVOKED_RETENTION
+
+    with RedisServer(tmp_path / "redis") as server:
+        store = await redis_store(server)
+        try:
+            await store.admit(record())
+            await store.admit(record("sbx-live"))
+            for sid in ("sbx", "sbx-live"):
+                assert await store.reserve_out(sid, 5, 5, None) == 5
+                assert await store.record_request(sid, "a.example", "r", 1)
+            assert await store.revoke("sbx")
+            for kind in ("sbx", "ctr", "hosts", "hist", "usage"):
+                ttl = await store.redis.pttl(store.key(kind, "sbx"))
+                assert 0 < ttl <= REVOKED_RETENTION * 1000, (kind, ttl)
+                assert await store.redis.pttl(store.key(kind, "sbx-live")) == -1, kind  # positive control
+            assert (await store.get("sbx")).revoked  # still there (refused as revoked) during the retention
+            await store.redis.delete(store.key("sbx", "sbx"))  # as the expiry does
+            assert [r.id for r in await store.list_sandboxes()] == ["sbx-live"]
+            assert not await store.redis.sismember(store.key("sbxs"), "sbx")
+        finally:
+            await store.close()
