@@ -13,17 +13,28 @@ The same holds for the DNS UDP socket (every worker reads datagrams from one que
 The worker side: `inherit` rebuilds the sockets from the descriptor numbers the supervisor passed, and
 `install_mitm` makes mitmproxy serve a mode whose (host, port) has an inherited socket on that socket
 instead of binding (any other mode binds as before, so `--workers 1` is unchanged).
+
+Why the proxy listeners accept ONE connection per readiness event (`SharedAccept`) instead of asyncio's
+server: every worker is woken for a new connection, and asyncio's accept loop then takes up to 100 queued
+connections at once, so a burst (32 keep-alive clients connecting together) all went to whichever
+worker woke first (measured: 32 of 32) and a second worker added nothing. Taking one per wakeup lets
+the other workers take theirs; a busy worker comes back to the queue later, so it naturally takes fewer.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
+import logging
 import socket
+from collections.abc import Awaitable, Callable
 
 from mitmproxy.proxy import mode_servers
 
 from egressgate.config import ListenConfig, parse_listen
 from egressgate.dns.server import bind_dns
+
+logger = logging.getLogger(__name__)
 
 BACKLOG = 1024  # one accept queue for every worker: larger than asyncio's default of 100
 
@@ -98,13 +109,64 @@ def inherit(fds: dict[str, int]) -> dict[str, socket.socket]:
     return socks
 
 
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+_OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+
+
+class SharedAccept:
+    """A stream server on a listening socket several processes share, taking one connection per
+    readiness event (module docstring). What mitmproxy uses of a server: `sockets`, `close()`."""
+
+    def __init__(self, sock: socket.socket, handler: Handler) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.sockets = (sock,)
+        self._sock = sock
+        self._handler = handler
+        self._tasks: set[asyncio.Task] = set()
+        self._resume: asyncio.TimerHandle | None = None
+        sock.setblocking(False)
+        self.loop.add_reader(sock.fileno(), self._accept)
+
+    def _accept(self) -> None:
+        try:
+            conn, _ = self._sock.accept()
+        except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+            return  # another worker took it
+        except OSError as exc:
+            if exc.errno not in _OUT_OF_RESOURCES:
+                raise
+            # as asyncio's own server does: stop accepting for a second (the others keep accepting)
+            logger.error("cannot accept on %s: %s; pausing this worker's accepts for 1 s", self._sock.getsockname(),
+                         exc)
+            self.loop.remove_reader(self._sock.fileno())
+            self._resume = self.loop.call_later(1.0, self.loop.add_reader, self._sock.fileno(), self._accept)
+            return
+        task = self.loop.create_task(self._serve(conn))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _serve(self, conn: socket.socket) -> None:
+        reader = asyncio.StreamReader(limit=2**16)
+        protocol = asyncio.StreamReaderProtocol(reader, self._handler)  # calls handler(reader, writer)
+        try:
+            await self.loop.connect_accepted_socket(lambda: protocol, conn)
+        except OSError:
+            conn.close()
+
+    def close(self) -> None:
+        if self._resume is not None:
+            self._resume.cancel()
+        self.loop.remove_reader(self._sock.fileno())
+        self._sock.close()
+
+
 async def _listen(self, host: str, port: int) -> list:
     """mitmproxy's `AsyncioServerInstance.listen`, serving an inherited socket when one matches."""
     sock = _INHERITED.get((host, port))
     if sock is None or self.mode.transport_protocol != "tcp":
         return await _ORIGINAL_LISTEN(self, host, port)
     # a duplicate: mitmproxy closes its server on stop (and on a reconfigure), the inherited one stays
-    return [await asyncio.start_server(self.handle_stream, sock=sock.dup())]
+    return [SharedAccept(sock.dup(), self.handle_stream)]
 
 
 def install_mitm(socks: list[socket.socket]) -> None:

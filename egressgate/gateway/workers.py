@@ -102,6 +102,7 @@ class Supervisor:
         self.socks: dict[str, socket.socket] = {}
         self.listen = cfg.listen  # with the ports actually bound, once bound
         self.procs: dict[int, asyncio.subprocess.Process] = {}
+        self.serving: set[int] = set()  # pids that announced their listeners (their signal handlers are set)
         self.stopping = asyncio.Event()
         self.failures: dict[int, int] = dict.fromkeys(range(workers), 0)
 
@@ -141,7 +142,9 @@ class Supervisor:
             info = json.loads(line) if line else None
         except ValueError:
             info = None
-        if info is None and proc.returncode is None:
+        if info is not None:
+            self.serving.add(proc.pid)
+        elif proc.returncode is None:
             logger.error("worker w%d (pid %d) did not announce its listeners in %.0fs: killing it",
                          slot, proc.pid, START_TIMEOUT)
             with contextlib.suppress(ProcessLookupError):
@@ -169,9 +172,14 @@ class Supervisor:
             if info is not None:
                 logger.info("worker w%d (pid %d) serving again", slot, proc.pid)
 
-    def _signal_all(self, sig: int) -> None:
+    def _reload_all(self) -> None:
+        """SIGHUP to the workers that serve. A worker still starting has no handler yet (SIGHUP's default
+        action would kill it) and loads the current policy files anyway."""
+        self._signal_all(signal.SIGHUP, only_serving=True)
+
+    def _signal_all(self, sig: int, only_serving: bool = False) -> None:
         for proc in self.procs.values():
-            if proc.returncode is None:
+            if proc.returncode is None and (not only_serving or proc.pid in self.serving):
                 with contextlib.suppress(ProcessLookupError):
                     proc.send_signal(sig)
 
@@ -194,7 +202,7 @@ class Supervisor:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
-        loop.add_signal_handler(signal.SIGHUP, lambda: self._signal_all(signal.SIGHUP))
+        loop.add_signal_handler(signal.SIGHUP, self._reload_all)
         self.socks = shared.bind_all(self.cfg.listen)
         self.listen = shared.bound_listen(self.cfg.listen, self.socks)
         keepers: list[asyncio.Task] = []

@@ -1,10 +1,11 @@
 """A minimal process serving HTTP proxy requests with real mitmproxy on a listening socket it inherited.
 
-`python tests/gateway/listener_child.py '{"proxy": FD}' patch|nopatch`: rebuilds the socket from the
+`python tests/gateway/listener_child.py '{"proxy": FD}' patch|nopatch|asyncio`: rebuilds the socket from the
 descriptor its parent passed (egressgate.gateway.listeners.inherit) and runs a mitmproxy master whose
 regular mode names that socket's address. With `patch` (listeners.install_mitm, as a worker of
 `run --workers N` does) mitmproxy serves the inherited socket; with `nopatch` it tries to bind the
-address itself, which the parent holds (the control). Every request is answered with this process's pid.
+address itself, which the parent holds (the control); with `asyncio` it serves the inherited socket with
+asyncio's own server (the control of the fair-accept test). Every request is answered with this process's pid.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import sys
 from mitmproxy import http, options
 from mitmproxy import master as mitm_master
 from mitmproxy.addons import next_layer, proxyserver
+from mitmproxy.proxy import mode_servers
 
 from egressgate.gateway import listeners
 
@@ -28,8 +30,15 @@ class AnswerWithPid:
 
 async def main() -> None:
     socks = listeners.inherit(json.loads(sys.argv[1]))
-    if sys.argv[2] == "patch":
+    if sys.argv[2] in ("patch", "asyncio"):
         listeners.install_mitm([socks["proxy"]])
+    if sys.argv[2] == "asyncio":  # the control: asyncio's own server on the same socket (burst accepts)
+        shared = socks["proxy"]
+
+        async def listen(self, host: str, port: int) -> list:
+            return [await asyncio.start_server(self.handle_stream, sock=shared.dup())]
+
+        mode_servers.AsyncioServerInstance.listen = listen  # type: ignore[method-assign]
     host, port = socks["proxy"].getsockname()[:2]
     opts = options.Options()
     master = mitm_master.Master(opts, with_termlog=False)

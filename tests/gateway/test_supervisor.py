@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -153,8 +154,15 @@ def test_supervisor_shares_listeners_fans_out_signals_and_restarts(tmp_path, run
     # kill -9 a worker: the other keeps serving at once, the supervisor starts a new one in its slot
     os.kill(w0, signal.SIGKILL)
     assert all(proxy_407(run.info["proxy"]) for _ in range(20))
+    # a SIGHUP while the replacement is still starting (no handler yet: SIGHUP's default action would
+    # kill it) reaches only the serving worker; the replacement comes up and reloads nothing twice
+    assert wait_for(lambda: run.stderr().count("worker w0 started (pid") == 2, timeout=30), run.stderr()[-3000:]
+    for _ in range(3):
+        run.proc.send_signal(signal.SIGHUP)
+        time.sleep(0.1)
     assert wait_for(lambda: len(children(sup) - {w1}) == 1 and "worker w0 (pid" in run.stderr()
                     and "serving again" in run.stderr(), timeout=30), run.stderr()[-3000:]
+    assert "killed by SIGHUP" not in run.stderr() and run.stderr().count("worker w0 started (pid") == 2
     new_w0 = (children(sup) - {w1}).pop()
     assert new_w0 != w0 and _holds(new_w0, var / "audit.w0.jsonl")
     # SIGTERM: every worker stops gracefully (its file sealed), then the supervisor; nothing left behind
