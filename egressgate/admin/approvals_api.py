@@ -31,6 +31,7 @@ from egressgate.approvals.model import (
     ApprovalNotFound,
     ApprovalState,
     NotPending,
+    valid_approval_id,
 )
 from egressgate.approvals.sweeper import sweep_forever
 from egressgate.audit.event import AuditUnavailable
@@ -81,6 +82,8 @@ class ApprovalsApi:
         return web.json_response({"approvals": [a.to_json() for a in found]})
 
     async def show(self, request: web.Request) -> web.Response:
+        if not valid_approval_id(request.match_info["approval_id"]):
+            return _error(404, "not_found", "no approval with this id")
         try:
             approval = await self.rt.approvals.get(request.match_info["approval_id"])
         except StateUnavailable:
@@ -121,6 +124,8 @@ class ApprovalsApi:
     async def _decide(self, request: web.Request, *, approve: bool, by: str | None, scope: str,
                       seconds: int) -> web.Response:
         approval_id = request.match_info["approval_id"]
+        if not valid_approval_id(approval_id):
+            return _error(404, "not_found", "no approval with this id")
         now = self.rt.clock()
         store = self.rt.approvals
         try:

@@ -19,7 +19,8 @@ Label cardinality is bounded by construction: `operation` is an EventKind, `reas
 e.g. an id an overlay made up - is "other"), `rcode` a DNS rcode name. No label ever carries a host, a
 path, a sandbox id or anything else a sandbox chooses.
 
-Per process: with several workers each process has its own counters (docs/operations.md, "Metrics").
+Per process: each process has its own counters, and every sample says which (`worker`, docs/operations.md
+"Metrics").
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from bisect import bisect_left
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from egressgate.audit.event import AuditEvent, EventKind
@@ -190,10 +191,17 @@ class GatewayCollector:
         self.rt = rt
         self.audit = audit
         self._pid = os.getpid()
+        self._process = ProcessCollector(registry=None)  # process_cpu_seconds_total, RSS, open fds (/proc)
 
     def collect(self) -> Iterator[Metric]:
-        yield from self._from_audit()
-        yield from self._components()
+        """Every family (and the process's CPU, memory and fds), each sample labelled `worker` (this
+        process's state-store worker id, shortened): the `--workers` processes of one gateway answer on one
+        shared admin address, and without the label their counters would interleave under one series (each
+        scrape another process: false resets)."""
+        worker = self.rt.state.worker_id[:12]
+        for family in (*self._from_audit(), *self._components(), *self._process.collect()):
+            family.samples = [s._replace(labels={**s.labels, "worker": worker}) for s in family.samples]
+            yield family
 
     def _from_audit(self) -> Iterator[Metric]:
         am = self.audit

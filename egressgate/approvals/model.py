@@ -14,6 +14,7 @@ approvals are dropped from the store RETENTION_SECONDS after they ended.
 
 from __future__ import annotations
 
+import re
 import secrets
 from dataclasses import asdict, dataclass, replace
 from enum import StrEnum
@@ -52,8 +53,16 @@ class ApprovalUnavailable(StateUnavailable):
     """The approval store failed: whoever depends on it denies `state_unavailable`, never allows."""
 
 
+APPROVAL_ID = re.compile(r"^apr-[0-9a-f]{16}$")
+
+
 def new_approval_id() -> str:
     return "apr-" + secrets.token_hex(8)
+
+
+def valid_approval_id(text: str) -> bool:
+    """Ids name store keys: anything but our own shape is refused before it reaches the store."""
+    return APPROVAL_ID.fullmatch(text) is not None
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
+from egressgate.audit import writerlock
 from egressgate.audit.chain import KIND_FINAL, KIND_PERIODIC, ChainWriter
 from egressgate.audit.checkpointer import Checkpointer
 from egressgate.audit.event import AuditEvent, AuditUnavailable
@@ -94,6 +95,7 @@ class FileSink(TrailMixin, WriteMixin):
         self._inline_ok = True  # False after a slow inline write, until a write (in a thread) is fast again
         self._inline_retry_at = 0.0  # ... or until this monotonic time has passed
         self._fd: int | None = None
+        self._lock: int | None = None  # writerlock fd, held from start() to close()
         self._size = 0
         self._chain = ChainWriter()
         self._prev_file: str | None = None
@@ -133,6 +135,7 @@ class FileSink(TrailMixin, WriteMixin):
 
     async def start(self) -> FileSink:
         if self.path is not None:
+            self._lock = await asyncio.to_thread(writerlock.hold, self.path)  # AuditFileBusy: one writer per chain
             await self._open_initial()  # trail.py: seals a file a crash left open, then starts a new one
         self._writer = asyncio.create_task(self._write_loop(), name="audit-writer")
         self._writer.add_done_callback(self._writer_done)
@@ -185,6 +188,8 @@ class FileSink(TrailMixin, WriteMixin):
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+        writerlock.release(self._lock)
+        self._lock = None
         if self.exporter is not None:
             await asyncio.to_thread(self.exporter.shutdown)
 

@@ -25,25 +25,26 @@ from egressgate.policy.reasons import Reason
 from egressgate.state.base import StateUnavailable
 
 
-async def decide_with_approvals(rt: Runtime, policy: CompiledPolicy, facts: Facts, state: SandboxState,
-                                now: float) -> tuple[Decision, SandboxState]:
-    """decide(), given the sandbox's live grants when they can matter; (decision, the state it saw).
+async def settle(rt: Runtime, policy: CompiledPolicy, policy_name: str, facts: Facts, state: SandboxState,
+                 decision: Decision, now: float, labels: dict[str, str] | None = None
+                 ) -> tuple[Decision, SandboxState]:
+    """Called only for an `approval_required` decision (callers test the reason: nothing else pays an
+    await). Returns (decision, the state it was made on).
 
-    Grants are read only when the decision without them is `approval_required` (the overlay is the
+    Grants are read only now, when the decision without them is `approval_required` (the overlay is the
     engine's last step, so they cannot change any other answer): a rule-allowed request costs no store
-    lookup and keeps working while the approval store is down. A store failure at that point is
-    `state_unavailable`, never an allow."""
-    decision = decide(policy, facts, state, now)
-    if decision.reason is not Reason.APPROVAL_REQUIRED or NETWORK_EXPANSION not in policy.approval_kinds:
-        return decision, state
+    lookup and keeps working while the approval store is down. A store failure here is
+    `state_unavailable`, never an allow. A live grant that covers the request turns it into
+    `approval_granted`; otherwise the deny gets its approval (name_approval)."""
+    assert decision.reason is Reason.APPROVAL_REQUIRED and NETWORK_EXPANSION in policy.approval_kinds
     try:
         grants = await rt.approvals.grants(state.sandbox_id, now)
     except StateUnavailable:
         return gateway_deny(Reason.STATE_UNAVAILABLE), state
-    if not grants:
-        return decision, state
-    state = replace(state, approvals=grants)
-    return decide(policy, facts, state, now), state
+    if grants:
+        state = replace(state, approvals=grants)
+        decision = decide(policy, facts, state, now)
+    return await name_approval(rt, state.sandbox_id, policy_name, facts, decision, now, labels), state
 
 
 def _target(facts: Facts) -> str:

@@ -24,10 +24,11 @@ upstream never sees the terminating chunk of a cut body.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 
-from mitmproxy import http, tcp
+from mitmproxy import ctx, http, tcp
 
 from egressgate.gateway import ws_layer
 from egressgate.gateway.context import FlowState, Runtime, ensure_flow_state, flow_state
@@ -70,6 +71,46 @@ def flow_meter(rt: Runtime, fs: FlowState, sandbox_id: str, limit: int | None) -
     if meter is None or meter.closed:
         meter = fs.meter = rt.ledger.open(sandbox_id, limit)
     return meter
+
+
+def hold_client(client_id: str) -> Callable[[], None]:
+    """Stop reading from a sandbox's connection while one of its flows waits for a lease top-up; returns
+    the function that reads again. mitmproxy keeps reading a connection whose layer is paused and queues
+    what it reads in memory, so during a slow store round trip (up to its 2 s timeout) a sandbox could
+    make the gateway buffer whatever it can send; held, the kernel's socket buffers push back instead.
+    (A connection multiplexing HTTP/2 streams is held for all of them, for one round trip.)"""
+    proxyserver = ctx.master.addons.get("proxyserver") if ctx.master is not None else None
+    handler = proxyserver.connections.get(client_id) if proxyserver is not None else None
+    io = handler.transports.get(handler.client) if handler is not None else None
+    transport = getattr(getattr(io, "writer", None), "transport", None)
+    if transport is None or transport.is_closing():
+        return _nothing
+    transport.pause_reading()
+    # mitmproxy's StreamReader pauses the transport itself when its buffer is full and resumes it once
+    # mitmproxy has read the buffer; taken over here (no public API), so that resume does not undo the
+    # hold. After the hold its own flow control applies again from the next read.
+    reader = getattr(io, "reader", None)
+    if isinstance(reader, asyncio.StreamReader):
+        reader._paused = False
+
+    def resume() -> None:
+        if not transport.is_closing() and not transport.is_reading():
+            transport.resume_reading()
+
+    return resume
+
+
+def _nothing() -> None:
+    return None
+
+
+async def top_up_paused(top: TopUp) -> None:
+    """`answer_top_up` with the sandbox's connection not read meanwhile (hold_client)."""
+    resume = hold_client(top.flow.client_conn.id)
+    try:
+        await answer_top_up(top)
+    finally:
+        resume()
 
 
 def rule_budget(rt: Runtime, fs: FlowState) -> Budget | None:
@@ -167,7 +208,7 @@ class Budgets:
 
     async def budget_top_up(self, top: TopUp) -> None:
         """A layer paused a flow until its meter holds the next chunk (ledger.BudgetTopUpHook)."""
-        await answer_top_up(top)
+        await top_up_paused(top)
 
     def request(self, flow: http.HTTPFlow) -> None:
         """After Trailers and Credentials (the last refunds): the prepayment is spent."""
@@ -221,7 +262,7 @@ class Budgets:
         meter = flow_meter(self.rt, fs, fs.sandbox_id, self._limit(fs))
         if not meter.take(n):
             top = TopUp(flow, meter, n)
-            await answer_top_up(top)
+            await top_up_paused(top)
             if not (top.ok and meter.take(n)):
                 fs.budget_cut = True
                 logger.info("sandbox %s crossed outbound_bytes_max on a websocket; closing it", fs.sandbox_id)
@@ -269,7 +310,7 @@ class Budgets:
         meter = flow_meter(self.rt, fs, conn.sandbox_id, policy.outbound_bytes_max if policy is not None else 0)
         if not meter.take(n):
             top = TopUp(flow, meter, n)
-            await answer_top_up(top)
+            await top_up_paused(top)
             if not (top.ok and meter.take(n)):
                 message.content = b""
                 fs.budget_cut = True

@@ -14,12 +14,13 @@ import logging
 
 from mitmproxy import http
 
-from egressgate.gateway.approval_gate import decide_with_approvals, name_approval
+from egressgate.gateway.approval_gate import settle
 from egressgate.gateway.context import FlowState, Runtime, ensure_flow_state
 from egressgate.gateway.deny import gateway_deny
 from egressgate.gateway.pinning import resolve_target
 from egressgate.gateway.target import as_sent, note_target
 from egressgate.policy.canon import CanonError, canon_method, canon_path, split_host_port, split_path_query
+from egressgate.policy.decide import decide
 from egressgate.policy.facts import Facts, Operation, SandboxState
 from egressgate.policy.reasons import Reason
 from egressgate.state.base import StateUnavailable
@@ -70,9 +71,11 @@ class DecisionAddon:
         `approval_required` deny gets its approval (approval_gate.py)."""
         snapshot = policy.relevant_state(snapshot)  # same decision; what the audit record carries
         now = self.rt.clock()
-        decision, snapshot = await decide_with_approvals(self.rt, policy, facts, snapshot, now)
-        assert fs.sandbox_id is not None and fs.policy_name is not None
-        fs.decision = await name_approval(self.rt, fs.sandbox_id, fs.policy_name, facts, decision, now)
+        decision = decide(policy, facts, snapshot, now)
+        if decision.reason is Reason.APPROVAL_REQUIRED:
+            assert fs.policy_name is not None
+            decision, snapshot = await settle(self.rt, policy, fs.policy_name, facts, snapshot, decision, now)
+        fs.decision = decision
         fs.facts = facts
         fs.state = snapshot
         return fs.decision

@@ -17,7 +17,7 @@ from mitmproxy import connection
 
 from egressgate.audit.build import build
 from egressgate.audit.event import AuditUnavailable, EventKind
-from egressgate.gateway.approval_gate import decide_with_approvals, name_approval
+from egressgate.gateway.approval_gate import settle
 from egressgate.gateway.context import ConnState, PinnedTarget, Runtime
 from egressgate.gateway.deny import gateway_deny
 from egressgate.gateway.identity import UNKNOWN_SOURCE, connection_limit
@@ -137,9 +137,10 @@ async def connect_decision(rt: Runtime, conn: ConnState, host: str, port: int
         return denied, None, None
     facts = Facts(operation=Operation.CONNECT, host=host, port=port)
     now = rt.clock()
-    decision, snapshot = await decide_with_approvals(rt, policy, facts, snapshot, now)
-    assert conn.sandbox_id is not None and conn.policy_name is not None
-    decision = await name_approval(rt, conn.sandbox_id, conn.policy_name, facts, decision, now, conn.labels)
+    decision = decide(policy, facts, snapshot, now)
+    if decision.reason is Reason.APPROVAL_REQUIRED:
+        assert conn.policy_name is not None
+        decision, snapshot = await settle(rt, policy, conn.policy_name, facts, snapshot, decision, now, conn.labels)
     return decision, facts, snapshot
 
 

@@ -50,10 +50,16 @@ class SandboxRecord:
     phantoms: dict[str, str] = field(default_factory=dict)  # capability -> sha256 of its phantom value
 
 
+# The largest amount a backend counts exactly (Redis scripts count in Lua doubles). A sandbox picks the
+# sizes (a declared Content-Length): a larger one is refused (nothing reserved or recorded), never
+# rounded, and never formatted by `%d` into -2^63, which would drive a counter negative.
+MAX_AMOUNT = 2**53 - 1
+
+
 def grant_size(used: int, want: int, minimum: int, limit: int | None) -> int:
     """The reserve_out rule, stated once (the Redis Lua script mirrors it): as much of `want` as fits
-    under `limit`, at least `minimum` (capped at `want`), else 0."""
-    if want <= 0:
+    under `limit`, at least `minimum` (capped at `want`), else 0; 0 for a `want` above MAX_AMOUNT."""
+    if want <= 0 or want > MAX_AMOUNT:
         return 0
     minimum = max(1, min(minimum, want))
     grant = want if limit is None else min(want, limit - used)
@@ -64,7 +70,9 @@ def rule_budget_allows(requests: int, nbytes_used: int, nbytes: int,
                        requests_max: int | None, bytes_max: int | None) -> bool:
     """The record_request check (the Redis Lua script mirrors it), the same test as policy.decide's
     `_over_budget`: one more request must stay within `requests_max`; the bytes budget refuses once
-    it is used up and when this request's bytes would go over it."""
+    it is used up and when this request's bytes would go over it. Never more than MAX_AMOUNT bytes."""
+    if nbytes > MAX_AMOUNT:
+        return False
     if requests_max is not None and requests + 1 > requests_max:
         return False
     return bytes_max is None or (nbytes_used < bytes_max and nbytes_used + nbytes <= bytes_max)

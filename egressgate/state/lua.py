@@ -16,12 +16,28 @@ from __future__ import annotations
 _HELPERS = """
 local function I(n) return string.format('%d', n) end
 local function N(v) return tonumber(v or '0') or 0 end
+local MAX_AMOUNT = 9007199254740991
 """
 
-# KEYS: ctr, lease(worker), hb(worker), workers   ARGV: sandbox, want, minimum, limit (-1: none), ttl_ms, worker
-RESERVE_OUT = _HELPERS + """
+# Counting for a sandbox whose record Redis no longer has (FLUSHALL, a restart without persistence, an
+# evicted key) would start its budgets again from zero while replicas still serve it from their caches:
+# a script that takes from a budget refuses instead (an error: the caller denies `state_unavailable`).
+GONE = "EGRESSGATE_NO_SANDBOX"
+_LIVE_RECORD = """
+local function live_record(key)
+  if redis.call('EXISTS', key) == 0 then
+    return redis.error_reply('""" + GONE + """ Redis has no record of this sandbox (data lost?)')
+  end
+  return nil
+end
+"""
+
+# KEYS: ctr, lease(worker), hb(worker), workers, sbx   ARGV: sandbox, want, minimum, limit (-1: none), ttl_ms, worker
+RESERVE_OUT = _HELPERS + _LIVE_RECORD + """
 local want = N(ARGV[2])
-if want <= 0 then return 0 end
+if want <= 0 or want > MAX_AMOUNT then return 0 end
+local gone = live_record(KEYS[5])
+if gone then return gone end
 local minimum = N(ARGV[3])
 if minimum > want then minimum = want end
 if minimum < 1 then minimum = 1 end
@@ -58,8 +74,10 @@ if back > 0 then redis.call('HINCRBY', KEYS[1], 'out', I(-back)) end
 return back
 """
 
-# KEYS: ctr   ARGV: field, delta, field, delta, ... -> the new values, in order
-ADD_COUNTERS = _HELPERS + """
+# KEYS: ctr, sbx   ARGV: field, delta, field, delta, ... -> the new values, in order
+ADD_COUNTERS = _HELPERS + _LIVE_RECORD + """
+local gone = live_record(KEYS[2])
+if gone then return gone end
 local out = {}
 for i = 1, #ARGV, 2 do
   table.insert(out, redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1]))
@@ -71,6 +89,7 @@ return out
 # ('' = none), nbytes, requests_max (-1), bytes_max (-1). The history is kept twice: `hosts` (a set, read
 # whole) and `hist` (sorted by reversed host, read by pattern; see SNAPSHOT)
 RECORD_REQUEST = _HELPERS + """
+if N(ARGV[4]) > MAX_AMOUNT then return 0 end
 local rule = ARGV[3]
 if rule ~= '' then
   local n = N(ARGV[4])
@@ -91,7 +110,8 @@ return 1
 
 # KEYS: ctr, hosts, hist, usage, sbx   ARGV[1]: JSON {"h": "all"|"none"|"some", "x": [exact reversed hosts],
 # "s": [reversed suffix prefixes, e.g. "com.example."], "r": [rule ids] or absent (all), "rec": 0|1}
-# -> one JSON string [counters, hosts, reversed hosts, usage (flat field/value), record (flat field/value)]:
+# -> one JSON string [counters, hosts, reversed hosts, usage (flat field/value), record (flat field/value),
+# 1 if the record exists else 0 (checked even when the caller has it cached: see _LIVE_RECORD)]:
 # a single bulk reply, decoded by the C json module, instead of one RESP element per host.
 # The history is a sorted set of hosts with their labels reversed, so "hosts under example.com" is one
 # lexicographic range (O(log n + matches)) and a history of thousands of hosts costs nothing to a
@@ -133,7 +153,7 @@ else
 end
 local record = {}
 if spec.rec == 1 then record = redis.call('HGETALL', KEYS[5]) end
-return cjson.encode({ctr, hosts, reversed, usage, record})
+return cjson.encode({ctr, hosts, reversed, usage, record, redis.call('EXISTS', KEYS[5])})
 """
 
 # KEYS: addr   ARGV: prefix -> {} or the record (flat field/value) the address points at
@@ -153,12 +173,16 @@ end
 return out
 """
 
-# KEYS: sbx, events   ARGV: message
+# KEYS: sbx, events   ARGV: message (JSON) -> 1, or 0 when Redis has no such record. Published either way,
+# with "found": replicas may still cache a record Redis lost (FLUSHALL), and they must drop it and close
+# its connections.
 REVOKE = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-redis.call('HSET', KEYS[1], 'revoked', '1')
-redis.call('PUBLISH', KEYS[2], ARGV[1])
-return 1
+local found = redis.call('EXISTS', KEYS[1])
+if found == 1 then redis.call('HSET', KEYS[1], 'revoked', '1') end
+local event = cjson.decode(ARGV[1])
+event['found'] = found
+redis.call('PUBLISH', KEYS[2], cjson.encode(event))
+return found
 """
 
 # KEYS: workers   ARGV: prefix -> flat {worker, sandbox, bytes, ...}

@@ -8,7 +8,7 @@ from types import MappingProxyType
 
 from egressgate.policy.facts import RuleUsage, SandboxState
 from egressgate.policy.globs import HostPattern
-from egressgate.state.base import SandboxRecord, grant_size, rule_budget_allows
+from egressgate.state.base import MAX_AMOUNT, SandboxRecord, grant_size, rule_budget_allows
 
 
 class MemoryState:
@@ -118,6 +118,8 @@ class MemoryState:
 
     async def record_request(self, sandbox_id: str, host: str, rule_id: str | None, nbytes: int, *,
                              requests_max: int | None = None, bytes_max: int | None = None) -> bool:
+        if nbytes > MAX_AMOUNT:
+            return False
         if rule_id is not None and (requests_max is not None or bytes_max is not None):
             old = self._usage.get(sandbox_id, {}).get(rule_id, RuleUsage())
             if not rule_budget_allows(old.requests, old.bytes, nbytes, requests_max, bytes_max):

@@ -117,6 +117,9 @@ class RedisState:
         except (RedisError, StateUnavailable) as exc:
             self.errors += 1
             raise StateUnavailable(f"state backend error ({what}): {exc}") from exc
+        except UnicodeError as exc:  # a value the wire cannot carry (a lone surrogate): nothing was sent
+            self.errors += 1
+            raise StateUnavailable(f"state backend error ({what}): a value cannot be encoded for Redis") from exc
         self._backoff = 0.0
         return result
 
@@ -201,9 +204,12 @@ class RedisState:
     async def revoke(self, sandbox_id: str) -> bool:
         event = json.dumps({"op": "revoke", "id": sandbox_id, "w": self.worker_id})
         found = await self._eval("REVOKE", [self.key("sbx", sandbox_id), self._events], [event])
+        cached = self._cache.records.get(sandbox_id) is not None
         self._cache.invalidate(sandbox_id)
-        if found:
-            self._run_callbacks(sandbox_id)  # here at once; other processes by the published event
+        if found or cached:
+            # here at once, other processes by the published event; also when Redis lost the record this
+            # process still caches (FLUSHALL): connections admitted before it must still close
+            self._run_callbacks(sandbox_id)
         return bool(found)
 
     def on_revoke(self, callback: Callable[[str], None]) -> None:
@@ -225,8 +231,9 @@ class RedisState:
             self._cache.drop_all()  # cannot tell what it invalidates: forget everything
             self._cache.live = True
             return
+        cached = self._cache.records.get(sandbox_id) is not None
         self._cache.invalidate(sandbox_id, tuple(event.get("addresses") or ()))
-        if event.get("op") == "revoke" and event.get("w") != self.worker_id:
+        if event.get("op") == "revoke" and event.get("w") != self.worker_id and (event.get("found", 1) or cached):
             self._run_callbacks(sandbox_id)
 
     async def _resync(self, ids: set[str]) -> None:
@@ -239,7 +246,7 @@ class RedisState:
                 pipe.hget(self.key("sbx", sandbox_id), "revoked")
             flags = await pipe.execute()
         for sandbox_id, flag in zip(ordered, flags, strict=True):
-            if flag == "1":
+            if flag != "0":  # revoked, or gone (Redis restarted without its data): close its connections
                 self._run_callbacks(sandbox_id)
 
     # -- counters -----------------------------------------------------------------------------------
@@ -257,13 +264,18 @@ class RedisState:
         reply = await self._eval("SNAPSHOT", keys, [json.dumps(spec)])
         try:
             # cjson encodes an empty Lua table as {}: `or ()` reads it as the empty list it is
-            ctr, hosts, reversed_hosts, usage, fields = json.loads(reply)
+            ctr, hosts, reversed_hosts, usage, fields, exists = json.loads(reply)
             rule_usage = decode_usage(usage or ())
             out, in_, queries, name_bytes = (int(v) for v in ctr)
             seen = frozenset(hosts) if hosts else frozenset(rev_host(h) for h in reversed_hosts or ())
         except (ValueError, TypeError, AttributeError) as exc:
             self.errors += 1
             raise StateUnavailable(f"state backend error (snapshot): unreadable reply ({exc})") from exc
+        if not exists:
+            # Redis lost the record (FLUSHALL, a restart without its data) while this process still
+            # caches it: its counters are gone too, so nothing read here may decide anything
+            self._cache.invalidate(sandbox_id)
+            raise KeyError(sandbox_id)
         if record is None:
             record = self._decode(pairs(fields or ()))
             if record is None:
@@ -276,7 +288,7 @@ class RedisState:
 
     async def reserve_out(self, sandbox_id: str, want: int, minimum: int, limit: int | None) -> int:
         keys = [self.key("ctr", sandbox_id), self.key("lease", self.worker_id), self.key("hb", self.worker_id),
-                self.key("workers")]
+                self.key("workers"), self.key("sbx", sandbox_id)]
         args = [sandbox_id, int(want), int(minimum), -1 if limit is None else int(limit),
                 int(self.heartbeat_ttl * 1000), self.worker_id]
         return int(await self._eval("RESERVE_OUT", keys, args))
@@ -298,8 +310,8 @@ class RedisState:
         return bool(await self._eval("RECORD_REQUEST", keys, args))
 
     async def add_dns_query(self, sandbox_id: str, name_bytes: int) -> tuple[int, int]:
-        ctr = [self.key("ctr", sandbox_id)]
-        queries, nbytes = await self._eval("ADD_COUNTERS", ctr, ["dq", 1, "db", int(name_bytes)])
+        keys = [self.key("ctr", sandbox_id), self.key("sbx", sandbox_id)]
+        queries, nbytes = await self._eval("ADD_COUNTERS", keys, ["dq", 1, "db", int(name_bytes)])
         return int(queries), int(nbytes)
 
     # -- liveness -----------------------------------------------------------------------------------

@@ -16,26 +16,33 @@ from tests.support.http1 import read_reply
 from tests.support.launcher import launch_loopback, write_policies
 
 
-def approval_policies(w: World, kinds: list[str], name: str) -> dict[str, Any]:
-    """api.test (GET /v1/**) is allowed; everything else is outside the allowlist. other.test/admin/** is
-    denied by rule; loopback 127.0.0.1 is allowed_private, the canary's 127.0.0.2 is not."""
-    return {"sandbox": {"name": name}, "execution": {"require_approval_for": kinds}, "network": {
+def approval_policies(w: World, kinds: list[str], name: str, resources: dict | None = None) -> dict[str, Any]:
+    """api.test (GET /v1/**; POST /keyed with a credential) is allowed; everything else is outside the
+    allowlist. other.test/admin/** is denied by rule; loopback 127.0.0.1 is allowed_private, the canary's
+    127.0.0.2 is not."""
+    return {"sandbox": {"name": name, "resources": resources or {}},
+            "execution": {"require_approval_for": kinds}, "network": {
         "allow_private": ["127.0.0.1/32"],
         "https": {"allow": [{"id": "api", "host": "api.test", "ports": [w.https_port], "methods": ["GET"],
-                             "paths": ["/v1/**"]}],
+                             "paths": ["/v1/**"]},
+                            {"id": "keyed", "host": "api.test", "ports": [w.https_port], "methods": ["POST"],
+                             "paths": ["/keyed"], "credential": "billing"}],
                   "deny": [{"id": "no-admin", "host": "other.test", "paths": ["/admin/**"]}]},
-        "http": {"deny": [{"id": "no-admin-http", "host": "other.test", "paths": ["/admin/**"]}]}}}
+        "http": {"deny": [{"id": "no-admin-http", "host": "other.test", "paths": ["/admin/**"]}]}},
+        "credentials": {"capabilities": {"billing": {"type": "jwt", "ttl_seconds": 120}}}}
 
 
 def start(w: World, tmp: Path, extra_config: dict | None = None) -> Gateway:
     docs = {**policies(w), "ap-gated": approval_policies(w, ["network_expansion", "publish"], "ap-gated"),
-            "ap-plain": approval_policies(w, ["publish", "persistent_write"], "ap-plain")}
+            "ap-plain": approval_policies(w, ["publish", "persistent_write"], "ap-plain"),
+            "ap-budget": approval_policies(w, ["network_expansion"], "ap-budget", {"outbound_bytes_max": 3000})}
     policy_dir = write_policies(tmp / "policies", docs)
     ca_bundle = tmp / "upstream-ca.pem"
     ca_bundle.write_bytes(w.ca.cert_pem.bytes())
     config = {
         "listen": {"proxy": "127.0.0.1:0", "admin": "127.0.0.1:0", "dns": None, "transparent": None},
         "policy": str(policy_dir), "var_dir": str(tmp / "var"),
+        "broker": {"local_key_dir": str(tmp / "var" / "keys")},
         "upstream": {"resolver": f"127.0.0.1:{w.dns_port}", "ca_bundle": str(ca_bundle)},
         **(extra_config or {}),
     }

@@ -234,6 +234,10 @@ def test_api_validates_bodies(gateway: Gateway):
     assert admin(gateway, "GET", "/v1/approvals/apr-0000").status_code == 404
     assert admin(gateway, "GET", "/v1/approvals/apr-0000").json()["error"] == "not_found"
     assert admin(gateway, "POST", "/v1/approvals/apr-0000/deny").status_code == 404
+    for unknown in ("apr-0123456789abcdef", f"{approval_id}:x", "x%3Apending%3A" + sbx.id, approval_id.upper()):
+        for method, suffix in (("GET", ""), ("POST", "/approve"), ("POST", "/deny")):
+            res = admin(gateway, method, f"/v1/approvals/{unknown}{suffix}")
+            assert res.status_code == 404 and res.json()["error"] == "not_found", (unknown, suffix)
     unauth = httpx.get(f"http://{gateway.admin}/v1/approvals", trust_env=False, timeout=10)
     assert unauth.status_code == 401
     assert admin(gateway, "GET", f"/v1/approvals/{approval_id}").json()["state"] == "pending"  # nothing applied
@@ -264,3 +268,60 @@ def test_replay_explains_an_allow_that_an_approval_made(gateway: Gateway, tmp_pa
     changed = [c for c in replay([audit], plain).changes if c.sandbox_id == sbx.id and c.old_decision == "allow"]
     assert [(c.old_rule, c.old_reason, c.new_decision, c.new_reason) for c in changed] == [
         (f"approval {approval_id}", "approval_granted", "deny", "host_not_allowed")]
+
+
+def test_an_approved_request_never_carries_a_credential(gateway: Gateway):
+    sbx = gateway.admit("ap-gated")
+    port = gateway.world.https_port
+    mark = gateway.world.hits.mark()
+    with sbx.client() as c:  # control: the credentialed rule injects its JWT
+        assert c.post(f"https://api.test:{port}/keyed", content=b"x").status_code == 200
+        refused = c.get(f"https://api.test:{port}/keyed")  # GET /keyed: outside the allowlist (method)
+        assert refused.status_code == 403 and refused.json()["reason"] == "approval_required"
+        assert approve(gateway, refused.json()["approval_id"], scope="host+path").status_code == 200
+        assert c.get(f"https://api.test:{port}/keyed").status_code == 200
+    injected, approved = [h for h in gateway.world.hits.since(mark) if h["path"] == "/keyed"]
+    assert injected["method"] == "POST" and injected["headers"]["authorization"].startswith("Bearer ey")
+    assert approved["method"] == "GET" and "authorization" not in approved["headers"]
+
+
+def test_an_approval_does_not_lift_the_sandbox_byte_budget(gateway: Gateway):
+    sbx = gateway.admit("ap-budget")
+    port = gateway.world.https_port
+    with sbx.client() as c:
+        refused = c.get(f"https://api.test:{port}/other")
+        assert approve(gateway, refused.json()["approval_id"]).status_code == 200
+        assert c.get(f"https://api.test:{port}/other").status_code == 200  # control: approved and in budget
+        over = c.post(f"https://api.test:{port}/other", content=b"x" * 4000)
+        assert over.status_code == 429 and over.json()["reason"] == "budget_exceeded"
+
+
+def test_cli_lists_approves_and_denies(gateway: Gateway):
+    import os
+    import subprocess
+
+    from tests.support.launcher import EGRESSGATE
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([EGRESSGATE, "approvals", *args, "--config", str(gateway.config)], text=True,
+                              capture_output=True, timeout=30, env={**os.environ, "NO_PROXY": ""})
+
+    sbx = gateway.admit("ap-gated")
+    first, second = asked(gateway, sbx, "other.test"), asked(gateway, sbx, "h.cli.test")
+    table = cli("list", "--state", "pending")
+    assert table.returncode == 0 and first in table.stdout and second in table.stdout
+    assert f"GET http://other.test:{gateway.world.http_port}/data" in table.stdout
+    listed = json.loads(cli("list", "--format", "json").stdout)["approvals"]
+    assert {first, second} <= {a["id"] for a in listed}
+    bad = cli("approve", first, "--for", "2d")
+    assert bad.returncode != 0 and "between 1 second and 1 day" in bad.stderr
+    out = cli("approve", first, "--for", "90s", "--scope", "host+path", "--by", "dana")
+    assert out.returncode == 0, out.stderr
+    granted = json.loads(out.stdout)
+    assert (granted["scope"], granted["decided_by"]) == ("host+path", "dana")
+    assert abs(granted["expires_at"] - granted["decided_at"] - 90) < 1e-6
+    denied = json.loads(cli("deny", second).stdout)
+    assert denied["state"] == "denied" and denied["decided_by"]  # defaults to the login name
+    again = cli("deny", second)
+    assert again.returncode != 0 and "409" in again.stderr and "not_pending" in again.stderr
+    assert http_get(gateway, sbx, "other.test", "/data").status == 200

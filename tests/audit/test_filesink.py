@@ -145,7 +145,7 @@ async def test_rotation_loses_nothing_and_verifies_across_files(make_sink, pubke
         await asyncio.gather(*(sink.write(e) for e in events[chunk : chunk + 10]))
     await sink.close()
     assert sink.rotations >= 3
-    rotated = sorted(p for p in sink.path.parent.iterdir() if p.name != sink.path.name)
+    rotated = sorted(p for p in sink.path.parent.iterdir() if p.name != sink.path.name and p.suffix == ".jsonl")
     files = [*rotated, sink.path]
     for f in files:
         assert stat.S_IMODE(os.stat(f).st_mode) == 0o600
@@ -166,7 +166,7 @@ async def test_restart_links_to_the_previous_file(tmp_path, signer, pubkey):
     second = await FileSink(path, signer).start()
     await second.write(http_event(2))
     await second.close()
-    old = [p for p in path.parent.iterdir() if p != path]
+    old = [p for p in path.parent.iterdir() if p != path and p.suffix == ".jsonl"]
     assert len(old) == 1
     reps = verify_files([old[0], path], load_public_keys([pubkey]))
     assert all(r.ok for r in reps), [r.error for r in reps]

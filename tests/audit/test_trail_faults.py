@@ -165,6 +165,7 @@ async def crash(sink: FileSink) -> None:
         await sink._writer
     os.close(sink._fd)
     sink._fd = None
+    os.close(sink._lock)  # the kernel drops a dead process's writer lock (audit/writerlock.py)
 
 
 async def test_crash_is_sealed_by_a_recovery_checkpoint(tmp_path, signer, pubkey):

@@ -27,6 +27,7 @@ async def killed(sink: FileSink) -> None:
         await sink._writer
     os.close(sink._fd)
     sink._fd = None
+    os.close(sink._lock)  # the kernel drops a dead process's writer lock (audit/writerlock.py)
 
 
 def chain(path) -> list:

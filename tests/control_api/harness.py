@@ -51,7 +51,7 @@ def control_policies(w: World) -> dict[str, dict]:
 
 
 def start_control_gateway(w: World, tmp: Path, extra: dict[str, Any] | None = None,
-                          docs: dict[str, dict] | None = None) -> Gateway:
+                          docs: dict[str, dict] | None = None, launcher: list[str] | None = None) -> Gateway:
     policy_dir = write_policies(tmp / "policies", docs if docs is not None else control_policies(w))
     ca_bundle = tmp / "upstream-ca.pem"
     ca_bundle.write_bytes(w.ca.cert_pem.bytes())
@@ -64,7 +64,7 @@ def start_control_gateway(w: World, tmp: Path, extra: dict[str, Any] | None = No
         "broker": {"local_key_dir": str(tmp / "var" / "keys")},
         **(extra or {}),
     }
-    return Gateway(**launch_loopback(tmp, config), policy_dir=policy_dir, world=w)
+    return Gateway(**launch_loopback(tmp, config, launcher=launcher), policy_dir=policy_dir, world=w)
 
 
 def api(gw: Gateway, method: str, path: str, token: str | None = "", **kw: Any) -> httpx.Response:
@@ -76,15 +76,21 @@ def api(gw: Gateway, method: str, path: str, token: str | None = "", **kw: Any) 
 
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+SCRAPED_BY = "scraped_by"  # not a metric: the `worker` label every egressgate_* sample of the scrape had
 
 
 def scrape(gw: Gateway) -> Samples:
     res = api(gw, "GET", "/metrics")
     assert res.status_code == 200, res.text
     out: Samples = {}
+    workers = set()
     for family in text_string_to_metric_families(res.text):
         for sample in family.samples:
-            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+            labels = dict(sample.labels)
+            workers.add(labels.pop("worker"))  # every sample names its process
+            out[(sample.name, tuple(sorted(labels.items())))] = sample.value
+    assert len(workers) == 1, workers  # one process answered the whole scrape
+    out[(SCRAPED_BY, (("worker", workers.pop()),))] = 1.0
     return out
 
 

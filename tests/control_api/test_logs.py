@@ -11,6 +11,9 @@ from collections.abc import Iterator
 import pytest
 
 from egressgate.logs import configure
+from tests.control_api.harness import METRICS_POLICY, api, start_control_gateway
+from tests.support.launcher import EGRESSGATE, stop_gateway
+from tests.support.waiting import wait_for
 
 
 @pytest.fixture
@@ -64,3 +67,28 @@ def test_text_is_the_default_and_positive_control_it_spans_lines(restore_root):
 def test_unknown_format_is_refused(restore_root):
     with pytest.raises(ValueError, match="text, json"):
         configure("INFO", "yaml")
+
+
+def test_running_gateway_logs_one_json_object_per_line(world, tmp_path):
+    """`egressgate run --log-format json` end to end: a rejected reload (multi-line problem text) and
+    normal traffic leave nothing on stderr but JSON lines."""
+    wrapper = tmp_path / "egressgate-json"
+    wrapper.write_text(f'#!/bin/sh\nexec {EGRESSGATE} "$@" --log-format json\n')
+    wrapper.chmod(0o755)
+    gw = start_control_gateway(world, tmp_path / "gw", launcher=[str(wrapper)])
+    try:
+        sbx = gw.admit(METRICS_POLICY)
+        with sbx.client() as c:
+            assert c.get(sbx.url("api.test", "/echo")).status_code == 200
+        broken = gw.policy_dir / "zz-broken.yaml"
+        broken.write_text("sandbox: {name: zz-broken}\nnetwork: {https: {allow: [{host: 'exa mple'}]}}\n")
+        assert api(gw, "POST", "/v1/policies/reload").status_code == 422
+        broken.unlink()
+        assert wait_for(lambda: "policy reload rejected" in gw.stderr())
+    finally:
+        stop_gateway(gw)
+    lines = [line for line in gw.stderr().splitlines() if line.strip()]
+    records = [json.loads(line) for line in lines]  # every line parses
+    assert all(set(r) >= {"ts", "level", "logger", "message"} for r in records)
+    rejected = [r for r in records if "policy reload rejected" in r["message"]]
+    assert rejected and all(r["level"] == "ERROR" for r in rejected)

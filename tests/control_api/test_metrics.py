@@ -11,7 +11,7 @@ from collections import Counter
 import dns.rcode
 import httpx
 
-from tests.control_api.harness import DNS_SOURCE, METRICS_POLICY, api, ask, delta, scrape, value
+from tests.control_api.harness import DNS_SOURCE, METRICS_POLICY, SCRAPED_BY, api, ask, delta, scrape, value
 from tests.support.waiting import wait_for
 
 DECISIONS = "egressgate_decisions_total"
@@ -166,6 +166,8 @@ def test_component_gauges_at_rest(cgw):
     assert value(samples, "egressgate_audit_records_written_total") > 0
     workers = [dict(k[1]) for k in samples if k[0] == "egressgate_worker_info"]
     assert len(workers) == 1 and workers[0]["pid"] == str(cgw.proc.pid) and workers[0]["worker_id"]
+    (labelled,) = [dict(k[1])["worker"] for k in samples if k[0] == SCRAPED_BY]
+    assert labelled == workers[0]["worker_id"][:12]
     versions = [dict(k[1])["version"] for k in samples if k[0] == "egressgate_policy_set"]
     assert versions == [api(cgw, "GET", "/v1/policies").json()["version"]]
 

@@ -13,8 +13,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.control_api.harness import METRICS_POLICY, api, scrape, start_control_gateway, value
-from tests.support.launcher import stop_gateway
+from tests.control_api.harness import METRICS_POLICY, SCRAPED_BY, api, scrape, start_control_gateway, value
+from tests.support.launcher import EGRESSGATE, stop_gateway
 from tests.support.redis import RedisServer
 from tests.support.waiting import wait_for
 
@@ -85,3 +85,40 @@ def test_redis_outage_makes_the_gateway_unready_and_counts_state_errors(world, t
         assert api(gw, "GET", "/v1/sandboxes").status_code == 200
     finally:
         stop_gateway(gw)
+
+
+def test_workers_share_one_admin_address_and_their_series_never_mix(world, tmp_path, redis):
+    """`run --workers 2`: scrapes of the one admin address reach both workers; every sample carries its
+    worker, and each worker's counter only grows. Positive control: the same scrapes without the label
+    (what a scraper would see if the series were merged) go backwards."""
+    wrapper = tmp_path / "egressgate-workers"
+    wrapper.write_text(f'#!/bin/sh\nexec {EGRESSGATE} "$@" --workers 2\n')
+    wrapper.chmod(0o755)
+    gw = start_control_gateway(world, tmp_path / "gw", _state(redis, redis.prefix()), launcher=[str(wrapper)])
+    try:
+        series: list[tuple[str, float]] = []
+        for _ in range(40):
+            api(gw, "POST", "/v1/sandboxes", json={"policy": METRICS_POLICY})  # one admission record each
+            samples = scrape(gw)
+            (worker,) = [dict(k[1])["worker"] for k in samples if k[0] == SCRAPED_BY]
+            admitted = sum(n for (name, labels), n in samples.items()
+                           if name == "egressgate_decisions_total" and ("operation", "admission") in labels)
+            series.append((worker, admitted))
+        final: dict[str, float] = {}  # after the traffic: each worker's total, from a scrape it answered
+        for _ in range(60):
+            samples = scrape(gw)
+            (worker,) = [dict(k[1])["worker"] for k in samples if k[0] == SCRAPED_BY]
+            final[worker] = sum(n for (name, labels), n in samples.items()
+                                if name == "egressgate_decisions_total" and ("operation", "admission") in labels)
+            if len(final) == 2:
+                break
+    finally:
+        stop_gateway(gw)
+    workers = {w for w, _ in series}
+    assert len(workers) == 2, series
+    for worker in workers:
+        mine = [n for w, n in series if w == worker]
+        assert mine == sorted(mine), (worker, mine)  # each worker's counter only grows
+    merged = [n for _, n in series]
+    assert merged != sorted(merged)  # positive control: one unlabelled series would seem to reset
+    assert set(final) == workers and sum(final.values()) == 40  # summed by worker: exactly the admissions

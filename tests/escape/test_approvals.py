@@ -10,13 +10,16 @@ Positive control: the same steps for other.allowed.test (a good address) reach t
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 
 import pytest
 
-from tests.escape.checks import ADDRESS_REASONS, assert_denied, assert_untouched, requests_on
+import tests.networld as nw
+from tests.escape.checks import ADDRESS_REASONS, assert_denied, assert_untouched, deny_reason, requests_on
 from tests.networld import World
 from tests.support.launcher import EGRESSGATE
 from tests.support.netgateway import Curl, Gateway, Sandbox
+from tests.support.transparent import Transparent
 
 pytestmark = pytest.mark.netns
 
@@ -87,3 +90,52 @@ def test_forbidden_literals_are_never_offered_for_approval(world: World, gateway
     assert_denied(res, ADDRESS_REASONS)
     assert "approval_id" not in res.deny_body()
     assert_untouched(world, mark, literal)
+
+
+def test_an_approved_rebinding_name_is_pinned_per_connection(world: World, gateway: Gateway, sbx: Sandbox) -> None:
+    """rebind.evil.test answers the upstream, then 169.254.169.254, in turn: each request is checked and
+    dialed on the address it resolved to, so an approval never turns a rebind into a canary hit."""
+    mark = world.mark()
+    cli_approve(world, gateway, approval_id(gateway.curl(sbx, "http://rebind.evil.test/r")))
+    outcomes = []
+    for _ in range(4):
+        res = gateway.curl(sbx, "http://rebind.evil.test/r")
+        outcomes.append("allowed" if res.status == 200 and not res.denied
+                        else assert_denied(res, ADDRESS_REASONS))
+    assert "allowed" in outcomes and set(outcomes) - {"allowed"}, outcomes  # both answers were seen
+    assert_untouched(world, mark, "rebind.evil.test")
+
+
+TNET = "198.18.14"  # this module's transparent namespace (other modules use .5/.6/.7/.9/.12/.13)
+
+
+@pytest.fixture(scope="module")
+def tsb(world: World, gateway: Gateway) -> Iterator[Transparent]:
+    t = Transparent.create(world, gateway, tag="tap", net=TNET, table="egA_tapprove")
+    try:
+        yield t
+    finally:
+        t.close()
+
+
+def test_transparent_requests_ask_and_an_approval_never_lifts_the_address_check(
+        world: World, gateway: Gateway, tsb: Transparent) -> None:
+    """The same on the transparent listener (what `sandbox run` uses): the name comes from the Host
+    header, the address the sandbox dialed is never used; an approved good name is reached, an approved
+    name resolving to the metadata canary is not."""
+    source = f"{TNET}.3"
+    gateway.sandboxes.pop(f"escape-approval@{source}", None)
+    gateway.admit("escape-approval", address=source)
+    mark = world.mark()
+    asked = tsb.http(nw.UPSTREAM, "other.allowed.test", path="/transparent", source=source)
+    assert deny_reason(asked) == "approval_required"
+    cli_approve(world, gateway, asked.json()["approval_id"])
+    allowed = tsb.http(nw.UPSTREAM, "other.allowed.test", path="/transparent", source=source)
+    assert allowed.status == 200 and not allowed.denied, allowed
+    assert [h["target"] for h in requests_on(world, mark, "upstream-http")] == ["/transparent"]
+    meta = tsb.http(nw.UPSTREAM, "metadata.evil.test", path="/latest/meta-data/", source=source)
+    assert deny_reason(meta) == "approval_required"
+    cli_approve(world, gateway, meta.json()["approval_id"])
+    again = tsb.http(nw.UPSTREAM, "metadata.evil.test", path="/latest/meta-data/", source=source)
+    assert deny_reason(again) in ADDRESS_REASONS
+    assert_untouched(world, mark, "metadata.evil.test (transparent)")

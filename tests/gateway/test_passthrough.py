@@ -102,6 +102,8 @@ def gw(world, hrr, tmp_path_factory):
         "tcp": {"allow": [{"id": "raw", "host": "tcp.test", "ports": [world.tcp_port]}]}})
     write("pt-budget", {"https": {"allow": [{"id": "pt-api", "host": "api.test", "ports": [https],
                                              "tls": "passthrough"}]}}, {"outbound_bytes_max": 6000})
+    write("pt-lease", {"https": {"allow": [{"id": "pt-api", "host": "api.test", "ports": [https],
+                                            "tls": "passthrough"}]}}, {"outbound_bytes_max": 2_000_000})
     # positive control for the address check: the canary is reachable when its address is allowed
     write("pt-canary-open", {"https": {"allow": [
         {"id": "pt-canary", "host": "canary.test", "ports": [canary], "tls": "passthrough"}]}},
@@ -345,6 +347,27 @@ def test_budget_cuts_the_splice_at_the_limit(gw, world):
     assert len(cut) == 1 and cut[0]["egressgate.reason"] == "budget_exceeded"
     total = sum(int(r["egressgate.bytes.out"]) for r in records(gw, sbx.id, "outcome"))
     assert total <= 6000
+
+
+def test_splice_pauses_for_its_lease_and_relays_intact(gw, world):
+    """2 MB budget: a 1.5 MB upload through one spliced tunnel needs many lease top-ups (each pauses
+    the client's socket until the store answered); every byte arrives, in order, and the request is
+    answered. A second 1 MB upload then crosses the budget and is cut; the total stays under it."""
+    sbx = gw.admit("pt-lease")
+    mark = world.hits.mark()
+    body = bytes(range(256)) * (1_500_000 // 256)
+    reply = tls_get(world, open_tunnel(gw, sbx, f"api.test:{world.https_port}"), "api.test", "/upload?lease=1", body)
+    assert reply.startswith(b"HTTP/1.1 200"), reply[:200]
+    [hit] = [h for h in world.hits.since(mark) if h["path"] == "/upload?lease=1"]
+    assert hit["body_len"] == len(body) and hit["body_head"].encode("latin-1") == body[:4096]
+    with pytest.raises(OSError):
+        tls_get(world, open_tunnel(gw, sbx, f"api.test:{world.https_port}"), "api.test", "/upload?lease=2",
+                b"z" * 1_000_000)
+    time.sleep(0.3)
+    assert [h for h in world.hits.since(mark) if h["path"] == "/upload?lease=2"] == []
+    assert wait_for(lambda: len(records(gw, sbx.id, "outcome")) == 2, timeout=5)
+    total = sum(int(r["egressgate.bytes.out"]) for r in records(gw, sbx.id, "outcome"))
+    assert len(body) < total <= 2_000_000
 
 
 def test_revocation_cuts_an_open_passthrough_tunnel(gw, world):

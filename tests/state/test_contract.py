@@ -6,7 +6,7 @@ import asyncio
 import textwrap
 
 from egressgate.policy.loader import parse_policy
-from egressgate.state.base import StateStore, token_matches
+from egressgate.state.base import MAX_AMOUNT, StateStore, token_matches
 from egressgate.state.redis import RedisState
 from tests.state.helpers import record
 
@@ -173,3 +173,19 @@ async def test_reconcile_with_every_worker_alive_forfeits_nothing(store: StateSt
     assert await store.reserve_out("sbx", 10, 10, None) == 10
     assert await store.reconcile(0.0) == []
     await store.settle_out("sbx", spent=10, unused=0)
+
+
+async def test_amounts_beyond_exact_counting_are_refused_alike_and_corrupt_nothing(store: StateStore):
+    """A sandbox chooses the size of what it sends (a declared Content-Length of 10^19): Redis counts in
+    Lua doubles (exact to 2^53), and `%d` of 1e19 is -2^63, so HINCRBY would drive bytes_out to about
+    -9.2e18 (a budget set later would never run out). Every backend refuses such an amount the same way
+    (nothing reserved, nothing recorded) and the counters stay exact."""
+    await store.admit(record())
+    assert await store.reserve_out("sbx", 100, 100, None) == 100  # positive control: counted exactly
+    for huge in (MAX_AMOUNT + 1, 10**19, 2**64):
+        assert await store.reserve_out("sbx", huge, huge, None) == 0
+        assert await store.reserve_out("sbx", huge, 1, 1000) == 0  # not even a part of it
+        assert await store.record_request("sbx", "a.example", "r1", huge) is False
+    assert await store.reserve_out("sbx", MAX_AMOUNT - 100, 1, None) == MAX_AMOUNT - 100  # the largest fits
+    snap = await store.snapshot("sbx")
+    assert snap.bytes_out == MAX_AMOUNT and "r1" not in snap.rule_usage

@@ -139,7 +139,8 @@ def budget_world(tmp: Path) -> Iterator[BudgetWorld]:
         loop.close(servers=[server], transports=[transport])
 
 
-def start_gateways(w: BudgetWorld, policy: dict, state: dict | None, count: int) -> list[LoopbackGateway]:
+def start_gateways(w: BudgetWorld, policy: dict, state: dict | None, count: int,
+                   launcher: list[str] | None = None) -> list[LoopbackGateway]:
     """`count` gateway processes on the same `state` backend config (None: memory), each its own ports,
     var dir (audit file, CA) and policy copy."""
     import yaml
@@ -155,7 +156,7 @@ def start_gateways(w: BudgetWorld, policy: dict, state: dict | None, count: int)
                       "upstream": {"resolver": f"127.0.0.1:{w.dns_port}"}}
             if state is not None:
                 config["state"] = state
-            gateways.append(LoopbackGateway(**launch_loopback(tmp, config)))
+            gateways.append(LoopbackGateway(**launch_loopback(tmp, config, launcher=launcher)))
     except BaseException:
         for gw in gateways:
             stop_gateway(gw)
