@@ -64,8 +64,8 @@ class DecisionAddon:
         exactly that, so the decision and its audit record are the same as with the full snapshot."""
         try:
             assert fs.sandbox_id is not None
-            return await self.rt.state.snapshot(fs.sandbox_id, history=policy.history_patterns,
-                                                rules=policy.budgeted_rules)
+            return self.rt.ledger.spent_view(await self.rt.state.snapshot(  # leases held here: unspent
+                fs.sandbox_id, history=policy.history_patterns, rules=policy.budgeted_rules))
         except (StateUnavailable, KeyError):
             fs.decision = gateway_deny(Reason.STATE_UNAVAILABLE)
             return None

@@ -128,7 +128,18 @@ def test_redis_down_after_connect_refuses_the_tunnels_bytes(world: World, tmp_pa
             assert not reply.startswith(b"echo:"), reply
             assert all(b"after-redis-stopped" not in d for d in world.hits.tcp[before:])
             if target == "tcp.test":
-                return  # relayed by its rule: the cut is the ledger's (its outcome record: PLAN-12 note)
+                # relayed by its rule: the ledger's lease top-up failed; the relay's outcome says why (the
+                # store, not the budget and not a gateway bug)
+                def relay_outcome() -> dict | None:
+                    return next((r for r in gw.audit_records() if r.get("egressgate.sandbox.id") == sbx.id
+                                 and r.get("egressgate.operation") == "outcome"
+                                 and r.get("egressgate.decision") == "deny"), None)
+
+                assert wait_for(relay_outcome, timeout=5), [r for r in gw.audit_records()
+                                                             if r.get("egressgate.sandbox.id") == sbx.id]
+                out = relay_outcome()
+                assert out["egressgate.reason"] == "state_unavailable" and "egressgate.budget_cut" not in out, out
+                return
             # ...and the raw-TCP decision's refusal says why: the store, not a gateway bug
             reasons = [r.get("egressgate.reason") for r in gw.audit_records()
                        if r.get("egressgate.sandbox.id") == sbx.id and r.get("egressgate.decision") == "deny"]
