@@ -157,7 +157,7 @@ class ByteLedger:
         """What this sandbox could still send from here (for the 429 message; a store read)."""
         if limit is None:
             return 0
-        snap = await self.state.snapshot(sandbox_id, history=False, rules=())  # bytes only
+        snap = await self.state.snapshot(sandbox_id, history=False, rules=())  # bytes_out only, no history
         pool = self._pools.get(sandbox_id)
         return max(0, limit - snap.bytes_out + (pool.avail if pool is not None else 0))
 
