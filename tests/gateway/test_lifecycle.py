@@ -16,7 +16,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.support.gwworld import connect_tunnel, start_gateway
+from tests.support.gwworld import connect_tunnel, raw_bytes_in_tunnel, start_gateway
 from tests.support.http1 import read_reply
 from tests.support.launcher import EGRESSGATE, stop_gateway
 from tests.support.replicas import hold_sse
@@ -30,16 +30,14 @@ def test_non_http_bytes_in_tunnel_refused_with_control(gateway):
     port = world.tcp_port
     sbx = gateway.admit("gw-tcp")
     before = len(world.hits.tcp)
-    sock, head = connect_tunnel(gateway, sbx, f"open.test:{port}")
-    assert head.startswith(b"HTTP/1.1 200")
-    sock.sendall(b"\x00\x01\x02 raw bytes that are not http\n")
-    status, _, body = read_reply(sock, timeout=5)
-    sock.close()
+    raw = b"\x00\x01\x02 raw bytes that are not http\n"
+    status, _, body = raw_bytes_in_tunnel(gateway, sbx, f"open.test:{port}", raw)
     assert status == 403 and json.loads(body)["reason"] == "protocol_not_allowed"
     time.sleep(0.3)
     assert all(d == b"" for d in world.hits.tcp[before:])
     sock, head = connect_tunnel(gateway, sbx, f"tcp.test:{port}")
-    sock.sendall(b"\x00\x01\x02 raw bytes that are not http\n")
+    assert head.startswith(b"HTTP/1.1 200")
+    sock.sendall(raw)
     sock.settimeout(5)
     assert sock.recv(100).startswith(b"echo:\x00\x01\x02")
     sock.close()
