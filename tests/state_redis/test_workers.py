@@ -14,8 +14,6 @@ import httpx
 import pytest
 
 from tests.state_redis.workers_support import (
-    alive,
-    children,
     get_fresh,
     holder,
     slots_with,
@@ -23,6 +21,7 @@ from tests.state_redis.workers_support import (
 )
 from tests.support.gwworld import Gateway, World, open_world
 from tests.support.launcher import EGRESSGATE, stop_gateway
+from tests.support.procs import alive, children
 from tests.support.redis import RedisServer
 from tests.support.waiting import wait_for
 
