@@ -8,7 +8,6 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
-import redis.asyncio as aioredis
 
 from egressgate.approvals.memory import MemoryApprovals
 from egressgate.approvals.model import (
@@ -45,12 +44,16 @@ async def stores(request, redis_server, redis_prefix) -> AsyncIterator[tuple]:
         store = MemoryApprovals()
         yield store, store
         return
-    clients = [aioredis.Redis.from_url(redis_server.url) for _ in range(2)]
+    # built exactly as the gateway builds them (open_approvals over a RedisState: its client, its key
+    # prefix, its error counter), not a hand-made client and key function that could drift from them
+    states = [RedisState(redis_server.url, redis_prefix) for _ in range(2)]
     try:
-        yield tuple(RedisApprovals(c, lambda *parts: redis_prefix + ":".join(parts)) for c in clients)
+        stores = tuple(open_approvals(s) for s in states)
+        assert all(isinstance(s, RedisApprovals) for s in stores)
+        yield stores
     finally:
-        for c in clients:
-            await c.aclose()
+        for s in states:
+            await s.close()
 
 
 async def test_retries_get_the_same_pending_id_and_the_queue_is_bounded(stores):

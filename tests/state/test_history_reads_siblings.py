@@ -18,8 +18,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.support.gwworld import World, connect_tunnel, open_world, start_gateway
-from tests.support.http1 import read_reply
+from tests.support.gwworld import World, open_world, raw_bytes_in_tunnel, start_gateway
 from tests.support.launcher import stop_gateway
 from tests.support.redis import RedisServer
 
@@ -69,11 +68,7 @@ def test_raw_tcp_decisions_and_budget_refusals_never_read_the_history(world: Wor
                     assert c.get(sbx.url("api.test", "/echo")).status_code == 200
             monitor = Monitor(server.port)
             for _ in range(3):
-                sock, head = connect_tunnel(gw, tcp_sbx, f"open.test:{world.tcp_port}")
-                assert head.startswith(b"HTTP/1.1 200")
-                sock.sendall(b"\x00\x01 raw bytes that are not http\n")
-                status, _, body = read_reply(sock, timeout=5)
-                sock.close()
+                status, _, body = raw_bytes_in_tunnel(gw, tcp_sbx, f"open.test:{world.tcp_port}")
                 assert status == 403 and json.loads(body)["reason"] == "protocol_not_allowed"
                 with budget_sbx.client() as c:
                     r = c.post(budget_sbx.url("api.test", "/upload"), content=b"x" * 5000)

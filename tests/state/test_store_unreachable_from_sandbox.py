@@ -15,6 +15,7 @@ import base64
 import socket
 import threading
 
+from tests.support.http1 import read_head
 from tests.support.launcher import launch_loopback, stop_process, write_policies
 from tests.support.redis import RedisServer
 
@@ -23,12 +24,7 @@ def _connect(proxy: tuple[str, int], sbx: dict, target: str) -> tuple[socket.soc
     sock = socket.create_connection(proxy, timeout=10)
     cred = base64.b64encode(f"{sbx['id']}:{sbx['token']}".encode()).decode()
     sock.sendall(f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\nProxy-Authorization: Basic {cred}\r\n\r\n".encode())
-    head = b""
-    while b"\r\n\r\n" not in head:
-        chunk = sock.recv(4096)
-        if not chunk:
-            break
-        head += chunk
+    head = read_head(sock)
     if not head.startswith(b"HTTP/1.1 200"):  # a refusal: its JSON body follows, then the proxy closes
         while chunk := sock.recv(4096):
             head += chunk

@@ -16,14 +16,12 @@ from __future__ import annotations
 import json
 import socket
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from tests.support.budgetworld import (
     BudgetWorld,
-    budget_world,
     bytes_out,
     head,
     proxy_auth,
@@ -37,18 +35,6 @@ from tests.support.waiting import wait_for
 
 UPLOADS = 64
 BODY = 10_000
-
-
-@pytest.fixture(scope="module")
-def bw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BudgetWorld]:
-    with budget_world(tmp_path_factory.mktemp("budgetworld")) as w:
-        yield w
-
-
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    with RedisServer(tmp_path_factory.mktemp("l12-redis")) as server:
-        yield server
 
 
 @pytest.fixture(params=["memory", "redis"])
