@@ -74,7 +74,7 @@ class SandboxesApi:
             record = await self.rt.state.get(sandbox_id)
             if record is None:
                 return error_response(404, "unknown_sandbox", f"no sandbox {sandbox_id!r} was admitted")
-            state = await self.rt.state.snapshot(sandbox_id)
+            state = self.rt.ledger.spent_view(await self.rt.state.snapshot(sandbox_id))
         except StateUnavailable:
             return state_unavailable()
         except KeyError:  # admitted, then gone from the store between the two reads

@@ -34,6 +34,7 @@ from egressgate.audit.event import AuditEvent, AuditUnavailable, EventKind
 from egressgate.broker.inject import admission_phantoms
 from egressgate.gateway.context import Runtime
 from egressgate.policy.canon import ip_text
+from egressgate.policy.reasons import Reason
 from egressgate.runtimes.admitenv import CA_ENV_VARS
 from egressgate.state.base import SandboxRecord, StateUnavailable, hash_token
 
@@ -338,12 +339,21 @@ class AdminServer:
             return state_unavailable()
         if record is None:
             return error_response(404, "unknown_sandbox", f"no sandbox {sandbox_id!r} was admitted")
+        # The store takes the revocation first and the record follows it (queued and retried like an
+        # outcome, never dropped): a revocation happens even when its record cannot be written now (fail
+        # closed), and a revocation the store did not take is recorded as not applied and answered 503 —
+        # never a trail saying "revoked" over a sandbox that still works on every replica.
+        try:
+            await self.rt.state.revoke(sandbox_id)
+        except StateUnavailable:
+            await self.rt.audit.write_after(build(
+                EventKind.REVOCATION, sandbox_id=sandbox_id, sandbox_labels=record.labels, decision="deny",
+                reason=str(Reason.STATE_UNAVAILABLE), policy_name=record.policy_name, extra=outcome))
+            return error_response(503, "state_unavailable", "the state store did not take the revocation, so "
+                                  "it was not applied; retry when /readyz is ready")
         event = build(EventKind.REVOCATION, sandbox_id=sandbox_id, sandbox_labels=record.labels,
                       decision="allow", policy_name=record.policy_name, extra=outcome)
-        # a revocation happens even when its record cannot be written now (fail closed): the record is
-        # queued and retried like an outcome, never dropped
         if not await self.rt.audit.write_after(event):
-            logger.error("revocation of %s not audited yet (queued for retry); revoking anyway", sandbox_id)
-        await self.rt.state.revoke(sandbox_id)
+            logger.error("revocation of %s applied, its record not written yet (queued for retry)", sandbox_id)
         return web.json_response({"id": sandbox_id, "revoked": True,
                                   "connections_closed": len(self.rt.by_sandbox.get(sandbox_id, ()))})

@@ -147,18 +147,24 @@ def _text(value: Any) -> str:
 
 
 class RedisApprovals:
-    def __init__(self, redis: Any, key: Callable[..., str]) -> None:
+    def __init__(self, redis: Any, key: Callable[..., str], on_error: Callable[[], None] | None = None) -> None:
         self.redis = redis
+        self._on_error = on_error  # counts a failure in the state store's `errors` (/metrics)
         self.base = key("approvals{a}")
         self._request = redis.register_script(_REQUEST)
         self._decide = redis.register_script(_DECIDE)
         self._expire = redis.register_script(_EXPIRE)
 
+    def _unavailable(self, exc: Exception) -> ApprovalUnavailable:
+        if self._on_error is not None:
+            self._on_error()
+        return ApprovalUnavailable(f"approval store: {type(exc).__name__}")
+
     async def _call(self, script, args: list) -> Any:
         try:
             return await script(keys=[], args=args)
         except RedisError as exc:
-            raise ApprovalUnavailable(f"approval store: {type(exc).__name__}") from exc
+            raise self._unavailable(exc) from exc
 
     async def _fetch(self, ids: list[str]) -> list[Approval]:
         try:
@@ -167,7 +173,7 @@ class RedisApprovals:
                     pipe.hgetall(f"{self.base}:a:{approval_id}")
                 rows = await pipe.execute()
         except RedisError as exc:
-            raise ApprovalUnavailable(f"approval store: {type(exc).__name__}") from exc
+            raise self._unavailable(exc) from exc
         return [Approval.from_fields({_text(k): _text(v) for k, v in row.items()}) for row in rows if row]
 
     async def request(self, draft: Approval, now: float) -> tuple[Approval | None, bool]:
@@ -193,7 +199,7 @@ class RedisApprovals:
         try:
             ids = [_text(i) for i in await self.redis.zrange(f"{self.base}:index", 0, -1)]
         except RedisError as exc:
-            raise ApprovalUnavailable(f"approval store: {type(exc).__name__}") from exc
+            raise self._unavailable(exc) from exc
         current = (a.current(now) for a in await self._fetch(ids))
         return [a for a in current if state is None or a.state is state]
 
@@ -220,7 +226,7 @@ class RedisApprovals:
         try:
             raw = await self.redis.hgetall(f"{self.base}:grants:{sandbox_id}")
         except RedisError as exc:
-            raise ApprovalUnavailable(f"approval store: {type(exc).__name__}") from exc
+            raise self._unavailable(exc) from exc
         out = []
         for value in raw.values():
             try:

@@ -48,7 +48,10 @@ def open_approvals(state: object) -> ApprovalStore:
     if redis is not None and callable(key):
         from egressgate.approvals.redis_store import RedisApprovals
 
-        return RedisApprovals(redis, key)
+        def count_error() -> None:
+            state.errors = getattr(state, "errors", 0) + 1  # type: ignore[attr-defined]
+
+        return RedisApprovals(redis, key, count_error)
     from egressgate.approvals.memory import MemoryApprovals
 
     return MemoryApprovals()

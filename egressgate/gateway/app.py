@@ -89,6 +89,7 @@ class Gateway:
             broker=broker,
         )
         rt.approvals = open_approvals(state)  # approvals live in the state backend (egressgate/approvals)
+        rt.listeners.extend(cfg.state.endpoints())  # never relay a sandbox to our own Redis (self_connection)
         token = ensure_admin_token(cfg.admin_token_path())
         admin_host, admin_port = parse_listen(cfg.listen.admin)
         self.admin = AdminServer(rt, token, reload=self.reload)

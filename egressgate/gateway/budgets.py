@@ -144,8 +144,11 @@ def out_counter(rt: Runtime, fs: FlowState, client_id: str) -> Callable[[bytes],
             fs.bytes_out += len(chunk)
             return chunk
         state["cut"] = True
-        fs.budget_cut = True
-        logger.info("sandbox %s crossed outbound_bytes_max mid-stream; cutting", fs.sandbox_id)
+        if meter.failed:  # the store failed during the top-up: not the budget (outcome: state_unavailable)
+            fs.state_cut = True
+        else:
+            fs.budget_cut = True
+        logger.info("sandbox %s: %s mid-stream; cutting", fs.sandbox_id, meter.failed or "outbound_bytes_max crossed")
         if rt.abort_connection is not None:
             rt.abort_connection(client_id)
         return []
@@ -264,13 +267,15 @@ class Budgets:
             top = TopUp(flow, meter, n)
             await top_up_paused(top)
             if not (top.ok and meter.take(n)):
-                fs.budget_cut = True
-                logger.info("sandbox %s crossed outbound_bytes_max on a websocket; closing it", fs.sandbox_id)
+                logger.info("sandbox %s: %s on a websocket; closing it", fs.sandbox_id,
+                            top.error or "outbound_bytes_max crossed")
                 if top.error is not None:  # fail closed: the store could not say
+                    fs.state_cut = True
                     ws_layer.refuse(flow, Reason.STATE_UNAVAILABLE, ws_layer.INTERNAL_ERROR,
                                     "The gateway could not read the sandbox's byte budget.",
                                     detail="outbound_bytes_max")
                 else:
+                    fs.budget_cut = True
                     ws_layer.refuse(flow, Reason.BUDGET_EXCEEDED, ws_layer.POLICY_VIOLATION,
                                     "The sandbox's outbound byte budget is exhausted.", detail="outbound_bytes_max")
                 return
@@ -313,7 +318,10 @@ class Budgets:
             await top_up_paused(top)
             if not (top.ok and meter.take(n)):
                 message.content = b""
-                fs.budget_cut = True
+                if top.error is not None:  # the store failed: the outcome says state_unavailable
+                    fs.state_cut = True
+                else:
+                    fs.budget_cut = True
                 if self.rt.abort_connection is not None:
                     self.rt.abort_connection(flow.client_conn.id)
                 return

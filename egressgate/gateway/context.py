@@ -129,6 +129,7 @@ class FlowState:
     stream_request: bool = False  # the request body is relayed as it arrives (large or of unknown length) ...
     meter_request: bool = False  # ... and counted chunk by chunk (unknown length: not prepaid)
     budget_cut: bool = False
+    state_cut: bool = False  # cut because the state store failed while the stream waited for its lease
     ws_out: int = 0
     ws_in: int = 0
     # streaming.py: the response body is relayed as it arrives (compose.py builds its callable)

@@ -58,10 +58,14 @@ class DecisionAddon:
     def __init__(self, runtime: Runtime) -> None:
         self.rt = runtime
 
-    async def _snapshot(self, fs: FlowState) -> SandboxState | None:
+    async def _snapshot(self, fs: FlowState, policy) -> SandboxState | None:
+        """Only what `policy` can read (its history patterns, its budgeted rules: a Redis backend then
+        skips the rest of a long history); relevant_state in _decide reduces any backend's answer to
+        exactly that, so the decision and its audit record are the same as with the full snapshot."""
         try:
             assert fs.sandbox_id is not None
-            return await self.rt.state.snapshot(fs.sandbox_id)
+            return self.rt.ledger.spent_view(await self.rt.state.snapshot(  # leases held here: unspent
+                fs.sandbox_id, history=policy.history_patterns, rules=policy.budgeted_rules))
         except (StateUnavailable, KeyError):
             fs.decision = gateway_deny(Reason.STATE_UNAVAILABLE)
             return None
@@ -101,7 +105,7 @@ class DecisionAddon:
             return
         fs.host, fs.port = host, port
         policy = self._policy(fs)
-        snapshot = await self._snapshot(fs) if policy is not None else None
+        snapshot = await self._snapshot(fs, policy) if policy is not None else None
         if policy is None or snapshot is None:
             return
         facts = Facts(operation=Operation.CONNECT, host=host, port=port)
@@ -143,7 +147,7 @@ class DecisionAddon:
         fs.scheme, fs.method, fs.path, fs.query = scheme, method, path, query or None
         assert fs.host is not None and fs.port is not None
         policy = self._policy(fs)
-        snapshot = await self._snapshot(fs) if policy is not None else None
+        snapshot = await self._snapshot(fs, policy) if policy is not None else None
         if policy is None or snapshot is None:
             return
         body = declared_body_size(req)

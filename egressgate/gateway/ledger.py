@@ -31,21 +31,27 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from mitmproxy.proxy.commands import StartHook
 
+from egressgate.policy.facts import SandboxState
 from egressgate.state.base import StateStore, StateUnavailable
+from egressgate.state.memory import MemoryState
 
 logger = logging.getLogger(__name__)
 
-LEASE_MIN = 64 * 1024  # first lease of a sandbox's pool
+LEASE_MIN = 4 * 1024  # first lease of a sandbox's pool: a short flow holds little it will not send
 LEASE_MAX = 256 * 1024  # leases double up to this while the pool keeps running dry
 # ... and never more than this share of the budget: a lease is counted as spent the moment it is granted
 # (every decision and every other process sees it so), so a pool may not sit on much of a small budget
 LEASE_SHARE = 16
 SPENT_SETTLE = 1024 * 1024  # settle spent bytes once this many accumulate (keeps the lease record small)
+# A shared store (several processes) that has no room may still have budget in other processes' leases,
+# which come back when their flows end or go idle (sweep: within 2 s). A top-up it refuses is retried after
+# these pauses (the stream stays paused, nothing is sent) before the stream is cut: ~2.6 s in all.
+RETRY_DELAYS = (0.02, 0.05, 0.1, 0.2, 0.4, 0.8, 1.0)
 
 
 class _Pool:
@@ -71,6 +77,8 @@ class ByteLedger:
 
     def __init__(self, state: StateStore) -> None:
         self.state = state
+        # one process owns a memory store: no other process can hold a lease of it, nothing to wait for
+        self.retry_delays: tuple[float, ...] = () if isinstance(state, MemoryState) else RETRY_DELAYS
         self._pools: dict[str, _Pool] = {}
         self._dirty: set[str] = set()
         self._scheduled = False
@@ -105,6 +113,17 @@ class ByteLedger:
         self.give_back(sandbox_id, local + granted)  # granted is 0 (all or nothing); defensive
         return False
 
+    async def give_back_now(self, sandbox_id: str, pool: _Pool) -> None:
+        """Return what this pool holds to the store at once (not at the next tick): a flow here waits
+        for budget that another process may need to finish first."""
+        amount, pool.avail = pool.avail, 0
+        if amount:
+            try:
+                await self.state.settle_out(sandbox_id, 0, amount)
+            except Exception as exc:  # not retried (module docstring): stays overstated
+                self.settle_failures += 1
+                logger.error("giving %d unused bytes of %s back failed: %s", amount, sandbox_id, exc)
+
     def commit(self, sandbox_id: str, amount: int) -> None:
         """Reserved bytes were used (sent, or may have been): they stay spent."""
         if amount > 0:
@@ -124,11 +143,21 @@ class ByteLedger:
             pool.unused += amount
             self._mark(sandbox_id)
 
+    def spent_view(self, snap: SandboxState) -> SandboxState:
+        """The store's snapshot as decisions, records and the control API read it: bytes this process
+        holds in leases but has not sent are not spent (the store counts a lease as spent the moment it
+        is granted, so that no process can overbook; a decision must not deny what the budget still
+        allows because a stream here holds a lease). Unchanged when nothing is held here."""
+        pool = self._pools.get(snap.sandbox_id)
+        if pool is None or not pool.avail:
+            return snap
+        return replace(snap, bytes_out=max(0, snap.bytes_out - pool.avail))
+
     async def remaining(self, sandbox_id: str, limit: int | None) -> int:
         """What this sandbox could still send from here (for the 429 message; a store read)."""
         if limit is None:
             return 0
-        snap = await self.state.snapshot(sandbox_id)
+        snap = await self.state.snapshot(sandbox_id, history=False, rules=())  # bytes_out only, no history
         pool = self._pools.get(sandbox_id)
         return max(0, limit - snap.bytes_out + (pool.avail if pool is not None else 0))
 
@@ -243,12 +272,13 @@ class Meter:
     each chunk as it arrives, the stream callable spends it, possibly later: the phantom guard holds
     bytes back)."""
 
-    __slots__ = ("closed", "credit", "ledger", "limit", "pool", "sandbox_id")
+    __slots__ = ("closed", "credit", "failed", "ledger", "limit", "pool", "sandbox_id")
 
     def __init__(self, ledger: ByteLedger, sandbox_id: str, pool: _Pool, limit: int | None) -> None:
         self.ledger, self.sandbox_id, self.pool, self.limit = ledger, sandbox_id, pool, limit
         self.credit = 0
         self.closed = False
+        self.failed: str | None = None  # "state_unavailable": a top-up failed for the store, not the budget
 
     def cover(self, n: int) -> bool:
         """Set `n` more bytes aside for this flow (pool -> credit); False when the pool cannot (top up).
@@ -281,8 +311,14 @@ class Meter:
         """Pause point: make the pool hold `n` bytes for this flow, from the store. True when it does
         (cover or take them before the next await); False when the store says the budget cannot hold
         them. Raises StateUnavailable. One reservation per pool at a time; concurrent flows wait for it
-        and then look again."""
+        and then look again.
+
+        A refusal of a shared store is not final at once: leases other processes hold (and the bytes
+        this pool holds, given back first so that they can finish) come back when their flows end, so
+        the refused top-up is retried after RETRY_DELAYS. Only when the store still refuses is the
+        budget spent for this chunk."""
         pool = self.pool
+        retries = iter(self.ledger.retry_delays)
         while pool.avail < n:
             if self.closed:
                 return False
@@ -299,7 +335,12 @@ class Meter:
                 pool.fetching = None
                 fetching.set_result(None)
             if granted <= 0:
-                return False
+                delay = next(retries, None)
+                if delay is None or self.closed:
+                    return False
+                await self.ledger.give_back_now(self.sandbox_id, pool)
+                await asyncio.sleep(delay)
+                continue
             pool.lease = min(LEASE_MAX, pool.lease * 2)
             pool.avail += granted
             if pool.spent >= SPENT_SETTLE:  # a long stream: keep its lease record small (once per lease)
@@ -352,4 +393,5 @@ async def answer_top_up(top: TopUp) -> None:
         top.ok = await top.meter.top_up(top.size) and top.meter.cover(top.size)  # no await in between
     except StateUnavailable as exc:
         top.ok, top.error = False, "state_unavailable"
+        top.meter.failed = top.error
         logger.error("topping up the byte budget of %s failed: %s; cutting the stream", top.meter.sandbox_id, exc)

@@ -235,7 +235,11 @@ class PassthroughLayer(layer.Layer):
         if self.tally.cut or self.conn.closed or self._handle_event != self._relay:
             return
         splice = Splice(self.rt, self.sandbox_id, self._meter(), self.tally)
-        taken = splice.take_over(self.context.client, self.context.server)
+        # not while this layer waits for a lease top-up (BudgetTopUpHook): mitmproxy queues the events
+        # that arrive meanwhile in the layer and replays them afterwards, which would write them to the
+        # sockets after bytes the splice relayed first
+        paused = self._paused is not None or bool(self._paused_event_queue)
+        taken = None if paused else splice.take_over(self.context.client, self.context.server)
         if taken:
             self.splice = splice
         elif taken is None and self.take_over_tries < TAKE_OVER_TRIES:
@@ -272,15 +276,18 @@ class PassthroughLayer(layer.Layer):
         if self.tally.cut:
             return
         meter = self._meter()
-        if not meter.take(len(data)):
+        paid = meter.take(len(data))
+        if not paid:
             top = TopUp(self.flow, meter, len(data))
             yield BudgetTopUpHook(top)  # this layer pauses (its events queue) while the lease tops up
             if self.tally.cut or self._handle_event == self._done:
                 return
-        if not meter.take(len(data)):  # from the credit the hook covered, unless the store refused
+            paid = meter.take(len(data))  # from the credit the hook covered, unless the store refused
+        if not paid:
             # the chunk that would cross is never relayed; RST both sides (a cut stream must not look
             # complete to the upstream)
             self.tally.cut = True
+            self.tally.cut_reason = meter.failed  # the store failed during the top-up, not the budget
             logger.info("sandbox %s crossed outbound_bytes_max in a passthrough tunnel; cutting", self.sandbox_id)
             if self.rt.abort_connection is not None:
                 self.rt.abort_connection(self.context.client.id)
@@ -322,7 +329,8 @@ class PassthroughLayer(layer.Layer):
         refusal = self.refusal
         tally = self.tally
         if refusal is None and tally.cut:
-            refusal = gateway_deny(Reason.BUDGET_EXCEEDED, detail="outbound_bytes_max")
+            refusal = gateway_deny(Reason.STATE_UNAVAILABLE if tally.cut_reason else Reason.BUDGET_EXCEEDED,
+                                   detail="outbound_bytes_max")
         elif refusal is None and conn.closed:
             refusal = gateway_deny(Reason.SANDBOX_REVOKED)
         extra: dict = {**TLS_ATTRIBUTE, **conn_attributes(conn)}
@@ -330,7 +338,7 @@ class PassthroughLayer(layer.Layer):
             extra["egressgate.tls.sni"] = self.sni
         if refusal is not None and refusal.detail:
             extra["egressgate.detail"] = refusal.detail
-        if tally.cut:
+        if tally.cut and not tally.cut_reason:
             extra["egressgate.budget_cut"] = True
         if self.error:
             extra["egressgate.error"] = self.error

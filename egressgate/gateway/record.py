@@ -147,8 +147,9 @@ class Record:
                 extra[key] = value
         req_hash, body_hash = request_hash.finish(fs)
         write_behind(self.rt, outcome_event(
-            fs, decision=str(fs.decision.effect),
-            reason=str(Reason.BUDGET_EXCEEDED) if fs.budget_cut else str(fs.decision.reason),
+            fs, decision="deny" if fs.state_cut else str(fs.decision.effect),  # the store failed mid-body
+            reason=str(Reason.STATE_UNAVAILABLE) if fs.state_cut
+            else str(Reason.BUDGET_EXCEEDED) if fs.budget_cut else str(fs.decision.reason),
             rule_id=fs.decision.rule_id, status=flow.response.status_code if flow.response is not None else None,
             bytes_out=fs.bytes_out, bytes_in=fs.bytes_in, request_hash=req_hash, body_hash=body_hash, extra=extra,
         ))
@@ -237,9 +238,11 @@ class Record:
         fs.outcome_sent = True
         extra: dict = {"egressgate.budget_cut": True} if fs.budget_cut else {}
         extra.update(conn_attributes(conn))
-        write_behind(self.rt, build(
+        write_behind(self.rt, build(  # a relay the store's failure cut (budgets.py) is a deny, and says so
             EventKind.OUTCOME, request_id=conn.tcp_request_id or _orphan_id(flow), sandbox_id=conn.sandbox_id,
-            decision="allow", reason=str(Reason.RULE_MATCHED), rule_id=conn.tcp_allowed_rule,
+            decision="deny" if fs.state_cut else "allow",
+            reason=str(Reason.STATE_UNAVAILABLE if fs.state_cut else Reason.RULE_MATCHED),
+            rule_id=conn.tcp_allowed_rule,
             host=conn.tunnel_host, port=conn.tunnel_port, scheme="tcp", bytes_out=fs.bytes_out,
             bytes_in=fs.bytes_in, extra=extra,
         ))

@@ -43,6 +43,7 @@ class Tally:
     out: int = 0
     in_: int = 0
     cut: bool = False
+    cut_reason: str | None = None  # "state_unavailable" when the store failed, not the budget
 
 
 def _unconsumed(reader: asyncio.StreamReader) -> bool:
@@ -155,6 +156,7 @@ class Splice:
             ok = await self.meter.top_up(len(data))
         except StateUnavailable as exc:
             logger.error("byte budget of %s unavailable: %s; cutting a passthrough tunnel", self.sandbox_id, exc)
+            self.meter.failed = "state_unavailable"
             ok = False
         side.budget_wait = False
         if side.lost or side.peer.lost or self.tally.cut:
@@ -169,7 +171,9 @@ class Splice:
 
     def cut(self) -> None:
         self.tally.cut = True
-        logger.info("sandbox %s crossed outbound_bytes_max in a passthrough tunnel; cutting", self.sandbox_id)
+        self.tally.cut_reason = self.meter.failed
+        logger.info("sandbox %s: %s in a passthrough tunnel; cutting", self.sandbox_id,
+                    self.meter.failed or "outbound_bytes_max crossed")
         for each in self.sides or ():
             each.transport.abort()
 

@@ -102,7 +102,8 @@ async def _inputs(rt: Runtime, conn: ConnState):
         return None, None, gateway_deny(Reason.POLICY_UNAVAILABLE)
     try:
         assert conn.sandbox_id is not None
-        snapshot = policy.relevant_state(await rt.state.snapshot(conn.sandbox_id))
+        snapshot = policy.relevant_state(rt.ledger.spent_view(await rt.state.snapshot(  # decision.py
+            conn.sandbox_id, history=policy.history_patterns, rules=policy.budgeted_rules)))
     except (StateUnavailable, KeyError):
         return policy, None, gateway_deny(Reason.STATE_UNAVAILABLE)
     return policy, snapshot, None

@@ -155,7 +155,8 @@ class NextLayer:
         if policy is not None and conn.sandbox_id is not None:
             # a store that cannot answer leaves snapshot None: refused state_unavailable (fail closed)
             with contextlib.suppress(StateUnavailable, KeyError):
-                snapshot = await self.rt.state.snapshot(conn.sandbox_id)
+                snapshot = self.rt.ledger.spent_view(await self.rt.state.snapshot(
+                    conn.sandbox_id, history=policy.history_patterns, rules=policy.budgeted_rules))
         if policy is None or conn.sandbox_id is None:
             decision = gateway_deny(Reason.POLICY_UNAVAILABLE)
         elif snapshot is None:

@@ -47,6 +47,18 @@ class StateConfig(BaseModel):
                              f"got {value!r}")
         return value
 
+    def endpoints(self) -> list[tuple[str, int]]:
+        """Where the gateway reaches its Redis (host, port), for Runtime.is_self: a sandbox is never relayed
+        there, whatever its policy allows (with `allow_private` loopback and a `tcp` rule it could otherwise
+        speak RESP to the store: reset its budget, un-revoke itself, FLUSHALL). A host name is kept as is
+        (is_self then refuses that port on every address: it cannot tell). None for memory or unix://."""
+        if self.backend != "redis" or self.url is None:
+            return []
+        parts = urlsplit(self.url)
+        if parts.scheme == "unix" or parts.hostname is None:
+            return []
+        return [(parts.hostname, parts.port or 6379)]
+
     @model_validator(mode="after")
     def _backend_needs(self) -> StateConfig:
         if self.backend == "redis" and self.url is None:

@@ -163,22 +163,27 @@ if not id then return {} end
 return redis.call('HGETALL', ARGV[1] .. 'sbx:' .. id)
 """
 
-# KEYS: sbxs   ARGV: prefix -> {record, record, ...}
+# KEYS: sbxs   ARGV: prefix -> {record, record, ...}; ids whose record expired (REVOKE) leave the set
 LIST_SANDBOXES = """
 local out = {}
 for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
   local rec = redis.call('HGETALL', ARGV[1] .. 'sbx:' .. id)
-  if #rec > 0 then table.insert(out, rec) end
+  if #rec > 0 then table.insert(out, rec) else redis.call('SREM', KEYS[1], id) end
 end
 return out
 """
 
-# KEYS: sbx, events   ARGV: message (JSON) -> 1, or 0 when Redis has no such record. Published either way,
-# with "found": replicas may still cache a record Redis lost (FLUSHALL), and they must drop it and close
-# its connections.
+# KEYS: sbx, events, ctr, hosts, hist, usage   ARGV: message (JSON), retention_ms -> 1, or 0 when Redis has
+# no such record. Published either way, with "found": replicas may still cache a record Redis lost
+# (FLUSHALL), and they must drop it and close its connections. A revoked sandbox's keys expire after the
+# retention (without it every sandbox ever admitted stayed in Redis, and LIST_SANDBOXES, one script
+# that blocks Redis for every tenant, grew with them); then it is unknown, still refused.
 REVOKE = """
 local found = redis.call('EXISTS', KEYS[1])
-if found == 1 then redis.call('HSET', KEYS[1], 'revoked', '1') end
+if found == 1 then
+  redis.call('HSET', KEYS[1], 'revoked', '1')
+  for i = 1, 6 do if i ~= 2 then redis.call('PEXPIRE', KEYS[i], ARGV[2]) end end
+end
 local event = cjson.decode(ARGV[1])
 event['found'] = found
 redis.call('PUBLISH', KEYS[2], cjson.encode(event))

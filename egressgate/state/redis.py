@@ -52,8 +52,15 @@ logger = logging.getLogger(__name__)
 SOCKET_TIMEOUT = 2.0  # one operation waits at most this long for Redis, then the request is denied
 CONNECT_TIMEOUT = 1.0
 MAX_CONNECTIONS = 64  # per process; the subscription holds one of them
+REVOKED_RETENTION = 7 * 86400.0  # a revoked sandbox's keys are dropped this long after its revocation
 HEARTBEAT_TTL = 15.0  # a worker silent this long is dead: its leases are forfeited by reconcile()
 _DOWN = (RedisConnectionError, RedisTimeoutError, OSError, asyncio.TimeoutError)
+
+
+def _limit(value: int | None) -> int:
+    """A limit as the scripts read it: -1 is "none", so a limit below zero (no room at all) must not
+    reach them as itself: it would read as unlimited. It is sent as 0."""
+    return -1 if value is None else max(int(value), 0)
 
 
 class RedisState:
@@ -203,7 +210,9 @@ class RedisState:
 
     async def revoke(self, sandbox_id: str) -> bool:
         event = json.dumps({"op": "revoke", "id": sandbox_id, "w": self.worker_id})
-        found = await self._eval("REVOKE", [self.key("sbx", sandbox_id), self._events], [event])
+        keys = [self.key("sbx", sandbox_id), self._events, self.key("ctr", sandbox_id),
+                self.key("hosts", sandbox_id), self.key("hist", sandbox_id), self.key("usage", sandbox_id)]
+        found = await self._eval("REVOKE", keys, [event, int(REVOKED_RETENTION * 1000)])
         cached = self._cache.records.get(sandbox_id) is not None
         self._cache.invalidate(sandbox_id)
         if found or cached:
@@ -289,7 +298,7 @@ class RedisState:
     async def reserve_out(self, sandbox_id: str, want: int, minimum: int, limit: int | None) -> int:
         keys = [self.key("ctr", sandbox_id), self.key("lease", self.worker_id), self.key("hb", self.worker_id),
                 self.key("workers"), self.key("sbx", sandbox_id)]
-        args = [sandbox_id, int(want), int(minimum), -1 if limit is None else int(limit),
+        args = [sandbox_id, int(want), int(minimum), _limit(limit),
                 int(self.heartbeat_ttl * 1000), self.worker_id]
         return int(await self._eval("RESERVE_OUT", keys, args))
 
@@ -305,8 +314,7 @@ class RedisState:
     async def record_request(self, sandbox_id: str, host: str, rule_id: str | None, nbytes: int, *,
                              requests_max: int | None = None, bytes_max: int | None = None) -> bool:
         keys = [self.key("hosts", sandbox_id), self.key("hist", sandbox_id), self.key("usage", sandbox_id)]
-        args = [host, rev_host(host), rule_id or "", int(nbytes), -1 if requests_max is None else int(requests_max),
-                -1 if bytes_max is None else int(bytes_max)]
+        args = [host, rev_host(host), rule_id or "", int(nbytes), _limit(requests_max), _limit(bytes_max)]
         return bool(await self._eval("RECORD_REQUEST", keys, args))
 
     async def add_dns_query(self, sandbox_id: str, name_bytes: int) -> tuple[int, int]:

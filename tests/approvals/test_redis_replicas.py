@@ -11,28 +11,16 @@ import pytest
 
 from tests.approvals import harness
 from tests.approvals.harness import admin, approve, http_get, records
-from tests.support.gwworld import Gateway, Sandbox, World
-from tests.support.launcher import stop_gateway
+from tests.support.gwworld import Gateway, World
 from tests.support.redis import RedisServer
+from tests.support.replicas import gateway_pair, through
 
 
 @pytest.fixture(scope="module")
 def pair(world: World, redis_server: RedisServer,
          tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Gateway, Gateway]]:
-    state = {"state": {"backend": "redis", "url": redis_server.url, "key_prefix": redis_server.prefix()}}
-    a = harness.start(world, tmp_path_factory.mktemp("a12-gw-a"), state)
-    try:
-        b = harness.start(world, tmp_path_factory.mktemp("a12-gw-b"), state)
-        try:
-            yield a, b
-        finally:
-            stop_gateway(b)
-    finally:
-        stop_gateway(a)
-
-
-def through(sbx: Sandbox, gw: Gateway) -> Sandbox:
-    return Sandbox(id=sbx.id, token=sbx.token, proxy_url=sbx.proxy_url, env=sbx.env, gw=gw)
+    with gateway_pair(harness.start, world, redis_server, lambda n: tmp_path_factory.mktemp(f"a12-{n}")) as ab:
+        yield ab
 
 
 def test_granted_on_one_replica_honoured_by_the_other_and_expires_on_time(pair: tuple[Gateway, Gateway]):

@@ -8,7 +8,6 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
-import redis.asyncio as aioredis
 
 from egressgate.approvals.memory import MemoryApprovals
 from egressgate.approvals.model import (
@@ -24,7 +23,10 @@ from egressgate.approvals.model import (
     new_approval_id,
 )
 from egressgate.approvals.redis_store import RedisApprovals
+from egressgate.approvals.store import open_approvals
 from egressgate.state.base import StateUnavailable
+from egressgate.state.redis import RedisState
+from tests.support.env import refusing_port
 
 NOW = 1_800_000_000.0
 
@@ -42,12 +44,16 @@ async def stores(request, redis_server, redis_prefix) -> AsyncIterator[tuple]:
         store = MemoryApprovals()
         yield store, store
         return
-    clients = [aioredis.Redis.from_url(redis_server.url) for _ in range(2)]
+    # built exactly as the gateway builds them (open_approvals over a RedisState: its client, its key
+    # prefix, its error counter), not a hand-made client and key function that could drift from them
+    states = [RedisState(redis_server.url, redis_prefix) for _ in range(2)]
     try:
-        yield tuple(RedisApprovals(c, lambda *parts: redis_prefix + ":".join(parts)) for c in clients)
+        stores = tuple(open_approvals(s) for s in states)
+        assert all(isinstance(s, RedisApprovals) for s in stores)
+        yield stores
     finally:
-        for c in clients:
-            await c.aclose()
+        for s in states:
+            await s.close()
 
 
 async def test_retries_get_the_same_pending_id_and_the_queue_is_bounded(stores):
@@ -148,17 +154,22 @@ async def test_host_path_needs_a_path(stores):
     assert ok.scheme is None and ok.state is ApprovalState.APPROVED
 
 
-async def test_redis_outage_is_state_unavailable(redis_prefix):
-    client = aioredis.Redis.from_url("redis://127.0.0.1:1/0", socket_connect_timeout=0.5)
-    store = RedisApprovals(client, lambda *parts: redis_prefix + ":".join(parts))
-    try:
-        for call in (store.request(draft(), NOW), store.grants("sbx-a", NOW), store.list(None, NOW),
-                     store.get("apr-x"), store.expire(NOW)):
-            with pytest.raises(ApprovalUnavailable) as exc:
-                await call
-            assert isinstance(exc.value, StateUnavailable)
-    finally:
-        await client.aclose()
+async def test_redis_outage_is_state_unavailable_and_counted(redis_prefix):
+    """The approval store shares the state store's Redis client (open_approvals) and its error counter."""
+    with refusing_port() as port:
+        state = RedisState(f"redis://127.0.0.1:{port}/0", redis_prefix)
+        store = open_approvals(state)
+        assert isinstance(store, RedisApprovals) and store.redis is state.redis
+        try:
+            before = state.errors
+            for call in (store.request(draft(), NOW), store.grants("sbx-a", NOW), store.list(None, NOW),
+                         store.get("apr-x"), store.expire(NOW)):
+                with pytest.raises(ApprovalUnavailable) as exc:
+                    await call
+                assert isinstance(exc.value, StateUnavailable)
+            assert state.errors == before + 5
+        finally:
+            await state.close()
 
 
 async def test_ended_approvals_are_dropped_after_the_retention(stores):

@@ -20,7 +20,7 @@ from egressgate.audit.verify import verify_file, verify_files
 from egressgate.gateway.limit_audit import LimitAudit
 from egressgate.policy.reasons import Reason
 from tests.audit.forge import line_index, rewrite_chain
-from tests.support.audit_events import fill_until_failure, http_event
+from tests.support.audit_events import crash, fill_until_failure, http_event
 
 
 def ids(*paths) -> list[str]:
@@ -156,17 +156,6 @@ async def test_copytruncate_continues_the_chain(make_sink, pubkey, tmp_path):
 
 
 # --- item 15: crash ----------------------------------------------------------------------------------
-
-async def crash(sink: FileSink) -> None:
-    """Stop the writer without the final checkpoint, as kill -9 would (the process-level test really
-    SIGKILLs `egressgate run`: tests/gateway/test_audit_faults.py)."""
-    sink._writer.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await sink._writer
-    os.close(sink._fd)
-    sink._fd = None
-    os.close(sink._lock)  # the kernel drops a dead process's writer lock (audit/writerlock.py)
-
 
 async def test_crash_is_sealed_by_a_recovery_checkpoint(tmp_path, signer, pubkey):
     path = tmp_path / "audit" / "audit.jsonl"

@@ -6,28 +6,14 @@ workers' files, each chain on its own."""
 from __future__ import annotations
 
 import asyncio
-import os
 import shutil
-
-import pytest
 
 from egressgate.audit.filesink import FileSink
 from egressgate.audit.filewatch import chain_name, newest_rotated, rotated_name
 from egressgate.audit.signer import load_public_keys
 from egressgate.audit.verify import verify_files
-from tests.support.audit_events import http_event
+from tests.support.audit_events import crash, http_event
 from tests.support.cli import cli
-
-
-async def killed(sink: FileSink) -> None:
-    """Stop the writer without the final checkpoint, as kill -9 does (the process-level test SIGKILLs a
-    real worker: tests/state_redis/test_workers.py)."""
-    sink._writer.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await sink._writer
-    os.close(sink._fd)
-    sink._fd = None
-    os.close(sink._lock)  # the kernel drops a dead process's writer lock (audit/writerlock.py)
 
 
 def chain(path) -> list:
@@ -51,7 +37,7 @@ async def test_killed_before_its_first_record_the_chain_still_continues(tmp_path
     await first.close()
     second = await FileSink(path, signer).start()
     assert path.stat().st_size == 0  # control: the state a kill leaves (chain_start comes with the 1st record)
-    await killed(second)
+    await crash(second)
     third = await FileSink(path, signer).start()
     await write(third, 2, "c")
     await third.close()
@@ -69,7 +55,7 @@ async def test_a_crash_after_records_is_sealed_and_linked(tmp_path, signer, pubk
     path = tmp_path / "audit" / "audit.w1.jsonl"
     first = await FileSink(path, signer).start()
     await write(first, 3, "a")
-    await killed(first)
+    await crash(first)
     second = await FileSink(path, signer).start()
     assert second.incidents[0]["incident"] == "crash_recovered"
     await write(second, 1, "b")

@@ -15,11 +15,11 @@ from egressgate.state.memory import MemoryState
 _snapshot = MemoryState.snapshot
 
 
-async def _faulty_snapshot(self: MemoryState, sandbox_id: str):
+async def _faulty_snapshot(self: MemoryState, sandbox_id: str, **hints):
     record = await self.get(sandbox_id)
     if record is not None and record.labels.get("fault") == "snapshot":
         raise RuntimeError("planted bug: the state store failed in an unexpected way")
-    return await _snapshot(self, sandbox_id)
+    return await _snapshot(self, sandbox_id, **hints)
 
 
 MemoryState.snapshot = _faulty_snapshot  # type: ignore[method-assign]

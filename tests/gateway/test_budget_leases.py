@@ -133,3 +133,24 @@ def test_websocket_frames_across_leases_then_cut(gw: Gateway, world) -> None:
     assert len(msgs) == echoed >= BUDGET // size - 2  # no cut while budget remained (upgrade head + framing)
     assert sum(h["len"] for h in msgs) <= BUDGET
     assert wait_for(lambda: bytes_out(gw, sbx.id) <= BUDGET, timeout=5)
+
+
+def test_a_held_lease_is_not_reported_as_spent(gw: Gateway, world) -> None:
+    """A relay that sent 8 bytes holds a lease of 4 KiB (counted as spent in the store, so no process can
+    overbook); decisions, their records and the control API read what was sent: 8."""
+    sbx = gw.admit("lease-tcp")
+    sock, head = connect_tunnel(gw, sbx, f"tcp.test:{world.tcp_port}")
+    assert head.startswith(b"HTTP/1.1 200"), head
+    sock.settimeout(5)
+    sock.sendall(b"\x00eight!!")
+    assert sock.recv(100) == b"echo:\x00eight!!"
+    try:
+        second, head2 = connect_tunnel(gw, sbx, f"tcp.test:{world.tcp_port}")  # decided while the lease is held
+        second.close()
+        assert head2.startswith(b"HTTP/1.1 200")
+        connects = [r for r in gw.audit_records() if r.get("egressgate.sandbox.id") == sbx.id
+                    and r.get("egressgate.operation") == "connect"]
+        assert [int(r["egressgate.state.bytes_out"]) for r in connects] == [0, 8], connects
+        assert bytes_out(gw, sbx.id) == 8
+    finally:
+        sock.close()

@@ -10,16 +10,16 @@ import signal
 import socket
 import stat
 import subprocess
-import threading
 import time
 
 import httpx
 import pytest
 import yaml
 
-from tests.support.gwworld import connect_tunnel, start_gateway
+from tests.support.gwworld import connect_tunnel, raw_bytes_in_tunnel, start_gateway
 from tests.support.http1 import read_reply
 from tests.support.launcher import EGRESSGATE, stop_gateway
+from tests.support.replicas import hold_sse
 from tests.support.waiting import wait_for
 
 
@@ -30,16 +30,14 @@ def test_non_http_bytes_in_tunnel_refused_with_control(gateway):
     port = world.tcp_port
     sbx = gateway.admit("gw-tcp")
     before = len(world.hits.tcp)
-    sock, head = connect_tunnel(gateway, sbx, f"open.test:{port}")
-    assert head.startswith(b"HTTP/1.1 200")
-    sock.sendall(b"\x00\x01\x02 raw bytes that are not http\n")
-    status, _, body = read_reply(sock, timeout=5)
-    sock.close()
+    raw = b"\x00\x01\x02 raw bytes that are not http\n"
+    status, _, body = raw_bytes_in_tunnel(gateway, sbx, f"open.test:{port}", raw)
     assert status == 403 and json.loads(body)["reason"] == "protocol_not_allowed"
     time.sleep(0.3)
     assert all(d == b"" for d in world.hits.tcp[before:])
     sock, head = connect_tunnel(gateway, sbx, f"tcp.test:{port}")
-    sock.sendall(b"\x00\x01\x02 raw bytes that are not http\n")
+    assert head.startswith(b"HTTP/1.1 200")
+    sock.sendall(raw)
     sock.settimeout(5)
     assert sock.recv(100).startswith(b"echo:\x00\x01\x02")
     sock.close()
@@ -124,31 +122,14 @@ def test_upstream_101_to_raw_protocol_never_relays(gateway):
 def test_revocation_closes_live_connection(gateway):
     sbx = gateway.admit("gw-basic")
     key = f"rev{time.monotonic_ns()}"
-    outcome: dict = {}
-
-    def stream() -> None:
-        try:
-            with sbx.client() as c, c.stream("GET", sbx.url("sse.test", "/sse"), params={"key": key}) as r:
-                for line in r.iter_lines():
-                    if line:
-                        outcome.setdefault("lines", []).append(line)
-                        if line == "data: first":
-                            outcome["first"] = time.monotonic()
-            outcome["end"] = "eof"
-        except httpx.HTTPError as exc:
-            outcome["end"] = type(exc).__name__
-        outcome["t"] = time.monotonic()
-
-    t = threading.Thread(target=stream, daemon=True)
-    t.start()
-    assert wait_for(lambda: "first" in outcome, timeout=5)
+    held = hold_sse(sbx, key)
+    assert held.wait_first()
     revoked_at = time.monotonic()
     r = gateway.revoke(sbx.id)
     assert r.status_code == 200 and r.json()["revoked"] is True
-    t.join(5)
-    assert not t.is_alive()
-    assert outcome["t"] - revoked_at < 2.0  # not the upstream's 10 s hold
-    assert "data: last" not in outcome.get("lines", [])
+    assert held.join(5)
+    assert held.outcome["t"] - revoked_at < 2.0  # not the upstream's 10 s hold
+    assert "data: last" not in held.outcome.get("lines", [])
     gateway.world.release_sse(key)
     # and the identity is refused from now on
     sock, head = connect_tunnel(gateway, sbx, f"api.test:{gateway.world.https_port}")

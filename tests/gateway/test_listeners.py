@@ -5,6 +5,7 @@ run on Redis: tests/state_redis/test_workers.py; tests/gateway/test_supervisor.p
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -124,17 +125,57 @@ def burst(port: int, n: int = 32) -> Counter:
 def test_a_burst_of_connections_is_shared_between_processes(shared, mode):
     """32 clients connecting at once are spread over both processes (each takes one connection per wakeup).
     Control (`asyncio`): asyncio's server accepts up to 100 connections per wakeup, so the process that
-    wakes first takes the whole burst and a second worker adds nothing to a keep-alive benchmark."""
+    wakes first takes the whole burst and a second worker adds nothing to a keep-alive benchmark.
+
+    Counted: the connections the less-used process took over 5 bursts of 32 (160; an even split is ~80).
+    On a loaded machine one process is sometimes descheduled for a whole burst (and then rightly takes
+    none of it), so a measurement is repeated up to 3 times (idle machine, measured: shared 49..73,
+    asyncio's server 1..10; loaded: shared 30..70, asyncio's server up to 27)."""
     port, start = shared
     a, b = start(mode), start(mode)
     assert wait_for(lambda: ask(port, 2) != "", timeout=30)
     assert wait_for(lambda: {str(a.pid), str(b.pid)} <= set(spread(port, 20)), timeout=30)  # both serve
-    rounds = [burst(port) for _ in range(5)]
-    # connections the less-used process took, over all 5 bursts of 32 (160): an even split gives ~80. Under
-    # machine load one process is sometimes descheduled and takes less (correctly: it is busy), so the
-    # bounds are on the sum (measured: shared 49..73, asyncio 1..10)
-    fewer = sum(min(r.get(str(a.pid), 0), r.get(str(b.pid), 0)) for r in rounds)
+    measured = []
+    for _ in range(3):
+        rounds = [burst(port) for _ in range(5)]
+        measured.append(sum(min(r.get(str(a.pid), 0), r.get(str(b.pid), 0)) for r in rounds))
+        if (measured[-1] >= 40) if mode == "patch" else (measured[-1] <= 24):
+            break
     if mode == "patch":
-        assert fewer >= 40, rounds  # each process took at least a quarter
+        assert max(measured) >= 40, measured  # each process took at least a quarter
     else:
-        assert fewer <= 24, rounds  # the first process to wake took (nearly) every burst
+        assert min(measured) <= 24, measured  # the first process to wake took (nearly) every burst
+
+
+def test_one_readiness_event_takes_one_connection():
+    """The mechanism itself, without scheduling: with 8 connections queued on the listening socket, one
+    readiness callback of SharedAccept accepts exactly one of them and leaves 7 for the other workers."""
+
+    async def main() -> int:
+        sock = listeners._tcp_listener("127.0.0.1", 0)
+        clients = [socket.create_connection(sock.getsockname()[:2], timeout=5) for _ in range(8)]
+        served: list = []
+
+        async def handler(reader, writer) -> None:
+            served.append(writer)
+
+        server = listeners.SharedAccept(sock.dup(), handler)
+        server.loop.remove_reader(server.sockets[0].fileno())  # no event loop wake-ups: one call, by hand
+        server._accept()
+        await asyncio.sleep(0.2)
+        left = 0
+        while True:
+            try:
+                conn, _ = sock.accept()
+            except BlockingIOError:
+                break
+            conn.close()
+            left += 1
+        assert len(served) == 1
+        for c in clients:
+            c.close()
+        server.close()
+        sock.close()
+        return left
+
+    assert asyncio.run(main()) == 7

@@ -17,6 +17,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import httpx
 import pytest
 import yaml
 
@@ -360,6 +361,10 @@ def test_splice_pauses_for_its_lease_and_relays_intact(gw, world):
     assert reply.startswith(b"HTTP/1.1 200"), reply[:200]
     [hit] = [h for h in world.hits.since(mark) if h["path"] == "/upload?lease=1"]
     assert hit["body_len"] == len(body) and hit["body_head"].encode("latin-1") == body[:4096]
+    # the store charged exactly what the tunnel relayed (layer and splice, once each byte), lease returned
+    assert wait_for(lambda: len(records(gw, sbx.id, "outcome")) == 1, timeout=5)
+    relayed = int(records(gw, sbx.id, "outcome")[0]["egressgate.bytes.out"])
+    assert wait_for(lambda: usage_out(gw, sbx.id) == relayed, timeout=5), (usage_out(gw, sbx.id), relayed)
     with pytest.raises(OSError):
         tls_get(world, open_tunnel(gw, sbx, f"api.test:{world.https_port}"), "api.test", "/upload?lease=2",
                 b"z" * 1_000_000)
@@ -368,6 +373,14 @@ def test_splice_pauses_for_its_lease_and_relays_intact(gw, world):
     assert wait_for(lambda: len(records(gw, sbx.id, "outcome")) == 2, timeout=5)
     total = sum(int(r["egressgate.bytes.out"]) for r in records(gw, sbx.id, "outcome"))
     assert len(body) < total <= 2_000_000
+
+
+def usage_out(gw, sandbox_id: str) -> int:
+    """The store's bytes_out for the sandbox (control API)."""
+    res = httpx.get(f"http://{gw.admin}/v1/sandboxes/{sandbox_id}", headers={"Authorization": f"Bearer {gw.token}"},
+                    timeout=10, trust_env=False)
+    assert res.status_code == 200, res.text
+    return int(res.json()["usage"]["bytes_out"])
 
 
 def test_revocation_cuts_an_open_passthrough_tunnel(gw, world):

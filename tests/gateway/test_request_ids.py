@@ -20,7 +20,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.support.gwworld import connect_tunnel, start_gateway, tls_wrap
+from tests.support.gwworld import connect_tunnel, raw_bytes_in_tunnel, start_gateway, tls_wrap
 from tests.support.http1 import read_reply
 from tests.support.launcher import EGRESSGATE, flatten_otlp, stop_gateway
 from tests.support.waiting import wait_for
@@ -184,11 +184,8 @@ def test_revoked_sandbox_connect_records_target(gateway):
 # ------------------------------------------------------------------------------------------ raw TCP
 def test_raw_tcp_deny_body_id_finds_its_record(gateway):
     sbx = gateway.admit("gw-tcp")
-    sock, head = connect_tunnel(gateway, sbx, f"api.test:{gateway.world.https_port}")
-    assert head.startswith(b"HTTP/1.1 200")
-    sock.sendall(b"\x00\x01 raw bytes, neither TLS nor HTTP\n")
-    status, headers, body = read_reply(sock, timeout=5)
-    sock.close()
+    status, headers, body = raw_bytes_in_tunnel(gateway, sbx, f"api.test:{gateway.world.https_port}",
+                                                b"\x00\x01 raw bytes, neither TLS nor HTTP\n")
     assert status == 403 and json.loads(body)["reason"] == "protocol_not_allowed"
     rec = decision_of(gateway, body_id(body, headers), "connect")
     assert rec["egressgate.reason"] == "protocol_not_allowed" and rec["url.scheme"] == "tcp"

@@ -21,31 +21,12 @@ import yaml
 from dnslib import RCODE, DNSRecord
 
 from tests.support.cli import POLICIES
+from tests.support.env import free_port
 from tests.support.launcher import EGRESSGATE, drain, first_line, stop_process
+from tests.support.procs import alive, children
 from tests.support.waiting import wait_for
 
 LAUNCHER = [sys.executable, str(Path(__file__).with_name("unshared_workers_launcher.py"))]
-
-
-def children(pid: int) -> set[int]:
-    try:
-        return {int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()}
-    except FileNotFoundError:
-        return set()
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def config(tmp: Path, **extra) -> Path:

@@ -22,6 +22,7 @@ import brotli
 from backports import zstd
 
 from tests.support.h2server import serve_h2_events
+from tests.support.loopback import read_request_head
 
 
 def _raw_deflate(data: bytes) -> bytes:
@@ -177,13 +178,10 @@ class RawUpstream:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             while True:
-                try:
-                    head = await reader.readuntil(b"\r\n\r\n")
-                except (asyncio.IncompleteReadError, ConnectionError):
+                req = await read_request_head(reader)
+                if req is None:
                     return
-                lines = head.decode("latin-1").split("\r\n")
-                method, path, _ = lines[0].split(" ", 2)
-                hdrs = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:] if line)}
+                method, path, hdrs = req.method, req.path, req.headers
                 auth = hdrs.get("authorization", "")
                 secret = auth[7:] if auth.startswith("Bearer ") else hdrs.get("x-echo", "")
                 name = path.rsplit("/", 1)[-1].split("?", 1)[0]

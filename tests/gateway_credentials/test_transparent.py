@@ -2,7 +2,7 @@
 injection and response scrubbing, phantom misuse, and the sandbox's outbound byte budget (one ledger
 for both listeners).
 
-How a connection becomes transparent here: a `nat output` rule (table egB_ctransparent, host netns)
+How a connection becomes transparent here: a `nat output` rule (table egB_ctransparent<pid>, host netns)
 DNATs TCP from 127.0.77.0/24 to the credential upstreams' ports on to the gateway's transparent
 listener, exactly like a runtime's prerouting DNAT (SO_ORIGINAL_DST then names the upstream). Each test
 admits a sandbox registered at its own 127.0.77.N source, and uses the same sandbox through the explicit
@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import itertools
 import json
+import os
 import socket
 import ssl
 import subprocess
@@ -29,7 +30,9 @@ from tests.support.wsclient import CloseConnection, Ping, TextMessage, WsClient,
 
 pytestmark = pytest.mark.netns  # root + nftables (a nat table in this namespace), like the netns tests
 
-TABLE = "egB_ctransparent"
+# one table per test session: the host namespace is shared, and a fixed name let a concurrent session's
+# set-up/teardown delete this one's DNAT (its transparent connections then went straight to the upstream)
+TABLE = f"egB_ctransparent{os.getpid()}"
 SOURCES = (f"127.0.77.{n}" for n in itertools.count(10))
 
 

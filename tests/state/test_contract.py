@@ -189,3 +189,18 @@ async def test_amounts_beyond_exact_counting_are_refused_alike_and_corrupt_nothi
     assert await store.reserve_out("sbx", MAX_AMOUNT - 100, 1, None) == MAX_AMOUNT - 100  # the largest fits
     snap = await store.snapshot("sbx")
     assert snap.bytes_out == MAX_AMOUNT and "r1" not in snap.rule_usage
+
+
+async def test_a_negative_limit_is_a_limit_on_every_backend(store: StateStore):
+    """The Redis scripts encode "no limit" as -1: a negative limit that reached them (a computed limit gone
+    below zero, a budget edited by hand) meant *unlimited* there while the memory backend refused. Both
+    refuse now: a limit below zero leaves no room."""
+    await store.admit(record())
+    assert await store.reserve_out("sbx", 10, 1, 100) == 10  # positive control
+    for limit in (-1, -5):
+        assert await store.reserve_out("sbx", 10, 1, limit) == 0
+        assert await store.record_request("sbx", "a.example", "r1", 1, requests_max=limit) is False
+        assert await store.record_request("sbx", "a.example", "r2", 1, bytes_max=limit) is False
+    assert await store.record_request("sbx", "a.example", "r3", 1, requests_max=1) is True  # positive control
+    snap = await store.snapshot("sbx")
+    assert snap.bytes_out == 10 and set(snap.rule_usage) == {"r3"}

@@ -3,18 +3,17 @@ one is served by the other, and a revocation on one closes a stream held open th
 
 from __future__ import annotations
 
-import threading
 import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from tests.support.gwworld import Gateway, Sandbox, World, connect_tunnel, open_world, start_gateway
 from tests.support.launcher import stop_gateway
 from tests.support.redis import RedisServer
+from tests.support.replicas import gateway_pair, hold_sse, through
 from tests.support.waiting import wait_for
 
 
@@ -27,34 +26,19 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
 @pytest.fixture(scope="module")
 def pair(world: World, redis_server: RedisServer,
          tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Gateway, Gateway]]:
-    state = {"state": {"backend": "redis", "url": redis_server.url, "key_prefix": redis_server.prefix()}}
-    a = start_gateway(world, tmp_path_factory.mktemp("r12-gw-a"), state)
-    try:
-        b = start_gateway(world, tmp_path_factory.mktemp("r12-gw-b"), state)
-        try:
-            yield a, b
-        finally:
-            stop_gateway(b)
-    finally:
-        stop_gateway(a)
-
-
-def _through(sbx: Sandbox, gw: Gateway) -> Sandbox:
-    """The same sandbox credentials, pointed at another gateway's proxy port."""
-    url = sbx.proxy_url.replace(f":{sbx.gw.proxy[1]}", f":{gw.proxy[1]}")
-    assert url != sbx.proxy_url
-    return Sandbox(id=sbx.id, token=sbx.token, proxy_url=url, env=sbx.env, gw=gw)
+    with gateway_pair(start_gateway, world, redis_server, lambda n: tmp_path_factory.mktemp(f"r12-{n}")) as ab:
+        yield ab
 
 
 def test_admitted_on_one_gateway_served_by_the_other(pair: tuple[Gateway, Gateway]):
     a, b = pair
     sbx = a.admit("gw-basic")
     mark = a.world.hits.mark()
-    with _through(sbx, b).client() as c:
+    with through(sbx, b).client() as c:
         r = c.get(sbx.url("api.test", "/echo"))
     assert r.status_code == 200
     assert len(a.world.hits.since(mark)) == 1
-    wrong = Sandbox(id=sbx.id, token=sbx.token + "x", proxy_url=_through(sbx, b).proxy_url.replace(
+    wrong = Sandbox(id=sbx.id, token=sbx.token + "x", proxy_url=through(sbx, b).proxy_url.replace(
         sbx.token, sbx.token + "x"), env={}, gw=b)
     sock, head = connect_tunnel(b, wrong, f"api.test:{a.world.https_port}")
     sock.close()
@@ -64,34 +48,17 @@ def test_admitted_on_one_gateway_served_by_the_other(pair: tuple[Gateway, Gatewa
 def test_revocation_on_one_gateway_closes_a_stream_held_through_the_other(pair: tuple[Gateway, Gateway]):
     a, b = pair
     sbx = a.admit("gw-basic")
-    via_b = _through(sbx, b)
+    via_b = through(sbx, b)
     key = uuid.uuid4().hex
-    outcome: dict = {}
-
-    def stream() -> None:
-        try:
-            with via_b.client() as c, c.stream("GET", sbx.url("sse.test", "/sse"), params={"key": key}) as r:
-                for line in r.iter_lines():
-                    if line:
-                        outcome.setdefault("lines", []).append(line)
-                        if line == "data: first":
-                            outcome["first"] = time.monotonic()
-            outcome["end"] = "eof"
-        except httpx.HTTPError as exc:
-            outcome["end"] = type(exc).__name__
-        outcome["t"] = time.monotonic()
-
-    t = threading.Thread(target=stream, daemon=True)
-    t.start()
+    held = hold_sse(via_b, key)
     try:
-        assert wait_for(lambda: "first" in outcome, timeout=5)
+        assert held.wait_first()
         revoked_at = time.monotonic()
         r = a.revoke(sbx.id)  # on the other gateway
         assert r.status_code == 200 and r.json()["revoked"] is True
-        t.join(5)
-        assert not t.is_alive()
-        assert outcome["t"] - revoked_at < 1.5, outcome  # not the upstream's 10 s hold
-        assert "data: last" not in outcome.get("lines", [])
+        assert held.join(5)
+        assert held.outcome["t"] - revoked_at < 1.5, held.outcome  # not the upstream's 10 s hold
+        assert "data: last" not in held.outcome.get("lines", [])
     finally:
         a.world.release_sse(key)
     sock, head = connect_tunnel(b, via_b, f"api.test:{a.world.https_port}")
@@ -128,7 +95,18 @@ def test_redis_down_after_connect_refuses_the_tunnels_bytes(world: World, tmp_pa
             assert not reply.startswith(b"echo:"), reply
             assert all(b"after-redis-stopped" not in d for d in world.hits.tcp[before:])
             if target == "tcp.test":
-                return  # relayed by its rule: the cut is the ledger's (its outcome record: PLAN-12 note)
+                # relayed by its rule: the ledger's lease top-up failed; the relay's outcome says why (the
+                # store, not the budget and not a gateway bug)
+                def relay_outcome() -> dict | None:
+                    return next((r for r in gw.audit_records() if r.get("egressgate.sandbox.id") == sbx.id
+                                 and r.get("egressgate.operation") == "outcome"
+                                 and r.get("egressgate.decision") == "deny"), None)
+
+                assert wait_for(relay_outcome, timeout=5), [r for r in gw.audit_records()
+                                                             if r.get("egressgate.sandbox.id") == sbx.id]
+                out = relay_outcome()
+                assert out["egressgate.reason"] == "state_unavailable" and "egressgate.budget_cut" not in out, out
+                return
             # ...and the raw-TCP decision's refusal says why: the store, not a gateway bug
             reasons = [r.get("egressgate.reason") for r in gw.audit_records()
                        if r.get("egressgate.sandbox.id") == sbx.id and r.get("egressgate.decision") == "deny"]

@@ -12,20 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import time
 
 import pytest
 
 from egressgate.state.base import StateUnavailable
-from tests.state.helpers import record, redis_store
+from tests.state.helpers import record, redis_store, replica_pair, wait_until
 from tests.support.redis import RedisServer
-
-
-async def _wait_for(predicate, timeout: float) -> float:
-    start = time.monotonic()
-    while not predicate() and time.monotonic() - start < timeout:
-        await asyncio.sleep(0.01)
-    return time.monotonic() - start
 
 
 async def _spend_all(store, limit: int = 100) -> None:
@@ -37,9 +29,7 @@ async def _spend_all(store, limit: int = 100) -> None:
 
 async def test_flushall_neither_resets_a_spent_budget_nor_keeps_a_cached_sandbox_alive(tmp_path):
     with RedisServer(tmp_path / "redis") as server:
-        prefix = server.prefix()
-        a, b = await redis_store(server, prefix), await redis_store(server, prefix)
-        try:
+        async with replica_pair(server) as (a, b):
             await a.admit(record())
             assert (await b.get("sbx")) is not None and "sbx" in b._cache.records  # b serves it from cache
             await _spend_all(b)
@@ -51,29 +41,21 @@ async def test_flushall_neither_resets_a_spent_budget_nor_keeps_a_cached_sandbox
             with pytest.raises(StateUnavailable):
                 await b.reserve_out("sbx", 100, 1, 100)
             assert (await a.redis.hget(a.key("ctr", "sbx"), "out")) is None  # nothing was granted
-        finally:
-            await a.close()
-            await b.close()
 
 
 async def test_revoking_a_sandbox_redis_forgot_still_closes_it_on_every_replica(tmp_path):
     """After a FLUSHALL the admin API still finds the record in its replica's cache and answers
     `revoked: true`: the other replicas must hear it (and close that sandbox's connections)."""
     with RedisServer(tmp_path / "redis") as server:
-        prefix = server.prefix()
-        a, b = await redis_store(server, prefix), await redis_store(server, prefix)
-        try:
+        async with replica_pair(server) as (a, b):
             seen_b: list[str] = []
             b.on_revoke(seen_b.append)
             await a.admit(record())
             assert (await b.get("sbx")) is not None
             await a.redis.flushall()
             await a.revoke("sbx")
-            elapsed = await _wait_for(lambda: seen_b, 1.0)
+            elapsed = await wait_until(lambda: seen_b, 1.0)
             assert seen_b == ["sbx"], f"b never closed the sandbox's connections ({elapsed:.2f} s)"
-        finally:
-            await a.close()
-            await b.close()
 
 
 async def test_a_redis_restart_without_its_data_closes_the_sandboxes_it_forgot(tmp_path):
@@ -81,9 +63,7 @@ async def test_a_redis_restart_without_its_data_closes_the_sandboxes_it_forgot(t
     its cached sandbox gone. A tunnel held open across the outage must be closed (on_revoke) and must
     not be granted a fresh budget."""
     with RedisServer(tmp_path / "redis") as server:
-        prefix = server.prefix()
-        a, b = await redis_store(server, prefix), await redis_store(server, prefix)
-        try:
+        async with replica_pair(server) as (a, b):
             seen_b: list[str] = []
             b.on_revoke(seen_b.append)
             await a.admit(record())
@@ -98,13 +78,10 @@ async def test_a_redis_restart_without_its_data_closes_the_sandboxes_it_forgot(t
                     path.unlink()
             server.start()
             await b.wait_subscribed(timeout=10)
-            elapsed = await _wait_for(lambda: seen_b, 2.0)
+            elapsed = await wait_until(lambda: seen_b, 2.0)
             assert seen_b == ["sbx"], f"connections of the forgotten sandbox stayed open ({elapsed:.2f} s)"
             with pytest.raises(StateUnavailable):
                 await b.reserve_out("sbx", 100, 1, 100)
-        finally:
-            await a.close()
-            await b.close()
 
 
 async def test_a_value_redis_cannot_be_sent_fails_closed_and_harms_no_other_command(tmp_path):
@@ -121,5 +98,33 @@ async def test_a_value_redis_cannot_be_sent_fails_closed_and_harms_no_other_comm
                     await call
             assert (await store.get("sbx")) is not None  # the connection is intact for everyone else
             assert await store.reserve_out("sbx", 5, 5, None) == 5
+        finally:
+            await store.close()
+
+
+async def test_a_revoked_sandbox_does_not_stay_in_redis_forever(tmp_path):
+    """Every admitted sandbox used to keep its keys (record, counters, history, usage) and its place in
+    `sbxs` forever: Redis grew with every `sandbox run`, and LIST_SANDBOXES (one script, blocking Redis
+    for every tenant while it runs) with it. Revoked: its keys expire after REVOKED_RETENTION; a live
+    sandbox's do not; the listing drops ids whose record is gone."""
+    from egressgate.state.redis import REVOKED_RETENTION
+
+    with RedisServer(tmp_path / "redis") as server:
+        store = await redis_store(server)
+        try:
+            await store.admit(record())
+            await store.admit(record("sbx-live"))
+            for sid in ("sbx", "sbx-live"):
+                assert await store.reserve_out(sid, 5, 5, None) == 5
+                assert await store.record_request(sid, "a.example", "r", 1)
+            assert await store.revoke("sbx")
+            for kind in ("sbx", "ctr", "hosts", "hist", "usage"):
+                ttl = await store.redis.pttl(store.key(kind, "sbx"))
+                assert 0 < ttl <= REVOKED_RETENTION * 1000, (kind, ttl)
+                assert await store.redis.pttl(store.key(kind, "sbx-live")) == -1, kind  # positive control
+            assert (await store.get("sbx")).revoked  # still there (refused as revoked) during the retention
+            await store.redis.delete(store.key("sbx", "sbx"))  # as the expiry does
+            assert [r.id for r in await store.list_sandboxes()] == ["sbx-live"]
+            assert not await store.redis.sismember(store.key("sbxs"), "sbx")
         finally:
             await store.close()

@@ -5,26 +5,14 @@ hashed."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 from egressgate.state.base import hash_token, token_matches
-from tests.state.helpers import record, redis_store
+from tests.state.helpers import record, redis_store, replica_pair, wait_until
 from tests.support.redis import RedisServer
 
 
-async def _wait_for(predicate, timeout: float) -> float:
-    start = time.monotonic()
-    while not predicate():
-        if time.monotonic() - start > timeout:
-            break
-        await asyncio.sleep(0.005)
-    return time.monotonic() - start
-
-
 async def test_revocation_on_one_instance_runs_callbacks_on_the_other_within_a_second(redis_server: RedisServer):
-    prefix = redis_server.prefix()
-    a, b = await redis_store(redis_server, prefix), await redis_store(redis_server, prefix)
-    try:
+    async with replica_pair(redis_server) as (a, b):
         seen_a: list[str] = []
         seen_b: list[str] = []
         a.on_revoke(seen_a.append)
@@ -34,24 +22,19 @@ async def test_revocation_on_one_instance_runs_callbacks_on_the_other_within_a_s
         assert cached is not None and not cached.revoked and "sbx" in b._cache.records
         assert await a.revoke("sbx") is True
         assert seen_a == ["sbx"]  # the revoking instance at once
-        elapsed = await _wait_for(lambda: seen_b, 1.0)
+        elapsed = await wait_until(lambda: seen_b, 1.0)
         assert seen_b == ["sbx"] and elapsed < 1.0, elapsed
         got = await b.get("sbx")  # the cache was invalidated with the event
         assert got is not None and got.revoked
         await asyncio.sleep(0.1)
         assert seen_a == ["sbx"]  # its own event does not run a's callbacks twice
-    finally:
-        await a.close()
-        await b.close()
 
 
 async def test_an_instance_that_missed_the_event_still_refuses(redis_server: RedisServer):
     """Revoked while b's subscription was down (simulated: the record is changed in Redis without an
     event, then b's subscription is killed): b drops its cache, resubscribes, re-checks the sandboxes it
     had cached and runs the callbacks (so connections held open are closed), and reads revoked."""
-    prefix = redis_server.prefix()
-    a, b = await redis_store(redis_server, prefix), await redis_store(redis_server, prefix)
-    try:
+    async with replica_pair(redis_server) as (a, b):
         seen_b: list[str] = []
         b.on_revoke(seen_b.append)
         await a.admit(record())
@@ -60,33 +43,25 @@ async def test_an_instance_that_missed_the_event_still_refuses(redis_server: Red
         assert not (await b.get("sbx")).revoked  # positive control: b serves its cache while subscribed
         killed = await a.redis.client_kill_filter(_type="pubsub")
         assert killed >= 1
-        elapsed = await _wait_for(lambda: seen_b, 3.0)
+        elapsed = await wait_until(lambda: seen_b, 3.0)
         assert seen_b == ["sbx"], elapsed
         got = await b.get("sbx")
         assert got is not None and got.revoked
-    finally:
-        await a.close()
-        await b.close()
 
 
 async def test_readmission_elsewhere_invalidates_the_cache(redis_server: RedisServer):
-    prefix = redis_server.prefix()
-    a, b = await redis_store(redis_server, prefix), await redis_store(redis_server, prefix)
-    try:
+    async with replica_pair(redis_server) as (a, b):
         await a.admit(record(addresses=("198.18.0.2",), team="a"))
         assert (await b.by_address("198.18.0.2")).labels == {"team": "a"}
         assert dict((await b.snapshot("sbx")).labels) == {"team": "a"}
         await a.admit(record("sbx-new", token="t2", addresses=("198.18.0.2",), team="b"))
         await a.admit(record(token="t3", team="c"))
-        await _wait_for(lambda: "sbx" not in b._cache.records, 1.0)
+        await wait_until(lambda: "sbx" not in b._cache.records, 1.0)
         moved = await b.by_address("198.18.0.2")
         assert moved is not None and moved.id == "sbx-new"
         got = await b.get("sbx")
         assert got is not None and token_matches(got, "t3") and got.labels == {"team": "c"}
         assert dict((await b.snapshot("sbx")).labels) == {"team": "c"}
-    finally:
-        await a.close()
-        await b.close()
 
 
 async def test_tokens_are_stored_only_hashed(redis_server: RedisServer):

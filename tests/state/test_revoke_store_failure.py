@@ -53,6 +53,10 @@ def test_a_revocation_the_store_did_not_take_is_a_503_not_a_silent_500(world: Wo
             assert wait_for(lambda: gw.revoke(sbx.id).status_code == 200, timeout=10)
             with sbx.client() as c, pytest.raises(httpx.ProxyError, match=r"40[37]"):  # CONNECT refused
                 c.get(sbx.url("api.test", "/echo"))
+            # the trail says what happened: the refused attempt, then the revocation that took effect
+            records = [(r["egressgate.decision"], r.get("egressgate.reason")) for r in gw.audit_records()
+                       if r.get("egressgate.operation") == "revocation" and r.get("egressgate.sandbox.id") == sbx.id]
+            assert records[0] == ("deny", "state_unavailable") and records[-1][0] == "allow", records
         finally:
             admin.close()
             stop_gateway(gw)

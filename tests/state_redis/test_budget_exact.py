@@ -14,18 +14,18 @@ snapshot.
 from __future__ import annotations
 
 import json
+import socket
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from tests.support.budgetworld import (
     BudgetWorld,
-    budget_world,
     bytes_out,
     head,
     proxy_auth,
+    read_status,
     send,
     start_gateways,
 )
@@ -35,18 +35,6 @@ from tests.support.waiting import wait_for
 
 UPLOADS = 64
 BODY = 10_000
-
-
-@pytest.fixture(scope="module")
-def bw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BudgetWorld]:
-    with budget_world(tmp_path_factory.mktemp("budgetworld")) as w:
-        yield w
-
-
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    with RedisServer(tmp_path_factory.mktemp("l12-redis")) as server:
-        yield server
 
 
 @pytest.fixture(params=["memory", "redis"])
@@ -216,3 +204,45 @@ def test_kill_9_mid_upload_survivor_serves_total_never_over(bw: BudgetWorld, red
     finally:
         stop_gateway(survivor)
         stop_gateway(doomed)
+
+
+def test_store_down_mid_stream_cuts_and_says_state_unavailable(bw: BudgetWorld, tmp_path) -> None:
+    """A chunked upload whose lease runs dry after Redis stopped: the top-up cannot be made, so the body
+    is cut (fail closed: the upstream never sees it complete) and its outcome record is `deny`
+    `state_unavailable`, not a budget cut. Positive control: the same upload completes while Redis is up."""
+    port = bw.upstream.port
+    with RedisServer(tmp_path / "redis") as server:
+        [gw] = start_gateways(bw, bw.policy(10_000_000, 1000),
+                              {"backend": "redis", "url": server.url, "key_prefix": server.prefix()}, 1)
+        try:
+            sid, auth = admit(gw)
+            mark = bw.upstream.mark()
+            assert send(gw.proxy, auth, port, "/c", None, [b"u" * 50_000] * 4)[0] == 200  # control
+            assert [r.complete for r in bw.upstream.since(mark)] == [True]
+            mark = bw.upstream.mark()
+            with socket.create_connection(gw.proxy, timeout=10) as sock:
+                sock.sendall(f"POST http://up.test:{port}/c HTTP/1.1\r\nHost: up.test:{port}\r\n{auth}"
+                             "Transfer-Encoding: chunked\r\n\r\n".encode() + b"100\r\n" + b"v" * 256 + b"\r\n")
+                time.sleep(0.5)  # the first lease (4 KiB) is granted
+                server.stop()
+                try:
+                    for _ in range(20):  # 400 kB: far more than the lease holds
+                        sock.sendall(b"4e20\r\n" + b"w" * 20_000 + b"\r\n")
+                    sock.sendall(b"0\r\n\r\n")
+                    status = read_status(sock)[0]
+                except OSError:
+                    status = 0
+            assert status == 0  # cut
+            assert not any(r.complete for r in bw.upstream.since(mark))
+
+            def outcome() -> dict | None:
+                return next((r for r in gw.audit_records() if r.get("egressgate.sandbox.id") == sid
+                             and r.get("egressgate.operation") == "outcome"
+                             and r.get("egressgate.decision") == "deny"), None)
+
+            assert wait_for(outcome, timeout=5), [r for r in gw.audit_records()
+                                                  if r.get("egressgate.sandbox.id") == sid]
+            record = outcome()
+            assert record["egressgate.reason"] == "state_unavailable" and "egressgate.budget_cut" not in record
+        finally:
+            stop_gateway(gw)

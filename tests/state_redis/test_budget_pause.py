@@ -18,19 +18,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.budgetworld import BudgetWorld, budget_world, proxy_auth, read_status, start_gateways
+from tests.support.budgetworld import BudgetWorld, proxy_auth, read_status, start_gateways
 from tests.support.launcher import LoopbackGateway, stop_gateway
 
 LAUNCHER = [sys.executable, str(Path(__file__).with_name("slow_lease_launcher.py"))]
 TOTAL = 48 * 1024 * 1024
 WINDOW = 1.2  # seconds of sending while the 2 s top-up is in flight
 HELD_MAX = 16 * 1024 * 1024  # socket buffers on loopback (send + receive autotuning) stay well below
-
-
-@pytest.fixture(scope="module")
-def bw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BudgetWorld]:
-    with budget_world(tmp_path_factory.mktemp("budgetpause")) as w:
-        yield w
 
 
 @pytest.fixture(scope="module")

@@ -10,18 +10,12 @@ from collections.abc import Iterator
 import pytest
 
 from tests.state_redis.workers_support import get_fresh, start_workers, worker_records
-from tests.support.gwworld import Sandbox, World, open_world
+from tests.support.gwworld import Sandbox, World
 from tests.support.launcher import stop_gateway
 from tests.support.redis import RedisServer
 from tests.support.waiting import wait_for
 
 BODY = 1500  # gw-budget allows 4000 outbound bytes (heads + bodies): two such uploads fit, a third does not
-
-
-@pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
-    with open_world(tmp_path_factory.mktemp("w12-rworld")) as w:
-        yield w
 
 
 @pytest.fixture

@@ -14,34 +14,21 @@ import httpx
 import pytest
 
 from tests.state_redis.workers_support import (
-    alive,
-    children,
     get_fresh,
     holder,
     slots_with,
     start_workers,
 )
-from tests.support.gwworld import Gateway, World, open_world
+from tests.support.gwworld import Gateway, World
 from tests.support.launcher import EGRESSGATE, stop_gateway
+from tests.support.procs import alive, children
 from tests.support.redis import RedisServer
 from tests.support.waiting import wait_for
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
-    with open_world(tmp_path_factory.mktemp("w12-world")) as w:
-        yield w
-
-
-@pytest.fixture(scope="module")
-def redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    with RedisServer(tmp_path_factory.mktemp("w12-redis")) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def gw(world: World, redis: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    gateway = start_workers(world, tmp_path_factory.mktemp("w12-gw"), redis)
+def gw(world: World, redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    gateway = start_workers(world, tmp_path_factory.mktemp("w12-gw"), redis_server)
     try:
         yield gateway
     finally:

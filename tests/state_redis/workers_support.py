@@ -26,20 +26,6 @@ def start_workers(world: World, tmp: Path, redis: RedisServer, prefix: str | Non
     return start_gateway(world, tmp, state(redis, prefix), launcher=LAUNCHER)
 
 
-def children(pid: int) -> set[int]:
-    try:
-        return {int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()}
-    except FileNotFoundError:
-        return set()
-
-
-def alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def holder(path: Path, pids: set[int]) -> int | None:
     """Which of `pids` has `path` open (a worker's audit file has one writer)."""
     for pid in pids:

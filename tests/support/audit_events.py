@@ -1,10 +1,16 @@
-"""Audit events for the trail's own tests: a realistic allowed HTTPS request, numbered so each is distinct."""
+"""Audit events for the trail's own tests: a realistic allowed HTTPS request, numbered so each is distinct;
+and `crash`, a file sink stopped as kill -9 stops it."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+import os
+
+import pytest
 
 from egressgate.audit.event import AuditEvent, AuditUnavailable, EventKind
+from egressgate.audit.filesink import FileSink
 
 _ids = itertools.count()
 
@@ -47,3 +53,15 @@ async def fill_until_failure(sink, start: int = 0) -> tuple[list[str], AuditEven
         accepted.append(ev.request_id)
         i += 1
         assert i < start + 10_000, "disk never filled"
+
+
+async def crash(sink: FileSink) -> None:
+    """Stop the writer without the final checkpoint, as kill -9 does (the process-level tests really
+    SIGKILL `egressgate run` and its workers: tests/gateway/test_audit_faults.py,
+    tests/state_redis/test_workers.py)."""
+    sink._writer.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await sink._writer
+    os.close(sink._fd)
+    sink._fd = None
+    os.close(sink._lock)  # the kernel drops a dead process's writer lock (audit/writerlock.py)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tests.support.launcher import LoopbackGateway, launch_loopback, stop_gateway
-from tests.support.loopback import DnsServer, LoopThread
+from tests.support.loopback import DnsServer, LoopThread, read_request_head
 
 HOST = "up.test"
 
@@ -59,14 +59,11 @@ class CountingUpstream:
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             while True:
-                try:
-                    head = await reader.readuntil(b"\r\n\r\n")
-                except (asyncio.IncompleteReadError, ConnectionError):
+                req = await read_request_head(reader)
+                if req is None:
                     return
-                lines = head.decode("latin-1").split("\r\n")
-                path = lines[0].split(" ")[1]
-                headers = {k.strip().lower(): v.strip() for k, _, v in (x.partition(":") for x in lines[1:] if x)}
-                got = Received(path, len(head), 0, False)
+                headers = req.headers
+                got = Received(req.path, req.size, 0, False)
                 try:
                     if headers.get("transfer-encoding", "").lower() == "chunked":
                         while True:

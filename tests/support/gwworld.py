@@ -275,6 +275,19 @@ def connect_tunnel(gw: LoopbackGateway, sbx: Sandbox | None, target: str,
     return sock, head + b"\r\n" + body
 
 
+def raw_bytes_in_tunnel(gw: LoopbackGateway, sbx: Sandbox, target: str,
+                        data: bytes = b"\x00\x01 raw bytes that are not http\n") -> tuple[int, dict, bytes]:
+    """Open a CONNECT tunnel to `target` (it must be granted), send `data` that is neither TLS nor HTTP,
+    and return the gateway's reply (status, headers, body) — the raw-TCP decision's deny, or status 0."""
+    sock, head = connect_tunnel(gw, sbx, target)
+    try:
+        assert head.startswith(b"HTTP/1.1 200"), head
+        sock.sendall(data)
+        return read_reply(sock, timeout=5)
+    finally:
+        sock.close()
+
+
 def auth(sbx: Sandbox) -> str:
     """The Proxy-Authorization header line (CRLF included) naming `sbx`."""
     return "Proxy-Authorization: Basic " + base64.b64encode(f"{sbx.id}:{sbx.token}".encode()).decode() + "\r\n"

@@ -127,3 +127,27 @@ async def serve_app(app: web.Application, host: str, tls: ssl.SSLContext | None,
         await runner.cleanup()
         raise
     return runner, site._server.sockets[0].getsockname()[1]
+
+
+@dataclass(frozen=True)
+class RequestHead:
+    """One HTTP/1.1 request head as a raw loopback upstream received it."""
+
+    method: str
+    path: str
+    headers: dict[str, str]  # names lower-cased, values stripped
+    size: int  # bytes of the head, the blank line included
+
+
+async def read_request_head(reader: asyncio.StreamReader) -> RequestHead | None:
+    """The next request head on a raw upstream connection (the upstreams that must see the exact bytes
+    the gateway sent: tests/support/budgetworld.py, tests/gateway_credentials/rawcodings.py); None when
+    the client closed before a whole head arrived."""
+    try:
+        head = await reader.readuntil(b"\r\n\r\n")
+    except (asyncio.IncompleteReadError, ConnectionError):
+        return None
+    lines = head.decode("latin-1").split("\r\n")
+    method, path = lines[0].split(" ")[:2]
+    headers = {k.strip().lower(): v.strip() for k, _, v in (x.partition(":") for x in lines[1:] if x)}
+    return RequestHead(method, path, headers, len(head))

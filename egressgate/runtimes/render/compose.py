@@ -20,6 +20,7 @@ import ipaddress
 import yaml
 
 from egressgate.runtimes.render.common import (
+    ADMIN_PORT,
     CONFIG_DIR,
     CONTAINER_TMP,
     NONROOT_UID,
@@ -154,8 +155,10 @@ def compose_file(ctx: RenderContext, nets: dict[str, ipaddress.IPv4Network], con
             "depends_on": {"openbao-init": {"condition": "service_completed_successfully"},
                            "redis": {"condition": "service_started"}},
             "sysctls": {"net.ipv4.ip_unprivileged_port_start": 0},
-            "healthcheck": {"test": ["CMD", "python3", "-c",
-                                     f"import socket; socket.create_connection(('127.0.0.1', {PROXY_PORT}), 2)"],
+            # healthy = a worker answers /readyz (Redis, audit sink, broker ready): with --workers the
+            # supervisor binds the ports before any worker serves, so a TCP connect proves nothing
+            "healthcheck": {"test": ["CMD", "python3", "-c", "import urllib.request; urllib.request.urlopen("
+                                     f"'http://127.0.0.1:{ADMIN_PORT}/readyz', timeout=2)"],
                             "interval": "2s", "timeout": "3s", "retries": 60},
             "user": f"{NONROOT_UID}:{NONROOT_UID}", "read_only": True, "tmpfs": [CONTAINER_TMP],
             "volumes": gateway_mounts,
