@@ -7,11 +7,8 @@ namespace, each with its own sandbox; loadtests/state_procs.py):
   memory      state backend memory, one process (the embedded default)
   redis       state backend Redis (loopback in the gateway namespace, appendonly), one process
   redis-2w    the same with `--workers 2` (Redis is required for more than one worker)
-  redis-setsid  (diagnostic, only when named in --candidates) `redis` started under setsid: one process in
-              its own session, as each --workers worker is (workers.py uses start_new_session). With
-              kernel.sched_autogroup_enabled=1 every session is a scheduling group of its own; on a busy
-              shared host that alone changes latency and CPU per request, so it separates "being a worker
-              process" from "what the worker code costs"
+  redis-setsid  (diagnostic, only if named) `redis` in its own session, as each worker is: a session is its
+              own scheduler autogroup, which alone costs on a busy host (loadtests/state_procs.py)
 
 Cells: keep-alive GETs of a 1 KiB body at c=1 and c=32, plain HTTP and HTTPS (MITM), `--repeats` times,
 interleaved (every candidate once per repeat, order rotated) so drift spreads over all; figures are medians
