@@ -45,7 +45,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from loadtests import bench_load, bench_procs, bench_report, state_procs, state_report, wrk_proxy
+from loadtests import bench_load, bench_procs, bench_report, cprofile_gateway, state_procs, state_report, wrk_proxy
 from loadtests.bench_world import ADDR, UPSTREAM_NAME, World
 from loadtests.loadgen import Target
 from loadtests.loadgen import run_cell as loadgen_cell
@@ -249,8 +249,6 @@ class Driver:
         files = sorted(pdir.glob("*.prof")) if pdir.exists() else []
         if not files:
             return {**out, "error": "the profiled gateway wrote no stats"}
-        from loadtests import cprofile_gateway
-
         out.update(cprofile_gateway.summarize(*files))
         out["processes"] = len(files)
         out["us_per_request"] = round(1e6 * out["busy_s"] / max(1, out["requests"]))
