@@ -21,7 +21,6 @@ Rules enforced here (each once):
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -36,7 +35,6 @@ from egressgate.state.base import StateUnavailable
 if TYPE_CHECKING:
     from egressgate.admin.server import AdminServer
 
-logger = logging.getLogger(__name__)
 
 DIRECTIONS = ("to_server", "to_client")
 MCP_SERVER_ATTR = "egressgate.mcp.server"
@@ -154,25 +152,10 @@ class McpApi:
             verdict = await session.from_client(line)
             forward = verdict.forward
             replies = list(verdict.replies)
-        else:
-            forward, replies = await self._from_server(session, line, limit)
+        else:  # a line that is not strict JSON-RPC is recorded and dropped by the session (forward None)
+            forward, replies = await session.from_server_bytes(line), []
         return web.json_response({"forward": forward.decode("utf-8") if forward is not None else None,
                                   "replies": replies})
-
-    async def _from_server(self, session: Any, line: bytes, limit: int) -> tuple[bytes | None, list[dict]]:
-        """A server line: parsed strictly, filtered by the session (tools/list), re-serialized. A line that
-        does not parse is not passed on (the client would read it otherwise than we did)."""
-        from egressgate.mcp.jsonrpc import McpMalformed, dumps, parse_body
-
-        try:
-            messages, batch = parse_body(line, max_bytes=limit)
-        except McpMalformed as exc:
-            logger.warning("local MCP server %s sent a malformed line (%s); not passed on", session, exc.detail)
-            return None, []
-        out = await session.from_server(messages)
-        if not out:
-            return None, []
-        return dumps(out[0] if not batch and len(out) == 1 else out), []
 
     async def _drop(self, sandbox_id: str, server: str) -> None:
         session = self.sessions.pop((sandbox_id, server), None)
