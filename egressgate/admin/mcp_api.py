@@ -27,7 +27,7 @@ from aiohttp import web
 
 from egressgate.admin.errors import error_response, state_unavailable
 from egressgate.admin.jsonbody import BodyError, read_object
-from egressgate.audit.build import build
+from egressgate.audit.build import DETAIL, build
 from egressgate.audit.event import EventKind
 from egressgate.policy.reasons import Reason
 from egressgate.state.base import StateUnavailable
@@ -50,17 +50,13 @@ def register_mcp(server: AdminServer) -> None:
     server.app.on_cleanup.append(api.close_all)
 
 
-def local_refusal(policy: Any, server: str) -> str | None:
-    """Why `policy` may not start the local MCP server `server` (one actionable sentence), or None."""
-    from egressgate.policy.mcp_decide import local_server
+def local_refusal(policy: Any, server: str) -> tuple[str, str] | None:
+    """(one actionable sentence, detail) when `policy` may not start the local MCP server `server`; the
+    rule itself is the pure engine's (policy/mcp_decide.decide_local_start)."""
+    from egressgate.policy.mcp_decide import decide_local_start
 
-    if policy.model.execution.local_mcp_servers != "allow":
-        return (f"policy {policy.name!r} does not allow local MCP servers (execution.local_mcp_servers: deny); "
-                "use a remote MCP server through the gateway, or ask an operator for a policy that allows it")
-    if local_server(policy, server) is None:
-        return (f"policy {policy.name!r} has no local MCP server named {server!r} (an mcp.servers entry with "
-                "local: true); start one the policy declares")
-    return None
+    decision = decide_local_start(policy, server)
+    return None if decision.decision == "allow" else (decision.message, decision.detail or "")
 
 
 class McpApi:
@@ -68,12 +64,13 @@ class McpApi:
         self.rt = server.rt
         self.sessions: dict[tuple[str, str], Any] = {}  # (sandbox id, server) -> McpSession
 
-    async def _refuse(self, policy: Any, server: str, message: str, sandbox_id: str | None,
+    async def _refuse(self, policy: Any, server: str, refusal: tuple[str, str], sandbox_id: str | None,
                       labels: dict[str, str]) -> web.Response:
         """Audit the refusal (queued and retried if the sink fails now: it is refused either way), 403."""
+        message, detail = refusal
         event = build(EventKind.ADMISSION, sandbox_id=sandbox_id, sandbox_labels=labels, decision="deny",
                       reason=str(Reason.MCP_LOCAL_DENIED), message=message, policy_name=policy.name,
-                      policy_hash=policy.hash, extra={MCP_SERVER_ATTR: server, MCP_LOCAL_ATTR: True})
+                      policy_hash=policy.hash, extra={MCP_SERVER_ATTR: server, MCP_LOCAL_ATTR: True, DETAIL: detail})
         await self.rt.audit.write_after(event)
         return error_response(403, "mcp_local_denied", message, reason=str(Reason.MCP_LOCAL_DENIED))
 
