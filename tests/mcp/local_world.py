@@ -61,14 +61,14 @@ def _mount_wrapper() -> list[str]:
 
 
 def mcp_argv(gw: Gateway, policy: str, *, server: str = "tools", workspace: Path | None = None,
-             tag: str = "", labels: tuple[str, ...] = ()) -> list[str]:
+             tag: str = "", labels: tuple[str, ...] = (), linger: bool = False) -> list[str]:
     """`egressgate mcp run ... -- python stdio_server.py --record /workspace/calls.jsonl --tag TAG` in gw."""
     extra = ["--workspace", str(workspace)] if workspace else []
     for label in labels:
         extra += ["--label", label]
     return ["nsenter", f"--net=/run/netns/{gw.world.gw}", *_mount_wrapper(), EGRESSGATE, "mcp", "run",
             "--config", str(gw.config), "--policy", policy, "--server", server, *extra, "--",
-            PYTHON, str(SERVER_SCRIPT), "--record", RECORD_IN_SANDBOX, "--tag", tag]
+            PYTHON, str(SERVER_SCRIPT), "--record", RECORD_IN_SANDBOX, "--tag", tag, *(["--linger"] if linger else [])]
 
 
 def child_env() -> dict[str, str]:

@@ -4,7 +4,8 @@ It records, one JSON line per event in the file given by --record (in the sandbo
 test reads it): `{"event": "started"}` when the process starts (before the SDK is even imported, so a
 test can prove a refused start never ran it) and `{"event": "call", "tool": ..., "arguments": ...}` for
 every tool call the SDK dispatched. A denied call must never appear here: that is the "the server never
-saw it" half of every adversarial test. `--tag` is only there to find this process in /proc.
+saw it" half of every adversarial test. `--tag` is only there to find this process in /proc; `--linger`
+keeps it alive after its stdin ends (so only a kill can end it).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ parser.add_argument("--record", required=True)
 parser.add_argument("--tag", default="")
 parser.add_argument("--name", default="local-tools")
 parser.add_argument("--version", default="1.0.0")
+parser.add_argument("--linger", action="store_true", help="stay alive after stdin ends (a server that must be killed)")
 args = parser.parse_args()
 
 
@@ -67,3 +69,8 @@ def fetch(url: str) -> str:
 if __name__ == "__main__":
     sys.stdout.reconfigure(line_buffering=True)
     server.run("stdio")
+    if args.linger:  # what a careless or hostile server does: ignore the end of its input
+        record({"event": "lingering"})
+        import time
+
+        time.sleep(600)

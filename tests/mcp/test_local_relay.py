@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from mcp import ClientSession
 from mcp.client.stdio import StdioServerParameters, stdio_client
+from mcp.shared.exceptions import MCPError
 
 import tests.networld as nw
 from egressgate.runtimes.adminapi import call
@@ -116,12 +117,13 @@ async def test_sdk_client_allowed_denied_and_network(gateway: Gateway, workspace
         ok = await session.call_tool("echo", {"text": "hello local"})  # positive control
         assert not ok.is_error and ok.content[0].text == "hello local"
 
-        denied = await session.call_tool("delete_everything", {"confirm": True})
-        assert denied.is_error or "mcp_tool_denied" in str(denied), denied
-        bad = await session.call_tool("echo", {"text": "UPPER; rm -rf /"})  # outside the pattern
-        assert bad.is_error or "mcp_argument_denied" in str(bad), bad
-        extra = await session.call_tool("echo", {"text": "fine", "smuggled": "x"})  # unlisted argument
-        assert extra.is_error or "mcp_argument_denied" in str(extra), extra
+        for tool, arguments, reason in (("delete_everything", {"confirm": True}, "mcp_tool_denied"),
+                                        ("echo", {"text": "UPPER; rm -rf /"}, "mcp_argument_denied"),  # pattern
+                                        ("echo", {"text": "fine", "smuggled": "x"}, "mcp_argument_denied")):
+            with pytest.raises(MCPError) as refused:
+                await session.call_tool(tool, arguments)
+            assert refused.value.code == -32001 and refused.value.data["reason"] == reason, refused.value.data
+            assert refused.value.data["egressgate"] is True
 
         # the server's own network access: through the gateway, under the same policy
         allowed = await session.call_tool("fetch", {"url": f"https://api.allowed.test:443/{tag}"})
@@ -187,7 +189,7 @@ def _direct_control(tmp: Path) -> list[dict]:
 def test_smuggled_lines_are_refused_and_never_reach_the_server(gateway: Gateway, workspace: Path,
                                                                tmp_path: Path) -> None:
     tag = secrets.token_hex(6)
-    raw = RawSession(mcp_argv(gateway, "mcp-local", workspace=workspace, tag=tag))
+    raw = RawSession(mcp_argv(gateway, "mcp-local", workspace=workspace, tag=tag, linger=True))
     try:
         assert raw.initialize()["result"]["serverInfo"]["name"] == "local-tools"
         control = _direct_control(tmp_path)  # meanwhile: the positive control without egressgate
@@ -207,9 +209,11 @@ def test_smuggled_lines_are_refused_and_never_reach_the_server(gateway: Gateway,
         assert seen == [{"event": "call", "tool": "echo", "arguments": {"text": "still works"}}], seen
         ran = {c["tool"] for c in control if c["event"] == "call"}
         assert "delete_everything" in ran, control  # without egressgate, the hidden call would have run
-        # the client goes away (stdin closed, no signal): the relay kills the server and ends the run
+        # the client goes away (stdin closed, no signal): the server (--linger: it ignores the end of its
+        # input) is killed by the relay, and the run ends
         rc = raw.close()
-        assert rc == 0 or rc >= 128, raw.stderr
+        assert rc == 128 + 9, raw.stderr
+        assert wait_until(lambda: any(c["event"] == "lingering" for c in calls(workspace)), 1)  # it did linger
         assert wait_until(lambda: not tagged_pids(tag), 5), tagged_pids(tag)
     finally:
         raw.close()
