@@ -21,6 +21,8 @@ Rules enforced here (each once):
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -37,17 +39,18 @@ if TYPE_CHECKING:
 
 
 DIRECTIONS = ("to_server", "to_client")
+SWEEP_SECONDS = 10.0  # sessions of revoked sandboxes whose relay never said goodbye (SIGKILL) are ended
 MCP_SERVER_ATTR = "egressgate.mcp.server"
 MCP_LOCAL_ATTR = "egressgate.mcp.local"
 
 
 def register_mcp(server: AdminServer) -> None:
-    api = McpApi(server)
+    api = server.mcp = McpApi(server)  # type: ignore[attr-defined]  # tests reach the session table
     router = server.app.router
     router.add_post("/v1/mcp/local-start", api.local_start)
     router.add_post("/v1/sandboxes/{sandbox_id}/mcp/{server}/messages", api.messages)
     router.add_delete("/v1/sandboxes/{sandbox_id}/mcp/{server}", api.end)
-    server.app.on_cleanup.append(api.close_all)
+    server.app.cleanup_ctx.append(api.sweeper)
 
 
 def local_refusal(policy: Any, server: str) -> tuple[str, str] | None:
@@ -168,6 +171,29 @@ class McpApi:
             return error_response(404, "not_found", f"no MCP session of sandbox {sandbox_id} with {server!r}")
         return web.json_response({"id": sandbox_id, "server": server, "ended": True})
 
-    async def close_all(self, _app: web.Application) -> None:
+    async def sweeper(self, _app: web.Application):
+        """For as long as the admin server runs: end the sessions of sandboxes revoked (or gone) without a
+        DELETE from their relay (a relay killed with SIGKILL, then `sandbox gc`), so their unanswered calls
+        are recorded and the session table stays bounded by the live sandboxes. At shutdown every session
+        is ended (its unanswered calls recorded)."""
+        task = asyncio.create_task(self._sweep_forever(), name="mcp-session-sweeper")
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
         for key in list(self.sessions):
             await self._drop(*key)
+
+    async def _sweep_forever(self, interval: float = SWEEP_SECONDS) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            await self.sweep()
+
+    async def sweep(self) -> None:
+        for sandbox_id, server in list(self.sessions):
+            try:
+                record = await self.rt.state.get(sandbox_id)
+            except StateUnavailable:
+                return  # next round
+            if record is None or record.revoked:
+                await self._drop(sandbox_id, server)

@@ -1,0 +1,49 @@
+"""The gateway's side of local MCP sessions (admin/mcp_api.py) on a real admin server, real state store and
+real audit file: a relay killed with SIGKILL never ends its session, so the sweeper must — its unanswered
+call is recorded `no_response` and the session table does not grow with dead sandboxes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+
+from egressgate.admin.server import AdminServer
+from egressgate.audit.config import open_audit_sink
+from egressgate.config import load_config
+from egressgate.gateway.context import PolicyHolder, Runtime
+from egressgate.policy.loader import load_policies
+from egressgate.state.memory import MemoryState
+from tests.support.launcher import flatten_otlp, write_policies
+
+POLICY = {"sandbox": {"name": "s13-local"}, "execution": {"local_mcp_servers": "allow"},
+          "mcp": {"servers": [{"name": "tools", "local": True, "tools": {"allow": [{"name": "echo"}]}}]}}
+CALL = b'{"jsonrpc":"2.0","id":7,"method":"tools/call","params":{"name":"echo","arguments":{}}}'
+
+
+async def test_sweeper_ends_sessions_of_revoked_sandboxes(tmp_path: Path) -> None:
+    policy_dir = write_policies(tmp_path / "policies", {"s13-local": POLICY})
+    cfg = load_config(None, {"var_dir": str(tmp_path / "var"), "policy": str(policy_dir)})
+    sink = await open_audit_sink(cfg.audit, tmp_path / "var")
+    rt = Runtime(config=cfg, policies=PolicyHolder(load_policies(policy_dir)), state=MemoryState(), audit=sink,
+                 resolver=None, ledger=None)  # type: ignore[arg-type]  # the admin server uses neither
+    server = AdminServer(rt, "t" * 32)
+    host, port = await server.start("127.0.0.1", 0)
+    headers = {"Authorization": "Bearer " + "t" * 32}
+    try:
+        async with httpx.AsyncClient(base_url=f"http://{host}:{port}", headers=headers, trust_env=False) as c:
+            sid = (await c.post("/v1/sandboxes", json={"policy": "s13-local"})).json()["id"]
+            sent = await c.post(f"/v1/sandboxes/{sid}/mcp/tools/messages?direction=to_server", content=CALL)
+            assert sent.status_code == 200 and sent.json()["forward"] is not None  # an allowed call, unanswered
+            await server.mcp.sweep()
+            assert (sid, "tools") in server.mcp.sessions  # positive control: a live sandbox keeps its session
+            assert (await c.delete(f"/v1/sandboxes/{sid}")).status_code == 200  # no DELETE of the session
+            await server.mcp.sweep()
+            assert server.mcp.sessions == {}
+    finally:
+        await server.stop()
+        await sink.close()
+    records = [flatten_otlp(json.loads(line)) for line in (tmp_path / "var" / "audit.jsonl").read_text().splitlines()]
+    outcomes = [r for r in records if r.get("egressgate.mcp.outcome") == "no_response"]
+    assert outcomes and outcomes[0]["egressgate.sandbox.id"] == sid, records
