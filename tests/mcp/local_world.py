@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import shlex
 import subprocess
 import sys
 import threading
@@ -48,16 +49,25 @@ def mcp_policy(name: str, *, local: str = "allow") -> dict[str, Any]:
 
 
 def _mount_wrapper() -> list[str]:
-    """[] when uid 65534 can reach the test Python; else the private-mount-namespace wrapper (docstring)."""
-    prefix = Path(sys.base_prefix)
-    blocked = unreachable_parent(prefix / "bin")
-    if blocked is None:
+    """[] when uid 65534 can reach the test Python, the venv and this tree; else the private-mount-namespace
+    wrapper (module docstring): each blocking directory becomes a 0755 tmpfs with only the needed entries
+    bound back (e.g. /root/.pyenv and the CI clone under /root)."""
+    binds: dict[Path, set[Path]] = {}
+    for path in (Path(sys.base_prefix) / "bin", Path(sys.prefix) / "bin", SERVER_SCRIPT):
+        blocked = unreachable_parent(path)
+        if blocked is not None:
+            binds.setdefault(blocked, set()).add(blocked / path.relative_to(blocked).parts[0])
+    if not binds:
         return []
-    child = blocked / prefix.relative_to(blocked).parts[0]  # e.g. /root/.pyenv
-    script = ("set -e; keep=$(mktemp -d /run/e13l-keep.XXXXXX); mount --bind \"$1\" \"$keep\"; "
-              "mount -t tmpfs -o mode=0755 e13l \"$2\"; mkdir -p \"$1\"; mount --bind \"$keep\" \"$1\"; "
-              "umount -l \"$keep\"; rmdir \"$keep\"; shift 2; exec \"$@\"")
-    return ["unshare", "--mount", "--propagation", "slave", "sh", "-c", script, "sh", str(child), str(blocked)]
+    pairs = [(blocked, child) for blocked, children in sorted(binds.items()) for child in sorted(children)]
+    q = shlex.quote
+    lines = ["set -e", "keep=$(mktemp -d /run/e13l-keep.XXXXXX)"]
+    lines += [f"mkdir \"$keep/{i}\"; mount --bind {q(str(child))} \"$keep/{i}\"" for i, (_, child) in enumerate(pairs)]
+    lines += [f"mount -t tmpfs -o mode=0755 e13l {q(str(blocked))}" for blocked in sorted(binds)]
+    lines += [f"mkdir -p {q(str(child))}; mount --bind \"$keep/{i}\" {q(str(child))}; umount -l \"$keep/{i}\"; "
+              f"rmdir \"$keep/{i}\"" for i, (_, child) in enumerate(pairs)]
+    lines += ["rmdir \"$keep\"", "exec \"$@\""]
+    return ["unshare", "--mount", "--propagation", "slave", "sh", "-c", "; ".join(lines), "sh"]
 
 
 def mcp_argv(gw: Gateway, policy: str, *, server: str = "tools", workspace: Path | None = None,

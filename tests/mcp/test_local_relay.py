@@ -167,10 +167,8 @@ SMUGGLED = {
 }
 
 
-def _direct_control(tmp: Path) -> list[dict]:
+def _direct_control(proc: subprocess.Popen[bytes], record: Path) -> list[dict]:
     """The smuggled lines sent to the same SDK server without egressgate: what the server would run."""
-    record = tmp / "direct.jsonl"
-    proc = direct_server(record, secrets.token_hex(6))
     init = {"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
         "protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "raw", "version": "0"}}}
     lines = [json.dumps(init).encode(), b'{"jsonrpc":"2.0","method":"notifications/initialized"}',
@@ -189,10 +187,11 @@ def _direct_control(tmp: Path) -> list[dict]:
 def test_smuggled_lines_are_refused_and_never_reach_the_server(gateway: Gateway, workspace: Path,
                                                                tmp_path: Path) -> None:
     tag = secrets.token_hex(6)
+    direct = direct_server(tmp_path / "direct.jsonl", secrets.token_hex(6))  # starts meanwhile (control)
     raw = RawSession(mcp_argv(gateway, "mcp-local", workspace=workspace, tag=tag, linger=True))
     try:
         assert raw.initialize()["result"]["serverInfo"]["name"] == "local-tools"
-        control = _direct_control(tmp_path)  # meanwhile: the positive control without egressgate
+        control = _direct_control(direct, tmp_path / "direct.jsonl")  # the positive control without egressgate
         for name, line in SMUGGLED.items():
             raw.send(line)
             if name == "notification":
@@ -217,6 +216,9 @@ def test_smuggled_lines_are_refused_and_never_reach_the_server(gateway: Gateway,
         assert wait_until(lambda: not tagged_pids(tag), 5), tagged_pids(tag)
     finally:
         raw.close()
+        if direct.poll() is None:
+            direct.kill()
+            direct.wait()
     refused = _records(gateway, lambda r: r.get("egressgate.reason") == "mcp_malformed")
     assert refused, "smuggled lines were not audited"
 

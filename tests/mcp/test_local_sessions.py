@@ -5,6 +5,8 @@ call is recorded `no_response` and the session table does not grow with dead san
 from __future__ import annotations
 
 import json
+import os
+import threading
 from pathlib import Path
 
 import httpx
@@ -13,6 +15,7 @@ from egressgate.admin.server import AdminServer
 from egressgate.audit.config import open_audit_sink
 from egressgate.config import load_config
 from egressgate.gateway.context import PolicyHolder, Runtime
+from egressgate.mcp.local import read_line
 from egressgate.policy.loader import load_policies
 from egressgate.state.memory import MemoryState
 from tests.support.launcher import flatten_otlp, write_policies
@@ -47,3 +50,23 @@ async def test_sweeper_ends_sessions_of_revoked_sandboxes(tmp_path: Path) -> Non
     records = [flatten_otlp(json.loads(line)) for line in (tmp_path / "var" / "audit.jsonl").read_text().splitlines()]
     outcomes = [r for r in records if r.get("egressgate.mcp.outcome") == "no_response"]
     assert outcomes and outcomes[0]["egressgate.sandbox.id"] == sid, records
+
+
+def test_relay_cuts_an_oversized_line_and_skips_its_rest() -> None:
+    """A line over the limit goes to the gateway cut at limit+1 bytes (which it refuses as too large) and the
+    rest of it is dropped in bounded reads; the next line is whole again. Real pipe, real reader."""
+    read_fd, write_fd = os.pipe()
+    writer = threading.Thread(target=_write_all, args=(write_fd, b"x" * 200_000 + b"\n" + b'{"jsonrpc":"2.0"}\r\n'
+                                                        + b"tail-without-newline"))
+    writer.start()
+    with os.fdopen(read_fd, "rb") as r:
+        assert read_line(r, 10) == (b"x" * 11, True)
+        assert read_line(r, 64) == (b'{"jsonrpc":"2.0"}', False)  # CRLF ends a line too
+        assert read_line(r, 64) == (b"tail-without-newline", False)
+        assert read_line(r, 64) is None
+    writer.join(5)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    with os.fdopen(fd, "wb") as w:
+        w.write(data)
