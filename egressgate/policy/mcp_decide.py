@@ -96,6 +96,18 @@ def local_server(policy: CompiledPolicy, name: str) -> McpServer | None:
     return server if server is not None and server.local else None
 
 
+def decide_local_start(policy: CompiledPolicy, name: str) -> ToolDecision:
+    """May `egressgate mcp run --server NAME` start this local server? Both `execution.local_mcp_servers:
+    allow` and a `local: true` entry named NAME are needed; otherwise `mcp_local_denied`."""
+    server = local_server(policy, name)
+    detail = ("execution_denied" if policy.model.execution.local_mcp_servers != "allow"
+              else "not_local" if server is None else None)
+    if detail is not None:
+        message = mcp_message(policy, Reason.MCP_LOCAL_DENIED, name, None, detail=detail)
+        return ToolDecision("deny", Reason.MCP_LOCAL_DENIED, None, message, detail=detail)
+    return ToolDecision("allow", Reason.RULE_MATCHED, f"mcp:{name}", "")
+
+
 def mcp_grant_covers(grant: Grant, sandbox_id: str, server: str, tool: str, now: float) -> bool:
     return (grant.scheme == MCP_GRANT_SCHEME and grant.port == MCP_GRANT_PORT and grant.host == server
             and grant.path == tool and grant.sandbox_id == sandbox_id and now < grant.expires_at)

@@ -11,6 +11,7 @@ from egressgate.policy.mcp_decide import (
     MCP_GRANT_METHOD,
     MCP_GRANT_PORT,
     MCP_GRANT_SCHEME,
+    decide_local_start,
     local_server,
     mcp_server_for,
     visible_tools,
@@ -185,6 +186,17 @@ def test_mcp_server_for_routes():
     # SSE: the message endpoint is chosen by the server, so the whole origin is the MCP route
     assert mcp_server_for(P, "https", "legacy.mcp.test", 443, "/messages/").name == "legacy"
     assert mcp_server_for(P, "https", "docs.allowed.test", 443, "/") is None
+
+
+def test_decide_local_start():
+    d = decide_local_start(P, "localfs")  # the test policy leaves execution.local_mcp_servers at deny
+    assert d.reason is Reason.MCP_LOCAL_DENIED and d.detail == "execution_denied" and "local_mcp_servers" in d.message
+    allowing = policy(POLICY.replace("sandbox:\n  name: mcp-t\n",
+                                     "sandbox:\n  name: mcp-t\nexecution:\n  local_mcp_servers: allow\n"))
+    assert decide_local_start(allowing, "localfs").allowed
+    for name in ("tickets", "nope"):  # a remote server or an unknown name never starts locally
+        d = decide_local_start(allowing, name)
+        assert d.reason is Reason.MCP_LOCAL_DENIED and d.detail == "not_local" and "local: true" in d.message
 
 
 def test_local_server():
