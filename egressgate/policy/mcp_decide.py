@@ -27,7 +27,7 @@ from egressgate.policy.canon import CanonError, canon_host, parse_ip_literal
 from egressgate.policy.compile import CompiledPolicy
 from egressgate.policy.decide import decide
 from egressgate.policy.facts import Facts, Operation, SandboxState
-from egressgate.policy.mcp_args import check_arguments
+from egressgate.policy.mcp_args import check_arguments as check_tool_arguments
 from egressgate.policy.mcp_compile import McpServer, McpTool
 from egressgate.policy.messages import mcp_message
 from egressgate.policy.reasons import Reason
@@ -113,7 +113,11 @@ def mcp_grant_covers(grant: Grant, sandbox_id: str, server: str, tool: str, now:
             and grant.path == tool and grant.sandbox_id == sandbox_id and now < grant.expires_at)
 
 
-def decide_tool_call(policy: CompiledPolicy, call: ToolCall, facts: McpFacts, now: float) -> ToolDecision:
+def decide_tool_call(
+    policy: CompiledPolicy, call: ToolCall, facts: McpFacts, now: float, *, check_arguments: bool = True
+) -> ToolDecision:
+    """`check_arguments=False` is for `audit replay` of a record without its arguments only: step 6 is
+    skipped, every other step is decided as usual (the gateway never passes it)."""
     server = policy.mcp.servers.get(call.server)
     if server is None:
         return _deny(policy, call, Reason.MCP_TOOL_DENIED, None, detail="unknown_server")
@@ -126,7 +130,8 @@ def decide_tool_call(policy: CompiledPolicy, call: ToolCall, facts: McpFacts, no
     pin_failure = _pin_failure(server, tool.name, facts)
     if pin_failure is not None:
         return _deny(policy, call, pin_failure[0], tool.rule_id, detail=pin_failure[1])
-    failure = check_arguments(tool, call.arguments, facts.labels, lambda v: _network_refusal(policy, facts, v, now))
+    failure = (check_tool_arguments(tool, call.arguments, facts.labels,
+                                    lambda v: _network_refusal(policy, facts, v, now)) if check_arguments else None)
     if failure is not None:
         return _deny(policy, call, Reason.MCP_ARGUMENT_DENIED, tool.rule_id, detail=failure.detail,
                      argument=failure.argument)
