@@ -193,3 +193,21 @@ def test_tool_name_shape():
             tools: {deny: ["bad name"]}
     """)
     assert path == "mcp.servers[0].tools.deny[0]"
+
+
+def test_docs_example_loads_and_decides():
+    """The example in docs/policy.md ("MCP tool calls") is a policy that loads and means what it says."""
+    from pathlib import Path
+
+    from egressgate.policy.reasons import Reason
+    from tests.policy.mcp_support import call
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "policy.md").read_text()
+    block = doc.split("## MCP tool calls (`mcp`)", 1)[1].split("```yaml\n", 1)[1].split("```", 1)[0]
+    block = "\n".join(line for line in block.splitlines() if "credential:" not in line)  # no capability here
+    p = parse_policy("sandbox: {name: doc}\n" + block, "doc.yaml")
+    assert set(p.mcp.servers) == {"tickets", "files"}
+    ok = {"project": "acme", "limit": 5, "path": "/workspace/a", "url": "https://tickets.mcp.test/mcp"}
+    pin = p.mcp.servers["tickets"].tool_schemas["search_tickets"]
+    d = call(p, "search_tickets", ok, tool_schema_now=pin, server_info_now=("tickets-server", "1.4.2"))
+    assert d.reason is Reason.APPROVAL_REQUIRED  # everything holds; the tool needs an operator's approval
