@@ -61,6 +61,10 @@ class ClientVerdict:
     was_batch: bool = False
     refused: bool = False  # the whole body was refused (malformed)
 
+    @property
+    def batch(self) -> bool:
+        return self.was_batch
+
 
 @dataclass(slots=True)
 class _Pending:
@@ -101,6 +105,8 @@ class McpSession:
             scheme=server.scheme, host=server.host, port=server.port, path=server.path, secrets=secrets)
         self.server_side = ServerSide(self)
         self.calls: dict[int | str, _Pending] = {}  # allowed calls waiting for their answer, by JSON-RPC id
+        self._reserved: set[int | str] = set()  # ids of calls being decided right now
+        self._pins_read = False
         self.closed = False
 
     # -- policy ----------------------------------------------------------------------------------
@@ -119,6 +125,7 @@ class McpSession:
     # -- client -> server ------------------------------------------------------------------------
 
     async def from_client(self, body: bytes) -> ClientVerdict:
+        """A whole client body (an HTTP POST body, a stdio line): what to forward, what to answer."""
         policy = self.current_policy()
         try:
             if policy is None:
@@ -127,32 +134,46 @@ class McpSession:
             self._check_ids(messages)
         except McpMalformed as exc:
             return await self._refuse_body(exc, policy is None)
-        return await self.from_client_messages(messages, was_batch)
+        return await self._from_client(messages, was_batch)
 
-    async def from_client_messages(self, messages: list[Message], was_batch: bool) -> ClientVerdict:
-        policy = self.current_policy()
-        forward: list[dict] = []
-        replies: list[dict] = []
-        for msg in messages:
-            if msg.is_call:
-                reply = await self._call(msg, policy)
-                if reply is None:
-                    forward.append(msg.obj)
-                else:
-                    replies.append(reply)
-                continue
-            if msg.kind == "request":
-                self.server_side.expect(msg)
-            forward.append(msg.obj)
+    async def _from_client(self, messages: list[Message], was_batch: bool) -> ClientVerdict:
+        try:
+            await self.server_side.settle()  # pins and records of answers already relayed come first
+            policy = self.current_policy()
+            forward: list[dict] = []
+            replies: list[dict] = []
+            refresh = not self._pins_read
+            for msg in messages:
+                if msg.is_call:
+                    reply = await self._call(msg, policy)
+                    if reply is None:
+                        forward.append(msg.obj)
+                    else:
+                        replies.append(reply)
+                    continue
+                if msg.kind == "request" and self.server_side.expect(msg):
+                    refresh = True
+                forward.append(msg.obj)
+            if refresh and forward:
+                await self.server_side.refresh()  # the answer is filtered against what the store holds now
+                self._pins_read = True
+        finally:
+            for msg in messages:
+                if msg.is_call:
+                    self._reserved.discard(msg.id)  # type: ignore[arg-type]
         body = dumps(forward if was_batch else forward[0]) if forward else None
         return ClientVerdict(body, replies, was_batch)
 
     def _check_ids(self, messages: list[Message]) -> None:
         """A call whose id is still waiting for its answer would make two answers of one id: which one
-        is the outcome of which call? Refused (the agent reuses ids only after their answers)."""
+        is the outcome of which call? Refused (the agent reuses ids only after their answers). Checked
+        and reserved with no await in between, so two bodies decided at once cannot share an id."""
         for msg in messages:
-            if msg.kind == "request" and msg.id in self.calls:
+            if msg.kind == "request" and (msg.id in self.calls or msg.id in self._reserved):
                 raise McpMalformed("id_in_use", "a request reuses the id of a tool call still waiting for its answer")
+        for msg in messages:
+            if msg.is_call:
+                self._reserved.add(msg.id)  # type: ignore[arg-type]
 
     async def _refuse_body(self, exc: McpMalformed, no_policy: bool) -> ClientVerdict:
         if no_policy:
@@ -215,6 +236,7 @@ class McpSession:
             snap = await state.snapshot(self.sandbox_id, history=policy.history_patterns,
                                         rules=[server_key, tool_key, *policy.budgeted_rules])
             pins = await state.mcp_pins(self.sandbox_id, self.server_name)
+            self.server_side.known = dict(pins)
             grants = await self.rt.approvals.grants(self.sandbox_id, now)
         except KeyError:
             raise _Refused(Reason.SANDBOX_REVOKED) from None
@@ -253,13 +275,20 @@ class McpSession:
 
     async def from_server(self, messages: list[Message]) -> list[dict]:
         """The messages the client may see (tools/list answers filtered), effects recorded."""
+        out = self.from_server_nowait(messages)
+        await self.server_side.settle()
+        return out
+
+    def from_server_nowait(self, messages: list[Message]) -> list[dict]:
+        """The same, synchronously (a gateway response stream cannot await): store effects (first-sight
+        pins) are scheduled and awaited by the next from_client / from_server / close."""
         out = []
         for msg in messages:
             if msg.kind == "response" and msg.id in self.calls:
                 self._outcome(msg)
                 out.append(msg.obj)
                 continue
-            out.append(await self.server_side.handle(msg))
+            out.append(self.server_side.handle_nowait(msg))
         return out
 
     async def from_server_bytes(self, body: bytes) -> bytes | None:
@@ -293,6 +322,7 @@ class McpSession:
         if self.closed:
             return
         self.closed = True
+        await self.server_side.settle()
         for jsonrpc_id, pending in list(self.calls.items()):
             self.rt.audit.enqueue_after(records.outcome_record(
                 self.ctx, request_id=pending.request_id, tool=pending.tool, jsonrpc_id=jsonrpc_id,

@@ -481,3 +481,32 @@ async def test_revoked_sandbox_is_refused(mem_world: World):
     await mem_world.rt.state.revoke("sbx-a")
     refused = await s.from_client(body(call(2, "note", {})))
     assert refused.replies[0]["error"]["data"]["reason"] == "sandbox_revoked"
+
+
+async def test_sync_stream_filter_sees_earlier_pins_and_effects_settle_before_the_next_decision(world: World):
+    """from_server_nowait (a response stream cannot await): filtered at once against the pins read when the
+    tools/list request went out; the first-sight writes it schedules land before the next call is decided."""
+    from egressgate.mcp.jsonrpc import parse_body
+
+    s1 = world.session()
+    assert (await s1.from_client(body({"jsonrpc": "2.0", "id": "l", "method": "tools/list"}))).forward
+    msgs, _ = parse_body(answer("l", {"tools": [SEARCH]}), max_bytes=1 << 20)
+    assert [t["name"] for t in s1.from_server_nowait(msgs)[0]["result"]["tools"]] == ["search_tickets"]
+    assert (await s1.from_client(body(call(1, "search_tickets", {"project": "acme"})))).forward
+    assert await world.rt.state.mcp_pins("sbx-a", "tickets") == {"tool:search_tickets": tool_hash(SEARCH)}
+    s2 = world.session()
+    assert (await s2.from_client(body({"jsonrpc": "2.0", "id": "l", "method": "tools/list"}))).forward
+    poisoned = {**SEARCH, "description": "changed"}
+    msgs, _ = parse_body(answer("l", {"tools": [poisoned]}), max_bytes=1 << 20)
+    assert s2.from_server_nowait(msgs)[0]["result"]["tools"] == []  # drift seen without awaiting anything
+    refused = await s2.from_client(body(call(2, "search_tickets", {"project": "acme"})))
+    assert refused.replies[0]["error"]["data"]["reason"] == "mcp_schema_drift"
+
+
+async def test_two_bodies_decided_at_once_cannot_share_an_id(mem_world: World):
+    s = mem_world.session()
+    a, b = await asyncio.gather(s.from_client(body(call(9, "note", {"a": 1}))),
+                                s.from_client(body(call(9, "note", {"b": 2}))))
+    assert [v.forward is not None for v in (a, b)].count(True) == 1
+    refused = a if a.forward is None else b
+    assert "id_in_use" in refused.replies[0]["error"]["message"]
