@@ -108,3 +108,10 @@ class Session:
 @pytest.fixture
 def signer(tmp_path) -> LocalEd25519Signer:
     return LocalEd25519Signer.load_or_create(tmp_path / "keys" / "audit-signing.key")
+
+
+def lines(session: Session) -> list[bytes]:
+    """The session as audit-file lines, through the real encoder (what `learn` reads from a file)."""
+    from egressgate.audit.record import dumps, to_otlp
+
+    return [dumps(to_otlp(r)) for r in session.records()]
