@@ -1,0 +1,2 @@
+// placeholder until the console front end lands (h14-uifront)
+export {};
