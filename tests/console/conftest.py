@@ -75,8 +75,7 @@ class Console:
         self.open()
         self.page.fill("#login-form input[name=token]", role_token(self.gw, role))
         self.page.click("#login-submit")
-        self.page.wait_for_function(
-            "r => document.querySelector('[data-testid=role]').textContent === r", arg=role)
+        self.page.locator(f"[data-testid=role]:text-is('{role}')").wait_for()
         return self
 
     def go(self, name: str) -> Any:
@@ -98,6 +97,16 @@ class Console:
                    body: body === null ? undefined : JSON.stringify(body)});
                  return {status: res.status, body: await res.text()};
                }""", [method, path, body, csrf])
+
+    def submit(self, form: str, done: str) -> None:
+        """Submit `form` (its #<form>-submit button) and wait for `done` or the error notice the page shows
+        instead; an error fails the test at once with the server's message."""
+        self.page.click(f"{form}-submit")
+        result = self.page.locator(f"{done}, {form}-result .notice.error, #search-results .notice.error")
+        result.first.wait_for()
+        err = self.page.locator(f"{form}-result .notice.error, #search-results .notice.error")
+        if err.count():
+            raise AssertionError(f"the console showed an error: {err.first.text_content()}")
 
     def assert_clean(self) -> None:
         """No dialog opened, no script error, no CSP violation (the console itself never needs one)."""

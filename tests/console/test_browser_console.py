@@ -46,7 +46,7 @@ def test_login_per_role(console, ui_gw: Gateway) -> None:
         assert c.page.locator("[data-testid=role]").text_content() == role
         assert c.page.locator("#nav").is_visible()
         c.page.reload()  # the session cookie survives a reload; the page asks /ui/api/session
-        c.page.wait_for_function("r => document.querySelector('[data-testid=role]').textContent === r", arg=role)
+        c.page.locator(f"[data-testid=role]:text-is('{role}')").wait_for()
         c.page.click("#logout")
         c.page.locator("#login-form").wait_for()
         c.page.reload()
@@ -58,7 +58,7 @@ def test_login_per_role(console, ui_gw: Gateway) -> None:
 def test_proxied_request_appears_in_live_within_1s(console, ui_gw: Gateway) -> None:
     c = console("operator")
     c.go("live")
-    c.page.wait_for_function("document.getElementById('live-status').textContent === 'live'")
+    c.page.locator("#live-status:text-is('live')").wait_for()
     sbx = ui_gw.admit(METRICS_POLICY, {"team": "live"})
     path = f"/v1/live-{uuid.uuid4().hex[:8]}"
     row = c.page.locator("#live-rows tr", has=c.page.locator(f"[data-field=path]:text-is('{path}')"))
@@ -78,7 +78,7 @@ def test_proxied_request_appears_in_live_within_1s(console, ui_gw: Gateway) -> N
     # the server-side filter: a denied request of another sandbox does not show under sandbox=<sbx>
     c.page.fill("#live-filters input[name=sandbox]", sbx.id)
     c.page.click("#live-filters button[type=submit]")
-    c.page.wait_for_function("document.getElementById('live-status').textContent === 'live'")
+    c.page.locator("#live-status:text-is('live')").wait_for()
     other = ui_gw.admit(METRICS_POLICY, {"team": "other"})
     with other.client() as oc, sbx.client() as client:
         assert oc.get(other.url("api.test", "/nope")).status_code == 403
@@ -185,8 +185,7 @@ def test_search_by_request_hash_finds_the_record(console, ui_gw: Gateway) -> Non
     hits = c.page.locator("#search-results [data-testid=hit]")
 
     def found() -> bool:  # the index follows the file every 0.5 s: search again until it has it
-        c.page.click("#search-submit")
-        c.page.locator("#search-count").wait_for()
+        c.submit("#search", "#search-count")
         return hits.count() > 0
     wait_until(found, 10, "the record in the index", interval=0.2)
     texts = [json.loads(h.locator("[data-field=record]").text_content()) for h in hits.all()]
@@ -198,8 +197,8 @@ def test_search_by_request_hash_finds_the_record(console, ui_gw: Gateway) -> Non
     assert req_hash in hit.locator("[data-field=record]").text_content()
 
     search(c, request_hash="sha256:" + "0" * 64)  # negative control: another hash finds nothing
-    c.page.click("#search-submit")
-    c.page.locator("#search-count", has_text="0 records").wait_for()
+    c.submit("#search", "#search-count")
+    assert c.page.locator("#search-count").text_content() == "0 records"
     c.assert_clean()
 
 
@@ -220,8 +219,7 @@ def test_replay_diff_shows_flipped_decisions(console, ui_gw: Gateway) -> None:
     c.page.fill("#replay-form [name=sandbox]", sbx.id)
 
     def flipped() -> list[str]:
-        c.page.click("#replay-submit")
-        c.page.locator("#flip-count").wait_for()
+        c.submit("#replay", "#flip-count")
         rows = c.page.locator("[data-testid=flips-table] tr.flip")
         text = [r.text_content() for r in rows.all()]
         return text if sum(("api.test" in t) or ("other.test" in t) for t in text) >= 2 else []
