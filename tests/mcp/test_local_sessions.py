@@ -52,6 +52,35 @@ async def test_sweeper_ends_sessions_of_revoked_sandboxes(tmp_path: Path) -> Non
     assert outcomes and outcomes[0]["egressgate.sandbox.id"] == sid, records
 
 
+async def test_a_reload_that_withdraws_local_servers_ends_the_session(tmp_path: Path) -> None:
+    """The start check is not the only one: every line is checked against the policy in force, so a reload
+    to `execution.local_mcp_servers: deny` refuses the next line (403, audited) and ends the session."""
+    policy_dir = write_policies(tmp_path / "policies", {"s13-local": POLICY})
+    withdrawn = write_policies(tmp_path / "withdrawn", {"s13-local": {**POLICY, "execution": {}}})
+    cfg = load_config(None, {"var_dir": str(tmp_path / "var"), "policy": str(policy_dir)})
+    sink = await open_audit_sink(cfg.audit, tmp_path / "var")
+    rt = Runtime(config=cfg, policies=PolicyHolder(load_policies(policy_dir)), state=MemoryState(), audit=sink,
+                 resolver=None, ledger=None)  # type: ignore[arg-type]  # the admin server uses neither
+    server = AdminServer(rt, "t" * 32)
+    host, port = await server.start("127.0.0.1", 0)
+    headers = {"Authorization": "Bearer " + "t" * 32}
+    path = "/v1/sandboxes/{}/mcp/tools/messages?direction=to_server"
+    try:
+        async with httpx.AsyncClient(base_url=f"http://{host}:{port}", headers=headers, trust_env=False) as c:
+            sid = (await c.post("/v1/sandboxes", json={"policy": "s13-local"})).json()["id"]
+            assert (await c.post(path.format(sid), content=CALL)).json()["forward"] is not None  # positive control
+            rt.policies.replace(load_policies(withdrawn))
+            refused = await c.post(path.format(sid), content=CALL.replace(b'"id":7', b'"id":8'))
+            assert refused.status_code == 403 and refused.json()["reason"] == "mcp_local_denied", refused.text
+            assert server.mcp.sessions == {}
+    finally:
+        await server.stop()
+        await sink.close()
+    records = [flatten_otlp(json.loads(line)) for line in (tmp_path / "var" / "audit.jsonl").read_text().splitlines()]
+    assert any(r.get("egressgate.reason") == "mcp_local_denied" and r.get("egressgate.sandbox.id") == sid
+               for r in records), records
+
+
 def test_relay_cuts_an_oversized_line_and_skips_its_rest() -> None:
     """A line over the limit goes to the gateway cut at limit+1 bytes (which it refuses as too large) and the
     rest of it is dropped in bounded reads; the next line is whole again. Real pipe, real reader."""
