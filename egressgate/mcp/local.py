@@ -10,7 +10,8 @@ allowed, or null) to the other side, `replies` (JSON-RPC errors for denied calls
 
 Rules enforced here (each once):
 * nothing reaches the other side that the gateway did not return as `forward`: the relay never parses,
-  repairs or guesses a line, and any answer other than 200 ends the relay (fail closed);
+  repairs or guesses a line, and any answer other than 200 (or a `forward` that is not exactly one line)
+  ends the relay (fail closed);
 * the relay never writes the audit trail: the gateway's McpSession decides, counts and records;
 * a line longer than the policy's `mcp.max_message_bytes` is sent cut at max+1 bytes (the gateway refuses
   and records it) and the rest of it is discarded unread into memory: no unbounded buffering;
@@ -155,13 +156,18 @@ class Relay:
         """The gateway's answer for one line, or None when the relay must end (said on stderr)."""
         try:
             status, data = admin.request("POST", f"{self.base}/messages?direction={direction}", line)
-        except OSError as exc:
+        except (OSError, http.client.HTTPException) as exc:
             log(f"the gateway's admin API stopped answering ({exc}); the local MCP server was stopped")
             self._end("gateway", kill=True)
             return None
-        if status == 200 and (data.get("forward") is None or isinstance(data.get("forward"), str)) \
-                and isinstance(data.get("replies"), list):
+        forward = data.get("forward")
+        one_line = forward is None or (isinstance(forward, str) and "\n" not in forward and "\r" not in forward)
+        if status == 200 and one_line and isinstance(data.get("replies"), list):
             return data
+        if status == 200:  # not one line and a list: never pass on what the other side could split otherwise
+            log("the gateway answered a malformed relay message; the local MCP server was stopped")
+            self._end("gateway", kill=True)
+            return None
         if status in (404, 410):
             log(f"sandbox {self.sandbox_id} was revoked; the local MCP server was stopped")
             self._end("revoked", kill=True)
@@ -228,7 +234,7 @@ class Relay:
             while not self.done.wait(REVOCATION_POLL):
                 try:
                     status, data = admin.request("GET", f"/v1/sandboxes/{self.sandbox_id}")
-                except OSError:
+                except (OSError, http.client.HTTPException):
                     continue  # a message will find out; a passing hiccup must not kill the server
                 if status == 404 or (status == 200 and data.get("revoked") is True):
                     log(f"sandbox {self.sandbox_id} was revoked; the local MCP server was stopped")
@@ -246,7 +252,7 @@ class Relay:
         admin = self.new_client()
         try:
             admin.request("DELETE", self.base)
-        except OSError:
+        except (OSError, http.client.HTTPException):
             pass  # revocation ends the gateway's session too
         finally:
             admin.close()
