@@ -34,14 +34,16 @@ RECORD_IN_SANDBOX = "/workspace/calls.jsonl"
 
 def mcp_policy(name: str, *, local: str = "allow") -> dict[str, Any]:
     """The runtime tests' base policy (api.allowed.test allowed, forbidden.test not) plus one local MCP
-    server `tools` (echo with a constrained argument, fetch; delete_everything denied) and one remote
+    server `tools` (echo with a constrained argument, fetch, lookup of the sandbox's own tenant only;
+    delete_everything denied) and one remote
     server `remote-one` (not local: `mcp run --server remote-one` must be refused)."""
     body = runtime_policy(name, execution__local_mcp_servers=local)
     body["mcp"] = {"servers": [
         {"name": "tools", "local": True, "tools": {
             "allow": [{"name": "echo", "arguments": {"text": {"type": "string", "pattern": "^[a-z ]{1,40}$",
                                                                "required": True}}},
-                      {"name": "fetch", "arguments": {"url": {"type": "string", "required": True}}}],
+                      {"name": "fetch", "arguments": {"url": {"type": "string", "required": True}}},
+                      {"name": "lookup", "arguments": {"project": {"equals_label": "tenant", "required": True}}}],
             "deny": ["delete_everything"]}},
         {"name": "remote-one", "url": "https://api.allowed.test/mcp", "tools": {"allow": [{"name": "echo"}]}},
     ]}

@@ -53,6 +53,13 @@ def delete_everything(confirm: bool = True) -> str:
 
 
 @server.tool()
+def lookup(project: str) -> str:
+    """Read a project's tickets (a tenant identifier: the policy ties it to the sandbox's label)."""
+    record({"event": "call", "tool": "lookup", "arguments": {"project": project}})
+    return f"tickets of {project}"
+
+
+@server.tool()
 def fetch(url: str) -> str:
     """GET the url from inside the sandbox (through the gateway: the only way out) and say what happened."""
     record({"event": "call", "tool": "fetch", "arguments": {"url": url}})

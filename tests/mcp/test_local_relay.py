@@ -106,20 +106,23 @@ def _env() -> dict[str, str]:
 async def test_sdk_client_allowed_denied_and_network(gateway: Gateway, workspace: Path) -> None:
     world = gateway.world
     tag = secrets.token_hex(6)
-    argv = mcp_argv(gateway, "mcp-local", workspace=workspace, tag=tag)
+    argv = mcp_argv(gateway, "mcp-local", workspace=workspace, tag=tag, labels=("tenant=acme",))
     params = StdioServerParameters(command=argv[0], args=argv[1:], env=child_env())
     mark = world.mark()
     async with stdio_client(params) as (read, write), ClientSession(read, write) as session:
         await session.initialize()
         listed = {tool.name for tool in (await session.list_tools()).tools}
-        assert listed == {"echo", "fetch"}, listed  # delete_everything is filtered out of tools/list
+        assert listed == {"echo", "fetch", "lookup"}, listed  # delete_everything is filtered out of tools/list
 
         ok = await session.call_tool("echo", {"text": "hello local"})  # positive control
         assert not ok.is_error and ok.content[0].text == "hello local"
+        own = await session.call_tool("lookup", {"project": "acme"})  # --label tenant=acme reached the decision
+        assert not own.is_error and own.content[0].text == "tickets of acme"
 
         for tool, arguments, reason in (("delete_everything", {"confirm": True}, "mcp_tool_denied"),
                                         ("echo", {"text": "UPPER; rm -rf /"}, "mcp_argument_denied"),  # pattern
-                                        ("echo", {"text": "fine", "smuggled": "x"}, "mcp_argument_denied")):
+                                        ("echo", {"text": "fine", "smuggled": "x"}, "mcp_argument_denied"),
+                                        ("lookup", {"project": "globex"}, "mcp_argument_denied")):  # other tenant
             with pytest.raises(MCPError) as refused:
                 await session.call_tool(tool, arguments)
             assert refused.value.code == -32001 and refused.value.data["reason"] == reason, refused.value.data
@@ -134,9 +137,10 @@ async def test_sdk_client_allowed_denied_and_network(gateway: Gateway, workspace
     assert seen[0]["event"] == "started"
     assert [(c["tool"], c["arguments"]) for c in seen if c["event"] == "call"] == [
         ("echo", {"text": "hello local"}),
+        ("lookup", {"project": "acme"}),
         ("fetch", {"url": f"https://api.allowed.test:443/{tag}"}),
         ("fetch", {"url": "https://forbidden.test/"}),
-    ]  # never delete_everything, never the bad or extra arguments
+    ]  # never delete_everything, never the bad or extra arguments, never the other tenant
     assert world.hits(mark, listener="upstream-tls")  # positive control: the allowed fetch got out
     assert not world.hits(mark, listener="forbidden-tls")  # the denied one never reached its host
     decisions = _records(gateway, lambda r: r.get("egressgate.operation") == "mcp_tool_call"
