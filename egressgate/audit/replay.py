@@ -32,6 +32,7 @@ from egressgate.audit.record import (
     parse_line,
 )
 from egressgate.audit.replay_format import format_table, printable
+from egressgate.policy.canon import canon_host
 from egressgate.policy.facts import Decision, Facts, Operation, RuleUsage, SandboxState
 
 __all__ = ["Change", "Flip", "ReplayResult", "format_table", "printable", "replay", "replay_diff", "replay_records"]
@@ -132,6 +133,14 @@ def facts_from(attrs: dict[str, Any]) -> Facts:
     host = attrs.get(K_HOST) or attrs.get(K_DNS_NAME)
     if not isinstance(host, str):
         raise ValueError("record has no host")
+    # The engine is only ever given canonical hosts (policy.canon) and origin-form paths; a record holding
+    # anything else was not written by the gateway for a decision (a forged or corrupted line) and cannot
+    # be re-decided: it is skipped, never a traceback in the auditor's tool (CanonError is a ValueError).
+    if canon_host(host) != host:
+        raise ValueError("record host is not canonical")
+    path = attrs.get("url.path")
+    if isinstance(path, str) and not path.startswith("/"):
+        raise ValueError("record path is not in origin form")
     port = attrs.get("server.port")
     return Facts(
         operation=op,
@@ -141,7 +150,7 @@ def facts_from(attrs: dict[str, Any]) -> Facts:
         method=attrs.get("http.request.method")
         if isinstance(attrs.get("http.request.method"), str)
         else None,
-        path=attrs.get("url.path") if isinstance(attrs.get("url.path"), str) else None,
+        path=path if isinstance(path, str) else None,
         addresses=addresses_of(attrs),
         qtype=attrs.get("egressgate.dns.qtype")
         if isinstance(attrs.get("egressgate.dns.qtype"), str)
