@@ -283,6 +283,9 @@ def _render_checked(
         for c in result.changes:
             if c.new_decision == "allow" and (c.path, c.line) not in learned_by:
                 owner = next((s for s in suggestions if s.id == c.new_rule), None)
+                if owner is None and c.operation == "dns_query":  # a learned dns.allow[i] entry
+                    name = c.target.split(" ", 1)[0]
+                    owner = next((s for s in suggestions if s.section == "dns" and s.host == name), None)
                 if owner is not None:
                     culprits[id(owner)] = owner
         if not culprits:
