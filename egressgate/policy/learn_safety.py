@@ -32,11 +32,14 @@ from egressgate.policy.addr import classify, is_metadata_hostname
 from egressgate.policy.canon import CanonError, canon_host, canon_method, canon_path, parse_ip_literal
 from egressgate.policy.globs import GlobError, parse_host_pattern, parse_path_glob
 
-# Special-use and local names (RFC 6761, 6762, 7686, 8375, and common private zones): never learned,
-# neither as a host nor as a wildcard parent.
+# Names that by convention resolve to the local host or to internal services (RFC 6761 localhost, RFC 6762
+# .local, RFC 8375 .home.arpa, .internal, common private zones) or that are not Internet names at all
+# (RFC 7686 .onion, .alt, reverse-DNS .arpa): never learned, neither as a host nor as a wildcard parent.
+# (.test / .example / .invalid, reserved for testing and documentation, are not in this list: they name no
+# internal service, and the address checks apply to them like to any name.)
 SPECIAL_USE_SUFFIXES = frozenset(
     {"localhost", "local", "internal", "intranet", "corp", "home", "lan", "private", "home.arpa", "arpa",
-     "invalid", "test", "example", "onion", "localdomain", "alt"}
+     "onion", "localdomain", "alt"}
 )
 
 # A small built-in list of common public suffixes: a `*.P` wildcard is never proposed for these.
