@@ -153,7 +153,8 @@ def learn(
     output: str | None,
 ) -> None:
     """Propose the smallest rules that allow the denied traffic recorded in AUDIT_FILES (docs/policy.md,
-    "Learning a policy from the audit trail"). Exit 0 with the policy written, 2 on a usage error."""
+    "Learning a policy from the audit trail"). Exit 0 with the policy written, 1 when no record of the
+    selected sandboxes is found, 2 on a usage error or a base policy that does not load."""
     from egressgate.audit.find import iter_records
     from egressgate.audit.replay import printable
     from egressgate.policy.learn import LearnError, Selector
@@ -173,6 +174,9 @@ def learn(
     except PolicyError as exc:
         click.echo(f"the base policy does not load:\n{exc}", err=True)
         sys.exit(EXIT_INVALID)
+    if not result.selected:  # most likely a mistyped id or label: say so rather than write the base back
+        click.echo("no record of the selected sandboxes in AUDIT_FILES: nothing learned, nothing written", err=True)
+        sys.exit(1)
     if output:
         Path(output).write_text(result.policy_yaml, "utf-8")
     else:

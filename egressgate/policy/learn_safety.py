@@ -31,6 +31,9 @@ from collections.abc import Iterable
 from egressgate.policy.addr import classify, is_metadata_hostname
 from egressgate.policy.canon import CanonError, canon_host, canon_method, canon_path, parse_ip_literal
 from egressgate.policy.globs import GlobError, parse_host_pattern, parse_path_glob
+from egressgate.policy.limits import MAX_PATH_SEGMENTS
+
+MAX_LEARNED_PATH = 4096  # characters of one learned exact path
 
 # Names that by convention resolve to the local host or to internal services (RFC 6761 localhost, RFC 6762
 # .local, RFC 8375 .home.arpa, .internal, common private zones) or that are not Internet names at all
@@ -138,6 +141,8 @@ def path_problem(path: object) -> str | None:
         return "credential in path"
     if "*" in path:
         return "path not expressible"  # a literal '*' would read as a wildcard in a policy path
+    if path.count("/") > MAX_PATH_SEGMENTS or len(path) > MAX_LEARNED_PATH:
+        return "path too long for a policy"  # the loader's limit (policy/limits.py), and a readable file
     try:
         if canon_path(path) != path:
             return "path not expressible"

@@ -126,11 +126,15 @@ def _inline(value: Any) -> str:
     return scalar(value)
 
 
-def dump(data: dict[str, Any], header: list[str], comments: Comments) -> str:
-    """`data` as block YAML, `header` as leading comment lines, `comments[(id(list), i)]` before list[i]."""
+def dump(data: dict[str, Any], header: list[str], comments: Comments, *, verify: bool = True) -> str:
+    """`data` as block YAML, `header` as leading comment lines, `comments[(id(list), i)]` before list[i].
+    `verify=False` only for a caller that checks the meaning itself (learn.py compares policy hashes: one
+    YAML parse instead of two, on files up to the loader's 1 MiB)."""
     lines = [f"# {comment_text(h)}" if h else "#" for h in header]
     _emit(data, 0, lines, comments)
     text = "\n".join(lines) + "\n"
+    if not verify:
+        return text
     try:
         back = load_yaml(text)
     except YamlError as exc:
