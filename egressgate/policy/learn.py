@@ -39,8 +39,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from egressgate.audit.find import Found
-from egressgate.audit.record import K_HOST, K_LABELS, K_METHOD, K_OPERATION, K_PATH, K_PORT, K_SCHEME, Record
-from egressgate.audit.replay import Flip, as_found, replay_records
+from egressgate.audit.record import K_HOST, K_LABELS, K_METHOD, K_OPERATION, K_PATH, K_PORT, K_SCHEME
+from egressgate.audit.replay import Flip, RecordLike, as_found, replay_records
 from egressgate.policy.errors import PolicyError
 from egressgate.policy.learn_rules import Observation, Suggestion, build_suggestions
 from egressgate.policy.learn_safety import address_problem, host_problem, method_problem, path_problem
@@ -175,7 +175,7 @@ def _observe(f: Found, poisoned: Mapping[str, str]) -> Observation | str:
 
 
 def learn(
-    records: Iterable[Found | Record | bytes | str],
+    records: Iterable[RecordLike],
     selector: Selector,
     *,
     base_yaml: str | None = None,

@@ -3,6 +3,7 @@ records from anywhere, narrowed by sandbox, start time and a limit."""
 
 from __future__ import annotations
 
+import json
 import textwrap
 
 from egressgate.audit.find import iter_records
@@ -58,6 +59,7 @@ async def test_replay_diff_matches_audit_replay_and_accepts_records_from_anywher
     assert _ids(replay_diff(lines(s), new)) == expected
     assert _ids(replay_diff([b"not json", *(x.decode() for x in lines(s))], new)) == expected
     assert _ids(replay_diff(lines(s), {"agent": new})) == expected
+    assert _ids(replay_diff([json.loads(x) for x in lines(s)], new)) == expected  # AuditIndex.record() docs
     assert replay_diff(lines(s), {"other-name": new}) == []  # matched by policy name, like a directory
     flip = replay_diff(lines(s), new)[0].to_json()
     assert flip["sandbox"] == "s1" and flip["new"] == {"decision": "deny", "rule": "gh", "reason": "budget_exceeded"}
