@@ -80,7 +80,7 @@ class Suggestion:
         sandboxes = len({o.sandbox for o in self.observations})
         reasons = Counter(o.reason for o in self.observations if o.reason)
         why = ", ".join(f"{r} x{n}" for r, n in sorted(reasons.items()))
-        lines = [f"learned {self.id}: {self.requests} denied ({why}) from {sandboxes} "
+        lines = [f"{self.id}: {self.requests} denied ({why}) from {sandboxes} "
                  f"sandbox{'es' if sandboxes != 1 else ''}"]
         if self.host.startswith("*."):
             lines.append(f"wildcard over {len(self.hosts)} observed hosts: {', '.join(self.hosts[:5])}"
