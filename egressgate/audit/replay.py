@@ -8,7 +8,8 @@ input at the recorded time under a new policy answers "what would this policy ha
 What replay cannot reproduce (documented in docs/audit.md): decisions made outside the policy engine
 (identity, Host/SNI consistency, self-connection, dependency failures) are skipped; without recorded state
 the sandbox's past is reconstructed from the log itself (approximate); state is the *recorded* history,
-not the counterfactual one (a request the new policy would deny still counts as seen).
+not the counterfactual one (a request the new policy would deny still counts as seen). MCP tool calls
+(`mcp_tool_call` records) are re-decided by audit/replay_mcp.py.
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ from egressgate.audit.record import (
     parse_line,
 )
 from egressgate.audit.replay_format import format_table, printable
-from egressgate.audit.replay_state import History, as_int, state_from, update_history
+from egressgate.audit.replay_mcp import OPERATION as MCP_OPERATION
+from egressgate.audit.replay_mcp import McpHistory, NotReplayable, replay_tool_call
+from egressgate.audit.replay_state import History, as_int, grants_from, state_from, update_history
 from egressgate.policy.canon import canon_host
 from egressgate.policy.facts import Decision, Facts, Operation, SandboxState
 
@@ -104,6 +107,7 @@ class ReplayResult:
     # approval id -> replayed decisions it allowed (reason approval_granted): allowed by an operator's
     # approval (recorded in egressgate.state.approvals), not by any rule of the replayed policy
     by_approval: dict[str, int] = field(default_factory=dict)
+    arguments_unchecked: int = 0  # MCP tool calls re-decided without their arguments (not recorded)
     truncated: bool = False  # stopped at `limit` changes
 
     def skip(self, why: str) -> None:
@@ -181,6 +185,7 @@ def replay_records(
         decide = decide_fn
     result = ReplayResult()
     history: dict[str, History] = {}
+    mcp_history = McpHistory()
     for found in records:
         attrs = found.record.attributes
         op = attrs.get(K_OPERATION)
@@ -194,7 +199,13 @@ def replay_records(
             if limit is not None and len(result.changes) >= limit:
                 result.truncated = True
                 break
+        elif op == MCP_OPERATION and (since_ns is None or found.record.time_ns >= since_ns):
+            _replay_tool_call(found, attrs, sandbox_id, mcp_history, time_s, policies, single, result)
+            if limit is not None and len(result.changes) >= limit:
+                result.truncated = True
+                break
         update_history(hist, attrs, time_s)
+        mcp_history.update(sandbox_id, attrs)
     return result
 
 
@@ -290,6 +301,44 @@ def _replay_one(
             str(attrs["egressgate.request.id"]) if isinstance(attrs.get("egressgate.request.id"), str) else None,
         )
     )
+
+
+def _rule_or_approval(rule: Any, approval_id: Any, reason: Any) -> str | None:
+    """What allowed (or was asked of) a decision: its rule, or `approval <id>` when an operator's approval
+    allowed it (approval_granted) or was asked for (approval_required)."""
+    if isinstance(rule, str):
+        return rule
+    if reason in ("approval_granted", "approval_required") and isinstance(approval_id, str):
+        return f"approval {approval_id}"
+    return None
+
+
+def _replay_tool_call(found, attrs, sandbox_id, mcp_history, time_s, policies, single, result) -> None:
+    """An `mcp_tool_call` record (audit/replay_mcp.py says what is and is not re-decided)."""
+    policy = single or policies.get(str(attrs.get("egressgate.policy.name")))
+    if policy is None:
+        result.skip(f"no policy named {attrs.get('egressgate.policy.name')!r}")
+        return
+    try:
+        done = replay_tool_call(policy, attrs, sandbox_id, mcp_history, time_s, grants_from)
+    except NotReplayable as exc:
+        result.skip(str(exc))
+        return
+    result.replayed += 1
+    result.approximated_state += not done.exact_state
+    result.arguments_unchecked += not done.arguments_checked
+    new, old, reason = done.decision, attrs.get("egressgate.decision"), attrs.get("egressgate.reason")
+    if new.approval_id is not None and new.allowed:
+        result.by_approval[new.approval_id] = result.by_approval.get(new.approval_id, 0) + 1
+    if new.decision == old:
+        result.unchanged += 1
+        return
+    result.changes.append(Change(
+        found.path, found.line, found.record.time_ns, sandbox_id, MCP_OPERATION, done.target, str(old),
+        _rule_or_approval(attrs.get("egressgate.rule"), attrs.get("egressgate.approval.id"), reason),
+        str(reason) if reason is not None else None, new.decision,
+        _rule_or_approval(new.rule_id, new.approval_id, str(new.reason)), str(new.reason),
+        str(attrs["egressgate.request.id"]) if isinstance(attrs.get("egressgate.request.id"), str) else None))
 
 
 def _rule_or_approval(rule: Any, approval_id: Any, reason: Any) -> str | None:

@@ -42,6 +42,9 @@ def format_table(result: ReplayResult) -> str:
     for approval_id, n in sorted(result.by_approval.items()):
         summary += (f"\n{n} allowed by operator approval {printable(approval_id)} (approval_granted, not a rule; the "
                     "`approval` audit records say who granted it, its scope and expiry)")
+    if result.arguments_unchecked:
+        summary += (f"\n{result.arguments_unchecked} MCP tool calls re-decided without their arguments (not "
+                    "recorded; mcp.record_arguments): argument constraints not checked")
     for why, n in sorted(result.skipped.items()):
         summary += f"\nskipped {n}: {why}"
     return ("\n".join(lines) + "\n" if result.changes else "") + summary
