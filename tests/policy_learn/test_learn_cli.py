@@ -195,3 +195,18 @@ def test_a_base_that_does_not_load_is_reported_against_the_base():
         with pytest.raises(PolicyError) as exc:
             learn(lines(s), Selector(sandbox="s1"), base_yaml=bad, base_source="team/base.yaml")
         assert str(exc.value).startswith("team/base.yaml"), str(exc.value)
+
+
+def test_approval_required_denials_are_learned():
+    """`approval_required` is "outside the allowlist, an operator may approve": learnable like host_not_allowed."""
+    from egressgate.policy.learn import Selector, learn
+
+    gated = BASE.replace("sandbox: {name: agent}\n", "sandbox: {name: agent}\nexecution: "
+                                                     "{require_approval_for: [network_expansion]}\n")
+    s = Session(gated)
+    s.admit("s1")
+    event = s.request("s1", "GET https://new.example.com/x")
+    assert event.reason == "approval_required"
+    result = learn(lines(s), Selector(sandbox="s1"), base_yaml=gated)
+    assert [(r.host, r.paths) for r in result.rules] == [("new.example.com", ("/x",))]
+    assert [(f.request_id, f.direction) for f in result.flips] == [(event.request_id, "deny->allow")]
