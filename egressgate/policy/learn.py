@@ -26,6 +26,8 @@ How the rules are shaped (each the narrowest the policy language can say):
 Then the learner checks its own output with the one replay path (audit.replay.replay_records) over the
 selected records: a rule that would also allow a request denied for another reason (a glob or wildcard
 catching a budget or condition denial) is narrowed to exact hosts and paths, and dropped if it still does.
+The output stays within the loader's limits (policy/limits.py: rules split at 256 paths; past MAX_RULES
+or 1 MiB the rules covering the fewest denials are dropped and counted), so it loads wherever the base does.
 """
 
 from __future__ import annotations
