@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import re
 import socket
 import threading
@@ -19,7 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.support.launcher import LoopbackGateway, launch_loopback, stop_gateway
+from tests.support.launcher import LoopbackGateway, launch_loopback, start_all, stop_gateway
 from tests.support.loopback import DnsServer, LoopThread, read_request_head
 
 HOST = "up.test"
@@ -139,26 +140,21 @@ def budget_world(tmp: Path) -> Iterator[BudgetWorld]:
 def start_gateways(w: BudgetWorld, policy: dict, state: dict | None, count: int,
                    launcher: list[str] | None = None) -> list[LoopbackGateway]:
     """`count` gateway processes on the same `state` backend config (None: memory), each its own ports,
-    var dir (audit file, CA) and policy copy."""
+    var dir (audit file, CA) and policy copy; started at once (launcher.start_all)."""
     import yaml
 
-    gateways: list[LoopbackGateway] = []
-    try:
-        for i in range(count):
-            tmp = w.tmp / f"gw{i}-{id(policy)}"
-            (tmp / "policies").mkdir(parents=True)
-            (tmp / "policies" / "exact.yaml").write_text(yaml.safe_dump(policy))
-            config = {"listen": {"proxy": "127.0.0.1:0", "admin": "127.0.0.1:0", "dns": None, "transparent": None},
-                      "policy": str(tmp / "policies"), "var_dir": str(tmp / "var"),
-                      "upstream": {"resolver": f"127.0.0.1:{w.dns_port}"}}
-            if state is not None:
-                config["state"] = state
-            gateways.append(LoopbackGateway(**launch_loopback(tmp, config, launcher=launcher)))
-    except BaseException:
-        for gw in gateways:
-            stop_gateway(gw)
-        raise
-    return gateways
+    def start(i: int) -> LoopbackGateway:
+        tmp = w.tmp / f"gw{i}-{id(policy)}"
+        (tmp / "policies").mkdir(parents=True)
+        (tmp / "policies" / "exact.yaml").write_text(yaml.safe_dump(policy))
+        config = {"listen": {"proxy": "127.0.0.1:0", "admin": "127.0.0.1:0", "dns": None, "transparent": None},
+                  "policy": str(tmp / "policies"), "var_dir": str(tmp / "var"),
+                  "upstream": {"resolver": f"127.0.0.1:{w.dns_port}"}}
+        if state is not None:
+            config["state"] = state
+        return LoopbackGateway(**launch_loopback(tmp, config, launcher=launcher))
+
+    return start_all([functools.partial(start, i) for i in range(count)], stop_gateway)
 
 
 def proxy_auth(sandbox_id: str, token: str) -> str:

@@ -16,6 +16,8 @@ import ssl
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
@@ -152,6 +154,21 @@ class LoopbackGateway:
 def stop_gateway(gw: LoopbackGateway) -> int:
     """Stop a loopback gateway (SIGTERM, then SIGKILL after 15 s); its exit code."""
     return stop_process(gw.proc)
+
+
+def start_all[G](starts: list[Callable[[], G]], stop: Callable[[G], object]) -> list[G]:
+    """Run every `start` at once (threads: a gateway's start-up is a CPU-bound Python import on another
+    core, plus a wait for its startup line) and return their results in order. All or nothing: if any
+    start fails, the ones that started are stopped with `stop` and the first failure is raised."""
+    with ThreadPoolExecutor(max(1, len(starts))) as pool:
+        futures = [pool.submit(start) for start in starts]
+    failures = [f.exception() for f in futures if f.exception() is not None]
+    if failures:
+        for f in futures:
+            if f.exception() is None:
+                stop(f.result())
+        raise failures[0]
+    return [f.result() for f in futures]
 
 
 def launch_loopback(tmp: Path, config: dict[str, Any], *, launcher: list[str] | None = None,

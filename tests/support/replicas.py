@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 
 from tests.support.gwworld import Gateway, Sandbox, World
-from tests.support.launcher import stop_gateway
+from tests.support.launcher import start_all, stop_gateway
 from tests.support.redis import RedisServer
 from tests.support.waiting import wait_for
 
@@ -30,15 +30,15 @@ def gateway_pair(start: StartGateway, world: World, redis_server: RedisServer,
     """Gateways `a` and `b` started by `start(world, dir, extra_config)` on `redis_server` under one
     fresh key prefix (so both see the same sandboxes); `dirs(name)` makes each one's directory."""
     state = {"state": {"backend": "redis", "url": redis_server.url, "key_prefix": redis_server.prefix()}}
-    a = start(world, dirs("gw-a"), state)
+    a, b = start_all([lambda: start(world, dirs("gw-a"), state), lambda: start(world, dirs("gw-b"), state)],
+                     stop_gateway)  # at once: two replicas may start together, and it halves the wait
     try:
-        b = start(world, dirs("gw-b"), state)
-        try:
-            yield a, b
-        finally:
-            stop_gateway(b)
+        yield a, b
     finally:
-        stop_gateway(a)
+        try:
+            stop_gateway(b)
+        finally:
+            stop_gateway(a)
 
 
 def through(sbx: Sandbox, gw: Gateway) -> Sandbox:
