@@ -3,7 +3,8 @@
 Why its own daemon: tests must not touch a developer's Docker (or another engineer's test daemon on
 the same machine), and nothing a container does may reach the real network. So the daemon:
 
-- keeps all its state in a temp dir (`--data-root`, `--exec-root`, unix socket, pidfile);
+- keeps all its state in a temp dir (`--data-root`, `--exec-root`, unix socket, pidfile), the data-root
+  on a tmpfs of its own (unmounted at teardown: nothing to delete file by file);
 - runs inside a network namespace of its own that has only `lo` and the daemon's bridge, so even a
   container on the bridge network has no route anywhere (and an image pull fails instead of leaving);
 - is started with `--iptables=false --ip-forward=false --ip-masq=false` (the host's nftables and
