@@ -247,3 +247,10 @@ mcp:
             arguments:
               a: %s
 """
+
+
+def test_type_integer_alone_refuses_bool():
+    p = policy(POLICY_ONE_ARG % "{type: integer}")
+    assert call(p, "t", {"a": 10**30}, server="s").allowed
+    for value in (True, False, 1.0, "1"):
+        assert call(p, "t", {"a": value}, server="s").detail == "type"
