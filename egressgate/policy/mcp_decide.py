@@ -121,6 +121,8 @@ def decide_tool_call(
     server = policy.mcp.servers.get(call.server)
     if server is None:
         return _deny(policy, call, Reason.MCP_TOOL_DENIED, None, detail="unknown_server")
+    if type(call.tool) is not str:  # a name that is not a JSON string is never a listed tool
+        return _deny(policy, call, Reason.MCP_TOOL_DENIED, None, detail="not_allowed")
     deny_rule = server.denied.get(call.tool)
     if deny_rule is not None:
         return _deny(policy, call, Reason.MCP_TOOL_DENIED, deny_rule, detail="denied_by_rule")

@@ -75,6 +75,17 @@ def test_look_alike_tool_names_are_not_listed(name):
     assert "\x00" not in d.message and "\u200b" not in d.message
 
 
+@pytest.mark.parametrize("name", [["search_tickets"], None, 7, {"name": "search_tickets"}])
+def test_non_string_tool_names_are_denied(name):
+    d = call(P, name)
+    assert d.reason is Reason.MCP_TOOL_DENIED and d.detail == "not_allowed"
+
+
+def test_long_tool_name_is_echoed_bounded():
+    d = call(P, "x" * 10000)
+    assert len(d.message) < 300 and "..." in d.message
+
+
 def test_budgets_server_then_tool():
     assert call(P, "search_tickets", tool_calls=2, server_calls=4).allowed
     d = call(P, "search_tickets", tool_calls=3)
