@@ -9,6 +9,15 @@ message, i.e. everything the mediator computes per call apart from the state sto
 
 Each sample times a batch of calls with perf_counter_ns and divides (timer overhead does not dominate).
 Run: `PYTHONPATH=$PWD .venv/bin/python -m loadtests.mcp_bench [--batches 300 --batch 200]`.
+
+`gateway`: the issue's figure through the real gateway. One `egressgate run` (loopback, audit to a file)
+serves two sandboxes whose policies allow the same `POST https://localhost:PORT/mcp` and differ only in an
+`mcp` section naming that URL as an MCP server (the same tool and constraints as above, minus the label
+check). A keep-alive client (one CONNECT + TLS per cell) sends the same `tools/call` body sequentially
+(c=1) through each, alternating cells per repeat; the upstream (in this process, its own thread) answers
+a fixed JSON-RPC result. Overhead = median p50 (MCP) - median p50 (plain); every answer must be 200 and
+carry the upstream's `result` (a gateway denial would be a JSON-RPC `error`).
+Run: `PYTHONPATH=$PWD .venv/bin/python -m loadtests.mcp_bench gateway [--seconds 4 --repeats 5]`.
 """
 
 from __future__ import annotations
@@ -119,11 +128,19 @@ def run(batches: int, batch: int, extra_rules: int) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("mode", nargs="?", choices=["pure", "gateway"], default="pure")
+    parser.add_argument("--seconds", type=float, default=4.0, help="gateway: seconds per cell")
+    parser.add_argument("--repeats", type=int, default=5, help="gateway: repeats (cells alternate)")
     parser.add_argument("--batches", type=int, default=300)
     parser.add_argument("--batch", type=int, default=200)
     parser.add_argument("--extra-rules", type=int, default=100, help="other network rules in the policy")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    if args.mode == "gateway":
+        from loadtests.mcp_bench_gateway import gateway_main
+
+        gateway_main(args.seconds, args.repeats, as_json=args.json)
+        return
     rows = run(args.batches, args.batch, args.extra_rules)
     if args.json:
         print(json.dumps(rows, indent=2))
