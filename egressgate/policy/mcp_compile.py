@@ -121,6 +121,9 @@ def compile_mcp(section: McpSection, policy: CompiledPolicy, problems: list[tupl
     seen_names: dict[str, str] = {}
     seen_urls: dict[str, str] = {}
     rule_ids = {r.id: r.key_path for r in policy.rules}
+    for rule in policy.rules:  # MCP call counters share the state store's rule-usage keys: `mcp:<server>[/<tool>]`
+        if rule.id.startswith("mcp:"):
+            problems.append((f"{rule.key_path}.id", "ids starting with 'mcp:' are reserved for MCP call budgets"))
     for i, raw in enumerate(section.servers):
         where = f"mcp.servers[{i}]"
         if raw.name in seen_names:

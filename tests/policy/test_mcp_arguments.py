@@ -218,6 +218,11 @@ def test_allowed_by_network_positive_controls(url):
     ("https://user@docs.allowed.test/", "network:bad_url:userinfo"),
     ("file:///etc/passwd", "network:bad_url:bad_url"),
     ("gopher://docs.allowed.test/", "network:bad_url:bad_url"),
+    ("https://docs.allowed.test\\@evil.example/", "network:bad_url:userinfo"),
+    ("https://evil.example#@docs.allowed.test", "network:bad_url:fragment"),
+    ("//docs.allowed.test/x", "network:bad_url:bad_char"),
+    ("docs.allowed.test:443", "network:bad_url:port_in_host"),
+    ("https://docs.allowed.test%2f@evil.example/", "network:bad_url:userinfo"),
 ])
 def test_allowed_by_network_refusals(url, detail):
     refused(search(url=url), "url", detail)
