@@ -259,3 +259,7 @@ def test_type_integer_alone_refuses_bool():
     assert call(p, "t", {"a": 10**30}, server="s").allowed
     for value in (True, False, 1.0, "1"):
         assert call(p, "t", {"a": value}, server="s").detail == "type"
+
+
+def test_url_argument_length_is_bounded():
+    refused(search(url="https://docs.allowed.test/" + "a" * 9000), "url", "network:bad_url:too_long")
