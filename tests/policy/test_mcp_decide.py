@@ -194,6 +194,12 @@ def test_mcp_server_for_routes():
     assert mcp_server_for(P, "https", "tickets.mcp.test", 443, "/mcpx") is None
     assert mcp_server_for(P, "https", "tickets.mcp.test", 8443, "/mcp") is None
     assert mcp_server_for(P, "http", "tickets.mcp.test", 443, "/mcp") is None
+    # every spelling a server may read as the endpoint is the MCP route too (parsed strictly, decided)
+    for variant in ("//mcp", "/mcp//", "/MCP", "/Mcp/x", "/mcp;jsessionid=1", "/mcp.json", "/%2Fmcp",
+                    "/mcp%2F", "/%EF%BD%8Dcp", "/mcp::$DATA", "/MCP~1"):
+        assert mcp_server_for(P, "https", "tickets.mcp.test", 443, variant) is not None, variant
+    for other in ("/mcpx", "/other", "/mc", "/"):  # positive controls: other paths stay plain requests
+        assert mcp_server_for(P, "https", "tickets.mcp.test", 443, other) is None, other
     # SSE: the message endpoint is chosen by the server, so the whole origin is the MCP route
     assert mcp_server_for(P, "https", "legacy.mcp.test", 443, "/messages/").name == "legacy"
     assert mcp_server_for(P, "https", "docs.allowed.test", 443, "/") is None
