@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from egressgate.audit.record import K_LABELS
+from egressgate.audit.replay_state import grants_from
 from egressgate.policy.mcp_decide import McpFacts, ToolCall, decide_tool_call
 
 OPERATION = "mcp_tool_call"
@@ -80,8 +81,7 @@ def _arguments(attrs: dict[str, Any]) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
-def replay_tool_call(policy: Any, attrs: dict[str, Any], sandbox_id: str, hist: McpHistory, time_s: float,
-                     grants_from: Any) -> Replayed:
+def replay_tool_call(policy: Any, attrs: dict[str, Any], sandbox_id: str, hist: McpHistory, time_s: float) -> Replayed:
     old, reason = attrs.get("egressgate.decision"), attrs.get("egressgate.reason")
     if old not in ("allow", "deny"):
         raise NotReplayable("no recorded decision")
