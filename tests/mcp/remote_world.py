@@ -1,0 +1,170 @@
+"""The remote-MCP world: the SDK test servers (servers.py), a DNS name for them, and the real gateway
+(`egressgate run`) with an `mcp` policy; an SDK client per sandbox whose httpx goes through the proxy.
+
+Names: tickets.mcp.test and evil.mcp.test resolve (through the world's DNS server only) to 127.0.0.1
+where the MCP server listens. Each test admits its own sandbox (budgets, TOFU pins and approvals are per
+sandbox), so tests sharing one gateway and one server per module stay independent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import ssl
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import httpx2
+import trustme
+from mcp import Client
+from mcp.client.sse import sse_client
+from mcp.client.streamable_http import streamable_http_client
+
+from tests.mcp.servers import McpWorld, serve_mcp
+from tests.support.launcher import LoopbackGateway, launch_loopback, stop_gateway, write_policies
+from tests.support.loopback import DnsServer, LoopThread, start_dns
+from tests.support.waiting import wait_for
+
+HOST = "tickets.mcp.test"
+EVIL = "evil.mcp.test"
+MAX_MESSAGE_BYTES = 16 * 1024  # small: an oversized body below 64 KiB is answered, not reset
+
+def tools(server: str) -> dict[str, Any]:
+    """The tools as the policy sees them (servers.tickets_server offers these and export_tickets); rule
+    ids are `<server>-search`, `<server>-count`, ... (unique across the policy)."""
+    return {
+        "allow": [
+            {"name": "search_tickets", "id": f"{server}-search", "budget": {"calls": 50},
+             "arguments": {"project": {"equals_label": "tenant"},
+                           "limit": {"type": "integer", "min": 1, "max": 50},
+                           "status": {"enum": ["open", "closed"]}}},
+            {"name": "count_tickets", "id": f"{server}-count", "budget": {"calls": 2},
+             "arguments": {"project": {"equals_label": "tenant"}}},
+            {"name": "lookup", "id": f"{server}-lookup",
+             "arguments": {"ticket": {"type": "string", "pattern": "^T-[0-9]{1,6}$"}}},
+            {"name": "close_ticket", "id": f"{server}-close", "approval": "required",
+             "arguments": {"ticket": {"type": "string", "pattern": "^T-[0-9]{1,6}$"}}},
+        ],
+        "deny": ["delete_ticket"],
+    }
+
+
+KINDS = {"json": "/json/mcp", "sse": "/sse/mcp", "old": "/old/sse"}  # transport kind -> server url path
+
+
+def policy(port: int) -> dict[str, Any]:
+    return {
+        "sandbox": {"name": "mcp-remote"},
+        "network": {"allow_private": ["127.0.0.1/32"], "https": {"allow": [
+            {"id": "tickets-mcp", "host": HOST, "ports": [port], "methods": ["GET", "POST", "DELETE"],
+             "paths": ["/json/**", "/sse/**", "/old/**"]},
+            {"id": "evil-mcp", "host": EVIL, "ports": [port], "methods": ["GET", "POST"], "paths": ["/evil/**"]},
+        ]}},
+        "mcp": {
+            "max_message_bytes": MAX_MESSAGE_BYTES,
+            "servers": [
+                {"name": "tickets-json", "url": f"https://{HOST}:{port}/json/mcp", "tools": tools("tickets-json")},
+                {"name": "tickets-sse", "url": f"https://{HOST}:{port}/sse/mcp", "tools": tools("tickets-sse")},
+                {"name": "tickets-old", "url": f"https://{HOST}:{port}/old/sse", "transport": "sse",
+                 "tools": tools("tickets-old")},
+                {"name": "evil-old", "url": f"https://{EVIL}:{port}/evil/sse", "transport": "sse",
+                 "tools": tools("evil-old")},
+            ],
+        },
+    }
+
+
+@dataclass
+class Sandbox:
+    id: str
+    token: str
+    proxy_url: str
+    bundle: str
+
+    def ssl(self) -> ssl.SSLContext:
+        return ssl.create_default_context(cafile=self.bundle)
+
+    def raw(self, **kw: Any) -> httpx.Client:
+        """A plain httpx client through the proxy: for the messages the SDK client cannot produce."""
+        return httpx.Client(proxy=self.proxy_url, verify=self.ssl(), timeout=15, trust_env=False, **kw)
+
+    def http2(self, **kw: Any) -> httpx2.AsyncClient:
+        return httpx2.AsyncClient(proxy=self.proxy_url, verify=self.ssl(), trust_env=False,
+                                  timeout=httpx2.Timeout(15, read=15), **kw)
+
+
+@dataclass
+class RemoteWorld:
+    mcp: McpWorld
+    gw: LoopbackGateway
+    dns: DnsServer
+
+    def url(self, kind: str, host: str = HOST) -> str:
+        return f"https://{host}:{self.mcp.port}{KINDS[kind]}"
+
+    def admit(self, tenant: str = "acme") -> Sandbox:
+        data = self.gw.admit_sandbox({"policy": "mcp-remote", "labels": {"tenant": tenant}})
+        return Sandbox(id=data["id"], token=data["token"], proxy_url=data["proxy_url"], bundle=self.gw.bundle)
+
+    def records(self, sandbox: Sandbox, kind: str = "mcp_tool_call", at_least: int = 1, **attrs: Any) -> list[dict]:
+        """The sandbox's audit records of `kind` (and `attrs`), once at least `at_least` are written (some
+        are written behind the answer) or after 5 s."""
+        def found() -> list[dict]:
+            return [r for r in self.gw.audit_records() if r.get("egressgate.sandbox.id") == sandbox.id
+                    and r.get("egressgate.operation") == kind and all(r.get(k) == v for k, v in attrs.items())]
+        wait_for(lambda: len(found()) >= at_least)
+        return found()
+
+    @contextlib.asynccontextmanager
+    async def client(self, sandbox: Sandbox, kind: str):
+        """A real SDK client session (legacy initialize handshake) through the gateway."""
+        http = sandbox.http2()
+        async with http:
+            if kind == "old":
+                def factory(headers=None, timeout=None, auth=None):
+                    return httpx2.AsyncClient(proxy=sandbox.proxy_url, verify=sandbox.ssl(), trust_env=False,
+                                              headers=headers, timeout=timeout or httpx2.Timeout(15), auth=auth)
+                transport = sse_client(self.url(kind), timeout=15, sse_read_timeout=15, httpx_client_factory=factory)
+            else:
+                transport = streamable_http_client(self.url(kind), http_client=http)
+            async with Client(transport, mode="legacy", read_timeout_seconds=15) as session:
+                yield session
+
+
+def error_of(exc: BaseException) -> dict:
+    """The JSON-RPC error object the SDK surfaced (code, message, data)."""
+    error = getattr(exc, "error", None)
+    assert error is not None, f"not a JSON-RPC error: {exc!r}"
+    return json.loads(error.model_dump_json()) if hasattr(error, "model_dump_json") else dict(error)
+
+
+@contextlib.contextmanager
+def open_remote_world(tmp: Path) -> Iterator[RemoteWorld]:
+    ca = trustme.CA()
+    loop = LoopThread()
+    dns = DnsServer()
+    transport, dns_port = loop.run(start_dns(dns))
+    dns.records[HOST] = "127.0.0.1"
+    dns.records[EVIL] = "127.0.0.1"
+    gw = None
+    try:
+        with serve_mcp(ca, tmp, [HOST, EVIL]) as mcp_world:
+            policy_dir = write_policies(tmp / "policies", {"mcp-remote": policy(mcp_world.port)})
+            bundle = tmp / "upstream-ca.pem"
+            bundle.write_bytes(ca.cert_pem.bytes())
+            config = {
+                "listen": {"proxy": "127.0.0.1:0", "admin": "127.0.0.1:0", "dns": None},
+                "policy": str(policy_dir),
+                "var_dir": str(tmp / "var"),
+                "upstream": {"resolver": f"127.0.0.1:{dns_port}", "ca_bundle": str(bundle)},
+            }
+            gw = LoopbackGateway(**launch_loopback(tmp, config))
+            try:
+                yield RemoteWorld(mcp=mcp_world, gw=gw, dns=dns)
+            finally:
+                stop_gateway(gw)
+    finally:
+        loop.close((), (), [transport])
