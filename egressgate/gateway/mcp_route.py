@@ -190,7 +190,8 @@ class McpRoute:
         if sandbox is None:
             self._refuse(flow, fs, "sandbox_record", None, answer=True, reason=Reason.STATE_UNAVAILABLE)
             return None
-        return McpSession(self.rt, policy, server, sandbox, transport)
+        secrets = (fs.credential.spec(),) if fs.credential is not None else ()  # redacted from recorded arguments
+        return McpSession(self.rt, policy, server, sandbox, transport, secrets=secrets)
 
     async def request(self, flow: http.HTTPFlow) -> None:
         fs = flow_state(flow)
@@ -200,7 +201,7 @@ class McpRoute:
             return
         body = flow.request.raw_content or b""
         verdict = await ex.session.from_client(body)
-        ex.batch = bool(getattr(verdict, "batch", body.lstrip()[:1] == b"["))
+        ex.batch = verdict.batch
         replies = list(verdict.replies)
         if verdict.forward is None:
             if ex.injector is not None and replies and not _is_malformed(replies):
