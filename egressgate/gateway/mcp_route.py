@@ -245,8 +245,10 @@ class McpRoute:
             host=fs.host, port=fs.port, method=fs.method, path=fs.path, bytes_out=fs.bytes_out,
         ))
         flow.request.stream = False
-        if not answer:
+        if not answer:  # reset now: the client may still be sending a body nobody will read
             flow.kill()
+            if self.rt.abort_connection is not None:
+                self.rt.abort_connection(flow.client_conn.id)
             return
         text = fs.decision.message or "Refused by the gateway."
         error = {"jsonrpc": "2.0", "id": None, "error": {

@@ -134,6 +134,49 @@ class RemoteWorld:
                 yield session
 
 
+# (tool, arguments, reason, rule id suffix or None, rule as is) -- every call denied for a tenant=acme sandbox
+DENIALS: list[tuple[str, dict, str, str | None]] = [
+    ("export_tickets", {"project": "acme"}, "mcp_tool_denied", None),  # in no list: default deny
+    ("delete_ticket", {"ticket": "T-1"}, "mcp_tool_denied", "/deny[0]"),  # tools.deny
+    ("search_tickets", {"project": "acme", "limit": 500}, "mcp_argument_denied", "-search"),  # numeric max
+    ("search_tickets", {"project": "acme", "status": "deleted"}, "mcp_argument_denied", "-search"),  # enum
+    ("search_tickets", {"project": "acme", "sql": "drop"}, "mcp_argument_denied", "-search"),  # unlisted argument
+    ("search_tickets", {"project": "globex"}, "mcp_argument_denied", "-search"),  # cross-tenant (equals_label)
+    ("close_ticket", {"ticket": "T-7"}, "approval_required", "-close"),  # approval: required
+]
+
+
+def rule_of(server: str, suffix: str | None) -> str | None:
+    if suffix is None:
+        return None
+    return f"mcp:{server}{suffix}" if suffix.startswith("/") else f"{server}{suffix}"
+
+
+async def check_denials(rw: RemoteWorld, sbx: Sandbox, kind: str, server: str) -> None:
+    """Every DENIALS call through one SDK session: a JSON-RPC error the SDK surfaces (-32001, reason,
+    rule, approval id), one deny record each, and not one of them in what the server received."""
+    from mcp import MCPError
+
+    mark = rw.mcp.received.mark()
+    errors = []
+    async with rw.client(sbx, kind) as client:
+        for tool, arguments, _reason, _rule in DENIALS:
+            try:
+                await client.call_tool(tool, arguments)
+            except MCPError as exc:
+                errors.append(error_of(exc))
+            else:
+                raise AssertionError(f"{tool}({arguments}) was not denied")
+    got = [(e["code"], e["data"]["reason"], e["data"]["rule"], e["data"]["egressgate"]) for e in errors]
+    assert got == [(-32001, reason, rule_of(server, rule), True) for _t, _a, reason, rule in DENIALS]
+    assert errors[-1]["data"].get("approval_id")  # the approval an operator can grant
+    assert rw.mcp.received.tool_calls(mark) == []  # the server never saw one of them
+    assert not rw.mcp.received.saw(b"export_tickets", mark) and not rw.mcp.received.saw(b"delete_ticket", mark)
+    records = rw.records(sbx, at_least=len(DENIALS))
+    assert [(r["egressgate.decision"], r["egressgate.reason"], r["egressgate.mcp.tool"]) for r in records] == [
+        ("deny", reason, tool) for tool, _a, reason, _r in DENIALS]
+
+
 def error_of(exc: BaseException) -> dict:
     """The JSON-RPC error object the SDK surfaced (code, message, data)."""
     error = getattr(exc, "error", None)
