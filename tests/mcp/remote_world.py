@@ -52,6 +52,7 @@ def tools(server: str) -> dict[str, Any]:
     }
 
 
+ALLOWED = {"search_tickets", "count_tickets", "lookup", "close_ticket"}  # what tools/list may show
 KINDS = {"json": "/json/mcp", "sse": "/sse/mcp", "old": "/old/sse"}  # transport kind -> server url path
 
 

@@ -12,8 +12,7 @@ import httpx
 import pytest
 from mcp import MCPError
 
-from tests.mcp.remote_world import EVIL, RemoteWorld, check_denials, error_of, open_remote_world
-from tests.mcp.test_remote_streamable import ALLOWED
+from tests.mcp.remote_world import ALLOWED, EVIL, RemoteWorld, check_denials, error_of, open_remote_world
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +48,7 @@ async def test_a_post_to_another_sandboxs_endpoint_is_refused(rw: RemoteWorld) -
     owner, intruder = rw.admit(), rw.admit()
     async with rw.client(owner, "old") as client:
         await client.call_tool("search_tickets", {"project": "acme"})
-        method, path, query, _ = next(i for i in reversed(rw.mcp.received.items) if i[1] == "/old/messages/")
+        _method, path, query, _ = next(i for i in reversed(rw.mcp.received.items) if i[1] == "/old/messages/")
         mark = rw.mcp.received.mark()
         call = b'{"jsonrpc":"2.0","id":99,"method":"tools/call","params":{"name":"search_tickets","arguments":{}}}'
         async with httpx.AsyncClient(proxy=intruder.proxy_url, verify=intruder.ssl(), trust_env=False) as raw:

@@ -11,17 +11,15 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 from mcp import MCPError
 
-from tests.mcp.remote_world import RemoteWorld, Sandbox, check_denials, error_of, open_remote_world
+from tests.mcp.remote_world import ALLOWED, RemoteWorld, Sandbox, check_denials, error_of, open_remote_world
 from tests.mcp.servers import VERSION, drift, set_version
 
 STREAMABLE = ["json", "sse"]
-ALLOWED = {"search_tickets", "count_tickets", "lookup", "close_ticket"}
 
 
 @pytest.fixture(scope="module")
