@@ -60,6 +60,8 @@ class McpAnswers:
                 self.sessions.end(ex.key)
             return
         sid = resp.headers.get(SESSION_HEADER)
+        if ex.server.transport != "sse" and sid and fs.sandbox_id is not None:
+            self.sessions.assign(ex.server.name, sid, fs.sandbox_id)
         if ex.server.transport != "sse" and ex.key is not None and sid and ex.key[2] != sid:
             new = (ex.key[0], ex.key[1], sid)
             self.sessions.rekey(ex.key, new)

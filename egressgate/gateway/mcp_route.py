@@ -104,6 +104,12 @@ class McpRoute(McpAnswers):
         else:
             role = "delete" if fs.method == "DELETE" and not sse else "other"
         ex = fs.mcp = McpExchange(server=server, role=role)
+        sid = request.headers.get(SESSION_HEADER)
+        owner = self.sessions.owner(server.name, sid) if sid is not None and not sse else None
+        if owner is not None and owner != fs.sandbox_id:
+            self._refuse(flow, fs, "unknown_session", "This Mcp-Session-Id was issued to another sandbox; start "
+                         "a session of your own (initialize without it).", answer=not _too_large_to_answer(request))
+            return
         request.headers["accept-encoding"] = "identity"  # an answer is read before the sandbox gets it
         max_bytes = policy.mcp.max_message_bytes
         if role != "post":
@@ -117,7 +123,7 @@ class McpRoute(McpAnswers):
                 ex.injector = Injector()
                 ex.session = await self._session(flow, fs, policy, server, "sse")
             elif role in ("stream", "delete"):
-                ex.key = (fs.sandbox_id, server.name, request.headers.get(SESSION_HEADER))
+                ex.key = (fs.sandbox_id, server.name, sid)
                 ex.session = self.sessions.get(ex.key) if role == "delete" else await self._keyed(flow, fs, policy)
             return
         problem = body_problem(request, max_bytes)
@@ -135,7 +141,7 @@ class McpRoute(McpAnswers):
                 return
             ex.session, ex.injector = found
         else:
-            ex.key = (fs.sandbox_id, server.name, request.headers.get(SESSION_HEADER))
+            ex.key = (fs.sandbox_id, server.name, sid)
             ex.session = await self._keyed(flow, fs, policy)
 
     def _no_body(self, flow: http.HTTPFlow, fs: FlowState, inner):

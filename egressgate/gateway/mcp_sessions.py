@@ -8,7 +8,8 @@ Keys:
 - streamable HTTP: (sandbox, server, Mcp-Session-Id). A POST without the header (the initialize) uses
   the sandbox's "no id yet" session, which moves to the id the server's answer assigns; a stateless
   server never assigns one and keeps that session. An id the gateway does not know (a gateway restart)
-  gets a fresh session: the server is the one that refuses unknown ids.
+  gets a fresh session: the server is the one that refuses unknown ids. An id the server gave to ANOTHER
+  sandbox is refused (it would let one sandbox speak in another's server-side session).
 - the older HTTP+SSE transport: one session per SSE stream (GET of the server's url), reachable by the
   message endpoint its `endpoint` event announced — (sandbox, server, path, query) exactly. A POST to an
   endpoint no stream of THIS sandbox announced is refused: it is someone else's session or a guess.
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 MAX_SESSIONS_PER_SANDBOX = 32
+MAX_SESSION_IDS = 65536  # session ids remembered with their sandbox (gateway-wide)
 
 # (sandbox id, server name, session key): the key is the Mcp-Session-Id (None before one is assigned) or,
 # for the HTTP+SSE transport, the stream's own id
@@ -68,6 +70,20 @@ class McpSessions:
         self._by_sandbox: dict[str, OrderedDict[SessionKey, _Entry]] = {}
         self._endpoints: dict[tuple[str, str, str, str], SessionKey] = {}  # (sbx, server, path, query)
         self._closing: set[asyncio.Task] = set()
+        # (server, Mcp-Session-Id) -> the sandbox the server's answer gave it to: a session id is the key to
+        # a server-side conversation, so another sandbox presenting it is refused (bounded, oldest dropped)
+        self._owners: OrderedDict[tuple[str, str], str] = OrderedDict()
+
+    def assign(self, server: str, session_id: str, sandbox_id: str) -> None:
+        """The server's answer to `sandbox_id` carried `session_id` (the first owner stays the owner)."""
+        key = (server, session_id)
+        if key not in self._owners:
+            self._owners[key] = sandbox_id
+            while len(self._owners) > MAX_SESSION_IDS:
+                self._owners.popitem(last=False)
+
+    def owner(self, server: str, session_id: str) -> str | None:
+        return self._owners.get((server, session_id))
 
     def get(self, key: SessionKey) -> Any | None:
         entry = self._by_sandbox.get(key[0], {}).get(key)

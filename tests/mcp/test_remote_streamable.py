@@ -237,3 +237,16 @@ def test_a_message_in_a_get_body_is_refused(rw: RemoteWorld) -> None:
     assert res.status_code == 400 and res.json()["error"]["data"]["reason"] == "mcp_malformed"
     assert not rw.mcp.received.saw(b"delete_ticket", mark)
 
+
+
+def test_another_sandboxs_session_id_is_refused(rw: RemoteWorld) -> None:
+    owner, intruder = rw.admit(), rw.admit()
+    with raw_session(rw, owner) as (client, headers), intruder.raw() as other:
+        mark = rw.mcp.received.mark()
+        stolen = other.post(rw.url("json"), content=(CALL % (13, "search_tickets")).encode(), headers=headers)
+        own = client.post(rw.url("json"), content=(CALL % (14, "search_tickets")).encode(), headers=headers)
+    assert stolen.status_code == 400 and stolen.json()["error"]["data"]["reason"] == "mcp_malformed"
+    assert _answer(own)["result"]["content"][0]["text"] == "5 open tickets in acme"  # control: the owner's works
+    assert [m["id"] for m in rw.mcp.received.messages(mark)] == [14]
+    [refusal] = rw.records(intruder, "http_request", **{"egressgate.phase": "mcp"})
+    assert refusal["egressgate.detail"] == "unknown_session"
