@@ -104,6 +104,11 @@ class McpRoute(McpAnswers):
         else:
             role = "delete" if fs.method == "DELETE" and not sse else "other"
         ex = fs.mcp = McpExchange(server=server, role=role)
+        if "upgrade" in request.headers or request.method.upper() == "CONNECT":  # a WebSocket, h2c, a tunnel:
+            self._refuse(flow, fs, "upgrade", "MCP messages on this route must be HTTP requests (streamable HTTP "
+                         "or HTTP+SSE); a protocol upgrade would carry them unmediated.",
+                         answer=not _too_large_to_answer(request))
+            return
         sid = request.headers.get(SESSION_HEADER)
         owner = self.sessions.owner(server.name, sid) if sid is not None and not sse else None
         if owner is not None and owner != fs.sandbox_id:

@@ -250,3 +250,17 @@ def test_another_sandboxs_session_id_is_refused(rw: RemoteWorld) -> None:
     assert [m["id"] for m in rw.mcp.received.messages(mark)] == [14]
     [refusal] = rw.records(intruder, "http_request", **{"egressgate.phase": "mcp"})
     assert refusal["egressgate.detail"] == "unknown_session"
+
+
+def test_a_protocol_upgrade_on_the_route_is_refused(rw: RemoteWorld) -> None:
+    """MCP over a WebSocket would carry tool calls past the JSON-RPC mediation."""
+    sbx = rw.admit()
+    mark = rw.mcp.received.mark()
+    with sbx.raw() as client:
+        res = client.get(rw.url("json"), headers={"Connection": "Upgrade", "Upgrade": "websocket",
+                                                  "Sec-WebSocket-Version": "13",
+                                                  "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ=="})
+        control = client.get(rw.url("json"))  # the same GET without the upgrade reaches the server
+    assert res.status_code == 400 and res.json()["error"]["data"]["reason"] == "mcp_malformed"
+    assert control.status_code != 400 or "egressgate" not in control.text
+    assert len(rw.mcp.received.items[mark:]) == 1  # only the control
