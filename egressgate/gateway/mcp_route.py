@@ -85,6 +85,10 @@ class McpRoute(McpAnswers):
         self.rt = runtime
         self.sessions = McpSessions()
 
+    async def done(self) -> None:
+        """Stop: the open sessions end while the audit sink still runs (their `no_response` outcomes)."""
+        await self.sessions.close_all()
+
     # ------------------------------------------------------------------------------ request side
     async def requestheaders(self, flow: http.HTTPFlow) -> None:
         fs = flow_state(flow)

@@ -126,6 +126,14 @@ class McpSessions:
             return None
         return entry.session, entry.injector
 
+    async def close_all(self) -> None:
+        """The gateway stops: every session ends (calls still unanswered are recorded `no_response`)."""
+        for table in list(self._by_sandbox.values()):
+            for key in list(table):
+                self._drop(key)
+        if self._closing:
+            await asyncio.gather(*list(self._closing), return_exceptions=True)
+
     def end(self, key: SessionKey) -> None:
         """The session ended (DELETE answered, SSE stream closed)."""
         self._drop(key)
