@@ -45,6 +45,7 @@ def tools(server: str) -> dict[str, Any]:
              "arguments": {"project": {"equals_label": "tenant"}}},
             {"name": "lookup", "id": f"{server}-lookup",
              "arguments": {"ticket": {"type": "string", "pattern": "^T-[0-9]{1,6}$"}}},
+            {"name": "slow_ticket", "id": f"{server}-slow", "arguments": {"ticket": {"type": "string"}}},
             {"name": "close_ticket", "id": f"{server}-close", "approval": "required",
              "arguments": {"ticket": {"type": "string", "pattern": "^T-[0-9]{1,6}$"}}},
         ],
@@ -52,7 +53,7 @@ def tools(server: str) -> dict[str, Any]:
     }
 
 
-ALLOWED = {"search_tickets", "count_tickets", "lookup", "close_ticket"}  # what tools/list may show
+ALLOWED = {"search_tickets", "count_tickets", "lookup", "slow_ticket", "close_ticket"}  # what tools/list may show
 KINDS = {"json": "/json/mcp", "sse": "/sse/mcp", "old": "/old/sse"}  # transport kind -> server url path
 
 

@@ -124,6 +124,12 @@ def tickets_server(name: str) -> MCPServer:
         return f"ticket {ticket}: open"
 
     @server.tool()
+    async def slow_ticket(ticket: str) -> str:
+        """Look a ticket up in the slow archive (answers after 3 s)."""
+        await _sleep(3)
+        return f"archived {ticket}"
+
+    @server.tool()
     def close_ticket(ticket: str) -> str:
         """Close a ticket (needs an operator's approval)."""
         return f"closed {ticket}"

@@ -85,3 +85,14 @@ def test_an_endpoint_event_pointing_elsewhere_cuts_the_stream(rw: RemoteWorld, e
     if cut:
         [outcome] = rw.records(sbx, "outcome")
         assert outcome["egressgate.response_refused"] == "mcp_endpoint_refused"
+
+
+async def test_a_call_left_unanswered_is_recorded_when_its_stream_ends(rw: RemoteWorld) -> None:
+    sbx = rw.admit()
+    async with rw.client(sbx, "old") as client:
+        with pytest.raises(MCPError):  # the client stops waiting (0.3 s); the server answers only after 3 s
+            await client.call_tool("slow_ticket", {"ticket": "T-3"}, read_timeout_seconds=0.3)
+    [call] = rw.records(sbx)  # leaving the client closed the SSE stream: the session ended
+    assert (call["egressgate.decision"], call["egressgate.mcp.tool"]) == ("allow", "slow_ticket")
+    [outcome] = rw.records(sbx, "outcome", **{"egressgate.request.id": call["egressgate.request.id"]})
+    assert outcome["egressgate.mcp.outcome"] == "no_response"
