@@ -264,3 +264,21 @@ def test_a_protocol_upgrade_on_the_route_is_refused(rw: RemoteWorld) -> None:
     assert res.status_code == 400 and res.json()["error"]["data"]["reason"] == "mcp_malformed"
     assert control.status_code != 400 or "egressgate" not in control.text
     assert len(rw.mcp.received.items[mark:]) == 1  # only the control
+
+
+async def test_an_approved_call_goes_through_after_the_operator_approves(rw: RemoteWorld) -> None:
+    """approval: required end to end: the denial names its approval, the operator approves it on the
+    control API, and the same call then reaches the server (once)."""
+    sbx = rw.admit()
+    mark = rw.mcp.received.mark()
+    async with rw.client(sbx, "json") as client:
+        with pytest.raises(MCPError) as caught:
+            await client.call_tool("close_ticket", {"ticket": "T-9"})
+        approval_id = error_of(caught.value)["data"]["approval_id"]
+        res = httpx.post(f"http://{rw.gw.admin}/v1/approvals/{approval_id}/approve", json={"by": "ops"},
+                         headers={"Authorization": f"Bearer {rw.gw.token}"}, timeout=10, trust_env=False)
+        assert res.status_code == 200, res.text
+        result = await client.call_tool("close_ticket", {"ticket": "T-9"})
+    assert result.content[0].text == "closed T-9"
+    assert rw.mcp.received.tool_calls(mark) == [("close_ticket", {"ticket": "T-9"})]
+    assert [r["egressgate.decision"] for r in rw.records(sbx, at_least=2)] == ["deny", "allow"]
