@@ -46,6 +46,7 @@ def tools(server: str) -> dict[str, Any]:
             {"name": "lookup", "id": f"{server}-lookup",
              "arguments": {"ticket": {"type": "string", "pattern": "^T-[0-9]{1,6}$"}}},
             {"name": "slow_ticket", "id": f"{server}-slow", "arguments": {"ticket": {"type": "string"}}},
+            {"name": "note", "id": f"{server}-note", "arguments": {"text": {"type": "string", "max_length": 200}}},
             {"name": "close_ticket", "id": f"{server}-close", "approval": "required",
              "arguments": {"ticket": {"type": "string", "pattern": "^T-[0-9]{1,6}$"}}},
         ],
@@ -53,21 +54,29 @@ def tools(server: str) -> dict[str, Any]:
     }
 
 
-ALLOWED = {"search_tickets", "count_tickets", "lookup", "slow_ticket", "close_ticket"}  # what tools/list may show
-KINDS = {"json": "/json/mcp", "sse": "/sse/mcp", "old": "/old/sse"}  # transport kind -> server url path
+# what tools/list may show
+ALLOWED = {"search_tickets", "count_tickets", "lookup", "slow_ticket", "note", "close_ticket"}
+# transport kind -> server url path
+KINDS = {"json": "/json/mcp", "sse": "/sse/mcp", "old": "/old/sse", "cred": "/cred/mcp"}
+SECRET = "sk-mcp-route-credential-4d2c"  # the credential the gateway injects on the /cred route
 
 
-def policy(port: int) -> dict[str, Any]:
+def policy(port: int, secret_file: str) -> dict[str, Any]:
     return {
         "sandbox": {"name": "mcp-remote"},
+        "credentials": {"capabilities": {"tickets": {"type": "static", "source": {"file": secret_file}}}},
         "network": {"allow_private": ["127.0.0.1/32"], "https": {"allow": [
             {"id": "tickets-mcp", "host": HOST, "ports": [port], "methods": ["GET", "POST", "DELETE"],
              "paths": ["/json/**", "/sse/**", "/old/**"]},
+            {"id": "tickets-cred", "host": HOST, "ports": [port], "methods": ["GET", "POST", "DELETE"],
+             "paths": ["/cred/**"], "credential": "tickets"},
             {"id": "evil-mcp", "host": EVIL, "ports": [port], "methods": ["GET", "POST"], "paths": ["/evil/**"]},
         ]}},
         "mcp": {
             "max_message_bytes": MAX_MESSAGE_BYTES,
+            "record_arguments": True,  # recorded with the route's credential redacted
             "servers": [
+                {"name": "tickets-cred", "url": f"https://{HOST}:{port}/cred/mcp", "tools": tools("tickets-cred")},
                 {"name": "tickets-json", "url": f"https://{HOST}:{port}/json/mcp", "tools": tools("tickets-json")},
                 {"name": "tickets-sse", "url": f"https://{HOST}:{port}/sse/mcp", "tools": tools("tickets-sse")},
                 {"name": "tickets-old", "url": f"https://{HOST}:{port}/old/sse", "transport": "sse",
@@ -197,7 +206,10 @@ def open_remote_world(tmp: Path) -> Iterator[RemoteWorld]:
     gw = None
     try:
         with serve_mcp(ca, tmp, [HOST, EVIL]) as mcp_world:
-            policy_dir = write_policies(tmp / "policies", {"mcp-remote": policy(mcp_world.port)})
+            secret_file = tmp / "tickets.secret"
+            secret_file.write_text(SECRET + "\n")
+            secret_file.chmod(0o600)
+            policy_dir = write_policies(tmp / "policies", {"mcp-remote": policy(mcp_world.port, str(secret_file))})
             bundle = tmp / "upstream-ca.pem"
             bundle.write_bytes(ca.cert_pem.bytes())
             config = {

@@ -42,6 +42,7 @@ class Received:
     """Every HTTP request the MCP server received: (method, path, query, body bytes), append-only."""
 
     items: list[tuple[str, str, str, bytes]] = field(default_factory=list)
+    authorizations: list[tuple[str, str | None]] = field(default_factory=list)  # (path, Authorization)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def add(self, item: tuple[str, str, str, bytes]) -> None:
@@ -90,6 +91,9 @@ class _Recording:
             return
         body = bytearray()
         done = False
+        auth = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), None)
+        with self.received.lock:
+            self.received.authorizations.append((scope["path"], auth))
 
         async def recording_receive():
             nonlocal done
@@ -122,6 +126,11 @@ def tickets_server(name: str) -> MCPServer:
     def lookup(ticket: str) -> str:
         """Look one ticket up."""
         return f"ticket {ticket}: open"
+
+    @server.tool()
+    def note(text: str) -> str:
+        """Attach a note to the project; answers with the note as stored."""
+        return f"noted: {text}"
 
     @server.tool()
     async def slow_ticket(ticket: str) -> str:
@@ -211,8 +220,9 @@ def serve_mcp(ca: trustme.CA, tmp: Path, hostnames: list[str]) -> Iterator[McpWo
         async with json_server.session_manager.run(), sse_server.session_manager.run():
             yield
 
-    root = Starlette(routes=[Route("/evil/sse", _evil_sse), Mount("/json", json_app), Mount("/sse", sse_app),
-                             Mount("/old", old_app)], lifespan=lifespan)
+    routes = [Route("/evil/sse", _evil_sse), Mount("/json", json_app), Mount("/cred", json_app),
+              Mount("/sse", sse_app), Mount("/old", old_app)]
+    root = Starlette(routes=routes, lifespan=lifespan)
     received = Received()
     config = uvicorn.Config(_Recording(root, received), host="127.0.0.1", port=0, log_level="warning",
                             lifespan="on", ssl_keyfile=str(key_file), ssl_certfile=str(cert_file))

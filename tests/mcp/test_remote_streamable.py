@@ -16,7 +16,7 @@ import httpx
 import pytest
 from mcp import MCPError
 
-from tests.mcp.remote_world import ALLOWED, RemoteWorld, Sandbox, check_denials, error_of, open_remote_world
+from tests.mcp.remote_world import ALLOWED, SECRET, RemoteWorld, Sandbox, check_denials, error_of, open_remote_world
 from tests.mcp.servers import VERSION, drift, set_version
 
 STREAMABLE = ["json", "sse"]
@@ -282,3 +282,20 @@ async def test_an_approved_call_goes_through_after_the_operator_approves(rw: Rem
     assert result.content[0].text == "closed T-9"
     assert rw.mcp.received.tool_calls(mark) == [("close_ticket", {"ticket": "T-9"})]
     assert [r["egressgate.decision"] for r in rw.records(sbx, at_least=2)] == ["deny", "allow"]
+
+
+async def test_a_credentialed_mcp_route_injects_and_scrubs(rw: RemoteWorld) -> None:
+    """The network rule's credential is injected on the MCP route as on any route: the server gets it,
+    the sandbox never does — not in an echoed tool answer either (the filter's re-encoded answer is
+    scrubbed again) — and recorded arguments (mcp.record_arguments) are redacted."""
+    sbx = rw.admit()
+    mark = len(rw.mcp.received.authorizations)
+    async with rw.client(sbx, "cred") as client:
+        result = await client.call_tool("note", {"text": f"key={SECRET}"})
+    seen = rw.mcp.received.authorizations[mark:]
+    assert seen and all(auth == f"Bearer {SECRET}" for path, auth in seen if path.startswith("/cred"))
+    text = result.content[0].text
+    assert SECRET not in text and text.startswith("noted: key=")  # control: the answer itself came through
+    [record] = rw.records(sbx)
+    assert record["egressgate.decision"] == "allow" and SECRET not in record["egressgate.mcp.arguments"]
+    assert SECRET not in rw.gw.audit_text()
