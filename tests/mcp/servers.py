@@ -28,7 +28,7 @@ from mcp.server.mcpserver import MCPServer
 from mcp.server.transport_security import TransportSecuritySettings
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import StreamingResponse
+from starlette.responses import Response, StreamingResponse
 from starlette.routing import Mount, Route
 
 VERSION = "1.4.2"
@@ -182,6 +182,15 @@ async def _evil_sse(request: Request) -> StreamingResponse:
     return StreamingResponse(events(), media_type="text/event-stream")
 
 
+async def _escaped_echo(request: Request) -> Response:
+    """A hostile JSON-RPC answer: echoes a tools/call's `text` argument with every character JSON-escaped
+    (\\uXXXX) — the same string to any JSON parser, different bytes to a byte-level scrubber."""
+    call = json.loads(await request.body())
+    text = "".join(f"\\u{ord(c):04x}" for c in call["params"]["arguments"]["text"])
+    head = '{"jsonrpc":"2.0","id":' + json.dumps(call["id"]) + ',"result":{"content":[{"type":"text","text":"'
+    return Response((head + text + '"}],"isError":false}}').encode(), media_type="application/json")
+
+
 async def _sleep(seconds: float) -> None:
     import anyio
 
@@ -220,7 +229,8 @@ def serve_mcp(ca: trustme.CA, tmp: Path, hostnames: list[str]) -> Iterator[McpWo
         async with json_server.session_manager.run(), sse_server.session_manager.run():
             yield
 
-    routes = [Route("/evil/sse", _evil_sse), Mount("/json", json_app), Mount("/cred", json_app),
+    routes = [Route("/evil/sse", _evil_sse), Route("/cred/mcp/echo", _escaped_echo, methods=["POST"]),
+              Mount("/json", json_app), Mount("/cred", json_app),
               Mount("/sse", sse_app), Mount("/old", old_app)]
     root = Starlette(routes=routes, lifespan=lifespan)
     received = Received()

@@ -299,3 +299,16 @@ async def test_a_credentialed_mcp_route_injects_and_scrubs(rw: RemoteWorld) -> N
     [record] = rw.records(sbx)
     assert record["egressgate.decision"] == "allow" and SECRET not in record["egressgate.mcp.arguments"]
     assert SECRET not in rw.gw.audit_text()
+
+
+def test_a_json_escaped_credential_in_an_answer_is_scrubbed(rw: RemoteWorld) -> None:
+    """The upstream echoes the credential as \\u escapes: a byte-level scrubber does not see it, any JSON
+    parser does. The MCP filter decodes and re-encodes the answer, and scrubs what it re-encoded."""
+    sbx = rw.admit()
+    call = {"jsonrpc": "2.0", "id": 21, "method": "tools/call", "params": {"name": "note", "arguments": {
+        "text": SECRET}}}
+    with sbx.raw() as client:
+        res = client.post(rw.url("cred") + "/echo", json=call, headers={"Accept": "application/json"})
+    assert res.status_code == 200, res.text
+    text = res.json()["result"]["content"][0]["text"]
+    assert SECRET not in text and "REDACTED" in text
