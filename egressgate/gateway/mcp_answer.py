@@ -47,7 +47,7 @@ def coded(message: http.Message) -> bool:
 class McpAnswers:
     """Mixin of McpRoute: `self.rt` (Runtime) and `self.sessions` (McpSessions) come from it."""
 
-    async def responseheaders(self, flow: http.HTTPFlow) -> None:
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
         fs = flow_state(flow)
         ex = fs.mcp if fs is not None else None
         resp = flow.response
