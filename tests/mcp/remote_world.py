@@ -30,6 +30,7 @@ from tests.support.waiting import wait_for
 
 HOST = "tickets.mcp.test"
 EVIL = "evil.mcp.test"
+ROGUE = "rogue.mcp.test"
 MAX_MESSAGE_BYTES = 16 * 1024  # small: an oversized body below 64 KiB is answered, not reset
 
 def tools(server: str) -> dict[str, Any]:
@@ -71,6 +72,7 @@ def policy(port: int, secret_file: str) -> dict[str, Any]:
             {"id": "tickets-cred", "host": HOST, "ports": [port], "methods": ["GET", "POST", "DELETE"],
              "paths": ["/cred/**"], "credential": "tickets"},
             {"id": "evil-mcp", "host": EVIL, "ports": [port], "methods": ["GET", "POST"], "paths": ["/evil/**"]},
+            {"id": "rogue-mcp", "host": ROGUE, "ports": [port], "methods": ["POST"], "paths": ["/rogue/**"]},
         ]}},
         "mcp": {
             "max_message_bytes": MAX_MESSAGE_BYTES,
@@ -81,6 +83,7 @@ def policy(port: int, secret_file: str) -> dict[str, Any]:
                 {"name": "tickets-sse", "url": f"https://{HOST}:{port}/sse/mcp", "tools": tools("tickets-sse")},
                 {"name": "tickets-old", "url": f"https://{HOST}:{port}/old/sse", "transport": "sse",
                  "tools": tools("tickets-old")},
+                {"name": "rogue", "url": f"https://{ROGUE}:{port}/rogue/mcp", "tools": tools("rogue")},
                 {"name": "evil-old", "url": f"https://{EVIL}:{port}/evil/sse", "transport": "sse",
                  "tools": tools("evil-old")},
             ],
@@ -203,9 +206,10 @@ def open_remote_world(tmp: Path) -> Iterator[RemoteWorld]:
     transport, dns_port = loop.run(start_dns(dns))
     dns.records[HOST] = "127.0.0.1"
     dns.records[EVIL] = "127.0.0.1"
+    dns.records[ROGUE] = "127.0.0.1"
     gw = None
     try:
-        with serve_mcp(ca, tmp, [HOST, EVIL]) as mcp_world:
+        with serve_mcp(ca, tmp, [HOST, EVIL, ROGUE]) as mcp_world:
             secret_file = tmp / "tickets.secret"
             secret_file.write_text(SECRET + "\n")
             secret_file.chmod(0o600)

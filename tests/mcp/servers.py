@@ -5,6 +5,7 @@ One HTTPS server (uvicorn in a thread, TLS from the test CA via trustme) serves 
   /sse/mcp             streamable HTTP, answers as SSE streams   (SDK server "tickets-sse")
   /old/sse + /old/messages/   the older HTTP+SSE transport       (SDK server "tickets-old")
   /evil/sse            a hostile HTTP+SSE endpoint: its `endpoint` event names another origin
+  /rogue/mcp/<mode>    a hostile streamable-HTTP responder (odd SSE events, bad JSON, codings, ...)
 
 `Received` is the oracle of the deny tests: an ASGI wrapper in front of every route keeps the exact bytes
 of every request body the server got (before the SDK parses it), so "the upstream never saw the denied
@@ -14,6 +15,7 @@ call" is checked on what arrived, not on what a tool function happened to run.
 from __future__ import annotations
 
 import contextlib
+import gzip
 import json
 import threading
 import time
@@ -191,6 +193,35 @@ async def _escaped_echo(request: Request) -> Response:
     return Response((head + text + '"}],"isError":false}}').encode(), media_type="application/json")
 
 
+async def _rogue(request: Request) -> Response:
+    """A hostile streamable-HTTP server: answers a POSTed request in the way its path names (`mode`)."""
+    call = json.loads(await request.body())
+    answer = json.dumps({"jsonrpc": "2.0", "id": call["id"], "result": {
+        "content": [{"type": "text", "text": "fine"}], "isError": False}})
+    listing = json.dumps({"jsonrpc": "2.0", "id": call["id"], "result": {"tools": [
+        {"name": "delete_ticket", "inputSchema": {"type": "object"}}]}})
+    mode = request.path_params["mode"]
+    if mode == "sneaky":  # an event type the SDK would ignore, but another client might act on
+        body = f"event: sneaky\r\ndata: {listing}\r\n\r\nevent: message\r\ndata: {answer}\r\n\r\n"
+        return Response(body.encode(), media_type="text/event-stream")
+    if mode == "dupkey":  # the answer's id twice: which one would the client match?
+        body = f'event: message\r\ndata: {answer[:-1]},"id":"other"}}\r\n\r\n'
+        return Response(body.encode(), media_type="text/event-stream")
+    if mode == "gzip":
+        return Response(gzip.compress(answer.encode()), media_type="application/json",
+                        headers={"Content-Encoding": "gzip"})
+    if mode == "html":
+        return Response(b"<html>" + answer.encode() + b"</html>", media_type="text/html")
+    if mode == "big":  # a JSON answer of unknown length over mcp.max_message_bytes
+        async def chunks():
+            yield answer[:-2].encode() + b',"pad":"'
+            for _ in range(40):
+                yield b"x" * 1024
+            yield b'"}}'
+        return StreamingResponse(chunks(), media_type="application/json")
+    return Response(answer.encode(), media_type="application/json")
+
+
 async def _sleep(seconds: float) -> None:
     import anyio
 
@@ -229,7 +260,8 @@ def serve_mcp(ca: trustme.CA, tmp: Path, hostnames: list[str]) -> Iterator[McpWo
         async with json_server.session_manager.run(), sse_server.session_manager.run():
             yield
 
-    routes = [Route("/evil/sse", _evil_sse), Route("/cred/mcp/echo", _escaped_echo, methods=["POST"]),
+    routes = [Route("/evil/sse", _evil_sse), Route("/rogue/mcp/{mode}", _rogue, methods=["POST"]),
+              Route("/cred/mcp/echo", _escaped_echo, methods=["POST"]),
               Mount("/json", json_app), Mount("/cred", json_app),
               Mount("/sse", sse_app), Mount("/old", old_app)]
     root = Starlette(routes=routes, lifespan=lifespan)

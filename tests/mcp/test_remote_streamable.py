@@ -16,7 +16,16 @@ import httpx
 import pytest
 from mcp import MCPError
 
-from tests.mcp.remote_world import ALLOWED, SECRET, RemoteWorld, Sandbox, check_denials, error_of, open_remote_world
+from tests.mcp.remote_world import (
+    ALLOWED,
+    ROGUE,
+    SECRET,
+    RemoteWorld,
+    Sandbox,
+    check_denials,
+    error_of,
+    open_remote_world,
+)
 from tests.mcp.servers import VERSION, drift, set_version
 
 STREAMABLE = ["json", "sse"]
@@ -312,3 +321,34 @@ def test_a_json_escaped_credential_in_an_answer_is_scrubbed(rw: RemoteWorld) -> 
     assert res.status_code == 200, res.text
     text = res.json()["result"]["content"][0]["text"]
     assert SECRET not in text and "REDACTED" in text
+
+
+LOOKUP = {"jsonrpc": "2.0", "id": 31, "method": "tools/call", "params": {"name": "lookup", "arguments": {
+    "ticket": "T-1"}}}
+
+
+@pytest.mark.parametrize(("mode", "refused"), [
+    ("plain", None),  # control: a well-formed answer passes
+    ("sneaky", None),  # an SSE event of another type is dropped, the answer passes
+    ("dupkey", "mcp_malformed_server_message"),  # not strict JSON-RPC: the stream is cut
+    ("gzip", "mcp_coded_answer"),
+    ("html", "mcp_unexpected_content_type"),
+    ("big", "mcp_answer_too_large"),
+])
+def test_answers_the_gateway_cannot_read_never_reach_the_sandbox(rw: RemoteWorld, mode: str,
+                                                                 refused: str | None) -> None:
+    sbx = rw.admit()
+    body = b""
+    with sbx.raw() as client:
+        try:
+            res = client.post(f"https://{ROGUE}:{rw.mcp.port}/rogue/mcp/{mode}", json=LOOKUP,
+                              headers={"Accept": "application/json, text/event-stream"})
+            body, status = res.content, res.status_code
+        except httpx.TransportError:
+            status = 0  # cut mid-answer
+    assert b"delete_ticket" not in body and b"sneaky" not in body
+    if refused is None:
+        assert status == 200 and b'"text":"fine"' in body
+        return
+    assert b'"text":"fine"' not in body and status in (0, 200, 502)
+    assert rw.records(sbx, "outcome", **{"egressgate.response_refused": refused})
