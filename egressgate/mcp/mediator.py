@@ -237,7 +237,9 @@ class McpSession:
                                         rules=[server_key, tool_key, *policy.budgeted_rules])
             pins = await state.mcp_pins(self.sandbox_id, self.server_name)
             self.server_side.known = dict(pins)
-            grants = await self.rt.approvals.grants(self.sandbox_id, now)
+            # grants matter only to a tool that needs approval: no store read for the others
+            grants = await self.rt.approvals.grants(self.sandbox_id, now) if _needs_approval(policy, self.server_name,
+                                                                                             tool) else ()
         except KeyError:
             raise _Refused(Reason.SANDBOX_REVOKED) from None
         except StateUnavailable:
@@ -333,6 +335,12 @@ class McpSession:
 class _Refused(Exception):
     def __init__(self, reason: Reason) -> None:
         self.reason = reason
+
+
+def _needs_approval(policy: CompiledPolicy, server: str, tool: str) -> bool:
+    compiled = policy.mcp.servers.get(server)
+    entry = compiled.allowed.get(tool) if compiled is not None else None
+    return entry is not None and entry.approval_required
 
 
 def _info(raw: str | None) -> tuple[str, str] | None:

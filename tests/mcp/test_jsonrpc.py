@@ -75,6 +75,8 @@ CASES = [
     ("id_float", b'{"jsonrpc":"2.0","id":1.0,"method":"ping"}', "id_type", b'{"jsonrpc":"2.0","id":1,"method":"ping"}'),
     ("id_bool", b'{"jsonrpc":"2.0","id":true,"method":"ping"}', "id_type",
      b'{"jsonrpc":"2.0","id":"true","method":"ping"}'),
+    ("id_unsafe_int", b'{"jsonrpc":"2.0","id":9007199254740993,"method":"ping"}', "id_type",
+     b'{"jsonrpc":"2.0","id":9007199254740991,"method":"ping"}'),
     ("id_null", b'{"jsonrpc":"2.0","id":null,"method":"ping"}', "id_type", b'{"jsonrpc":"2.0","method":"ping"}'),
     ("id_object", b'{"jsonrpc":"2.0","id":{},"method":"ping"}', "id_type",
      b'{"jsonrpc":"2.0","id":"{}","method":"ping"}'),

@@ -59,6 +59,9 @@ mcp:
             unlisted_arguments: allow
           - name: note
             unlisted_arguments: allow
+          - name: reopen
+            approval: required
+            unlisted_arguments: allow
         deny: [delete_ticket]
     - name: pinned
       url: https://pinned.mcp.test/mcp
@@ -306,9 +309,10 @@ async def test_approval_required_then_granted(world: World):
     assert granted.forward is not None and granted.replies == []
     rec = world.records(**{"egressgate.operation": "mcp_tool_call", "egressgate.decision": "allow"})[-1]
     assert rec["egressgate.reason"] == "approval_granted" and rec["egressgate.approval.id"] == data["approval_id"]
-    # the grant is for that tool only
-    other = await s.from_client(body(call(4, "delete_ticket", {})))
-    assert other.forward is None
+    # the grant is for that tool only; another tool needing approval gets its own approval
+    other = await s.from_client(body(call(4, "reopen", {})))
+    assert other.forward is None and other.replies[0]["error"]["data"]["reason"] == "approval_required"
+    assert other.replies[0]["error"]["data"]["approval_id"] not in (None, data["approval_id"])
 
 
 async def test_mcp_grant_never_covers_network_requests():
