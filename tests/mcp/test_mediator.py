@@ -300,7 +300,10 @@ async def test_approval_required_then_granted(world: World):
     assert data["reason"] == "approval_required" and data["approval_id"].startswith("apr-")
     retry = await s.from_client(body(call(2, "escalate", {"ticket": 1})))
     assert retry.replies[0]["error"]["data"]["approval_id"] == data["approval_id"]  # one id shared by retries
-    [requested] = await world.wait_records(**{"egressgate.operation": "approval"})
+    # another tool of the same server asked at the same time: its own approval, not the pending one
+    reopen = await s.from_client(body(call(20, "reopen", {})))
+    assert reopen.replies[0]["error"]["data"]["approval_id"] not in (None, data["approval_id"])
+    [requested, _] = await world.wait_records(2, **{"egressgate.operation": "approval"})
     assert requested["egressgate.approval.kind"] == "mcp_tool" and requested["egressgate.approval.id"] == data[
         "approval_id"]
     now = world.rt.clock()
