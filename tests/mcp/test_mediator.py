@@ -517,3 +517,20 @@ async def test_two_bodies_decided_at_once_cannot_share_an_id(mem_world: World):
     assert [v.forward is not None for v in (a, b)].count(True) == 1
     refused = a if a.forward is None else b
     assert "id_in_use" in refused.replies[0]["error"]["message"]
+
+
+async def test_mcp_tool_approval_matches_the_api_schema(mem_world: World):
+    """The admin API lists approvals as docs/openapi.yaml's Approval: an mcp_tool one must validate too."""
+    import jsonschema
+    import yaml
+
+    spec = yaml.safe_load((Path(__file__).parents[2] / "docs" / "openapi.yaml").read_text())
+    schema = {**spec, "$ref": "#/components/schemas/Approval"}
+    s = mem_world.session()
+    refused = await s.from_client(body(call(1, "escalate", {})))
+    approval = await mem_world.rt.approvals.get(refused.replies[0]["error"]["data"]["approval_id"])
+    assert approval is not None and approval.kind == "mcp_tool" and approval.path == "escalate"
+    jsonschema.Draft202012Validator(schema).validate(approval.to_json())
+    decided = await mem_world.rt.approvals.decide(approval.id, approve=True, by="op", scope="host", for_seconds=60,
+                                                  now=mem_world.rt.clock())
+    jsonschema.Draft202012Validator(schema).validate(decided.to_json())
