@@ -534,3 +534,13 @@ async def test_mcp_tool_approval_matches_the_api_schema(mem_world: World):
     decided = await mem_world.rt.approvals.decide(approval.id, approve=True, by="op", scope="host", for_seconds=60,
                                                   now=mem_world.rt.clock())
     jsonschema.Draft202012Validator(schema).validate(decided.to_json())
+
+
+def test_operator_table_names_the_tool_and_escapes_it():
+    from egressgate.approvals.cli import format_table
+
+    row = {"id": "apr-0123456789abcdef", "state": "pending", "sandbox_id": "sbx", "policy": "p", "kind": "mcp_tool",
+           "scheme": "mcp", "host": "tickets", "port": 0, "method": "tools/call", "path": "esc\x1b[2Jalate",
+           "requested_at": 1.0}
+    table = format_table([row])
+    assert "mcp tool tickets/esc\\x1b[2Jalate" in table and "\x1b" not in table
