@@ -264,6 +264,20 @@ def deny_error(id: int | str | None, message: str, reason: str, rule: str | None
     return error_response(id, code, message, data)
 
 
+def reply_id(body: bytes, max_bytes: int) -> int | str | None:
+    """The id to answer a refused body with, so the client's pending request fails at once instead of
+    timing out: a lenient reading of a single message's id. Only ever used to ADDRESS the error reply,
+    never to decide or forward anything; None for a batch or anything unreadable (JSON-RPC: id null)."""
+    if len(body) > max_bytes:
+        return None
+    try:
+        obj = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    rid = obj.get("id") if isinstance(obj, dict) else None
+    return rid if rid is not None and _valid_id(rid) else None
+
+
 def malformed_error(exc: McpMalformed, id: int | str | None = None) -> dict:
     return deny_error(id, f"Refused a malformed MCP message ({exc.detail}): {exc.message}; send one strict "
                       "JSON-RPC 2.0 message.", "mcp_malformed", None, code=exc.code)

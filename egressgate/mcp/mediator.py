@@ -34,7 +34,16 @@ from egressgate.audit.event import AuditUnavailable
 from egressgate.broker.redact import SecretSpec
 from egressgate.mcp import records
 from egressgate.mcp.approval import name_tool_approval
-from egressgate.mcp.jsonrpc import McpMalformed, Message, deny_error, dumps, malformed_error, parse_body, parse_value
+from egressgate.mcp.jsonrpc import (
+    McpMalformed,
+    Message,
+    deny_error,
+    dumps,
+    malformed_error,
+    parse_body,
+    parse_value,
+    reply_id,
+)
 from egressgate.mcp.server_side import ServerSide
 from egressgate.policy.mcp_decide import McpFacts, ToolCall, ToolDecision, decide_tool_call
 from egressgate.policy.reasons import Reason
@@ -133,7 +142,7 @@ class McpSession:
             messages, was_batch = parse_body(body, max_bytes=policy.mcp.max_message_bytes)
             self._check_ids(messages)
         except McpMalformed as exc:
-            return await self._refuse_body(exc, policy is None)
+            return await self._refuse_body(exc, policy is None, reply_id(body, self.max_bytes()))
         return await self._from_client(messages, was_batch)
 
     async def _from_client(self, messages: list[Message], was_batch: bool) -> ClientVerdict:
@@ -175,12 +184,12 @@ class McpSession:
             if msg.is_call:
                 self._reserved.add(msg.id)  # type: ignore[arg-type]
 
-    async def _refuse_body(self, exc: McpMalformed, no_policy: bool) -> ClientVerdict:
+    async def _refuse_body(self, exc: McpMalformed, no_policy: bool, rid: int | str | None) -> ClientVerdict:
         if no_policy:
-            reply = deny_error(None, _FAILURES[Reason.POLICY_UNAVAILABLE], str(Reason.POLICY_UNAVAILABLE), None)
+            reply = deny_error(rid, _FAILURES[Reason.POLICY_UNAVAILABLE], str(Reason.POLICY_UNAVAILABLE), None)
             reason, detail = Reason.POLICY_UNAVAILABLE, "policy_unavailable"
         else:
-            reply = malformed_error(exc)
+            reply = malformed_error(exc, rid)
             reason, detail = Reason.MCP_MALFORMED, exc.detail
         event = records.message_record(self.ctx, reason=str(reason), detail=detail, message=reply["error"]["message"])
         self.rt.audit.enqueue_after(event)  # refused either way: queued, never dropped
@@ -246,7 +255,7 @@ class McpSession:
             raise _Refused(Reason.STATE_UNAVAILABLE) from None
         usage = snap.rule_usage
         return McpFacts(
-            sandbox_id=self.sandbox_id, labels=self.labels,
+            sandbox_id=self.sandbox_id, labels=snap.labels,  # the record's labels now (a readmission may change them)
             server_calls=usage[server_key].requests if server_key in usage else 0,
             tool_calls=usage[tool_key].requests if tool_key in usage else 0,
             server_info_seen=_info(pins.get("server_info")), tool_schema_seen=pins.get("tool:" + tool),

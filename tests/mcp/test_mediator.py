@@ -251,6 +251,7 @@ async def test_malformed_body_is_refused_whole_and_recorded(mem_world: World, ra
     assert verdict.forward is None and verdict.refused
     [reply] = verdict.replies
     assert reply["error"]["data"]["reason"] == "mcp_malformed" and detail in reply["error"]["message"]
+    assert reply["id"] == (None if raw.startswith(b"[") else 1)  # addressed to the pending request if readable
     [rec] = await mem_world.wait_records(**{"egressgate.operation": "mcp_message"})
     assert rec["egressgate.reason"] == "mcp_malformed" and rec["egressgate.detail"] == detail
     assert mem_world.records(**{"egressgate.operation": "mcp_tool_call"}) == []  # nothing was decided
