@@ -8,7 +8,8 @@ input at the recorded time under a new policy answers "what would this policy ha
 What replay cannot reproduce (documented in docs/audit.md): decisions made outside the policy engine
 (identity, Host/SNI consistency, self-connection, dependency failures) are skipped; without recorded state
 the sandbox's past is reconstructed from the log itself (approximate); state is the *recorded* history,
-not the counterfactual one (a request the new policy would deny still counts as seen).
+not the counterfactual one (a request the new policy would deny still counts as seen). MCP tool calls
+(`mcp_tool_call` records) are re-decided by audit/replay_mcp.py.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from typing import Any
 from egressgate.approvals.grant import Grant
 from egressgate.audit.find import iter_records
 from egressgate.audit.record import K_DNS_NAME, K_HOST, K_LABELS, K_OPERATION, K_SCHEME, addresses_of
+from egressgate.audit.replay_mcp import OPERATION as MCP_OPERATION
+from egressgate.audit.replay_mcp import McpHistory, NotReplayable, replay_tool_call
 from egressgate.policy.facts import Decision, Facts, Operation, RuleUsage, SandboxState
 
 REPLAYABLE = {op.value for op in Operation}
@@ -77,6 +80,7 @@ class ReplayResult:
     # approval id -> replayed decisions it allowed (reason approval_granted): allowed by an operator's
     # approval (recorded in egressgate.state.approvals), not by any rule of the replayed policy
     by_approval: dict[str, int] = field(default_factory=dict)
+    arguments_unchecked: int = 0  # MCP tool calls re-decided without their arguments (not recorded)
 
     def skip(self, why: str) -> None:
         self.skipped[why] = self.skipped.get(why, 0) + 1
@@ -233,6 +237,7 @@ def replay(
     policies, single = load_policy_set(policy_path)
     result = ReplayResult()
     history: dict[str, _History] = {}
+    mcp_history = McpHistory()
     for found in iter_records(paths):
         attrs = found.record.attributes
         op = attrs.get(K_OPERATION)
@@ -241,7 +246,10 @@ def replay(
         hist = history.setdefault(sandbox_id, _History())
         if op in REPLAYABLE:
             _replay_one(found, attrs, sandbox_id, hist, time_s, policies, single, decide, result)
+        elif op == MCP_OPERATION:
+            _replay_tool_call(found, attrs, sandbox_id, mcp_history, time_s, policies, single, result)
         _update_history(hist, attrs, time_s)
+        mcp_history.update(sandbox_id, attrs)
     return result
 
 
@@ -295,6 +303,33 @@ def _replay_one(
     )
 
 
+def _replay_tool_call(found, attrs, sandbox_id, mcp_history, time_s, policies, single, result) -> None:
+    """An `mcp_tool_call` record (audit/replay_mcp.py says what is and is not re-decided)."""
+    policy = single or policies.get(str(attrs.get("egressgate.policy.name")))
+    if policy is None:
+        result.skip(f"no policy named {attrs.get('egressgate.policy.name')!r}")
+        return
+    try:
+        done = replay_tool_call(policy, attrs, sandbox_id, mcp_history, time_s, grants_from)
+    except NotReplayable as exc:
+        result.skip(str(exc))
+        return
+    result.replayed += 1
+    result.approximated_state += not done.exact_state
+    result.arguments_unchecked += not done.arguments_checked
+    new, old, reason = done.decision, attrs.get("egressgate.decision"), attrs.get("egressgate.reason")
+    if new.approval_id is not None and new.allowed:
+        result.by_approval[new.approval_id] = result.by_approval.get(new.approval_id, 0) + 1
+    if new.decision == old:
+        result.unchanged += 1
+        return
+    result.changes.append(Change(
+        found.path, found.line, found.record.time_ns, sandbox_id, MCP_OPERATION, done.target, str(old),
+        _rule_or_approval(attrs.get("egressgate.rule"), attrs.get("egressgate.approval.id"), reason),
+        str(reason) if reason is not None else None, new.decision,
+        _rule_or_approval(new.rule_id, new.approval_id, str(new.reason)), str(new.reason)))
+
+
 def _rule_or_approval(rule: Any, approval_id: Any, reason: Any) -> str | None:
     """What allowed (or was asked of) a decision: its rule, or `approval <id>` when an operator's approval
     allowed it (approval_granted) or was asked for (approval_required)."""
@@ -338,6 +373,9 @@ def format_table(result: ReplayResult) -> str:
     for approval_id, n in sorted(result.by_approval.items()):
         summary += (f"\n{n} allowed by operator approval {printable(approval_id)} (approval_granted, not a rule; the "
                     "`approval` audit records say who granted it, its scope and expiry)")
+    if result.arguments_unchecked:
+        summary += (f"\n{result.arguments_unchecked} MCP tool calls re-decided without their arguments (not "
+                    "recorded; mcp.record_arguments): argument constraints not checked")
     for why, n in sorted(result.skipped.items()):
         summary += f"\nskipped {n}: {why}"
     return ("\n".join(lines) + "\n" if result.changes else "") + summary
