@@ -545,3 +545,38 @@ def test_operator_table_names_the_tool_and_escapes_it():
            "requested_at": 1.0}
     table = format_table([row])
     assert "mcp tool tickets/esc\\x1b[2Jalate" in table and "\x1b" not in table
+
+
+async def test_audit_replay_re_decides_the_mediators_records_unchanged(tmp_path: Path):
+    """The records the mediator writes carry what `audit replay` needs: replayed under the same policy,
+    every tool-call decision (allows, argument/tool/budget/approval denials, drift) comes out the same."""
+    from egressgate.audit.replay import replay
+
+    w = await make_world(tmp_path, MemoryState(), record_arguments=True)
+    try:
+        s = w.session()
+        await initialize(s, 0, "tickets-server", "1.0")
+        assert await list_tools(s, "l", [SEARCH]) == ["search_tickets"]
+        acme = {"project": "acme"}
+        calls = [("search_tickets", acme), ("search_tickets", {"project": "x"}), ("delete_ticket", {}),
+                 ("escalate", {}), ("search_tickets", acme), ("search_tickets", acme), ("search_tickets", acme)]
+        for i, (tool, args) in enumerate(calls):
+            await s.from_client(body(call(i + 1, tool, args)))
+            await s.from_server_bytes(answer(i + 1))
+        s2 = w.session()
+        assert await list_tools(s2, "l", [{**SEARCH, "description": "changed"}]) == []
+        await s2.from_client(body(call(99, "search_tickets", {"project": "acme"})))
+        await s.close()
+        await s2.close()
+    finally:
+        await w.rt.audit.close()
+    policy_file = tmp_path / "mcp-med.yaml"
+    policy_file.write_text(textwrap.dedent(POLICY % ("true", tool_hash(LOOKUP))))
+    result = replay([str(w.var / "audit.jsonl")], str(policy_file))
+    decided = [r for r in w.records(**{"egressgate.operation": "mcp_tool_call"})]
+    reasons = sorted({r["egressgate.reason"] for r in decided})
+    assert reasons == ["approval_required", "budget_exceeded", "mcp_argument_denied", "mcp_schema_drift",
+                       "mcp_tool_denied", "rule_matched"]
+    assert result.changes == [] and result.skipped == {}, (result.changes, result.skipped)
+    assert result.replayed >= len(decided)
+    assert result.approximated_state == 0 and result.arguments_unchecked == 0  # the recorded facts and arguments
