@@ -55,6 +55,8 @@ if TYPE_CHECKING:
     from egressgate.policy.mcp_compile import McpServer
     from egressgate.state.base import SandboxRecord
 
+MAX_WAITING = 4096  # unanswered tracked requests (calls, initialize, tools/list) per session
+
 _FAILURES = {
     Reason.STATE_UNAVAILABLE: "The gateway's state store is unavailable, so tool calls are refused; retry shortly.",
     Reason.AUDIT_UNAVAILABLE: "The gateway cannot record tool calls right now, so they are refused; retry shortly.",
@@ -180,6 +182,10 @@ class McpSession:
         for msg in messages:
             if msg.kind == "request" and (msg.id in self.calls or msg.id in self._reserved):
                 raise McpMalformed("id_in_use", "a request reuses the id of a tool call still waiting for its answer")
+        waiting = len(self.calls) + len(self._reserved) + len(self.server_side.expected)
+        if waiting + sum(m.kind == "request" for m in messages) > MAX_WAITING:
+            # bounded memory; never evicted instead: an answer nobody tracks would go unrecorded/unfiltered
+            raise McpMalformed("too_many_pending", f"more than {MAX_WAITING} requests of this session are unanswered")
         for msg in messages:
             if msg.is_call:
                 self._reserved.add(msg.id)  # type: ignore[arg-type]

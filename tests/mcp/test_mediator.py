@@ -580,3 +580,15 @@ async def test_audit_replay_re_decides_the_mediators_records_unchanged(tmp_path:
     assert result.changes == [] and result.skipped == {}, (result.changes, result.skipped)
     assert result.replayed >= len(decided)
     assert result.approximated_state == 0 and result.arguments_unchecked == 0  # the recorded facts and arguments
+
+
+async def test_unanswered_requests_are_bounded_not_evicted(mem_world: World):
+    from egressgate.mcp import mediator
+
+    s = mem_world.session()
+    batch = [{"jsonrpc": "2.0", "id": i, "method": "tools/list"} for i in range(mediator.MAX_WAITING)]
+    assert (await s.from_client(body(batch))).forward is not None  # exactly at the bound: accepted
+    over = await s.from_client(body({"jsonrpc": "2.0", "id": "one-more", "method": "tools/list"}))
+    assert over.forward is None and "too_many_pending" in over.replies[0]["error"]["message"]
+    await s.from_server_bytes(answer(0, {"tools": []}))  # one answered: room for one more
+    assert (await s.from_client(body({"jsonrpc": "2.0", "id": "one-more", "method": "tools/list"}))).forward
