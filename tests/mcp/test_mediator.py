@@ -592,3 +592,33 @@ async def test_unanswered_requests_are_bounded_not_evicted(mem_world: World):
     assert over.forward is None and "too_many_pending" in over.replies[0]["error"]["message"]
     await s.from_server_bytes(answer(0, {"tools": []}))  # one answered: room for one more
     assert (await s.from_client(body({"jsonrpc": "2.0", "id": "one-more", "method": "tools/list"}))).forward
+
+
+async def test_unicode_escapes_are_decided_decoded_and_forwarded_decoded(mem_world: World):
+    """`delete\\u005fticket` is delete_ticket: decided (and refused) as such; the allowed neighbour is
+    forwarded in its decoded, canonical form, so the server parses the very name that was decided."""
+    s = mem_world.session()
+    hidden = (b'{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"delete\\u005fticket",'
+              b'"arguments":{}}}')
+    refused = await s.from_client(hidden)
+    assert refused.forward is None and refused.replies[0]["error"]["data"]["reason"] == "mcp_tool_denied"
+    ok = await s.from_client(b'{"jsonrpc":"2.0","id":2,"method":"tools/call","params":{"name":"search\\u005ftickets",'
+                             b'"arguments":{"pro\\u006aect":"\\u0061cme"}}}')
+    assert ok.forward == dumps(call(2, "search_tickets", {"project": "acme"}))
+
+
+async def test_route_credentials_are_redacted_from_recorded_arguments(tmp_path: Path):
+    from egressgate.broker.redact import SecretSpec
+
+    w = await make_world(tmp_path, MemoryState(), record_arguments=True)
+    try:
+        policy = w.rt.policies.get("mcp-med")
+        s = McpSession(w.rt, policy, policy.mcp.servers["tickets"], w.sandbox, "streamable_http",
+                       secrets=(SecretSpec("sk-live-0123456789abcdef"),))
+        args = {"text": "key sk-live-0123456789abcdef", "b64": "c2stbGl2ZS0wMTIzNDU2Nzg5YWJjZGVm", "ok": "keep"}
+        assert (await s.from_client(body(call(1, "note", args)))).forward
+        [rec] = w.records(**{"egressgate.operation": "mcp_tool_call"})
+        recorded = rec["egressgate.mcp.arguments"]
+        assert "sk-live" not in recorded and "c2stbGl2ZS0wMTIz" not in recorded and '"ok":"keep"' in recorded
+    finally:
+        await w.rt.audit.close()
