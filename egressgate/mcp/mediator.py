@@ -249,7 +249,8 @@ class McpSession:
             if self.server_side.pin_failed:
                 raise _Refused(Reason.STATE_UNAVAILABLE)
             snap = await state.snapshot(self.sandbox_id, history=policy.history_patterns,
-                                        rules=[server_key, tool_key, *policy.budgeted_rules])
+                                        rules=policy.budgeted_rules)  # for allowed_by_network arguments
+            counts = await state.call_counts(self.sandbox_id, [server_key, tool_key])
             pins = await state.mcp_pins(self.sandbox_id, self.server_name)
             self.server_side.known = dict(pins)
             # grants matter only to a tool that needs approval: no store read for the others
@@ -259,11 +260,9 @@ class McpSession:
             raise _Refused(Reason.SANDBOX_REVOKED) from None
         except StateUnavailable:
             raise _Refused(Reason.STATE_UNAVAILABLE) from None
-        usage = snap.rule_usage
         return McpFacts(
             sandbox_id=self.sandbox_id, labels=snap.labels,  # the record's labels now (a readmission may change them)
-            server_calls=usage[server_key].requests if server_key in usage else 0,
-            tool_calls=usage[tool_key].requests if tool_key in usage else 0,
+            server_calls=counts.get(server_key, 0), tool_calls=counts.get(tool_key, 0),
             server_info_seen=_info(pins.get("server_info")), tool_schema_seen=pins.get("tool:" + tool),
             tool_schema_now=self.server_side.tool_hashes.get(tool), server_info_now=self.server_side.server_info_now,
             grants=grants, network_state=snap)
