@@ -113,8 +113,8 @@ def outcome_record(ctx: Context, *, request_id: str, tool: str, jsonrpc_id: int 
         extra[IS_ERROR] = isinstance(response, dict) and response.get("isError") is True
     if response_bytes is not None:
         extra[RESULT_BYTES] = response_bytes
-    return ctx.base(EventKind.OUTCOME, extra, request_id=request_id, duration_ms=round(duration_ms, 3),
-                    bytes_in=response_bytes)
+    # no bytes_in: the HTTP outcome of the same POST already counts these bytes (metrics, replay history)
+    return ctx.base(EventKind.OUTCOME, extra, request_id=request_id, duration_ms=round(duration_ms, 3))
 
 
 def tools_list_record(ctx: Context, *, hashes: Mapping[str, str], changed: Iterable[str],

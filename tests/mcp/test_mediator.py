@@ -200,6 +200,7 @@ async def test_allowed_call_is_recorded_then_forwarded_canonically_and_its_outco
     assert outcome["egressgate.mcp.outcome"] == "result" and outcome["egressgate.mcp.is_error"] is True
     assert int(outcome["egressgate.mcp.result_bytes"]) == len(b'{"content":[],"isError":true}')
     assert outcome["egressgate.duration_ms"] >= 0
+    assert "egressgate.bytes.in" not in outcome  # counted once, by the HTTP outcome of the same POST
 
 
 @pytest.mark.parametrize(("tool", "arguments", "reason", "rule"), [
