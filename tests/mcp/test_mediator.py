@@ -6,6 +6,7 @@ next to a positive control (the allowed neighbour is forwarded and recorded)."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import textwrap
 import time
@@ -622,3 +623,16 @@ async def test_route_credentials_are_redacted_from_recorded_arguments(tmp_path: 
         assert "sk-live" not in recorded and "c2stbGl2ZS0wMTIz" not in recorded and '"ok":"keep"' in recorded
     finally:
         await w.rt.audit.close()
+
+
+async def test_agent_chosen_names_are_bounded_in_records(mem_world: World):
+    s = mem_world.session()
+    long_tool, long_id = "t" * 5000, "i" * 5000
+    refused = await s.from_client(body(call(long_id, long_tool, {})))
+    assert refused.replies[0]["error"]["data"]["reason"] == "mcp_tool_denied"
+    [rec] = mem_world.records(**{"egressgate.operation": "mcp_tool_call"})
+    assert rec["egressgate.mcp.tool"] == "t" * 256 + "..." and rec["egressgate.mcp.jsonrpc_id"] == "i" * 256 + "..."
+    assert rec["egressgate.mcp.tool_sha256"] == hashlib.sha256(long_tool.encode()).hexdigest()
+    assert len(json.dumps(rec)) < 4000
+    assert (await s.from_client(body(call("short", "note", {})))).forward  # control: ordinary names as they are
+    assert mem_world.records(**{"egressgate.operation": "mcp_tool_call"})[-1]["egressgate.mcp.tool"] == "note"
