@@ -636,3 +636,16 @@ async def test_agent_chosen_names_are_bounded_in_records(mem_world: World):
     assert len(json.dumps(rec)) < 4000
     assert (await s.from_client(body(call("short", "note", {})))).forward  # control: ordinary names as they are
     assert mem_world.records(**{"egressgate.operation": "mcp_tool_call"})[-1]["egressgate.mcp.tool"] == "note"
+
+
+async def test_denied_approval_is_named_again_not_requested_again(mem_world: World):
+    s = mem_world.session()
+    first = await s.from_client(body(call(1, "reopen", {})))
+    approval_id = first.replies[0]["error"]["data"]["approval_id"]
+    await mem_world.rt.approvals.decide(approval_id, approve=False, by="op", scope="host", for_seconds=60,
+                                        now=mem_world.rt.clock())
+    again = await s.from_client(body(call(2, "reopen", {})))
+    assert again.forward is None
+    assert again.replies[0]["error"]["data"]["approval_id"] == approval_id
+    assert "denied" in again.replies[0]["error"]["message"]
+    assert len(await mem_world.rt.approvals.list(None, mem_world.rt.clock())) == 1  # no new request
