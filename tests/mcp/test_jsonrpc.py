@@ -57,6 +57,8 @@ CASES = [
      b'{"jsonrpc":"2.0","id":1,"method":"ping","params":{"x":1e300}}'),
     ("depth", b'{"jsonrpc":"2.0","id":1,"method":"ping","params":{"x":' + b"[" * 63 + b"]" * 63 + b"}}", "depth",
      b'{"jsonrpc":"2.0","id":1,"method":"ping","params":{"x":' + b"[" * 62 + b"]" * 62 + b"}}"),
+    ("control_char", b'{"jsonrpc":"2.0","id":1,"method":"ping","params":{"x":"a\nb"}}',  # a raw newline inside a string
+     "syntax", b'{"jsonrpc":"2.0","id":1,"method":"ping","params":{"x":"a\\nb"}}'),
     ("trailing", b'{"jsonrpc":"2.0","id":1,"method":"ping"} {"jsonrpc":"2.0","id":2,"method":"tools/call"}',
      "syntax", b'{"jsonrpc":"2.0","id":1,"method":"ping"} '),
     ("scalar", b'"ping"', "not_object", b'{"jsonrpc":"2.0","method":"notifications/initialized"}'),
