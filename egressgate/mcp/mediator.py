@@ -248,20 +248,22 @@ class McpSession:
                 raise _Refused(Reason.SANDBOX_REVOKED)
             if self.server_side.pin_failed:
                 raise _Refused(Reason.STATE_UNAVAILABLE)
-            snap = await state.snapshot(self.sandbox_id, history=policy.history_patterns,
-                                        rules=policy.budgeted_rules)  # for allowed_by_network arguments
-            counts = await state.call_counts(self.sandbox_id, [server_key, tool_key])
-            pins = await state.mcp_pins(self.sandbox_id, self.server_name)
+            snap = None
+            if _needs_network(policy, self.server_name, tool):  # allowed_by_network: decided like a request
+                snap = await state.snapshot(self.sandbox_id, history=policy.history_patterns,
+                                            rules=policy.budgeted_rules)
+            counts, pins = await state.mcp_read(self.sandbox_id, self.server_name, [server_key, tool_key])
             self.server_side.known = dict(pins)
             # grants matter only to a tool that needs approval: no store read for the others
-            grants = await self.rt.approvals.grants(self.sandbox_id, now) if _needs_approval(policy, self.server_name,
-                                                                                             tool) else ()
+            grants: tuple = ()
+            if _needs_approval(policy, self.server_name, tool):
+                grants = await self.rt.approvals.grants(self.sandbox_id, now)
         except KeyError:
             raise _Refused(Reason.SANDBOX_REVOKED) from None
         except StateUnavailable:
             raise _Refused(Reason.STATE_UNAVAILABLE) from None
         return McpFacts(
-            sandbox_id=self.sandbox_id, labels=snap.labels,  # the record's labels now (a readmission may change them)
+            sandbox_id=self.sandbox_id, labels=MappingProxyType(dict(record.labels)),  # current (readmission)
             server_calls=counts.get(server_key, 0), tool_calls=counts.get(tool_key, 0),
             server_info_seen=_info(pins.get("server_info")), tool_schema_seen=pins.get("tool:" + tool),
             tool_schema_now=self.server_side.tool_hashes.get(tool), server_info_now=self.server_side.server_info_now,
@@ -349,6 +351,12 @@ class McpSession:
 class _Refused(Exception):
     def __init__(self, reason: Reason) -> None:
         self.reason = reason
+
+
+def _needs_network(policy: CompiledPolicy, server: str, tool: str) -> bool:
+    compiled = policy.mcp.servers.get(server)
+    entry = compiled.allowed.get(tool) if compiled is not None else None
+    return entry is not None and any(a.allowed_by_network for a in entry.arguments.values())
 
 
 def _needs_approval(policy: CompiledPolicy, server: str, tool: str) -> bool:

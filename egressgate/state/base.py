@@ -144,6 +144,10 @@ class StateStore(Protocol):
         """Give back one counted call per key (the call was refused after counting, e.g. its audit
         record could not be written): never below zero."""
 
+    async def mcp_read(self, sandbox_id: str, server: str,
+                       keys: Sequence[str]) -> tuple[dict[str, int], dict[str, str]]:
+        """(call_counts(keys), mcp_pins(server)) in one step: what a tool-call decision reads."""
+
     async def mcp_pin(self, sandbox_id: str, server: str, name: str, value: str) -> str:
         """Trust on first use: store `value` for (sandbox, server, name) unless one is stored already;
         return the stored one (the first ever seen), atomically across workers and replicas."""

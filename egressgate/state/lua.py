@@ -96,6 +96,22 @@ end
 return 1
 """
 
+# KEYS: calls, pins   ARGV: server, keys... -> JSON [counts in the order of the keys, flat pins of the server]
+MCP_READ = _HELPERS + """
+local counts = {}
+for i = 2, #ARGV do counts[#counts + 1] = N(redis.call('HGET', KEYS[1], 'm:' .. ARGV[i])) end
+local prefix = ARGV[1] .. '|'
+local pins = {}
+local all = redis.call('HGETALL', KEYS[2])
+for i = 1, #all, 2 do
+  if string.sub(all[i], 1, #prefix) == prefix then
+    pins[#pins + 1] = string.sub(all[i], #prefix + 1)
+    pins[#pins + 1] = all[i + 1]
+  end
+end
+return cjson.encode({counts, pins})
+"""
+
 # KEYS: pins   ARGV: field, value -> the stored value (set only when absent: trust on first use)
 MCP_PIN = """
 redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2])

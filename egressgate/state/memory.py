@@ -162,6 +162,10 @@ class MemoryState:
             if counts.get(key, 0) > 0:
                 counts[key] -= 1
 
+    async def mcp_read(self, sandbox_id: str, server: str,
+                       keys: Sequence[str]) -> tuple[dict[str, int], dict[str, str]]:
+        return await self.call_counts(sandbox_id, keys), await self.mcp_pins(sandbox_id, server)
+
     async def mcp_pin(self, sandbox_id: str, server: str, name: str, value: str) -> str:
         return self._pins.setdefault(sandbox_id, {}).setdefault(server, {}).setdefault(name, value)
 

@@ -63,6 +63,9 @@ mcp:
           - name: reopen
             approval: required
             unlisted_arguments: allow
+          - name: fetch
+            arguments:
+              url: {allowed_by_network: true, required: true}
         deny: [delete_ticket]
     - name: pinned
       url: https://pinned.mcp.test/mcp
@@ -649,3 +652,14 @@ async def test_denied_approval_is_named_again_not_requested_again(mem_world: Wor
     assert again.replies[0]["error"]["data"]["approval_id"] == approval_id
     assert "denied" in again.replies[0]["error"]["message"]
     assert len(await mem_world.rt.approvals.list(None, mem_world.rt.clock())) == 1  # no new request
+
+
+async def test_url_arguments_are_decided_by_the_sandboxs_network_policy(world: World):
+    s = world.session()
+    ok = await s.from_client(body(call(1, "fetch", {"url": "https://tickets.mcp.test/mcp/x"})))
+    assert ok.forward is not None  # control: a URL the sandbox may fetch itself
+    for i, url in enumerate(["http://169.254.169.254/latest/meta-data/", "https://evil.example/",
+                             "https://tickets.mcp.test/admin"]):
+        refused = await s.from_client(body(call(10 + i, "fetch", {"url": url})))
+        assert refused.forward is None, url
+        assert refused.replies[0]["error"]["data"]["reason"] == "mcp_argument_denied", url

@@ -81,6 +81,10 @@ async def test_pins_first_value_wins_per_sandbox_and_server(store: StateStore):
     assert await store.mcp_pins("sbx", "tickets") == {"server_info": '["t","1.0"]', "tool:search": "aa",
                                                       "tool:a|b": "bb"}
     assert await store.mcp_pins("sbx", "tickets2") == {"server_info": '["x","9"]'}
+    assert await store.count_calls("sbx", [(SERVER, None)]) is None
+    assert await store.mcp_read("sbx", "tickets", [SERVER, TOOL]) == (
+        {SERVER: 1, TOOL: 0}, await store.mcp_pins("sbx", "tickets"))
+    assert await store.mcp_read("sbx", "none", []) == ({}, {})
 
 
 async def test_concurrent_first_use_has_one_winner(store: StateStore):
