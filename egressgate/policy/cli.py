@@ -193,3 +193,55 @@ def test_cmd(files: tuple[str, ...], policy_path: str | None) -> None:
                 click.echo(f"      message: {result.decision.message}")
     click.echo(f"{total - failed} passed, {failed} failed")
     sys.exit(1 if failed else 0)
+
+
+@policy.command()
+@click.argument("audit_files", metavar="AUDIT...", nargs=-1, required=True,
+                type=click.Path(exists=True, dir_okay=False))
+@click.option("--sandbox", "sandbox_id", help="Learn from the traffic of this sandbox id.")
+@click.option("--label", multiple=True, help="Learn from sandboxes with label k=v (repeatable: all must match).")
+@click.option("--base", "base_path", type=click.Path(exists=True, dir_okay=False),
+              help="The policy the sandboxes run under: the output is it plus the learned rules.")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write the policy here (default: stdout).")
+def learn(
+    audit_files: tuple[str, ...], sandbox_id: str | None, label: tuple[str, ...], base_path: str | None,
+    output: str | None,
+) -> None:
+    """Propose the smallest rules that allow the denied traffic recorded in the AUDIT files (docs/policy.md,
+    "Learning a policy from the audit trail"). Exit 0 with the policy written, 1 when no record of the
+    selected sandboxes is found, 2 on a usage error or a base policy that does not load."""
+    from egressgate.audit.find import iter_records
+    from egressgate.audit.replay import printable
+    from egressgate.policy.learn import LearnError, Selector
+    from egressgate.policy.learn import learn as learn_rules
+    from egressgate.policy.loader import load_policy
+
+    base_yaml = None
+    try:
+        selector = Selector(sandbox=sandbox_id, labels=_label(label))
+        if base_path is not None:
+            load_policy(base_path)  # size, type and encoding checks with the loader's own errors
+            base_yaml = Path(base_path).read_text("utf-8")
+        result = learn_rules(iter_records(list(audit_files)), selector, base_yaml=base_yaml,
+                             base_source=base_path or "<base>")
+    except LearnError as exc:
+        raise click.UsageError(str(exc)) from None
+    except PolicyError as exc:
+        click.echo(f"the base policy does not load:\n{exc}", err=True)
+        sys.exit(EXIT_INVALID)
+    if not result.selected:  # most likely a mistyped id or label: say so rather than write the base back
+        click.echo("no record of the selected sandboxes in the audit files: nothing learned, nothing written", err=True)
+        sys.exit(1)
+    if output:
+        Path(output).write_text(result.policy_yaml, "utf-8")
+    else:
+        click.echo(result.policy_yaml, nl=False)
+    learned = sum(s.requests for s in result.rules)
+    click.echo(f"{len(result.rules)} rules learned from {learned} of {result.denied} denied decisions "
+               f"({result.sandboxes} sandboxes, {result.selected} records selected)", err=True)
+    for why, n in sorted(result.not_learnable.items()):
+        click.echo(f"not learnable {n}: {printable(why)}", err=True)
+    flips = [f for f in result.flips if f.direction == "allow->deny"]
+    if flips:
+        click.echo(f"{len(flips)} recorded allows are not in this policy (no --base?): `egressgate audit replay "
+                   "--policy` lists them", err=True)
