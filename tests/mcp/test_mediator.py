@@ -663,3 +663,16 @@ async def test_url_arguments_are_decided_by_the_sandboxs_network_policy(world: W
         refused = await s.from_client(body(call(10 + i, "fetch", {"url": url})))
         assert refused.forward is None, url
         assert refused.replies[0]["error"]["data"]["reason"] == "mcp_argument_denied", url
+
+
+async def test_drift_between_two_listings_of_one_session(world: World):
+    s = world.session()
+    assert await list_tools(s, 1, [SEARCH]) == ["search_tickets"]
+    assert (await s.from_client(body(call(2, "search_tickets", {"project": "acme"})))).forward  # control
+    widened = {**SEARCH, "inputSchema": {"type": "object", "properties": {"project": {"type": "string"},
+                                                                          "all_tenants": {"type": "boolean"}}}}
+    assert await list_tools(s, 3, [widened]) == []
+    refused = await s.from_client(body(call(4, "search_tickets", {"project": "acme"})))
+    assert refused.replies[0]["error"]["data"]["reason"] == "mcp_schema_drift"
+    [rec] = await world.wait_records(**{"egressgate.operation": "mcp_tools_list"})
+    assert rec["egressgate.mcp.changed"] == {"values": [{"stringValue": "search_tickets"}]}
