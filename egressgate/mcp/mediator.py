@@ -23,7 +23,7 @@ to answer itself. The rules, stated here once:
 from __future__ import annotations
 
 import contextlib
-import json
+import logging
 import time
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -34,6 +34,7 @@ from egressgate.audit.event import AuditUnavailable
 from egressgate.broker.redact import SecretSpec
 from egressgate.mcp import records
 from egressgate.mcp.approval import name_tool_approval
+from egressgate.mcp.facts import Refused, budget_deny, facts_record, needs_approval, needs_network, read_info
 from egressgate.mcp.jsonrpc import (
     McpMalformed,
     Message,
@@ -55,6 +56,7 @@ if TYPE_CHECKING:
     from egressgate.policy.mcp_compile import McpServer
     from egressgate.state.base import SandboxRecord
 
+logger = logging.getLogger(__name__)
 MAX_WAITING = 4096  # unanswered tracked requests (calls, initialize, tools/list) per session
 
 _FAILURES = {
@@ -62,6 +64,7 @@ _FAILURES = {
     Reason.AUDIT_UNAVAILABLE: "The gateway cannot record tool calls right now, so they are refused; retry shortly.",
     Reason.SANDBOX_REVOKED: "This sandbox was revoked; its tool calls are refused.",
     Reason.POLICY_UNAVAILABLE: "The sandbox's policy is not loaded, so tool calls are refused; ask an operator.",
+    Reason.INTERNAL_ERROR: "The gateway failed to decide this tool call, so it was refused; report it to an operator.",
 }
 
 
@@ -210,17 +213,22 @@ class McpSession:
             return await self._fail(msg, tool, arguments, Reason.POLICY_UNAVAILABLE)
         try:
             facts = await self._facts(policy, tool, now)
-        except _Refused as refused:
+        except Refused as refused:
             return await self._fail(msg, tool, arguments, refused.reason)
-        decision = decide_tool_call(policy, ToolCall(self.server_name, tool, MappingProxyType(arguments)), facts, now)
-        call = _Call(msg, tool, arguments, decision, facts=_facts_record(facts), approval_id=decision.approval_id)
+        try:
+            decision = decide_tool_call(policy, ToolCall(self.server_name, tool, MappingProxyType(arguments)), facts,
+                                        now)
+        except Exception:  # a bug on odd input is still a refusal (recorded), never a forwarded call
+            logger.exception("mcp: deciding a tools/call of %s/%s failed", self.sandbox_id, self.server_name)
+            return await self._fail(msg, tool, arguments, Reason.INTERNAL_ERROR)
+        call = _Call(msg, tool, arguments, decision, facts=facts_record(facts), approval_id=decision.approval_id)
         if decision.allowed:
             try:
                 refused_key = await self.rt.state.count_calls(self.sandbox_id, decision.budget_keys)
             except StateUnavailable:
                 return await self._fail(msg, tool, arguments, Reason.STATE_UNAVAILABLE)
             if refused_key is not None:  # a concurrent call took the last one after the facts were read
-                call.decision = _budget_deny(policy, self.server_name, tool, decision, refused_key)
+                call.decision = budget_deny(policy, self.server_name, tool, decision, refused_key)
             else:
                 call.counted = tuple(key for key, _ in decision.budget_keys)
         elif decision.approval_kind is not None:
@@ -245,27 +253,27 @@ class McpSession:
         try:
             record = await state.get(self.sandbox_id)
             if record is None or record.revoked:
-                raise _Refused(Reason.SANDBOX_REVOKED)
+                raise Refused(Reason.SANDBOX_REVOKED)
             if self.server_side.pin_failed:
-                raise _Refused(Reason.STATE_UNAVAILABLE)
+                raise Refused(Reason.STATE_UNAVAILABLE)
             snap = None
-            if _needs_network(policy, self.server_name, tool):  # allowed_by_network: decided like a request
+            if needs_network(policy, self.server_name, tool):  # allowed_by_network: decided like a request
                 snap = await state.snapshot(self.sandbox_id, history=policy.history_patterns,
                                             rules=policy.budgeted_rules)
             counts, pins = await state.mcp_read(self.sandbox_id, self.server_name, [server_key, tool_key])
             self.server_side.known = dict(pins)
             # grants matter only to a tool that needs approval: no store read for the others
             grants: tuple = ()
-            if _needs_approval(policy, self.server_name, tool):
+            if needs_approval(policy, self.server_name, tool):
                 grants = await self.rt.approvals.grants(self.sandbox_id, now)
         except KeyError:
-            raise _Refused(Reason.SANDBOX_REVOKED) from None
+            raise Refused(Reason.SANDBOX_REVOKED) from None
         except StateUnavailable:
-            raise _Refused(Reason.STATE_UNAVAILABLE) from None
+            raise Refused(Reason.STATE_UNAVAILABLE) from None
         return McpFacts(
             sandbox_id=self.sandbox_id, labels=MappingProxyType(dict(record.labels)),  # current (readmission)
             server_calls=counts.get(server_key, 0), tool_calls=counts.get(tool_key, 0),
-            server_info_seen=_info(pins.get("server_info")), tool_schema_seen=pins.get("tool:" + tool),
+            server_info_seen=read_info(pins.get("server_info")), tool_schema_seen=pins.get("tool:" + tool),
             tool_schema_now=self.server_side.tool_hashes.get(tool), server_info_now=self.server_side.server_info_now,
             grants=grants, network_state=snap)
 
@@ -346,53 +354,3 @@ class McpSession:
                 self.ctx, request_id=pending.request_id, tool=pending.tool, jsonrpc_id=jsonrpc_id,
                 duration_ms=(time.monotonic() - pending.started) * 1000, no_response=True))
         self.calls.clear()
-
-
-class _Refused(Exception):
-    def __init__(self, reason: Reason) -> None:
-        self.reason = reason
-
-
-def _needs_network(policy: CompiledPolicy, server: str, tool: str) -> bool:
-    compiled = policy.mcp.servers.get(server)
-    entry = compiled.allowed.get(tool) if compiled is not None else None
-    return entry is not None and any(a.allowed_by_network for a in entry.arguments.values())
-
-
-def _needs_approval(policy: CompiledPolicy, server: str, tool: str) -> bool:
-    compiled = policy.mcp.servers.get(server)
-    entry = compiled.allowed.get(tool) if compiled is not None else None
-    return entry is not None and entry.approval_required
-
-
-def _info(raw: str | None) -> tuple[str, str] | None:
-    if raw is None:
-        return None
-    try:
-        name, version = json.loads(raw)
-    except (ValueError, TypeError):
-        raise _Refused(Reason.STATE_UNAVAILABLE) from None  # a corrupt pin is never "not seen yet"
-    return str(name), str(version)
-
-
-def _facts_record(facts: McpFacts) -> dict[str, Any]:
-    """What the decision read, for `audit replay` (docs/audit.md, MCP)."""
-    out: dict[str, Any] = {"server_calls": facts.server_calls, "tool_calls": facts.tool_calls}
-    for key in ("server_info_seen", "server_info_now"):
-        value = getattr(facts, key)
-        if value is not None:
-            out[key] = list(value)
-    for key in ("tool_schema_seen", "tool_schema_now"):
-        value = getattr(facts, key)
-        if value is not None:
-            out[key] = value
-    if facts.grants:
-        out["grants"] = [{k: v for k, v in g.to_json().items() if v is not None} for g in facts.grants]
-    return out
-
-
-def _budget_deny(policy: CompiledPolicy, server: str, tool: str, allowed: ToolDecision, key: str) -> ToolDecision:
-    from egressgate.policy.messages import mcp_message
-
-    message = mcp_message(policy, Reason.BUDGET_EXCEEDED, server, tool, rule_id=allowed.rule_id, detail=key)
-    return ToolDecision("deny", Reason.BUDGET_EXCEEDED, allowed.rule_id, message, detail=key)
