@@ -37,16 +37,27 @@ def request_id(i: int) -> str:
 
 
 def event(i: int, deny: bool, host: str, realistic: bool = True) -> AuditEvent:
-    """The decision event of record `i` (the template's content, with real values)."""
+    """The decision event of record `i` (the template's content, with real values); `realistic=False`: the
+    smallest decision record (id, hash, sandbox, host, decision, reason: ~0.9 kB instead of ~2.4 kB)."""
+    if not realistic:
+        return AuditEvent(kind=EventKind.HTTP_REQUEST, time_ns=T0 + i * 1_000_000, request_id=request_id(i),
+                          sandbox_id=f"sbx-{HOSTS.index(host)}", decision="deny" if deny else "allow",
+                          reason="no_rule_matched" if deny else "rule_matched", host=host,
+                          request_hash=request_hash(i))
+    return _event(i, deny, host)
+
+
+def _event(i: int, deny: bool, host: str) -> AuditEvent:
     base: dict = dict(kind=EventKind.HTTP_REQUEST, time_ns=T0 + i * 1_000_000, request_id=request_id(i),
                       sandbox_id=f"sbx-{HOSTS.index(host)}", decision="deny" if deny else "allow",
                       reason="no_rule_matched" if deny else "rule_matched", rule_id=None if deny else "r1",
                       host=host, request_hash=request_hash(i))
-    if realistic:  # what a gateway writes for a proxied HTTPS request (tests/support/audit_events.py)
-        base.update(sandbox_labels={"team": "finance", "egressgate.request.hash": "sha256:" + "0" * 64},
-                    policy_name="invoice-analysis", policy_hash="sha256:" + "ab" * 32,
-                    target_as_sent=f"https://{host}/v1/responses", scheme="https", port=443, method="POST",
-                    path="/v1/responses", pinned_address="198.18.0.10", bytes_out=120)
+    # what a gateway writes for a proxied HTTPS request (tests/support/audit_events.py), and a hostile label
+    # spelling a top-level attribute (the index must never read it as the record's own request hash)
+    base.update(sandbox_labels={"team": "finance", "egressgate.request.hash": "sha256:" + "0" * 64},
+                policy_name="invoice-analysis", policy_hash="sha256:" + "ab" * 32,
+                target_as_sent=f"https://{host}/v1/responses", scheme="https", port=443, method="POST",
+                path="/v1/responses", pinned_address="198.18.0.10", bytes_out=120)
     return AuditEvent(**base)
 
 

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from egressgate.audit.chain import OP_CHAIN_START
-from egressgate.audit.index.extract import LineError, fields_of
+from egressgate.audit.index.extract import LineError, chain_hashes, values_of
 
 CHUNK = 8 << 20  # bytes read per step (one SQLite transaction per step)
 
@@ -96,34 +96,40 @@ def scan(fd: int, state: FileState, until: int) -> Iterator[tuple[list[tuple], i
 
 
 def _rows(state: FileState, data: bytes, end: int, base: int) -> list[tuple]:
+    """Rows (schema.RECORD_COLUMNS order) of the complete lines data[:end] (at file offset `base`)."""
     rows: list[tuple] = []
     append = rows.append
     fid = state.id
     offset = base
-    lines = data[: end - 1].split(b"\n")
-    for raw in lines:
+    number = state.lines
+    for raw in data[: end - 1].split(b"\n"):
         length = len(raw) + 1
-        state.lines += 1
-        number = state.lines
+        number += 1
         try:
-            f = fields_of(raw)
+            recorded, computed = chain_hashes(raw)
+            seq, prev, time_ns, kind, rid, rhash, sandbox, host, decision, reason, rule, trigger, final = values_of(raw)
         except LineError as exc:
             _break(state, number, f"line {number}: not a valid chained record (edited or corrupted): {exc}")
             state.next_seq += 1
         else:
-            if state.broken_line is None:
-                _check_link(state, number, f.seq, f.prev, f.recorded, f.computed, f.kind)
-            state.next_seq = (f.seq if f.seq is not None else state.next_seq) + 1
-            state.last_hash = f.recorded
-            if f.final:
+            if state.broken_line is None and not (  # the common case, inline; _check_link says why not
+                    computed == recorded and seq == state.next_seq and not state.sealed
+                    and (prev == state.last_hash if seq else kind == OP_CHAIN_START)):
+                _check_link(state, number, seq, prev, recorded, computed, kind)
+            if number == 1:
+                state.first_prev = prev
+            state.next_seq = (state.next_seq if seq is None else seq) + 1
+            state.last_hash = recorded
+            if final:
                 state.sealed = True
-            append((fid, offset, length, number, -1 if f.seq is None else f.seq, f.recorded,
-                    state.broken_line is None, f.time_ns, f.kind, f.request_id, f.request_hash, f.sandbox, f.host,
-                    f.decision, f.reason, f.rule, f.trigger, None if f.computed == f.recorded else f.computed))
+            append((fid, offset, length, number, -1 if seq is None else seq, recorded, state.broken_line is None,
+                    time_ns, kind, rid, rhash, sandbox, host, decision, reason, rule, trigger,
+                    None if computed == recorded else computed))
         if number == 1:
             state.head_sha, state.head_len = _sha(data[offset - base : offset - base + length]), length
         state.tail_off = offset
         offset += length
+    state.lines = number
     state.tail_sha = _sha(data[state.tail_off - base : end])
     state.indexed_size = base + end
     return rows
@@ -137,7 +143,6 @@ def _check_link(state: FileState, number: int, seq: int | None, prev: str | None
     elif seq != state.next_seq:
         _break(state, number, f"{where}: expected seq {state.next_seq} (records removed, reordered or inserted)")
     elif seq == 0:
-        state.first_prev = prev
         if kind != OP_CHAIN_START:
             _break(state, number, f"{where}: first record is not a chain_start record (records removed)")
     elif prev != state.last_hash:
