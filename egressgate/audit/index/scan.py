@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 
 from egressgate.audit.chain import OP_CHAIN_START
@@ -75,43 +77,86 @@ def first_line_sha(fd: int, head_len: int) -> str:
     return _sha(os.pread(fd, head_len, 0))
 
 
-def scan(fd: int, state: FileState, until: int) -> Iterator[tuple[list[tuple], int]]:
-    """Index the complete lines between `state.indexed_size` and `until` (the size seen at open), one chunk
-    at a time: yields (rows, partial bytes left) after updating `state`; the caller commits both."""
+def chunks(fd: int, start: int, until: int) -> Iterator[tuple[int, bytes, int]]:
+    """(file offset, complete lines, 0) steps between `start` and `until`; last, (offset, b"", n) when an
+    incomplete line of n bytes remains (a writer mid-append: it is indexed next time, whole)."""
     chunk = CHUNK
-    while state.indexed_size < until:
-        pos = state.indexed_size
+    pos = start
+    while pos < until:
         data = os.pread(fd, min(chunk, until - pos), pos)
         if not data:
             return
         end = data.rfind(b"\n") + 1
         if end == 0:
             if pos + len(data) >= until:
-                yield [], len(data)  # a partial last line: next time
+                yield pos, b"", len(data)
                 return
             chunk *= 2  # one line longer than a chunk
             continue
-        yield _rows(state, data, end, pos), 0
+        yield pos, data[:end], 0
+        pos += end
         chunk = CHUNK
 
 
-def _rows(state: FileState, data: bytes, end: int, base: int) -> list[tuple]:
-    """Rows (schema.RECORD_COLUMNS order) of the complete lines data[:end] (at file offset `base`)."""
+def parse_lines(data: bytes) -> list[tuple]:
+    """Per line of `data` (complete lines): (length, recorded hash, computed hash, *extract.SLOTS values), or
+    (length, why) for a line that is not a chained record. Pure: runs in worker processes for big builds."""
+    out: list[tuple] = []
+    append = out.append
+    for raw in data[:-1].split(b"\n"):
+        try:
+            append((len(raw) + 1, *chain_hashes(raw), *values_of(raw)))
+        except LineError as exc:
+            append((len(raw) + 1, str(exc)))
+    return out
+
+
+def scan(fd: int, state: FileState, until: int, pool: Executor | None = None) -> Iterator[tuple[list[tuple], int]]:
+    """Index the complete lines between `state.indexed_size` and `until` (the size seen at open), one chunk
+    at a time: yields (rows, partial bytes left) after updating `state`; the caller commits both. With a
+    process `pool`, lines are parsed and hashed in parallel; the chain is still checked here, in order."""
+    steps = chunks(fd, state.indexed_size, until)
+    if pool is None:
+        for base, data, partial in steps:
+            if partial:
+                yield [], partial
+                return
+            yield apply(state, parse_lines(data), data, base), 0
+        return
+    pending: deque[tuple[int, bytes, Future]] = deque()
+    partial = 0
+    depth = 2 * getattr(pool, "_max_workers", 2)
+    for base, data, partial in steps:
+        if partial:
+            break
+        pending.append((base, data, pool.submit(parse_lines, data)))
+        if len(pending) > depth:
+            base, data, future = pending.popleft()
+            yield apply(state, future.result(), data, base), 0
+    while pending:
+        base, data, future = pending.popleft()
+        yield apply(state, future.result(), data, base), 0
+    if partial:
+        yield [], partial
+
+
+def apply(state: FileState, parsed: list[tuple], data: bytes, base: int) -> list[tuple]:
+    """Check the chain of parsed lines (in file order) and build their rows (schema.RECORD_COLUMNS order)."""
+    assert base == state.indexed_size, "chunks are applied in file order"
     rows: list[tuple] = []
     append = rows.append
     fid = state.id
     offset = base
     number = state.lines
-    for raw in data[: end - 1].split(b"\n"):
-        length = len(raw) + 1
+    for item in parsed:
+        length = item[0]
         number += 1
-        try:
-            recorded, computed = chain_hashes(raw)
-            seq, prev, time_ns, kind, rid, rhash, sandbox, host, decision, reason, rule, trigger, final = values_of(raw)
-        except LineError as exc:
-            _break(state, number, f"line {number}: not a valid chained record (edited or corrupted): {exc}")
+        if len(item) == 2:
+            _break(state, number, f"line {number}: not a valid chained record (edited or corrupted): {item[1]}")
             state.next_seq += 1
         else:
+            _, recorded, computed, seq, prev, time_ns, kind, rid, rhash, sandbox, host, decision, reason, rule, \
+                trigger, final = item
             if state.broken_line is None and not (  # the common case, inline; _check_link says why not
                     computed == recorded and seq == state.next_seq and not state.sealed
                     and (prev == state.last_hash if seq else kind == OP_CHAIN_START)):
@@ -130,8 +175,8 @@ def _rows(state: FileState, data: bytes, end: int, base: int) -> list[tuple]:
         state.tail_off = offset
         offset += length
     state.lines = number
-    state.tail_sha = _sha(data[state.tail_off - base : end])
-    state.indexed_size = base + end
+    state.tail_sha = _sha(data[state.tail_off - base :])
+    state.indexed_size = base + len(data)
     return rows
 
 

@@ -10,11 +10,15 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import logging
+import multiprocessing
 import os
 import sqlite3
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Executor, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 from egressgate.audit.index import query
@@ -24,14 +28,23 @@ from egressgate.audit.index.scan import FILE_COLUMNS, FileState, changed, first_
 from egressgate.audit.index.schema import INSERT_RECORD, connect, create_db_file, ensure_schema
 
 # constant column names only (noqa: S608)
+log = logging.getLogger(__name__)
 _FILE_SELECT = f"SELECT {', '.join(FILE_COLUMNS)} FROM files"  # noqa: S608
 _FILE_UPSERT = (f"INSERT OR REPLACE INTO files({', '.join(FILE_COLUMNS)}) "  # noqa: S608
                 f"VALUES ({', '.join('?' * len(FILE_COLUMNS))})")
 
 
+# A backlog at least this large is parsed by `workers` processes (when workers > 1): below it, starting the
+# processes costs more than it saves.
+PARALLEL_MIN_BYTES = 16 << 20
+
+
 class AuditIndex:
-    def __init__(self, db_path: str | Path) -> None:
+    def __init__(self, db_path: str | Path, *, workers: int = 1) -> None:
+        """`workers` > 1: big backlogs (a first build) are parsed and hashed by that many processes (the
+        chain is still checked in order, here). The gateway's follower keeps 1: no processes in a server."""
         self.db_path = Path(db_path)
+        self.workers = max(1, workers)
         self._local = threading.local()
         self._conns: list[sqlite3.Connection] = []
         self._conns_lock = threading.Lock()
@@ -103,8 +116,11 @@ class AuditIndex:
             with self._writer(wait) as conn:
                 known = self._files(conn)
                 self._follow_renames(conn, known, opened, stats)
-                for path, (fd, st) in opened.items():
-                    self._index_file(conn, known.get(path), path, fd, st, stats)
+                backlog = sum(st.st_size - (known[p].indexed_size if p in known else 0)
+                              for p, (_, st) in opened.items())
+                with self._pool(backlog) as pool:
+                    for path, (fd, st) in opened.items():
+                        self._index_file(conn, known.get(path), path, fd, st, stats, pool)
         finally:
             for fd, _ in opened.values():
                 os.close(fd)
@@ -140,8 +156,18 @@ class AuditIndex:
         conn.execute("DELETE FROM records WHERE file_id = ?", (state.id,))
         conn.execute("DELETE FROM files WHERE id = ?", (state.id,))
 
+    @contextlib.contextmanager
+    def _pool(self, backlog: int) -> Iterator[Executor | None]:
+        if self.workers < 2 or backlog < PARALLEL_MIN_BYTES:
+            yield None
+            return
+        # forkserver, not fork: the caller may have threads (a fork would copy their locks mid-use)
+        context = multiprocessing.get_context("forkserver")
+        with ProcessPoolExecutor(max_workers=self.workers, mp_context=context) as pool:
+            yield pool
+
     def _index_file(self, conn: sqlite3.Connection, state: FileState | None, path: str, fd: int,
-                    st: os.stat_result, stats: IndexStats) -> None:
+                    st: os.stat_result, stats: IndexStats, pool: Executor | None = None) -> None:
         if state is not None:
             why = ("a record read back did not match the indexed bytes" if path in self._stale
                    else changed(fd, st, state))
@@ -158,7 +184,20 @@ class AuditIndex:
             state.id = conn.execute(_FILE_UPSERT, state.as_row()).lastrowid
             conn.execute("COMMIT")
         was_broken = state.broken_line is not None
-        for rows, partial in scan(fd, state, st.st_size):
+        try:
+            self._store(conn, scan(fd, state, st.st_size, pool), state, stats)
+        except BrokenProcessPool as exc:  # e.g. a __main__ the workers cannot import: go on in this process
+            log.warning("audit index: worker processes failed (%s); indexing %s in this process", exc, path)
+            self._store(conn, scan(fd, state, st.st_size, None), state, stats)
+        if state.broken_line is not None and not was_broken:
+            stats.broken.append(f"{path}: {state.broken_reason}")
+
+    @staticmethod
+    def _store(conn: sqlite3.Connection, steps: Iterator[tuple[list[tuple], int]], state: FileState,
+               stats: IndexStats) -> None:
+        """Commit each step's rows with the file's new state (one transaction: a crash never leaves rows
+        without the offset that says they are there, nor the reverse)."""
+        for rows, partial in steps:
             stats.partial_bytes += partial
             if not rows and partial:
                 break
@@ -171,8 +210,6 @@ class AuditIndex:
                 conn.execute("ROLLBACK")
                 raise
             stats.added += len(rows)
-        if state.broken_line is not None and not was_broken:
-            stats.broken.append(f"{path}: {state.broken_reason}")
 
     # --- reading --------------------------------------------------------------------------------------
 
