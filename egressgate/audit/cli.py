@@ -180,13 +180,15 @@ def _find_indexed(db: Path, files: tuple[str, ...], request_hash: str | None, re
               help="Index database (default: <first file>.index.sqlite, named after the file's chain).")
 @click.option("--verify", "reverify", is_flag=True,
               help="Also re-read every indexed line and re-index files whose bytes changed.")
-def index_cmd(files: tuple[str, ...], db: str | None, reverify: bool) -> None:
+@click.option("--workers", type=click.IntRange(1, 64), default=1, show_default=True,
+              help="Processes that parse and hash a large backlog (a first build) in parallel.")
+def index_cmd(files: tuple[str, ...], db: str | None, reverify: bool, workers: int) -> None:
     """Build or update the SQLite index of FILES (only new lines are read); exit 1 when a hash chain breaks."""
     from egressgate.audit.index import AuditIndex, IndexBusy
 
     path = Path(db) if db else default_index_path(files[0])
     try:
-        with AuditIndex(path) as index:
+        with AuditIndex(path, workers=workers) as index:
             stats = index.add_files(list(files))
             report = index.verify() if reverify else None
     except IndexBusy as exc:

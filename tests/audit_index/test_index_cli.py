@@ -95,3 +95,19 @@ async def test_the_console_script(make_sink):
     assert found.returncode == 0, found.stderr
     out = found.stdout.splitlines()
     assert len(out) == 3 and all('"r7"' in line for line in out)
+
+
+def test_parallel_build_through_the_console_script(tmp_path):
+    """`--workers 2` on a backlog past PARALLEL_MIN_BYTES parses in worker processes, which import the
+    entry module (`python -m egressgate`): they must not run the CLI again, nor fall back."""
+    from egressgate.audit.index.store import PARALLEL_MIN_BYTES
+    from tests.audit_index.chaingen import request_hash, write_chain
+
+    path = write_chain(tmp_path / "audit.jsonl", 8000)
+    assert path.stat().st_size > PARALLEL_MIN_BYTES  # control: big enough to use the workers
+    built = cli("audit", "index", "--workers", "2", str(path))
+    assert built.returncode == 0, built.stderr
+    assert ": 8000 new records from 1 files" in built.stdout
+    assert "worker processes failed" not in built.stderr and "Traceback" not in built.stderr, built.stderr
+    found = cli("audit", "find", str(path), "--request-hash", request_hash(4321))
+    assert found.returncode == 0 and "req-000004321" in found.stdout and found.stderr == ""
