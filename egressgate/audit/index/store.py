@@ -14,6 +14,7 @@ import logging
 import multiprocessing
 import os
 import sqlite3
+import stat
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -108,11 +109,16 @@ class AuditIndex:
                 path = os.path.abspath(p)
                 if path in opened:
                     continue
-                try:
-                    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                try:  # O_NONBLOCK: a FIFO given by mistake must not hang the indexer
+                    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
                 except FileNotFoundError:
                     continue  # rotated away between listing and opening: found under its new name next time
-                opened[path] = (fd, os.fstat(fd))
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
+                    os.close(fd)
+                    log.warning("audit index: %s is not a regular file; skipped", path)
+                    continue
+                opened[path] = (fd, st)
             with self._writer(wait) as conn:
                 known = self._files(conn)
                 self._follow_renames(conn, known, opened, stats)
@@ -228,7 +234,9 @@ class AuditIndex:
 
     def record_line(self, hit: Hit) -> bytes:
         """The line (without newline) read back from the JSONL file at `hit.offset`, re-checked: the same file
-        (device, inode), a whole line, the chain hash and the recomputed hash seen when indexing.
+        (device, inode), a whole line, the chain hash and the recomputed hash seen when indexing. Only a row
+        of the index can be read (rowid, file and offset must match one): a Hit built from a request's input
+        cannot name another file or offset.
         Raises IndexStale (the file is then re-indexed by the next add_files)."""
         conn = self._conn()
         row = conn.execute("SELECT f.dev, f.ino, r.computed FROM records r JOIN files f ON f.id = r.file_id "
