@@ -8,21 +8,36 @@ input at the recorded time under a new policy answers "what would this policy ha
 What replay cannot reproduce (documented in docs/audit.md): decisions made outside the policy engine
 (identity, Host/SNI consistency, self-connection, dependency failures) are skipped; without recorded state
 the sandbox's past is reconstructed from the log itself (approximate); state is the *recorded* history,
-not the counterfactual one (a request the new policy would deny still counts as seen).
+not the counterfactual one (a request the new policy would deny still counts as seen). MCP tool calls
+(`mcp_tool_call` records) are re-decided by audit/replay_mcp.py.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import json
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from egressgate.approvals.grant import Grant
-from egressgate.audit.find import iter_records
-from egressgate.audit.record import K_DNS_NAME, K_HOST, K_LABELS, K_OPERATION, K_SCHEME, addresses_of
-from egressgate.policy.facts import Decision, Facts, Operation, RuleUsage, SandboxState
+from egressgate.audit.find import Found, iter_records
+from egressgate.audit.record import (
+    K_DNS_NAME,
+    K_HOST,
+    K_OPERATION,
+    Record,
+    RecordFormatError,
+    addresses_of,
+    parse_line,
+)
+from egressgate.audit.replay_format import format_table, printable
+from egressgate.audit.replay_mcp import OPERATION as MCP_OPERATION
+from egressgate.audit.replay_mcp import McpHistory, NotReplayable, replay_tool_call
+from egressgate.audit.replay_state import History, as_int, grants_from, state_from, update_history
+from egressgate.policy.canon import canon_host
+from egressgate.policy.facts import Decision, Facts, Operation, SandboxState
+
+__all__ = ["Change", "Flip", "ReplayResult", "format_table", "printable", "replay", "replay_diff", "replay_records"]
 
 REPLAYABLE = {op.value for op in Operation}
 # Denials decided by the gateway before / outside decide(): a policy cannot change them.
@@ -61,10 +76,25 @@ class Change:
     new_decision: str
     new_rule: str | None
     new_reason: str
+    request_id: str | None = None
 
     @property
     def direction(self) -> str:
         return f"{self.old_decision}->{self.new_decision}"
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain data for the console's JSON API (every string is attacker-influenced: data, never HTML)."""
+        return {
+            "file": self.path, "line": self.line, "time_ns": self.time_ns, "sandbox": self.sandbox_id,
+            "request_id": self.request_id, "operation": self.operation, "target": self.target,
+            "direction": self.direction,
+            "old": {"decision": self.old_decision, "rule": self.old_rule, "reason": self.old_reason},
+            "new": {"decision": self.new_decision, "rule": self.new_rule, "reason": self.new_reason},
+        }
+
+
+# A decision that changes under a candidate policy (what `replay_diff` returns).
+Flip = Change
 
 
 @dataclass(slots=True)
@@ -77,26 +107,11 @@ class ReplayResult:
     # approval id -> replayed decisions it allowed (reason approval_granted): allowed by an operator's
     # approval (recorded in egressgate.state.approvals), not by any rule of the replayed policy
     by_approval: dict[str, int] = field(default_factory=dict)
+    arguments_unchecked: int = 0  # MCP tool calls re-decided without their arguments (not recorded)
+    truncated: bool = False  # stopped at `limit` changes
 
     def skip(self, why: str) -> None:
         self.skipped[why] = self.skipped.get(why, 0) + 1
-
-
-@dataclass(slots=True)
-class _History:
-    """The sandbox's past as seen in the log, for records that carry no recorded state."""
-
-    admitted_at: float | None = None
-    bytes_out: int = 0
-    bytes_in: int = 0
-    dns_queries: int = 0
-    dns_name_bytes: int = 0
-    seen_hosts: set[str] = field(default_factory=set)
-    usage: dict[str, list[int]] = field(default_factory=dict)
-
-
-def _int(v: Any, default: int = 0) -> int:
-    return v if isinstance(v, int) and not isinstance(v, bool) else default
 
 
 def facts_from(attrs: dict[str, Any]) -> Facts:
@@ -104,6 +119,14 @@ def facts_from(attrs: dict[str, Any]) -> Facts:
     host = attrs.get(K_HOST) or attrs.get(K_DNS_NAME)
     if not isinstance(host, str):
         raise ValueError("record has no host")
+    # The engine is only ever given canonical hosts (policy.canon) and origin-form paths; a record holding
+    # anything else was not written by the gateway for a decision (a forged or corrupted line) and cannot
+    # be re-decided: it is skipped, never a traceback in the auditor's tool (CanonError is a ValueError).
+    if canon_host(host) != host:
+        raise ValueError("record host is not canonical")
+    path = attrs.get("url.path")
+    if isinstance(path, str) and not path.startswith("/"):
+        raise ValueError("record path is not in origin form")
     port = attrs.get("server.port")
     return Facts(
         operation=op,
@@ -113,103 +136,13 @@ def facts_from(attrs: dict[str, Any]) -> Facts:
         method=attrs.get("http.request.method")
         if isinstance(attrs.get("http.request.method"), str)
         else None,
-        path=attrs.get("url.path") if isinstance(attrs.get("url.path"), str) else None,
+        path=path if isinstance(path, str) else None,
         addresses=addresses_of(attrs),
         qtype=attrs.get("egressgate.dns.qtype")
         if isinstance(attrs.get("egressgate.dns.qtype"), str)
         else None,
-        request_bytes=_int(attrs.get("egressgate.facts.request_bytes")),
+        request_bytes=as_int(attrs.get("egressgate.facts.request_bytes")),
     )
-
-
-def state_from(
-    attrs: dict[str, Any], sandbox_id: str, hist: _History, time_s: float
-) -> tuple[SandboxState, bool]:
-    """(state, exact). Exact when the gateway recorded the state it decided on."""
-    labels = attrs.get(K_LABELS) if isinstance(attrs.get(K_LABELS), dict) else {}
-    labels = {str(k): str(v) for k, v in labels.items()}
-    if "egressgate.state.admitted_at" in attrs:
-        usage_raw = attrs.get("egressgate.state.rule_usage")
-        usage = {
-            str(rule): RuleUsage(_int(u.get("requests")), _int(u.get("bytes")))
-            for rule, u in (usage_raw.items() if isinstance(usage_raw, dict) else ())
-            if isinstance(u, dict)
-        }
-        seen = attrs.get("egressgate.state.seen_hosts")
-        # A record may carry only the fields its decision reads (DNS records: admitted_at and the DNS
-        # counters); the fields it leaves out come from the log's history, as without recorded state.
-        # Gateway records carry only the history hosts and rule usage the *recording* policy could read
-        # (CompiledPolicy.relevant_state); a replayed policy may ask about others, so the recorded values
-        # are merged over what the log's history says.
-        history_usage = {r: RuleUsage(u[0], u[1]) for r, u in hist.usage.items()}
-        return SandboxState(
-            sandbox_id=sandbox_id,
-            admitted_at=float(attrs["egressgate.state.admitted_at"]),
-            labels=labels,
-            bytes_out=_int(attrs.get("egressgate.state.bytes_out"), hist.bytes_out),
-            bytes_in=_int(attrs.get("egressgate.state.bytes_in"), hist.bytes_in),
-            dns_queries=_int(attrs.get("egressgate.state.dns_queries"), hist.dns_queries),
-            dns_name_bytes=_int(attrs.get("egressgate.state.dns_name_bytes"), hist.dns_name_bytes),
-            seen_hosts=frozenset(hist.seen_hosts).union(str(h) for h in seen)
-            if isinstance(seen, list) else frozenset(hist.seen_hosts),
-            rule_usage={**history_usage, **usage} if isinstance(usage_raw, dict) else history_usage,
-            approvals=grants_from(attrs.get("egressgate.state.approvals")),
-        ), True
-    return SandboxState(
-        sandbox_id=sandbox_id,
-        admitted_at=hist.admitted_at if hist.admitted_at is not None else time_s,
-        labels=labels,
-        bytes_out=hist.bytes_out,
-        bytes_in=hist.bytes_in,
-        dns_queries=hist.dns_queries,
-        dns_name_bytes=hist.dns_name_bytes,
-        seen_hosts=frozenset(hist.seen_hosts),
-        rule_usage={r: RuleUsage(u[0], u[1]) for r, u in hist.usage.items()},
-    ), False
-
-
-def grants_from(raw: Any) -> tuple[Grant, ...]:
-    """The operator approvals the gateway decided with (`egressgate.state.approvals`); a malformed entry
-    grants nothing in the replay either."""
-    out = []
-    for item in raw if isinstance(raw, list) else ():
-        try:
-            out.append(Grant.from_json(item) if isinstance(item, dict) else None)
-        except ValueError:
-            continue
-    return tuple(g for g in out if g is not None)
-
-
-def _update_history(hist: _History, attrs: dict[str, Any], time_s: float) -> None:
-    op = attrs.get(K_OPERATION)
-    if hist.admitted_at is None:
-        hist.admitted_at = time_s  # first sight; an admission record (below) is exact
-    if op == "admission":
-        hist.admitted_at = time_s
-    elif op == "outcome":
-        hist.bytes_out += _int(attrs.get("egressgate.bytes.out"))
-        hist.bytes_in += _int(attrs.get("egressgate.bytes.in"))
-    elif op == "dns_query":
-        hist.dns_queries += 1
-        hist.dns_name_bytes += len(str(attrs.get(K_DNS_NAME) or attrs.get(K_HOST) or "").encode())
-    elif attrs.get("egressgate.decision") == "allow" and (
-            op == "http_request" or (op == "connect" and _relayed(attrs))):
-        host = attrs.get(K_HOST)
-        if isinstance(host, str):
-            hist.seen_hosts.add(host)
-        rule = attrs.get("egressgate.rule")
-        if isinstance(rule, str):
-            u = hist.usage.setdefault(rule, [0, 0])
-            u[0] += 1
-            u[1] += _int(attrs.get("egressgate.facts.request_bytes"))
-
-
-def _relayed(attrs: dict[str, Any]) -> bool:
-    """A connect record of a tunnel the gateway relays unread (a tcp rule, `tls: passthrough`): that tunnel
-    is the request and entered the sandbox's history (gateway/history.py); an intercepted tunnel's
-    requests have their own records."""
-    return (attrs.get("egressgate.intercept") is False or attrs.get(K_SCHEME) == "tcp"
-            or attrs.get("egressgate.tls") == "passthrough")
 
 
 def load_policy_set(path: str | Path) -> tuple[dict[str, Any], Any | None]:
@@ -226,23 +159,97 @@ def load_policy_set(path: str | Path) -> tuple[dict[str, Any], Any | None]:
 def replay(
     paths: Sequence[str | Path], policy_path: str | Path, decide: Decide | None = None
 ) -> ReplayResult:
+    policies, single = load_policy_set(policy_path)
+    return replay_records(iter_records(paths), policies, single, decide)
+
+
+def replay_records(
+    records: Iterable[Found],
+    policies: Mapping[str, Any],
+    single: Any | None,
+    decide: Decide | None = None,
+    *,
+    sandbox: str | None = None,
+    since_ns: int | None = None,
+    limit: int | None = None,
+) -> ReplayResult:
+    """Re-decide `records` (in log order) under `single` (every record) or `policies` (by the record's
+    policy name). The one replay path: the CLI, `replay_diff` and `policy learn` all come through here.
+
+    `sandbox` keeps only that sandbox's records (the others never enter the result, nor its history).
+    Records before `since_ns` still build the sandbox's history (its state at later records) but are
+    not re-decided. `limit` stops after that many changes (`truncated` says so)."""
     if decide is None:
         from egressgate.policy.decide import decide as decide_fn
 
         decide = decide_fn
-    policies, single = load_policy_set(policy_path)
     result = ReplayResult()
-    history: dict[str, _History] = {}
-    for found in iter_records(paths):
+    history: dict[str, History] = {}
+    mcp_history = McpHistory()
+    for found in records:
         attrs = found.record.attributes
         op = attrs.get(K_OPERATION)
         sandbox_id = str(attrs.get("egressgate.sandbox.id", ""))
+        if sandbox is not None and sandbox_id != sandbox:
+            continue
         time_s = found.record.time_ns / 1e9
-        hist = history.setdefault(sandbox_id, _History())
-        if op in REPLAYABLE:
+        hist = history.setdefault(sandbox_id, History())
+        if op in REPLAYABLE and (since_ns is None or found.record.time_ns >= since_ns):
             _replay_one(found, attrs, sandbox_id, hist, time_s, policies, single, decide, result)
-        _update_history(hist, attrs, time_s)
+            if limit is not None and len(result.changes) >= limit:
+                result.truncated = True
+                break
+        elif op == MCP_OPERATION and (since_ns is None or found.record.time_ns >= since_ns):
+            _replay_tool_call(found, attrs, sandbox_id, mcp_history, time_s, policies, single, result)
+            if limit is not None and len(result.changes) >= limit:
+                result.truncated = True
+                break
+        update_history(hist, attrs, time_s)
+        mcp_history.update(sandbox_id, attrs)
     return result
+
+
+RecordLike = Found | Record | bytes | str | Mapping[str, Any]
+
+
+def as_found(records: Iterable[RecordLike], source: str = "<records>") -> Iterator[Found]:
+    """Records from any caller (files, the index, the console) as `Found`: a raw JSONL line or its parsed
+    OTLP/JSON document (`AuditIndex.record`) is parsed (an unparseable one is skipped, as `iter_records`
+    does: `audit verify` reports those); a bare `Record` or line gets its position in the sequence as its
+    line number (build `Found(file, line, raw, record)` to keep the file's own positions)."""
+    for number, item in enumerate(records, start=1):
+        if isinstance(item, Found):
+            yield item
+        elif isinstance(item, Record):
+            yield Found(source, number, b"", item)
+        else:
+            if isinstance(item, Mapping):
+                item = json.dumps(item)
+            raw = item.encode() if isinstance(item, str) else item
+            try:
+                yield Found(source, number, raw, parse_line(raw))
+            except RecordFormatError:
+                continue
+
+
+def replay_diff(
+    records: Iterable[RecordLike],
+    candidate_policy_set: Any,
+    sandbox: str | None = None,
+    since_ns: int | None = None,
+    limit: int | None = None,
+) -> list[Flip]:
+    """The decisions of `records` that `candidate_policy_set` would change (pure: no file, no clock).
+
+    `candidate_policy_set` is one compiled policy (applies to every record, like `audit replay --policy
+    FILE`) or a mapping name -> compiled policy (matched by the record's policy name, like a directory)."""
+    if isinstance(candidate_policy_set, Mapping):
+        policies, single = candidate_policy_set, None
+    else:
+        policies, single = {candidate_policy_set.name: candidate_policy_set}, candidate_policy_set
+    return replay_records(
+        as_found(records), policies, single, sandbox=sandbox, since_ns=since_ns, limit=limit
+    ).changes
 
 
 def _replay_one(
@@ -291,6 +298,7 @@ def _replay_one(
             new_decision,
             _rule_or_approval(new.rule_id, new.approval_id, str(new.reason)),
             str(new.reason),
+            str(attrs["egressgate.request.id"]) if isinstance(attrs.get("egressgate.request.id"), str) else None,
         )
     )
 
@@ -305,39 +313,39 @@ def _rule_or_approval(rule: Any, approval_id: Any, reason: Any) -> str | None:
     return None
 
 
-def printable(text: str) -> str:
-    """Terminal-safe: a recorded hostile target must not drive the auditor's terminal (ANSI, CR)."""
-    return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in text)
+def _replay_tool_call(found, attrs, sandbox_id, mcp_history, time_s, policies, single, result) -> None:
+    """An `mcp_tool_call` record (audit/replay_mcp.py says what is and is not re-decided)."""
+    policy = single or policies.get(str(attrs.get("egressgate.policy.name")))
+    if policy is None:
+        result.skip(f"no policy named {attrs.get('egressgate.policy.name')!r}")
+        return
+    try:
+        done = replay_tool_call(policy, attrs, sandbox_id, mcp_history, time_s, grants_from)
+    except NotReplayable as exc:
+        result.skip(str(exc))
+        return
+    result.replayed += 1
+    result.approximated_state += not done.exact_state
+    result.arguments_unchecked += not done.arguments_checked
+    new, old, reason = done.decision, attrs.get("egressgate.decision"), attrs.get("egressgate.reason")
+    if new.approval_id is not None and new.allowed:
+        result.by_approval[new.approval_id] = result.by_approval.get(new.approval_id, 0) + 1
+    if new.decision == old:
+        result.unchanged += 1
+        return
+    result.changes.append(Change(
+        found.path, found.line, found.record.time_ns, sandbox_id, MCP_OPERATION, done.target, str(old),
+        _rule_or_approval(attrs.get("egressgate.rule"), attrs.get("egressgate.approval.id"), reason),
+        str(reason) if reason is not None else None, new.decision,
+        _rule_or_approval(new.rule_id, new.approval_id, str(new.reason)), str(new.reason),
+        str(attrs["egressgate.request.id"]) if isinstance(attrs.get("egressgate.request.id"), str) else None))
 
 
-def format_table(result: ReplayResult) -> str:
-    rows = [
-        ("TIME (UTC)", "SANDBOX", "OPERATION", "TARGET", "CHANGE", "OLD RULE / REASON", "NEW RULE / REASON")
-    ]
-    for c in result.changes:
-        when = datetime.fromtimestamp(c.time_ns / 1e9, UTC).strftime("%Y-%m-%dT%H:%M:%S")
-        rows.append(
-            (
-                when,
-                c.sandbox_id,
-                c.operation,
-                c.target,
-                c.direction,
-                f"{c.old_rule or '-'} / {c.old_reason or '-'}",
-                f"{c.new_rule or '-'} / {c.new_reason}",
-            )
-        )
-    rows = [tuple(printable(cell) for cell in row) for row in rows]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
-    summary = f"{len(result.changes)} changed, {result.unchanged} unchanged, {result.replayed} replayed" + (
-        f", {result.approximated_state} with state reconstructed from the log"
-        if result.approximated_state
-        else ""
-    )
-    for approval_id, n in sorted(result.by_approval.items()):
-        summary += (f"\n{n} allowed by operator approval {printable(approval_id)} (approval_granted, not a rule; the "
-                    "`approval` audit records say who granted it, its scope and expiry)")
-    for why, n in sorted(result.skipped.items()):
-        summary += f"\nskipped {n}: {why}"
-    return ("\n".join(lines) + "\n" if result.changes else "") + summary
+def _rule_or_approval(rule: Any, approval_id: Any, reason: Any) -> str | None:
+    """What allowed (or was asked of) a decision: its rule, or `approval <id>` when an operator's approval
+    allowed it (approval_granted) or was asked for (approval_required)."""
+    if isinstance(rule, str):
+        return rule
+    if reason in ("approval_granted", "approval_required") and isinstance(approval_id, str):
+        return f"approval {approval_id}"
+    return None

@@ -9,6 +9,9 @@
   draft 2020-12) against the documented schema - errors included (`error` + `message`);
 - every route that is not public answers 401 without the admin token (/metrics too).
 
+The console's routes (/ui, egressgate/admin/ui) are in the route-table check here; they use a session
+instead of the admin token, so tests/console/test_api_*.py check them against this file (CONSOLE below).
+
 The approvals routes are implemented by egressgate/admin/approvals_api.py: until that module exists they
 are the only documented routes not required to be served (APPROVALS below says so by name).
 """
@@ -31,7 +34,7 @@ from egressgate.config import load_config
 from egressgate.gateway.context import PolicyHolder, Runtime
 from egressgate.policy.loader import load_policies
 from egressgate.state.memory import MemoryState
-from tests.control_api.harness import APPROVE_POLICY, METRICS_POLICY, api, control_policies
+from tests.control_api.harness import APPROVE_POLICY, MCP_LOCAL_POLICY, METRICS_POLICY, api, control_policies
 from tests.support.launcher import write_policies
 from tests.support.waiting import wait_for
 
@@ -49,8 +52,17 @@ def documented() -> set[tuple[str, str]]:
     return {(method.upper(), path) for path, item in SPEC["paths"].items() for method in item if method in METHODS}
 
 
+def console(path: str) -> bool:
+    return path == "/ui" or path.startswith("/ui/")
+
+
+def bearer_documented() -> set[tuple[str, str]]:
+    """Every documented operation of the bearer-token API (the console's are tested in tests/console)."""
+    return {op for op in documented() if not console(op[1])}
+
+
 def required_ops() -> set[tuple[str, str]]:
-    return {op for op in documented() if APPROVALS or not op[1].startswith("/v1/approvals")}
+    return {op for op in bearer_documented() if APPROVALS or not op[1].startswith("/v1/approvals")}
 
 
 def _escape(part: str) -> str:
@@ -116,7 +128,7 @@ async def test_every_registered_route_is_documented(world, tmp_path):
         await sink.close()
     docs = {(m, _norm(p)) for m, p in documented()}
     assert served - docs == set(), "served but not in docs/openapi.yaml"
-    required = {(m, _norm(p)) for m, p in required_ops()}
+    required = {(m, _norm(p)) for m, p in required_ops() | (documented() - bearer_documented())}
     assert required - served == set(), "documented but not registered"
 
 
@@ -165,6 +177,7 @@ def test_live_gateway_serves_every_documented_route_as_documented(cgw, world):
 
     if APPROVALS:
         _approvals(cgw, world, check)
+    _mcp_local(cgw, check)
 
     missing = required_ops() - check.served
     assert missing == set(), f"documented but never answered 2xx: {sorted(missing)}"
@@ -218,7 +231,7 @@ def test_unknown_routes_are_told_apart_from_unknown_objects(cgw):
     assert obj.status_code == 404 and obj.json()["error"] == "unknown_sandbox"
 
 
-@pytest.mark.parametrize(("method", "template"), sorted(documented()))
+@pytest.mark.parametrize(("method", "template"), sorted(bearer_documented()))
 def test_every_non_public_route_needs_the_token(cgw, method, template):
     op = SPEC["paths"][template][method.lower()]
     path = template.replace("{sandbox_id}", "sbx-ffffffffffffffff").replace("{approval_id}", "x")
@@ -231,3 +244,33 @@ def test_every_non_public_route_needs_the_token(cgw, method, template):
     Checker()(res, template)
     wrong = api(cgw, method, path, token="x" * 43, json={} if method == "POST" else None)
     assert wrong.status_code == 401
+
+
+def _mcp_local(cgw, check: Checker) -> None:
+    """The routes `egressgate mcp run` uses (admin/mcp_api.py): the start check, one session's lines both
+    ways (allowed, denied, answered), its end, and a revoked sandbox's."""
+    start = "/v1/mcp/local-start"
+    assert check(api(cgw, "POST", start, json={"policy": MCP_LOCAL_POLICY, "server": "tools"}), start).json()[
+        "max_message_bytes"] > 0
+    refused = check(api(cgw, "POST", start, json={"policy": MCP_LOCAL_POLICY, "server": "undeclared"}), start)
+    assert refused.status_code == 403 and refused.json()["reason"] == "mcp_local_denied"
+    check(api(cgw, "POST", start, json={"policy": "no-such-policy", "server": "tools"}), start)
+    check(api(cgw, "POST", start, json={"policy": MCP_LOCAL_POLICY}), start)
+    sid = api(cgw, "POST", "/v1/sandboxes", json={"policy": MCP_LOCAL_POLICY}).json()["id"]
+    messages, session = "/v1/sandboxes/{sandbox_id}/mcp/{server}/messages", "/v1/sandboxes/{sandbox_id}/mcp/{server}"
+
+    def line(direction: str, body: bytes, sandbox: str = sid) -> httpx.Response:
+        return check(api(cgw, "POST", f"/v1/sandboxes/{sandbox}/mcp/tools/messages?direction={direction}",
+                         content=body, headers={"Content-Type": "application/octet-stream"}), messages)
+
+    call = b'{"jsonrpc":"2.0","id":%d,"method":"tools/call","params":{"name":"%s","arguments":{}}}'
+    assert line("to_server", call % (1, b"echo")).json()["forward"] is not None
+    denied = line("to_server", call % (2, b"other")).json()
+    assert denied["forward"] is None and denied["replies"][0]["error"]["code"] == -32001
+    assert line("to_client", b'{"jsonrpc":"2.0","id":1,"result":{"content":[]}}').json()["forward"] is not None
+    line("bogus", b"{}")
+    line("to_server", call % (3, b"echo"), sandbox="sbx-ffffffffffffffff")
+    check(api(cgw, "DELETE", f"/v1/sandboxes/{sid}/mcp/tools"), session)
+    check(api(cgw, "DELETE", f"/v1/sandboxes/{sid}/mcp/tools"), session)  # 404: ended already
+    api(cgw, "DELETE", f"/v1/sandboxes/{sid}")
+    assert line("to_server", call % (4, b"echo")).status_code == 410
