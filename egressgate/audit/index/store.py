@@ -40,6 +40,18 @@ _FILE_UPSERT = (f"INSERT OR REPLACE INTO files({', '.join(FILE_COLUMNS)}) "  # n
 PARALLEL_MIN_BYTES = 16 << 20
 
 
+@contextlib.contextmanager
+def _transaction(conn: sqlite3.Connection) -> Iterator[None]:
+    """One write transaction (BEGIN IMMEDIATE: the write lock up front, no upgrade deadlock with a reader)."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    conn.execute("COMMIT")
+
+
 class AuditIndex:
     def __init__(self, db_path: str | Path, *, workers: int = 1) -> None:
         """`workers` > 1: big backlogs (a first build) are parsed and hashed by that many processes (the
@@ -145,12 +157,11 @@ class AuditIndex:
             fd = opened[target][0]
             if state.head_sha is None or first_line_sha(fd, state.head_len) != state.head_sha:
                 continue
-            conn.execute("BEGIN IMMEDIATE")
-            old = known.pop(target, None)
-            if old is not None:
-                self._drop(conn, old)
-            conn.execute("UPDATE files SET path = ? WHERE id = ?", (target, state.id))
-            conn.execute("COMMIT")
+            with _transaction(conn):
+                old = known.pop(target, None)
+                if old is not None:
+                    self._drop(conn, old)
+                conn.execute("UPDATE files SET path = ? WHERE id = ?", (target, state.id))
             stats.renamed.append(f"{state.path} -> {target}")
             known.pop(state.path, None)
             self._stale.discard(state.path)
@@ -178,17 +189,15 @@ class AuditIndex:
             why = ("a record read back did not match the indexed bytes" if path in self._stale
                    else changed(fd, st, state))
             if why:
-                conn.execute("BEGIN IMMEDIATE")
-                self._drop(conn, state)
-                conn.execute("COMMIT")
+                with _transaction(conn):
+                    self._drop(conn, state)
                 stats.rebuilt.append(f"{path}: {why}")
                 state = None
             self._stale.discard(path)
         if state is None:
             state = FileState(None, path, st.st_dev, st.st_ino)
-            conn.execute("BEGIN IMMEDIATE")
-            state.id = conn.execute(_FILE_UPSERT, state.as_row()).lastrowid
-            conn.execute("COMMIT")
+            with _transaction(conn):
+                state.id = conn.execute(_FILE_UPSERT, state.as_row()).lastrowid
         was_broken = state.broken_line is not None
         try:
             self._store(conn, scan(fd, state, st.st_size, pool), state, stats)
@@ -207,14 +216,9 @@ class AuditIndex:
             stats.partial_bytes += partial
             if not rows and partial:
                 break
-            conn.execute("BEGIN IMMEDIATE")
-            try:
+            with _transaction(conn):
                 conn.executemany(INSERT_RECORD, rows)
                 conn.execute(_FILE_UPSERT, state.as_row())
-                conn.execute("COMMIT")
-            except BaseException:
-                conn.execute("ROLLBACK")
-                raise
             stats.added += len(rows)
 
     # --- reading --------------------------------------------------------------------------------------
@@ -297,9 +301,8 @@ class AuditIndex:
                     fd = os.open(state.path, os.O_RDONLY | os.O_CLOEXEC)
                 except FileNotFoundError:
                     check.missing = True
-                    conn.execute("BEGIN IMMEDIATE")
-                    self._drop(conn, state)
-                    conn.execute("COMMIT")
+                    with _transaction(conn):
+                        self._drop(conn, state)
                     continue
                 try:
                     st = os.fstat(fd)
@@ -307,9 +310,8 @@ class AuditIndex:
                     if why:
                         check.rebuilt = why
                         stats = IndexStats()
-                        conn.execute("BEGIN IMMEDIATE")
-                        self._drop(conn, state)
-                        conn.execute("COMMIT")
+                        with _transaction(conn):
+                            self._drop(conn, state)
                         self._index_file(conn, None, state.path, fd, st, stats)
                 finally:
                     os.close(fd)
