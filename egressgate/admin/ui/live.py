@@ -69,10 +69,12 @@ class Client:
 class LiveFeed:
     def __init__(self, sink: Any) -> None:
         self.clients: set[Client] = set()
+        self.written = True  # a record was written since the audit index last caught up (audit_api.py)
         install_tap(sink, self.observe)
 
     def observe(self, event: AuditEvent) -> None:
         """On the event loop, for every record: never blocks, never raises into the writer."""
+        self.written = True
         if not self.clients:
             return
         data: dict[str, Any] | None = None

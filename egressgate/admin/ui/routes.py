@@ -154,6 +154,7 @@ class ShellRoutes:
                                   "console-auditor.token in the gateway's var dir)")
         self.console.sessions.delete(request.cookies.get(auth.COOKIE))  # a login replaces any previous session
         session_id, session = self.console.sessions.create(role)
+        self.console.audit.start_index()  # search is warm by the time the page asks (audit_api.py)
         response = web.json_response({"role": session.role, "csrf": session.csrf, "expires_at": session.expires})
         auth.set_session_cookie(response, request, session_id)
         return response
