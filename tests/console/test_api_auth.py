@@ -322,3 +322,21 @@ def test_index_is_served_to_anyone_but_data_only_with_a_session(gw):
     assert res.status_code == 200 and "<script" in res.text
     body = httpx.get(f"http://{gw.admin}/ui/api/sandboxes", trust_env=False)
     assert body.status_code == 401 and json.loads(body.text)["error"] == "unauthorized"
+
+
+def test_logout_ends_that_sessions_live_streams_at_once(gw):
+    mine, other = ConsoleClient(gw, "auditor"), ConsoleClient(gw, "auditor")
+    mine_stream, other_stream = LiveStream(mine), LiveStream(other)
+    try:
+        assert mine_stream.ready.wait(5) and other_stream.ready.wait(5)
+        logged_out = time.monotonic()
+        assert mine.post("/ui/api/logout").status_code == 200
+        mine_stream._thread.join(3)
+        assert not mine_stream._thread.is_alive()  # the stream ended ...
+        assert [n for n, _, t in mine_stream.events if n == "logout" and t - logged_out < 1.0]  # ... at once
+        assert other_stream._thread.is_alive()  # another session's stream goes on
+    finally:
+        mine_stream.close()
+        other_stream.close()
+        mine.close()
+        other.close()

@@ -161,6 +161,7 @@ class ShellRoutes:
 
     async def logout(self, request: web.Request) -> web.Response:
         self.console.sessions.delete(request.cookies.get(auth.COOKIE))
+        self.console.live.end_session(request.cookies.get(auth.COOKIE))  # its live streams end too
         response = web.json_response({"logged_out": True})
         auth.clear_session_cookie(response, request)
         return response
