@@ -186,22 +186,27 @@ def test_replay_diff_shows_the_decisions_a_candidate_flips(gw, auditor, world, t
     assert auditor.post("/ui/api/replay-diff", json={"policy_yaml": "x: ["}).status_code == 422
 
 
-def test_learn_returns_a_yaml_attachment_that_loads(gw, auditor, traffic, world):
-    """The learner's own rules (egressgate/policy/learn.py) decide what is proposed; here: the console
-    serves its output as a downloadable policy that loads, and a denied name that resolved to loopback in
-    the records (everything in this loopback world) is never proposed."""
-    res = auditor.post("/ui/api/learn", json={"sandbox": traffic["sbx"].id})
+def test_learn_returns_a_yaml_attachment_that_replay_diff_confirms(gw, auditor, traffic, world):
+    """What is proposed is the learner's business (egressgate/policy/learn.py and its tests); here: the
+    console serves it as a downloadable policy that loads, and replay-diff of that policy over the same
+    trail flips exactly the denied request into an allow."""
+    sbx = traffic["sbx"]
+    res = auditor.post("/ui/api/learn", json={"sandbox": sbx.id})
     assert res.status_code == 200, res.text
     assert res.headers["content-type"].startswith("application/yaml")
-    assert res.headers["content-disposition"] == f'attachment; filename="learned-{traffic["sbx"].id}.yaml"'
-    assert traffic["sbx"].id in res.text  # it learned from this sandbox's records
+    assert res.headers["content-disposition"] == f'attachment; filename="learned-{sbx.id}.yaml"'
     learned = parse_policy(res.text, "<learned>")
-    assert learned.name == METRICS_POLICY and not any("open.test" in str(r) for r in learned.rules)
+    assert learned.name == METRICS_POLICY and sbx.id in res.text
+    rules = yaml.safe_load(res.text)["network"]["http"]["allow"]
+    assert [(r["host"], r["methods"], r["paths"]) for r in rules] == [("open.test", ["GET"], ["/not/allowed"])]
+    flips = auditor.post("/ui/api/replay-diff", json={"policy_yaml": res.text, "sandbox": sbx.id}).json()["flips"]
+    opened = [f for f in flips if f["direction"] == "deny->allow"]
+    assert len(opened) == 1 and opened[0]["request_id"] == traffic["denied_id"]
     by_labels = auditor.post("/ui/api/learn", json={"labels": {"team": "data"}})
-    assert by_labels.status_code == 200 and parse_policy(by_labels.text, "<learned>")
+    assert by_labels.status_code == 200 and "open.test" in by_labels.text
     assert 'filename="learned-team-data.yaml"' in by_labels.headers["content-disposition"]
     assert auditor.post("/ui/api/learn", json={}).status_code == 400  # no selector
-    assert auditor.post("/ui/api/learn", json={"sandbox": "x"}, csrf=None).status_code == 403
+    assert auditor.post("/ui/api/learn", json={"sandbox": sbx.id}, csrf=None).status_code == 403
 
 
 def test_approvals_are_decided_from_the_console_by_an_operator_only(gw, operator, auditor, world):
