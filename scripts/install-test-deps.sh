@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install the Debian packages the tests and benchmarks use (nftables, iproute2, dig, curl; Squid, dnsmasq, wrk; redis-server for the shared-state tests;
-# Docker, gVisor runsc, static busybox, mmdebstrap and bubblewrap for the runtime adapters)
+# Debian chromium for the console's browser tests; Docker, gVisor runsc, static busybox, mmdebstrap and bubblewrap for the runtime adapters)
 # when they are missing. Needs root; otherwise it says what is missing and the tests that need it skip
 # (outside CI) or fail (in CI).
 set -eu
@@ -22,6 +22,8 @@ have bwrap || need+=(bubblewrap)
 dpkg-query -W -f='${Status}' busybox-static 2>/dev/null | grep -q 'install ok installed' || need+=(busybox-static)
 # tests/render: Debian docker-compose 1.29 brings compose.yaml up against the private dockerd
 have docker-compose || need+=(docker-compose)
+# tests/console: Playwright drives Debian's chromium at /usr/bin/chromium (no browser download)
+[ -x /usr/bin/chromium ] || need+=(chromium)
 [ ${#need[@]} -eq 0 ] && exit 0
 if [ "$(id -u)" != 0 ]; then
   echo "missing Debian packages (run as root to install): ${need[*]}" >&2

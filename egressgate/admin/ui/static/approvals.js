@@ -1,0 +1,68 @@
+// Approvals: the queue of requests waiting for an operator (a sandbox asked for a host its policy
+// does not allow). Operators approve (for how long, host or host+path) or deny; auditors only see.
+
+import * as api from "./api.js";
+import {clear, el, fmtTime, notice, table, val} from "./dom.js";
+
+const STATES = ["pending", "approved", "denied", "expired", ""];
+
+export function render(root) {
+  const select = el("select", {id: "approvals-state", name: "state"},
+    STATES.map((s) => el("option", {value: s}, s || "all")));
+  const refresh = el("button", {type: "button", id: "approvals-refresh"}, "Refresh");
+  const out = el("div", {id: "approvals-list"});
+  root.append(el("h1", null, "Approvals"), el("div", {class: "filters"}, select, refresh), out);
+  const load = async () => {
+    try {
+      const data = await api.get(`approvals${api.query({state: select.value})}`);
+      const rows = Array.isArray(data.approvals) ? data.approvals : [];
+      const cols = [
+        {key: "id", label: "Id"},
+        {key: "sandbox_id", label: "Sandbox"},
+        {key: "policy", label: "Policy"},
+        {key: "kind", label: "Kind"},
+        {key: "method", label: "Method"},
+        {key: "host", label: "Host", cls: "wide"},
+        {key: "port", label: "Port"},
+        {key: "path", label: "Path", cls: "wide"},
+        {key: "requested_at", label: "Requested", render: (r) => fmtTime(r.requested_at)},
+        {key: "state", label: "State"},
+        {key: "decided_by", label: "Decided by"},
+        {key: "expires_at", label: "Expires", render: (r) => fmtTime(r.expires_at)},
+      ];
+      if (api.isOperator()) cols.push({key: "act", label: "", render: (r) => actions(r, load, out)});
+      clear(out, rows.length ? table(cols, rows, {testid: "approvals-table", rowId: (r) => r.id})
+        : notice("info", "No approvals in this state."));
+    } catch (err) {
+      clear(out, notice("error", err.message));
+    }
+  };
+  select.addEventListener("change", load);
+  refresh.addEventListener("click", load);
+  load();
+  return null;
+}
+
+function actions(row, reload, out) {
+  if (row.state !== "pending") return val(null, "actions");
+  const seconds = el("input", {type: "number", name: "for_seconds", min: 1, max: 86400, value: 600,
+    "aria-label": "for seconds", class: "narrow"});
+  const scope = el("select", {name: "scope", "aria-label": "scope"},
+    el("option", {value: "host"}, "host"), el("option", {value: "host+path"}, "host+path"));
+  const approve = el("button", {type: "button", class: "approve"}, "Approve");
+  const deny = el("button", {type: "button", class: "deny"}, "Deny");
+  const act = async (verb, body) => {
+    approve.disabled = deny.disabled = true;
+    try {
+      await api.post(`approvals/${api.seg(row.id)}/${verb}`, body);
+      await reload();
+    } catch (err) {
+      out.prepend(notice("error", err.message));
+      approve.disabled = deny.disabled = false;
+    }
+  };
+  approve.addEventListener("click", () =>
+    act("approve", {for_seconds: Number.parseInt(seconds.value, 10), scope: scope.value}));
+  deny.addEventListener("click", () => act("deny", {}));
+  return el("span", {class: "actions"}, seconds, "s ", scope, approve, deny);
+}

@@ -1,0 +1,54 @@
+// Audit search over the server's index: by request id, request hash, sandbox, host, reason and time
+// range. Each hit shows the record read back from the JSONL file (the record of truth), where it is
+// (file, line, chain position) and whether its chain link verified.
+
+import * as api from "./api.js";
+import {clear, el, field, fmtTime, formValues, notice, val} from "./dom.js";
+
+const TEXT_FIELDS = [["Request id", "request_id"], ["Request hash", "request_hash"], ["Sandbox", "sandbox"],
+  ["Host", "host"], ["Reason", "reason"]];
+
+/** datetime-local (UTC, as the console shows times) -> unix seconds. */
+function toSeconds(v) {
+  if (!v) return undefined;
+  const ms = Date.parse(`${v}Z`);
+  return Number.isFinite(ms) ? Math.floor(ms / 1000) : undefined;
+}
+
+export function render(root) {
+  const form = el("form", {class: "filters wrap", id: "search-form"},
+    TEXT_FIELDS.map(([label, name]) => field(label, name)),
+    field("Since (UTC)", "since", {type: "datetime-local"}),
+    field("Until (UTC)", "until", {type: "datetime-local"}),
+    field("Limit", "limit", {type: "number", value: "50", min: 1, max: 1000}),
+    el("button", {type: "submit", id: "search-submit"}, "Search"));
+  const out = el("div", {id: "search-results"});
+  root.append(el("h1", null, "Audit search"), form, out);
+  form.addEventListener("submit", async (ev) => {
+    ev.preventDefault();
+    const v = formValues(form);
+    const params = {...v, since: toSeconds(v.since), until: toSeconds(v.until)};
+    clear(out, notice("info", "searching…"));
+    try {
+      const data = await api.get(`search${api.query(params)}`);
+      const hits = Array.isArray(data) ? data : Array.isArray(data.hits) ? data.hits : [];
+      clear(out, el("p", {id: "search-count"}, `${hits.length} record${hits.length === 1 ? "" : "s"}`),
+        hits.map(hitCard));
+    } catch (err) {
+      clear(out, notice("error", err.message));
+    }
+  });
+  return null;
+}
+
+function hitCard(hit) {
+  const verified = hit.verified === true;
+  return el("article", {class: "hit", "data-testid": "hit"},
+    el("header", null,
+      el("span", {class: `badge ${verified ? "ok" : "bad"}`, "data-field": "verified"},
+        verified ? "chain verified" : "NOT verified"),
+      " chain position ", val(hit.chain_index, "chain_index"),
+      " · ", val(hit.file, "file"), ":", val(hit.line, "line"),
+      hit.time_ns ? [" · ", fmtTime(hit.time_ns)] : null),
+    el("pre", {class: "record", "data-field": "record"}, JSON.stringify(hit.record, null, 2)));
+}

@@ -1,0 +1,289 @@
+"""The console in a real browser (Debian chromium via Playwright) against a real gateway with real
+traffic through its proxy: per-role login, the live feed, revoke, audit search, replay-diff, approvals,
+the calculators. One gateway and one browser for the module (conftest.py).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+import uuid
+
+import httpx
+import yaml
+
+from egressgate.audit.reqhash import request_hash_raw
+from tests.console.conftest import wait_until
+from tests.control_api.harness import APPROVE_POLICY, METRICS_POLICY, api
+from tests.support.gwworld import Gateway, connect_tunnel
+
+
+def by_request_id(gw: Gateway, request_id: str, operation: str = "http_request") -> dict:
+    """The gateway's own audit record (from the JSONL file) of one request."""
+    def find() -> dict | None:
+        for rec in gw.audit_records():
+            if rec.get("egressgate.request.id") == request_id and rec.get("egressgate.operation") == operation:
+                return rec
+        return None
+    return wait_until(find, 5, f"the audit record of {request_id}")
+
+
+def test_login_per_role(console, ui_gw: Gateway) -> None:
+    anon = console(None)
+    anon.page.fill("#login-form input[name=token]", "not-a-token")
+    anon.page.click("#login-submit")
+    anon.page.locator("#login-form .notice.error").wait_for()
+    assert anon.page.locator("#nav").is_hidden()  # still signed out
+    # the admin bearer token is not a console token either
+    anon.page.fill("#login-form input[name=token]", ui_gw.token)
+    anon.page.click("#login-submit")
+    anon.page.locator("#login-form .notice.error").wait_for()
+    assert anon.page.locator("#nav").is_hidden()
+
+    for role in ("operator", "auditor"):
+        c = console(role)
+        assert c.page.locator("[data-testid=role]").text_content() == role
+        assert c.page.locator("#nav").is_visible()
+        c.page.reload()  # the session cookie survives a reload; the page asks /ui/api/session
+        c.page.locator(f"[data-testid=role]:text-is('{role}')").wait_for()
+        c.page.click("#logout")
+        c.page.locator("#login-form").wait_for()
+        c.page.reload()
+        c.page.locator("#login-form").wait_for()  # logout deleted the session server-side
+        c.assert_clean()
+    anon.assert_clean()
+
+
+def test_proxied_request_appears_in_live_within_1s(console, ui_gw: Gateway) -> None:
+    c = console("operator")
+    c.go("live")
+    c.page.locator("#live-status:text-is('live')").wait_for()
+    sbx = ui_gw.admit(METRICS_POLICY, {"team": "live"})
+    path = f"/v1/live-{uuid.uuid4().hex[:8]}"
+    row = c.page.locator("#live-rows tr", has=c.page.locator(f"[data-field=path]:text-is('{path}')"))
+    with sbx.client() as client:
+        start = time.monotonic()
+        res = client.get(sbx.url("api.test", path))
+        row.first.wait_for(timeout=5000)
+        elapsed = time.monotonic() - start
+    assert res.status_code == 200, res.text
+    assert elapsed < 1.0, f"the request showed up in Live after {elapsed:.2f} s"
+    first = row.first
+    assert first.locator("[data-field=sandbox]").text_content() == sbx.id
+    assert first.locator("[data-field=host]").text_content() == "api.test"
+    assert first.locator("[data-field=decision]").text_content() == "allow"
+    assert first.get_attribute("data-id") == res.headers["x-egressgate-request-id"]
+
+    # the server-side filter: a denied request of another sandbox does not show under sandbox=<sbx>
+    c.page.fill("#live-filters input[name=sandbox]", sbx.id)
+    c.page.click("#live-filters button[type=submit]")
+    c.page.locator("#live-status:text-is('live')").wait_for()
+    other = ui_gw.admit(METRICS_POLICY, {"team": "other"})
+    with other.client() as oc, sbx.client() as client:
+        assert oc.get(other.url("api.test", "/nope")).status_code == 403
+        denied = client.get(sbx.url("api.test", "/nope-mine"))
+    assert denied.status_code == 403
+    mine = c.page.locator("#live-rows tr", has=c.page.locator("[data-field=path]:text-is('/nope-mine')"))
+    mine.first.wait_for(timeout=5000)
+    assert mine.first.locator("[data-field=reason]").text_content() == denied.json()["reason"]
+    assert c.page.locator("#live-rows [data-field=sandbox]", has_text=other.id).count() == 0
+    c.assert_clean()
+
+
+def open_tunnel(gw: Gateway, sbx) -> socket.socket:
+    sock, head = connect_tunnel(gw, sbx, f"api.test:{gw.world.https_port}")
+    assert head.startswith(b"HTTP/1.1 200"), head
+    return sock
+
+
+def still_open(sock: socket.socket) -> bool:
+    sock.settimeout(0.3)
+    try:
+        return sock.recv(1) != b""  # a byte would be a protocol error; b"" is "closed"
+    except TimeoutError:
+        return True
+    except OSError:
+        return False
+
+
+def closed_within(sock: socket.socket, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if not still_open(sock):
+            return True
+    return False
+
+
+def show_sandbox(c, sandbox_id: str) -> None:
+    c.go("sandboxes")
+    c.page.locator(f"#sandbox-list tr[data-id='{sandbox_id}'] [data-testid=open-sandbox]").click()
+    c.page.locator("#sandbox-detail h2", has_text=sandbox_id).wait_for()
+
+
+def test_auditor_cannot_revoke(console, ui_gw: Gateway) -> None:
+    sbx = ui_gw.admit(METRICS_POLICY, {"team": "audited"})
+    sock = open_tunnel(ui_gw, sbx)
+    try:
+        c = console("auditor")
+        show_sandbox(c, sbx.id)
+        wait_until(lambda: c.page.locator("[data-testid=connections]").text_content() == "1", 5,
+                   "the open tunnel in the sandbox's live connections")
+        assert c.page.locator("#revoke").count() == 0  # not rendered for an auditor
+        assert c.page.locator("[data-testid=budget-table]").count() == 1  # but the page itself did render
+        res = c.fetch("DELETE", f"/ui/api/sandboxes/{sbx.id}")
+        assert res["status"] == 403, res
+        assert json.loads(res["body"])["error"] == "forbidden"
+        assert api(ui_gw, "GET", f"/v1/sandboxes/{sbx.id}").json()["revoked"] is False
+        assert still_open(sock)
+        c.assert_clean()
+    finally:
+        sock.close()
+
+
+def test_operator_revoke_closes_open_connection(console, ui_gw: Gateway) -> None:
+    sbx = ui_gw.admit(METRICS_POLICY, {"team": "revoked"})
+    sock = open_tunnel(ui_gw, sbx)
+    try:
+        c = console("operator")
+        show_sandbox(c, sbx.id)
+        wait_until(lambda: c.page.locator("[data-testid=connections]").text_content() == "1", 5,
+                   "the open tunnel in the sandbox's live connections")
+        assert still_open(sock)  # positive control: the tunnel is up until the operator acts
+        c.page.click("#revoke")
+        c.page.click("#revoke-confirm")
+        c.page.locator("#sandbox-detail [data-field=state]", has_text="revoked").wait_for()
+        assert closed_within(sock, 5), "revoking from the console left the sandbox's tunnel open"
+        assert api(ui_gw, "GET", f"/v1/sandboxes/{sbx.id}").json()["revoked"] is True
+        assert c.page.locator("#revoke").count() == 0
+        with sbx.client() as client:  # and it cannot open a new one
+            try:
+                refused = client.get(sbx.url("api.test", "/echo")).status_code
+            except httpx.ProxyError:
+                refused = 407
+        assert refused in (403, 407)
+        c.assert_clean()
+    finally:
+        sock.close()
+
+
+def search(c, **fields: str) -> None:
+    c.go("search")
+    for name, value in fields.items():
+        c.page.fill(f"#search-form [name={name}]", value)
+
+
+def test_search_by_request_hash_finds_the_record(console, ui_gw: Gateway) -> None:
+    sbx = ui_gw.admit(METRICS_POLICY, {"team": "search"})
+    with sbx.client() as client:
+        res = client.get(sbx.url("api.test", f"/v1/search-{uuid.uuid4().hex[:8]}"))
+    assert res.status_code == 200
+    rec = by_request_id(ui_gw, res.headers["x-egressgate-request-id"])
+    req_hash = rec["egressgate.request.hash"]
+    c = console("auditor")
+    search(c, request_hash=req_hash)
+    hits = c.page.locator("#search-results [data-testid=hit]")
+
+    def found() -> bool:  # the index follows the file every 0.5 s: search again until it has it
+        c.submit("#search", "#search-count")
+        return hits.count() > 0
+    wait_until(found, 10, "the record in the index", interval=0.2)
+    texts = [json.loads(h.locator("[data-field=record]").text_content()) for h in hits.all()]
+    mine = [i for i, t in enumerate(texts) if res.headers["x-egressgate-request-id"] in json.dumps(t)]
+    assert mine, texts
+    hit = hits.nth(mine[0])
+    assert hit.locator("[data-field=verified]").text_content() == "chain verified"
+    assert hit.locator("[data-field=chain_index]").text_content() == str(rec["egressgate.chain.seq"])
+    assert req_hash in hit.locator("[data-field=record]").text_content()
+
+    search(c, request_hash="sha256:" + "0" * 64)  # negative control: another hash finds nothing
+    c.submit("#search", "#search-count")
+    assert c.page.locator("#search-count").text_content() == "0 records"
+    c.assert_clean()
+
+
+def test_replay_diff_shows_flipped_decisions(console, ui_gw: Gateway) -> None:
+    w = ui_gw.world
+    sbx = ui_gw.admit("gw-basic", {"team": "replay"})
+    with sbx.client() as client:
+        allowed = client.get(sbx.url("api.test", "/echo", scheme="http"))
+        denied = client.get(sbx.url("other.test", "/echo", scheme="http"))
+    assert allowed.status_code == 200 and denied.status_code == 403
+    # the candidate turns both around: only other.test over plain http
+    candidate = yaml.safe_dump({"sandbox": {"name": "gw-basic"}, "network": {
+        "allow_private": ["127.0.0.1/32"],
+        "http": {"allow": [{"id": "cand-other", "host": "other.test", "ports": [w.http_port]}]}}})
+    c = console("auditor")
+    c.go("replay")
+    c.page.fill("#replay-form [name=policy_yaml]", candidate)
+    c.page.fill("#replay-form [name=sandbox]", sbx.id)
+
+    def flipped() -> list[str]:
+        c.submit("#replay", "#flip-count")
+        rows = c.page.locator("[data-testid=flips-table] tr.flip")
+        text = [r.text_content() for r in rows.all()]
+        return text if sum(("api.test" in t) or ("other.test" in t) for t in text) >= 2 else []
+    rows = wait_until(flipped, 10, "both flips in the replay diff", interval=0.2)
+    api_rows = [t for t in rows if "api.test" in t]
+    other_rows = [t for t in rows if "other.test" in t]
+    assert api_rows and other_rows, rows
+    assert all(t.index("allow") < t.index("deny") for t in api_rows), api_rows  # allow -> deny
+    assert all(t.index("deny") < t.index("allow") for t in other_rows), other_rows  # deny -> allow
+    c.assert_clean()
+
+
+def test_approvals_queue(console, ui_gw: Gateway) -> None:
+    sbx = ui_gw.admit(APPROVE_POLICY, {"team": "approve"})
+    with sbx.client() as client:
+        asked = client.get(sbx.url("other.test", "/echo", scheme="http"))
+    assert asked.status_code == 403, asked.text
+    pending = wait_until(lambda: [a for a in api(ui_gw, "GET", "/v1/approvals?state=pending").json()["approvals"]
+                                  if a["sandbox_id"] == sbx.id], 5, "the pending approval")
+    approval_id = pending[0]["id"]
+    aud = console("auditor")
+    aud.go("approvals")
+    row = aud.page.locator(f"#approvals-list tr[data-id='{approval_id}']")
+    row.wait_for()
+    assert row.locator("button").count() == 0  # an auditor sees the queue, no Approve/Deny
+    res = aud.fetch("POST", f"/ui/api/approvals/{approval_id}/approve", {})
+    assert res["status"] == 403, res
+
+    op = console("operator")
+    op.go("approvals")
+    row = op.page.locator(f"#approvals-list tr[data-id='{approval_id}']")
+    row.locator("button.approve").click()
+    wait_until(lambda: api(ui_gw, "GET", f"/v1/approvals/{approval_id}").json()["state"] == "approved", 5,
+               "the approval to be granted")
+    assert api(ui_gw, "GET", f"/v1/approvals/{approval_id}").json()["decided_by"] == "console:operator"
+    with sbx.client() as client:
+        assert client.get(sbx.url("other.test", "/echo", scheme="http")).status_code == 200
+    aud.assert_clean()
+    op.assert_clean()
+
+
+def test_request_hash_calculator_and_explain(console, ui_gw: Gateway) -> None:
+    c = console("auditor")
+    c.go("hash")
+    url = f"https://api.test:{ui_gw.world.https_port}/v1/x?b=2&a=1"
+    c.page.fill("#hash-form [name=method]", "POST")
+    c.page.fill("#hash-form [name=url]", url)
+    c.page.fill("#hash-form [name=headers]", "Content-Type: application/json\nX-Thing: 1")
+    c.page.fill("#hash-form [name=body]", '{"k": "é"}')
+    c.page.click("#hash-submit")
+    shown = c.page.locator("#hash-result [data-field=request_hash]")
+    shown.wait_for()
+    expected = request_hash_raw("POST", url, [("Content-Type", "application/json"), ("X-Thing", "1")],
+                                '{"k": "é"}'.encode())
+    assert shown.text_content() == expected
+
+    c.go("explain")
+    c.page.fill("#explain-form [name=policy]", METRICS_POLICY)
+    c.page.fill("#explain-form [name=url]", f"https://api.test:{ui_gw.world.https_port}/echo")
+    c.page.click("#explain-submit")
+    c.page.locator("#explain-result [data-field=decision]", has_text="allow").wait_for()
+    assert c.page.locator("#explain-result [data-field=rule]").text_content() == "c12-get"
+    c.page.fill("#explain-form [name=url]", f"https://api.test:{ui_gw.world.https_port}/nope")
+    c.page.click("#explain-submit")
+    c.page.locator("#explain-result [data-field=decision]", has_text="deny").wait_for()
+    assert c.page.locator("#explain-result [data-field=message]").text_content()
+    c.assert_clean()
