@@ -21,6 +21,10 @@ from tests.support.gwworld import Gateway, World, open_world
 from tests.support.launcher import stop_gateway
 from tests.support.waiting import wait_for
 
+# Denied by every policy here before any resolution (host_not_allowed), so never contacted; a name the
+# learner may propose (not a special-use name such as .test, not resolved to loopback in the records).
+DENIED_HOST = "learn-me.egressgate-console.net"
+
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
@@ -59,7 +63,7 @@ def traffic(gw: Gateway) -> dict:
         get = c.get(sbx.url("api.test", "/v1/items"), params={"q": "ab", "n": "1"})
         post = c.post(sbx.url("api.test", "/upload"), content=b'{"k": "v"}',
                       headers={"Content-Type": "application/json"})
-        denied = c.get(sbx.url("open.test", "/not/allowed", scheme="http"))
+        denied = c.get(sbx.url(DENIED_HOST, "/not/allowed", scheme="http"))
     assert get.status_code == 200 and post.status_code == 200 and denied.status_code == 403
     return {"sbx": sbx, "denied_id": denied.json()["request_id"], "reason": denied.json()["reason"]}
 
@@ -133,7 +137,7 @@ def test_search_by_request_id_sandbox_and_paging(gw, auditor, traffic):
     first = auditor.get("/ui/api/search", params={"sandbox": sbx.id, "limit": 2}).json()
     second = search(auditor, sandbox=sbx.id, limit=1000, before=first["next_before"])
     assert [h["rowid"] for h in first["hits"]] + [h["rowid"] for h in second] == [h["rowid"] for h in everything]
-    assert search(auditor, host="open.test", reason=traffic["reason"])
+    assert search(auditor, host=DENIED_HOST, reason=traffic["reason"])
     for bad in ("limit=0", "limit=5000", "since=yesterday", "colour=red", "sandbox=a&sandbox=b"):
         assert auditor.get(f"/ui/api/search?{bad}").status_code == 400, bad
 
@@ -147,7 +151,7 @@ def test_stats_count_denies_by_reason_and_top_hosts(gw, auditor, traffic):
         for reason, n in bucket["by_reason"].items():
             reasons[reason] = reasons.get(reason, 0) + n
     assert reasons.get(traffic["reason"], 0) >= 1
-    assert "open.test" in {h["host"] for h in body["top_denied_hosts"]}
+    assert DENIED_HOST in {h["host"] for h in body["top_denied_hosts"]}
     assert auditor.get("/ui/api/stats", params={"since": 10, "until": 5}).status_code == 400
     assert auditor.get("/ui/api/stats", params={"since": 0, "bucket": 1}).status_code == 400  # too many buckets
 
@@ -173,12 +177,12 @@ def test_replay_diff_shows_the_decisions_a_candidate_flips(gw, auditor, world, t
     sbx = traffic["sbx"]
     doc = control_policies(world)[METRICS_POLICY]
     doc["network"]["https"]["allow"] = [r for r in doc["network"]["https"]["allow"] if r["id"] != "c12-get"]
-    doc["network"]["http"] = {"allow": [{"id": "open-now", "host": "open.test", "ports": [world.http_port]}]}
+    doc["network"]["http"] = {"allow": [{"id": "open-now", "host": DENIED_HOST, "ports": [world.http_port]}]}
     res = auditor.post("/ui/api/replay-diff", json={"policy_yaml": yaml.safe_dump(doc), "sandbox": sbx.id})
     assert res.status_code == 200, res.text
     flips = res.json()["flips"]
     assert any("//api.test:" in f["target"] and f["direction"] == "allow->deny" for f in flips), flips
-    assert any("//open.test:" in f["target"] and f["direction"] == "deny->allow" for f in flips), flips
+    assert any(f"//{DENIED_HOST}:" in f["target"] and f["direction"] == "deny->allow" for f in flips), flips
     assert {f["sandbox"] for f in flips} == {sbx.id}
     same = auditor.post("/ui/api/replay-diff", json={"policy_yaml": yaml.safe_dump(
         control_policies(world)[METRICS_POLICY]), "sandbox": sbx.id})
@@ -198,12 +202,12 @@ def test_learn_returns_a_yaml_attachment_that_replay_diff_confirms(gw, auditor, 
     learned = parse_policy(res.text, "<learned>")
     assert learned.name == METRICS_POLICY and sbx.id in res.text
     rules = yaml.safe_load(res.text)["network"]["http"]["allow"]
-    assert [(r["host"], r["methods"], r["paths"]) for r in rules] == [("open.test", ["GET"], ["/not/allowed"])]
+    assert [(r["host"], r["methods"], r["paths"]) for r in rules] == [(DENIED_HOST, ["GET"], ["/not/allowed"])]
     flips = auditor.post("/ui/api/replay-diff", json={"policy_yaml": res.text, "sandbox": sbx.id}).json()["flips"]
     opened = [f for f in flips if f["direction"] == "deny->allow"]
     assert len(opened) == 1 and opened[0]["request_id"] == traffic["denied_id"]
     by_labels = auditor.post("/ui/api/learn", json={"labels": {"team": "data"}})
-    assert by_labels.status_code == 200 and "open.test" in by_labels.text
+    assert by_labels.status_code == 200 and DENIED_HOST in by_labels.text
     assert 'filename="learned-team-data.yaml"' in by_labels.headers["content-disposition"]
     assert auditor.post("/ui/api/learn", json={}).status_code == 400  # no selector
     assert auditor.post("/ui/api/learn", json={"sandbox": sbx.id}, csrf=None).status_code == 403
