@@ -52,6 +52,18 @@ def test_sessions_expire_after_8_hours_and_are_purged(tmp_path):
     assert len(list((tmp_path / "s").iterdir())) == 1 and store.get(stale) is None
 
 
+def test_the_store_is_bounded_and_ends_the_oldest_sessions(tmp_path, monkeypatch):
+    monkeypatch.setattr("egressgate.admin.ui.auth.MAX_SESSIONS", 3)
+    clock = Clock()
+    store = SessionStore(tmp_path / "s", clock)
+    ids = []
+    for _ in range(5):
+        clock.now += 1
+        ids.append(store.create("auditor")[0])
+    assert len(list((tmp_path / "s").iterdir())) == 3
+    assert [store.get(i) is not None for i in ids] == [False, False, True, True, True]
+
+
 def test_a_tampered_session_file_grants_nothing(tmp_path):
     store = SessionStore(tmp_path / "s", Clock())
     sid, _ = store.create("auditor")

@@ -100,7 +100,11 @@ class LiveFeed:
                     data = summary(event)
                 client.queue.put_nowait(data)
             except asyncio.QueueFull:
-                client.ending = "dropped"  # its queue is full: it wakes up and ends
+                # O(1): the full queue is let go (its records freed; the stream's task cannot be waiting on
+                # a full queue, it is busy writing), a fresh one holds only the end
+                client.ending = "dropped"
+                client.queue = asyncio.Queue(1)
+                client.queue.put_nowait(None)
                 self.clients.discard(client)
             except Exception:  # a bug here must never fail an audit write
                 logger.exception("console live feed: dropping a client")
