@@ -69,10 +69,12 @@ def assert_secure(res: httpx.Response) -> None:
         assert res.headers.get(name) == value, (res.request.method, res.request.url, res.status_code, name)
 
 
-def raw_get(gw: Gateway, target: str, host: str | None = None) -> tuple[int, bytes]:
+def raw_get(gw: Gateway, target: str, host: str | None = None, cookie: str = "") -> tuple[int, bytes]:
     """One GET with the request-target exactly as given (no client-side normalization of `..`/%2e)."""
+    extra = f"Cookie: egressgate_console={cookie}\r\n" if cookie else ""
     with socket.create_connection(tuple(gw.admin.rsplit(":", 1)), timeout=5) as s:  # type: ignore[arg-type]
-        s.sendall(f"GET {target} HTTP/1.1\r\nHost: {host or gw.admin}\r\nConnection: close\r\n\r\n".encode())
+        s.sendall(f"GET {target} HTTP/1.1\r\nHost: {host or gw.admin}\r\n{extra}Connection: close\r\n\r\n"
+                  .encode())
         data = b""
         while chunk := s.recv(65536):
             data += chunk
@@ -130,6 +132,20 @@ def test_a_console_session_does_not_open_the_admin_api(gw, operator):
     assert res.status_code == 401
     assert httpx.get(f"http://{gw.admin}/v1/sandboxes", headers={"Authorization": f"Bearer {gw.token}"},
                      trust_env=False).status_code == 200
+
+
+@pytest.mark.parametrize("target", ["/ui/../v1/sandboxes", "/ui/%2e%2e/v1/sandboxes", "/ui/api/../../v1/sandboxes",
+                                    "/ui/static/%2e%2e/%2e%2e/v1/sandboxes", "/ui/..%2fv1/sandboxes"])
+def test_a_console_path_never_reaches_the_admin_api_without_the_token(gw, operator, target):
+    """The bearer check is skipped only for the console's own routes (the route that matched), never by
+    a path that starts with /ui and resolves elsewhere."""
+    status, raw = raw_get(gw, target, cookie=operator.http.cookies["egressgate_console"])
+    assert status in (400, 401, 404), (target, status, raw[:300])
+    assert b'"sandboxes"' not in raw
+    sid = gw.admit(METRICS_POLICY).id  # positive control: with the admin token the list has it
+    listed = httpx.get(f"http://{gw.admin}/v1/sandboxes", headers={"Authorization": f"Bearer {gw.token}"},
+                       trust_env=False)
+    assert sid in listed.text
 
 
 def test_login_with_a_wrong_token_is_401_and_repeated_failures_are_rate_limited(gw):
