@@ -60,7 +60,11 @@ def trail_files(audit_file: Path) -> list[Path]:
         names = [p for p in audit_file.parent.iterdir() if pattern.fullmatch(p.name) and p.is_file()]
     except OSError:
         return []
-    return sorted(names, key=lambda p: (chain_name(p), p.name == chain_name(p), p.name))
+    def order(p: Path) -> tuple[str, bool, str, int]:  # as audit/filewatch.py names them: stamp, then -n
+        stamp = re.search(rf"\.(\d{{8}}T\d{{6}}_\d{{6}}Z)(?:-(\d+))?{re.escape(p.suffix)}$", p.name)
+        return (chain_name(p), stamp is None, stamp.group(1) if stamp else "", int(stamp.group(2) or 0) if stamp else 0)
+
+    return sorted(names, key=order)
 
 
 def index_path(audit_file: Path) -> Path:
