@@ -60,9 +60,12 @@ def trail_files(audit_file: Path) -> list[Path]:
         names = [p for p in audit_file.parent.iterdir() if pattern.fullmatch(p.name) and p.is_file()]
     except OSError:
         return []
+
     def order(p: Path) -> tuple[str, bool, str, int]:  # as audit/filewatch.py names them: stamp, then -n
         stamp = re.search(rf"\.(\d{{8}}T\d{{6}}_\d{{6}}Z)(?:-(\d+))?{re.escape(p.suffix)}$", p.name)
-        return (chain_name(p), stamp is None, stamp.group(1) if stamp else "", int(stamp.group(2) or 0) if stamp else 0)
+        if stamp is None:
+            return (chain_name(p), True, "", 0)
+        return (chain_name(p), False, stamp.group(1), int(stamp.group(2) or 0))
 
     return sorted(names, key=order)
 
