@@ -48,6 +48,7 @@ MAX_LIMIT = 1000
 MAX_BUCKETS = 2000
 MAX_FLIPS = 10_000
 CATCH_UP_S = 2.0
+RETRY_S = 30.0
 _STAMP = r"\d{8}T\d{6}_\d{6}Z(?:-\d+)?"
 
 
@@ -104,6 +105,7 @@ class AuditApi:
         self.index: AuditIndex | None = None
         self.follower: IndexFollower | None = None
         self._busy = asyncio.Lock()
+        self._retry_at = 0.0  # after a failure to open the index: not before (one log line, not one per query)
 
     # --- the index, started on first use ------------------------------------------------------------
     def files(self) -> list[Path]:
@@ -111,13 +113,14 @@ class AuditApi:
 
     def start_index(self) -> IndexFollower | None:
         """The follower of this process, started now if it was not (a failure: None, said in the log)."""
-        if self.follower is None and self.audit_file is not None:
+        now = time.monotonic()
+        if self.follower is None and self.audit_file is not None and now >= self._retry_at:
             try:
                 self.index = AuditIndex(index_path(self.audit_file))
                 self.follower = IndexFollower(self.index, self.files).start()
             except Exception:
-                logger.exception("console: the audit index cannot be opened")
-                self.index = None
+                logger.exception("console: the audit index cannot be opened (next try in %.0f s)", RETRY_S)
+                self.index, self._retry_at = None, now + RETRY_S
         return self.follower
 
     async def stop(self, _app: web.Application) -> None:

@@ -34,7 +34,7 @@ TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=u
          ".mjs": "text/javascript; charset=utf-8", ".css": "text/css; charset=utf-8",
          ".svg": "image/svg+xml", ".png": "image/png", ".ico": "image/x-icon", ".woff2": "font/woff2",
          ".json": "application/json", ".txt": "text/plain; charset=utf-8"}
-SESSION_KEY = "console_session"
+SESSION_KEY: web.RequestKey[auth.Session] = web.RequestKey("console_session", auth.Session)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
