@@ -316,6 +316,11 @@ def test_a_record_edited_after_indexing_is_reported_not_verified(gw, auditor):
     assert wait_for(lambda: search(auditor, sandbox=sbx.id, host="api.test"), timeout=5)
     hit = next(h for h in search(auditor, sandbox=sbx.id) if h["kind"] == "http_request")
     assert hit["verified"] is True  # positive control: before the edit
+    doc = control_policies(gw.world)[METRICS_POLICY]
+    doc["network"]["https"]["allow"] = [r for r in doc["network"]["https"]["allow"] if r["id"] != "c12-get"]
+    no_get = yaml.safe_dump(doc)
+    before = auditor.post("/ui/api/replay-diff", json={"policy_yaml": no_get, "sandbox": sbx.id}).json()
+    assert [f["direction"] for f in before["flips"]] == ["allow->deny"] and before["unverified"] == 0, before
     path = hit["file"]
     lines = Path(path).read_bytes().split(b"\n")
     line = lines[hit["line"] - 1]
@@ -326,3 +331,7 @@ def test_a_record_edited_after_indexing_is_reported_not_verified(gw, auditor):
     after = [h for h in search(auditor, sandbox=sbx.id) if h["rowid"] == hit["rowid"] or h["line"] == hit["line"]]
     assert after and all(h["verified"] is False for h in after), after
     assert all(h["record"] is None or "/v1/TAMPER" not in str(h["record"]) or h["verified"] is False for h in after)
+    # replay-diff is fed verified records only: the edited one is left out (counted), never replayed
+    replayed = auditor.post("/ui/api/replay-diff", json={"policy_yaml": no_get, "sandbox": sbx.id}).json()
+    assert replayed["unverified"] >= 1 and replayed["records"] == before["records"] - 1, (before, replayed)
+    assert [f["request_id"] for f in replayed["flips"]] == []

@@ -3,7 +3,10 @@
 The JSONL files stay the record of truth. Search and stats read the SQLite index (audit/index, derived
 and checked against the hash chain): every hit's record is read back from the JSONL at its offset and
 re-checked (`AuditIndex.record`), so a record edited after indexing is reported as not verified, never
-shown as if it were. Replay-diff and learn read the files themselves (audit.replay / policy.learn, pure).
+shown as if it were. Replay-diff and learn (audit.replay / policy.learn, pure) are fed only records the
+index verified (chain link checked) and whose bytes still match (re-read and re-checked one by one): a
+record edited or inserted in a file can never make the learner propose a rule or hide a flip; the answer
+counts what was left out (`unverified`). They read at most MAX_REPLAY_RECORDS, the newest.
 
 Cost for the gateway: nothing until the console is used. The index follower (a thread, IndexFollower)
 starts at the first login or audit query of this process, not at gateway start, so a gateway whose
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import re
 import time
 from pathlib import Path
@@ -31,8 +35,9 @@ from egressgate.admin.errors import error_response
 from egressgate.admin.jsonbody import BodyError
 from egressgate.admin.ui.api import bad, body_with, labels_of
 from egressgate.audit.filewatch import chain_name
-from egressgate.audit.find import iter_records
+from egressgate.audit.find import Found
 from egressgate.audit.index import AuditIndex, IndexFollower, IndexStale
+from egressgate.audit.record import RecordFormatError, parse_line
 from egressgate.audit.replay import replay_diff
 from egressgate.policy.errors import PolicyError
 from egressgate.policy.learn import LearnError, Selector, learn
@@ -47,6 +52,7 @@ SEARCH_KEYS = ("request_id", "request_hash", "sandbox", "host", "reason", "since
 MAX_LIMIT = 1000
 MAX_BUCKETS = 2000
 MAX_FLIPS = 10_000
+MAX_REPLAY_RECORDS = 200_000
 CATCH_UP_S = 2.0
 RETRY_S = 30.0
 _STAMP = r"\d{8}T\d{6}_\d{6}Z(?:-\d+)?"
@@ -74,6 +80,39 @@ def trail_files(audit_file: Path) -> list[Path]:
 def index_path(audit_file: Path) -> Path:
     stem = re.sub(r"\.w\d+$", "", audit_file.stem)
     return audit_file.with_name(f"{stem}{audit_file.suffix}.index.sqlite")
+
+
+class Verified:
+    """The verified records of the trail (optionally of one sandbox), oldest first, as `Found` with their
+    real file and line; `unverified` counts what was left out, `truncated` says the window was full."""
+
+    def __init__(self, index: AuditIndex, files: list[Path], sandbox: str | None = None) -> None:
+        self.unverified = 0
+        self.truncated = False
+        self.records: list[Found] = []
+        rank = {os.path.abspath(p): i for i, p in enumerate(files)}  # as the index names files
+        hits, before = [], None
+        while len(hits) < MAX_REPLAY_RECORDS:  # newest first, page by page
+            page = index.find(sandbox=sandbox, files=list(rank), limit=MAX_REPLAY_RECORDS - len(hits),
+                              before_rowid=before)
+            if not page:
+                break
+            hits.extend(page)
+            before = page[-1].rowid
+        self.truncated = len(hits) >= MAX_REPLAY_RECORDS
+        hits.sort(key=lambda h: (rank.get(h.file, len(rank)), h.line))
+        for hit in hits:
+            if not hit.verified:
+                self.unverified += 1
+                continue
+            try:
+                raw = index.record_line(hit)  # the bytes again, re-checked against the indexed hash
+                self.records.append(Found(hit.file, hit.line, raw, parse_line(raw)))
+            except (IndexStale, RecordFormatError):
+                self.unverified += 1
+
+    def summary(self) -> dict[str, Any]:
+        return {"records": len(self.records), "unverified": self.unverified, "truncated_records": self.truncated}
 
 
 def _seconds(raw: str | None, name: str) -> int | None:
@@ -218,18 +257,20 @@ class AuditApi:
         except PolicyError as exc:
             return error_response(422, "invalid_policy", str(exc))
         since_ns = int(since * 1e9) if since is not None else None
+        index = await self._ready_index()
+        if isinstance(index, web.Response):
+            return index
         files = self.files()
 
-        def run() -> list[dict[str, Any]]:
-            flips = replay_diff(iter_records(files), candidate, sandbox=sandbox or None, since_ns=since_ns,
-                                limit=limit)
-            return [f.to_json() for f in flips]
+        def run() -> dict[str, Any]:
+            verified = Verified(index, files, sandbox or None)
+            flips = replay_diff(verified.records, candidate, sandbox=sandbox or None, since_ns=since_ns, limit=limit)
+            return {"flips": [f.to_json() for f in flips], "truncated": len(flips) >= limit, **verified.summary()}
 
         result = await self._exclusive(run)
         if isinstance(result, web.Response):
             return result
-        return web.json_response({"flips": result, "truncated": len(result) >= limit, "policy": candidate.name,
-                                  "policy_hash": candidate.hash})
+        return web.json_response({**result, "policy": candidate.name, "policy_hash": candidate.hash})
 
     async def learn(self, request: web.Request) -> web.StreamResponse:
         """`policy learn` over the trail for one sandbox or a label selector: a YAML attachment."""
@@ -243,8 +284,13 @@ class AuditApi:
             return exc.response()
         except LearnError as exc:
             return bad(str(exc))
+        index = await self._ready_index()
+        if isinstance(index, web.Response):
+            return index
         files = self.files()
-        result = await self._exclusive(lambda: learn(iter_records(files), selector))
+        # every sandbox's verified records: labels resolve to sandboxes, and any record showing a name
+        # resolved to a private address keeps that name out (policy/learn.py)
+        result = await self._exclusive(lambda: learn(Verified(index, files).records, selector))
         if isinstance(result, web.Response):
             return result
         name = re.sub(r"[^A-Za-z0-9_.-]", "_", sandbox or "-".join(f"{k}-{v}" for k, v in labels.items()))[:60]
