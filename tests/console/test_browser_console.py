@@ -287,3 +287,22 @@ def test_request_hash_calculator_and_explain(console, ui_gw: Gateway) -> None:
     c.page.locator("#explain-result [data-field=decision]", has_text="deny").wait_for()
     assert c.page.locator("#explain-result [data-field=message]").text_content()
     c.assert_clean()
+
+
+def test_overview_charts_denies(console, ui_gw: Gateway) -> None:
+    sbx = ui_gw.admit(METRICS_POLICY, {"team": "overview"})
+    host = "other.test"
+    with sbx.client() as client:  # c12-cred allows other.test only for GET: a POST is denied
+        for _ in range(3):
+            assert client.post(sbx.url(host, "/echo"), content=b"x").status_code == 403
+    c = console("auditor")
+    c.go("overview")
+
+    def drawn() -> bool:
+        c.page.click("#overview-refresh")
+        c.page.locator("#overview-charts figure, #overview-charts .notice.error").first.wait_for()
+        return host in c.page.locator("[data-testid=hosts-chart] [data-field=host]").all_text_contents()
+    wait_until(drawn, 10, "the denied host in the top denied hosts", interval=0.2)
+    assert c.page.locator("[data-testid=denies-chart] rect[data-field=bar]").count() >= 1
+    assert c.page.locator("#overview-charts [data-field=reason]").count() >= 1
+    c.assert_clean()

@@ -15,6 +15,7 @@ export const COLUMNS = [
   {key: "labels", label: "Labels", render: (r) => labels(r.labels)},
   {key: "method", label: "Method"},
   {key: "host", label: "Host", cls: "wide"},
+  {key: "port", label: "Port"},
   {key: "path", label: "Path", cls: "wide"},
   {key: "decision", label: "Decision", render: (r) => decision(r.decision)},
   {key: "reason", label: "Reason"},

@@ -24,19 +24,29 @@ export function render(root) {
     el("button", {type: "submit", id: "search-submit"}, "Search"));
   const out = el("div", {id: "search-results"});
   root.append(el("h1", null, "Audit search"), form, out);
-  form.addEventListener("submit", async (ev) => {
-    ev.preventDefault();
-    const v = formValues(form);
-    const params = {...v, since: toSeconds(v.since), until: toSeconds(v.until)};
-    clear(out, notice("info", "searching…"));
+  let params = {};
+  const run = async (before) => {
     try {
-      const data = await api.get(`search${api.query(params)}`);
+      const data = await api.get(`search${api.query({...params, before})}`);
       const hits = Array.isArray(data) ? data : Array.isArray(data.hits) ? data.hits : [];
-      clear(out, el("p", {id: "search-count"}, `${hits.length} record${hits.length === 1 ? "" : "s"}`),
-        hits.map(hitCard));
+      const more = data && data.next_before ? el("button", {type: "button", id: "search-older"}, "Older") : null;
+      if (!before) clear(out, el("p", {id: "search-count"}, `${hits.length} record${hits.length === 1 ? "" : "s"}`));
+      out.querySelector("#search-older")?.remove();
+      out.append(...hits.map(hitCard));
+      if (more) {
+        more.addEventListener("click", () => run(data.next_before));
+        out.append(more);
+      }
     } catch (err) {
       clear(out, notice("error", err.message));
     }
+  };
+  form.addEventListener("submit", (ev) => {
+    ev.preventDefault();
+    const v = formValues(form);
+    params = {...v, since: toSeconds(v.since), until: toSeconds(v.until)};
+    clear(out, notice("info", "searching…"));
+    run(undefined);
   });
   return null;
 }
@@ -49,6 +59,8 @@ function hitCard(hit) {
         verified ? "chain verified" : "NOT verified"),
       " chain position ", val(hit.chain_index, "chain_index"),
       " · ", val(hit.file, "file"), ":", val(hit.line, "line"),
+      hit.kind ? [" · ", val(hit.kind, "kind")] : null,
       hit.time_ns ? [" · ", fmtTime(hit.time_ns)] : null),
+    hit.problem ? notice("error", hit.problem) : null,
     el("pre", {class: "record", "data-field": "record"}, JSON.stringify(hit.record, null, 2)));
 }

@@ -119,6 +119,7 @@ export function renderReplay(root) {
       const flips = Array.isArray(res) ? res : Array.isArray(res.flips) ? res.flips : [];
       const summary = [];
       for (const k of ["replayed", "unchanged"]) if (res[k] !== undefined) summary.push(`${k}: ${res[k]}`);
+      if (res.truncated) summary.push("truncated at the limit");
       return [el("p", {id: "flip-count"}, `${flips.length} decision${flips.length === 1 ? "" : "s"} would flip`,
         summary.length ? ` (${summary.join(", ")})` : ""), flips.length ? flipsTable(flips) : null];
     });
