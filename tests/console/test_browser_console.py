@@ -218,17 +218,16 @@ def test_replay_diff_shows_flipped_decisions(console, ui_gw: Gateway) -> None:
     c.page.fill("#replay-form [name=policy_yaml]", candidate)
     c.page.fill("#replay-form [name=sandbox]", sbx.id)
 
-    def flipped() -> list[str]:
+    rows = c.page.locator("[data-testid=flips-table] tr.flip")
+
+    def flipped() -> dict[str, str]:
         c.submit("#replay", "#flip-count")
-        rows = c.page.locator("[data-testid=flips-table] tr.flip")
-        text = [r.text_content() for r in rows.all()]
-        return text if sum(("api.test" in t) or ("other.test" in t) for t in text) >= 2 else []
-    rows = wait_until(flipped, 10, "both flips in the replay diff", interval=0.2)
-    api_rows = [t for t in rows if "api.test" in t]
-    other_rows = [t for t in rows if "other.test" in t]
-    assert api_rows and other_rows, rows
-    assert all(t.index("allow") < t.index("deny") for t in api_rows), api_rows  # allow -> deny
-    assert all(t.index("deny") < t.index("allow") for t in other_rows), other_rows  # deny -> allow
+        return {r.locator("[data-field=target]").text_content(): r.locator("[data-field=direction]").text_content()
+                for r in rows.all()}
+    flips = wait_until(flipped, 10, "the flips in the replay diff", interval=0.2)
+    by_host = {t.split("//")[-1].split("/")[0].split(":")[0]: d for t, d in flips.items()}
+    assert by_host == {"api.test": "allow->deny", "other.test": "deny->allow"}, flips
+    assert rows.count() == 2 and all(sbx.id == r.locator("[data-field=sandbox]").text_content() for r in rows.all())
     c.assert_clean()
 
 
@@ -305,4 +304,26 @@ def test_overview_charts_denies(console, ui_gw: Gateway) -> None:
     wait_until(drawn, 10, "the denied host in the top denied hosts", interval=0.2)
     assert c.page.locator("[data-testid=denies-chart] rect[data-field=bar]").count() >= 1
     assert c.page.locator("#overview-charts [data-field=reason]").count() >= 1
+    c.assert_clean()
+
+
+def test_learn_downloads_yaml(console, ui_gw: Gateway) -> None:
+    w = ui_gw.world
+    sbx = ui_gw.admit("gw-basic", {"team": "learn"})
+    with sbx.client() as client:
+        assert client.get(sbx.url("other.test", "/learn/me", scheme="http")).status_code == 403
+    c = console("auditor")
+    c.go("learn")
+    c.page.fill("#learn-form [name=sandbox]", sbx.id)
+    c.submit("#learn", "#download-link")
+    shown = c.page.locator("#learn-yaml").text_content()
+    with c.page.expect_download() as download:
+        c.page.click("#download-link")
+    saved = download.value
+    assert saved.suggested_filename == f"learned-{sbx.id}.yaml"
+    text = open(saved.path(), encoding="utf-8").read()
+    assert text == shown
+    learned = yaml.safe_load(text)
+    rules = learned["network"]["http"]["allow"]
+    assert [(r["host"], r["ports"]) for r in rules] == [("other.test", [w.http_port])], learned
     c.assert_clean()
