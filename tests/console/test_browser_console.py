@@ -9,6 +9,7 @@ import json
 import socket
 import time
 import uuid
+from pathlib import Path
 
 import httpx
 import yaml
@@ -321,7 +322,7 @@ def test_learn_downloads_yaml(console, ui_gw: Gateway) -> None:
         c.page.click("#download-link")
     saved = download.value
     assert saved.suggested_filename == f"learned-{sbx.id}.yaml"
-    text = open(saved.path(), encoding="utf-8").read()
+    text = Path(saved.path()).read_text(encoding="utf-8")
     assert text == shown
     learned = yaml.safe_load(text)
     rules = learned["network"]["http"]["allow"]
