@@ -29,6 +29,7 @@ from egressgate.admin.metrics import GatewayMetrics
 from egressgate.admin.policies_api import PoliciesApi, Reload
 from egressgate.admin.readiness import Readiness
 from egressgate.admin.sandboxes_api import SandboxesApi
+from egressgate.admin.ui import console_headers, register_console
 from egressgate.audit.build import build
 from egressgate.audit.event import AuditEvent, AuditUnavailable, EventKind
 from egressgate.broker.inject import admission_phantoms
@@ -130,7 +131,8 @@ class AdminServer:
         self.metrics = GatewayMetrics(runtime)  # observes the audit sink from now on
         self.readiness = Readiness(runtime)
         sandboxes, policies = SandboxesApi(runtime), PoliciesApi(runtime, reload)
-        self.app = web.Application(middlewares=[self._errors, self._auth], client_max_size=MAX_BODY)
+        # console_headers first: every /ui response, errors included, carries the console's CSP (admin/ui)
+        self.app = web.Application(middlewares=[console_headers, self._errors, self._auth], client_max_size=MAX_BODY)
         router = self.app.router
         router.add_get("/healthz", self.healthz)
         router.add_get("/readyz", self.readiness.handle)
@@ -143,6 +145,7 @@ class AdminServer:
         router.add_post("/v1/policies/reload", policies.reload)
         router.add_get(JWKS_PATH, self.jwks)
         register_approvals(self)  # /v1/approvals (admin/approvals_api.py) and the expiry sweeper
+        self.console = register_console(self)  # /ui: session + role tokens, not the admin token (admin/ui)
 
     @web.middleware
     async def _errors(self, request: web.Request, handler):
@@ -168,6 +171,8 @@ class AdminServer:
     @web.middleware
     async def _auth(self, request: web.Request, handler):
         if request.path in PUBLIC_PATHS and request.method in ("GET", "HEAD"):
+            return await handler(request)
+        if self.console.owns(request):  # the console's routes check its session instead (admin/ui/routes.py)
             return await handler(request)
         header = request.headers.get("Authorization", "")
         scheme, _, presented = header.partition(" ")

@@ -11,6 +11,9 @@ from dataclasses import dataclass
 SCOPE_HOST = "host"  # any method and path on scheme://host:port
 SCOPE_HOST_PATH = "host+path"  # only the approved method on the approved canonical path
 SCOPES = (SCOPE_HOST, SCOPE_HOST_PATH)
+# The scheme of an approved MCP tool (approvals/model.py KIND_MCP_TOOL): such a grant names a server and a
+# tool, never a network target (overlay.covers refuses it for every request)
+MCP_SCHEME = "mcp"
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,7 +19,7 @@ import secrets
 from dataclasses import asdict, dataclass, replace
 from enum import StrEnum
 
-from egressgate.approvals.grant import SCOPE_HOST_PATH, Grant
+from egressgate.approvals.grant import MCP_SCHEME, SCOPE_HOST_PATH, Grant
 from egressgate.state.base import StateUnavailable
 
 MAX_PENDING_PER_SANDBOX = 16
@@ -32,6 +32,10 @@ DEFAULT_FOR_SECONDS = 600
 MAX_FOR_SECONDS = 86400
 MAX_BY_CHARS = 128
 KIND_NETWORK_EXPANSION = "network_expansion"
+# One MCP tool of one server (egressgate/mcp/mediator.py): stored like a network approval with scheme
+# "mcp", host = server name, port 0, method "tools/call", path = tool name (policy/mcp_decide.py reads the
+# grant by exactly these fields; port 0 and the scheme keep it from ever covering a network request).
+KIND_MCP_TOOL = "mcp_tool"
 
 
 class ApprovalState(StrEnum):
@@ -85,7 +89,10 @@ class Approval:
 
     @property
     def target_key(self) -> str:
-        """What retries are deduplicated on: one pending approval per (sandbox, scheme, host, port)."""
+        """What retries are deduplicated on: one pending approval per (sandbox, scheme, host, port); for
+        an MCP tool per (sandbox, server, tool), so two tools of one server are two approvals."""
+        if self.kind == KIND_MCP_TOOL:
+            return f"{MCP_SCHEME}|{self.host}|{self.path}"
         return f"{self.scheme or '-'}|{self.host}|{self.port}"
 
     def current(self, now: float) -> Approval:

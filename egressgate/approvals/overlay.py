@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from egressgate.approvals.grant import SCOPE_HOST, SCOPE_HOST_PATH, Grant
+from egressgate.approvals.grant import MCP_SCHEME, SCOPE_HOST, SCOPE_HOST_PATH, Grant
 from egressgate.policy.facts import Facts, Operation
 from egressgate.policy.reasons import Reason
 
@@ -36,6 +36,8 @@ def approvable(facts: Facts, reason: Reason) -> bool:
 
 def covers(grant: Grant, facts: Facts, sandbox_id: str, now: float) -> bool:
     if grant.sandbox_id != sandbox_id or now >= grant.expires_at:
+        return False
+    if grant.scheme == MCP_SCHEME:  # an approved MCP tool (server/tool) never widens the network allowlist
         return False
     if facts.host != grant.host or facts.port != grant.port:
         return False

@@ -28,6 +28,12 @@ class EventKind(StrEnum):
     POLICY_RELOAD = "policy_reload"
     APPROVAL = "approval"  # an approval requested, approved, denied or expired (egressgate/approvals)
     CONNECTION = "connection"  # a client connection refused or closed by a limit/timeout (gateway/connguard.py)
+    # MCP (egressgate/mcp/records.py): one decision per tools/call (its effect is an OUTCOME record with
+    # the same request_id), a tools/list answer that changed a tool's hash, and other MCP messages the
+    # gateway refused or recorded (malformed, a serverInfo that differs from its pin)
+    MCP_TOOL_CALL = "mcp_tool_call"
+    MCP_TOOLS_LIST = "mcp_tools_list"
+    MCP_MESSAGE = "mcp_message"
 
 
 @dataclass(slots=True)

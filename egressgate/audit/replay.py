@@ -8,21 +8,36 @@ input at the recorded time under a new policy answers "what would this policy ha
 What replay cannot reproduce (documented in docs/audit.md): decisions made outside the policy engine
 (identity, Host/SNI consistency, self-connection, dependency failures) are skipped; without recorded state
 the sandbox's past is reconstructed from the log itself (approximate); state is the *recorded* history,
-not the counterfactual one (a request the new policy would deny still counts as seen).
+not the counterfactual one (a request the new policy would deny still counts as seen). MCP tool calls
+(`mcp_tool_call` records) are re-decided by audit/replay_mcp.py.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from egressgate.approvals.grant import Grant
-from egressgate.audit.find import iter_records
-from egressgate.audit.record import K_DNS_NAME, K_HOST, K_LABELS, K_OPERATION, K_SCHEME, addresses_of
+from egressgate.audit.find import Found, iter_records
+from egressgate.audit.record import (
+    K_DNS_NAME,
+    K_HOST,
+    K_LABELS,
+    K_OPERATION,
+    K_SCHEME,
+    Record,
+    RecordFormatError,
+    addresses_of,
+    parse_line,
+)
+from egressgate.audit.replay_format import format_table, printable
+from egressgate.audit.replay_mcp import OPERATION as MCP_OPERATION
+from egressgate.audit.replay_mcp import McpHistory, NotReplayable, replay_tool_call
 from egressgate.policy.facts import Decision, Facts, Operation, RuleUsage, SandboxState
+
+__all__ = ["Change", "Flip", "ReplayResult", "format_table", "printable", "replay", "replay_diff", "replay_records"]
 
 REPLAYABLE = {op.value for op in Operation}
 # Denials decided by the gateway before / outside decide(): a policy cannot change them.
@@ -61,10 +76,25 @@ class Change:
     new_decision: str
     new_rule: str | None
     new_reason: str
+    request_id: str | None = None
 
     @property
     def direction(self) -> str:
         return f"{self.old_decision}->{self.new_decision}"
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain data for the console's JSON API (every string is attacker-influenced: data, never HTML)."""
+        return {
+            "file": self.path, "line": self.line, "time_ns": self.time_ns, "sandbox": self.sandbox_id,
+            "request_id": self.request_id, "operation": self.operation, "target": self.target,
+            "direction": self.direction,
+            "old": {"decision": self.old_decision, "rule": self.old_rule, "reason": self.old_reason},
+            "new": {"decision": self.new_decision, "rule": self.new_rule, "reason": self.new_reason},
+        }
+
+
+# A decision that changes under a candidate policy (what `replay_diff` returns).
+Flip = Change
 
 
 @dataclass(slots=True)
@@ -77,6 +107,8 @@ class ReplayResult:
     # approval id -> replayed decisions it allowed (reason approval_granted): allowed by an operator's
     # approval (recorded in egressgate.state.approvals), not by any rule of the replayed policy
     by_approval: dict[str, int] = field(default_factory=dict)
+    arguments_unchecked: int = 0  # MCP tool calls re-decided without their arguments (not recorded)
+    truncated: bool = False  # stopped at `limit` changes
 
     def skip(self, why: str) -> None:
         self.skipped[why] = self.skipped.get(why, 0) + 1
@@ -226,23 +258,91 @@ def load_policy_set(path: str | Path) -> tuple[dict[str, Any], Any | None]:
 def replay(
     paths: Sequence[str | Path], policy_path: str | Path, decide: Decide | None = None
 ) -> ReplayResult:
+    policies, single = load_policy_set(policy_path)
+    return replay_records(iter_records(paths), policies, single, decide)
+
+
+def replay_records(
+    records: Iterable[Found],
+    policies: Mapping[str, Any],
+    single: Any | None,
+    decide: Decide | None = None,
+    *,
+    sandbox: str | None = None,
+    since_ns: int | None = None,
+    limit: int | None = None,
+) -> ReplayResult:
+    """Re-decide `records` (in log order) under `single` (every record) or `policies` (by the record's
+    policy name). The one replay path: the CLI, `replay_diff` and `policy learn` all come through here.
+
+    `sandbox` keeps only that sandbox's records (the others never enter the result, nor its history).
+    Records before `since_ns` still build the sandbox's history (its state at later records) but are
+    not re-decided. `limit` stops after that many changes (`truncated` says so)."""
     if decide is None:
         from egressgate.policy.decide import decide as decide_fn
 
         decide = decide_fn
-    policies, single = load_policy_set(policy_path)
     result = ReplayResult()
     history: dict[str, _History] = {}
-    for found in iter_records(paths):
+    mcp_history = McpHistory()
+    for found in records:
         attrs = found.record.attributes
         op = attrs.get(K_OPERATION)
         sandbox_id = str(attrs.get("egressgate.sandbox.id", ""))
+        if sandbox is not None and sandbox_id != sandbox:
+            continue
         time_s = found.record.time_ns / 1e9
         hist = history.setdefault(sandbox_id, _History())
-        if op in REPLAYABLE:
+        if op in REPLAYABLE and (since_ns is None or found.record.time_ns >= since_ns):
             _replay_one(found, attrs, sandbox_id, hist, time_s, policies, single, decide, result)
+            if limit is not None and len(result.changes) >= limit:
+                result.truncated = True
+                break
+        elif op == MCP_OPERATION and (since_ns is None or found.record.time_ns >= since_ns):
+            _replay_tool_call(found, attrs, sandbox_id, mcp_history, time_s, policies, single, result)
+            if limit is not None and len(result.changes) >= limit:
+                result.truncated = True
+                break
         _update_history(hist, attrs, time_s)
+        mcp_history.update(sandbox_id, attrs)
     return result
+
+
+def as_found(records: Iterable[Found | Record | bytes | str], source: str = "<records>") -> Iterator[Found]:
+    """Records from any caller (files, the index, the console) as `Found`: a raw JSONL line is parsed
+    (an unparseable one is skipped, as `iter_records` does: `audit verify` reports those), a bare
+    `Record` gets its position in the sequence as its line number."""
+    for number, item in enumerate(records, start=1):
+        if isinstance(item, Found):
+            yield item
+        elif isinstance(item, Record):
+            yield Found(source, number, b"", item)
+        else:
+            raw = item.encode() if isinstance(item, str) else item
+            try:
+                yield Found(source, number, raw, parse_line(raw))
+            except RecordFormatError:
+                continue
+
+
+def replay_diff(
+    records: Iterable[Found | Record | bytes | str],
+    candidate_policy_set: Any,
+    sandbox: str | None = None,
+    since_ns: int | None = None,
+    limit: int | None = None,
+) -> list[Flip]:
+    """The decisions of `records` that `candidate_policy_set` would change (pure: no file, no clock).
+
+    `candidate_policy_set` is one compiled policy (applies to every record, like `audit replay --policy
+    FILE`) or a mapping name -> compiled policy (matched by the record's policy name, like a directory)."""
+    if isinstance(candidate_policy_set, Mapping):
+        policies, single = candidate_policy_set, None
+    else:
+        policies, single = {candidate_policy_set.name: candidate_policy_set}, candidate_policy_set
+    return replay_records(
+        as_found(records), policies, single, sandbox=sandbox, since_ns=since_ns, limit=limit
+    ).changes
 
 
 def _replay_one(
@@ -291,8 +391,36 @@ def _replay_one(
             new_decision,
             _rule_or_approval(new.rule_id, new.approval_id, str(new.reason)),
             str(new.reason),
+            str(attrs["egressgate.request.id"]) if isinstance(attrs.get("egressgate.request.id"), str) else None,
         )
     )
+
+
+def _replay_tool_call(found, attrs, sandbox_id, mcp_history, time_s, policies, single, result) -> None:
+    """An `mcp_tool_call` record (audit/replay_mcp.py says what is and is not re-decided)."""
+    policy = single or policies.get(str(attrs.get("egressgate.policy.name")))
+    if policy is None:
+        result.skip(f"no policy named {attrs.get('egressgate.policy.name')!r}")
+        return
+    try:
+        done = replay_tool_call(policy, attrs, sandbox_id, mcp_history, time_s, grants_from)
+    except NotReplayable as exc:
+        result.skip(str(exc))
+        return
+    result.replayed += 1
+    result.approximated_state += not done.exact_state
+    result.arguments_unchecked += not done.arguments_checked
+    new, old, reason = done.decision, attrs.get("egressgate.decision"), attrs.get("egressgate.reason")
+    if new.approval_id is not None and new.allowed:
+        result.by_approval[new.approval_id] = result.by_approval.get(new.approval_id, 0) + 1
+    if new.decision == old:
+        result.unchanged += 1
+        return
+    result.changes.append(Change(
+        found.path, found.line, found.record.time_ns, sandbox_id, MCP_OPERATION, done.target, str(old),
+        _rule_or_approval(attrs.get("egressgate.rule"), attrs.get("egressgate.approval.id"), reason),
+        str(reason) if reason is not None else None, new.decision,
+        _rule_or_approval(new.rule_id, new.approval_id, str(new.reason)), str(new.reason)))
 
 
 def _rule_or_approval(rule: Any, approval_id: Any, reason: Any) -> str | None:
@@ -303,41 +431,3 @@ def _rule_or_approval(rule: Any, approval_id: Any, reason: Any) -> str | None:
     if reason in ("approval_granted", "approval_required") and isinstance(approval_id, str):
         return f"approval {approval_id}"
     return None
-
-
-def printable(text: str) -> str:
-    """Terminal-safe: a recorded hostile target must not drive the auditor's terminal (ANSI, CR)."""
-    return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in text)
-
-
-def format_table(result: ReplayResult) -> str:
-    rows = [
-        ("TIME (UTC)", "SANDBOX", "OPERATION", "TARGET", "CHANGE", "OLD RULE / REASON", "NEW RULE / REASON")
-    ]
-    for c in result.changes:
-        when = datetime.fromtimestamp(c.time_ns / 1e9, UTC).strftime("%Y-%m-%dT%H:%M:%S")
-        rows.append(
-            (
-                when,
-                c.sandbox_id,
-                c.operation,
-                c.target,
-                c.direction,
-                f"{c.old_rule or '-'} / {c.old_reason or '-'}",
-                f"{c.new_rule or '-'} / {c.new_reason}",
-            )
-        )
-    rows = [tuple(printable(cell) for cell in row) for row in rows]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
-    summary = f"{len(result.changes)} changed, {result.unchanged} unchanged, {result.replayed} replayed" + (
-        f", {result.approximated_state} with state reconstructed from the log"
-        if result.approximated_state
-        else ""
-    )
-    for approval_id, n in sorted(result.by_approval.items()):
-        summary += (f"\n{n} allowed by operator approval {printable(approval_id)} (approval_granted, not a rule; the "
-                    "`approval` audit records say who granted it, its scope and expiry)")
-    for why, n in sorted(result.skipped.items()):
-        summary += f"\nskipped {n}: {why}"
-    return ("\n".join(lines) + "\n" if result.changes else "") + summary

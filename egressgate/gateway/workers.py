@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 from egressgate.admin.server import ensure_admin_token
+from egressgate.admin.ui.auth import ensure_role_tokens
 from egressgate.audit.config import AuditSinkConfig
 from egressgate.audit.signer import LocalEd25519Signer
 from egressgate.config import ConfigError, GatewayConfig, ListenConfig
@@ -85,6 +86,7 @@ def prepare_shared(cfg: GatewayConfig) -> None:
     ca.sandbox_bundle(cfg.ca_path())
     ca.upstream_bundle(cfg.ca_path(), cfg.upstream.ca_bundle)
     ensure_admin_token(cfg.admin_token_path())
+    ensure_role_tokens(var)  # the console's operator/auditor tokens (admin/ui/auth.py), same race
     if cfg.audit.signer == "local" or (cfg.audit.signer == "auto" and cfg.broker.backend != "vault"):
         LocalEd25519Signer.load_or_create(cfg.audit.key_path(var))
     broker = cfg.broker_config()

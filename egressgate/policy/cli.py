@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 from types import MappingProxyType
+from typing import Any
 
 import click
 
@@ -16,6 +17,7 @@ from egressgate.policy.decide import decide
 from egressgate.policy.errors import PolicyError
 from egressgate.policy.facts import Operation, SandboxState
 from egressgate.policy.loader import load_policies
+from egressgate.policy.mcp_explain import explain_tool_call, parse_arguments
 from egressgate.policy.target import parse_target
 from egressgate.policy.testcases import pick_policy, run_case_file, tunnel_mode
 
@@ -39,6 +41,7 @@ def check(path: str) -> None:
     for name, compiled in sorted(policies.items()):
         passthrough = sum(r.passthrough for r in compiled.rules)
         spliced = f", {passthrough} tls: passthrough" if passthrough else ""
+        spliced += f", {len(compiled.mcp.servers)} mcp servers" if compiled.mcp.servers else ""
         click.echo(f"ok  {name}  {compiled.hash}  ({compiled.source}, {len(compiled.rules)} rules{spliced})")
 
 
@@ -53,25 +56,41 @@ def _label(values: tuple[str, ...]) -> dict[str, str]:
 
 
 @policy.command()
-@click.option("--policy", "policy_path", required=True, type=click.Path(exists=True), help="Policy file or dir.")
+@click.option("--policy", "policy_path", type=click.Path(exists=True), help="Policy file or dir.")
 @click.option("--sandbox", help="Policy name (sandbox.name); needed when --policy is a directory.")
 @click.option("--label", multiple=True, help="Sandbox label k=v (repeatable).")
 @click.option("--resolved", multiple=True, help="An address the host resolves to (repeatable).")
 @click.option("--elapsed", type=float, default=0.0, help="Seconds since the sandbox was admitted.")
 @click.option("--seen", multiple=True, help="A host the sandbox already sent requests to (repeatable).")
 @click.option("--json", "as_json", is_flag=True, help="Print the decision as JSON.")
-@click.argument("request")
+@click.option("--mcp-server", help="Explain an MCP tools/call to this server of the policy (with --tool).")
+@click.option("--tool", help="The tool name of the MCP call.")
+@click.option("--arguments", default="{}", show_default=True, help="The call's arguments (a JSON object).")
+@click.option("--server-calls", type=int, default=0, help="Calls this sandbox already made to the server.")
+@click.option("--tool-calls", type=int, default=0, help="Calls this sandbox already made to the tool.")
+@click.option("--server-info", help="NAME=VERSION the server reported (default: its pin holds).")
+@click.option("--tool-schema", help="sha256 of the tool's listed schema (default: its pin holds).")
+@click.argument("request", required=False)
 def explain(
-    policy_path: str,
+    policy_path: str | None,
     sandbox: str | None,
     label: tuple[str, ...],
     resolved: tuple[str, ...],
     elapsed: float,
     seen: tuple[str, ...],
     as_json: bool,
-    request: str,
+    request: str | None,
+    **mcp: Any,
 ) -> None:
-    """Show the decision for REQUEST: 'METHOD URL', 'CONNECT host:port' or 'DNS TYPE name'."""
+    """Show the decision for REQUEST: 'METHOD URL', 'CONNECT host:port' or 'DNS TYPE name'.
+
+    With --mcp-server and --tool: the decision for that MCP tool call (REQUEST is then the policy path,
+    or use --policy)."""
+    if mcp["mcp_server"] is not None or mcp["tool"] is not None:
+        _explain_tool_call(policy_path or request, sandbox, label, as_json, mcp)
+        return
+    if policy_path is None or request is None:
+        raise click.UsageError("give --policy PATH and REQUEST (or --mcp-server and --tool for an MCP call)")
     try:
         compiled = pick_policy(load_policies(policy_path), sandbox, policy_path)
         facts = parse_target(request, tuple(ipaddress.ip_address(a) for a in resolved))
@@ -113,6 +132,41 @@ def explain(
     click.echo(f"policy {compiled.name} {compiled.hash}")
 
 
+def _explain_tool_call(
+    policy_path: str | None, sandbox: str | None, label: tuple[str, ...], as_json: bool, mcp: dict[str, Any]
+) -> None:
+    if policy_path is None or mcp["mcp_server"] is None or mcp["tool"] is None:
+        raise click.UsageError("an MCP call needs the policy (POLICY or --policy), --mcp-server and --tool")
+    try:
+        compiled = pick_policy(load_policies(policy_path), sandbox, policy_path)
+    except PolicyError as exc:
+        click.echo(str(exc), err=True)
+        sys.exit(EXIT_INVALID)
+    try:
+        arguments = parse_arguments(mcp["arguments"])
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--arguments") from None
+    info = None
+    if mcp["server_info"] is not None:
+        name, sep, version = mcp["server_info"].partition("=")
+        if not sep:
+            raise click.BadParameter("expected NAME=VERSION", param_hint="--server-info")
+        info = (name, version)
+    decision, out = explain_tool_call(
+        compiled, mcp["mcp_server"], mcp["tool"], arguments, _label(label), server_calls=mcp["server_calls"],
+        tool_calls=mcp["tool_calls"], server_info=info, tool_schema=mcp["tool_schema"], now=time.time())
+    if as_json:
+        click.echo(json.dumps(out, indent=2))
+        return
+    click.echo(f"{out['decision'].upper()}  reason={out['reason']}  rule={out['rule'] or '-'}"
+               + (f"  argument={decision.failed_argument}" if decision.failed_argument else ""))
+    if decision.message:
+        click.echo(decision.message)
+    if decision.budget_keys:
+        click.echo("counts: " + ", ".join(f"{key} (max {limit})" for key, limit in decision.budget_keys))
+    click.echo(f"policy {compiled.name} {compiled.hash}")
+
+
 @policy.command("test")
 @click.argument("files", nargs=-1, required=True, type=click.Path(exists=True))
 @click.option("--policy", "policy_path", type=click.Path(exists=True), help="Override the files' `policy:`.")
@@ -139,3 +193,50 @@ def test_cmd(files: tuple[str, ...], policy_path: str | None) -> None:
                 click.echo(f"      message: {result.decision.message}")
     click.echo(f"{total - failed} passed, {failed} failed")
     sys.exit(1 if failed else 0)
+
+
+@policy.command()
+@click.argument("audit_files", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
+@click.option("--sandbox", "sandbox_id", help="Learn from the traffic of this sandbox id.")
+@click.option("--label", multiple=True, help="Learn from sandboxes with label k=v (repeatable: all must match).")
+@click.option("--base", "base_path", type=click.Path(exists=True, dir_okay=False),
+              help="The policy the sandboxes run under: the output is it plus the learned rules.")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write the policy here (default: stdout).")
+def learn(
+    audit_files: tuple[str, ...], sandbox_id: str | None, label: tuple[str, ...], base_path: str | None,
+    output: str | None,
+) -> None:
+    """Propose the smallest rules that allow the denied traffic recorded in AUDIT_FILES (docs/policy.md,
+    "Learning a policy from the audit trail"). Exit 0 with the policy written, 2 on a usage error."""
+    from egressgate.audit.find import iter_records
+    from egressgate.audit.replay import printable
+    from egressgate.policy.learn import LearnError, Selector
+    from egressgate.policy.learn import learn as learn_rules
+    from egressgate.policy.loader import load_policy
+
+    base_yaml = None
+    try:
+        selector = Selector(sandbox=sandbox_id, labels=_label(label))
+        if base_path is not None:
+            load_policy(base_path)  # size, type and encoding checks with the loader's own errors
+            base_yaml = Path(base_path).read_text("utf-8")
+        result = learn_rules(iter_records(list(audit_files)), selector, base_yaml=base_yaml,
+                             base_source=base_path or "<base>")
+    except LearnError as exc:
+        raise click.UsageError(str(exc)) from None
+    except PolicyError as exc:
+        click.echo(f"the base policy does not load:\n{exc}", err=True)
+        sys.exit(EXIT_INVALID)
+    if output:
+        Path(output).write_text(result.policy_yaml, "utf-8")
+    else:
+        click.echo(result.policy_yaml, nl=False)
+    learned = sum(s.requests for s in result.rules)
+    click.echo(f"{len(result.rules)} rules learned from {learned} of {result.denied} denied decisions "
+               f"({result.sandboxes} sandboxes, {result.selected} records selected)", err=True)
+    for why, n in sorted(result.not_learnable.items()):
+        click.echo(f"not learnable {n}: {printable(why)}", err=True)
+    flips = [f for f in result.flips if f.direction == "allow->deny"]
+    if flips:
+        click.echo(f"{len(flips)} recorded allows are not in this policy (no --base?): `egressgate audit replay "
+                   "--policy` lists them", err=True)

@@ -27,6 +27,7 @@ from egressgate.policy.globs import (
     parse_host_pattern,
     parse_path_glob,
 )
+from egressgate.policy.mcp_compile import EMPTY_MCP, CompiledMcp, compile_mcp
 from egressgate.policy.model import Budget, Conditions, HttpRule, Policy, TcpRule
 from egressgate.policy.passthrough import passthrough_problems, tls_problems
 from egressgate.policy.reasons import Effect
@@ -136,6 +137,7 @@ class CompiledPolicy:
         self.budgeted_rules: frozenset[str] = frozenset()  # rules whose usage decide() reads
         self.has_passthrough = False  # some rule has `tls: passthrough` (transparent.py peeks at SNI first)
         self.approval_kinds: frozenset[str] = frozenset()  # execution.require_approval_for (policy/execution.py)
+        self.mcp: CompiledMcp = EMPTY_MCP  # the `mcp:` section (policy/mcp_compile.py)
 
     def relevant_state(self, state: SandboxState) -> SandboxState:
         """`state` reduced to what decide() can read under this policy: only history hosts some `when`
@@ -150,9 +152,8 @@ class CompiledPolicy:
         usage = state.rule_usage
         if usage:
             usage = MappingProxyType({r: u for r, u in usage.items() if r in self.budgeted_rules})
-        if hosts is state.seen_hosts and usage is state.rule_usage:
-            return state
-        return replace(state, seen_hosts=hosts, rule_usage=usage)
+        unchanged = hosts is state.seen_hosts and usage is state.rule_usage
+        return state if unchanged else replace(state, seen_hosts=hosts, rule_usage=usage)
 
     def candidates(self, scheme: str, effect: Effect, host: str) -> list[CompiledRule]:
         return self.index[(scheme, effect)].candidates(host)
@@ -205,6 +206,7 @@ def compile_policy(model: Policy, source: str, policy_hash: str) -> CompiledPoli
     policy.budgeted_rules = frozenset(r.id for r in policy.rules if r.budget is not None)
     policy.has_passthrough = any(r.passthrough for r in policy.rules)
     policy.approval_kinds = approval_kinds(model.execution, problems)
+    policy.mcp = compile_mcp(model.mcp, policy, problems)
     problems.extend((*_credential_problems(policy), *passthrough_problems(policy)))
     if problems:
         raise PolicyError(source, problems)
@@ -393,8 +395,6 @@ def _credential_problems(policy: CompiledPolicy) -> Iterator[tuple[str, str]]:
 
 def _paths_disjoint(a: CompiledRule, b: CompiledRule) -> bool:
     """Conservative: only two sets of exact paths are provably disjoint."""
-    if a.paths is None or b.paths is None:
-        return False
-    if any(g.exact is None for g in (*a.paths, *b.paths)):
+    if a.paths is None or b.paths is None or any(g.exact is None for g in (*a.paths, *b.paths)):
         return False
     return not ({g.exact for g in a.paths} & {g.exact for g in b.paths})

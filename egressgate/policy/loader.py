@@ -18,6 +18,7 @@ from egressgate.policy import model as policy_model
 from egressgate.policy.compile import CompiledPolicy, compile_policy
 from egressgate.policy.errors import PolicyError
 from egressgate.policy.limits import MAX_POLICY_BYTES, MAX_POLICY_FILES, check_limits
+from egressgate.policy.mcp_model import McpSection
 from egressgate.safeyaml import YamlError, load_yaml
 
 POLICY_SUFFIXES = (".yaml", ".yml")
@@ -35,7 +36,9 @@ def _model_class_names() -> frozenset[str]:
 
 
 def policy_hash(model: policy_model.Policy) -> str:
-    canonical = json.dumps(model.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    # A policy without an `mcp` section keeps the hash it had before the section existed (audit replay).
+    dumped = model.model_dump(mode="json", exclude={"mcp"} if model.mcp == McpSection() else None)
+    canonical = json.dumps(dumped, sort_keys=True, separators=(",", ":"))
     return "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()
 
 

@@ -102,3 +102,88 @@ def deny_message(
         return (f"{target} matches rule {rule.id if rule else '?'!r} but its conditions (labels, time since "
                 "admission or earlier requests) do not hold for this sandbox now.")
     return f"{target} is not allowed by policy {name!r} ({reason.value})."
+
+
+# --- MCP tool calls (policy/mcp_decide.py) -----------------------------------------------------------
+
+_ARGUMENT_HINTS = {
+    "missing": "it is required",
+    "unlisted": "this tool accepts only the arguments the policy lists",
+    "type": "it has the wrong JSON type",
+    "enum": "it is not one of the allowed values",
+    "pattern": "it does not match the allowed pattern",
+    "min": "it is below the minimum",
+    "max": "it is above the maximum",
+    "max_length": "it is too long",
+    "path_prefix": "the path is outside the allowed directory",
+    "label_missing": "this sandbox has no label to compare it with",
+    "label_mismatch": "it must be this sandbox's own identifier",
+    "not_object": "arguments must be a JSON object",
+}
+_PATH_HINT = "use a plain absolute path without '..', '//', '%', backslashes, control or look-alike characters"
+
+
+def _shown(name: str | None) -> str:
+    """Agent-supplied names are echoed bounded and printable (a tool name can be any JSON string)."""
+    text = name if name is not None else "?"
+    text = "".join(c if c.isprintable() else "?" for c in text[:64])
+    return repr(text + ("..." if name is not None and len(name) > 64 else ""))
+
+
+def _argument_hint(policy: CompiledPolicy, server: str, tool: str, argument: str | None, detail: str) -> str:
+    compiled = policy.mcp.servers.get(server)
+    spec = compiled.allowed[tool].arguments.get(argument or "") if compiled and tool in compiled.allowed else None
+    if detail.startswith("path:"):
+        return _PATH_HINT
+    if detail.startswith("network:"):
+        return f"it is a URL or host this sandbox may not reach ({detail.removeprefix('network:')})"
+    hint = _ARGUMENT_HINTS.get(detail, detail)
+    if spec is not None and detail == "path_prefix":
+        hint += f" ({spec.path_prefix or ''}/...)"
+    elif spec is not None and detail in ("min", "max"):
+        low, high = ("-inf" if spec.min is None else spec.min), ("inf" if spec.max is None else spec.max)
+        hint += f" (allowed: {low} to {high})"
+    elif spec is not None and detail == "enum" and spec.enum is not None:
+        hint += f" ({_listing([str(v) for v in spec.enum])})"
+    elif spec is not None and detail == "max_length":
+        hint += f" (at most {spec.max_length} characters)"
+    return hint
+
+
+def mcp_message(
+    policy: CompiledPolicy, reason: Reason, server: str, tool: str | None, *, rule_id: str | None = None,
+    detail: str | None = None, argument: str | None = None,
+) -> str:
+    """The one sentence of an MCP denial (the JSON-RPC error's `message`). Never contains argument values."""
+    name, srv, what = policy.name, _shown(server), f"Tool {_shown(tool)} of MCP server {_shown(server)}"
+    if reason is Reason.MCP_TOOL_DENIED:
+        if detail == "unknown_server":
+            return f"MCP server {srv} is not in policy {name!r}; only the servers it lists can be used."
+        if rule_id is not None:
+            return f"{what} is denied by rule {rule_id!r} of policy {name!r}; do not retry it."
+        return f"{what} is not allowed by policy {name!r}; call only the tools tools/list shows."
+    if reason is Reason.MCP_ARGUMENT_DENIED:
+        hint = _argument_hint(policy, server, tool or "", argument, detail or "")
+        return f"Argument {_shown(argument)} of tool {_shown(tool)} is refused by policy {name!r}: {hint}."
+    if reason is Reason.MCP_SCHEMA_DRIFT:
+        if detail == "tool_schema_unseen":
+            return f"{what} is pinned to a reviewed schema; list the tools (tools/list) in this session first."
+        return (f"{what} changed its schema since it was reviewed; calls to it are refused until an operator "
+                "updates its pin.")
+    if reason is Reason.MCP_SERVER_CHANGED:
+        if detail == "server_info_unseen":
+            return f"MCP server {srv} is pinned to a version; initialize the session through the gateway first."
+        return (f"MCP server {srv} reports another name or version than the reviewed one; its tools are refused "
+                "until an operator updates the pin.")
+    if reason is Reason.BUDGET_EXCEEDED:
+        return f"The call budget {detail or '?'!r} of policy {name!r} is spent; further calls are refused."
+    if reason is Reason.APPROVAL_REQUIRED:
+        return f"{what} needs an operator's approval; retry this call after an operator approves it."
+    if reason is Reason.MCP_MALFORMED:
+        return (f"The MCP message was refused whole: it is not strict JSON-RPC 2.0 ({detail or 'malformed'}); "
+                "send well-formed UTF-8 JSON without duplicate keys, within the size and depth limits.")
+    if reason is Reason.MCP_LOCAL_DENIED:
+        if detail == "execution_denied":
+            return f"Policy {name!r} does not allow local MCP servers (execution.local_mcp_servers: deny)."
+        return f"{srv} is not a local MCP server of policy {name!r}; it must be listed with `local: true`."
+    return f"{what} is refused by policy {name!r} ({reason.value})."

@@ -14,6 +14,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from egressgate.broker.config import Capability
+from egressgate.policy.mcp_model import McpSection
 
 PositiveInt = Annotated[int, Field(strict=True, gt=0)]
 NonNegativeInt = Annotated[int, Field(strict=True, ge=0)]
@@ -170,3 +171,4 @@ class Policy(Strict):
     network: Network = Network()
     credentials: Credentials = Credentials()
     execution: Execution = Execution()
+    mcp: McpSection = McpSection()  # MCP servers and tool-call rules (mcp_model.py)

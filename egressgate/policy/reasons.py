@@ -57,3 +57,10 @@ class Reason(StrEnum):
     TLS_HANDSHAKE_TIMEOUT = "tls_handshake_timeout"
     CLIENT_HELLO_TOO_LARGE = "client_hello_too_large"  # over limits.max_client_hello_bytes (tls_limits.py)
     INTERNAL_ERROR = "internal_error"  # a gateway component failed on this request: refused, never passed
+    # MCP tool calls (policy/mcp_decide.py; the `mcp:` policy section)
+    MCP_TOOL_DENIED = "mcp_tool_denied"  # tool in tools.deny, not in tools.allow, or server not in the policy
+    MCP_ARGUMENT_DENIED = "mcp_argument_denied"  # an argument constraint does not hold
+    MCP_SCHEMA_DRIFT = "mcp_schema_drift"  # the tool's schema hash differs from its pin / first sight
+    MCP_SERVER_CHANGED = "mcp_server_changed"  # serverInfo differs from its pin / first sight
+    MCP_MALFORMED = "mcp_malformed"  # a JSON-RPC body that does not parse strictly: refused whole
+    MCP_LOCAL_DENIED = "mcp_local_denied"  # a local MCP server the policy does not allow to start

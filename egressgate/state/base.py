@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -130,6 +130,23 @@ class StateStore(Protocol):
 
     async def add_dns_query(self, sandbox_id: str, name_bytes: int) -> tuple[int, int]:
         """Atomically count one DNS query; return the new (queries, name_bytes) totals."""
+
+    async def count_calls(self, sandbox_id: str, keys: Sequence[tuple[str, int | None]]) -> str | None:
+        """MCP call budgets (egressgate/mcp/mediator.py): count one call under every (counter key, max)
+        of a decision, all or nothing, in one atomic step: None when counted; else the first key that
+        is already at its max, and nothing counted. The counters are per-rule usage (`requests` of
+        the key in SandboxState.rule_usage), so `snapshot(rules=[key])` reads them back."""
+
+    async def refund_calls(self, sandbox_id: str, keys: Sequence[str]) -> None:
+        """Give back one counted call per key (the call was refused after counting, e.g. its audit
+        record could not be written): never below zero."""
+
+    async def mcp_pin(self, sandbox_id: str, server: str, name: str, value: str) -> str:
+        """Trust on first use: store `value` for (sandbox, server, name) unless one is stored already;
+        return the stored one (the first ever seen), atomically across workers and replicas."""
+
+    async def mcp_pins(self, sandbox_id: str, server: str) -> dict[str, str]:
+        """Every pin recorded for (sandbox, server): name -> value."""
 
     async def ping(self) -> None:
         """Raise StateUnavailable unless the backend answers (/readyz)."""

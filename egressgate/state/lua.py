@@ -74,6 +74,33 @@ if back > 0 then redis.call('HINCRBY', KEYS[1], 'out', I(-back)) end
 return back
 """
 
+# KEYS: usage, sbx   ARGV: key, max (-1: none), key, max, ... -> '' when every key was counted (one call
+# each, `r:<key>` like RECORD_REQUEST's rule usage), else the first key already at its max (nothing counted)
+COUNT_CALLS = _HELPERS + _LIVE_RECORD + """
+local gone = live_record(KEYS[2])
+if gone then return gone end
+for i = 1, #ARGV, 2 do
+  local limit = N(ARGV[i + 1])
+  if limit >= 0 and N(redis.call('HGET', KEYS[1], 'r:' .. ARGV[i])) + 1 > limit then return ARGV[i] end
+end
+for i = 1, #ARGV, 2 do redis.call('HINCRBY', KEYS[1], 'r:' .. ARGV[i], 1) end
+return ''
+"""
+
+# KEYS: usage   ARGV: keys -> one call given back per key, never below zero
+REFUND_CALLS = _HELPERS + """
+for i = 1, #ARGV do
+  if N(redis.call('HGET', KEYS[1], 'r:' .. ARGV[i])) > 0 then redis.call('HINCRBY', KEYS[1], 'r:' .. ARGV[i], -1) end
+end
+return 1
+"""
+
+# KEYS: pins   ARGV: field, value -> the stored value (set only when absent: trust on first use)
+MCP_PIN = """
+redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2])
+return redis.call('HGET', KEYS[1], ARGV[1])
+"""
+
 # KEYS: ctr, sbx   ARGV: field, delta, field, delta, ... -> the new values, in order
 ADD_COUNTERS = _HELPERS + _LIVE_RECORD + """
 local gone = live_record(KEYS[2])
@@ -173,7 +200,7 @@ end
 return out
 """
 
-# KEYS: sbx, events, ctr, hosts, hist, usage   ARGV: message (JSON), retention_ms -> 1, or 0 when Redis has
+# KEYS: sbx, events, ctr, hosts, hist, usage, mcp pins   ARGV: message (JSON), retention_ms -> 1, or 0 when Redis has
 # no such record. Published either way, with "found": replicas may still cache a record Redis lost
 # (FLUSHALL), and they must drop it and close its connections. A revoked sandbox's keys expire after the
 # retention (without it every sandbox ever admitted stayed in Redis, and LIST_SANDBOXES, one script
@@ -182,7 +209,7 @@ REVOKE = """
 local found = redis.call('EXISTS', KEYS[1])
 if found == 1 then
   redis.call('HSET', KEYS[1], 'revoked', '1')
-  for i = 1, 6 do if i ~= 2 then redis.call('PEXPIRE', KEYS[i], ARGV[2]) end end
+  for i = 1, #KEYS do if i ~= 2 then redis.call('PEXPIRE', KEYS[i], ARGV[2]) end end
 end
 local event = cjson.decode(ARGV[1])
 event['found'] = found

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from types import MappingProxyType
 
 from egressgate.policy.facts import RuleUsage, SandboxState
@@ -29,6 +29,7 @@ class MemoryState:
         self._hosts: dict[str, set[str]] = {}
         self._usage: dict[str, dict[str, RuleUsage]] = {}
         self._revoke_callbacks: list[Callable[[str], None]] = []
+        self._pins: dict[str, dict[str, dict[str, str]]] = {}  # sandbox -> MCP server -> name -> value
         # sandbox id -> immutable views for snapshot(); dropped when the underlying data changes
         self._labels_view: dict[str, MappingProxyType] = {}
         self._hosts_view: dict[str, frozenset[str]] = {}
@@ -140,6 +141,32 @@ class MemoryState:
         counters[0] += 1
         counters[1] += name_bytes
         return counters[0], counters[1]
+
+    async def count_calls(self, sandbox_id: str, keys: Sequence[tuple[str, int | None]]) -> str | None:
+        usage = self._usage.setdefault(sandbox_id, {})
+        for key, limit in keys:
+            if limit is not None and usage.get(key, RuleUsage()).requests + 1 > limit:
+                return key
+        for key, _ in keys:
+            old = usage.get(key, RuleUsage())
+            usage[key] = RuleUsage(requests=old.requests + 1, bytes=old.bytes)
+        if keys:
+            self._usage_view.pop(sandbox_id, None)
+        return None
+
+    async def refund_calls(self, sandbox_id: str, keys: Sequence[str]) -> None:
+        usage = self._usage.get(sandbox_id, {})
+        for key in keys:
+            old = usage.get(key)
+            if old is not None and old.requests > 0:
+                usage[key] = RuleUsage(requests=old.requests - 1, bytes=old.bytes)
+                self._usage_view.pop(sandbox_id, None)
+
+    async def mcp_pin(self, sandbox_id: str, server: str, name: str, value: str) -> str:
+        return self._pins.setdefault(sandbox_id, {}).setdefault(server, {}).setdefault(name, value)
+
+    async def mcp_pins(self, sandbox_id: str, server: str) -> dict[str, str]:
+        return dict(self._pins.get(sandbox_id, {}).get(server, {}))
 
     async def ping(self) -> None:
         return None

@@ -28,7 +28,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from types import MappingProxyType
 
 from redis.asyncio import BlockingConnectionPool, Redis
@@ -83,7 +83,7 @@ class RedisState:
         self._conn = RespConnection(url, timeout=timeout, connect_timeout=CONNECT_TIMEOUT)
         self._scripts = {name: self.redis.register_script(getattr(lua, name)).sha for name in (
             "RESERVE_OUT", "SETTLE_OUT", "RECORD_REQUEST", "SNAPSHOT", "BY_ADDRESS", "LIST_SANDBOXES",
-            "REVOKE", "RECONCILE", "ADD_COUNTERS")}
+            "REVOKE", "RECONCILE", "ADD_COUNTERS", "COUNT_CALLS", "REFUND_CALLS", "MCP_PIN")}
         self._events = self.key("events")
         self._callbacks: list[Callable[[str], None]] = []
         self._cache = RecordCache()
@@ -211,7 +211,8 @@ class RedisState:
     async def revoke(self, sandbox_id: str) -> bool:
         event = json.dumps({"op": "revoke", "id": sandbox_id, "w": self.worker_id})
         keys = [self.key("sbx", sandbox_id), self._events, self.key("ctr", sandbox_id),
-                self.key("hosts", sandbox_id), self.key("hist", sandbox_id), self.key("usage", sandbox_id)]
+                self.key("hosts", sandbox_id), self.key("hist", sandbox_id), self.key("usage", sandbox_id),
+                self.key("mcp", sandbox_id)]
         found = await self._eval("REVOKE", keys, [event, int(REVOKED_RETENTION * 1000)])
         cached = self._cache.records.get(sandbox_id) is not None
         self._cache.invalidate(sandbox_id)
@@ -321,6 +322,28 @@ class RedisState:
         keys = [self.key("ctr", sandbox_id), self.key("sbx", sandbox_id)]
         queries, nbytes = await self._eval("ADD_COUNTERS", keys, ["dq", 1, "db", int(name_bytes)])
         return int(queries), int(nbytes)
+
+    async def count_calls(self, sandbox_id: str, keys: Sequence[tuple[str, int | None]]) -> str | None:
+        if not keys:
+            return None
+        args: list = []
+        for key, limit in keys:
+            args += [key, _limit(limit)]
+        refused = await self._eval("COUNT_CALLS", [self.key("usage", sandbox_id), self.key("sbx", sandbox_id)], args)
+        return refused or None
+
+    async def refund_calls(self, sandbox_id: str, keys: Sequence[str]) -> None:
+        if keys:
+            await self._eval("REFUND_CALLS", [self.key("usage", sandbox_id)], list(keys))
+
+    async def mcp_pin(self, sandbox_id: str, server: str, name: str, value: str) -> str:
+        # server names are [a-z0-9_-]: "|" cannot occur in them, so (server, name) -> field is one-to-one
+        return str(await self._eval("MCP_PIN", [self.key("mcp", sandbox_id)], [f"{server}|{name}", value]))
+
+    async def mcp_pins(self, sandbox_id: str, server: str) -> dict[str, str]:
+        flat = await self._call("mcp_pins", lambda: self._conn.call("HGETALL", self.key("mcp", sandbox_id)))
+        prefix = server + "|"
+        return {k[len(prefix):]: v for k, v in pairs(flat).items() if k.startswith(prefix)}
 
     # -- liveness -----------------------------------------------------------------------------------
 

@@ -9,6 +9,9 @@
   draft 2020-12) against the documented schema - errors included (`error` + `message`);
 - every route that is not public answers 401 without the admin token (/metrics too).
 
+The console's routes (/ui, egressgate/admin/ui) are in the route-table check here; they use a session
+instead of the admin token, so tests/console/test_api_*.py check them against this file (CONSOLE below).
+
 The approvals routes are implemented by egressgate/admin/approvals_api.py: until that module exists they
 are the only documented routes not required to be served (APPROVALS below says so by name).
 """
@@ -49,8 +52,17 @@ def documented() -> set[tuple[str, str]]:
     return {(method.upper(), path) for path, item in SPEC["paths"].items() for method in item if method in METHODS}
 
 
+def console(path: str) -> bool:
+    return path == "/ui" or path.startswith("/ui/")
+
+
+def bearer_documented() -> set[tuple[str, str]]:
+    """Every documented operation of the bearer-token API (the console's are tested in tests/console)."""
+    return {op for op in documented() if not console(op[1])}
+
+
 def required_ops() -> set[tuple[str, str]]:
-    return {op for op in documented() if APPROVALS or not op[1].startswith("/v1/approvals")}
+    return {op for op in bearer_documented() if APPROVALS or not op[1].startswith("/v1/approvals")}
 
 
 def _escape(part: str) -> str:
@@ -116,7 +128,7 @@ async def test_every_registered_route_is_documented(world, tmp_path):
         await sink.close()
     docs = {(m, _norm(p)) for m, p in documented()}
     assert served - docs == set(), "served but not in docs/openapi.yaml"
-    required = {(m, _norm(p)) for m, p in required_ops()}
+    required = {(m, _norm(p)) for m, p in required_ops() | (documented() - bearer_documented())}
     assert required - served == set(), "documented but not registered"
 
 
@@ -218,7 +230,7 @@ def test_unknown_routes_are_told_apart_from_unknown_objects(cgw):
     assert obj.status_code == 404 and obj.json()["error"] == "unknown_sandbox"
 
 
-@pytest.mark.parametrize(("method", "template"), sorted(documented()))
+@pytest.mark.parametrize(("method", "template"), sorted(bearer_documented()))
 def test_every_non_public_route_needs_the_token(cgw, method, template):
     op = SPEC["paths"][template][method.lower()]
     path = template.replace("{sandbox_id}", "sbx-ffffffffffffffff").replace("{approval_id}", "x")

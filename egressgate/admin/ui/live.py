@@ -1,0 +1,170 @@
+"""`GET /ui/api/live`: every audit record this process writes, as server-sent events, within a second.
+
+The tap sits on the audit sink's write path (the methods are wrapped on the sink object, like
+admin/metrics.py's `install`, so every writer - proxy addons, DNS resolver, admin API - goes through it).
+It must never slow the gateway or hold memory for a slow browser:
+
+* with no client connected, a record costs one truth test;
+* each client has a bounded queue (QUEUE_MAX); the tap only ever `put_nowait`s. A client whose queue is
+  full is dropped (its stream ends with `event: dropped`), the gateway never waits for it;
+* the summary of a record is built once per record (only when some client wants it), JSON-encoded in
+  the client's own task;
+* at most MAX_CLIENTS streams per process (503 beyond).
+
+A `write` is observed once it returned (durable); `write_after`/`enqueue_after` records are never dropped
+by the sink, so they are observed at once (the same rule as /metrics).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from datetime import UTC, datetime
+from typing import Any
+
+from aiohttp import web
+
+from egressgate.admin.errors import error_response
+from egressgate.admin.ui.routes import secure
+from egressgate.audit.event import AuditEvent
+
+logger = logging.getLogger(__name__)
+
+QUEUE_MAX = 1000
+MAX_CLIENTS = 32
+KEEPALIVE_S = 15.0
+FILTERS = ("sandbox", "host", "reason", "decision")
+MAX_FILTER_CHARS = 256
+
+
+def summary(event: AuditEvent) -> dict[str, Any]:
+    """What the live table shows of a record (data only; the front end renders it as text)."""
+    return {
+        "time": datetime.fromtimestamp(event.time_ns / 1e9, UTC).isoformat(timespec="milliseconds"),
+        "time_ns": event.time_ns, "kind": str(event.kind), "request_id": event.request_id,
+        "request_hash": event.request_hash, "sandbox": event.sandbox_id, "labels": dict(event.sandbox_labels),
+        "host": event.host, "port": event.port, "method": event.method, "path": event.path,
+        "decision": event.decision, "reason": event.reason, "rule": event.rule_id, "status": event.status,
+    }
+
+
+class Client:
+    __slots__ = ("dropped", "filters", "queue")
+
+    def __init__(self, filters: dict[str, str]) -> None:
+        self.filters = filters
+        self.queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue(QUEUE_MAX)
+        self.dropped = False
+
+    def wants(self, event: AuditEvent) -> bool:
+        f = self.filters
+        return ((f.get("sandbox") is None or event.sandbox_id == f["sandbox"])
+                and (f.get("host") is None or (event.host or "").lower() == f["host"])
+                and (f.get("reason") is None or event.reason == f["reason"])
+                and (f.get("decision") is None or event.decision == f["decision"]))
+
+
+class LiveFeed:
+    def __init__(self, sink: Any) -> None:
+        self.clients: set[Client] = set()
+        install_tap(sink, self.observe)
+
+    def observe(self, event: AuditEvent) -> None:
+        """On the event loop, for every record: never blocks, never raises into the writer."""
+        if not self.clients:
+            return
+        data: dict[str, Any] | None = None
+        for client in tuple(self.clients):
+            try:
+                if not client.wants(event):
+                    continue
+                if data is None:
+                    data = summary(event)
+                client.queue.put_nowait(data)
+            except asyncio.QueueFull:
+                client.dropped = True
+                self.clients.discard(client)
+            except Exception:  # a bug here must never fail an audit write
+                logger.exception("console live feed: dropping a client")
+                client.dropped = True
+                self.clients.discard(client)
+
+    async def close_all(self, _app: web.Application | None = None) -> None:
+        """On shutdown: end every stream (a sentinel, or the dropped flag when the queue is full)."""
+        for client in tuple(self.clients):
+            self.clients.discard(client)
+            try:
+                client.queue.put_nowait(None)
+            except asyncio.QueueFull:
+                client.dropped = True
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        """`event: ready` once subscribed, then `event: record` per matching record; `: keepalive` every
+        15 s; `event: dropped` (and the end) when this client fell QUEUE_MAX records behind."""
+        filters: dict[str, str] = {}
+        for key, value in request.query.items():
+            if key not in FILTERS or key in filters or len(value) > MAX_FILTER_CHARS:
+                return error_response(400, "invalid_request", f"query parameters (each once, at most "
+                                      f"{MAX_FILTER_CHARS} characters): {', '.join(FILTERS)}")
+            if value:
+                filters[key] = value.lower() if key == "host" else value
+        if filters.get("decision") not in (None, "allow", "deny"):
+            return error_response(400, "invalid_request", "decision: allow or deny")
+        if len(self.clients) >= MAX_CLIENTS:
+            return error_response(503, "too_many_streams", f"at most {MAX_CLIENTS} live streams at once; close "
+                                  "another console tab")
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
+                                               "X-Accel-Buffering": "no"})
+        secure(response.headers)
+        client = Client(filters)
+        self.clients.add(client)
+        try:
+            await response.prepare(request)
+            await response.write(b"event: ready\ndata: {}\n\n")
+            while True:
+                try:
+                    item = await asyncio.wait_for(client.queue.get(), KEEPALIVE_S)
+                except TimeoutError:
+                    await response.write(b": keepalive\n\n")
+                    continue
+                if client.dropped:
+                    await response.write(b"event: dropped\ndata: {\"reason\": \"too slow\"}\n\n")
+                    break
+                if item is None:
+                    break
+                await response.write(b"event: record\ndata: " + json.dumps(item, ensure_ascii=True).encode()
+                                     + b"\n\n")
+        except ConnectionError:  # the browser went away
+            return response
+        finally:
+            self.clients.discard(client)
+        with contextlib.suppress(ConnectionError):
+            await response.write_eof()
+        return response
+
+
+def install_tap(sink: Any, observe) -> None:
+    """Make `observe` see every event the sink accepts (see the module docstring). Installing again only
+    swaps the observer, so one record is never seen twice."""
+    if getattr(sink, "_console_observe", None) is not None:
+        sink._console_observe = observe
+        return
+    sink._console_observe = observe
+    write, write_after, enqueue_after = sink.write, sink.write_after, sink.enqueue_after
+
+    async def tapped_write(event: AuditEvent) -> None:
+        await write(event)
+        sink._console_observe(event)
+
+    async def tapped_write_after(event: AuditEvent) -> bool:
+        durable = await write_after(event)
+        sink._console_observe(event)
+        return durable
+
+    def tapped_enqueue_after(event: AuditEvent) -> None:
+        enqueue_after(event)
+        sink._console_observe(event)
+
+    sink.write, sink.write_after, sink.enqueue_after = tapped_write, tapped_write_after, tapped_enqueue_after

@@ -1,0 +1,205 @@
+"""One audit line -> the fields the index stores, and its chain hash (recorded and recomputed).
+
+Why not `json.loads` every line: a gateway record is ~2.3 kB of JSON and `json.loads` costs ~14 us of it,
+most of it building ~100 small dicts the index never looks at; the index build goal (>= 50k records/s,
+loadtests/index_bench.py) leaves ~20 us per record for parsing, hashing and the SQLite insert together.
+The audit profile (audit/record.py) is canonical: sorted attribute keys, compact separators, ASCII only.
+So a top-level string attribute is the exact bytes `{"key":"<name>","value":{"stringValue":"<v>"}}`, found
+with `bytes.find`. Such a prefix contains unescaped quotes, which JSON allows only as structure, so a hostile
+value can never imitate one; but a hostile *nested* key can (sandbox labels and `extra` dicts are
+`kvlistValue`s whose entries have the same shape: a label named `egressgate.request.hash` would otherwise
+plant a fake request hash on a record). The rule, enforced in `fast_fields`: a match is used only outside
+every `kvlistValue` span; the spans are measured by the C JSON decoder (`raw_decode`). Any line the fast
+path is not sure about (escapes in a value, non-ASCII bytes, a duplicate attribute) is parsed with
+`json.loads` instead (`json_fields`, also the test oracle: both must agree on hostile records).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+
+from egressgate.audit.chain import HASH_FIELD_PREFIX, PLACEHOLDER
+from egressgate.audit.record import K_CHAIN_PREV, K_CHAIN_SEQ, K_HOST, K_OPERATION
+
+K_REQUEST_ID = "egressgate.request.id"
+K_REQUEST_HASH = "egressgate.request.hash"
+K_SANDBOX = "egressgate.sandbox.id"
+K_DECISION = "egressgate.decision"
+K_REASON = "egressgate.reason"
+K_RULE = "egressgate.rule"
+K_TRIGGER = "egressgate.trigger_request"  # audit/find.py: a credential minted for a request names it
+K_CP_FINAL = "egressgate.checkpoint.final"
+
+# (attribute, field) in the canonical (sorted) attribute order, so each search starts where the last hit was
+_STRING_KEYS: tuple[tuple[str, str], ...] = tuple(sorted((
+    (K_CHAIN_PREV, "prev"),
+    (K_DECISION, "decision"),
+    (K_OPERATION, "kind"),
+    (K_REASON, "reason"),
+    (K_REQUEST_HASH, "request_hash"),
+    (K_REQUEST_ID, "request_id"),
+    (K_RULE, "rule"),
+    (K_SANDBOX, "sandbox"),
+    (K_TRIGGER, "trigger"),
+    (K_HOST, "host"),
+)))
+_PREFIXES = tuple((f'{{"key":"{k}","value":{{"stringValue":"'.encode(), f) for k, f in _STRING_KEYS)
+_SEQ_PREFIX = f'{{"key":"{K_CHAIN_SEQ}","value":{{"intValue":"'.encode()
+_FINAL_TRUE = f'{{"key":"{K_CP_FINAL}","value":{{"boolValue":true}}}}'.encode()
+_KVLIST = b'{"kvlistValue":'
+_TIME = b'"timeUnixNano":"'
+_HASH_LEN = len(HASH_FIELD_PREFIX)
+_DECODER = json.JSONDecoder()
+
+
+class LineError(ValueError):
+    """Not a chained egressgate record (the index keeps its position, not its content)."""
+
+
+@dataclass(slots=True)
+class Fields:
+    recorded: str  # the chain.hash the line carries
+    computed: str  # the chain.hash it should carry (audit/chain.py)
+    seq: int | None
+    prev: str | None
+    time_ns: int
+    kind: str
+    request_id: str | None
+    request_hash: str | None
+    sandbox: str | None
+    host: str | None
+    decision: str | None
+    reason: str | None
+    rule: str | None
+    trigger: str | None
+    final: bool  # a final checkpoint (nothing may follow it in its file)
+
+
+def chain_hashes(line: bytes) -> tuple[str, str]:
+    """(recorded, computed) chain.hash of `line`; the rule (exactly one hash field) is chain.py's."""
+    pos = line.find(HASH_FIELD_PREFIX)
+    if pos < 0 or line.find(HASH_FIELD_PREFIX, pos + 1) >= 0:
+        raise LineError("line must contain exactly one egressgate.chain.hash attribute")
+    pos += _HASH_LEN
+    if line[pos + 64 : pos + 67] != b'"}}':
+        raise LineError("egressgate.chain.hash must be 64 lower-case hex characters")
+    recorded = line[pos : pos + 64].decode("ascii", "replace")
+    computed = hashlib.sha256(line[:pos] + PLACEHOLDER + line[pos + 64 :]).hexdigest()
+    return recorded, computed
+
+
+def fields_of(line: bytes) -> Fields:
+    """The index fields of one line (without its newline). Raises LineError."""
+    recorded, computed = chain_hashes(line)
+    fast = fast_fields(line)
+    return json_fields(line, recorded, computed) if fast is None else _fields(recorded, computed, fast)
+
+
+def _fields(recorded: str, computed: str, f: dict) -> Fields:
+    return Fields(recorded, computed, f.get("seq"), f.get("prev"), f["time_ns"], f.get("kind") or "",
+                  f.get("request_id"), f.get("request_hash"), f.get("sandbox"), f.get("host"), f.get("decision"),
+                  f.get("reason"), f.get("rule"), f.get("trigger"), bool(f.get("final")))
+
+
+def fast_fields(line: bytes) -> dict | None:
+    """The fields by byte search, or None when the line needs the JSON parser (see module docstring).
+    Attribute keys are sorted, so each search starts where the previous one ended. A line holds each
+    top-level key once (a dict wrote it); only a hand-made line could repeat one, and such a line fails its
+    chain hash check (verified = False) unless the whole chain was forged, which only signatures catch."""
+    if not line.isascii():
+        return None
+    spans: list[tuple[int, int]] = []
+    i = line.find(_KVLIST)
+    if i >= 0:
+        text = line.decode("ascii")
+        try:
+            while i >= 0:
+                end = _DECODER.raw_decode(text, i)[1]
+                spans.append((i, end))
+                i = line.find(_KVLIST, end)
+        except ValueError:
+            return None
+    find = line.find
+    out: dict = {}
+    start = 0
+    for prefix, name in _PREFIXES:
+        pos = find(prefix, start)
+        if pos < 0:
+            continue
+        if spans:
+            pos = _outside(line, prefix, pos, spans)
+            if pos < 0:
+                continue
+        begin = pos + len(prefix)
+        end = find(b'"', begin)
+        value = line[begin:end]
+        if b"\\" in value:
+            return None  # an escape (the quote may be escaped too): let json decide
+        out[name] = value.decode("ascii")
+        start = end
+    pos = find(_SEQ_PREFIX)
+    if pos >= 0 and spans:
+        pos = _outside(line, _SEQ_PREFIX, pos, spans)
+    if pos >= 0:
+        begin = pos + len(_SEQ_PREFIX)
+        digits = line[begin : find(b'"', begin)]
+        if not digits.isdigit():
+            return None
+        out["seq"] = int(digits)
+    t = line.rfind(_TIME)
+    if t < 0:
+        return None
+    begin = t + len(_TIME)
+    digits = line[begin : find(b'"', begin)]
+    if not digits.isdigit():
+        return None
+    out["time_ns"] = int(digits)
+    if out.get("kind") == "checkpoint":
+        pos = find(_FINAL_TRUE)
+        out["final"] = pos >= 0 and (not spans or _outside(line, _FINAL_TRUE, pos, spans) >= 0)
+    return out
+
+
+def _outside(line: bytes, needle: bytes, pos: int, spans: list[tuple[int, int]]) -> int:
+    """`pos` or the next occurrence of `needle` that is not inside a kvlistValue span (-1: none)."""
+    while pos >= 0:
+        for a, b in spans:
+            if a <= pos < b:
+                pos = line.find(needle, b)
+                break
+        else:
+            return pos
+    return -1
+
+
+def json_fields(line: bytes, recorded: str | None = None, computed: str | None = None) -> Fields:
+    """The same fields through `json.loads` (the slow path and the oracle of the fast one)."""
+    if recorded is None or computed is None:
+        recorded, computed = chain_hashes(line)
+    try:
+        doc = json.loads(line)
+        logs = doc["resourceLogs"]
+        scopes = logs[0]["scopeLogs"]
+        recs = scopes[0]["logRecords"]
+        if len(logs) != 1 or len(scopes) != 1 or len(recs) != 1:
+            raise LineError("expected exactly one log record per line")
+        rec = recs[0]
+        attrs = {kv["key"]: kv.get("value", {}) for kv in rec.get("attributes", [])}
+        time_ns = int(rec["timeUnixNano"])
+    except LineError:
+        raise
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
+        raise LineError(f"not an egressgate OTLP/JSON record: {exc}") from exc
+    out: dict = {"time_ns": time_ns}
+    for key, name in _STRING_KEYS:
+        value = attrs.get(key)
+        if isinstance(value, dict) and isinstance(value.get("stringValue"), str):
+            out[name] = value["stringValue"]
+    seq = attrs.get(K_CHAIN_SEQ)
+    if isinstance(seq, dict) and isinstance(seq.get("intValue"), str) and seq["intValue"].isdigit():
+        out["seq"] = int(seq["intValue"])
+    if out.get("kind") == "checkpoint":
+        out["final"] = attrs.get(K_CP_FINAL) == {"boolValue": True}
+    return _fields(recorded, computed, out)

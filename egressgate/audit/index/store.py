@@ -1,0 +1,295 @@
+"""`AuditIndex`: an SQLite index over JSONL audit files (by request id, request hash, sandbox, host, reason,
+rule, time), built incrementally, verified against the hash chain, never trusted over the files.
+
+One writer at a time (an `flock` on `<db>.lock`: the admin server's follower and `egressgate audit index`
+may run at once), any number of readers (WAL). Connections are per thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from egressgate.audit.index import query
+from egressgate.audit.index.extract import LineError, chain_hashes
+from egressgate.audit.index.model import FileCheck, Hit, IndexBusy, IndexStale, IndexStats, Stats, VerifyReport
+from egressgate.audit.index.scan import FILE_COLUMNS, FileState, changed, first_line_sha, scan
+from egressgate.audit.index.schema import INSERT_RECORD, connect, create_db_file, ensure_schema
+
+# constant column names only (noqa: S608)
+_FILE_SELECT = f"SELECT {', '.join(FILE_COLUMNS)} FROM files"  # noqa: S608
+_FILE_UPSERT = (f"INSERT OR REPLACE INTO files({', '.join(FILE_COLUMNS)}) "  # noqa: S608
+                f"VALUES ({', '.join('?' * len(FILE_COLUMNS))})")
+
+
+class AuditIndex:
+    def __init__(self, db_path: str | Path) -> None:
+        self.db_path = Path(db_path)
+        self._local = threading.local()
+        self._conns: list[sqlite3.Connection] = []
+        self._conns_lock = threading.Lock()
+        self._stale: set[str] = set()  # paths whose bytes record() found changed: rebuilt by the next add_files
+        create_db_file(self.db_path)
+        ensure_schema(self._conn())
+
+    # --- connections and the writer lock --------------------------------------------------------------
+
+    def _conn(self) -> sqlite3.Connection:
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = connect(self.db_path)
+            self._local.conn = conn
+            with self._conns_lock:
+                self._conns.append(conn)
+        return conn
+
+    def close(self) -> None:
+        with self._conns_lock:
+            for conn in self._conns:
+                with contextlib.suppress(sqlite3.Error):
+                    conn.close()
+            self._conns.clear()
+        self._local = threading.local()
+
+    def __enter__(self) -> AuditIndex:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @contextlib.contextmanager
+    def _writer(self, wait: bool) -> Iterator[sqlite3.Connection]:
+        """Hold the index's writer lock: two writers would index the same lines twice."""
+        fd = os.open(self.db_path.with_name(self.db_path.name + ".lock"),
+                     os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+            except BlockingIOError:
+                raise IndexBusy(f"another process is writing the audit index {self.db_path}") from None
+            yield self._conn()
+        finally:
+            os.close(fd)
+
+    def _files(self, conn: sqlite3.Connection) -> dict[str, FileState]:
+        return {row[1]: FileState(*row[:14], bool(row[14]), row[15]) for row in conn.execute(_FILE_SELECT)}
+
+    # --- building -------------------------------------------------------------------------------------
+
+    def add_files(self, paths: Sequence[str | Path], *, wait: bool = True) -> IndexStats:
+        """Index what is new in `paths` (absolute paths are stored). A file seen before resumes at the stored
+        offset; one replaced, truncated or edited (first or last indexed line) is re-indexed from byte 0; a
+        file renamed by rotation (same device, inode and first line) keeps its rows under its new name."""
+        started = time.perf_counter()
+        stats = IndexStats()
+        opened: dict[str, tuple[int, os.stat_result]] = {}
+        try:
+            for p in paths:
+                path = os.path.abspath(p)
+                if path in opened:
+                    continue
+                try:
+                    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                except FileNotFoundError:
+                    continue  # rotated away between listing and opening: found under its new name next time
+                opened[path] = (fd, os.fstat(fd))
+            with self._writer(wait) as conn:
+                known = self._files(conn)
+                self._follow_renames(conn, known, opened, stats)
+                for path, (fd, st) in opened.items():
+                    self._index_file(conn, known.get(path), path, fd, st, stats)
+        finally:
+            for fd, _ in opened.values():
+                os.close(fd)
+        stats.files = len(opened)
+        stats.seconds = time.perf_counter() - started
+        return stats
+
+    def _follow_renames(self, conn: sqlite3.Connection, known: dict[str, FileState],
+                        opened: dict[str, tuple[int, os.stat_result]], stats: IndexStats) -> None:
+        """A rotated file is the same inode under a new name: move its rows instead of re-reading it."""
+        by_identity = {(st.st_dev, st.st_ino): path for path, (_, st) in opened.items()}
+        for state in list(known.values()):
+            target = by_identity.get((state.dev, state.ino))
+            if target is None or target == state.path or known.get(state.path) is not state:
+                continue
+            fd = opened[target][0]
+            if state.head_sha is None or first_line_sha(fd, state.head_len) != state.head_sha:
+                continue
+            conn.execute("BEGIN IMMEDIATE")
+            old = known.pop(target, None)
+            if old is not None:
+                self._drop(conn, old)
+            conn.execute("UPDATE files SET path = ? WHERE id = ?", (target, state.id))
+            conn.execute("COMMIT")
+            stats.renamed.append(f"{state.path} -> {target}")
+            known.pop(state.path, None)
+            self._stale.discard(state.path)
+            state.path = target
+            known[target] = state
+
+    @staticmethod
+    def _drop(conn: sqlite3.Connection, state: FileState) -> None:
+        conn.execute("DELETE FROM records WHERE file_id = ?", (state.id,))
+        conn.execute("DELETE FROM files WHERE id = ?", (state.id,))
+
+    def _index_file(self, conn: sqlite3.Connection, state: FileState | None, path: str, fd: int,
+                    st: os.stat_result, stats: IndexStats) -> None:
+        if state is not None:
+            why = ("a record read back did not match the indexed bytes" if path in self._stale
+                   else changed(fd, st, state))
+            if why:
+                conn.execute("BEGIN IMMEDIATE")
+                self._drop(conn, state)
+                conn.execute("COMMIT")
+                stats.rebuilt.append(f"{path}: {why}")
+                state = None
+            self._stale.discard(path)
+        if state is None:
+            state = FileState(None, path, st.st_dev, st.st_ino)
+            conn.execute("BEGIN IMMEDIATE")
+            state.id = conn.execute(_FILE_UPSERT, state.as_row()).lastrowid
+            conn.execute("COMMIT")
+        was_broken = state.broken_line is not None
+        for rows, partial in scan(fd, state, st.st_size):
+            stats.partial_bytes += partial
+            if not rows and partial:
+                break
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                conn.executemany(INSERT_RECORD, rows)
+                conn.execute(_FILE_UPSERT, state.as_row())
+                conn.execute("COMMIT")
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+            stats.added += len(rows)
+        if state.broken_line is not None and not was_broken:
+            stats.broken.append(f"{path}: {state.broken_reason}")
+
+    # --- reading --------------------------------------------------------------------------------------
+
+    def find(self, *, request_id: str | None = None, request_hash: str | None = None, sandbox: str | None = None,
+             host: str | None = None, reason: str | None = None, rule: str | None = None,
+             decision: str | None = None, kind: str | None = None, trigger: str | None = None,
+             since_ns: int | None = None, until_ns: int | None = None, files: Sequence[str | Path] | None = None,
+             limit: int = 100, before_rowid: int | None = None) -> list[Hit]:
+        """Records matching every given filter, newest indexed first (page with `before_rowid`)."""
+        sql, params = query.find_sql(
+            request_id=request_id, request_hash=request_hash, sandbox=sandbox, host=host, reason=reason,
+            rule=rule, decision=decision, kind=kind, trigger=trigger, since_ns=since_ns, until_ns=until_ns,
+            files=None if files is None else [os.path.abspath(f) for f in files], limit=limit,
+            before_rowid=before_rowid)
+        return [query.hit(row) for row in self._conn().execute(sql, params)]
+
+    def record_line(self, hit: Hit) -> bytes:
+        """The line (without newline) read back from the JSONL file at `hit.offset`, re-checked: the same file
+        (device, inode), a whole line, the chain hash and the recomputed hash seen when indexing.
+        Raises IndexStale (the file is then re-indexed by the next add_files)."""
+        conn = self._conn()
+        row = conn.execute("SELECT f.dev, f.ino, r.computed FROM records r JOIN files f ON f.id = r.file_id "
+                           "WHERE r.id = ? AND f.path = ? AND r.offset = ?", (hit.rowid, hit.file, hit.offset)
+                           ).fetchone()
+        if row is None:
+            raise IndexStale(f"{hit.file} line {hit.line}: no longer in the index (re-indexed since); search again")
+        dev, ino, computed_then = row
+        try:
+            data = self._read_at(hit, dev, ino)
+            recorded, computed = chain_hashes(data)
+        except (OSError, LineError, IndexStale) as exc:
+            self._stale.add(hit.file)
+            raise IndexStale(f"{hit.file} line {hit.line}: {exc}") from None
+        if recorded != hit.record_hash or computed != (computed_then or recorded):
+            self._stale.add(hit.file)
+            raise IndexStale(f"{hit.file} line {hit.line}: the record changed since it was indexed (edited); "
+                             "the index will re-read this file")
+        return data
+
+    def record(self, hit: Hit) -> dict:
+        """The raw OTLP/JSON record of `hit`, read back from the JSONL file and re-checked (record_line)."""
+        return json.loads(self.record_line(hit))
+
+    @staticmethod
+    def _read_at(hit: Hit, dev: int, ino: int) -> bytes:
+        fd = os.open(hit.file, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) != (dev, ino):
+                raise IndexStale("a different file now has this name")
+            start = hit.offset - 1 if hit.offset else 0
+            data = os.pread(fd, hit.length + (hit.offset - start), start)
+        finally:
+            os.close(fd)
+        if hit.offset and data[:1] != b"\n":
+            raise IndexStale("the record no longer starts at the indexed offset")
+        data = data[hit.offset - start :]
+        if len(data) != hit.length or not data.endswith(b"\n") or b"\n" in data[:-1]:
+            raise IndexStale("the record no longer has the indexed length")
+        return data[:-1]
+
+    def stats(self, *, since_ns: int, until_ns: int, bucket_s: int, top: int = 10) -> Stats:
+        """Denies by reason per `bucket_s` bucket over [since_ns, until_ns), and the `top` most denied hosts."""
+        return query.deny_stats(self._conn(), since_ns, until_ns, bucket_s, top)
+
+    # --- verification ---------------------------------------------------------------------------------
+
+    def verify(self) -> VerifyReport:
+        """Re-read every indexed file and compare each line with its row; a file whose bytes changed is
+        re-indexed (reported). Also checks the links between the files of each chain (rotation order)."""
+        report = VerifyReport()
+        with self._writer(True) as conn:
+            for state in list(self._files(conn).values()):
+                check = FileCheck(state.path)
+                report.files.append(check)
+                try:
+                    fd = os.open(state.path, os.O_RDONLY | os.O_CLOEXEC)
+                except FileNotFoundError:
+                    check.missing = True
+                    conn.execute("BEGIN IMMEDIATE")
+                    self._drop(conn, state)
+                    conn.execute("COMMIT")
+                    continue
+                try:
+                    st = os.fstat(fd)
+                    why = changed(fd, st, state) or self._differs(conn, fd, state)
+                    if why:
+                        check.rebuilt = why
+                        stats = IndexStats()
+                        conn.execute("BEGIN IMMEDIATE")
+                        self._drop(conn, state)
+                        conn.execute("COMMIT")
+                        self._index_file(conn, None, state.path, fd, st, stats)
+                finally:
+                    os.close(fd)
+            final = self._files(conn)
+        for check in report.files:
+            state = final.get(check.path)
+            if state is None:
+                continue
+            check.records, check.verified = conn.execute(
+                "SELECT count(*), coalesce(sum(verified), 0) FROM records WHERE file_id = ?", (state.id,)).fetchone()
+            check.broken = state.broken_reason
+        report.links = query.chain_links(final.values())
+        return report
+
+    def _differs(self, conn: sqlite3.Connection, fd: int, state: FileState) -> str | None:
+        """First line whose bytes no longer match its row (a same-length edit in the middle)."""
+        fresh = FileState(state.id, state.path, state.dev, state.ino)
+        stored = conn.execute("SELECT offset, length, line, record_hash, computed FROM records WHERE file_id = ? "
+                              "ORDER BY id", (state.id,))
+        for rows, _ in scan(fd, fresh, state.indexed_size):
+            for row in rows:
+                want = stored.fetchone()
+                got = (row[1], row[2], row[3], row[5], row[17])
+                if want is None or tuple(want) != got:
+                    return f"line {row[3]} changed since it was indexed"
+        if stored.fetchone() is not None or fresh.indexed_size != state.indexed_size:
+            return "lines changed since they were indexed"
+        return None

@@ -1,0 +1,368 @@
+"""One MCP session as the gateway mediates it, whatever carries it (streamable HTTP, SSE, stdio relay).
+
+The transports hand every client body to `from_client` and every server message to `from_server`;
+the session turns them into decisions and records, and tells the transport what to forward and what
+to answer itself. The rules, stated here once:
+
+- a client body that does not parse strictly (mcp/jsonrpc.py) is refused WHOLE and recorded: nothing of
+  it is forwarded, not even its valid batch members (a partial guess is what smuggling needs);
+- every `tools/call` is decided by the pure engine (policy/mcp_decide.decide_tool_call) on facts read
+  from the stores (counts, pins, grants); an allowed call is counted (all budget keys at once, atomic),
+  recorded (mcp_tool_call, durable) and only THEN forwarded; a denied one is answered with a JSON-RPC
+  error the agent can act on and never reaches the server;
+- fail closed: a store failure denies `state_unavailable`, an audit failure `audit_unavailable` (and
+  gives the counted call back): a call is never forwarded unrecorded;
+- the forwarded body is `dumps()` of the allowed messages (what was decided is what the server parses);
+- server side: the initialize answer's serverInfo and every allowed tool's hash from tools/list are
+  pinned per sandbox and server on first sight (trust on first use, set-if-absent in the state store)
+  unless the policy pins them; tools/list answers are filtered to the tools a call could be allowed
+  for (drifted ones removed); a tool call's answer is its outcome record; calls still unanswered when
+  the session ends are recorded `no_response` (close()).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+from egressgate.audit.build import new_request_id
+from egressgate.audit.event import AuditUnavailable
+from egressgate.broker.redact import SecretSpec
+from egressgate.mcp import records
+from egressgate.mcp.approval import name_tool_approval
+from egressgate.mcp.jsonrpc import McpMalformed, Message, deny_error, dumps, malformed_error, parse_body, parse_value
+from egressgate.mcp.server_side import ServerSide
+from egressgate.policy.mcp_decide import McpFacts, ToolCall, ToolDecision, decide_tool_call
+from egressgate.policy.reasons import Reason
+from egressgate.state.base import StateUnavailable
+
+if TYPE_CHECKING:
+    from egressgate.gateway.context import Runtime
+    from egressgate.policy.compile import CompiledPolicy
+    from egressgate.policy.mcp_compile import McpServer
+    from egressgate.state.base import SandboxRecord
+
+_FAILURES = {
+    Reason.STATE_UNAVAILABLE: "The gateway's state store is unavailable, so tool calls are refused; retry shortly.",
+    Reason.AUDIT_UNAVAILABLE: "The gateway cannot record tool calls right now, so they are refused; retry shortly.",
+    Reason.SANDBOX_REVOKED: "This sandbox was revoked; its tool calls are refused.",
+    Reason.POLICY_UNAVAILABLE: "The sandbox's policy is not loaded, so tool calls are refused; ask an operator.",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ClientVerdict:
+    forward: bytes | None  # what goes to the server (None: nothing)
+    replies: list[dict]  # JSON-RPC answers the transport gives the client itself (denials)
+    was_batch: bool = False
+    refused: bool = False  # the whole body was refused (malformed)
+
+    @property
+    def batch(self) -> bool:
+        return self.was_batch
+
+
+@dataclass(slots=True)
+class _Pending:
+    request_id: str
+    tool: str
+    started: float  # monotonic
+
+
+@dataclass(slots=True)
+class _Call:
+    """One decided tools/call and what is needed to record it."""
+
+    msg: Message
+    tool: str
+    arguments: dict
+    decision: ToolDecision
+    facts: dict[str, Any] = field(default_factory=dict)
+    counted: tuple[str, ...] = ()
+    approval_id: str | None = None
+
+
+class McpSession:
+    """One per MCP session: (sandbox, server, Mcp-Session-Id) for streamable HTTP, the endpoint session
+    for SSE, one process for stdio. Not shared across sessions: `server_info_now` and the latest tool
+    hashes are what THIS session's client saw."""
+
+    def __init__(self, rt: Runtime, policy: CompiledPolicy, server: McpServer, sandbox: SandboxRecord,
+                 transport: str, *, secrets: tuple[SecretSpec, ...] = ()) -> None:
+        self.rt = rt
+        self.policy = policy  # refreshed from rt.policies per message: a reload applies to open sessions
+        self.server_name = server.name
+        self.sandbox_id = sandbox.id
+        self.policy_name = sandbox.policy_name
+        self.labels = MappingProxyType(dict(sandbox.labels))
+        self.ctx = records.Context(
+            sandbox_id=sandbox.id, labels=self.labels, policy_name=sandbox.policy_name,
+            policy_hash=getattr(policy, "hash", None), server=server.name, transport=transport,
+            scheme=server.scheme, host=server.host, port=server.port, path=server.path, secrets=secrets)
+        self.server_side = ServerSide(self)
+        self.calls: dict[int | str, _Pending] = {}  # allowed calls waiting for their answer, by JSON-RPC id
+        self._reserved: set[int | str] = set()  # ids of calls being decided right now
+        self._pins_read = False
+        self.closed = False
+
+    # -- policy ----------------------------------------------------------------------------------
+
+    def current_policy(self) -> CompiledPolicy | None:
+        holder = getattr(self.rt, "policies", None)
+        policy = holder.get(self.policy_name) if holder is not None else self.policy
+        if policy is not None:
+            self.policy = policy
+            self.ctx.policy_hash = getattr(policy, "hash", None)
+        return policy
+
+    def max_bytes(self) -> int:
+        return self.policy.mcp.max_message_bytes
+
+    # -- client -> server ------------------------------------------------------------------------
+
+    async def from_client(self, body: bytes) -> ClientVerdict:
+        """A whole client body (an HTTP POST body, a stdio line): what to forward, what to answer."""
+        policy = self.current_policy()
+        try:
+            if policy is None:
+                raise McpMalformed("policy", "no policy")  # replaced below: nothing is forwarded
+            messages, was_batch = parse_body(body, max_bytes=policy.mcp.max_message_bytes)
+            self._check_ids(messages)
+        except McpMalformed as exc:
+            return await self._refuse_body(exc, policy is None)
+        return await self._from_client(messages, was_batch)
+
+    async def _from_client(self, messages: list[Message], was_batch: bool) -> ClientVerdict:
+        try:
+            await self.server_side.settle()  # pins and records of answers already relayed come first
+            policy = self.current_policy()
+            forward: list[dict] = []
+            replies: list[dict] = []
+            refresh = not self._pins_read
+            for msg in messages:
+                if msg.is_call:
+                    reply = await self._call(msg, policy)
+                    if reply is None:
+                        forward.append(msg.obj)
+                    else:
+                        replies.append(reply)
+                    continue
+                if msg.kind == "request" and self.server_side.expect(msg):
+                    refresh = True
+                forward.append(msg.obj)
+            if refresh and forward:
+                await self.server_side.refresh()  # the answer is filtered against what the store holds now
+                self._pins_read = True
+        finally:
+            for msg in messages:
+                if msg.is_call:
+                    self._reserved.discard(msg.id)  # type: ignore[arg-type]
+        body = dumps(forward if was_batch else forward[0]) if forward else None
+        return ClientVerdict(body, replies, was_batch)
+
+    def _check_ids(self, messages: list[Message]) -> None:
+        """A call whose id is still waiting for its answer would make two answers of one id: which one
+        is the outcome of which call? Refused (the agent reuses ids only after their answers). Checked
+        and reserved with no await in between, so two bodies decided at once cannot share an id."""
+        for msg in messages:
+            if msg.kind == "request" and (msg.id in self.calls or msg.id in self._reserved):
+                raise McpMalformed("id_in_use", "a request reuses the id of a tool call still waiting for its answer")
+        for msg in messages:
+            if msg.is_call:
+                self._reserved.add(msg.id)  # type: ignore[arg-type]
+
+    async def _refuse_body(self, exc: McpMalformed, no_policy: bool) -> ClientVerdict:
+        if no_policy:
+            reply = deny_error(None, _FAILURES[Reason.POLICY_UNAVAILABLE], str(Reason.POLICY_UNAVAILABLE), None)
+            reason, detail = Reason.POLICY_UNAVAILABLE, "policy_unavailable"
+        else:
+            reply = malformed_error(exc)
+            reason, detail = Reason.MCP_MALFORMED, exc.detail
+        event = records.message_record(self.ctx, reason=str(reason), detail=detail, message=reply["error"]["message"])
+        self.rt.audit.enqueue_after(event)  # refused either way: queued, never dropped
+        return ClientVerdict(None, [reply], refused=True)
+
+    async def _call(self, msg: Message, policy: CompiledPolicy | None) -> dict | None:
+        """Decide, count, approve, record one tools/call. None: forward it; else the JSON-RPC error."""
+        params = msg.params
+        tool, arguments = params["name"], params.get("arguments") or {}
+        now = self.rt.clock()
+        if policy is None:
+            return await self._fail(msg, tool, arguments, Reason.POLICY_UNAVAILABLE)
+        try:
+            facts = await self._facts(policy, tool, now)
+        except _Refused as refused:
+            return await self._fail(msg, tool, arguments, refused.reason)
+        decision = decide_tool_call(policy, ToolCall(self.server_name, tool, MappingProxyType(arguments)), facts, now)
+        call = _Call(msg, tool, arguments, decision, facts=_facts_record(facts), approval_id=decision.approval_id)
+        if decision.allowed:
+            try:
+                refused_key = await self.rt.state.count_calls(self.sandbox_id, decision.budget_keys)
+            except StateUnavailable:
+                return await self._fail(msg, tool, arguments, Reason.STATE_UNAVAILABLE)
+            if refused_key is not None:  # a concurrent call took the last one after the facts were read
+                call.decision = _budget_deny(policy, self.server_name, tool, decision, refused_key)
+            else:
+                call.counted = tuple(key for key, _ in decision.budget_keys)
+        elif decision.approval_kind is not None:
+            call.decision, call.approval_id = await name_tool_approval(self, policy, tool, decision, now)
+        request_id = new_request_id()
+        try:
+            await self.rt.audit.write(self._record(call, request_id, policy))
+        except AuditUnavailable:
+            if call.counted:
+                with contextlib.suppress(StateUnavailable):  # the counter keeps it: over-counted, never under
+                    await self.rt.state.refund_calls(self.sandbox_id, call.counted)
+            return await self._fail(msg, tool, arguments, Reason.AUDIT_UNAVAILABLE)
+        if call.decision.allowed:
+            self.calls[msg.id] = _Pending(request_id, tool, time.monotonic())  # type: ignore[index]
+            return None
+        return deny_error(msg.id, call.decision.message, str(call.decision.reason), call.decision.rule_id,
+                          call.approval_id)
+
+    async def _facts(self, policy: CompiledPolicy, tool: str, now: float) -> McpFacts:
+        state = self.rt.state
+        server_key, tool_key = f"mcp:{self.server_name}", f"mcp:{self.server_name}/{tool}"
+        try:
+            record = await state.get(self.sandbox_id)
+            if record is None or record.revoked:
+                raise _Refused(Reason.SANDBOX_REVOKED)
+            if self.server_side.pin_failed:
+                raise _Refused(Reason.STATE_UNAVAILABLE)
+            snap = await state.snapshot(self.sandbox_id, history=policy.history_patterns,
+                                        rules=[server_key, tool_key, *policy.budgeted_rules])
+            pins = await state.mcp_pins(self.sandbox_id, self.server_name)
+            self.server_side.known = dict(pins)
+            grants = await self.rt.approvals.grants(self.sandbox_id, now)
+        except KeyError:
+            raise _Refused(Reason.SANDBOX_REVOKED) from None
+        except StateUnavailable:
+            raise _Refused(Reason.STATE_UNAVAILABLE) from None
+        usage = snap.rule_usage
+        return McpFacts(
+            sandbox_id=self.sandbox_id, labels=self.labels,
+            server_calls=usage[server_key].requests if server_key in usage else 0,
+            tool_calls=usage[tool_key].requests if tool_key in usage else 0,
+            server_info_seen=_info(pins.get("server_info")), tool_schema_seen=pins.get("tool:" + tool),
+            tool_schema_now=self.server_side.tool_hashes.get(tool), server_info_now=self.server_side.server_info_now,
+            grants=grants, network_state=snap)
+
+    def _record(self, call: _Call, request_id: str, policy: CompiledPolicy):
+        d = call.decision
+        return records.call_record(
+            self.ctx, request_id=request_id, jsonrpc_id=call.msg.id, tool=call.tool, arguments=call.arguments,
+            record_arguments=policy.mcp.record_arguments, decision=d.decision, reason=str(d.reason),
+            rule_id=d.rule_id, message=d.message, detail=d.detail, failed_argument=d.failed_argument,
+            approval_id=call.approval_id, facts=call.facts)
+
+    async def _fail(self, msg: Message, tool: str, arguments: Any, reason: Reason) -> dict:
+        """A deny the gateway made without the engine (a store, the audit sink, the policy failed): the
+        client gets it at once; its record is queued (write_after never drops it)."""
+        message = _FAILURES[reason]
+        policy = self.policy
+        event = records.call_record(
+            self.ctx, request_id=None, jsonrpc_id=msg.id, tool=tool, arguments=arguments,
+            record_arguments=bool(policy is not None and policy.mcp.record_arguments), decision="deny",
+            reason=str(reason), rule_id=None, message=message)
+        self.rt.audit.enqueue_after(event)
+        return deny_error(msg.id, message, str(reason), None)
+
+    # -- server -> client ------------------------------------------------------------------------
+
+    async def from_server(self, messages: list[Message]) -> list[dict]:
+        """The messages the client may see (tools/list answers filtered), effects recorded."""
+        out = self.from_server_nowait(messages)
+        await self.server_side.settle()
+        return out
+
+    def from_server_nowait(self, messages: list[Message]) -> list[dict]:
+        """The same, synchronously (a gateway response stream cannot await): store effects (first-sight
+        pins) are scheduled and awaited by the next from_client / from_server / close."""
+        out = []
+        for msg in messages:
+            if msg.kind == "response" and msg.id in self.calls:
+                self._outcome(msg)
+                out.append(msg.obj)
+                continue
+            out.append(self.server_side.handle_nowait(msg))
+        return out
+
+    async def from_server_bytes(self, body: bytes) -> bytes | None:
+        """A whole server body (a JSON answer, an SSE event's data, a stdio line) in, what the client
+        gets out; None when the server's message is not strict JSON-RPC (recorded; the transport drops
+        it, and an answered call without a readable answer stays `no_response`)."""
+        try:
+            messages, was_batch = parse_body(body, max_bytes=self.max_bytes())
+        except McpMalformed as exc:
+            self.rt.audit.enqueue_after(records.message_record(
+                self.ctx, reason=str(Reason.MCP_MALFORMED), detail="server_" + exc.detail,
+                message=f"The MCP server sent a message that is not strict JSON-RPC ({exc.detail}); it was dropped."))
+            return None
+        out = await self.from_server(messages)
+        return dumps(out if was_batch else out[0])
+
+    async def from_server_value(self, value: Any) -> list[dict]:
+        messages, _ = parse_value(value)
+        return await self.from_server(messages)
+
+    def _outcome(self, msg: Message) -> None:
+        pending = self.calls.pop(msg.id)  # type: ignore[arg-type]
+        payload = msg.error if msg.error is not None else msg.result
+        self.rt.audit.enqueue_after(records.outcome_record(
+            self.ctx, request_id=pending.request_id, tool=pending.tool, jsonrpc_id=msg.id,
+            duration_ms=(time.monotonic() - pending.started) * 1000, response=msg.result, error=msg.error,
+            response_bytes=len(dumps(payload))))
+
+    async def close(self) -> None:
+        """The session ended: every allowed call still unanswered is recorded `no_response`."""
+        if self.closed:
+            return
+        self.closed = True
+        await self.server_side.settle()
+        for jsonrpc_id, pending in list(self.calls.items()):
+            self.rt.audit.enqueue_after(records.outcome_record(
+                self.ctx, request_id=pending.request_id, tool=pending.tool, jsonrpc_id=jsonrpc_id,
+                duration_ms=(time.monotonic() - pending.started) * 1000, no_response=True))
+        self.calls.clear()
+
+
+class _Refused(Exception):
+    def __init__(self, reason: Reason) -> None:
+        self.reason = reason
+
+
+def _info(raw: str | None) -> tuple[str, str] | None:
+    if raw is None:
+        return None
+    try:
+        name, version = json.loads(raw)
+    except (ValueError, TypeError):
+        raise _Refused(Reason.STATE_UNAVAILABLE) from None  # a corrupt pin is never "not seen yet"
+    return str(name), str(version)
+
+
+def _facts_record(facts: McpFacts) -> dict[str, Any]:
+    """What the decision read, for `audit replay` (docs/audit.md, MCP)."""
+    out: dict[str, Any] = {"server_calls": facts.server_calls, "tool_calls": facts.tool_calls}
+    for key in ("server_info_seen", "server_info_now"):
+        value = getattr(facts, key)
+        if value is not None:
+            out[key] = list(value)
+    for key in ("tool_schema_seen", "tool_schema_now"):
+        value = getattr(facts, key)
+        if value is not None:
+            out[key] = value
+    if facts.grants:
+        out["grants"] = [{k: v for k, v in g.to_json().items() if v is not None} for g in facts.grants]
+    return out
+
+
+def _budget_deny(policy: CompiledPolicy, server: str, tool: str, allowed: ToolDecision, key: str) -> ToolDecision:
+    from egressgate.policy.messages import mcp_message
+
+    message = mcp_message(policy, Reason.BUDGET_EXCEEDED, server, tool, rule_id=allowed.rule_id, detail=key)
+    return ToolDecision("deny", Reason.BUDGET_EXCEEDED, allowed.rule_id, message, detail=key)

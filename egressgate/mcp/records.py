@@ -1,0 +1,136 @@
+"""The audit records of MCP mediation (docs/audit.md, "MCP"), built here once for both transports.
+
+- `mcp_tool_call`: one per `tools/call` the gateway decided: what was proposed (server, tool, the
+  sha256 of the canonical arguments — always —, the raw arguments only when the policy sets
+  `mcp.record_arguments`, with secrets redacted), the decision, reason, rule and the facts it read
+  (counts, pins, grants) so `audit replay` can decide it again.
+- `outcome` (same request_id): what actually happened — result or JSON-RPC error, `isError`, result
+  size, duration, or `no_response` when the session ended first.
+- `mcp_tools_list`: a tools/list answer whose hashes differ from the pins (drift) or from the previous
+  listing in the session; `mcp_message`: a message refused as malformed, a serverInfo that differs from
+  its pin, an answer the gateway could not read.
+
+Redaction of recorded arguments: the values of the route's credentials (broker/redact.py Scrubber,
+every encoding it knows) and phantom tokens (broker/inject.py) are replaced; a phantom the redaction
+cannot locate (percent-encoded) makes the whole value `[REDACTED]` rather than record a fragment.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import unquote
+
+from egressgate.audit.build import APPROVAL_ID, DETAIL, build
+from egressgate.audit.event import AuditEvent, EventKind
+from egressgate.broker.inject import PHANTOM_HEX, PHANTOM_PREFIX
+from egressgate.broker.redact import REPLACEMENT, Scrubber, SecretSpec
+from egressgate.mcp.schema import arguments_hash, canonical
+
+P = "egressgate.mcp."
+SERVER, TOOL, TRANSPORT = P + "server", P + "tool", P + "transport"
+ARGUMENTS_SHA256, ARGUMENTS = P + "arguments_sha256", P + "arguments"
+JSONRPC_ID, FACTS, ARGUMENT = P + "jsonrpc_id", P + "facts", P + "argument"
+OUTCOME, IS_ERROR, RESULT_BYTES, ERROR_CODE = P + "outcome", P + "is_error", P + "result_bytes", P + "error_code"
+TOOLS, CHANGED, SERVER_INFO = P + "tools", P + "changed", P + "server_info"
+_PHANTOM = re.compile(re.escape(PHANTOM_PREFIX) + f"[0-9a-f]{{{PHANTOM_HEX}}}", re.IGNORECASE)
+_REDACTED = REPLACEMENT.decode()
+
+
+@dataclass(slots=True)
+class Context:
+    """Who and where: the fields every MCP record of one session shares."""
+
+    sandbox_id: str
+    labels: Mapping[str, str]
+    policy_name: str
+    policy_hash: str | None
+    server: str
+    transport: str  # "streamable_http" | "sse" | "stdio"
+    scheme: str | None = None  # remote servers: the route
+    host: str | None = None
+    port: int | None = None
+    path: str | None = None
+    secrets: tuple[SecretSpec, ...] = field(default_factory=tuple)
+
+    def base(self, kind: EventKind, extra: dict[str, Any], **fields: Any) -> AuditEvent:
+        attributes = {SERVER: self.server, TRANSPORT: self.transport, **extra}
+        target = dict(scheme=self.scheme, host=self.host, port=self.port, path=self.path,
+                      method="POST" if self.host else None)
+        target.update(fields)
+        return build(kind, sandbox_id=self.sandbox_id, sandbox_labels=dict(self.labels),
+                     policy_name=self.policy_name, policy_hash=self.policy_hash, extra=attributes, **target)
+
+
+def redact_arguments(arguments: Any, secrets: Iterable[SecretSpec] = ()) -> str:
+    """The canonical JSON text of `arguments` with every known secret and phantom replaced."""
+    text = canonical(arguments).decode("utf-8")
+    specs = tuple(secrets)
+    if specs:
+        text = Scrubber(specs).scrub_text(text)
+    text = _PHANTOM.sub(_REDACTED, text)
+    if _PHANTOM.search(unquote(text)):
+        return _REDACTED
+    return text
+
+
+def call_record(ctx: Context, *, request_id: str | None, jsonrpc_id: int | str | None, tool: str,
+                arguments: Any, record_arguments: bool, decision: str, reason: str, rule_id: str | None,
+                message: str, detail: str | None = None, failed_argument: str | None = None,
+                approval_id: str | None = None, facts: dict[str, Any] | None = None) -> AuditEvent:
+    extra: dict[str, Any] = {TOOL: tool, ARGUMENTS_SHA256: arguments_hash(arguments), JSONRPC_ID: str(jsonrpc_id)}
+    if record_arguments:
+        extra[ARGUMENTS] = redact_arguments(arguments, ctx.secrets)
+    if detail:
+        extra[DETAIL] = detail
+    if failed_argument:
+        extra[ARGUMENT] = failed_argument
+    if approval_id:
+        extra[APPROVAL_ID] = approval_id
+    if facts:
+        extra[FACTS] = facts
+    return ctx.base(EventKind.MCP_TOOL_CALL, extra, request_id=request_id, decision=decision, reason=reason,
+                    rule_id=rule_id, message=message if decision == "deny" else None)
+
+
+def outcome_record(ctx: Context, *, request_id: str, tool: str, jsonrpc_id: int | str | None,
+                   duration_ms: float, response: Any = None, error: Any = None, no_response: bool = False,
+                   response_bytes: int | None = None) -> AuditEvent:
+    """The effect of an allowed call: `result` (with `is_error` from the result's isError), `error` (a
+    JSON-RPC error answer, with its code) or `no_response` (the session ended before an answer)."""
+    extra: dict[str, Any] = {TOOL: tool, JSONRPC_ID: str(jsonrpc_id)}
+    if no_response:
+        extra[OUTCOME] = "no_response"
+    elif error is not None:
+        extra[OUTCOME] = "error"
+        code = error.get("code") if isinstance(error, dict) else None
+        if type(code) is int:
+            extra[ERROR_CODE] = code
+    else:
+        extra[OUTCOME] = "result"
+        extra[IS_ERROR] = isinstance(response, dict) and response.get("isError") is True
+    if response_bytes is not None:
+        extra[RESULT_BYTES] = response_bytes
+    return ctx.base(EventKind.OUTCOME, extra, request_id=request_id, duration_ms=round(duration_ms, 3),
+                    bytes_in=response_bytes)
+
+
+def tools_list_record(ctx: Context, *, hashes: Mapping[str, str], changed: Iterable[str],
+                      drifted: Iterable[str], visible: Iterable[str]) -> AuditEvent:
+    """A tools/list answer that changed something: every tool's hash, which changed since the previous
+    listing in this session, which differ from their pin (calls to them are denied mcp_schema_drift)."""
+    drifted = sorted(drifted)
+    extra: dict[str, Any] = {TOOLS: dict(sorted(hashes.items())), CHANGED: sorted(changed),
+                             P + "drifted": drifted, P + "visible": sorted(visible)}
+    return ctx.base(EventKind.MCP_TOOLS_LIST, extra, decision="deny" if drifted else "allow",
+                    reason="mcp_schema_drift" if drifted else "rule_matched")
+
+
+def message_record(ctx: Context, *, reason: str, detail: str, message: str, decision: str = "deny",
+                   extra: dict[str, Any] | None = None) -> AuditEvent:
+    attributes = dict(extra or {})
+    attributes[DETAIL] = detail
+    return ctx.base(EventKind.MCP_MESSAGE, attributes, decision=decision, reason=reason,
+                    message=message if decision == "deny" else None)
