@@ -2,7 +2,7 @@
 // Filters are applied by the server (query string); changing them reopens the stream. Rows are
 // capped so a busy gateway cannot grow the page without bound.
 
-import {query} from "./api.js";
+import {get, query} from "./api.js";
 import {clear, el, field, fmtTime, formValues, notice, tableRow, val} from "./dom.js";
 
 const MAX_ROWS = 500;
@@ -57,7 +57,10 @@ export function render(root) {
     source = new EventSource(`/ui/api/live${query(filters)}`);
     source.addEventListener("open", () => { status.textContent = "live"; });
     source.addEventListener("error", () => {
-      status.textContent = source.readyState === EventSource.CLOSED ? "closed" : "reconnecting";
+      const closed = source.readyState === EventSource.CLOSED;
+      status.textContent = closed ? "closed" : "reconnecting";
+      // EventSource does not say why; if the session ended, asking for it shows the login form
+      if (closed) get("session").catch(() => {});
     });
     source.addEventListener("record", (ev) => {
       if (paused) return;
