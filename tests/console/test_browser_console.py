@@ -1,6 +1,6 @@
 """The console in a real browser (Debian chromium via Playwright) against a real gateway with real
 traffic through its proxy: per-role login, the live feed, revoke, audit search, replay-diff, approvals,
-the calculators. One gateway and one browser for the module (conftest.py).
+the calculators. One gateway and one browser shared with test_browser_xss.py (conftest.py).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from egressgate.audit.reqhash import request_hash_raw
 from tests.console.conftest import wait_until
 from tests.control_api.harness import APPROVE_POLICY, METRICS_POLICY, api
 from tests.support.gwworld import Gateway, connect_tunnel
+from tests.support.launcher import flatten_otlp
 
 
 def by_request_id(gw: Gateway, request_id: str, operation: str = "http_request") -> dict:
@@ -42,22 +43,23 @@ def test_login_per_role(console, ui_gw: Gateway) -> None:
     anon.page.locator("#login-form .notice.error").wait_for()
     assert anon.page.locator("#nav").is_hidden()
 
-    for role in ("operator", "auditor"):
-        c = console(role)
-        assert c.page.locator("[data-testid=role]").text_content() == role
-        assert c.page.locator("#nav").is_visible()
-        c.page.reload()  # the session cookie survives a reload; the page asks /ui/api/session
-        c.page.locator(f"[data-testid=role]:text-is('{role}')").wait_for()
-        if role == "auditor":  # a session that ends under the page (cookie gone): back to the login form
-            c.context.clear_cookies()
-            c.page.evaluate("() => { location.hash = '#/sandboxes'; }")
-            c.page.locator("#login-form .notice.error", has_text="session ended").wait_for()
-            c.login(role)
-        c.page.click("#logout")
-        c.page.locator("#login-form").wait_for()
-        c.page.reload()
-        c.page.locator("#login-form").wait_for()  # logout deleted the session server-side
-        c.assert_clean()
+    op = console("operator")
+    assert op.page.locator("[data-testid=role]").text_content() == "operator"
+    assert op.page.locator("#nav").is_visible()
+    op.page.reload()  # the session cookie survives a reload; the page asks /ui/api/session
+    op.page.locator("[data-testid=role]:text-is('operator')").wait_for()
+    op.page.click("#logout")
+    op.page.locator("#login-form").wait_for()
+    op.page.reload()
+    op.page.locator("#login-form").wait_for()  # logout deleted the session server-side
+    op.assert_clean()
+
+    aud = console("auditor")
+    assert aud.page.locator("[data-testid=role]").text_content() == "auditor"
+    aud.context.clear_cookies()  # a session that ends under the page: the next call brings the login form
+    aud.page.evaluate("() => { location.hash = '#/sandboxes'; }")
+    aud.page.locator("#login-form .notice.error", has_text="session ended").wait_for()
+    aud.assert_clean()
     anon.assert_clean()
 
 
@@ -194,13 +196,17 @@ def test_search_by_request_hash_finds_the_record(console, ui_gw: Gateway) -> Non
         c.submit("#search", "#search-count")
         return hits.count() > 0
     wait_until(found, 10, "the record in the index", interval=0.2)
-    texts = [json.loads(h.locator("[data-field=record]").text_content()) for h in hits.all()]
-    mine = [i for i, t in enumerate(texts) if res.headers["x-egressgate-request-id"] in json.dumps(t)]
-    assert mine, texts
-    hit = hits.nth(mine[0])
-    assert hit.locator("[data-field=verified]").text_content() == "chain verified"
-    assert hit.locator("[data-field=chain_index]").text_content() == str(rec["egressgate.chain.seq"])
-    assert req_hash in hit.locator("[data-field=record]").text_content()
+    shown = []  # (the record as the page shows it, flattened; the chain position the page shows next to it)
+    for h in hits.all():
+        shown.append((flatten_otlp(json.loads(h.locator("[data-field=record]").text_content())),
+                      h.locator("[data-field=chain_index]").text_content(),
+                      h.locator("[data-field=verified]").text_content()))
+    assert all(attrs["egressgate.request.hash"] == req_hash for attrs, _, _ in shown), shown
+    assert all(pos == str(attrs["egressgate.chain.seq"]) for attrs, pos, _ in shown), shown
+    assert all(v == "chain verified" for _, _, v in shown), shown
+    mine = [attrs for attrs, _, _ in shown if attrs["egressgate.request.id"] == rec["egressgate.request.id"]
+            and attrs["egressgate.operation"] == "http_request"]
+    assert mine == [rec], shown  # the very record the gateway wrote, read back from its file
 
     search(c, request_hash="sha256:" + "0" * 64)  # negative control: another hash finds nothing
     c.submit("#search", "#search-count")

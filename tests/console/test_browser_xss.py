@@ -16,6 +16,7 @@ from typing import Any
 
 from tests.console.conftest import wait_until
 from tests.support.gwworld import Gateway, auth
+from tests.support.launcher import flatten_otlp
 
 SCRIPT = "<script>alert('xss-script')</script>"
 ONERROR = '"onerror=alert(1) x="<img src=x onerror=alert(2)>'
@@ -112,14 +113,18 @@ def test_payloads_from_real_requests_render_as_text(console, ui_gw: Gateway) -> 
         c.submit("#search", "#search-count")
         return hits.count() > 0
     wait_until(found, 10, "the Host-payload record in the index", interval=0.2)
-    shown = [json.loads(h.locator("[data-field=record]").text_content()) for h in hits.all()]
-    assert any(f"GET {HOST}/x" in json.dumps(s, ensure_ascii=False) for s in shown), shown
+    shown = [flatten_otlp(json.loads(h.locator("[data-field=record]").text_content())) for h in hits.all()]
+    assert f"GET {HOST}/x" in [s.get("egressgate.target.as_sent") for s in shown], shown
     assert_not_injected(c)
 
     # Overview: reason codes and host names drawn into the SVG as text
     c.go("overview")
-    c.page.locator("[data-testid=denies-chart]").wait_for()
-    assert "host_mismatch" in c.page.locator("#overview-charts [data-field=reason]").all_text_contents()
+
+    def drawn() -> bool:
+        c.page.click("#overview-refresh")
+        c.page.locator("#overview-charts figure, #overview-charts .notice.error").first.wait_for()
+        return "host_mismatch" in c.page.locator("#overview-charts [data-field=reason]").all_text_contents()
+    wait_until(drawn, 10, "the host_mismatch denies in the chart", interval=0.2)
     assert_not_injected(c)
 
 
