@@ -62,6 +62,12 @@ export function render(root) {
       // EventSource does not say why; if the session ended, asking for it shows the login form
       if (closed) get("session").catch(() => {});
     });
+    // the server ends the stream when the session ends (logout anywhere, expiry): back to the login form
+    source.addEventListener("logout", () => {
+      source.close();
+      status.textContent = "closed";
+      get("session").catch(() => {});
+    });
     source.addEventListener("record", (ev) => {
       if (paused) return;
       let rec;
