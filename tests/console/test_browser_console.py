@@ -63,6 +63,19 @@ def test_login_per_role(console, ui_gw: Gateway) -> None:
     anon.assert_clean()
 
 
+def test_logout_in_another_tab_ends_the_live_feed(console, ui_gw: Gateway) -> None:
+    c = console("operator")
+    c.go("live")
+    c.page.locator("#live-status:text-is('live')").wait_for()
+    other = c.context.new_page()  # same browser context: the same session cookie
+    other.goto(f"{c.base}/ui/")
+    other.locator("[data-testid=role]:text-is('operator')").wait_for()
+    other.click("#logout")
+    other.locator("#login-form").wait_for()
+    c.page.locator("#login-form .notice.error", has_text="session ended").wait_for()
+    c.assert_clean()
+
+
 def test_proxied_request_appears_in_live_within_1s(console, ui_gw: Gateway) -> None:
     c = console("operator")
     c.go("live")
