@@ -92,6 +92,10 @@ def test_payloads_from_real_requests_render_as_text(console, ui_gw: Gateway) -> 
     wait_until(lambda: rows.count() >= 2, 5, "the two requests in Live")
     labelled = [label_values(row) for row in rows.all() if row.locator("[data-field=label-key]").count()]
     assert len(labelled) >= 2 and all(v == LABELS for v in labelled), labelled  # outcome rows carry none
+    # the RTL override is kept (textContent above) but named next to the value it reorders
+    labelled_row = rows.filter(has=c.page.locator("[data-field=label-key]")).first
+    flags = labelled_row.locator("[data-field=hidden-chars]").all_text_contents()
+    assert "⚠ U+202E" in flags, flags
     path_row = c.page.locator(f"#live-rows tr[data-id='{path_rid}']:has(.v[data-field=path])").first
     assert path_row.locator("[data-field=path]").text_content() == recorded_path
     assert_not_injected(c)

@@ -12,7 +12,7 @@ export const COLUMNS = [
   {key: "time", label: "Time", render: (r) => el("span", {"data-field": "time"}, fmtTime(r.time))},
   {key: "kind", label: "Kind"},
   {key: "sandbox", label: "Sandbox"},
-  {key: "labels", label: "Labels", render: (r) => labels(r.labels)},
+  {key: "labels", label: "Labels", cls: "wide", render: (r) => labels(r.labels)},
   {key: "method", label: "Method"},
   {key: "host", label: "Host", cls: "wide"},
   {key: "port", label: "Port"},

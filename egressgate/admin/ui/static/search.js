@@ -51,8 +51,29 @@ export function render(root) {
   return null;
 }
 
+/** An OTLP AnyValue as plain data (strings stay strings: shown with textContent like everything else). */
+function anyValue(v) {
+  if (!v || typeof v !== "object") return v;
+  if ("stringValue" in v) return v.stringValue;
+  if ("intValue" in v) return v.intValue;
+  if ("doubleValue" in v) return v.doubleValue;
+  if ("boolValue" in v) return v.boolValue;
+  if ("bytesValue" in v) return v.bytesValue;
+  if (v.arrayValue) return (v.arrayValue.values || []).map(anyValue);
+  if (v.kvlistValue) return Object.fromEntries((v.kvlistValue.values || []).map((kv) => [kv.key, anyValue(kv.value)]));
+  return v;
+}
+
+/** The attributes of the record's log record (one per audit line), in file order. */
+function attributes(record) {
+  const lr = record?.resourceLogs?.[0]?.scopeLogs?.[0]?.logRecords?.[0];
+  if (!lr || !Array.isArray(lr.attributes)) return [];
+  return lr.attributes.filter((a) => a && typeof a.key === "string").map((a) => [a.key, anyValue(a.value)]);
+}
+
 function hitCard(hit) {
   const verified = hit.verified === true;
+  const attrs = attributes(hit.record);
   return el("article", {class: "hit", "data-testid": "hit"},
     el("header", null,
       el("span", {class: `badge ${verified ? "ok" : "bad"}`, "data-field": "verified"},
@@ -62,5 +83,8 @@ function hitCard(hit) {
       hit.kind ? [" · ", val(hit.kind, "kind")] : null,
       hit.time_ns ? [" · ", fmtTime(hit.time_ns)] : null),
     hit.problem ? notice("error", hit.problem) : null,
-    el("pre", {class: "record", "data-field": "record"}, JSON.stringify(hit.record, null, 2)));
+    attrs.length ? el("dl", {class: "facts attrs"}, attrs.map(([k, v]) =>
+      [el("dt", null, k), el("dd", null, val(v, "attr"))])) : null,
+    el("details", null, el("summary", null, "Record as written (OTLP JSON)"),
+      el("pre", {class: "record", "data-field": "record"}, JSON.stringify(hit.record, null, 2))));
 }
