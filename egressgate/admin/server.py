@@ -25,6 +25,7 @@ from aiohttp import web
 from egressgate.admin.approvals_api import register_approvals
 from egressgate.admin.errors import error_response, state_unavailable
 from egressgate.admin.jsonbody import MAX_BODY, BodyError, read_object
+from egressgate.admin.mcp_api import register_mcp
 from egressgate.admin.metrics import GatewayMetrics
 from egressgate.admin.policies_api import PoliciesApi, Reload
 from egressgate.admin.readiness import Readiness
@@ -145,6 +146,7 @@ class AdminServer:
         router.add_post("/v1/policies/reload", policies.reload)
         router.add_get(JWKS_PATH, self.jwks)
         register_approvals(self)  # /v1/approvals (admin/approvals_api.py) and the expiry sweeper
+        register_mcp(self)  # local MCP servers: /v1/mcp/local-start, /v1/sandboxes/{id}/mcp/... (admin/mcp_api.py)
         self.console = register_console(self)  # /ui: session + role tokens, not the admin token (admin/ui)
 
     @web.middleware

@@ -14,19 +14,17 @@ not the counterfactual one (a request the new policy would deny still counts as 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from egressgate.approvals.grant import Grant
 from egressgate.audit.find import Found, iter_records
 from egressgate.audit.record import (
     K_DNS_NAME,
     K_HOST,
-    K_LABELS,
     K_OPERATION,
-    K_SCHEME,
     Record,
     RecordFormatError,
     addresses_of,
@@ -35,7 +33,9 @@ from egressgate.audit.record import (
 from egressgate.audit.replay_format import format_table, printable
 from egressgate.audit.replay_mcp import OPERATION as MCP_OPERATION
 from egressgate.audit.replay_mcp import McpHistory, NotReplayable, replay_tool_call
-from egressgate.policy.facts import Decision, Facts, Operation, RuleUsage, SandboxState
+from egressgate.audit.replay_state import History, as_int, grants_from, state_from, update_history
+from egressgate.policy.canon import canon_host
+from egressgate.policy.facts import Decision, Facts, Operation, SandboxState
 
 __all__ = ["Change", "Flip", "ReplayResult", "format_table", "printable", "replay", "replay_diff", "replay_records"]
 
@@ -114,28 +114,19 @@ class ReplayResult:
         self.skipped[why] = self.skipped.get(why, 0) + 1
 
 
-@dataclass(slots=True)
-class _History:
-    """The sandbox's past as seen in the log, for records that carry no recorded state."""
-
-    admitted_at: float | None = None
-    bytes_out: int = 0
-    bytes_in: int = 0
-    dns_queries: int = 0
-    dns_name_bytes: int = 0
-    seen_hosts: set[str] = field(default_factory=set)
-    usage: dict[str, list[int]] = field(default_factory=dict)
-
-
-def _int(v: Any, default: int = 0) -> int:
-    return v if isinstance(v, int) and not isinstance(v, bool) else default
-
-
 def facts_from(attrs: dict[str, Any]) -> Facts:
     op = Operation(attrs[K_OPERATION])
     host = attrs.get(K_HOST) or attrs.get(K_DNS_NAME)
     if not isinstance(host, str):
         raise ValueError("record has no host")
+    # The engine is only ever given canonical hosts (policy.canon) and origin-form paths; a record holding
+    # anything else was not written by the gateway for a decision (a forged or corrupted line) and cannot
+    # be re-decided: it is skipped, never a traceback in the auditor's tool (CanonError is a ValueError).
+    if canon_host(host) != host:
+        raise ValueError("record host is not canonical")
+    path = attrs.get("url.path")
+    if isinstance(path, str) and not path.startswith("/"):
+        raise ValueError("record path is not in origin form")
     port = attrs.get("server.port")
     return Facts(
         operation=op,
@@ -145,103 +136,13 @@ def facts_from(attrs: dict[str, Any]) -> Facts:
         method=attrs.get("http.request.method")
         if isinstance(attrs.get("http.request.method"), str)
         else None,
-        path=attrs.get("url.path") if isinstance(attrs.get("url.path"), str) else None,
+        path=path if isinstance(path, str) else None,
         addresses=addresses_of(attrs),
         qtype=attrs.get("egressgate.dns.qtype")
         if isinstance(attrs.get("egressgate.dns.qtype"), str)
         else None,
-        request_bytes=_int(attrs.get("egressgate.facts.request_bytes")),
+        request_bytes=as_int(attrs.get("egressgate.facts.request_bytes")),
     )
-
-
-def state_from(
-    attrs: dict[str, Any], sandbox_id: str, hist: _History, time_s: float
-) -> tuple[SandboxState, bool]:
-    """(state, exact). Exact when the gateway recorded the state it decided on."""
-    labels = attrs.get(K_LABELS) if isinstance(attrs.get(K_LABELS), dict) else {}
-    labels = {str(k): str(v) for k, v in labels.items()}
-    if "egressgate.state.admitted_at" in attrs:
-        usage_raw = attrs.get("egressgate.state.rule_usage")
-        usage = {
-            str(rule): RuleUsage(_int(u.get("requests")), _int(u.get("bytes")))
-            for rule, u in (usage_raw.items() if isinstance(usage_raw, dict) else ())
-            if isinstance(u, dict)
-        }
-        seen = attrs.get("egressgate.state.seen_hosts")
-        # A record may carry only the fields its decision reads (DNS records: admitted_at and the DNS
-        # counters); the fields it leaves out come from the log's history, as without recorded state.
-        # Gateway records carry only the history hosts and rule usage the *recording* policy could read
-        # (CompiledPolicy.relevant_state); a replayed policy may ask about others, so the recorded values
-        # are merged over what the log's history says.
-        history_usage = {r: RuleUsage(u[0], u[1]) for r, u in hist.usage.items()}
-        return SandboxState(
-            sandbox_id=sandbox_id,
-            admitted_at=float(attrs["egressgate.state.admitted_at"]),
-            labels=labels,
-            bytes_out=_int(attrs.get("egressgate.state.bytes_out"), hist.bytes_out),
-            bytes_in=_int(attrs.get("egressgate.state.bytes_in"), hist.bytes_in),
-            dns_queries=_int(attrs.get("egressgate.state.dns_queries"), hist.dns_queries),
-            dns_name_bytes=_int(attrs.get("egressgate.state.dns_name_bytes"), hist.dns_name_bytes),
-            seen_hosts=frozenset(hist.seen_hosts).union(str(h) for h in seen)
-            if isinstance(seen, list) else frozenset(hist.seen_hosts),
-            rule_usage={**history_usage, **usage} if isinstance(usage_raw, dict) else history_usage,
-            approvals=grants_from(attrs.get("egressgate.state.approvals")),
-        ), True
-    return SandboxState(
-        sandbox_id=sandbox_id,
-        admitted_at=hist.admitted_at if hist.admitted_at is not None else time_s,
-        labels=labels,
-        bytes_out=hist.bytes_out,
-        bytes_in=hist.bytes_in,
-        dns_queries=hist.dns_queries,
-        dns_name_bytes=hist.dns_name_bytes,
-        seen_hosts=frozenset(hist.seen_hosts),
-        rule_usage={r: RuleUsage(u[0], u[1]) for r, u in hist.usage.items()},
-    ), False
-
-
-def grants_from(raw: Any) -> tuple[Grant, ...]:
-    """The operator approvals the gateway decided with (`egressgate.state.approvals`); a malformed entry
-    grants nothing in the replay either."""
-    out = []
-    for item in raw if isinstance(raw, list) else ():
-        try:
-            out.append(Grant.from_json(item) if isinstance(item, dict) else None)
-        except ValueError:
-            continue
-    return tuple(g for g in out if g is not None)
-
-
-def _update_history(hist: _History, attrs: dict[str, Any], time_s: float) -> None:
-    op = attrs.get(K_OPERATION)
-    if hist.admitted_at is None:
-        hist.admitted_at = time_s  # first sight; an admission record (below) is exact
-    if op == "admission":
-        hist.admitted_at = time_s
-    elif op == "outcome":
-        hist.bytes_out += _int(attrs.get("egressgate.bytes.out"))
-        hist.bytes_in += _int(attrs.get("egressgate.bytes.in"))
-    elif op == "dns_query":
-        hist.dns_queries += 1
-        hist.dns_name_bytes += len(str(attrs.get(K_DNS_NAME) or attrs.get(K_HOST) or "").encode())
-    elif attrs.get("egressgate.decision") == "allow" and (
-            op == "http_request" or (op == "connect" and _relayed(attrs))):
-        host = attrs.get(K_HOST)
-        if isinstance(host, str):
-            hist.seen_hosts.add(host)
-        rule = attrs.get("egressgate.rule")
-        if isinstance(rule, str):
-            u = hist.usage.setdefault(rule, [0, 0])
-            u[0] += 1
-            u[1] += _int(attrs.get("egressgate.facts.request_bytes"))
-
-
-def _relayed(attrs: dict[str, Any]) -> bool:
-    """A connect record of a tunnel the gateway relays unread (a tcp rule, `tls: passthrough`): that tunnel
-    is the request and entered the sandbox's history (gateway/history.py); an intercepted tunnel's
-    requests have their own records."""
-    return (attrs.get("egressgate.intercept") is False or attrs.get(K_SCHEME) == "tcp"
-            or attrs.get("egressgate.tls") == "passthrough")
 
 
 def load_policy_set(path: str | Path) -> tuple[dict[str, Any], Any | None]:
@@ -283,7 +184,7 @@ def replay_records(
 
         decide = decide_fn
     result = ReplayResult()
-    history: dict[str, _History] = {}
+    history: dict[str, History] = {}
     mcp_history = McpHistory()
     for found in records:
         attrs = found.record.attributes
@@ -292,7 +193,7 @@ def replay_records(
         if sandbox is not None and sandbox_id != sandbox:
             continue
         time_s = found.record.time_ns / 1e9
-        hist = history.setdefault(sandbox_id, _History())
+        hist = history.setdefault(sandbox_id, History())
         if op in REPLAYABLE and (since_ns is None or found.record.time_ns >= since_ns):
             _replay_one(found, attrs, sandbox_id, hist, time_s, policies, single, decide, result)
             if limit is not None and len(result.changes) >= limit:
@@ -303,21 +204,27 @@ def replay_records(
             if limit is not None and len(result.changes) >= limit:
                 result.truncated = True
                 break
-        _update_history(hist, attrs, time_s)
+        update_history(hist, attrs, time_s)
         mcp_history.update(sandbox_id, attrs)
     return result
 
 
-def as_found(records: Iterable[Found | Record | bytes | str], source: str = "<records>") -> Iterator[Found]:
-    """Records from any caller (files, the index, the console) as `Found`: a raw JSONL line is parsed
-    (an unparseable one is skipped, as `iter_records` does: `audit verify` reports those), a bare
-    `Record` gets its position in the sequence as its line number."""
+RecordLike = Found | Record | bytes | str | Mapping[str, Any]
+
+
+def as_found(records: Iterable[RecordLike], source: str = "<records>") -> Iterator[Found]:
+    """Records from any caller (files, the index, the console) as `Found`: a raw JSONL line or its parsed
+    OTLP/JSON document (`AuditIndex.record`) is parsed (an unparseable one is skipped, as `iter_records`
+    does: `audit verify` reports those); a bare `Record` or line gets its position in the sequence as its
+    line number (build `Found(file, line, raw, record)` to keep the file's own positions)."""
     for number, item in enumerate(records, start=1):
         if isinstance(item, Found):
             yield item
         elif isinstance(item, Record):
             yield Found(source, number, b"", item)
         else:
+            if isinstance(item, Mapping):
+                item = json.dumps(item)
             raw = item.encode() if isinstance(item, str) else item
             try:
                 yield Found(source, number, raw, parse_line(raw))
@@ -326,7 +233,7 @@ def as_found(records: Iterable[Found | Record | bytes | str], source: str = "<re
 
 
 def replay_diff(
-    records: Iterable[Found | Record | bytes | str],
+    records: Iterable[RecordLike],
     candidate_policy_set: Any,
     sandbox: str | None = None,
     since_ns: int | None = None,
@@ -396,6 +303,16 @@ def _replay_one(
     )
 
 
+def _rule_or_approval(rule: Any, approval_id: Any, reason: Any) -> str | None:
+    """What allowed (or was asked of) a decision: its rule, or `approval <id>` when an operator's approval
+    allowed it (approval_granted) or was asked for (approval_required)."""
+    if isinstance(rule, str):
+        return rule
+    if reason in ("approval_granted", "approval_required") and isinstance(approval_id, str):
+        return f"approval {approval_id}"
+    return None
+
+
 def _replay_tool_call(found, attrs, sandbox_id, mcp_history, time_s, policies, single, result) -> None:
     """An `mcp_tool_call` record (audit/replay_mcp.py says what is and is not re-decided)."""
     policy = single or policies.get(str(attrs.get("egressgate.policy.name")))
@@ -420,7 +337,8 @@ def _replay_tool_call(found, attrs, sandbox_id, mcp_history, time_s, policies, s
         found.path, found.line, found.record.time_ns, sandbox_id, MCP_OPERATION, done.target, str(old),
         _rule_or_approval(attrs.get("egressgate.rule"), attrs.get("egressgate.approval.id"), reason),
         str(reason) if reason is not None else None, new.decision,
-        _rule_or_approval(new.rule_id, new.approval_id, str(new.reason)), str(new.reason)))
+        _rule_or_approval(new.rule_id, new.approval_id, str(new.reason)), str(new.reason),
+        str(attrs["egressgate.request.id"]) if isinstance(attrs.get("egressgate.request.id"), str) else None))
 
 
 def _rule_or_approval(rule: Any, approval_id: Any, reason: Any) -> str | None:

@@ -196,7 +196,8 @@ def test_cmd(files: tuple[str, ...], policy_path: str | None) -> None:
 
 
 @policy.command()
-@click.argument("audit_files", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
+@click.argument("audit_files", metavar="AUDIT...", nargs=-1, required=True,
+                type=click.Path(exists=True, dir_okay=False))
 @click.option("--sandbox", "sandbox_id", help="Learn from the traffic of this sandbox id.")
 @click.option("--label", multiple=True, help="Learn from sandboxes with label k=v (repeatable: all must match).")
 @click.option("--base", "base_path", type=click.Path(exists=True, dir_okay=False),
@@ -206,8 +207,9 @@ def learn(
     audit_files: tuple[str, ...], sandbox_id: str | None, label: tuple[str, ...], base_path: str | None,
     output: str | None,
 ) -> None:
-    """Propose the smallest rules that allow the denied traffic recorded in AUDIT_FILES (docs/policy.md,
-    "Learning a policy from the audit trail"). Exit 0 with the policy written, 2 on a usage error."""
+    """Propose the smallest rules that allow the denied traffic recorded in the AUDIT files (docs/policy.md,
+    "Learning a policy from the audit trail"). Exit 0 with the policy written, 1 when no record of the
+    selected sandboxes is found, 2 on a usage error or a base policy that does not load."""
     from egressgate.audit.find import iter_records
     from egressgate.audit.replay import printable
     from egressgate.policy.learn import LearnError, Selector
@@ -227,6 +229,9 @@ def learn(
     except PolicyError as exc:
         click.echo(f"the base policy does not load:\n{exc}", err=True)
         sys.exit(EXIT_INVALID)
+    if not result.selected:  # most likely a mistyped id or label: say so rather than write the base back
+        click.echo("no record of the selected sandboxes in the audit files: nothing learned, nothing written", err=True)
+        sys.exit(1)
     if output:
         Path(output).write_text(result.policy_yaml, "utf-8")
     else:

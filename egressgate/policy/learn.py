@@ -26,24 +26,31 @@ How the rules are shaped (each the narrowest the policy language can say):
 Then the learner checks its own output with the one replay path (audit.replay.replay_records) over the
 selected records: a rule that would also allow a request denied for another reason (a glob or wildcard
 catching a budget or condition denial) is narrowed to exact hosts and paths, and dropped if it still does.
+The output stays within the loader's limits (policy/limits.py: rules split at 256 paths; past MAX_RULES
+or 1 MiB the rules covering the fewest denials are dropped and counted), so it loads wherever the base does.
 """
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import ValidationError
+
 from egressgate.audit.find import Found
-from egressgate.audit.record import K_HOST, K_LABELS, K_METHOD, K_OPERATION, K_PATH, K_PORT, K_SCHEME, Record
-from egressgate.audit.replay import Flip, as_found, replay_records
+from egressgate.audit.record import K_HOST, K_LABELS, K_METHOD, K_OPERATION, K_PATH, K_PORT, K_SCHEME
+from egressgate.audit.replay import Flip, RecordLike, as_found, replay_records
+from egressgate.policy.errors import PolicyError
 from egressgate.policy.learn_rules import Observation, Suggestion, build_suggestions
 from egressgate.policy.learn_safety import address_problem, host_problem, method_problem, path_problem
 from egressgate.policy.learn_yaml import Comments, dump
-from egressgate.policy.loader import parse_policy
-from egressgate.policy.model import SandboxName
-from egressgate.safeyaml import load_yaml
+from egressgate.policy.limits import MAX_POLICY_BYTES, MAX_RULES
+from egressgate.policy.loader import parse_policy, policy_hash
+from egressgate.policy.model import Policy, SandboxName
+from egressgate.safeyaml import YamlError, load_yaml
 
 LEARNABLE_REASONS = frozenset(
     {"host_not_allowed", "scheme_not_allowed", "port_not_allowed", "method_not_allowed", "path_not_allowed",
@@ -170,7 +177,7 @@ def _observe(f: Found, poisoned: Mapping[str, str]) -> Observation | str:
 
 
 def learn(
-    records: Iterable[Found | Record | bytes | str],
+    records: Iterable[RecordLike],
     selector: Selector,
     *,
     base_yaml: str | None = None,
@@ -221,13 +228,26 @@ class _Base:
     data: dict[str, Any]
     rule_ids: set[str]
     source: str | None
+    rule_count: int = 0  # as the loader counts them against MAX_RULES
+    text: str | None = None
 
 
 def _base(base_yaml: str | None, source: str, chosen: list[Found]) -> _Base:
+    """The base as data. Its YAML is parsed once here; the whole learned file (base included) is then
+    compiled by the loader, and a base that does not load is reported by the loader against `source`."""
     if base_yaml is not None:
-        compiled = parse_policy(base_yaml, source)  # PolicyError: the caller reports it
-        data = load_yaml(base_yaml)
-        return _Base(data, {r.id for r in compiled.rules}, source)
+        try:
+            loaded = load_yaml(base_yaml)
+            model = Policy.model_validate(loaded)
+        except (YamlError, ValidationError):
+            parse_policy(base_yaml, source)  # raises the loader's own PolicyError naming the base
+            raise  # pragma: no cover - the loader refuses whatever load_yaml/validation refused
+        # through JSON: YAML anchors/aliases load as one shared object, and a rule appended to a shared
+        # `allow` list would silently land in every section that aliases it
+        data = json.loads(json.dumps(loaded))
+        net = model.network
+        rules = [r for sec in (net.https, net.http, net.tcp) for r in (*sec.allow, *sec.deny)]
+        return _Base(data, {r.id for r in rules if r.id}, source, len(rules) + len(net.dns.allow), base_yaml)
     names = {f.record.attributes.get("egressgate.policy.name") for f in chosen} - {None}
     name = names.pop() if len(names) == 1 else "learned"
     if not isinstance(name, str) or not _valid_name(name):
@@ -236,7 +256,7 @@ def _base(base_yaml: str | None, source: str, chosen: list[Found]) -> _Base:
 
 
 def _valid_name(name: str) -> bool:
-    from pydantic import TypeAdapter, ValidationError
+    from pydantic import TypeAdapter
 
     try:
         TypeAdapter(SandboxName).validate_python(name)
@@ -245,7 +265,7 @@ def _valid_name(name: str) -> bool:
     return True
 
 
-def _render(base: _Base, suggestions: list[Suggestion], selector: Selector) -> str:
+def _render(base: _Base, suggestions: list[Suggestion], selector: Selector) -> tuple[str, dict[str, Any]]:
     import copy
 
     data = copy.deepcopy(base.data)
@@ -265,7 +285,7 @@ def _render(base: _Base, suggestions: list[Suggestion], selector: Selector) -> s
         "No --base: this file holds only the learned rules; merge them into the sandbox's policy.",
         "Review every rule before use: the traffic it allows was chosen by the sandbox.",
     ]
-    return dump(data, header, comments)
+    return dump(data, header, comments, verify=False), data
 
 
 def _render_checked(
@@ -274,15 +294,33 @@ def _render_checked(
 ) -> tuple[str, list[Flip]]:
     """Render, compile and replay the selection; narrow or drop a rule that flips anything it did not
     learn (the output may allow exactly the learned denials, nothing else that was denied)."""
+    _fit_rules(base, suggestions, not_learnable)
     while True:
-        text = _render(base, suggestions, selector)
-        compiled = parse_policy(text, "<learned policy>")
+        text, data = _render(base, suggestions, selector)
+        if len(text.encode()) > MAX_POLICY_BYTES:
+            _drop_smallest(suggestions, not_learnable, "over the policy size limit",
+                           len(text.encode()) - MAX_POLICY_BYTES * 9 // 10)
+            continue
+        try:
+            compiled = parse_policy(text, "<learned policy>")
+        except PolicyError as exc:
+            if base.text is not None:
+                parse_policy(base.text, str(base.source))  # a base that does not load: its own error
+            # never expected otherwise: every learned value was checked first
+            raise LearnError(f"the learned policy does not load (please report this): {exc}") from None
+        # The file must mean exactly the data it was written from (no value or comment can have added,
+        # dropped or changed anything): the same policy hash as the intended data, validated directly.
+        if compiled.hash != policy_hash(Policy.model_validate(data)):
+            raise LearnError("the learned policy does not read back as written (please report this)")
         result = replay_records(iter(chosen), {compiled.name: compiled}, compiled)
         learned_by = {key: s for s in suggestions for key in s.keys}
         culprits: dict[int, Suggestion] = {}
         for c in result.changes:
             if c.new_decision == "allow" and (c.path, c.line) not in learned_by:
                 owner = next((s for s in suggestions if s.id == c.new_rule), None)
+                if owner is None and c.operation == "dns_query":  # a learned dns.allow[i] entry
+                    name = c.target.split(" ", 1)[0]
+                    owner = next((s for s in suggestions if s.section == "dns" and s.host == name), None)
                 if owner is not None:
                     culprits[id(owner)] = owner
         if not culprits:
@@ -293,3 +331,22 @@ def _render_checked(
                 suggestions.extend(owner.narrowed({s.id for s in suggestions} | base.rule_ids))
             else:
                 not_learnable["would also allow requests denied for another reason"] += owner.requests
+
+
+def _fit_rules(base: _Base, suggestions: list[Suggestion], not_learnable: Counter[str]) -> None:
+    """Keep the output under the loader's MAX_RULES: the rules covering the most denials win."""
+    capacity = max(0, MAX_RULES - base.rule_count)
+    if len(suggestions) > capacity:
+        suggestions.sort(key=lambda s: -s.requests)
+        for s in suggestions[capacity:]:
+            not_learnable["over the policy's rule limit"] += s.requests
+        del suggestions[capacity:]
+
+
+def _drop_smallest(suggestions: list[Suggestion], not_learnable: Counter[str], why: str, excess: int) -> None:
+    """Drop the suggestions covering the fewest denials until about `excess` bytes are gone."""
+    suggestions.sort(key=lambda s: -s.requests)
+    while suggestions and excess > 0:
+        s = suggestions.pop()
+        not_learnable[why] += s.requests
+        excess -= 400 + sum(len(p) + 12 for p in s.paths or ()) + len(s.host)

@@ -11,6 +11,7 @@ from typing import Any
 from egressgate.policy.canon import parse_ip_literal
 from egressgate.policy.globs import parse_path_glob
 from egressgate.policy.learn_safety import wildcard_parent_ok
+from egressgate.policy.limits import MAX_PATHS_PER_RULE
 
 GLOB_MIN_PATHS = 3  # distinct observed paths under one parent before `/parent/*` is proposed
 WILDCARD_MIN_HOSTS = 2  # distinct observed subdomains before `*.parent` is proposed
@@ -79,7 +80,7 @@ class Suggestion:
         sandboxes = len({o.sandbox for o in self.observations})
         reasons = Counter(o.reason for o in self.observations if o.reason)
         why = ", ".join(f"{r} x{n}" for r, n in sorted(reasons.items()))
-        lines = [f"learned {self.id}: {self.requests} denied ({why}) from {sandboxes} "
+        lines = [f"{self.id}: {self.requests} denied ({why}) from {sandboxes} "
                  f"sandbox{'es' if sandboxes != 1 else ''}"]
         if self.host.startswith("*."):
             lines.append(f"wildcard over {len(self.hosts)} observed hosts: {', '.join(self.hosts[:5])}"
@@ -199,10 +200,13 @@ def build_suggestions(
         grouped = {h for members in groups.values() for h in members}
         groups.update({h: [h] for h in sorted(set(hosts)) if h not in grouped})
         for pattern, members in sorted(groups.items()):
-            globs = [parse_path_glob(p) for p in paths]
-            mine = [o for o in obs if o.kind == scheme and o.port == port and o.host in members
-                    and o.method in methods and any(g.matches(o.path or "") for g in globs)]
-            out.append(Suggestion(_rule_id(pattern, taken), scheme, pattern, (port,), methods, paths, labels, mine))
+            for start in range(0, len(paths), MAX_PATHS_PER_RULE):  # the loader's per-rule limit
+                chunk = paths[start:start + MAX_PATHS_PER_RULE]
+                globs = [parse_path_glob(p) for p in chunk]
+                mine = [o for o in obs if o.kind == scheme and o.port == port and o.host in members
+                        and o.method in methods and any(g.matches(o.path or "") for g in globs)]
+                out.append(Suggestion(_rule_id(pattern, taken), scheme, pattern, (port,), methods, chunk, labels,
+                                      mine))
     # 3. CONNECTs: covered by a learned rule for their host and port, else a host+port rule
     connect_only: dict[str, list[Observation]] = defaultdict(list)
     for o in obs:

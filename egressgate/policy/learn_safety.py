@@ -31,12 +31,18 @@ from collections.abc import Iterable
 from egressgate.policy.addr import classify, is_metadata_hostname
 from egressgate.policy.canon import CanonError, canon_host, canon_method, canon_path, parse_ip_literal
 from egressgate.policy.globs import GlobError, parse_host_pattern, parse_path_glob
+from egressgate.policy.limits import MAX_PATH_SEGMENTS
 
-# Special-use and local names (RFC 6761, 6762, 7686, 8375, and common private zones): never learned,
-# neither as a host nor as a wildcard parent.
+MAX_LEARNED_PATH = 4096  # characters of one learned exact path
+
+# Names that by convention resolve to the local host or to internal services (RFC 6761 localhost, RFC 6762
+# .local, RFC 8375 .home.arpa, .internal, common private zones) or that are not Internet names at all
+# (RFC 7686 .onion, .alt, reverse-DNS .arpa): never learned, neither as a host nor as a wildcard parent.
+# (.test / .example / .invalid, reserved for testing and documentation, are not in this list: they name no
+# internal service, and the address checks apply to them like to any name.)
 SPECIAL_USE_SUFFIXES = frozenset(
     {"localhost", "local", "internal", "intranet", "corp", "home", "lan", "private", "home.arpa", "arpa",
-     "invalid", "test", "example", "onion", "localdomain", "alt"}
+     "onion", "localdomain", "alt"}
 )
 
 # A small built-in list of common public suffixes: a `*.P` wildcard is never proposed for these.
@@ -135,6 +141,8 @@ def path_problem(path: object) -> str | None:
         return "credential in path"
     if "*" in path:
         return "path not expressible"  # a literal '*' would read as a wildcard in a policy path
+    if path.count("/") > MAX_PATH_SEGMENTS or len(path) > MAX_LEARNED_PATH:
+        return "path too long for a policy"  # the loader's limit (policy/limits.py), and a readable file
     try:
         if canon_path(path) != path:
             return "path not expressible"

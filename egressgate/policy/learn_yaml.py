@@ -24,6 +24,7 @@ from egressgate.safeyaml import YamlError, load_yaml
 _PLAIN = re.compile(r"[A-Za-z0-9/][A-Za-z0-9._/-]{0,200}", re.ASCII)
 _STR_TAG = "tag:yaml.org,2002:str"
 MAX_COMMENT = 200
+MAX_FLOW = 100  # characters of a list written inline
 
 
 class YamlWriteError(ValueError):
@@ -100,7 +101,10 @@ def _emit(value: Any, indent: int, lines: list[str], comments: Comments) -> None
             if not isinstance(key, str):
                 raise YamlWriteError("mapping keys are strings")
             head = f"{pad}{_string(key)}:"
-            if isinstance(item, dict | list) and item:
+            flow = _flow(item, comments)
+            if flow is not None:
+                lines.append(f"{head} {flow}")
+            elif isinstance(item, dict | list) and item:
                 lines.append(head)
                 _emit(item, indent + 2, lines, comments)
             else:
@@ -118,6 +122,16 @@ def _emit(value: Any, indent: int, lines: list[str], comments: Comments) -> None
             lines.append(f"{pad}- {_inline(item)}")
 
 
+def _flow(value: Any, comments: Comments) -> str | None:
+    """A short list of scalars without comments as `[a, b]` (plain scalars never hold `,[]{}`: _PLAIN)."""
+    if not isinstance(value, list) or not value or any(isinstance(v, dict | list) for v in value):
+        return None
+    if any((id(value), i) in comments for i in range(len(value))):
+        return None
+    text = "[" + ", ".join(scalar(v) for v in value) + "]"
+    return text if len(text) <= MAX_FLOW else None
+
+
 def _inline(value: Any) -> str:
     if isinstance(value, dict):
         return "{}"
@@ -126,11 +140,15 @@ def _inline(value: Any) -> str:
     return scalar(value)
 
 
-def dump(data: dict[str, Any], header: list[str], comments: Comments) -> str:
-    """`data` as block YAML, `header` as leading comment lines, `comments[(id(list), i)]` before list[i]."""
+def dump(data: dict[str, Any], header: list[str], comments: Comments, *, verify: bool = True) -> str:
+    """`data` as block YAML, `header` as leading comment lines, `comments[(id(list), i)]` before list[i].
+    `verify=False` only for a caller that checks the meaning itself (learn.py compares policy hashes: one
+    YAML parse instead of two, on files up to the loader's 1 MiB)."""
     lines = [f"# {comment_text(h)}" if h else "#" for h in header]
     _emit(data, 0, lines, comments)
     text = "\n".join(lines) + "\n"
+    if not verify:
+        return text
     try:
         back = load_yaml(text)
     except YamlError as exc:

@@ -183,6 +183,7 @@ class NetnsAdapter:
         self.ns: str | None = None
         self.proc: subprocess.Popen[bytes] | None = None
         self.preexec: Callable[[], None] | None = None  # run.py: move the child into the run's cgroups
+        self.stdio: dict[str, int] = {}  # Popen stdin/stdout (`mcp run` pipes them through its relay)
         self._cmd: BwrapCommand | None = None
         self._ws_fd: int | None = None
 
@@ -231,7 +232,7 @@ class NetnsAdapter:
         fds = [*self._cmd.fds, *([self._ws_fd] if self._ws_fd is not None else [])]
         try:
             self.proc = subprocess.Popen([BWRAP, *self._cmd.args], pass_fds=fds,
-                                         preexec_fn=self._child_setup)
+                                         preexec_fn=self._child_setup, **self.stdio)  # type: ignore[call-overload]
         finally:
             self._cmd.close()
         records.update(self.spec.state_dir, self.spec.run_id, workload_pid=self.proc.pid)  # type: ignore[union-attr]

@@ -111,6 +111,12 @@ class Run:
             code = self._teardown(exit_info, int((time.monotonic() - begin) * 1000))
         return code
 
+    def make_adapter(self, runtime: str) -> Any:
+        """The runtime's adapter (`egressgate mcp run` subclasses the netns one to relay its stdio)."""
+        from egressgate.runtimes import registry
+
+        return registry.adapter(runtime)
+
     def _run(self) -> ExitInfo:
         from egressgate.runtimes import registry
 
@@ -120,7 +126,7 @@ class Run:
         except endpoints.GatewayNotRunning as exc:
             raise SetupFailed(str(exc)) from None
         try:
-            self.adapter = registry.adapter(req.runtime)
+            self.adapter = self.make_adapter(req.runtime)
         except registry.UnknownRuntime as exc:
             raise SetupFailed(str(exc)) from None
         if info.docker_host and hasattr(self.adapter, "host"):  # docker/gvisor: the configured daemon wins

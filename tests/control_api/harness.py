@@ -22,6 +22,7 @@ from tests.support.launcher import launch_loopback, write_policies
 
 METRICS_POLICY = "c12-metrics"
 APPROVE_POLICY = "c12-approve"
+MCP_LOCAL_POLICY = "c13-mcp-local"  # a local MCP server (`egressgate mcp run`): the /v1/.../mcp routes
 DNS_SOURCE = "127.0.0.41"
 
 
@@ -47,6 +48,9 @@ def control_policies(w: World) -> dict[str, dict]:
         "network": {"allow_private": ["127.0.0.1/32"], "http": {"allow": [
             {"id": "c12-plain", "host": "api.test", "ports": [w.http_port], "methods": ["GET"]}]}},
         "execution": {"require_approval_for": ["network_expansion"]},
+    }, MCP_LOCAL_POLICY: {
+        "sandbox": {"name": MCP_LOCAL_POLICY}, "execution": {"local_mcp_servers": "allow"},
+        "mcp": {"servers": [{"name": "tools", "local": True, "tools": {"allow": [{"name": "echo"}]}}]},
     }}
 
 

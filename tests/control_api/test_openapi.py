@@ -34,7 +34,7 @@ from egressgate.config import load_config
 from egressgate.gateway.context import PolicyHolder, Runtime
 from egressgate.policy.loader import load_policies
 from egressgate.state.memory import MemoryState
-from tests.control_api.harness import APPROVE_POLICY, METRICS_POLICY, api, control_policies
+from tests.control_api.harness import APPROVE_POLICY, MCP_LOCAL_POLICY, METRICS_POLICY, api, control_policies
 from tests.support.launcher import write_policies
 from tests.support.waiting import wait_for
 
@@ -177,6 +177,7 @@ def test_live_gateway_serves_every_documented_route_as_documented(cgw, world):
 
     if APPROVALS:
         _approvals(cgw, world, check)
+    _mcp_local(cgw, check)
 
     missing = required_ops() - check.served
     assert missing == set(), f"documented but never answered 2xx: {sorted(missing)}"
@@ -243,3 +244,33 @@ def test_every_non_public_route_needs_the_token(cgw, method, template):
     Checker()(res, template)
     wrong = api(cgw, method, path, token="x" * 43, json={} if method == "POST" else None)
     assert wrong.status_code == 401
+
+
+def _mcp_local(cgw, check: Checker) -> None:
+    """The routes `egressgate mcp run` uses (admin/mcp_api.py): the start check, one session's lines both
+    ways (allowed, denied, answered), its end, and a revoked sandbox's."""
+    start = "/v1/mcp/local-start"
+    assert check(api(cgw, "POST", start, json={"policy": MCP_LOCAL_POLICY, "server": "tools"}), start).json()[
+        "max_message_bytes"] > 0
+    refused = check(api(cgw, "POST", start, json={"policy": MCP_LOCAL_POLICY, "server": "undeclared"}), start)
+    assert refused.status_code == 403 and refused.json()["reason"] == "mcp_local_denied"
+    check(api(cgw, "POST", start, json={"policy": "no-such-policy", "server": "tools"}), start)
+    check(api(cgw, "POST", start, json={"policy": MCP_LOCAL_POLICY}), start)
+    sid = api(cgw, "POST", "/v1/sandboxes", json={"policy": MCP_LOCAL_POLICY}).json()["id"]
+    messages, session = "/v1/sandboxes/{sandbox_id}/mcp/{server}/messages", "/v1/sandboxes/{sandbox_id}/mcp/{server}"
+
+    def line(direction: str, body: bytes, sandbox: str = sid) -> httpx.Response:
+        return check(api(cgw, "POST", f"/v1/sandboxes/{sandbox}/mcp/tools/messages?direction={direction}",
+                         content=body, headers={"Content-Type": "application/octet-stream"}), messages)
+
+    call = b'{"jsonrpc":"2.0","id":%d,"method":"tools/call","params":{"name":"%s","arguments":{}}}'
+    assert line("to_server", call % (1, b"echo")).json()["forward"] is not None
+    denied = line("to_server", call % (2, b"other")).json()
+    assert denied["forward"] is None and denied["replies"][0]["error"]["code"] == -32001
+    assert line("to_client", b'{"jsonrpc":"2.0","id":1,"result":{"content":[]}}').json()["forward"] is not None
+    line("bogus", b"{}")
+    line("to_server", call % (3, b"echo"), sandbox="sbx-ffffffffffffffff")
+    check(api(cgw, "DELETE", f"/v1/sandboxes/{sid}/mcp/tools"), session)
+    check(api(cgw, "DELETE", f"/v1/sandboxes/{sid}/mcp/tools"), session)  # 404: ended already
+    api(cgw, "DELETE", f"/v1/sandboxes/{sid}")
+    assert line("to_server", call % (4, b"echo")).status_code == 410

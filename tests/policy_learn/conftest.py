@@ -115,3 +115,12 @@ def lines(session: Session) -> list[bytes]:
     from egressgate.audit.record import dumps, to_otlp
 
     return [dumps(to_otlp(r)) for r in session.records()]
+
+
+@pytest.fixture(scope="session")
+def world(tmp_path_factory: pytest.TempPathFactory):
+    """The loopback gateway world (tests/support/gwworld.py), for test_learn_gateway.py."""
+    from tests.support.gwworld import open_world
+
+    with open_world(tmp_path_factory.mktemp("gwworld")) as w:
+        yield w

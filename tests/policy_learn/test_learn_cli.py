@@ -13,7 +13,7 @@ from egressgate.audit.replay import replay, replay_diff
 from egressgate.policy.cli import policy
 from egressgate.policy.loader import parse_policy
 from egressgate.safeyaml import load_yaml
-from tests.policy_learn.conftest import Session
+from tests.policy_learn.conftest import Session, lines
 
 BASE = textwrap.dedent("""\
     sandbox: {name: agent}
@@ -164,3 +164,49 @@ def test_usage_errors(tmp_path):
     bad = _write(tmp_path / "bad.yaml", "sandbox: {name: x}\nnetwork: {https: {allow: [{host: '*'}]}}\n")
     run = CliRunner().invoke(policy, ["learn", str(audit_file), "--sandbox", "s", "--base", str(bad)])
     assert run.exit_code == 2 and "bad.yaml" in run.stderr
+
+
+async def test_nothing_selected_or_nothing_learnable(recorded, tmp_path):
+    _session, audit_file, _learn, _keep = recorded
+    out = tmp_path / "none.yaml"
+    run = CliRunner().invoke(policy, ["learn", str(audit_file), "--sandbox", "no-such-sandbox", "-o", str(out)])
+    assert run.exit_code == 1 and "no record of the selected sandboxes" in run.stderr and not out.exists()
+    # a sandbox with only allowed traffic: the base comes back unchanged (same policy hash), exit 0
+    ok = Session(BASE)
+    ok.admit("s3")
+    ok.request("s3", "GET https://api.github.com/repos/a")
+    lines_path = _write(tmp_path / "ok.jsonl", b"\n".join(lines(ok)).decode() + "\n")
+    run = CliRunner().invoke(policy, ["learn", str(lines_path), "--sandbox", "s3", "--base",
+                                      str(tmp_path / "base.yaml"), "-o", str(out)])
+    assert run.exit_code == 0 and "0 rules learned from 0 of 0 denied" in run.stderr
+    assert parse_policy(out.read_text(), "out").hash == parse_policy(BASE, "base").hash
+
+
+def test_a_base_that_does_not_load_is_reported_against_the_base():
+    from egressgate.policy.errors import PolicyError
+    from egressgate.policy.learn import Selector, learn
+
+    s = Session(BASE)
+    s.admit("s1")
+    s.request("s1", "GET https://new.example.com/x")
+    for bad in ("sandbox: {name: x}\nnetwork: {https: {allow: [{host: '*'}]}}\n",  # compile error
+                "sandbox: {name: x}\nnetwork: {https: [1]}\n",  # schema error
+                "sandbox: {name: x\n"):  # YAML error
+        with pytest.raises(PolicyError) as exc:
+            learn(lines(s), Selector(sandbox="s1"), base_yaml=bad, base_source="team/base.yaml")
+        assert str(exc.value).startswith("team/base.yaml"), str(exc.value)
+
+
+def test_approval_required_denials_are_learned():
+    """`approval_required` is "outside the allowlist, an operator may approve": learnable like host_not_allowed."""
+    from egressgate.policy.learn import Selector, learn
+
+    gated = BASE.replace("sandbox: {name: agent}\n", "sandbox: {name: agent}\nexecution: "
+                                                     "{require_approval_for: [network_expansion]}\n")
+    s = Session(gated)
+    s.admit("s1")
+    event = s.request("s1", "GET https://new.example.com/x")
+    assert event.reason == "approval_required"
+    result = learn(lines(s), Selector(sandbox="s1"), base_yaml=gated)
+    assert [(r.host, r.paths) for r in result.rules] == [("new.example.com", ("/x",))]
+    assert [(f.request_id, f.direction) for f in result.flips] == [(event.request_id, "deny->allow")]
