@@ -109,6 +109,23 @@ def test_proxied_request_appears_in_live_within_1s(console, ui_gw: Gateway) -> N
     mine.first.wait_for(timeout=5000)
     assert mine.first.locator("[data-field=reason]").text_content() == denied.json()["reason"]
     assert c.page.locator("#live-rows [data-field=sandbox]", has_text=other.id).count() == 0
+
+    # a row's request hash opens Audit search for it
+    link = mine.first.locator("[data-field=request_hash]")
+    req_hash = link.text_content()
+    assert req_hash.startswith("sha256:")
+    link.click()
+    c.page.locator("[data-testid=page-search]").wait_for()
+    assert c.page.locator("#search-form [name=request_hash]").input_value() == req_hash
+    hits = c.page.locator("#search-results [data-testid=hit]")
+
+    def found() -> bool:  # searched on arrival; the index may be a moment behind: search again
+        if hits.count():
+            return True
+        c.submit("#search", "#search-count")
+        return hits.count() > 0
+    wait_until(found, 10, "the record found from the Live row", interval=0.2)
+    assert c.page.locator("#search-results dd [data-field=attr]", has_text=req_hash).count() >= 1
     c.assert_clean()
 
 

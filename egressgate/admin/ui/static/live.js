@@ -21,9 +21,20 @@ export const COLUMNS = [
   {key: "reason", label: "Reason"},
   {key: "rule", label: "Rule"},
   {key: "status", label: "Status"},
-  {key: "request_id", label: "Request id"},
-  {key: "request_hash", label: "Request hash", cls: "hash"},
+  {key: "request_id", label: "Request id", render: (r) => searchLink("request_id", r.request_id)},
+  {key: "request_hash", label: "Request hash", cls: "hash", render: (r) => searchLink("request_hash", r.request_hash)},
 ];
+
+/** A value that opens Audit search for it (the hash route carries it URL-encoded; search reads it back
+ * with URLSearchParams and puts it in an input's value: never markup, never a URL the browser loads). */
+function searchLink(name, value) {
+  if (value === undefined || value === null || value === "") return val(null, name);
+  const b = el("button", {type: "button", class: "link", title: "find in the audit trail"}, val(value, name));
+  b.addEventListener("click", () => {
+    location.hash = `#/search?${new URLSearchParams({[name]: String(value)})}`;
+  });
+  return b;
+}
 
 export function decision(d) {
   const cls = d === "allow" ? "ok" : d === "deny" ? "bad" : "";

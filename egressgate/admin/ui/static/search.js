@@ -48,6 +48,17 @@ export function render(root) {
     clear(out, notice("info", "searching…"));
     run(undefined);
   });
+  // #/search?request_hash=... (from a Live row): fill the form from the route and search at once
+  const at = location.hash.indexOf("?");
+  if (at >= 0) {
+    const given = new URLSearchParams(location.hash.slice(at + 1));
+    let any = false;
+    for (const [, name] of TEXT_FIELDS) {
+      const value = given.get(name);
+      if (value) { form.querySelector(`[name=${name}]`).value = value; any = true; }
+    }
+    if (any) form.requestSubmit();
+  }
   return null;
 }
 
