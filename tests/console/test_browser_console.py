@@ -274,6 +274,9 @@ def test_replay_diff_shows_flipped_decisions(console, ui_gw: Gateway) -> None:
 
 
 def test_approvals_queue(console, ui_gw: Gateway) -> None:
+    op = console("operator")
+    op.go("approvals")  # open before the request: the queue shows it by itself
+    op.page.locator("#approvals-list table, #approvals-list .notice").first.wait_for()
     sbx = ui_gw.admit(APPROVE_POLICY, {"team": "approve"})
     with sbx.client() as client:
         asked = client.get(sbx.url("other.test", "/echo", scheme="http"))
@@ -289,9 +292,9 @@ def test_approvals_queue(console, ui_gw: Gateway) -> None:
     res = aud.fetch("POST", f"/ui/api/approvals/{approval_id}/approve", {})
     assert res["status"] == 403, res
 
-    op = console("operator")
-    op.go("approvals")
     row = op.page.locator(f"#approvals-list tr[data-id='{approval_id}']")
+    row.wait_for(timeout=8000)  # polled every 3 s, no click on Refresh
+    assert row.locator("[data-field=host]").text_content() == "other.test"
     row.locator("button.approve").click()
     wait_until(lambda: api(ui_gw, "GET", f"/v1/approvals/{approval_id}").json()["state"] == "approved", 5,
                "the approval to be granted")
