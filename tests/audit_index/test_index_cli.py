@@ -98,8 +98,8 @@ async def test_the_console_script(make_sink):
 
 
 def test_parallel_build_through_the_console_script(tmp_path):
-    """`--workers 2` on a backlog past PARALLEL_MIN_BYTES parses in worker processes, which import the
-    entry module (`python -m egressgate`): they must not run the CLI again, nor fall back."""
+    """`--workers 2` on a backlog past PARALLEL_MIN_BYTES parses in worker processes started from the real
+    entry point (`python -m egressgate`); they must work there (no fallback warning) and give the same index."""
     from egressgate.audit.index.store import PARALLEL_MIN_BYTES
     from tests.audit_index.chaingen import request_hash, write_chain
 
