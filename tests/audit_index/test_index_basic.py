@@ -78,6 +78,9 @@ def test_fast_extraction_agrees_with_json_on_hostile_records():
     hostile = {"egressgate.request.hash": planted, "egressgate.request.id": "forged", "server.address": "x",
                "egressgate.decision": "allow", 'a"b': "\\", "egressgate.chain.seq": "7"}
     events = [
+        # the plain planted label, no escape anywhere: the fast path itself must skip it
+        http_event(9, sandbox_labels={"egressgate.request.hash": planted, "egressgate.request.id": "forged"},
+                   request_hash=None),
         http_event(1, sandbox_labels=hostile, request_hash=None),  # no top-level hash: must stay None
         http_event(2, sandbox_labels=hostile, request_hash=RH),
         http_event(3, host='ev"il\\.example\u202e', path="/<script>", sandbox_labels={"k": "v"}),
@@ -101,13 +104,14 @@ def test_fast_extraction_agrees_with_json_on_hostile_records():
         if fast is not None:  # when the fast path answers, it answers exactly what json says
             assert fast == json_values(line)
         else:
-            assert number in (3, 5, 7)  # an escaped quote / non-ASCII in a value: json decides
+            assert number in (4, 6, 8)  # an escaped quote / non-ASCII in a value: json decides
         assert oracle.request_id == ev.request_id
         assert oracle.request_hash == ev.request_hash
         assert oracle.rule == ev.rule_id
         assert oracle.seq == w.state.seq - 1
-    # positive control: the planted hash is in those lines, so a plain byte search would have been fooled
-    assert planted.encode() in w.append(record_from_event(events[0]))
+    # positive control: the planted hash is in the line the fast path read, so a plain search was fooled
+    line = w.append(record_from_event(events[0]))
+    assert fast_values(line) is not None and planted.encode() in line
 
 
 async def test_two_files_and_a_restricted_search(make_sink, tmp_path, index):
