@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from egressgate.policy.canon import CanonError
 from egressgate.policy.mcp_model import ArgumentConstraint, McpSection, McpServerModel, ToolAllow
 from egressgate.policy.mcp_path import PathRefused, canon_tool_path
+from egressgate.policy.readings import AmbiguousPath, fold, server_readings
 from egressgate.policy.reasons import Effect
 from egressgate.policy.target import parse_url
 
@@ -89,14 +90,28 @@ class McpServer:
         return f"{self.scheme}://{host}:{self.port}{self.path}"
 
     def serves_path(self, path: str) -> bool:
-        """Is a request to this path (on the server's origin) part of the MCP route? The old SSE transport
-        POSTs to an endpoint the server picks, so every path of its origin is; a streamable HTTP endpoint
-        covers its path and everything under it (`/mcp`, `/mcp/`, `/mcp/x`)."""
+        """Is a request to this canonical path (on the server's origin) part of the MCP route? The old SSE
+        transport POSTs to an endpoint the server picks, so every path of its origin is. A streamable HTTP
+        endpoint covers its path and everything under it (`/mcp`, `/mcp/`, `/mcp/x`) and every spelling a
+        server may read as one of those (policy/readings.py: `//mcp`, `/MCP`, `/mcp;x`, `/mcp.json`,
+        `/a%2Fmcp`...), else a tools/call would reach the server unmediated under another spelling. A path
+        whose readings cannot be modelled is an MCP route too: it is then parsed strictly, never waved on."""
         if self.transport == "sse":
             return True
         assert self.path is not None
-        base = self.path.rstrip("/")
-        return path == self.path or path == base or path.startswith(base + "/")
+        if _under(path, self.path):
+            return True
+        try:
+            readings = server_readings(path)
+        except AmbiguousPath:
+            return True
+        folded = fold(self.path)
+        return any(_under(r, self.path) or _under(r, folded) for r in readings)
+
+
+def _under(path: str, base: str) -> bool:
+    base = base.rstrip("/")
+    return path == base or path.startswith(base + "/") or (not base and path == "/")
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +136,9 @@ def compile_mcp(section: McpSection, policy: CompiledPolicy, problems: list[tupl
     seen_names: dict[str, str] = {}
     seen_urls: dict[str, str] = {}
     rule_ids = {r.id: r.key_path for r in policy.rules}
+    for rule in policy.rules:  # MCP call counters share the state store's rule-usage keys: `mcp:<server>[/<tool>]`
+        if rule.id.startswith("mcp:"):
+            problems.append((f"{rule.key_path}.id", "ids starting with 'mcp:' are reserved for MCP call budgets"))
     for i, raw in enumerate(section.servers):
         where = f"mcp.servers[{i}]"
         if raw.name in seen_names:
