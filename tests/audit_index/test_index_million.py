@@ -3,7 +3,8 @@ JSONL), misses what is not there, and a second run reads only what was appended.
 timing goals are measured by loadtests/index_bench.py (RESULTS.md). The chain is generated in-process
 (tests/audit_index/chaingen.py), not through a gateway, from the cheapest valid record (~1 kB: operation,
 request hash, chain fields). CPU: ~3.5 s generating, ~13 s in this process indexing with 2 workers (~20 s
-with one); on two idle cores the test takes ~15 s. E14I_WORKERS=1 runs it without worker processes."""
+with one), measured on a shared machine; on two idle cores that is an estimated ~15 s of wall clock.
+E14I_WORKERS=1 runs it without worker processes."""
 
 from __future__ import annotations
 
