@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from egressgate.policy.mcp_compile import McpServer
     from egressgate.state.base import SandboxRecord
 
+MAX_OUTSTANDING = 4096  # client requests (calls included) waiting for their answers in one session
 _FAILURES = {
     Reason.STATE_UNAVAILABLE: "The gateway's state store is unavailable, so tool calls are refused; retry shortly.",
     Reason.AUDIT_UNAVAILABLE: "The gateway cannot record tool calls right now, so they are refused; retry shortly.",
@@ -106,6 +107,7 @@ class McpSession:
         self.server_side = ServerSide(self)
         self.calls: dict[int | str, _Pending] = {}  # allowed calls waiting for their answer, by JSON-RPC id
         self._reserved: set[int | str] = set()  # ids of calls being decided right now
+        self.outstanding: set[int | str] = set()  # ids of forwarded non-call requests not answered yet
         self._pins_read = False
         self.closed = False
 
@@ -165,15 +167,26 @@ class McpSession:
         return ClientVerdict(body, replies, was_batch)
 
     def _check_ids(self, messages: list[Message]) -> None:
-        """A call whose id is still waiting for its answer would make two answers of one id: which one
-        is the outcome of which call? Refused (the agent reuses ids only after their answers). Checked
-        and reserved with no await in between, so two bodies decided at once cannot share an id."""
+        """A request whose id is still waiting for its answer would make two answers of one id: which one
+        is the outcome of which call? Refused (the agent reuses ids only after their answers). That holds
+        for ANY pending request, not only calls: a `ping` id 7 answered `{}` would otherwise be recorded
+        as the outcome of a later `tools/call` id 7, whose real result then passes unrecorded. At most
+        MAX_OUTSTANDING requests wait at once (bounded memory whatever the server leaves unanswered).
+        Checked and reserved with no await in between, so two bodies decided at once cannot share an id."""
+        waiting = len(self.calls) + len(self.outstanding)
         for msg in messages:
-            if msg.kind == "request" and (msg.id in self.calls or msg.id in self._reserved):
-                raise McpMalformed("id_in_use", "a request reuses the id of a tool call still waiting for its answer")
+            if msg.kind != "request":
+                continue
+            if msg.id in self.calls or msg.id in self._reserved or msg.id in self.outstanding:
+                raise McpMalformed("id_in_use", "a request reuses the id of a request still waiting for its answer")
+            waiting += 1
+        if waiting > MAX_OUTSTANDING:
+            raise McpMalformed("too_many_pending", f"more than {MAX_OUTSTANDING} requests wait for their answers")
         for msg in messages:
             if msg.is_call:
                 self._reserved.add(msg.id)  # type: ignore[arg-type]
+            elif msg.kind == "request":
+                self.outstanding.add(msg.id)  # type: ignore[arg-type]  # always forwarded
 
     async def _refuse_body(self, exc: McpMalformed, no_policy: bool) -> ClientVerdict:
         if no_policy:
@@ -284,6 +297,8 @@ class McpSession:
         pins) are scheduled and awaited by the next from_client / from_server / close."""
         out = []
         for msg in messages:
+            if msg.kind == "response":
+                self.outstanding.discard(msg.id)  # type: ignore[arg-type]
             if msg.kind == "response" and msg.id in self.calls:
                 self._outcome(msg)
                 out.append(msg.obj)
