@@ -30,6 +30,7 @@ MAX_SERVERS = 256
 MAX_TOOLS_PER_SERVER = 1024  # allow + deny entries
 MAX_ARGUMENTS_PER_TOOL = 256
 MAX_PATTERN_CHARS = 1024
+_SLASHES = re.compile(r"%2f|%5c|/{2,}", re.IGNORECASE)  # route_form: encoded or doubled separators
 _STRING_ONLY = ("pattern", "max_length", "path_prefix", "equals_label", "allowed_by_network")
 
 
@@ -91,12 +92,34 @@ class McpServer:
     def serves_path(self, path: str) -> bool:
         """Is a request to this path (on the server's origin) part of the MCP route? The old SSE transport
         POSTs to an endpoint the server picks, so every path of its origin is; a streamable HTTP endpoint
-        covers its path and everything under it (`/mcp`, `/mcp/`, `/mcp/x`)."""
+        covers its path and everything under it (`/mcp`, `/mcp/`, `/mcp/x`), compared in `route_form`:
+        a path the server may route to its endpoint is mediated, never forwarded raw."""
         if self.transport == "sse":
             return True
         assert self.path is not None
-        base = self.path.rstrip("/")
-        return path == self.path or path == base or path.startswith(base + "/")
+        path, own = route_form(path), route_form(self.path)
+        base = own.rstrip("/")
+        return path in (own, base) or path.startswith(base + "/")
+
+
+def route_form(path: str) -> str:
+    """A canonical request path as the most lenient web server routes it. Express and ASP.NET route
+    case-insensitively (`/MCP` is `/mcp`), Tomcat drops `;params` of a segment, proxies merge `//` and
+    some servers decode `%2F`/`%5C` or read `\\` as `/` before routing. A request to the origin of a
+    streamable HTTP MCP server whose path reaches the endpoint under ANY of these readings must be an MCP
+    route (mediated); with an allow rule wider than the endpoint it would otherwise carry tool calls
+    unmediated. Over-matching costs nothing: a non-POST on the route is only refused a body."""
+    loose = _SLASHES.sub("/", path.replace("\\", "/"))
+    segments: list[str] = []
+    for segment in loose.split("/")[1:]:
+        segment = segment.split(";", 1)[0]
+        if segment == "..":
+            if segments:
+                segments.pop()
+        elif segment not in ("", "."):
+            segments.append(segment)
+    trailing = "/" if loose.endswith("/") and segments else ""
+    return ("/" + "/".join(segments) + trailing).lower()
 
 
 @dataclass(frozen=True, slots=True)
