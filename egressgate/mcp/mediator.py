@@ -46,7 +46,8 @@ if TYPE_CHECKING:
     from egressgate.policy.mcp_compile import McpServer
     from egressgate.state.base import SandboxRecord
 
-MAX_OUTSTANDING = 4096  # client requests (calls included) waiting for their answers in one session
+MAX_OUTSTANDING = 1024  # client requests (calls included) waiting for their answers in one session
+MAX_ID_CHARS = 256  # a kept id is small: at most MAX_OUTSTANDING * MAX_ID_CHARS per session, not 1 MB each
 _FAILURES = {
     Reason.STATE_UNAVAILABLE: "The gateway's state store is unavailable, so tool calls are refused; retry shortly.",
     Reason.AUDIT_UNAVAILABLE: "The gateway cannot record tool calls right now, so they are refused; retry shortly.",
@@ -171,12 +172,15 @@ class McpSession:
         is the outcome of which call? Refused (the agent reuses ids only after their answers). That holds
         for ANY pending request, not only calls: a `ping` id 7 answered `{}` would otherwise be recorded
         as the outcome of a later `tools/call` id 7, whose real result then passes unrecorded. At most
-        MAX_OUTSTANDING requests wait at once (bounded memory whatever the server leaves unanswered).
+        MAX_OUTSTANDING requests wait at once, each id at most MAX_ID_CHARS (bounded memory whatever the
+        server leaves unanswered).
         Checked and reserved with no await in between, so two bodies decided at once cannot share an id."""
         waiting = len(self.calls) + len(self.outstanding)
         for msg in messages:
             if msg.kind != "request":
                 continue
+            if isinstance(msg.id, str) and len(msg.id) > MAX_ID_CHARS:
+                raise McpMalformed("id_too_long", f"a request id is longer than {MAX_ID_CHARS} characters")
             if msg.id in self.calls or msg.id in self._reserved or msg.id in self.outstanding:
                 raise McpMalformed("id_in_use", "a request reuses the id of a request still waiting for its answer")
             waiting += 1

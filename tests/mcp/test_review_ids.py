@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from egressgate.mcp.mediator import MAX_OUTSTANDING
+from egressgate.mcp.mediator import MAX_ID_CHARS, MAX_OUTSTANDING
 from egressgate.state.memory import MemoryState
 from tests.mcp.test_mediator import World, answer, body, call, make_world
 
@@ -65,3 +65,10 @@ async def test_pending_requests_are_bounded(mem_world: World):
     assert over.forward is None and "too_many_pending" in over.replies[0]["error"]["message"]
     await s.from_server_bytes(json.dumps([{"jsonrpc": "2.0", "id": i, "result": {}} for i in range(10)]).encode())
     assert (await s.from_client(body({**PING, "id": "one-more"}))).forward is not None
+
+
+async def test_kept_ids_are_short(mem_world: World):
+    s = mem_world.session()
+    long_id = await s.from_client(body({**PING, "id": "x" * (MAX_ID_CHARS + 1)}))
+    assert long_id.forward is None and "id_too_long" in long_id.replies[0]["error"]["message"]
+    assert (await s.from_client(body({**PING, "id": "x" * MAX_ID_CHARS}))).forward is not None  # control
