@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
@@ -42,6 +43,7 @@ from egressgate.state.base import StateUnavailable
 if TYPE_CHECKING:
     from egressgate.mcp.mediator import McpSession
 
+logger = logging.getLogger(__name__)
 TRACKED = ("initialize", "server/discover", "tools/list")
 SERVER_INFO_PIN = "server_info"
 TOOL_PIN = "tool:"
@@ -73,7 +75,12 @@ class ServerSide:
         """Await every scheduled effect (first-sight pins and their records)."""
         while self._effects:
             effect = self._effects.pop(0)
-            await effect
+            try:
+                await effect
+            except Exception:  # a failed effect must not pass unnoticed: the session's calls are refused
+                logger.exception("mcp: a pin effect of session %s/%s failed", self.session.sandbox_id,
+                                 self.session.server_name)
+                self.pin_failed = True
 
     def _schedule(self, effect: Awaitable[None]) -> None:
         try:

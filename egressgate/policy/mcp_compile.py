@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from egressgate.policy.canon import CanonError
 from egressgate.policy.mcp_model import ArgumentConstraint, McpSection, McpServerModel, ToolAllow
 from egressgate.policy.mcp_path import PathRefused, canon_tool_path
+from egressgate.policy.readings import AmbiguousPath, fold, server_readings
 from egressgate.policy.reasons import Effect
 from egressgate.policy.target import parse_url
 
@@ -30,7 +31,6 @@ MAX_SERVERS = 256
 MAX_TOOLS_PER_SERVER = 1024  # allow + deny entries
 MAX_ARGUMENTS_PER_TOOL = 256
 MAX_PATTERN_CHARS = 1024
-_SLASHES = re.compile(r"%2f|%5c|/{2,}", re.IGNORECASE)  # route_form: encoded or doubled separators
 _STRING_ONLY = ("pattern", "max_length", "path_prefix", "equals_label", "allowed_by_network")
 
 
@@ -90,36 +90,28 @@ class McpServer:
         return f"{self.scheme}://{host}:{self.port}{self.path}"
 
     def serves_path(self, path: str) -> bool:
-        """Is a request to this path (on the server's origin) part of the MCP route? The old SSE transport
-        POSTs to an endpoint the server picks, so every path of its origin is; a streamable HTTP endpoint
-        covers its path and everything under it (`/mcp`, `/mcp/`, `/mcp/x`), compared in `route_form`:
-        a path the server may route to its endpoint is mediated, never forwarded raw."""
+        """Is a request to this canonical path (on the server's origin) part of the MCP route? The old SSE
+        transport POSTs to an endpoint the server picks, so every path of its origin is. A streamable HTTP
+        endpoint covers its path and everything under it (`/mcp`, `/mcp/`, `/mcp/x`) and every spelling a
+        server may read as one of those (policy/readings.py: `//mcp`, `/MCP`, `/mcp;x`, `/mcp.json`,
+        `/a%2Fmcp`...), else a tools/call would reach the server unmediated under another spelling. A path
+        whose readings cannot be modelled is an MCP route too: it is then parsed strictly, never waved on."""
         if self.transport == "sse":
             return True
         assert self.path is not None
-        path, own = route_form(path), route_form(self.path)
-        base = own.rstrip("/")
-        return path in (own, base) or path.startswith(base + "/")
+        if _under(path, self.path):
+            return True
+        try:
+            readings = server_readings(path)
+        except AmbiguousPath:
+            return True
+        folded = fold(self.path)
+        return any(_under(r, self.path) or _under(r, folded) for r in readings)
 
 
-def route_form(path: str) -> str:
-    """A canonical request path as the most lenient web server routes it. Express and ASP.NET route
-    case-insensitively (`/MCP` is `/mcp`), Tomcat drops `;params` of a segment, proxies merge `//` and
-    some servers decode `%2F`/`%5C` or read `\\` as `/` before routing. A request to the origin of a
-    streamable HTTP MCP server whose path reaches the endpoint under ANY of these readings must be an MCP
-    route (mediated); with an allow rule wider than the endpoint it would otherwise carry tool calls
-    unmediated. Over-matching costs nothing: a non-POST on the route is only refused a body."""
-    loose = _SLASHES.sub("/", path.replace("\\", "/"))
-    segments: list[str] = []
-    for segment in loose.split("/")[1:]:
-        segment = segment.split(";", 1)[0]
-        if segment == "..":
-            if segments:
-                segments.pop()
-        elif segment not in ("", "."):
-            segments.append(segment)
-    trailing = "/" if loose.endswith("/") and segments else ""
-    return ("/" + "/".join(segments) + trailing).lower()
+def _under(path: str, base: str) -> bool:
+    base = base.rstrip("/")
+    return path == base or path.startswith(base + "/") or (not base and path == "/")
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +136,9 @@ def compile_mcp(section: McpSection, policy: CompiledPolicy, problems: list[tupl
     seen_names: dict[str, str] = {}
     seen_urls: dict[str, str] = {}
     rule_ids = {r.id: r.key_path for r in policy.rules}
+    for rule in policy.rules:  # MCP call counters share the state store's rule-usage keys: `mcp:<server>[/<tool>]`
+        if rule.id.startswith("mcp:"):
+            problems.append((f"{rule.key_path}.id", "ids starting with 'mcp:' are reserved for MCP call budgets"))
     for i, raw in enumerate(section.servers):
         where = f"mcp.servers[{i}]"
         if raw.name in seen_names:

@@ -11,7 +11,7 @@ from egressgate.audit.chain import ChainWriter
 from egressgate.audit.event import EventKind
 from egressgate.audit.find import find_records
 from egressgate.audit.index import AuditIndex
-from egressgate.audit.index.extract import fast_fields, fields_of, json_fields
+from egressgate.audit.index.extract import fast_values, fields_of, json_fields, json_values
 from egressgate.audit.record import record_from_event
 from tests.support.audit_events import http_event
 
@@ -87,13 +87,15 @@ def test_fast_extraction_agrees_with_json_on_hostile_records():
         http_event(6, kind=EventKind.OUTCOME, status=403, sandbox_labels=hostile, request_hash=None),
     ]
     w = ChainWriter()
-    for ev in events:
+    for number, ev in enumerate(events, start=1):
         line = w.append(record_from_event(ev))
         oracle = json_fields(line)
         assert fields_of(line) == oracle
-        fast = fast_fields(line)
-        if fast is not None:
-            assert fast.get("request_hash") == oracle.request_hash and fast.get("request_id") == oracle.request_id
+        fast = fast_values(line)
+        if fast is not None:  # when the fast path answers, it answers exactly what json says
+            assert fast == json_values(line)
+        else:
+            assert number in (3, 5)  # an escaped quote / non-ASCII in a value: json decides
         assert oracle.request_id == ev.request_id
         assert oracle.request_hash == ev.request_hash
         assert oracle.rule == ev.rule_id

@@ -16,6 +16,7 @@ from typing import Any
 
 from tests.console.conftest import wait_until
 from tests.support.gwworld import Gateway, auth
+from tests.support.launcher import flatten_otlp
 
 SCRIPT = "<script>alert('xss-script')</script>"
 ONERROR = '"onerror=alert(1) x="<img src=x onerror=alert(2)>'
@@ -91,6 +92,10 @@ def test_payloads_from_real_requests_render_as_text(console, ui_gw: Gateway) -> 
     wait_until(lambda: rows.count() >= 2, 5, "the two requests in Live")
     labelled = [label_values(row) for row in rows.all() if row.locator("[data-field=label-key]").count()]
     assert len(labelled) >= 2 and all(v == LABELS for v in labelled), labelled  # outcome rows carry none
+    # the RTL override is kept (textContent above) but named next to the value it reorders
+    labelled_row = rows.filter(has=c.page.locator("[data-field=label-key]")).first
+    flags = labelled_row.locator("[data-field=hidden-chars]").all_text_contents()
+    assert "⚠ U+202E" in flags, flags
     path_row = c.page.locator(f"#live-rows tr[data-id='{path_rid}']:has(.v[data-field=path])").first
     assert path_row.locator("[data-field=path]").text_content() == recorded_path
     assert_not_injected(c)
@@ -112,14 +117,18 @@ def test_payloads_from_real_requests_render_as_text(console, ui_gw: Gateway) -> 
         c.submit("#search", "#search-count")
         return hits.count() > 0
     wait_until(found, 10, "the Host-payload record in the index", interval=0.2)
-    shown = [json.loads(h.locator("[data-field=record]").text_content()) for h in hits.all()]
-    assert any(f"GET {HOST}/x" in json.dumps(s, ensure_ascii=False) for s in shown), shown
+    shown = [flatten_otlp(json.loads(h.locator("[data-field=record]").text_content())) for h in hits.all()]
+    assert f"GET {HOST}/x" in [s.get("egressgate.target.as_sent") for s in shown], shown
     assert_not_injected(c)
 
     # Overview: reason codes and host names drawn into the SVG as text
     c.go("overview")
-    c.page.locator("[data-testid=denies-chart]").wait_for()
-    assert "host_mismatch" in c.page.locator("#overview-charts [data-field=reason]").all_text_contents()
+
+    def drawn() -> bool:
+        c.page.click("#overview-refresh")
+        c.page.locator("#overview-charts figure, #overview-charts .notice.error").first.wait_for()
+        return "host_mismatch" in c.page.locator("#overview-charts [data-field=reason]").all_text_contents()
+    wait_until(drawn, 10, "the host_mismatch denies in the chart", interval=0.2)
     assert_not_injected(c)
 
 

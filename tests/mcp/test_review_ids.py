@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from egressgate.mcp.mediator import MAX_ID_CHARS, MAX_OUTSTANDING
+from egressgate.mcp.mediator import MAX_WAITING
 from egressgate.state.memory import MemoryState
 from tests.mcp.test_mediator import World, answer, body, call, make_world
 
@@ -59,7 +59,7 @@ async def test_a_ping_reusing_the_id_of_a_pending_call_is_refused_and_concurrent
 
 async def test_pending_requests_are_bounded(mem_world: World):
     s = mem_world.session()
-    batch = [{**PING, "id": i} for i in range(MAX_OUTSTANDING)]
+    batch = [{**PING, "id": i} for i in range(MAX_WAITING)]
     assert (await s.from_client(body(batch))).forward is not None  # positive control: the bound itself
     over = await s.from_client(body({**PING, "id": "one-more"}))
     assert over.forward is None and "too_many_pending" in over.replies[0]["error"]["message"]
@@ -67,8 +67,12 @@ async def test_pending_requests_are_bounded(mem_world: World):
     assert (await s.from_client(body({**PING, "id": "one-more"}))).forward is not None
 
 
-async def test_kept_ids_are_short(mem_world: World):
+async def test_a_long_id_is_tracked_too(mem_world: World):
     s = mem_world.session()
-    long_id = await s.from_client(body({**PING, "id": "x" * (MAX_ID_CHARS + 1)}))
-    assert long_id.forward is None and "id_too_long" in long_id.replies[0]["error"]["message"]
-    assert (await s.from_client(body({**PING, "id": "x" * MAX_ID_CHARS}))).forward is not None  # control
+    long_id = "x" * 100_000
+    assert (await s.from_client(body({**PING, "id": long_id}))).forward is not None
+    reused = await s.from_client(body(call(long_id, "note", {})))
+    assert reused.forward is None and "id_in_use" in reused.replies[0]["error"]["message"]
+    assert all(len(k) <= 64 for k in s.outstanding if isinstance(k, (str, bytes)))  # kept as a digest
+    await s.from_server_bytes(answer(long_id, {}))
+    assert (await s.from_client(body(call(long_id, "note", {})))).forward is not None  # answered: free again

@@ -60,7 +60,7 @@ def test_positive_control_the_endpoint_itself(raw: str):
     assert mcp_server_for(POLICY, facts.scheme, facts.host, facts.port, facts.path).name == "tickets"
 
 
-@pytest.mark.parametrize("raw", ["/mcpx", "/other", "/", "/x/mcp", "/mcp.json"])
+@pytest.mark.parametrize("raw", ["/mcpx", "/other", "/", "/x/mcp"])
 def test_other_paths_of_the_origin_stay_plain_requests(raw: str):
     facts = parse_target(f"POST https://tickets.mcp.test{raw}")
     assert _network_allows(raw)

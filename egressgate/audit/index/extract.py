@@ -32,20 +32,25 @@ K_RULE = "egressgate.rule"
 K_TRIGGER = "egressgate.trigger_request"  # audit/find.py: a credential minted for a request names it
 K_CP_FINAL = "egressgate.checkpoint.final"
 
-# (attribute, field) in the canonical (sorted) attribute order, so each search starts where the last hit was
-_STRING_KEYS: tuple[tuple[str, str], ...] = tuple(sorted((
-    (K_CHAIN_PREV, "prev"),
-    (K_DECISION, "decision"),
-    (K_OPERATION, "kind"),
-    (K_REASON, "reason"),
-    (K_REQUEST_HASH, "request_hash"),
-    (K_REQUEST_ID, "request_id"),
-    (K_RULE, "rule"),
-    (K_SANDBOX, "sandbox"),
-    (K_TRIGGER, "trigger"),
-    (K_HOST, "host"),
+# The values every line yields, in this order (a list, not a dict: this runs for every record).
+SLOTS = ("seq", "prev", "time_ns", "kind", "request_id", "request_hash", "sandbox", "host", "decision", "reason",
+         "rule", "trigger", "final")
+_SLOT = {name: i for i, name in enumerate(SLOTS)}
+# (attribute, slot) in the canonical (sorted) attribute order, so each search starts where the last hit was
+_STRING_KEYS: tuple[tuple[str, int], ...] = tuple(sorted((
+    (K_CHAIN_PREV, _SLOT["prev"]),
+    (K_DECISION, _SLOT["decision"]),
+    (K_OPERATION, _SLOT["kind"]),
+    (K_REASON, _SLOT["reason"]),
+    (K_REQUEST_HASH, _SLOT["request_hash"]),
+    (K_REQUEST_ID, _SLOT["request_id"]),
+    (K_RULE, _SLOT["rule"]),
+    (K_SANDBOX, _SLOT["sandbox"]),
+    (K_TRIGGER, _SLOT["trigger"]),
+    (K_HOST, _SLOT["host"]),
 )))
-_PREFIXES = tuple((f'{{"key":"{k}","value":{{"stringValue":"'.encode(), f) for k, f in _STRING_KEYS)
+_PREFIXES = tuple((f'{{"key":"{k}","value":{{"stringValue":"'.encode(), i) for k, i in _STRING_KEYS)
+_I_SEQ, _I_TIME, _I_KIND, _I_FINAL = _SLOT["seq"], _SLOT["time_ns"], _SLOT["kind"], _SLOT["final"]
 _SEQ_PREFIX = f'{{"key":"{K_CHAIN_SEQ}","value":{{"intValue":"'.encode()
 _FINAL_TRUE = f'{{"key":"{K_CP_FINAL}","value":{{"boolValue":true}}}}'.encode()
 _KVLIST = b'{"kvlistValue":'
@@ -93,17 +98,17 @@ def chain_hashes(line: bytes) -> tuple[str, str]:
 def fields_of(line: bytes) -> Fields:
     """The index fields of one line (without its newline). Raises LineError."""
     recorded, computed = chain_hashes(line)
-    fast = fast_fields(line)
-    return json_fields(line, recorded, computed) if fast is None else _fields(recorded, computed, fast)
+    values = values_of(line)
+    return Fields(recorded, computed, *values)
 
 
-def _fields(recorded: str, computed: str, f: dict) -> Fields:
-    return Fields(recorded, computed, f.get("seq"), f.get("prev"), f["time_ns"], f.get("kind") or "",
-                  f.get("request_id"), f.get("request_hash"), f.get("sandbox"), f.get("host"), f.get("decision"),
-                  f.get("reason"), f.get("rule"), f.get("trigger"), bool(f.get("final")))
+def values_of(line: bytes) -> list:
+    """The SLOTS values of one line: by byte search, or through json when the fast path is not sure."""
+    values = fast_values(line)
+    return json_values(line) if values is None else values
 
 
-def fast_fields(line: bytes) -> dict | None:
+def fast_values(line: bytes) -> list | None:
     """The fields by byte search, or None when the line needs the JSON parser (see module docstring).
     Attribute keys are sorted, so each search starts where the previous one ended. A line holds each
     top-level key once (a dict wrote it); only a hand-made line could repeat one, and such a line fails its
@@ -122,9 +127,9 @@ def fast_fields(line: bytes) -> dict | None:
         except ValueError:
             return None
     find = line.find
-    out: dict = {}
+    out: list = [None] * 12 + [False]
     start = 0
-    for prefix, name in _PREFIXES:
+    for prefix, slot in _PREFIXES:
         pos = find(prefix, start)
         if pos < 0:
             continue
@@ -137,7 +142,7 @@ def fast_fields(line: bytes) -> dict | None:
         value = line[begin:end]
         if b"\\" in value:
             return None  # an escape (the quote may be escaped too): let json decide
-        out[name] = value.decode("ascii")
+        out[slot] = value.decode("ascii")
         start = end
     pos = find(_SEQ_PREFIX)
     if pos >= 0 and spans:
@@ -147,7 +152,7 @@ def fast_fields(line: bytes) -> dict | None:
         digits = line[begin : find(b'"', begin)]
         if not digits.isdigit():
             return None
-        out["seq"] = int(digits)
+        out[_I_SEQ] = int(digits)
     t = line.rfind(_TIME)
     if t < 0:
         return None
@@ -155,10 +160,12 @@ def fast_fields(line: bytes) -> dict | None:
     digits = line[begin : find(b'"', begin)]
     if not digits.isdigit():
         return None
-    out["time_ns"] = int(digits)
-    if out.get("kind") == "checkpoint":
+    out[_I_TIME] = int(digits)
+    if out[_I_KIND] is None:
+        out[_I_KIND] = ""
+    elif out[_I_KIND] == "checkpoint":
         pos = find(_FINAL_TRUE)
-        out["final"] = pos >= 0 and (not spans or _outside(line, _FINAL_TRUE, pos, spans) >= 0)
+        out[_I_FINAL] = pos >= 0 and (not spans or _outside(line, _FINAL_TRUE, pos, spans) >= 0)
     return out
 
 
@@ -174,10 +181,8 @@ def _outside(line: bytes, needle: bytes, pos: int, spans: list[tuple[int, int]])
     return -1
 
 
-def json_fields(line: bytes, recorded: str | None = None, computed: str | None = None) -> Fields:
-    """The same fields through `json.loads` (the slow path and the oracle of the fast one)."""
-    if recorded is None or computed is None:
-        recorded, computed = chain_hashes(line)
+def json_values(line: bytes) -> list:
+    """The same values through `json.loads` (the slow path and the oracle of the fast one)."""
     try:
         doc = json.loads(line)
         logs = doc["resourceLogs"]
@@ -192,14 +197,22 @@ def json_fields(line: bytes, recorded: str | None = None, computed: str | None =
         raise
     except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
         raise LineError(f"not an egressgate OTLP/JSON record: {exc}") from exc
-    out: dict = {"time_ns": time_ns}
-    for key, name in _STRING_KEYS:
+    out: list = [None] * 12 + [False]
+    out[_I_TIME] = time_ns
+    for key, slot in _STRING_KEYS:
         value = attrs.get(key)
         if isinstance(value, dict) and isinstance(value.get("stringValue"), str):
-            out[name] = value["stringValue"]
+            out[slot] = value["stringValue"]
     seq = attrs.get(K_CHAIN_SEQ)
     if isinstance(seq, dict) and isinstance(seq.get("intValue"), str) and seq["intValue"].isdigit():
-        out["seq"] = int(seq["intValue"])
-    if out.get("kind") == "checkpoint":
-        out["final"] = attrs.get(K_CP_FINAL) == {"boolValue": True}
-    return _fields(recorded, computed, out)
+        out[_I_SEQ] = int(seq["intValue"])
+    if out[_I_KIND] is None:
+        out[_I_KIND] = ""
+    elif out[_I_KIND] == "checkpoint":
+        out[_I_FINAL] = attrs.get(K_CP_FINAL) == {"boolValue": True}
+    return out
+
+
+def json_fields(line: bytes) -> Fields:
+    """fields_of() through json only (the oracle of the fast path in tests)."""
+    return Fields(*chain_hashes(line), *json_values(line))
