@@ -5,7 +5,8 @@ server stamps its serverInfo into the `_meta` of every result instead. The media
 `initialize` answers only, so for a default client a trust-on-first-use pin was never enforced (a new
 server version in a later session: calls allowed), and a policy pin refused every call even from the
 pinned server (`server_info_unseen`). Messages below are the SDK's own wire shapes (recorded from a real
-SDK client/server pair: see the report). Real mediator, real memory store and audit file sink."""
+SDK client/server pair; end to end: test_review_modern_remote.py). Real mediator, real memory store
+and audit file sink."""
 
 from __future__ import annotations
 
