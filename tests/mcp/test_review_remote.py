@@ -56,3 +56,40 @@ async def test_default_client_server_version_change_between_sessions_is_refused(
         upgrade(rw, VERSION)
     assert error_of(caught.value)["data"]["reason"] == "mcp_server_changed"
     assert len(rw.mcp.received.tool_calls(mark)) == 1  # the upstream never saw the second call
+
+
+CALL = ('{"jsonrpc":"2.0","id":%s,"method":"tools/call","params":{"name":"search_tickets",'
+        '"arguments":{"project":"acme"}}}')
+
+
+def _raw_session(client, url: str) -> dict:
+    headers = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
+    init = {"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+        "protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "raw", "version": "1"}}}
+    res = client.post(url, json=init, headers=headers)
+    assert res.status_code == 200, res.text
+    headers["Mcp-Session-Id"] = res.headers["mcp-session-id"]
+    headers["MCP-Protocol-Version"] = "2025-11-25"
+    assert client.post(url, json={"jsonrpc": "2.0", "method": "notifications/initialized"},
+                       headers=headers).status_code == 202
+    return headers
+
+
+@pytest.mark.xfail(strict=True, reason="h-review finding 4, fix in gateway/mcp_route.py (h13-remote's file): "
+                   "refuse a request carrying more than one Mcp-Session-Id header (get_all, not get)")
+def test_another_sandboxs_session_id_hidden_in_a_duplicate_header_is_refused(rw: RemoteWorld) -> None:
+    """mitmproxy's `headers.get` joins two Mcp-Session-Id headers ("sidA, x": a session nobody owns, so the
+    owner check passes) while the server (Starlette) reads the FIRST one: the intruder speaks in the owner's
+    server-side session. Control: the stolen id alone is refused (test_remote_streamable)."""
+    owner, intruder = rw.admit(), rw.admit()
+    with owner.raw() as client, intruder.raw() as other:
+        headers = _raw_session(client, rw.url("json"))
+        mark = rw.mcp.received.mark()
+        sid = headers["Mcp-Session-Id"]
+        alone = other.post(rw.url("json"), content=(CALL % 20).encode(), headers=headers)
+        doubled = [(k, v) for k, v in headers.items() if k != "Mcp-Session-Id"]
+        doubled += [("Mcp-Session-Id", sid), ("Mcp-Session-Id", "intruder-chosen")]
+        smuggled = other.post(rw.url("json"), content=(CALL % 21).encode(), headers=doubled)
+    assert alone.status_code == 400  # control: the owner check itself works
+    assert smuggled.status_code == 400, smuggled.text  # before the fix: 200, answered in the owner's session
+    assert [m.get("id") for m in rw.mcp.received.messages(mark)] == []
