@@ -135,7 +135,10 @@ def loads_strict(body: bytes, *, max_bytes: int, max_depth: int = DEFAULT_MAX_DE
         raise _json_error("depth", f"nested deeper than {max_depth}") from None
     except ValueError as exc:  # JSONDecodeError, and int() over the digit limit
         raise _json_error("syntax", str(exc)[:120]) from None
-    _walk(value, max_depth, _SURROGATE_ESCAPE.search(body) is not None)
+    escapes = _SURROGATE_ESCAPE.search(body) is not None
+    # fewer brackets than the limit cannot nest deeper than it: most messages skip the walk entirely
+    if escapes or body.count(b"{") + body.count(b"[") > max_depth:
+        _walk(value, max_depth, escapes)
     return value
 
 

@@ -241,6 +241,15 @@ def test_search_by_request_hash_finds_the_record(console, ui_gw: Gateway) -> Non
     search(c, request_hash="sha256:" + "0" * 64)  # negative control: another hash finds nothing
     c.submit("#search", "#search-count")
     assert c.page.locator("#search-count").text_content() == "0 records"
+
+    # the time range (UTC, minutes): around the request finds it, the hour after it does not
+    def minute(t: float) -> str:
+        return time.strftime("%Y-%m-%dT%H:%M", time.gmtime(t))
+    now = time.time()
+    for since, until, expect in ((now - 120, now + 120, True), (now + 3600, now + 7200, False)):
+        search(c, request_hash=req_hash, since=minute(since), until=minute(until))
+        c.submit("#search", "#search-count")
+        assert (hits.count() > 0) is expect, (since, until)
     c.assert_clean()
 
 

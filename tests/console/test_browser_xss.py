@@ -1,7 +1,7 @@
 """Attacker-chosen text reaches the console through real requests (sandbox labels at admission, the Host
-header and the path of proxied requests) and must render as text: no dialog, no element the payload
-describes, textContent equal to the recorded value. Payloads: `<script>`, `"onerror=`, an RTL override
-(U+202E) and 10 kB strings.
+header and the path of proxied requests, the approval a request asks for) and must render as text: no
+dialog, no element the payload describes, textContent equal to the recorded value. Payloads: `<script>`,
+`"onerror=`, an RTL override (U+202E) and 10 kB strings.
 
 Positive control (test_detector_sees_markup_when_parsed): the same detectors fire when a payload IS parsed
 as HTML, so their silence on the console means something.
@@ -15,6 +15,7 @@ import uuid
 from typing import Any
 
 from tests.console.conftest import wait_until
+from tests.control_api.harness import APPROVE_POLICY, api
 from tests.support.gwworld import Gateway, auth
 from tests.support.launcher import flatten_otlp
 
@@ -148,3 +149,21 @@ def test_detector_sees_markup_when_parsed(browser) -> None:
         assert page.evaluate("() => document.getElementById('x').textContent") != ONERROR + BIG[:60]
     finally:
         context.close()
+
+
+def test_approval_request_payloads_render_as_text(console, ui_gw: Gateway) -> None:
+    """An approval is asked for by the sandbox's own request: its host, path and labels reach the queue."""
+    port = ui_gw.world.http_port
+    sbx = ui_gw.admit(APPROVE_POLICY, {"team": SCRIPT, "rtl": RTL})
+    reply, _ = raw_request(ui_gw, sbx, f"http://other.test:{port}{PATH_PAYLOAD}", f"other.test:{port}")
+    assert reply.startswith(b"HTTP/1.1 403"), reply[:200]
+    asked = wait_until(lambda: [a for a in api(ui_gw, "GET", "/v1/approvals?state=pending").json()["approvals"]
+                                if a["sandbox_id"] == sbx.id], 5, "the pending approval")[0]
+    assert "img" in (asked["path"] or ""), asked  # the payload is in what the queue will show
+    c = console("operator")
+    c.go("approvals")
+    row = c.page.locator(f"#approvals-list tr[data-id='{asked['id']}']")
+    row.wait_for()
+    assert row.locator("[data-field=path]").text_content() == asked["path"]
+    assert row.locator("[data-field=host]").text_content() == asked["host"]
+    assert_not_injected(c)
