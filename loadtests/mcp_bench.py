@@ -18,6 +18,10 @@ check). A keep-alive client (one CONNECT + TLS per cell) sends the same `tools/c
 a fixed JSON-RPC result. Overhead = median p50 (MCP) - median p50 (plain); every answer must be 200 and
 carry the upstream's `result` (a gateway denial would be a JSON-RPC `error`).
 Run: `PYTHONPATH=$PWD .venv/bin/python -m loadtests.mcp_bench gateway [--seconds 4 --repeats 5]`.
+
+`mediator`: the gateway's MCP work per call without mitmproxy: McpSession.from_client (strict parse,
+decision, budget counts, the durable mcp_tool_call record) and from_server_bytes (answer read, outcome
+record queued), in-process, memory state store, the real file audit sink; 2000 sequential calls.
 """
 
 from __future__ import annotations
@@ -128,7 +132,7 @@ def run(batches: int, batch: int, extra_rules: int) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("mode", nargs="?", choices=["pure", "gateway"], default="pure")
+    parser.add_argument("mode", nargs="?", choices=["pure", "mediator", "gateway"], default="pure")
     parser.add_argument("--seconds", type=float, default=4.0, help="gateway: seconds per cell")
     parser.add_argument("--repeats", type=int, default=5, help="gateway: repeats (cells alternate)")
     parser.add_argument("--batches", type=int, default=300)
@@ -136,6 +140,11 @@ def main() -> None:
     parser.add_argument("--extra-rules", type=int, default=100, help="other network rules in the policy")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    if args.mode == "mediator":
+        from loadtests.mcp_bench_gateway import mediator_main
+
+        mediator_main()
+        return
     if args.mode == "gateway":
         from loadtests.mcp_bench_gateway import gateway_main
 

@@ -170,3 +170,58 @@ def gateway_main(seconds: float, repeats: int, as_json: bool = False) -> None:
           f"gateway CPU {med['mcp']['gw_cpu_ms_per_req']:.3f} ms/req")
     print(f"overhead p50 {summary['overhead_p50_ms']:.3f} ms (goal <= 0.3), gateway CPU "
           f"{summary['overhead_cpu_ms_per_req']:.3f} ms/req; {recorded} mcp_tool_call records")
+
+
+async def _mediator_cell(calls: int) -> tuple[list[float], list[float]]:
+    """McpSession driven in-process: the gateway's MCP work per call without mitmproxy (memory state store,
+    the real file audit sink: the decision record is durable before from_client returns)."""
+    import tempfile as _tempfile
+
+    from egressgate.approvals.memory import MemoryApprovals
+    from egressgate.audit.config import open_audit_sink
+    from egressgate.config import load_config
+    from egressgate.gateway.context import PolicyHolder, Runtime
+    from egressgate.mcp.mediator import McpSession
+    from egressgate.policy.loader import parse_policy
+    from egressgate.state.base import SandboxRecord, hash_token
+    from egressgate.state.memory import MemoryState
+
+    with _tempfile.TemporaryDirectory(prefix="e13e-mediator-") as tmp:
+        var = Path(tmp) / "var"
+        cfg = load_config(None, {"var_dir": str(var)})
+        sink = await open_audit_sink(cfg.audit, var)
+        compiled = parse_policy(yaml.safe_dump(policy("mcpbench-mcp", 443, True)), "bench.yaml")
+        state = MemoryState()
+        rt = Runtime(config=cfg, policies=PolicyHolder({compiled.name: compiled}), state=state, audit=sink,
+                     resolver=None, ledger=None, approvals=MemoryApprovals())  # type: ignore[arg-type]
+        sandbox = SandboxRecord(id="sbx-bench", token_hash=hash_token("t"), policy_name=compiled.name,
+                                admitted_at=time.time(), labels={})
+        await state.admit(sandbox)
+        session = McpSession(rt, rt.policies.get(compiled.name), compiled.mcp.servers["bench"], sandbox,
+                             "streamable_http")
+        to_server, to_client = [], []
+        try:
+            for i in range(1, calls + 1):
+                body = json.dumps({"jsonrpc": "2.0", "id": i, "method": "tools/call", "params": {
+                    "name": "search_tickets", "arguments": {**ARGUMENTS, "url": f"https://{procs.UPSTREAM_NAME}/mcp"}}})
+                start = time.perf_counter()
+                verdict = await session.from_client(body.encode())
+                mid = time.perf_counter()
+                if verdict.forward is None:
+                    raise RuntimeError(f"call {i} refused: {verdict.replies}")
+                answer = json.dumps({"jsonrpc": "2.0", "id": i, "result": RESULT}).encode()
+                if await session.from_server_bytes(answer) is None:
+                    raise RuntimeError(f"answer {i} dropped")
+                to_server.append((mid - start) * 1000)
+                to_client.append((time.perf_counter() - mid) * 1000)
+        finally:
+            await session.close()
+            await sink.close()
+    return sorted(to_server), sorted(to_client)
+
+
+def mediator_main(calls: int = 2000) -> None:
+    to_server, to_client = asyncio.run(_mediator_cell(calls))
+    for name, lat in (("from_client (strict parse, decide, count, durable record)", to_server),
+                      ("from_server_bytes (answer read, outcome queued)", to_client)):
+        print(f"{name:<60} p50 {statistics.median(lat):.3f} ms  p99 {lat[int(len(lat) * 0.99) - 1]:.3f} ms")

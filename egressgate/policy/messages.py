@@ -126,6 +126,8 @@ _PATH_HINT = "use a plain absolute path without '..', '//', '%', backslashes, co
 def _shown(name: object) -> str:
     """Agent-supplied names are echoed bounded and printable (a tool name can be any JSON value)."""
     original = name if isinstance(name, str) else "?"
+    if len(original) <= 64 and original.isprintable():
+        return repr(original)
     text = "".join(c if c.isprintable() else "?" for c in original[:64])
     return repr(text + ("..." if len(original) > 64 else ""))
 
