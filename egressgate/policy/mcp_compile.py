@@ -25,7 +25,7 @@ from egressgate.policy.reasons import Effect
 from egressgate.policy.target import parse_url
 
 if TYPE_CHECKING:
-    from egressgate.policy.compile import CompiledPolicy
+    from egressgate.policy.compile import CompiledPolicy, CompiledRule
 
 MAX_SERVERS = 256
 MAX_TOOLS_PER_SERVER = 1024  # allow + deny entries
@@ -188,6 +188,11 @@ def _server(
             if not _network_allows(policy, scheme, host, port, path):
                 problems.append((f"{where}.url", f"no network.{scheme} allow rule lets the sandbox reach "
                                  f"{raw.url}; an MCP server is reached only through an allowed network rule"))
+            splicing = _splicing_rule(policy, host, port)
+            if splicing is not None:
+                problems.append((f"{where}.url", f"passthrough rule {splicing.id!r} ({splicing.key_path}) splices "
+                                 f"tunnels to {host}:{port} unread, so this server's tool calls could not be "
+                                 "decided; drop its `tls: passthrough` or narrow its host"))
     if raw.local and raw.transport is not None:
         problems.append((f"{where}.transport", "a local server speaks stdio; `transport` is for `url` servers"))
     total = len(raw.tools.allow) + len(raw.tools.deny)
@@ -231,6 +236,18 @@ def _network_allows(policy: CompiledPolicy, scheme: str, host: str, port: int, p
         (rule.ports is None or port in rule.ports) and rule.path_allows(path)
         for rule in policy.candidates(scheme, Effect.ALLOW, host)
     )
+
+
+def _splicing_rule(policy: CompiledPolicy, host: str, port: int) -> CompiledRule | None:
+    """A `tls: passthrough` allow rule covering the server's host and port, or None. Such a tunnel is
+    spliced unread: no tools/call in it can be parsed, decided or recorded, so the `mcp` entry would only
+    look enforced. Conservative (like passthrough.py): rule order and `when` are ignored."""
+    for rule in policy.rules:
+        if (rule.passthrough and rule.effect is Effect.ALLOW and rule.host.matches(host)
+                and (rule.ports is None or port in rule.ports)
+                and not any(p.matches(host) for p in rule.except_hosts)):
+            return rule
+    return None
 
 
 def _tool(
