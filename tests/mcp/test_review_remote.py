@@ -75,8 +75,6 @@ def _raw_session(client, url: str) -> dict:
     return headers
 
 
-@pytest.mark.xfail(strict=True, reason="h-review finding 4, fix in gateway/mcp_route.py (h13-remote's file): "
-                   "refuse a request carrying more than one Mcp-Session-Id header (get_all, not get)")
 def test_another_sandboxs_session_id_hidden_in_a_duplicate_header_is_refused(rw: RemoteWorld) -> None:
     """mitmproxy's `headers.get` joins two Mcp-Session-Id headers ("sidA, x": a session nobody owns, so the
     owner check passes) while the server (Starlette) reads the FIRST one: the intruder speaks in the owner's
