@@ -46,7 +46,9 @@ class EscapedPattern:
     """Regex source matching `value` with any subset of its characters escaped."""
 
     source: bytes
-    max_len: int  # longest match, plus one byte the `;`-less lookahead may read
+    # Longest match, + 1: the byte a `;`-less reference's lookahead reads. (The `;` counted in that
+    # reference's own maximum covers it already; the + 1 keeps the window sound regardless.)
+    max_len: int
     triggers: frozenset[int]  # first byte of every non-literal alternative
 
 
