@@ -111,7 +111,8 @@ class Scrubber:
         self.patterns = sorted((p for p in literal if p in raws or not any(r.fullmatch(p) for r in self._escaped)),
                                key=len, reverse=True)  # longest first: regex takes the first
         self._triggers = [bytes([t]) for t in sorted(set().union(*(p.triggers for p in escaped.values())))]
-        self._prefilter = re.compile(escape_prefilter(list(escaped))) if escaped else None
+        needles, sources = escape_prefilter(list(escaped))
+        self._needles, self._prefilters = needles, [re.compile(src) for src in sources]
         self.replacement = replacement
         self.max_len = max([len(p) for p in self.patterns] + [p.max_len for p in escaped.values()], default=0)
         alternation = b"|".join(re.escape(p) for p in self.patterns)
@@ -127,12 +128,12 @@ class Scrubber:
         # Fast path (the common case: nothing to redact). Literal forms: bytes.find per literal is ~10x
         # faster than sre's alternation scan. Escape-aware: a match is either the raw value (a literal)
         # or holds an escape of one of the secret's characters, which starts with a trigger byte (`\\`,
-        # `%`, `&`, `+` for a space) and which the prefilter matches; with neither in `data`, there is
+        # `%`, `&`, `+` for a space) and which the prefilter (needles, regexes) finds; with neither in `data`, there is
         # no span at all. Sound for any `data`, so for the stream's window too: a match is only ever
         # found wholly inside the bytes searched, and so is the escape it holds.
         literal = any(p in data for p in self.patterns)
-        escaped = literal or (any(t in data for t in self._triggers)
-                              and self._prefilter is not None and self._prefilter.search(data) is not None)
+        escaped = literal or (any(t in data for t in self._triggers) and (
+            any(n in data for n in self._needles) or any(r.search(data) for r in self._prefilters)))
         if not escaped:
             return []
         end_pos = len(data) if limit is None else limit
