@@ -229,7 +229,8 @@ def index_cmd(files: tuple[str, ...], db: str | None, reverify: bool, workers: i
     help="Policy file (applies to every record) or directory (matched by sandbox.name).",
 )
 def replay(files: tuple[str, ...], policy_path: str) -> None:
-    """Re-decide recorded requests, CONNECTs and DNS queries under POLICY; list decisions that change."""
+    """Re-decide recorded requests, CONNECTs, DNS queries and MCP tool calls under POLICY; list decisions that
+    change."""
     from egressgate.audit.replay import format_table
     from egressgate.audit.replay import replay as run_replay
     from egressgate.policy.errors import PolicyError
