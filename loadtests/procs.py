@@ -292,12 +292,13 @@ def start_egressgate(directory: Path, upstream_ca: Path, http_port: int, https_p
 
 def launch_egressgate(d: Path, upstream_ca: Path, listen: dict, sandboxes: dict[str, str], name: str = "egressgate",
                       extra_config: dict | None = None, program: Sequence[str] = (EGRESSGATE, "run"),
-                      prefix: Sequence[str] = ()) -> Proc:
+                      prefix: Sequence[str] = (), env: dict[str, str] | None = None) -> Proc:
     """Run `program --config d/gateway.yaml` (policies in d/policies, audit to a file under d/var) and, once
     it prints its startup line: its proxy port, one sandbox per policy admitted with the real `egressgate
     sandbox admit` (p.info[key] = (id, token)), its CA path and audit file. `prefix` runs the gateway and the
-    CLI elsewhere (its admin API listens on that namespace's loopback). Any failure stops the gateway and
-    raises with its log."""
+    CLI elsewhere (its admin API listens on that namespace's loopback). `env`: the gateway's own environment
+    (not the CLI's; None: this process's), so gateways with different environments can start concurrently.
+    Any failure stops the gateway and raises with its log."""
     config = {
         "listen": listen,
         "policy": str(d / "policies"),
@@ -310,7 +311,7 @@ def launch_egressgate(d: Path, upstream_ca: Path, listen: dict, sandboxes: dict[
     cfg.write_text(yaml.safe_dump(config))
     err = d / "gateway.stderr"
     cmd = [*prefix, *program, "--config", str(cfg)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err.open("w"), text=True, cwd=ROOT)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err.open("w"), text=True, cwd=ROOT, env=env)
     p = Proc(name, proc, logs=[err], info={"cmd": " ".join(cmd), "config": str(cfg)})
     try:
         addrs = json.loads(_first_line(p.proc, 60))

@@ -43,6 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from loadtests import bench_load, bench_procs, bench_report, cprofile_gateway, state_procs, state_report, wrk_proxy
@@ -85,16 +86,32 @@ class Driver:
                 log(f"redis-server {r.info['version']} on 127.0.0.1:{r.info['port']} (gateway namespace)")
             except Exception as exc:
                 log(f"redis-server UNAVAILABLE: {exc}")
+        # the candidates start at once (each is CPU-bound Python start-up; nothing is measured before all are up)
+        started = self._start_gateways(self.args.candidates, redis_url)
         for name in self.args.candidates:
-            cand = state_procs.CANDIDATES[name]
-            try:
-                p = state_procs.start_gateway(self.world, self.dir, self.certs.ca_pem, up.info["http_port"],
-                                              up.info["https_port"], cand, redis_url, self.tag)
+            p = started[name]
+            if isinstance(p, Exception):  # one missing backend must not hide the others' figures
+                self.unavailable[name] = " ".join(str(p).split())[:400]
+                log(f"{name} UNAVAILABLE: {self.unavailable[name][:300]}")
+            else:
                 self.procs[name] = p
                 log(f"{name} up on {ADDR['gw']}:{p.info['port']} (pids {p.info['pids_at_start']})")
-            except Exception as exc:  # one missing backend must not hide the others' figures
-                self.unavailable[name] = " ".join(str(exc).split())[:400]
-                log(f"{name} UNAVAILABLE: {self.unavailable[name][:300]}")
+
+    def _start_gateways(self, names: list[str], redis_url: str | None,
+                        profile_dirs: dict[str, Path] | None = None) -> dict[str, Proc | Exception]:
+        """state_procs.start_gateway for every name, concurrently (threads): each gateway's Proc, or why not."""
+        up = self.procs["upstream"]
+
+        def one(name: str) -> Proc | Exception:
+            try:
+                return state_procs.start_gateway(self.world, self.dir, self.certs.ca_pem, up.info["http_port"],
+                                                 up.info["https_port"], state_procs.CANDIDATES[name], redis_url,
+                                                 self.tag, profile_dir=(profile_dirs or {}).get(name))
+            except Exception as exc:
+                return exc
+
+        with ThreadPoolExecutor(max(1, len(names))) as pool:
+            return dict(zip(names, pool.map(one, names), strict=True))
 
     def stop(self) -> None:
         for p in reversed(list(self.procs.values())):
@@ -217,17 +234,28 @@ class Driver:
         return out
 
 
-    def profile(self, name: str) -> dict:
-        """Another gateway of candidate `name` (every process of it, workers too) under cProfile through a
-        c=32 cell per mode; where its CPU goes (loadtests/cprofile_gateway.py). Not a measured figure."""
-        up = self.procs["upstream"]
-        pdir = self.dir / f"profile-{name}"
+    def profiles(self, names: list[str]) -> dict[str, dict]:
+        """Another gateway of each candidate in `names` (every process of it, workers too) under cProfile through
+        a c=32 cell per mode; where its CPU goes (loadtests/cprofile_gateway.py). Not a measured figure. The
+        profiled gateways start at once (after every measured cell), then are profiled one at a time."""
+        dirs = {name: self.dir / f"profile-{name}" for name in names}
+        started = self._start_gateways(names, self.redis.info["url"] if self.redis else None, dirs)
+        out = {}
         try:
-            p = state_procs.start_gateway(self.world, self.dir, self.certs.ca_pem, up.info["http_port"],
-                                          up.info["https_port"], state_procs.CANDIDATES[name],
-                                          self.redis.info["url"] if self.redis else None, self.tag, profile_dir=pdir)
-        except Exception as exc:
-            return {"error": " ".join(str(exc).split())[:300]}
+            for name in names:
+                p = started[name]
+                if isinstance(p, Exception):
+                    out[name] = {"error": " ".join(str(p).split())[:300]}
+                else:
+                    out[name] = self.profile(name, p, dirs[name])
+        finally:
+            for p in started.values():
+                if not isinstance(p, Exception):
+                    p.stop()
+        return out
+
+    def profile(self, name: str, p: Proc, pdir: Path) -> dict:
+        """Profile the started gateway `p` of candidate `name` (its stats go to `pdir`), then stop it."""
         out: dict = {"cells": [], "requests": 0}
         try:
             self.procs[f"{name}-profiled"] = p
@@ -309,7 +337,7 @@ def inner(args: argparse.Namespace) -> None:
         rows = driver.matrix() if driver.available() else []
         result.update({"rows": rows, "summary": summarize(rows)})
         result["budget"] = driver.budget() if args.budget_n > 0 else []
-        result["profiles"] = {name: driver.profile(name) for name in args.profile}
+        result["profiles"] = driver.profiles(list(dict.fromkeys(args.profile)))
     finally:
         driver.stop()
         Path(os.environ[RESULT_ENV]).write_text(json.dumps(result, indent=1, default=str))

@@ -112,9 +112,8 @@ def start_gateway(world: World, directory: Path, upstream_ca: Path, http_port: i
     program = [procs.EGRESSGATE, "run"] + (["--workers", str(cand.workers)] if cand.workers > 1 else [])
     if cand.own_session:
         program = ["setsid", *program]  # not a group leader (Popen's child): setsid() then exec, same pid
-    with _profiling_env(profile_dir):
-        p = procs.launch_egressgate(d, upstream_ca, listen, {"sandbox": "bench"}, name=cand.name,
-                                    extra_config=extra, program=program, prefix=world.exec_prefix("gw"))
+    p = procs.launch_egressgate(d, upstream_ca, listen, {"sandbox": "bench"}, name=cand.name, extra_config=extra,
+                                program=program, prefix=world.exec_prefix("gw"), env=_profiling_env(profile_dir))
     p.info["key_prefix"] = extra.get("state", {}).get("key_prefix")
     pids = tree_pids(p.pid)
     p.info["pids_at_start"] = pids
@@ -124,26 +123,18 @@ def start_gateway(world: World, directory: Path, upstream_ca: Path, http_port: i
     return p
 
 
-@contextlib.contextmanager
-def _profiling_env(profile_dir: Path | None):
-    """The environment the gateway (and the workers it starts, which inherit it) is launched with."""
+def _profiling_env(profile_dir: Path | None) -> dict[str, str] | None:
+    """The environment the gateway (and the workers it starts, which inherit it) is launched with: a copy,
+    never this process's own (several gateways start at once from threads; the CLI calls stay unprofiled)."""
     if profile_dir is None:
-        yield
-        return
+        return None
     profile_dir.mkdir(parents=True, exist_ok=True)
-    saved = {k: os.environ.get(k) for k in ("EGB_CPROFILE_DIR", "PYTHONPATH")}
     here = Path(__file__).resolve().parent
-    os.environ["EGB_CPROFILE_DIR"] = str(profile_dir)
-    os.environ["PYTHONPATH"] = os.pathsep.join(x for x in (str(here / "profile_env"), str(here.parent),
-                                                            saved["PYTHONPATH"]) if x)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    env = dict(os.environ)
+    env["EGB_CPROFILE_DIR"] = str(profile_dir)
+    env["PYTHONPATH"] = os.pathsep.join(x for x in (str(here / "profile_env"), str(here.parent),
+                                                     os.environ.get("PYTHONPATH")) if x)
+    return env
 
 
 def tree_pids(pid: int) -> list[int]:

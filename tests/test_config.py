@@ -52,6 +52,8 @@ audit: {path: /tmp/x.jsonl, on_failure: allow-and-alert, checkpoint_every: 10}
         ("state: {url: 'redis://127.0.0.1:6379/0'}\n", "state.backend is memory"),
         ("state: {backend: redis, url: 'redis://127.0.0.1/0', key_prefix: 'a b'}\n", "state.key_prefix"),
         ("state: {backend: redis, url: 'redis://127.0.0.1/0', pasword: x}\n", "state.pasword: Extra inputs"),
+        ("state: {backend: redis, url: 'redis://127.0.0.1/0', heartbeat_ttl_seconds: 1}\n",
+         "state.heartbeat_ttl_seconds must be between 3 and 300"),
         ("websocket: {max_message_bytes: 0}\n", "websocket.max_message_bytes"),
     ],
 )

@@ -137,11 +137,17 @@ class AuditMetrics:
 
 
 def rule_ids(policies: dict[str, Any]) -> frozenset[str]:
-    """Every rule id of a policy set, DNS allow entries included (their ids are `dns.allow[i]`)."""
+    """Every rule id of a policy set, DNS allow entries included (their ids are `dns.allow[i]`), and the
+    MCP tool rules' ids (allowed tools' and deny entries', policy/mcp_compile.py): all come from loaded
+    policies, so the label set stays bounded."""
     ids: set[str] = set()
     for policy in policies.values():
         ids.update(rule.id for rule in policy.rules)
         ids.update(f"dns.allow[{i}]" for i in range(len(policy.model.network.dns.allow)))
+        mcp = getattr(policy, "mcp", None)
+        for server in (mcp.servers.values() if mcp is not None else ()):
+            ids.update(tool.rule_id for tool in server.allowed.values())
+            ids.update(server.denied.values())
     return frozenset(ids)
 
 

@@ -177,7 +177,8 @@ def _find_indexed(db: Path, files: tuple[str, ...], request_hash: str | None, re
 @audit.command("index")
 @click.argument("files", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
 @click.option("--db", type=click.Path(dir_okay=False),
-              help="Index database (default: <first file>.index.sqlite, named after the file's chain).")
+              help="Index database (default: <first file>.index.sqlite, named after the trail's live file: "
+                   "audit.jsonl.index.sqlite for audit.jsonl, its rotated files and audit.w<N>.jsonl).")
 @click.option("--verify", "reverify", is_flag=True,
               help="Also re-read every indexed line and re-index files whose bytes changed.")
 @click.option("--workers", type=click.IntRange(1, 64), default=1, show_default=True,
@@ -229,7 +230,8 @@ def index_cmd(files: tuple[str, ...], db: str | None, reverify: bool, workers: i
     help="Policy file (applies to every record) or directory (matched by sandbox.name).",
 )
 def replay(files: tuple[str, ...], policy_path: str) -> None:
-    """Re-decide recorded requests, CONNECTs and DNS queries under POLICY; list decisions that change."""
+    """Re-decide recorded requests, CONNECTs, DNS queries and MCP tool calls under POLICY; list decisions that
+    change."""
     from egressgate.audit.replay import format_table
     from egressgate.audit.replay import replay as run_replay
     from egressgate.policy.errors import PolicyError

@@ -8,6 +8,7 @@ are the credential-issue records whose `egressgate.trigger_request` names that r
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,12 +72,13 @@ INDEX_SUFFIX = ".index.sqlite"
 
 
 def default_index_path(first_file: str | Path) -> Path:
-    """`<first file>.index.sqlite`, named after the file's chain (its live file name), so `audit.jsonl` and
-    its rotated `audit.<stamp>.jsonl` share `audit.jsonl.index.sqlite`."""
+    """`<first file>.index.sqlite`, named after the trail's live file, so `audit.jsonl`, its rotated
+    `audit.<stamp>.jsonl` and the worker chains `audit.w<N>[.<stamp>].jsonl` share `audit.jsonl.index.sqlite`,
+    the index the admin server's console keeps (admin/ui/audit_api.py index_path)."""
     from egressgate.audit.filewatch import chain_name
 
     p = Path(first_file)
-    return p.parent / (chain_name(p) + INDEX_SUFFIX)
+    return p.parent / (re.sub(r"\.w\d+(?=\.[^.]*$)", "", chain_name(p)) + INDEX_SUFFIX)
 
 
 def find_indexed(

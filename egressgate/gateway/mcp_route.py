@@ -115,6 +115,10 @@ class McpRoute(McpAnswers):
                          "or HTTP+SSE); a protocol upgrade would carry them unmediated.",
                          answer=not _too_large_to_answer(h))
             return
+        if len(h.get_all(b"mcp-session-id")) > 1:  # which one the server reads is its choice, not ours
+            self._refuse(flow, fs, "unknown_session", "Send one Mcp-Session-Id header, not several.",
+                         answer=not _too_large_to_answer(h))
+            return
         sid = h.get(b"mcp-session-id")
         owner = self.sessions.owner(server.name, sid) if sid is not None and not sse else None
         if owner is not None and owner != fs.sandbox_id:

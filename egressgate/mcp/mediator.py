@@ -23,6 +23,7 @@ to answer itself. The rules, stated here once:
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -57,7 +58,8 @@ if TYPE_CHECKING:
     from egressgate.state.base import SandboxRecord
 
 logger = logging.getLogger(__name__)
-MAX_WAITING = 4096  # unanswered tracked requests (calls, initialize, tools/list) per session
+MAX_WAITING = 4096  # unanswered requests (calls, tracked and other requests) per session
+_LONG_ID = 64  # a longer string id is kept as its sha256 in `outstanding` (bounded memory per id)
 
 _FAILURES = {
     Reason.STATE_UNAVAILABLE: "The gateway's state store is unavailable, so tool calls are refused; retry shortly.",
@@ -120,6 +122,7 @@ class McpSession:
         self.server_side = ServerSide(self)
         self.calls: dict[int | str, _Pending] = {}  # allowed calls waiting for their answer, by JSON-RPC id
         self._reserved: set[int | str] = set()  # ids of calls being decided right now
+        self.outstanding: set[int | str | bytes] = set()  # _id_key of forwarded non-call requests unanswered
         self._pins_read = False
         self.closed = False
 
@@ -179,19 +182,26 @@ class McpSession:
         return ClientVerdict(body, replies, was_batch)
 
     def _check_ids(self, messages: list[Message]) -> None:
-        """A call whose id is still waiting for its answer would make two answers of one id: which one
-        is the outcome of which call? Refused (the agent reuses ids only after their answers). Checked
-        and reserved with no await in between, so two bodies decided at once cannot share an id."""
+        """A request whose id is still waiting for its answer would make two answers of one id: which one
+        is the outcome of which call? Refused (the agent reuses ids only after their answers). That holds
+        for ANY pending request, not only calls: a `ping` id 7 answered `{}` would otherwise be recorded
+        as the outcome of a later `tools/call` id 7, whose real result then passes unrecorded. At most
+        MAX_WAITING requests wait at once (bounded memory whatever the server leaves unanswered).
+        Checked and reserved with no await in between, so two bodies decided at once cannot share an id."""
         for msg in messages:
-            if msg.kind == "request" and (msg.id in self.calls or msg.id in self._reserved):
-                raise McpMalformed("id_in_use", "a request reuses the id of a tool call still waiting for its answer")
-        waiting = len(self.calls) + len(self._reserved) + len(self.server_side.expected)
+            if msg.kind != "request":
+                continue
+            if msg.id in self.calls or msg.id in self._reserved or _id_key(msg.id) in self.outstanding:
+                raise McpMalformed("id_in_use", "a request reuses the id of a request still waiting for its answer")
+        waiting = len(self.calls) + len(self._reserved) + len(self.outstanding)
         if waiting + sum(m.kind == "request" for m in messages) > MAX_WAITING:
             # bounded memory; never evicted instead: an answer nobody tracks would go unrecorded/unfiltered
             raise McpMalformed("too_many_pending", f"more than {MAX_WAITING} requests of this session are unanswered")
         for msg in messages:
             if msg.is_call:
                 self._reserved.add(msg.id)  # type: ignore[arg-type]
+            elif msg.kind == "request":
+                self.outstanding.add(_id_key(msg.id))  # always forwarded
 
     async def _refuse_body(self, exc: McpMalformed, no_policy: bool, rid: int | str | None) -> ClientVerdict:
         if no_policy:
@@ -310,6 +320,8 @@ class McpSession:
         pins) are scheduled and awaited by the next from_client / from_server / close."""
         out = []
         for msg in messages:
+            if msg.kind == "response":
+                self.outstanding.discard(_id_key(msg.id))
             if msg.kind == "response" and msg.id in self.calls:
                 self._outcome(msg)
                 out.append(msg.obj)
@@ -354,3 +366,11 @@ class McpSession:
                 self.ctx, request_id=pending.request_id, tool=pending.tool, jsonrpc_id=jsonrpc_id,
                 duration_ms=(time.monotonic() - pending.started) * 1000, no_response=True))
         self.calls.clear()
+
+
+def _id_key(jsonrpc_id: int | str | None) -> int | str | bytes | None:
+    """What `outstanding` keeps of an id: the id, or the sha256 of a long string id (a 1 MB id would
+    otherwise be held for as long as its request waits; bytes never equal an int or a str id)."""
+    if isinstance(jsonrpc_id, str) and len(jsonrpc_id) > _LONG_ID:
+        return hashlib.sha256(jsonrpc_id.encode("utf-8")).digest()
+    return jsonrpc_id

@@ -11,7 +11,8 @@
   its pin, an answer the gateway could not read.
 
 Redaction of recorded arguments: the values of the route's credentials (broker/redact.py Scrubber,
-every encoding it knows) and phantom tokens (broker/inject.py) are replaced; a phantom the redaction
+every encoding it knows, any subset of characters escaped) and phantom tokens (broker/inject.py) are
+replaced; a phantom the redaction
 cannot locate (percent-encoded) makes the whole value `[REDACTED]` rather than record a fragment.
 """
 
@@ -27,7 +28,7 @@ from urllib.parse import unquote
 from egressgate.audit.build import APPROVAL_ID, DETAIL, build
 from egressgate.audit.event import AuditEvent, EventKind
 from egressgate.broker.inject import PHANTOM_HEX, PHANTOM_PREFIX
-from egressgate.broker.redact import REPLACEMENT, Scrubber, SecretSpec
+from egressgate.broker.redact import REPLACEMENT, SecretSpec, cached_scrubber
 from egressgate.mcp.schema import arguments_hash, canonical
 
 P = "egressgate.mcp."
@@ -80,7 +81,7 @@ def redact_arguments(arguments: Any, secrets: Iterable[SecretSpec] = ()) -> str:
     text = canonical(arguments).decode("utf-8")
     specs = tuple(secrets)
     if specs:
-        text = Scrubber(specs).scrub_text(text)
+        text = cached_scrubber(*specs).scrub_text(text)  # compiled once per credential, not per record
     text = _PHANTOM.sub(_REDACTED, text)
     if _PHANTOM.search(unquote(text)):
         return _REDACTED

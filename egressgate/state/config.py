@@ -23,6 +23,10 @@ class StateConfig(BaseModel):
     backend: Literal["memory", "redis"] = "memory"
     url: str | None = None  # redis://[user:password@]host:port/db, rediss:// (TLS) or unix:///path/to/redis.sock
     key_prefix: str = "egressgate:"  # every key this gateway writes starts with it (share a Redis safely)
+    # redis: a worker whose heartbeat key is this old is dead and its byte leases are forfeited. Shorter
+    # forfeits a crashed worker's leases sooner; too short declares a live but stalled worker dead (it is
+    # refreshed every third of it), hence the 3 s floor.
+    heartbeat_ttl_seconds: float = 15.0
 
     @field_validator("url")
     @classmethod
@@ -45,6 +49,13 @@ class StateConfig(BaseModel):
         if not _PREFIX.fullmatch(value):
             raise ValueError("state.key_prefix must be 1-64 characters of letters, digits and _ . : { } -, "
                              f"got {value!r}")
+        return value
+
+    @field_validator("heartbeat_ttl_seconds")
+    @classmethod
+    def _heartbeat(cls, value: float) -> float:
+        if not 3.0 <= value <= 300.0:
+            raise ValueError(f"state.heartbeat_ttl_seconds must be between 3 and 300, got {value}")
         return value
 
     def endpoints(self) -> list[tuple[str, int]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from click.testing import CliRunner
 
+from egressgate.admin.ui.audit_api import index_path
 from egressgate.audit.cli import audit
 from egressgate.audit.event import EventKind
 from egressgate.audit.find import default_index_path
@@ -35,6 +36,11 @@ async def test_index_then_find_uses_it_and_agrees_with_the_scan(make_sink):
     assert len(files) >= 2  # rotated: the records of r7 span files
     db = default_index_path(files[0])
     assert db == files[-1].with_name("audit.jsonl.index.sqlite")  # named after the chain, not the stamp
+    # worker chains share it, and it is the index the console keeps (so `audit find` finds the console's)
+    for name in ("audit.w1.jsonl", "audit.w12.20261129T140102_123456Z-2.jsonl", "audit.20261129T140102_123456Z.jsonl"):
+        assert default_index_path(files[-1].with_name(name)) == db
+    for live in ("audit.jsonl", "audit.w3.jsonl"):  # the console is given the configured (live) file
+        assert index_path(files[-1].with_name(live)) == db
     scan = _run("find", *files, "--request-hash", RH)
     assert scan.exit_code == 0 and len(scan.output.splitlines()) == 3  # decision, credential, outcome
     built = _run("index", *files)
@@ -98,8 +104,8 @@ async def test_the_console_script(make_sink):
 
 
 def test_parallel_build_through_the_console_script(tmp_path):
-    """`--workers 2` on a backlog past PARALLEL_MIN_BYTES parses in worker processes, which import the
-    entry module (`python -m egressgate`): they must not run the CLI again, nor fall back."""
+    """`--workers 2` on a backlog past PARALLEL_MIN_BYTES parses in worker processes started from the real
+    entry point (`python -m egressgate`); they must work there (no fallback warning) and give the same index."""
     from egressgate.audit.index.store import PARALLEL_MIN_BYTES
     from tests.audit_index.chaingen import request_hash, write_chain
 

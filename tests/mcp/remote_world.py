@@ -217,7 +217,7 @@ def open_remote_world(tmp: Path) -> Iterator[RemoteWorld]:
             bundle = tmp / "upstream-ca.pem"
             bundle.write_bytes(ca.cert_pem.bytes())
             config = {
-                "listen": {"proxy": "127.0.0.1:0", "admin": "127.0.0.1:0", "dns": None},
+                "listen": {"proxy": "127.0.0.1:0", "admin": "127.0.0.1:0", "dns": None, "transparent": None},
                 "policy": str(policy_dir),
                 "var_dir": str(tmp / "var"),
                 "upstream": {"resolver": f"127.0.0.1:{dns_port}", "ca_bundle": str(bundle)},

@@ -98,7 +98,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
         }
         bundle = tmp / "upstream-ca.pem"
         bundle.write_bytes(ca.cert_pem.bytes())
-        config = {"listen": {"proxy": "127.0.0.1:0", "admin": "127.0.0.1:0", "dns": None},
+        config = {"listen": {"proxy": "127.0.0.1:0", "admin": "127.0.0.1:0", "dns": None, "transparent": None},
                   "policy": str(write_policies(tmp / "policies", {"spellings": policy})), "var_dir": str(tmp / "var"),
                   "upstream": {"resolver": f"127.0.0.1:{dns_port}", "ca_bundle": str(bundle)}}
         gw = LoopbackGateway(**launch_loopback(tmp, config))

@@ -35,10 +35,12 @@ def test_errors_name_the_file_and_key(tmp_path):
 
 async def test_open_state_builds_the_named_backend(redis_server: RedisServer, tmp_path):
     assert isinstance(await open_state(load_config().state), MemoryState)  # the default
-    cfg = _load(tmp_path, f"state: {{backend: redis, url: '{redis_server.url}', key_prefix: 'r12cfg:'}}\n")
+    cfg = _load(tmp_path, f"state: {{backend: redis, url: '{redis_server.url}', key_prefix: 'r12cfg:', "
+                          "heartbeat_ttl_seconds: 6}\n")
     store = await open_state(cfg.state)
     try:
         assert isinstance(store, RedisState) and store.key("sbx", "x") == "r12cfg:sbx:x"
+        assert store.heartbeat_ttl == 6.0 and load_config().state.heartbeat_ttl_seconds == 15.0  # default
         await store.ping()
     finally:
         await store.close()

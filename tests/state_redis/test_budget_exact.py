@@ -166,9 +166,11 @@ def test_kill_9_mid_upload_survivor_serves_total_never_over(bw: BudgetWorld, red
     """Two processes on one Redis; one is killed (-9) while it relays chunked uploads holding a lease.
     The survivor keeps serving, the total spent never passes the budget (the dead lease stays spent),
     and the dead worker's lease is reconciled and audited exactly once (heartbeat TTL, then a reconcile
-    round of the survivor)."""
+    round of the survivor). The TTL is 5 s here instead of the default 15 s (state.heartbeat_ttl_seconds):
+    the same expiry, sooner; the survivor still refreshes its own key every third of it."""
     port = bw.upstream.port
-    backend = {"backend": "redis", "url": redis_server.url, "key_prefix": redis_server.prefix()}
+    backend = {"backend": "redis", "url": redis_server.url, "key_prefix": redis_server.prefix(),
+               "heartbeat_ttl_seconds": 5}
     budget = 8_000_000  # room for every upload: a cut here is the kill's doing, not the budget's
     survivor, doomed = gateways_for(bw, backend, budget)
     try:

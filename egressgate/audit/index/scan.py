@@ -111,6 +111,30 @@ def parse_lines(data: bytes) -> list[tuple]:
     return out
 
 
+def parse_range(source: str, dev: int, ino: int, offset: int, length: int) -> list[tuple] | None:
+    """parse_lines() of bytes [offset, offset+length) of the file open in the indexing process, read here
+    (`source` is its /proc/PID/fd/N: the same inode, whatever now has the file's name) so that the chunk is
+    not copied through a pipe. None when it is not that file any more."""
+    fd = os.open(source, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) != (dev, ino):
+            return None
+        data = os.pread(fd, length, offset)
+    finally:
+        os.close(fd)
+    return parse_lines(data) if len(data) == length else None
+
+
+def _parsed(future: Future, data: bytes) -> list[tuple]:
+    """A worker's result for `data`, or the same parse done here when the worker read other bytes (the file
+    changed in place meanwhile): rows must describe the bytes this process hashes for the file's state."""
+    parsed = future.result()
+    if parsed is None or sum(item[0] for item in parsed) != len(data):
+        return parse_lines(data)
+    return parsed
+
+
 def scan(fd: int, state: FileState, until: int, pool: Executor | None = None) -> Iterator[tuple[list[tuple], int]]:
     """Index the complete lines between `state.indexed_size` and `until` (the size seen at open), one chunk
     at a time: yields (rows, partial bytes left) after updating `state`; the caller commits both. With a
@@ -126,16 +150,17 @@ def scan(fd: int, state: FileState, until: int, pool: Executor | None = None) ->
     pending: deque[tuple[int, bytes, Future]] = deque()
     partial = 0
     depth = 2 * getattr(pool, "_max_workers", 2)
+    source = f"/proc/{os.getpid()}/fd/{fd}"
     for base, data, partial in steps:
         if partial:
             break
-        pending.append((base, data, pool.submit(parse_lines, data)))
+        pending.append((base, data, pool.submit(parse_range, source, state.dev, state.ino, base, len(data))))
         if len(pending) > depth:
             base, data, future = pending.popleft()
-            yield apply(state, future.result(), data, base), 0
+            yield apply(state, _parsed(future, data), data, base), 0
     while pending:
         base, data, future = pending.popleft()
-        yield apply(state, future.result(), data, base), 0
+        yield apply(state, _parsed(future, data), data, base), 0
     if partial:
         yield [], partial
 
