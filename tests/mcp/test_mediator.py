@@ -42,12 +42,8 @@ from tests.support.tmpfs import fill, tiny_tmpfs
 
 @pytest.fixture(scope="module")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path_factory.mktemp("e13c-redis"))
-    server.start()
-    try:
+    with RedisServer(tmp_path_factory.mktemp("e13c-redis")) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(params=["memory", "redis"])
