@@ -23,6 +23,7 @@ from egressgate.gateway.context import FlowState, flow_state
 from egressgate.gateway.credential_streams import reframe, replace_body
 from egressgate.gateway.credential_streams import refuse as refuse_response
 from egressgate.gateway.deny import REQUEST_ID_HEADER
+from egressgate.gateway.mcp_headers import HeaderView
 from egressgate.gateway.mcp_sessions import McpExchange
 from egressgate.gateway.mcp_stream import json_answer, json_collector, sse_filter
 from egressgate.mcp.jsonrpc import McpMalformed, dumps
@@ -32,16 +33,6 @@ from egressgate.policy.facts import Facts, Operation
 from egressgate.policy.target import parse_url
 
 logger = logging.getLogger(__name__)
-
-SESSION_HEADER = "mcp-session-id"
-
-
-def content_type(message: http.Message) -> str:
-    return message.headers.get("content-type", "").split(";", 1)[0].strip().lower()
-
-
-def coded(message: http.Message) -> bool:
-    return any(v.strip().lower() not in ("", "identity") for v in message.headers.get_all("content-encoding"))
 
 
 class McpAnswers:
@@ -59,7 +50,8 @@ class McpAnswers:
             if ok and ex.key is not None:
                 self.sessions.end(ex.key)
             return
-        sid = resp.headers.get(SESSION_HEADER)
+        h = HeaderView(resp)  # read once (mcp_headers.py)
+        sid = h.get(b"mcp-session-id")
         if ex.server.transport != "sse" and sid and fs.sandbox_id is not None:
             self.sessions.assign(ex.server.name, sid, fs.sandbox_id)
         if ex.server.transport != "sse" and ex.key is not None and sid and ex.key[2] != sid:
@@ -69,8 +61,8 @@ class McpAnswers:
         if ex.session is None or not (ok or ex.replies):
             return  # the server's own error (no session, bad request): nothing of a tool's answer in it
         bodiless = flow.request.method == "HEAD" or resp.status_code in (204, 304)
-        ctype = content_type(resp)
-        if coded(resp):
+        ctype = h.content_type()
+        if h.coded():
             self._refuse_answer(flow, fs, "mcp_coded_answer", "The MCP server compressed its answer although "
                                 "the gateway asked for none; it was refused.", bodiless)
             return
@@ -182,7 +174,10 @@ class McpAnswers:
             self.sessions.end(ex.key)  # the HTTP+SSE session lives as long as its stream
             return
         if (ex.role != "post" or ex.answered or resp.stream or fs.replacement is not None or ex.session is None
-                or not (200 <= resp.status_code < 300 or ex.replies) or content_type(resp) != "application/json"):
+                or not (200 <= resp.status_code < 300 or ex.replies)):
+            return
+        h = HeaderView(resp)
+        if h.content_type() != "application/json":
             return
         policy = self.rt.policies.get(fs.policy_name)
         max_bytes = policy.mcp.max_message_bytes if policy is not None else 0
@@ -199,7 +194,8 @@ class McpAnswers:
             return
         if fs.credential is not None:
             body = cached_scrubber(fs.credential.spec()).scrub(body)
-        resp.content = body
+        if body != resp.raw_content or h.get(b"content-length") != str(len(body)):
+            resp.content = body  # else the answer goes out as received (mcp_stream.passthrough)
 
     def error(self, flow: http.HTTPFlow) -> None:
         fs = flow_state(flow)

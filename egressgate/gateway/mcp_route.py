@@ -33,7 +33,8 @@ from egressgate.gateway.budgets import refund_prepaid
 from egressgate.gateway.context import FlowState, Runtime, flow_state
 from egressgate.gateway.deny import DECISION_HEADER, REQUEST_ID_HEADER, gateway_deny
 from egressgate.gateway.enforce import DENY_BUFFER_MAX
-from egressgate.gateway.mcp_answer import SESSION_HEADER, McpAnswers, coded
+from egressgate.gateway.mcp_answer import McpAnswers
+from egressgate.gateway.mcp_headers import HeaderView
 from egressgate.gateway.mcp_sessions import McpExchange, McpSessions
 from egressgate.gateway.mcp_stream import Injector
 from egressgate.gateway.record import write_behind
@@ -49,14 +50,14 @@ _MALFORMED_CODES = frozenset({INVALID_REQUEST, PARSE_ERROR})
 _NO_BODY = "Only a POST carries MCP messages on this route; send this request without a body."
 
 
-def body_problem(request: http.Request, max_bytes: int) -> tuple[str, str] | None:
+def body_problem(h: HeaderView, max_bytes: int) -> tuple[str, str] | None:
     """Why a POST body on an MCP route cannot be buffered and parsed: (detail, one sentence), or None."""
-    if coded(request):
+    if h.coded():
         return "content_encoding", "Send MCP messages uncompressed (no Content-Encoding)."
-    if "transfer-encoding" in request.headers or "content-length" not in request.headers:
+    if b"transfer-encoding" in h or b"content-length" not in h:
         return "unknown_length", "Send each MCP message with a Content-Length (no chunked or open-ended body)."
     try:
-        size = int(request.headers["content-length"])
+        size = int(h.get(b"content-length") or "")
     except ValueError:
         return "unknown_length", "Send each MCP message with a valid Content-Length."
     if size > max_bytes:
@@ -65,11 +66,11 @@ def body_problem(request: http.Request, max_bytes: int) -> tuple[str, str] | Non
     return None
 
 
-def has_body(request: http.Request) -> bool:
-    if "transfer-encoding" in request.headers:
+def has_body(h: HeaderView) -> bool:
+    if b"transfer-encoding" in h:
         return True
     try:
-        return int(request.headers.get("content-length", "0") or "0") != 0
+        return int(h.get(b"content-length", "0") or "0") != 0
     except ValueError:
         return True
 
@@ -108,28 +109,29 @@ class McpRoute(McpAnswers):
         else:
             role = "delete" if fs.method == "DELETE" and not sse else "other"
         ex = fs.mcp = McpExchange(server=server, role=role)
-        if "upgrade" in request.headers or request.method.upper() == "CONNECT":  # a WebSocket, h2c, a tunnel:
+        h = HeaderView(request)  # read once: every question below is about these headers
+        if b"upgrade" in h or request.method.upper() == "CONNECT":  # a WebSocket, h2c, a tunnel:
             self._refuse(flow, fs, "upgrade", "MCP messages on this route must be HTTP requests (streamable HTTP "
                          "or HTTP+SSE); a protocol upgrade would carry them unmediated.",
-                         answer=not _too_large_to_answer(request))
+                         answer=not _too_large_to_answer(h))
             return
-        if len(request.headers.get_all(SESSION_HEADER)) > 1:  # which one the server reads is its choice, not ours
+        if len(h.get_all(b"mcp-session-id")) > 1:  # which one the server reads is its choice, not ours
             self._refuse(flow, fs, "unknown_session", "Send one Mcp-Session-Id header, not several.",
-                         answer=not _too_large_to_answer(request))
+                         answer=not _too_large_to_answer(h))
             return
-        sid = request.headers.get(SESSION_HEADER)
+        sid = h.get(b"mcp-session-id")
         owner = self.sessions.owner(server.name, sid) if sid is not None and not sse else None
         if owner is not None and owner != fs.sandbox_id:
             self._refuse(flow, fs, "unknown_session", "This Mcp-Session-Id was issued to another sandbox; start "
-                         "a session of your own (initialize without it).", answer=not _too_large_to_answer(request))
+                         "a session of your own (initialize without it).", answer=not _too_large_to_answer(h))
             return
         request.headers["accept-encoding"] = "identity"  # an answer is read before the sandbox gets it
         max_bytes = policy.mcp.max_message_bytes
         if role != "post":
-            if has_body(request):
-                self._refuse(flow, fs, "body_not_allowed", _NO_BODY, answer=not _too_large_to_answer(request))
+            if has_body(h):
+                self._refuse(flow, fs, "body_not_allowed", _NO_BODY, answer=not _too_large_to_answer(h))
                 return
-            if "content-length" not in request.headers and callable(request.stream):
+            if b"content-length" not in h and callable(request.stream):
                 request.stream = self._no_body(flow, fs, request.stream)  # HTTP/2: a body may still come
             if role == "stream" and sse:
                 ex.key = (fs.sandbox_id, server.name, "sse:" + fs.request_id)
@@ -139,11 +141,11 @@ class McpRoute(McpAnswers):
                 ex.key = (fs.sandbox_id, server.name, sid)
                 ex.session = self.sessions.get(ex.key) if role == "delete" else await self._keyed(flow, fs, policy)
             return
-        problem = body_problem(request, max_bytes)
+        problem = body_problem(h, max_bytes)
         if problem is not None:
             detail, message = problem
             self._refuse(flow, fs, detail, message, answer=detail != "unknown_length"
-                         and not _too_large_to_answer(request))
+                         and not _too_large_to_answer(h))
             return
         request.stream = False  # buffered (bounded above): decided whole before anything goes upstream
         if sse:
@@ -214,7 +216,8 @@ class McpRoute(McpAnswers):
                 return
             self._answer(flow, fs, ex, replies)
             return
-        flow.request.content = verdict.forward  # exactly what was decided (also sets Content-Length)
+        if verdict.forward != body:  # identical bytes (a compact client) need no rewrite
+            flow.request.content = verdict.forward  # exactly what was decided (also sets Content-Length)
         if ex.injector is not None:
             ex.injector.queue(replies)
         else:
@@ -267,11 +270,11 @@ class McpRoute(McpAnswers):
             fs.mcp.answered = True
 
 
-def _too_large_to_answer(request: http.Request) -> bool:
+def _too_large_to_answer(h: HeaderView) -> bool:
     """Answering means mitmproxy buffers the rest of the body first: only for a small declared one."""
-    if "transfer-encoding" in request.headers:
+    if b"transfer-encoding" in h:
         return True
     try:
-        return int(request.headers.get("content-length", "0") or "0") > DENY_BUFFER_MAX
+        return int(h.get(b"content-length", "0") or "0") > DENY_BUFFER_MAX
     except ValueError:
         return True

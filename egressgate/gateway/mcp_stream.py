@@ -65,6 +65,14 @@ class Injector:
 def deliver(session: Any, body: bytes, max_bytes: int, injector: Injector | None) -> tuple[list[dict], bool]:
     """One upstream body (an SSE event's data, or a whole JSON answer) -> the message objects the
     sandbox may see, and whether they form a batch. Raises McpMalformed."""
+    out, batch, _ = _deliver(session, body, max_bytes, injector)
+    return out, batch
+
+
+def _deliver(session: Any, body: bytes, max_bytes: int,
+             injector: Injector | None) -> tuple[list[dict], bool, bool]:
+    """`deliver`, and whether `body` itself may go to the sandbox instead of `dumps()` of the result
+    (`passthrough`, below)."""
     messages, batch = parse_body(body, max_bytes=max_bytes)
     out: list[dict] = []
     rest = []
@@ -77,7 +85,23 @@ def deliver(session: Any, body: bytes, max_bytes: int, injector: Injector | None
             rest.append(message)
     if rest:
         out.extend(session.from_server_nowait(rest))
-    return out, batch
+    return out, batch, passthrough(body, messages, out)
+
+
+def passthrough(body: bytes, messages: list[Any], out: list[dict]) -> bool:
+    """True when the upstream's own bytes say exactly what re-serializing `out` would (the answer then
+    goes out as received, saving a dumps and a copy per answer). The rule: the mediator changed nothing
+    (every object out IS the parsed one, in order: no tools/list filtering, no swapped ping, nothing
+    dropped), and `body` has no backslash. Given the strict parse (jsonrpc.py: UTF-8, no duplicate keys,
+    no NaN, bounded depth...), re-serializing then only changes insignificant whitespace and the spelling
+    of numbers, neither of which the gateway decided anything on in an answer: without a backslash every
+    string (ids, method names, isError's siblings, a secret the scrub must find) is byte for byte the
+    text it decodes to, so the sandbox reads what the gateway read — and the credential scrub, which
+    runs on the bytes, sees the decoded text too (an escaped secret like `\\u0073ecret` is the case the
+    re-serialization exists for: such a body is still re-encoded)."""
+    if len(out) != len(messages) or b"\\" in body:
+        return False
+    return all(o is m.obj for o, m in zip(out, messages, strict=True))
 
 
 def sse_filter(inner: StreamFn | None, session: Any, max_bytes: int, first: list[dict],
@@ -118,7 +142,10 @@ def sse_filter(inner: StreamFn | None, session: Any, max_bytes: int, first: list
                 if event.event != "message":
                     logger.info("dropped an SSE event of type %r on an MCP stream", event.event[:40])
                     continue
-                objs, batch = deliver(session, event.data, max_bytes, injector)
+                objs, batch, same = _deliver(session, event.data, max_bytes, injector)
+                if same and objs and (batch or len(objs) == 1):  # as received (see `passthrough`)
+                    out.append(encode(event.data, id=event.id, retry=event.retry))
+                    continue
                 if batch and objs:
                     out.append(encode(dumps(objs), id=event.id, retry=event.retry))
                     continue
@@ -146,7 +173,9 @@ def json_answer(session: Any, body: bytes, max_bytes: int, replies: list[dict], 
         return body  # nothing to filter (an empty 202 / 200 answer to notifications)
     objs: list[dict] = []
     if body.strip():
-        objs, upstream_batch = deliver(session, body, max_bytes, None)
+        objs, upstream_batch, same = _deliver(session, body, max_bytes, None)
+        if same and not replies and upstream_batch == batch and (batch or len(objs) == 1):
+            return body  # as received (see `passthrough`): nothing merged, the same framing
         batch = batch or upstream_batch
     objs = objs + replies
     if batch:

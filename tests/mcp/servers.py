@@ -207,6 +207,8 @@ async def _rogue(request: Request) -> Response:
     if mode == "dupkey":  # the answer's id twice: which one would the client match?
         body = f'event: message\r\ndata: {answer[:-1]},"id":"other"}}\r\n\r\n'
         return Response(body.encode(), media_type="text/event-stream")
+    if mode == "listing":  # a tools/list answer offering a denied tool (the gateway must filter it)
+        return Response(listing.encode(), media_type="application/json")
     if mode == "gzip":
         return Response(gzip.compress(answer.encode()), media_type="application/json",
                         headers={"Content-Encoding": "gzip"})

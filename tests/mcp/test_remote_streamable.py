@@ -311,6 +311,28 @@ def test_a_json_escaped_credential_in_an_answer_is_scrubbed(rw: RemoteWorld) -> 
     assert SECRET not in text and "REDACTED" in text
 
 
+def test_an_answer_the_gateway_left_unchanged_goes_out_as_the_upstream_spelled_it(rw: RemoteWorld) -> None:
+    """mcp_stream.passthrough: a strictly parsed answer the mediator did not change, without a backslash,
+    is forwarded as received (no re-serialization); it is still read (its outcome recorded). Controls: a
+    tools/list answer the filter changed is re-serialized without the denied tool; an escaped answer is
+    re-encoded and scrubbed (test_a_json_escaped_credential_in_an_answer_is_scrubbed)."""
+    sbx = rw.admit()
+    call = {**LOOKUP, "id": 41}
+    upstream = json.dumps({"jsonrpc": "2.0", "id": 41, "result": {  # servers._rogue's spelling (", " / ": ")
+        "content": [{"type": "text", "text": "fine"}], "isError": False}}).encode()
+    listing = {"jsonrpc": "2.0", "id": 42, "method": "tools/list", "params": {}}
+    with sbx.raw() as client:
+        res = client.post(f"https://{ROGUE}:{rw.mcp.port}/rogue/mcp/plain", json=call,
+                          headers={"Accept": "application/json"})
+        filtered = client.post(f"https://{ROGUE}:{rw.mcp.port}/rogue/mcp/listing", json=listing,
+                               headers={"Accept": "application/json"})
+    assert res.status_code == 200 and res.content == upstream  # byte for byte, spaces included
+    assert rw.records(sbx, "outcome", **{"egressgate.mcp.outcome": "result", "egressgate.mcp.jsonrpc_id": "41"})
+    assert filtered.status_code == 200, filtered.text
+    assert filtered.json()["result"]["tools"] == [] and b"delete_ticket" not in filtered.content
+    assert b'"id":42' in filtered.content  # re-serialized (compact), not the upstream's spelling
+
+
 LOOKUP = {"jsonrpc": "2.0", "id": 31, "method": "tools/call", "params": {"name": "lookup", "arguments": {
     "ticket": "T-1"}}}
 
@@ -336,7 +358,10 @@ def test_answers_the_gateway_cannot_read_never_reach_the_sandbox(rw: RemoteWorld
             status = 0  # cut mid-answer
     assert b"delete_ticket" not in body and b"sneaky" not in body
     if refused is None:
-        assert status == 200 and b'"text":"fine"' in body
+        # a JSON answer or one SSE event; the gateway may pass the upstream's own spelling (mcp_stream.passthrough)
+        data = body if body.lstrip().startswith(b"{") else b"".join(
+            line[5:] for line in body.splitlines() if line.startswith(b"data:"))
+        assert status == 200 and json.loads(data)["result"]["content"][0]["text"] == "fine"
         return
-    assert b'"text":"fine"' not in body and status in (0, 200, 502)
+    assert b'"fine"' not in body and status in (0, 200, 502)  # compact or as the upstream spelled it
     assert rw.records(sbx, "outcome", **{"egressgate.response_refused": refused})
