@@ -19,6 +19,7 @@ import yaml
 
 from loadtests import procs
 from loadtests.loadgen import Target, connect
+from tests.support.loopback import serve_json
 
 ARGUMENTS = {"limit": 10, "status": "open", "query": "printer on fire", "path": "/workspace/reports/q3.csv"}
 RESULT = {"content": [{"type": "text", "text": "3 tickets"}], "isError": False}
@@ -63,24 +64,12 @@ class JsonRpcUpstream:
         self.loop.run_forever()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = 0
-                for line in head.split(b"\r\n"):
-                    if line.lower().startswith(b"content-length:"):
-                        length = int(line.split(b":", 1)[1])
-                body = await reader.readexactly(length) if length else b""
-                self.requests += 1
-                request_id = json.loads(body).get("id") if body else None
-                out = json.dumps({"jsonrpc": "2.0", "id": request_id, "result": RESULT}).encode()
-                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
-                             + str(len(out)).encode() + b"\r\n\r\n" + out)
-                await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError, ssl.SSLError):
-            pass
-        finally:
-            writer.close()
+        await serve_json(reader, writer, self._answer)
+
+    def _answer(self, _target: str, body: bytes) -> tuple[bytes, bytes]:
+        self.requests += 1
+        request_id = json.loads(body).get("id") if body else None
+        return b"200 OK", json.dumps({"jsonrpc": "2.0", "id": request_id, "result": RESULT}).encode()
 
     def stop(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)

@@ -138,12 +138,11 @@ def test_replay_under_a_stricter_policy_finds_each_change(tmp_path):
 
 @pytest.mark.parametrize("record_arguments", [True, False])
 async def test_replay_of_records_written_by_the_mediator(tmp_path, record_arguments):
-    from egressgate.mcp.schema import tool_hash
     from egressgate.state.memory import MemoryState
-    from tests.mcp.test_mediator import LOOKUP, POLICY, body, make_world
-    from tests.mcp.test_mediator import call as rpc
+    from tests.mcp.mediator_world import body, make_world, policy_text
+    from tests.mcp.mediator_world import call as rpc
 
-    text = textwrap.dedent(POLICY % ("true" if record_arguments else "false", tool_hash(LOOKUP)))
+    text = policy_text(record_arguments)
     world = await make_world(tmp_path, MemoryState(), record_arguments=record_arguments)
     try:
         session = world.session()

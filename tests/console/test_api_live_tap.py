@@ -57,3 +57,28 @@ async def test_no_client_no_work_and_written_flag(tmp_path):
         assert feed.written is True and feed.clients == set()
     finally:
         await sink.close()
+
+
+async def test_metrics_and_live_feed_share_one_tap_each_sees_a_record_once(tmp_path):
+    """/metrics and the live feed observe through the one tap (audit/observe.py): installed on the same
+    sink, in either order and twice over, each sees every accepted record exactly once."""
+    from egressgate.admin import metrics
+
+    cfg = load_config(None, {"var_dir": str(tmp_path)})
+    sink = await open_audit_sink(cfg.audit, tmp_path)
+    try:
+        counted: list[str] = []
+        metrics.install(sink, lambda e: counted.append(e.request_id))
+        feed = live.LiveFeed(sink)
+        metrics.install(sink, lambda e: counted.append(e.request_id))  # a second install swaps, no double count
+        feed = live.LiveFeed(sink)
+        reader = live.Client({})
+        feed.clients.add(reader)
+        events = [http_event(i) for i in (1, 2, 3)]
+        await sink.write(events[0])
+        sink.enqueue_after(events[1])
+        await sink.write_after(events[2])
+        assert counted == [e.request_id for e in events]  # once each, through all three write methods
+        assert [reader.queue.get_nowait()["request_id"] for _ in range(3)] == counted and reader.queue.empty()
+    finally:
+        await sink.close()

@@ -198,6 +198,21 @@ def error_of(exc: BaseException) -> dict:
     return json.loads(error.model_dump_json()) if hasattr(error, "model_dump_json") else dict(error)
 
 
+def raw_initialize(client: httpx.Client, url: str) -> dict[str, str]:
+    """Initialize an MCP session by hand (plain httpx: for bytes the SDK would never send); returns the
+    headers every later request of that session carries (its Mcp-Session-Id, the protocol version)."""
+    headers = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
+    init = {"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+        "protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "raw", "version": "1"}}}
+    res = client.post(url, json=init, headers=headers)
+    assert res.status_code == 200, res.text
+    headers["Mcp-Session-Id"] = res.headers["mcp-session-id"]
+    headers["MCP-Protocol-Version"] = "2025-11-25"
+    assert client.post(url, json={"jsonrpc": "2.0", "method": "notifications/initialized"},
+                       headers=headers).status_code == 202
+    return headers
+
+
 @contextlib.contextmanager
 def open_remote_world(tmp: Path) -> Iterator[RemoteWorld]:
     ca = trustme.CA()

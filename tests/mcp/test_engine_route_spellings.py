@@ -22,7 +22,7 @@ import pytest
 import trustme
 
 from tests.support.launcher import LoopbackGateway, launch_loopback, stop_gateway, write_policies
-from tests.support.loopback import DnsServer, LoopThread, start_dns
+from tests.support.loopback import DnsServer, LoopThread, serve_json, start_dns
 
 HOST = "spelling.mcp.test"
 
@@ -44,29 +44,17 @@ class NginxLikeMcp:
         return server
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                target = head.split(b" ", 2)[1].decode()
-                length = int(re.search(rb"(?im)^content-length:\s*(\d+)", head).group(1)) if b"ength:" in head else 0
-                body = await reader.readexactly(length)
-                path = re.sub(r";[^/]*", "", re.sub(r"/+", "/", target.split("?", 1)[0]))
-                if path == "/mcp" and body:
-                    self.received.append(body)
-                    message = json.loads(body)
-                    tool = message.get("params", {}).get("name")
-                    out = json.dumps({"jsonrpc": "2.0", "id": message.get("id"),
+        await serve_json(reader, writer, self._answer)
+
+    def _answer(self, target: str, body: bytes) -> tuple[bytes, bytes]:
+        path = re.sub(r";[^/]*", "", re.sub(r"/+", "/", target.split("?", 1)[0]))
+        if path != "/mcp" or not body:
+            return b"404 Not Found", b"{}"
+        self.received.append(body)
+        message = json.loads(body)
+        tool = message.get("params", {}).get("name")
+        return b"200 OK", json.dumps({"jsonrpc": "2.0", "id": message.get("id"),
                                       "result": {"content": [{"type": "text", "text": f"ran {tool}"}]}}).encode()
-                    status = b"200 OK"
-                else:
-                    out, status = b"{}", b"404 Not Found"
-                writer.write(b"HTTP/1.1 " + status + b"\r\nContent-Type: application/json\r\nContent-Length: "
-                             + str(len(out)).encode() + b"\r\n\r\n" + out)
-                await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError, ssl.SSLError):
-            pass
-        finally:
-            writer.close()
 
 
 @dataclass

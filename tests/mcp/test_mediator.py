@@ -1,159 +1,49 @@
 """The MCP mediator (egressgate/mcp/mediator.py) driven directly: real state stores (memory and a real
 redis-server), the real audit file sink, the real approval store and the compiled policy engine. Each
 denial is checked together with what was forwarded (nothing of a denied call) and what was recorded,
-next to a positive control (the allowed neighbour is forwarded and recorded)."""
+next to a positive control (the allowed neighbour is forwarded and recorded). The world and the messages:
+mediator_world.py."""
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
 import json
-import textwrap
 import time
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from egressgate.approvals.memory import MemoryApprovals
-from egressgate.approvals.store import open_approvals
-from egressgate.audit.config import open_audit_sink
 from egressgate.broker.inject import phantom_value
-from egressgate.config import load_config
-from egressgate.gateway.context import PolicyHolder, Runtime
 from egressgate.mcp.jsonrpc import dumps
 from egressgate.mcp.mediator import McpSession
 from egressgate.mcp.schema import arguments_hash, tool_hash
-from egressgate.policy.loader import parse_policy
 from egressgate.state.base import SandboxRecord, hash_token
 from egressgate.state.memory import MemoryState
 from egressgate.state.redis import RedisState
-from tests.support.launcher import audit_records
+from tests.mcp.mediator_world import (
+    DELETE,
+    LOOKUP,
+    OTHER,
+    SEARCH,
+    World,
+    answer,
+    body,
+    call,
+    initialize,
+    list_tools,
+    make_world,
+    policy_text,
+)
 from tests.support.redis import RedisServer
 from tests.support.tmpfs import fill, tiny_tmpfs
-
-POLICY = """
-sandbox: {name: mcp-med}
-network:
-  https:
-    allow:
-      - host: tickets.mcp.test
-        paths: ["/mcp", "/mcp/**"]
-      - host: pinned.mcp.test
-mcp:
-  record_arguments: %s
-  servers:
-    - name: tickets
-      url: https://tickets.mcp.test/mcp
-      budget: {calls: 4}
-      tools:
-        allow:
-          - name: search_tickets
-            id: tickets-search
-            budget: {calls: 3}
-            arguments:
-              project: {equals_label: tenant, required: true}
-              query: {type: string, max_length: 40}
-          - name: escalate
-            approval: required
-            unlisted_arguments: allow
-          - name: note
-            unlisted_arguments: allow
-          - name: reopen
-            approval: required
-            unlisted_arguments: allow
-          - name: fetch
-            arguments:
-              url: {allowed_by_network: true, required: true}
-        deny: [delete_ticket]
-    - name: pinned
-      url: https://pinned.mcp.test/mcp
-      server_info: {name: pinned-server, version: "2.0.0"}
-      tool_schemas: {lookup: "%s"}
-      tools:
-        allow:
-          - name: lookup
-"""
-LOOKUP = {"name": "lookup", "description": "Look up.", "inputSchema": {"type": "object"}}
-SEARCH = {"name": "search_tickets", "description": "Search tickets.",
-          "inputSchema": {"type": "object", "properties": {"project": {"type": "string"}}}}
-DELETE = {"name": "delete_ticket", "description": "Delete.", "inputSchema": {"type": "object"}}
-OTHER = {"name": "unlisted_tool", "description": "Not in the policy.", "inputSchema": {"type": "object"}}
-
-
-def compiled(record_arguments: bool = False):
-    text = textwrap.dedent(POLICY % ("true" if record_arguments else "false", tool_hash(LOOKUP)))
-    return parse_policy(text, "mcp-med.yaml")
-
-
-def call(jid, tool: str, arguments: dict | None = None) -> dict:
-    params: dict = {"name": tool}
-    if arguments is not None:
-        params["arguments"] = arguments
-    return {"jsonrpc": "2.0", "id": jid, "method": "tools/call", "params": params}
-
-
-def body(obj) -> bytes:
-    return json.dumps(obj).encode()
-
-
-def answer(jid, result: dict | None = None, error: dict | None = None) -> bytes:
-    out: dict = {"jsonrpc": "2.0", "id": jid}
-    if error is not None:
-        out["error"] = error
-    else:
-        out["result"] = result if result is not None else {"content": [{"type": "text", "text": "ok"}]}
-    return dumps(out)
-
-
-@dataclass
-class World:
-    rt: Runtime
-    var: Path
-    sandbox: SandboxRecord
-
-    def session(self, server: str = "tickets", sandbox: SandboxRecord | None = None) -> McpSession:
-        policy = self.rt.policies.get("mcp-med")
-        return McpSession(self.rt, policy, policy.mcp.servers[server], sandbox or self.sandbox, "streamable_http")
-
-    def records(self, **match) -> list[dict]:
-        path = self.var / "audit.jsonl"
-        if not path.exists():
-            return []
-        return [r for r in audit_records(path) if all(r.get(k) == v for k, v in match.items())]
-
-    async def wait_records(self, n: int = 1, **match) -> list[dict]:
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            found = self.records(**match)
-            if len(found) >= n:
-                return found
-            await asyncio.sleep(0.01)
-        raise AssertionError(f"no {n} audit records matching {match}: {self.records()[-3:]}")
 
 
 @pytest.fixture(scope="module")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path_factory.mktemp("e13c-redis"))
-    server.start()
-    try:
+    with RedisServer(tmp_path_factory.mktemp("e13c-redis")) as server:
         yield server
-    finally:
-        server.stop()
-
-
-async def make_world(tmp_path: Path, state, *, record_arguments: bool = False, var: Path | None = None) -> World:
-    var = var or tmp_path / "var"
-    cfg = load_config(None, {"var_dir": str(var)})
-    sink = await open_audit_sink(cfg.audit, var)
-    rt = Runtime(config=cfg, policies=PolicyHolder({"mcp-med": compiled(record_arguments)}), state=state,
-                 audit=sink, resolver=None, ledger=None,  # type: ignore[arg-type]  # the mediator uses neither
-                 approvals=open_approvals(state) if isinstance(state, RedisState) else MemoryApprovals())
-    sandbox = SandboxRecord(id="sbx-a", token_hash=hash_token("t"), policy_name="mcp-med", admitted_at=time.time(),
-                            labels={"tenant": "acme"})
-    await state.admit(sandbox)
-    return World(rt, var, sandbox)
 
 
 @pytest.fixture(params=["memory", "redis"])
@@ -170,15 +60,6 @@ async def world(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator
     finally:
         await w.rt.audit.close()
         await state.close()
-
-
-@pytest.fixture
-async def mem_world(tmp_path: Path) -> AsyncIterator[World]:
-    w = await make_world(tmp_path, MemoryState())
-    try:
-        yield w
-    finally:
-        await w.rt.audit.close()
 
 
 # -- calls: allow, deny, batch, malformed -----------------------------------------------------------------
@@ -339,21 +220,6 @@ async def test_mcp_grant_never_covers_network_requests():
 
 
 # -- pins: tools/list, serverInfo ---------------------------------------------------------------------------
-
-
-async def list_tools(s: McpSession, jid, tools: list[dict]) -> list[str]:
-    assert (await s.from_client(body({"jsonrpc": "2.0", "id": jid, "method": "tools/list"}))).forward
-    out = json.loads(await s.from_server_bytes(answer(jid, {"tools": tools})))
-    return [t["name"] for t in out["result"]["tools"]]
-
-
-async def initialize(s: McpSession, jid, name: str, version: str) -> None:
-    init = {"jsonrpc": "2.0", "id": jid, "method": "initialize",
-            "params": {"protocolVersion": "2025-06-18", "capabilities": {},
-                       "clientInfo": {"name": "c", "version": "1"}}}
-    assert (await s.from_client(body(init))).forward
-    await s.from_server_bytes(answer(jid, {"protocolVersion": "2025-06-18", "capabilities": {},
-                                           "serverInfo": {"name": name, "version": version}}))
 
 
 async def test_tools_list_is_filtered_and_drift_denies_the_tool(world: World):
@@ -575,7 +441,7 @@ async def test_audit_replay_re_decides_the_mediators_records_unchanged(tmp_path:
     finally:
         await w.rt.audit.close()
     policy_file = tmp_path / "mcp-med.yaml"
-    policy_file.write_text(textwrap.dedent(POLICY % ("true", tool_hash(LOOKUP))))
+    policy_file.write_text(policy_text(True))
     result = replay([str(w.var / "audit.jsonl")], str(policy_file))
     decided = [r for r in w.records(**{"egressgate.operation": "mcp_tool_call"})]
     reasons = sorted({r["egressgate.reason"] for r in decided})

@@ -25,6 +25,7 @@ from tests.mcp.remote_world import (
     check_denials,
     error_of,
     open_remote_world,
+    raw_initialize,
 )
 from tests.mcp.servers import VERSION, drift, set_version
 
@@ -145,20 +146,7 @@ async def test_a_server_version_change_denies_its_tools(rw: RemoteWorld) -> None
 def raw_session(rw: RemoteWorld, sbx: Sandbox, kind: str = "json") -> Iterator[tuple[httpx.Client, dict]]:
     """An initialized MCP session with a plain httpx client (for bytes the SDK would never send)."""
     with sbx.raw() as client:
-        yield client, _initialize(client, rw.url(kind))
-
-
-def _initialize(client: httpx.Client, url: str) -> dict:
-    headers = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
-    init = {"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
-        "protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "raw", "version": "1"}}}
-    res = client.post(url, json=init, headers=headers)
-    assert res.status_code == 200, res.text
-    headers["Mcp-Session-Id"] = res.headers["mcp-session-id"]
-    headers["MCP-Protocol-Version"] = "2025-11-25"
-    assert client.post(url, json={"jsonrpc": "2.0", "method": "notifications/initialized"},
-                       headers=headers).status_code == 202
-    return headers
+        yield client, raw_initialize(client, rw.url(kind))
 
 
 def _answer(res) -> object:

@@ -11,14 +11,9 @@ and audit file sink."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
-from pathlib import Path
-
-import pytest
 
 from egressgate.mcp.mediator import McpSession
-from egressgate.state.memory import MemoryState
-from tests.mcp.test_mediator import LOOKUP, World, answer, body, call, initialize, make_world
+from tests.mcp.mediator_world import LOOKUP, World, answer, body, call, initialize
 
 META = {"_meta": {"io.modelcontextprotocol/protocolVersion": "2026-07-28",
                   "io.modelcontextprotocol/clientInfo": {"name": "mcp", "version": "0.1.0"},
@@ -46,15 +41,6 @@ async def list_stamped(s: McpSession, jid, tools: list[dict], name: str, version
 
 def reason(verdict) -> str | None:
     return verdict.replies[0]["error"]["data"]["reason"] if verdict.replies else None
-
-
-@pytest.fixture
-async def mem_world(tmp_path: Path) -> AsyncIterator[World]:
-    w = await make_world(tmp_path, MemoryState())
-    try:
-        yield w
-    finally:
-        await w.rt.audit.close()
 
 
 async def test_trust_on_first_use_holds_for_a_discover_client(mem_world: World):

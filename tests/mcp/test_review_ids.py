@@ -3,32 +3,18 @@
 Before the fix only ids of pending CALLS were refused: a `ping` id 7 still unanswered, then a
 `tools/call` id 7, made the ping's answer (`{}`) the recorded outcome of the call, and the call's real
 result passed to the client unrecorded (the audit trail's "what actually happened" was the attacker's
-choice). Real mediator, real memory store, real audit file sink (fixtures of test_mediator.py)."""
+choice). Real mediator, real memory store, real audit file sink (tests/mcp/mediator_world.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
-from pathlib import Path
-
-import pytest
 
 from egressgate.mcp.mediator import MAX_WAITING
-from egressgate.state.memory import MemoryState
-from tests.mcp.test_mediator import World, answer, body, call, make_world
+from tests.mcp.mediator_world import World, answer, body, call
 
 PING = {"jsonrpc": "2.0", "id": 7, "method": "ping"}
 SECRET = {"content": [{"type": "text", "text": "exfiltrated " * 50}]}
-
-
-@pytest.fixture
-async def mem_world(tmp_path: Path) -> AsyncIterator[World]:
-    w = await make_world(tmp_path, MemoryState())
-    try:
-        yield w
-    finally:
-        await w.rt.audit.close()
 
 
 async def test_a_call_reusing_the_id_of_a_pending_ping_is_refused(mem_world: World):

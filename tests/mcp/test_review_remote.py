@@ -15,7 +15,7 @@ from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
 
-from tests.mcp.remote_world import RemoteWorld, Sandbox, error_of, open_remote_world
+from tests.mcp.remote_world import RemoteWorld, Sandbox, error_of, open_remote_world, raw_initialize
 from tests.mcp.servers import VERSION, set_version
 
 
@@ -62,26 +62,13 @@ CALL = ('{"jsonrpc":"2.0","id":%s,"method":"tools/call","params":{"name":"search
         '"arguments":{"project":"acme"}}}')
 
 
-def _raw_session(client, url: str) -> dict:
-    headers = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
-    init = {"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
-        "protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "raw", "version": "1"}}}
-    res = client.post(url, json=init, headers=headers)
-    assert res.status_code == 200, res.text
-    headers["Mcp-Session-Id"] = res.headers["mcp-session-id"]
-    headers["MCP-Protocol-Version"] = "2025-11-25"
-    assert client.post(url, json={"jsonrpc": "2.0", "method": "notifications/initialized"},
-                       headers=headers).status_code == 202
-    return headers
-
-
 def test_another_sandboxs_session_id_hidden_in_a_duplicate_header_is_refused(rw: RemoteWorld) -> None:
     """mitmproxy's `headers.get` joins two Mcp-Session-Id headers ("sidA, x": a session nobody owns, so the
     owner check passes) while the server (Starlette) reads the FIRST one: the intruder speaks in the owner's
     server-side session. Control: the stolen id alone is refused (test_remote_streamable)."""
     owner, intruder = rw.admit(), rw.admit()
     with owner.raw() as client, intruder.raw() as other:
-        headers = _raw_session(client, rw.url("json"))
+        headers = raw_initialize(client, rw.url("json"))
         mark = rw.mcp.received.mark()
         sid = headers["Mcp-Session-Id"]
         alone = other.post(rw.url("json"), content=(CALL % 20).encode(), headers=headers)

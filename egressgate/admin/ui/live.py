@@ -1,7 +1,7 @@
 """`GET /ui/api/live`: every audit record this process writes, as server-sent events, within a second.
 
-The tap sits on the audit sink's write path (the methods are wrapped on the sink object, like
-admin/metrics.py's `install`, so every writer - proxy addons, DNS resolver, admin API - goes through it).
+The tap sits on the audit sink's write path (audit/observe.py, the same tap /metrics uses, so every
+writer - proxy addons, DNS resolver, admin API - goes through it).
 It must never slow the gateway or hold memory for a slow browser:
 
 * with no client connected, a record costs one truth test;
@@ -12,7 +12,7 @@ It must never slow the gateway or hold memory for a slow browser:
 * at most MAX_CLIENTS streams per process (503 beyond).
 
 A `write` is observed once it returned (durable); `write_after`/`enqueue_after` records are never dropped
-by the sink, so they are observed at once (the same rule as /metrics).
+by the sink, so they are observed at once (audit/observe.py: the same rule as /metrics).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from egressgate.admin.errors import error_response
 from egressgate.admin.ui.auth import COOKIE
 from egressgate.admin.ui.routes import CONSOLE_KEY, secure
 from egressgate.audit.event import AuditEvent
+from egressgate.audit.observe import observe_writes
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +85,7 @@ class LiveFeed:
     def __init__(self, sink: Any) -> None:
         self.clients: set[Client] = set()
         self.written = True  # a record was written since the audit index last caught up (audit_api.py)
-        install_tap(sink, self.observe)
+        observe_writes(sink, "console_live", self.observe)  # swaps, never taps twice (audit/observe.py)
 
     def observe(self, event: AuditEvent) -> None:
         """On the event loop, for every record: never blocks, never raises into the writer."""
@@ -177,28 +178,3 @@ class LiveFeed:
         with contextlib.suppress(ConnectionError):
             await response.write_eof()
         return response
-
-
-def install_tap(sink: Any, observe) -> None:
-    """Make `observe` see every event the sink accepts (see the module docstring). Installing again only
-    swaps the observer, so one record is never seen twice."""
-    if getattr(sink, "_console_observe", None) is not None:
-        sink._console_observe = observe
-        return
-    sink._console_observe = observe
-    write, write_after, enqueue_after = sink.write, sink.write_after, sink.enqueue_after
-
-    async def tapped_write(event: AuditEvent) -> None:
-        await write(event)
-        sink._console_observe(event)
-
-    async def tapped_write_after(event: AuditEvent) -> bool:
-        durable = await write_after(event)
-        sink._console_observe(event)
-        return durable
-
-    def tapped_enqueue_after(event: AuditEvent) -> None:
-        enqueue_after(event)
-        sink._console_observe(event)
-
-    sink.write, sink.write_after, sink.enqueue_after = tapped_write, tapped_write_after, tapped_enqueue_after
