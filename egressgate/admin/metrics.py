@@ -3,8 +3,8 @@
 Two sources, read two ways:
 
 - **What happened to requests** (decisions by reason and rule, bytes, durations, DNS rcodes) is taken from
-  the audit records, in ONE place: `install()` wraps the audit sink's three write methods, and every event
-  that reaches the sink is observed once by `AuditMetrics.observe`. The audit event is already the one
+  the audit records, in ONE place: `install()` taps the audit sink's three write methods (audit/observe.py),
+  and every event that reaches the sink is observed once by `AuditMetrics.observe`. The audit event is already the one
   description of a decision (audit/build.py), so metrics cannot disagree with the trail, and no request
   path carries its own metric increments. `observe` runs on the event loop for every record: it takes no
   lock and formats no string - plain integer additions on dicts keyed by tuples of values the event
@@ -35,6 +35,7 @@ from prometheus_client import CollectorRegistry, ProcessCollector, generate_late
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from egressgate.audit.event import AuditEvent, EventKind
+from egressgate.audit.observe import observe_writes
 from egressgate.policy.reasons import Reason
 
 if TYPE_CHECKING:
@@ -137,43 +138,25 @@ class AuditMetrics:
 
 
 def rule_ids(policies: dict[str, Any]) -> frozenset[str]:
-    """Every rule id of a policy set, DNS allow entries included (their ids are `dns.allow[i]`)."""
+    """Every rule id of a policy set, DNS allow entries included (their ids are `dns.allow[i]`), and the
+    MCP tool rules' ids (allowed tools' and deny entries', policy/mcp_compile.py): all come from loaded
+    policies, so the label set stays bounded."""
     ids: set[str] = set()
     for policy in policies.values():
         ids.update(rule.id for rule in policy.rules)
         ids.update(f"dns.allow[{i}]" for i in range(len(policy.model.network.dns.allow)))
+        mcp = getattr(policy, "mcp", None)
+        for server in (mcp.servers.values() if mcp is not None else ()):
+            ids.update(tool.rule_id for tool in server.allowed.values())
+            ids.update(server.denied.values())
     return frozenset(ids)
 
 
 def install(sink: Any, observe: Callable[[AuditEvent], None]) -> None:
-    """Make `observe` see every event the sink accepts, through its three write methods.
-
-    The methods are replaced on the sink object itself (not a wrapper object), so every holder of the sink
-    (the gateway addons, the DNS resolver, the admin API) goes through them, and attributes set on the sink
-    elsewhere still reach the real object. `write` is observed once it returned (the record is durable; a
-    write that raised was not recorded: the request was denied `audit_unavailable` and the sink's failure
-    counter says so); `write_after`/`enqueue_after` records are never dropped, so they are observed at once.
-    Installing again only swaps the observer (no double counting)."""
-    if getattr(sink, "_metrics_observe", None) is not None:
-        sink._metrics_observe = observe
-        return
-    sink._metrics_observe = observe
-    write, write_after, enqueue_after = sink.write, sink.write_after, sink.enqueue_after
-
-    async def observed_write(event: AuditEvent) -> None:
-        await write(event)
-        sink._metrics_observe(event)
-
-    async def observed_write_after(event: AuditEvent) -> bool:
-        durable = await write_after(event)
-        sink._metrics_observe(event)
-        return durable
-
-    def observed_enqueue_after(event: AuditEvent) -> None:
-        enqueue_after(event)
-        sink._metrics_observe(event)
-
-    sink.write, sink.write_after, sink.enqueue_after = observed_write, observed_write_after, observed_enqueue_after
+    """Make `observe` see every event the sink accepts, once (audit/observe.py: a `write` once it returned
+    durable, `write_after`/`enqueue_after` at once; installing again only swaps the observer, no double
+    counting)."""
+    observe_writes(sink, "metrics", observe)
 
 
 def _counter(name: str, doc: str, value: int | float) -> CounterMetricFamily:

@@ -1,4 +1,4 @@
-"""`egressgate audit verify|hash|find|replay`: auditor tools (exit 0 clean, 1 finding, 2 usage)."""
+"""`egressgate audit verify|hash|find|index|replay`: auditor tools (exit 0 clean, 1 finding, 2 usage)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from egressgate.audit.filewatch import chain_name
-from egressgate.audit.find import find_records
+from egressgate.audit.find import default_index_path, find_indexed, find_records
 from egressgate.audit.reqhash import RequestHashError, canonical_fields, canonical_request, request_hash
 from egressgate.audit.signer import SigningKeyError, load_public_keys
 from egressgate.audit.verify import verify_files
@@ -138,16 +138,86 @@ def hash_cmd(
 @click.argument("files", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
 @click.option("--request-hash", help="sha256:<hex> (from `audit hash` or a record).")
 @click.option("--request-id", help="egressgate.request.id of a decision.")
-def find(files: tuple[str, ...], request_hash: str | None, request_id: str | None) -> None:
+@click.option("--index", "index_db", type=click.Path(dir_okay=False),
+              help="SQLite index (`audit index`) to search; default: <first file>.index.sqlite when it exists. "
+                   "It is updated with FILES first, and every line printed is re-read from FILES.")
+def find(files: tuple[str, ...], request_hash: str | None, request_id: str | None, index_db: str | None) -> None:
     """Print the records (raw lines) of one request: its decision and its outcome."""
     if not request_hash and not request_id:
         raise click.UsageError("give --request-hash or --request-id")
-    found = find_records(list(files), request_hash=request_hash, request_id=request_id)
+    found = None
+    db = Path(index_db) if index_db else default_index_path(files[0])
+    if index_db or db.is_file():
+        found = _find_indexed(db, files, request_hash, request_id)
+    if found is None:
+        found = find_records(list(files), request_hash=request_hash, request_id=request_id)
     for f in found:
         click.echo(f.raw.decode("ascii", "backslashreplace"))
     if not found:
         click.echo("no matching record", err=True)
     sys.exit(0 if found else 1)
+
+
+def _find_indexed(db: Path, files: tuple[str, ...], request_hash: str | None, request_id: str | None) -> list | None:
+    """find through the index; None (after a warning) when the index cannot be used: the scan answers."""
+    import sqlite3
+
+    from egressgate.audit.index import IndexStale
+
+    try:
+        found, warnings = find_indexed(db, list(files), request_hash=request_hash, request_id=request_id)
+    except (IndexStale, sqlite3.Error, OSError) as exc:
+        click.echo(f"warning: index {db} not used ({exc}); scanning the files", err=True)
+        return None
+    for w in warnings:
+        click.echo(f"warning: {w}", err=True)
+    return found
+
+
+@audit.command("index")
+@click.argument("files", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
+@click.option("--db", type=click.Path(dir_okay=False),
+              help="Index database (default: <first file>.index.sqlite, named after the trail's live file: "
+                   "audit.jsonl.index.sqlite for audit.jsonl, its rotated files and audit.w<N>.jsonl).")
+@click.option("--verify", "reverify", is_flag=True,
+              help="Also re-read every indexed line and re-index files whose bytes changed.")
+@click.option("--workers", type=click.IntRange(1, 64), default=1, show_default=True,
+              help="Processes that parse and hash a large backlog (a first build) in parallel.")
+def index_cmd(files: tuple[str, ...], db: str | None, reverify: bool, workers: int) -> None:
+    """Build or update the SQLite index of FILES (only new lines are read); exit 1 when a hash chain breaks."""
+    from egressgate.audit.index import AuditIndex, IndexBusy
+
+    path = Path(db) if db else default_index_path(files[0])
+    try:
+        with AuditIndex(path, workers=workers) as index:
+            stats = index.add_files(list(files))
+            report = index.verify() if reverify else None
+    except IndexBusy as exc:
+        raise click.UsageError(str(exc)) from exc
+    for line in stats.renamed:
+        click.echo(f"renamed: {line} (rotated; rows kept)", err=True)
+    for line in stats.rebuilt:
+        click.echo(f"warning: re-indexed {line}", err=True)
+    for line in stats.broken:
+        click.echo(f"FAIL chain broken: {line}")
+    rate = stats.added / stats.seconds if stats.seconds else 0.0
+    click.echo(f"{path}: {stats.added} new records from {stats.files} files in {stats.seconds:.2f}s "
+               f"({rate:,.0f} records/s)" + (f"; {stats.partial_bytes} bytes of a partial last line left for "
+                                              "next time" if stats.partial_bytes else ""))
+    failed = bool(stats.broken)
+    if report is not None:
+        for check in report.files:
+            if check.rebuilt:
+                click.echo(f"warning: re-indexed {check.path}: {check.rebuilt}", err=True)
+            if check.broken:
+                failed = True
+                click.echo(f"FAIL {check.path}: {check.broken}")
+            elif not check.missing:
+                click.echo(f"OK   {check.path}: {check.records} records, {check.verified} verified")
+        for link in report.links:
+            failed = True
+            click.echo(f"FAIL {link}")
+    sys.exit(1 if failed else 0)
 
 
 @audit.command()
@@ -160,7 +230,8 @@ def find(files: tuple[str, ...], request_hash: str | None, request_id: str | Non
     help="Policy file (applies to every record) or directory (matched by sandbox.name).",
 )
 def replay(files: tuple[str, ...], policy_path: str) -> None:
-    """Re-decide recorded requests, CONNECTs and DNS queries under POLICY; list decisions that change."""
+    """Re-decide recorded requests, CONNECTs, DNS queries and MCP tool calls under POLICY; list decisions that
+    change."""
     from egressgate.audit.replay import format_table
     from egressgate.audit.replay import replay as run_replay
     from egressgate.policy.errors import PolicyError

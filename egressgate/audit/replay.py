@@ -33,7 +33,7 @@ from egressgate.audit.record import (
 from egressgate.audit.replay_format import format_table, printable
 from egressgate.audit.replay_mcp import OPERATION as MCP_OPERATION
 from egressgate.audit.replay_mcp import McpHistory, NotReplayable, replay_tool_call
-from egressgate.audit.replay_state import History, as_int, grants_from, state_from, update_history
+from egressgate.audit.replay_state import History, as_int, state_from, update_history
 from egressgate.policy.canon import canon_host
 from egressgate.policy.facts import Decision, Facts, Operation, SandboxState
 
@@ -107,7 +107,7 @@ class ReplayResult:
     # approval id -> replayed decisions it allowed (reason approval_granted): allowed by an operator's
     # approval (recorded in egressgate.state.approvals), not by any rule of the replayed policy
     by_approval: dict[str, int] = field(default_factory=dict)
-    arguments_unchecked: int = 0  # MCP tool calls re-decided without their arguments (not recorded)
+    arguments_unchecked: int = 0  # MCP tool calls allowed without their arguments (not recorded)
     truncated: bool = False  # stopped at `limit` changes
 
     def skip(self, why: str) -> None:
@@ -276,31 +276,27 @@ def _replay_one(
     if not exact:
         result.approximated_state += 1
     new = decide(policy, facts, state, time_s)
+    target = attrs.get("egressgate.target.canonical") or facts.host
+    _tally(result, found, attrs, sandbox_id, str(target), str(new.effect), new.rule_id, new.approval_id, new.reason)
+
+
+def _tally(result: ReplayResult, found, attrs, sandbox_id: str, target: str, new_decision: str,
+           new_rule: str | None, new_approval: str | None, new_reason: Any) -> None:
+    """Count one re-decided record; a changed effect becomes a Change (old and new rule / reason)."""
     result.replayed += 1
-    if new.approval_id is not None and new.allowed:
-        result.by_approval[new.approval_id] = result.by_approval.get(new.approval_id, 0) + 1
-    new_decision = str(new.effect)
+    if new_approval is not None and new_decision == "allow":
+        result.by_approval[new_approval] = result.by_approval.get(new_approval, 0) + 1
+    old, reason = attrs.get("egressgate.decision"), attrs.get("egressgate.reason")
     if new_decision == old:
         result.unchanged += 1
         return
-    target = attrs.get("egressgate.target.canonical") or facts.host
-    result.changes.append(
-        Change(
-            found.path,
-            found.line,
-            found.record.time_ns,
-            sandbox_id,
-            str(attrs.get(K_OPERATION)),
-            str(target),
-            str(old),
-            _rule_or_approval(attrs.get("egressgate.rule"), attrs.get("egressgate.approval.id"), reason),
-            str(reason) if reason is not None else None,
-            new_decision,
-            _rule_or_approval(new.rule_id, new.approval_id, str(new.reason)),
-            str(new.reason),
-            str(attrs["egressgate.request.id"]) if isinstance(attrs.get("egressgate.request.id"), str) else None,
-        )
-    )
+    request_id = attrs.get("egressgate.request.id")
+    result.changes.append(Change(
+        found.path, found.line, found.record.time_ns, sandbox_id, str(attrs.get(K_OPERATION)), target, str(old),
+        _rule_or_approval(attrs.get("egressgate.rule"), attrs.get("egressgate.approval.id"), reason),
+        str(reason) if reason is not None else None, new_decision,
+        _rule_or_approval(new_rule, new_approval, str(new_reason)), str(new_reason),
+        request_id if isinstance(request_id, str) else None))
 
 
 def _rule_or_approval(rule: Any, approval_id: Any, reason: Any) -> str | None:
@@ -320,32 +316,11 @@ def _replay_tool_call(found, attrs, sandbox_id, mcp_history, time_s, policies, s
         result.skip(f"no policy named {attrs.get('egressgate.policy.name')!r}")
         return
     try:
-        done = replay_tool_call(policy, attrs, sandbox_id, mcp_history, time_s, grants_from)
+        done = replay_tool_call(policy, attrs, sandbox_id, mcp_history, time_s)
     except NotReplayable as exc:
         result.skip(str(exc))
         return
-    result.replayed += 1
     result.approximated_state += not done.exact_state
     result.arguments_unchecked += not done.arguments_checked
-    new, old, reason = done.decision, attrs.get("egressgate.decision"), attrs.get("egressgate.reason")
-    if new.approval_id is not None and new.allowed:
-        result.by_approval[new.approval_id] = result.by_approval.get(new.approval_id, 0) + 1
-    if new.decision == old:
-        result.unchanged += 1
-        return
-    result.changes.append(Change(
-        found.path, found.line, found.record.time_ns, sandbox_id, MCP_OPERATION, done.target, str(old),
-        _rule_or_approval(attrs.get("egressgate.rule"), attrs.get("egressgate.approval.id"), reason),
-        str(reason) if reason is not None else None, new.decision,
-        _rule_or_approval(new.rule_id, new.approval_id, str(new.reason)), str(new.reason),
-        str(attrs["egressgate.request.id"]) if isinstance(attrs.get("egressgate.request.id"), str) else None))
-
-
-def _rule_or_approval(rule: Any, approval_id: Any, reason: Any) -> str | None:
-    """What allowed (or was asked of) a decision: its rule, or `approval <id>` when an operator's approval
-    allowed it (approval_granted) or was asked for (approval_required)."""
-    if isinstance(rule, str):
-        return rule
-    if reason in ("approval_granted", "approval_required") and isinstance(approval_id, str):
-        return f"approval {approval_id}"
-    return None
+    new = done.decision
+    _tally(result, found, attrs, sandbox_id, done.target, new.decision, new.rule_id, new.approval_id, new.reason)

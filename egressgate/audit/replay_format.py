@@ -43,7 +43,7 @@ def format_table(result: ReplayResult) -> str:
         summary += (f"\n{n} allowed by operator approval {printable(approval_id)} (approval_granted, not a rule; the "
                     "`approval` audit records say who granted it, its scope and expiry)")
     if result.arguments_unchecked:
-        summary += (f"\n{result.arguments_unchecked} MCP tool calls re-decided without their arguments (not "
+        summary += (f"\n{result.arguments_unchecked} MCP tool calls allowed without their arguments (not "
                     "recorded; mcp.record_arguments): argument constraints not checked")
     for why, n in sorted(result.skipped.items()):
         summary += f"\nskipped {n}: {why}"

@@ -8,8 +8,8 @@ carries (egressgate/mcp/records.py, docs/audit.md "MCP"): server, tool, the sand
   redacted secret (`[REDACTED]`) is not the value the tool received, so such a record is treated as
   having no arguments.
 - Arguments not recorded (the default: only their sha256 is): server, tool, pins, budgets and approval
-  are re-decided and argument constraints are NOT checked; the summary counts these records
-  (`arguments not replayable`). A record the recording policy refused for an argument is then skipped: a
+  are re-decided and argument constraints are NOT checked; the summary counts the calls this allows
+  (a deny holds whatever the arguments are). A record the recording policy refused for an argument is then skipped: a
   replay cannot know whether the new constraints would hold.
 - A record without `egressgate.mcp.facts`: counts come from the log (allowed calls before it), pins are
   taken to hold; it counts as reconstructed state, like network records without recorded state.
@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from egressgate.audit.record import K_LABELS
+from egressgate.audit.replay_state import grants_from
 from egressgate.policy.mcp_decide import McpFacts, ToolCall, decide_tool_call
 
 OPERATION = "mcp_tool_call"
@@ -80,8 +81,7 @@ def _arguments(attrs: dict[str, Any]) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
-def replay_tool_call(policy: Any, attrs: dict[str, Any], sandbox_id: str, hist: McpHistory, time_s: float,
-                     grants_from: Any) -> Replayed:
+def replay_tool_call(policy: Any, attrs: dict[str, Any], sandbox_id: str, hist: McpHistory, time_s: float) -> Replayed:
     old, reason = attrs.get("egressgate.decision"), attrs.get("egressgate.reason")
     if old not in ("allow", "deny"):
         raise NotReplayable("no recorded decision")
@@ -121,4 +121,6 @@ def replay_tool_call(policy: Any, attrs: dict[str, Any], sandbox_id: str, hist: 
                                 check_arguments=known)
     if not known and decision.allowed and reason == "mcp_argument_denied":
         raise NotReplayable("argument checks not replayable (arguments not recorded; set mcp.record_arguments)")
-    return Replayed(decision, isinstance(recorded, dict), known, f"mcp {server}/{tool}")
+    # A deny holds whatever the arguments are (they could only turn an allow into a deny): only an allow
+    # re-decided without them is uncertain.
+    return Replayed(decision, isinstance(recorded, dict), known or not decision.allowed, f"mcp {server}/{tool}")

@@ -21,6 +21,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from urllib.parse import quote, quote_plus
 
+from egressgate.broker.escapes import EscapedPattern, escape_prefilter, escaped_pattern
+
 REPLACEMENT = b"[REDACTED]"
 MIN_EMBEDDED_B64 = 8  # shorter mid-blob base64 fragments would redact innocent data
 
@@ -92,15 +94,27 @@ class Scrubber:
     """Compiled patterns for a set of secrets; immutable, share it across responses."""
 
     def __init__(self, secrets: Iterable[SecretSpec | str], replacement: bytes = REPLACEMENT) -> None:
-        patterns: set[bytes] = set()
+        literal: set[bytes] = set()
+        raws: set[bytes] = set()
+        escaped: dict[str, EscapedPattern] = {}
         for s in secrets:
             spec = SecretSpec(s) if isinstance(s, str) else s
             if not spec.value:
                 raise ValueError("cannot scrub an empty secret")
-            patterns |= encodings(spec)
-        self.patterns = sorted(patterns, key=len, reverse=True)  # longest first: regex takes the first
+            literal |= encodings(spec)
+            raws.add(spec.value.encode("utf-8"))
+            escaped.setdefault(spec.value, escaped_pattern(spec.value))
+        # One regex per value (an alternation of them would lose sre's first-character skip).
+        self._escaped = [re.compile(p.source) for p in escaped.values()]
+        # A fixed form an escape-aware regex matches whole (percent, JSON) is found by it; the raw value
+        # stays a literal: it is how the fast path below sees a value with no escape in it.
+        self.patterns = sorted((p for p in literal if p in raws or not any(r.fullmatch(p) for r in self._escaped)),
+                               key=len, reverse=True)  # longest first: regex takes the first
+        self._triggers = [bytes([t]) for t in sorted(set().union(*(p.triggers for p in escaped.values())))]
+        needles, sources = escape_prefilter(list(escaped))
+        self._needles, self._prefilters = needles, [re.compile(src) for src in sources]
         self.replacement = replacement
-        self.max_len = max((len(p) for p in self.patterns), default=0)
+        self.max_len = max([len(p) for p in self.patterns] + [p.max_len for p in escaped.values()], default=0)
         alternation = b"|".join(re.escape(p) for p in self.patterns)
         # Plain alternation keeps sre's first-character skip (a lookahead would test every position);
         # overlapping matches are found by searching again from one byte after each match start.
@@ -111,25 +125,29 @@ class Scrubber:
         `limit` (default: anywhere). Matches may end after `limit`; `data` must hold their bytes."""
         if self._regex is None:
             return []
-        # Fast path (the common case: nothing to redact): bytes.find per literal is ~10x faster than
-        # sre's alternation scan; no pattern anywhere in `data` means no span, so the result is the same.
-        if not any(p in data for p in self.patterns):
+        # Fast path (the common case: nothing to redact). Literal forms: bytes.find per literal is ~10x
+        # faster than sre's alternation scan. Escape-aware: a match is either the raw value (a literal)
+        # or holds an escape of one of the secret's characters, which starts with a trigger byte (`\\`,
+        # `%`, `&`, `+` for a space) and which the prefilter (needles, regexes) finds; with neither in `data`, there is
+        # no span at all. Sound for any `data`, so for the stream's window too: a match is only ever
+        # found wholly inside the bytes searched, and so is the escape it holds.
+        literal = any(p in data for p in self.patterns)
+        escaped = literal or (any(t in data for t in self._triggers) and (
+            any(n in data for n in self._needles) or any(r.search(data) for r in self._prefilters)))
+        if not escaped:
             return []
         end_pos = len(data) if limit is None else limit
+        found = _matches(self._regex, data, end_pos) if literal else []
+        for regex in self._escaped:  # `escaped` holds here
+            found += _matches(regex, data, end_pos)
+        found.sort()
         merged: list[tuple[int, int]] = []
-        search = self._regex.search
-        pos = 0
-        while pos < end_pos:
-            m = search(data, pos)
-            if m is None or m.start() >= end_pos:
-                break
-            start, stop = m.span()
+        for start, stop in found:
             if merged and start <= merged[-1][1]:
                 if stop > merged[-1][1]:
                     merged[-1] = (merged[-1][0], stop)
             else:
                 merged.append((start, stop))
-            pos = start + 1
         return merged
 
     def scrub(self, data: bytes) -> bytes:
@@ -161,6 +179,21 @@ class Scrubber:
 
     def stream(self) -> StreamScrubber:
         return StreamScrubber(self)
+
+
+def _matches(regex: re.Pattern[bytes], data: bytes, end_pos: int) -> list[tuple[int, int]]:
+    """Every match starting before `end_pos`, overlapping ones included (searched again from one byte
+    after each match start)."""
+    out: list[tuple[int, int]] = []
+    search = regex.search
+    pos = 0
+    while pos < end_pos:
+        m = search(data, pos)
+        if m is None or m.start() >= end_pos:
+            break
+        out.append(m.span())
+        pos = m.start() + 1
+    return out
 
 
 @functools.lru_cache(maxsize=1024)

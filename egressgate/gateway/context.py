@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from egressgate.gateway.credential_response import Applied
     from egressgate.gateway.ledger import ByteLedger, Meter
     from egressgate.gateway.limit_audit import LimitAudit
+    from egressgate.gateway.mcp_sessions import McpExchange
     from egressgate.gateway.resolver import Resolver
     from egressgate.gateway.ws_layer import Refusal as WsRefusal
     from egressgate.state.base import SandboxRecord, StateStore
@@ -142,6 +143,8 @@ class FlowState:
     # request_hash.py: the canonical request hash (complete at the headers, or fed by the body)
     bodyless_hash: str | None = None
     hasher: StreamingRequestHash | None = None
+    # mcp_route.py: this flow is on a remote MCP route (its server, session, gateway answers)
+    mcp: McpExchange | None = None
     # connguard.py: this request is counted in its connection's in-flight requests
     in_flight: bool = False
     # ws_layer.py: the websocket runs on the guarded layer / why the gateway closed it

@@ -33,6 +33,7 @@ from egressgate.gateway.decision import DecisionAddon
 from egressgate.gateway.enforce import Enforce
 from egressgate.gateway.failclosed import FailClosed
 from egressgate.gateway.identity import Identity
+from egressgate.gateway.mcp_route import McpRoute
 from egressgate.gateway.pinning import Pinning
 from egressgate.gateway.record import Record
 from egressgate.gateway.revocation import Revocation
@@ -195,7 +196,7 @@ class GatewayMaster:
         ours = [ConnGuard(rt, self.pending_bytes, self.write_backlog),
                 NextLayer(rt), tlsconfig.TlsConfig(), Identity(rt), Transparent(rt), Consistency(rt), Sanitize(),
                 DecisionAddon(rt), Trailers(rt), Credentials(rt), Budgets(rt), ResponseScrub(rt),
-                record, Pinning(rt), Enforce(rt), Revocation(rt)]
+                record, Pinning(rt), Enforce(rt), McpRoute(rt), Revocation(rt)]
         # every addon in the decision path fails closed (failclosed.py); TlsConfig too, since a failed
         # certificate step must not leave a connection half-configured. A refused flow is audited.
         guarded = (FailClosed(a, self.abort_connection, record.refused) for a in ours)

@@ -10,10 +10,11 @@ executed, so every such input is refused (McpMalformed), never guessed at:
 - NaN / Infinity / numbers that overflow a double (not JSON; Python accepts them by default);
 - depth above `max_depth` and bodies above `max_bytes` (bounded work, bounded memory);
 - envelope: "jsonrpc" exactly "2.0", no members beyond jsonrpc/id/method/params/result/error, an id
-  that is a string or an integer (never a float, bool or null on a request), no result/error on a
-  request, no method on a response, params an object, `tools/call` never as a notification (a call
-  nobody answers would run unrecorded), an empty batch, a non-object batch member, two requests in
-  one batch with the same id (the second call's outcome would hide behind the first's).
+  that is a string or an integer within +-(2^53-1) (never a float, bool or null on a request), no
+  result/error on a request, no method on a response, params an object, `tools/call` never as a
+  notification (a call nobody answers would run unrecorded), an empty batch, a non-object batch
+  member, two requests in one batch with the same id (the second call's outcome would hide behind
+  the first's).
 
 What the gateway forwards is `dumps()` of the parsed objects: the server parses exactly what was
 decided, never the sandbox's original bytes.
@@ -134,12 +135,22 @@ def loads_strict(body: bytes, *, max_bytes: int, max_depth: int = DEFAULT_MAX_DE
         raise _json_error("depth", f"nested deeper than {max_depth}") from None
     except ValueError as exc:  # JSONDecodeError, and int() over the digit limit
         raise _json_error("syntax", str(exc)[:120]) from None
-    _walk(value, max_depth, _SURROGATE_ESCAPE.search(body) is not None)
+    escapes = _SURROGATE_ESCAPE.search(body) is not None
+    # fewer brackets than the limit cannot nest deeper than it: most messages skip the walk entirely
+    if escapes or body.count(b"{") + body.count(b"[") > max_depth:
+        _walk(value, max_depth, escapes)
     return value
 
 
+# An integer id a JavaScript server reads as a double is exact only up to 2^53: two calls with ids that
+# round to one number would have one answer, so whose outcome is it? Larger integers are refused.
+MAX_SAFE_ID = 2**53 - 1
+
+
 def _valid_id(value: Any) -> bool:
-    return isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool))
+    if isinstance(value, str):
+        return True
+    return isinstance(value, int) and not isinstance(value, bool) and -MAX_SAFE_ID <= value <= MAX_SAFE_ID
 
 
 def message_from(obj: Any) -> Message:
@@ -254,6 +265,20 @@ def deny_error(id: int | str | None, message: str, reason: str, rule: str | None
     if approval_id is not None:
         data["approval_id"] = approval_id
     return error_response(id, code, message, data)
+
+
+def reply_id(body: bytes, max_bytes: int) -> int | str | None:
+    """The id to answer a refused body with, so the client's pending request fails at once instead of
+    timing out: a lenient reading of a single message's id. Only ever used to ADDRESS the error reply,
+    never to decide or forward anything; None for a batch or anything unreadable (JSON-RPC: id null)."""
+    if len(body) > max_bytes:
+        return None
+    try:
+        obj = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    rid = obj.get("id") if isinstance(obj, dict) else None
+    return rid if rid is not None and _valid_id(rid) else None
 
 
 def malformed_error(exc: McpMalformed, id: int | str | None = None) -> dict:

@@ -23,7 +23,8 @@ to answer itself. The rules, stated here once:
 from __future__ import annotations
 
 import contextlib
-import json
+import hashlib
+import logging
 import time
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -34,7 +35,17 @@ from egressgate.audit.event import AuditUnavailable
 from egressgate.broker.redact import SecretSpec
 from egressgate.mcp import records
 from egressgate.mcp.approval import name_tool_approval
-from egressgate.mcp.jsonrpc import McpMalformed, Message, deny_error, dumps, malformed_error, parse_body, parse_value
+from egressgate.mcp.facts import Refused, budget_deny, facts_record, needs_approval, needs_network, read_info
+from egressgate.mcp.jsonrpc import (
+    McpMalformed,
+    Message,
+    deny_error,
+    dumps,
+    malformed_error,
+    parse_body,
+    parse_value,
+    reply_id,
+)
 from egressgate.mcp.server_side import ServerSide
 from egressgate.policy.mcp_decide import McpFacts, ToolCall, ToolDecision, decide_tool_call
 from egressgate.policy.reasons import Reason
@@ -46,11 +57,16 @@ if TYPE_CHECKING:
     from egressgate.policy.mcp_compile import McpServer
     from egressgate.state.base import SandboxRecord
 
+logger = logging.getLogger(__name__)
+MAX_WAITING = 4096  # unanswered requests (calls, tracked and other requests) per session
+_LONG_ID = 64  # a longer string id is kept as its sha256 in `outstanding` (bounded memory per id)
+
 _FAILURES = {
     Reason.STATE_UNAVAILABLE: "The gateway's state store is unavailable, so tool calls are refused; retry shortly.",
     Reason.AUDIT_UNAVAILABLE: "The gateway cannot record tool calls right now, so they are refused; retry shortly.",
     Reason.SANDBOX_REVOKED: "This sandbox was revoked; its tool calls are refused.",
     Reason.POLICY_UNAVAILABLE: "The sandbox's policy is not loaded, so tool calls are refused; ask an operator.",
+    Reason.INTERNAL_ERROR: "The gateway failed to decide this tool call, so it was refused; report it to an operator.",
 }
 
 
@@ -106,6 +122,7 @@ class McpSession:
         self.server_side = ServerSide(self)
         self.calls: dict[int | str, _Pending] = {}  # allowed calls waiting for their answer, by JSON-RPC id
         self._reserved: set[int | str] = set()  # ids of calls being decided right now
+        self.outstanding: set[int | str | bytes] = set()  # _id_key of forwarded non-call requests unanswered
         self._pins_read = False
         self.closed = False
 
@@ -133,7 +150,7 @@ class McpSession:
             messages, was_batch = parse_body(body, max_bytes=policy.mcp.max_message_bytes)
             self._check_ids(messages)
         except McpMalformed as exc:
-            return await self._refuse_body(exc, policy is None)
+            return await self._refuse_body(exc, policy is None, reply_id(body, self.max_bytes()))
         return await self._from_client(messages, was_batch)
 
     async def _from_client(self, messages: list[Message], was_batch: bool) -> ClientVerdict:
@@ -165,22 +182,33 @@ class McpSession:
         return ClientVerdict(body, replies, was_batch)
 
     def _check_ids(self, messages: list[Message]) -> None:
-        """A call whose id is still waiting for its answer would make two answers of one id: which one
-        is the outcome of which call? Refused (the agent reuses ids only after their answers). Checked
-        and reserved with no await in between, so two bodies decided at once cannot share an id."""
+        """A request whose id is still waiting for its answer would make two answers of one id: which one
+        is the outcome of which call? Refused (the agent reuses ids only after their answers). That holds
+        for ANY pending request, not only calls: a `ping` id 7 answered `{}` would otherwise be recorded
+        as the outcome of a later `tools/call` id 7, whose real result then passes unrecorded. At most
+        MAX_WAITING requests wait at once (bounded memory whatever the server leaves unanswered).
+        Checked and reserved with no await in between, so two bodies decided at once cannot share an id."""
         for msg in messages:
-            if msg.kind == "request" and (msg.id in self.calls or msg.id in self._reserved):
-                raise McpMalformed("id_in_use", "a request reuses the id of a tool call still waiting for its answer")
+            if msg.kind != "request":
+                continue
+            if msg.id in self.calls or msg.id in self._reserved or _id_key(msg.id) in self.outstanding:
+                raise McpMalformed("id_in_use", "a request reuses the id of a request still waiting for its answer")
+        waiting = len(self.calls) + len(self._reserved) + len(self.outstanding)
+        if waiting + sum(m.kind == "request" for m in messages) > MAX_WAITING:
+            # bounded memory; never evicted instead: an answer nobody tracks would go unrecorded/unfiltered
+            raise McpMalformed("too_many_pending", f"more than {MAX_WAITING} requests of this session are unanswered")
         for msg in messages:
             if msg.is_call:
                 self._reserved.add(msg.id)  # type: ignore[arg-type]
+            elif msg.kind == "request":
+                self.outstanding.add(_id_key(msg.id))  # always forwarded
 
-    async def _refuse_body(self, exc: McpMalformed, no_policy: bool) -> ClientVerdict:
+    async def _refuse_body(self, exc: McpMalformed, no_policy: bool, rid: int | str | None) -> ClientVerdict:
         if no_policy:
-            reply = deny_error(None, _FAILURES[Reason.POLICY_UNAVAILABLE], str(Reason.POLICY_UNAVAILABLE), None)
+            reply = deny_error(rid, _FAILURES[Reason.POLICY_UNAVAILABLE], str(Reason.POLICY_UNAVAILABLE), None)
             reason, detail = Reason.POLICY_UNAVAILABLE, "policy_unavailable"
         else:
-            reply = malformed_error(exc)
+            reply = malformed_error(exc, rid)
             reason, detail = Reason.MCP_MALFORMED, exc.detail
         event = records.message_record(self.ctx, reason=str(reason), detail=detail, message=reply["error"]["message"])
         self.rt.audit.enqueue_after(event)  # refused either way: queued, never dropped
@@ -195,17 +223,22 @@ class McpSession:
             return await self._fail(msg, tool, arguments, Reason.POLICY_UNAVAILABLE)
         try:
             facts = await self._facts(policy, tool, now)
-        except _Refused as refused:
+        except Refused as refused:
             return await self._fail(msg, tool, arguments, refused.reason)
-        decision = decide_tool_call(policy, ToolCall(self.server_name, tool, MappingProxyType(arguments)), facts, now)
-        call = _Call(msg, tool, arguments, decision, facts=_facts_record(facts), approval_id=decision.approval_id)
+        try:
+            decision = decide_tool_call(policy, ToolCall(self.server_name, tool, MappingProxyType(arguments)), facts,
+                                        now)
+        except Exception:  # a bug on odd input is still a refusal (recorded), never a forwarded call
+            logger.exception("mcp: deciding a tools/call of %s/%s failed", self.sandbox_id, self.server_name)
+            return await self._fail(msg, tool, arguments, Reason.INTERNAL_ERROR)
+        call = _Call(msg, tool, arguments, decision, facts=facts_record(facts), approval_id=decision.approval_id)
         if decision.allowed:
             try:
                 refused_key = await self.rt.state.count_calls(self.sandbox_id, decision.budget_keys)
             except StateUnavailable:
                 return await self._fail(msg, tool, arguments, Reason.STATE_UNAVAILABLE)
             if refused_key is not None:  # a concurrent call took the last one after the facts were read
-                call.decision = _budget_deny(policy, self.server_name, tool, decision, refused_key)
+                call.decision = budget_deny(policy, self.server_name, tool, decision, refused_key)
             else:
                 call.counted = tuple(key for key, _ in decision.budget_keys)
         elif decision.approval_kind is not None:
@@ -230,24 +263,27 @@ class McpSession:
         try:
             record = await state.get(self.sandbox_id)
             if record is None or record.revoked:
-                raise _Refused(Reason.SANDBOX_REVOKED)
+                raise Refused(Reason.SANDBOX_REVOKED)
             if self.server_side.pin_failed:
-                raise _Refused(Reason.STATE_UNAVAILABLE)
-            snap = await state.snapshot(self.sandbox_id, history=policy.history_patterns,
-                                        rules=[server_key, tool_key, *policy.budgeted_rules])
-            pins = await state.mcp_pins(self.sandbox_id, self.server_name)
+                raise Refused(Reason.STATE_UNAVAILABLE)
+            snap = None
+            if needs_network(policy, self.server_name, tool):  # allowed_by_network: decided like a request
+                snap = await state.snapshot(self.sandbox_id, history=policy.history_patterns,
+                                            rules=policy.budgeted_rules)
+            counts, pins = await state.mcp_read(self.sandbox_id, self.server_name, [server_key, tool_key])
             self.server_side.known = dict(pins)
-            grants = await self.rt.approvals.grants(self.sandbox_id, now)
+            # grants matter only to a tool that needs approval: no store read for the others
+            grants: tuple = ()
+            if needs_approval(policy, self.server_name, tool):
+                grants = await self.rt.approvals.grants(self.sandbox_id, now)
         except KeyError:
-            raise _Refused(Reason.SANDBOX_REVOKED) from None
+            raise Refused(Reason.SANDBOX_REVOKED) from None
         except StateUnavailable:
-            raise _Refused(Reason.STATE_UNAVAILABLE) from None
-        usage = snap.rule_usage
+            raise Refused(Reason.STATE_UNAVAILABLE) from None
         return McpFacts(
-            sandbox_id=self.sandbox_id, labels=self.labels,
-            server_calls=usage[server_key].requests if server_key in usage else 0,
-            tool_calls=usage[tool_key].requests if tool_key in usage else 0,
-            server_info_seen=_info(pins.get("server_info")), tool_schema_seen=pins.get("tool:" + tool),
+            sandbox_id=self.sandbox_id, labels=MappingProxyType(dict(record.labels)),  # current (readmission)
+            server_calls=counts.get(server_key, 0), tool_calls=counts.get(tool_key, 0),
+            server_info_seen=read_info(pins.get("server_info")), tool_schema_seen=pins.get("tool:" + tool),
             tool_schema_now=self.server_side.tool_hashes.get(tool), server_info_now=self.server_side.server_info_now,
             grants=grants, network_state=snap)
 
@@ -284,6 +320,8 @@ class McpSession:
         pins) are scheduled and awaited by the next from_client / from_server / close."""
         out = []
         for msg in messages:
+            if msg.kind == "response":
+                self.outstanding.discard(_id_key(msg.id))
             if msg.kind == "response" and msg.id in self.calls:
                 self._outcome(msg)
                 out.append(msg.obj)
@@ -330,39 +368,9 @@ class McpSession:
         self.calls.clear()
 
 
-class _Refused(Exception):
-    def __init__(self, reason: Reason) -> None:
-        self.reason = reason
-
-
-def _info(raw: str | None) -> tuple[str, str] | None:
-    if raw is None:
-        return None
-    try:
-        name, version = json.loads(raw)
-    except (ValueError, TypeError):
-        raise _Refused(Reason.STATE_UNAVAILABLE) from None  # a corrupt pin is never "not seen yet"
-    return str(name), str(version)
-
-
-def _facts_record(facts: McpFacts) -> dict[str, Any]:
-    """What the decision read, for `audit replay` (docs/audit.md, MCP)."""
-    out: dict[str, Any] = {"server_calls": facts.server_calls, "tool_calls": facts.tool_calls}
-    for key in ("server_info_seen", "server_info_now"):
-        value = getattr(facts, key)
-        if value is not None:
-            out[key] = list(value)
-    for key in ("tool_schema_seen", "tool_schema_now"):
-        value = getattr(facts, key)
-        if value is not None:
-            out[key] = value
-    if facts.grants:
-        out["grants"] = [{k: v for k, v in g.to_json().items() if v is not None} for g in facts.grants]
-    return out
-
-
-def _budget_deny(policy: CompiledPolicy, server: str, tool: str, allowed: ToolDecision, key: str) -> ToolDecision:
-    from egressgate.policy.messages import mcp_message
-
-    message = mcp_message(policy, Reason.BUDGET_EXCEEDED, server, tool, rule_id=allowed.rule_id, detail=key)
-    return ToolDecision("deny", Reason.BUDGET_EXCEEDED, allowed.rule_id, message, detail=key)
+def _id_key(jsonrpc_id: int | str | None) -> int | str | bytes | None:
+    """What `outstanding` keeps of an id: the id, or the sha256 of a long string id (a 1 MB id would
+    otherwise be held for as long as its request waits; bytes never equal an int or a str id)."""
+    if isinstance(jsonrpc_id, str) and len(jsonrpc_id) > _LONG_ID:
+        return hashlib.sha256(jsonrpc_id.encode("utf-8")).digest()
+    return jsonrpc_id

@@ -11,12 +11,14 @@
   its pin, an answer the gateway could not read.
 
 Redaction of recorded arguments: the values of the route's credentials (broker/redact.py Scrubber,
-every encoding it knows) and phantom tokens (broker/inject.py) are replaced; a phantom the redaction
+every encoding it knows, any subset of characters escaped) and phantom tokens (broker/inject.py) are
+replaced; a phantom the redaction
 cannot locate (percent-encoded) makes the whole value `[REDACTED]` rather than record a fragment.
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -26,7 +28,7 @@ from urllib.parse import unquote
 from egressgate.audit.build import APPROVAL_ID, DETAIL, build
 from egressgate.audit.event import AuditEvent, EventKind
 from egressgate.broker.inject import PHANTOM_HEX, PHANTOM_PREFIX
-from egressgate.broker.redact import REPLACEMENT, Scrubber, SecretSpec
+from egressgate.broker.redact import REPLACEMENT, SecretSpec, cached_scrubber
 from egressgate.mcp.schema import arguments_hash, canonical
 
 P = "egressgate.mcp."
@@ -37,6 +39,16 @@ OUTCOME, IS_ERROR, RESULT_BYTES, ERROR_CODE = P + "outcome", P + "is_error", P +
 TOOLS, CHANGED, SERVER_INFO = P + "tools", P + "changed", P + "server_info"
 _PHANTOM = re.compile(re.escape(PHANTOM_PREFIX) + f"[0-9a-f]{{{PHANTOM_HEX}}}", re.IGNORECASE)
 _REDACTED = REPLACEMENT.decode()
+MAX_NAME_CHARS = 256  # a tool name or id is the agent's text: bounded in records (the hash covers the rest)
+
+
+def _bounded(text: str, extra: dict[str, Any], key: str) -> str:
+    """`text` cut to MAX_NAME_CHARS; when cut, `<key>_sha256` names the whole (a record stays small and a
+    collector's line limit is not the agent's to exceed)."""
+    if len(text) <= MAX_NAME_CHARS:
+        return text
+    extra[key + "_sha256"] = hashlib.sha256(text.encode("utf-8")).hexdigest()
+    return text[:MAX_NAME_CHARS] + "..."
 
 
 @dataclass(slots=True)
@@ -69,7 +81,7 @@ def redact_arguments(arguments: Any, secrets: Iterable[SecretSpec] = ()) -> str:
     text = canonical(arguments).decode("utf-8")
     specs = tuple(secrets)
     if specs:
-        text = Scrubber(specs).scrub_text(text)
+        text = cached_scrubber(*specs).scrub_text(text)  # compiled once per credential, not per record
     text = _PHANTOM.sub(_REDACTED, text)
     if _PHANTOM.search(unquote(text)):
         return _REDACTED
@@ -80,7 +92,9 @@ def call_record(ctx: Context, *, request_id: str | None, jsonrpc_id: int | str |
                 arguments: Any, record_arguments: bool, decision: str, reason: str, rule_id: str | None,
                 message: str, detail: str | None = None, failed_argument: str | None = None,
                 approval_id: str | None = None, facts: dict[str, Any] | None = None) -> AuditEvent:
-    extra: dict[str, Any] = {TOOL: tool, ARGUMENTS_SHA256: arguments_hash(arguments), JSONRPC_ID: str(jsonrpc_id)}
+    extra: dict[str, Any] = {ARGUMENTS_SHA256: arguments_hash(arguments)}
+    extra[TOOL] = _bounded(tool, extra, TOOL)
+    extra[JSONRPC_ID] = _bounded(str(jsonrpc_id), extra, JSONRPC_ID)
     if record_arguments:
         extra[ARGUMENTS] = redact_arguments(arguments, ctx.secrets)
     if detail:
@@ -100,7 +114,9 @@ def outcome_record(ctx: Context, *, request_id: str, tool: str, jsonrpc_id: int 
                    response_bytes: int | None = None) -> AuditEvent:
     """The effect of an allowed call: `result` (with `is_error` from the result's isError), `error` (a
     JSON-RPC error answer, with its code) or `no_response` (the session ended before an answer)."""
-    extra: dict[str, Any] = {TOOL: tool, JSONRPC_ID: str(jsonrpc_id)}
+    extra: dict[str, Any] = {}
+    extra[TOOL] = _bounded(tool, extra, TOOL)
+    extra[JSONRPC_ID] = _bounded(str(jsonrpc_id), extra, JSONRPC_ID)
     if no_response:
         extra[OUTCOME] = "no_response"
     elif error is not None:
@@ -113,8 +129,8 @@ def outcome_record(ctx: Context, *, request_id: str, tool: str, jsonrpc_id: int 
         extra[IS_ERROR] = isinstance(response, dict) and response.get("isError") is True
     if response_bytes is not None:
         extra[RESULT_BYTES] = response_bytes
-    return ctx.base(EventKind.OUTCOME, extra, request_id=request_id, duration_ms=round(duration_ms, 3),
-                    bytes_in=response_bytes)
+    # no bytes_in: the HTTP outcome of the same POST already counts these bytes (metrics, replay history)
+    return ctx.base(EventKind.OUTCOME, extra, request_id=request_id, duration_ms=round(duration_ms, 3))
 
 
 def tools_list_record(ctx: Context, *, hashes: Mapping[str, str], changed: Iterable[str],

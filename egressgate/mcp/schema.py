@@ -51,6 +51,17 @@ def server_info(initialize_result: Any) -> tuple[str, str] | None:
     return name, version
 
 
+SERVER_INFO_STAMP = "io.modelcontextprotocol/serverInfo"  # MCP 2026-07-28: in every result's _meta
+
+
+def stamped_server_info(result: Any) -> tuple[str, str] | None:
+    """(name, version) from the serverInfo stamp a 2026-07-28 server puts in every result's `_meta`
+    (`server/discover` replaces `initialize` there: the SDK's default client never sends `initialize`),
+    or None when the result carries no usable stamp."""
+    meta = result.get("_meta") if isinstance(result, dict) else None
+    return server_info({"serverInfo": meta.get(SERVER_INFO_STAMP)}) if isinstance(meta, dict) else None
+
+
 def tools_of(list_result: Any) -> list[dict] | None:
     """The `tools` array of a tools/list result, or None when it is not a list of named objects (the
     mediator then refuses the answer instead of guessing which tools the client will see)."""

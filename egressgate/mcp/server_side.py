@@ -1,8 +1,11 @@
 """The server's half of a session: what its answers to `initialize` and `tools/list` pin and show.
 
-- initialize: the answer's serverInfo (name, version) is this session's `server_info_now`. With a pin in
-  the policy it is compared there; otherwise (trust on first use) the first one ever seen for this
-  sandbox and server is recorded in the state store (set-if-absent) and later ones are compared with it.
+- initialize: the answer's serverInfo (name, version) is this session's `server_info_now`. On the
+  2026-07-28 protocol there is no initialize (`server/discover`, the SDK client's default mode): the
+  serverInfo stamp in the `_meta` of the discover and tools/list answers is, so a modern client neither
+  skips a trust-on-first-use pin nor is refused by a policy pin it matches. With a pin in the policy
+  it is compared there; otherwise (trust on first use) the first one ever seen for this sandbox and
+  server is recorded in the state store (set-if-absent) and later ones are compared with it.
   A difference is recorded (`mcp_message`, reason mcp_server_changed); the engine then denies calls.
 - tools/list: every allowed tool's hash (mcp/schema.py, the WHOLE tool object) is compared with its pin
   or, on first sight, recorded. The answer the client sees lists only tools a call could be allowed for:
@@ -26,12 +29,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
 from egressgate.mcp import records
 from egressgate.mcp.jsonrpc import INVALID_REQUEST, Message, deny_error
-from egressgate.mcp.schema import server_info, tool_hash, tools_of
+from egressgate.mcp.schema import server_info, stamped_server_info, tool_hash, tools_of
 from egressgate.policy.mcp_decide import visible_tools
 from egressgate.policy.reasons import Reason
 from egressgate.state.base import StateUnavailable
@@ -39,7 +43,8 @@ from egressgate.state.base import StateUnavailable
 if TYPE_CHECKING:
     from egressgate.mcp.mediator import McpSession
 
-TRACKED = ("initialize", "tools/list")
+logger = logging.getLogger(__name__)
+TRACKED = ("initialize", "server/discover", "tools/list")
 SERVER_INFO_PIN = "server_info"
 TOOL_PIN = "tool:"
 
@@ -70,7 +75,12 @@ class ServerSide:
         """Await every scheduled effect (first-sight pins and their records)."""
         while self._effects:
             effect = self._effects.pop(0)
-            await effect
+            try:
+                await effect
+            except Exception:  # a failed effect must not pass unnoticed: the session's calls are refused
+                logger.exception("mcp: a pin effect of session %s/%s failed", self.session.sandbox_id,
+                                 self.session.server_name)
+                self.pin_failed = True
 
     def _schedule(self, effect: Awaitable[None]) -> None:
         try:
@@ -85,9 +95,12 @@ class ServerSide:
         if msg.error is not None:
             return msg.obj
         if method == "initialize":
-            self._initialize(msg.result)
+            self._initialize(server_info(msg.result))
             return msg.obj
-        return self._tools_list(msg)
+        stamp = stamped_server_info(msg.result)
+        if stamp is not None or method == "server/discover":
+            self._initialize(stamp)
+        return msg.obj if method == "server/discover" else self._tools_list(msg)
 
     def _server(self) -> Any:
         policy = self.session.current_policy()
@@ -110,8 +123,7 @@ class ServerSide:
         if stored != value:
             on_differs(stored)
 
-    def _initialize(self, result: Any) -> None:
-        info = server_info(result)
+    def _initialize(self, info: tuple[str, str] | None) -> None:
         self.server_info_now = info
         server = self._server()
         if server is None:

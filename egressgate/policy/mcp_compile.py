@@ -20,11 +20,12 @@ from typing import TYPE_CHECKING
 from egressgate.policy.canon import CanonError
 from egressgate.policy.mcp_model import ArgumentConstraint, McpSection, McpServerModel, ToolAllow
 from egressgate.policy.mcp_path import PathRefused, canon_tool_path
+from egressgate.policy.readings import AmbiguousPath, fold, server_readings
 from egressgate.policy.reasons import Effect
 from egressgate.policy.target import parse_url
 
 if TYPE_CHECKING:
-    from egressgate.policy.compile import CompiledPolicy
+    from egressgate.policy.compile import CompiledPolicy, CompiledRule
 
 MAX_SERVERS = 256
 MAX_TOOLS_PER_SERVER = 1024  # allow + deny entries
@@ -89,14 +90,28 @@ class McpServer:
         return f"{self.scheme}://{host}:{self.port}{self.path}"
 
     def serves_path(self, path: str) -> bool:
-        """Is a request to this path (on the server's origin) part of the MCP route? The old SSE transport
-        POSTs to an endpoint the server picks, so every path of its origin is; a streamable HTTP endpoint
-        covers its path and everything under it (`/mcp`, `/mcp/`, `/mcp/x`)."""
+        """Is a request to this canonical path (on the server's origin) part of the MCP route? The old SSE
+        transport POSTs to an endpoint the server picks, so every path of its origin is. A streamable HTTP
+        endpoint covers its path and everything under it (`/mcp`, `/mcp/`, `/mcp/x`) and every spelling a
+        server may read as one of those (policy/readings.py: `//mcp`, `/MCP`, `/mcp;x`, `/mcp.json`,
+        `/a%2Fmcp`...), else a tools/call would reach the server unmediated under another spelling. A path
+        whose readings cannot be modelled is an MCP route too: it is then parsed strictly, never waved on."""
         if self.transport == "sse":
             return True
         assert self.path is not None
-        base = self.path.rstrip("/")
-        return path == self.path or path == base or path.startswith(base + "/")
+        if _under(path, self.path):
+            return True
+        try:
+            readings = server_readings(path)
+        except AmbiguousPath:
+            return True
+        folded = fold(self.path)
+        return any(_under(r, self.path) or _under(r, folded) for r in readings)
+
+
+def _under(path: str, base: str) -> bool:
+    base = base.rstrip("/")
+    return path == base or path.startswith(base + "/") or (not base and path == "/")
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +136,9 @@ def compile_mcp(section: McpSection, policy: CompiledPolicy, problems: list[tupl
     seen_names: dict[str, str] = {}
     seen_urls: dict[str, str] = {}
     rule_ids = {r.id: r.key_path for r in policy.rules}
+    for rule in policy.rules:  # MCP call counters share the state store's rule-usage keys: `mcp:<server>[/<tool>]`
+        if rule.id.startswith("mcp:"):
+            problems.append((f"{rule.key_path}.id", "ids starting with 'mcp:' are reserved for MCP call budgets"))
     for i, raw in enumerate(section.servers):
         where = f"mcp.servers[{i}]"
         if raw.name in seen_names:
@@ -136,13 +154,22 @@ def compile_mcp(section: McpSection, policy: CompiledPolicy, problems: list[tupl
                 continue
             seen_urls[server.url] = where
             assert server.scheme and server.host and server.port
-            by_origin.setdefault((server.scheme, server.host, server.port), []).append(server)
+            same_origin = by_origin.setdefault((server.scheme, server.host, server.port), [])
+            other = next((o for o in same_origin if _routes_overlap(o, server)), None)
+            if other is not None:
+                problems.append((f"{where}.url", f"its MCP route overlaps that of {other.key_path} ({other.url}): a "
+                                 "request there could not be told apart, and would be decided by the other "
+                                 "server's tools; give each server its own origin or disjoint paths"))
+                continue
+            same_origin.append(server)
         servers[server.name] = server
     return CompiledMcp(
         record_arguments=section.record_arguments,
         max_message_bytes=section.max_message_bytes,
         servers=MappingProxyType(servers),
-        by_origin=MappingProxyType({k: tuple(v) for k, v in by_origin.items()}),
+        # streamable routes first: an `sse` server's route (its whole origin) only gets what none covers
+        by_origin=MappingProxyType({k: tuple(sorted(v, key=lambda s: s.transport == "sse"))
+                                    for k, v in by_origin.items()}),
     )
 
 
@@ -170,6 +197,11 @@ def _server(
             if not _network_allows(policy, scheme, host, port, path):
                 problems.append((f"{where}.url", f"no network.{scheme} allow rule lets the sandbox reach "
                                  f"{raw.url}; an MCP server is reached only through an allowed network rule"))
+            splicing = _splicing_rule(policy, host, port)
+            if splicing is not None:
+                problems.append((f"{where}.url", f"passthrough rule {splicing.id!r} ({splicing.key_path}) splices "
+                                 f"tunnels to {host}:{port} unread, so this server's tool calls could not be "
+                                 "decided; drop its `tls: passthrough` or narrow its host"))
     if raw.local and raw.transport is not None:
         problems.append((f"{where}.transport", "a local server speaks stdio; `transport` is for `url` servers"))
     total = len(raw.tools.allow) + len(raw.tools.deny)
@@ -213,6 +245,31 @@ def _network_allows(policy: CompiledPolicy, scheme: str, host: str, port: int, p
         (rule.ports is None or port in rule.ports) and rule.path_allows(path)
         for rule in policy.candidates(scheme, Effect.ALLOW, host)
     )
+
+
+def _routes_overlap(a: McpServer, b: McpServer) -> bool:
+    """Two servers of one origin whose routes cannot be told apart: two streamable servers one of whose
+    routes covers the other's path (in every spelling), or two `sse` servers (each route is the whole
+    origin). mcp_server_for would hand such a request to the one listed first, so `/mcp/admin` of a
+    stricter server would be decided by `/mcp`'s tool rules (a same-named tool, the other server's
+    constraints and pins). A streamable server and an `sse` one may share an origin: the streamable
+    routes are looked up first (compile_mcp orders them), the `sse` server gets the rest."""
+    assert a.path is not None and b.path is not None
+    if a.transport == "sse" or b.transport == "sse":
+        return a.transport == b.transport
+    return a.serves_path(b.path) or b.serves_path(a.path)
+
+
+def _splicing_rule(policy: CompiledPolicy, host: str, port: int) -> CompiledRule | None:
+    """A `tls: passthrough` allow rule covering the server's host and port, or None. Such a tunnel is
+    spliced unread: no tools/call in it can be parsed, decided or recorded, so the `mcp` entry would only
+    look enforced. Conservative (like passthrough.py): rule order and `when` are ignored."""
+    for rule in policy.rules:
+        if (rule.passthrough and rule.effect is Effect.ALLOW and rule.host.matches(host)
+                and (rule.ports is None or port in rule.ports)
+                and not any(p.matches(host) for p in rule.except_hosts)):
+            return rule
+    return None
 
 
 def _tool(

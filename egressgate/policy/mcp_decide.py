@@ -17,9 +17,9 @@ this session) or the one first recorded (`mcp_schema_drift`), 6. every argument 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
-from types import MappingProxyType
 from typing import Any
 
 from egressgate.approvals.grant import Grant
@@ -40,7 +40,7 @@ APPROVAL_KIND_MCP_TOOL = "mcp_tool"
 MCP_GRANT_SCHEME = "mcp"
 MCP_GRANT_PORT = 0
 MCP_GRANT_METHOD = "tools/call"
-_EMPTY: Mapping[str, str] = MappingProxyType({})
+_MAX_URL = 8192  # longer URL arguments are refused (bad_url:too_long) before canonicalization or caching
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +121,8 @@ def decide_tool_call(
     server = policy.mcp.servers.get(call.server)
     if server is None:
         return _deny(policy, call, Reason.MCP_TOOL_DENIED, None, detail="unknown_server")
+    if type(call.tool) is not str:  # a name that is not a JSON string is never a listed tool
+        return _deny(policy, call, Reason.MCP_TOOL_DENIED, None, detail="not_allowed")
     deny_rule = server.denied.get(call.tool)
     if deny_rule is not None:
         return _deny(policy, call, Reason.MCP_TOOL_DENIED, deny_rule, detail="denied_by_rule")
@@ -197,10 +199,11 @@ def _budget_keys(server: McpServer, tool: McpTool) -> tuple[tuple[str, int], ...
     return tuple(keys)
 
 
-def _network_refusal(policy: CompiledPolicy, facts: McpFacts, value: str, now: float) -> str | None:
-    """None when the sandbox could fetch `value` (an http(s) URL, or a bare host as https://host/) under
-    its own network policy: the same decide() as its requests, no DNS resolution (a literal address is
-    checked as an address: metadata, private, mapped and decimal forms are canonical literals by then)."""
+@functools.lru_cache(maxsize=4096)
+def _url_request(value: str) -> Facts | str:
+    """The request a URL/host argument names (canonical, no DNS), or `bad_url:<code>`. Pure, so cached:
+    canonicalization is most of the cost of an `allowed_by_network` check (bounded: values are the
+    sandbox's)."""
     try:
         if "://" in value:
             url = parse_url(value)
@@ -210,8 +213,17 @@ def _network_refusal(policy: CompiledPolicy, facts: McpFacts, value: str, now: f
     except CanonError as exc:
         return f"bad_url:{exc.code}"
     literal = parse_ip_literal(host)
-    request = Facts(Operation.HTTP_REQUEST, host, port, scheme=scheme, method="GET", path=path,
-                    addresses=(literal,) if literal is not None else ())
+    return Facts(Operation.HTTP_REQUEST, host, port, scheme=scheme, method="GET", path=path,
+                 addresses=(literal,) if literal is not None else ())
+
+
+def _network_refusal(policy: CompiledPolicy, facts: McpFacts, value: str, now: float) -> str | None:
+    """None when the sandbox could fetch `value` (an http(s) URL, or a bare host as https://host/) under
+    its own network policy: the same decide() as its requests, no DNS resolution (a literal address is
+    checked as an address: metadata, private, mapped and decimal forms are canonical literals by then)."""
+    request = _url_request(value) if len(value) <= _MAX_URL else "bad_url:too_long"
+    if isinstance(request, str):
+        return request
     state = facts.network_state or SandboxState(sandbox_id=facts.sandbox_id, admitted_at=now, labels=facts.labels)
     verdict = decide(policy, request, state, now)
     return None if verdict.allowed else str(verdict.reason)

@@ -123,11 +123,13 @@ _ARGUMENT_HINTS = {
 _PATH_HINT = "use a plain absolute path without '..', '//', '%', backslashes, control or look-alike characters"
 
 
-def _shown(name: str | None) -> str:
-    """Agent-supplied names are echoed bounded and printable (a tool name can be any JSON string)."""
-    text = name if name is not None else "?"
-    text = "".join(c if c.isprintable() else "?" for c in text[:64])
-    return repr(text + ("..." if name is not None and len(name) > 64 else ""))
+def _shown(name: object) -> str:
+    """Agent-supplied names are echoed bounded and printable (a tool name can be any JSON value)."""
+    original = name if isinstance(name, str) else "?"
+    if len(original) <= 64 and original.isprintable():
+        return repr(original)
+    text = "".join(c if c.isprintable() else "?" for c in original[:64])
+    return repr(text + ("..." if len(original) > 64 else ""))
 
 
 def _argument_hint(policy: CompiledPolicy, server: str, tool: str, argument: str | None, detail: str) -> str:

@@ -134,12 +134,19 @@ class StateStore(Protocol):
     async def count_calls(self, sandbox_id: str, keys: Sequence[tuple[str, int | None]]) -> str | None:
         """MCP call budgets (egressgate/mcp/mediator.py): count one call under every (counter key, max)
         of a decision, all or nothing, in one atomic step: None when counted; else the first key that
-        is already at its max, and nothing counted. The counters are per-rule usage (`requests` of
-        the key in SandboxState.rule_usage), so `snapshot(rules=[key])` reads them back."""
+        is already at its max, and nothing counted. Call counters are their own namespace, apart from
+        the rules' usage (a network rule may be named `mcp:x` too: it must not share a counter)."""
+
+    async def call_counts(self, sandbox_id: str, keys: Sequence[str]) -> dict[str, int]:
+        """The calls counted so far under each key (0 for a key never counted)."""
 
     async def refund_calls(self, sandbox_id: str, keys: Sequence[str]) -> None:
         """Give back one counted call per key (the call was refused after counting, e.g. its audit
         record could not be written): never below zero."""
+
+    async def mcp_read(self, sandbox_id: str, server: str,
+                       keys: Sequence[str]) -> tuple[dict[str, int], dict[str, str]]:
+        """(call_counts(keys), mcp_pins(server)) in one step: what a tool-call decision reads."""
 
     async def mcp_pin(self, sandbox_id: str, server: str, name: str, value: str) -> str:
         """Trust on first use: store `value` for (sandbox, server, name) unless one is stored already;

@@ -74,25 +74,42 @@ if back > 0 then redis.call('HINCRBY', KEYS[1], 'out', I(-back)) end
 return back
 """
 
-# KEYS: usage, sbx   ARGV: key, max (-1: none), key, max, ... -> '' when every key was counted (one call
-# each, `r:<key>` like RECORD_REQUEST's rule usage), else the first key already at its max (nothing counted)
+# KEYS: calls, sbx   ARGV: key, max (-1: none), key, max, ... -> '' when every key was counted (one call
+# each, field `m:<key>` of the sandbox's own `calls` hash: never in the rules' usage hash, so a network
+# rule named like a counter cannot share it), else the first key already at its max (nothing counted)
 COUNT_CALLS = _HELPERS + _LIVE_RECORD + """
 local gone = live_record(KEYS[2])
 if gone then return gone end
 for i = 1, #ARGV, 2 do
   local limit = N(ARGV[i + 1])
-  if limit >= 0 and N(redis.call('HGET', KEYS[1], 'r:' .. ARGV[i])) + 1 > limit then return ARGV[i] end
+  if limit >= 0 and N(redis.call('HGET', KEYS[1], 'm:' .. ARGV[i])) + 1 > limit then return ARGV[i] end
 end
-for i = 1, #ARGV, 2 do redis.call('HINCRBY', KEYS[1], 'r:' .. ARGV[i], 1) end
+for i = 1, #ARGV, 2 do redis.call('HINCRBY', KEYS[1], 'm:' .. ARGV[i], 1) end
 return ''
 """
 
-# KEYS: usage   ARGV: keys -> one call given back per key, never below zero
+# KEYS: calls   ARGV: keys -> one call given back per key, never below zero
 REFUND_CALLS = _HELPERS + """
 for i = 1, #ARGV do
-  if N(redis.call('HGET', KEYS[1], 'r:' .. ARGV[i])) > 0 then redis.call('HINCRBY', KEYS[1], 'r:' .. ARGV[i], -1) end
+  if N(redis.call('HGET', KEYS[1], 'm:' .. ARGV[i])) > 0 then redis.call('HINCRBY', KEYS[1], 'm:' .. ARGV[i], -1) end
 end
 return 1
+"""
+
+# KEYS: calls, pins   ARGV: server, keys... -> JSON [counts in the order of the keys, flat pins of the server]
+MCP_READ = _HELPERS + """
+local counts = {}
+for i = 2, #ARGV do counts[#counts + 1] = N(redis.call('HGET', KEYS[1], 'm:' .. ARGV[i])) end
+local prefix = ARGV[1] .. '|'
+local pins = {}
+local all = redis.call('HGETALL', KEYS[2])
+for i = 1, #all, 2 do
+  if string.sub(all[i], 1, #prefix) == prefix then
+    pins[#pins + 1] = string.sub(all[i], #prefix + 1)
+    pins[#pins + 1] = all[i + 1]
+  end
+end
+return cjson.encode({counts, pins})
 """
 
 # KEYS: pins   ARGV: field, value -> the stored value (set only when absent: trust on first use)
@@ -200,11 +217,12 @@ end
 return out
 """
 
-# KEYS: sbx, events, ctr, hosts, hist, usage, mcp pins   ARGV: message (JSON), retention_ms -> 1, or 0 when Redis has
-# no such record. Published either way, with "found": replicas may still cache a record Redis lost
-# (FLUSHALL), and they must drop it and close its connections. A revoked sandbox's keys expire after the
-# retention (without it every sandbox ever admitted stayed in Redis, and LIST_SANDBOXES, one script
-# that blocks Redis for every tenant, grew with them); then it is unknown, still refused.
+# KEYS: sbx, events, ctr, hosts, hist, usage, mcp pins, mcp calls   ARGV: message (JSON), retention_ms
+# -> 1, or 0 when Redis has no such record. Published either way, with "found": replicas may still
+# cache a record Redis lost (FLUSHALL), and they must drop it and close its connections. A revoked
+# sandbox's keys expire after the retention (without it every sandbox ever admitted stayed in Redis,
+# and LIST_SANDBOXES, one script that blocks Redis for every tenant, grew with them); then it is
+# unknown, still refused.
 REVOKE = """
 local found = redis.call('EXISTS', KEYS[1])
 if found == 1 then

@@ -30,6 +30,7 @@ class MemoryState:
         self._usage: dict[str, dict[str, RuleUsage]] = {}
         self._revoke_callbacks: list[Callable[[str], None]] = []
         self._pins: dict[str, dict[str, dict[str, str]]] = {}  # sandbox -> MCP server -> name -> value
+        self._calls: dict[str, dict[str, int]] = {}  # sandbox -> MCP call counter -> calls
         # sandbox id -> immutable views for snapshot(); dropped when the underlying data changes
         self._labels_view: dict[str, MappingProxyType] = {}
         self._hosts_view: dict[str, frozenset[str]] = {}
@@ -143,24 +144,27 @@ class MemoryState:
         return counters[0], counters[1]
 
     async def count_calls(self, sandbox_id: str, keys: Sequence[tuple[str, int | None]]) -> str | None:
-        usage = self._usage.setdefault(sandbox_id, {})
+        counts = self._calls.setdefault(sandbox_id, {})
         for key, limit in keys:
-            if limit is not None and usage.get(key, RuleUsage()).requests + 1 > limit:
+            if limit is not None and counts.get(key, 0) + 1 > limit:
                 return key
         for key, _ in keys:
-            old = usage.get(key, RuleUsage())
-            usage[key] = RuleUsage(requests=old.requests + 1, bytes=old.bytes)
-        if keys:
-            self._usage_view.pop(sandbox_id, None)
+            counts[key] = counts.get(key, 0) + 1
         return None
 
+    async def call_counts(self, sandbox_id: str, keys: Sequence[str]) -> dict[str, int]:
+        counts = self._calls.get(sandbox_id, {})
+        return {key: counts.get(key, 0) for key in keys}
+
     async def refund_calls(self, sandbox_id: str, keys: Sequence[str]) -> None:
-        usage = self._usage.get(sandbox_id, {})
+        counts = self._calls.get(sandbox_id, {})
         for key in keys:
-            old = usage.get(key)
-            if old is not None and old.requests > 0:
-                usage[key] = RuleUsage(requests=old.requests - 1, bytes=old.bytes)
-                self._usage_view.pop(sandbox_id, None)
+            if counts.get(key, 0) > 0:
+                counts[key] -= 1
+
+    async def mcp_read(self, sandbox_id: str, server: str,
+                       keys: Sequence[str]) -> tuple[dict[str, int], dict[str, str]]:
+        return await self.call_counts(sandbox_id, keys), await self.mcp_pins(sandbox_id, server)
 
     async def mcp_pin(self, sandbox_id: str, server: str, name: str, value: str) -> str:
         return self._pins.setdefault(sandbox_id, {}).setdefault(server, {}).setdefault(name, value)

@@ -83,7 +83,7 @@ class RedisState:
         self._conn = RespConnection(url, timeout=timeout, connect_timeout=CONNECT_TIMEOUT)
         self._scripts = {name: self.redis.register_script(getattr(lua, name)).sha for name in (
             "RESERVE_OUT", "SETTLE_OUT", "RECORD_REQUEST", "SNAPSHOT", "BY_ADDRESS", "LIST_SANDBOXES",
-            "REVOKE", "RECONCILE", "ADD_COUNTERS", "COUNT_CALLS", "REFUND_CALLS", "MCP_PIN")}
+            "REVOKE", "RECONCILE", "ADD_COUNTERS", "COUNT_CALLS", "REFUND_CALLS", "MCP_PIN", "MCP_READ")}
         self._events = self.key("events")
         self._callbacks: list[Callable[[str], None]] = []
         self._cache = RecordCache()
@@ -212,7 +212,7 @@ class RedisState:
         event = json.dumps({"op": "revoke", "id": sandbox_id, "w": self.worker_id})
         keys = [self.key("sbx", sandbox_id), self._events, self.key("ctr", sandbox_id),
                 self.key("hosts", sandbox_id), self.key("hist", sandbox_id), self.key("usage", sandbox_id),
-                self.key("mcp", sandbox_id)]
+                self.key("mcp", sandbox_id), self.key("calls", sandbox_id)]
         found = await self._eval("REVOKE", keys, [event, int(REVOKED_RETENTION * 1000)])
         cached = self._cache.records.get(sandbox_id) is not None
         self._cache.invalidate(sandbox_id)
@@ -329,12 +329,35 @@ class RedisState:
         args: list = []
         for key, limit in keys:
             args += [key, _limit(limit)]
-        refused = await self._eval("COUNT_CALLS", [self.key("usage", sandbox_id), self.key("sbx", sandbox_id)], args)
+        refused = await self._eval("COUNT_CALLS", [self.key("calls", sandbox_id), self.key("sbx", sandbox_id)], args)
         return refused or None
+
+    async def call_counts(self, sandbox_id: str, keys: Sequence[str]) -> dict[str, int]:
+        if not keys:
+            return {}
+        values = await self._call("call_counts", lambda: self._conn.call(
+            "HMGET", self.key("calls", sandbox_id), *("m:" + key for key in keys)))
+        try:
+            return {key: int(value or 0) for key, value in zip(keys, values, strict=True)}
+        except (ValueError, TypeError) as exc:
+            self.errors += 1
+            raise StateUnavailable(f"state backend error (call_counts): unreadable reply ({exc})") from exc
 
     async def refund_calls(self, sandbox_id: str, keys: Sequence[str]) -> None:
         if keys:
-            await self._eval("REFUND_CALLS", [self.key("usage", sandbox_id)], list(keys))
+            await self._eval("REFUND_CALLS", [self.key("calls", sandbox_id)], list(keys))
+
+    async def mcp_read(self, sandbox_id: str, server: str,
+                       keys: Sequence[str]) -> tuple[dict[str, int], dict[str, str]]:
+        reply = await self._eval("MCP_READ", [self.key("calls", sandbox_id), self.key("mcp", sandbox_id)],
+                                 [server, *keys])
+        try:
+            counts, flat = json.loads(reply)
+            # cjson encodes an empty Lua table as {}: `or ()` reads it as the empty list it is
+            return ({key: int(n) for key, n in zip(keys, counts or (), strict=True)}, pairs(flat or ()))
+        except (ValueError, TypeError) as exc:
+            self.errors += 1
+            raise StateUnavailable(f"state backend error (mcp_read): unreadable reply ({exc})") from exc
 
     async def mcp_pin(self, sandbox_id: str, server: str, name: str, value: str) -> str:
         # server names are [a-z0-9_-]: "|" cannot occur in them, so (server, name) -> field is one-to-one

@@ -1,5 +1,6 @@
-"""Audit fixtures: a real Ed25519 signer, real files in tmp dirs, real sinks (no mocks), a real full disk,
-and the loopback gateway world for the end-to-end test."""
+"""Audit fixtures: a real Ed25519 signer, real files in tmp dirs, real sinks (no mocks; shared with
+tests/audit_index: tests/support/audit_sinks.py), a real full disk, and the loopback gateway world for the
+end-to-end test."""
 
 from __future__ import annotations
 
@@ -8,37 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from egressgate.audit.filesink import FileSink
-from egressgate.audit.signer import LocalEd25519Signer
+from tests.support.audit_sinks import make_sink, pubkey, signer  # noqa: F401  (fixtures, shared)
 from tests.support.gwworld import World, open_world
 from tests.support.tmpfs import tiny_tmpfs
-
-
-@pytest.fixture
-def signer(tmp_path) -> LocalEd25519Signer:
-    return LocalEd25519Signer.load_or_create(tmp_path / "keys" / "audit-signing.key")
-
-
-@pytest.fixture
-def pubkey(signer, tmp_path):
-    return tmp_path / "keys" / "audit-signing.key.pub"
-
-
-@pytest.fixture
-async def make_sink(tmp_path, signer):
-    """Factory for started sinks; every sink is closed at teardown (final checkpoint written)."""
-    sinks: list[FileSink] = []
-
-    async def factory(path=None, **kw) -> FileSink:
-        path = tmp_path / "audit" / "audit.jsonl" if path is None else path
-        sink = await FileSink(path, kw.pop("signer", signer), **kw).start()
-        sinks.append(sink)
-        return sink
-
-    yield factory
-    for s in sinks:
-        await s.close()
-
 
 
 @pytest.fixture

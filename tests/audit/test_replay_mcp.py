@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import textwrap
 
+import pytest
 from click.testing import CliRunner
 
 from egressgate.audit.cli import audit
@@ -125,6 +126,47 @@ def test_replay_under_a_stricter_policy_finds_each_change(tmp_path):
     # the old argument denial without recorded arguments is now refused by the budget: a deny either way
     assert result.replayed == 6 and result.unchanged == 2
     table = format_table(result)
-    assert "mcp tickets/wide_open" in table and "argument constraints not checked" in table
+    assert "mcp tickets/wide_open" in table and "argument constraints not checked" not in table
+    assert result.arguments_unchecked == 0  # every call allowed before is now denied: a deny is certain
+    assert "2 MCP tool calls allowed without their arguments" in format_table(replay([log], old))
     r = CliRunner().invoke(audit, ["replay", str(log), "--policy", str(new)])
     assert r.exit_code == 1 and "mcp tickets/search_tickets" in r.output
+
+
+# --- end to end: the real mediator records, replay reads them ------------------------------------------
+
+
+@pytest.mark.parametrize("record_arguments", [True, False])
+async def test_replay_of_records_written_by_the_mediator(tmp_path, record_arguments):
+    from egressgate.state.memory import MemoryState
+    from tests.mcp.mediator_world import body, make_world, policy_text
+    from tests.mcp.mediator_world import call as rpc
+
+    text = policy_text(record_arguments)
+    world = await make_world(tmp_path, MemoryState(), record_arguments=record_arguments)
+    try:
+        session = world.session()
+        sent = [("search_tickets", {"project": "acme", "query": "printer"})] * 4  # tool budget 3: 4th denied
+        sent += [("delete_ticket", {}), ("note", {"x": 1}), ("search_tickets", {"project": "globex"})]
+        for i, (tool, arguments) in enumerate(sent):
+            await session.from_client(body(rpc(i, tool, arguments)))
+    finally:
+        await world.rt.audit.close()
+    log = world.var / "audit.jsonl"
+    old = tmp_path / "old.yaml"
+    old.write_text(text)
+    same = replay([log], old)
+    assert same.changes == [] and same.replayed == 7 and same.approximated_state == 0
+    # not recorded: 3 searches and the note are allowed without their arguments re-checked; the globex
+    # argument denial is a deny anyway (the tool budget is spent by then)
+    assert same.arguments_unchecked == (0 if record_arguments else 4) and same.skipped == {}
+
+    new = tmp_path / "new.yaml"
+    new.write_text(text.replace("query: {type: string, max_length: 40}", "query: {type: string, max_length: 3}")
+                   .replace("          - name: note\n            unlisted_arguments: allow\n", ""))
+    result = replay([log], new)
+    got = [(c.target, c.direction, c.new_reason) for c in result.changes]
+    expected = [("mcp tickets/note", "allow->deny", "mcp_tool_denied")]
+    if record_arguments:  # 'printer' is longer than the new max_length: each allowed search now refused
+        expected = [("mcp tickets/search_tickets", "allow->deny", "mcp_argument_denied")] * 3 + expected
+    assert got == expected

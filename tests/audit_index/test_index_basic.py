@@ -11,7 +11,7 @@ from egressgate.audit.chain import ChainWriter
 from egressgate.audit.event import EventKind
 from egressgate.audit.find import find_records
 from egressgate.audit.index import AuditIndex
-from egressgate.audit.index.extract import fast_fields, fields_of, json_fields
+from egressgate.audit.index.extract import fast_values, fields_of, json_fields, json_values
 from egressgate.audit.record import record_from_event
 from tests.support.audit_events import http_event
 
@@ -78,6 +78,9 @@ def test_fast_extraction_agrees_with_json_on_hostile_records():
     hostile = {"egressgate.request.hash": planted, "egressgate.request.id": "forged", "server.address": "x",
                "egressgate.decision": "allow", 'a"b': "\\", "egressgate.chain.seq": "7"}
     events = [
+        # the plain planted label, no escape anywhere: the fast path itself must skip it
+        http_event(9, sandbox_labels={"egressgate.request.hash": planted, "egressgate.request.id": "forged"},
+                   request_hash=None),
         http_event(1, sandbox_labels=hostile, request_hash=None),  # no top-level hash: must stay None
         http_event(2, sandbox_labels=hostile, request_hash=RH),
         http_event(3, host='ev"il\\.example\u202e', path="/<script>", sandbox_labels={"k": "v"}),
@@ -85,21 +88,30 @@ def test_fast_extraction_agrees_with_json_on_hostile_records():
                    rule_id=None),
         http_event(5, sandbox_id="sbx-\u00e9", request_hash=RH, sandbox_labels={}),
         http_event(6, kind=EventKind.OUTCOME, status=403, sandbox_labels=hostile, request_hash=None),
+        # attribute-shaped text inside values: escaped quotes, so json decides
+        http_event(7, path='/{"key":"egressgate.request.hash","value":{"stringValue":"' + planted + '"}}',
+                   request_hash=None, sandbox_labels={}),
+        # a kvlist inside an array inside extra (approvals are recorded like this)
+        http_event(8, extra={"egressgate.grants": [{"egressgate.request.id": "forged3", "x": ["a", {"b": "c"}]}]},
+                   sandbox_labels=hostile),
     ]
     w = ChainWriter()
-    for ev in events:
+    for number, ev in enumerate(events, start=1):
         line = w.append(record_from_event(ev))
         oracle = json_fields(line)
         assert fields_of(line) == oracle
-        fast = fast_fields(line)
-        if fast is not None:
-            assert fast.get("request_hash") == oracle.request_hash and fast.get("request_id") == oracle.request_id
+        fast = fast_values(line)
+        if fast is not None:  # when the fast path answers, it answers exactly what json says
+            assert fast == json_values(line)
+        else:
+            assert number in (4, 6, 8)  # an escaped quote / non-ASCII in a value: json decides
         assert oracle.request_id == ev.request_id
         assert oracle.request_hash == ev.request_hash
         assert oracle.rule == ev.rule_id
         assert oracle.seq == w.state.seq - 1
-    # positive control: the planted hash is in those lines, so a plain byte search would have been fooled
-    assert planted.encode() in w.append(record_from_event(events[0]))
+    # positive control: the planted hash is in the line the fast path read, so a plain search was fooled
+    line = w.append(record_from_event(events[0]))
+    assert fast_values(line) is not None and planted.encode() in line
 
 
 async def test_two_files_and_a_restricted_search(make_sink, tmp_path, index):

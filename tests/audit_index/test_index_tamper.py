@@ -39,8 +39,8 @@ async def test_edited_record_changing_length_is_reindexed_and_unverified_from_th
     _edit_line(sink.path, 4, b'"server.address","value":{"stringValue":"api.openai.com"',
                b'"server.address","value":{"stringValue":"api.openai.com.evil.example"')  # record r2 (line 4)
     stats = index.add_files([sink.path])
-    assert len(stats.rebuilt) == 1 and "changed" in stats.rebuilt[0], stats.rebuilt
-    assert len(stats.broken) == 1 and "line 4" in stats.broken[0] and "edited" in stats.broken[0], stats.broken
+    assert _why(stats, sink.path) == ["record at line 10 changed"], stats.rebuilt
+    assert stats.broken == [f"{sink.path}: line 4 (seq 3): record edited (its content does not match its chain hash)"]
     hits = sorted(index.find(limit=100), key=lambda h: h.line)
     assert [h.verified for h in hits] == [True] * 3 + [False] * (len(hits) - 3)
     assert hits[3].host == "api.openai.com.evil.example"  # the index shows the bytes as they are now
@@ -57,8 +57,9 @@ async def test_same_length_edit_in_the_middle_is_caught_when_read_back_and_by_ve
     with pytest.raises(IndexStale, match="changed since it was indexed"):
         index.record_line(hit)
     stats = index.add_files([sink.path])  # the read-back marked the file: rebuilt now
-    assert stats.rebuilt and "did not match" in stats.rebuilt[0]
-    assert stats.broken and f"line {hit.line}" in stats.broken[0]
+    assert _why(stats, sink.path) == ["a record read back did not match the indexed bytes"]
+    assert stats.broken == [f"{sink.path}: line {hit.line} (seq {hit.chain_index}): record edited (its content does "
+                            "not match its chain hash)"]
     (again,) = index.find(request_hash=RH)
     assert not again.verified and again.decision == "ALLOW"
     assert index.record(again)  # the new row matches the file as it is
@@ -97,9 +98,28 @@ async def test_truncated_file_is_reindexed(make_sink, index):
     with open(sink.path, "r+b") as fh:  # same inode, cut after line 5
         fh.truncate(sum(len(x) + 1 for x in lines[:5]))
     stats = index.add_files([sink.path])
-    assert stats.rebuilt and "truncated" in stats.rebuilt[0]
+    assert len(stats.rebuilt) == 1 and _why(stats, sink.path)[0].startswith("truncated (")
     assert index.find(request_hash=RH) == []  # line 8 is gone from the file: gone from the index
     assert len(index.find(limit=100)) == 5 and all(h.verified for h in index.find(limit=100))
+
+
+def _why(stats, path) -> list[str]:
+    """The reasons add_files gave for re-indexing (without the path, which may contain any word)."""
+    return [r.removeprefix(f"{path}: ") for r in stats.rebuilt]
+
+
+async def test_replaced_by_an_edited_copy_of_the_same_size(make_sink, index, tmp_path):
+    """Same first line, same last line, same size: only the file's identity (inode) tells it was replaced."""
+    sink = await _file(make_sink)
+    index.add_files([sink.path])
+    copy = tmp_path / "copy.jsonl"
+    data = sink.path.read_bytes().split(b"\n")
+    data[4] = data[4].replace(b'"allow"', b'"ALLOW"')
+    copy.write_bytes(b"\n".join(data))
+    os.replace(copy, sink.path)
+    stats = index.add_files([sink.path])
+    assert _why(stats, sink.path) == ["replaced (a different file now has this name)"]
+    assert stats.broken and "line 5 (seq 4): record edited" in stats.broken[0]
 
 
 async def test_replaced_file_with_the_same_name(make_sink, index, tmp_path):
@@ -111,7 +131,7 @@ async def test_replaced_file_with_the_same_name(make_sink, index, tmp_path):
     await other.close()
     os.replace(other.path, sink.path)  # a different inode under the indexed name
     stats = index.add_files([sink.path])
-    assert stats.rebuilt and "replaced" in stats.rebuilt[0]
+    assert _why(stats, sink.path) == ["replaced (a different file now has this name)"]
     assert index.find(request_hash=RH) == []
     assert [h.request_id for h in index.find(request_id="new-one")] == ["new-one"]
     assert len(index.find(limit=100)) == 3

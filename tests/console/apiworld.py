@@ -114,5 +114,6 @@ class LiveStream:
         return [(json.loads(d), t) for n, d, t in list(self.events) if n == "record"]
 
     def close(self) -> None:
+        """Stop listening. The reader thread (a daemon) ends when the server ends the stream (logout,
+        gateway stop): an httpx read blocked in another thread cannot be interrupted from here."""
         self._client.close()
-        self._thread.join(5)

@@ -1,6 +1,7 @@
 """Browser fixtures of the console tests: one real gateway (`egressgate run` on loopback, real upstreams:
 tests/control_api/harness.py) and one headless Debian chromium (Playwright, executable_path: no browser
-download) per module; a fresh browser context per console session, so cookies never leak between roles.
+download), shared by the browser test modules of this package (each test admits its own sandboxes); a
+fresh browser context per console session, so cookies never leak between roles.
 
 `Console` wraps one page: it records every dialog (an XSS payload that ran would open one), every page
 error and every console error (a CSP violation is reported there), and logs in with a role's token read
@@ -118,13 +119,13 @@ class Console:
         self.context.close()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def ui_world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     with open_world(tmp_path_factory.mktemp("e14f-world")) as w:
         yield w
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def ui_gw(ui_world: World, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     gw = start_control_gateway(ui_world, tmp_path_factory.mktemp("e14f-gw"))
     try:
@@ -133,7 +134,7 @@ def ui_gw(ui_world: World, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         stop_gateway(gw)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def browser() -> Iterator[Any]:
     if not Path(CHROMIUM).exists():
         if IN_CI:

@@ -69,10 +69,12 @@ def assert_secure(res: httpx.Response) -> None:
         assert res.headers.get(name) == value, (res.request.method, res.request.url, res.status_code, name)
 
 
-def raw_get(gw: Gateway, target: str, host: str | None = None) -> tuple[int, bytes]:
+def raw_get(gw: Gateway, target: str, host: str | None = None, cookie: str = "") -> tuple[int, bytes]:
     """One GET with the request-target exactly as given (no client-side normalization of `..`/%2e)."""
+    extra = f"Cookie: egressgate_console={cookie}\r\n" if cookie else ""
     with socket.create_connection(tuple(gw.admin.rsplit(":", 1)), timeout=5) as s:  # type: ignore[arg-type]
-        s.sendall(f"GET {target} HTTP/1.1\r\nHost: {host or gw.admin}\r\nConnection: close\r\n\r\n".encode())
+        s.sendall(f"GET {target} HTTP/1.1\r\nHost: {host or gw.admin}\r\n{extra}Connection: close\r\n\r\n"
+                  .encode())
         data = b""
         while chunk := s.recv(65536):
             data += chunk
@@ -130,6 +132,20 @@ def test_a_console_session_does_not_open_the_admin_api(gw, operator):
     assert res.status_code == 401
     assert httpx.get(f"http://{gw.admin}/v1/sandboxes", headers={"Authorization": f"Bearer {gw.token}"},
                      trust_env=False).status_code == 200
+
+
+@pytest.mark.parametrize("target", ["/ui/../v1/sandboxes", "/ui/%2e%2e/v1/sandboxes", "/ui/api/../../v1/sandboxes",
+                                    "/ui/static/%2e%2e/%2e%2e/v1/sandboxes", "/ui/..%2fv1/sandboxes"])
+def test_a_console_path_never_reaches_the_admin_api_without_the_token(gw, operator, target):
+    """The bearer check is skipped only for the console's own routes (the route that matched), never by
+    a path that starts with /ui and resolves elsewhere."""
+    status, raw = raw_get(gw, target, cookie=operator.http.cookies["egressgate_console"])
+    assert status in (400, 401, 404), (target, status, raw[:300])
+    assert b'"sandboxes"' not in raw
+    sid = gw.admit(METRICS_POLICY).id  # positive control: with the admin token the list has it
+    listed = httpx.get(f"http://{gw.admin}/v1/sandboxes", headers={"Authorization": f"Bearer {gw.token}"},
+                       trust_env=False)
+    assert sid in listed.text
 
 
 def test_login_with_a_wrong_token_is_401_and_repeated_failures_are_rate_limited(gw):
@@ -322,3 +338,21 @@ def test_index_is_served_to_anyone_but_data_only_with_a_session(gw):
     assert res.status_code == 200 and "<script" in res.text
     body = httpx.get(f"http://{gw.admin}/ui/api/sandboxes", trust_env=False)
     assert body.status_code == 401 and json.loads(body.text)["error"] == "unauthorized"
+
+
+def test_logout_ends_that_sessions_live_streams_at_once(gw):
+    mine, other = ConsoleClient(gw, "auditor"), ConsoleClient(gw, "auditor")
+    mine_stream, other_stream = LiveStream(mine), LiveStream(other)
+    try:
+        assert mine_stream.ready.wait(5) and other_stream.ready.wait(5)
+        logged_out = time.monotonic()
+        assert mine.post("/ui/api/logout").status_code == 200
+        mine_stream._thread.join(3)
+        assert not mine_stream._thread.is_alive()  # the stream ended ...
+        assert [n for n, _, t in mine_stream.events if n == "logout" and t - logged_out < 1.0]  # ... at once
+        assert other_stream._thread.is_alive()  # another session's stream goes on
+    finally:
+        mine_stream.close()
+        other_stream.close()
+        mine.close()
+        other.close()

@@ -1,6 +1,6 @@
 """The console in a real browser (Debian chromium via Playwright) against a real gateway with real
 traffic through its proxy: per-role login, the live feed, revoke, audit search, replay-diff, approvals,
-the calculators. One gateway and one browser for the module (conftest.py).
+the calculators. One gateway and one browser shared with test_browser_xss.py (conftest.py).
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import json
 import socket
 import time
 import uuid
+from pathlib import Path
 
 import httpx
 import yaml
@@ -17,6 +18,7 @@ from egressgate.audit.reqhash import request_hash_raw
 from tests.console.conftest import wait_until
 from tests.control_api.harness import APPROVE_POLICY, METRICS_POLICY, api
 from tests.support.gwworld import Gateway, connect_tunnel
+from tests.support.launcher import flatten_otlp
 
 
 def by_request_id(gw: Gateway, request_id: str, operation: str = "http_request") -> dict:
@@ -41,18 +43,37 @@ def test_login_per_role(console, ui_gw: Gateway) -> None:
     anon.page.locator("#login-form .notice.error").wait_for()
     assert anon.page.locator("#nav").is_hidden()
 
-    for role in ("operator", "auditor"):
-        c = console(role)
-        assert c.page.locator("[data-testid=role]").text_content() == role
-        assert c.page.locator("#nav").is_visible()
-        c.page.reload()  # the session cookie survives a reload; the page asks /ui/api/session
-        c.page.locator(f"[data-testid=role]:text-is('{role}')").wait_for()
-        c.page.click("#logout")
-        c.page.locator("#login-form").wait_for()
-        c.page.reload()
-        c.page.locator("#login-form").wait_for()  # logout deleted the session server-side
-        c.assert_clean()
+    op = console("operator")
+    assert op.page.locator("[data-testid=role]").text_content() == "operator"
+    assert op.page.locator("#nav").is_visible()
+    op.page.reload()  # the session cookie survives a reload; the page asks /ui/api/session
+    op.page.locator("[data-testid=role]:text-is('operator')").wait_for()
+    op.page.click("#logout")
+    op.page.locator("#login-form").wait_for()
+    op.page.reload()
+    op.page.locator("#login-form").wait_for()  # logout deleted the session server-side
+    op.assert_clean()
+
+    aud = console("auditor")
+    assert aud.page.locator("[data-testid=role]").text_content() == "auditor"
+    aud.context.clear_cookies()  # a session that ends under the page: the next call brings the login form
+    aud.page.evaluate("() => { location.hash = '#/sandboxes'; }")
+    aud.page.locator("#login-form .notice.error", has_text="session ended").wait_for()
+    aud.assert_clean()
     anon.assert_clean()
+
+
+def test_logout_in_another_tab_ends_the_live_feed(console, ui_gw: Gateway) -> None:
+    c = console("operator")
+    c.go("live")
+    c.page.locator("#live-status:text-is('live')").wait_for()
+    other = c.context.new_page()  # same browser context: the same session cookie
+    other.goto(f"{c.base}/ui/")
+    other.locator("[data-testid=role]:text-is('operator')").wait_for()
+    other.click("#logout")
+    other.locator("#login-form").wait_for()
+    c.page.locator("#login-form .notice.error", has_text="session ended").wait_for()
+    c.assert_clean()
 
 
 def test_proxied_request_appears_in_live_within_1s(console, ui_gw: Gateway) -> None:
@@ -88,6 +109,23 @@ def test_proxied_request_appears_in_live_within_1s(console, ui_gw: Gateway) -> N
     mine.first.wait_for(timeout=5000)
     assert mine.first.locator("[data-field=reason]").text_content() == denied.json()["reason"]
     assert c.page.locator("#live-rows [data-field=sandbox]", has_text=other.id).count() == 0
+
+    # a row's request hash opens Audit search for it
+    link = mine.first.locator("[data-field=request_hash]")
+    req_hash = link.text_content()
+    assert req_hash.startswith("sha256:")
+    link.click()
+    c.page.locator("[data-testid=page-search]").wait_for()
+    assert c.page.locator("#search-form [name=request_hash]").input_value() == req_hash
+    hits = c.page.locator("#search-results [data-testid=hit]")
+
+    def found() -> bool:  # searched on arrival; the index may be a moment behind: search again
+        if hits.count():
+            return True
+        c.submit("#search", "#search-count")
+        return hits.count() > 0
+    wait_until(found, 10, "the record found from the Live row", interval=0.2)
+    assert c.page.locator("#search-results dd [data-field=attr]", has_text=req_hash).count() >= 1
     c.assert_clean()
 
 
@@ -188,17 +226,30 @@ def test_search_by_request_hash_finds_the_record(console, ui_gw: Gateway) -> Non
         c.submit("#search", "#search-count")
         return hits.count() > 0
     wait_until(found, 10, "the record in the index", interval=0.2)
-    texts = [json.loads(h.locator("[data-field=record]").text_content()) for h in hits.all()]
-    mine = [i for i, t in enumerate(texts) if res.headers["x-egressgate-request-id"] in json.dumps(t)]
-    assert mine, texts
-    hit = hits.nth(mine[0])
-    assert hit.locator("[data-field=verified]").text_content() == "chain verified"
-    assert hit.locator("[data-field=chain_index]").text_content() == str(rec["egressgate.chain.seq"])
-    assert req_hash in hit.locator("[data-field=record]").text_content()
+    shown = []  # (the record as the page shows it, flattened; the chain position the page shows next to it)
+    for h in hits.all():
+        shown.append((flatten_otlp(json.loads(h.locator("[data-field=record]").text_content())),
+                      h.locator("[data-field=chain_index]").text_content(),
+                      h.locator("[data-field=verified]").text_content()))
+    assert all(attrs["egressgate.request.hash"] == req_hash for attrs, _, _ in shown), shown
+    assert all(pos == str(attrs["egressgate.chain.seq"]) for attrs, pos, _ in shown), shown
+    assert all(v == "chain verified" for _, _, v in shown), shown
+    mine = [attrs for attrs, _, _ in shown if attrs["egressgate.request.id"] == rec["egressgate.request.id"]
+            and attrs["egressgate.operation"] == "http_request"]
+    assert mine == [rec], shown  # the very record the gateway wrote, read back from its file
 
     search(c, request_hash="sha256:" + "0" * 64)  # negative control: another hash finds nothing
     c.submit("#search", "#search-count")
     assert c.page.locator("#search-count").text_content() == "0 records"
+
+    # the time range (UTC, minutes): around the request finds it, the hour after it does not
+    def minute(t: float) -> str:
+        return time.strftime("%Y-%m-%dT%H:%M", time.gmtime(t))
+    now = time.time()
+    for since, until, expect in ((now - 120, now + 120, True), (now + 3600, now + 7200, False)):
+        search(c, request_hash=req_hash, since=minute(since), until=minute(until))
+        c.submit("#search", "#search-count")
+        assert (hits.count() > 0) is expect, (since, until)
     c.assert_clean()
 
 
@@ -218,21 +269,23 @@ def test_replay_diff_shows_flipped_decisions(console, ui_gw: Gateway) -> None:
     c.page.fill("#replay-form [name=policy_yaml]", candidate)
     c.page.fill("#replay-form [name=sandbox]", sbx.id)
 
-    def flipped() -> list[str]:
+    rows = c.page.locator("[data-testid=flips-table] tr.flip")
+
+    def flipped() -> dict[str, str]:
         c.submit("#replay", "#flip-count")
-        rows = c.page.locator("[data-testid=flips-table] tr.flip")
-        text = [r.text_content() for r in rows.all()]
-        return text if sum(("api.test" in t) or ("other.test" in t) for t in text) >= 2 else []
-    rows = wait_until(flipped, 10, "both flips in the replay diff", interval=0.2)
-    api_rows = [t for t in rows if "api.test" in t]
-    other_rows = [t for t in rows if "other.test" in t]
-    assert api_rows and other_rows, rows
-    assert all(t.index("allow") < t.index("deny") for t in api_rows), api_rows  # allow -> deny
-    assert all(t.index("deny") < t.index("allow") for t in other_rows), other_rows  # deny -> allow
+        return {r.locator("[data-field=target]").text_content(): r.locator("[data-field=direction]").text_content()
+                for r in rows.all()}
+    flips = wait_until(flipped, 10, "the flips in the replay diff", interval=0.2)
+    by_host = {t.split("//")[-1].split("/")[0].split(":")[0]: d for t, d in flips.items()}
+    assert by_host == {"api.test": "allow->deny", "other.test": "deny->allow"}, flips
+    assert rows.count() == 2 and all(sbx.id == r.locator("[data-field=sandbox]").text_content() for r in rows.all())
     c.assert_clean()
 
 
 def test_approvals_queue(console, ui_gw: Gateway) -> None:
+    op = console("operator")
+    op.go("approvals")  # open before the request: the queue shows it by itself
+    op.page.locator("#approvals-list table, #approvals-list .notice").first.wait_for()
     sbx = ui_gw.admit(APPROVE_POLICY, {"team": "approve"})
     with sbx.client() as client:
         asked = client.get(sbx.url("other.test", "/echo", scheme="http"))
@@ -248,9 +301,9 @@ def test_approvals_queue(console, ui_gw: Gateway) -> None:
     res = aud.fetch("POST", f"/ui/api/approvals/{approval_id}/approve", {})
     assert res["status"] == 403, res
 
-    op = console("operator")
-    op.go("approvals")
     row = op.page.locator(f"#approvals-list tr[data-id='{approval_id}']")
+    row.wait_for(timeout=8000)  # polled every 3 s, no click on Refresh
+    assert row.locator("[data-field=host]").text_content() == "other.test"
     row.locator("button.approve").click()
     wait_until(lambda: api(ui_gw, "GET", f"/v1/approvals/{approval_id}").json()["state"] == "approved", 5,
                "the approval to be granted")
@@ -286,4 +339,50 @@ def test_request_hash_calculator_and_explain(console, ui_gw: Gateway) -> None:
     c.page.click("#explain-submit")
     c.page.locator("#explain-result [data-field=decision]", has_text="deny").wait_for()
     assert c.page.locator("#explain-result [data-field=message]").text_content()
+    c.assert_clean()
+
+
+def test_overview_charts_denies(console, ui_gw: Gateway) -> None:
+    sbx = ui_gw.admit(METRICS_POLICY, {"team": "overview"})
+    host = "other.test"
+    with sbx.client() as client:  # c12-cred allows other.test only for GET: a POST is denied
+        for _ in range(3):
+            assert client.post(sbx.url(host, "/echo"), content=b"x").status_code == 403
+    c = console("auditor")
+    c.go("overview")
+
+    def drawn() -> bool:
+        c.page.click("#overview-refresh")
+        c.page.locator("#overview-charts figure, #overview-charts .notice.error").first.wait_for()
+        return host in c.page.locator("[data-testid=hosts-chart] [data-field=host]").all_text_contents()
+    wait_until(drawn, 10, "the denied host in the top denied hosts", interval=0.2)
+    assert c.page.locator("[data-testid=denies-chart] rect[data-field=bar]").count() >= 1
+    assert c.page.locator("#overview-charts [data-field=reason]").count() >= 1
+    c.assert_clean()
+
+
+# denied by policy before any resolution (never contacted), and a name the learner may propose (.test is a
+# special-use name it never proposes)
+LEARN_HOST = "learn-me.e14f-console.net"
+
+
+def test_learn_downloads_yaml(console, ui_gw: Gateway) -> None:
+    w = ui_gw.world
+    sbx = ui_gw.admit("gw-basic", {"team": "learn"})
+    with sbx.client() as client:
+        assert client.get(sbx.url(LEARN_HOST, "/learn/me", scheme="http")).status_code == 403
+    c = console("auditor")
+    c.go("learn")
+    c.page.fill("#learn-form [name=sandbox]", sbx.id)
+    c.submit("#learn", "#download-link")
+    shown = c.page.locator("#learn-yaml").text_content()
+    with c.page.expect_download() as download:
+        c.page.click("#download-link")
+    saved = download.value
+    assert saved.suggested_filename == f"learned-{sbx.id}.yaml"
+    text = Path(saved.path()).read_text(encoding="utf-8")
+    assert text == shown
+    learned = yaml.safe_load(text)
+    rules = learned["network"]["http"]["allow"]
+    assert [(r["host"], r["ports"]) for r in rules] == [(LEARN_HOST, [w.http_port])], learned
     c.assert_clean()

@@ -1,7 +1,7 @@
 """Attacker-chosen text reaches the console through real requests (sandbox labels at admission, the Host
-header and the path of proxied requests) and must render as text: no dialog, no element the payload
-describes, textContent equal to the recorded value. Payloads: `<script>`, `"onerror=`, an RTL override
-(U+202E) and 10 kB strings.
+header and the path of proxied requests, the approval a request asks for) and must render as text: no
+dialog, no element the payload describes, textContent equal to the recorded value. Payloads: `<script>`,
+`"onerror=`, an RTL override (U+202E) and 10 kB strings.
 
 Positive control (test_detector_sees_markup_when_parsed): the same detectors fire when a payload IS parsed
 as HTML, so their silence on the console means something.
@@ -15,7 +15,9 @@ import uuid
 from typing import Any
 
 from tests.console.conftest import wait_until
+from tests.control_api.harness import APPROVE_POLICY, api
 from tests.support.gwworld import Gateway, auth
+from tests.support.launcher import flatten_otlp
 
 SCRIPT = "<script>alert('xss-script')</script>"
 ONERROR = '"onerror=alert(1) x="<img src=x onerror=alert(2)>'
@@ -91,6 +93,10 @@ def test_payloads_from_real_requests_render_as_text(console, ui_gw: Gateway) -> 
     wait_until(lambda: rows.count() >= 2, 5, "the two requests in Live")
     labelled = [label_values(row) for row in rows.all() if row.locator("[data-field=label-key]").count()]
     assert len(labelled) >= 2 and all(v == LABELS for v in labelled), labelled  # outcome rows carry none
+    # the RTL override is kept (textContent above) but named next to the value it reorders
+    labelled_row = rows.filter(has=c.page.locator("[data-field=label-key]")).first
+    flags = labelled_row.locator("[data-field=hidden-chars]").all_text_contents()
+    assert "⚠ U+202E" in flags, flags
     path_row = c.page.locator(f"#live-rows tr[data-id='{path_rid}']:has(.v[data-field=path])").first
     assert path_row.locator("[data-field=path]").text_content() == recorded_path
     assert_not_injected(c)
@@ -112,14 +118,18 @@ def test_payloads_from_real_requests_render_as_text(console, ui_gw: Gateway) -> 
         c.submit("#search", "#search-count")
         return hits.count() > 0
     wait_until(found, 10, "the Host-payload record in the index", interval=0.2)
-    shown = [json.loads(h.locator("[data-field=record]").text_content()) for h in hits.all()]
-    assert any(f"GET {HOST}/x" in json.dumps(s, ensure_ascii=False) for s in shown), shown
+    shown = [flatten_otlp(json.loads(h.locator("[data-field=record]").text_content())) for h in hits.all()]
+    assert f"GET {HOST}/x" in [s.get("egressgate.target.as_sent") for s in shown], shown
     assert_not_injected(c)
 
     # Overview: reason codes and host names drawn into the SVG as text
     c.go("overview")
-    c.page.locator("[data-testid=denies-chart]").wait_for()
-    assert "host_mismatch" in c.page.locator("#overview-charts [data-field=reason]").all_text_contents()
+
+    def drawn() -> bool:
+        c.page.click("#overview-refresh")
+        c.page.locator("#overview-charts figure, #overview-charts .notice.error").first.wait_for()
+        return "host_mismatch" in c.page.locator("#overview-charts [data-field=reason]").all_text_contents()
+    wait_until(drawn, 10, "the host_mismatch denies in the chart", interval=0.2)
     assert_not_injected(c)
 
 
@@ -139,3 +149,21 @@ def test_detector_sees_markup_when_parsed(browser) -> None:
         assert page.evaluate("() => document.getElementById('x').textContent") != ONERROR + BIG[:60]
     finally:
         context.close()
+
+
+def test_approval_request_payloads_render_as_text(console, ui_gw: Gateway) -> None:
+    """An approval is asked for by the sandbox's own request: its host, path and labels reach the queue."""
+    port = ui_gw.world.http_port
+    sbx = ui_gw.admit(APPROVE_POLICY, {"team": SCRIPT, "rtl": RTL})
+    reply, _ = raw_request(ui_gw, sbx, f"http://other.test:{port}{PATH_PAYLOAD}", f"other.test:{port}")
+    assert reply.startswith(b"HTTP/1.1 403"), reply[:200]
+    asked = wait_until(lambda: [a for a in api(ui_gw, "GET", "/v1/approvals?state=pending").json()["approvals"]
+                                if a["sandbox_id"] == sbx.id], 5, "the pending approval")[0]
+    assert "img" in (asked["path"] or ""), asked  # the payload is in what the queue will show
+    c = console("operator")
+    c.go("approvals")
+    row = c.page.locator(f"#approvals-list tr[data-id='{asked['id']}']")
+    row.wait_for()
+    assert row.locator("[data-field=path]").text_content() == asked["path"]
+    assert row.locator("[data-field=host]").text_content() == asked["host"]
+    assert_not_injected(c)

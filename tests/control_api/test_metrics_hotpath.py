@@ -69,3 +69,35 @@ def test_rule_label_is_bounded_to_known_rule_ids():
     metrics.observe(build(EventKind.HTTP_REQUEST, decision="deny", reason="not-a-reason-code"))
     assert set(metrics.decisions) == {(EventKind.HTTP_REQUEST, "allow", "rule_matched", "other"),
                                       (EventKind.HTTP_REQUEST, "deny", "other", None)}
+
+
+MCP_POLICY = """
+sandbox: {name: m}
+network:
+  https:
+    allow: [{host: tickets.test, ports: [443], paths: ["/mcp"], methods: [POST]}]
+mcp:
+  servers:
+    - name: tickets
+      url: https://tickets.test/mcp
+      tools:
+        allow:
+          - {name: search, unlisted_arguments: allow}
+          - {name: close, id: tickets-close, unlisted_arguments: allow}
+        deny: [drop]
+"""
+
+
+def test_mcp_tool_rule_ids_are_label_values_and_others_stay_bounded():
+    from egressgate.admin.metrics import rule_ids
+    from egressgate.policy.loader import parse_policy
+
+    policy = parse_policy(MCP_POLICY, "m.yaml")
+    ids = rule_ids({"m": policy})
+    denied = next(iter(policy.mcp.servers["tickets"].denied.values()))
+    assert {"mcp:tickets/search", "tickets-close", denied} <= ids
+    metrics = AuditMetrics(PolicyHolder({"m": policy}))
+    metrics.observe(build(EventKind.MCP_TOOL_CALL, decision="allow", reason="rule_matched", rule_id="tickets-close"))
+    metrics.observe(build(EventKind.MCP_TOOL_CALL, decision="allow", reason="rule_matched", rule_id="mcp:tickets/x"))
+    assert set(metrics.decisions) == {(EventKind.MCP_TOOL_CALL, "allow", "rule_matched", "tickets-close"),
+                                      (EventKind.MCP_TOOL_CALL, "allow", "rule_matched", "other")}

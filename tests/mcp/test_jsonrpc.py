@@ -57,6 +57,8 @@ CASES = [
      b'{"jsonrpc":"2.0","id":1,"method":"ping","params":{"x":1e300}}'),
     ("depth", b'{"jsonrpc":"2.0","id":1,"method":"ping","params":{"x":' + b"[" * 63 + b"]" * 63 + b"}}", "depth",
      b'{"jsonrpc":"2.0","id":1,"method":"ping","params":{"x":' + b"[" * 62 + b"]" * 62 + b"}}"),
+    ("control_char", b'{"jsonrpc":"2.0","id":1,"method":"ping","params":{"x":"a\nb"}}',  # a raw newline inside a string
+     "syntax", b'{"jsonrpc":"2.0","id":1,"method":"ping","params":{"x":"a\\nb"}}'),
     ("trailing", b'{"jsonrpc":"2.0","id":1,"method":"ping"} {"jsonrpc":"2.0","id":2,"method":"tools/call"}',
      "syntax", b'{"jsonrpc":"2.0","id":1,"method":"ping"} '),
     ("scalar", b'"ping"', "not_object", b'{"jsonrpc":"2.0","method":"notifications/initialized"}'),
@@ -75,6 +77,8 @@ CASES = [
     ("id_float", b'{"jsonrpc":"2.0","id":1.0,"method":"ping"}', "id_type", b'{"jsonrpc":"2.0","id":1,"method":"ping"}'),
     ("id_bool", b'{"jsonrpc":"2.0","id":true,"method":"ping"}', "id_type",
      b'{"jsonrpc":"2.0","id":"true","method":"ping"}'),
+    ("id_unsafe_int", b'{"jsonrpc":"2.0","id":9007199254740993,"method":"ping"}', "id_type",
+     b'{"jsonrpc":"2.0","id":9007199254740991,"method":"ping"}'),
     ("id_null", b'{"jsonrpc":"2.0","id":null,"method":"ping"}', "id_type", b'{"jsonrpc":"2.0","method":"ping"}'),
     ("id_object", b'{"jsonrpc":"2.0","id":{},"method":"ping"}', "id_type",
      b'{"jsonrpc":"2.0","id":"{}","method":"ping"}'),

@@ -19,7 +19,6 @@ from mcp import ClientSession
 from mcp.client.stdio import StdioServerParameters, stdio_client
 from mcp.shared.exceptions import MCPError
 
-import tests.networld as nw
 from egressgate.runtimes.adminapi import call
 from egressgate.runtimes.endpoints import load
 from tests.mcp.local_world import (
@@ -33,33 +32,20 @@ from tests.mcp.local_world import (
     wait_until,
 )
 from tests.networld import World
-from tests.runtimes.harness import Gateway, base_dir, remove, safety_net
+from tests.runtimes.harness import Gateway, running_gateway, safety_net, sandbox_world
 
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
-    w = World.create(tmp_path_factory.mktemp("networld"))
-    w.exec(w.net, "ip", "route", "add", "198.18.128.0/17", "via", nw.GW_NET)  # back to the sandboxes
-    try:
+    with sandbox_world(tmp_path_factory.mktemp("networld")) as w:
         yield w
-    finally:
-        w.close()
 
 
 @pytest.fixture(scope="module")
 def gateway(world: World) -> Iterator[Gateway]:
-    base = base_dir()
-    try:
-        gw = Gateway.start(world, base, {"mcp-local": mcp_policy("mcp-local"),
-                                         "mcp-nolocal": mcp_policy("mcp-nolocal", local="deny")})
-    except BaseException:
-        remove(base)
-        raise
-    try:
+    with running_gateway(world, {"mcp-local": mcp_policy("mcp-local"),
+                                 "mcp-nolocal": mcp_policy("mcp-nolocal", local="deny")}) as gw:
         yield gw
-    finally:
-        gw.stop()
-        remove(base)
 
 
 @pytest.fixture

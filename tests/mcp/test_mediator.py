@@ -1,152 +1,49 @@
 """The MCP mediator (egressgate/mcp/mediator.py) driven directly: real state stores (memory and a real
 redis-server), the real audit file sink, the real approval store and the compiled policy engine. Each
 denial is checked together with what was forwarded (nothing of a denied call) and what was recorded,
-next to a positive control (the allowed neighbour is forwarded and recorded)."""
+next to a positive control (the allowed neighbour is forwarded and recorded). The world and the messages:
+mediator_world.py."""
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
-import textwrap
 import time
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from egressgate.approvals.memory import MemoryApprovals
-from egressgate.approvals.store import open_approvals
-from egressgate.audit.config import open_audit_sink
 from egressgate.broker.inject import phantom_value
-from egressgate.config import load_config
-from egressgate.gateway.context import PolicyHolder, Runtime
 from egressgate.mcp.jsonrpc import dumps
 from egressgate.mcp.mediator import McpSession
 from egressgate.mcp.schema import arguments_hash, tool_hash
-from egressgate.policy.loader import parse_policy
 from egressgate.state.base import SandboxRecord, hash_token
 from egressgate.state.memory import MemoryState
 from egressgate.state.redis import RedisState
-from tests.support.launcher import audit_records
+from tests.mcp.mediator_world import (
+    DELETE,
+    LOOKUP,
+    OTHER,
+    SEARCH,
+    World,
+    answer,
+    body,
+    call,
+    initialize,
+    list_tools,
+    make_world,
+    policy_text,
+)
 from tests.support.redis import RedisServer
 from tests.support.tmpfs import fill, tiny_tmpfs
-
-POLICY = """
-sandbox: {name: mcp-med}
-network:
-  https:
-    allow:
-      - host: tickets.mcp.test
-        paths: ["/mcp", "/mcp/**"]
-      - host: pinned.mcp.test
-mcp:
-  record_arguments: %s
-  servers:
-    - name: tickets
-      url: https://tickets.mcp.test/mcp
-      budget: {calls: 4}
-      tools:
-        allow:
-          - name: search_tickets
-            id: tickets-search
-            budget: {calls: 3}
-            arguments:
-              project: {equals_label: tenant, required: true}
-              query: {type: string, max_length: 40}
-          - name: escalate
-            approval: required
-            unlisted_arguments: allow
-          - name: note
-            unlisted_arguments: allow
-        deny: [delete_ticket]
-    - name: pinned
-      url: https://pinned.mcp.test/mcp
-      server_info: {name: pinned-server, version: "2.0.0"}
-      tool_schemas: {lookup: "%s"}
-      tools:
-        allow:
-          - name: lookup
-"""
-LOOKUP = {"name": "lookup", "description": "Look up.", "inputSchema": {"type": "object"}}
-SEARCH = {"name": "search_tickets", "description": "Search tickets.",
-          "inputSchema": {"type": "object", "properties": {"project": {"type": "string"}}}}
-DELETE = {"name": "delete_ticket", "description": "Delete.", "inputSchema": {"type": "object"}}
-OTHER = {"name": "unlisted_tool", "description": "Not in the policy.", "inputSchema": {"type": "object"}}
-
-
-def compiled(record_arguments: bool = False):
-    text = textwrap.dedent(POLICY % ("true" if record_arguments else "false", tool_hash(LOOKUP)))
-    return parse_policy(text, "mcp-med.yaml")
-
-
-def call(jid, tool: str, arguments: dict | None = None) -> dict:
-    params: dict = {"name": tool}
-    if arguments is not None:
-        params["arguments"] = arguments
-    return {"jsonrpc": "2.0", "id": jid, "method": "tools/call", "params": params}
-
-
-def body(obj) -> bytes:
-    return json.dumps(obj).encode()
-
-
-def answer(jid, result: dict | None = None, error: dict | None = None) -> bytes:
-    out: dict = {"jsonrpc": "2.0", "id": jid}
-    if error is not None:
-        out["error"] = error
-    else:
-        out["result"] = result if result is not None else {"content": [{"type": "text", "text": "ok"}]}
-    return dumps(out)
-
-
-@dataclass
-class World:
-    rt: Runtime
-    var: Path
-    sandbox: SandboxRecord
-
-    def session(self, server: str = "tickets", sandbox: SandboxRecord | None = None) -> McpSession:
-        policy = self.rt.policies.get("mcp-med")
-        return McpSession(self.rt, policy, policy.mcp.servers[server], sandbox or self.sandbox, "streamable_http")
-
-    def records(self, **match) -> list[dict]:
-        path = self.var / "audit.jsonl"
-        if not path.exists():
-            return []
-        return [r for r in audit_records(path) if all(r.get(k) == v for k, v in match.items())]
-
-    async def wait_records(self, n: int = 1, **match) -> list[dict]:
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            found = self.records(**match)
-            if len(found) >= n:
-                return found
-            await asyncio.sleep(0.01)
-        raise AssertionError(f"no {n} audit records matching {match}: {self.records()[-3:]}")
 
 
 @pytest.fixture(scope="module")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path_factory.mktemp("e13c-redis"))
-    server.start()
-    try:
+    with RedisServer(tmp_path_factory.mktemp("e13c-redis")) as server:
         yield server
-    finally:
-        server.stop()
-
-
-async def make_world(tmp_path: Path, state, *, record_arguments: bool = False, var: Path | None = None) -> World:
-    var = var or tmp_path / "var"
-    cfg = load_config(None, {"var_dir": str(var)})
-    sink = await open_audit_sink(cfg.audit, var)
-    rt = Runtime(config=cfg, policies=PolicyHolder({"mcp-med": compiled(record_arguments)}), state=state,
-                 audit=sink, resolver=None, ledger=None,  # type: ignore[arg-type]  # the mediator uses neither
-                 approvals=open_approvals(state) if isinstance(state, RedisState) else MemoryApprovals())
-    sandbox = SandboxRecord(id="sbx-a", token_hash=hash_token("t"), policy_name="mcp-med", admitted_at=time.time(),
-                            labels={"tenant": "acme"})
-    await state.admit(sandbox)
-    return World(rt, var, sandbox)
 
 
 @pytest.fixture(params=["memory", "redis"])
@@ -163,15 +60,6 @@ async def world(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator
     finally:
         await w.rt.audit.close()
         await state.close()
-
-
-@pytest.fixture
-async def mem_world(tmp_path: Path) -> AsyncIterator[World]:
-    w = await make_world(tmp_path, MemoryState())
-    try:
-        yield w
-    finally:
-        await w.rt.audit.close()
 
 
 # -- calls: allow, deny, batch, malformed -----------------------------------------------------------------
@@ -197,6 +85,7 @@ async def test_allowed_call_is_recorded_then_forwarded_canonically_and_its_outco
     assert outcome["egressgate.mcp.outcome"] == "result" and outcome["egressgate.mcp.is_error"] is True
     assert int(outcome["egressgate.mcp.result_bytes"]) == len(b'{"content":[],"isError":true}')
     assert outcome["egressgate.duration_ms"] >= 0
+    assert "egressgate.bytes.in" not in outcome  # counted once, by the HTTP outcome of the same POST
 
 
 @pytest.mark.parametrize(("tool", "arguments", "reason", "rule"), [
@@ -248,6 +137,7 @@ async def test_malformed_body_is_refused_whole_and_recorded(mem_world: World, ra
     assert verdict.forward is None and verdict.refused
     [reply] = verdict.replies
     assert reply["error"]["data"]["reason"] == "mcp_malformed" and detail in reply["error"]["message"]
+    assert reply["id"] == (None if raw.startswith(b"[") else 1)  # addressed to the pending request if readable
     [rec] = await mem_world.wait_records(**{"egressgate.operation": "mcp_message"})
     assert rec["egressgate.reason"] == "mcp_malformed" and rec["egressgate.detail"] == detail
     assert mem_world.records(**{"egressgate.operation": "mcp_tool_call"}) == []  # nothing was decided
@@ -275,8 +165,8 @@ async def test_tool_and_server_budgets(world: World):
     assert (await s.from_client(body(call(4, "note", {})))).forward
     other = await s.from_client(body(call(5, "note", {})))
     assert other.forward is None and other.replies[0]["error"]["data"]["reason"] == "budget_exceeded"
-    snap = await world.rt.state.snapshot("sbx-a", rules=["mcp:tickets", "mcp:tickets/search_tickets"])
-    assert snap.rule_usage["mcp:tickets"].requests == 4 and snap.rule_usage["mcp:tickets/search_tickets"].requests == 3
+    counts = await world.rt.state.call_counts("sbx-a", ["mcp:tickets", "mcp:tickets/search_tickets"])
+    assert counts == {"mcp:tickets": 4, "mcp:tickets/search_tickets": 3}
 
 
 async def test_concurrent_calls_never_exceed_the_budget(world: World):
@@ -297,7 +187,10 @@ async def test_approval_required_then_granted(world: World):
     assert data["reason"] == "approval_required" and data["approval_id"].startswith("apr-")
     retry = await s.from_client(body(call(2, "escalate", {"ticket": 1})))
     assert retry.replies[0]["error"]["data"]["approval_id"] == data["approval_id"]  # one id shared by retries
-    [requested] = await world.wait_records(**{"egressgate.operation": "approval"})
+    # another tool of the same server asked at the same time: its own approval, not the pending one
+    reopen = await s.from_client(body(call(20, "reopen", {})))
+    assert reopen.replies[0]["error"]["data"]["approval_id"] not in (None, data["approval_id"])
+    [requested, _] = await world.wait_records(2, **{"egressgate.operation": "approval"})
     assert requested["egressgate.approval.kind"] == "mcp_tool" and requested["egressgate.approval.id"] == data[
         "approval_id"]
     now = world.rt.clock()
@@ -306,9 +199,10 @@ async def test_approval_required_then_granted(world: World):
     assert granted.forward is not None and granted.replies == []
     rec = world.records(**{"egressgate.operation": "mcp_tool_call", "egressgate.decision": "allow"})[-1]
     assert rec["egressgate.reason"] == "approval_granted" and rec["egressgate.approval.id"] == data["approval_id"]
-    # the grant is for that tool only
-    other = await s.from_client(body(call(4, "delete_ticket", {})))
-    assert other.forward is None
+    # the grant is for that tool only; another tool needing approval gets its own approval
+    other = await s.from_client(body(call(4, "reopen", {})))
+    assert other.forward is None and other.replies[0]["error"]["data"]["reason"] == "approval_required"
+    assert other.replies[0]["error"]["data"]["approval_id"] not in (None, data["approval_id"])
 
 
 async def test_mcp_grant_never_covers_network_requests():
@@ -326,21 +220,6 @@ async def test_mcp_grant_never_covers_network_requests():
 
 
 # -- pins: tools/list, serverInfo ---------------------------------------------------------------------------
-
-
-async def list_tools(s: McpSession, jid, tools: list[dict]) -> list[str]:
-    assert (await s.from_client(body({"jsonrpc": "2.0", "id": jid, "method": "tools/list"}))).forward
-    out = json.loads(await s.from_server_bytes(answer(jid, {"tools": tools})))
-    return [t["name"] for t in out["result"]["tools"]]
-
-
-async def initialize(s: McpSession, jid, name: str, version: str) -> None:
-    init = {"jsonrpc": "2.0", "id": jid, "method": "initialize",
-            "params": {"protocolVersion": "2025-06-18", "capabilities": {},
-                       "clientInfo": {"name": "c", "version": "1"}}}
-    assert (await s.from_client(body(init))).forward
-    await s.from_server_bytes(answer(jid, {"protocolVersion": "2025-06-18", "capabilities": {},
-                                           "serverInfo": {"name": name, "version": version}}))
 
 
 async def test_tools_list_is_filtered_and_drift_denies_the_tool(world: World):
@@ -447,8 +326,7 @@ async def test_audit_failure_denies_and_gives_the_count_back(tmp_path: Path):
             filler = fill(mnt)
             refused = await s.from_client(body(call(2, "note", {})))
             assert refused.forward is None and refused.replies[0]["error"]["data"]["reason"] == "audit_unavailable"
-            snap = await state.snapshot("sbx-a", rules=["mcp:tickets"])
-            assert snap.rule_usage["mcp:tickets"].requests == 1  # the refused call is not counted
+            assert await state.call_counts("sbx-a", ["mcp:tickets"]) == {"mcp:tickets": 1}  # refused: not counted
             assert 2 not in s.calls
             filler.unlink()
         finally:
@@ -510,3 +388,157 @@ async def test_two_bodies_decided_at_once_cannot_share_an_id(mem_world: World):
     assert [v.forward is not None for v in (a, b)].count(True) == 1
     refused = a if a.forward is None else b
     assert "id_in_use" in refused.replies[0]["error"]["message"]
+
+
+async def test_mcp_tool_approval_matches_the_api_schema(mem_world: World):
+    """The admin API lists approvals as docs/openapi.yaml's Approval: an mcp_tool one must validate too."""
+    import jsonschema
+    import yaml
+
+    spec = yaml.safe_load((Path(__file__).parents[2] / "docs" / "openapi.yaml").read_text())
+    schema = {**spec, "$ref": "#/components/schemas/Approval"}
+    s = mem_world.session()
+    refused = await s.from_client(body(call(1, "escalate", {})))
+    approval = await mem_world.rt.approvals.get(refused.replies[0]["error"]["data"]["approval_id"])
+    assert approval is not None and approval.kind == "mcp_tool" and approval.path == "escalate"
+    jsonschema.Draft202012Validator(schema).validate(approval.to_json())
+    decided = await mem_world.rt.approvals.decide(approval.id, approve=True, by="op", scope="host", for_seconds=60,
+                                                  now=mem_world.rt.clock())
+    jsonschema.Draft202012Validator(schema).validate(decided.to_json())
+
+
+def test_operator_table_names_the_tool_and_escapes_it():
+    from egressgate.approvals.cli import format_table
+
+    row = {"id": "apr-0123456789abcdef", "state": "pending", "sandbox_id": "sbx", "policy": "p", "kind": "mcp_tool",
+           "scheme": "mcp", "host": "tickets", "port": 0, "method": "tools/call", "path": "esc\x1b[2Jalate",
+           "requested_at": 1.0}
+    table = format_table([row])
+    assert "mcp tool tickets/esc\\x1b[2Jalate" in table and "\x1b" not in table
+
+
+async def test_audit_replay_re_decides_the_mediators_records_unchanged(tmp_path: Path):
+    """The records the mediator writes carry what `audit replay` needs: replayed under the same policy,
+    every tool-call decision (allows, argument/tool/budget/approval denials, drift) comes out the same."""
+    from egressgate.audit.replay import replay
+
+    w = await make_world(tmp_path, MemoryState(), record_arguments=True)
+    try:
+        s = w.session()
+        await initialize(s, 0, "tickets-server", "1.0")
+        assert await list_tools(s, "l", [SEARCH]) == ["search_tickets"]
+        acme = {"project": "acme"}
+        calls = [("search_tickets", acme), ("search_tickets", {"project": "x"}), ("delete_ticket", {}),
+                 ("escalate", {}), ("search_tickets", acme), ("search_tickets", acme), ("search_tickets", acme)]
+        for i, (tool, args) in enumerate(calls):
+            await s.from_client(body(call(i + 1, tool, args)))
+            await s.from_server_bytes(answer(i + 1))
+        s2 = w.session()
+        assert await list_tools(s2, "l", [{**SEARCH, "description": "changed"}]) == []
+        await s2.from_client(body(call(99, "search_tickets", {"project": "acme"})))
+        await s.close()
+        await s2.close()
+    finally:
+        await w.rt.audit.close()
+    policy_file = tmp_path / "mcp-med.yaml"
+    policy_file.write_text(policy_text(True))
+    result = replay([str(w.var / "audit.jsonl")], str(policy_file))
+    decided = [r for r in w.records(**{"egressgate.operation": "mcp_tool_call"})]
+    reasons = sorted({r["egressgate.reason"] for r in decided})
+    assert reasons == ["approval_required", "budget_exceeded", "mcp_argument_denied", "mcp_schema_drift",
+                       "mcp_tool_denied", "rule_matched"]
+    assert result.changes == [] and result.skipped == {}, (result.changes, result.skipped)
+    assert result.replayed >= len(decided)
+    assert result.approximated_state == 0 and result.arguments_unchecked == 0  # the recorded facts and arguments
+
+
+async def test_unanswered_requests_are_bounded_not_evicted(mem_world: World):
+    from egressgate.mcp import mediator
+
+    s = mem_world.session()
+    batch = [{"jsonrpc": "2.0", "id": i, "method": "tools/list"} for i in range(mediator.MAX_WAITING)]
+    assert (await s.from_client(body(batch))).forward is not None  # exactly at the bound: accepted
+    over = await s.from_client(body({"jsonrpc": "2.0", "id": "one-more", "method": "tools/list"}))
+    assert over.forward is None and "too_many_pending" in over.replies[0]["error"]["message"]
+    await s.from_server_bytes(answer(0, {"tools": []}))  # one answered: room for one more
+    assert (await s.from_client(body({"jsonrpc": "2.0", "id": "one-more", "method": "tools/list"}))).forward
+
+
+async def test_unicode_escapes_are_decided_decoded_and_forwarded_decoded(mem_world: World):
+    """`delete\\u005fticket` is delete_ticket: decided (and refused) as such; the allowed neighbour is
+    forwarded in its decoded, canonical form, so the server parses the very name that was decided."""
+    s = mem_world.session()
+    hidden = (b'{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"delete\\u005fticket",'
+              b'"arguments":{}}}')
+    refused = await s.from_client(hidden)
+    assert refused.forward is None and refused.replies[0]["error"]["data"]["reason"] == "mcp_tool_denied"
+    ok = await s.from_client(b'{"jsonrpc":"2.0","id":2,"method":"tools/call","params":{"name":"search\\u005ftickets",'
+                             b'"arguments":{"pro\\u006aect":"\\u0061cme"}}}')
+    assert ok.forward == dumps(call(2, "search_tickets", {"project": "acme"}))
+
+
+async def test_route_credentials_are_redacted_from_recorded_arguments(tmp_path: Path):
+    from egressgate.broker.redact import SecretSpec
+
+    w = await make_world(tmp_path, MemoryState(), record_arguments=True)
+    try:
+        policy = w.rt.policies.get("mcp-med")
+        s = McpSession(w.rt, policy, policy.mcp.servers["tickets"], w.sandbox, "streamable_http",
+                       secrets=(SecretSpec("sk-live-0123456789abcdef"),))
+        args = {"text": "key sk-live-0123456789abcdef", "b64": "c2stbGl2ZS0wMTIzNDU2Nzg5YWJjZGVm", "ok": "keep"}
+        assert (await s.from_client(body(call(1, "note", args)))).forward
+        [rec] = w.records(**{"egressgate.operation": "mcp_tool_call"})
+        recorded = rec["egressgate.mcp.arguments"]
+        assert "sk-live" not in recorded and "c2stbGl2ZS0wMTIz" not in recorded and '"ok":"keep"' in recorded
+    finally:
+        await w.rt.audit.close()
+
+
+async def test_agent_chosen_names_are_bounded_in_records(mem_world: World):
+    s = mem_world.session()
+    long_tool, long_id = "t" * 5000, "i" * 5000
+    refused = await s.from_client(body(call(long_id, long_tool, {})))
+    assert refused.replies[0]["error"]["data"]["reason"] == "mcp_tool_denied"
+    [rec] = mem_world.records(**{"egressgate.operation": "mcp_tool_call"})
+    assert rec["egressgate.mcp.tool"] == "t" * 256 + "..." and rec["egressgate.mcp.jsonrpc_id"] == "i" * 256 + "..."
+    assert rec["egressgate.mcp.tool_sha256"] == hashlib.sha256(long_tool.encode()).hexdigest()
+    assert len(json.dumps(rec)) < 4000
+    assert (await s.from_client(body(call("short", "note", {})))).forward  # control: ordinary names as they are
+    assert mem_world.records(**{"egressgate.operation": "mcp_tool_call"})[-1]["egressgate.mcp.tool"] == "note"
+
+
+async def test_denied_approval_is_named_again_not_requested_again(mem_world: World):
+    s = mem_world.session()
+    first = await s.from_client(body(call(1, "reopen", {})))
+    approval_id = first.replies[0]["error"]["data"]["approval_id"]
+    await mem_world.rt.approvals.decide(approval_id, approve=False, by="op", scope="host", for_seconds=60,
+                                        now=mem_world.rt.clock())
+    again = await s.from_client(body(call(2, "reopen", {})))
+    assert again.forward is None
+    assert again.replies[0]["error"]["data"]["approval_id"] == approval_id
+    assert "denied" in again.replies[0]["error"]["message"]
+    assert len(await mem_world.rt.approvals.list(None, mem_world.rt.clock())) == 1  # no new request
+
+
+async def test_url_arguments_are_decided_by_the_sandboxs_network_policy(world: World):
+    s = world.session()
+    ok = await s.from_client(body(call(1, "fetch", {"url": "https://tickets.mcp.test/mcp/x"})))
+    assert ok.forward is not None  # control: a URL the sandbox may fetch itself
+    for i, url in enumerate(["http://169.254.169.254/latest/meta-data/", "https://evil.example/",
+                             "https://tickets.mcp.test/admin"]):
+        refused = await s.from_client(body(call(10 + i, "fetch", {"url": url})))
+        assert refused.forward is None, url
+        assert refused.replies[0]["error"]["data"]["reason"] == "mcp_argument_denied", url
+
+
+async def test_drift_between_two_listings_of_one_session(world: World):
+    s = world.session()
+    assert await list_tools(s, 1, [SEARCH]) == ["search_tickets"]
+    assert (await s.from_client(body(call(2, "search_tickets", {"project": "acme"})))).forward  # control
+    widened = {**SEARCH, "inputSchema": {"type": "object", "properties": {"project": {"type": "string"},
+                                                                          "all_tenants": {"type": "boolean"}}}}
+    assert await list_tools(s, 3, [widened]) == []
+    refused = await s.from_client(body(call(4, "search_tickets", {"project": "acme"})))
+    assert refused.replies[0]["error"]["data"]["reason"] == "mcp_schema_drift"
+    [rec] = await world.wait_records(**{"egressgate.operation": "mcp_tools_list"})
+    assert rec["egressgate.mcp.changed"] == {"values": [{"stringValue": "search_tickets"}]}

@@ -218,6 +218,11 @@ def test_allowed_by_network_positive_controls(url):
     ("https://user@docs.allowed.test/", "network:bad_url:userinfo"),
     ("file:///etc/passwd", "network:bad_url:bad_url"),
     ("gopher://docs.allowed.test/", "network:bad_url:bad_url"),
+    ("https://docs.allowed.test\\@evil.example/", "network:bad_url:userinfo"),
+    ("https://evil.example#@docs.allowed.test", "network:bad_url:fragment"),
+    ("//docs.allowed.test/x", "network:bad_url:bad_char"),
+    ("docs.allowed.test:443", "network:bad_url:port_in_host"),
+    ("https://docs.allowed.test%2f@evil.example/", "network:bad_url:userinfo"),
 ])
 def test_allowed_by_network_refusals(url, detail):
     refused(search(url=url), "url", detail)
@@ -247,3 +252,14 @@ mcp:
             arguments:
               a: %s
 """
+
+
+def test_type_integer_alone_refuses_bool():
+    p = policy(POLICY_ONE_ARG % "{type: integer}")
+    assert call(p, "t", {"a": 10**30}, server="s").allowed
+    for value in (True, False, 1.0, "1"):
+        assert call(p, "t", {"a": value}, server="s").detail == "type"
+
+
+def test_url_argument_length_is_bounded():
+    refused(search(url="https://docs.allowed.test/" + "a" * 9000), "url", "network:bad_url:too_long")

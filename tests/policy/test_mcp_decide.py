@@ -75,6 +75,17 @@ def test_look_alike_tool_names_are_not_listed(name):
     assert "\x00" not in d.message and "\u200b" not in d.message
 
 
+@pytest.mark.parametrize("name", [["search_tickets"], None, 7, {"name": "search_tickets"}])
+def test_non_string_tool_names_are_denied(name):
+    d = call(P, name)
+    assert d.reason is Reason.MCP_TOOL_DENIED and d.detail == "not_allowed"
+
+
+def test_long_tool_name_is_echoed_bounded():
+    d = call(P, "x" * 10000)
+    assert len(d.message) < 300 and "..." in d.message
+
+
 def test_budgets_server_then_tool():
     assert call(P, "search_tickets", tool_calls=2, server_calls=4).allowed
     d = call(P, "search_tickets", tool_calls=3)
@@ -183,6 +194,12 @@ def test_mcp_server_for_routes():
     assert mcp_server_for(P, "https", "tickets.mcp.test", 443, "/mcpx") is None
     assert mcp_server_for(P, "https", "tickets.mcp.test", 8443, "/mcp") is None
     assert mcp_server_for(P, "http", "tickets.mcp.test", 443, "/mcp") is None
+    # every spelling a server may read as the endpoint is the MCP route too (parsed strictly, decided)
+    for variant in ("//mcp", "/mcp//", "/MCP", "/Mcp/x", "/mcp;jsessionid=1", "/mcp.json", "/%2Fmcp",
+                    "/mcp%2F", "/%EF%BD%8Dcp", "/mcp::$DATA", "/MCP~1"):
+        assert mcp_server_for(P, "https", "tickets.mcp.test", 443, variant) is not None, variant
+    for other in ("/mcpx", "/other", "/mc", "/"):  # positive controls: other paths stay plain requests
+        assert mcp_server_for(P, "https", "tickets.mcp.test", 443, other) is None, other
     # SSE: the message endpoint is chosen by the server, so the whole origin is the MCP route
     assert mcp_server_for(P, "https", "legacy.mcp.test", 443, "/messages/").name == "legacy"
     assert mcp_server_for(P, "https", "docs.allowed.test", 443, "/") is None

@@ -211,3 +211,13 @@ def test_docs_example_loads_and_decides():
     pin = p.mcp.servers["tickets"].tool_schemas["search_tickets"]
     d = call(p, "search_tickets", ok, tool_schema_now=pin, server_info_now=("tickets-server", "1.4.2"))
     assert d.reason is Reason.APPROVAL_REQUIRED  # everything holds; the tool needs an operator's approval
+
+
+def test_network_rule_ids_cannot_take_mcp_counter_keys():
+    """`mcp:<server>` is the server's call counter in the state store: a network rule with that id would
+    share (and spend) it."""
+    text = HEAD.replace("      - host: s2.test\n", "      - host: s2.test\n        id: \"mcp:a\"\n")
+    with pytest.raises(PolicyError) as info:
+        parse_policy(text + "  servers: [{name: a, url: 'https://s.test/mcp'}]\n", "m.yaml")
+    assert info.value.problems == [("network.https.allow[1].id", "ids starting with 'mcp:' are reserved for MCP "
+                                                                 "call budgets")]

@@ -10,20 +10,22 @@ import pytest
 
 import tests.networld as nw
 from tests.networld import World
-from tests.runtimes.harness import DENIED_FILE_NAME, Canary, Gateway, base_dir, remove, runtime_policy
+from tests.runtimes.harness import (
+    DENIED_FILE_NAME,
+    Canary,
+    Gateway,
+    base_dir,
+    remove,
+    running_gateway,
+    runtime_policy,
+    sandbox_world,
+)
 
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
-    w = World.create(tmp_path_factory.mktemp("networld"))
-    # the way back from the canaries to the sandboxes' subnet (runtime.subnet's default): without it no
-    # TCP handshake from a sandbox could complete even if the plumbing let it out, and the tests that
-    # prove nothing gets out would prove nothing
-    w.exec(w.net, "ip", "route", "add", "198.18.128.0/17", "via", nw.GW_NET)
-    try:
+    with sandbox_world(tmp_path_factory.mktemp("networld")) as w:
         yield w
-    finally:
-        w.close()
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +42,6 @@ def host_files() -> Iterator[Path]:
 
 @pytest.fixture(scope="module")
 def gateway(world: World, host_files: Path) -> Iterator[Gateway]:
-    base = base_dir()
     denied = str(host_files / DENIED_FILE_NAME)
     policies = {
         "rt-allow": runtime_policy("rt-allow", filesystem__deny=["/etc/shadow", "/var/run/docker.sock", denied]),
@@ -51,16 +52,8 @@ def gateway(world: World, host_files: Path) -> Iterator[Gateway]:
         "rt-wall": runtime_policy("rt-wall", sandbox__resources={"wall_time_seconds": 2}),
         "rt-ws": runtime_policy("rt-ws", sandbox__workspace={"path": "/workspace", "max_bytes": 1_000_000}),
     }
-    try:
-        gw = Gateway.start(world, base, policies)
-    except BaseException:
-        remove(base)
-        raise
-    try:
+    with running_gateway(world, policies) as gw:
         yield gw
-    finally:
-        gw.stop()
-        remove(base)
 
 
 @pytest.fixture(scope="module")

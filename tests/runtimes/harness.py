@@ -8,6 +8,7 @@ world's `open` namespace (same position, no egressgate rules) is the positive co
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
@@ -17,6 +18,7 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -58,6 +60,36 @@ def runtime_policy(name: str, **extra: object) -> dict:
         section, _, field = key.partition("__")
         body.setdefault(section, {})[field] = value
     return body
+
+
+@contextlib.contextmanager
+def sandbox_world(tmp: Path) -> Iterator[World]:
+    """A closed network world with the way back from the canaries to the sandboxes' subnet
+    (runtime.subnet's default): without it no TCP handshake from a sandbox could complete even if the
+    plumbing let it out, and the tests that prove nothing gets out would prove nothing."""
+    w = World.create(tmp)
+    try:
+        w.exec(w.net, "ip", "route", "add", "198.18.128.0/17", "via", nw.GW_NET)
+        yield w
+    finally:
+        w.close()
+
+
+@contextlib.contextmanager
+def running_gateway(world: World, policies: dict[str, dict[str, Any]]) -> Iterator[Gateway]:
+    """The real gateway in the world's gw namespace, in a base_dir() removed afterwards (also when the
+    gateway does not start)."""
+    base = base_dir()
+    try:
+        gw = Gateway.start(world, base, policies)
+    except BaseException:
+        remove(base)
+        raise
+    try:
+        yield gw
+    finally:
+        gw.stop()
+        remove(base)
 
 
 def base_dir(parent: str | None = None) -> Path:

@@ -15,9 +15,7 @@ SERVER, TOOL = "mcp:tickets", "mcp:tickets/search"
 
 
 async def usage(store: StateStore, key: str) -> int:
-    snap = await store.snapshot("sbx", rules=[key])
-    got = snap.rule_usage.get(key)
-    return got.requests if got is not None else 0
+    return (await store.call_counts("sbx", [key]))[key]
 
 
 async def test_count_calls_all_or_nothing(store: StateStore):
@@ -53,13 +51,20 @@ async def test_concurrent_call_budget_is_exact(store: StateStore):
     assert (await usage(store, SERVER), await usage(store, TOOL)) == (13, 13)
 
 
-async def test_call_counters_do_not_touch_host_history_or_other_rules(store: StateStore):
+async def test_call_counters_are_apart_from_rule_usage_and_history(store: StateStore):
+    """A network rule may be named `mcp:tickets` (rule ids allow ':'): its request budget and the MCP
+    server's call budget must not be one counter (each would spend the other's)."""
     await store.admit(record())
-    assert await store.record_request("sbx", "a.example", "r1", 5, requests_max=2) is True
-    assert await store.count_calls("sbx", [(SERVER, 5)]) is None
+    assert await store.record_request("sbx", "a.example", SERVER, 5, requests_max=2) is True
+    for _ in range(3):
+        assert await store.count_calls("sbx", [(SERVER, 5)]) is None
+    assert await store.record_request("sbx", "a.example", SERVER, 5, requests_max=2) is True  # 2nd of 2
+    assert await store.record_request("sbx", "a.example", SERVER, 5, requests_max=2) is False  # control: 3rd
     snap = await store.snapshot("sbx")
     assert snap.seen_hosts == frozenset({"a.example"})
-    assert snap.rule_usage["r1"].requests == 1 and snap.rule_usage[SERVER].requests == 1
+    assert snap.rule_usage[SERVER].requests == 2 and snap.rule_usage[SERVER].bytes == 10
+    assert await store.call_counts("sbx", [SERVER, TOOL]) == {SERVER: 3, TOOL: 0}
+    assert await store.call_counts("sbx", []) == {}
 
 
 async def test_pins_first_value_wins_per_sandbox_and_server(store: StateStore):
@@ -76,6 +81,10 @@ async def test_pins_first_value_wins_per_sandbox_and_server(store: StateStore):
     assert await store.mcp_pins("sbx", "tickets") == {"server_info": '["t","1.0"]', "tool:search": "aa",
                                                       "tool:a|b": "bb"}
     assert await store.mcp_pins("sbx", "tickets2") == {"server_info": '["x","9"]'}
+    assert await store.count_calls("sbx", [(SERVER, None)]) is None
+    assert await store.mcp_read("sbx", "tickets", [SERVER, TOOL]) == (
+        {SERVER: 1, TOOL: 0}, await store.mcp_pins("sbx", "tickets"))
+    assert await store.mcp_read("sbx", "none", []) == ({}, {})
 
 
 async def test_concurrent_first_use_has_one_winner(store: StateStore):
@@ -106,5 +115,6 @@ async def test_revoke_expires_the_pins_with_the_counters(redis_server):
     async with replica_pair(redis_server) as (a, _):
         await a.admit(record())
         await a.mcp_pin("sbx", "tickets", "tool:t", "v")
-        assert await a.revoke("sbx")
-        assert await a.redis.pttl(a.key("mcp", "sbx")) > 0
+        assert await a.count_calls("sbx", [(SERVER, None)]) is None
+        assert await a.revoke("sbx") is True
+        assert await a.redis.pttl(a.key("mcp", "sbx")) > 0 and await a.redis.pttl(a.key("calls", "sbx")) > 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import trustme
@@ -151,3 +152,27 @@ async def read_request_head(reader: asyncio.StreamReader) -> RequestHead | None:
     method, path = lines[0].split(" ")[:2]
     headers = {k.strip().lower(): v.strip() for k, _, v in (x.partition(":") for x in lines[1:] if x)}
     return RequestHead(method, path, headers, len(head))
+
+
+async def serve_json(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                     answer: Callable[[str, bytes], tuple[bytes, bytes]]) -> None:
+    """A raw HTTP/1.1 upstream's keep-alive connection (the JSON-RPC upstreams of
+    tests/mcp/test_engine_route_spellings.py and loadtests/mcp_bench_gateway.py): every request's target
+    and Content-Length body go to `answer`, which returns the status (b"200 OK") and a JSON body; until the
+    client closes."""
+    try:
+        while True:
+            head = await reader.readuntil(b"\r\n\r\n")
+            target = head.split(b" ", 2)[1].decode("latin-1")
+            length = 0
+            for line in head.split(b"\r\n"):
+                if line.lower().startswith(b"content-length:"):
+                    length = int(line.split(b":", 1)[1])
+            status, out = answer(target, await reader.readexactly(length) if length else b"")
+            writer.write(b"HTTP/1.1 " + status + b"\r\nContent-Type: application/json\r\nContent-Length: "
+                         + str(len(out)).encode() + b"\r\n\r\n" + out)
+            await writer.drain()
+    except (asyncio.IncompleteReadError, ConnectionError, ssl.SSLError):
+        pass
+    finally:
+        writer.close()

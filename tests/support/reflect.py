@@ -22,6 +22,7 @@ from aiohttp import web
 from tests.support.h2server import serve_h2_events
 from tests.support.jwtcheck import TokenRejected, verify
 from tests.support.loopback import Hits
+from tests.support.mixed import EVERY, HTML, JSON, URL, mixed
 
 
 def secret_of(request: web.Request) -> str:
@@ -32,6 +33,33 @@ def secret_of(request: web.Request) -> str:
     if auth.startswith("Basic "):
         return base64.b64decode(auth[6:]).decode().partition(":")[2]
     return request.query.get("api_key", "")
+
+
+MIXED_PAD = 40
+
+
+def mixed_reflection(kind: str, s: str) -> tuple[bytes, str, list[bytes]]:
+    """(body, content type, the mixed forms in it) an echo upstream sends for /reflect/mixed-<kind>:
+    the credential with some characters escaped — JSON, HTML (attribute and text), a form body; `split`
+    is every style at once, padded, for the chunk-boundary test."""
+    if kind == "json":
+        forms = [mixed(s, JSON), mixed(s, JSON, 2)]
+        return f'{{"token": "{forms[0]}", "echo": ["{forms[1]}"]}}'.encode(), "application/json", _b(forms)
+    if kind == "html":
+        forms = [mixed(s, HTML), mixed(s, HTML, 3)]
+        body = f'<html><body><p title="{forms[0]}">{forms[1]}</p></body></html>'
+        return body.encode(), "text/html", _b(forms)
+    if kind == "form":
+        forms = [mixed(s, URL), mixed(s, URL, 1)]
+        return f"a=1&token={forms[0]}&b={forms[1]}".encode(), "application/x-www-form-urlencoded", _b(forms)
+    if kind == "split":
+        forms = [mixed(s, EVERY)]
+        return b"x" * MIXED_PAD + forms[0].encode() + b"y" * MIXED_PAD, "text/plain", _b(forms)
+    raise KeyError(kind)
+
+
+def _b(forms: list[str]) -> list[bytes]:
+    return [f.encode() for f in forms]
 
 
 def make_app(hits: Hits, jwks_url: dict) -> web.Application:
@@ -67,6 +95,24 @@ def make_app(hits: Hits, jwks_url: dict) -> web.Application:
         }
         if mode in forms:
             return web.Response(body=b"before " + forms[mode] + b" after", content_type="text/plain")
+        if mode == "mixed-headers":
+            return web.Response(text="ok", headers={
+                "Location": f"https://other.test/cb?token={mixed(s, URL, 1)}", "Set-Cookie": f"t={mixed(s, HTML, 1)}"})
+        if mode == "mixed-split":  # two chunks cut at ?cut=N, apart in time: two reads at the gateway
+            body, ctype, _ = mixed_reflection("split", s)
+            cut = int(request.query["cut"])
+            resp = web.StreamResponse(headers={"Content-Type": ctype})
+            resp.enable_chunked_encoding()
+            await resp.prepare(request)
+            for part in (body[:cut], body[cut:]):
+                if part:
+                    await resp.write(part)
+                    await asyncio.sleep(0.002)
+            await resp.write_eof()
+            return resp
+        if mode.startswith("mixed-"):
+            body, ctype, _ = mixed_reflection(mode[6:], s)
+            return web.Response(body=body, headers={"Content-Type": ctype})
         if mode == "reason":
             return web.Response(text="ok", reason=f"OK {s}")
         if mode == "headers":

@@ -7,7 +7,7 @@ session guard of routes.py, so a console session never opens /v1 and the admin t
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -32,6 +32,7 @@ class Console:
         self.limiter = auth.LoginLimiter()
         self.live = LiveFeed(server.rt.audit)
         self.resources: set[int] = set()
+        self.audit: Any = None  # audit_api.AuditApi (search, stats, replay-diff, learn)
 
     def owns(self, request: web.Request) -> bool:
         """True for a request the console answers itself (the bearer middleware skips it): one of the
@@ -57,10 +58,14 @@ def register_console(server: AdminServer) -> Console:
         web.get("/ui/api/session", guard(shell.session), allow_head=False),
         web.get("/ui/api/live", guard(console.live.handle), allow_head=False),
     ]
-    from egressgate.admin.ui.api import api_routes  # the data routes (index, learn, replay, explain)
+    from egressgate.admin.ui.api import api_routes  # the data routes
+    from egressgate.admin.ui.audit_api import audit_routes
 
     routes += api_routes(console, guard, OPERATOR)
+    console.audit, more = audit_routes(console, guard)
+    routes += more
     for route in app.router.add_routes(routes):
         console.resources.add(id(route.resource))
     app.on_shutdown.append(console.live.close_all)
+    app.on_cleanup.append(console.audit.stop)
     return console

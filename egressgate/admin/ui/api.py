@@ -23,6 +23,7 @@ from egressgate.admin.approvals_api import ApprovalsApi
 from egressgate.admin.errors import error_response
 from egressgate.admin.jsonbody import BodyError, read_object
 from egressgate.admin.sandboxes_api import SandboxesApi
+from egressgate.admin.ui.routes import SESSION_KEY
 from egressgate.approvals.grant import SCOPE_HOST, SCOPES
 from egressgate.approvals.model import DEFAULT_FOR_SECONDS, MAX_FOR_SECONDS
 from egressgate.audit.reqhash import RequestHashError, canonical_fields, canonical_request, request_hash
@@ -86,7 +87,7 @@ class ConsoleApi:
         scope = body.get("scope", SCOPE_HOST)
         if scope not in SCOPES:
             return bad("scope: host or host+path")
-        by = f"console:{request['console_session'].role}"
+        by = f"console:{request[SESSION_KEY].role}"
         return await self.approvals._decide(request, approve=approve, by=by, scope=scope,
                                             seconds=seconds if approve else 1)
 

@@ -35,6 +35,7 @@ from egressgate.admin.errors import error_response
 ROLES = ("operator", "auditor")
 COOKIE = "egressgate_console"
 SESSION_SECONDS = 8 * 3600
+MAX_SESSIONS = 256  # per gateway (all workers): a login beyond it ends the oldest session
 CSRF_HEADER = "X-CSRF-Token"
 LOGIN_FAILURES_MAX = 10  # failed logins per client address per LOGIN_WINDOW_S, then 429
 LOGIN_WINDOW_S = 60.0
@@ -98,14 +99,21 @@ class SessionStore:
             self._file(session_id).unlink(missing_ok=True)
 
     def purge(self) -> None:
-        """Remove expired sessions (on every login: the store never grows without bound over time)."""
+        """Remove expired sessions, and the oldest beyond MAX_SESSIONS (on every login: the store never
+        grows without bound, however often a token holder logs in)."""
         now = self.clock()
+        live: list[tuple[float, Path]] = []
         for path in self.dir.iterdir():
             try:
-                if float(json.loads(path.read_text(encoding="utf-8"))["expires"]) <= now:
-                    path.unlink(missing_ok=True)
+                expires = float(json.loads(path.read_text(encoding="utf-8"))["expires"])
             except (OSError, ValueError, KeyError, TypeError):
+                expires = now
+            if expires <= now:
                 path.unlink(missing_ok=True)
+            else:
+                live.append((expires, path))
+        for _expires, path in sorted(live)[:max(0, len(live) - MAX_SESSIONS + 1)]:
+            path.unlink(missing_ok=True)
 
 
 class LoginLimiter:

@@ -1,7 +1,7 @@
 """`GET /ui/api/live`: every audit record this process writes, as server-sent events, within a second.
 
-The tap sits on the audit sink's write path (the methods are wrapped on the sink object, like
-admin/metrics.py's `install`, so every writer - proxy addons, DNS resolver, admin API - goes through it).
+The tap sits on the audit sink's write path (audit/observe.py, the same tap /metrics uses, so every
+writer - proxy addons, DNS resolver, admin API - goes through it).
 It must never slow the gateway or hold memory for a slow browser:
 
 * with no client connected, a record costs one truth test;
@@ -12,7 +12,7 @@ It must never slow the gateway or hold memory for a slow browser:
 * at most MAX_CLIENTS streams per process (503 beyond).
 
 A `write` is observed once it returned (durable); `write_after`/`enqueue_after` records are never dropped
-by the sink, so they are observed at once (the same rule as /metrics).
+by the sink, so they are observed at once (audit/observe.py: the same rule as /metrics).
 """
 
 from __future__ import annotations
@@ -21,20 +21,24 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from datetime import UTC, datetime
 from typing import Any
 
 from aiohttp import web
 
 from egressgate.admin.errors import error_response
-from egressgate.admin.ui.routes import secure
+from egressgate.admin.ui.auth import COOKIE
+from egressgate.admin.ui.routes import CONSOLE_KEY, secure
 from egressgate.audit.event import AuditEvent
+from egressgate.audit.observe import observe_writes
 
 logger = logging.getLogger(__name__)
 
 QUEUE_MAX = 1000
 MAX_CLIENTS = 32
 KEEPALIVE_S = 15.0
+SESSION_RECHECK_S = 5.0  # a stream ends within this long after its session is logged out or expires
 FILTERS = ("sandbox", "host", "reason", "decision")
 MAX_FILTER_CHARS = 256
 
@@ -51,12 +55,23 @@ def summary(event: AuditEvent) -> dict[str, Any]:
 
 
 class Client:
-    __slots__ = ("dropped", "filters", "queue")
+    __slots__ = ("ending", "filters", "queue", "session_id")
 
-    def __init__(self, filters: dict[str, str]) -> None:
+    def __init__(self, filters: dict[str, str], session_id: str | None = None) -> None:
         self.filters = filters
+        self.session_id = session_id
         self.queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue(QUEUE_MAX)
-        self.dropped = False
+        self.ending: str | None = None  # why the stream ends: dropped, logout, shutdown
+
+    @property
+    def dropped(self) -> bool:
+        return self.ending == "dropped"
+
+    def end(self, why: str) -> None:
+        """Make the stream end at its next wake-up (the None wakes it; a full queue wakes it anyway)."""
+        self.ending = self.ending or why
+        with contextlib.suppress(asyncio.QueueFull):
+            self.queue.put_nowait(None)
 
     def wants(self, event: AuditEvent) -> bool:
         f = self.filters
@@ -69,10 +84,12 @@ class Client:
 class LiveFeed:
     def __init__(self, sink: Any) -> None:
         self.clients: set[Client] = set()
-        install_tap(sink, self.observe)
+        self.written = True  # a record was written since the audit index last caught up (audit_api.py)
+        observe_writes(sink, "console_live", self.observe)  # swaps, never taps twice (audit/observe.py)
 
     def observe(self, event: AuditEvent) -> None:
         """On the event loop, for every record: never blocks, never raises into the writer."""
+        self.written = True
         if not self.clients:
             return
         data: dict[str, Any] | None = None
@@ -84,25 +101,34 @@ class LiveFeed:
                     data = summary(event)
                 client.queue.put_nowait(data)
             except asyncio.QueueFull:
-                client.dropped = True
+                # O(1): the full queue is let go (its records freed; the stream's task cannot be waiting on
+                # a full queue, it is busy writing), a fresh one holds only the end
+                client.ending = "dropped"
+                client.queue = asyncio.Queue(1)
+                client.queue.put_nowait(None)
                 self.clients.discard(client)
             except Exception:  # a bug here must never fail an audit write
                 logger.exception("console live feed: dropping a client")
-                client.dropped = True
+                client.end("dropped")
                 self.clients.discard(client)
 
     async def close_all(self, _app: web.Application | None = None) -> None:
-        """On shutdown: end every stream (a sentinel, or the dropped flag when the queue is full)."""
+        """On shutdown: end every stream."""
         for client in tuple(self.clients):
             self.clients.discard(client)
-            try:
-                client.queue.put_nowait(None)
-            except asyncio.QueueFull:
-                client.dropped = True
+            client.end("shutdown")
+
+    def end_session(self, session_id: str | None) -> None:
+        """Logout in this process ends that session's streams at once (other processes: SESSION_RECHECK_S)."""
+        for client in tuple(self.clients):
+            if session_id is not None and client.session_id == session_id:
+                self.clients.discard(client)
+                client.end("logout")
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         """`event: ready` once subscribed, then `event: record` per matching record; `: keepalive` every
-        15 s; `event: dropped` (and the end) when this client fell QUEUE_MAX records behind."""
+        15 s; `event: dropped` (and the end) when this client fell QUEUE_MAX records behind;
+        `event: logout` (and the end) once the session is gone (logout anywhere, expiry)."""
         filters: dict[str, str] = {}
         for key, value in request.query.items():
             if key not in FILTERS or key in filters or len(value) > MAX_FILTER_CHARS:
@@ -118,20 +144,29 @@ class LiveFeed:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
                                                "X-Accel-Buffering": "no"})
         secure(response.headers)
-        client = Client(filters)
+        sessions, session_id = request.app[CONSOLE_KEY].sessions, request.cookies.get(COOKIE)
+        client = Client(filters, session_id)
+        checked = time.monotonic()
         self.clients.add(client)
         try:
             await response.prepare(request)
             await response.write(b"event: ready\ndata: {}\n\n")
             while True:
                 try:
-                    item = await asyncio.wait_for(client.queue.get(), KEEPALIVE_S)
+                    item = await asyncio.wait_for(client.queue.get(), min(KEEPALIVE_S, SESSION_RECHECK_S))
                 except TimeoutError:
+                    item = False
+                if time.monotonic() - checked >= SESSION_RECHECK_S:
+                    checked = time.monotonic()
+                    if sessions.get(session_id) is None:
+                        client.end("logout")  # logged out in another process, or expired
+                if client.ending is not None:
+                    if client.ending != "shutdown":
+                        await response.write(f"event: {client.ending}\ndata: {{}}\n\n".encode())
+                    break
+                if item is False:
                     await response.write(b": keepalive\n\n")
                     continue
-                if client.dropped:
-                    await response.write(b"event: dropped\ndata: {\"reason\": \"too slow\"}\n\n")
-                    break
                 if item is None:
                     break
                 await response.write(b"event: record\ndata: " + json.dumps(item, ensure_ascii=True).encode()
@@ -143,28 +178,3 @@ class LiveFeed:
         with contextlib.suppress(ConnectionError):
             await response.write_eof()
         return response
-
-
-def install_tap(sink: Any, observe) -> None:
-    """Make `observe` see every event the sink accepts (see the module docstring). Installing again only
-    swaps the observer, so one record is never seen twice."""
-    if getattr(sink, "_console_observe", None) is not None:
-        sink._console_observe = observe
-        return
-    sink._console_observe = observe
-    write, write_after, enqueue_after = sink.write, sink.write_after, sink.enqueue_after
-
-    async def tapped_write(event: AuditEvent) -> None:
-        await write(event)
-        sink._console_observe(event)
-
-    async def tapped_write_after(event: AuditEvent) -> bool:
-        durable = await write_after(event)
-        sink._console_observe(event)
-        return durable
-
-    def tapped_enqueue_after(event: AuditEvent) -> None:
-        enqueue_after(event)
-        sink._console_observe(event)
-
-    sink.write, sink.write_after, sink.enqueue_after = tapped_write, tapped_write_after, tapped_enqueue_after

@@ -34,7 +34,7 @@ TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=u
          ".mjs": "text/javascript; charset=utf-8", ".css": "text/css; charset=utf-8",
          ".svg": "image/svg+xml", ".png": "image/png", ".ico": "image/x-icon", ".woff2": "font/woff2",
          ".json": "application/json", ".txt": "text/plain; charset=utf-8"}
-SESSION_KEY = "console_session"
+SESSION_KEY: web.RequestKey[auth.Session] = web.RequestKey("console_session", auth.Session)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -154,12 +154,14 @@ class ShellRoutes:
                                   "console-auditor.token in the gateway's var dir)")
         self.console.sessions.delete(request.cookies.get(auth.COOKIE))  # a login replaces any previous session
         session_id, session = self.console.sessions.create(role)
+        self.console.audit.start_index()  # search is warm by the time the page asks (audit_api.py)
         response = web.json_response({"role": session.role, "csrf": session.csrf, "expires_at": session.expires})
         auth.set_session_cookie(response, request, session_id)
         return response
 
     async def logout(self, request: web.Request) -> web.Response:
         self.console.sessions.delete(request.cookies.get(auth.COOKIE))
+        self.console.live.end_session(request.cookies.get(auth.COOKIE))  # its live streams end too
         response = web.json_response({"logged_out": True})
         auth.clear_session_cookie(response, request)
         return response

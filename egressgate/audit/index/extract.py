@@ -5,19 +5,20 @@ most of it building ~100 small dicts the index never looks at; the index build g
 loadtests/index_bench.py) leaves ~20 us per record for parsing, hashing and the SQLite insert together.
 The audit profile (audit/record.py) is canonical: sorted attribute keys, compact separators, ASCII only.
 So a top-level string attribute is the exact bytes `{"key":"<name>","value":{"stringValue":"<v>"}}`, found
-with `bytes.find`. Such a prefix contains unescaped quotes, which JSON allows only as structure, so a hostile
-value can never imitate one; but a hostile *nested* key can (sandbox labels and `extra` dicts are
+by one regular expression. That text contains unescaped quotes, which JSON allows only as structure, so a
+hostile value can never imitate one; but a hostile *nested* key can (sandbox labels and `extra` dicts are
 `kvlistValue`s whose entries have the same shape: a label named `egressgate.request.hash` would otherwise
-plant a fake request hash on a record). The rule, enforced in `fast_fields`: a match is used only outside
-every `kvlistValue` span; the spans are measured by the C JSON decoder (`raw_decode`). Any line the fast
-path is not sure about (escapes in a value, non-ASCII bytes, a duplicate attribute) is parsed with
-`json.loads` instead (`json_fields`, also the test oracle: both must agree on hostile records).
+plant a fake request hash on a record). The rule, enforced in `fast_values`: every `kvlistValue` is cut out
+of the line before the search; its extent is measured by the C JSON decoder (`raw_decode`). Any line the
+fast path is not sure about (a backslash left in the line, non-ASCII bytes) is parsed with `json.loads`
+instead (`json_values`, also the test oracle: both must agree on hostile records).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 
 from egressgate.audit.chain import HASH_FIELD_PREFIX, PLACEHOLDER
@@ -32,20 +33,29 @@ K_RULE = "egressgate.rule"
 K_TRIGGER = "egressgate.trigger_request"  # audit/find.py: a credential minted for a request names it
 K_CP_FINAL = "egressgate.checkpoint.final"
 
-# (attribute, field) in the canonical (sorted) attribute order, so each search starts where the last hit was
-_STRING_KEYS: tuple[tuple[str, str], ...] = tuple(sorted((
-    (K_CHAIN_PREV, "prev"),
-    (K_DECISION, "decision"),
-    (K_OPERATION, "kind"),
-    (K_REASON, "reason"),
-    (K_REQUEST_HASH, "request_hash"),
-    (K_REQUEST_ID, "request_id"),
-    (K_RULE, "rule"),
-    (K_SANDBOX, "sandbox"),
-    (K_TRIGGER, "trigger"),
-    (K_HOST, "host"),
+# The values every line yields, in this order (a list, not a dict: this runs for every record).
+SLOTS = ("seq", "prev", "time_ns", "kind", "request_id", "request_hash", "sandbox", "host", "decision", "reason",
+         "rule", "trigger", "final")
+_SLOT = {name: i for i, name in enumerate(SLOTS)}
+# (attribute, slot)
+_STRING_KEYS: tuple[tuple[str, int], ...] = tuple(sorted((
+    (K_CHAIN_PREV, _SLOT["prev"]),
+    (K_DECISION, _SLOT["decision"]),
+    (K_OPERATION, _SLOT["kind"]),
+    (K_REASON, _SLOT["reason"]),
+    (K_REQUEST_HASH, _SLOT["request_hash"]),
+    (K_REQUEST_ID, _SLOT["request_id"]),
+    (K_RULE, _SLOT["rule"]),
+    (K_SANDBOX, _SLOT["sandbox"]),
+    (K_TRIGGER, _SLOT["trigger"]),
+    (K_HOST, _SLOT["host"]),
 )))
-_PREFIXES = tuple((f'{{"key":"{k}","value":{{"stringValue":"'.encode(), f) for k, f in _STRING_KEYS)
+_SLOT_OF = {k.encode(): i for k, i in _STRING_KEYS}
+# A top-level string attribute we index; its value has no quote or backslash (lines with a backslash left
+# after the cut go to json).
+_ATTRIBUTE = re.compile(b'\\{"key":"(' + b"|".join(re.escape(k) for k in _SLOT_OF)
+                        + b')","value":\\{"stringValue":"([^"\\\\]*)"\\}\\}')
+_I_SEQ, _I_TIME, _I_KIND, _I_FINAL = _SLOT["seq"], _SLOT["time_ns"], _SLOT["kind"], _SLOT["final"]
 _SEQ_PREFIX = f'{{"key":"{K_CHAIN_SEQ}","value":{{"intValue":"'.encode()
 _FINAL_TRUE = f'{{"key":"{K_CP_FINAL}","value":{{"boolValue":true}}}}'.encode()
 _KVLIST = b'{"kvlistValue":'
@@ -93,91 +103,65 @@ def chain_hashes(line: bytes) -> tuple[str, str]:
 def fields_of(line: bytes) -> Fields:
     """The index fields of one line (without its newline). Raises LineError."""
     recorded, computed = chain_hashes(line)
-    fast = fast_fields(line)
-    return json_fields(line, recorded, computed) if fast is None else _fields(recorded, computed, fast)
+    values = values_of(line)
+    return Fields(recorded, computed, *values)
 
 
-def _fields(recorded: str, computed: str, f: dict) -> Fields:
-    return Fields(recorded, computed, f.get("seq"), f.get("prev"), f["time_ns"], f.get("kind") or "",
-                  f.get("request_id"), f.get("request_hash"), f.get("sandbox"), f.get("host"), f.get("decision"),
-                  f.get("reason"), f.get("rule"), f.get("trigger"), bool(f.get("final")))
+def values_of(line: bytes) -> list:
+    """The SLOTS values of one line: by byte search, or through json when the fast path is not sure."""
+    values = fast_values(line)
+    return json_values(line) if values is None else values
 
 
-def fast_fields(line: bytes) -> dict | None:
-    """The fields by byte search, or None when the line needs the JSON parser (see module docstring).
-    Attribute keys are sorted, so each search starts where the previous one ended. A line holds each
-    top-level key once (a dict wrote it); only a hand-made line could repeat one, and such a line fails its
-    chain hash check (verified = False) unless the whole chain was forged, which only signatures catch."""
+def fast_values(line: bytes) -> list | None:
+    """The SLOTS values by one regular expression over the line with its kvlistValue spans cut out, or None
+    when the line needs the JSON parser (see module docstring)."""
     if not line.isascii():
         return None
-    spans: list[tuple[int, int]] = []
     i = line.find(_KVLIST)
-    if i >= 0:
+    if i >= 0:  # cut every kvlistValue (labels, extra dicts): their entries look like attributes
         text = line.decode("ascii")
+        parts = []
+        last = 0
         try:
             while i >= 0:
                 end = _DECODER.raw_decode(text, i)[1]
-                spans.append((i, end))
+                parts.append(line[last:i])
+                last = end
                 i = line.find(_KVLIST, end)
         except ValueError:
             return None
-    find = line.find
-    out: dict = {}
-    start = 0
-    for prefix, name in _PREFIXES:
-        pos = find(prefix, start)
-        if pos < 0:
-            continue
-        if spans:
-            pos = _outside(line, prefix, pos, spans)
-            if pos < 0:
-                continue
-        begin = pos + len(prefix)
-        end = find(b'"', begin)
-        value = line[begin:end]
-        if b"\\" in value:
-            return None  # an escape (the quote may be escaped too): let json decide
-        out[name] = value.decode("ascii")
-        start = end
-    pos = find(_SEQ_PREFIX)
-    if pos >= 0 and spans:
-        pos = _outside(line, _SEQ_PREFIX, pos, spans)
+        parts.append(line[last:])
+        line = b"".join(parts)  # what is left cannot form a new attribute: a cut leaves `"value":}`
+    if b"\\" in line:
+        return None  # an escape in a top-level value: the expression stops at quotes, json decides
+    out: list = [None] * 12 + [False]
+    for key, value in _ATTRIBUTE.findall(line):
+        out[_SLOT_OF[key]] = value.decode("ascii")
+    pos = line.find(_SEQ_PREFIX)
     if pos >= 0:
         begin = pos + len(_SEQ_PREFIX)
-        digits = line[begin : find(b'"', begin)]
+        digits = line[begin : line.find(b'"', begin)]
         if not digits.isdigit():
             return None
-        out["seq"] = int(digits)
+        out[_I_SEQ] = int(digits)
     t = line.rfind(_TIME)
     if t < 0:
         return None
     begin = t + len(_TIME)
-    digits = line[begin : find(b'"', begin)]
+    digits = line[begin : line.find(b'"', begin)]
     if not digits.isdigit():
         return None
-    out["time_ns"] = int(digits)
-    if out.get("kind") == "checkpoint":
-        pos = find(_FINAL_TRUE)
-        out["final"] = pos >= 0 and (not spans or _outside(line, _FINAL_TRUE, pos, spans) >= 0)
+    out[_I_TIME] = int(digits)
+    if out[_I_KIND] is None:
+        out[_I_KIND] = ""
+    elif out[_I_KIND] == "checkpoint":
+        out[_I_FINAL] = _FINAL_TRUE in line
     return out
 
 
-def _outside(line: bytes, needle: bytes, pos: int, spans: list[tuple[int, int]]) -> int:
-    """`pos` or the next occurrence of `needle` that is not inside a kvlistValue span (-1: none)."""
-    while pos >= 0:
-        for a, b in spans:
-            if a <= pos < b:
-                pos = line.find(needle, b)
-                break
-        else:
-            return pos
-    return -1
-
-
-def json_fields(line: bytes, recorded: str | None = None, computed: str | None = None) -> Fields:
-    """The same fields through `json.loads` (the slow path and the oracle of the fast one)."""
-    if recorded is None or computed is None:
-        recorded, computed = chain_hashes(line)
+def json_values(line: bytes) -> list:
+    """The same values through `json.loads` (the slow path and the oracle of the fast one)."""
     try:
         doc = json.loads(line)
         logs = doc["resourceLogs"]
@@ -192,14 +176,22 @@ def json_fields(line: bytes, recorded: str | None = None, computed: str | None =
         raise
     except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
         raise LineError(f"not an egressgate OTLP/JSON record: {exc}") from exc
-    out: dict = {"time_ns": time_ns}
-    for key, name in _STRING_KEYS:
+    out: list = [None] * 12 + [False]
+    out[_I_TIME] = time_ns
+    for key, slot in _STRING_KEYS:
         value = attrs.get(key)
         if isinstance(value, dict) and isinstance(value.get("stringValue"), str):
-            out[name] = value["stringValue"]
+            out[slot] = value["stringValue"]
     seq = attrs.get(K_CHAIN_SEQ)
     if isinstance(seq, dict) and isinstance(seq.get("intValue"), str) and seq["intValue"].isdigit():
-        out["seq"] = int(seq["intValue"])
-    if out.get("kind") == "checkpoint":
-        out["final"] = attrs.get(K_CP_FINAL) == {"boolValue": True}
-    return _fields(recorded, computed, out)
+        out[_I_SEQ] = int(seq["intValue"])
+    if out[_I_KIND] is None:
+        out[_I_KIND] = ""
+    elif out[_I_KIND] == "checkpoint":
+        out[_I_FINAL] = attrs.get(K_CP_FINAL) == {"boolValue": True}
+    return out
+
+
+def json_fields(line: bytes) -> Fields:
+    """fields_of() through json only (the oracle of the fast path in tests)."""
+    return Fields(*chain_hashes(line), *json_values(line))

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 
 from egressgate.audit.chain import OP_CHAIN_START
-from egressgate.audit.index.extract import LineError, fields_of
+from egressgate.audit.index.extract import LineError, chain_hashes, values_of
 
 CHUNK = 8 << 20  # bytes read per step (one SQLite transaction per step)
 
@@ -75,57 +77,131 @@ def first_line_sha(fd: int, head_len: int) -> str:
     return _sha(os.pread(fd, head_len, 0))
 
 
-def scan(fd: int, state: FileState, until: int) -> Iterator[tuple[list[tuple], int]]:
-    """Index the complete lines between `state.indexed_size` and `until` (the size seen at open), one chunk
-    at a time: yields (rows, partial bytes left) after updating `state`; the caller commits both."""
+def chunks(fd: int, start: int, until: int) -> Iterator[tuple[int, bytes, int]]:
+    """(file offset, complete lines, 0) steps between `start` and `until`; last, (offset, b"", n) when an
+    incomplete line of n bytes remains (a writer mid-append: it is indexed next time, whole)."""
     chunk = CHUNK
-    while state.indexed_size < until:
-        pos = state.indexed_size
+    pos = start
+    while pos < until:
         data = os.pread(fd, min(chunk, until - pos), pos)
         if not data:
             return
         end = data.rfind(b"\n") + 1
         if end == 0:
             if pos + len(data) >= until:
-                yield [], len(data)  # a partial last line: next time
+                yield pos, b"", len(data)
                 return
             chunk *= 2  # one line longer than a chunk
             continue
-        yield _rows(state, data, end, pos), 0
+        yield pos, data[:end], 0
+        pos += end
         chunk = CHUNK
 
 
-def _rows(state: FileState, data: bytes, end: int, base: int) -> list[tuple]:
+def parse_lines(data: bytes) -> list[tuple]:
+    """Per line of `data` (complete lines): (length, recorded hash, computed hash, *extract.SLOTS values), or
+    (length, why) for a line that is not a chained record. Pure: runs in worker processes for big builds."""
+    out: list[tuple] = []
+    append = out.append
+    for raw in data[:-1].split(b"\n"):
+        try:
+            append((len(raw) + 1, *chain_hashes(raw), *values_of(raw)))
+        except LineError as exc:
+            append((len(raw) + 1, str(exc)))
+    return out
+
+
+def parse_range(source: str, dev: int, ino: int, offset: int, length: int) -> list[tuple] | None:
+    """parse_lines() of bytes [offset, offset+length) of the file open in the indexing process, read here
+    (`source` is its /proc/PID/fd/N: the same inode, whatever now has the file's name) so that the chunk is
+    not copied through a pipe. None when it is not that file any more."""
+    fd = os.open(source, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) != (dev, ino):
+            return None
+        data = os.pread(fd, length, offset)
+    finally:
+        os.close(fd)
+    return parse_lines(data) if len(data) == length else None
+
+
+def _parsed(future: Future, data: bytes) -> list[tuple]:
+    """A worker's result for `data`, or the same parse done here when the worker read other bytes (the file
+    changed in place meanwhile): rows must describe the bytes this process hashes for the file's state."""
+    parsed = future.result()
+    if parsed is None or sum(item[0] for item in parsed) != len(data):
+        return parse_lines(data)
+    return parsed
+
+
+def scan(fd: int, state: FileState, until: int, pool: Executor | None = None) -> Iterator[tuple[list[tuple], int]]:
+    """Index the complete lines between `state.indexed_size` and `until` (the size seen at open), one chunk
+    at a time: yields (rows, partial bytes left) after updating `state`; the caller commits both. With a
+    process `pool`, lines are parsed and hashed in parallel; the chain is still checked here, in order."""
+    steps = chunks(fd, state.indexed_size, until)
+    if pool is None:
+        for base, data, partial in steps:
+            if partial:
+                yield [], partial
+                return
+            yield apply(state, parse_lines(data), data, base), 0
+        return
+    pending: deque[tuple[int, bytes, Future]] = deque()
+    partial = 0
+    depth = 2 * getattr(pool, "_max_workers", 2)
+    source = f"/proc/{os.getpid()}/fd/{fd}"
+    for base, data, partial in steps:
+        if partial:
+            break
+        pending.append((base, data, pool.submit(parse_range, source, state.dev, state.ino, base, len(data))))
+        if len(pending) > depth:
+            base, data, future = pending.popleft()
+            yield apply(state, _parsed(future, data), data, base), 0
+    while pending:
+        base, data, future = pending.popleft()
+        yield apply(state, _parsed(future, data), data, base), 0
+    if partial:
+        yield [], partial
+
+
+def apply(state: FileState, parsed: list[tuple], data: bytes, base: int) -> list[tuple]:
+    """Check the chain of parsed lines (in file order) and build their rows (schema.RECORD_COLUMNS order)."""
+    assert base == state.indexed_size, "chunks are applied in file order"
     rows: list[tuple] = []
     append = rows.append
     fid = state.id
     offset = base
-    lines = data[: end - 1].split(b"\n")
-    for raw in lines:
-        length = len(raw) + 1
-        state.lines += 1
-        number = state.lines
-        try:
-            f = fields_of(raw)
-        except LineError as exc:
-            _break(state, number, f"line {number}: not a valid chained record (edited or corrupted): {exc}")
+    number = state.lines
+    for item in parsed:
+        length = item[0]
+        number += 1
+        if len(item) == 2:
+            _break(state, number, f"line {number}: not a valid chained record (edited or corrupted): {item[1]}")
             state.next_seq += 1
         else:
-            if state.broken_line is None:
-                _check_link(state, number, f.seq, f.prev, f.recorded, f.computed, f.kind)
-            state.next_seq = (f.seq if f.seq is not None else state.next_seq) + 1
-            state.last_hash = f.recorded
-            if f.final:
+            _, recorded, computed, seq, prev, time_ns, kind, rid, rhash, sandbox, host, decision, reason, rule, \
+                trigger, final = item
+            if state.broken_line is None and not (  # the common case, inline; _check_link says why not
+                    computed == recorded and seq == state.next_seq and not state.sealed
+                    and (prev == state.last_hash if seq else kind == OP_CHAIN_START)):
+                _check_link(state, number, seq, prev, recorded, computed, kind)
+            if number == 1:
+                state.first_prev = prev
+            state.next_seq = (state.next_seq if seq is None else seq) + 1
+            state.last_hash = recorded
+            if final:
                 state.sealed = True
-            append((fid, offset, length, number, -1 if f.seq is None else f.seq, f.recorded,
-                    state.broken_line is None, f.time_ns, f.kind, f.request_id, f.request_hash, f.sandbox, f.host,
-                    f.decision, f.reason, f.rule, f.trigger, None if f.computed == f.recorded else f.computed))
+            append((fid, offset, length, number, -1 if seq is None else seq, recorded, state.broken_line is None,
+                    time_ns, kind, rid, rhash, sandbox, host, decision, reason, rule, trigger,
+                    None if computed == recorded else computed))
         if number == 1:
             state.head_sha, state.head_len = _sha(data[offset - base : offset - base + length]), length
         state.tail_off = offset
         offset += length
-    state.tail_sha = _sha(data[state.tail_off - base : end])
-    state.indexed_size = base + end
+    state.lines = number
+    state.tail_sha = _sha(data[state.tail_off - base :])
+    state.indexed_size = base + len(data)
     return rows
 
 
@@ -137,7 +213,6 @@ def _check_link(state: FileState, number: int, seq: int | None, prev: str | None
     elif seq != state.next_seq:
         _break(state, number, f"{where}: expected seq {state.next_seq} (records removed, reordered or inserted)")
     elif seq == 0:
-        state.first_prev = prev
         if kind != OP_CHAIN_START:
             _break(state, number, f"{where}: first record is not a chain_start record (records removed)")
     elif prev != state.last_hash:

@@ -10,11 +10,16 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import logging
+import multiprocessing
 import os
 import sqlite3
+import stat
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Executor, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 from egressgate.audit.index import query
@@ -24,14 +29,35 @@ from egressgate.audit.index.scan import FILE_COLUMNS, FileState, changed, first_
 from egressgate.audit.index.schema import INSERT_RECORD, connect, create_db_file, ensure_schema
 
 # constant column names only (noqa: S608)
+log = logging.getLogger(__name__)
 _FILE_SELECT = f"SELECT {', '.join(FILE_COLUMNS)} FROM files"  # noqa: S608
 _FILE_UPSERT = (f"INSERT OR REPLACE INTO files({', '.join(FILE_COLUMNS)}) "  # noqa: S608
                 f"VALUES ({', '.join('?' * len(FILE_COLUMNS))})")
 
 
+# A backlog at least this large is parsed by `workers` processes (when workers > 1): below it, starting the
+# processes costs more than it saves.
+PARALLEL_MIN_BYTES = 16 << 20
+
+
+@contextlib.contextmanager
+def _transaction(conn: sqlite3.Connection) -> Iterator[None]:
+    """One write transaction (BEGIN IMMEDIATE: the write lock up front, no upgrade deadlock with a reader)."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    conn.execute("COMMIT")
+
+
 class AuditIndex:
-    def __init__(self, db_path: str | Path) -> None:
+    def __init__(self, db_path: str | Path, *, workers: int = 1) -> None:
+        """`workers` > 1: big backlogs (a first build) are parsed and hashed by that many processes (the
+        chain is still checked in order, here). The gateway's follower keeps 1: no processes in a server."""
         self.db_path = Path(db_path)
+        self.workers = max(1, workers)
         self._local = threading.local()
         self._conns: list[sqlite3.Connection] = []
         self._conns_lock = threading.Lock()
@@ -95,16 +121,24 @@ class AuditIndex:
                 path = os.path.abspath(p)
                 if path in opened:
                     continue
-                try:
-                    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                try:  # O_NONBLOCK: a FIFO given by mistake must not hang the indexer
+                    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
                 except FileNotFoundError:
                     continue  # rotated away between listing and opening: found under its new name next time
-                opened[path] = (fd, os.fstat(fd))
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
+                    os.close(fd)
+                    log.warning("audit index: %s is not a regular file; skipped", path)
+                    continue
+                opened[path] = (fd, st)
             with self._writer(wait) as conn:
                 known = self._files(conn)
                 self._follow_renames(conn, known, opened, stats)
-                for path, (fd, st) in opened.items():
-                    self._index_file(conn, known.get(path), path, fd, st, stats)
+                backlog = sum(st.st_size - (known[p].indexed_size if p in known else 0)
+                              for p, (_, st) in opened.items())
+                with self._pool(backlog) as pool:
+                    for path, (fd, st) in opened.items():
+                        self._index_file(conn, known.get(path), path, fd, st, stats, pool)
         finally:
             for fd, _ in opened.values():
                 os.close(fd)
@@ -123,12 +157,11 @@ class AuditIndex:
             fd = opened[target][0]
             if state.head_sha is None or first_line_sha(fd, state.head_len) != state.head_sha:
                 continue
-            conn.execute("BEGIN IMMEDIATE")
-            old = known.pop(target, None)
-            if old is not None:
-                self._drop(conn, old)
-            conn.execute("UPDATE files SET path = ? WHERE id = ?", (target, state.id))
-            conn.execute("COMMIT")
+            with _transaction(conn):
+                old = known.pop(target, None)
+                if old is not None:
+                    self._drop(conn, old)
+                conn.execute("UPDATE files SET path = ? WHERE id = ?", (target, state.id))
             stats.renamed.append(f"{state.path} -> {target}")
             known.pop(state.path, None)
             self._stale.discard(state.path)
@@ -140,39 +173,53 @@ class AuditIndex:
         conn.execute("DELETE FROM records WHERE file_id = ?", (state.id,))
         conn.execute("DELETE FROM files WHERE id = ?", (state.id,))
 
+    @contextlib.contextmanager
+    def _pool(self, backlog: int) -> Iterator[Executor | None]:
+        if self.workers < 2 or backlog < PARALLEL_MIN_BYTES:
+            yield None
+            return
+        # forkserver, not fork: the caller may have threads (a fork would copy their locks mid-use)
+        context = multiprocessing.get_context("forkserver")
+        with ProcessPoolExecutor(max_workers=self.workers, mp_context=context) as pool:
+            yield pool
+
     def _index_file(self, conn: sqlite3.Connection, state: FileState | None, path: str, fd: int,
-                    st: os.stat_result, stats: IndexStats) -> None:
+                    st: os.stat_result, stats: IndexStats, pool: Executor | None = None) -> None:
         if state is not None:
             why = ("a record read back did not match the indexed bytes" if path in self._stale
                    else changed(fd, st, state))
             if why:
-                conn.execute("BEGIN IMMEDIATE")
-                self._drop(conn, state)
-                conn.execute("COMMIT")
+                with _transaction(conn):
+                    self._drop(conn, state)
                 stats.rebuilt.append(f"{path}: {why}")
                 state = None
             self._stale.discard(path)
         if state is None:
             state = FileState(None, path, st.st_dev, st.st_ino)
-            conn.execute("BEGIN IMMEDIATE")
-            state.id = conn.execute(_FILE_UPSERT, state.as_row()).lastrowid
-            conn.execute("COMMIT")
+            with _transaction(conn):
+                state.id = conn.execute(_FILE_UPSERT, state.as_row()).lastrowid
         was_broken = state.broken_line is not None
-        for rows, partial in scan(fd, state, st.st_size):
+        try:
+            self._store(conn, scan(fd, state, st.st_size, pool), state, stats)
+        except BrokenProcessPool as exc:  # e.g. a __main__ the workers cannot import: go on in this process
+            log.warning("audit index: worker processes failed (%s); indexing %s in this process", exc, path)
+            self._store(conn, scan(fd, state, st.st_size, None), state, stats)
+        if state.broken_line is not None and not was_broken:
+            stats.broken.append(f"{path}: {state.broken_reason}")
+
+    @staticmethod
+    def _store(conn: sqlite3.Connection, steps: Iterator[tuple[list[tuple], int]], state: FileState,
+               stats: IndexStats) -> None:
+        """Commit each step's rows with the file's new state (one transaction: a crash never leaves rows
+        without the offset that says they are there, nor the reverse)."""
+        for rows, partial in steps:
             stats.partial_bytes += partial
             if not rows and partial:
                 break
-            conn.execute("BEGIN IMMEDIATE")
-            try:
+            with _transaction(conn):
                 conn.executemany(INSERT_RECORD, rows)
                 conn.execute(_FILE_UPSERT, state.as_row())
-                conn.execute("COMMIT")
-            except BaseException:
-                conn.execute("ROLLBACK")
-                raise
             stats.added += len(rows)
-        if state.broken_line is not None and not was_broken:
-            stats.broken.append(f"{path}: {state.broken_reason}")
 
     # --- reading --------------------------------------------------------------------------------------
 
@@ -191,7 +238,9 @@ class AuditIndex:
 
     def record_line(self, hit: Hit) -> bytes:
         """The line (without newline) read back from the JSONL file at `hit.offset`, re-checked: the same file
-        (device, inode), a whole line, the chain hash and the recomputed hash seen when indexing.
+        (device, inode), a whole line, the chain hash and the recomputed hash seen when indexing. Only a row
+        of the index can be read (rowid, file and offset must match one): a Hit built from a request's input
+        cannot name another file or offset.
         Raises IndexStale (the file is then re-indexed by the next add_files)."""
         conn = self._conn()
         row = conn.execute("SELECT f.dev, f.ino, r.computed FROM records r JOIN files f ON f.id = r.file_id "
@@ -252,9 +301,8 @@ class AuditIndex:
                     fd = os.open(state.path, os.O_RDONLY | os.O_CLOEXEC)
                 except FileNotFoundError:
                     check.missing = True
-                    conn.execute("BEGIN IMMEDIATE")
-                    self._drop(conn, state)
-                    conn.execute("COMMIT")
+                    with _transaction(conn):
+                        self._drop(conn, state)
                     continue
                 try:
                     st = os.fstat(fd)
@@ -262,9 +310,8 @@ class AuditIndex:
                     if why:
                         check.rebuilt = why
                         stats = IndexStats()
-                        conn.execute("BEGIN IMMEDIATE")
-                        self._drop(conn, state)
-                        conn.execute("COMMIT")
+                        with _transaction(conn):
+                            self._drop(conn, state)
                         self._index_file(conn, None, state.path, fd, st, stats)
                 finally:
                     os.close(fd)

@@ -31,7 +31,7 @@ async function call(method, path, body, {raw = false} = {}) {
       error = typeof data.error === "string" ? data.error : null;
       message = typeof data.message === "string" ? data.message : null;
     } catch (_) { /* not JSON: the status says it */ }
-    if (res.status === 401 && path !== "login" && path !== "session") onUnauthorized();
+    if (res.status === 401 && path !== "login") onUnauthorized();
     throw new ApiError(res.status, error, message || `${res.status} ${res.statusText}`);
   }
   if (raw) return res;

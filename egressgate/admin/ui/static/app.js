@@ -83,7 +83,6 @@ function route() {
 }
 
 async function start() {
-  api.setUnauthorizedHandler(() => showLogin("Your session ended; sign in again."));
   document.getElementById("logout").addEventListener("click", async () => {
     await api.logout().catch(() => {});
     showLogin();
@@ -96,6 +95,8 @@ async function start() {
   } catch (_) {
     showLogin();
   }
+  // from now on a 401 means the session ended (expired, logged out elsewhere): back to the login form
+  api.setUnauthorizedHandler(() => showLogin("Your session ended; sign in again."));
 }
 
 start();

@@ -12,10 +12,14 @@ export function render(root) {
   const refresh = el("button", {type: "button", id: "approvals-refresh"}, "Refresh");
   const out = el("div", {id: "approvals-list"});
   root.append(el("h1", null, "Approvals"), el("div", {class: "filters"}, select, refresh), out);
-  const load = async () => {
+  let shown = null;  // what the table shows now: re-drawn only when it changes (keeps an operator's inputs)
+  const load = async (force = true) => {
     try {
       const data = await api.get(`approvals${api.query({state: select.value})}`);
       const rows = Array.isArray(data.approvals) ? data.approvals : [];
+      const key = JSON.stringify(rows);
+      if (!force && key === shown) return;
+      shown = key;
       const cols = [
         {key: "id", label: "Id"},
         {key: "sandbox_id", label: "Sandbox"},
@@ -37,10 +41,11 @@ export function render(root) {
       clear(out, notice("error", err.message));
     }
   };
-  select.addEventListener("change", load);
-  refresh.addEventListener("click", load);
+  select.addEventListener("change", () => load());
+  refresh.addEventListener("click", () => load());
   load();
-  return null;
+  const timer = setInterval(() => load(false), 3000);  // a queue: new requests show up by themselves
+  return () => clearInterval(timer);
 }
 
 function actions(row, reload, out) {
@@ -55,7 +60,7 @@ function actions(row, reload, out) {
     approve.disabled = deny.disabled = true;
     try {
       await api.post(`approvals/${api.seg(row.id)}/${verb}`, body);
-      await reload();
+      await reload(true);
     } catch (err) {
       out.prepend(notice("error", err.message));
       approve.disabled = deny.disabled = false;

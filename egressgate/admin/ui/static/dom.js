@@ -23,7 +23,7 @@ const BOOL_PROPS = new Set(["disabled", "checked", "selected", "required", "hidd
 // Bidi controls and other invisible format characters: shown as they are (textContent stays equal
 // to the recorded value) but flagged next to the value, and CSS isolates them (unicode-bidi), so an
 // RTL override in a host name cannot visually reorder the text around it.
-const INVISIBLE = /[\u0000-\u0008\u000b-\u001f\u007f-\u009f\u200b-\u200f\u202a-\u202e\u2066-\u2069\ufeff]/u;
+const INVISIBLE = /[\u0000-\u0008\u000b-\u001f\u007f-\u009f\u200b-\u200f\u202a-\u202e\u2066-\u2069\ufeff]/gu;
 
 function setAttrs(node, attrs, allowed) {
   for (const [key, val] of Object.entries(attrs || {})) {
@@ -72,9 +72,12 @@ export function val(value, field) {
   }
   const text = typeof value === "string" ? value : JSON.stringify(value);
   const span = el("span", {class: "v", "data-field": field}, text);
-  if (INVISIBLE.test(text)) {
-    return el("span", {class: "vwrap"}, span,
-      el("span", {class: "warn", title: "contains invisible or bidi control characters"}, "⚠"));
+  const hidden = [...new Set(text.match(INVISIBLE) || [])];
+  if (hidden.length) {
+    // name the characters: an RTL override reorders the value it sits in, the flag says so in plain ASCII
+    const names = hidden.slice(0, 4).map((ch) => `U+${ch.codePointAt(0).toString(16).toUpperCase().padStart(4, "0")}`);
+    return el("span", {class: "vwrap"}, span, el("span", {class: "warn", "data-field": "hidden-chars",
+      title: "contains invisible or bidi control characters"}, `⚠ ${names.join(" ")}${hidden.length > 4 ? " …" : ""}`));
   }
   return span;
 }

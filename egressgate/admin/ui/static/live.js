@@ -2,7 +2,7 @@
 // Filters are applied by the server (query string); changing them reopens the stream. Rows are
 // capped so a busy gateway cannot grow the page without bound.
 
-import {query} from "./api.js";
+import {get, query} from "./api.js";
 import {clear, el, field, fmtTime, formValues, notice, tableRow, val} from "./dom.js";
 
 const MAX_ROWS = 500;
@@ -12,17 +12,29 @@ export const COLUMNS = [
   {key: "time", label: "Time", render: (r) => el("span", {"data-field": "time"}, fmtTime(r.time))},
   {key: "kind", label: "Kind"},
   {key: "sandbox", label: "Sandbox"},
-  {key: "labels", label: "Labels", render: (r) => labels(r.labels)},
+  {key: "labels", label: "Labels", cls: "wide", render: (r) => labels(r.labels)},
   {key: "method", label: "Method"},
   {key: "host", label: "Host", cls: "wide"},
+  {key: "port", label: "Port"},
   {key: "path", label: "Path", cls: "wide"},
   {key: "decision", label: "Decision", render: (r) => decision(r.decision)},
   {key: "reason", label: "Reason"},
   {key: "rule", label: "Rule"},
   {key: "status", label: "Status"},
-  {key: "request_id", label: "Request id"},
-  {key: "request_hash", label: "Request hash", cls: "hash"},
+  {key: "request_id", label: "Request id", render: (r) => searchLink("request_id", r.request_id)},
+  {key: "request_hash", label: "Request hash", cls: "hash", render: (r) => searchLink("request_hash", r.request_hash)},
 ];
+
+/** A value that opens Audit search for it (the hash route carries it URL-encoded; search reads it back
+ * with URLSearchParams and puts it in an input's value: never markup, never a URL the browser loads). */
+function searchLink(name, value) {
+  if (value === undefined || value === null || value === "") return val(null, name);
+  const b = el("button", {type: "button", class: "link", title: "find in the audit trail"}, val(value, name));
+  b.addEventListener("click", () => {
+    location.hash = `#/search?${new URLSearchParams({[name]: String(value)})}`;
+  });
+  return b;
+}
 
 export function decision(d) {
   const cls = d === "allow" ? "ok" : d === "deny" ? "bad" : "";
@@ -56,7 +68,16 @@ export function render(root) {
     source = new EventSource(`/ui/api/live${query(filters)}`);
     source.addEventListener("open", () => { status.textContent = "live"; });
     source.addEventListener("error", () => {
-      status.textContent = source.readyState === EventSource.CLOSED ? "closed" : "reconnecting";
+      const closed = source.readyState === EventSource.CLOSED;
+      status.textContent = closed ? "closed" : "reconnecting";
+      // EventSource does not say why; if the session ended, asking for it shows the login form
+      if (closed) get("session").catch(() => {});
+    });
+    // the server ends the stream when the session ends (logout anywhere, expiry): back to the login form
+    source.addEventListener("logout", () => {
+      source.close();
+      status.textContent = "closed";
+      get("session").catch(() => {});
     });
     source.addEventListener("record", (ev) => {
       if (paused) return;

@@ -24,31 +24,78 @@ export function render(root) {
     el("button", {type: "submit", id: "search-submit"}, "Search"));
   const out = el("div", {id: "search-results"});
   root.append(el("h1", null, "Audit search"), form, out);
-  form.addEventListener("submit", async (ev) => {
-    ev.preventDefault();
-    const v = formValues(form);
-    const params = {...v, since: toSeconds(v.since), until: toSeconds(v.until)};
-    clear(out, notice("info", "searching…"));
+  let params = {};
+  const run = async (before) => {
     try {
-      const data = await api.get(`search${api.query(params)}`);
+      const data = await api.get(`search${api.query({...params, before})}`);
       const hits = Array.isArray(data) ? data : Array.isArray(data.hits) ? data.hits : [];
-      clear(out, el("p", {id: "search-count"}, `${hits.length} record${hits.length === 1 ? "" : "s"}`),
-        hits.map(hitCard));
+      const more = data && data.next_before ? el("button", {type: "button", id: "search-older"}, "Older") : null;
+      if (!before) clear(out, el("p", {id: "search-count"}, `${hits.length} record${hits.length === 1 ? "" : "s"}`));
+      out.querySelector("#search-older")?.remove();
+      out.append(...hits.map(hitCard));
+      if (more) {
+        more.addEventListener("click", () => run(data.next_before));
+        out.append(more);
+      }
     } catch (err) {
       clear(out, notice("error", err.message));
     }
+  };
+  form.addEventListener("submit", (ev) => {
+    ev.preventDefault();
+    const v = formValues(form);
+    params = {...v, since: toSeconds(v.since), until: toSeconds(v.until)};
+    clear(out, notice("info", "searching…"));
+    run(undefined);
   });
+  // #/search?request_hash=... (from a Live row): fill the form from the route and search at once
+  const at = location.hash.indexOf("?");
+  if (at >= 0) {
+    const given = new URLSearchParams(location.hash.slice(at + 1));
+    let any = false;
+    for (const [, name] of TEXT_FIELDS) {
+      const value = given.get(name);
+      if (value) { form.querySelector(`[name=${name}]`).value = value; any = true; }
+    }
+    if (any) form.requestSubmit();
+  }
   return null;
+}
+
+/** An OTLP AnyValue as plain data (strings stay strings: shown with textContent like everything else). */
+function anyValue(v) {
+  if (!v || typeof v !== "object") return v;
+  if ("stringValue" in v) return v.stringValue;
+  if ("intValue" in v) return v.intValue;
+  if ("doubleValue" in v) return v.doubleValue;
+  if ("boolValue" in v) return v.boolValue;
+  if ("bytesValue" in v) return v.bytesValue;
+  if (v.arrayValue) return (v.arrayValue.values || []).map(anyValue);
+  if (v.kvlistValue) return Object.fromEntries((v.kvlistValue.values || []).map((kv) => [kv.key, anyValue(kv.value)]));
+  return v;
+}
+
+/** The attributes of the record's log record (one per audit line), in file order. */
+function attributes(record) {
+  const lr = record?.resourceLogs?.[0]?.scopeLogs?.[0]?.logRecords?.[0];
+  if (!lr || !Array.isArray(lr.attributes)) return [];
+  return lr.attributes.filter((a) => a && typeof a.key === "string").map((a) => [a.key, anyValue(a.value)]);
 }
 
 function hitCard(hit) {
   const verified = hit.verified === true;
+  const attrs = attributes(hit.record);
   return el("article", {class: "hit", "data-testid": "hit"},
     el("header", null,
       el("span", {class: `badge ${verified ? "ok" : "bad"}`, "data-field": "verified"},
         verified ? "chain verified" : "NOT verified"),
       " chain position ", val(hit.chain_index, "chain_index"),
       " · ", val(hit.file, "file"), ":", val(hit.line, "line"),
+      hit.kind ? [" · ", val(hit.kind, "kind")] : null,
       hit.time_ns ? [" · ", fmtTime(hit.time_ns)] : null),
-    el("pre", {class: "record", "data-field": "record"}, JSON.stringify(hit.record, null, 2)));
+    hit.problem ? notice("error", hit.problem) : null,
+    attrs.length ? el("dl", {class: "facts attrs"}, attrs.map(([k, v]) =>
+      [el("dt", null, k), el("dd", null, val(v, "attr"))])) : null,
+    el("details", null, el("summary", null, "Record as written (OTLP JSON)"),
+      el("pre", {class: "record", "data-field": "record"}, JSON.stringify(hit.record, null, 2))));
 }

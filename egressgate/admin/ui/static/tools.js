@@ -3,7 +3,7 @@
 // state changes); they are POSTs so they still carry the CSRF token.
 
 import * as api from "./api.js";
-import {blobLink, clear, el, field, formValues, notice, val} from "./dom.js";
+import {blobLink, clear, el, field, fmtTime, formValues, notice, tableRow, val} from "./dom.js";
 
 function page(root, title, intro, fields, submit, handler) {
   const out = el("div", {class: "result", id: `${submit}-result`});
@@ -91,19 +91,39 @@ export function renderExplain(root) {
     });
 }
 
-const FLIP_FIRST = ["time_ns", "sandbox_id", "sandbox", "operation", "target", "host", "method", "path",
-  "old_decision", "new_decision", "old_rule", "new_rule", "old_reason", "new_reason"];
+/** One decision as "decision (rule, reason)". */
+function outcome(o, field) {
+  if (!o || typeof o !== "object") return val(o, field);
+  return el("span", {class: "outcome"}, decisionBadge(o.decision, field),
+    o.rule ? [" rule ", val(o.rule, `${field}-rule`)] : null,
+    o.reason ? [" reason ", val(o.reason, `${field}-reason`)] : null);
+}
+
+function decisionBadge(d, field) {
+  const cls = d === "allow" ? "ok" : d === "deny" ? "bad" : "";
+  return el("span", {class: `badge ${cls}`, "data-field": field}, d == null ? "—" : String(d));
+}
+
+const FLIP_COLUMNS = [
+  {key: "time_ns", label: "Time", render: (f) => fmtTime(f.time_ns)},
+  {key: "sandbox", label: "Sandbox"},
+  {key: "operation", label: "Operation"},
+  {key: "target", label: "Target", cls: "wide"},
+  {key: "direction", label: "Flip"},
+  {key: "old", label: "Recorded", render: (f) => outcome(f.old, "old")},
+  {key: "new", label: "Candidate", render: (f) => outcome(f.new, "new")},
+  {key: "request_id", label: "Request id"},
+  {key: "line", label: "Where", render: (f) => [val(f.file, "file"), ":", val(f.line, "line")]},
+];
 
 export function flipsTable(flips) {
-  const keys = [...new Set(flips.flatMap((f) => Object.keys(f || {})))];
-  keys.sort((a, b) => {
-    const ia = FLIP_FIRST.indexOf(a), ib = FLIP_FIRST.indexOf(b);
-    return (ia < 0 ? 99 : ia) - (ib < 0 ? 99 : ib) || a.localeCompare(b);
-  });
   return el("table", {class: "grid", "data-testid": "flips-table"},
-    el("thead", null, el("tr", null, keys.map((k) => el("th", null, k)))),
-    el("tbody", null, flips.map((f) => el("tr", {class: "flip"},
-      keys.map((k) => el("td", null, val(f[k], k)))))));
+    el("thead", null, el("tr", null, FLIP_COLUMNS.map((c) => el("th", null, c.label)))),
+    el("tbody", null, flips.map((f) => {
+      const tr = tableRow(FLIP_COLUMNS, f || {});
+      tr.classList.add("flip");
+      return tr;
+    })));
 }
 
 export function renderReplay(root) {
@@ -119,6 +139,7 @@ export function renderReplay(root) {
       const flips = Array.isArray(res) ? res : Array.isArray(res.flips) ? res.flips : [];
       const summary = [];
       for (const k of ["replayed", "unchanged"]) if (res[k] !== undefined) summary.push(`${k}: ${res[k]}`);
+      if (res.truncated) summary.push("truncated at the limit");
       return [el("p", {id: "flip-count"}, `${flips.length} decision${flips.length === 1 ? "" : "s"} would flip`,
         summary.length ? ` (${summary.join(", ")})` : ""), flips.length ? flipsTable(flips) : null];
     });

@@ -1,0 +1,67 @@
+"""What a tool-call decision reads from the stores, and how the mediator records it (mcp/mediator.py).
+
+Kept apart from the session so each module stays one concern: here the pure helpers — which reads a
+tool needs (network state only for `allowed_by_network` arguments, grants only for `approval: required`
+tools), how a stored pin is read back (a corrupt one is a store failure, never "not seen yet"), the
+facts as recorded for `audit replay`, and the deny of a budget a concurrent call spent first.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+from egressgate.policy.mcp_decide import McpFacts, ToolDecision
+from egressgate.policy.messages import mcp_message
+from egressgate.policy.reasons import Reason
+
+if TYPE_CHECKING:
+    from egressgate.policy.compile import CompiledPolicy
+
+
+class Refused(Exception):
+    def __init__(self, reason: Reason) -> None:
+        self.reason = reason
+
+
+def needs_network(policy: CompiledPolicy, server: str, tool: str) -> bool:
+    compiled = policy.mcp.servers.get(server)
+    entry = compiled.allowed.get(tool) if compiled is not None else None
+    return entry is not None and any(a.allowed_by_network for a in entry.arguments.values())
+
+
+def needs_approval(policy: CompiledPolicy, server: str, tool: str) -> bool:
+    compiled = policy.mcp.servers.get(server)
+    entry = compiled.allowed.get(tool) if compiled is not None else None
+    return entry is not None and entry.approval_required
+
+
+def read_info(raw: str | None) -> tuple[str, str] | None:
+    if raw is None:
+        return None
+    try:
+        name, version = json.loads(raw)
+    except (ValueError, TypeError):
+        raise Refused(Reason.STATE_UNAVAILABLE) from None  # a corrupt pin is never "not seen yet"
+    return str(name), str(version)
+
+
+def facts_record(facts: McpFacts) -> dict[str, Any]:
+    """What the decision read, for `audit replay` (docs/audit.md, MCP)."""
+    out: dict[str, Any] = {"server_calls": facts.server_calls, "tool_calls": facts.tool_calls}
+    for key in ("server_info_seen", "server_info_now"):
+        value = getattr(facts, key)
+        if value is not None:
+            out[key] = list(value)
+    for key in ("tool_schema_seen", "tool_schema_now"):
+        value = getattr(facts, key)
+        if value is not None:
+            out[key] = value
+    if facts.grants:
+        out["grants"] = [{k: v for k, v in g.to_json().items() if v is not None} for g in facts.grants]
+    return out
+
+
+def budget_deny(policy: CompiledPolicy, server: str, tool: str, allowed: ToolDecision, key: str) -> ToolDecision:
+    message = mcp_message(policy, Reason.BUDGET_EXCEEDED, server, tool, rule_id=allowed.rule_id, detail=key)
+    return ToolDecision("deny", Reason.BUDGET_EXCEEDED, allowed.rule_id, message, detail=key)
