@@ -38,7 +38,6 @@ import secrets
 import shlex
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -285,45 +284,6 @@ class Driver:
         return out
 
 
-def summarize(rows: list[dict]) -> list[dict]:
-    cells: dict[tuple, list[dict]] = {}
-    for r in rows:
-        cells.setdefault((r["mode"], r["conc"], r["candidate"]), []).append(r)
-    out = []
-    for (mode, conc, cand), rs in cells.items():
-        ok = [x for x in rs if "rps" in x]
-
-        def med(key: str, xs: list[dict] = ok) -> float | None:
-            vals = [x[key] for x in xs if x.get(key) is not None]
-            return statistics.median(vals) if vals else None
-
-        per_req: dict[str, float] = {}
-        for x in ok:
-            for k, v in x.get("redis_commands", {}).items():
-                per_req.setdefault(k, []).append(v / max(1, x["upstream_requests"]))  # type: ignore[attr-defined]
-        lua = [x["redis_latency_usec"].get("evalsha", x["redis_latency_usec"].get("fcall", {})).get("p99")
-               for x in ok if x.get("redis_latency_usec")]
-        out.append({
-            "mode": mode, "conc": conc, "candidate": cand, "runs": [round(x["rps"], 1) for x in ok],
-            "rps": med("rps"), "p50_ms": med("p50_ms"), "p99_ms": med("p99_ms"),
-            "gateway_cores": med("gateway_cores"), "client_cores": med("client_cores"),
-            "redis_cores": med("redis_cores"), "client": ok[0]["client"] if ok else None,
-            "cores_by_process": [statistics.median(v) for v in zip(*(x["cores_by_process"] for x in ok), strict=False)]
-            if ok and all("cores_by_process" in x for x in ok) else [],
-            # requests per gateway CPU-second: what a core buys, less sensitive to the CPU others take
-            "req_per_cpu_s": statistics.median(x["rps"] / x["gateway_cores"] for x in ok)
-            if ok and all(x["gateway_cores"] for x in ok) else None,
-            "redis_round_trips_per_req": med("redis_round_trips_per_req"),
-            "redis_calls_per_req": {k: round(statistics.median(v), 2) for k, v in sorted(per_req.items())},
-            "redis_script_p99_us": statistics.median([v for v in lua if v is not None]) if any(lua) else None,
-            "errors": sum(sum(x["errors"].values()) for x in ok) + sum(1 for x in rs if "failed" in x),
-            "upstream_short": sum(1 for x in ok if x["upstream_requests"] < x["requests"]),
-        })
-    order = {c: i for i, c in enumerate(NAMES)}
-    out.sort(key=lambda s: (s["mode"], s["conc"], order[s["candidate"]]))
-    return out
-
-
 def inner(args: argparse.Namespace) -> None:
     world = World(os.environ[WORLD_ENV])
     workdir = Path(tempfile.mkdtemp(prefix="egB-state-"))
@@ -335,7 +295,7 @@ def inner(args: argparse.Namespace) -> None:
         result["http_client"] = "wrk" if driver.wrk_why is None else f"python ({driver.wrk_why})"
         result["commands"] = {k: p.info["cmd"] for k, p in driver.procs.items() if p.info.get("cmd")}
         rows = driver.matrix() if driver.available() else []
-        result.update({"rows": rows, "summary": summarize(rows)})
+        result.update({"rows": rows, "summary": state_report.summarize(rows)})
         result["budget"] = driver.budget() if args.budget_n > 0 else []
         result["profiles"] = driver.profiles(list(dict.fromkeys(args.profile)))
     finally:

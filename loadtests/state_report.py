@@ -10,14 +10,56 @@ figure says whether the second worker wastes CPU (it stays ~1.0 when workers sca
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from pathlib import Path
 
+from loadtests import state_procs
 from loadtests.bench_report import _f, _goal
 
 GOALS = {"redis_vs_memory": 0.9, "workers2_vs_1": 1.6, "budget_p99_us": 1000.0}
 LABEL = {"memory": "memory, 1 process", "redis": "redis, 1 process", "redis-2w": "redis, --workers 2",
          "redis-setsid": "redis, 1 process, own session"}
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """Medians per (mode, concurrency, candidate) over the repeats, and what each request cost Redis."""
+    cells: dict[tuple, list[dict]] = {}
+    for r in rows:
+        cells.setdefault((r["mode"], r["conc"], r["candidate"]), []).append(r)
+    out = []
+    for (mode, conc, cand), rs in cells.items():
+        ok = [x for x in rs if "rps" in x]
+
+        def med(key: str, xs: list[dict] = ok) -> float | None:
+            vals = [x[key] for x in xs if x.get(key) is not None]
+            return statistics.median(vals) if vals else None
+
+        per_req: dict[str, float] = {}
+        for x in ok:
+            for k, v in x.get("redis_commands", {}).items():
+                per_req.setdefault(k, []).append(v / max(1, x["upstream_requests"]))  # type: ignore[attr-defined]
+        lua = [x["redis_latency_usec"].get("evalsha", x["redis_latency_usec"].get("fcall", {})).get("p99")
+               for x in ok if x.get("redis_latency_usec")]
+        out.append({
+            "mode": mode, "conc": conc, "candidate": cand, "runs": [round(x["rps"], 1) for x in ok],
+            "rps": med("rps"), "p50_ms": med("p50_ms"), "p99_ms": med("p99_ms"),
+            "gateway_cores": med("gateway_cores"), "client_cores": med("client_cores"),
+            "redis_cores": med("redis_cores"), "client": ok[0]["client"] if ok else None,
+            "cores_by_process": [statistics.median(v) for v in zip(*(x["cores_by_process"] for x in ok), strict=False)]
+            if ok and all("cores_by_process" in x for x in ok) else [],
+            # requests per gateway CPU-second: what a core buys, less sensitive to the CPU others take
+            "req_per_cpu_s": statistics.median(x["rps"] / x["gateway_cores"] for x in ok)
+            if ok and all(x["gateway_cores"] for x in ok) else None,
+            "redis_round_trips_per_req": med("redis_round_trips_per_req"),
+            "redis_calls_per_req": {k: round(statistics.median(v), 2) for k, v in sorted(per_req.items())},
+            "redis_script_p99_us": statistics.median([v for v in lua if v is not None]) if any(lua) else None,
+            "errors": sum(sum(x["errors"].values()) for x in ok) + sum(1 for x in rs if "failed" in x),
+            "upstream_short": sum(1 for x in ok if x["upstream_requests"] < x["requests"]),
+        })
+    order = {c: i for i, c in enumerate(state_procs.CANDIDATES)}
+    out.sort(key=lambda s: (s["mode"], s["conc"], order[s["candidate"]]))
+    return out
 
 
 def ratios(summary: list[dict]) -> list[dict]:

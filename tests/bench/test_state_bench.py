@@ -25,7 +25,7 @@ import pytest
 
 from loadtests import state_procs, state_report, wrk_proxy
 from loadtests.loadgen import Target
-from loadtests.state_bench import summarize
+from loadtests.state_report import summarize
 
 ROOT = Path(__file__).resolve().parents[2]
 
