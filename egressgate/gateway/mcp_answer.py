@@ -8,7 +8,11 @@ or GET stream, the HTTP+SSE transport's stream) is filtered per event and a JSON
 credential scrub still see the upstream's bytes first — and what the filter re-encoded is scrubbed once
 more. The gateway's own denials for members of the POST that did not go upstream are merged in. An
 answer of another content type could carry anything: refused. The HTTP+SSE transport's session lives as
-long as its stream (`response` / `error` end it).
+long as its stream (`response` / `error` end it). When a streamable-HTTP POST's exchange ends (`response`
+after the whole answer, streamed or not, or `error`), the ids of the requests it forwarded and that were
+not answered are freed (McpSession.release): an HTTP error or a 202 never answers them, and keeping them
+would refuse the client's retry and fill the session's bound. HTTP+SSE POSTs are never freed this way
+(their answers come on the stream), and nothing is freed while an SSE answer is still open.
 """
 
 from __future__ import annotations

@@ -203,6 +203,11 @@ async def _rogue(request: Request) -> Response:
     mode = request.path_params["mode"]
     if mode in ("503", "202"):  # no answer to the request at all: an HTTP error, an "accepted"
         return Response(b"", status_code=int(mode))
+    if mode == "cut":  # the connection drops mid-answer (an incomplete chunked body)
+        async def broken():
+            yield answer[:10].encode()
+            raise ConnectionError("the upstream went away")
+        return StreamingResponse(broken(), media_type="application/json")
     if mode == "slow":  # an SSE answer held open ~1.5 s before the answer (the id stays pending meanwhile)
         async def events():
             yield b": wait\r\n\r\n"

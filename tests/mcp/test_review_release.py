@@ -7,9 +7,11 @@ MAX_WAITING (`too_many_pending`), after which every call was refused. Real gatew
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator
 
+import httpx
 import pytest
 
 from egressgate.mcp import mediator
@@ -47,6 +49,19 @@ def test_an_unanswered_call_frees_its_id_and_is_recorded_no_response_once(rw: Re
     assert [r["egressgate.mcp.outcome"] for r in outcomes if r not in lost] == ["result"]
     calls = rw.records(sbx, at_least=2)
     assert {r["egressgate.request.id"] for r in calls} == {r["egressgate.request.id"] for r in outcomes}
+
+
+def test_a_connection_cut_mid_answer_frees_the_id(rw: RemoteWorld) -> None:
+    sbx = rw.admit()
+    url = f"https://{ROGUE}:{rw.mcp.port}/rogue/mcp/"
+    with sbx.raw() as client, contextlib.suppress(httpx.TransportError):  # cut mid-answer: no (complete) answer
+        assert b'"fine"' not in client.post(url + "cut", json=_lookup(63), headers=ACCEPT).content
+    with sbx.raw() as client:
+        retry = client.post(url + "plain", json=_lookup(63), headers=ACCEPT)  # main: 400 id_in_use
+    assert retry.status_code == 200, retry.text
+    outcomes = rw.records(sbx, "outcome", at_least=2, **{"egressgate.mcp.jsonrpc_id": "63"})
+    assert sorted((r["egressgate.mcp.outcome"], r.get("egressgate.detail")) for r in outcomes) == [
+        ("no_response", "connection_error"), ("result", None)]
 
 
 def test_an_id_pending_on_an_open_answer_stream_is_still_refused(rw: RemoteWorld) -> None:
