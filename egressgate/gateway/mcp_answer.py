@@ -8,7 +8,11 @@ or GET stream, the HTTP+SSE transport's stream) is filtered per event and a JSON
 credential scrub still see the upstream's bytes first — and what the filter re-encoded is scrubbed once
 more. The gateway's own denials for members of the POST that did not go upstream are merged in. An
 answer of another content type could carry anything: refused. The HTTP+SSE transport's session lives as
-long as its stream (`response` / `error` end it).
+long as its stream (`response` / `error` end it). When a streamable-HTTP POST's exchange ends (`response`
+after the whole answer, streamed or not, or `error`), the ids of the requests it forwarded and that were
+not answered are freed (McpSession.release): an HTTP error or a 202 never answers them, and keeping them
+would refuse the client's retry and fill the session's bound. HTTP+SSE POSTs are never freed this way
+(their answers come on the stream), and nothing is freed while an SSE answer is still open.
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ class McpAnswers:
         fs = flow_state(flow)
         ex = fs.mcp if fs is not None else None
         resp = flow.response
+        if ex is not None and resp is not None:
+            ex.status = resp.status_code  # the upstream's, before a merged answer replaces it
         if (ex is None or ex.answered or resp is None or fs.decision is None or not fs.decision.allowed
                 or fs.replacement is not None or ex.role == "other"):
             return
@@ -165,8 +171,20 @@ class McpAnswers:
         return check
 
     def response(self, flow: http.HTTPFlow) -> None:
+        """The whole answer went (streamed ones too: mitmproxy calls this at their end): filter a buffered
+        JSON answer, then free what this POST left unanswered."""
         fs = flow_state(flow)
         ex = fs.mcp if fs is not None else None
+        try:
+            self._answer_done(flow, fs, ex)
+        finally:
+            if ex is not None and ex.ticket is not None:
+                status = ex.status if ex.status is not None else 0
+                why = (f"response_refused={fs.response_refused}" if fs.response_refused
+                       else "no_answer" if 200 <= status < 300 and status != 202 else f"http_status={status}")
+                ex.session.release(ex.ticket, why)
+
+    def _answer_done(self, flow: http.HTTPFlow, fs: FlowState | None, ex: McpExchange | None) -> None:
         resp = flow.response
         if ex is None or resp is None or fs.decision is None or not fs.decision.allowed:
             return
@@ -200,5 +218,7 @@ class McpAnswers:
     def error(self, flow: http.HTTPFlow) -> None:
         fs = flow_state(flow)
         ex = fs.mcp if fs is not None else None
+        if ex is not None and ex.ticket is not None:  # no answer will come for what this POST forwarded
+            ex.session.release(ex.ticket, "connection_error")
         if ex is not None and ex.role == "stream" and ex.server.transport == "sse" and ex.key is not None:
             self.sessions.end(ex.key)

@@ -219,9 +219,10 @@ class McpRoute(McpAnswers):
         if verdict.forward != body:  # identical bytes (a compact client) need no rewrite
             flow.request.content = verdict.forward  # exactly what was decided (also sets Content-Length)
         if ex.injector is not None:
-            ex.injector.queue(replies)
+            ex.injector.queue(replies)  # HTTP+SSE: answers come on the stream, never freed per POST
         else:
             ex.replies = replies
+            ex.ticket = verdict.ticket  # freed when this POST's exchange ends (mcp_answer.py)
 
     def _answer(self, flow: http.HTTPFlow, fs: FlowState, ex: McpExchange, replies: list[dict]) -> None:
         """The gateway answers the POST itself: nothing of it went upstream."""

@@ -54,6 +54,8 @@ class McpExchange:
     answered: bool = False  # the gateway answered this flow itself (nothing to filter)
     injector: Injector | None = None  # HTTP+SSE transport: the stream this POST's answers travel on
     ping_id: str | None = None  # ... and the gateway ping standing in for a fully denied POST
+    ticket: Any = None  # streamable HTTP POST: the requests it forwarded (mediator.Ticket), freed when it ends
+    status: int | None = None  # the upstream's HTTP status for this POST
 
 
 @dataclass(slots=True)

@@ -23,7 +23,6 @@ to answer itself. The rules, stated here once:
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -46,6 +45,7 @@ from egressgate.mcp.jsonrpc import (
     parse_value,
     reply_id,
 )
+from egressgate.mcp.pending import Pending, Ticket, id_key
 from egressgate.mcp.server_side import ServerSide
 from egressgate.policy.mcp_decide import McpFacts, ToolCall, ToolDecision, decide_tool_call
 from egressgate.policy.reasons import Reason
@@ -59,7 +59,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 MAX_WAITING = 4096  # unanswered requests (calls, tracked and other requests) per session
-_LONG_ID = 64  # a longer string id is kept as its sha256 in `outstanding` (bounded memory per id)
 
 _FAILURES = {
     Reason.STATE_UNAVAILABLE: "The gateway's state store is unavailable, so tool calls are refused; retry shortly.",
@@ -76,17 +75,11 @@ class ClientVerdict:
     replies: list[dict]  # JSON-RPC answers the transport gives the client itself (denials)
     was_batch: bool = False
     refused: bool = False  # the whole body was refused (malformed)
+    ticket: Ticket | None = None  # the requests forwarded: hand back to `release` when the exchange ends
 
     @property
     def batch(self) -> bool:
         return self.was_batch
-
-
-@dataclass(slots=True)
-class _Pending:
-    request_id: str
-    tool: str
-    started: float  # monotonic
 
 
 @dataclass(slots=True)
@@ -120,9 +113,11 @@ class McpSession:
             policy_hash=getattr(policy, "hash", None), server=server.name, transport=transport,
             scheme=server.scheme, host=server.host, port=server.port, path=server.path, secrets=secrets)
         self.server_side = ServerSide(self)
-        self.calls: dict[int | str, _Pending] = {}  # allowed calls waiting for their answer, by JSON-RPC id
+        self.calls: dict[int | str, Pending] = {}  # allowed calls waiting for their answer, by JSON-RPC id
         self._reserved: set[int | str] = set()  # ids of calls being decided right now
-        self.outstanding: set[int | str | bytes] = set()  # _id_key of forwarded non-call requests unanswered
+        # _id_key of forwarded non-call requests unanswered -> the serial of the body that reserved it
+        self.outstanding: dict[int | str | bytes, int] = {}
+        self._serial = 0  # of the last client body whose ids were reserved (Ticket.serial)
         self._pins_read = False
         self.closed = False
 
@@ -151,9 +146,10 @@ class McpSession:
             self._check_ids(messages)
         except McpMalformed as exc:
             return await self._refuse_body(exc, policy is None, reply_id(body, self.max_bytes()))
-        return await self._from_client(messages, was_batch)
+        return await self._from_client(messages, was_batch, Ticket(self._serial))
 
-    async def _from_client(self, messages: list[Message], was_batch: bool) -> ClientVerdict:
+    async def _from_client(self, messages: list[Message], was_batch: bool,
+                           ticket: Ticket | None = None) -> ClientVerdict:
         try:
             await self.server_side.settle()  # pins and records of answers already relayed come first
             policy = self.current_policy()
@@ -165,11 +161,15 @@ class McpSession:
                     reply = await self._call(msg, policy)
                     if reply is None:
                         forward.append(msg.obj)
+                        if ticket is not None:
+                            ticket.calls[msg.id] = self.calls[msg.id]  # type: ignore[index]
                     else:
                         replies.append(reply)
                     continue
                 if msg.kind == "request" and self.server_side.expect(msg):
                     refresh = True
+                if msg.kind == "request" and ticket is not None:
+                    ticket.others.append((msg.id, id_key(msg.id)))  # type: ignore[arg-type]
                 forward.append(msg.obj)
             if refresh and forward:
                 await self.server_side.refresh()  # the answer is filtered against what the store holds now
@@ -179,7 +179,8 @@ class McpSession:
                 if msg.is_call:
                     self._reserved.discard(msg.id)  # type: ignore[arg-type]
         body = dumps(forward if was_batch else forward[0]) if forward else None
-        return ClientVerdict(body, replies, was_batch)
+        held = ticket if ticket is not None and (ticket.calls or ticket.others) else None
+        return ClientVerdict(body, replies, was_batch, ticket=held)
 
     def _check_ids(self, messages: list[Message]) -> None:
         """A request whose id is still waiting for its answer would make two answers of one id: which one
@@ -191,17 +192,18 @@ class McpSession:
         for msg in messages:
             if msg.kind != "request":
                 continue
-            if msg.id in self.calls or msg.id in self._reserved or _id_key(msg.id) in self.outstanding:
+            if msg.id in self.calls or msg.id in self._reserved or id_key(msg.id) in self.outstanding:
                 raise McpMalformed("id_in_use", "a request reuses the id of a request still waiting for its answer")
         waiting = len(self.calls) + len(self._reserved) + len(self.outstanding)
         if waiting + sum(m.kind == "request" for m in messages) > MAX_WAITING:
             # bounded memory; never evicted instead: an answer nobody tracks would go unrecorded/unfiltered
             raise McpMalformed("too_many_pending", f"more than {MAX_WAITING} requests of this session are unanswered")
+        self._serial += 1
         for msg in messages:
             if msg.is_call:
                 self._reserved.add(msg.id)  # type: ignore[arg-type]
             elif msg.kind == "request":
-                self.outstanding.add(_id_key(msg.id))  # always forwarded
+                self.outstanding[id_key(msg.id)] = self._serial  # always forwarded
 
     async def _refuse_body(self, exc: McpMalformed, no_policy: bool, rid: int | str | None) -> ClientVerdict:
         if no_policy:
@@ -252,7 +254,7 @@ class McpSession:
                     await self.rt.state.refund_calls(self.sandbox_id, call.counted)
             return await self._fail(msg, tool, arguments, Reason.AUDIT_UNAVAILABLE)
         if call.decision.allowed:
-            self.calls[msg.id] = _Pending(request_id, tool, time.monotonic())  # type: ignore[index]
+            self.calls[msg.id] = Pending(request_id, tool, time.monotonic())  # type: ignore[index]
             return None
         return deny_error(msg.id, call.decision.message, str(call.decision.reason), call.decision.rule_id,
                           call.approval_id)
@@ -321,7 +323,7 @@ class McpSession:
         out = []
         for msg in messages:
             if msg.kind == "response":
-                self.outstanding.discard(_id_key(msg.id))
+                self.outstanding.pop(id_key(msg.id), None)
             if msg.kind == "response" and msg.id in self.calls:
                 self._outcome(msg)
                 out.append(msg.obj)
@@ -362,15 +364,29 @@ class McpSession:
         self.closed = True
         await self.server_side.settle()
         for jsonrpc_id, pending in list(self.calls.items()):
-            self.rt.audit.enqueue_after(records.outcome_record(
-                self.ctx, request_id=pending.request_id, tool=pending.tool, jsonrpc_id=jsonrpc_id,
-                duration_ms=(time.monotonic() - pending.started) * 1000, no_response=True))
+            self._no_response(jsonrpc_id, pending, None)
         self.calls.clear()
 
+    def release(self, ticket: Ticket, why: str) -> None:
+        """The exchange that carried `ticket`'s body ended (an HTTP error, a 202, a connection error, an
+        answer that did not answer them): its requests still unanswered will never be, so their ids are
+        freed (else a long session fills MAX_WAITING and every later call is refused) and each such call
+        is recorded `no_response` with `why`, once. Only what THIS body reserved: an id already answered
+        and reused by a later body is that body's. Never for a transport whose answers come on another
+        stream (HTTP+SSE) or on an answer stream still open: the caller's rule (gateway/mcp_answer.py)."""
+        for jsonrpc_id, pending in ticket.calls.items():
+            if self.calls.get(jsonrpc_id) is pending:
+                del self.calls[jsonrpc_id]
+                self._no_response(jsonrpc_id, pending, why)
+        for jsonrpc_id, key in ticket.others:
+            if self.outstanding.get(key) == ticket.serial:
+                del self.outstanding[key]
+                self.server_side.expected.pop(jsonrpc_id, None)
+        ticket.calls.clear()  # released once, whatever calls it again (response, then error)
+        ticket.others.clear()
 
-def _id_key(jsonrpc_id: int | str | None) -> int | str | bytes | None:
-    """What `outstanding` keeps of an id: the id, or the sha256 of a long string id (a 1 MB id would
-    otherwise be held for as long as its request waits; bytes never equal an int or a str id)."""
-    if isinstance(jsonrpc_id, str) and len(jsonrpc_id) > _LONG_ID:
-        return hashlib.sha256(jsonrpc_id.encode("utf-8")).digest()
-    return jsonrpc_id
+    def _no_response(self, jsonrpc_id: int | str, pending: Pending, why: str | None) -> None:
+        self.rt.audit.enqueue_after(records.outcome_record(
+            self.ctx, request_id=pending.request_id, tool=pending.tool, jsonrpc_id=jsonrpc_id,
+            duration_ms=(time.monotonic() - pending.started) * 1000, no_response=True, detail=why))
+

@@ -111,14 +111,17 @@ def call_record(ctx: Context, *, request_id: str | None, jsonrpc_id: int | str |
 
 def outcome_record(ctx: Context, *, request_id: str, tool: str, jsonrpc_id: int | str | None,
                    duration_ms: float, response: Any = None, error: Any = None, no_response: bool = False,
-                   response_bytes: int | None = None) -> AuditEvent:
+                   response_bytes: int | None = None, detail: str | None = None) -> AuditEvent:
     """The effect of an allowed call: `result` (with `is_error` from the result's isError), `error` (a
-    JSON-RPC error answer, with its code) or `no_response` (the session ended before an answer)."""
+    JSON-RPC error answer, with its code) or `no_response` (the session, or the POST that carried the
+    call, ended before an answer; `detail` says why, e.g. `http_status=503`)."""
     extra: dict[str, Any] = {}
     extra[TOOL] = _bounded(tool, extra, TOOL)
     extra[JSONRPC_ID] = _bounded(str(jsonrpc_id), extra, JSONRPC_ID)
     if no_response:
         extra[OUTCOME] = "no_response"
+        if detail is not None:
+            extra[DETAIL] = detail
     elif error is not None:
         extra[OUTCOME] = "error"
         code = error.get("code") if isinstance(error, dict) else None

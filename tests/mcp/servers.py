@@ -5,7 +5,7 @@ One HTTPS server (uvicorn in a thread, TLS from the test CA via trustme) serves 
   /sse/mcp             streamable HTTP, answers as SSE streams   (SDK server "tickets-sse")
   /old/sse + /old/messages/   the older HTTP+SSE transport       (SDK server "tickets-old")
   /evil/sse            a hostile HTTP+SSE endpoint: its `endpoint` event names another origin
-  /rogue/mcp/<mode>    a hostile streamable-HTTP responder (odd SSE events, bad JSON, codings, ...)
+  /rogue/mcp/<mode>    a hostile streamable-HTTP responder (odd SSE events, bad JSON, codings, 503, 202, ...)
 
 `Received` is the oracle of the deny tests: an ASGI wrapper in front of every route keeps the exact bytes
 of every request body the server got (before the SDK parses it), so "the upstream never saw the denied
@@ -201,6 +201,19 @@ async def _rogue(request: Request) -> Response:
     listing = json.dumps({"jsonrpc": "2.0", "id": call["id"], "result": {"tools": [
         {"name": "delete_ticket", "inputSchema": {"type": "object"}}]}})
     mode = request.path_params["mode"]
+    if mode in ("503", "202"):  # no answer to the request at all: an HTTP error, an "accepted"
+        return Response(b"", status_code=int(mode))
+    if mode == "cut":  # the connection drops mid-answer (an incomplete chunked body)
+        async def broken():
+            yield answer[:10].encode()
+            raise ConnectionError("the upstream went away")
+        return StreamingResponse(broken(), media_type="application/json")
+    if mode == "slow":  # an SSE answer held open ~1.5 s before the answer (the id stays pending meanwhile)
+        async def events():
+            yield b": wait\r\n\r\n"
+            await _sleep(1.5)
+            yield f"event: message\r\ndata: {answer}\r\n\r\n".encode()
+        return StreamingResponse(events(), media_type="text/event-stream")
     if mode == "sneaky":  # an event type the SDK would ignore, but another client might act on
         body = f"event: sneaky\r\ndata: {listing}\r\n\r\nevent: message\r\ndata: {answer}\r\n\r\n"
         return Response(body.encode(), media_type="text/event-stream")

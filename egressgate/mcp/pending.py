@@ -1,0 +1,35 @@
+"""What an MCP session keeps of the requests it forwarded and is waiting for the answers to
+(egressgate/mcp/mediator.py states the rules: one request per id at a time, at most MAX_WAITING)."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+_LONG_ID = 64  # a longer string id is kept as its sha256 in `outstanding` (bounded memory per id)
+
+
+@dataclass(slots=True)
+class Pending:
+    request_id: str
+    tool: str
+    started: float  # monotonic
+
+
+@dataclass(slots=True)
+class Ticket:
+    """The requests one client body forwarded, so the transport can free the ids of those its exchange
+    ended without answering (`McpSession.release`). `serial` tells this body's reservations from a later
+    body's reuse of the same id (after an answer freed it)."""
+
+    serial: int
+    calls: dict[int | str, Pending] = field(default_factory=dict)
+    others: list[tuple[int | str, int | str | bytes]] = field(default_factory=list)  # (id, id_key)
+
+
+def id_key(jsonrpc_id: int | str | None) -> int | str | bytes | None:
+    """What `outstanding` keeps of an id: the id, or the sha256 of a long string id (a 1 MB id would
+    otherwise be held for as long as its request waits; bytes never equal an int or a str id)."""
+    if isinstance(jsonrpc_id, str) and len(jsonrpc_id) > _LONG_ID:
+        return hashlib.sha256(jsonrpc_id.encode("utf-8")).digest()
+    return jsonrpc_id
