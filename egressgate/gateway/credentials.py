@@ -27,6 +27,7 @@ import ipaddress
 import logging
 from collections import OrderedDict
 from dataclasses import replace
+from urllib.parse import unquote
 
 from mitmproxy import http
 
@@ -35,7 +36,7 @@ from egressgate.audit.event import AuditEvent, AuditUnavailable, EventKind
 from egressgate.broker.broker import Broker
 from egressgate.broker.config import BasicPlacement, QueryPlacement
 from egressgate.broker.credential import Credential, CredentialUnavailable
-from egressgate.broker.inject import PhantomHit, find_phantoms, inject, redact_phantoms, swap_phantom
+from egressgate.broker.inject import PhantomHit, find_phantoms, inject, redact_phantoms, scan_bytes, swap_phantom
 from egressgate.broker.redact import cached_scrubber
 from egressgate.config import GatewayConfig
 from egressgate.gateway import ws_layer
@@ -78,6 +79,17 @@ def _may_hold_phantom(headers: list[tuple[str, str]], raw_path: str) -> bool:
     header names/values and the raw path+query, find_phantoms cannot hit."""
     blob = raw_path + "\n".join(f"{k}\n{v}" for k, v in headers)
     return "%" in blob or "\\" in blob or "&" in blob or "egph" in blob.lower()
+
+
+def _redact_target(text: str) -> str:
+    """A request target for the misuse record, without the phantom in any form: escaped forms are cut
+    in place; one escaped *and* percent-encoded (`%26%23101%3B...` in a raw query) is found once the
+    target is percent-decoded, and then the decoded target is recorded, redacted."""
+    out = redact_phantoms(text)
+    decoded = unquote(out)
+    if decoded != out and scan_bytes(decoded.encode("utf-8", "surrogateescape")):
+        out = redact_phantoms(decoded)
+    return out
 
 
 def check_broker(broker: Broker | None, policies: dict) -> None:
@@ -297,10 +309,10 @@ class Credentials:
         where = redact_phantoms(where)  # a header *name* may be the phantom
         logger.warning("phantom credential misuse by %s to %s (%s)", fs.sandbox_id, fs.host, where)
         # the audit record must not carry the placeholder either (query / raw target as sent)
-        fs.query = redact_phantoms(fs.query) if fs.query else fs.query
-        fs.path = redact_phantoms(fs.path) if fs.path else fs.path
+        fs.query = _redact_target(fs.query) if fs.query else fs.query
+        fs.path = _redact_target(fs.path) if fs.path else fs.path
         if fs.target_as_sent:
-            fs.target_as_sent = redact_phantoms(fs.target_as_sent)
+            fs.target_as_sent = _redact_target(fs.target_as_sent)
         self._deny(fs, Reason.CREDENTIAL_MISUSE, _MISUSE_MESSAGE, detail=where[:200])
 
     async def request(self, flow: http.HTTPFlow) -> None:
