@@ -183,3 +183,48 @@ def escape_prefilter(values: list[str]) -> tuple[list[bytes], list[bytes]]:
     if x2:
         regexes.append(b"\\\\x" + _trie(x2))
     return sorted(needles), regexes
+
+
+def escaped_any(chars: str) -> EscapedPattern:
+    """One character that is any of `chars`, each in any of its encodings (the per-character
+    alternatives of `escaped_pattern`, unioned). For tokens known by shape, not by value (the broker's
+    phantoms: `egph_` + hex): the gateway stores only their hash, so it matches the class and decodes
+    the match (`decode_escaped`) to hash it. Escapes first, literals last, as in `escaped_pattern`."""
+    if not chars:
+        raise ValueError("cannot match an empty class")
+    escapes: list[bytes] = []
+    literals: list[bytes] = []
+    longest = 0
+    triggers: set[int] = set()
+    for char in dict.fromkeys(chars):
+        alts = _char_alternatives(char)
+        literals.append(alts[0][0])
+        escapes += [a for a, _, _ in alts[1:]]
+        longest = max(longest, *(n for _, n, _ in alts))
+        triggers.update(first[0] for _, _, first in alts[1:])
+    return EscapedPattern(b"(?:" + b"|".join(escapes + literals) + b")", longest, frozenset(triggers))
+
+
+_SINGLE: dict[str, re.Pattern[bytes]] = {}
+
+
+def decode_escaped(data: bytes, chars: str) -> str | None:
+    """The characters a decoder reads from `data` when every character is one of `chars` in any
+    encoding (the inverse of `escaped_any`, by the same alternatives); None when `data` is not such a
+    sequence. Used on a match only (short), so trying each character's alternatives in turn is cheap."""
+    out: list[str] = []
+    pos = 0
+    while pos < len(data):
+        for char in chars:
+            regex = _SINGLE.get(char)
+            if regex is None:
+                alts = _char_alternatives(char)
+                regex = _SINGLE[char] = re.compile(b"(?:" + b"|".join(a for a, _, _ in alts[1:] + alts[:1]) + b")")
+            m = regex.match(data, pos)
+            if m is not None and m.end() > pos:
+                out.append(char)
+                pos = m.end()
+                break
+        else:
+            return None
+    return "".join(out)

@@ -9,6 +9,14 @@ Phantom mode: admission hands the sandbox `phantom_value()` (e.g. as OPENAI_API_
 SHA-256 (`phantom_hash`). The gateway swaps it for the real value only in the configured header of the
 bound route; `find_phantoms` reports it anywhere else (another header, the query, the path, the body, or
 any header on another route) so the gateway denies with reason `credential_misuse`.
+
+"It" means the phantom in any form a decoder undoes, not only the raw one: a sandbox that sends
+`\u0065gph_…` (JSON), `&#101;gph_…` (HTML) or a partly percent-encoded phantom hands the same token
+to whoever decodes it, which is the exfiltration signal this check exists to catch. Every character
+may be escaped independently (broker/escapes.py, the one escape-aware matcher; the gateway knows
+only the phantom's hash, so it matches the phantom's *shape* and decodes the match to hash it).
+An escaped phantom in the bound header itself is not swapped (only the raw form is) but still
+stripped by `swap_phantom`: it never goes out as sent.
 """
 
 from __future__ import annotations
@@ -19,7 +27,6 @@ import re
 import secrets
 from dataclasses import dataclass
 from typing import Literal
-from urllib.parse import unquote
 
 from egressgate.broker.config import (
     BasicPlacement,
@@ -30,6 +37,7 @@ from egressgate.broker.config import (
     VaultOidcCapability,
 )
 from egressgate.broker.credential import Credential
+from egressgate.broker.escapes import decode_escaped, escape_prefilter, escaped_any
 from egressgate.state.base import hash_token
 
 Headers = list[tuple[str, str]]
@@ -41,6 +49,19 @@ PHANTOM_HEX = 48
 PHANTOM_LEN = len(PHANTOM_PREFIX) + PHANTOM_HEX
 _PHANTOM = re.compile(r"egph_[0-9a-f]{48}", re.IGNORECASE)
 _PHANTOM_B = re.compile(rb"egph_[0-9a-f]{48}", re.IGNORECASE)
+_HEX_CHARS = "0123456789abcdefABCDEF"
+_ALPHABET = "egphEGPH_" + _HEX_CHARS
+_PREFIX_CLASSES = [escaped_any(c + c.upper()) for c in PHANTOM_PREFIX[:-1]] + [escaped_any("_")]
+_HEX_CLASS = escaped_any(_HEX_CHARS)
+_ESCAPED_B = re.compile(b"".join(p.source for p in _PREFIX_CLASSES)
+                        + b"(?:%s){%d}" % (_HEX_CLASS.source, PHANTOM_HEX))
+# The longest escaped phantom (+1: the lookahead byte of a `;`-less HTML reference): a streamed body's
+# scanner keeps this many bytes minus one, so a phantom escaped and split across chunks is seen whole.
+PHANTOM_MAX_LEN = sum(p.max_len for p in _PREFIX_CLASSES) + PHANTOM_HEX * _HEX_CLASS.max_len + 1
+_needles, _sources = escape_prefilter([_ALPHABET])
+# Cheap gate before the escaped search: some escape of a phantom character is present (innocent `%20`,
+# `\n`, `&amp;`, `&#39;` do not open it).
+_ESCAPE_GATE = re.compile(b"|".join([re.escape(n) for n in _needles] + _sources))
 
 
 def phantom_value() -> str:
@@ -158,11 +179,39 @@ class PhantomHit:
     phantom_hash: str  # which phantom (maps to sandbox + capability via the state store)
 
 
+def _phantom_of(match: bytes) -> str:
+    """The phantom an escaped match decodes to (lower case). A match the decoder cannot read (should not
+    happen: same alternatives) is returned as is: its hash matches no phantom, so it counts as misuse
+    (fail closed) rather than as the allowed one."""
+    decoded = decode_escaped(match, _ALPHABET)
+    return (decoded if decoded is not None else match.decode("utf-8", "replace")).lower()
+
+
+def _may_be_escaped(data: bytes) -> bool:
+    """Some escape of a phantom character is in `data`: every escape starts with `%`, `\\` or `&` (memchr
+    first: most bodies have none), then the prefilter."""
+    return (b"%" in data or b"\\" in data or b"&" in data) and _ESCAPE_GATE.search(data) is not None
+
+
+def scan_bytes(data: bytes) -> list[str]:
+    """Every phantom in `data`, raw or with any of its characters escaped (lower case, deduplicated)."""
+    found = [m.group(0).decode().lower() for m in _PHANTOM_B.finditer(data)]
+    if _may_be_escaped(data):  # a phantom in an encoding a decoder undoes is the same phantom
+        found += [_phantom_of(m.group(0)) for m in _ESCAPED_B.finditer(data)]
+    return list(dict.fromkeys(found))
+
+
 def _scan(text: str) -> list[str]:
-    found = [m.group(0) for m in _PHANTOM.finditer(text)]
-    if "%" in text:  # a percent-encoded phantom is the same phantom
-        found += [m.group(0) for m in _PHANTOM.finditer(unquote(text))]
-    return list(dict.fromkeys(p.lower() for p in found))
+    return scan_bytes(text.encode("utf-8", "surrogateescape"))
+
+
+def redact_phantoms(text: str, replacement: str = "egph_[REDACTED]") -> str:
+    """`text` with every phantom, raw or escaped, replaced (audit records keep the request's target)."""
+    data = text.encode("utf-8", "surrogateescape")
+    data = _PHANTOM_B.sub(replacement.encode(), data)
+    if _may_be_escaped(data):
+        data = _ESCAPED_B.sub(replacement.encode(), data)
+    return data.decode("utf-8", "surrogateescape")
 
 
 def find_phantoms(
@@ -195,11 +244,14 @@ def find_phantoms(
 
 
 def _body_hits(data: bytes) -> list[PhantomHit]:
-    return [PhantomHit("body", None, phantom_hash(m.group(0).decode())) for m in _PHANTOM_B.finditer(data)]
+    return [PhantomHit("body", None, phantom_hash(p)) for p in scan_bytes(data)]
 
 
 class PhantomBodyScanner:
-    """Streaming body check (phantom split across chunks); usable as `flow.request.stream` wrapper."""
+    """Streaming body check (phantom split across chunks); usable as `flow.request.stream` wrapper.
+    The window is PHANTOM_MAX_LEN - 1 bytes (the longest escaped form), not the raw phantom's length:
+    an escaped phantom split across chunks is then seen whole. A phantom lying entirely in the kept
+    tail is found again in the next window: hits are reported once per phantom (by hash)."""
 
     def __init__(self) -> None:
         self.tail = b""
@@ -207,9 +259,9 @@ class PhantomBodyScanner:
 
     def feed(self, chunk: bytes) -> list[PhantomHit]:
         data = self.tail + chunk
-        new = _body_hits(data)
-        # keep PHANTOM_LEN-1 bytes so a split phantom is seen whole; drop hits already reported
-        # (a complete match cannot lie inside the kept tail, which is shorter than a phantom).
-        self.tail = data[-(PHANTOM_LEN - 1) :] if len(data) >= PHANTOM_LEN - 1 else data
+        seen = {h.phantom_hash for h in self.hits}
+        new = [h for h in _body_hits(data) if h.phantom_hash not in seen]
+        keep = PHANTOM_MAX_LEN - 1
+        self.tail = data[-keep:] if len(data) >= keep else data
         self.hits += new
         return new

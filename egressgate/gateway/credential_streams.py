@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable
 from mitmproxy import http
 
 from egressgate.broker.decompress import DecodeError, scrubbing_stream
-from egressgate.broker.inject import PHANTOM_LEN, PhantomBodyScanner, PhantomHit
+from egressgate.broker.inject import PHANTOM_MAX_LEN, PhantomBodyScanner, PhantomHit
 from egressgate.broker.redact import Scrubber
 from egressgate.gateway.deny import REQUEST_ID_HEADER
 
@@ -37,11 +37,11 @@ def as_chunks(out: object) -> list[bytes]:
 
 def phantom_guard(inner: StreamFn | None, on_hit: Callable[[list[PhantomHit]], None]) -> StreamFn:
     """Request-body callable: find a phantom in the sandbox's bytes *before* they reach `inner` (the
-    budget counter) or the upstream. The last PHANTOM_LEN-1 bytes are held back, so a phantom split
-    across chunks is caught before any part of it is sent; on a hit nothing more is forwarded and
-    `on_hit` runs (it aborts the connection and audits)."""
+    budget counter) or the upstream. The last PHANTOM_MAX_LEN-1 bytes (the longest escaped phantom) are
+    held back, so a phantom, raw or escaped, split across chunks is caught before any part of it is
+    sent; on a hit nothing more is forwarded and `on_hit` runs (it aborts the connection and audits)."""
     scanner = PhantomBodyScanner()
-    hold = PHANTOM_LEN - 1
+    hold = PHANTOM_MAX_LEN - 1
     tail = b""
     cut = False
 

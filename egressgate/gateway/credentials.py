@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-import re
 from collections import OrderedDict
 from dataclasses import replace
+from urllib.parse import unquote
 
 from mitmproxy import http
 
@@ -36,7 +36,7 @@ from egressgate.audit.event import AuditEvent, AuditUnavailable, EventKind
 from egressgate.broker.broker import Broker
 from egressgate.broker.config import BasicPlacement, QueryPlacement
 from egressgate.broker.credential import Credential, CredentialUnavailable
-from egressgate.broker.inject import PhantomHit, find_phantoms, inject, swap_phantom
+from egressgate.broker.inject import PhantomHit, find_phantoms, inject, redact_phantoms, scan_bytes, swap_phantom
 from egressgate.broker.redact import cached_scrubber
 from egressgate.config import GatewayConfig
 from egressgate.gateway import ws_layer
@@ -52,7 +52,6 @@ from egressgate.state.base import StateUnavailable
 logger = logging.getLogger(__name__)
 
 SEEN_MAX = 10000
-_PHANTOM_TEXT = re.compile(r"egph_(?:[0-9a-f]|%[0-9a-f]{2}){48}|egph%5f[0-9a-f]{48}", re.IGNORECASE)
 
 _MISUSE_MESSAGE = (
     "A placeholder credential (egph_...) may only be sent in the header configured for its own "
@@ -75,10 +74,22 @@ def _same_ip(a: str, b: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
 
 def _may_hold_phantom(headers: list[tuple[str, str]], raw_path: str) -> bool:
     """Cheap pre-check before the full phantom search (hot path: every request). A phantom is
-    `egph_` + hex, case-insensitive, possibly percent-encoded: without "egph" (any case) and without
-    "%" anywhere in the header names/values and the raw path+query, find_phantoms cannot hit."""
+    `egph_` + hex, case-insensitive, any character possibly escaped (broker/escapes.py: every escape
+    starts with `%`, `\\` or `&`): without "egph" (any case) and without one of those anywhere in the
+    header names/values and the raw path+query, find_phantoms cannot hit."""
     blob = raw_path + "\n".join(f"{k}\n{v}" for k, v in headers)
-    return "%" in blob or "egph" in blob.lower()
+    return "%" in blob or "\\" in blob or "&" in blob or "egph" in blob.lower()
+
+
+def _redact_target(text: str) -> str:
+    """A request target for the misuse record, without the phantom in any form: escaped forms are cut
+    in place; one escaped *and* percent-encoded (`%26%23101%3B...` in a raw query) is found once the
+    target is percent-decoded, and then the decoded target is recorded, redacted."""
+    out = redact_phantoms(text)
+    decoded = unquote(out)
+    if decoded != out and scan_bytes(decoded.encode("utf-8", "surrogateescape")):
+        out = redact_phantoms(decoded)
+    return out
 
 
 def check_broker(broker: Broker | None, policies: dict) -> None:
@@ -295,13 +306,13 @@ class Credentials:
 
     def _misuse(self, fs: FlowState, hits: list[PhantomHit]) -> None:
         where = ",".join(sorted({h.where + (f":{h.name.lower()}" if h.name else "") for h in hits}))
-        where = _PHANTOM_TEXT.sub("egph_[REDACTED]", where)  # a header *name* may be the phantom
+        where = redact_phantoms(where)  # a header *name* may be the phantom
         logger.warning("phantom credential misuse by %s to %s (%s)", fs.sandbox_id, fs.host, where)
         # the audit record must not carry the placeholder either (query / raw target as sent)
-        fs.query = _PHANTOM_TEXT.sub("egph_[REDACTED]", fs.query) if fs.query else fs.query
-        fs.path = _PHANTOM_TEXT.sub("egph_[REDACTED]", fs.path) if fs.path else fs.path
+        fs.query = _redact_target(fs.query) if fs.query else fs.query
+        fs.path = _redact_target(fs.path) if fs.path else fs.path
         if fs.target_as_sent:
-            fs.target_as_sent = _PHANTOM_TEXT.sub("egph_[REDACTED]", fs.target_as_sent)
+            fs.target_as_sent = _redact_target(fs.target_as_sent)
         self._deny(fs, Reason.CREDENTIAL_MISUSE, _MISUSE_MESSAGE, detail=where[:200])
 
     async def request(self, flow: http.HTTPFlow) -> None:

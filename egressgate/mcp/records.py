@@ -12,22 +12,20 @@
 
 Redaction of recorded arguments: the values of the route's credentials (broker/redact.py Scrubber,
 every encoding it knows, any subset of characters escaped) and phantom tokens (broker/inject.py) are
-replaced; a phantom the redaction
-cannot locate (percent-encoded) makes the whole value `[REDACTED]` rather than record a fragment.
+replaced, raw or with any character escaped (broker/inject.py `redact_phantoms`, the escape-aware
+matcher of broker/escapes.py).
 """
 
 from __future__ import annotations
 
 import hashlib
-import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import unquote
 
 from egressgate.audit.build import APPROVAL_ID, DETAIL, build
 from egressgate.audit.event import AuditEvent, EventKind
-from egressgate.broker.inject import PHANTOM_HEX, PHANTOM_PREFIX
+from egressgate.broker.inject import redact_phantoms
 from egressgate.broker.redact import REPLACEMENT, SecretSpec, cached_scrubber
 from egressgate.mcp.schema import arguments_hash, canonical
 
@@ -37,7 +35,6 @@ ARGUMENTS_SHA256, ARGUMENTS = P + "arguments_sha256", P + "arguments"
 JSONRPC_ID, FACTS, ARGUMENT = P + "jsonrpc_id", P + "facts", P + "argument"
 OUTCOME, IS_ERROR, RESULT_BYTES, ERROR_CODE = P + "outcome", P + "is_error", P + "result_bytes", P + "error_code"
 TOOLS, CHANGED, SERVER_INFO = P + "tools", P + "changed", P + "server_info"
-_PHANTOM = re.compile(re.escape(PHANTOM_PREFIX) + f"[0-9a-f]{{{PHANTOM_HEX}}}", re.IGNORECASE)
 _REDACTED = REPLACEMENT.decode()
 MAX_NAME_CHARS = 256  # a tool name or id is the agent's text: bounded in records (the hash covers the rest)
 
@@ -82,10 +79,7 @@ def redact_arguments(arguments: Any, secrets: Iterable[SecretSpec] = ()) -> str:
     specs = tuple(secrets)
     if specs:
         text = cached_scrubber(*specs).scrub_text(text)  # compiled once per credential, not per record
-    text = _PHANTOM.sub(_REDACTED, text)
-    if _PHANTOM.search(unquote(text)):
-        return _REDACTED
-    return text
+    return redact_phantoms(text, _REDACTED)
 
 
 def call_record(ctx: Context, *, request_id: str | None, jsonrpc_id: int | str | None, tool: str,
