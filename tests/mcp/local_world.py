@@ -7,6 +7,11 @@ uid cannot traverse (here /root is 0700 and pyenv lives below it), `mcp run` is 
 namespace (slave propagation: nothing leaks to the host) in which the blocking directory is a 0755 tmpfs
 holding only a bind of the installation: the same paths, nothing else of that directory visible, the host
 unchanged. Where it is reachable already (a CI runner's toolcache), no wrapper is used.
+
+A tree or venv under a directory the sandbox replaces with its own tmpfs (/tmp, /run, /var/tmp, /home: a
+clone in /tmp) would be invisible inside it: the same wrapper then binds that directory at an alias under a
+0755 tmpfs on /mnt, and the server is started by its alias paths (the venv's python by its unresolved alias
+path, so the venv and its SDK are found).
 """
 
 from __future__ import annotations
@@ -50,20 +55,51 @@ def mcp_policy(name: str, *, local: str = "allow") -> dict[str, Any]:
     return body
 
 
-def _mount_wrapper() -> list[str]:
-    """[] when uid 65534 can reach the test Python, the venv and this tree; else the private-mount-namespace
-    wrapper (module docstring): each blocking directory becomes a 0755 tmpfs with only the needed entries
-    bound back (e.g. /root/.pyenv and the CI clone under /root)."""
+# directories the netns sandbox mounts its own tmpfs over (egressgate/runtimes/netns.py)
+SANDBOX_TMPFS = (Path("/tmp"), Path("/run"), Path("/var/tmp"), Path("/home"))
+ALIAS_ROOT = Path("/mnt")
+
+
+def _hidden_top(path: Path) -> Path | None:
+    """The directory right under a sandbox-tmpfs root that holds `path` (None: the sandbox sees it)."""
+    for root in SANDBOX_TMPFS:
+        if path.is_relative_to(root) and path != root:
+            return root / path.relative_to(root).parts[0]
+    return None
+
+
+def _aliases() -> dict[Path, Path]:
+    """Host directory -> its alias under /mnt, for the venv and this tree when the sandbox would hide them."""
+    tops = {top for p in (Path(sys.prefix), TREE) if (top := _hidden_top(p)) is not None}
+    return {top: ALIAS_ROOT / f"e13l-{i}" for i, top in enumerate(sorted(tops))}
+
+
+def _seen_as(path: Path, aliases: dict[Path, Path]) -> str:
+    for top, alias in aliases.items():
+        if path.is_relative_to(top):
+            return str(alias / path.relative_to(top))
+    return str(path)
+
+
+def _mount_wrapper(aliases: dict[Path, Path]) -> list[str]:
+    """[] when uid 65534 can reach the test Python, the venv and this tree, and the sandbox does not hide
+    them; else the private-mount-namespace wrapper (module docstring): each blocking directory becomes a
+    0755 tmpfs with only the needed entries bound back (e.g. /root/.pyenv and the CI clone under /root), and
+    each hidden one is bound at its alias."""
     binds: dict[Path, set[Path]] = {}
     for path in (Path(sys.base_prefix) / "bin", Path(sys.prefix) / "bin", SERVER_SCRIPT):
         blocked = unreachable_parent(path)
         if blocked is not None:
             binds.setdefault(blocked, set()).add(blocked / path.relative_to(blocked).parts[0])
-    if not binds:
+    if not binds and not aliases:
         return []
     pairs = [(blocked, child) for blocked, children in sorted(binds.items()) for child in sorted(children)]
     q = shlex.quote
     lines = ["set -e", "keep=$(mktemp -d /run/e13l-keep.XXXXXX)"]
+    if aliases:
+        lines.append(f"mount -t tmpfs -o mode=0755 e13l-alias {q(str(ALIAS_ROOT))}")
+        lines += [f"mkdir {q(str(alias))}; mount --bind {q(str(top))} {q(str(alias))}"
+                  for top, alias in aliases.items()]
     lines += [f"mkdir \"$keep/{i}\"; mount --bind {q(str(child))} \"$keep/{i}\"" for i, (_, child) in enumerate(pairs)]
     lines += [f"mount -t tmpfs -o mode=0755 e13l {q(str(blocked))}" for blocked in sorted(binds)]
     lines += [f"mkdir -p {q(str(child))}; mount --bind \"$keep/{i}\" {q(str(child))}; umount -l \"$keep/{i}\"; "
@@ -78,9 +114,11 @@ def mcp_argv(gw: Gateway, policy: str, *, server: str = "tools", workspace: Path
     extra = ["--workspace", str(workspace)] if workspace else []
     for label in labels:
         extra += ["--label", label]
-    return ["nsenter", f"--net=/run/netns/{gw.world.gw}", *_mount_wrapper(), EGRESSGATE, "mcp", "run",
+    aliases = _aliases()
+    return ["nsenter", f"--net=/run/netns/{gw.world.gw}", *_mount_wrapper(aliases), EGRESSGATE, "mcp", "run",
             "--config", str(gw.config), "--policy", policy, "--server", server, *extra, "--",
-            PYTHON, str(SERVER_SCRIPT), "--record", RECORD_IN_SANDBOX, "--tag", tag, *(["--linger"] if linger else [])]
+            _seen_as(Path(PYTHON), aliases), _seen_as(SERVER_SCRIPT, aliases), "--record", RECORD_IN_SANDBOX,
+            "--tag", tag, *(["--linger"] if linger else [])]
 
 
 def child_env() -> dict[str, str]:
