@@ -16,6 +16,7 @@ Kept free of addon state so each piece is testable on its own.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Iterable
 
 from mitmproxy import http
@@ -35,11 +36,22 @@ def as_chunks(out: object) -> list[bytes]:
     return [bytes(c) for c in out if c]  # type: ignore[union-attr]
 
 
+_PHANTOM_START = re.compile(rb"[eE%\\&]")  # the bytes a phantom, raw or escaped, can start with
+
+
 def phantom_guard(inner: StreamFn | None, on_hit: Callable[[list[PhantomHit]], None]) -> StreamFn:
     """Request-body callable: find a phantom in the sandbox's bytes *before* they reach `inner` (the
-    budget counter) or the upstream. The last PHANTOM_MAX_LEN-1 bytes (the longest escaped phantom) are
-    held back, so a phantom, raw or escaped, split across chunks is caught before any part of it is
-    sent; on a hit nothing more is forwarded and `on_hit` runs (it aborts the connection and audits)."""
+    budget counter) or the upstream. Of the last PHANTOM_MAX_LEN-1 bytes (the longest escaped phantom),
+    those from the first byte a phantom can start with onwards are held back, so a phantom, raw or
+    escaped, split across chunks is caught before any part of it is sent; on a hit nothing more is
+    forwarded and `on_hit` runs (it aborts the connection and audits).
+
+    Why the first possible start byte: a phantom is `egph_...` (either case) and every escape of a
+    character starts with `%`, `\\` or `&` (broker/escapes.py), so an occurrence that runs past the
+    end of the bytes seen so far starts at one of those bytes within the last PHANTOM_MAX_LEN-1 bytes;
+    everything before the first of them can go out now. Holding the whole window instead kept up to
+    636 bytes of an ordinary body from the budget counter, so a stream cut for its budget left them
+    unspent (and an interactive upload waited for them)."""
     scanner = PhantomBodyScanner()
     hold = PHANTOM_MAX_LEN - 1
     tail = b""
@@ -59,7 +71,9 @@ def phantom_guard(inner: StreamFn | None, on_hit: Callable[[list[PhantomHit]], N
                 on_hit(hits)
                 return []
             data = tail + chunk
-            emit, tail = (data[:-hold], data[-hold:]) if len(data) > hold else (b"", data)
+            found = _PHANTOM_START.search(data, max(0, len(data) - hold))
+            start = found.start() if found is not None else len(data)
+            emit, tail = data[:start], data[start:]
         out: list[bytes] = []
         if emit:
             out += as_chunks(inner(emit)) if inner is not None else [emit]

@@ -80,3 +80,29 @@ def test_scrub_chain_decodes_gzip_split_anywhere_and_kills_on_corruption() -> No
 def test_replace_body_swallows_everything_and_emits_once() -> None:
     fn = replace_body(b'{"error":"x"}')
     assert _feed(fn, [b"upstream " + SECRET.encode(), b"more"]) == [b'{"error":"x"}']
+
+
+def test_phantom_guard_holds_back_only_from_a_byte_a_phantom_can_start_with() -> None:
+    """Bytes no phantom (raw `egph_…` or any escape: `%`, `\\`, `&`) can start at go out at once: a
+    budget counter behind the guard sees them (a stream cut for its budget has them spent)."""
+    guard = phantom_guard(None, lambda hits: (_ for _ in ()).throw(AssertionError(hits)))
+    assert b"".join(guard(b"x" * 1000)) == b"x" * 1000  # nothing held
+    assert b"".join(guard(b"y" * 10 + b"%z" + b"w" * 20)) == b"y" * 10  # held from the `%` on
+    assert b"".join(guard(b"q" * 700)) == b"%z" + b"w" * 20 + b"q" * 700  # beyond any phantom's length
+
+
+def test_phantom_guard_never_releases_an_escaped_phantom_byte() -> None:
+    phantom = phantom_value()
+    forms = {
+        "json": "".join(f"\\u{ord(c):04x}" if i % 3 == 0 else c for i, c in enumerate(phantom)).encode(),
+        "html": "".join(f"&#{ord(c)};" if i % 2 == 0 else c for i, c in enumerate(phantom)).encode(),
+        "percent": "".join(f"%{ord(c):02X}" if i % 4 == 1 else c for i, c in enumerate(phantom)).encode(),
+    }
+    for name, escaped in forms.items():
+        body = b"e%&\\ " * 30 + b'{"key":"' + escaped + b'"}' + b"z" * 40
+        start = body.index(escaped)
+        for cut in range(1, len(body), 5):
+            hits: list = []
+            out = b"".join(_feed(phantom_guard(None, hits.extend), [body[:cut], body[cut:]]))
+            assert hits, (name, cut)
+            assert len(out) <= start, (name, cut)
