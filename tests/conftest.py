@@ -3,14 +3,33 @@ helper code (worlds, launchers, clients) lives in tests/support/ (see its README
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from tests.support import scheduling
 from tests.support.dockerd import dockerd  # noqa: F401 - the session's private dockerd, for every folder
 from tests.support.env import IN_CI, netns_unavailable_reason
 
+TESTS_ROOT = Path(__file__).resolve().parent
 
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--group-durations", metavar="PATH", default=None,
+                     help="write seconds per xdist group as JSON (refresh tests/durations.json with it)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    path = config.getoption("--group-durations")
+    if path and not hasattr(config, "workerinput"):  # the controller sees every worker's reports
+        config.pluginmanager.register(scheduling.GroupDurations(Path(path)), "group-durations")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the xdist_group marks it adds
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """netns tests skip outside CI when namespaces are unavailable; in CI (CI=true) they never skip."""
+    """Every test gets its xdist group, heaviest groups first (tests/support/scheduling.py); netns tests
+    skip outside CI when namespaces are unavailable; in CI (CI=true) they never skip."""
+    scheduling.assign_groups(items, TESTS_ROOT)
     reason = netns_unavailable_reason()
     if reason is None or IN_CI:
         return

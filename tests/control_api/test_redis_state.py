@@ -89,8 +89,10 @@ def test_redis_outage_makes_the_gateway_unready_and_counts_state_errors(world, t
 
 def test_workers_share_one_admin_address_and_their_series_never_mix(world, tmp_path, redis):
     """`run --workers 2`: scrapes of the one admin address reach both workers; every sample carries its
-    worker, and each worker's counter only grows. Positive control: the same scrapes without the label
-    (what a scraper would see if the series were merged) go backwards."""
+    worker, and each worker's counter only grows. Positive control: read without the label, at least one
+    worker's scrape reports fewer than the 40 admissions, so a merged series would be wrong whenever that
+    worker answers. Deterministic: it holds however the kernel spreads connections (not "the merged series
+    goes backwards", which depends on whether scrapes happen to alternate between workers)."""
     wrapper = tmp_path / "egressgate-workers"
     wrapper.write_text(f'#!/bin/sh\nexec {EGRESSGATE} "$@" --workers 2\n')
     wrapper.chmod(0o755)
@@ -119,6 +121,5 @@ def test_workers_share_one_admin_address_and_their_series_never_mix(world, tmp_p
     for worker in workers:
         mine = [n for w, n in series if w == worker]
         assert mine == sorted(mine), (worker, mine)  # each worker's counter only grows
-    merged = [n for _, n in series]
-    assert merged != sorted(merged)  # positive control: one unlabelled series would seem to reset
     assert set(final) == workers and sum(final.values()) == 40  # summed by worker: exactly the admissions
+    assert min(final.values()) < 40, final  # positive control: an unlabelled scrape under-reports

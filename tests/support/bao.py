@@ -47,7 +47,15 @@ class BaoServer:
     oidc_client_id: str = ""
 
     def start(self) -> BaoServer:
-        port = free_port()
+        """Start on a free port. A merely-free port can be taken before bao binds it (by an outgoing
+        connection, or another test worker's server): then bao exits, or the health check would reach
+        the other server. So a start counts only when *our* root token works there; else retry."""
+        for _ in range(5):
+            if self._start_once(free_port()):
+                return self
+        raise RuntimeError("bao did not become healthy on any of 5 free ports")
+
+    def _start_once(self, port: int) -> bool:
         self.addr = f"http://127.0.0.1:{port}"
         self.proc = subprocess.Popen(
             [
@@ -62,17 +70,16 @@ class BaoServer:
             stderr=subprocess.DEVNULL,
         )
         deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"bao exited with {self.proc.returncode}")
+        while time.monotonic() < deadline and self.proc.poll() is None:
             try:
                 with urllib.request.urlopen(f"{self.addr}/v1/sys/health", timeout=1) as r:  # noqa: S310
-                    if r.status == 200:
-                        return self
-            except OSError:
-                time.sleep(0.05)
+                    if r.status == 200 and self.proc.poll() is None and self.root().is_authenticated():
+                        return True
+            except (OSError, hvac.exceptions.VaultError):
+                pass
+            time.sleep(0.05)
         self.stop()
-        raise RuntimeError("bao did not become healthy")
+        return False
 
     def stop(self) -> None:
         if self.proc is not None:
