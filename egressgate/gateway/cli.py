@@ -11,6 +11,7 @@ import click
 from egressgate.config import ConfigError, GatewayConfig, load_config
 from egressgate.dns.config import DnsConfigError
 from egressgate.gateway import ca as ca_mod
+from egressgate.gateway.varlock import VarDirBusy
 from egressgate.logs import FORMATS, configure
 from egressgate.policy.errors import PolicyError
 
@@ -51,6 +52,8 @@ def serve_or_fail(cfg: GatewayConfig, announce, **kwargs) -> None:
 
     try:
         asyncio.run(serve(cfg, announce, **kwargs))
+    except VarDirBusy as exc:  # already one sentence; the running gateway is untouched
+        raise click.ClickException(str(exc)) from exc
     except PolicyError as exc:
         raise click.ClickException(f"invalid policy, not starting:\n{exc}") from exc
     except (ConfigError, DnsConfigError) as exc:
@@ -86,6 +89,8 @@ def run_cmd(config_file: str | None, policy: str | None, log_level: str, log_for
     try:
         workers_mod.check_workers(cfg, workers)
         code = workers_mod.supervise(cfg, workers, _announce, log_level, log_format)
+    except VarDirBusy as exc:
+        raise click.ClickException(str(exc)) from exc
     except PolicyError as exc:
         raise click.ClickException(f"invalid policy, not starting:\n{exc}") from exc
     except ConfigError as exc:
