@@ -50,8 +50,7 @@ build_req=$("$py" -c 'import sys, tomllib; print(" ".join(tomllib.load(open(sys.
 
 step "venv + pip install . -c constraints (wheels only)"
 mkdir "$tmp/src"  # build from a copy: an in-tree build leaves build/ behind
-cp -R "$root/pyproject.toml" "$root/README.md" "$root/egressgate" "$tmp/src/"
-[ -f "$root/LICENSE" ] && cp "$root/LICENSE" "$tmp/src/"
+cp -R "$root/pyproject.toml" "$root/README.md" "$root/LICENSE" "$root/egressgate" "$tmp/src/"
 find "$tmp/src" -name __pycache__ -prune -exec rm -rf {} +
 "$py" -m venv "$tmp/venv"
 bin="$tmp/venv/bin"
