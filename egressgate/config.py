@@ -255,7 +255,8 @@ def _format_errors(exc: ValidationError, source: str) -> str:
 
 
 def load_config(path: str | Path | None = None, overrides: dict | None = None) -> GatewayConfig:
-    """Load and validate; `None` gives the embedded defaults. `overrides` (e.g. `--policy`) win."""
+    """Load and validate; `None` gives the embedded defaults. `overrides` (e.g. `--policy`, `--listen-proxy`)
+    win; a mapping value is merged into the file's section of that name."""
     data: dict = {}
     source = "<defaults>"
     if path is not None:
@@ -275,8 +276,9 @@ def load_config(path: str | Path | None = None, overrides: dict | None = None) -
         if not isinstance(loaded, dict):
             raise ConfigError(f"{source}: <root>: expected a mapping")
         data = loaded
-    if overrides:
-        data = {**data, **overrides}
+    if overrides:  # one level deep: `{"listen": {"proxy": ...}}` replaces that key, not the whole section
+        data = {**data, **{key: {**data[key], **value} if isinstance(value, dict) and isinstance(data.get(key), dict)
+                           else value for key, value in overrides.items()}}
     try:
         return GatewayConfig.model_validate(data)
     except ValidationError as exc:

@@ -27,7 +27,7 @@ start=$(date +%s)
 step "venv + pip install . (no extras)"
 # Build from a copy: an in-tree build leaves build/ behind, whose stale modules a later build would ship.
 mkdir "$tmp/src"
-cp -R "$root/pyproject.toml" "$root/README.md" "$root/egressgate" "$tmp/src/"
+cp -R "$root/pyproject.toml" "$root/README.md" "$root/LICENSE" "$root/egressgate" "$tmp/src/"
 find "$tmp/src" -name __pycache__ -prune -exec rm -rf {} +
 "$py" -m venv "$tmp/venv"
 bin="$tmp/venv/bin"
@@ -39,7 +39,10 @@ mkdir -p "$wh"
 pip_install() { "$bin/pip" install --disable-pip-version-check --no-compile --no-index --find-links "$wh" "$tmp/src"; }
 if ! pip_install >"$tmp/pip.log" 2>&1; then
   step "filling the wheelhouse $wh (first run, or the dependencies changed)"
-  "$bin/pip" download --disable-pip-version-check -d "$wh" "$tmp/src" "setuptools>=69" >>"$tmp/pip.log" 2>&1 \
+  build_req=$("$py" -c 'import sys, tomllib; print(" ".join(tomllib.load(open(sys.argv[1], "rb"))["build-system"]["requires"]))' \
+    "$root/pyproject.toml")  # the build backend, as pyproject.toml requires it (offline builds need it here)
+  # shellcheck disable=SC2086 # a list of requirement strings without spaces
+  "$bin/pip" download --disable-pip-version-check -d "$wh" "$tmp/src" $build_req >>"$tmp/pip.log" 2>&1 \
     || { tail -n 30 "$tmp/pip.log" >&2; fail "pip download"; }
   pip_install >>"$tmp/pip.log" 2>&1 || { tail -n 30 "$tmp/pip.log" >&2; fail "pip install . (no extras)"; }
 fi

@@ -32,7 +32,13 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
 
 from egressgate.audit.event import AuditEvent, EventKind
 from egressgate.audit.observe import observe_writes
@@ -248,10 +254,10 @@ class GatewayCollector:
                      len(rt.by_sandbox))
         policies = rt.policies.policies
         yield _gauge("egressgate_policies_loaded", "Policies in the active set", len(policies))
-        info = GaugeMetricFamily("egressgate_policy_set", "The active policy set's version hash (value 1)",
-                                 labels=("version",))
-        info.add_metric((policy_set_version(policies),), 1)
-        yield info
+        # an info metric (`egressgate_policy_set_info{version=...} 1`): the version is a label to join and
+        # compare replicas on, not a quantity; the _info suffix tells dashboards and recording rules so
+        yield InfoMetricFamily("egressgate_policy_set", "The active policy set's version hash",
+                               value={"version": policy_set_version(policies)})
         worker = GaugeMetricFamily("egressgate_worker_info", "The gateway process that answered this scrape (value 1)",
                                    labels=("worker_id", "pid"))
         worker.add_metric((rt.state.worker_id, str(self._pid)), 1)

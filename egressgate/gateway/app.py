@@ -30,7 +30,7 @@ from egressgate.audit.signer import Signer
 from egressgate.broker.signer import TransitSigner
 from egressgate.config import ConfigError, GatewayConfig, parse_listen
 from egressgate.dns import DnsServer
-from egressgate.gateway import ca, mitm_hotpaths, reconcile, typecheck
+from egressgate.gateway import ca, mitm_hotpaths, reconcile, typecheck, varlock
 from egressgate.gateway import listeners as shared_listeners
 from egressgate.gateway.budgets import ByteLedger
 from egressgate.gateway.context import PolicyHolder, Runtime
@@ -60,7 +60,9 @@ class Gateway:
                  publish: bool = True) -> None:
         self.config = config
         self.listeners = listeners or {}  # inherited listening sockets by kind (listeners.py)
-        self.publish = publish  # write (and remove) var_dir/gateway.json
+        self.publish = publish  # own the var dir (varlock.py): write (and remove) var_dir/gateway.json
+        self._claim: varlock.VarDirLock | None = None
+        self._published = False  # this process wrote gateway.json: only then does stop() remove it
         self.rt: Runtime | None = None
         self.master: GatewayMaster | None = None
         self.admin: AdminServer | None = None
@@ -73,6 +75,8 @@ class Gateway:
     async def start(self) -> dict[str, str]:
         cfg = self.config
         var = cfg.var_path()
+        if self.publish:  # first: a refused start (VarDirBusy) touches nothing the running gateway owns
+            self._claim = varlock.claim(var)
         var.mkdir(parents=True, exist_ok=True, mode=0o700)
         policy_path = Path(cfg.policy)
         self._signature = policy_signature(policy_path)
@@ -122,6 +126,7 @@ class Gateway:
             self.addresses["dns"] = rt.dns_address = _fmt(*dns_addr[:2])
         if self.publish:
             write_runtime_file(cfg, {**self.addresses, "pid": os.getpid()})
+            self._published = True
         self._watch = asyncio.create_task(self._watch_policies(), name="policy-watch")
         reconcile.start(rt)  # ledger sweep + dead workers' leases (stopped by ledger.flush at stop)
         return self.addresses
@@ -184,9 +189,13 @@ class Gateway:
             await self.rt.state.close()
             if self.rt.broker is not None:
                 await self.rt.broker.aclose()
-        if self.publish:
+        if self._published:
             with contextlib.suppress(OSError):
                 self.config.runtime_path().unlink()
+            self._published = False
+        if self._claim is not None:  # after the unlink: the next gateway may publish at once
+            self._claim.release()
+            self._claim = None
 
 
 async def audit_signer(cfg: GatewayConfig, broker) -> Signer | None:

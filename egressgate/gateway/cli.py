@@ -8,18 +8,67 @@ import sys
 
 import click
 
-from egressgate.config import ConfigError, GatewayConfig, load_config
+from egressgate.config import ConfigError, GatewayConfig, load_config, parse_listen
 from egressgate.dns.config import DnsConfigError
 from egressgate.gateway import ca as ca_mod
+from egressgate.gateway.varlock import VarDirBusy
 from egressgate.logs import FORMATS, configure
 from egressgate.policy.errors import PolicyError
 
 
-def _config(config_file: str | None, policy: str | None = None) -> GatewayConfig:
+def _config(config_file: str | None, policy: str | None = None, listen: dict[str, str | None] | None = None
+            ) -> GatewayConfig:
+    overrides: dict = {"policy": policy} if policy else {}
+    if listen:
+        overrides["listen"] = listen
     try:
-        return load_config(config_file, {"policy": policy} if policy else None)
+        return load_config(config_file, overrides or None)
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from exc
+
+
+# `run --listen-<kind>` / EGRESSGATE_LISTEN_<KIND>: listener addresses without a config file (one more gateway
+# on a host, containers, systemd units), as mitmproxy's and smokescreen's flags do. Precedence is click's: a
+# flag wins over its environment variable, and either wins over the config file's `listen.<kind>`. The ones a
+# gateway can run without (dns, transparent) take `off` (the file's null).
+LISTEN_KINDS = {"proxy": False, "transparent": True, "dns": True, "admin": False}  # kind -> may be off
+OFF = "off"
+
+
+def _listen_option(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """Validate one --listen-* value where it was given, so the error names the flag (or its variable)."""
+    if value is None:
+        return None
+    assert param.name is not None
+    kind = param.name.removeprefix("listen_")
+    hint = f"'{param.opts[0]}'"
+    if ctx.get_parameter_source(param.name) is click.core.ParameterSource.ENVIRONMENT:
+        hint += f" (from ${param.envvar})"
+    value = value.strip()
+    if value.lower() in (OFF, "none", "null"):
+        if not LISTEN_KINDS[kind]:
+            raise click.BadParameter(f"the {kind} listener cannot be turned off", ctx, param_hint=hint)
+        return OFF
+    host = value.rpartition(":")[0]
+    if ":" in host and not (host.startswith("[") and host.endswith("]")):
+        raise click.BadParameter(f"{value!r}: put an IPv6 address in brackets, e.g. [::1]:8080", ctx, param_hint=hint)
+    try:
+        parse_listen(value)
+    except ValueError as exc:
+        raise click.BadParameter(f"{exc} (expected HOST:PORT with an IP address, e.g. 127.0.0.1:8080 or "
+                                 "[::1]:8080; port 0 picks a free one)", ctx, param_hint=hint) from None
+    return value
+
+
+def _listen_options(func):
+    """The four --listen-* options (decorator), documented once."""
+    for kind, may_be_off in reversed(LISTEN_KINDS.items()):
+        func = click.option(
+            f"--listen-{kind}", f"listen_{kind}", envvar=f"EGRESSGATE_LISTEN_{kind.upper()}", metavar="HOST:PORT",
+            callback=_listen_option, show_envvar=True,
+            help=f"Address of the {kind} listener (overrides listen.{kind} of the config)"
+                 + ("; `off` turns it off." if may_be_off else "."))(func)
+    return func
 
 
 class _WorkerTag(logging.Filter):
@@ -51,6 +100,8 @@ def serve_or_fail(cfg: GatewayConfig, announce, **kwargs) -> None:
 
     try:
         asyncio.run(serve(cfg, announce, **kwargs))
+    except VarDirBusy as exc:  # already one sentence; the running gateway is untouched
+        raise click.ClickException(str(exc)) from exc
     except PolicyError as exc:
         raise click.ClickException(f"invalid policy, not starting:\n{exc}") from exc
     except (ConfigError, DnsConfigError) as exc:
@@ -74,9 +125,13 @@ def _announce(line: str) -> None:
 @click.option("--workers", default=1, show_default=True, type=click.IntRange(1, 256),
               help="Gateway processes sharing the listeners (one event loop, i.e. one core, each); "
                    "more than 1 needs state.backend redis.")
-def run_cmd(config_file: str | None, policy: str | None, log_level: str, log_format: str, workers: int) -> None:
+@_listen_options
+def run_cmd(config_file: str | None, policy: str | None, log_level: str, log_format: str, workers: int,
+            **listen: str | None) -> None:
     """Start the gateway (proxy + admin API). Prints one JSON line with the bound addresses."""
-    cfg = _config(config_file, policy)
+    given = {key.removeprefix("listen_"): None if value == OFF else value
+             for key, value in listen.items() if value is not None}
+    cfg = _config(config_file, policy, given)
     configure_logging(log_level, log_format)
     if workers == 1:
         serve_or_fail(cfg, _announce)
@@ -86,6 +141,8 @@ def run_cmd(config_file: str | None, policy: str | None, log_level: str, log_for
     try:
         workers_mod.check_workers(cfg, workers)
         code = workers_mod.supervise(cfg, workers, _announce, log_level, log_format)
+    except VarDirBusy as exc:
+        raise click.ClickException(str(exc)) from exc
     except PolicyError as exc:
         raise click.ClickException(f"invalid policy, not starting:\n{exc}") from exc
     except ConfigError as exc:

@@ -13,7 +13,8 @@ The supervisor:
   broker keys) and validates the policies, so a bad file stops `run` with one clear error;
 * starts worker `i` (slot i) with its own audit file `audit.w<i>.jsonl` (and retry spool): a hash chain
   has one writer, and a restarted worker continues the chain of its slot from the last record;
-* writes `var_dir/gateway.json` once (its own pid: signal it, not a worker) and prints the startup line;
+* holds the var-dir lock (varlock.py) for all workers, writes `var_dir/gateway.json` once (its own pid:
+  signal it, not a worker), prints the startup line, and removes gateway.json at the end only if it wrote it;
 * restarts a worker that dies (with a back-off when it keeps dying), forwards SIGHUP to every worker and
   stops them all on SIGTERM/SIGINT. Workers run in their own process group (a terminal's ^C reaches only the
   supervisor, which stops them once and in order) and die with the supervisor (PR_SET_PDEATHSIG).
@@ -38,7 +39,7 @@ from egressgate.admin.ui.auth import ensure_role_tokens
 from egressgate.audit.config import AuditSinkConfig
 from egressgate.audit.signer import LocalEd25519Signer
 from egressgate.config import ConfigError, GatewayConfig, ListenConfig
-from egressgate.gateway import ca
+from egressgate.gateway import ca, varlock
 from egressgate.gateway import listeners as shared
 from egressgate.policy.loader import load_policies
 
@@ -107,6 +108,7 @@ class Supervisor:
         self.serving: set[int] = set()  # pids that announced their listeners (their signal handlers are set)
         self.stopping = asyncio.Event()
         self.failures: dict[int, int] = dict.fromkeys(range(workers), 0)
+        self.published = False  # this supervisor wrote gateway.json: only then does it remove it
 
     def _spec(self, slot: int) -> bytes:
         """What worker `slot` runs with, sent on its stdin (not in its environment: the config may hold
@@ -227,6 +229,7 @@ class Supervisor:
             pattern = self.cfg.audit_path()
             write_runtime_file(self.cfg, {**info, "pid": os.getpid()},
                                str(worker_file(pattern.absolute(), "*")) if pattern is not None else None)
+            self.published = True
             keepers = [asyncio.create_task(self._keep(slot, proc), name=f"keep-w{slot}")
                        for slot, (proc, _) in enumerate(started)]
             announce(json.dumps({**info, "pid": os.getpid(), "workers": [p.pid for p, _ in started]}))
@@ -236,8 +239,9 @@ class Supervisor:
         finally:
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 loop.remove_signal_handler(sig)
-            with contextlib.suppress(OSError):
-                self.cfg.runtime_path().unlink()
+            if self.published:
+                with contextlib.suppress(OSError):
+                    self.cfg.runtime_path().unlink()
             shared.close_all(self.socks)
 
 
@@ -266,9 +270,14 @@ def _exit_text(code: int | None) -> str:
 
 def supervise(cfg: GatewayConfig, workers: int, announce, log_level: str = "INFO", log_format: str = "text") -> int:
     """Run `workers` gateway processes until SIGTERM/SIGINT; the exit code. The caller has checked
-    `check_workers` (cli.py) and configured logging."""
-    prepare_shared(cfg)
-    return asyncio.run(Supervisor(cfg, workers, log_level, log_format).run(announce))
+    `check_workers` (cli.py) and configured logging. The var-dir lock (varlock.py) is taken first and held
+    until the workers are gone: a refused start touches nothing a running gateway owns."""
+    claim = varlock.claim(cfg.var_path())
+    try:
+        prepare_shared(cfg)
+        return asyncio.run(Supervisor(cfg, workers, log_level, log_format).run(announce))
+    finally:
+        claim.release()
 
 
 # --- the worker process ---------------------------------------------------------------------------

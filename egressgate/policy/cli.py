@@ -17,11 +17,13 @@ from egressgate.policy.decide import decide
 from egressgate.policy.errors import PolicyError
 from egressgate.policy.facts import Operation, SandboxState
 from egressgate.policy.loader import load_policies
+from egressgate.policy.mcp_decide import ToolDecision
 from egressgate.policy.mcp_explain import explain_tool_call, parse_arguments
 from egressgate.policy.target import parse_target
 from egressgate.policy.testcases import pick_policy, run_case_file, tunnel_mode
 
 EXIT_INVALID = 2
+EXIT_DENY = 1  # `policy explain --fail`: the decision is a deny (for scripts and CI checks of a policy)
 
 
 @click.group()
@@ -63,6 +65,8 @@ def _label(values: tuple[str, ...]) -> dict[str, str]:
 @click.option("--elapsed", type=float, default=0.0, help="Seconds since the sandbox was admitted.")
 @click.option("--seen", multiple=True, help="A host the sandbox already sent requests to (repeatable).")
 @click.option("--json", "as_json", is_flag=True, help="Print the decision as JSON.")
+@click.option("--fail", "fail_on_deny", is_flag=True,
+              help="Exit 1 when the decision is DENY (default: 0 whatever the decision; 2 on an invalid policy).")
 @click.option("--mcp-server", help="Explain an MCP tools/call to this server of the policy (with --tool).")
 @click.option("--tool", help="The tool name of the MCP call.")
 @click.option("--arguments", default="{}", show_default=True, help="The call's arguments (a JSON object).")
@@ -79,6 +83,7 @@ def explain(
     elapsed: float,
     seen: tuple[str, ...],
     as_json: bool,
+    fail_on_deny: bool,
     request: str | None,
     **mcp: Any,
 ) -> None:
@@ -87,7 +92,8 @@ def explain(
     With --mcp-server and --tool: the decision for that MCP tool call (REQUEST is then the policy path,
     or use --policy)."""
     if mcp["mcp_server"] is not None or mcp["tool"] is not None:
-        _explain_tool_call(policy_path or request, sandbox, label, as_json, mcp)
+        decision = _explain_tool_call(policy_path or request, sandbox, label, as_json, mcp)
+        _exit_for(decision.decision, fail_on_deny)
         return
     if policy_path is None or request is None:
         raise click.UsageError("give --policy PATH and REQUEST (or --mcp-server and --tool for an MCP call)")
@@ -121,20 +127,28 @@ def explain(
     }
     if as_json:
         click.echo(json.dumps(out, indent=2))
-        return
-    click.echo(f"{out['decision'].upper()}  reason={out['reason']}  rule={out['rule'] or '-'}")
-    if out["tunnel"]:
-        click.echo(f"tunnel: {out['tunnel']}")
-    if decision.capability:
-        click.echo(f"credential: {decision.capability} (injected by the gateway)")
-    if decision.message:
-        click.echo(decision.message)
-    click.echo(f"policy {compiled.name} {compiled.hash}")
+    else:
+        click.echo(f"{out['decision'].upper()}  reason={out['reason']}  rule={out['rule'] or '-'}")
+        if out["tunnel"]:
+            click.echo(f"tunnel: {out['tunnel']}")
+        if decision.capability:
+            click.echo(f"credential: {decision.capability} (injected by the gateway)")
+        if decision.message:
+            click.echo(decision.message)
+        click.echo(f"policy {compiled.name} {compiled.hash}")
+    _exit_for(decision.effect.value, fail_on_deny)
+
+
+def _exit_for(effect: str, fail_on_deny: bool) -> None:
+    """--fail: a script asks "would this be allowed?" by exit code, without parsing the text (exit 0 on a
+    DENY would pass a CI check that should fail)."""
+    if fail_on_deny and effect == "deny":
+        sys.exit(EXIT_DENY)
 
 
 def _explain_tool_call(
     policy_path: str | None, sandbox: str | None, label: tuple[str, ...], as_json: bool, mcp: dict[str, Any]
-) -> None:
+) -> ToolDecision:
     if policy_path is None or mcp["mcp_server"] is None or mcp["tool"] is None:
         raise click.UsageError("an MCP call needs the policy (POLICY or --policy), --mcp-server and --tool")
     try:
@@ -157,7 +171,7 @@ def _explain_tool_call(
         tool_calls=mcp["tool_calls"], server_info=info, tool_schema=mcp["tool_schema"], now=time.time())
     if as_json:
         click.echo(json.dumps(out, indent=2))
-        return
+        return decision
     click.echo(f"{out['decision'].upper()}  reason={out['reason']}  rule={out['rule'] or '-'}"
                + (f"  argument={decision.failed_argument}" if decision.failed_argument else ""))
     if decision.message:
@@ -165,6 +179,7 @@ def _explain_tool_call(
     if decision.budget_keys:
         click.echo("counts: " + ", ".join(f"{key} (max {limit})" for key, limit in decision.budget_keys))
     click.echo(f"policy {compiled.name} {compiled.hash}")
+    return decision
 
 
 @policy.command("test")

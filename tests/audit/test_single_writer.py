@@ -50,9 +50,12 @@ async def test_writers_of_different_files_in_one_directory_do_not_block_each_oth
 
 
 def test_a_second_gateway_on_the_same_audit_file_does_not_start(tmp_path):
-    """Process level: `egressgate run` twice with one config (ephemeral ports, so both could bind): the
-    second exits naming the audit file; the first keeps serving and its trail verifies."""
+    """Process level: `egressgate run` twice on one audit file (ephemeral ports, so both could bind; its own
+    var dir, so the var-dir lock of gateway/varlock.py does not refuse it first): the second exits naming
+    the audit file; the first keeps serving and its trail verifies."""
     import subprocess
+
+    import yaml
 
     from tests.support.cli import cli
     from tests.support.launcher import EGRESSGATE, launch_loopback, stop_process, write_policies
@@ -63,7 +66,10 @@ def test_a_second_gateway_on_the_same_audit_file_does_not_start(tmp_path):
               "broker": {"local_key_dir": str(tmp_path / "var" / "keys")}}
     first = launch_loopback(tmp_path, config)
     try:
-        second = subprocess.run([EGRESSGATE, "run", "--config", str(first["config"])], capture_output=True,
+        other = tmp_path / "second.yaml"
+        other.write_text(yaml.safe_dump({**config, "var_dir": str(tmp_path / "var2"),
+                                         "audit": {"path": str(first["var"] / "audit.jsonl")}}))
+        second = subprocess.run([EGRESSGATE, "run", "--config", str(other)], capture_output=True,
                                 text=True, timeout=60)
         assert second.returncode != 0, second.stdout
         assert "another process" in second.stderr and "audit" in second.stderr, second.stderr[-2000:]

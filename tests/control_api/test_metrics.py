@@ -168,8 +168,10 @@ def test_component_gauges_at_rest(cgw):
     assert len(workers) == 1 and workers[0]["pid"] == str(cgw.proc.pid) and workers[0]["worker_id"]
     (labelled,) = [dict(k[1])["worker"] for k in samples if k[0] == SCRAPED_BY]
     assert labelled == workers[0]["worker_id"][:12]
-    versions = [dict(k[1])["version"] for k in samples if k[0] == "egressgate_policy_set"]
+    versions = [dict(k[1])["version"] for k in samples if k[0] == "egressgate_policy_set_info"]
     assert versions == [api(cgw, "GET", "/v1/policies").json()["version"]]
+    raw = api(cgw, "GET", "/metrics").text  # an info metric (value 1 on a label), not a bare gauge name
+    assert "# HELP egressgate_policy_set_info " in raw and "egressgate_policy_set{" not in raw
 
 
 def test_metrics_need_the_admin_token(cgw):

@@ -53,3 +53,35 @@ def test_the_table_lists_each_addons_hooks() -> None:
             importlib.import_module(f"egressgate.gateway.{module}"), name)
         implemented = sorted(h for h in dir(cls) if h in known)
         assert listed == implemented, (name, listed, implemented)
+
+
+# The stage words of the one-line pipelines (README's layout table, docs/architecture.md's diagram) -> addon
+STAGES = {"identify": "Identity", "consistency": "Consistency", "decide": "DecisionAddon",
+          "credentials": "Credentials", "budgets": "Budgets", "record": "Record", "pin": "Pinning",
+          "enforce": "Enforce"}
+
+
+def _stages(line: str) -> list[str]:
+    """The addons named by an `a → b → c` pipeline, in its order (words that name no addon are skipped)."""
+    out = []
+    for step in line.split("→"):
+        words = re.findall(r"[a-z]+", step.lower())
+        named = [STAGES[w] for w in words if w in STAGES]
+        if named:
+            out.append(named[0])
+    return out
+
+
+def test_readme_and_architecture_pipelines_follow_master_py() -> None:
+    """README's one-line pipeline and the diagram atop docs/architecture.md name the request stages in the
+    order master.py runs them (they once disagreed: README had pin before inject and record last)."""
+    order = _master_order()
+    readme = (ROOT / "README.md").read_text()
+    line = re.search(r"one addon per stage[^(]*\(([^;]*);", readme)
+    assert line, "README's gateway row lost its pipeline"
+    diagram = (ROOT / "docs" / "architecture.md").read_text().split("```", 2)[1]
+    request_part = diagram.split("…", 1)[0]
+    for name, text in (("README.md", line.group(1)), ("docs/architecture.md", request_part)):
+        stages = _stages(text)
+        assert len(stages) >= 6, (name, stages)
+        assert stages == sorted(stages, key=order.index), (name, stages, order)
