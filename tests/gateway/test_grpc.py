@@ -13,8 +13,11 @@ never any other value.
 
 from __future__ import annotations
 
+import os
 import socket
 import ssl
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -94,6 +97,29 @@ def test_denied_method_fails_at_the_client_and_never_reaches_the_server(gw: Grpc
 
     assert wait_for(records), shown
     assert all(r.get("egressgate.decision") == "deny" for r in records()), records()
+
+
+CHILD = """
+import sys, grpc
+ch = grpc.secure_channel(sys.argv[1], grpc.ssl_channel_credentials())
+try:
+    print("OK", ch.unary_unary("/egress.test.Echo/Unary")(b"env", timeout=20).decode())
+except grpc.RpcError as e:
+    print("ERR", e.code(), e.details())
+"""
+
+
+def test_admission_env_is_all_a_grpc_client_needs(gw: GrpcWorld) -> None:
+    """A grpcio process given nothing but what admission hands out (plus PATH): default credentials,
+    no channel options. grpcio reads the lowercase `https_proxy` and only GRPC_DEFAULT_SSL_ROOTS_FILE_PATH
+    for its roots (before it was in the env: CERTIFICATE_VERIFY_FAILED)."""
+    admitted = gw.gateway.admit_sandbox({"policy": "grpc", "labels": {}})
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), **admitted["env"]}
+    before = gw.upstream.count("Unary")
+    done = subprocess.run([sys.executable, "-c", CHILD, gw.target], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert done.stdout.strip() == "OK echo:env", (done.stdout, done.stderr[-2000:])
+    assert gw.upstream.count("Unary") == before + 1
 
 
 # ----------------------------------------------------------------------------- te, adversarial (raw h2)
