@@ -8,13 +8,20 @@ mitmproxy keeps), and an HPACK block larger than that cannot decode to less (HPA
 header beyond name + value + 32 bytes of accounting), so the *compressed* block is bounded the same:
 HEADER_BLOCK_MAX. Beyond it the peer gets a connection error (GOAWAY) and the buffered frames are
 released; a header list any real client sends is far smaller.
+
+The upstream side also sends request heads through `te_for_upstream` (sanitize.py): only `te: trailers`
+goes out on HTTP/2, whatever version the client spoke.
 """
 
 from __future__ import annotations
 
 from h2.exceptions import ProtocolError
 from h2.frame_buffer import FrameBuffer
+from mitmproxy.proxy import events, layer
+from mitmproxy.proxy.layers.http._events import RequestHeaders
 from mitmproxy.proxy.layers.http._http2 import Http2Client, Http2Server
+
+from egressgate.gateway.sanitize import te_for_upstream
 
 HEADER_BLOCK_MAX = 64 * 1024  # = h2's DEFAULT_MAX_HEADER_LIST_SIZE, the decoded bound
 
@@ -47,3 +54,9 @@ class GatewayHttp2Client(Http2Client):
     def __init__(self, context) -> None:
         super().__init__(context)
         _bound(self, server=False)
+
+    def _handle_event2(self, event: events.Event) -> layer.CommandGenerator[None]:
+        """Request heads go out with at most `te: trailers` (sanitize.py: what the upstream hop allows)."""
+        if isinstance(event, RequestHeaders):
+            event = te_for_upstream(event, http2=True)
+        yield from super()._handle_event2(event)

@@ -50,6 +50,7 @@ from mitmproxy.proxy.layers.http._events import (
     ErrorCode,
     HttpEvent,
     RequestEndOfMessage,
+    RequestHeaders,
     RequestProtocolError,
     RequestTrailers,
     ResponseEndOfMessage,
@@ -60,6 +61,7 @@ from mitmproxy.proxy.layers.http._http1 import make_error_response
 
 from egressgate.gateway.credential_streams import refusal_body
 from egressgate.gateway.deny import REQUEST_ID_HEADER, deny_body, gateway_deny
+from egressgate.gateway.sanitize import te_for_upstream
 from egressgate.policy.reasons import Reason
 
 if TYPE_CHECKING:
@@ -276,6 +278,8 @@ class GatewayHttp1Client(_Refusable, Http1Client):
         yield from super().mark_done(request=request, response=response)
 
     def send(self, event: HttpEvent) -> layer.CommandGenerator[None]:
+        if isinstance(event, RequestHeaders):  # te is per hop on HTTP/1: never forwarded (sanitize.py)
+            event = te_for_upstream(event, http2=False)
         if isinstance(event, RequestTrailers):
             # unreachable while trailers.py refuses every request with trailers; if that ever fails, the
             # upstream must not see a complete request that skipped the checks

@@ -16,8 +16,10 @@ from __future__ import annotations
 from urllib.parse import quote
 
 # Every variable a client library reads for its CA bundle (admin/server.py hands out this list).
+# grpcio reads only GRPC_DEFAULT_SSL_ROOTS_FILE_PATH: without it a gRPC client given the admission env
+# fails the gateway's TLS with CERTIFICATE_VERIFY_FAILED.
 CA_ENV_VARS = ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "NODE_EXTRA_CA_CERTS",
-               "GIT_SSL_CAINFO", "PIP_CERT")
+               "GIT_SSL_CAINFO", "PIP_CERT", "GRPC_DEFAULT_SSL_ROOTS_FILE_PATH")
 PROXY_ENV_VARS = ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy")
 NO_PROXY_VARS = ("NO_PROXY", "no_proxy")
 

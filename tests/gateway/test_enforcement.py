@@ -191,7 +191,7 @@ def test_sandbox_env_shape(gateway):
     assert f"{sbx.id}:{sbx.token}@" in sbx.proxy_url
     assert env["NO_PROXY"] == "" and env["no_proxy"] == ""
     for name in ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "NODE_EXTRA_CA_CERTS",
-                 "GIT_SSL_CAINFO", "PIP_CERT"):
+                 "GIT_SSL_CAINFO", "PIP_CERT", "GRPC_DEFAULT_SSL_ROOTS_FILE_PATH"):
         assert env[name] == gateway.bundle
     with open(gateway.bundle) as fh:
         text = fh.read()

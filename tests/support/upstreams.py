@@ -95,14 +95,16 @@ async def serve_h2(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, h
     import h2.events
 
     streams: dict[int, dict] = {}
+    fields: dict[int, list[tuple[str, str]]] = {}  # the header fields as received, repeats kept
 
     async def on_event(conn, event) -> bool:
         if isinstance(event, h2.events.RequestReceived):
             streams[event.stream_id] = {k.decode(): v.decode() for k, v in event.headers}
+            fields[event.stream_id] = [(k.decode(), v.decode()) for k, v in event.headers]
         elif isinstance(event, h2.events.StreamEnded):
             req = streams.pop(event.stream_id, {})
-            hits.add({"method": req.get(":method"), "path": req.get(":path"),
-                      "host": req.get(":authority"), "headers": req, "body_len": 0, "h2": True})
+            hits.add({"method": req.get(":method"), "path": req.get(":path"), "host": req.get(":authority"),
+                      "headers": req, "fields": fields.pop(event.stream_id, []), "body_len": 0, "h2": True})
             if req.get(":path") == "/ok/upstream-continuation-flood":
                 writer.write(conn.data_to_send())
                 hits.add(await continuation_flood(reader, writer, event.stream_id))
