@@ -129,7 +129,7 @@ class Dockerd:
         _sh("ip", "netns", "add", self.netns)
         _sh("ip", "-n", self.netns, "link", "set", "lo", "up")
         config = {
-            "runtimes": {"runsc": {"path": RUNSC, "runtimeArgs": ["--network=host"]}},
+            "runtimes": {"runsc": {"path": RUNSC, "runtimeArgs": ["--network=host", "--oci-seccomp"]}},
             "cgroup-parent": self.cgroup_parent,
             "log-level": "warn",
         }
