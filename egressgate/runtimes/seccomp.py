@@ -27,7 +27,7 @@ from __future__ import annotations
 import errno
 import platform
 import struct
-from dataclasses import dataclass
+from typing import NamedTuple
 
 # BPF opcodes (linux/filter.h) and seccomp return values (linux/seccomp.h)
 LD_W_ABS, JEQ_K, JGE_K, JSET_K, RET_K = 0x20, 0x15, 0x35, 0x45, 0x06
@@ -44,11 +44,11 @@ NETLINK_ROUTE = 0
 CLONE_NEWUSER = 0x10000000
 
 
-@dataclass(frozen=True)
-class Syscall:
+class Syscall(NamedTuple):
     """One refused system call: its numbers (x86_64, aarch64; checked against the kernel's unistd_64.h and
     asm-generic/unistd.h), the errno the workload gets, and why it is refused (docs/runtimes.md). With
-    `flags`, only calls whose first argument has one of those bits set are refused."""
+    `flags`, only calls whose first argument has one of those bits set are refused. A NamedTuple, not a
+    dataclass: importing dataclasses costs `sandbox run` ~40 ms of start-up (runtimes/base.py)."""
 
     name: str
     nr: tuple[int, int]
