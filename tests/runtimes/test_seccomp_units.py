@@ -220,3 +220,10 @@ def test_the_filter_in_a_real_process() -> None:
     assert after == {"vsock": "EAFNOSUPPORT", "packet": "EAFNOSUPPORT", "inet": "ok", "inet6": "ok",
                      "route": "ok", "audit": "EPROTONOSUPPORT", "unix": "EACCES", "pair": "ok", "bpf": "EPERM",
                      "keyctl": "EPERM", "io_uring_setup": "EPERM", "perf": "EPERM"}, after
+
+
+def test_every_refused_syscall_is_documented() -> None:
+    """docs/runtimes.md says why each entry is there: a new entry without a line there fails here."""
+    doc = (Path(__file__).parents[2] / "docs" / "runtimes.md").read_text()
+    for s in REFUSED:
+        assert f"`{s.name}`" in doc, s.name
