@@ -14,6 +14,9 @@ daemon's unix socket by runtimes/dockerapi.py; no docker CLI is forked):
 * CapDrop ALL, SecurityOpt no-new-privileges, User 65534:65534, Init: no capability (no raw
   sockets, no route or nftables changes), setuid binaries do not raise privileges, never root, and a
   PID 1 that forwards signals and reaps;
+* SecurityOpt seccomp=<the profile of seccompjson.py> instead of the daemon's default: socket families
+  by allowlist (no vsock), no io_uring, bpf, keyrings, ptrace, namespaces (the netns runtime's table);
+  runc gives the container a new session keyring of its own (the caller's is not reachable);
 * ReadonlyRootfs when `sandbox.root_fs: read_only`; tmpfs `/tmp`; the workspace read-write at
   `sandbox.workspace.path`; the CA bundle, `/etc/resolv.conf` (`nameserver <host_ip>`) and
   `/etc/hosts` bind-mounted read-only;
@@ -37,7 +40,7 @@ import threading
 import time
 from pathlib import Path
 
-from egressgate.runtimes import dockermasks, records
+from egressgate.runtimes import dockermasks, records, seccompjson
 from egressgate.runtimes.base import CA_PATH_IN_SANDBOX, SANDBOX_UID, ExitInfo, Limit, RunSpec
 from egressgate.runtimes.dockerapi import (
     DEFAULT_DOCKER_HOST,
@@ -165,7 +168,8 @@ class DockerAdapter:
             "AttachStdin": False, "AttachStdout": False, "AttachStderr": False, "Tty": False, "OpenStdin": False,
         }
         host: dict = {
-            "NetworkMode": "none", "CapDrop": ["ALL"], "SecurityOpt": ["no-new-privileges"], "Init": True,
+            "NetworkMode": "none", "CapDrop": ["ALL"], "Init": True,
+            "SecurityOpt": ["no-new-privileges", seccompjson.security_opt(unix_sockets=True)],
             "ReadonlyRootfs": sandbox.get("root_fs", "read_only") == "read_only",
             "Tmpfs": {"/tmp": "rw,nosuid,nodev,mode=1777"},  # noqa: S108 - the container's own tmpfs
             "Mounts": mounts,

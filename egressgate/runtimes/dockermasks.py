@@ -21,6 +21,7 @@ import os
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
+from egressgate.runtimes import seccompjson
 from egressgate.runtimes.dockerapi import DockerError, bind
 
 if TYPE_CHECKING:
@@ -58,7 +59,9 @@ def kinds(api: DockerAPI, image: str, paths: list[str], oci_runtime: str | None,
         return out
     except (OSError, ValueError):
         pass
-    host: dict = {"NetworkMode": "none", "CapDrop": ["ALL"], "SecurityOpt": ["no-new-privileges"],
+    # the same seccomp profile as the workload's: every container egressgate starts gets it
+    host: dict = {"NetworkMode": "none", "CapDrop": ["ALL"],
+                  "SecurityOpt": ["no-new-privileges", seccompjson.security_opt()],
                   "ReadonlyRootfs": True, "Mounts": [bind(BUSYBOX, "/.egressgate/busybox")]}
     if oci_runtime:
         host["Runtime"] = oci_runtime

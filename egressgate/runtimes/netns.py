@@ -19,14 +19,18 @@ Isolation (each line is a rule enforced here):
 * /etc/resolv.conf (`nameserver <host_ip>`), /etc/hosts and the CA bundle are generated read-only
   copies (data passed by fd: no host path has to be reachable by uid 65534);
 * the environment is exactly RunSpec.env (`--clearenv`);
-* no AF_UNIX socket(2), no io_uring, native ABI only (seccomp.py): a host Unix socket on the read-only
-  root is not a way out.
+* socket families by allowlist (no AF_UNIX socket(2), no vsock, packet, netlink beyond NETLINK_ROUTE),
+  no io_uring, bpf, keyrings, ptrace, namespaces; native ABI only (seccomp.py): a host Unix socket on
+  the read-only root or the hypervisor's vsock is not a way out;
+* a new, empty session keyring (joined in the child before bwrap starts): the caller's session keys
+  are not the workload's (and the keyring syscalls are refused anyway).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import platform
 import signal
 import subprocess
 import time
@@ -35,12 +39,13 @@ from pathlib import Path
 
 from egressgate.runtimes import records
 from egressgate.runtimes.base import CA_PATH_IN_SANDBOX, SANDBOX_UID, ExitInfo, Limit, RunSpec
-from egressgate.runtimes.seccomp import no_unix_sockets
+from egressgate.runtimes.seccomp import ARCH_INDEX, REFUSED, no_unix_sockets
 
 NETNS_PREFIX = "egressgate-"
 PR_SET_PDEATHSIG = 1
 MNT_DETACH = 2
 EXIT_PARENT_GONE = 120
+KEYCTL_JOIN_SESSION_KEYRING = 1
 ALWAYS_MASKED = ("/var/run/docker.sock", "/run/docker.sock", "/run/containerd/containerd.sock")
 BWRAP = "bwrap"
 TMP = "/tmp"  # noqa: S108 - the sandbox's own /tmp: a fresh tmpfs per run, no host directory
@@ -151,7 +156,8 @@ def build_command(spec: RunSpec, workspace_fd: int | None) -> BwrapCommand:
         _mask(cmd, os.path.normpath(path), ws_path)
     for anchor in [*cmd.expanded, ca_dir]:
         cmd.args += ["--remount-ro", anchor]
-    # no Unix sockets of its own: host sockets on the read-only root would be a way out (seccomp.py)
+    # socket families by allowlist, no Unix sockets of its own (host sockets on the read-only root would
+    # be a way out), no io_uring/bpf/keyrings/ptrace (seccomp.py)
     program = _data_fd(no_unix_sockets())
     cmd.fds.append(program)
     cmd.args += ["--seccomp", str(program), "--clearenv"]
@@ -214,6 +220,12 @@ class NetnsAdapter:
         os.close(fd)
         if self.preexec is not None:
             self.preexec()
+        # a new anonymous session keyring, joined as root so it is charged to root's key quota, not to
+        # the shared sandbox uid's (200 keys: concurrent runs would run out): the caller's session keys
+        # never reach the workload. Failing to leave the caller's keyring refuses the run.
+        if self._keyctl(self._nr_keyctl, KEYCTL_JOIN_SESSION_KEYRING, None) < 0:
+            raise OSError("keyctl(KEYCTL_JOIN_SESSION_KEYRING) failed: the sandbox would share the "
+                          "caller's session keyring")
         os.setgroups([])
         os.setresgid(SANDBOX_UID, SANDBOX_UID, SANDBOX_UID)
         os.setresuid(SANDBOX_UID, SANDBOX_UID, SANDBOX_UID)
@@ -227,7 +239,10 @@ class NetnsAdapter:
         assert self._cmd is not None, "prepare() first"
         import ctypes  # here, not in the child: no imports between fork and exec
 
-        self._prctl = ctypes.CDLL(None, use_errno=True).prctl
+        libc = ctypes.CDLL(None, use_errno=True)
+        self._prctl = libc.prctl
+        self._keyctl = libc.syscall
+        self._nr_keyctl = next(s.nr for s in REFUSED if s.name == "keyctl")[ARCH_INDEX[platform.machine()]]
         self._parent = os.getpid()
         fds = [*self._cmd.fds, *([self._ws_fd] if self._ws_fd is not None else [])]
         try:

@@ -45,3 +45,58 @@ def probe_argv(checks: list[list], hostile: bool = True) -> list[str]:
 
 def parse(stdout: str) -> list[dict]:
     return json.loads(stdout.strip().splitlines()[-1])
+
+
+# ----------------------------------------------------------------------------- the kernel surface (issue 20)
+AF_PACKET, AF_ALG, AF_TIPC, AF_NETLINK = 17, 38, 30, 16
+NETLINK_ROUTE, NETLINK_AUDIT, NETLINK_KOBJECT_UEVENT = 0, 9, 15
+SOCK_STREAM, SOCK_DGRAM, SOCK_RAW, SOCK_RDM, SOCK_SEQPACKET = 1, 2, 3, 4, 5
+UFFD_USER_MODE_ONLY_CLOEXEC = 1 | 0o2000000
+NO_PID = 0x7FFFFFFF  # no such process: the kernel answers ESRCH where seccomp lets the call through
+
+
+def syscall_numbers() -> dict[str, int]:
+    """This machine's numbers of the refused syscalls (the table the filter is compiled from)."""
+    import platform
+
+    from egressgate.runtimes.seccomp import ARCH_INDEX, REFUSED
+
+    i = ARCH_INDEX[platform.machine()]
+    return {s.name: s.nr[i] for s in REFUSED}
+
+
+# name → probe check. Each refused syscall is called with arguments the kernel itself rejects with an
+# error other than EPERM (EFAULT, EINVAL, ESRCH) or accepts: EPERM can only come from the filter.
+def kernel_checks(vsock_port: int) -> dict[str, list]:
+    nr = syscall_numbers()
+    return {
+        "vsock": ["vsock", vsock_port],
+        "packet": ["family", AF_PACKET, SOCK_DGRAM, 0],
+        "alg": ["family", AF_ALG, SOCK_SEQPACKET, 0],
+        "tipc": ["family", AF_TIPC, SOCK_RDM, 0],
+        "netlink_audit": ["family", AF_NETLINK, SOCK_RAW, NETLINK_AUDIT],
+        "netlink_uevent": ["family", AF_NETLINK, SOCK_RAW, NETLINK_KOBJECT_UEVENT],
+        "inet": ["family", 2, SOCK_STREAM, 0],
+        "inet6": ["family", 10, SOCK_DGRAM, 0],
+        "netlink_route": ["family", AF_NETLINK, SOCK_RAW, NETLINK_ROUTE],
+        "pair_stream": ["pairfam", 1, SOCK_STREAM],
+        "pair_dgram": ["pairfam", 1, SOCK_DGRAM],
+        "resolve": ["resolve", "api.allowed.test"],
+        "io_uring_setup": ["sys", nr["io_uring_setup"], 1, 0],  # NULL params: EFAULT
+        "bpf": ["sys", nr["bpf"], 9999, 0, 0],  # no such command: EINVAL (root)
+        "userfaultfd": ["sys", nr["userfaultfd"], UFFD_USER_MODE_ONLY_CLOEXEC],  # allowed unprivileged
+        "perf_event_open": ["sys", nr["perf_event_open"], 0, 0, -1, -1, 0],  # NULL attr: EFAULT
+        "keyctl": ["sys", nr["keyctl"], 0, -3, 0],  # KEYCTL_GET_KEYRING_ID(session)
+        "ptrace": ["sys", nr["ptrace"], 16, NO_PID, 0, 0],  # PTRACE_ATTACH: ESRCH
+        "process_vm_readv": ["sys", nr["process_vm_readv"], NO_PID, 0, 1, 0, 1, 0],  # ESRCH
+    }
+
+
+def run_named(checks: dict[str, list], stdout: str) -> dict[str, dict]:
+    return dict(zip(checks, parse(stdout), strict=True))
+
+
+REFUSED_FAMILIES = ("packet", "alg", "tipc", "netlink_audit", "netlink_uevent")
+ALLOWED = ("inet", "inet6", "netlink_route", "pair_stream", "pair_dgram")
+REFUSED_SYSCALLS = ("io_uring_setup", "bpf", "userfaultfd", "perf_event_open", "keyctl", "ptrace",
+                    "process_vm_readv")

@@ -144,6 +144,90 @@ def pair():
         return err(exc)
 
 
+def family(domain, kind, proto=0):
+    """socket(domain, kind, proto): may this family be opened at all?"""
+    try:
+        socket.socket(domain, kind, proto).close()
+        return {"ok": True}
+    except OSError as exc:
+        return err(exc)
+
+
+def pair_family(domain, kind):
+    try:
+        a, b = socket.socketpair(domain, kind)
+        a.close()
+        b.close()
+        return {"ok": True}
+    except OSError as exc:
+        return err(exc)
+
+
+def vsock(port):
+    """AF_VSOCK socket, bind (any CID), connect to the LOCAL cid 1 (never the hypervisor host, cid 2): the
+    step that fails first is reported."""
+    step = "socket"
+    try:
+        with socket.socket(socket.AF_VSOCK, socket.SOCK_STREAM) as sock:
+            step = "bind"
+            sock.bind((socket.VMADDR_CID_ANY, port))
+            step = "connect"
+            with socket.socket(socket.AF_VSOCK, socket.SOCK_STREAM) as other:
+                other.settimeout(2)
+                other.connect((1, port))
+            return {"ok": True}
+    except OSError as exc:
+        return {**err(exc), "step": step}
+
+
+def resolve(name):
+    """glibc's getaddrinfo with AI_ADDRCONFIG (netlink NETLINK_ROUTE), and if_nameindex (netlink too)."""
+    try:
+        infos = socket.getaddrinfo(name, 443, 0, socket.SOCK_STREAM, 0, socket.AI_ADDRCONFIG)
+        return {"ok": True, "addrs": sorted({i[4][0] for i in infos}), "ifs": [n for _, n in socket.if_nameindex()]}
+    except OSError as exc:
+        return err(exc)
+
+
+def syscall(nr, *args):
+    """A raw system call with integer arguments: its result, or the errno."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    rc = libc.syscall(ctypes.c_long(nr), *[ctypes.c_long(a) for a in args])
+    if rc < 0:
+        code = ctypes.get_errno()
+        return {"ok": False, "error": errno.errorcode.get(code, str(code))}
+    return {"ok": True, "rc": rc}
+
+
+def keyring(nr_keyctl, description):
+    """Can this process find and read a `user` key by description in its keyrings (keyctl KEYCTL_SEARCH
+    from the session keyring, then KEYCTL_READ), and does /proc/keys show it?"""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    out = {"ok": False}
+    try:
+        with open("/proc/keys") as fh:
+            out["proc_keys"] = description in fh.read()
+    except OSError as exc:
+        out["proc_keys_error"] = err(exc)["error"]
+    key = libc.syscall(ctypes.c_long(nr_keyctl), ctypes.c_long(10), ctypes.c_long(-3), b"user",
+                       description.encode(), ctypes.c_long(0))  # KEYCTL_SEARCH in KEY_SPEC_SESSION_KEYRING
+    if key < 0:
+        out["error"] = errno.errorcode.get(ctypes.get_errno(), "?")
+        return out
+    buf = ctypes.create_string_buffer(256)
+    n = libc.syscall(ctypes.c_long(nr_keyctl), ctypes.c_long(11), ctypes.c_long(key), buf, ctypes.c_long(256))
+    if n < 0:
+        out["error"] = errno.errorcode.get(ctypes.get_errno(), "?")
+        return out
+    return {**out, "ok": True, "payload": buf.raw[:n].decode(errors="replace")}
+
+
 def main():
     out = []
     for check in json.loads(sys.argv[1]):
@@ -158,7 +242,8 @@ def main():
             out.append({"ok": True, "uid": os.getuid(), "caps": caps})
         else:
             fn = {"tcp": tcp, "udp": udp, "dns": dns, "tls": tls, "raw": raw_socket, "icmp": icmp_dgram,
-                  "open": open_file, "unix": unix, "pair": pair}[kind]
+                  "open": open_file, "unix": unix, "pair": pair, "family": family, "pairfam": pair_family,
+                  "vsock": vsock, "resolve": resolve, "sys": syscall, "keyring": keyring}[kind]
             out.append(fn(*args))
     print(json.dumps(out))
 

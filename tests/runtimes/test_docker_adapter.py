@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from egressgate.runtimes import seccompjson
 from egressgate.runtimes.base import Limit
 from egressgate.runtimes.docker import DockerError, labelled_containers
 from tests.runtimes.docker_support import adapter, make_spec, run
@@ -107,6 +108,8 @@ def test_no_new_privileges_set(dockerd: Dockerd, tmp_path: Path, runtime: str) -
         a.teardown()
     assert "no-new-privileges" in host_config["SecurityOpt"] and host_config["CapDrop"] == ["ALL"]
     assert host_config["ReadonlyRootfs"] and host_config["NetworkMode"] == "none"
+    # the explicit seccomp profile (runtimes/seccompjson.py), not the daemon's default
+    assert seccompjson.security_opt() in host_config["SecurityOpt"]
     if runtime == "docker":  # gVisor's /proc/self/status has no NoNewPrivs line
         assert (tmp_path / "ws" / "nnp").read_text().split() == ["NoNewPrivs:", "1"]
 

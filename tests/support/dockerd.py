@@ -11,7 +11,8 @@ the same machine), and nothing a container does may reach the real network. So t
   sysctls stay untouched) and addresses only in 198.18.0.0/15 (`--bip`, `--default-address-pool`):
   Docker's default 172.17/16 is a real private range tests must never send to;
 - puts every container under its own cgroup parent, so teardown finds what is left by cgroup;
-- knows the `runsc` runtime with `--network=host` (gVisor's netstack does not start on this kernel;
+- knows the `runsc` runtime with `--network=host --oci-seccomp` (the second makes gVisor apply the
+  container's seccomp profile, docs/runtimes.md; gVisor's netstack does not start on this kernel;
   the container's network namespace is still its own, which is all `--network none` needs).
 
 Teardown removes the containers, stops the daemon, kills by PID whatever survived it (containerd
@@ -129,7 +130,7 @@ class Dockerd:
         _sh("ip", "netns", "add", self.netns)
         _sh("ip", "-n", self.netns, "link", "set", "lo", "up")
         config = {
-            "runtimes": {"runsc": {"path": RUNSC, "runtimeArgs": ["--network=host"]}},
+            "runtimes": {"runsc": {"path": RUNSC, "runtimeArgs": ["--network=host", "--oci-seccomp"]}},
             "cgroup-parent": self.cgroup_parent,
             "log-level": "warn",
         }
