@@ -11,17 +11,19 @@ scan finds them, so "nothing found" is a result and not a blind scan.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import unquote
 
 import pytest
 
 from tests.networld import World
-from tests.runtimes.harness import Gateway, base_dir, remove, running_gateway, runtime_policy
+from tests.runtimes.harness import Gateway, base_dir, remove, running_gateway, runtime_policy, sandbox_id
 
 pytestmark = pytest.mark.netns
 
@@ -29,7 +31,8 @@ UNPRIVILEGED = 65533  # a host uid that is neither root nor the sandbox's (65534
 PHANTOM_ENV = "EGN_PHANTOM_KEY"
 POLICY = "rt-argv"
 # the workload publishes its secrets to the test, then waits until the test says it is done
-PUBLISH = ('printf "%s\\n%s\\n%s\\n" "$EGRESSGATE_SANDBOX_TOKEN" "$' + PHANTOM_ENV + '" "$HTTP_PROXY" '
+PUBLISH = ('printf "%s\\n%s\\n%s\\n%s\\n" "$EGRESSGATE_SANDBOX_TOKEN" "$' + PHANTOM_ENV + '" "$HTTP_PROXY" '
+           '"$EGRESSGATE_SANDBOX_ID" '
            '> /workspace/.secrets.tmp && mv /workspace/.secrets.tmp /workspace/secrets; '
            'i=0; while [ ! -e /workspace/done ] && [ $i -lt 600 ]; do sleep 0.1; i=$((i+1)); done')
 
@@ -96,11 +99,11 @@ def wait_for(path: Path, proc: subprocess.Popen[str], timeout: float = 30) -> st
 
 
 def start_publishing(gateway: Gateway, ws: Path) -> tuple[subprocess.Popen[str], list[str]]:
-    """A run whose workload wrote [token, phantom, proxy URL] to ws/secrets and waits for ws/done."""
+    """A run whose workload wrote [token, phantom, proxy URL, id] to ws/secrets and waits for ws/done."""
     proc = subprocess.Popen(gateway.run_argv("sh", "-c", PUBLISH, policy=POLICY, workspace=ws), text=True,
                             env=gateway.caller_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     secrets = wait_for(ws / "secrets", proc).splitlines()
-    assert len(secrets) == 3 and len(secrets[0]) >= 32 and len(secrets[1]) >= 16, secrets
+    assert len(secrets) == 4 and len(secrets[0]) >= 32 and len(secrets[1]) >= 16, secrets
     return proc, secrets
 
 
@@ -182,3 +185,59 @@ def test_a_run_with_a_nul_in_its_environment_refuses_to_start() -> None:
         assert os.pread(fd, 4096, 0) == b"--clearenv\0--setenv\0A\x001\0--setenv\0B\0two words\0"
     finally:
         cmd.close()
+
+
+STEAL = (
+    # A's id:token at B's own proxy address (A's proxy address is not reachable from B: it is DNATed to the
+    # transparent listener, which refuses any CONNECT)
+    'curl -sS -o /dev/null -D - --max-time 10 -x "http://$(cat /workspace/stolen-user)@${HTTP_PROXY#*@}" '
+    'https://api.allowed.test/ '
+    '| head -n 1; '
+    'curl -sS -o /dev/null -w "%{http_code}\\n" --max-time 10 https://api.allowed.test/own; '
+    'curl -sS -o /dev/null -w "%{http_code}\\n" --max-time 10 --noproxy "*" '
+    '-H "Proxy-Authorization: $(cat /workspace/stolen-auth)" https://api.allowed.test/transparent'
+)
+
+
+def test_another_runs_token_is_refused_from_this_runs_address(gateway: Gateway) -> None:
+    """Run A's token, read by run B (as in issue 20, where B found it in A's workspace): from B's address
+    the explicit proxy refuses it (407 identity_address_mismatch, audited under A with B's address), and on
+    the transparent listener a token is never read (the request is B's, by its source address). Control:
+    B's own proxy settings work, and A's token is accepted from A's address (the run's own requests)."""
+    ws_a, ws_b = base_dir(), base_dir()
+    proc = None
+    try:
+        proc, (_token, _phantom, a_proxy, a_id) = start_publishing(gateway, ws_a)
+        user, _, _ = a_proxy.removeprefix("http://").partition("@")
+        (ws_b / "stolen-user").write_text(user)
+        (ws_b / "stolen-auth").write_text("Basic " + base64.b64encode(unquote(user).encode()).decode())
+        for name in ("stolen-user", "stolen-auth"):
+            (ws_b / name).chmod(0o644)
+        thief = gateway.run("sh", "-c", STEAL, policy=POLICY, workspace=ws_b)
+        assert thief.returncode == 0, thief.stderr
+        lines = thief.stdout.split("\n")
+        assert "407" in lines[0], thief.stdout
+        assert lines[1:3] == ["200", "200"], thief.stdout  # control: B's own proxy; transparent as B
+        b_id = sandbox_id(thief.stderr)
+        b_ip = thief.stderr.split(", netns, ")[1].split(")")[0]
+
+        def mismatches(r: dict) -> bool:
+            return r.get("egressgate.reason") == "identity_address_mismatch" and r.get("egressgate.sandbox.id") == a_id
+
+        records = gateway.records(predicate=mismatches)
+        (refused,) = [r for r in records if mismatches(r)]
+        assert refused["client.address"] == b_ip and b_ip in refused["egressgate.detail"], refused
+        requests = [r for r in records if r.get("egressgate.operation") in ("connect", "http_request")
+                    and r.get("egressgate.decision") == "allow"]
+        assert not [r for r in requests if r.get("egressgate.sandbox.id") == a_id], requests
+        transparent = [r for r in requests if r.get("egressgate.mode") == "transparent"
+                       and r.get("egressgate.sandbox.id") == b_id]
+        assert transparent and all(r["client.address"] == b_ip for r in transparent), requests
+        finish(proc, ws_a)
+        proc = None
+    finally:
+        if proc is not None:
+            proc.kill()
+            proc.communicate()
+        remove(ws_a)
+        remove(ws_b)
