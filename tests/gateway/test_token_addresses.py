@@ -69,3 +69,29 @@ def test_several_addresses_each_work_others_do_not(gateway: Gateway) -> None:
         assert status == 407 and b"identity_address_mismatch" in body
     finally:
         gateway.revoke(sbx.id)
+
+
+def test_the_binding_rule_is_pure_and_canonical() -> None:
+    """The check itself (identity.address_mismatch, source_text): sources compare in the canonical text
+    admission stores, so an IPv4 client on a dual-stack listener (::ffff:a.b.c.d) or an IPv6 address in
+    another spelling is the address it was admitted with."""
+    from mitmproxy import connection
+
+    from egressgate.gateway.identity import address_mismatch, source_text
+    from egressgate.state.base import SandboxRecord
+
+    def client(host: str) -> connection.Client:
+        return connection.Client(peername=(host, 40000), sockname=("127.0.0.1", 8080), timestamp_start=0.0)
+
+    bound = SandboxRecord(id="sbx-1", token_hash="x", policy_name="p", admitted_at=0.0,
+                          addresses=("198.18.0.2", "2001:db8::2"))
+    for ok in ("198.18.0.2", "::ffff:198.18.0.2", "2001:db8:0:0::2", "2001:DB8::2"):
+        assert address_mismatch(bound, source_text(client(ok))) is None, ok
+    for other in ("198.18.0.6", "::ffff:198.18.0.6", "2001:db8::3", "127.0.0.1"):
+        refusal = address_mismatch(bound, source_text(client(other)))
+        assert refusal is not None and refusal.reason.value == "identity_address_mismatch", other
+        assert "admitted for 198.18.0.2, 2001:db8::2" in (refusal.detail or "")
+        assert "198.18.0.2" not in (refusal.message or "")  # the agent is not told the admitted addresses
+    unbound = SandboxRecord(id="sbx-2", token_hash="x", policy_name="p", admitted_at=0.0)
+    assert address_mismatch(unbound, "203.0.113.9") is None and address_mismatch(unbound, None) is None
+    assert address_mismatch(bound, None) is not None  # no peer address: refused, never assumed
