@@ -45,6 +45,7 @@ NOT_POLICY_REASONS = frozenset(
     {
         "identity_unknown",
         "sandbox_revoked",
+        "identity_address_mismatch",
         "invalid_request",
         "host_mismatch",
         "protocol_not_allowed",

@@ -30,7 +30,8 @@ P = "egressgate.mcp."
 REDACTED = "[REDACTED]"
 # Refusals made before or outside the policy (the mediator, the parser, dependencies): not re-decided.
 NOT_POLICY = frozenset({"mcp_malformed", "state_unavailable", "audit_unavailable", "sandbox_revoked",
-                        "policy_unavailable", "identity_unknown", "internal_error"})
+                        "policy_unavailable", "identity_unknown", "identity_address_mismatch",
+                        "internal_error"})
 
 
 @dataclass(slots=True)

@@ -5,20 +5,30 @@ Explicit-proxy identity is `Proxy-Authorization: Basic base64(id:token)`. It is 
 sandbox record so a revocation takes effect on the next request even before the connection is torn
 down. Unknown, malformed or revoked identities get 407 with the deny body.
 
+A token is bound to the addresses its sandbox was admitted with (`sandbox run` admits every run with its
+/30 address): presented from any other source address it is refused (407 `identity_address_mismatch`,
+audited under the token's sandbox with the address it came from), so a token read out of one sandbox is
+worthless in another. A sandbox admitted without addresses (`sandbox admit` for an existing container)
+is not bound: its token works from anywhere (docs/operations.md, "Admitting sandboxes").
+
 On the transparent listener the identity is the source address (transparent.py binds it when the
-connection's first bytes arrive); Proxy-Authorization means nothing there and is never read.
+connection's first bytes arrive); Proxy-Authorization means nothing there and is never read. DNS
+identifies by source address only (dns/resolver.py). So on those two paths a token cannot be presented
+at all, and an address speaks only for the sandbox registered at it.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import ipaddress
 import logging
 
-from mitmproxy import http
+from mitmproxy import connection, http
 
 from egressgate.gateway.context import ConnState, FlowState, Runtime, ensure_flow_state
 from egressgate.gateway.deny import gateway_deny
+from egressgate.policy.canon import ip_text
 from egressgate.policy.facts import Decision
 from egressgate.policy.reasons import Reason
 from egressgate.state.base import SandboxRecord, StateUnavailable, token_matches
@@ -30,6 +40,32 @@ NOT_A_PROXY = ("This connection was redirected to the gateway transparently: sen
                "destination itself (origin-form, with its Host), not CONNECT or absolute-form proxy requests.")
 UNKNOWN_SOURCE = ("This source address is not registered to any sandbox; start the workload with "
                   "`egressgate sandbox run` (or admit it with `sandbox admit --address`).")
+
+
+def source_text(client: connection.Client) -> str | None:
+    """The client's source address in the canonical text admission stores (`ip_text`)."""
+    if not client.peername:
+        return None
+    try:
+        address = ipaddress.ip_address(str(client.peername[0]).split("%", 1)[0])
+    except ValueError:
+        return None
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped  # a dual-stack listener reports IPv4 clients as ::ffff:a.b.c.d
+    return ip_text(address)
+
+
+def address_mismatch(record: SandboxRecord, source: str | None) -> Decision | None:
+    """The refusal for a token presented from an address its sandbox was not admitted with; None when
+    the record has no addresses (not bound) or the source is one of them. Pure: the caller passes the
+    canonical source text (`source_text`)."""
+    if not record.addresses or source in record.addresses:
+        return None
+    return gateway_deny(
+        Reason.IDENTITY_ADDRESS_MISMATCH,
+        "This sandbox token was admitted for another source address and is not accepted from this one; "
+        "use the proxy settings of the sandbox you run in (its own HTTP_PROXY), not another sandbox's.",
+        detail=f"token of {record.id} from {source or 'unknown'}; admitted for {', '.join(record.addresses)}")
 
 
 def parse_proxy_authorization(value: str | None) -> tuple[str, str] | None:
@@ -83,7 +119,7 @@ class Identity:
     def __init__(self, runtime: Runtime) -> None:
         self.rt = runtime
 
-    async def _lookup(self, fs: FlowState, values: list[str]) -> SandboxRecord | None:
+    async def _lookup(self, fs: FlowState, values: list[str], client: connection.Client) -> SandboxRecord | None:
         # exactly one: with two, different parsers could pick different identities
         creds = parse_proxy_authorization(values[0]) if len(values) == 1 else None
         if creds is None:
@@ -100,6 +136,12 @@ class Identity:
             return None
         if record.revoked:
             fs.decision = gateway_deny(Reason.SANDBOX_REVOKED)
+            return None
+        mismatch = address_mismatch(record, source_text(client))
+        if mismatch is not None:
+            # named in the record (whose token leaked), never bound to the connection
+            fs.sandbox_id, fs.policy_name = record.id, record.policy_name
+            fs.decision = mismatch
             return None
         return record
 
@@ -140,7 +182,7 @@ class Identity:
                 Reason.PROTOCOL_NOT_ALLOWED, "A CONNECT inside a CONNECT tunnel is not allowed."
             )
             return
-        record = await self._lookup(fs, flow.request.headers.get_all("proxy-authorization"))
+        record = await self._lookup(fs, flow.request.headers.get_all("proxy-authorization"), flow.client_conn)
         if record is not None:
             self._bind(fs, conn, record)
 
@@ -173,6 +215,6 @@ class Identity:
             # re-read (revocation), the token is not hashed again; any other value is checked in full
             await recheck(self.rt, fs, conn)
             return
-        record = await self._lookup(fs, values)
+        record = await self._lookup(fs, values, flow.client_conn)
         if record is not None and self._bind(fs, conn, record):
             conn.proxy_auth = values[0]

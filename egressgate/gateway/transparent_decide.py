@@ -20,10 +20,10 @@ from egressgate.audit.event import AuditUnavailable, EventKind
 from egressgate.gateway.approval_gate import settle
 from egressgate.gateway.context import ConnState, PinnedTarget, Runtime
 from egressgate.gateway.deny import gateway_deny
-from egressgate.gateway.identity import UNKNOWN_SOURCE, connection_limit
+from egressgate.gateway.identity import UNKNOWN_SOURCE, connection_limit, source_text
 from egressgate.gateway.pinning import bind_tunnel, resolve_target
 from egressgate.gateway.record import conn_attributes
-from egressgate.policy.canon import CanonError, canon_host, ip_text, split_host_port
+from egressgate.policy.canon import CanonError, canon_host, split_host_port
 from egressgate.policy.decide import decide
 from egressgate.policy.facts import Decision, Facts, Operation, SandboxState
 from egressgate.policy.reasons import Reason
@@ -32,19 +32,6 @@ from egressgate.state.base import StateUnavailable
 NO_NAME = ("A transparent connection must name its destination: TLS with SNI, or HTTP with a Host header; "
            "the address alone is not enough.")
 _ADDRESS_REASONS = (Reason.METADATA_ENDPOINT, Reason.ADDRESS_FORBIDDEN, Reason.SELF_CONNECTION)
-
-
-def source_text(client: connection.Client) -> str | None:
-    """The client's source address in the canonical text admission stores (`ip_text`)."""
-    if not client.peername:
-        return None
-    try:
-        address = ipaddress.ip_address(str(client.peername[0]).split("%", 1)[0])
-    except ValueError:
-        return None
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped  # a dual-stack listener reports IPv4 clients as ::ffff:a.b.c.d
-    return ip_text(address)
 
 
 async def identify(rt: Runtime, conn: ConnState, client: connection.Client) -> None:

@@ -43,6 +43,7 @@ class Reason(StrEnum):
     # identity
     IDENTITY_UNKNOWN = "identity_unknown"
     SANDBOX_REVOKED = "sandbox_revoked"
+    IDENTITY_ADDRESS_MISMATCH = "identity_address_mismatch"  # a token from outside its admitted addresses
     # dependencies (fail closed)
     CREDENTIAL_UNAVAILABLE = "credential_unavailable"
     CREDENTIAL_MISUSE = "credential_misuse"

@@ -18,7 +18,10 @@ Isolation (each line is a rule enforced here):
 * `filesystem.deny` paths and the docker sockets are masked by mode-000 read-only files/directories;
 * /etc/resolv.conf (`nameserver <host_ip>`), /etc/hosts and the CA bundle are generated read-only
   copies (data passed by fd: no host path has to be reachable by uid 65534);
-* the environment is exactly RunSpec.env (`--clearenv`);
+* the environment is exactly RunSpec.env (`--clearenv`), handed to bwrap in a memfd (`--args FD`), never on
+  a command line (/proc/<pid>/cmdline is world-readable; the env holds the token and phantoms); bwrap itself
+  gets an empty environment (it runs as the sandbox uid: its /proc/<pid>/environ must hold nothing of the
+  caller's);
 * socket families by allowlist (no AF_UNIX socket(2), no vsock, packet, netlink beyond NETLINK_ROUTE),
   no io_uring, bpf, keyrings, ptrace, namespaces; native ABI only (seccomp.py): a host Unix socket on
   the read-only root or the hypervisor's vsock is not a way out;
@@ -31,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
+import shutil
 import signal
 import subprocess
 import time
@@ -94,6 +98,20 @@ class BwrapCommand:
         fd = _data_fd(content)
         self.fds.append(fd)
         self.args += ([ "--perms", perms] if perms else []) + ["--ro-bind-data", str(fd), dest]
+
+    def environment(self, env: dict[str, str]) -> None:
+        """`--clearenv` and one `--setenv` per variable, read by bwrap from a memfd (`--args FD`), never
+        from its argv: /proc/<pid>/cmdline is world-readable, and the environment holds the proxy token and
+        phantom credentials. bwrap reads the fd once at start and closes it; its cmdline stays
+        `... --args N ...`. A NUL inside a name or value cannot be passed (it would split the record)."""
+        words = ["--clearenv"]
+        for key, value in env.items():
+            if "\0" in key or "\0" in value or "=" in key or not key:
+                raise ValueError(f"environment variable {key!r} cannot be passed to bwrap (empty, '=' or NUL)")
+            words += ["--setenv", key, value]
+        fd = _data_fd(b"".join(word.encode() + b"\0" for word in words))
+        self.fds.append(fd)
+        self.args += ["--args", str(fd)]
 
     def make_room(self, dest: str) -> None:
         """Make `dest` mountable on a read-only root: its deepest existing ancestor will become a tmpfs with
@@ -160,9 +178,8 @@ def build_command(spec: RunSpec, workspace_fd: int | None) -> BwrapCommand:
     # be a way out), no io_uring/bpf/keyrings/ptrace (seccomp.py)
     program = _data_fd(no_unix_sockets())
     cmd.fds.append(program)
-    cmd.args += ["--seccomp", str(program), "--clearenv"]
-    for key, value in spec.env.items():
-        cmd.args += ["--setenv", key, value]
+    cmd.args += ["--seccomp", str(program)]
+    cmd.environment(spec.env)
     cmd.args += ["--chdir", ws_path if ws_path and workspace_fd is not None else TMP, "--", *spec.command]
     return cmd
 
@@ -192,6 +209,7 @@ class NetnsAdapter:
         self.stdio: dict[str, int] = {}  # Popen stdin/stdout (`mcp run` pipes them through its relay)
         self._cmd: BwrapCommand | None = None
         self._ws_fd: int | None = None
+        self._bwrap = BWRAP
 
     def prepare(self, spec: RunSpec) -> None:
         self.spec = spec
@@ -207,6 +225,7 @@ class NetnsAdapter:
         for mount_point in (os.path.dirname(CA_PATH_IN_SANDBOX), ws_path if self._ws_fd is not None else None):
             ensure_mount_point(mount_point)
         self._cmd = build_command(spec, self._ws_fd)
+        self._bwrap = shutil.which(BWRAP) or BWRAP  # found on the caller's PATH: bwrap itself gets no env
 
     def netns_path(self) -> str:
         assert self.ns is not None, "prepare() first"
@@ -246,7 +265,9 @@ class NetnsAdapter:
         self._parent = os.getpid()
         fds = [*self._cmd.fds, *([self._ws_fd] if self._ws_fd is not None else [])]
         try:
-            self.proc = subprocess.Popen([BWRAP, *self._cmd.args], pass_fds=fds,
+            # env={}: bwrap runs as the sandbox uid, so its /proc/<pid>/environ is readable by that uid; the
+            # caller's environment (cloud keys, tokens) must not sit there (the workload's comes by fd)
+            self.proc = subprocess.Popen([self._bwrap, *self._cmd.args], pass_fds=fds, env={},
                                          preexec_fn=self._child_setup, **self.stdio)  # type: ignore[call-overload]
         finally:
             self._cmd.close()

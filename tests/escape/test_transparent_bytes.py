@@ -20,7 +20,7 @@ import tests.networld as nw
 from tests.escape.checks import SETTLE, requests_on
 from tests.networld import World
 from tests.support.http1 import read_all, read_response
-from tests.support.netgateway import Gateway
+from tests.support.netgateway import Gateway, Sandbox
 from tests.support.transparent import UPSTREAM, Transparent
 
 pytestmark = pytest.mark.netns
@@ -40,6 +40,13 @@ def tby(world: World, gateway: Gateway) -> Iterator[Transparent]:
         t.close()
 
 
+def fresh_unbound(gateway: Gateway) -> Sandbox:
+    """A fresh sandbox for the explicit proxy, admitted without an address: its token is then not bound
+    to one (the proxy is reached from the sandbox namespace's own address, not from a NET one)."""
+    gateway.sandboxes.pop(POLICY, None)
+    return gateway.admit(POLICY)
+
+
 def open_raw(tby: Transparent, gateway: Gateway, path: str) -> socket.socket:
     """A raw TCP stream to 198.18.1.10:2222 for a fresh sandbox: DNATed (transparent) or CONNECTed."""
     if path == "transparent":
@@ -47,7 +54,7 @@ def open_raw(tby: Transparent, gateway: Gateway, path: str) -> socket.socket:
         nw.sh("ip", "-n", tby.ns, "addr", "add", f"{source}/32", "dev", f"{nw.PREFIX}{tby.world.sid}tbyb")
         gateway.admit(POLICY, address=source)
         return tby.connect(UPSTREAM, 2222, source)
-    sbx = gateway.admit(POLICY, address=f"{NET}.{next(_SOURCES)}")  # a fresh sandbox (cached per address)
+    sbx = fresh_unbound(gateway)
     sock, resp = gateway.tunnel(sbx, f"{UPSTREAM}:2222")
     assert resp.status == 200, resp.raw[:300]
     return sock
@@ -89,7 +96,7 @@ def test_plain_http_upload_over_budget_is_refused(tby: Transparent, world: World
         sock = tby.connect(UPSTREAM, 80, source)
         request = (head + "\r\n").encode() + body
     else:
-        sbx = gateway.admit(POLICY, address=source)
+        sbx = fresh_unbound(gateway)
         sock = gateway.connect()
         request = (head.replace("POST /big", "POST http://api.allowed.test/big")
                    + f"Proxy-Authorization: {sbx.auth_header}\r\n\r\n").encode() + body

@@ -21,6 +21,7 @@ import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import httpcore
 import httpx
 import pytest
 
@@ -81,9 +82,34 @@ class Both:
 
     def e_request(self, method: str, host: str, path: str, *, port: int | None = None, scheme: str = "https",
                   http2: bool = False, **kw) -> httpx.Response:
-        with httpx.Client(proxy=self.sbx["proxy_url"], verify=ssl.create_default_context(cafile=self.gw.bundle),
-                          http2=http2, http1=not http2, timeout=15, trust_env=False) as c:
+        transport = proxy_transport(self.sbx["proxy_url"], self.source,
+                                    ssl.create_default_context(cafile=self.gw.bundle), http2)
+        with httpx.Client(transport=transport, timeout=15, trust_env=False) as c:
             return c.request(method, self.gw.url(host, path, port=port, scheme=scheme), **kw)
+
+
+class FromSource(httpcore.SyncBackend):
+    """httpcore's sync network backend, every connection sent from one local address."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+
+    def connect_tcp(self, host: str, port: int, timeout: float | None = None, local_address: str | None = None,
+                    socket_options: object = None) -> httpcore.NetworkStream:
+        return super().connect_tcp(host, port, timeout, self.source, socket_options)
+
+
+def proxy_transport(proxy_url: str, source: str, ctx: ssl.SSLContext, http2: bool) -> httpx.HTTPTransport:
+    """An httpx transport through the explicit proxy that connects FROM `source`: the sandbox's token is
+    bound to its admitted address (identity_address_mismatch from anywhere else). httpx's and httpcore's
+    proxy pools ignore `local_address`, so the pool gets a network backend that binds it."""
+    transport = httpx.HTTPTransport(verify=ctx, http2=http2, http1=not http2)
+    proxy = httpx.Proxy(proxy_url)
+    transport._pool = httpcore.HTTPProxy(
+        proxy_url=httpcore.URL(scheme=proxy.url.raw_scheme, host=proxy.url.raw_host, port=proxy.url.port,
+                               target=proxy.url.raw_path),
+        proxy_auth=proxy.raw_auth, ssl_context=ctx, http1=not http2, http2=http2, network_backend=FromSource(source))
+    return transport
 
 
 def admit(gw: Gateway) -> Both:
@@ -265,7 +291,8 @@ def ws_open(b: Both, path: str, ws_path: str) -> WsClient:
     """A WebSocket to other.test on the credentialed `ws` route, over either listener."""
     port = b.gw.world.https2_port
     if path == "explicit":
-        sock = open_tunnel(b.gw.proxy, b.sbx["id"], b.sbx["token"], f"other.test:{port}", b.gw.bundle, "other.test")
+        sock = open_tunnel(b.gw.proxy, b.sbx["id"], b.sbx["token"], f"other.test:{port}", b.gw.bundle, "other.test",
+                           b.source)
     else:
         ctx = ssl.create_default_context(cafile=b.gw.bundle)
         raw = socket.create_connection(("127.0.0.1", port), timeout=10, source_address=(b.source, 0))
@@ -338,7 +365,7 @@ def test_websocket_frames_count_against_the_budget(tgw: Gateway, path: str) -> N
 def _tls_to(b: Both, path: str, host: str) -> ssl.SSLSocket:
     port = b.gw.world.https_port
     if path == "explicit":
-        return open_tunnel(b.gw.proxy, b.sbx["id"], b.sbx["token"], f"{host}:{port}", b.gw.bundle, host)
+        return open_tunnel(b.gw.proxy, b.sbx["id"], b.sbx["token"], f"{host}:{port}", b.gw.bundle, host, b.source)
     ctx = ssl.create_default_context(cafile=b.gw.bundle)
     raw = socket.create_connection(("127.0.0.1", port), timeout=10, source_address=(b.source, 0))
     return ctx.wrap_socket(raw, server_hostname=host)

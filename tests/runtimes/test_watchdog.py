@@ -8,6 +8,7 @@ the watchdog is SIGKILLed too.)"""
 from __future__ import annotations
 
 import base64
+import json
 import os
 import signal
 import socket
@@ -36,20 +37,33 @@ def leftovers_of(gateway: Gateway, run_id: str) -> dict[str, list[str]]:
 CLEANUP_WITHIN = 5.0  # seconds; the watchdog's target is ~2 s (figures in the report / RESULTS.md)
 
 
-def proxy_connect_status(gateway: Gateway, sid: str, token: str) -> int:
+def proxy_connect_status(gateway: Gateway, sid: str, token: str) -> tuple[int, str | None]:
     """CONNECT api.allowed.test:443 through the explicit proxy with the sandbox's credentials (from the
-    gateway's namespace, where the proxy listens on loopback); returns the HTTP status."""
+    gateway's namespace, where the proxy listens on loopback); returns the HTTP status and the deny's
+    reason. The token is bound to the run's own address, so from here a LIVE token gets
+    (407, identity_address_mismatch) — the address is checked only for a known, unrevoked token — and a
+    revoked one (407, sandbox_revoked)."""
     host, _, port = gateway.info["proxy"].rpartition(":")
     cred = base64.b64encode(f"{sid}:{token}".encode()).decode()
 
-    def call() -> int:
+    def call() -> tuple[int, str | None]:
         with socket.create_connection((host, int(port)), timeout=10) as s:
             s.sendall(f"CONNECT api.allowed.test:443 HTTP/1.1\r\nHost: api.allowed.test:443\r\n"
                       f"Proxy-Authorization: Basic {cred}\r\n\r\n".encode())
-            head = s.recv(4096).decode("latin-1")
-        return int(head.split()[1])
+            data = b""
+            while b"\r\n\r\n" not in data or (data.startswith(b"HTTP/1.1 4") and not data.endswith(b"}")):
+                chunk = s.recv(4096)
+                if not chunk:
+                    break
+                data += chunk
+        head, _, body = data.decode("latin-1").partition("\r\n\r\n")
+        reason = json.loads(body).get("reason") if body.startswith("{") else None
+        return int(head.split()[1]), reason
 
     return in_netns(f"/run/netns/{gateway.world.gw}", call)
+
+
+LIVE = (407, "identity_address_mismatch")  # see proxy_connect_status
 
 
 def start_run(gateway: Gateway, ws: Path, extra: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
@@ -61,8 +75,6 @@ def start_run(gateway: Gateway, ws: Path, extra: list[str], env: dict[str, str])
 
 def wait_running(gateway: Gateway, proc: subprocess.Popen[str], ws: Path) -> tuple[str, str, dict]:
     """(sandbox id, token, run record) once the workload runs (it wrote its identity and exec'd sleep)."""
-    import json
-
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
         ident = ws / "identity"
@@ -95,7 +107,7 @@ def sigkill_and_wait_clean(gateway: Gateway, proc: subprocess.Popen[str], run_id
 def assert_revoked_by_watchdog(gateway: Gateway, sid: str, token: str) -> None:
     (rev,) = revocations(gateway, sid)
     assert rev["egressgate.run.ended_by"] == "watchdog", rev
-    assert proxy_connect_status(gateway, sid, token) == 407
+    assert proxy_connect_status(gateway, sid, token) == (407, "sandbox_revoked")
 
 
 def test_netns_run_killed_is_cleaned_by_its_watchdog(gateway: Gateway) -> None:
@@ -112,7 +124,7 @@ def test_netns_run_killed_is_cleaned_by_its_watchdog(gateway: Gateway) -> None:
         left = leftovers_of(gateway, run_id)
         assert left["netns"] == [f"egressgate-{run_id}"] and left["veths"] == [f"egh{run_id}"], left
         assert len(left["tables"]) == 1 and cgroups and all(p.is_dir() for p in cgroups), (left, cgroups)
-        assert proxy_connect_status(gateway, sid, token) == 200
+        assert proxy_connect_status(gateway, sid, token) == LIVE
         # the watchdog holds none of the caller's pipes (a caller reading `sandbox run`'s output must see
         # EOF when it exits) and nothing but its own pipe and /dev/null
         callers = {os.readlink(f"/proc/{proc.pid}/fd/{fd}") for fd in (1, 2)}
@@ -150,7 +162,7 @@ def test_container_run_killed_is_cleaned_by_its_watchdog(gateway: Gateway, docke
         assert dockerd.docker("inspect", "-f", "{{.State.Running}}", f"egressgate-{run_id}").stdout.strip() == "true"
         left = leftovers_of(gateway, run_id)
         assert left["veths"] == [f"egh{run_id}"] and len(left["tables"]) == 1, left
-        assert proxy_connect_status(gateway, sid, token) == 200
+        assert proxy_connect_status(gateway, sid, token) == LIVE
         took = sigkill_and_wait_clean(gateway, proc, run_id,
                                       lambda: run_id not in labelled_containers(dockerd.host).values())
         assert took < CLEANUP_WITHIN, took
@@ -178,7 +190,7 @@ def test_a_run_started_with_stdio_closed_keeps_its_watchdog(gateway: Gateway) ->
                                 text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=safety_net)
         sid, token, record = wait_running(gateway, proc, ws)
         run_id = record["run_id"]
-        assert proxy_connect_status(gateway, sid, token) == 200  # positive control: the run is live
+        assert proxy_connect_status(gateway, sid, token) == LIVE  # positive control: the run is live
         time.sleep(6)
         assert Path(f"/proc/{record['watchdog_pid']}").exists(), "the watchdog is gone while its run is live"
         assert leftovers_of(gateway, run_id)["records"] == [f"{run_id}.json"]

@@ -31,9 +31,10 @@ from tests.support.http1 import read_head
 
 
 def open_tunnel(proxy: tuple[str, int], sandbox_id: str, token: str, target: str, bundle: str,
-                sni: str) -> ssl.SSLSocket:
-    """CONNECT through the gateway, then TLS to `sni` (the gateway's interception certificate)."""
-    sock = socket.create_connection(proxy, timeout=10)
+                sni: str, source: str | None = None) -> ssl.SSLSocket:
+    """CONNECT through the gateway, then TLS to `sni` (the gateway's interception certificate). `source`:
+    the local address to send from (a token admitted with addresses works only from those)."""
+    sock = socket.create_connection(proxy, timeout=10, source_address=(source, 0) if source else None)
     auth = base64.b64encode(f"{sandbox_id}:{token}".encode()).decode()
     sock.sendall(f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\nProxy-Authorization: Basic {auth}\r\n\r\n".encode())
     head = read_head(sock)  # the gateway sends nothing past its 200 until our ClientHello: no byte is lost
