@@ -4,7 +4,7 @@ VENV  := .venv
 BIN   := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint bench bench-state bench-all venv test-deps clean
+.PHONY: run test test-durations lint bench bench-state bench-all venv test-deps clean
 
 $(STAMP): pyproject.toml
 	@py=$$(scripts/find-python.sh) && echo "using $$py" && \
@@ -21,8 +21,16 @@ run: $(STAMP)
 test-deps:
 	@scripts/install-test-deps.sh
 
+# Parallel: tests/support/scheduling.py puts every test in an xdist group (its module, or an exclusive group for
+# host-global resources) and hands out the heaviest groups first; the suite mostly waits on sockets and child
+# processes, so 4 workers fit 2 cores. The 20 slowest tests are printed at the end of every run.
+TEST_WORKERS ?= 4
 test: $(STAMP) test-deps
-	$(BIN)/pytest $(PYTEST_ARGS)
+	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=20 $(PYTEST_ARGS)
+
+# Refresh the group weights the scheduler orders by (seconds per group, from one full run).
+test-durations: $(STAMP) test-deps
+	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder -q --group-durations=tests/durations.json $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check egressgate tests loadtests

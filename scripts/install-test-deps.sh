@@ -22,6 +22,8 @@ have bwrap || need+=(bubblewrap)
 dpkg-query -W -f='${Status}' busybox-static 2>/dev/null | grep -q 'install ok installed' || need+=(busybox-static)
 # tests/render: Debian docker-compose 1.29 brings compose.yaml up against the private dockerd
 have docker-compose || need+=(docker-compose)
+# tests/runtimes/test_seccomp_units.py cross-checks the syscall numbers against the kernel's headers
+dpkg-query -W -f='${Status}' linux-libc-dev 2>/dev/null | grep -q 'install ok installed' || need+=(linux-libc-dev)
 # tests/console: Playwright drives Debian's chromium at /usr/bin/chromium (no browser download)
 [ -x /usr/bin/chromium ] || need+=(chromium)
 [ ${#need[@]} -eq 0 ] && exit 0

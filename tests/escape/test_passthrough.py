@@ -22,7 +22,7 @@ import tests.networld as nw
 from tests.escape.checks import SETTLE, assert_untouched, requests_on
 from tests.networld import World
 from tests.support.http1 import read_response
-from tests.support.launcher import flatten_otlp
+from tests.support.launcher import complete_lines, flatten_otlp
 from tests.support.netgateway import Gateway
 from tests.support.transparent import UPSTREAM, Transparent
 
@@ -129,8 +129,7 @@ def test_transparent_passthrough_name_is_spliced_and_audited(tpt: Transparent, w
     sbx = gateway.admit(POLICY, address=SOURCE)
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
-        lines = [json.loads(ln) for ln in (gateway.tmp / "var" / "audit.jsonl").read_text().splitlines()
-                 if sbx.id in ln]
+        lines = [json.loads(ln) for ln in complete_lines(gateway.tmp / "var" / "audit.jsonl") if sbx.id in ln]
         records = [flatten_otlp(rec) for rec in lines]
         if len([r for r in records if r.get("egressgate.operation") == "outcome"]) >= 1:
             break

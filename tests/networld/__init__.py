@@ -366,7 +366,8 @@ class World:
                 continue
             with open(path, "rb") as fh:
                 fh.seek(since.offsets.get(w, 0) if since else 0)
-                out += [json.loads(line) for line in fh.read().splitlines() if line.strip()]
+                data = fh.read()  # a line without its newline is still being written by the server
+                out += [json.loads(line) for line in data[:data.rfind(b"\n") + 1].splitlines() if line.strip()]
         return [r for r in out if listener is None or r.get("listener") == listener]
 
     def canary_hits(self, since: Mark | None = None) -> list[dict[str, Any]]:

@@ -9,7 +9,6 @@ world's `open` namespace (same position, no egressgate rules) is the positive co
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import resource
 import shutil
@@ -25,7 +24,13 @@ from typing import Any
 
 import tests.networld as nw
 from tests.networld import World
-from tests.support.launcher import EGRESSGATE, flatten_otlp, launch_in_namespace, stop_process, write_policies
+from tests.support.launcher import (
+    EGRESSGATE,
+    audit_records,
+    launch_in_namespace,
+    stop_process,
+    write_policies,
+)
 
 CALLER_SECRET = "AKIAEGNCALLERSECRET0123456789"  # in the caller's env: must never reach a sandbox
 DENIED_FILE_NAME = "egN-denied.txt"  # a host file the runtime policies deny (the host_files fixture)
@@ -173,8 +178,7 @@ class Gateway:
         """Flattened audit records; waits (batched writer) until one matches `predicate` if given."""
         deadline = time.monotonic() + timeout
         while True:
-            lines = self.audit_path.read_text().splitlines() if self.audit_path.exists() else []
-            out = [flatten_otlp(json.loads(line)) for line in lines if line.strip()]
+            out = audit_records(self.audit_path) if self.audit_path.exists() else []
             if predicate is None or any(predicate(r) for r in out) or time.monotonic() > deadline:
                 return out
             time.sleep(0.1)

@@ -3,7 +3,6 @@ workers' pids and audit files, and a sandbox's requests on fresh connections."""
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -11,7 +10,7 @@ from pathlib import Path
 import httpx
 
 from tests.support.gwworld import Gateway, Sandbox, World, start_gateway
-from tests.support.launcher import flatten_otlp
+from tests.support.launcher import audit_records
 from tests.support.redis import RedisServer
 
 LAUNCHER = [sys.executable, str(Path(__file__).with_name("workers_launcher.py"))]
@@ -43,8 +42,7 @@ def worker_records(var: Path) -> dict[int, list[dict]]:
     out: dict[int, list[dict]] = {}
     for path in sorted(var.glob("audit.w*.jsonl")):
         slot = int(path.name.split(".")[1][1:])
-        out.setdefault(slot, []).extend(flatten_otlp(json.loads(line)) for line in path.read_text().splitlines()
-                                        if line.strip())
+        out.setdefault(slot, []).extend(audit_records(path))
     return out
 
 

@@ -102,9 +102,16 @@ def flatten_otlp(record: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def complete_lines(path: Path) -> list[str]:
+    """The non-empty lines of a file another process may be appending to: a last line without its newline
+    is not written yet (parsing it raced the gateway's audit writer under load)."""
+    text = path.read_text()
+    return [line for line in text[:text.rfind("\n") + 1].splitlines() if line.strip()]
+
+
 def audit_records(path: Path) -> list[dict[str, Any]]:
-    """Every record of an audit trail file (one OTLP-JSON record per line), flattened, in order."""
-    return [flatten_otlp(json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+    """Every complete record of an audit trail file (one OTLP-JSON record per line), flattened, in order."""
+    return [flatten_otlp(json.loads(line)) for line in complete_lines(path)]
 
 
 @dataclass

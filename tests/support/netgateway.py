@@ -26,7 +26,14 @@ import yaml
 import tests.networld as nw
 from tests.networld import World
 from tests.support.http1 import Response, read_all, read_response
-from tests.support.launcher import EGRESSGATE, flatten_otlp, host_port, launch_in_namespace, stop_process
+from tests.support.launcher import (
+    EGRESSGATE,
+    complete_lines,
+    flatten_otlp,
+    host_port,
+    launch_in_namespace,
+    stop_process,
+)
 
 POLICIES = Path(__file__).resolve().parents[1] / "escape" / "policies"  # the escape tests' policies
 
@@ -171,7 +178,7 @@ class Gateway:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if path.exists():
-                for line in path.read_text().splitlines():
+                for line in complete_lines(path):
                     if request_id and request_id in line:
                         return flatten_otlp(json.loads(line))
             time.sleep(0.1)
