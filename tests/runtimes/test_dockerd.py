@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -39,10 +40,12 @@ def test_default_docker_subnet_never_used(dockerd: Dockerd) -> None:
 
 
 @pytest.mark.parametrize("runtime", ["runc", "runsc"])
-def test_close_leaves_nothing(tmp_path: Path, runtime: str) -> None:
+def test_close_leaves_nothing(runtime: str) -> None:
     """A daemon with a live (held) container is torn down completely: processes (shims, runsc sandbox
-    and gofer), mounts, namespace, cgroups and files."""
-    state = tmp_path / "d"
+    and gofer), mounts, namespace, cgroups and files. A short state path of its own (not tmp_path, which
+    is longer under xdist): containerd's debug socket under it must fit a Unix socket path (104 bytes)."""
+    base = Path(tempfile.mkdtemp(prefix="egD-"))
+    state = base / "d"
     with running(state) as d:
         img = d.busybox_image()
         d.docker("run", "-d", "--runtime", runtime, "--network", "none", img, "sleep", "600")
@@ -60,6 +63,7 @@ def test_close_leaves_nothing(tmp_path: Path, runtime: str) -> None:
     leaked = [p.name for p in Path("/proc").iterdir() if p.name.isdigit()
               and str(state).encode() in _cmdline(p)]
     assert leaked == []
+    base.rmdir()  # close() removed everything under it
 
 
 def _cmdline(p: Path) -> bytes:

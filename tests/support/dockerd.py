@@ -37,6 +37,7 @@ import secrets
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -303,7 +304,13 @@ def running(state: Path) -> Iterator[Dockerd]:
 
 
 @pytest.fixture(scope="session")
-def dockerd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Dockerd]:
+def dockerd() -> Iterator[Dockerd]:
     """The session's private dockerd (see the module docstring). Import it into a conftest.py."""
-    with running(tmp_path_factory.mktemp("egD-dockerd")) as d:
-        yield d
+    # a short state path, not tmp_path_factory's (longer under xdist): containerd's sockets live under it
+    # and a Unix socket path must fit 104 bytes
+    state = Path(tempfile.mkdtemp(prefix="egD-"))
+    try:
+        with running(state / "d") as d:
+            yield d
+    finally:
+        shutil.rmtree(state, ignore_errors=True)

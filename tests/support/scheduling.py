@@ -5,13 +5,12 @@ ever run the same group. The groups:
 
 * **one per test module** by default: a module's module- and session-scoped fixtures (its gateway, its
   network world, its OpenBao) are built once on the worker that runs the module, not once per worker;
-* **`host-runtime`** for every module that starts product sandboxes (`sandbox run`, `mcp run` with a
-  runtime) or asserts on host-global product objects. Sandboxes' network namespaces
-  (`/run/netns/egressgate-<id>`) and cgroups (`egressgate/<id>`) are host-global names: `sandbox gc
-  --grace 0` in one test sweeps another test's half-built run, and "nothing left behind" checks list them
-  host-wide. One worker runs them one after another, as the whole suite used to;
-* **`dockerd`** for every module that uses the private Docker daemon (the `dockerd` session fixture): one
-  daemon and one set of test images for the run instead of one per worker.
+* **`host-runtime`** for every module that starts product sandboxes (`sandbox run` with any runtime, `mcp
+  run`), uses the private Docker daemon, or asserts on host-global product objects. Sandboxes' network
+  namespaces (`/run/netns/egressgate-<id>`) and cgroups (`egressgate/<id>`) are host-global names: `sandbox
+  gc --grace 0` in one test sweeps another test's half-built run, and "nothing left behind" checks list
+  them host-wide (a netns of a run on another worker failed them). One worker runs them one after another,
+  as the whole suite used to, with one dockerd and one set of test images for the run.
 
 Groups are handed out longest first (weights from tests/durations.json, written by `make test-durations`)
 so the long groups do not start last and set the wall time; unknown groups keep their place after them.
@@ -28,11 +27,8 @@ DURATIONS = Path(__file__).resolve().parents[1] / "durations.json"
 
 # (group, why, module paths relative to tests/ — a folder prefix ends with "/")
 EXCLUSIVE: tuple[tuple[str, str, tuple[str, ...]], ...] = (
-    ("dockerd", "one private dockerd and one image set per run", (
-        "runtimes/test_docker_", "runtimes/test_dockerd.py", "render/test_compose_up.py",
-    )),
-    ("host-runtime", "product netns/cgroups are host-global names (gc --grace 0, leftover checks)", (
-        "runtimes/", "mcp/test_local_relay.py",
+    ("host-runtime", "product netns/cgroups are host-global names; one dockerd per run", (
+        "runtimes/", "mcp/test_local_relay.py", "render/test_compose_up.py",
     )),
 )
 
