@@ -55,16 +55,26 @@ def parse_range(value: str, key: str = "runtime.uid_range") -> tuple[int, int]:
     return first, last
 
 
+def _alive(pid: str) -> bool:
+    """Not a zombie: a killed sandbox process waits for init to reap it, and must not hold its uid."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            state = fh.read().rpartition(b")")[2].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in (b"Z", b"X")
+
+
 def host_process_uids(first: int, last: int) -> set[int]:
-    """Owners (effective uid, the owner of /proc/<pid>) of host processes within [first, last]. A stat per
-    process: about a millisecond for a few hundred processes."""
+    """Owners (effective uid, the owner of /proc/<pid>) of live host processes within [first, last]. A
+    stat per process: about a millisecond for a few hundred processes."""
     found: set[int] = set()
     with contextlib.suppress(OSError):
         for name in os.listdir("/proc"):
             if name.isdigit():
                 with contextlib.suppress(OSError):
                     uid = os.stat(f"/proc/{name}").st_uid
-                    if first <= uid <= last:
+                    if first <= uid <= last and uid not in found and _alive(name):
                         found.add(uid)
     return found
 
@@ -81,7 +91,7 @@ def pick(taken: set[int], first: int, last: int, where: str) -> int:
 
 
 def uid_pids(uid: int) -> list[int]:
-    """Host processes whose real, effective, saved or filesystem uid is `uid`."""
+    """Live (not zombie) host processes whose real, effective, saved or filesystem uid is `uid`."""
     pids = []
     with contextlib.suppress(OSError):
         for name in os.listdir("/proc"):
@@ -92,7 +102,7 @@ def uid_pids(uid: int) -> list[int]:
                     line = next((x for x in fh if x.startswith("Uid:")), "")
             except OSError:
                 continue
-            if str(uid) in line.split()[1:]:
+            if str(uid) in line.split()[1:] and _alive(name):
                 pids.append(int(name))
     return pids
 
