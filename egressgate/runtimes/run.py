@@ -174,12 +174,13 @@ class Run:
             workspace = self.temp_workspace = info.state_dir / "workspaces" / self.run_id
             records.update(info.state_dir, self.run_id, temp_workspace=str(workspace))
         if workspace is not None:
-            if self.temp_workspace is None:  # persistent: handed back to root at the end (release_workspace)
+            persistent = self.temp_workspace is None  # handed back to root at the end (release_workspace)
+            if persistent:  # named before its entries change hands: the watchdog or gc gives them back
                 records.update(info.state_dir, self.run_id, workspace=str(workspace.absolute()))
-                self.workspace = workspace
             workspace = prepare_workspace(workspace, uid, info.uid_range)
-            if self.workspace is not None:
+            if persistent:
                 self.workspace = workspace
+                records.update(info.state_dir, self.run_id, workspace=str(workspace))
         env, bundle = inside_env(data, address, info.endpoints.proxy[1],
                                  ws_policy.get("path") or "/tmp")  # noqa: S108 - HOME inside
         spec = RunSpec(run_id=self.run_id, sandbox_id=self.sandbox_id, runtime=req.runtime, command=req.command,
