@@ -223,7 +223,7 @@ def write_runtime_file(cfg: GatewayConfig, info: dict, audit_file: str | None = 
     tmp = path.with_suffix(".tmp")
     audit = audit_file or (str(cfg.audit_path().absolute()) if cfg.audit_path() is not None else None)
     settings = {"runtime": {"subnet": cfg.runtime.subnet, "state_dir": str(Path(cfg.runtime.state_dir).absolute()),
-                            "docker_host": cfg.runtime.docker_host},
+                            "docker_host": cfg.runtime.docker_host, "uid_range": cfg.runtime.uid_range},
                 "admin_token_file": str(cfg.admin_token_path().absolute()),
                 "audit_file": audit}
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

@@ -6,7 +6,8 @@ it (setns in the child before exec), so the workload never runs without its only
 does NOT get --unshare-net: the namespace it must use is the prepared one.
 
 Isolation (each line is a rule enforced here):
-* the workload runs as uid/gid 65534 on the host, in a new user namespace, with every capability dropped
+* the workload runs as the run's own host uid/gid (RunSpec.uid, runtimes/identity.py; it sees itself as
+  65534 `nobody` inside its new user namespace), with every capability dropped
   (no CAP_NET_RAW: no raw sockets; no CAP_NET_ADMIN: the namespace's routes and nftables stay as set;
   no CAP_DAC_OVERRIDE: mode-000 masks and owner-only host files are unreadable);
 * the host root is mounted read-only; directories that must hold a new mount point (the workspace,
@@ -17,7 +18,7 @@ Isolation (each line is a rule enforced here):
   no docker.sock), the workspace read-write at sandbox.workspace.path;
 * `filesystem.deny` paths and the docker sockets are masked by mode-000 read-only files/directories;
 * /etc/resolv.conf (`nameserver <host_ip>`), /etc/hosts and the CA bundle are generated read-only
-  copies (data passed by fd: no host path has to be reachable by uid 65534);
+  copies (data passed by fd: no host path has to be reachable by the sandbox uid);
 * the environment is exactly RunSpec.env (`--clearenv`), handed to bwrap in a memfd (`--args FD`), never on
   a command line (/proc/<pid>/cmdline is world-readable; the env holds the token and phantoms); bwrap itself
   gets an empty environment (it runs as the sandbox uid: its /proc/<pid>/environ must hold nothing of the
@@ -246,8 +247,8 @@ class NetnsAdapter:
             raise OSError("keyctl(KEYCTL_JOIN_SESSION_KEYRING) failed: the sandbox would share the "
                           "caller's session keyring")
         os.setgroups([])
-        os.setresgid(SANDBOX_UID, SANDBOX_UID, SANDBOX_UID)
-        os.setresuid(SANDBOX_UID, SANDBOX_UID, SANDBOX_UID)
+        os.setresgid(self._gid, self._gid, self._gid)  # the run's own host identity (RunSpec.uid)
+        os.setresuid(self._uid, self._uid, self._uid)
         # after the uid change (which clears it): bwrap dies with `sandbox run`, even on SIGKILL, and its
         # sandbox's pid 1 (--die-with-parent) with it, so no workload outlives its run
         self._prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -263,6 +264,7 @@ class NetnsAdapter:
         self._keyctl = libc.syscall
         self._nr_keyctl = next(s.nr for s in REFUSED if s.name == "keyctl")[ARCH_INDEX[platform.machine()]]
         self._parent = os.getpid()
+        self._uid, self._gid = self.spec.uid, self.spec.gid  # type: ignore[union-attr]
         fds = [*self._cmd.fds, *([self._ws_fd] if self._ws_fd is not None else [])]
         try:
             # env={}: bwrap runs as the sandbox uid, so its /proc/<pid>/environ is readable by that uid; the

@@ -64,6 +64,8 @@ class Run:
         self.started = False
         self.signal: int | None = None
         self.temp_workspace: Path | None = None
+        self.uid: int | None = None  # the run's own host uid/gid (runtimes/identity.py)
+        self.workspace: Path | None = None  # a persistent --workspace (given back to root at teardown)
         self._marks: list[tuple[str, float]] = [("start", time.monotonic())]
 
     def mark(self, phase: str) -> None:
@@ -131,9 +133,17 @@ class Run:
             raise SetupFailed(str(exc)) from None
         if info.docker_host and hasattr(self.adapter, "host"):  # docker/gvisor: the configured daemon wins
             self.adapter.host = info.docker_host
-        address = addressing.allocate(info.state_dir, info.subnet, self.run_id,
-                                      {"owner_pid": os.getpid(), "runtime": req.runtime, "created": time.time(),
-                                       "var_dir": str(req.var_dir.absolute())})
+        from egressgate.runtimes.identity import UidsExhausted
+
+        try:
+            address, uid = addressing.allocate_run(
+                info.state_dir, info.subnet, self.run_id,
+                {"owner_pid": os.getpid(), "runtime": req.runtime, "created": time.time(),
+                 "var_dir": str(req.var_dir.absolute())}, info.uid_range)
+        except (addressing.AddressesExhausted, UidsExhausted) as exc:
+            raise SetupFailed(str(exc)) from None
+        assert uid is not None
+        self.uid = uid
         self.mark("allocate")
         # from here on host objects exist: the watchdog cleans them up if this process dies by SIGKILL
         from egressgate.runtimes import watchdog
@@ -164,12 +174,18 @@ class Run:
             workspace = self.temp_workspace = info.state_dir / "workspaces" / self.run_id
             records.update(info.state_dir, self.run_id, temp_workspace=str(workspace))
         if workspace is not None:
-            workspace = prepare_workspace(workspace)
+            persistent = self.temp_workspace is None  # handed back to root at the end (release_workspace)
+            if persistent:  # named before its entries change hands: the watchdog or gc gives them back
+                records.update(info.state_dir, self.run_id, workspace=str(workspace.absolute()))
+            workspace = prepare_workspace(workspace, uid, info.uid_range)
+            if persistent:
+                self.workspace = workspace
+                records.update(info.state_dir, self.run_id, workspace=str(workspace))
         env, bundle = inside_env(data, address, info.endpoints.proxy[1],
                                  ws_policy.get("path") or "/tmp")  # noqa: S108 - HOME inside
         spec = RunSpec(run_id=self.run_id, sandbox_id=self.sandbox_id, runtime=req.runtime, command=req.command,
                        env=env, policy=policy, address=address, ca_bundle=bundle, workspace=workspace,
-                       image=req.image, labels=dict(req.labels), state_dir=info.state_dir)
+                       image=req.image, labels=dict(req.labels), state_dir=info.state_dir, uid=uid, gid=uid)
         self._interrupted()
         self.mark("admission")
         self.adapter.prepare(spec)
@@ -247,7 +263,8 @@ class Run:
                            ("counters", release),
                            ("t_adapter", lambda: self.adapter and self.adapter.teardown()),
                            ("t_plumbing", lambda: self.plumbing and self.plumbing.detach()),
-                           ("t_limits", lambda: self.limits and self.limits.remove())):
+                           ("t_limits", lambda: self.limits and self.limits.remove()),
+                           ("t_identity", self._release_identity)):
             try:
                 step()
                 self.mark(name)
@@ -284,6 +301,19 @@ class Run:
             log("timing ms: " + " ".join(phases))
         return code
 
+
+    def _release_identity(self) -> None:
+        """The run's uid is free once its record goes: every process of it killed (whatever escaped the
+        namespace and cgroups) and the persistent workspace's files given to root, so the next run given
+        this uid cannot read them."""
+        if self.uid is None:
+            return
+        from egressgate.runtimes.identity import kill_uid
+        from egressgate.runtimes.workload import release_workspace
+
+        kill_uid(self.uid)
+        if self.workspace is not None:
+            release_workspace(self.workspace, self.uid)
 
     def _revoke(self, outcome: dict[str, Any]) -> bool:
         """Revoke with the outcome; a gateway that refuses the outcome body (older version) still gets a

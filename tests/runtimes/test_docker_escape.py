@@ -44,7 +44,8 @@ def test_admission_checks_inside(gateway: Gateway, dockerd: Dockerd, runtime: st
     assert env["env"]["SSL_CERT_FILE"] == "/etc/egressgate/ca.pem"
     assert not sock1["ok"] and not sock2["ok"]
     assert shadow["ok"] is False and shadow["error"] in ("EACCES", "ENOENT")  # masked, or not in the image
-    assert ident["uid"] == 65534 and int(ident["caps"], 16) == 0
+    first, last = gateway.uid_range  # the run's own uid (User uid:gid), never 65534 or root
+    assert first <= ident["uid"] <= last and int(ident["caps"], 16) == 0
     assert hosts["error"] in ("EROFS", "EACCES") and resolv["error"] in ("EROFS", "EACCES")
     # the run left nothing: no container (labelled with its run id), no run dir, no run record
     run_id = res.stderr.split("(run ", 1)[1].split(",", 1)[0]

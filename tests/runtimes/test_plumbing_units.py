@@ -116,7 +116,7 @@ def test_parallel_allocations_get_distinct_slots_then_the_pool_is_exhausted(tmp_
 def _runtime_file(var: Path, **changes: object) -> None:
     data = {"proxy": "127.0.0.1:8080", "admin": "127.0.0.1:8081", "dns": "127.0.0.1:5353",
             "transparent": "127.0.0.1:8082", "pid": os.getpid(),
-            "runtime": {"subnet": "198.18.128.0/17", "state_dir": "/run/egressgate"},
+            "runtime": {"subnet": "198.18.128.0/17", "state_dir": "/run/egressgate", "uid_range": "65536-99999"},
             "admin_token_file": str(var / "admin.token"), "audit_file": str(var / "audit.jsonl")}
     data.update(changes)
     (var / "gateway.json").write_text(json.dumps(data))
