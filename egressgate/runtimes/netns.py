@@ -25,8 +25,9 @@ Isolation (each line is a rule enforced here):
   gets an empty environment (it runs as the sandbox uid: its /proc/<pid>/environ must hold nothing of the
   caller's);
 * socket families by allowlist (no AF_UNIX socket(2), no vsock, packet, netlink beyond NETLINK_ROUTE),
-  no io_uring, bpf, keyrings, ptrace, namespaces; native ABI only (seccomp.py): a host Unix socket on
-  the read-only root or the hypervisor's vsock is not a way out;
+  no io_uring, bpf, keyrings, ptrace, namespaces; native ABI only (seccomp.py): a host Unix socket (none is
+  in the tree; one created later in an allowed tree) or the hypervisor's vsock is not a way out;
+  no set-id mode can be set (seccomp.SETID_MODE);
 * a new, empty session keyring (joined in the child before bwrap starts): the caller's session keys
   are not the workload's (and the keyring syscalls are refused anyway).
 """
@@ -137,8 +138,8 @@ def build_command(spec: RunSpec, workspace_fd: int | None) -> BwrapCommand:
         if sandbox_fs.is_visible(path, visible):  # elsewhere it is absent: nothing to mask
             _mask(cmd, path, ws_path)
     cmd.args += ["--remount-ro", "/"]
-    # socket families by allowlist, no Unix sockets of its own (host sockets on the read-only root would
-    # be a way out), no io_uring/bpf/keyrings/ptrace (seccomp.py)
+    # socket families by allowlist, no Unix sockets of its own (a host socket appearing later in an
+    # allowed tree would be a way out), no set-id modes, no io_uring/bpf/keyrings/ptrace (seccomp.py)
     program = _data_fd(no_unix_sockets())
     cmd.fds.append(program)
     cmd.args += ["--seccomp", str(program)]

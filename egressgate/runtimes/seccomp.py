@@ -10,7 +10,8 @@ routes the gateway never sees. docs/runtimes.md lists every entry and why it is 
 Socket families are an ALLOWLIST: socket(2) only for AF_INET, AF_INET6 and AF_NETLINK with NETLINK_ROUTE
 (what glibc's getaddrinfo(AI_ADDRCONFIG)/getifaddrs/if_nameindex open), and AF_UNIX where the runtime
 allows it; socketpair(2) only for AF_UNIX. The netns runtime refuses socket(AF_UNIX) (EACCES): its
-workload sees the host root read-only, and a read-only mount does not stop connect(2) to a host socket.
+tree holds no host socket at start (sandbox_fs.py), but a host service may create one later in an allowed
+host tree, and a read-only mount does not stop connect(2) to a host socket.
 
 Syscalls are refused by name from REFUSED: the rest stays allowed because every runtime already drops
 every capability (and bwrap adds --disable-userns; the docker profile refuses CLONE_NEWUSER), so what the
