@@ -33,7 +33,7 @@ ETC_ENTRIES = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "nsswitch.conf", "ho
                "protocols", "services", "ssl", "ca-certificates", "alternatives", "localtime", "timezone",
                "os-release", "debian_version", "mime.types", "magic", "inputrc", "bash.bashrc", "profile",
                "python3", "environment")
-SCAN_LIMIT = 20_000  # entries examined per allowed tree; a larger tree is refused (bounded start-up work)
+SCAN_LIMIT = 100_000  # entries examined per allowed tree; a larger tree is refused (bounded start-up work)
 CHANNEL = {stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a device", stat.S_IFBLK: "a device", stat.S_IFIFO: "a FIFO"}
 
 
@@ -92,7 +92,8 @@ def check_no_channel(path: str, limit: int = SCAN_LIMIT) -> None:
     while stack:
         current = stack.pop()
         try:
-            entries = list(os.scandir(current))
+            with os.scandir(current) as it:
+                entries = list(it)
         except OSError:
             continue  # unreadable for root too (e.g. vanished): nothing the sandbox could reach through it
         for entry in entries:
@@ -100,7 +101,12 @@ def check_no_channel(path: str, limit: int = SCAN_LIMIT) -> None:
             if seen > limit:
                 raise FsRefused(f"filesystem.allow path {path} holds more than {limit} entries: too large to "
                                 "check for sockets and devices, allow a narrower path")
-            try:
+            try:  # d_type from getdents: no stat(2) for directories, files and symlinks (most entries)
+                if entry.is_dir(follow_symlinks=False):
+                    stack.append(entry.path)
+                    continue
+                if entry.is_file(follow_symlinks=False) or entry.is_symlink():
+                    continue
                 mode = entry.stat(follow_symlinks=False).st_mode
             except OSError:
                 continue
