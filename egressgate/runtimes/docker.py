@@ -41,7 +41,7 @@ import threading
 import time
 from pathlib import Path
 
-from egressgate.runtimes import dockermasks, records, seccompjson
+from egressgate.runtimes import dockermasks, records, sandbox_fs, seccompjson
 from egressgate.runtimes.base import CA_PATH_IN_SANDBOX, ExitInfo, Limit, RunSpec
 from egressgate.runtimes.dockerapi import (
     DEFAULT_DOCKER_HOST,
@@ -180,9 +180,15 @@ class DockerAdapter:
                 raise DockerError("a workspace was given but the policy has no sandbox.workspace.path")
             mounts.append(bind(spec.workspace, ws_path, readonly=False))
             config["WorkingDir"] = ws_path
+        trees = [(spec.workspace, ws_path)] if spec.workspace is not None and ws_path else []
+        for path, writable in sandbox_fs.host_allow_entries(spec.policy):  # the policy's host paths
+            source = os.path.realpath(path)
+            sandbox_fs.check_no_channel(source)  # no host socket, device or FIFO (exit 120)
+            if os.path.exists(source):
+                mounts.append(bind(Path(source), path, readonly=not writable))
+                trees.append((Path(source), path))
         deny = list(dict.fromkeys([*ALWAYS_MASKED, *((spec.policy.get("filesystem") or {}).get("deny") or [])]))
-        ws = (spec.workspace, ws_path) if spec.workspace is not None and ws_path else None
-        kinds = dockermasks.kinds(self.api, spec.image or "", deny, self.oci_runtime, spec.state_dir, ws)
+        kinds = dockermasks.kinds(self.api, spec.image or "", deny, self.oci_runtime, spec.state_dir, trees)
         mounts += dockermasks.mounts(kinds, run_dir)
         if self.oci_runtime:
             host["Runtime"] = self.oci_runtime

@@ -271,10 +271,18 @@ class Run:
             except Exception as exc:
                 clean = False
                 log(f"teardown step failed ({type(exc).__name__}: {exc}); `egressgate sandbox gc` will retry")
+        setid: list[str] = []
         if self.temp_workspace is not None:
             import shutil
 
             shutil.rmtree(self.temp_workspace, ignore_errors=True)
+        elif self.workspace is not None and self.started:  # it outlives the run: no set-id file may stay
+            from egressgate.runtimes.setid import MAX_REPORTED, strip_setid
+
+            setid = strip_setid(self.workspace)
+            if setid:
+                log(f"stripped set-id bits from {len(setid)} file(s) in the workspace: {', '.join(setid[:5])}")
+            setid = setid[:MAX_REPORTED]
         code = exit_info.exit_code() if exit_info is not None else EXIT_SETUP_FAILED
         if exit_info is None and self.signal is not None:
             code = 128 + self.signal
@@ -284,6 +292,8 @@ class Run:
                        "signal": exit_info.signal if exit_info else self.signal,
                        "limit": str(exit_info.limit) if exit_info and exit_info.limit else None,
                        "duration_ms": duration_ms, "dropped": dropped}
+            if setid:
+                outcome["setid_stripped"] = setid
             self.mark("teardown")
             revoked = self._revoke(outcome)
             self.mark("revoke")
