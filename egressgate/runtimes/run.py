@@ -257,6 +257,20 @@ class Run:
                 with contextlib.suppress(Exception):
                     dropped = self.plumbing.release()
 
+        setid: list[str] = []
+
+        def strip_setid_bits() -> None:
+            """Before the workspace goes back to root (t_identity): that chown clears set-id bits too, but
+            silently; this strip reports what it found (audited as egressgate.run.setid_stripped)."""
+            nonlocal setid
+            if self.temp_workspace is None and self.workspace is not None and self.started:
+                from egressgate.runtimes.setid import MAX_REPORTED, strip_setid
+
+                found = strip_setid(self.workspace)
+                if found:
+                    log(f"stripped set-id bits from {len(found)} file(s) in the workspace: {', '.join(found[:5])}")
+                setid = found[:MAX_REPORTED]
+
         for name, step in (("t_watch", lambda: self.watch and self.watch.stop()),
                            ("t_kill", lambda: self.adapter and self.adapter.kill()),
                            ("t_killall", lambda: self.limits and self.limits.kill_all()),
@@ -264,6 +278,7 @@ class Run:
                            ("t_adapter", lambda: self.adapter and self.adapter.teardown()),
                            ("t_plumbing", lambda: self.plumbing and self.plumbing.detach()),
                            ("t_limits", lambda: self.limits and self.limits.remove()),
+                           ("t_setid", strip_setid_bits),
                            ("t_identity", self._release_identity)):
             try:
                 step()
@@ -271,18 +286,10 @@ class Run:
             except Exception as exc:
                 clean = False
                 log(f"teardown step failed ({type(exc).__name__}: {exc}); `egressgate sandbox gc` will retry")
-        setid: list[str] = []
         if self.temp_workspace is not None:
             import shutil
 
             shutil.rmtree(self.temp_workspace, ignore_errors=True)
-        elif self.workspace is not None and self.started:  # it outlives the run: no set-id file may stay
-            from egressgate.runtimes.setid import MAX_REPORTED, strip_setid
-
-            setid = strip_setid(self.workspace)
-            if setid:
-                log(f"stripped set-id bits from {len(setid)} file(s) in the workspace: {', '.join(setid[:5])}")
-            setid = setid[:MAX_REPORTED]
         code = exit_info.exit_code() if exit_info is not None else EXIT_SETUP_FAILED
         if exit_info is None and self.signal is not None:
             code = 128 + self.signal

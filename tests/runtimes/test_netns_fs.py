@@ -38,7 +38,7 @@ def trees() -> Iterator[dict[str, Path]]:
         made[key].mkdir(mode=0o755)
     (made["ro"] / "data.txt").write_text("allowed host data\n")
     (made["ro"] / "secret.txt").write_text("denied host data\n")
-    os.chown(made["rw"], SANDBOX, SANDBOX)
+    made["rw"].chmod(0o1777)  # each run has its own host uid (runtime.uid_range): writable for any, like /tmp
     (made["other_ws"] / "token.txt").write_text("another sandbox's file\n")
     for p in made["ro"].iterdir():
         p.chmod(0o644)
