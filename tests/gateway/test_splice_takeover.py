@@ -43,7 +43,7 @@ def upstream(world):
 
     def serve_one(conn: socket.socket) -> None:
         with contextlib.suppress(OSError):
-            conn.settimeout(10)
+            conn.settimeout(60)  # a hang guard: a loaded machine stalls a splice for seconds
             buf = b""
             while len(buf) < 5 or len(buf) < 5 + struct.unpack("!H", buf[3:5])[0]:
                 buf += conn.recv(65536)
