@@ -150,6 +150,12 @@ def clean_record(record: dict[str, Any], state_dir: Path | None = None) -> list[
             hook = getattr(importlib.import_module(module), "gc_record", None)
             if hook is not None:
                 removed += hook(record)
+    if record.get("disk_mounts") and state_dir is not None:  # after the kills and the container removal
+        from egressgate.runtimes import diskfs
+
+        for entry in reversed(record["disk_mounts"]):
+            if isinstance(entry, dict) and not diskfs.release_entry(run_id, state_dir, entry):
+                removed.append(f"mount {entry.get('target') or entry.get('image')}")
     ws = record.get("temp_workspace")
     if ws and state_dir is not None and Path(ws) == state_dir / "workspaces" / run_id and Path(ws).is_dir():
         shutil.rmtree(ws, ignore_errors=True)
@@ -207,7 +213,9 @@ def collect(var_dir: Path, state_dir: Path | None = None, grace: float = 60.0) -
             continue
         remove_cgroup(group)
         removed.append(f"orphan cgroup {group}")
-    from egressgate.runtimes import docker
+    from egressgate.runtimes import diskfs, docker
+
+    removed += diskfs.orphans(state_dir, live)
 
     gone, trouble = docker.gc_orphans(live, info.docker_host if info else None)
     return removed + gone, problems + trouble

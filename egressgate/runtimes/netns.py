@@ -157,7 +157,9 @@ def build_command(spec: RunSpec, workspace_fd: int | None) -> BwrapCommand:
     if ws_path and workspace_fd is not None:
         cmd.make_room(ws_path)
     cmd.emit_rooms()
-    cmd.args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", TMP, "--tmpfs", "/run"]
+    # /tmp: the run's size-bounded tmpfs (diskfs.py) when `sandbox run` made one, else bwrap's own
+    tmp = ["--bind", str(spec.tmp_dir), TMP] if spec.tmp_dir is not None else ["--tmpfs", TMP]
+    cmd.args += ["--proc", "/proc", "--dev", "/dev", *tmp, "--tmpfs", "/run"]
     if sandbox.get("root_fs") == "read_write":
         for scratch in ("/var/tmp", "/home"):  # noqa: S108 - fresh tmpfs mounts inside the sandbox
             if os.path.isdir(scratch):

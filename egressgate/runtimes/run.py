@@ -61,6 +61,7 @@ class Run:
         self.plumbing: Any = None
         self.limits: Any = None
         self.watch: Any = None
+        self.disks: Any = None
         self.started = False
         self.signal: int | None = None
         self.temp_workspace: Path | None = None
@@ -165,11 +166,12 @@ class Run:
             records.update(info.state_dir, self.run_id, temp_workspace=str(workspace))
         if workspace is not None:
             workspace = prepare_workspace(workspace)
+        tmp_dir = self._disks(workspace, ws_policy, sandbox)
         env, bundle = inside_env(data, address, info.endpoints.proxy[1],
                                  ws_policy.get("path") or "/tmp")  # noqa: S108 - HOME inside
         spec = RunSpec(run_id=self.run_id, sandbox_id=self.sandbox_id, runtime=req.runtime, command=req.command,
                        env=env, policy=policy, address=address, ca_bundle=bundle, workspace=workspace,
-                       image=req.image, labels=dict(req.labels), state_dir=info.state_dir)
+                       image=req.image, labels=dict(req.labels), state_dir=info.state_dir, tmp_dir=tmp_dir)
         self._interrupted()
         self.mark("admission")
         self.adapter.prepare(spec)
@@ -188,11 +190,7 @@ class Run:
         self.adapter.start()
         self.started = True
         deadline = time.monotonic() + wall if wall else None
-        if ws_policy.get("max_bytes") and workspace is not None:
-            from egressgate.runtimes.limits import WorkspaceWatch
-
-            self.watch = WorkspaceWatch(workspace, int(ws_policy["max_bytes"]), self.adapter.kill)
-            self.watch.start()
+        self.watch = self.disks.watch(self.adapter.kill)  # the kernel refuses the bytes; this ends the run
         if self.signal is not None:  # arrived between start() and here
             self.adapter.kill()
         self.mark("start")
@@ -201,11 +199,33 @@ class Run:
         limit = result.limit
         if limit is None and self.limits is not None:
             limit = self.limits.hit()
-        if limit is None and self.watch is not None and self.watch.exceeded:
+        if limit is None and ((self.watch is not None and self.watch.exceeded) or self.disks.full()):
             limit = Limit.WORKSPACE_BYTES
         if limit is not None and limit is not result.limit:
             result = ExitInfo(status=result.status, signal=result.signal, limit=limit)
         return result
+
+    def _disks(self, workspace: Path | None, ws_policy: dict[str, Any], sandbox: dict[str, Any]) -> Path | None:
+        """Kernel-bounded file systems (diskfs.py): the workspace when max_bytes is set (a tmpfs for a
+        temporary one, the loop-mounted ext4 image of a persistent one) and, for netns, /tmp; returns the
+        host dir of that /tmp. Docker and gVisor size their own /tmp (docker.py)."""
+        from egressgate.runtimes.base import SANDBOX_UID
+        from egressgate.runtimes.diskfs import DEFAULT_TMP_MAX_BYTES, DiskLimitError, DiskLimits
+
+        assert self.info is not None
+        self.disks = DiskLimits(self.run_id, self.info.state_dir)
+        try:
+            max_bytes = ws_policy.get("max_bytes")
+            if max_bytes and workspace is not None:
+                if self.temp_workspace is not None:
+                    self.disks.temporary_workspace(workspace, int(max_bytes), SANDBOX_UID)
+                else:
+                    self.disks.persistent_workspace(workspace, int(max_bytes), SANDBOX_UID)
+            if self.req.runtime == "netns":
+                return self.disks.tmp(int((sandbox.get("tmp") or {}).get("max_bytes") or DEFAULT_TMP_MAX_BYTES))
+        except DiskLimitError as exc:
+            raise SetupFailed(str(exc)) from None
+        return None
 
     def _limits(self, resources: dict[str, Any]) -> None:
         wanted = {k: v for k, v in resources.items() if k in ("memory_mb", "pids_max", "cpu_millis") and v}
@@ -246,6 +266,7 @@ class Run:
                            ("t_killall", lambda: self.limits and self.limits.kill_all()),
                            ("counters", release),
                            ("t_adapter", lambda: self.adapter and self.adapter.teardown()),
+                           ("t_disks", lambda: self.disks and self.disks.release()),
                            ("t_plumbing", lambda: self.plumbing and self.plumbing.detach()),
                            ("t_limits", lambda: self.limits and self.limits.remove())):
             try:
