@@ -30,6 +30,7 @@ import re
 import shutil
 import subprocess
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -40,6 +41,7 @@ DEFAULT_TMP_MAX_BYTES = 256 * MiB  # sandbox.tmp.max_bytes when the policy does 
 IMAGE = ".egressgate-workspace.ext4"
 BYTES_PER_INODE = 4096  # inodes per byte of limit (an inode flood is bounded like the bytes)
 MIN_INODES = 1024
+FULL_SLACK_BLOCKS = 16  # free blocks at or under which a bounded workspace counts as full (full())
 MS_NOSUID, MS_NODEV, MNT_DETACH = 2, 4, 2
 SOURCE_RE = re.compile(r"^egressgate-(ws|tmp)-([0-9a-f]{10})$")
 
@@ -194,14 +196,16 @@ class DiskLimits:
                 target.unlink()
 
     def full(self) -> bool:
-        """The bounded workspace is at its limit: no block or no inode left for the workload."""
+        """The bounded workspace is at its limit: at most FULL_SLACK_BLOCKS blocks (ext4 refuses a write while
+        it keeps a few blocks for the extent tree: 2 were left when a 1 MB image refused the next 64 KiB) or no
+        inode left for the workload."""
         if self.workspace_mount is None:
             return False
         try:
             st = os.statvfs(self.workspace_mount)
         except OSError:
             return False
-        return st.f_bavail == 0 or st.f_favail == 0
+        return st.f_bavail <= FULL_SLACK_BLOCKS or st.f_favail == 0
 
     def watch(self, on_full: Callable[[], None], interval: float = 0.1) -> FullWatch | None:
         if self.workspace_mount is None:
@@ -277,9 +281,17 @@ def release_entry(run_id: str, state_dir: Path, entry: dict) -> list[str]:
         if not unmount(target):
             problems.append(f"cannot unmount {target}")
             break
-    for dev in loops_of(img):  # autoclear frees them on unmount; one attached but never mounted is detached
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            subprocess.run(["losetup", "-d", dev], capture_output=True, check=False, timeout=30)
+    # autoclear frees the device on unmount, asynchronously (the kernel defers it): wait up to ~5 s, and
+    # detach one attached but never mounted (a SIGKILL between losetup and mount) explicitly
+    for attempt in range(250):
+        left = loops_of(img)
+        if not left:
+            break
+        if attempt % 20 == 10:
+            for dev in left:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    subprocess.run(["losetup", "-d", dev], capture_output=True, check=False, timeout=30)
+        time.sleep(0.02)
     if loops_of(img):
         problems.append(f"loop device still attached to {img}")
     return problems

@@ -80,7 +80,8 @@ def test_unlinked_open_file_keeps_its_blocks(bounded):
 
 def test_inode_flood_is_bounded(bounded):
     ws, control = bounded
-    script = "i=0; while [ $i -lt 3000 ]; do touch f$i 2>/dev/null || { echo stopped=$i; exit 0; }; i=$((i+1)); done; echo all"
+    script = ("i=0; while [ $i -lt 3000 ]; do touch f$i 2>/dev/null || { echo stopped=$i; exit 0; }; "
+              "i=$((i+1)); done; echo all")
     res = as_sandbox(script, ws)
     assert "stopped=" in res.stdout and int(res.stdout.split("=")[1]) <= diskfs.nr_inodes(LIMIT), res
     assert "all" in as_sandbox(script, control).stdout
