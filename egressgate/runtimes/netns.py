@@ -139,7 +139,7 @@ class BwrapCommand:
         self.fds.clear()
 
 
-def build_command(spec: RunSpec, workspace_fd: int | None) -> BwrapCommand:
+def build_command(spec: RunSpec, workspace_fd: int | None, tmp_fd: int | None = None) -> BwrapCommand:
     """The whole bwrap invocation for `spec` (see the module docstring for the rules)."""
     sandbox = spec.policy.get("sandbox") or {}
     fs = spec.policy.get("filesystem") or {}
@@ -158,7 +158,7 @@ def build_command(spec: RunSpec, workspace_fd: int | None) -> BwrapCommand:
         cmd.make_room(ws_path)
     cmd.emit_rooms()
     # /tmp: the run's size-bounded tmpfs (diskfs.py) when `sandbox run` made one, else bwrap's own
-    tmp = ["--bind", str(spec.tmp_dir), TMP] if spec.tmp_dir is not None else ["--tmpfs", TMP]
+    tmp = ["--bind-fd", str(tmp_fd), TMP] if tmp_fd is not None else ["--tmpfs", TMP]
     cmd.args += ["--proc", "/proc", "--dev", "/dev", *tmp, "--tmpfs", "/run"]
     if sandbox.get("root_fs") == "read_write":
         for scratch in ("/var/tmp", "/home"):  # noqa: S108 - fresh tmpfs mounts inside the sandbox
@@ -211,6 +211,7 @@ class NetnsAdapter:
         self.stdio: dict[str, int] = {}  # Popen stdin/stdout (`mcp run` pipes them through its relay)
         self._cmd: BwrapCommand | None = None
         self._ws_fd: int | None = None
+        self._tmp_fd: int | None = None  # the run's bounded /tmp (diskfs.py), bound by fd like the workspace
         self._bwrap = BWRAP
 
     def prepare(self, spec: RunSpec) -> None:
@@ -226,7 +227,9 @@ class NetnsAdapter:
         ws_path = ((spec.policy.get("sandbox") or {}).get("workspace") or {}).get("path")
         for mount_point in (os.path.dirname(CA_PATH_IN_SANDBOX), ws_path if self._ws_fd is not None else None):
             ensure_mount_point(mount_point)
-        self._cmd = build_command(spec, self._ws_fd)
+        if spec.tmp_dir is not None:
+            self._tmp_fd = os.open(spec.tmp_dir, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        self._cmd = build_command(spec, self._ws_fd, self._tmp_fd)
         self._bwrap = shutil.which(BWRAP) or BWRAP  # found on the caller's PATH: bwrap itself gets no env
 
     def netns_path(self) -> str:
@@ -265,7 +268,7 @@ class NetnsAdapter:
         self._keyctl = libc.syscall
         self._nr_keyctl = next(s.nr for s in REFUSED if s.name == "keyctl")[ARCH_INDEX[platform.machine()]]
         self._parent = os.getpid()
-        fds = [*self._cmd.fds, *([self._ws_fd] if self._ws_fd is not None else [])]
+        fds = [*self._cmd.fds, *(fd for fd in (self._ws_fd, self._tmp_fd) if fd is not None)]
         try:
             # env={}: bwrap runs as the sandbox uid, so its /proc/<pid>/environ is readable by that uid; the
             # caller's environment (cloud keys, tokens) must not sit there (the workload's comes by fd)
@@ -304,9 +307,10 @@ class NetnsAdapter:
                 self.proc.wait(timeout=10)
         if self._cmd is not None:
             self._cmd.close()
-        if self._ws_fd is not None:
-            os.close(self._ws_fd)
-            self._ws_fd = None
+        for fd in (self._ws_fd, self._tmp_fd):
+            if fd is not None:
+                os.close(fd)
+        self._ws_fd = self._tmp_fd = None
         if self.ns is not None:
             delete_netns(self.ns)
             self.ns = None
