@@ -41,13 +41,19 @@ DEFAULT_TMP_MAX_BYTES = 256 * MiB  # sandbox.tmp.max_bytes when the policy does 
 IMAGE = ".egressgate-workspace.ext4"
 BYTES_PER_INODE = 4096  # inodes per byte of limit (an inode flood is bounded like the bytes)
 MIN_INODES = 1024
-FULL_SLACK_BLOCKS = 16  # free blocks at or under which a bounded workspace counts as full (full())
 MS_NOSUID, MS_NODEV, MNT_DETACH = 2, 4, 2
 SOURCE_RE = re.compile(r"^egressgate-(ws|tmp)-([0-9a-f]{10})$")
 
 
 class DiskLimitError(RuntimeError):
     """A bounded file system could not be set up: the run must not start without it."""
+
+
+def full_slack(size: int, block: int) -> int:
+    """Free bytes under which a bounded workspace counts as full: min(2 MiB, max(16 blocks, size / 32)).
+    Why not 0: ext4 refuses a write that needs a whole (large) folio while blocks are still free (a 2 MiB
+    image refused a 64 KiB write with 54 KiB free; folios go up to 2 MiB), so "full" must allow for that."""
+    return min(2 * MiB, max(16 * block, size // 32))
 
 
 def nr_inodes(max_bytes: int) -> int:
@@ -196,16 +202,14 @@ class DiskLimits:
                 target.unlink()
 
     def full(self) -> bool:
-        """The bounded workspace is at its limit: at most FULL_SLACK_BLOCKS blocks (ext4 refuses a write while
-        it keeps a few blocks for the extent tree: 2 were left when a 1 MB image refused the next 64 KiB) or no
-        inode left for the workload."""
+        """The bounded workspace is at its limit: no inode left, or less free space than `full_slack`."""
         if self.workspace_mount is None:
             return False
         try:
             st = os.statvfs(self.workspace_mount)
         except OSError:
             return False
-        return st.f_bavail <= FULL_SLACK_BLOCKS or st.f_favail == 0
+        return st.f_bavail * st.f_frsize < full_slack(st.f_blocks * st.f_frsize, st.f_frsize) or st.f_favail == 0
 
     def watch(self, on_full: Callable[[], None], interval: float = 0.1) -> FullWatch | None:
         if self.workspace_mount is None:
@@ -292,9 +296,20 @@ def release_entry(run_id: str, state_dir: Path, entry: dict) -> list[str]:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     subprocess.run(["losetup", "-d", dev], capture_output=True, check=False, timeout=30)
         time.sleep(0.02)
-    if loops_of(img):
+    pending = [dev for dev in loops_of(img) if not _autoclear(dev)]
+    if pending or (loops_of(img) and mounted(target) is not None):
         problems.append(f"loop device still attached to {img}")
+    # an autoclear device whose file system is unmounted here but still held by another mount namespace
+    # (a container's, removed asynchronously by its runtime) frees itself once that namespace goes; until
+    # then the next run on this workspace is refused ("in use"), never mounted twice
     return problems
+
+
+def _autoclear(dev: str) -> bool:
+    try:
+        return Path(f"/sys/block/{Path(dev).name}/loop/autoclear").read_text().strip() == "1"
+    except OSError:
+        return False
 
 
 def orphans(state_dir: Path, live: set[str]) -> list[str]:

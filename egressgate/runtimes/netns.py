@@ -43,6 +43,7 @@ from pathlib import Path
 
 from egressgate.runtimes import records
 from egressgate.runtimes.base import CA_PATH_IN_SANDBOX, SANDBOX_UID, ExitInfo, Limit, RunSpec
+from egressgate.runtimes.diskfs import DEFAULT_TMP_MAX_BYTES
 from egressgate.runtimes.seccomp import ARCH_INDEX, REFUSED, no_unix_sockets
 
 NETNS_PREFIX = "egressgate-"
@@ -157,8 +158,10 @@ def build_command(spec: RunSpec, workspace_fd: int | None, tmp_fd: int | None = 
     if ws_path and workspace_fd is not None:
         cmd.make_room(ws_path)
     cmd.emit_rooms()
-    # /tmp: the run's size-bounded tmpfs (diskfs.py) when `sandbox run` made one, else bwrap's own
-    tmp = ["--bind-fd", str(tmp_fd), TMP] if tmp_fd is not None else ["--tmpfs", TMP]
+    # /tmp: the run's size- and inode-bounded tmpfs (diskfs.py) when `sandbox run` could make one the sandbox
+    # uid reaches, else bwrap's own tmpfs of the same size (inodes then bounded by memory only)
+    tmp_bytes = str((sandbox.get("tmp") or {}).get("max_bytes") or DEFAULT_TMP_MAX_BYTES)
+    tmp = ["--bind-fd", str(tmp_fd), TMP] if tmp_fd is not None else ["--size", tmp_bytes, "--tmpfs", TMP]
     cmd.args += ["--proc", "/proc", "--dev", "/dev", *tmp, "--tmpfs", "/run"]
     if sandbox.get("root_fs") == "read_write":
         for scratch in ("/var/tmp", "/home"):  # noqa: S108 - fresh tmpfs mounts inside the sandbox

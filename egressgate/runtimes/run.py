@@ -222,7 +222,11 @@ class Run:
                 else:
                     self.disks.persistent_workspace(workspace, int(max_bytes), SANDBOX_UID)
             if self.req.runtime == "netns":
-                return self.disks.tmp(int((sandbox.get("tmp") or {}).get("max_bytes") or DEFAULT_TMP_MAX_BYTES))
+                from egressgate.runtimes.workload import unreachable_parent
+
+                self.info.state_dir.chmod(0o711)  # traversable (not listable) by the sandbox uid; records 0700
+                if unreachable_parent(self.info.state_dir / "tmp") is None:  # else netns: bwrap --size tmpfs
+                    return self.disks.tmp(int((sandbox.get("tmp") or {}).get("max_bytes") or DEFAULT_TMP_MAX_BYTES))
         except DiskLimitError as exc:
             raise SetupFailed(str(exc)) from None
         return None
