@@ -17,6 +17,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from egressgate.audit.config import AuditSinkConfig
 from egressgate.broker.config import BrokerConfig
 from egressgate.dns.config import DnsConfig
+from egressgate.runtimes.identity import DEFAULT_UID_RANGE, parse_range
 from egressgate.safeyaml import YamlError, load_yaml
 from egressgate.state.config import StateConfig
 
@@ -184,6 +185,15 @@ class RuntimeSection(_Strict):
     # the Docker daemon of `--runtime docker|gvisor` (unix:///path only: runtimes/dockerapi.py talks to a
     # local daemon over its socket); None: the DOCKER_HOST of `sandbox run`, else unix:///var/run/docker.sock
     docker_host: str | None = None
+    # each run's own host uid/gid (inclusive "FIRST-LAST"; runtimes/identity.py): never the host's own
+    # ids 0-65535; gateways sharing a host need disjoint ranges
+    uid_range: str = DEFAULT_UID_RANGE
+
+    @field_validator("uid_range")
+    @classmethod
+    def _uid_range(cls, value: str) -> str:
+        parse_range(value)  # ValueError names runtime.uid_range and the problem
+        return value
 
     @field_validator("docker_host")
     @classmethod

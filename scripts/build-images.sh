@@ -21,7 +21,11 @@ PYTHON=${PYTHON:-$ROOT/.venv/bin/python}
 SUITE=${SUITE:-trixie}
 TAG=${TAG:-0.1.0}
 OUT=$ROOT/build/images
-mkdir -p "$OUT/dirs"
+# What costs the time of a first build (the mmdebstrap base tar, pip's site dir) is also kept per machine, so
+# a fresh clone on a machine that built once (CI runs in a new clone) copies instead of rebuilding. Inputs
+# only: the images are still built from the tree every time.
+CACHE=${EGRESSGATE_IMAGE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/egressgate/images}
+mkdir -p "$OUT/dirs" "$CACHE"
 if [ -z "${MIRROR:-}" ]; then
   # the first Debian archive of the machine's apt sources (not -security, not a third-party repository)
   MIRROR=$( (grep -rhoE '^(URIs:|deb) +https?://[^ ]+' /etc/apt/sources.list /etc/apt/sources.list.d/ 2>/dev/null || true) \
@@ -34,6 +38,9 @@ py_minor=$("$PYTHON" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_
 # 1. base (in the background; waited for before its Python version is checked)
 build_base() {
   if ! "$DOCKER" image inspect "egressgate-base:$SUITE" >/dev/null 2>&1; then
+    if [ ! -s "$OUT/base-$SUITE.tar" ] && [ -s "$CACHE/base-$SUITE.tar" ]; then
+      cp "$CACHE/base-$SUITE.tar" "$OUT/base-$SUITE.tar.part" && mv "$OUT/base-$SUITE.tar.part" "$OUT/base-$SUITE.tar"
+    fi
     if [ ! -f "$OUT/base-$SUITE.tar" ] || [ ! -s "$OUT/base-$SUITE.tar" ]; then
       # --format=tar: mmdebstrap guesses the format from the file name, and `.part` is no tar name (it
       # would build a directory); a directory left by such a run is removed first
@@ -41,6 +48,7 @@ build_base() {
       mmdebstrap --quiet --format=tar --variant=essential --include=python3,ca-certificates,curl,redis-server \
         "$SUITE" "$OUT/base-$SUITE.tar.part" "$MIRROR"
       mv "$OUT/base-$SUITE.tar.part" "$OUT/base-$SUITE.tar"
+      cp "$OUT/base-$SUITE.tar" "$CACHE/base-$SUITE.tar.part" && mv "$CACHE/base-$SUITE.tar.part" "$CACHE/base-$SUITE.tar"
     fi
     "$DOCKER" import -c 'ENV PATH=/usr/sbin:/usr/bin:/sbin:/bin' "$OUT/base-$SUITE.tar" "egressgate-base:$SUITE" >/dev/null
   fi
@@ -59,8 +67,13 @@ PY
 stamp=$(printf '%s\n' "$deps" | sha256sum | cut -c1-16)-$py_minor
 if [ "$(cat "$OUT/site.stamp" 2>/dev/null)" != "$stamp" ]; then
   rm -rf "$OUT/site" "$OUT/site.part"
-  mapfile -t reqs <<<"$deps"
-  "$PYTHON" -m pip install --quiet --disable-pip-version-check --no-compile --target "$OUT/site.part" "${reqs[@]}"
+  if [ "$(cat "$CACHE/site.stamp" 2>/dev/null)" = "$stamp" ] && [ -d "$CACHE/site" ]; then
+    cp -a "$CACHE/site" "$OUT/site.part"
+  else
+    mapfile -t reqs <<<"$deps"
+    "$PYTHON" -m pip install --quiet --disable-pip-version-check --no-compile --target "$OUT/site.part" "${reqs[@]}"
+    rm -rf "$CACHE/site" "$CACHE/site.stamp" && cp -a "$OUT/site.part" "$CACHE/site" && echo "$stamp" > "$CACHE/site.stamp"
+  fi
   mv "$OUT/site.part" "$OUT/site"
   echo "$stamp" > "$OUT/site.stamp"
 fi

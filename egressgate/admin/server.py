@@ -86,6 +86,7 @@ def sandbox_env(proxy_host: str, proxy_port: int, sandbox_id: str, token: str, b
 
 
 OUTCOME_LIMITS = ("memory", "pids", "wall_time", "workspace_bytes")
+OUTCOME_SETID_MAX = 100  # runtimes/setid.py MAX_REPORTED: set-id files stripped from the workspace at teardown
 OUTCOME_RUNTIMES = ("netns", "docker", "gvisor", "unknown")
 OUTCOME_DROPS = ("ipv6", "spoofed", "not_tcp_udp", "udp", "tcp", "other")  # runtimes/nftables.py DROP_COUNTERS
 
@@ -100,9 +101,9 @@ def run_outcome(body: dict) -> dict[str, object]:
     if not isinstance(raw, dict):
         raise BodyError(400, "invalid_request", "outcome: an object")
     ints = ("exit_code", "status", "signal", "duration_ms")
-    if set(raw) - {"runtime", "limit", "ended_by", "dropped", *ints}:
+    if set(raw) - {"runtime", "limit", "ended_by", "dropped", "setid_stripped", *ints}:
         raise BodyError(400, "invalid_request",
-                        f"outcome keys: runtime, limit, ended_by, dropped, {', '.join(ints)}")
+                        f"outcome keys: runtime, limit, ended_by, dropped, setid_stripped, {', '.join(ints)}")
     if raw.get("runtime") not in OUTCOME_RUNTIMES:
         raise BodyError(400, "invalid_request", f"outcome.runtime: one of {', '.join(OUTCOME_RUNTIMES)}")
     if raw.get("limit") is not None and raw["limit"] not in OUTCOME_LIMITS:
@@ -117,6 +118,11 @@ def run_outcome(body: dict) -> dict[str, object]:
     if (not isinstance(dropped, dict) or set(dropped) - set(OUTCOME_DROPS)
             or not all(type(v) is int and 0 <= v < 2**53 for v in dropped.values())):
         raise BodyError(400, "invalid_request", f"outcome.dropped: counts by {', '.join(OUTCOME_DROPS)}")
+    setid = raw.get("setid_stripped")
+    if setid is not None and (not isinstance(setid, list) or not 0 < len(setid) <= OUTCOME_SETID_MAX or not all(
+            isinstance(p, str) and 0 < len(p) <= 4096 and "\0" not in p for p in setid)):
+        raise BodyError(400, "invalid_request", f"outcome.setid_stripped: null or 1-{OUTCOME_SETID_MAX} "
+                                                "workspace-relative paths")
     out: dict[str, object] = {f"egressgate.run.{key}": value for key, value in raw.items()
                               if value is not None and key != "dropped"}
     out.update({f"egressgate.run.dropped.{key}": value for key, value in dropped.items()})

@@ -22,13 +22,12 @@ import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from egressgate.audit import writerlock
 from egressgate.audit.chain import KIND_FINAL, KIND_PERIODIC, ChainWriter
 from egressgate.audit.checkpointer import Checkpointer
 from egressgate.audit.event import AuditEvent, AuditUnavailable
-from egressgate.audit.exporter import OtlpHttpExporter
 from egressgate.audit.filewatch import rotated_name
 from egressgate.audit.inline import WriteMixin
 from egressgate.audit.record import Record, record_from_event
@@ -36,6 +35,9 @@ from egressgate.audit.signer import Signer
 from egressgate.audit.spool import RetrySpool
 from egressgate.audit.trail import WAKE as _WAKE
 from egressgate.audit.trail import TrailMixin
+
+if TYPE_CHECKING:  # the OpenTelemetry SDK loads only when an OTLP endpoint is configured
+    from egressgate.audit.exporter import OtlpHttpExporter
 
 log = logging.getLogger(__name__)
 

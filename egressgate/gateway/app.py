@@ -27,7 +27,6 @@ from egressgate.audit.build import build
 from egressgate.audit.config import open_audit_sink
 from egressgate.audit.event import EventKind
 from egressgate.audit.signer import Signer
-from egressgate.broker.signer import TransitSigner
 from egressgate.config import ConfigError, GatewayConfig, parse_listen
 from egressgate.dns import DnsServer
 from egressgate.gateway import ca, mitm_hotpaths, reconcile, typecheck, varlock
@@ -207,6 +206,8 @@ async def audit_signer(cfg: GatewayConfig, broker) -> Signer | None:
         return None  # open_audit_sink loads or creates the local key
     if broker is None or getattr(broker.backend, "name", None) != "vault":
         raise ConfigError("audit.signer: vault needs broker.backend: vault")
+    from egressgate.broker.signer import TransitSigner  # hvac loads only with a Vault broker (~0.1 s a start)
+
     try:
         return await TransitSigner.create(broker.backend, cfg.audit.transit_key)
     except Exception as exc:
@@ -222,7 +223,7 @@ def write_runtime_file(cfg: GatewayConfig, info: dict, audit_file: str | None = 
     tmp = path.with_suffix(".tmp")
     audit = audit_file or (str(cfg.audit_path().absolute()) if cfg.audit_path() is not None else None)
     settings = {"runtime": {"subnet": cfg.runtime.subnet, "state_dir": str(Path(cfg.runtime.state_dir).absolute()),
-                            "docker_host": cfg.runtime.docker_host},
+                            "docker_host": cfg.runtime.docker_host, "uid_range": cfg.runtime.uid_range},
                 "admin_token_file": str(cfg.admin_token_path().absolute()),
                 "audit_file": audit}
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

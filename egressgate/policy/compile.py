@@ -18,6 +18,7 @@ from egressgate.policy.canon import CanonError, canon_method, parse_ip_literal
 from egressgate.policy.errors import PolicyError
 from egressgate.policy.execution import approval_kinds
 from egressgate.policy.facts import SandboxState
+from egressgate.policy.filesystem import filesystem_problems
 from egressgate.policy.globs import (
     DenyGlob,
     GlobError,
@@ -207,7 +208,7 @@ def compile_policy(model: Policy, source: str, policy_hash: str) -> CompiledPoli
     policy.has_passthrough = any(r.passthrough for r in policy.rules)
     policy.approval_kinds = approval_kinds(model.execution, problems)
     policy.mcp = compile_mcp(model.mcp, policy, problems)
-    problems.extend((*_credential_problems(policy), *passthrough_problems(policy)))
+    problems.extend((*_credential_problems(policy), *passthrough_problems(policy), *filesystem_problems(model)))
     if problems:
         raise PolicyError(source, problems)
     return policy

@@ -34,8 +34,11 @@ class Limit(enum.StrEnum):
 
 # where every runtime mounts the sandbox CA bundle (read-only); admission's CA variables point here
 CA_PATH_IN_SANDBOX = "/etc/egressgate/ca.pem"
-# the workload's uid/gid on the host (netns) and in containers: never root, so files the host keeps
-# owner-readable (keys, /etc/shadow) stay unreadable even where a path is not masked
+# `nobody`: the uid/gid a netns workload SEES itself as inside its user namespace (every /etc/passwd
+# knows it), and the host uid of a RunSpec built outside `sandbox run` (adapter tests). `sandbox run`
+# gives every run its own HOST uid/gid from runtime.uid_range (runtimes/identity.py, RunSpec.uid): never
+# root, so owner-only host files stay unreadable, and never another sandbox's, so sandboxes cannot read,
+# signal or trace each other
 SANDBOX_UID = 65534
 
 # `sandbox run` exits with the workload's status (128+N when a signal N killed it) unless one of these
@@ -87,6 +90,8 @@ class RunSpec(NamedTuple):
     labels: Mapping[str, str] = MappingProxyType({})  # read-only: a NamedTuple default is shared
     state_dir: Path = Path("/run/egressgate")  # run records, barrier files, generated resolv.conf/hosts
     tmp_dir: Path | None = None  # netns: host dir of the run's bounded /tmp tmpfs (diskfs.py), bound at /tmp
+    uid: int = SANDBOX_UID  # the workload's HOST uid and gid: the run's own, from runtime.uid_range
+    gid: int = SANDBOX_UID
 
 
 class ExitInfo(NamedTuple):

@@ -6,15 +6,19 @@ of a fixed size makes every allocated block and inode count, and the workload ge
 
 * Temporary workspace (no --workspace): a tmpfs mounted by `sandbox run` (as root, before the sandbox starts)
   on `state_dir/workspaces/<run_id>`, `size=max_bytes`, `nr_inodes` bounded, `nosuid,nodev`, owned by the
-  sandbox uid. The cheap path (one mount(2), no disk I/O). Its pages are memory: charged to the writer's
-  memory cgroup.
+  run's own uid/gid (RunSpec.uid, runtimes/identity.py). The cheap path (one mount(2), no disk I/O). Its
+  pages are memory: charged to the writer's memory cgroup.
 * Persistent workspace (--workspace DIR): an ext4 image `DIR/.egressgate-workspace.ext4` of exactly max_bytes
   (the host never holds more than that for it), loop-mounted on DIR for the duration of the run only. The
   workspace's content lives in the image; DIR itself holds only the image between runs (root-owned, so no
-  local user can swap it). Created on the first bounded run from what DIR held (`mke2fs -d`: fifos, devices
-  and symlinks are copied as such, never opened or followed), which is then removed from DIR.
-* The sandbox's /tmp (netns runtime): a tmpfs like the temporary workspace, on `state_dir/tmp/<run_id>`,
-  bound into the sandbox; docker and gVisor get `--tmpfs /tmp:size=...,nr_inodes=...` (tmpfs_options).
+  local user can swap it). The image's root and what earlier runs made in it change hands like any
+  persistent workspace's (workload.prepare_workspace at start, release_workspace and the set-id strip at
+  the end), on the MOUNTED content: after the mount, before the unmount. Created on the first bounded run
+  from what DIR held (`mke2fs -d`: fifos, devices and symlinks are copied as such, never opened or
+  followed), which is then removed from DIR.
+* The sandbox's /tmp (netns runtime): a tmpfs like the temporary workspace (mode 1777, owned by the run's
+  uid/gid), on `state_dir/tmp/<run_id>`, bound into the sandbox's allowlist root (sandbox_fs.py); docker
+  and gVisor get `--tmpfs /tmp:size=...,nr_inodes=...` (tmpfs_options).
 
 Every mount is named in the run record before it exists (`disk_mounts`), so the watchdog or `sandbox gc`
 unmounts it after a SIGKILL; image mounts use loop devices with autoclear (freed by the unmount), and gc
@@ -140,15 +144,16 @@ class DiskLimits:
         mount_tmpfs(path, source, max_bytes, uid, uid, 0o700)
         self.workspace_mount = path
 
-    def tmp(self, max_bytes: int) -> Path:
-        """A bounded /tmp for the sandbox (mode 1777 like any /tmp); returns its host directory."""
+    def tmp(self, max_bytes: int, uid: int, gid: int) -> Path:
+        """A bounded /tmp for the sandbox (mode 1777 like any /tmp, owned by the run's uid/gid); returns its
+        host directory."""
         parent = self.state_dir / "tmp"
         parent.mkdir(mode=0o711, exist_ok=True)
         path = parent / self.run_id
         path.mkdir(mode=0o700)
         source = f"egressgate-tmp-{self.run_id}"
         self._record({"target": str(path), "source": source, "image": None})
-        mount_tmpfs(path, source, max_bytes, 0, 0, 0o1777)
+        mount_tmpfs(path, source, max_bytes, uid, gid, 0o1777)
         return path
 
     def persistent_workspace(self, path: Path, max_bytes: int, uid: int) -> None:

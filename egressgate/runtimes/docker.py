@@ -11,9 +11,10 @@ Nothing of the image runs before the file exists, and only root on the host can 
 Isolation (each rule enforced here, in the containers/create request of the Engine API, sent over the
 daemon's unix socket by runtimes/dockerapi.py; no docker CLI is forked):
 * NetworkMode `none`: the container's namespace has only `lo` until the plumbing adds its veth;
-* CapDrop ALL, SecurityOpt no-new-privileges, User 65534:65534, Init: no capability (no raw
-  sockets, no route or nftables changes), setuid binaries do not raise privileges, never root, and a
-  PID 1 that forwards signals and reaps;
+* CapDrop ALL, SecurityOpt no-new-privileges, User <the run's own uid>:<gid> (RunSpec.uid, from
+  runtime.uid_range; no user-namespace remapping, so host-visible files in the bound workspace are owned
+  per sandbox), Init: no capability (no raw sockets, no route or nftables changes), setuid binaries do
+  not raise privileges, never root, never another sandbox's uid, and a PID 1 that forwards signals and reaps;
 * SecurityOpt seccomp=<the profile of seccompjson.py> instead of the daemon's default: socket families
   by allowlist (no vsock), no io_uring, bpf, keyrings, ptrace, namespaces (the netns runtime's table);
   runc gives the container a new session keyring of its own (the caller's is not reachable);
@@ -40,8 +41,8 @@ import threading
 import time
 from pathlib import Path
 
-from egressgate.runtimes import dockermasks, records, seccompjson
-from egressgate.runtimes.base import CA_PATH_IN_SANDBOX, SANDBOX_UID, ExitInfo, Limit, RunSpec
+from egressgate.runtimes import dockermasks, records, sandbox_fs, seccompjson
+from egressgate.runtimes.base import CA_PATH_IN_SANDBOX, ExitInfo, Limit, RunSpec
 from egressgate.runtimes.diskfs import DEFAULT_TMP_MAX_BYTES, tmpfs_options
 from egressgate.runtimes.dockerapi import (
     DEFAULT_DOCKER_HOST,
@@ -162,7 +163,7 @@ class DockerAdapter:
             bind(run_dir / "hosts", "/etc/hosts"),
         ]
         config: dict = {
-            "Image": spec.image, "Hostname": hostname, "User": f"{SANDBOX_UID}:{SANDBOX_UID}", "Env": env,
+            "Image": spec.image, "Hostname": hostname, "User": f"{spec.uid}:{spec.gid}", "Env": env,
             "Labels": {LABEL: spec.run_id, "egressgate.sandbox": spec.sandbox_id},
             "Entrypoint": [f"{INSIDE}/busybox"],
             "Cmd": ["sh", "-c", HOLD, "egressgate-hold", *spec.command],
@@ -182,9 +183,15 @@ class DockerAdapter:
                 raise DockerError("a workspace was given but the policy has no sandbox.workspace.path")
             mounts.append(bind(spec.workspace, ws_path, readonly=False))
             config["WorkingDir"] = ws_path
+        trees = [(spec.workspace, ws_path)] if spec.workspace is not None and ws_path else []
+        for path, writable in sandbox_fs.host_allow_entries(spec.policy):  # the policy's host paths
+            source = os.path.realpath(path)
+            sandbox_fs.check_no_channel(source)  # no host socket, device or FIFO (exit 120)
+            if os.path.exists(source):
+                mounts.append(bind(Path(source), path, readonly=not writable))
+                trees.append((Path(source), path))
         deny = list(dict.fromkeys([*ALWAYS_MASKED, *((spec.policy.get("filesystem") or {}).get("deny") or [])]))
-        ws = (spec.workspace, ws_path) if spec.workspace is not None and ws_path else None
-        kinds = dockermasks.kinds(self.api, spec.image or "", deny, self.oci_runtime, spec.state_dir, ws)
+        kinds = dockermasks.kinds(self.api, spec.image or "", deny, self.oci_runtime, spec.state_dir, trees)
         mounts += dockermasks.mounts(kinds, run_dir)
         if self.oci_runtime:
             host["Runtime"] = self.oci_runtime
@@ -322,7 +329,8 @@ class GvisorAdapter(DockerAdapter):
         processes through). gVisor's kernel does enforce RLIMIT_NPROC for the sandbox's own processes
         (verified: nproc=16 stops a fork loop at 15), and the workload cannot raise a hard limit (no
         CAP_SYS_RESOURCE), so `pids_max` becomes `--ulimit nproc=N:N` here. (Under runc that limit
-        would count every host process of uid 65534, hence --pids-limit there.)"""
+        would count every host process of the container's uid (per run now, but a cgroup counts exactly the
+        container), hence --pids-limit there.)"""
         flags = super().limit_flags(resources)
         if "--pids-limit" in flags:
             i = flags.index("--pids-limit")

@@ -8,8 +8,8 @@ add to them, so the image is asked once instead: a throwaway container (no netwo
 read-only, our static busybox as the only program run) stats the paths. The answer is cached by image
 ID + runtime + paths under the state dir, so only the first run of an image pays for it (~0.3 s); later
 runs pay one image lookup over the socket (~1 ms). A path the image does not have needs no mask on a
-read-only root (the workload cannot create it); paths inside the workspace are judged on the host,
-where they live.
+read-only root (the workload cannot create it); paths inside the workspace or a `filesystem.allow` bind
+are judged on the host, where they live.
 """
 
 from __future__ import annotations
@@ -35,8 +35,10 @@ def _under(path: str, root: str | None) -> bool:
 
 
 def kinds(api: DockerAPI, image: str, paths: list[str], oci_runtime: str | None, state_dir: Path,
-          workspace: tuple[Path, str] | None = None) -> dict[str, str]:
-    """path → "dir" | "file" | "absent" for every path (see the module docstring)."""
+          host_trees: list[tuple[Path, str]] | None = None) -> dict[str, str]:
+    """path → "dir" | "file" | "absent" for every path (see the module docstring). `host_trees`: (host
+    path, container path) of every host bind (the workspace, `filesystem.allow` paths): a denied path
+    inside one is judged on the host (the innermost tree wins)."""
     from egressgate.runtimes.docker import BUSYBOX
 
     out: dict[str, str] = {}
@@ -44,8 +46,9 @@ def kinds(api: DockerAPI, image: str, paths: list[str], oci_runtime: str | None,
     for path in paths:
         if not PurePosixPath(path).is_absolute():
             raise DockerError(f"filesystem.deny path {path!r} is not absolute")
-        if workspace is not None and _under(path, workspace[1]):
-            host_path = workspace[0] / os.path.relpath(path, workspace[1])
+        tree = max((t for t in host_trees or [] if _under(path, t[1])), key=lambda t: len(t[1]), default=None)
+        if tree is not None:
+            host_path = tree[0] / os.path.relpath(path, tree[1])
             out[path] = "dir" if host_path.is_dir() else "file" if host_path.exists() else "absent"
         else:
             probe.append(path)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from egressgate.runtimes.base import GatewayEndpoints
+from egressgate.runtimes.identity import MIN_UID, parse_range
 
 
 class GatewayNotRunning(RuntimeError):
@@ -29,6 +30,7 @@ class GatewayInfo(NamedTuple):  # not a dataclass: start-up budget (runtimes/bas
     admin_token_file: Path
     audit_file: Path | None  # the local audit file, None when audit goes only to a collector
     docker_host: str | None = None  # runtime.docker_host: the daemon of --runtime docker|gvisor
+    uid_range: tuple[int, int] = (MIN_UID, 99999)  # runtime.uid_range: each run's own host uid/gid
 
 
 def split_hostport(value: str) -> tuple[str, int]:
@@ -72,6 +74,7 @@ def load(var_dir: Path) -> GatewayInfo:
             admin_token_file=Path(data["admin_token_file"]),
             audit_file=Path(data["audit_file"]) if data.get("audit_file") else None,
             docker_host=str(runtime["docker_host"]) if runtime.get("docker_host") else None,
+            uid_range=parse_range(runtime["uid_range"]),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise GatewayNotRunning(f"{path} lacks {exc} (written by an older gateway? restart it)") from None

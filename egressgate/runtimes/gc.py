@@ -1,12 +1,13 @@
 """`egressgate sandbox gc`: remove what runs killed with SIGKILL left behind.
 
-Two passes. (1) Run records (`state_dir/runs/*.json`) whose `sandbox run` (owner_pid) is dead: every
-object the record names is removed (processes in its namespace and cgroups killed first), its sandbox is
-revoked on the gateway (when reachable), then the record. (2) Orphans no record claims: product-named
-objects (`egressgate-<id>` netns, `egressgate_<id>` nft tables, `egh<id>` veths, `egressgate/<id>`
-cgroups) whose run id no live record holds. Only exact product names (`<id>` = 10 hex digits) are ever
-touched, and an orphan netns or cgroup must be older than `grace` seconds and empty of processes, so a
-run that is being set up right now (its record may live in another state dir) is never broken.
+Two passes. (1) Run records (`state_dir/runs/*.json`) whose `sandbox run` (owner_pid) is dead: every object
+the record names is removed (processes in its namespace, cgroups and of its uid killed first, its persistent
+workspace given back to root), its sandbox is revoked on the gateway (when reachable), then the record, which
+frees its address slot and uid. (2) Orphans no record claims: product-named objects (`egressgate-<id>` netns,
+`egressgate_<id>` nft tables, `egh<id>` veths, `egressgate/<id>` cgroups) whose run id no live record holds.
+Only exact product names (`<id>` = 10 hex digits) are ever touched, and an orphan netns or cgroup must be
+older than `grace` seconds and empty of processes, so a run that is being set up right now (its record may
+live in another state dir) is never broken.
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from egressgate.runtimes import endpoints, nftables, records
+from egressgate.runtimes import endpoints, identity, nftables, records
 from egressgate.runtimes.netns import NETNS_PREFIX, delete_netns
 from egressgate.runtimes.plumbing import delete_link
+from egressgate.runtimes.workload import release_workspace
 
 DEFAULT_STATE_DIR = Path("/run/egressgate")
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -150,7 +152,16 @@ def clean_record(record: dict[str, Any], state_dir: Path | None = None) -> list[
             hook = getattr(importlib.import_module(module), "gc_record", None)
             if hook is not None:
                 removed += hook(record)
-    if record.get("disk_mounts") and state_dir is not None:  # after the kills and the container removal
+    # the run's own uid (runtimes/identity.py): whatever still runs as it is a leftover of this run; its
+    # persistent workspace goes back to root, so the run that gets the uid next cannot read it. Before the
+    # bounded file systems are unmounted: a bounded workspace's content is the mounted image's
+    uid = record.get("uid")
+    if isinstance(uid, int) and not isinstance(uid, bool) and uid >= identity.MIN_UID:
+        if identity.kill_uid(uid):
+            removed.append(f"processes of uid {uid}")
+        if record.get("workspace") and release_workspace(Path(str(record["workspace"])), uid):
+            removed.append(f"workspace {record['workspace']} given back to root")
+    if record.get("disk_mounts") and state_dir is not None:  # after the kills, the container removal, the chown
         from egressgate.runtimes import diskfs
 
         for entry in reversed(record["disk_mounts"]):

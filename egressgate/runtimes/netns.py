@@ -6,25 +6,30 @@ it (setns in the child before exec), so the workload never runs without its only
 does NOT get --unshare-net: the namespace it must use is the prepared one.
 
 Isolation (each line is a rule enforced here):
-* the workload runs as uid/gid 65534 on the host, in a new user namespace, with every capability dropped
+* the workload runs as the run's own host uid/gid (RunSpec.uid, runtimes/identity.py; it sees itself as
+  65534 `nobody` inside its new user namespace), with every capability dropped
   (no CAP_NET_RAW: no raw sockets; no CAP_NET_ADMIN: the namespace's routes and nftables stay as set;
   no CAP_DAC_OVERRIDE: mode-000 masks and owner-only host files are unreadable);
-* the host root is mounted read-only; directories that must hold a new mount point (the workspace,
-  /etc/egressgate) are rebuilt as read-only tmpfs with the host's entries bound back;
+* the file tree is built from an allowlist (sandbox_fs.py), not the host root: /usr, /bin, /lib*, /sbin
+  and a few /etc entries read-only, generated passwd/group, the workspace, the policy's host
+  `filesystem.allow` paths; nothing else of the host exists inside (no other workspace, /home, /root,
+  /opt, /srv, /var, host sockets); every bind is nosuid,nodev; the root is read-only;
 * new pid, ipc, uts (and cgroup, where possible) namespaces, a new session (no TIOCSTI into the
   caller's terminal), killed with `sandbox run` (--die-with-parent);
-* /proc of the new pid namespace, a minimal /dev, tmpfs /tmp and /run (no /run/netns, no run records,
-  no docker.sock), the workspace read-write at sandbox.workspace.path;
-* `filesystem.deny` paths and the docker sockets are masked by mode-000 read-only files/directories;
+* /proc of the new pid namespace, a minimal /dev, tmpfs /run (no /run/netns, no run records, no
+  docker.sock), a size- and inode-bounded tmpfs /tmp (sandbox.tmp.max_bytes, diskfs.py), the workspace
+  read-write at sandbox.workspace.path;
+* `filesystem.deny` paths inside a visible tree are masked by mode-000 read-only files/directories;
 * /etc/resolv.conf (`nameserver <host_ip>`), /etc/hosts and the CA bundle are generated read-only
-  copies (data passed by fd: no host path has to be reachable by uid 65534);
+  copies (data passed by fd: no host path has to be reachable by the sandbox uid);
 * the environment is exactly RunSpec.env (`--clearenv`), handed to bwrap in a memfd (`--args FD`), never on
   a command line (/proc/<pid>/cmdline is world-readable; the env holds the token and phantoms); bwrap itself
   gets an empty environment (it runs as the sandbox uid: its /proc/<pid>/environ must hold nothing of the
   caller's);
 * socket families by allowlist (no AF_UNIX socket(2), no vsock, packet, netlink beyond NETLINK_ROUTE),
-  no io_uring, bpf, keyrings, ptrace, namespaces; native ABI only (seccomp.py): a host Unix socket on
-  the read-only root or the hypervisor's vsock is not a way out;
+  no io_uring, bpf, keyrings, ptrace, namespaces; native ABI only (seccomp.py): a host Unix socket (none is
+  in the tree; one created later in an allowed tree) or the hypervisor's vsock is not a way out;
+  no set-id mode can be set (seccomp.SETID_MODE);
 * a new, empty session keyring (joined in the child before bwrap starts): the caller's session keys
   are not the workload's (and the keyring syscalls are refused anyway).
 """
@@ -39,9 +44,8 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable
-from pathlib import Path
 
-from egressgate.runtimes import records
+from egressgate.runtimes import records, sandbox_fs
 from egressgate.runtimes.base import CA_PATH_IN_SANDBOX, SANDBOX_UID, ExitInfo, Limit, RunSpec
 from egressgate.runtimes.diskfs import DEFAULT_TMP_MAX_BYTES
 from egressgate.runtimes.seccomp import ARCH_INDEX, REFUSED, no_unix_sockets
@@ -54,17 +58,6 @@ KEYCTL_JOIN_SESSION_KEYRING = 1
 ALWAYS_MASKED = ("/var/run/docker.sock", "/run/docker.sock", "/run/containerd/containerd.sock")
 BWRAP = "bwrap"
 TMP = "/tmp"  # noqa: S108 - the sandbox's own /tmp: a fresh tmpfs per run, no host directory
-
-
-def ensure_mount_point(path: str | None) -> None:
-    """Create an empty root-owned directory on the host where bwrap must mount something that has no
-    mount point yet (the CA directory, the workspace path). Without it, bwrap (unprivileged, on a
-    read-only root) can only make room by rebuilding the parent as a tmpfs with every host entry bound
-    back: ~120 ms for /etc alone (loadtests/RESULTS.md). Where the host root is read-only that fallback
-    is still used (build_command)."""
-    if path and path.startswith("/") and not os.path.lexists(path):
-        with contextlib.suppress(OSError):
-            os.makedirs(path, mode=0o755, exist_ok=True)
 
 
 def netns_name(run_id: str) -> str:
@@ -80,20 +73,12 @@ def _data_fd(data: bytes) -> int:
     return fd
 
 
-def _deepest_existing(path: str) -> str:
-    p = Path(path)
-    while not p.exists() and p != p.parent:
-        p = p.parent
-    return str(p)
-
-
 class BwrapCommand:
     """The bwrap argv and the fds it reads; built once in prepare (pure apart from reading the host tree)."""
 
     def __init__(self) -> None:
         self.args: list[str] = []
         self.fds: list[int] = []
-        self.expanded: list[str] = []  # host dirs rebuilt as tmpfs (remounted read-only at the end)
 
     def data(self, content: bytes, dest: str, perms: str | None = None) -> None:
         fd = _data_fd(content)
@@ -114,25 +99,6 @@ class BwrapCommand:
         self.fds.append(fd)
         self.args += ["--args", str(fd)]
 
-    def make_room(self, dest: str) -> None:
-        """Make `dest` mountable on a read-only root: its deepest existing ancestor will become a tmpfs with
-        the host's entries bound back read-only (`emit_rooms`), so the new mount point can be created."""
-        anchor = _deepest_existing(dest)
-        if anchor != dest and anchor not in self.expanded:
-            self.expanded.append(anchor)
-
-    def emit_rooms(self) -> None:
-        """Shallowest first: a tmpfs on / rebinds /etc from the host, so /etc's own tmpfs must come after."""
-        self.expanded.sort(key=lambda p: (p.count("/") if p != "/" else 0, p))
-        for anchor in self.expanded:
-            self.args += ["--tmpfs", anchor]
-            for entry in sorted(os.listdir(anchor)):
-                src = os.path.join(anchor, entry)
-                if os.path.islink(src):
-                    self.args += ["--symlink", os.readlink(src), src]
-                else:
-                    self.args += ["--ro-bind", src, src]
-
     def close(self) -> None:
         for fd in self.fds:
             with contextlib.suppress(OSError):
@@ -150,37 +116,38 @@ def build_command(spec: RunSpec, workspace_fd: int | None, tmp_fd: int | None = 
                  "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
                  "--die-with-parent", "--new-session", "--cap-drop", "ALL",
                  "--hostname", str(sandbox.get("name") or "sandbox")[:63]]
-    # root_fs read_write still never makes the HOST root writable (that would let the workload change
-    # the host); it gets writable scratch space instead (documented in docs/runtimes.md)
-    cmd.args += ["--ro-bind", "/", "/"]
-    ca_dir = os.path.dirname(CA_PATH_IN_SANDBOX)
-    cmd.make_room(ca_dir)
-    if ws_path and workspace_fd is not None:
-        cmd.make_room(ws_path)
-    cmd.emit_rooms()
-    # /tmp: the run's size- and inode-bounded tmpfs (diskfs.py) when `sandbox run` could make one the sandbox
-    # uid reaches, else bwrap's own tmpfs of the same size (inodes then bounded by memory only)
+    # an empty tmpfs root with only what sandbox_fs lists (not the host root: issue 20); read-only at the
+    # end. root_fs read_write never makes a host path writable: it gets writable scratch space instead
+    cmd.args += ["--perms", "0755", "--dir", "/etc", *sandbox_fs.minimal_args()]
+    users, groups = sandbox_fs.passwd(SANDBOX_UID, SANDBOX_UID)
+    cmd.data(users, "/etc/passwd", "0444")
+    cmd.data(groups, "/etc/group", "0444")
+    # /tmp: the run's size- and inode-bounded tmpfs (diskfs.py), bound by fd onto the allowlist root (bwrap
+    # creates the mount point there), when `sandbox run` could make one the run's uid reaches; else bwrap's
+    # own tmpfs of the same size (inodes then bounded by memory only)
     tmp_bytes = str((sandbox.get("tmp") or {}).get("max_bytes") or DEFAULT_TMP_MAX_BYTES)
     tmp = ["--bind-fd", str(tmp_fd), TMP] if tmp_fd is not None else ["--size", tmp_bytes, "--tmpfs", TMP]
     cmd.args += ["--proc", "/proc", "--dev", "/dev", *tmp, "--tmpfs", "/run"]
     if sandbox.get("root_fs") == "read_write":
         for scratch in ("/var/tmp", "/home"):  # noqa: S108 - fresh tmpfs mounts inside the sandbox
-            if os.path.isdir(scratch):
-                cmd.args += ["--tmpfs", scratch]
+            cmd.args += ["--tmpfs", scratch]
     if ws_path and workspace_fd is not None:
         cmd.args += ["--bind-fd", str(workspace_fd), ws_path]
-    # the CA directory is a tmpfs of its own (whatever the host keeps there stays hidden), read-only below
-    cmd.args += ["--tmpfs", ca_dir]
+    cmd.args += sandbox_fs.allow_args(spec.policy)
+    ca_dir = os.path.dirname(CA_PATH_IN_SANDBOX)
+    cmd.args += ["--perms", "0755", "--dir", ca_dir]
     cmd.data(spec.ca_bundle.read_bytes(), CA_PATH_IN_SANDBOX, "0444")
     cmd.data(f"nameserver {spec.address.host_ip}\noptions edns0\n".encode(), "/etc/resolv.conf", "0444")
     hostname = str(sandbox.get("name") or "sandbox")
     cmd.data(f"127.0.0.1\tlocalhost\n{spec.address.sandbox_ip}\t{hostname}\n".encode(), "/etc/hosts", "0444")
+    visible = sandbox_fs.visible_roots(spec.policy, ws_path if workspace_fd is not None else None)
     for path in [*ALWAYS_MASKED, *fs.get("deny", [])]:
-        _mask(cmd, os.path.normpath(path), ws_path)
-    for anchor in [*cmd.expanded, ca_dir]:
-        cmd.args += ["--remount-ro", anchor]
-    # socket families by allowlist, no Unix sockets of its own (host sockets on the read-only root would
-    # be a way out), no io_uring/bpf/keyrings/ptrace (seccomp.py)
+        path = os.path.normpath(path)
+        if sandbox_fs.is_visible(path, visible):  # elsewhere it is absent: nothing to mask
+            _mask(cmd, path, ws_path)
+    cmd.args += ["--remount-ro", "/"]
+    # socket families by allowlist, no Unix sockets of its own (a host socket appearing later in an
+    # allowed tree would be a way out), no set-id modes, no io_uring/bpf/keyrings/ptrace (seccomp.py)
     program = _data_fd(no_unix_sockets())
     cmd.fds.append(program)
     cmd.args += ["--seccomp", str(program)]
@@ -227,9 +194,6 @@ class NetnsAdapter:
         self.ns = ns
         if spec.workspace is not None:
             self._ws_fd = os.open(spec.workspace, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-        ws_path = ((spec.policy.get("sandbox") or {}).get("workspace") or {}).get("path")
-        for mount_point in (os.path.dirname(CA_PATH_IN_SANDBOX), ws_path if self._ws_fd is not None else None):
-            ensure_mount_point(mount_point)
         if spec.tmp_dir is not None:
             self._tmp_fd = os.open(spec.tmp_dir, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         self._cmd = build_command(spec, self._ws_fd, self._tmp_fd)
@@ -254,8 +218,8 @@ class NetnsAdapter:
             raise OSError("keyctl(KEYCTL_JOIN_SESSION_KEYRING) failed: the sandbox would share the "
                           "caller's session keyring")
         os.setgroups([])
-        os.setresgid(SANDBOX_UID, SANDBOX_UID, SANDBOX_UID)
-        os.setresuid(SANDBOX_UID, SANDBOX_UID, SANDBOX_UID)
+        os.setresgid(self._gid, self._gid, self._gid)  # the run's own host identity (RunSpec.uid)
+        os.setresuid(self._uid, self._uid, self._uid)
         # after the uid change (which clears it): bwrap dies with `sandbox run`, even on SIGKILL, and its
         # sandbox's pid 1 (--die-with-parent) with it, so no workload outlives its run
         self._prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -271,6 +235,7 @@ class NetnsAdapter:
         self._keyctl = libc.syscall
         self._nr_keyctl = next(s.nr for s in REFUSED if s.name == "keyctl")[ARCH_INDEX[platform.machine()]]
         self._parent = os.getpid()
+        self._uid, self._gid = self.spec.uid, self.spec.gid  # type: ignore[union-attr]
         fds = [*self._cmd.fds, *(fd for fd in (self._ws_fd, self._tmp_fd) if fd is not None)]
         try:
             # env={}: bwrap runs as the sandbox uid, so its /proc/<pid>/environ is readable by that uid; the

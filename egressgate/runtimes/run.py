@@ -28,7 +28,13 @@ from egressgate.runtimes.base import (
     Limit,
     RunSpec,
 )
-from egressgate.runtimes.workload import SetupFailed, check_command, inside_env, prepare_workspace
+from egressgate.runtimes.workload import (
+    SetupFailed,
+    check_command,
+    inside_env,
+    prepare_workspace,
+    resolve_workspace,
+)
 
 
 class RunRequest(NamedTuple):  # not a dataclass: start-up budget (runtimes/base.py)
@@ -65,6 +71,8 @@ class Run:
         self.started = False
         self.signal: int | None = None
         self.temp_workspace: Path | None = None
+        self.uid: int | None = None  # the run's own host uid/gid (runtimes/identity.py)
+        self.workspace: Path | None = None  # a persistent --workspace (given back to root at teardown)
         self._marks: list[tuple[str, float]] = [("start", time.monotonic())]
 
     def mark(self, phase: str) -> None:
@@ -132,9 +140,17 @@ class Run:
             raise SetupFailed(str(exc)) from None
         if info.docker_host and hasattr(self.adapter, "host"):  # docker/gvisor: the configured daemon wins
             self.adapter.host = info.docker_host
-        address = addressing.allocate(info.state_dir, info.subnet, self.run_id,
-                                      {"owner_pid": os.getpid(), "runtime": req.runtime, "created": time.time(),
-                                       "var_dir": str(req.var_dir.absolute())})
+        from egressgate.runtimes.identity import UidsExhausted
+
+        try:
+            address, uid = addressing.allocate_run(
+                info.state_dir, info.subnet, self.run_id,
+                {"owner_pid": os.getpid(), "runtime": req.runtime, "created": time.time(),
+                 "var_dir": str(req.var_dir.absolute())}, info.uid_range)
+        except (addressing.AddressesExhausted, UidsExhausted) as exc:
+            raise SetupFailed(str(exc)) from None
+        assert uid is not None
+        self.uid = uid
         self.mark("allocate")
         # from here on host objects exist: the watchdog cleans them up if this process dies by SIGKILL
         from egressgate.runtimes import watchdog
@@ -165,13 +181,23 @@ class Run:
             workspace = self.temp_workspace = info.state_dir / "workspaces" / self.run_id
             records.update(info.state_dir, self.run_id, temp_workspace=str(workspace))
         if workspace is not None:
-            workspace = prepare_workspace(workspace)
+            # checked (and resolved) before anything is mounted on it; no owner changes yet
+            workspace = resolve_workspace(workspace, info.uid_range)
+            if self.temp_workspace is None:  # persistent: handed back to root at the end (release_workspace)
+                # named before its entries change hands: the teardown, watchdog or gc gives them back
+                self.workspace = workspace
+                records.update(info.state_dir, self.run_id, workspace=str(workspace))
         tmp_dir = self._disks(workspace, ws_policy, sandbox)
+        if workspace is not None:
+            # the run's uid takes over the workspace as the sandbox will see it: the bounded tmpfs or the
+            # mounted ext4 image's root and content when max_bytes is set, else the directory itself
+            workspace = prepare_workspace(workspace, uid, info.uid_range)
         env, bundle = inside_env(data, address, info.endpoints.proxy[1],
                                  ws_policy.get("path") or "/tmp")  # noqa: S108 - HOME inside
         spec = RunSpec(run_id=self.run_id, sandbox_id=self.sandbox_id, runtime=req.runtime, command=req.command,
                        env=env, policy=policy, address=address, ca_bundle=bundle, workspace=workspace,
-                       image=req.image, labels=dict(req.labels), state_dir=info.state_dir, tmp_dir=tmp_dir)
+                       image=req.image, labels=dict(req.labels), state_dir=info.state_dir, tmp_dir=tmp_dir,
+                       uid=uid, gid=uid)
         self._interrupted()
         self.mark("admission")
         self.adapter.prepare(spec)
@@ -209,24 +235,25 @@ class Run:
         """Kernel-bounded file systems (diskfs.py): the workspace when max_bytes is set (a tmpfs for a
         temporary one, the loop-mounted ext4 image of a persistent one) and, for netns, /tmp; returns the
         host dir of that /tmp. Docker and gVisor size their own /tmp (docker.py)."""
-        from egressgate.runtimes.base import SANDBOX_UID
         from egressgate.runtimes.diskfs import DEFAULT_TMP_MAX_BYTES, DiskLimitError, DiskLimits
 
-        assert self.info is not None
+        assert self.info is not None and self.uid is not None
+        uid = self.uid  # every mount is the run's own (runtimes/identity.py), never the shared 65534
         self.disks = DiskLimits(self.run_id, self.info.state_dir)
         try:
             max_bytes = ws_policy.get("max_bytes")
             if max_bytes and workspace is not None:
                 if self.temp_workspace is not None:
-                    self.disks.temporary_workspace(workspace, int(max_bytes), SANDBOX_UID)
+                    self.disks.temporary_workspace(workspace, int(max_bytes), uid)
                 else:
-                    self.disks.persistent_workspace(workspace, int(max_bytes), SANDBOX_UID)
+                    self.disks.persistent_workspace(workspace, int(max_bytes), uid)
             if self.req.runtime == "netns":
                 from egressgate.runtimes.workload import unreachable_parent
 
                 self.info.state_dir.chmod(0o711)  # traversable (not listable) by the sandbox uid; records 0700
-                if unreachable_parent(self.info.state_dir / "tmp") is None:  # else netns: bwrap --size tmpfs
-                    return self.disks.tmp(int((sandbox.get("tmp") or {}).get("max_bytes") or DEFAULT_TMP_MAX_BYTES))
+                if unreachable_parent(self.info.state_dir / "tmp", uid) is None:  # else bwrap --size tmpfs
+                    tmp_bytes = int((sandbox.get("tmp") or {}).get("max_bytes") or DEFAULT_TMP_MAX_BYTES)
+                    return self.disks.tmp(tmp_bytes, uid, uid)
         except DiskLimitError as exc:
             raise SetupFailed(str(exc)) from None
         return None
@@ -265,21 +292,39 @@ class Run:
                 with contextlib.suppress(Exception):
                     dropped = self.plumbing.release()
 
+        setid: list[str] = []
+
+        def strip_setid_bits() -> None:
+            """Before the workspace goes back to root (t_identity): that chown clears set-id bits too, but
+            silently; this strip reports what it found (audited as egressgate.run.setid_stripped)."""
+            nonlocal setid
+            if self.temp_workspace is None and self.workspace is not None and self.started:
+                from egressgate.runtimes.setid import MAX_REPORTED, strip_setid
+
+                found = strip_setid(self.workspace)
+                if found:
+                    log(f"stripped set-id bits from {len(found)} file(s) in the workspace: {', '.join(found[:5])}")
+                setid = found[:MAX_REPORTED]
+
+        # the set-id strip and the give-back to root work on the workspace's content, which for a bounded
+        # workspace is the mounted file system (diskfs.py): both before t_disks unmounts it
         for name, step in (("t_watch", lambda: self.watch and self.watch.stop()),
                            ("t_kill", lambda: self.adapter and self.adapter.kill()),
                            ("t_killall", lambda: self.limits and self.limits.kill_all()),
                            ("counters", release),
                            ("t_adapter", lambda: self.adapter and self.adapter.teardown()),
-                           ("t_disks", lambda: self.disks and self.disks.release()),
                            ("t_plumbing", lambda: self.plumbing and self.plumbing.detach()),
-                           ("t_limits", lambda: self.limits and self.limits.remove())):
+                           ("t_limits", lambda: self.limits and self.limits.remove()),
+                           ("t_setid", strip_setid_bits),
+                           ("t_identity", self._release_identity),
+                           ("t_disks", lambda: self.disks and self.disks.release())):
             try:
                 step()
                 self.mark(name)
             except Exception as exc:
                 clean = False
                 log(f"teardown step failed ({type(exc).__name__}: {exc}); `egressgate sandbox gc` will retry")
-        if self.temp_workspace is not None:
+        if self.temp_workspace is not None:  # after t_disks: its tmpfs is unmounted
             import shutil
 
             shutil.rmtree(self.temp_workspace, ignore_errors=True)
@@ -292,6 +337,8 @@ class Run:
                        "signal": exit_info.signal if exit_info else self.signal,
                        "limit": str(exit_info.limit) if exit_info and exit_info.limit else None,
                        "duration_ms": duration_ms, "dropped": dropped}
+            if setid:
+                outcome["setid_stripped"] = setid
             self.mark("teardown")
             revoked = self._revoke(outcome)
             self.mark("revoke")
@@ -309,6 +356,18 @@ class Run:
             log("timing ms: " + " ".join(phases))
         return code
 
+    def _release_identity(self) -> None:
+        """The run's uid is free once its record goes: every process of it killed (whatever escaped the
+        namespace and cgroups) and the persistent workspace's files given to root, so the next run given
+        this uid cannot read them."""
+        if self.uid is None:
+            return
+        from egressgate.runtimes.identity import kill_uid
+        from egressgate.runtimes.workload import release_workspace
+
+        kill_uid(self.uid)
+        if self.workspace is not None:
+            release_workspace(self.workspace, self.uid)
 
     def _revoke(self, outcome: dict[str, Any]) -> bool:
         """Revoke with the outcome; a gateway that refuses the outcome body (older version) still gets a

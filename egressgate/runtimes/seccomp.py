@@ -10,11 +10,14 @@ routes the gateway never sees. docs/runtimes.md lists every entry and why it is 
 Socket families are an ALLOWLIST: socket(2) only for AF_INET, AF_INET6 and AF_NETLINK with NETLINK_ROUTE
 (what glibc's getaddrinfo(AI_ADDRCONFIG)/getifaddrs/if_nameindex open), and AF_UNIX where the runtime
 allows it; socketpair(2) only for AF_UNIX. The netns runtime refuses socket(AF_UNIX) (EACCES): its
-workload sees the host root read-only, and a read-only mount does not stop connect(2) to a host socket.
+tree holds no host socket at start (sandbox_fs.py), but a host service may create one later in an allowed
+host tree, and a read-only mount does not stop connect(2) to a host socket.
 
 Syscalls are refused by name from REFUSED: the rest stays allowed because every runtime already drops
 every capability (and bwrap adds --disable-userns; the docker profile refuses CLONE_NEWUSER), so what the
-kernel gates on a capability is refused by the kernel. x32 system calls and any ABI other than the
+kernel gates on a capability is refused by the kernel. Calls that set a file mode (SETID_MODE) are refused
+when the mode has S_ISUID or S_ISGID (BPF_JSET on that argument): no set-id file is made inside a workspace
+that outlives the run. x32 system calls and any ABI other than the
 native one are refused (i386 socketcall(2) hides the family behind a pointer seccomp cannot read).
 
 The BPF program is what bwrap's `--seccomp FD` wants (what seccomp_export_bpf writes); bwrap loads it (with
@@ -115,7 +118,38 @@ REFUSED: tuple[Syscall, ...] = (
             "without namespace flags (fork, threads) stays allowed", flags=CLONE_NEWUSER),
     Syscall("clone3", (435, 435), errno.ENOSYS, "its flags are in memory seccomp cannot read, so clone3 "
             "could create a user namespace: ENOSYS makes glibc fall back to clone(2), which is checked"),
+    Syscall("openat2", (437, 437), errno.ENOSYS, "its mode is in memory seccomp cannot read, so openat2 could "
+            "create a set-id file (SETID_MODE): ENOSYS makes callers fall back to openat(2), which is checked"),
 )
+
+S_ISUID, S_ISGID = 0o4000, 0o2000
+NO_NR = -1  # the call does not exist on that architecture (aarch64 has only the *at variants)
+
+
+class ModeCheck(NamedTuple):
+    """A call that sets a file mode: refused (EPERM) when the mode argument (`arg`, 0-based) has S_ISUID or
+    S_ISGID. Why: the workspace is a host directory that outlives the run; a set-id file planted there
+    would run with the sandbox's identity for any local user after the run (issue 20, item 5). The mount
+    is nosuid inside, but not where a host user finds it later. run.py strips whatever still gets through
+    (a set-id bit set from outside) at teardown, and audits it."""
+
+    name: str
+    nr: tuple[int, int]
+    arg: int
+
+
+SETID_MODE: tuple[ModeCheck, ...] = (
+    ModeCheck("chmod", (90, NO_NR), 1),
+    ModeCheck("fchmod", (91, 52), 1),
+    ModeCheck("fchmodat", (268, 53), 2),
+    ModeCheck("fchmodat2", (452, 452), 2),
+    ModeCheck("open", (2, NO_NR), 2),  # mode matters with O_CREAT/O_TMPFILE; glibc passes 0 otherwise
+    ModeCheck("openat", (257, 56), 3),
+    ModeCheck("creat", (85, NO_NR), 1),
+    ModeCheck("mknod", (133, NO_NR), 1),
+    ModeCheck("mknodat", (259, 33), 2),
+)
+SETID_BITS = S_ISUID | S_ISGID
 
 SOCKET = Syscall("socket", (41, 198), errno.EAFNOSUPPORT, "families by allowlist")
 SOCKETPAIR = Syscall("socketpair", (53, 199), errno.EAFNOSUPPORT, "AF_UNIX only")
@@ -179,10 +213,17 @@ def bpf_program(machine: str | None = None, *, unix_sockets: bool = False) -> by
     a.op(JGE_K, X32_SYSCALL_BIT, "enosys", 0)
     a.op(JEQ_K, SOCKET.nr[i], "socket", 0)
     a.op(JEQ_K, SOCKETPAIR.nr[i], "socketpair", 0)
-    errnos = sorted({s.errno for s in REFUSED})
+    errnos = sorted({s.errno for s in REFUSED} | {errno.EPERM})
     for s in REFUSED:
         a.op(JEQ_K, s.nr[i], f"flags-{s.name}" if s.flags else f"errno-{s.errno}", 0)
+    modes = [m for m in SETID_MODE if m.nr[i] != NO_NR]
+    for m in modes:
+        a.op(JEQ_K, m.nr[i], f"mode-{m.name}", 0)
     a.ret(RET_ALLOW)
+    for m in modes:
+        a.label(f"mode-{m.name}")
+        a.op(LD_W_ABS, OFF_ARGS + 8 * m.arg)
+        a.op(JSET_K, SETID_BITS, f"errno-{errno.EPERM}", "allow")
     for s in REFUSED:
         if s.flags:
             a.label(f"flags-{s.name}")

@@ -16,6 +16,8 @@ default, so this one must also hold what the default held that matters here. Sha
   values, so a domain with junk in its upper 32 bits (which the kernel truncates to an int) is above
   every allowed value and refused, never allowed by accident. The netlink protocol rules match the
   family on its low 32 bits (SCMP_CMP_MASKED_EQ) for the same reason.
+* set-id modes: chmod/open/mknod and their variants (seccomp.SETID_MODE) are refused when the mode
+  argument has S_ISUID or S_ISGID, one SCMP_CMP_MASKED_EQ rule per bit and call.
 * architectures: the native ones only (x86_64, aarch64): any other ABI (i386 socketcall, x32) gets the
   filter's bad-architecture action (refused).
 
@@ -26,6 +28,7 @@ has its own keyrings and no bpf/userfaultfd/perf_event_open/io_uring (by default
 
 from __future__ import annotations
 
+import errno
 import json
 
 from egressgate.runtimes import seccomp
@@ -70,6 +73,10 @@ def profile(*, unix_sockets: bool = True) -> dict:
         else:
             by_errno.setdefault(s.errno, []).append(s.name)
     rules += [_errno(names, err) for err, names in sorted(by_errno.items())]
+    for bit in (seccomp.S_ISUID, seccomp.S_ISGID):  # one comparison per rule (see _refused_values)
+        for m in seccomp.SETID_MODE:
+            rules.append(_errno([m.name], errno.EPERM, [{"index": m.arg, "value": bit, "valueTwo": bit,
+                                                         "op": "SCMP_CMP_MASKED_EQ"}]))
     allowed = seccomp.families(unix_sockets)
     for family, err in _refused_values(allowed):
         rules.append(_errno([SOCKET.name], seccomp.ERR_UNIX if family == [_eq(0, seccomp.AF_UNIX)] else err, family))

@@ -68,6 +68,11 @@ BAD = {
     "dropped_unknown": {"outcome": {"runtime": "netns", "dropped": {"sctp": 1}}},
     "dropped_string": {"outcome": {"runtime": "netns", "dropped": {"udp": "1"}}},
     "not_an_object": ["outcome"],
+    "setid_not_list": {"outcome": {"runtime": "netns", "setid_stripped": "a"}},
+    "setid_empty": {"outcome": {"runtime": "netns", "setid_stripped": []}},
+    "setid_not_str": {"outcome": {"runtime": "netns", "setid_stripped": [1]}},
+    "setid_nul": {"outcome": {"runtime": "netns", "setid_stripped": ["a\0b"]}},
+    "setid_too_many": {"outcome": {"runtime": "netns", "setid_stripped": ["f"] * 101}},
 }
 
 

@@ -118,14 +118,14 @@ def test_a_client_still_sending_at_the_take_over_gets_the_whole_answer(gw, world
         totals.append(sent)
         time.sleep(0.05)
         sock.shutdown(socket.SHUT_WR)
-        sock.settimeout(5)
+        sock.settimeout(30)  # hang guards, not speed checks: a loaded 2-core machine is slow
         got = b""
         with contextlib.suppress(OSError):
             while chunk := sock.recv(65536):
                 got += chunk
         sock.close()
         before = len(received)
-        deadline = time.monotonic() + 3
+        deadline = time.monotonic() + 30
         while len(received) == before and time.monotonic() < deadline and not got.endswith(b"done"):
             time.sleep(0.01)
         if not got.endswith(b"done"):

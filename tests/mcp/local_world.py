@@ -52,6 +52,12 @@ def mcp_policy(name: str, *, local: str = "allow") -> dict[str, Any]:
             "deny": ["delete_everything"]}},
         {"name": "remote-one", "url": "https://api.allowed.test/mcp", "tools": {"allow": [{"name": "echo"}]}},
     ]}
+    # the netns sandbox's tree is an allowlist (runtimes/sandbox_fs.py): the test Python, its venv and the
+    # server script's directory are allowed read-only, at the paths the sandbox sees them (aliases)
+    aliases = _aliases()
+    needed = dict.fromkeys(_seen_as(p, aliases) for p in (Path(sys.base_prefix), Path(sys.prefix),
+                                                           SERVER_SCRIPT.parent))
+    body["filesystem"]["allow"] = [{"path": p, "read": True} for p in needed]
     return body
 
 

@@ -44,8 +44,9 @@ def host_files() -> Iterator[Path]:
 def gateway(world: World, host_files: Path) -> Iterator[Gateway]:
     denied = str(host_files / DENIED_FILE_NAME)
     policies = {
-        "rt-allow": runtime_policy("rt-allow", filesystem__deny=["/etc/shadow", "/var/run/docker.sock", denied]),
-        "rt-nomask": runtime_policy("rt-nomask"),
+        "rt-allow": runtime_policy("rt-allow", filesystem__deny=["/etc/shadow", "/var/run/docker.sock", denied],
+                                   filesystem__allow=[{"path": str(host_files), "read": True}]),
+        "rt-nomask": runtime_policy("rt-nomask", filesystem__allow=[{"path": str(host_files), "read": True}]),
         "rt-commands": runtime_policy("rt-commands", execution__commands=["python3", "true"]),
         "rt-mem": runtime_policy("rt-mem", sandbox__resources={"memory_mb": 64}),
         "rt-pids": runtime_policy("rt-pids", sandbox__resources={"pids_max": 32}),

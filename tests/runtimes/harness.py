@@ -9,6 +9,7 @@ world's `open` namespace (same position, no egressgate rules) is the positive co
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import resource
 import shutil
@@ -38,8 +39,9 @@ DENIED_FILE_NAME = "egN-denied.txt"  # a host file the runtime policies deny (th
 
 # Safety net of every `sandbox run` a test starts, independent of the code under test (PREAMBLE: no fork
 # bomb or memory hog without one): limits set on `sandbox run` itself and inherited by the workload. The
-# workload runs as uid 65534, for which RLIMIT_NPROC is enforced (it is not for root), and RLIMIT_AS caps
-# every process of the tree. Far above the cgroup limits under test, far below what hurts the machine.
+# workload runs as its run's own uid (runtime.uid_range), for which RLIMIT_NPROC is enforced per run (it
+# is not for root), and RLIMIT_AS caps every process of the tree. Far above the cgroup limits under test,
+# far below what hurts the machine.
 SAFETY_NPROC = 400
 SAFETY_AS = 1536 * 2**20
 
@@ -81,12 +83,13 @@ def sandbox_world(tmp: Path) -> Iterator[World]:
 
 
 @contextlib.contextmanager
-def running_gateway(world: World, policies: dict[str, dict[str, Any]]) -> Iterator[Gateway]:
+def running_gateway(world: World, policies: dict[str, dict[str, Any]],
+                    runtime: dict[str, Any] | None = None) -> Iterator[Gateway]:
     """The real gateway in the world's gw namespace, in a base_dir() removed afterwards (also when the
-    gateway does not start)."""
+    gateway does not start); `runtime`: more keys of its runtime section (e.g. uid_range)."""
     base = base_dir()
     try:
-        gw = Gateway.start(world, base, policies)
+        gw = Gateway.start(world, base, policies, runtime)
     except BaseException:
         remove(base)
         raise
@@ -98,7 +101,7 @@ def running_gateway(world: World, policies: dict[str, dict[str, Any]]) -> Iterat
 
 
 def base_dir(parent: str | None = None) -> Path:
-    """A temp dir uid 65534 can traverse (pytest's tmp_path is under a 0700 dir): bwrap runs as that uid
+    """A temp dir any sandbox uid can traverse (pytest's tmp_path is under a 0700 dir): bwrap runs as that uid
     and opens the workspace by path."""
     path = Path(tempfile.mkdtemp(prefix="egN-", dir=parent))
     path.chmod(0o711)
@@ -116,7 +119,8 @@ class Gateway:
     extra: list[Any] = field(default_factory=list)
 
     @classmethod
-    def start(cls, world: World, base: Path, policies: dict[str, dict[str, Any]]) -> Gateway:
+    def start(cls, world: World, base: Path, policies: dict[str, dict[str, Any]],
+              runtime: dict[str, Any] | None = None) -> Gateway:
         pdir = write_policies(base / "policies", policies)
         config = {
             "listen": {"proxy": "127.0.0.1:0", "admin": "127.0.0.1:0", "dns": "127.0.0.1:0",
@@ -125,7 +129,7 @@ class Gateway:
             "policy": str(pdir),
             "var_dir": str(base / "var"),
             "upstream": {"resolver": f"{nw.DNS_ADDR}:53", "ca_bundle": str(world.ca_pem)},
-            "runtime": {"state_dir": str(base / "state")},
+            "runtime": {"state_dir": str(base / "state"), **(runtime or {})},
         }
         proc, info, cfg, stderr = launch_in_namespace(world, world.gw, base, config)  # stderr: closed in stop()
         gw = cls(world=world, base=base, proc=proc, config=cfg, info=info)
@@ -140,6 +144,12 @@ class Gateway:
     @property
     def state_dir(self) -> Path:
         return self.base / "state"
+
+    @property
+    def uid_range(self) -> tuple[int, int]:
+        """The runtime.uid_range this gateway hands its runs' uids from (a test-private slice: launcher.py)."""
+        first, last = json.loads((self.base / "var" / "gateway.json").read_text())["runtime"]["uid_range"].split("-")
+        return int(first), int(last)
 
     @property
     def audit_path(self) -> Path:

@@ -228,6 +228,34 @@ def keyring(nr_keyctl, description):
     return {**out, "ok": True, "payload": buf.raw[:n].decode(errors="replace")}
 
 
+def dgram(path, how="sendto"):
+    """socketpair(AF_UNIX, SOCK_DGRAM) (allowed: no socket(AF_UNIX) needed), then sendto()/connect() to a
+    datagram socket PATH: a way to a host service wherever such a path is visible."""
+    try:
+        a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+        with a, b:
+            if how == "connect":
+                a.connect(path)
+                a.send(b"egX leak")
+            else:
+                a.sendto(b"egX leak", path)
+            return {"ok": True}
+    except OSError as exc:
+        return err(exc)
+
+
+def chmod(path, mode, create=False):
+    """Make `path` (created with that mode when `create`) carry `mode` (e.g. 0o4755: setuid)."""
+    try:
+        if create:
+            os.close(os.open(path, os.O_CREAT | os.O_WRONLY | os.O_EXCL, mode))
+            return {"ok": bool(os.stat(path).st_mode & mode & 0o6000), "mode": oct(os.stat(path).st_mode)}
+        os.chmod(path, mode)
+        return {"ok": True}
+    except OSError as exc:
+        return err(exc)
+
+
 def main():
     out = []
     for check in json.loads(sys.argv[1]):
@@ -243,7 +271,8 @@ def main():
         else:
             fn = {"tcp": tcp, "udp": udp, "dns": dns, "tls": tls, "raw": raw_socket, "icmp": icmp_dgram,
                   "open": open_file, "unix": unix, "pair": pair, "family": family, "pairfam": pair_family,
-                  "vsock": vsock, "resolve": resolve, "sys": syscall, "keyring": keyring}[kind]
+                  "vsock": vsock, "resolve": resolve, "sys": syscall, "keyring": keyring,
+                  "dgram": dgram, "chmod": chmod}[kind]
             out.append(fn(*args))
     print(json.dumps(out))
 

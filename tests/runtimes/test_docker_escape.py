@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import json
 import subprocess
+from pathlib import Path
 
 import pytest
 
 from egressgate.runtimes.docker import labelled_containers
 from tests.runtimes.escape_probe import leak_name, network_checks, parse, probe_argv
-from tests.runtimes.harness import CALLER_SECRET, Gateway, sandbox_id
+from tests.runtimes.harness import CALLER_SECRET, DENIED_FILE_NAME, Gateway, sandbox_id
 from tests.support.dockerd import Dockerd
 
 pytestmark = pytest.mark.netns
@@ -44,13 +45,32 @@ def test_admission_checks_inside(gateway: Gateway, dockerd: Dockerd, runtime: st
     assert env["env"]["SSL_CERT_FILE"] == "/etc/egressgate/ca.pem"
     assert not sock1["ok"] and not sock2["ok"]
     assert shadow["ok"] is False and shadow["error"] in ("EACCES", "ENOENT")  # masked, or not in the image
-    assert ident["uid"] == 65534 and int(ident["caps"], 16) == 0
+    first, last = gateway.uid_range  # the run's own uid (User uid:gid), never 65534 or root
+    assert first <= ident["uid"] <= last and int(ident["caps"], 16) == 0
     assert hosts["error"] in ("EROFS", "EACCES") and resolv["error"] in ("EROFS", "EACCES")
     # the run left nothing: no container (labelled with its run id), no run dir, no run record
     run_id = res.stderr.split("(run ", 1)[1].split(",", 1)[0]
     assert run_id not in labelled_containers(dockerd.host).values()
     assert not (gateway.state_dir / "docker" / run_id).exists()
     assert not (gateway.state_dir / "runs" / f"{run_id}.json").exists()
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_filesystem_allow_and_setid(gateway: Gateway, dockerd: Dockerd, host_files: Path, runtime: str) -> None:
+    """rt-allow allows host_files read-only and denies one file in it: the container sees the tree at the
+    same path, cannot write it, cannot read the denied file (masked on the host's judgement: the image
+    has no such path), and cannot set a set-id bit in its workspace (the shared seccomp table)."""
+    (host_files / "egN-visible.txt").write_text("visible\n")
+    (host_files / "egN-visible.txt").chmod(0o644)
+    checks = [["open", str(host_files / "egN-visible.txt"), "r"], ["open", str(host_files / "egN-new"), "w"],
+              ["open", str(host_files / DENIED_FILE_NAME), "r"], ["chmod", "/workspace/s", 0o4755, True]]
+    res = run_in(gateway, dockerd, runtime, *probe_argv(checks))
+    assert res.returncode == 0, res.stderr
+    visible, write, denied, setuid = parse(res.stdout)
+    assert visible == {"ok": True}, visible
+    assert write["ok"] is False and write["error"] in ("EROFS", "EACCES"), write
+    assert denied == {"ok": False, "error": "EACCES"}, denied
+    assert setuid == {"ok": False, "error": "EPERM"}, setuid
 
 
 @pytest.mark.parametrize("runtime", RUNTIMES)

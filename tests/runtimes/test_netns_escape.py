@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.runtimes.escape_probe import PROBE, PY, leak_name, network_checks, parse, probe_argv
-from tests.runtimes.harness import CALLER_SECRET, DENIED_FILE_NAME, Gateway, sandbox_id
+from tests.runtimes.harness import CALLER_SECRET, DENIED_FILE_NAME, Gateway, base_dir, remove, sandbox_id
 
 pytestmark = pytest.mark.netns
 
@@ -36,8 +36,8 @@ def test_admission_checks_inside(gateway: Gateway, host_files: Path) -> None:
     assert "198.18.0.2:1" not in env["env"]["HTTP_PROXY"]  # the caller's proxy setting did not leak in
     assert env["env"]["SSL_CERT_FILE"] == "/etc/egressgate/ca.pem"
     assert not sock1["ok"] and not sock2["ok"]
-    assert shadow == {"ok": False, "error": "EACCES"}
-    assert masked == {"ok": False, "error": "EACCES"}
+    assert shadow == {"ok": False, "error": "ENOENT"}  # /etc is built from an allowlist (sandbox_fs.py)
+    assert masked == {"ok": False, "error": "EACCES"}  # denied inside an allowed tree: masked
     assert ident["uid"] == 65534 and int(ident["caps"], 16) == 0
     assert hosts["error"] in ("EROFS", "EACCES") and resolv["error"] in ("EROFS", "EACCES")
     assert usr == {"ok": False, "error": "EROFS"}  # root_fs: read_only
@@ -125,7 +125,7 @@ def test_allowed_https_via_explicit_proxy(gateway: Gateway) -> None:
     assert "upstream-tls" in {h.get("listener") for h in world.hits(mark)}
 
 
-def test_no_host_unix_socket_is_a_way_out(gateway: Gateway, host_files: Path) -> None:
+def test_no_host_unix_socket_is_a_way_out(gateway: Gateway) -> None:
     """The host root is visible read-only, and a read-only mount does not stop connect(2): a host Unix
     socket that uid 65534 may open (0666, traversable directories) would be a way out that no nftables
     rule sees. The workload may not create AF_UNIX sockets (runtimes/seccomp.py); socketpair still works.
@@ -134,7 +134,8 @@ def test_no_host_unix_socket_is_a_way_out(gateway: Gateway, host_files: Path) ->
     import subprocess
     import threading
 
-    path = host_files / "egV-host.sock"
+    sock_dir = base_dir("/var/tmp")  # not an allowed path: the sandbox does not even see it
+    path = sock_dir / "egV-host.sock"
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(str(path))
     path.chmod(0o666)
@@ -175,4 +176,4 @@ def test_no_host_unix_socket_is_a_way_out(gateway: Gateway, host_files: Path) ->
         stop.set()
         thread.join(2)
         server.close()
-        path.unlink(missing_ok=True)
+        remove(sock_dir)

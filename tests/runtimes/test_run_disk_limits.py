@@ -6,15 +6,19 @@ Only this module's own run ids and paths are checked (other tests run in paralle
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from egressgate.runtimes import records
 from egressgate.runtimes.diskfs import IMAGE, loops_of, mounts
+from egressgate.runtimes.identity import MIN_UID
 from tests.networld import World
 from tests.runtimes.harness import Gateway, base_dir, remove, running_gateway, runtime_policy, sandbox_id
 
@@ -82,10 +86,49 @@ def test_persistent_workspace_keeps_content_and_limit_across_runs(gateway: Gatew
         remove(ws)
 
 
+def test_mounts_are_the_runs_own_and_go_back_to_root_before_the_unmount(gateway: Gateway) -> None:
+    """Per-run uids (identity.py) with bounded file systems: the mounted image's root, what the workload makes
+    in it and the /tmp tmpfs belong to the run's own uid (not 65534); at teardown the set-id strip and the
+    give-back to root reach the MOUNTED content (checked by mounting the image afterwards)."""
+    ws = base_dir()
+    mnt = Path(tempfile.mkdtemp(prefix="egDL-mnt-"))
+    try:
+        script = "echo data > out.txt; echo up; while [ ! -e go ]; do sleep 0.05; done"
+        proc = subprocess.Popen(gateway.run_argv("sh", "-c", script, policy="dl-ws8", workspace=ws),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=gateway.caller_env())
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "up"
+        assert any(p == str(ws) for p, fstype, _ in mounts() if fstype == "ext4")
+        uid = (ws / "out.txt").stat().st_uid
+        assert uid >= MIN_UID and (ws.stat().st_uid, ws.stat().st_gid) == (uid, uid)  # the image's root
+        (record,) = [r for r in records.all_records(gateway.state_dir) if r.get("uid") == uid]
+        tmp = gateway.state_dir / "tmp" / record["run_id"]
+        assert any(p == str(tmp) for p, fstype, _ in mounts() if fstype == "tmpfs")
+        assert (tmp.stat().st_uid, tmp.stat().st_gid, tmp.stat().st_mode & 0o7777) == (uid, uid, 0o1777)
+        (ws / "out.txt").chmod(0o4755)  # planted from the host while it runs
+        (ws / "go").touch()
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+        assert "stripped set-id bits from 1 file(s) in the workspace: out.txt" in err
+        assert not any(p == str(ws) for p, _, _ in mounts())
+        subprocess.run(["mount", "-t", "ext4", "-o", "loop,ro", str(ws / IMAGE), str(mnt)], check=True,
+                       capture_output=True, timeout=30)
+        try:
+            st = (mnt / "out.txt").stat()
+            assert (st.st_uid, st.st_gid, st.st_mode & 0o7777) == (0, 0, 0o755)
+            assert mnt.stat().st_uid == 0  # the image's root went back to root too
+        finally:
+            subprocess.run(["umount", str(mnt)], check=False, capture_output=True, timeout=30)
+    finally:
+        remove(ws)
+        mnt.rmdir()
+
+
 def test_nothing_left_after_sigkill_and_gc(gateway: Gateway) -> None:
     ws = base_dir()
     try:
-        proc = subprocess.Popen(gateway.run_argv("sh", "-c", "echo up; sleep 60", policy="dl-ws8", workspace=ws),
+        proc = subprocess.Popen(gateway.run_argv("sh", "-c", "echo x > f; echo up; sleep 60", policy="dl-ws8",
+                                                 workspace=ws),
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 env=gateway.caller_env())
         assert proc.stdout is not None and proc.stdout.readline().strip() == "up"
@@ -99,6 +142,10 @@ def test_nothing_left_after_sigkill_and_gc(gateway: Gateway) -> None:
             time.sleep(0.1)
         assert loops_of(ws / IMAGE) == [], gc.stdout + gc.stderr
         assert not any(p == str(ws) or p.startswith(str(gateway.state_dir)) for p, _, _ in mounts())
+        # the watchdog/gc gave the run's files back to root BEFORE unmounting: the image's content is root's
+        out = subprocess.run(["debugfs", "-R", "stat /f", str(ws / IMAGE)], capture_output=True, text=True,
+                             timeout=30, check=False)
+        assert re.search(r"User:\s+0\s+Group:\s+0\s", out.stdout), out.stdout + out.stderr
         # a later run still works on the same workspace
         assert gateway.run("true", policy="dl-ws8", workspace=ws).returncode == 0
     finally:

@@ -227,3 +227,25 @@ def test_every_refused_syscall_is_documented() -> None:
     doc = (Path(__file__).parents[2] / "docs" / "runtimes.md").read_text()
     for s in REFUSED:
         assert f"`{s.name}`" in doc, s.name
+
+
+@pytest.mark.parametrize("machine", MACHINES)
+def test_setid_modes_are_refused_by_both_compilers(machine: str) -> None:
+    """chmod/open/mknod and variants with S_ISUID or S_ISGID in the mode argument: EPERM (BPF on both
+    architectures, and the docker profile); the same calls with ordinary modes are allowed."""
+    i, arch = ARCH_INDEX[machine], AUDIT_ARCH[machine]
+    prog = bpf_program(machine)
+    profile = seccompjson.profile(unix_sockets=True)
+    for m in seccomp.SETID_MODE:
+        for mode, want in ((0o4755, errno.EPERM), (0o2755, errno.EPERM), (0o6000, errno.EPERM),
+                           (0o755, ALLOW), (0o1777, ALLOW), (0, ALLOW)):
+            args = tuple(mode if n == m.arg else 0 for n in range(m.arg + 1))
+            if m.nr[i] != seccomp.NO_NR:
+                assert run_bpf(prog, m.nr[i], arch, args) == want, (m.name, oct(mode))
+            assert profile_verdict(profile, m.name, args) == want, (m.name, oct(mode))
+        # set-id bits in ANOTHER argument (flags, fd) do not matter
+        other = tuple(0o6000 if n != m.arg else 0o644 for n in range(m.arg + 1))
+        if m.nr[i] != seccomp.NO_NR:
+            assert run_bpf(prog, m.nr[i], arch, other) == ALLOW, m.name
+    openat2 = next(s for s in REFUSED if s.name == "openat2")
+    assert run_bpf(prog, openat2.nr[i], arch, ()) == errno.ENOSYS

@@ -30,6 +30,43 @@ if TYPE_CHECKING:
 
 EGRESSGATE = str(Path(sys.executable).with_name("egressgate"))
 
+# runtime.uid_range of every gateway a test starts: each run of `sandbox run` takes a host uid from its
+# gateway's range (egressgate/runtimes/identity.py), and allocation is per state dir, so gateways that run
+# at the same time (xdist workers, other checkouts' test runs) must not share uids. Each test process holds
+# one block (an flock, released when the process dies) and hands each gateway it starts its own slice.
+UID_BLOCKS_DIR = Path("/tmp/egressgate-test-uid-blocks")
+UID_BLOCK_BASE, UID_BLOCK, UID_SLICE = 1_000_000, 4096, 256
+_uid_block: list[int] = []  # [first uid of this process's block, lock fd, next slice]
+
+
+def private_uid_range(size: int = UID_SLICE) -> str:
+    """A "FIRST-LAST" range of `size` (≤ 256) uids no other gateway started by a test is given now."""
+    if not _uid_block:
+        import fcntl
+
+        UID_BLOCKS_DIR.mkdir(mode=0o700, exist_ok=True)
+        for k in range(4096):
+            fd = os.open(UID_BLOCKS_DIR / f"{k}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            _uid_block.extend([UID_BLOCK_BASE + k * UID_BLOCK, fd, 0])
+            break
+        else:
+            raise RuntimeError(f"no free test uid block in {UID_BLOCKS_DIR}")
+    first = _uid_block[0] + (_uid_block[2] % (UID_BLOCK // UID_SLICE)) * UID_SLICE
+    _uid_block[2] += 1
+    return f"{first}-{first + min(size, UID_SLICE) - 1}"
+
+
+def with_uid_range(config: dict[str, Any]) -> dict[str, Any]:
+    """`config` with a test-private runtime.uid_range unless it sets one."""
+    runtime = dict(config.get("runtime") or {})
+    runtime.setdefault("uid_range", private_uid_range())
+    return {**config, "runtime": runtime}
+
 
 def write_policies(policy_dir: Path, docs: dict[str, dict]) -> Path:
     """One `<name>.yaml` per policy document (key order kept: the files are read by people too)."""
@@ -48,7 +85,12 @@ def first_line(proc: subprocess.Popen, timeout: float) -> str:
     return box[0] if box else ""
 
 
-def startup_info(proc: subprocess.Popen, stderr_path: Path, timeout: float = 30) -> dict[str, Any]:
+# A hang guard, not a speed assertion: a gateway starts in ~1 s, but on a 2-core machine running the suite's
+# workers (and a CPU hog, the determinism check) its imports alone took over 30 s. Slow is not broken.
+STARTUP_TIMEOUT = 120.0
+
+
+def startup_info(proc: subprocess.Popen, stderr_path: Path, timeout: float = STARTUP_TIMEOUT) -> dict[str, Any]:
     """The startup line as a dict; a gateway that does not print one is killed and its log shown."""
     line = first_line(proc, timeout)
     try:
@@ -184,7 +226,7 @@ def launch_loopback(tmp: Path, config: dict[str, Any], *, launcher: list[str] | 
     gateway (`launcher` replaces the `egressgate` command, e.g. a script that plants a fault first) and
     wait for its startup line. Returns the LoopbackGateway fields, for the caller's own dataclass."""
     cfg = tmp / "gateway.yaml"
-    cfg.write_text(yaml.safe_dump(config))
+    cfg.write_text(yaml.safe_dump(with_uid_range(config)))
     if private:
         os.chmod(cfg, 0o600)
     stderr_path = tmp / "gateway.stderr"
@@ -205,7 +247,7 @@ def launch_in_namespace(world: World, ns: str, tmp: Path, config: dict[str, Any]
     operator would, at the default log level); returns the process, its startup line, the config path
     and its open stderr file (close it after stopping the process). Stdout is drained after the line."""
     cfg = tmp / "gateway.yaml"
-    cfg.write_text(yaml.safe_dump(config))
+    cfg.write_text(yaml.safe_dump(with_uid_range(config)))
     stderr = open(tmp / "gateway.stderr", "w")  # noqa: SIM115 - lives as long as the process
     proc = world.popen(ns, *(launcher or [EGRESSGATE]), "run", "--config", str(cfg), stdout=subprocess.PIPE,
                        stderr=stderr)
