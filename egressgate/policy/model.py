@@ -36,6 +36,12 @@ class Workspace(Strict):
     max_bytes: PositiveInt | None = None
 
 
+class Tmp(Strict):
+    """The sandbox's /tmp: a tmpfs of at most max_bytes (and max_bytes / 4096 inodes, at least 1024)."""
+
+    max_bytes: PositiveInt = 256 * 1024 * 1024
+
+
 class Resources(Strict):
     cpu_millis: PositiveInt | None = None
     memory_mb: PositiveInt | None = None
@@ -48,6 +54,7 @@ class SandboxSection(Strict):
     name: SandboxName
     root_fs: Literal["read_only", "read_write"] = "read_only"
     workspace: Workspace | None = None
+    tmp: Tmp = Tmp()
     resources: Resources = Resources()
 
 

@@ -89,6 +89,7 @@ class RunSpec(NamedTuple):
     image: str | None = None  # docker/gvisor
     labels: Mapping[str, str] = MappingProxyType({})  # read-only: a NamedTuple default is shared
     state_dir: Path = Path("/run/egressgate")  # run records, barrier files, generated resolv.conf/hosts
+    tmp_dir: Path | None = None  # netns: host dir of the run's bounded /tmp tmpfs (diskfs.py), bound at /tmp
     uid: int = SANDBOX_UID  # the workload's HOST uid and gid: the run's own, from runtime.uid_range
     gid: int = SANDBOX_UID
 

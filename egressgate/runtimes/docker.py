@@ -43,6 +43,7 @@ from pathlib import Path
 
 from egressgate.runtimes import dockermasks, records, sandbox_fs, seccompjson
 from egressgate.runtimes.base import CA_PATH_IN_SANDBOX, ExitInfo, Limit, RunSpec
+from egressgate.runtimes.diskfs import DEFAULT_TMP_MAX_BYTES, tmpfs_options
 from egressgate.runtimes.dockerapi import (
     DEFAULT_DOCKER_HOST,
     DockerAPI,
@@ -172,7 +173,9 @@ class DockerAdapter:
             "NetworkMode": "none", "CapDrop": ["ALL"], "Init": True,
             "SecurityOpt": ["no-new-privileges", seccompjson.security_opt(unix_sockets=True)],
             "ReadonlyRootfs": sandbox.get("root_fs", "read_only") == "read_only",
-            "Tmpfs": {"/tmp": "rw,nosuid,nodev,mode=1777"},  # noqa: S108 - the container's own tmpfs
+            # the container's own /tmp, size- and inode-bounded (sandbox.tmp.max_bytes, diskfs.py)
+            "Tmpfs": {"/tmp": tmpfs_options(int((sandbox.get("tmp") or {}).get("max_bytes")  # noqa: S108
+                                                or DEFAULT_TMP_MAX_BYTES)) + ",mode=1777"},
             "Mounts": mounts,
         }
         if spec.workspace is not None:

@@ -153,13 +153,20 @@ def clean_record(record: dict[str, Any], state_dir: Path | None = None) -> list[
             if hook is not None:
                 removed += hook(record)
     # the run's own uid (runtimes/identity.py): whatever still runs as it is a leftover of this run; its
-    # persistent workspace goes back to root, so the run that gets the uid next cannot read it
+    # persistent workspace goes back to root, so the run that gets the uid next cannot read it. Before the
+    # bounded file systems are unmounted: a bounded workspace's content is the mounted image's
     uid = record.get("uid")
     if isinstance(uid, int) and not isinstance(uid, bool) and uid >= identity.MIN_UID:
         if identity.kill_uid(uid):
             removed.append(f"processes of uid {uid}")
         if record.get("workspace") and release_workspace(Path(str(record["workspace"])), uid):
             removed.append(f"workspace {record['workspace']} given back to root")
+    if record.get("disk_mounts") and state_dir is not None:  # after the kills, the container removal, the chown
+        from egressgate.runtimes import diskfs
+
+        for entry in reversed(record["disk_mounts"]):
+            if isinstance(entry, dict) and not diskfs.release_entry(run_id, state_dir, entry):
+                removed.append(f"mount {entry.get('target') or entry.get('image')}")
     ws = record.get("temp_workspace")
     if ws and state_dir is not None and Path(ws) == state_dir / "workspaces" / run_id and Path(ws).is_dir():
         shutil.rmtree(ws, ignore_errors=True)
@@ -217,7 +224,9 @@ def collect(var_dir: Path, state_dir: Path | None = None, grace: float = 60.0) -
             continue
         remove_cgroup(group)
         removed.append(f"orphan cgroup {group}")
-    from egressgate.runtimes import docker
+    from egressgate.runtimes import diskfs, docker
+
+    removed += diskfs.orphans(state_dir, live)
 
     gone, trouble = docker.gc_orphans(live, info.docker_host if info else None)
     return removed + gone, problems + trouble

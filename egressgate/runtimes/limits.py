@@ -23,9 +23,8 @@ from pathlib import Path
 from egressgate.runtimes import cgroups
 from egressgate.runtimes.base import Limit
 from egressgate.runtimes.cgroups import CgroupError, Group, Mounts
-from egressgate.runtimes.workspace import WorkspaceWatch
 
-__all__ = ["CFS_PERIOD_US", "LimitsUnavailable", "ResourceLimits", "WorkspaceWatch", "docker_flags"]
+__all__ = ["CFS_PERIOD_US", "LimitsUnavailable", "ResourceLimits", "docker_flags"]
 
 CFS_PERIOD_US = 100_000  # the kernel's default period; 1 s for cpu_millis < 10 (the quota must be >= 1 ms)
 ENFORCED_HERE = ("memory_mb", "pids_max", "cpu_millis")

@@ -16,8 +16,9 @@ Isolation (each line is a rule enforced here):
   /opt, /srv, /var, host sockets); every bind is nosuid,nodev; the root is read-only;
 * new pid, ipc, uts (and cgroup, where possible) namespaces, a new session (no TIOCSTI into the
   caller's terminal), killed with `sandbox run` (--die-with-parent);
-* /proc of the new pid namespace, a minimal /dev, tmpfs /tmp and /run (no /run/netns, no run records,
-  no docker.sock), the workspace read-write at sandbox.workspace.path;
+* /proc of the new pid namespace, a minimal /dev, tmpfs /run (no /run/netns, no run records, no
+  docker.sock), a size- and inode-bounded tmpfs /tmp (sandbox.tmp.max_bytes, diskfs.py), the workspace
+  read-write at sandbox.workspace.path;
 * `filesystem.deny` paths inside a visible tree are masked by mode-000 read-only files/directories;
 * /etc/resolv.conf (`nameserver <host_ip>`), /etc/hosts and the CA bundle are generated read-only
   copies (data passed by fd: no host path has to be reachable by the sandbox uid);
@@ -46,6 +47,7 @@ from collections.abc import Callable
 
 from egressgate.runtimes import records, sandbox_fs
 from egressgate.runtimes.base import CA_PATH_IN_SANDBOX, SANDBOX_UID, ExitInfo, Limit, RunSpec
+from egressgate.runtimes.diskfs import DEFAULT_TMP_MAX_BYTES
 from egressgate.runtimes.seccomp import ARCH_INDEX, REFUSED, no_unix_sockets
 
 NETNS_PREFIX = "egressgate-"
@@ -104,7 +106,7 @@ class BwrapCommand:
         self.fds.clear()
 
 
-def build_command(spec: RunSpec, workspace_fd: int | None) -> BwrapCommand:
+def build_command(spec: RunSpec, workspace_fd: int | None, tmp_fd: int | None = None) -> BwrapCommand:
     """The whole bwrap invocation for `spec` (see the module docstring for the rules)."""
     sandbox = spec.policy.get("sandbox") or {}
     fs = spec.policy.get("filesystem") or {}
@@ -120,7 +122,12 @@ def build_command(spec: RunSpec, workspace_fd: int | None) -> BwrapCommand:
     users, groups = sandbox_fs.passwd(SANDBOX_UID, SANDBOX_UID)
     cmd.data(users, "/etc/passwd", "0444")
     cmd.data(groups, "/etc/group", "0444")
-    cmd.args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", TMP, "--tmpfs", "/run"]
+    # /tmp: the run's size- and inode-bounded tmpfs (diskfs.py), bound by fd onto the allowlist root (bwrap
+    # creates the mount point there), when `sandbox run` could make one the run's uid reaches; else bwrap's
+    # own tmpfs of the same size (inodes then bounded by memory only)
+    tmp_bytes = str((sandbox.get("tmp") or {}).get("max_bytes") or DEFAULT_TMP_MAX_BYTES)
+    tmp = ["--bind-fd", str(tmp_fd), TMP] if tmp_fd is not None else ["--size", tmp_bytes, "--tmpfs", TMP]
+    cmd.args += ["--proc", "/proc", "--dev", "/dev", *tmp, "--tmpfs", "/run"]
     if sandbox.get("root_fs") == "read_write":
         for scratch in ("/var/tmp", "/home"):  # noqa: S108 - fresh tmpfs mounts inside the sandbox
             cmd.args += ["--tmpfs", scratch]
@@ -174,6 +181,7 @@ class NetnsAdapter:
         self.stdio: dict[str, int] = {}  # Popen stdin/stdout (`mcp run` pipes them through its relay)
         self._cmd: BwrapCommand | None = None
         self._ws_fd: int | None = None
+        self._tmp_fd: int | None = None  # the run's bounded /tmp (diskfs.py), bound by fd like the workspace
         self._bwrap = BWRAP
 
     def prepare(self, spec: RunSpec) -> None:
@@ -186,7 +194,9 @@ class NetnsAdapter:
         self.ns = ns
         if spec.workspace is not None:
             self._ws_fd = os.open(spec.workspace, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-        self._cmd = build_command(spec, self._ws_fd)
+        if spec.tmp_dir is not None:
+            self._tmp_fd = os.open(spec.tmp_dir, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        self._cmd = build_command(spec, self._ws_fd, self._tmp_fd)
         self._bwrap = shutil.which(BWRAP) or BWRAP  # found on the caller's PATH: bwrap itself gets no env
 
     def netns_path(self) -> str:
@@ -226,7 +236,7 @@ class NetnsAdapter:
         self._nr_keyctl = next(s.nr for s in REFUSED if s.name == "keyctl")[ARCH_INDEX[platform.machine()]]
         self._parent = os.getpid()
         self._uid, self._gid = self.spec.uid, self.spec.gid  # type: ignore[union-attr]
-        fds = [*self._cmd.fds, *([self._ws_fd] if self._ws_fd is not None else [])]
+        fds = [*self._cmd.fds, *(fd for fd in (self._ws_fd, self._tmp_fd) if fd is not None)]
         try:
             # env={}: bwrap runs as the sandbox uid, so its /proc/<pid>/environ is readable by that uid; the
             # caller's environment (cloud keys, tokens) must not sit there (the workload's comes by fd)
@@ -265,9 +275,10 @@ class NetnsAdapter:
                 self.proc.wait(timeout=10)
         if self._cmd is not None:
             self._cmd.close()
-        if self._ws_fd is not None:
-            os.close(self._ws_fd)
-            self._ws_fd = None
+        for fd in (self._ws_fd, self._tmp_fd):
+            if fd is not None:
+                os.close(fd)
+        self._ws_fd = self._tmp_fd = None
         if self.ns is not None:
             delete_netns(self.ns)
             self.ns = None

@@ -28,7 +28,13 @@ from egressgate.runtimes.base import (
     Limit,
     RunSpec,
 )
-from egressgate.runtimes.workload import SetupFailed, check_command, inside_env, prepare_workspace
+from egressgate.runtimes.workload import (
+    SetupFailed,
+    check_command,
+    inside_env,
+    prepare_workspace,
+    resolve_workspace,
+)
 
 
 class RunRequest(NamedTuple):  # not a dataclass: start-up budget (runtimes/base.py)
@@ -61,6 +67,7 @@ class Run:
         self.plumbing: Any = None
         self.limits: Any = None
         self.watch: Any = None
+        self.disks: Any = None
         self.started = False
         self.signal: int | None = None
         self.temp_workspace: Path | None = None
@@ -174,18 +181,23 @@ class Run:
             workspace = self.temp_workspace = info.state_dir / "workspaces" / self.run_id
             records.update(info.state_dir, self.run_id, temp_workspace=str(workspace))
         if workspace is not None:
-            persistent = self.temp_workspace is None  # handed back to root at the end (release_workspace)
-            if persistent:  # named before its entries change hands: the watchdog or gc gives them back
-                records.update(info.state_dir, self.run_id, workspace=str(workspace.absolute()))
-            workspace = prepare_workspace(workspace, uid, info.uid_range)
-            if persistent:
+            # checked (and resolved) before anything is mounted on it; no owner changes yet
+            workspace = resolve_workspace(workspace, info.uid_range)
+            if self.temp_workspace is None:  # persistent: handed back to root at the end (release_workspace)
+                # named before its entries change hands: the teardown, watchdog or gc gives them back
                 self.workspace = workspace
                 records.update(info.state_dir, self.run_id, workspace=str(workspace))
+        tmp_dir = self._disks(workspace, ws_policy, sandbox)
+        if workspace is not None:
+            # the run's uid takes over the workspace as the sandbox will see it: the bounded tmpfs or the
+            # mounted ext4 image's root and content when max_bytes is set, else the directory itself
+            workspace = prepare_workspace(workspace, uid, info.uid_range)
         env, bundle = inside_env(data, address, info.endpoints.proxy[1],
                                  ws_policy.get("path") or "/tmp")  # noqa: S108 - HOME inside
         spec = RunSpec(run_id=self.run_id, sandbox_id=self.sandbox_id, runtime=req.runtime, command=req.command,
                        env=env, policy=policy, address=address, ca_bundle=bundle, workspace=workspace,
-                       image=req.image, labels=dict(req.labels), state_dir=info.state_dir, uid=uid, gid=uid)
+                       image=req.image, labels=dict(req.labels), state_dir=info.state_dir, tmp_dir=tmp_dir,
+                       uid=uid, gid=uid)
         self._interrupted()
         self.mark("admission")
         self.adapter.prepare(spec)
@@ -204,11 +216,7 @@ class Run:
         self.adapter.start()
         self.started = True
         deadline = time.monotonic() + wall if wall else None
-        if ws_policy.get("max_bytes") and workspace is not None:
-            from egressgate.runtimes.limits import WorkspaceWatch
-
-            self.watch = WorkspaceWatch(workspace, int(ws_policy["max_bytes"]), self.adapter.kill)
-            self.watch.start()
+        self.watch = self.disks.watch(self.adapter.kill)  # the kernel refuses the bytes; this ends the run
         if self.signal is not None:  # arrived between start() and here
             self.adapter.kill()
         self.mark("start")
@@ -217,11 +225,38 @@ class Run:
         limit = result.limit
         if limit is None and self.limits is not None:
             limit = self.limits.hit()
-        if limit is None and self.watch is not None and self.watch.exceeded:
+        if limit is None and ((self.watch is not None and self.watch.exceeded) or self.disks.full()):
             limit = Limit.WORKSPACE_BYTES
         if limit is not None and limit is not result.limit:
             result = ExitInfo(status=result.status, signal=result.signal, limit=limit)
         return result
+
+    def _disks(self, workspace: Path | None, ws_policy: dict[str, Any], sandbox: dict[str, Any]) -> Path | None:
+        """Kernel-bounded file systems (diskfs.py): the workspace when max_bytes is set (a tmpfs for a
+        temporary one, the loop-mounted ext4 image of a persistent one) and, for netns, /tmp; returns the
+        host dir of that /tmp. Docker and gVisor size their own /tmp (docker.py)."""
+        from egressgate.runtimes.diskfs import DEFAULT_TMP_MAX_BYTES, DiskLimitError, DiskLimits
+
+        assert self.info is not None and self.uid is not None
+        uid = self.uid  # every mount is the run's own (runtimes/identity.py), never the shared 65534
+        self.disks = DiskLimits(self.run_id, self.info.state_dir)
+        try:
+            max_bytes = ws_policy.get("max_bytes")
+            if max_bytes and workspace is not None:
+                if self.temp_workspace is not None:
+                    self.disks.temporary_workspace(workspace, int(max_bytes), uid)
+                else:
+                    self.disks.persistent_workspace(workspace, int(max_bytes), uid)
+            if self.req.runtime == "netns":
+                from egressgate.runtimes.workload import unreachable_parent
+
+                self.info.state_dir.chmod(0o711)  # traversable (not listable) by the sandbox uid; records 0700
+                if unreachable_parent(self.info.state_dir / "tmp", uid) is None:  # else bwrap --size tmpfs
+                    tmp_bytes = int((sandbox.get("tmp") or {}).get("max_bytes") or DEFAULT_TMP_MAX_BYTES)
+                    return self.disks.tmp(tmp_bytes, uid, uid)
+        except DiskLimitError as exc:
+            raise SetupFailed(str(exc)) from None
+        return None
 
     def _limits(self, resources: dict[str, Any]) -> None:
         wanted = {k: v for k, v in resources.items() if k in ("memory_mb", "pids_max", "cpu_millis") and v}
@@ -271,6 +306,8 @@ class Run:
                     log(f"stripped set-id bits from {len(found)} file(s) in the workspace: {', '.join(found[:5])}")
                 setid = found[:MAX_REPORTED]
 
+        # the set-id strip and the give-back to root work on the workspace's content, which for a bounded
+        # workspace is the mounted file system (diskfs.py): both before t_disks unmounts it
         for name, step in (("t_watch", lambda: self.watch and self.watch.stop()),
                            ("t_kill", lambda: self.adapter and self.adapter.kill()),
                            ("t_killall", lambda: self.limits and self.limits.kill_all()),
@@ -279,14 +316,15 @@ class Run:
                            ("t_plumbing", lambda: self.plumbing and self.plumbing.detach()),
                            ("t_limits", lambda: self.limits and self.limits.remove()),
                            ("t_setid", strip_setid_bits),
-                           ("t_identity", self._release_identity)):
+                           ("t_identity", self._release_identity),
+                           ("t_disks", lambda: self.disks and self.disks.release())):
             try:
                 step()
                 self.mark(name)
             except Exception as exc:
                 clean = False
                 log(f"teardown step failed ({type(exc).__name__}: {exc}); `egressgate sandbox gc` will retry")
-        if self.temp_workspace is not None:
+        if self.temp_workspace is not None:  # after t_disks: its tmpfs is unmounted
             import shutil
 
             shutil.rmtree(self.temp_workspace, ignore_errors=True)
@@ -317,7 +355,6 @@ class Run:
             phases = [f"{name}={(t - prev) * 1000:.1f}" for (_, prev), (name, t) in pairs]
             log("timing ms: " + " ".join(phases))
         return code
-
 
     def _release_identity(self) -> None:
         """The run's uid is free once its record goes: every process of it killed (whatever escaped the

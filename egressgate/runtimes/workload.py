@@ -113,13 +113,10 @@ def sandbox_controlled(path: Path, uid_range: tuple[int, int] | None = None, _de
     return None
 
 
-def prepare_workspace(path: Path, uid: int = SANDBOX_UID, uid_range: tuple[int, int] | None = None) -> Path:
-    """The workspace must be the run's own: created if missing, and its top directory and every entry an
-    earlier sandbox made (owned by a sandbox uid: `uid_range` or 65534) given to the run's host uid/gid
-    (runtimes/identity.py: a persistent workspace changes hands at each run's start; files the operator
-    placed keep their owners). Returns the resolved path every later step uses. Refused: a system
-    directory, and a path a sandbox could have redirected (a symlink it planted in an earlier workspace
-    would otherwise make this chown, then bind read-write, e.g. /root/.ssh)."""
+def resolve_workspace(path: Path, uid_range: tuple[int, int] | None = None) -> Path:
+    """The checks of prepare_workspace that change no owner: refused a system directory and a path a sandbox
+    could have redirected; created if missing; returns the resolved path. `sandbox run` calls it BEFORE it
+    mounts a bounded file system on the workspace (diskfs.py), then prepare_workspace on the mounted one."""
     check_workspace(path)
     planted = sandbox_controlled(path, uid_range)
     if planted is not None:
@@ -128,6 +125,17 @@ def prepare_workspace(path: Path, uid: int = SANDBOX_UID, uid_range: tuple[int, 
     path.mkdir(parents=True, exist_ok=True)
     path = path.resolve()
     check_workspace(path)
+    return path
+
+
+def prepare_workspace(path: Path, uid: int = SANDBOX_UID, uid_range: tuple[int, int] | None = None) -> Path:
+    """The workspace must be the run's own: created if missing, and its top directory and every entry an
+    earlier sandbox made (owned by a sandbox uid: `uid_range` or 65534) given to the run's host uid/gid
+    (runtimes/identity.py: a persistent workspace changes hands at each run's start; files the operator
+    placed keep their owners). Returns the resolved path every later step uses. Refused: a system
+    directory, and a path a sandbox could have redirected (a symlink it planted in an earlier workspace
+    would otherwise make this chown, then bind read-write, e.g. /root/.ssh)."""
+    path = resolve_workspace(path, uid_range)
     blocked = unreachable_parent(path, uid)
     if blocked is not None:
         raise SetupFailed(f"the workspace {path} is not reachable by the sandbox uid {uid}: {blocked} "

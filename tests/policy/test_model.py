@@ -87,6 +87,9 @@ def test_hash_is_stable_across_formatting_and_changes_with_meaning():
         (BASE.replace("- host: api.example.com", "- host: api.example.com\n        budget: {requests: 0}"),
          "network.https.allow[0].budget.requests", "greater than 0"),
         ("sandbox: {name: Bad Name}\n", "sandbox.name", "pattern"),
+        ("sandbox: {name: t, tmp: {max_bytes: 0}}\n", "sandbox.tmp.max_bytes", "greater than 0"),
+        ("sandbox: {name: t, tmp: {max_bytes: 1MiB}}\n", "sandbox.tmp.max_bytes", "integer"),
+        ("sandbox: {name: t, tmp: {size: 1}}\n", "sandbox.tmp.size", "unknown key"),
         ("network: {}\n", "sandbox", "required"),
     ],
 )
@@ -198,3 +201,9 @@ def test_directory_reports_every_bad_file(tmp_path):
 def test_invalid_yaml_names_line():
     found = problems("sandbox: {name: t\n")
     assert found[0][0].startswith("line ")
+
+
+def test_tmp_max_bytes_defaults_to_256_mib():
+    policy = parse_policy("sandbox: {name: t}\n", "t.yaml")
+    assert policy.model.sandbox.tmp.max_bytes == 256 * 1024 * 1024
+    assert parse_policy("sandbox: {name: t, tmp: {max_bytes: 4096}}\n", "t.yaml").model.sandbox.tmp.max_bytes == 4096

@@ -1,145 +1,124 @@
-"""workspace.max_bytes: a real workload filling its workspace is found over the limit and killed, within the
-documented overshoot bound; what is counted (regular files, by lstat, each inode once, one file system)."""
+"""Kernel-enforced byte limits (diskfs.py), on real mounts, written by the sandbox uid: the bounded tmpfs and
+the loop-mounted ext4 image refuse with ENOSPC what a watcher of apparent sizes missed (fallocate KEEP_SIZE,
+sparse files, an unlinked file held open, inode floods); positive control: the same on an unbounded dir works."""
 
 from __future__ import annotations
 
 import os
 import subprocess
-import sys
-import textwrap
-import threading
-import time
+from pathlib import Path
 
-from egressgate.runtimes.limits import WorkspaceWatch
-from tests.runtimes import limits_support
-from tests.runtimes.limits_support import SIGKILL, exit_signal, require_cgroups, wait_for
+import pytest
 
-runs = limits_support.runs  # the fixture
+from egressgate.runtimes import diskfs, records
+from egressgate.runtimes.base import SANDBOX_UID
+from egressgate.runtimes.diskfs import IMAGE, DiskLimits, loops_of, mounted
+from tests.runtimes.harness import base_dir, remove
 
 MiB = 1024 * 1024
-FILL = "i=0; while :; do i=$((i+1)); head -c 1048576 /dev/zero > f$i; sleep 0.05; done"  # ~20 MiB/s, forever
+LIMIT = 4 * MiB
 
 
-def test_workspace_fill_is_detected_and_the_run_killed_within_the_bound(runs, tmp_path):
-    require_cgroups()
-    ws = tmp_path / "ws"
+def as_sandbox(script: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["setpriv", f"--reuid={SANDBOX_UID}", f"--regid={SANDBOX_UID}", "--clear-groups",
+                           "sh", "-c", script], cwd=cwd, capture_output=True, text=True, timeout=60, check=False)
+
+
+@pytest.fixture(params=["tmpfs", "image"])
+def bounded(request: pytest.FixtureRequest) -> tuple[Path, Path]:
+    """(bounded workspace, unbounded control dir) of a fresh run id; everything is unmounted afterwards."""
+    base = base_dir("/var/tmp")
+    state = base / "state"
+    state.mkdir()
+    run_id = records.new_run_id()
+    ws = base / "ws"
     ws.mkdir()
-    limits = runs.create("ws", {})
-    proc = runs.spawn(limits, ["/bin/sh", "-c", FILL], cwd=ws)
-    fired = threading.Event()
-
-    def on_exceed() -> None:
-        limits.kill_all()
-        fired.set()
-
-    watch = WorkspaceWatch(ws, 4 * MiB, on_exceed, interval=0.2)
-    started = time.monotonic()
-    watch.start()
+    os.chown(ws, SANDBOX_UID, SANDBOX_UID)
+    control = base / "control"
+    control.mkdir()
+    os.chown(control, SANDBOX_UID, SANDBOX_UID)
+    disks = DiskLimits(run_id, state)
+    if request.param == "tmpfs":
+        disks.temporary_workspace(ws, LIMIT, SANDBOX_UID)
+    else:
+        disks.persistent_workspace(ws, LIMIT, SANDBOX_UID)
     try:
-        assert fired.wait(20)
+        yield ws, control
     finally:
-        watch.stop()
-    took = time.monotonic() - started
-    proc.wait(5)
-    assert exit_signal(proc) == SIGKILL and limits.pids() == []
-    assert watch.exceeded and watch.used > 4 * MiB
-    held = watch.scan()
-    # bound: max + write rate x 2 passes (one pass per tick here: interval + walk), with room for a slow machine
-    rate = 20 * MiB
-    assert held <= 4 * MiB + rate * (2 * 0.2 + 0.4), held
-    assert took < 5
+        disks.release()
+        assert mounted(ws) is None and loops_of(ws / IMAGE) == []
+        remove(base)
 
 
-def test_positive_control_a_workload_under_the_limit_is_left_alone(runs, tmp_path):
-    require_cgroups()
-    ws = tmp_path / "ws"
+def test_fallocate_keep_size_beyond_the_limit_gets_enospc(bounded):
+    ws, control = bounded
+    script = ": > f; fallocate -n -l 64M f && echo allocated; du -k f"
+    res = as_sandbox(script, ws)
+    assert "allocated" not in res.stdout and "No space left" in res.stderr, res
+    assert int(as_sandbox("du -sk .", ws).stdout.split()[0]) * 1024 <= LIMIT
+    ok = as_sandbox(script, control)  # positive control: the same call on an unbounded directory
+    assert "allocated" in ok.stdout and int(ok.stdout.split()[-2]) >= 64 * 1024, ok
+
+
+def test_sparse_file_writes_count_their_blocks(bounded):
+    ws, _ = bounded
+    # a 1 GiB sparse file costs nothing; writing 1 MiB every 64 MiB into it fills the limit
+    script = ("truncate -s 1G s && for i in 0 1 2 3 4 5 6 7; do "
+              "dd if=/dev/zero of=s bs=1M count=1 seek=$((i*64)) conv=notrunc 2>/dev/null || { echo full; exit 0; }; "
+              "done; echo wrote")
+    res = as_sandbox(script, ws)
+    assert "full" in res.stdout, res
+
+
+def test_unlinked_open_file_keeps_its_blocks(bounded):
+    ws, _ = bounded
+    script = ("exec 3>held; rm held; head -c 3145728 /dev/zero >&3; "
+              "head -c 2097152 /dev/zero > more && echo fit || echo full")
+    res = as_sandbox(script, ws)
+    assert "full" in res.stdout, res
+
+
+def test_inode_flood_is_bounded(bounded):
+    ws, control = bounded
+    script = ("i=0; while [ $i -lt 3000 ]; do touch f$i 2>/dev/null || { echo stopped=$i; exit 0; }; "
+              "i=$((i+1)); done; echo all")
+    res = as_sandbox(script, ws)
+    assert "stopped=" in res.stdout and int(res.stdout.split("=")[1]) <= diskfs.nr_inodes(LIMIT), res
+    assert "all" in as_sandbox(script, control).stdout
+
+
+def test_just_under_the_limit_fits_and_is_not_full(bounded):
+    ws, _ = bounded
+    # ext4 keeps ~10% of a small image for its metadata; tmpfs gives all of it
+    margin = LIMIT // 8
+    res = as_sandbox(f"head -c {LIMIT - 2 * margin} /dev/zero > f && echo fit", ws)
+    assert "fit" in res.stdout, res
+    assert os.statvfs(ws).f_bavail > 0
+
+
+def test_image_persists_with_content_and_migrates_an_existing_directory():
+    base = base_dir("/var/tmp")
+    state = base / "state"
+    state.mkdir()
+    ws = base / "ws"
     ws.mkdir()
-    limits = runs.create("ws-ok", {})
-    calls = []
-    watch = WorkspaceWatch(ws, 4 * MiB, lambda: calls.append(1), interval=0.05)
-    watch.start()
-    proc = runs.spawn(limits, ["/bin/sh", "-c", "for i in 1 2 3; do head -c 1048576 /dev/zero > f$i; done; sleep 0.5"],
-                      cwd=ws)
-    assert proc.wait(10) == 0
-    watch.stop()
-    assert not watch.exceeded and calls == [] and watch.scan() == 3 * MiB
-
-
-def test_symlinks_are_not_followed(tmp_path):
-    outside = tmp_path / "host"
-    outside.mkdir()
-    (outside / "big").write_bytes(bytes(8 * MiB))
-    ws = tmp_path / "ws"
-    ws.mkdir()
-    (ws / "link-to-file").symlink_to(outside / "big")
-    (ws / "link-to-dir").symlink_to(outside)
-    (ws / "small").write_bytes(bytes(100))
-    watch = WorkspaceWatch(ws, MiB, lambda: None)
-    assert watch.scan() == 100 and not watch.exceeded
-    # control: the same bytes as a real file in the workspace are counted
-    os.link(outside / "big", ws / "copy")
-    assert watch.scan() == 8 * MiB + 100 and watch.exceeded
-
-
-def test_hard_links_count_once_and_sparse_files_at_their_length(tmp_path):
-    ws = tmp_path / "ws"
-    (ws / "a" / "b").mkdir(parents=True)
-    (ws / "a" / "f").write_bytes(bytes(2 * MiB))
-    os.link(ws / "a" / "f", ws / "a" / "b" / "f2")
-    os.link(ws / "a" / "f", ws / "f3")
-    assert WorkspaceWatch(ws, 10 * MiB, lambda: None).scan() == 2 * MiB
-    with (ws / "sparse").open("wb") as f:
-        f.truncate(64 * MiB)
-    watch = WorkspaceWatch(ws, 10 * MiB, lambda: None)
-    assert watch.scan() == 66 * MiB and watch.exceeded
-
-
-def test_work_per_tick_is_bounded(tmp_path):
-    ws = tmp_path / "ws"
-    ws.mkdir()
-    for i in range(100):
-        (ws / f"e{i}").write_bytes(b"x")
-    watch = WorkspaceWatch(ws, MiB, lambda: None, entries_per_tick=10)
-    ticks = 0
-    while watch.passes == 0:
-        watch.tick()
-        ticks += 1
-        assert ticks <= 12
-    assert ticks >= 10 and watch.used == 100
-
-
-def test_on_exceed_runs_once_and_partial_passes_count(tmp_path):
-    ws = tmp_path / "ws"
-    ws.mkdir()
-    for i in range(50):
-        (ws / f"f{i}").write_bytes(bytes(1024))
-    calls = []
-    watch = WorkspaceWatch(ws, 10 * 1024, lambda: calls.append(1), entries_per_tick=20)
-    assert watch.tick()  # 20 KiB seen in the first tick: over the limit before the pass ends
-    assert watch.tick() and calls == [1]
-
-
-def test_other_file_systems_are_not_descended(tmp_path):
-    """A mount inside the workspace (made here in a private mount namespace) is not walked."""
-    require_cgroups()  # root
-    ws = tmp_path / "ws"
-    (ws / "mnt").mkdir(parents=True)
-    (ws / "own").write_bytes(bytes(1000))
-    code = textwrap.dedent(f"""
-        import os
-        from egressgate.runtimes.workspace import WorkspaceWatch
-        with open({str(ws / "mnt" / "big")!r}, "wb") as f:
-            f.write(bytes(4 << 20))
-        print(WorkspaceWatch({str(ws)!r}, 1 << 20, lambda: None).scan())
-        """)
-    out = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c",
-                          f'mount -t tmpfs egL-ws "{ws / "mnt"}" && exec "{sys.executable}" -c "$0"', code],
-                         capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=os.getcwd()), timeout=60)
-    assert out.returncode == 0, out.stderr
-    assert int(out.stdout) == 1000
-    assert not (ws / "mnt" / "big").exists()  # it lived on the tmpfs, gone with the namespace
-
-
-def test_a_missing_workspace_counts_zero(tmp_path):
-    assert WorkspaceWatch(tmp_path / "absent", 1, lambda: None).scan() == 0
-    assert wait_for(lambda: True)
+    (ws / "input.txt").write_text("from the operator\n")
+    os.mkfifo(ws / "fifo")  # copied as a fifo, never opened
+    try:
+        for round_ in (1, 2):
+            disks = DiskLimits(records.new_run_id(), state)
+            disks.persistent_workspace(ws, LIMIT, SANDBOX_UID)
+            try:
+                assert (ws / "input.txt").read_text() == "from the operator\n"
+                assert (ws / "fifo").is_fifo()
+                if round_ == 1:
+                    as_sandbox("echo kept > out.txt", ws)
+                else:
+                    assert (ws / "out.txt").read_text() == "kept\n"
+                assert diskfs.mounted(ws)[0] == "ext4"
+            finally:
+                disks.release()
+            assert sorted(os.listdir(ws)) == [IMAGE] and (ws / IMAGE).stat().st_size == LIMIT
+            assert loops_of(ws / IMAGE) == []
+    finally:
+        remove(base)

@@ -96,7 +96,7 @@ def compose_file(ctx: RenderContext, nets: dict[str, ipaddress.IPv4Network], con
         "command": ["sleep", "infinity"],
         "user": f"{NONROOT_UID}:{NONROOT_UID}",
         "read_only": sandbox.root_fs == "read_only",
-        "tmpfs": [CONTAINER_TMP],
+        "tmpfs": [f"{CONTAINER_TMP}:size={sandbox.tmp.max_bytes}"],  # sandbox.tmp.max_bytes (docker's tmpfs)
         "dns": [ip["gateway.sandbox"]],
         "volumes": [f"agent-env:{AGENT_ENV_DIR}:ro"],
         "networks": {"sandbox": {"ipv4_address": ip["agent"]}},

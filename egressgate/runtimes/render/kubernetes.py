@@ -259,7 +259,8 @@ def agent_pod(ctx: RenderContext, namespace: str, runtime_class: str, service_ip
         container["resources"] = {"limits": limits, "requests": dict(limits)}
     volumes: list[dict] = [
         {"name": "ca", "configMap": {"name": AGENT_CA_CONFIGMAP, "items": [{"key": "ca.pem", "path": "ca.pem"}]}},
-        {"name": "tmp", "emptyDir": {}},
+        # sandbox.tmp.max_bytes: the kubelet evicts the pod past it (as for the workspace)
+        {"name": "tmp", "emptyDir": {"sizeLimit": str(sandbox.tmp.max_bytes)}},
     ]
     if sandbox.workspace is not None:
         empty: dict = {}
