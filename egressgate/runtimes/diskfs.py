@@ -290,9 +290,13 @@ def release_entry(run_id: str, state_dir: Path, entry: dict) -> list[str]:
         if not unmount(target):
             problems.append(f"cannot unmount {target}")
             break
-    # autoclear frees the device on unmount, asynchronously (the kernel defers it): wait up to ~5 s, and
-    # detach one attached but never mounted (a SIGKILL between losetup and mount) explicitly
-    for attempt in range(250):
+    # autoclear frees the device on unmount, asynchronously (the kernel defers it, for seconds on a loaded
+    # machine): wait up to 20 s, and detach one attached but never mounted (a SIGKILL between losetup and
+    # mount) explicitly
+    deadline = time.monotonic() + 20
+    attempt = 0
+    while time.monotonic() < deadline:
+        attempt += 1
         left = loops_of(img)
         if not left:
             break

@@ -68,3 +68,12 @@ def canaries(world: World) -> Iterator[dict[str, Canary]]:
     finally:
         for canary in made.values():
             canary.close()
+
+
+@pytest.fixture(autouse=True)
+def netns_baseline(request: pytest.FixtureRequest) -> None:
+    """What `runs.leftovers` compares against: the product netns that exist as this test starts."""
+    if "gateway" in request.fixturenames:
+        from tests.runtimes.runs import product_netns
+
+        request.getfixturevalue("gateway").netns_baseline = product_netns()

@@ -117,6 +117,9 @@ class Gateway:
     info: dict[str, Any]
     _stderr: Any = None
     extra: list[Any] = field(default_factory=list)
+    # product netns that existed when the current test started (conftest.py): a run of an earlier test
+    # still being torn down by its watchdog is not this test's leftover (runs.leftovers)
+    netns_baseline: set[str] = field(default_factory=set)
 
     @classmethod
     def start(cls, world: World, base: Path, policies: dict[str, dict[str, Any]],

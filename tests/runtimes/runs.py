@@ -12,17 +12,24 @@ from pathlib import Path
 from tests.runtimes.harness import Gateway
 
 
+def product_netns() -> set[str]:
+    """Host-global product netns names (`egressgate-<run id>`)."""
+    netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False).stdout
+    return {line.split()[0] for line in netns.splitlines() if line.startswith("egressgate-")}
+
+
 def leftovers(gateway: Gateway) -> dict[str, list[str]]:
-    """Product objects in the gateway's namespace (tables, veths), global netns names, and run records."""
+    """Product objects in the gateway's namespace (tables, veths), product netns names that appeared since
+    the test started (the names are host-global: a run an earlier test ended may still be torn down by
+    its watchdog), and run records."""
     world = gateway.world
     tables = world.exec(world.gw, "nft", "list", "tables").stdout
     links = world.exec(world.gw, "ip", "-o", "link").stdout
-    netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False).stdout
     runs = gateway.state_dir / "runs"
     return {
         "tables": [line for line in tables.splitlines() if "egressgate_" in line],
         "veths": [line.split(":")[1].strip().split("@")[0] for line in links.splitlines() if ": egh" in line],
-        "netns": [line.split()[0] for line in netns.splitlines() if line.startswith("egressgate-")],
+        "netns": sorted(product_netns() - gateway.netns_baseline),
         "records": sorted(p.name for p in runs.glob("*.json")) if runs.is_dir() else [],
     }
 
