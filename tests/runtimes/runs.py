@@ -3,6 +3,7 @@ in its namespace, and killing its watchdog (shared by the lifecycle, watchdog an
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -61,3 +62,19 @@ def kill_watchdog(record: dict) -> None:
     deadline = time.monotonic() + 10
     while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
         time.sleep(0.02)  # it is not our child: init reaps it
+
+
+def wait_for_workload(gateway: Gateway, proc: subprocess.Popen[str], command: str = "sleep",
+                       timeout: float = 30) -> dict:
+    """The run's record once its workload (`command`) runs inside the sandbox: killing `sandbox run`
+    earlier would race bubblewrap's own start-up (its --die-with-parent is set after its fork)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for path in (gateway.state_dir / "runs").glob("*.json"):
+            record = json.loads(path.read_text())
+            if (record.get("owner_pid") == proc.pid and record.get("workload_pid")
+                    and command in netns_commands(record["run_id"])):
+                return record
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    raise AssertionError("the workload did not start")

@@ -22,7 +22,7 @@ import pytest
 from egressgate.runtimes import identity
 from tests.networld import World
 from tests.runtimes.harness import Gateway, base_dir, remove, running_gateway, runtime_policy, safety_net
-from tests.runtimes.runs import kill_watchdog, netns_commands
+from tests.runtimes.runs import kill_watchdog, netns_commands, wait_for_workload
 from tests.support.launcher import private_uid_range
 
 pytestmark = pytest.mark.netns
@@ -67,20 +67,6 @@ def _popen(gateway: Gateway, *command: str, policy: str, workspace: Path) -> sub
                             preexec_fn=safety_net)
 
 
-def _record(gateway: Gateway, proc: subprocess.Popen[str], command: str = "sleep", timeout: float = 30) -> dict:
-    """The run's record once its workload (`command`) runs in the sandbox."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for path in (gateway.state_dir / "runs").glob("*.json"):
-            record = json.loads(path.read_text())
-            if (record.get("owner_pid") == proc.pid and record.get("workload_pid")
-                    and command in netns_commands(record["run_id"])):
-                return record
-        assert proc.poll() is None, proc.communicate()
-        time.sleep(0.05)
-    raise AssertionError("the workload did not start")
-
-
 def _sandbox_pids(run_id: str) -> list[int]:
     res = subprocess.run(["ip", "netns", "pids", f"egressgate-{run_id}"], capture_output=True, text=True,
                          check=False)
@@ -114,7 +100,7 @@ def test_concurrent_sandboxes_cannot_read_or_signal_each_other(gateway: Gateway)
     try:
         procs.append(_popen(gateway, "sh", "-c", 'umask 077; echo "$HTTP_PROXY" > /workspace/secret; '
                             "exec sleep 60", policy="rt-allow", workspace=ws_a))
-        rec_a = _record(gateway, procs[0])
+        rec_a = wait_for_workload(gateway, procs[0])
         deadline = time.monotonic() + 10
         while not (ws_a / "secret").exists() and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -133,7 +119,7 @@ def test_concurrent_sandboxes_cannot_read_or_signal_each_other(gateway: Gateway)
         sleep_a = next(pid for pid in pids if Path(f"/proc/{pid}/comm").read_text().strip() == "sleep")
 
         procs.append(_popen(gateway, PY, "-c", B_PROBE, str(ws_a), policy="rt-nomask", workspace=ws_b))
-        rec_b = _record(gateway, procs[1])
+        rec_b = wait_for_workload(gateway, procs[1])
         deadline = time.monotonic() + 10
         while not (ws_b / "result.json").exists() and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -180,7 +166,7 @@ def test_exhausted_range_then_gc_frees_and_the_uid_is_reused(one_uid: tuple[Gate
     gateway, uid = one_uid
     proc = gateway.popen_run("sleep", "60", policy="id-one")
     try:
-        record = _record(gateway, proc)
+        record = wait_for_workload(gateway, proc)
         assert record["uid"] == uid and record["gid"] == uid
         # the range is exhausted while A holds its uid: exit 120 and one sentence
         refused = gateway.run("true", policy="id-one")
@@ -216,7 +202,7 @@ def test_exhausted_range_then_gc_frees_and_the_uid_is_reused(one_uid: tuple[Gate
         assert again.stdout.split() == ["65534", "0", "1"]  # bwrap's nested namespace: 0 is the outer one's
         reuse = gateway.popen_run("sleep", "60", policy="id-one")
         try:
-            assert _record(gateway, reuse)["uid"] == uid
+            assert wait_for_workload(gateway, reuse)["uid"] == uid
         finally:
             _stop(reuse)
     finally:

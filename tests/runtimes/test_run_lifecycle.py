@@ -3,7 +3,6 @@ cleanup after SIGKILL (of `sandbox run` and its watchdog) by `sandbox gc` (nothi
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import time
@@ -12,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.runtimes.harness import Gateway, base_dir, remove, sandbox_id
-from tests.runtimes.runs import kill_watchdog, leftovers, netns_commands, revocations
+from tests.runtimes.runs import kill_watchdog, leftovers, netns_commands, revocations, wait_for_workload
 from tests.support.launcher import EGRESSGATE
 
 pytestmark = pytest.mark.netns
@@ -94,25 +93,9 @@ def test_gateway_not_running_is_a_setup_failure(gateway: Gateway) -> None:
         remove(empty)
 
 
-def _wait_for_workload(gateway: Gateway, proc: subprocess.Popen[str], command: str = "sleep",
-                       timeout: float = 20) -> dict:
-    """The run's record once its workload (`command`) runs inside the sandbox: killing `sandbox run`
-    earlier would race bubblewrap's own start-up (its --die-with-parent is set after its fork)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for path in (gateway.state_dir / "runs").glob("*.json"):
-            record = json.loads(path.read_text())
-            if (record.get("owner_pid") == proc.pid and record.get("workload_pid")
-                    and command in netns_commands(record["run_id"])):
-                return record
-        assert proc.poll() is None, proc.communicate()
-        time.sleep(0.05)
-    raise AssertionError("the workload did not start")
-
-
 def test_sigterm_kills_the_sandbox_and_cleans_up(gateway: Gateway) -> None:
     proc = gateway.popen_run("sleep", "60", policy="rt-allow")
-    record = _wait_for_workload(gateway, proc)
+    record = wait_for_workload(gateway, proc)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=20)
     assert proc.returncode == 128 + signal.SIGTERM, err
@@ -126,7 +109,7 @@ def test_sigkill_then_gc_leaves_nothing(gateway: Gateway) -> None:
     """A run with a pids limit (so it has cgroups too) killed with SIGKILL together with its watchdog (the
     watchdog alone cleans up otherwise: test_watchdog.py); `sandbox gc` removes the rest."""
     proc = gateway.popen_run("sleep", "60", policy="rt-pids")
-    record = _wait_for_workload(gateway, proc)
+    record = wait_for_workload(gateway, proc)
     cgroups = [Path(p) for p in record.get("cgroups") or []]
     assert cgroups and all(p.is_dir() for p in cgroups), record
     kill_watchdog(record)
