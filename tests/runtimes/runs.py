@@ -78,3 +78,17 @@ def wait_for_workload(gateway: Gateway, proc: subprocess.Popen[str], command: st
         assert proc.poll() is None, proc.communicate()
         time.sleep(0.05)
     raise AssertionError("the workload did not start")
+
+
+def loops_freed(image: Path, timeout: float = 60.0) -> list[str]:
+    """The loop devices still backed by `image` once the kernel has let them go (or after `timeout`).
+    The image's file system is unmounted by teardown, but a mount namespace another process cloned while
+    it was mounted (any `ip netns exec`, bwrap or container start on the host, e.g. another test worker)
+    holds a copy until that process exits; autoclear then frees the device (diskfs.py documents the
+    "in use" refusal meanwhile). A wait, not a speed check."""
+    from egressgate.runtimes.diskfs import loops_of
+
+    deadline = time.monotonic() + timeout
+    while (left := loops_of(image)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left

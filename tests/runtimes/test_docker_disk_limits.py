@@ -15,6 +15,7 @@ import pytest
 from egressgate.runtimes.diskfs import IMAGE, loops_of, mounts
 from tests.networld import World
 from tests.runtimes.harness import Gateway, base_dir, remove, running_gateway, runtime_policy
+from tests.runtimes.runs import loops_freed
 from tests.support.dockerd import Dockerd
 
 pytestmark = pytest.mark.netns
@@ -89,6 +90,6 @@ def test_persistent_workspace_image(gateway: Gateway, dockerd: Dockerd, runtime:
         deadline = time.monotonic() + 20
         while loops_of(ws / IMAGE) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert loops_of(ws / IMAGE) == [] and not any(p == str(ws) for p, _, _ in mounts())
+        assert loops_freed(ws / IMAGE) == [] and not any(p == str(ws) for p, _, _ in mounts())
     finally:
         remove(ws)

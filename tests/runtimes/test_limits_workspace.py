@@ -12,8 +12,9 @@ import pytest
 
 from egressgate.runtimes import diskfs, records
 from egressgate.runtimes.base import SANDBOX_UID
-from egressgate.runtimes.diskfs import IMAGE, DiskLimits, loops_of, mounted
+from egressgate.runtimes.diskfs import IMAGE, DiskLimits, mounted
 from tests.runtimes.harness import base_dir, remove
+from tests.runtimes.runs import loops_freed
 
 MiB = 1024 * 1024
 LIMIT = 4 * MiB
@@ -46,7 +47,7 @@ def bounded(request: pytest.FixtureRequest) -> tuple[Path, Path]:
         yield ws, control
     finally:
         disks.release()
-        assert mounted(ws) is None and loops_of(ws / IMAGE) == []
+        assert mounted(ws) is None and loops_freed(ws / IMAGE) == []
         remove(base)
 
 
@@ -119,6 +120,6 @@ def test_image_persists_with_content_and_migrates_an_existing_directory():
             finally:
                 disks.release()
             assert sorted(os.listdir(ws)) == [IMAGE] and (ws / IMAGE).stat().st_size == LIMIT
-            assert loops_of(ws / IMAGE) == []
+            assert loops_freed(ws / IMAGE) == []
     finally:
         remove(base)

@@ -21,6 +21,7 @@ from egressgate.runtimes.diskfs import IMAGE, loops_of, mounts
 from egressgate.runtimes.identity import MIN_UID
 from tests.networld import World
 from tests.runtimes.harness import Gateway, base_dir, remove, running_gateway, runtime_policy, sandbox_id
+from tests.runtimes.runs import loops_freed
 
 pytestmark = pytest.mark.netns
 MiB = 1024 * 1024
@@ -75,12 +76,12 @@ def test_persistent_workspace_keeps_content_and_limit_across_runs(gateway: Gatew
     try:
         first = gateway.run("sh", "-c", "cat input.txt; echo from-run-1 > out.txt", policy="dl-ws8", workspace=ws)
         assert first.returncode == 0 and "operator data" in first.stdout, first.stderr
-        assert sorted(os.listdir(ws)) == [IMAGE] and loops_of(ws / IMAGE) == []
+        assert sorted(os.listdir(ws)) == [IMAGE] and loops_freed(ws / IMAGE) == []
         second = gateway.run("sh", "-c", "cat out.txt; head -c 16777216 /dev/zero > big", policy="dl-ws8",
                              workspace=ws)
         assert "from-run-1" in second.stdout and second.returncode == 123, second.stdout + second.stderr
         assert "No space left" in second.stderr
-        assert (ws / IMAGE).stat().st_size == 8 * MiB and loops_of(ws / IMAGE) == []
+        assert (ws / IMAGE).stat().st_size == 8 * MiB and loops_freed(ws / IMAGE) == []
         assert not any(p == str(ws) for p, _, _ in mounts())
     finally:
         remove(ws)
@@ -140,7 +141,7 @@ def test_nothing_left_after_sigkill_and_gc(gateway: Gateway) -> None:
         deadline = time.monotonic() + 10  # the watchdog or gc, whichever comes first
         while time.monotonic() < deadline and (loops_of(ws / IMAGE) or any(p == str(ws) for p, _, _ in mounts())):
             time.sleep(0.1)
-        assert loops_of(ws / IMAGE) == [], gc.stdout + gc.stderr
+        assert loops_freed(ws / IMAGE) == [], gc.stdout + gc.stderr
         assert not any(p == str(ws) or p.startswith(str(gateway.state_dir)) for p, _, _ in mounts())
         # the watchdog/gc gave the run's files back to root BEFORE unmounting: the image's content is root's
         out = subprocess.run(["debugfs", "-R", "stat /f", str(ws / IMAGE)], capture_output=True, text=True,
