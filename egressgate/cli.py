@@ -31,7 +31,7 @@ def main() -> None:
 
         parsed = parse(args[2:])
         if parsed is not None:
-            from egressgate.runtimes.run import run_from_args
+            from egressgate.runtimes.entry import run_from_args
 
             _exit_now(run_from_args(**parsed))
     from egressgate.commands import cli

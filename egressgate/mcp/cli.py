@@ -32,7 +32,8 @@ def run_local(config_file: str | None, var_dir: str | None, policy: str, server:
     from egressgate.mcp.local import EXIT_MCP_REFUSED, McpRun
     from egressgate.runtimes import endpoints
     from egressgate.runtimes.adminapi import AdminUnreachable, call
-    from egressgate.runtimes.run import RunRequest, var_dir_of
+    from egressgate.runtimes.entry import var_dir_of
+    from egressgate.runtimes.run import RunRequest
     from egressgate.runtimes.workload import SetupFailed
 
     if runtime != "netns":

@@ -33,7 +33,7 @@ def run_cmd(config_file: str | None, var_dir: str | None, policy: str, runtime: 
 
     Exit codes: the workload's status (128+N if signal N killed it); 120 setup failed; 121 memory,
     122 pids, 123 workspace bytes, 124 wall time limit (docs/runtimes.md)."""
-    from egressgate.runtimes.run import run_from_args
+    from egressgate.runtimes.entry import run_from_args
 
     parse_labels(labels)  # k=v, else a usage error
     sys.exit(run_from_args(config_file, var_dir, policy, runtime, image, workspace, labels, tuple(command)))
@@ -49,8 +49,8 @@ def run_cmd(config_file: str | None, var_dir: str | None, policy: str, runtime: 
 def gc_cmd(config_file: str | None, var_dir: str | None, state_dir: str | None, grace: float) -> None:
     """Remove what runs killed with SIGKILL left behind (namespaces, veths, nft tables, cgroups,
     containers, run records) and revoke their sandboxes when the gateway is reachable."""
+    from egressgate.runtimes.entry import var_dir_of
     from egressgate.runtimes.gc import collect
-    from egressgate.runtimes.run import var_dir_of
     from egressgate.runtimes.workload import SetupFailed
 
     try:
