@@ -98,11 +98,12 @@ class Proc:
                 return int(line.split()[1])
         raise KeyError(key)
 
-    def stop(self) -> None:
+    def stop(self, grace: float = 10.0) -> None:
+        """SIGTERM, then SIGKILL after `grace` s: a profiled gateway needs longer (every process dumps its stats)."""
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
-                self.proc.wait(10)
+                self.proc.wait(grace)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(5)

@@ -271,7 +271,9 @@ class Driver:
                 out["cells"].append(f"{mode} c={conc} {r.rps:.0f} rps under cProfile ({client})")
                 log(f"profile {name}: {out['cells'][-1]}")
         finally:
-            p.stop()
+            # A supervisor stops its workers first (each dumps its cProfile stats on the way out); on a loaded
+            # machine that took longer than the default 10 s, the SIGKILL lost every stats file.
+            p.stop(grace=90.0)
             self.procs.pop(f"{name}-profiled", None)
         files = sorted(pdir.glob("*.prof")) if pdir.exists() else []
         if not files:

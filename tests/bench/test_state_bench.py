@@ -62,9 +62,11 @@ def test_state_bench_runs_end_to_end_in_tiny_mode(tmp_path: Path) -> None:
         assert "error" not in b and b["reserve_out"]["calls"] > 0 and b["reserve_out"]["p99_us"] > 0, b
     assert budget["redis/sequential"]["reserve_out"]["calls"] == 200
     prof = report["profiles"]["memory"]  # cProfile saw the request path, not only start-up
+    assert "error" not in prof, prof
     assert prof["busy_s"] > 0 and prof["components_self_pct"].get("egressgate.policy (decide/canon)", 0) > 0, prof
     assert any("snapshot" in w for w, _us, _n in prof["state_inclusive"]), prof["state_inclusive"]
     prof = report["profiles"]["redis-2w"]  # the workers were profiled too, not only the supervisor
+    assert "error" not in prof, prof
     assert prof["processes"] == 3 and prof["components_self_pct"].get("egressgate.state", 0) > 0, prof
     md = next(tmp_path.glob("bench-state-*.md")).read_text()
     assert "loadavg" in md and "req per gateway CPU-s" in md and report["meta"]["command"] in md
