@@ -64,8 +64,11 @@ class ListenConfig(_Strict):
     dns: str | None = "127.0.0.1:5353"  # the DNS resolver; null turns it off (use 53 when running as root)
     # the transparent listener (gateway/transparent.py): runtimes DNAT a sandbox's TCP here; null turns it off
     transparent: str | None = "127.0.0.1:8082"
+    # read-only GET /metrics (admin.metrics_token_file), /healthz, /readyz for scrapers and probes in other
+    # network namespaces, while the admin API stays on loopback (admin/metrics_listener.py); null: none
+    metrics: str | None = None
 
-    @field_validator("proxy", "admin", "dns", "transparent")
+    @field_validator("proxy", "admin", "dns", "transparent", "metrics")
     @classmethod
     def _valid(cls, value: str | None) -> str | None:
         if value is not None:
@@ -214,6 +217,8 @@ class RuntimeSection(_Strict):
 
 class AdminConfig(_Strict):
     token_file: str | None = None  # default: var_dir/admin.token
+    # the only credential listen.metrics accepts (read-only: GET /metrics); the operator provides it
+    metrics_token_file: str | None = None
 
 
 class GatewayConfig(_Strict):
@@ -230,6 +235,14 @@ class GatewayConfig(_Strict):
     limits: LimitsConfig = LimitsConfig()  # connection limits and timeouts of the proxy listener
     runtime: RuntimeSection = RuntimeSection()  # `sandbox run`: address pool and state dir
     state: StateConfig = StateConfig()  # sandbox registry + counters: memory (one process) or redis (shared)
+
+    @model_validator(mode="after")
+    def _metrics_pair(self) -> GatewayConfig:
+        # one without the other is a key that does nothing: a scraper would get 404s or an open listener
+        if (self.listen.metrics is None) != (self.admin.metrics_token_file is None):
+            raise ValueError("listen.metrics and admin.metrics_token_file go together: the metrics listener "
+                             "accepts only that token, and the token opens nothing else")
+        return self
 
     # Resolved paths: one place decides the defaults so the CLI, the admin API and tests agree.
     def var_path(self) -> Path:

@@ -21,6 +21,7 @@ import signal
 import socket
 from pathlib import Path
 
+from egressgate.admin.metrics_listener import MetricsListener, read_metrics_token
 from egressgate.admin.server import AdminServer, ensure_admin_token
 from egressgate.approvals.store import open_approvals
 from egressgate.audit.build import build
@@ -66,6 +67,7 @@ class Gateway:
         self.master: GatewayMaster | None = None
         self.admin: AdminServer | None = None
         self.dns: DnsServer | None = None
+        self.metrics_site: MetricsListener | None = None
         self.addresses: dict[str, str] = {}
         self._watch: asyncio.Task | None = None
         self._signature: tuple = ()
@@ -98,6 +100,12 @@ class Gateway:
         self.admin = AdminServer(rt, token, reload=self.reload)
         admin_addr = await self.admin.start(admin_host, admin_port, self.listeners.get("admin"))
         rt.listeners.append(admin_addr)
+        metrics_addr = None
+        if cfg.listen.metrics is not None and cfg.admin.metrics_token_file is not None:  # the config pairs them
+            self.metrics_site = MetricsListener(self.admin, read_metrics_token(Path(cfg.admin.metrics_token_file)))
+            host, port = parse_listen(cfg.listen.metrics)
+            metrics_addr = await self.metrics_site.start(host, port, self.listeners.get("metrics"))
+            rt.listeners.append(metrics_addr)
         dns_addr = None
         if cfg.listen.dns:
             self.dns = DnsServer(rt.policies.get, state, sink, cfg.dns.resolver_config())
@@ -123,6 +131,8 @@ class Gateway:
             self.addresses["transparent"] = _fmt(*bound["transparent"][0][:2])
         if dns_addr is not None:
             self.addresses["dns"] = rt.dns_address = _fmt(*dns_addr[:2])
+        if metrics_addr is not None:
+            self.addresses["metrics"] = _fmt(*metrics_addr)
         if self.publish:
             write_runtime_file(cfg, {**self.addresses, "pid": os.getpid()})
             self._published = True
@@ -176,6 +186,8 @@ class Gateway:
             self._watch.cancel()
         if self.master is not None:
             await self.master.stop()
+        if self.metrics_site is not None:
+            await self.metrics_site.stop()
         if self.admin is not None:
             await self.admin.stop()
         if self.dns is not None:

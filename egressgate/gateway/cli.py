@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+from pathlib import Path
 
 import click
 
@@ -31,7 +32,7 @@ def _config(config_file: str | None, policy: str | None = None, listen: dict[str
 # on a host, containers, systemd units), as mitmproxy's and smokescreen's flags do. Precedence is click's: a
 # flag wins over its environment variable, and either wins over the config file's `listen.<kind>`. The ones a
 # gateway can run without (dns, transparent) take `off` (the file's null).
-LISTEN_KINDS = {"proxy": False, "transparent": True, "dns": True, "admin": False}  # kind -> may be off
+LISTEN_KINDS = {"proxy": False, "transparent": True, "dns": True, "admin": False, "metrics": True}  # kind -> may be off
 OFF = "off"
 
 
@@ -61,7 +62,7 @@ def _listen_option(ctx: click.Context, param: click.Parameter, value: str | None
 
 
 def _listen_options(func):
-    """The four --listen-* options (decorator), documented once."""
+    """The --listen-* options (decorator), documented once."""
     for kind, may_be_off in reversed(LISTEN_KINDS.items()):
         func = click.option(
             f"--listen-{kind}", f"listen_{kind}", envvar=f"EGRESSGATE_LISTEN_{kind.upper()}", metavar="HOST:PORT",
@@ -133,6 +134,13 @@ def run_cmd(config_file: str | None, policy: str | None, log_level: str, log_for
              for key, value in listen.items() if value is not None}
     cfg = _config(config_file, policy, given)
     configure_logging(log_level, log_format)
+    if cfg.admin.metrics_token_file is not None:  # before any worker starts: one error, not one per worker
+        from egressgate.admin.metrics_listener import MetricsTokenError, read_metrics_token
+
+        try:
+            read_metrics_token(Path(cfg.admin.metrics_token_file))
+        except MetricsTokenError as exc:
+            raise click.ClickException(f"invalid config, not starting: {exc}") from exc
     if workers == 1:
         serve_or_fail(cfg, _announce)
         return

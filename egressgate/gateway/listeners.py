@@ -50,7 +50,8 @@ def _tcp_listener(host: str, port: int) -> socket.socket:
 
 
 def bind_all(listen: ListenConfig) -> dict[str, socket.socket]:
-    """Bind every configured listener: `proxy`, `admin`, `transparent`, `dns_udp` + `dns_tcp` (one port).
+    """Bind every configured listener: `proxy`, `admin`, `metrics`, `transparent`, `dns_udp` + `dns_tcp` (one
+    port).
     Anything already bound is closed again when a later bind fails (the caller reports the OSError)."""
     socks: dict[str, socket.socket] = {}
     key = "proxy"
@@ -58,6 +59,9 @@ def bind_all(listen: ListenConfig) -> dict[str, socket.socket]:
         socks["proxy"] = _tcp_listener(*parse_listen(listen.proxy))
         key = "admin"
         socks["admin"] = _tcp_listener(*parse_listen(listen.admin))
+        if listen.metrics is not None:
+            key = "metrics"
+            socks["metrics"] = _tcp_listener(*parse_listen(listen.metrics))
         if listen.transparent is not None:
             key = "transparent"
             socks["transparent"] = _tcp_listener(*parse_listen(listen.transparent))
@@ -90,6 +94,8 @@ def bound_listen(listen: ListenConfig, socks: dict[str, socket.socket]) -> Liste
     update = {"proxy": address(socks["proxy"]), "admin": address(socks["admin"])}
     if "transparent" in socks:
         update["transparent"] = address(socks["transparent"])
+    if "metrics" in socks:
+        update["metrics"] = address(socks["metrics"])
     if "dns_udp" in socks:
         update["dns"] = address(socks["dns_udp"])
     return listen.model_copy(update=update)
