@@ -48,8 +48,9 @@ def test_manifests_are_valid_kubernetes_1_30(tmp_path, runtime_class):
     assert checked.returncode == 0, checked.stdout + checked.stderr
     kinds = sorted(line.split(" for resource ")[1].split()[0] for line in checked.stdout.splitlines()
                    if " passed for resource " in line)
-    assert kinds == sorted(["configmap/egressgate-gateway", "deployment/egressgate-gateway",
+    assert kinds == sorted(["configmap/egressgate-gateway", "statefulset/egressgate-gateway",
                             "service/egressgate-gateway", "networkpolicy/egressgate-gateway",
+                            "service/egressgate-gateway-pods", "poddisruptionbudget/egressgate-gateway",
                             "deployment/egressgate-redis", "service/egressgate-redis",
                             "networkpolicy/egressgate-redis",
                             "networkpolicy/egressgate-agent-invoice-analysis",
@@ -75,7 +76,7 @@ def test_agent_network_policy_allows_only_the_gateway(tmp_path):
     docs = render(tmp_path)
     pod = by_kind(docs, "Pod")
     policy = by_kind(docs, "NetworkPolicy", "egressgate-agent-invoice-analysis")
-    gateway = by_kind(docs, "Deployment", "egressgate-gateway")
+    gateway = by_kind(docs, "StatefulSet", "egressgate-gateway")
     spec = policy["spec"]
     # it selects exactly the agent pod
     assert spec["podSelector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
@@ -107,8 +108,13 @@ def test_gateway_network_policy_admits_only_this_policys_agents(tmp_path):
     docs = render(tmp_path)
     pod = by_kind(docs, "Pod")
     spec = by_kind(docs, "NetworkPolicy", "egressgate-gateway")["spec"]
-    (ingress,) = spec["ingress"]
-    assert ingress["from"] == [{"podSelector": {"matchLabels": pod["metadata"]["labels"]}}]
+    agents, scrapers = spec["ingress"]
+    assert agents["from"] == [{"podSelector": {"matchLabels": pod["metadata"]["labels"]}}]
+    assert sorted((p["protocol"], p["port"]) for p in agents["ports"]) == sorted(
+        [("TCP", PROXY_PORT), ("UDP", DNS_PORT), ("TCP", DNS_PORT)])
+    # the only other way in: the metrics port, from Prometheus' namespace (not the agents, not the admin API)
+    assert scrapers == {"from": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}],
+                        "ports": [{"protocol": "TCP", "port": 9090}]}
     public = [peer["ipBlock"] for rule in spec["egress"] for peer in rule["to"] if "ipBlock" in peer]
     v4 = next(b for b in public if b["cidr"] == "0.0.0.0/0")
     assert {"169.254.0.0/16", "10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16"} <= set(v4["except"])
@@ -193,7 +199,7 @@ def test_replicas_share_one_redis_only_the_gateway_reaches(tmp_path):
     from egressgate.gateway.workers import check_workers
 
     docs = render(tmp_path, "--replicas", "3", "--workers", "2", "--namespace", "agents")
-    gateway = by_kind(docs, "Deployment", "egressgate-gateway")
+    gateway = by_kind(docs, "StatefulSet", "egressgate-gateway")
     assert gateway["spec"]["replicas"] == 3
     args = gateway["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[args.index("--workers") + 1] == "2"

@@ -76,16 +76,30 @@ def _run(build: Callable[[], dict[str, str]]) -> dict[str, str]:
               help="Gateway pods behind the one Service (they share state in the rendered Redis).")
 @click.option("--workers", default=1, show_default=True, type=int, help="`run --workers` in each gateway pod.")
 @click.option("--redis-image", default="egressgate-redis:0.1.0", show_default=True)
+@click.option("--registry", default=None,
+              help="Pull every image that names no registry from here (e.g. registry.example.com/egressgate).")
+@click.option("--gateway-cpu-millis", type=int, default=None, help="CPU limit of a gateway pod [1000 per worker].")
+@click.option("--gateway-memory-mb", type=int, default=None,
+              help="Memory request = limit of a gateway pod [512 per worker].")
+@click.option("--var-size", default="10Gi", show_default=True,
+              help="Each replica's volume claim for its var dir (audit trail, admin token, keys).")
+@click.option("--storage-class", default=None, help="StorageClass of those claims (default: the cluster's).")
+@click.option("--metrics-namespace", default="monitoring", show_default=True,
+              help="The namespace whose pods (Prometheus) may scrape the gateways' metrics port.")
 def render_kubernetes_cmd(policy: str, policies: str, image: str, agent_image: str, out: str | None,
                           namespace: str, runtime_class: str, service_ip: str | None, replicas: int, workers: int,
-                          redis_image: str) -> None:
-    """Redis + gateway ConfigMap/Deployment/Service/NetworkPolicy + agent Pod/NetworkPolicy."""
-    from egressgate.runtimes.render.kubernetes import render_kubernetes
+                          redis_image: str, registry: str | None, gateway_cpu_millis: int | None,
+                          gateway_memory_mb: int | None, var_size: str, storage_class: str | None,
+                          metrics_namespace: str) -> None:
+    """Redis + gateway ConfigMap/StatefulSet/Services/NetworkPolicy/PodDisruptionBudget + agent Pod/NetworkPolicy."""
+    from egressgate.runtimes.render.kubernetes import GatewaySizing, render_kubernetes
 
+    sizing = GatewaySizing(replicas=replicas, workers=workers, cpu_millis=gateway_cpu_millis,
+                           memory_mb=gateway_memory_mb, var_size=var_size, storage_class=storage_class,
+                           metrics_namespace=metrics_namespace)
     _emit(_run(lambda: render_kubernetes(load_context(policies, policy, image=image, agent_image=agent_image),
-                                         namespace=namespace, runtime_class=runtime_class,
-                                         service_ip=service_ip, replicas=replicas, workers=workers,
-                                         redis_image=redis_image)), out)
+                                         namespace=namespace, runtime_class=runtime_class, service_ip=service_ip,
+                                         sizing=sizing, redis_image=redis_image, registry=registry)), out)
 
 
 @render.command("compose")

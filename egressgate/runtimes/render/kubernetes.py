@@ -1,14 +1,14 @@
-"""`runtime render kubernetes`: the gateway (ConfigMap, Deployment of N replicas behind one Service,
-NetworkPolicy), the Redis its replicas share (kubernetes_redis.py) and one agent Pod with the
-NetworkPolicy that leaves it no way out but the gateway.
+"""`runtime render kubernetes`: the gateway (kubernetes_gateway.py: ConfigMap, StatefulSet of N replicas behind
+one Service, NetworkPolicy, PodDisruptionBudget), the Redis its replicas share (kubernetes_redis.py) and one agent
+Pod with the NetworkPolicy that leaves it no way out but the gateway.
 
 What holds the agent in, and where each rule lives:
 * its NetworkPolicy: egress ONLY to the gateway pods' proxy and resolver ports (no ipBlock, no
   namespaceSelector, so no cluster DNS, no metadata address, no other pod); ingress: nothing;
 * its securityContext: non-root, no capabilities (no raw sockets), no privilege escalation, seccomp,
   read-only root when the policy says `root_fs: read_only`; no service-account token (no API access);
-* the gateway's NetworkPolicy: only this policy's agents may connect to it (its resolver answers
-  unknown clients with this policy, which is safe only because nobody else reaches it).
+* the gateway's NetworkPolicy: only this policy's agents may connect to its proxy and resolver (its resolver
+  answers unknown clients with this policy, which is safe only because nobody else reaches it).
 The admission (sandbox id + token + phantom credentials) is a Secret the operator creates with
 `egressgate runtime admit` run in the gateway pod (docs/runtimes-deploy.md); it is never rendered here.
 """
@@ -17,39 +17,37 @@ from __future__ import annotations
 
 import ipaddress
 import re
-
-import yaml
+from dataclasses import replace
 
 from egressgate.runtimes.render.common import (
     AGENT_CA_PATH,
     CA_ENV_VARS,
-    CONFIG_DIR,
     CONTAINER_TMP,
-    DNS_PORT,
-    NONROOT_UID,
-    POLICY_DIR,
     PROXY_ENV_VARS,
     PROXY_PORT,
-    VAR_DIR,
     RenderContext,
     RenderError,
     allowed_private,
     cpu_quantity,
     dump_yaml,
-    gateway_config,
     memory_quantity,
 )
-from egressgate.runtimes.render.kubernetes_redis import (
-    DEFAULT_REDIS_IMAGE,
-    gateway_to_redis,
-    redis_objects,
-    redis_url,
+from egressgate.runtimes.render.kubernetes_gateway import (
+    GATEWAY_LABELS,
+    GatewaySizing,
+    container_security,
+    gateway_configmap,
+    gateway_disruption_budget,
+    gateway_network_policy,
+    gateway_peer_ports,
+    gateway_pods_service,
+    gateway_service,
+    gateway_statefulset,
+    pod_security,
 )
+from egressgate.runtimes.render.kubernetes_redis import DEFAULT_REDIS_IMAGE, redis_objects
 
-GATEWAY = "egressgate-gateway"
-GATEWAY_LABELS = {"app.kubernetes.io/name": "egressgate", "app.kubernetes.io/component": "gateway"}
 RUNTIME_CLASSES = ("gvisor", "kata")
-CA_SECRET = "egressgate-ca"  # noqa: S105 - a Secret's name; the gateway CA (key + cert), created by the operator from `egressgate ca path`
 AGENT_CA_CONFIGMAP = "egressgate-agent-ca"  # the sandbox bundle (`egressgate ca export --bundle`)
 # Kubernetes publishes a Service to pods created after it as <NAME>_SERVICE_HOST / _SERVICE_PORT_<PORT>;
 # `$(VAR)` in an env value expands them, so the agent reaches the proxy without cluster DNS (blocked).
@@ -72,115 +70,6 @@ def admission_secret(ctx: RenderContext) -> str:
     return agent_name(ctx) + "-admission"
 
 
-def _container_security(read_only_root: bool) -> dict:
-    return {
-        "runAsNonRoot": True,
-        "runAsUser": NONROOT_UID,
-        "runAsGroup": NONROOT_UID,
-        "allowPrivilegeEscalation": False,
-        "privileged": False,
-        "readOnlyRootFilesystem": read_only_root,
-        "capabilities": {"drop": ["ALL"]},
-        "seccompProfile": {"type": "RuntimeDefault"},
-    }
-
-
-def _pod_security() -> dict:
-    return {"runAsNonRoot": True, "runAsUser": NONROOT_UID, "runAsGroup": NONROOT_UID, "fsGroup": NONROOT_UID,
-            "seccompProfile": {"type": "RuntimeDefault"}}
-
-
-def gateway_configmap(ctx: RenderContext, namespace: str) -> dict:
-    cfg = gateway_config()
-    # Only this policy's agents can reach the resolver (gateway NetworkPolicy), and their pod IPs are
-    # not known at admission: name them by the policy instead of refusing every lookup.
-    cfg["dns"] = {"unknown_client_policy": ctx.name}
-    # every replica (and worker) shares sandboxes, budgets and revocations through Redis
-    cfg["state"] = {"backend": "redis", "url": redis_url(namespace)}
-    return {
-        "apiVersion": "v1", "kind": "ConfigMap",
-        "metadata": {"name": GATEWAY, "namespace": namespace, "labels": GATEWAY_LABELS},
-        "data": {"gateway.yaml": yaml.safe_dump(cfg, sort_keys=False), ctx.policy_file: ctx.policy_text},
-    }
-
-
-def gateway_deployment(ctx: RenderContext, namespace: str, replicas: int = 2, workers: int = 1) -> dict:
-    ca_dir = f"{VAR_DIR}/ca"
-    copy_ca = f"mkdir -p -m 700 {ca_dir} && cp /run/egressgate-ca/*.pem {ca_dir}/ && chmod 600 {ca_dir}/*.pem"
-    mounts = [
-        {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
-        {"name": "var", "mountPath": VAR_DIR},
-        {"name": "tmp", "mountPath": CONTAINER_TMP},
-    ]
-    return {
-        "apiVersion": "apps/v1", "kind": "Deployment",
-        "metadata": {"name": GATEWAY, "namespace": namespace, "labels": GATEWAY_LABELS},
-        "spec": {
-            # replicas share their state in Redis; the Service spreads agents over them
-            "replicas": replicas,
-            "selector": {"matchLabels": GATEWAY_LABELS},
-            "template": {
-                "metadata": {"labels": GATEWAY_LABELS},
-                "spec": {
-                    "automountServiceAccountToken": False,
-                    "securityContext": _pod_security(),
-                    "initContainers": [{
-                        "name": "ca", "image": ctx.image, "command": ["sh", "-c", copy_ca],
-                        "securityContext": _container_security(True),
-                        "volumeMounts": [{"name": "ca", "mountPath": "/run/egressgate-ca", "readOnly": True},
-                                         {"name": "var", "mountPath": VAR_DIR}],
-                    }],
-                    "containers": [{
-                        "name": "gateway", "image": ctx.image,
-                        "args": ["run", "--config", f"{CONFIG_DIR}/gateway.yaml", "--workers", str(workers)],
-                        "ports": [
-                            {"name": "proxy", "containerPort": PROXY_PORT, "protocol": "TCP"},
-                            {"name": "dns", "containerPort": DNS_PORT, "protocol": "UDP"},
-                            {"name": "dns-tcp", "containerPort": DNS_PORT, "protocol": "TCP"},
-                        ],
-                        "readinessProbe": {"tcpSocket": {"port": "proxy"}, "periodSeconds": 5},
-                        "securityContext": _container_security(True),
-                        "volumeMounts": mounts,
-                    }],
-                    "volumes": [
-                        {"name": "config", "configMap": {"name": GATEWAY, "items": [
-                            {"key": "gateway.yaml", "path": "gateway.yaml"},
-                            {"key": ctx.policy_file, "path": f"{POLICY_DIR.removeprefix(CONFIG_DIR + '/')}/"
-                                                             f"{ctx.policy_file}"},
-                        ]}},
-                        {"name": "ca", "secret": {"secretName": CA_SECRET, "defaultMode": 0o400}},
-                        {"name": "var", "emptyDir": {}},
-                        {"name": "tmp", "emptyDir": {"medium": "Memory", "sizeLimit": "64Mi"}},
-                    ],
-                },
-            },
-        },
-    }
-
-
-def gateway_service(namespace: str, service_ip: str | None) -> dict:
-    spec: dict = {
-        "type": "ClusterIP",
-        "selector": GATEWAY_LABELS,
-        "ports": [
-            {"name": "proxy", "port": PROXY_PORT, "targetPort": "proxy", "protocol": "TCP"},
-            {"name": "dns", "port": 53, "targetPort": "dns", "protocol": "UDP"},
-            {"name": "dns-tcp", "port": 53, "targetPort": "dns-tcp", "protocol": "TCP"},
-        ],
-    }
-    if service_ip:
-        spec["clusterIP"] = service_ip
-    return {"apiVersion": "v1", "kind": "Service",
-            "metadata": {"name": GATEWAY, "namespace": namespace, "labels": GATEWAY_LABELS}, "spec": spec}
-
-
-def _gateway_peer_ports() -> list[dict]:
-    """The pod ports an agent may reach. NetworkPolicy matches the destination pod's port (after the
-    Service's translation), so these are the container ports, not the Service's 53."""
-    return [{"protocol": "TCP", "port": PROXY_PORT}, {"protocol": "UDP", "port": DNS_PORT},
-            {"protocol": "TCP", "port": DNS_PORT}]
-
-
 def agent_network_policy(ctx: RenderContext, namespace: str) -> dict:
     return {
         "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
@@ -190,37 +79,7 @@ def agent_network_policy(ctx: RenderContext, namespace: str) -> dict:
             "policyTypes": ["Ingress", "Egress"],
             "ingress": [],  # nothing connects to an agent
             # the ONLY egress: the gateway pods of this namespace, proxy + resolver ports
-            "egress": [{"to": [{"podSelector": {"matchLabels": GATEWAY_LABELS}}], "ports": _gateway_peer_ports()}],
-        },
-    }
-
-
-def gateway_network_policy(ctx: RenderContext, namespace: str, private: list[str]) -> dict:
-    """Who may reach the gateway (this policy's agents only) and where the gateway itself may go:
-    public addresses, the cluster's DNS for its own upstream lookups, and the policy's allow_private
-    networks. The gateway refuses private destinations itself; this is the second lock."""
-    v4 = [str(n) for n in map(ipaddress.ip_network, private) if n.version == 4]
-    v6 = [str(n) for n in map(ipaddress.ip_network, private) if n.version == 6]
-    public = [
-        {"ipBlock": {"cidr": "0.0.0.0/0", "except": ["10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8",
-                                                     "169.254.0.0/16", "172.16.0.0/12", "192.168.0.0/16"]}},
-        {"ipBlock": {"cidr": "::/0", "except": ["fc00::/7", "fe80::/10", "::1/128"]}},
-    ]
-    egress = [
-        {"to": public + [{"ipBlock": {"cidr": n}} for n in v4 + v6]},
-        {"to": [{"namespaceSelector": {}, "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}}}],
-         "ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}]},
-        gateway_to_redis(),
-    ]
-    return {
-        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
-        "metadata": {"name": GATEWAY, "namespace": namespace},
-        "spec": {
-            "podSelector": {"matchLabels": GATEWAY_LABELS},
-            "policyTypes": ["Ingress", "Egress"],
-            "ingress": [{"from": [{"podSelector": {"matchLabels": agent_labels(ctx)}}],
-                         "ports": _gateway_peer_ports()}],
-            "egress": egress,
+            "egress": [{"to": [{"podSelector": {"matchLabels": GATEWAY_LABELS}}], "ports": gateway_peer_ports()}],
         },
     }
 
@@ -251,7 +110,7 @@ def agent_pod(ctx: RenderContext, namespace: str, runtime_class: str, service_ip
         "name": "agent", "image": ctx.agent_image,
         "envFrom": [{"secretRef": {"name": admission_secret(ctx)}}],
         "env": agent_env(service_ip),
-        "securityContext": _container_security(sandbox.root_fs == "read_only"),
+        "securityContext": container_security(sandbox.root_fs == "read_only"),
         "volumeMounts": [{"name": "ca", "mountPath": AGENT_CA_PATH, "subPath": "ca.pem", "readOnly": True},
                          {"name": "tmp", "mountPath": CONTAINER_TMP}],
     }
@@ -275,7 +134,7 @@ def agent_pod(ctx: RenderContext, namespace: str, runtime_class: str, service_ip
         "enableServiceLinks": True,  # SERVICE_HOST_VAR comes from it
         "hostNetwork": False, "hostPID": False, "hostIPC": False,
         "restartPolicy": "Never",
-        "securityContext": _pod_security(),
+        "securityContext": pod_security(),
         "containers": [container],
         "volumes": volumes,
     }
@@ -289,12 +148,41 @@ def agent_pod(ctx: RenderContext, namespace: str, runtime_class: str, service_ip
             "spec": spec}
 
 
-def check_inputs(namespace: str, runtime_class: str, service_ip: str | None, replicas: int = 2,
-                 workers: int = 1) -> None:
-    if not 1 <= replicas <= 100 or not 1 <= workers <= 64:
-        raise RenderError(f"--replicas must be 1..100 and --workers 1..64, got {replicas} and {workers}")
-    if not _DNS1123.match(namespace):
-        raise RenderError(f"--namespace {namespace!r} is not a DNS-1123 label (lowercase letters, digits, '-')")
+_QUANTITY = re.compile(r"^[1-9][0-9]{0,5}(Mi|Gi|Ti)$")
+_REGISTRY = re.compile(r"^[a-z0-9]([a-z0-9.-]*[a-z0-9])?(:[0-9]{1,5})?(/[a-z0-9._-]+)*$")
+
+
+def with_registry(image: str, registry: str | None) -> str:
+    """`image` pulled from `registry` when it names none: its first path part has no '.' or ':' and is not
+    `localhost` (Docker's rule), so `egressgate:0.1.0` becomes `REG/egressgate:0.1.0` and
+    `quay.io/x/redis:7` stays as it is."""
+    if not registry:
+        return image
+    first, slash, _ = image.partition("/")
+    if slash and ("." in first or ":" in first or first == "localhost"):
+        return image
+    return f"{registry.rstrip('/')}/{image}"
+
+
+def check_inputs(namespace: str, runtime_class: str, service_ip: str | None, sizing: GatewaySizing,
+                 registry: str | None = None) -> None:
+    if not 1 <= sizing.replicas <= 100 or not 1 <= sizing.workers <= 64:
+        raise RenderError(f"--replicas must be 1..100 and --workers 1..64, got {sizing.replicas} and "
+                          f"{sizing.workers}")
+    for flag, value, low in (("--gateway-cpu-millis", sizing.cpu_millis, 100),
+                             ("--gateway-memory-mb", sizing.memory_mb, 128)):
+        if value is not None and not low <= value <= 1_000_000:
+            raise RenderError(f"{flag} must be {low}..1000000, got {value}")
+    if not _QUANTITY.match(sizing.var_size):
+        raise RenderError(f"--var-size must be a size like 10Gi (Mi, Gi or Ti), got {sizing.var_size!r}")
+    for flag, value in (("--namespace", namespace), ("--metrics-namespace", sizing.metrics_namespace)):
+        if not _DNS1123.match(value):
+            raise RenderError(f"{flag} {value!r} is not a DNS-1123 label (lowercase letters, digits, '-')")
+    if sizing.storage_class is not None and not _REGISTRY.match(sizing.storage_class):
+        raise RenderError(f"--storage-class {sizing.storage_class!r} is not a StorageClass name")
+    if registry is not None and not _REGISTRY.match(registry.rstrip("/")):
+        raise RenderError(f"--registry {registry!r} must be a registry host[:port][/path], e.g. "
+                          "registry.example.com:5000/egressgate")
     if runtime_class not in RUNTIME_CLASSES:
         raise RenderError(f"--runtime-class must be one of {', '.join(RUNTIME_CLASSES)}, got {runtime_class!r}")
     if service_ip is not None:
@@ -306,15 +194,20 @@ def check_inputs(namespace: str, runtime_class: str, service_ip: str | None, rep
 
 
 def render_kubernetes(ctx: RenderContext, *, namespace: str = "egressgate", runtime_class: str = "gvisor",
-                      service_ip: str | None = None, replicas: int = 2, workers: int = 1,
-                      redis_image: str = DEFAULT_REDIS_IMAGE) -> dict[str, str]:
+                      service_ip: str | None = None, sizing: GatewaySizing | None = None,
+                      redis_image: str = DEFAULT_REDIS_IMAGE, registry: str | None = None) -> dict[str, str]:
     """{file name: YAML}: gateway.yaml (Redis + gateway; apply first: the agent's env needs its Service)
     and agent.yaml."""
-    check_inputs(namespace, runtime_class, service_ip, replicas, workers)
+    sizing = sizing or GatewaySizing()
+    check_inputs(namespace, runtime_class, service_ip, sizing, registry)
     if not redis_image or any(c.isspace() for c in redis_image):
         raise RenderError(f"--redis-image must be an image reference without spaces, got {redis_image!r}")
-    gateway = [*redis_objects(namespace, redis_image, _container_security(True), _pod_security(), GATEWAY_LABELS),
-               gateway_configmap(ctx, namespace), gateway_deployment(ctx, namespace, replicas, workers),
-               gateway_service(namespace, service_ip), gateway_network_policy(ctx, namespace, allowed_private(ctx))]
+    ctx = replace(ctx, image=with_registry(ctx.image, registry), agent_image=with_registry(ctx.agent_image, registry))
+    redis = redis_objects(namespace, with_registry(redis_image, registry), container_security(True), pod_security(),
+                          GATEWAY_LABELS)
+    gateway = [*redis, gateway_configmap(ctx, namespace), gateway_statefulset(ctx, namespace, sizing),
+               gateway_service(namespace, service_ip), gateway_pods_service(namespace),
+               *gateway_disruption_budget(namespace, sizing.replicas),
+               gateway_network_policy(namespace, agent_labels(ctx), allowed_private(ctx), sizing.metrics_namespace)]
     agent = [agent_network_policy(ctx, namespace), agent_pod(ctx, namespace, runtime_class, service_ip)]
     return {"gateway.yaml": dump_yaml(gateway), "agent.yaml": dump_yaml(agent)}

@@ -48,6 +48,10 @@ def redis_objects(namespace: str, image: str, security: dict, pod_security: dict
                                     "--save", "", "--protected-mode", "no"],
                         "ports": [{"name": "redis", "containerPort": REDIS_PORT, "protocol": "TCP"}],
                         "readinessProbe": {"tcpSocket": {"port": "redis"}, "periodSeconds": 5},
+                        "livenessProbe": {"tcpSocket": {"port": "redis"}, "periodSeconds": 10, "failureThreshold": 6},
+                        # memory request = limit: an evicted Redis takes every replica's state with it
+                        "resources": {"requests": {"cpu": "100m", "memory": "256Mi"},
+                                      "limits": {"cpu": "1000m", "memory": "256Mi"}},
                         "securityContext": security,
                         "volumeMounts": [{"name": "data", "mountPath": "/data"}],
                     }],
