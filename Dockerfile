@@ -12,6 +12,7 @@ ARG BASE=egressgate-base:trixie
 FROM ${BASE} AS gateway
 COPY --chown=65532:65532 build/images/dirs/ /var/lib/egressgate/
 COPY --chown=65532:65532 build/images/dirs/ /run/egressgate-agent/
+COPY --chown=65532:65532 build/images/dirs/ /run/egressgate-secrets/
 COPY build/images/site/ /opt/egressgate/site/
 COPY egressgate/ /opt/egressgate/app/egressgate/
 ENV PYTHONPATH=/opt/egressgate/app:/opt/egressgate/site PYTHONDONTWRITEBYTECODE=1 PATH=/usr/sbin:/usr/bin:/sbin:/bin

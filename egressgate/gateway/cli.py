@@ -141,6 +141,13 @@ def run_cmd(config_file: str | None, policy: str | None, log_level: str, log_for
             read_metrics_token(Path(cfg.admin.metrics_token_file))
         except MetricsTokenError as exc:
             raise click.ClickException(f"invalid config, not starting: {exc}") from exc
+    if cfg.state.password_file is not None:
+        from egressgate.state.config import StatePasswordError
+
+        try:
+            cfg.state.connection_url()
+        except StatePasswordError as exc:
+            raise click.ClickException(f"invalid config, not starting: {exc}") from exc
     if workers == 1:
         serve_or_fail(cfg, _announce)
         return

@@ -20,7 +20,7 @@ async def open_state(cfg: StateConfig) -> StateStore:
     from egressgate.state.redis import RedisState
 
     assert cfg.url is not None  # StateConfig refuses redis without a url
-    store = RedisState(cfg.url, cfg.key_prefix, heartbeat_ttl=cfg.heartbeat_ttl_seconds)
+    store = RedisState(cfg.connection_url(), cfg.key_prefix, heartbeat_ttl=cfg.heartbeat_ttl_seconds)
     await store.start()
     try:
         await store.ping()

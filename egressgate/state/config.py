@@ -8,9 +8,12 @@ running on per-process memory would give each replica a full budget of its own.
 
 from __future__ import annotations
 
+import os
 import re
+import stat
+from pathlib import Path
 from typing import Literal
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit, urlunsplit
 
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
@@ -27,6 +30,9 @@ class StateConfig(BaseModel):
     # forfeits a crashed worker's leases sooner; too short declares a live but stalled worker dead (it is
     # refreshed every third of it), hence the 3 s floor.
     heartbeat_ttl_seconds: float = 15.0
+    # The Redis password read from a file at start (a Secret, compose's generated one) instead of written
+    # into `url`: a config file is shown, copied and committed; the password should not travel with it.
+    password_file: str | None = None
 
     @field_validator("url")
     @classmethod
@@ -77,4 +83,35 @@ class StateConfig(BaseModel):
         if self.backend == "memory" and self.url is not None:
             raise ValueError("state.url is set but state.backend is memory: set `backend: redis` to share "
                              "state through that Redis, or remove the url")
+        if self.password_file is not None:
+            if self.backend != "redis":
+                raise ValueError("state.password_file is set but state.backend is memory: it is Redis's password")
+            if urlsplit(self.url or "").password is not None:
+                raise ValueError("state.password_file and a password in state.url: keep one (the file)")
         return self
+
+    def connection_url(self) -> str:
+        """`url` with the password of `password_file` spliced in (user kept, percent-encoded): what the
+        clients connect with. Read at start; a missing, empty or world-readable file stops the gateway."""
+        assert self.url is not None
+        if self.password_file is None:
+            return self.url
+        path = Path(self.password_file)
+        try:
+            mode = stat.S_IMODE(os.stat(path).st_mode)
+            password = path.read_text(encoding="utf-8").strip()
+        except OSError as exc:
+            raise StatePasswordError(f"state.password_file {path}: cannot read it ({exc.strerror or exc})") from None
+        if mode & 0o007:
+            raise StatePasswordError(f"state.password_file {path}: mode {mode:04o} lets every local user read it; "
+                                     "make it 0600 or 0440")
+        if not password or any(c in password for c in "\r\n\0"):
+            raise StatePasswordError(f"state.password_file {path}: empty, or more than one line")
+        parts = urlsplit(self.url)
+        user = quote(parts.username, safe="") if parts.username else ""
+        netloc = f"{user}:{quote(password, safe='')}@{parts.netloc.rpartition('@')[2]}"
+        return urlunsplit(parts._replace(netloc=netloc))
+
+
+class StatePasswordError(RuntimeError):
+    """state.password_file cannot be used (the message names the file and what to change)."""

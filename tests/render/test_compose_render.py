@@ -52,7 +52,8 @@ def test_agent_only_way_out_is_the_gateway(tmp_path):
     assert "network_mode" not in agent and "privileged" not in agent
     # the admin API is not published anywhere; only `admit` shares the gateway's namespace
     assert not any("ports" in spec for spec in services.values())
-    assert [s for s, spec in services.items() if "network_mode" in spec] == ["admit"]
+    assert {s: spec["network_mode"] for s, spec in services.items() if "network_mode" in spec} == {
+        "admit": "service:gateway", "secrets": "none"}
 
 
 @pytest.mark.parametrize(("args", "message"), [
@@ -88,3 +89,88 @@ def test_gateway_workers_share_state_in_redis(tmp_path):
     assert redis[redis.index("--appendonly") + 1] == "yes" and redis[redis.index("--dir") + 1] == "/data"
     assert "redis-data:/data" in services["redis"]["volumes"] and "redis-data" in doc["volumes"]
     assert list(services["redis"]["networks"]) == ["backend"] and doc["networks"]["backend"]["internal"] is True
+
+
+def test_redis_requires_a_password_generated_inside_the_stack(tmp_path):
+    """No `--protected-mode no` and no password in any file the operator keeps: the one-shot `secrets` service
+    writes it once into a volume only Redis and the gateway mount. Its script is run here for real (twice:
+    the second `up` keeps the password), then a real redis-server started from the redis.conf it wrote refuses
+    a client without the password and serves the gateway's state store configured as compose configures it."""
+    import asyncio
+    import stat
+    import subprocess
+
+    from egressgate.runtimes.render.compose import SECRETS_DIR, SECRETS_INIT
+    from egressgate.state import open_state
+    from egressgate.state.base import StateUnavailable
+    from egressgate.state.config import StateConfig
+    from tests.support.env import free_port
+
+    out = rendered(tmp_path)
+    doc = yaml.safe_load((out / "compose.yaml").read_text())
+    services = doc["services"]
+    redis = services["redis"]
+    assert "--protected-mode" not in redis["command"] and redis["command"][1] == f"{SECRETS_DIR}/redis.conf"
+    assert redis["depends_on"] == {"secrets": {"condition": "service_completed_successfully"}}
+    assert services["gateway"]["depends_on"]["secrets"] == {"condition": "service_completed_successfully"}
+    mounts = {s: [v for v in spec.get("volumes", []) if v.startswith("egressgate-secrets:")]
+              for s, spec in services.items()}
+    assert {s: m for s, m in mounts.items() if m} == {"secrets": [f"egressgate-secrets:{SECRETS_DIR}"],
+                                                     "redis": [f"egressgate-secrets:{SECRETS_DIR}:ro"],
+                                                     "gateway": [f"egressgate-secrets:{SECRETS_DIR}:ro"]}
+    cfg = GatewayConfig.model_validate(yaml.safe_load((out / "deploy/compose/gateway.yaml").read_text()))
+    assert cfg.state.password_file == f"{SECRETS_DIR}/redis.password" and "@" not in (cfg.state.url or "")
+    text = (out / "compose.yaml").read_text() + (out / "deploy/compose/gateway.yaml").read_text()
+    assert "requirepass" not in text.replace("'requirepass '", "")  # the script's literal, never a value
+
+    secrets_dir = tmp_path / "secrets"
+    secrets_dir.mkdir()
+    script = SECRETS_INIT.replace(repr(SECRETS_DIR), repr(str(secrets_dir)))
+    for _ in range(2):
+        subprocess.run(["python3", "-c", script], check=True, timeout=30)
+    password = (secrets_dir / "redis.password").read_text().strip()
+    assert len(password) >= 32 and (secrets_dir / "redis.conf").read_text() == f"requirepass {password}\n"
+    assert {stat.S_IMODE(p.stat().st_mode) for p in secrets_dir.iterdir()} == {0o600}
+    assert sorted(p.name for p in secrets_dir.iterdir()) == ["redis.conf", "redis.password"]  # no .tmp left
+
+    port = free_port()
+    proc = subprocess.Popen(["redis-server", str(secrets_dir / "redis.conf"), "--port", str(port), "--bind",
+                             "127.0.0.1", "--save", "", "--dir", str(tmp_path)], stdout=subprocess.DEVNULL)
+    try:
+        async def check() -> None:
+            url = f"redis://127.0.0.1:{port}/0"
+            with_file = StateConfig(backend="redis", url=url, password_file=str(secrets_dir / "redis.password"))
+            without = StateConfig(backend="redis", url=url)
+            for _ in range(100):  # until redis-server listens
+                store = await open_state(with_file)
+                try:
+                    await store.ping()
+                    break
+                except StateUnavailable:
+                    await asyncio.sleep(0.1)
+                finally:
+                    await store.close()
+            store = await open_state(with_file)
+            try:
+                assert await store.get("nobody") is None  # authenticated: a real answer (positive control)
+            finally:
+                await store.close()
+            store = await open_state(without)
+            try:
+                with pytest.raises(StateUnavailable):
+                    await store.get("nobody")  # NOAUTH: protected by the password, not by protected mode
+            finally:
+                await store.close()
+
+        asyncio.run(check())
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_the_gateway_container_has_limits(tmp_path):
+    services = yaml.safe_load((rendered(tmp_path) / "compose.yaml").read_text())["services"]
+    gateway = services["gateway"]
+    assert gateway["mem_limit"] == gateway["memswap_limit"] == "1g" and gateway["cpus"] == 2.0
+    assert gateway["pids_limit"] == 512
+    assert services["redis"]["mem_limit"] == "256m"

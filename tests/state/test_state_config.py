@@ -67,3 +67,67 @@ async def test_password_and_unix_socket_urls_work_and_a_wrong_password_fails_clo
             assert wrong.errors == 4  # and the ping open_state made at start
         finally:
             await wrong.close()
+
+
+async def test_password_file_keeps_the_password_out_of_the_config(tmp_path):
+    """`state.password_file`: the client authenticates with the file's password (positive control); without
+    it, or with another one, Redis refuses and the store fails closed; a bad file stops before any connect."""
+    secret = "pf-" + "s3cr3t/:@" * 3  # characters a URL must percent-encode
+    pw_file = tmp_path / "redis.password"
+    pw_file.write_text(secret + "\n")
+    pw_file.chmod(0o440)
+    with RedisServer(tmp_path / "redis", password=secret, unixsocket=True) as server:
+        bare, bare_unix = server.url.replace(f":{server.password}@", ""), server.unix_url.replace(
+            f":{server.password}@", "")
+        for url in (bare, bare_unix):
+            cfg = StateConfig(backend="redis", url=url, key_prefix=server.prefix(), password_file=str(pw_file))
+            store = await open_state(cfg)
+            try:
+                await store.admit(record())
+                assert await store.reserve_out("sbx", 5, 5, 10) == 5
+            finally:
+                await store.close()
+        # the same url without the file: Redis says NOAUTH, the store denies
+        store = await open_state(StateConfig(backend="redis", url=bare, key_prefix=server.prefix()))
+        try:
+            with pytest.raises(StateUnavailable):
+                await store.get("sbx")
+        finally:
+            await store.close()
+        pw_file.chmod(0o600)
+        pw_file.write_text("wrong-password\n")
+        store = await open_state(StateConfig(backend="redis", url=bare, key_prefix=server.prefix(),
+                                             password_file=str(pw_file)))
+        try:
+            with pytest.raises(StateUnavailable) as info:
+                await store.get("sbx")
+            assert "wrong-password" not in str(info.value)
+        finally:
+            await store.close()
+
+
+@pytest.mark.parametrize(("mode", "text", "why"), [
+    (0o644, "pw\n", "lets every local user read it"),
+    (0o600, "\n", "empty, or more than one line"),
+    (0o600, "a\nb\n", "empty, or more than one line"),
+])
+def test_a_bad_password_file_is_named(tmp_path, mode, text, why):
+    pw_file = tmp_path / "pw"
+    pw_file.write_text(text)
+    pw_file.chmod(mode)
+    cfg = StateConfig(backend="redis", url="redis://127.0.0.1:6390/0", password_file=str(pw_file))
+    with pytest.raises(RuntimeError, match=why) as info:
+        cfg.connection_url()
+    assert str(pw_file) in str(info.value)
+    missing = StateConfig(backend="redis", url="redis://127.0.0.1:6390/0", password_file=str(tmp_path / "nope"))
+    with pytest.raises(RuntimeError, match="cannot read it"):
+        missing.connection_url()
+
+
+@pytest.mark.parametrize(("text", "why"), [
+    ("state: {backend: memory, password_file: /x}\n", "it is Redis's password"),
+    ("state: {backend: redis, url: 'redis://:pw@127.0.0.1:6390/0', password_file: /x}\n", "keep one"),
+])
+def test_password_file_conflicts_are_refused(tmp_path, text, why):
+    with pytest.raises(ConfigError, match=why):
+        _load(tmp_path, text)

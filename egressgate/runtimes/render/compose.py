@@ -41,6 +41,23 @@ AGENT_ENV_DIR = "/run/egressgate-agent"
 DEFAULT_BASE = "198.18.64.0/22"  # egress .64, backend .65, sandbox .66
 HARDENED = {"cap_drop": ["ALL"], "security_opt": ["no-new-privileges:true"]}
 GATEWAY_WORKERS = 2  # `run --workers`: one gateway container, two processes on its listeners
+GATEWAY_LIMITS = {"mem_limit": "1g", "memswap_limit": "1g", "cpus": float(GATEWAY_WORKERS), "pids_limit": 512}
+SECRETS_DIR = "/run/egressgate-secrets"
+# The Redis password, made once on the first `up` inside the stack (never in compose.yaml, gateway.yaml or
+# a command line): redis.conf is redis-server's config file argument, redis.password the
+# gateway's state.password_file. Written to temp names and renamed, the password file last: it marks done.
+SECRETS_INIT = (
+    "import os, secrets\n"
+    f"d = {SECRETS_DIR!r}\n"
+    "if not os.path.exists(d + '/redis.password'):\n"
+    "    pw = secrets.token_urlsafe(32)\n"
+    "    for name, text in (('redis.conf', 'requirepass ' + pw + '\\n'), ('redis.password', pw + '\\n')):\n"
+    "        fd = os.open(d + '/' + name + '.tmp', os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)\n"
+    "        os.write(fd, text.encode())\n"
+    "        os.fsync(fd)\n"
+    "        os.close(fd)\n"
+    "        os.replace(d + '/' + name + '.tmp', d + '/' + name)\n"
+)
 
 
 def subnets(base: str) -> dict[str, ipaddress.IPv4Network]:
@@ -72,7 +89,8 @@ def compose_gateway_config(ip: dict[str, str]) -> dict:
     cfg["listen"]["dns"] = "0.0.0.0:53"
     # the gateway's workers share sandboxes, budgets and revocations through Redis (and keep them
     # across a gateway restart: Redis writes its append-only file to the redis-data volume)
-    cfg["state"] = {"backend": "redis", "url": f"redis://{ip['redis']}:6379/0"}
+    cfg["state"] = {"backend": "redis", "url": f"redis://{ip['redis']}:6379/0",
+                    "password_file": f"{SECRETS_DIR}/redis.password"}
     return cfg
 
 
@@ -86,7 +104,7 @@ def compose_file(ctx: RenderContext, nets: dict[str, ipaddress.IPv4Network], con
     res = sandbox.resources
     gateway_mounts = [f"{config_dir}/gateway.yaml:{CONFIG_DIR}/gateway.yaml:ro",
                       f"{config_dir}/policies/{ctx.policy_file}:{POLICY_DIR}/{ctx.policy_file}:ro",
-                      f"gateway-var:{VAR_DIR}"]
+                      f"gateway-var:{VAR_DIR}", f"egressgate-secrets:{SECRETS_DIR}:ro"]
     agent: dict = {
         "image": ctx.agent_image, "build": _build("agent"),
         "depends_on": {"admit": {"condition": "service_completed_successfully"}},
@@ -140,12 +158,23 @@ def compose_file(ctx: RenderContext, nets: dict[str, ipaddress.IPv4Network], con
             "user": f"{NONROOT_UID}:{NONROOT_UID}", "read_only": True, "tmpfs": [CONTAINER_TMP],
             "networks": {"backend": {}}, **HARDENED,
         },
+        # one-shot: the Redis password (SECRETS_INIT); no network at all
+        "secrets": {
+            "image": ctx.image, "build": _build("gateway"),
+            "entrypoint": ["python3", "-c", SECRETS_INIT],
+            "network_mode": "none",
+            "user": f"{NONROOT_UID}:{NONROOT_UID}", "read_only": True,
+            "volumes": [f"egressgate-secrets:{SECRETS_DIR}"], **HARDENED,
+        },
         "redis": {
             "image": "egressgate-redis:0.1.0", "build": _build("redis"),
-            "command": ["redis-server", "--save", "", "--appendonly", "yes", "--dir", "/data",
-                        "--protected-mode", "no"],
+            # requirepass from the generated file: only the gateway (which reads the same secret) may speak to it
+            "command": ["redis-server", f"{SECRETS_DIR}/redis.conf", "--save", "", "--appendonly", "yes",
+                        "--dir", "/data"],
+            "depends_on": {"secrets": {"condition": "service_completed_successfully"}},
             "user": f"{NONROOT_UID}:{NONROOT_UID}", "read_only": True, "tmpfs": [CONTAINER_TMP],
-            "volumes": ["redis-data:/data"],
+            "mem_limit": "256m", "memswap_limit": "256m", "cpus": 1.0,
+            "volumes": ["redis-data:/data", f"egressgate-secrets:{SECRETS_DIR}:ro"],
             "networks": {"backend": {"ipv4_address": ip["redis"]}}, **HARDENED,
         },
         "gateway": {
@@ -153,7 +182,9 @@ def compose_file(ctx: RenderContext, nets: dict[str, ipaddress.IPv4Network], con
             "command": ["run", "--config", f"{CONFIG_DIR}/gateway.yaml", "--workers", str(GATEWAY_WORKERS)],
             "environment": {"EGRESSGATE_VAULT_TOKEN": OPENBAO_DEV_TOKEN},
             "depends_on": {"openbao-init": {"condition": "service_completed_successfully"},
+                           "secrets": {"condition": "service_completed_successfully"},
                            "redis": {"condition": "service_started"}},
+            **GATEWAY_LIMITS,
             "sysctls": {"net.ipv4.ip_unprivileged_port_start": 0},
             # healthy = a worker answers /readyz (Redis, audit sink, broker ready): with --workers the
             # supervisor binds the ports before any worker serves, so a TCP connect proves nothing
@@ -189,7 +220,7 @@ def compose_file(ctx: RenderContext, nets: dict[str, ipaddress.IPv4Network], con
             # tests/render/test_compose_up.py sees the metadata canary answer the agent). With no
             # address on the bridge the default route leads nowhere, whatever the daemon's firewall.
             networks[name]["driver_opts"] = {"com.docker.network.bridge.inhibit_ipv4": "true"}
-    volumes = {"gateway-var": {}, "agent-env": {}, "redis-data": {}}
+    volumes = {"gateway-var": {}, "agent-env": {}, "redis-data": {}, "egressgate-secrets": {}}
     if sandbox.workspace is not None:
         volumes["workspace"] = {}
     return {"services": services, "networks": networks, "volumes": volumes}
