@@ -8,8 +8,14 @@
 # Every image runs as uid 65532 (no root inside); directories a named volume is mounted on are created
 # here owned by that uid, because Docker copies a mount point's ownership into a fresh volume.
 ARG BASE=egressgate-base:trixie
+ARG VERSION=0.1.0
 
 FROM ${BASE} AS gateway
+ARG VERSION
+LABEL org.opencontainers.image.title="egressgate" \
+      org.opencontainers.image.description="Egress gateway for AI agent sandboxes: default-deny allowlists, brokered credentials, a verifiable audit trail" \
+      org.opencontainers.image.version="${VERSION}" \
+      org.opencontainers.image.licenses="Apache-2.0"
 COPY --chown=65532:65532 build/images/dirs/ /var/lib/egressgate/
 COPY --chown=65532:65532 build/images/dirs/ /run/egressgate-agent/
 COPY --chown=65532:65532 build/images/dirs/ /run/egressgate-secrets/
@@ -18,6 +24,13 @@ COPY egressgate/ /opt/egressgate/app/egressgate/
 ENV PYTHONPATH=/opt/egressgate/app:/opt/egressgate/site PYTHONDONTWRITEBYTECODE=1 PATH=/usr/sbin:/usr/bin:/sbin:/bin
 USER 65532:65532
 WORKDIR /var/lib/egressgate
+# proxy, transparent, resolver, metrics (listen.metrics, off unless configured); the admin API (8081) stays
+# on the container's loopback and is never exposed
+EXPOSE 8080/tcp 8082/tcp 5353/udp 5353/tcp 9090/tcp
+# ready = /readyz on the default admin address (Redis, audit sink, broker); a gateway given another
+# --listen-admin needs its own healthcheck (compose.yaml sets one)
+HEALTHCHECK --interval=10s --timeout=3s --start-period=30s --retries=3 \
+    CMD ["python3", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8081/readyz', timeout=2)"]
 ENTRYPOINT ["python3", "-m", "egressgate"]
 
 FROM ${BASE} AS agent

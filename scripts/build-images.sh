@@ -102,7 +102,7 @@ fi
 pids=()
 for target in gateway agent openbao redis; do
   case $target in gateway) name=egressgate ;; agent) name=egressgate-agent ;; *) name=egressgate-$target ;; esac
-  ( "$DOCKER" build --quiet --network none --build-arg "BASE=egressgate-base:$SUITE" --target "$target" \
+  ( "$DOCKER" build --quiet --network none --build-arg "BASE=egressgate-base:$SUITE" --build-arg "VERSION=$TAG" --target "$target" \
       -t "$name:$TAG" -f "$ROOT/Dockerfile" "$ROOT" >/dev/null && echo "built $name:$TAG" ) &
   pids+=("$!")
 done

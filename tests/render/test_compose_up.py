@@ -164,3 +164,25 @@ def test_agent_reaches_the_allowed_upstream_only_through_the_gateway(stack):
     assert control.stdout == "CANARY says hello\n", control.stdout + control.stderr
     (canary,) = hit_lines(hits, "CANARY")
     assert canary.split()[2] == "/control"
+
+    # Redis answers only with the password the stack generated: another container of the backend network
+    # (the gateway's, which has the address) gets NOAUTH without it; the gateway's own state calls above
+    # (admission, the audited denial) are the positive control that the password works
+    redis_ip = yaml.safe_load((ROOT / "compose.yaml").read_text())["services"]["redis"]["networks"]["backend"][
+        "ipv4_address"]
+    noauth = (f"import socket; s = socket.create_connection(('{redis_ip}', 6379), timeout=5); "
+              "s.sendall(b'PING\\r\\n'); print(s.recv(200).decode().strip())")
+    pinged = in_service(d, compose, "gateway", f'python3 -c "{noauth}"')
+    assert pinged.stdout.startswith("-NOAUTH"), pinged.stdout + pinged.stderr
+
+
+def test_the_gateway_image_says_what_it_is_and_how_it_is_healthy(built_dockerd: Dockerd) -> None:
+    """OCI labels, exposed ports (never the admin port) and a HEALTHCHECK on /readyz, as `docker image inspect`
+    shows them to an operator."""
+    (info,) = json.loads(built_dockerd.docker("image", "inspect", "egressgate:0.1.0").stdout)
+    config = info["Config"]
+    labels = config["Labels"]
+    assert labels["org.opencontainers.image.title"] == "egressgate"
+    assert labels["org.opencontainers.image.version"] == "0.1.0" and labels["org.opencontainers.image.licenses"]
+    assert set(config["ExposedPorts"]) == {"8080/tcp", "8082/tcp", "5353/udp", "5353/tcp", "9090/tcp"}
+    assert "/readyz" in " ".join(config["Healthcheck"]["Test"]) and config["User"] == "65532:65532"
