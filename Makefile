@@ -20,6 +20,7 @@ run: $(STAMP)
 
 test-deps:
 	@scripts/install-test-deps.sh
+	@scripts/install-axe.sh
 
 # Parallel: tests/support/scheduling.py puts every test in an xdist group (its module, or an exclusive group for
 # host-global resources) and hands out the heaviest groups first; the suite mostly waits on sockets and child

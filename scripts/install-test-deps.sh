@@ -26,6 +26,8 @@ have docker-compose || need+=(docker-compose)
 dpkg-query -W -f='${Status}' linux-libc-dev 2>/dev/null | grep -q 'install ok installed' || need+=(linux-libc-dev)
 # tests/console: Playwright drives Debian's chromium at /usr/bin/chromium (no browser download)
 [ -x /usr/bin/chromium ] || need+=(chromium)
+# scripts/install-axe.sh fetches axe-core (the console's accessibility check) with npm
+have npm || need+=(npm)
 [ ${#need[@]} -eq 0 ] && exit 0
 if [ "$(id -u)" != 0 ]; then
   echo "missing Debian packages (run as root to install): ${need[*]}" >&2

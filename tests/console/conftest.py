@@ -45,10 +45,10 @@ def wait_until(check: Callable[[], Any], timeout: float, what: str, interval: fl
 class Console:
     """One browser context + page on the console of `gw`."""
 
-    def __init__(self, browser: Any, gw: Gateway) -> None:
+    def __init__(self, browser: Any, gw: Gateway, bypass_csp: bool = False) -> None:
         self.gw = gw
         self.base = f"http://{gw.admin}"
-        self.context = browser.new_context()
+        self.context = browser.new_context(bypass_csp=bypass_csp)  # only to inject a checker (axe-core)
         self.page = self.context.new_page()
         self.page.set_default_timeout(10_000)
         self.dialogs: list[str] = []
@@ -134,7 +134,9 @@ def ui_gw(ui_world: World, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         stop_gateway(gw)
 
 
-@pytest.fixture(scope="package")
+# module scope: Playwright's sync API keeps its event loop running in this thread while it is open, so any later
+# test of the package calling asyncio.run on the same worker failed ("cannot be called from a running event loop")
+@pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
     if not Path(CHROMIUM).exists():
         if IN_CI:

@@ -51,6 +51,9 @@ def summary(event: AuditEvent) -> dict[str, Any]:
         "request_hash": event.request_hash, "sandbox": event.sandbox_id, "labels": dict(event.sandbox_labels),
         "host": event.host, "port": event.port, "method": event.method, "path": event.path,
         "decision": event.decision, "reason": event.reason, "rule": event.rule_id, "status": event.status,
+        # what an approval record did (requested, approved, denied, expired): those records carry no
+        # allow/deny of their own for two of the four steps, and "—" told an operator nothing
+        "action": event.extra.get("egressgate.approval.action"),
     }
 
 

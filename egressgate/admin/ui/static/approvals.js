@@ -2,12 +2,12 @@
 // does not allow). Operators approve (for how long, host or host+path) or deny; auditors only see.
 
 import * as api from "./api.js";
-import {clear, el, fmtTime, notice, table, val} from "./dom.js";
+import {clear, el, notice, table, timeCell, val} from "./dom.js";
 
 const STATES = ["pending", "approved", "denied", "expired", ""];
 
 export function render(root) {
-  const select = el("select", {id: "approvals-state", name: "state"},
+  const select = el("select", {id: "approvals-state", name: "state", "aria-label": "approval state"},
     STATES.map((s) => el("option", {value: s}, s || "all")));
   const refresh = el("button", {type: "button", id: "approvals-refresh"}, "Refresh");
   const out = el("div", {id: "approvals-list"});
@@ -20,21 +20,21 @@ export function render(root) {
       const key = JSON.stringify(rows);
       if (!force && key === shown) return;
       shown = key;
+      // what was asked in one cell (method host:port path), who and what in two more: fits a laptop screen
       const cols = [
-        {key: "id", label: "Id"},
-        {key: "sandbox_id", label: "Sandbox"},
-        {key: "policy", label: "Policy"},
+        {key: "id", label: "Id", cls: "hash", render: (r) => el("div", {class: "cut"}, val(r.id, "id"))},
+        {key: "sandbox_id", label: "Sandbox · policy", cls: "mid", render: (r) => el("div", null,
+          val(r.sandbox_id, "sandbox_id"), el("div", {class: "sub"}, val(r.policy, "policy")))},
         {key: "kind", label: "Kind"},
-        {key: "method", label: "Method"},
-        {key: "host", label: "Host", cls: "wide"},
-        {key: "port", label: "Port"},
-        {key: "path", label: "Path", cls: "wide"},
-        {key: "requested_at", label: "Requested", render: (r) => fmtTime(r.requested_at)},
-        {key: "state", label: "State"},
-        {key: "decided_by", label: "Decided by"},
-        {key: "expires_at", label: "Expires", render: (r) => fmtTime(r.expires_at)},
+        {key: "request", label: "Request", cls: "wide", render: (r) => el("div", {class: "request"},
+          r.method ? [val(r.method, "method"), " "] : null, val(r.host, "host"),
+          r.port ? [":", val(r.port, "port")] : null, r.path ? [" ", val(r.path, "path")] : null)},
+        {key: "requested_at", label: "Requested", render: (r) => timeCell(r.requested_at, "requested_at")},
+        {key: "state", label: "State", render: (r) => el("div", null, val(r.state, "state"),
+          r.decided_by ? el("div", {class: "sub"}, "by ", val(r.decided_by, "decided_by")) : null)},
+        {key: "expires_at", label: "Expires", render: (r) => timeCell(r.expires_at, "expires_at")},
       ];
-      if (api.isOperator()) cols.push({key: "act", label: "", render: (r) => actions(r, load, out)});
+      if (api.isOperator()) cols.push({key: "act", label: "Action", render: (r) => actions(r, load, out)});
       clear(out, rows.length ? table(cols, rows, {testid: "approvals-table", rowId: (r) => r.id})
         : notice("info", "No approvals in this state."));
     } catch (err) {

@@ -131,6 +131,32 @@ export function fmtTime(t) {
   return new Date(ms).toISOString().replace("T", " ").replace("Z", "");
 }
 
+/** Bytes as an operator reads them ("10.0 MiB"), the exact count in the title. */
+export function fmtBytes(n, field = "bytes") {
+  const v = Number(n);
+  if (n === undefined || n === null || n === "" || !Number.isFinite(v)) return val(n, field);
+  const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+  let x = Math.abs(v), i = 0;
+  while (x >= 1024 && i < units.length - 1) { x /= 1024; i += 1; }
+  const shown = i === 0 ? String(v) : `${v < 0 ? "-" : ""}${x >= 100 ? x.toFixed(0) : x.toFixed(1)}`;
+  return el("span", {class: "num", "data-field": field, title: `${v.toLocaleString("en-US")} bytes`},
+    `${shown} ${units[i]}`);
+}
+
+/** A count with thousands separators (the exact number in the title). */
+export function fmtCount(n, field = "count") {
+  const v = Number(n);
+  if (n === undefined || n === null || n === "" || !Number.isFinite(v)) return val(n, field);
+  return el("span", {class: "num", "data-field": field, title: String(v)}, v.toLocaleString("en-US"));
+}
+
+/** A time as "YYYY-MM-DD HH:MM:SS UTC" (what the console shows everywhere), the raw value in the title. */
+export function timeCell(t, field = "time") {
+  if (t === undefined || t === null || t === "") return val(null, field);
+  const text = fmtTime(t);
+  return el("span", {class: "time", "data-field": field, title: String(t)}, text ? `${text.slice(0, 19)} UTC` : "");
+}
+
 /** A download link for bytes the console itself holds (a Blob): the only href the console sets,
  * and it is always a blob: URL this page created, never a URL taken from data. */
 export function blobLink(blob, filename, text) {

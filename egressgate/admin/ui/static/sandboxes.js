@@ -3,7 +3,7 @@
 // server is the authority, hiding the button is only so nobody is invited to click it).
 
 import * as api from "./api.js";
-import {clear, el, fmtTime, notice, table, val} from "./dom.js";
+import {clear, el, fmtBytes, fmtCount, notice, table, timeCell, val} from "./dom.js";
 import {labels} from "./live.js";
 
 export function render(root) {
@@ -19,7 +19,7 @@ export function render(root) {
         {key: "id", label: "Id", render: (r) => openButton(r, detail)},
         {key: "policy", label: "Policy"},
         {key: "labels", label: "Labels", render: (r) => labels(r.labels)},
-        {key: "admitted_at", label: "Admitted", render: (r) => fmtTime(r.admitted_at)},
+        {key: "admitted_at", label: "Admitted", render: (r) => timeCell(r.admitted_at, "admitted_at")},
         {key: "revoked", label: "State", render: (r) => stateBadge(r.revoked)},
         {key: "connections", label: "Connections"},
       ], rows, {testid: "sandbox-table", rowId: (r) => r.id}) : notice("info", "No sandboxes admitted."));
@@ -56,7 +56,7 @@ export async function showDetail(id, detail) {
     el("dt", null, "Policy"), el("dd", null, val(s.policy, "policy")),
     el("dt", null, "Policy hash"), el("dd", null, val(s.policy_hash, "policy_hash")),
     el("dt", null, "Labels"), el("dd", null, labels(s.labels)),
-    el("dt", null, "Admitted"), el("dd", null, fmtTime(s.admitted_at)),
+    el("dt", null, "Admitted"), el("dd", null, timeCell(s.admitted_at, "admitted_at")),
     el("dt", null, "State"), el("dd", null, stateBadge(s.revoked)),
     el("dt", null, "Live connections"), el("dd", {"data-testid": "connections"}, connections(s.connections)));
   const parts = [el("h2", null, "Sandbox ", val(s.id, "id")), facts, usage(s.usage), budgets(s.budgets)];
@@ -71,35 +71,43 @@ function connections(c) {
   return val(c, "connections");
 }
 
-function usage(u) {
-  if (!u) return null;
-  const rows = [["bytes out", u.bytes_out], ["bytes in", u.bytes_in], ["DNS queries", u.dns_queries],
-    ["DNS name bytes", u.dns_name_bytes], ["hosts contacted", u.hosts_contacted]];
-  for (const [rule, ru] of Object.entries(u.rules || {})) {
-    rows.push([`rule ${rule} requests`, ru.requests], [`rule ${rule} bytes`, ru.bytes]);
-  }
-  return el("div", null, el("h3", null, "Usage"),
-    table([{key: 0, label: "What"}, {key: 1, label: "Used"}], rows, {testid: "usage-table"}));
+/** A usage or budget amount in its unit: bytes as KiB/MiB, counts with separators. */
+function amount(n, bytes) {
+  return bytes ? fmtBytes(n) : fmtCount(n);
 }
 
-function budgetRow(name, b) {
+function usage(u) {
+  if (!u) return null;
+  const rows = [["bytes out", u.bytes_out, true], ["bytes in", u.bytes_in, true], ["DNS queries", u.dns_queries],
+    ["DNS name bytes", u.dns_name_bytes, true], ["hosts contacted", u.hosts_contacted]];
+  for (const [rule, ru] of Object.entries(u.rules || {})) {
+    rows.push([`rule ${rule} requests`, ru.requests], [`rule ${rule} bytes`, ru.bytes, true]);
+  }
+  return el("div", null, el("h3", null, "Usage"), table([{key: 0, label: "What"},
+    {key: 1, label: "Used", render: (r) => amount(r[1], r[2])}], rows, {testid: "usage-table"}));
+}
+
+function budgetRow(name, b, bytes = false) {
   if (!b) return null;
   const limit = Number(b.limit), used = Number(b.used);
-  const meter = el("meter", {min: 0, max: limit, value: Math.min(used, limit), title: `${used} of ${limit}`});
-  return {name, used, limit, left: b.left, meter};
+  const meter = el("meter", {min: 0, max: limit, value: Math.min(used, limit), title: `${used} of ${limit}`,
+    "aria-label": `${name}: ${used} of ${limit} used`});
+  return {name, used, limit, left: b.left, meter, bytes};
 }
 
 function budgets(bs) {
   if (!bs) return el("p", {class: "notice info"}, "The sandbox's policy is not in the active set.");
-  const rows = [budgetRow("outbound bytes", bs.outbound_bytes), budgetRow("DNS queries", bs.dns_queries),
-    budgetRow("DNS name bytes", bs.dns_name_bytes)];
+  const rows = [budgetRow("outbound bytes", bs.outbound_bytes, true), budgetRow("DNS queries", bs.dns_queries),
+    budgetRow("DNS name bytes", bs.dns_name_bytes, true)];
   for (const [rule, rb] of Object.entries(bs.rules || {})) {
-    rows.push(budgetRow(`rule ${rule} requests`, rb.requests), budgetRow(`rule ${rule} bytes`, rb.bytes));
+    rows.push(budgetRow(`rule ${rule} requests`, rb.requests), budgetRow(`rule ${rule} bytes`, rb.bytes, true));
   }
   const set = rows.filter(Boolean);
   return el("div", null, el("h3", null, "Budgets"), set.length ? table([
-    {key: "name", label: "Budget"}, {key: "used", label: "Used"}, {key: "limit", label: "Limit"},
-    {key: "left", label: "Left"}, {key: "meter", label: "", render: (r) => r.meter},
+    {key: "name", label: "Budget"}, {key: "used", label: "Used", render: (r) => amount(r.used, r.bytes)},
+    {key: "limit", label: "Limit", render: (r) => amount(r.limit, r.bytes)},
+    {key: "left", label: "Left", render: (r) => amount(r.left, r.bytes)},
+    {key: "meter", label: "Share used", render: (r) => r.meter},
   ], set, {testid: "budget-table"}) : notice("info", "The policy sets no budgets."));
 }
 

@@ -3,7 +3,8 @@
 // (file, line, chain position) and whether its chain link verified.
 
 import * as api from "./api.js";
-import {clear, el, field, fmtTime, formValues, notice, val} from "./dom.js";
+import {clear, el, field, fmtBytes, formValues, notice, timeCell, val} from "./dom.js";
+import {decision} from "./live.js";
 
 const TEXT_FIELDS = [["Request id", "request_id"], ["Request hash", "request_hash"], ["Sandbox", "sandbox"],
   ["Host", "host"], ["Reason", "reason"]];
@@ -82,20 +83,41 @@ function attributes(record) {
   return lr.attributes.filter((a) => a && typeof a.key === "string").map((a) => [a.key, anyValue(a.value)]);
 }
 
+/** An attribute's value in its unit: byte counts as KiB/MiB and instants as UTC times (the raw value in the
+ * title); everything else exactly as recorded. */
+function attrValue(key, v) {
+  if (typeof v === "number" || (typeof v === "string" && /^\d+$/.test(v))) {
+    if (/(^|[._])bytes($|[._])/.test(key)) return fmtBytes(v, "attr");
+    if (/(_at|[._]time|_ns)$/.test(key)) return timeCell(v, "attr");
+  }
+  return val(v, "attr");
+}
+
+/** One hit: a one-line summary (what, who, decision, where it is in the trail); every attribute and the
+ * record as written are one click away instead of a 30-row list per hit. */
 function hitCard(hit) {
   const verified = hit.verified === true;
   const attrs = attributes(hit.record);
+  const a = Object.fromEntries(attrs);
+  const target = a["egressgate.target.as_sent"] ?? a["egressgate.target.canonical"];
   return el("article", {class: "hit", "data-testid": "hit"},
     el("header", null,
-      el("span", {class: `badge ${verified ? "ok" : "bad"}`, "data-field": "verified"},
-        verified ? "chain verified" : "NOT verified"),
-      " chain position ", val(hit.chain_index, "chain_index"),
-      " · ", val(hit.file, "file"), ":", val(hit.line, "line"),
-      hit.kind ? [" · ", val(hit.kind, "kind")] : null,
-      hit.time_ns ? [" · ", fmtTime(hit.time_ns)] : null),
+      el("div", null,
+        el("span", {class: `badge ${verified ? "ok" : "bad"}`, "data-field": "verified"},
+          verified ? "chain verified" : "NOT verified"), " ",
+        hit.time_ns ? [timeCell(hit.time_ns, "time"), " · "] : null,
+        hit.kind ? [val(hit.kind, "kind"), " · "] : null,
+        decision(a["egressgate.decision"] ?? null, a["egressgate.approval.action"]),
+        a["egressgate.reason"] ? [" ", val(a["egressgate.reason"], "reason")] : null),
+      el("div", {class: "summary"},
+        a["egressgate.sandbox.id"] ? ["sandbox ", val(a["egressgate.sandbox.id"], "sandbox"), " · "] : null,
+        target !== undefined && target !== null ? [val(target, "target"), " · "] : null,
+        "chain position ", val(hit.chain_index, "chain_index"),
+        " · ", val(hit.file, "file"), ":", val(hit.line, "line"))),
     hit.problem ? notice("error", hit.problem) : null,
-    attrs.length ? el("dl", {class: "facts attrs"}, attrs.map(([k, v]) =>
-      [el("dt", null, k), el("dd", null, val(v, "attr"))])) : null,
+    attrs.length ? el("details", {class: "attrs"}, el("summary", null, `${attrs.length} attributes`),
+      el("dl", {class: "facts"}, attrs.map(([k, v]) => [el("dt", null, k), el("dd", null, attrValue(k, v))])))
+      : null,
     el("details", null, el("summary", null, "Record as written (OTLP JSON)"),
       el("pre", {class: "record", "data-field": "record"}, JSON.stringify(hit.record, null, 2))));
 }
