@@ -64,6 +64,7 @@ class Persist:
         self.content: Path | None = None  # the host directory holding the content while mounted
         self.restored = False
         self.kept_staged = False  # the staged copy waits for an approval (finish leaves it)
+        self.restore_inventory: dict[str, str] | None = None  # rescan_dependencies: the inventory at restore
 
     # ------------------------------------------------------------------------------ helpers
     def _save_discard(self) -> tuple[list[str] | None, list[str]]:
@@ -152,10 +153,13 @@ class Persist:
                      policy_hash=self.policy_hash,
                      policy_changed=bool(prev.get("policy_hash")) and prev.get("policy_hash") != self.policy_hash)
         if "rescan_dependencies" in self.checks:
+            # against the inventory the previous run started with: what that run (or anything since) changed
             inventory = depscan.inventory(entries, self._reader(content))
-            change = depscan.summary(depscan.inventory_diff(prev.get("inventory") or {}, inventory))
+            before = prev.get("restore_inventory", prev.get("inventory")) or {}
+            change = depscan.summary(depscan.inventory_diff(before, inventory))
             attrs.update({f"deps.{k}": v for k, v in change.items()})
             attrs["deps.count"] = len(inventory)
+            self.restore_inventory = inventory
         self._reissue(prev, attrs)
         attrs.update(manifest_hash=manifest.manifest_hash(entries), entries=len(entries))
         self.record("restored", "allow", attrs)
@@ -231,7 +235,7 @@ class Persist:
                  "policy_hash": self.policy_hash, "sandbox_id": self.run.sandbox_id, "run_id": self.run.run_id,
                  "saved_at": time.time(), "name": self.store.name,
                  "path": str(self.store.path) if self.store.path else None,
-                 "created": self.state.get("created") or time.time()}
+                 "created": self.state.get("created") or time.time(), "restore_inventory": self.restore_inventory}
         attrs = {"manifest_hash": state["manifest_hash"], "entries": len(entries), "removed": gone[:REPORTED],
                  "removed_count": len(gone), "previous_manifest_hash": self.state.get("manifest_hash")}
         if self.staged is not None:
