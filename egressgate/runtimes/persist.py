@@ -42,6 +42,13 @@ from egressgate.runtimes.workspaces import Store, WorkspaceError, settle
 REPORTED = 20  # paths per list in an audit record (counts are complete)
 
 
+def own_entries(entries: dict[str, manifest.Entry]) -> dict[str, manifest.Entry]:
+    """The workload's content: not the image file of a bounded workspace (diskfs.IMAGE, when the directory is
+    looked at unmounted) nor the ext4 root's `lost+found` (made by mke2fs, root's, 0700)."""
+    return {p: e for p, e in entries.items() if not (p.startswith(".egressgate-workspace.ext4")
+                                                     or p == "lost+found" or p.startswith("lost+found/"))}
+
+
 def log(message: str) -> None:
     import sys
 
@@ -137,7 +144,7 @@ class Persist:
             entries = manifest.scan(content)
         except (OSError, manifest.TooLarge) as exc:
             raise SetupFailed(f"cannot read the workspace {self.store.label}: {exc}") from None
-        entries = {p: e for p, e in entries.items() if not p.startswith(".egressgate-workspace.ext4")}
+        entries = own_entries(entries)
         prev = self.state
         attrs: dict[str, Any] = {"first_run": not prev.get("manifest_hash"),
                                  "checks": sorted(self.checks) or None}
@@ -225,7 +232,7 @@ class Persist:
         if not (started and self.restored and self.content is not None):
             return  # nothing ran: nothing to keep (a staged copy is removed by finish, after the unmount)
         content = self.content
-        entries = {p: e for p, e in manifest.scan(content).items() if not p.startswith(".egressgate-workspace.ext4")}
+        entries = own_entries(manifest.scan(content))
         save, discard = self._save_discard()
         gone = manifest.to_remove(entries, save, discard)
         manifest.remove(content, gone)

@@ -52,6 +52,10 @@ def gw(world: World) -> Iterator[Gateway]:
         "ps-keep": policy("ps-keep"),
         "ps-change": policy("ps-change"),
         "ps-write": policy("ps-write", execution__require_approval_for=["persistent_write"]),
+        # the seed policy's shape: a kernel-bounded workspace (an ext4 image, diskfs.py)
+        "ps-img": policy("ps-img", sandbox__workspace={**WS, "max_bytes": 8_000_000}),
+        "ps-img-write": policy("ps-img-write", sandbox__workspace={**WS, "max_bytes": 8_000_000},
+                               execution__require_approval_for=["persistent_write"]),
     }
     with running_gateway(world, policies) as g:
         yield g
@@ -278,3 +282,22 @@ def test_an_expired_write_is_discarded(gw: Gateway) -> None:
     assert record and record[-1]["egressgate.workspace.outcome"] == "expired"
     assert approval(gw, apr)["state"] == "expired"
     assert not (data(gw, "w-exp") / "src").exists()
+
+
+def test_a_bounded_workspace_image_is_saved_restored_and_staged(gw: Gateway) -> None:
+    """With max_bytes the content lives in an ext4 image: the selection, the manifest and the restore work
+    on the mounted content; a staged write copies the (sparse) image and is swapped in whole."""
+    ok(run(gw, "mkdir -p /workspace/src; echo a > /workspace/src/a; echo junk > /workspace/junk",
+           policy="ps-img", workspace="img"))
+    assert [p.name for p in data(gw, "img").iterdir()] == [".egressgate-workspace.ext4"]
+    second = ok(run(gw, "cat /workspace/src/a; test ! -e /workspace/junk && echo gone", policy="ps-img",
+                    workspace="img"))
+    assert second.stdout.split() == ["a", "gone"]
+    assert ws_records(gw, "img", "restored", at_least=2)[-1]["egressgate.workspace.verified"] is True
+
+    apr = pending_write(run(gw, "mkdir -p /workspace/src; echo b > /workspace/src/b", policy="ps-img-write",
+                            workspace="img-w"))
+    assert {c["path"] for c in approval(gw, apr)["details"]["changes"]} == {"src", "src/b"}
+    ok(cli(gw, "approvals", "approve", apr))
+    ws_records(gw, "img-w", "write_applied")
+    assert ok(run(gw, "cat /workspace/src/b", policy="ps-img-write", workspace="img-w")).stdout.strip() == "b"
