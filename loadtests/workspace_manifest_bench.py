@@ -45,8 +45,11 @@ def write(store: Store, root: Path) -> dict:
     entries = manifest.scan(root)
     gone = manifest.to_remove(entries, ["src"], ["src/.credentials"])
     entries = manifest.kept(entries, gone)
-    state = {"manifest_hash": manifest.manifest_hash(entries), "entries": entries,
-             "inventory": depscan.inventory(entries, lambda _p: None)}
+    state = {
+        "manifest_hash": manifest.manifest_hash(entries),
+        "entries": entries,
+        "inventory": depscan.inventory(entries, lambda _p: None),
+    }
     store.store(state)
     return state
 
@@ -85,8 +88,10 @@ def main() -> int:
             v_wall.append(t2 - t1)
             both.append(t2 - t0)
             cpu.append(time.process_time() - c0)
-        print(f"{args.files:,} files ({size / 2**20:,.0f} MiB) in {len(state['entries']):,} manifest entries; "
-              f"record {store.state_file.stat().st_size / 2**20:.1f} MiB; load {os.getloadavg()[0]:.1f}")
+        print(
+            f"{args.files:,} files ({size / 2**20:,.0f} MiB) in {len(state['entries']):,} manifest entries; "
+            f"record {store.state_file.stat().st_size / 2**20:.1f} MiB; load {os.getloadavg()[0]:.1f}"
+        )
         print(f"written:            {fmt(w_wall)}")
         print(f"verified:           {fmt(v_wall)}")
         print(f"written + verified: {fmt(both)}; CPU {fmt(cpu)}")

@@ -47,8 +47,16 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-ACTIONS = ("saved", "restored", "restore_refused", "changes_accepted", "removed", "write_staged",
-           "write_applied", "write_discarded")
+ACTIONS = (
+    "saved",
+    "restored",
+    "restore_refused",
+    "changes_accepted",
+    "removed",
+    "write_staged",
+    "write_applied",
+    "write_discarded",
+)
 KEY = re.compile(r"^[a-z][a-z0-9_.]{0,63}$")
 MAX_STR = 4096
 MAX_LIST = 100
@@ -82,8 +90,12 @@ def attributes(raw: object) -> dict[str, object]:
         elif isinstance(value, list) and len(value) <= MAX_LIST:
             out[PREFIX + key] = [_text(v, f"attributes.{key}[]") for v in value]
         else:
-            raise BodyError(400, "invalid_request", f"attributes.{key}: a boolean, a non-negative integer, a "
-                                                    f"string or a list of at most {MAX_LIST} strings")
+            raise BodyError(
+                400,
+                "invalid_request",
+                f"attributes.{key}: a boolean, a non-negative integer, a "
+                f"string or a list of at most {MAX_LIST} strings",
+            )
     return out
 
 
@@ -99,9 +111,15 @@ def changes(raw: object) -> list[dict[str, Any]]:
         size = item.get("size")
         if size is not None and (type(size) is not int or size < 0):
             raise BodyError(400, "invalid_request", "changes[].size: null or a non-negative integer")
-        out.append({"path": _text(item.get("path"), "changes[].path"), "action": item["action"],
-                    "type": item.get("type") if item.get("type") in ("f", "d", "l", "o") else None,
-                    "size": size, "sha256": item.get("sha256") if isinstance(item.get("sha256"), str) else None})
+        out.append(
+            {
+                "path": _text(item.get("path"), "changes[].path"),
+                "action": item["action"],
+                "type": item.get("type") if item.get("type") in ("f", "d", "l", "o") else None,
+                "size": size,
+                "sha256": item.get("sha256") if isinstance(item.get("sha256"), str) else None,
+            }
+        )
     return out
 
 
@@ -112,10 +130,22 @@ class WorkspacesApi:
     async def record(self, request: web.Request) -> web.Response:
         try:
             body = await read_object(request)
-            if set(body) - {"action", "workspace", "sandbox_id", "policy", "policy_hash", "decision", "reason",
-                            "message", "attributes"}:
-                raise BodyError(400, "invalid_request", "keys: action, workspace, sandbox_id, policy, policy_hash, "
-                                                        "decision, reason, message, attributes")
+            if set(body) - {
+                "action",
+                "workspace",
+                "sandbox_id",
+                "policy",
+                "policy_hash",
+                "decision",
+                "reason",
+                "message",
+                "attributes",
+            }:
+                raise BodyError(
+                    400,
+                    "invalid_request",
+                    "keys: action, workspace, sandbox_id, policy, policy_hash, decision, reason, message, attributes",
+                )
             action = body.get("action")
             if action not in ACTIONS:
                 raise BodyError(400, "invalid_request", f"action: one of {', '.join(ACTIONS)}")
@@ -124,28 +154,50 @@ class WorkspacesApi:
             extra = attributes(body.get("attributes") or {})
             extra[PREFIX + "action"] = action
             extra[PREFIX + "name"] = _text(body.get("workspace"), "workspace")
-            opt = {k: _text(body[k], k) for k in ("sandbox_id", "policy", "policy_hash", "reason", "message")
-                   if body.get(k) is not None}
+            opt = {
+                k: _text(body[k], k)
+                for k in ("sandbox_id", "policy", "policy_hash", "reason", "message")
+                if body.get(k) is not None
+            }
         except BodyError as exc:
             return exc.response()
-        event = build(EventKind.WORKSPACE, sandbox_id=opt.get("sandbox_id"), decision=body["decision"],
-                      reason=opt.get("reason"), message=opt.get("message"), policy_name=opt.get("policy"),
-                      policy_hash=opt.get("policy_hash"), extra=extra)
+        event = build(
+            EventKind.WORKSPACE,
+            sandbox_id=opt.get("sandbox_id"),
+            decision=body["decision"],
+            reason=opt.get("reason"),
+            message=opt.get("message"),
+            policy_name=opt.get("policy"),
+            policy_hash=opt.get("policy_hash"),
+            extra=extra,
+        )
         try:
             await self.rt.audit.write(event)
         except AuditUnavailable:
-            return error_response(503, "audit_unavailable", "the workspace record could not be written; the run "
-                                  "refuses to go on without it")
+            return error_response(
+                503,
+                "audit_unavailable",
+                "the workspace record could not be written; the run refuses to go on without it",
+            )
         return web.json_response({"recorded": True, "request_id": event.request_id})
 
     async def write(self, request: web.Request) -> web.Response:
         """A pending `persistent_write` approval for a run's staged changes (one per workspace)."""
         try:
             body = await read_object(request)
-            if set(body) - {"sandbox_id", "workspace", "changes", "manifest_hash", "base_manifest_hash",
-                            "pending_ttl_seconds"}:
-                raise BodyError(400, "invalid_request", "keys: sandbox_id, workspace, changes, manifest_hash, "
-                                                        "base_manifest_hash, pending_ttl_seconds")
+            if set(body) - {
+                "sandbox_id",
+                "workspace",
+                "changes",
+                "manifest_hash",
+                "base_manifest_hash",
+                "pending_ttl_seconds",
+            }:
+                raise BodyError(
+                    400,
+                    "invalid_request",
+                    "keys: sandbox_id, workspace, changes, manifest_hash, base_manifest_hash, pending_ttl_seconds",
+                )
             sandbox_id = _text(body.get("sandbox_id"), "sandbox_id", 64)
             workspace = _text(body.get("workspace"), "workspace")
             listed = changes(body.get("changes"))
@@ -162,11 +214,21 @@ class WorkspacesApi:
         if record is None:
             return error_response(404, "unknown_sandbox", f"no sandbox {sandbox_id!r} was admitted")
         now = self.rt.clock()
-        draft = Approval(id=new_approval_id(), sandbox_id=sandbox_id, policy=record.policy_name,
-                         state=ApprovalState.PENDING, scheme="workspace", host=f"workspace:{workspace}", port=0,
-                         method="write", path=None, requested_at=now, kind=KIND_PERSISTENT_WRITE,
-                         pending_ttl=float(ttl),
-                         details={"workspace": workspace, "count": len(listed), "changes": listed, **hashes})
+        draft = Approval(
+            id=new_approval_id(),
+            sandbox_id=sandbox_id,
+            policy=record.policy_name,
+            state=ApprovalState.PENDING,
+            scheme="workspace",
+            host=f"workspace:{workspace}",
+            port=0,
+            method="write",
+            path=None,
+            requested_at=now,
+            kind=KIND_PERSISTENT_WRITE,
+            pending_ttl=float(ttl),
+            details={"workspace": workspace, "count": len(listed), "changes": listed, **hashes},
+        )
         try:
             await self.rt.audit.write(approval_event(draft, "requested", dict(record.labels)))
         except AuditUnavailable:
@@ -176,8 +238,12 @@ class WorkspacesApi:
         except StateUnavailable:
             return error_response(503, "state_unavailable", "the approval store did not answer")
         if approval is None or not created:
-            return error_response(409, "write_not_staged", f"workspace {workspace} already has a pending write "
-                                  f"({approval.id if approval else 'too many pending approvals'})")
+            return error_response(
+                409,
+                "write_not_staged",
+                f"workspace {workspace} already has a pending write "
+                f"({approval.id if approval else 'too many pending approvals'})",
+            )
         return web.json_response(approval.to_json(), status=201)
 
 
@@ -188,8 +254,7 @@ async def settle_write(rt: Runtime, approval: Approval) -> None:
 
     outcome = str(approval.state)
     try:
-        attrs = await asyncio.to_thread(settle, Path(rt.config.var_dir), approval.id, outcome,
-                                        approval.decided_by)
+        attrs = await asyncio.to_thread(settle, Path(rt.config.var_dir), approval.id, outcome, approval.decided_by)
     except (OSError, WorkspaceError) as exc:
         logger.error("persistent write %s: %s", approval.id, exc)
         attrs = {"approval_id": approval.id, "outcome": outcome, "error": str(exc)[:MAX_STR]}
@@ -198,8 +263,14 @@ async def settle_write(rt: Runtime, approval: Approval) -> None:
         if attrs is None:
             return  # not on this host, or already settled
         action = attrs.pop("action")
-    event = build(EventKind.WORKSPACE, sandbox_id=approval.sandbox_id, decision="allow" if action ==
-                  "write_applied" else "deny", policy_name=approval.policy,
-                  extra={PREFIX + "action": action or "write_unsettled",
-                         **{PREFIX + k: v for k, v in attrs.items() if v is not None}})
+    event = build(
+        EventKind.WORKSPACE,
+        sandbox_id=approval.sandbox_id,
+        decision="allow" if action == "write_applied" else "deny",
+        policy_name=approval.policy,
+        extra={
+            PREFIX + "action": action or "write_unsettled",
+            **{PREFIX + k: v for k, v in attrs.items() if v is not None},
+        },
+    )
     rt.audit.enqueue_after(event)

@@ -24,8 +24,12 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 
 KEYWORDS = ("process_state", "shell_history")  # never carried over (runtimes/persist.py)
-RESTORE_CHECKS = ("verify_manifest_hash", "rescan_dependencies", "reapply_current_policy",
-                  "reissue_short_lived_credentials")
+RESTORE_CHECKS = (
+    "verify_manifest_hash",
+    "rescan_dependencies",
+    "reapply_current_policy",
+    "reissue_short_lived_credentials",
+)
 
 
 class Persistence(BaseModel):
@@ -33,8 +37,11 @@ class Persistence(BaseModel):
 
     save: list[str] | None = None  # None: the whole workspace (minus `discard`)
     discard: list[str] = []
-    restore_checks: list[Literal["verify_manifest_hash", "rescan_dependencies", "reapply_current_policy",
-                                 "reissue_short_lived_credentials"]] = []
+    restore_checks: list[
+        Literal[
+            "verify_manifest_hash", "rescan_dependencies", "reapply_current_policy", "reissue_short_lived_credentials"
+        ]
+    ] = []
 
 
 def _under(path: str, root: str) -> bool:
@@ -45,15 +52,21 @@ def _normal(path: str) -> bool:
     return path.startswith("/") and "//" not in path and posixpath.normpath(path) == (path.rstrip("/") or "/")
 
 
-def persistence_problems(section: Persistence | None, workspace_path: str | None,
-                         persistent: bool) -> list[tuple[str, str]]:
+def persistence_problems(
+    section: Persistence | None, workspace_path: str | None, persistent: bool
+) -> list[tuple[str, str]]:
     """(key path, message) for every entry no runtime could honour as written."""
     if section is None:
         return []
     problems: list[tuple[str, str]] = []
     if workspace_path is None or not persistent:
-        problems.append(("persistence", "the sandbox has no persistent workspace (sandbox.workspace with "
-                                        "persistent: true): nothing would be saved or restored"))
+        problems.append(
+            (
+                "persistence",
+                "the sandbox has no persistent workspace (sandbox.workspace with "
+                "persistent: true): nothing would be saved or restored",
+            )
+        )
         return problems
     ws = posixpath.normpath(workspace_path)
     saves: list[str] = []

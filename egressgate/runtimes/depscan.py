@@ -21,9 +21,21 @@ from collections.abc import Callable
 
 from egressgate.runtimes.manifest import Entry
 
-MANIFEST_NAMES = frozenset({"pyproject.toml", "poetry.lock", "uv.lock", "Pipfile", "Pipfile.lock", "setup.cfg",
-                            "package.json", "package-lock.json", "npm-shrinkwrap.json", "yarn.lock",
-                            "pnpm-lock.yaml"})
+MANIFEST_NAMES = frozenset(
+    {
+        "pyproject.toml",
+        "poetry.lock",
+        "uv.lock",
+        "Pipfile",
+        "Pipfile.lock",
+        "setup.cfg",
+        "package.json",
+        "package-lock.json",
+        "npm-shrinkwrap.json",
+        "yarn.lock",
+        "pnpm-lock.yaml",
+    }
+)
 MAX_PACKAGE_JSON = 1 << 20
 REPORTED = 50  # entries per list in the audit record (the counts are complete)
 
@@ -40,11 +52,18 @@ def inventory(entries: dict[str, Entry], read: Callable[[str], bytes | None]) ->
         parts = path.split("/")
         name = parts[-1]
         kind = entry.get("t")
-        if kind == "f" and not _in_installed_tree(parts) and (
-                name in MANIFEST_NAMES or fnmatch.fnmatchcase(name, "requirements*.txt")):
+        if (
+            kind == "f"
+            and not _in_installed_tree(parts)
+            and (name in MANIFEST_NAMES or fnmatch.fnmatchcase(name, "requirements*.txt"))
+        ):
             out[f"file:{path}"] = str(entry.get("sha256"))
-        elif kind == "d" and len(parts) >= 2 and parts[-2] in ("site-packages", "dist-packages") and (
-                name.endswith(".dist-info") or name.endswith(".egg-info")):
+        elif (
+            kind == "d"
+            and len(parts) >= 2
+            and parts[-2] in ("site-packages", "dist-packages")
+            and (name.endswith(".dist-info") or name.endswith(".egg-info"))
+        ):
             stem = name.rsplit(".", 1)[0]
             pkg, _, version = stem.partition("-")
             if pkg and version:
@@ -73,12 +92,15 @@ def _version(raw: bytes | None) -> str:
 
 def inventory_diff(old: dict[str, str], new: dict[str, str]) -> dict[str, dict]:
     """{"added": {key: value}, "removed": {key: value}, "changed": {key: [old, new]}}. Pure."""
-    return {"added": {k: new[k] for k in sorted(new) if k not in old},
-            "removed": {k: old[k] for k in sorted(old) if k not in new},
-            "changed": {k: [old[k], new[k]] for k in sorted(new) if k in old and old[k] != new[k]}}
+    return {
+        "added": {k: new[k] for k in sorted(new) if k not in old},
+        "removed": {k: old[k] for k in sorted(old) if k not in new},
+        "changed": {k: [old[k], new[k]] for k in sorted(new) if k in old and old[k] != new[k]},
+    }
 
 
 def summary(change: dict[str, dict]) -> dict[str, object]:
     """The audit record's form: counts, and at most REPORTED keys of each list."""
     return {f"{what}_count": len(items) for what, items in change.items()} | {
-        what: list(items)[:REPORTED] for what, items in change.items() if items}
+        what: list(items)[:REPORTED] for what, items in change.items() if items
+    }

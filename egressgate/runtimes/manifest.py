@@ -27,10 +27,25 @@ DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 # never carried over (persistence discard keyword `shell_history`, and always): the shells' and REPLs' history
 # files, wherever they are (HOME inside a sandbox is the workspace)
-HISTORY_NAMES = frozenset({".bash_history", ".zsh_history", ".sh_history", ".ash_history", ".ksh_history",
-                           ".history", ".python_history", ".node_repl_history", ".mysql_history",
-                           ".psql_history", ".sqlite_history", ".lesshst", ".irb_history", ".rediscli_history",
-                           "fish_history"})
+HISTORY_NAMES = frozenset(
+    {
+        ".bash_history",
+        ".zsh_history",
+        ".sh_history",
+        ".ash_history",
+        ".ksh_history",
+        ".history",
+        ".python_history",
+        ".node_repl_history",
+        ".mysql_history",
+        ".psql_history",
+        ".sqlite_history",
+        ".lesshst",
+        ".irb_history",
+        ".rediscli_history",
+        "fish_history",
+    }
+)
 
 Entry = dict[str, object]  # {"t": "f"|"d"|"l"|"o", "mode": int, "size": int, "sha256": hex, "target": str}
 
@@ -138,6 +153,7 @@ def to_remove(entries: dict[str, Entry], save: list[str] | None, discard: list[s
     """The minimal set of workspace-relative paths to delete so that only `save` (None: everything) minus
     `discard`, minus shell history files and anything that is not a regular file, directory or symlink,
     is left. `save`/`discard` are workspace-relative ("" is the whole workspace). Pure; sorted."""
+
     def keep(path: str, entry: Entry) -> bool:
         if _under(path, discard) or path.rsplit("/", 1)[-1] in HISTORY_NAMES or entry.get("t") == "o":
             return False
@@ -204,5 +220,5 @@ def relative(paths: list[str] | None, workspace: str) -> list[str] | None:
         if path == ws:
             out.append("")
         elif path.startswith(ws + "/"):
-            out.append(path[len(ws) + 1:])
+            out.append(path[len(ws) + 1 :])
     return out

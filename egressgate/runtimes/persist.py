@@ -45,8 +45,11 @@ REPORTED = 20  # paths per list in an audit record (counts are complete)
 def own_entries(entries: dict[str, manifest.Entry]) -> dict[str, manifest.Entry]:
     """The workload's content: not the image file of a bounded workspace (diskfs.IMAGE, when the directory is
     looked at unmounted) nor the ext4 root's `lost+found` (made by mke2fs, root's, 0700)."""
-    return {p: e for p, e in entries.items() if not (p.startswith(".egressgate-workspace.ext4")
-                                                     or p == "lost+found" or p.startswith("lost+found/"))}
+    return {
+        p: e
+        for p, e in entries.items()
+        if not (p.startswith(".egressgate-workspace.ext4") or p == "lost+found" or p.startswith("lost+found/"))
+    }
 
 
 def log(message: str) -> None:
@@ -79,13 +82,25 @@ class Persist:
         discard = manifest.relative([d for d in self.section.get("discard") or []], self.ws_path) or []
         return save, discard
 
-    def record(self, action: str, decision: str, attributes: dict[str, Any], reason: str | None = None,
-               message: str | None = None) -> None:
+    def record(
+        self,
+        action: str,
+        decision: str,
+        attributes: dict[str, Any],
+        reason: str | None = None,
+        message: str | None = None,
+    ) -> None:
         """One `workspace` audit record through the gateway; SetupFailed when it cannot be written."""
         assert self.store is not None
-        body = {"action": action, "workspace": self.store.label, "sandbox_id": self.run.sandbox_id,
-                "policy": self.policy_name, "policy_hash": self.policy_hash, "decision": decision,
-                "attributes": {k: v for k, v in attributes.items() if v is not None}}
+        body = {
+            "action": action,
+            "workspace": self.store.label,
+            "sandbox_id": self.run.sandbox_id,
+            "policy": self.policy_name,
+            "policy_hash": self.policy_hash,
+            "decision": decision,
+            "attributes": {k: v for k, v in attributes.items() if v is not None},
+        }
         if reason:
             body.update(reason=reason, message=message)
         status, data = self.run._admin("POST", "/v1/workspaces/records", body)
@@ -121,8 +136,10 @@ class Persist:
         status, data = self.run._admin("GET", f"/v1/approvals/{approval_id}", None)
         state = data.get("state") if status == 200 else ("expired" if status == 404 else None)
         if state == "pending":
-            raise SetupFailed(f"the workspace {self.store.label} has a write waiting for approval {approval_id}; "
-                              f"approve or deny it first (egressgate approvals approve|deny {approval_id})")
+            raise SetupFailed(
+                f"the workspace {self.store.label} has a write waiting for approval {approval_id}; "
+                f"approve or deny it first (egressgate approvals approve|deny {approval_id})"
+            )
         if state not in ("approved", "denied", "expired"):
             raise SetupFailed(f"the state of approval {approval_id} is unknown ({status}); retry")
         self.store.unlock()  # settle takes the lock itself
@@ -146,8 +163,7 @@ class Persist:
             raise SetupFailed(f"cannot read the workspace {self.store.label}: {exc}") from None
         entries = own_entries(entries)
         prev = self.state
-        attrs: dict[str, Any] = {"first_run": not prev.get("manifest_hash"),
-                                 "checks": sorted(self.checks) or None}
+        attrs: dict[str, Any] = {"first_run": not prev.get("manifest_hash"), "checks": sorted(self.checks) or None}
         if "verify_manifest_hash" in self.checks:
             self._verify(prev, entries, attrs)
         save, discard = self._save_discard()
@@ -156,9 +172,12 @@ class Persist:
             manifest.remove(content, gone)
             entries = manifest.kept(entries, gone)
             attrs.update(removed_at_restore=gone[:REPORTED], removed_at_restore_count=len(gone))
-        attrs.update(previous_policy=prev.get("policy"), previous_policy_hash=prev.get("policy_hash"),
-                     policy_hash=self.policy_hash,
-                     policy_changed=bool(prev.get("policy_hash")) and prev.get("policy_hash") != self.policy_hash)
+        attrs.update(
+            previous_policy=prev.get("policy"),
+            previous_policy_hash=prev.get("policy_hash"),
+            policy_hash=self.policy_hash,
+            policy_changed=bool(prev.get("policy_hash")) and prev.get("policy_hash") != self.policy_hash,
+        )
         if "rescan_dependencies" in self.checks:
             # against the inventory the previous run started with: what that run (or anything since) changed
             inventory = depscan.inventory(entries, self._reader(content))
@@ -179,20 +198,30 @@ class Persist:
         if d.empty():
             attrs["verified"] = True
             return
-        what = {"added": d.added[:REPORTED], "removed": d.removed[:REPORTED], "changed": d.changed[:REPORTED],
-                "added_count": len(d.added), "removed_count": len(d.removed), "changed_count": len(d.changed),
-                "previous_manifest_hash": prev.get("manifest_hash"), "found_manifest_hash":
-                manifest.manifest_hash(entries)}
+        what = {
+            "added": d.added[:REPORTED],
+            "removed": d.removed[:REPORTED],
+            "changed": d.changed[:REPORTED],
+            "added_count": len(d.added),
+            "removed_count": len(d.removed),
+            "changed_count": len(d.changed),
+            "previous_manifest_hash": prev.get("manifest_hash"),
+            "found_manifest_hash": manifest.manifest_hash(entries),
+        }
         where = "since its last run" if prev.get("manifest_hash") else "and has no manifest from an earlier run"
         if self.run.req.accept_changes:
             who = os.environ.get("SUDO_USER") or getpass.getuser()
             self.record("changes_accepted", "allow", {**what, "accepted_by": who})
-            log(f"the workspace {self.store.label} changed outside a run ({d.summary()}); accepted by {who} "
-                "(--accept-changes)")
+            log(
+                f"the workspace {self.store.label} changed outside a run ({d.summary()}); accepted by {who} "
+                "(--accept-changes)"
+            )
             attrs["verified"] = False
             return
-        message = (f"The workspace {self.store.label} was changed outside a run {where} ({d.summary()}); an operator "
-                   "who trusts the change reruns with --accept-changes.")
+        message = (
+            f"The workspace {self.store.label} was changed outside a run {where} ({d.summary()}); an operator "
+            "who trusts the change reruns with --accept-changes."
+        )
         self.record("restore_refused", "deny", what, reason="workspace_changed", message=message)
         raise SetupFailed(message)
 
@@ -207,8 +236,10 @@ class Persist:
         if status == 200 and not data.get("revoked"):
             status, data = self.run._admin("DELETE", f"/v1/sandboxes/{old}", None)
             if status != 200:
-                raise SetupFailed(f"the previous run's sandbox {old} is still admitted and could not be revoked "
-                                  f"({status}); refusing to restore its workspace")
+                raise SetupFailed(
+                    f"the previous run's sandbox {old} is still admitted and could not be revoked "
+                    f"({status}); refusing to restore its workspace"
+                )
             attrs["previous_sandbox_revoked_now"] = True
         else:
             attrs["previous_sandbox_revoked"] = status == 200 or status == 404
@@ -222,6 +253,7 @@ class Persist:
                 return None
             with os.fdopen(fd, "rb") as fh:
                 return fh.read(depscan.MAX_PACKAGE_JSON)
+
         return read
 
     # ------------------------------------------------------------------------------ end
@@ -237,21 +269,36 @@ class Persist:
         gone = manifest.to_remove(entries, save, discard)
         manifest.remove(content, gone)
         entries = manifest.kept(entries, gone)
-        state = {"manifest_hash": manifest.manifest_hash(entries), "entries": entries,
-                 "inventory": depscan.inventory(entries, self._reader(content)), "policy": self.policy_name,
-                 "policy_hash": self.policy_hash, "sandbox_id": self.run.sandbox_id, "run_id": self.run.run_id,
-                 "saved_at": time.time(), "name": self.store.name,
-                 "path": str(self.store.path) if self.store.path else None,
-                 "created": self.state.get("created") or time.time(), "restore_inventory": self.restore_inventory}
-        attrs = {"manifest_hash": state["manifest_hash"], "entries": len(entries), "removed": gone[:REPORTED],
-                 "removed_count": len(gone), "previous_manifest_hash": self.state.get("manifest_hash")}
+        state = {
+            "manifest_hash": manifest.manifest_hash(entries),
+            "entries": entries,
+            "inventory": depscan.inventory(entries, self._reader(content)),
+            "policy": self.policy_name,
+            "policy_hash": self.policy_hash,
+            "sandbox_id": self.run.sandbox_id,
+            "run_id": self.run.run_id,
+            "saved_at": time.time(),
+            "name": self.store.name,
+            "path": str(self.store.path) if self.store.path else None,
+            "created": self.state.get("created") or time.time(),
+            "restore_inventory": self.restore_inventory,
+        }
+        attrs = {
+            "manifest_hash": state["manifest_hash"],
+            "entries": len(entries),
+            "removed": gone[:REPORTED],
+            "removed_count": len(gone),
+            "previous_manifest_hash": self.state.get("manifest_hash"),
+        }
         if self.staged is not None:
             self._stage_write(state, attrs)
             return
         self.store.store(state)
         self.record("saved", "allow", attrs)
-        log(f"workspace {self.store.label} saved: {len(entries)} entries, manifest {state['manifest_hash']}"
-            + (f"; dropped {len(gone)} path(s) not saved by the policy" if gone else ""))
+        log(
+            f"workspace {self.store.label} saved: {len(entries)} entries, manifest {state['manifest_hash']}"
+            + (f"; dropped {len(gone)} path(s) not saved by the policy" if gone else "")
+        )
 
     def _stage_write(self, state: dict[str, Any], attrs: dict[str, Any]) -> None:
         assert self.store is not None and self.staged is not None
@@ -264,29 +311,51 @@ class Persist:
             log(f"workspace {self.store.label}: the run changed nothing; no write to approve")
             return  # the staged copy is removed after it is unmounted (discard_staged)
         listed = []
-        for action, paths, source in (("added", d.added, state["entries"]), ("changed", d.changed, state["entries"]),
-                                      ("removed", d.removed, base)):
+        for action, paths, source in (
+            ("added", d.added, state["entries"]),
+            ("changed", d.changed, state["entries"]),
+            ("removed", d.removed, base),
+        ):
             for p in paths:
                 e = source[p]
-                listed.append({"path": p, "action": action, "type": e.get("t"),
-                               "size": e.get("size") if action != "removed" else None,
-                               "sha256": e.get("sha256") if action != "removed" else None})
-        body = {"sandbox_id": self.run.sandbox_id, "workspace": self.store.label, "changes": listed,
-                "manifest_hash": state["manifest_hash"],
-                "base_manifest_hash": self.state.get("manifest_hash") or "none"}
+                listed.append(
+                    {
+                        "path": p,
+                        "action": action,
+                        "type": e.get("t"),
+                        "size": e.get("size") if action != "removed" else None,
+                        "sha256": e.get("sha256") if action != "removed" else None,
+                    }
+                )
+        body = {
+            "sandbox_id": self.run.sandbox_id,
+            "workspace": self.store.label,
+            "changes": listed,
+            "manifest_hash": state["manifest_hash"],
+            "base_manifest_hash": self.state.get("manifest_hash") or "none",
+        }
         if self.run.req.approval_ttl:
             body["pending_ttl_seconds"] = self.run.req.approval_ttl
         status, data = self.run._admin("POST", "/v1/workspaces/writes", body)
         if status != 201:
-            raise SetupFailed(f"the run's workspace changes could not be staged for approval ({status}: "
-                              f"{data.get('message')}); they are discarded")
-        pending = {"approval_id": data["id"], "run_id": self.run.run_id, "count": len(listed),
-                   "base_manifest_hash": self.state.get("manifest_hash"), "next": state}
+            raise SetupFailed(
+                f"the run's workspace changes could not be staged for approval ({status}: "
+                f"{data.get('message')}); they are discarded"
+            )
+        pending = {
+            "approval_id": data["id"],
+            "run_id": self.run.run_id,
+            "count": len(listed),
+            "base_manifest_hash": self.state.get("manifest_hash"),
+            "next": state,
+        }
         base_state = self.state or {"name": self.store.name, "path": state["path"], "created": state["created"]}
         self.store.store({**base_state, **meta, "pending": pending})
         self.kept_staged = True
-        log(f"workspace {self.store.label}: {len(listed)} change(s) wait for approval {data['id']} "
-            f"(egressgate approvals show {data['id']})")
+        log(
+            f"workspace {self.store.label}: {len(listed)} change(s) wait for approval {data['id']} "
+            f"(egressgate approvals show {data['id']})"
+        )
 
     def finish(self) -> None:
         """After the unmounts: a staged copy nobody waits for is removed; the workspace lock is released."""

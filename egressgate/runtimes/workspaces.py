@@ -59,8 +59,10 @@ class Store:
         self.path = path
         if name is not None:
             if not is_name(name):
-                raise WorkspaceError(f"{name!r} is not a workspace name (lowercase letters, digits, '_.-', "
-                                     "at most 63; a host directory is given as a path: ./dir)")
+                raise WorkspaceError(
+                    f"{name!r} is not a workspace name (lowercase letters, digits, '_.-', "
+                    "at most 63; a host directory is given as a path: ./dir)"
+                )
             self.dir = root(var_dir) / name
             self.data = self.dir / "data"
         else:
@@ -110,8 +112,9 @@ class Store:
         except FileNotFoundError:
             return None
         except (OSError, ValueError) as exc:
-            raise WorkspaceError(f"the workspace record {self.state_file} is unreadable ({exc}); restore it or "
-                                 f"remove the workspace") from None
+            raise WorkspaceError(
+                f"the workspace record {self.state_file} is unreadable ({exc}); restore it or remove the workspace"
+            ) from None
 
     def store(self, state: dict[str, Any]) -> None:
         """Atomic (temp file + rename), 0600."""
@@ -160,8 +163,13 @@ class Store:
 def _cp(src: Path, dst: Path) -> str | None:
     import subprocess
 
-    res = subprocess.run(["cp", "-a", "--sparse=always", "--reflink=auto", "--no-target-directory", str(src),
-                          str(dst)], capture_output=True, text=True, check=False, timeout=600)
+    res = subprocess.run(
+        ["cp", "-a", "--sparse=always", "--reflink=auto", "--no-target-directory", str(src), str(dst)],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=600,
+    )
     return None if res.returncode == 0 else (res.stderr or res.stdout).strip()[-300:]
 
 
@@ -218,8 +226,12 @@ def settle(var_dir: Path, approval_id: str, outcome: str, by: str | None = None)
         if pending.get("approval_id") != approval_id:
             return None
         staged = store.staged_dir(str(pending["run_id"]))
-        attrs: dict[str, Any] = {"name": store.label, "approval_id": approval_id, "outcome": outcome,
-                                 "changes": int(pending.get("count", 0))}
+        attrs: dict[str, Any] = {
+            "name": store.label,
+            "approval_id": approval_id,
+            "outcome": outcome,
+            "changes": int(pending.get("count", 0)),
+        }
         if by:
             attrs["by"] = by
         if outcome == "approved":
@@ -232,8 +244,11 @@ def settle(var_dir: Path, approval_id: str, outcome: str, by: str | None = None)
                 new.update(pending["next"])
                 store.store(new)
                 shutil.rmtree(staged, ignore_errors=True)
-                attrs.update(action="write_applied", manifest_hash=new.get("manifest_hash"),
-                             previous_manifest_hash=pending.get("base_manifest_hash"))
+                attrs.update(
+                    action="write_applied",
+                    manifest_hash=new.get("manifest_hash"),
+                    previous_manifest_hash=pending.get("base_manifest_hash"),
+                )
                 return attrs
         else:
             shutil.rmtree(staged, ignore_errors=True)

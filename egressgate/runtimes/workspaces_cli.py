@@ -18,8 +18,9 @@ import click
 
 from egressgate.runtimes.workspaces import Store, WorkspaceError, all_stores, is_name
 
-_config_option = click.option("--config", "config_file", type=click.Path(dir_okay=False),
-                              help="the gateway's config (for var_dir)")
+_config_option = click.option(
+    "--config", "config_file", type=click.Path(dir_okay=False), help="the gateway's config (for var_dir)"
+)
 _var_option = click.option("--var-dir", "var_dir", type=click.Path(file_okay=False), help="the gateway's var dir")
 
 
@@ -49,14 +50,21 @@ def summary(store: Store) -> dict[str, Any]:
     except WorkspaceError as exc:
         return {"workspace": store.label, "error": str(exc)}
     pending = state.get("pending") or {}
-    return {"workspace": store.label, "kind": "named" if store.name else "directory",
-            "data": str(store.data), "entries": len(state.get("entries") or {}),
-            "manifest_hash": state.get("manifest_hash"), "saved_at": state.get("saved_at"),
-            "policy": state.get("policy"), "policy_hash": state.get("policy_hash"),
-            "last_sandbox": state.get("sandbox_id"),
-            "pending_write": ({"approval_id": pending.get("approval_id"), "changes": pending.get("count")}
-                              if pending else None),
-            "dependencies": len(state.get("inventory") or {})}
+    return {
+        "workspace": store.label,
+        "kind": "named" if store.name else "directory",
+        "data": str(store.data),
+        "entries": len(state.get("entries") or {}),
+        "manifest_hash": state.get("manifest_hash"),
+        "saved_at": state.get("saved_at"),
+        "policy": state.get("policy"),
+        "policy_hash": state.get("policy_hash"),
+        "last_sandbox": state.get("sandbox_id"),
+        "pending_write": (
+            {"approval_id": pending.get("approval_id"), "changes": pending.get("count")} if pending else None
+        ),
+        "dependencies": len(state.get("inventory") or {}),
+    }
 
 
 @click.group("workspaces")
@@ -78,8 +86,16 @@ def list_cmd(config_file: str | None, var_dir: str | None, fmt: str) -> None:
     for r in rows:
         saved = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(r["saved_at"])) if r.get("saved_at") else "-"
         pending = (r.get("pending_write") or {}).get("approval_id") or "-"
-        table.append((r["workspace"], str(r.get("entries", "-")), (r.get("manifest_hash") or "-")[:19], saved,
-                      r.get("policy") or "-", pending))
+        table.append(
+            (
+                r["workspace"],
+                str(r.get("entries", "-")),
+                (r.get("manifest_hash") or "-")[:19],
+                saved,
+                r.get("policy") or "-",
+                pending,
+            )
+        )
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
     click.echo("\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in table))
 
@@ -116,8 +132,10 @@ def rm(config_file: str | None, var_dir: str | None, workspace: str) -> None:
     try:
         state = store.load() or {}
         if state.get("pending"):
-            raise click.ClickException(f"the workspace {store.label} has a write waiting for approval "
-                                       f"{state['pending'].get('approval_id')}; decide it first")
+            raise click.ClickException(
+                f"the workspace {store.label} has a write waiting for approval "
+                f"{state['pending'].get('approval_id')}; decide it first"
+            )
         from egressgate.runtimes.diskfs import IMAGE, loops_of, mounted
 
         if mounted(store.data) is not None or loops_of(store.data / IMAGE):
@@ -139,13 +157,29 @@ def _record(var: Path, store: Store, state: dict[str, Any]) -> None:
     try:
         info = endpoints.load(var)
         token = info.admin_token_file.read_text(encoding="utf-8").strip()
-        status, data = call(info.endpoints.admin, "POST", "/v1/workspaces/records", token, {
-            "action": "removed", "workspace": store.label, "decision": "allow",
-            "attributes": {k: v for k, v in (("manifest_hash", state.get("manifest_hash")),
-                                             ("entries", len(state.get("entries") or {}))) if v is not None}})
+        status, data = call(
+            info.endpoints.admin,
+            "POST",
+            "/v1/workspaces/records",
+            token,
+            {
+                "action": "removed",
+                "workspace": store.label,
+                "decision": "allow",
+                "attributes": {
+                    k: v
+                    for k, v in (
+                        ("manifest_hash", state.get("manifest_hash")),
+                        ("entries", len(state.get("entries") or {})),
+                    )
+                    if v is not None
+                },
+            },
+        )
     except (endpoints.GatewayNotRunning, AdminUnreachable, OSError) as exc:
-        raise click.ClickException(f"the removal cannot be recorded (the gateway is not reachable: {exc}); "
-                                   "start it and retry") from None
+        raise click.ClickException(
+            f"the removal cannot be recorded (the gateway is not reachable: {exc}); start it and retry"
+        ) from None
     if status != 200:
         print(data, file=sys.stderr)
         raise click.ClickException(f"the removal was not recorded ({status}); nothing was removed")

@@ -43,8 +43,12 @@ def test_the_articles_example_loads_as_written() -> None:
     assert p is not None
     assert p.save == ["/workspace/src", "/workspace/tests", "/workspace/results", "/workspace/manifest.json"]
     assert p.discard == ["/tmp", "/run", "/workspace/.credentials", "process_state", "shell_history"]
-    assert p.restore_checks == ["verify_manifest_hash", "rescan_dependencies", "reapply_current_policy",
-                                "reissue_short_lived_credentials"]
+    assert p.restore_checks == [
+        "verify_manifest_hash",
+        "rescan_dependencies",
+        "reapply_current_policy",
+        "reissue_short_lived_credentials",
+    ]
 
 
 def test_the_seed_policy_carries_the_articles_persistence() -> None:
@@ -64,11 +68,17 @@ def test_the_seed_policy_carries_the_articles_persistence() -> None:
         ("persistence: {save: [/workspace/a/../b]}", "persistence.save[0]", "normalized"),
         ("persistence: {save: [/workspace/a, /workspace/a]}", "persistence.save[1]", "twice"),
         ("persistence: {discard: [/workspace]}", "persistence.discard[0]", "whole workspace"),
-        ("persistence: {save: [/workspace/a/b], discard: [/workspace/a]}", "persistence.discard[0]",
-         "would discard the saved path"),
+        (
+            "persistence: {save: [/workspace/a/b], discard: [/workspace/a]}",
+            "persistence.discard[0]",
+            "would discard the saved path",
+        ),
         ("persistence: {discard: [bash_history]}", "persistence.discard[0]", "process_state, shell_history"),
-        ("persistence: {restore_checks: [verify_manifest_hash, verify_manifest_hash]}",
-         "persistence.restore_checks[1]", "twice"),
+        (
+            "persistence: {restore_checks: [verify_manifest_hash, verify_manifest_hash]}",
+            "persistence.restore_checks[1]",
+            "twice",
+        ),
     ],
 )
 def test_entries_no_runtime_could_honour_are_refused(section: str, key: str, fragment: str) -> None:

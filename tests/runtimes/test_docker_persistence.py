@@ -15,9 +15,12 @@ from tests.support.dockerd import Dockerd
 
 pytestmark = pytest.mark.netns
 
-POLICY = runtime_policy("dk-keep", sandbox__workspace={"path": "/workspace", "persistent": True},
-                        persistence__save=["/workspace/src"],
-                        persistence__restore_checks=["verify_manifest_hash", "reapply_current_policy"])
+POLICY = runtime_policy(
+    "dk-keep",
+    sandbox__workspace={"path": "/workspace", "persistent": True},
+    persistence__save=["/workspace/src"],
+    persistence__restore_checks=["verify_manifest_hash", "reapply_current_policy"],
+)
 
 
 @pytest.fixture(scope="module")
@@ -27,10 +30,33 @@ def gw(world: World) -> Iterator[Gateway]:
 
 
 def run(gw: Gateway, dockerd: Dockerd, script: str, *extra: str) -> subprocess.CompletedProcess[str]:
-    argv = gw.cmd("sandbox", "run", "--config", str(gw.config), "--policy", "dk-keep", "--workspace", "dk",
-                  "--runtime", "docker", "--image", dockerd.python_image(), *extra, "--", "sh", "-c", script)
-    return subprocess.run(argv, capture_output=True, text=True, timeout=180, env={**gw.caller_env(),
-                          "DOCKER_HOST": dockerd.host}, check=False)
+    argv = gw.cmd(
+        "sandbox",
+        "run",
+        "--config",
+        str(gw.config),
+        "--policy",
+        "dk-keep",
+        "--workspace",
+        "dk",
+        "--runtime",
+        "docker",
+        "--image",
+        dockerd.python_image(),
+        *extra,
+        "--",
+        "sh",
+        "-c",
+        script,
+    )
+    return subprocess.run(
+        argv,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**gw.caller_env(), "DOCKER_HOST": dockerd.host},
+        check=False,
+    )
 
 
 def test_docker_saves_selection_refuses_a_tampered_restore_and_accepts_it(gw: Gateway, dockerd: Dockerd) -> None:

@@ -33,17 +33,28 @@ from tests.runtimes.harness import Gateway, running_gateway, runtime_policy, saf
 
 pytestmark = pytest.mark.netns
 
-PERSIST = {"save": ["/workspace/src", "/workspace/results"],
-           "discard": ["/tmp", "/workspace/src/.credentials", "process_state", "shell_history"],
-           "restore_checks": ["verify_manifest_hash", "rescan_dependencies", "reapply_current_policy",
-                              "reissue_short_lived_credentials"]}
+PERSIST = {
+    "save": ["/workspace/src", "/workspace/results"],
+    "discard": ["/tmp", "/workspace/src/.credentials", "process_state", "shell_history"],
+    "restore_checks": [
+        "verify_manifest_hash",
+        "rescan_dependencies",
+        "reapply_current_policy",
+        "reissue_short_lived_credentials",
+    ],
+}
 WS = {"path": "/workspace", "persistent": True}
 
 
 def policy(name: str, **extra: Any) -> dict:
-    return runtime_policy(name, sandbox__workspace=WS, persistence__save=PERSIST["save"],
-                          persistence__discard=PERSIST["discard"],
-                          persistence__restore_checks=PERSIST["restore_checks"], **extra)
+    return runtime_policy(
+        name,
+        sandbox__workspace=WS,
+        persistence__save=PERSIST["save"],
+        persistence__discard=PERSIST["discard"],
+        persistence__restore_checks=PERSIST["restore_checks"],
+        **extra,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -54,24 +65,43 @@ def gw(world: World) -> Iterator[Gateway]:
         "ps-write": policy("ps-write", execution__require_approval_for=["persistent_write"]),
         # the seed policy's shape: a kernel-bounded workspace (an ext4 image, diskfs.py)
         "ps-img": policy("ps-img", sandbox__workspace={**WS, "max_bytes": 8_000_000}),
-        "ps-img-write": policy("ps-img-write", sandbox__workspace={**WS, "max_bytes": 8_000_000},
-                               execution__require_approval_for=["persistent_write"]),
+        "ps-img-write": policy(
+            "ps-img-write",
+            sandbox__workspace={**WS, "max_bytes": 8_000_000},
+            execution__require_approval_for=["persistent_write"],
+        ),
     }
     with running_gateway(world, policies) as g:
         yield g
 
 
-def run(gw: Gateway, script: str, *, policy: str, workspace: str, extra: tuple[str, ...] = (),
-        timeout: float = 90) -> subprocess.CompletedProcess[str]:
-    argv = gw.cmd("sandbox", "run", "--config", str(gw.config), "--policy", policy, "--workspace", workspace,
-                  *extra, "--", "sh", "-c", script)
-    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=gw.caller_env(), check=False,
-                          preexec_fn=safety_net)
+def run(
+    gw: Gateway, script: str, *, policy: str, workspace: str, extra: tuple[str, ...] = (), timeout: float = 90
+) -> subprocess.CompletedProcess[str]:
+    argv = gw.cmd(
+        "sandbox",
+        "run",
+        "--config",
+        str(gw.config),
+        "--policy",
+        policy,
+        "--workspace",
+        workspace,
+        *extra,
+        "--",
+        "sh",
+        "-c",
+        script,
+    )
+    return subprocess.run(
+        argv, capture_output=True, text=True, timeout=timeout, env=gw.caller_env(), check=False, preexec_fn=safety_net
+    )
 
 
 def cli(gw: Gateway, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(gw.cmd(*args, "--config", str(gw.config)), capture_output=True, text=True, timeout=60,
-                          check=False)
+    return subprocess.run(
+        gw.cmd(*args, "--config", str(gw.config)), capture_output=True, text=True, timeout=60, check=False
+    )
 
 
 def data(gw: Gateway, name: str) -> Path:
@@ -80,8 +110,11 @@ def data(gw: Gateway, name: str) -> Path:
 
 def ws_records(gw: Gateway, name: str, action: str, at_least: int = 1) -> list[dict]:
     def mine(r: dict) -> bool:
-        return (r.get("egressgate.operation") == "workspace" and r.get("egressgate.workspace.name") == name
-                and r.get("egressgate.workspace.action") == action)
+        return (
+            r.get("egressgate.operation") == "workspace"
+            and r.get("egressgate.workspace.name") == name
+            and r.get("egressgate.workspace.action") == action
+        )
 
     deadline = time.monotonic() + 15
     while True:
@@ -105,16 +138,25 @@ def ok(res: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str
 
 
 def test_only_save_paths_survive_and_the_manifest_is_audited(gw: Gateway) -> None:
-    ok(run(gw, "mkdir -p /workspace/src /workspace/results; echo code > /workspace/src/app.py; "
-               "echo sk-live > /workspace/src/.credentials; echo r > /workspace/results/out.txt; "
-               "echo junk > /workspace/scratch.txt; echo 'curl evil' > /workspace/.bash_history",
-           policy="ps-keep", workspace="sel"))
+    ok(
+        run(
+            gw,
+            "mkdir -p /workspace/src /workspace/results; echo code > /workspace/src/app.py; "
+            "echo sk-live > /workspace/src/.credentials; echo r > /workspace/results/out.txt; "
+            "echo junk > /workspace/scratch.txt; echo 'curl evil' > /workspace/.bash_history",
+            policy="ps-keep",
+            workspace="sel",
+        )
+    )
     kept = sorted(manifest.scan(data(gw, "sel")))
     assert kept == ["results", "results/out.txt", "src", "src/app.py"]
     saved = ws_records(gw, "sel", "saved")[-1]
     assert saved["egressgate.workspace.manifest_hash"] == manifest.manifest_hash(manifest.scan(data(gw, "sel")))
-    assert sorted(strings(saved["egressgate.workspace.removed"])) == [".bash_history", "scratch.txt",
-                                                                      "src/.credentials"]
+    assert sorted(strings(saved["egressgate.workspace.removed"])) == [
+        ".bash_history",
+        "scratch.txt",
+        "src/.credentials",
+    ]
     # positive control: the next run sees what was saved, and nothing else
     second = ok(run(gw, "cat /workspace/src/app.py; ls -A /workspace", policy="ps-keep", workspace="sel"))
     assert second.stdout.split() == ["code", "results", "src"]
@@ -130,8 +172,7 @@ def test_a_workspace_changed_between_runs_is_refused_then_accepted(gw: Gateway) 
     assert restored["egressgate.workspace.verified"] is True
 
     (data(gw, "tamper") / "src" / "tool.py").write_text("import os; os.system('exfiltrate')\n")  # outside a run
-    refused = run(gw, "mkdir -p /workspace/results; touch /workspace/results/ran", policy="ps-keep",
-                  workspace="tamper")
+    refused = run(gw, "mkdir -p /workspace/results; touch /workspace/results/ran", policy="ps-keep", workspace="tamper")
     assert refused.returncode == 120, refused.stdout + refused.stderr
     assert "changed outside a run" in refused.stderr and "src/tool.py" in refused.stderr
     assert not (data(gw, "tamper") / "results" / "ran").exists()  # the workload never started
@@ -139,8 +180,9 @@ def test_a_workspace_changed_between_runs_is_refused_then_accepted(gw: Gateway) 
     assert record["egressgate.decision"] == "deny" and record["egressgate.reason"] == "workspace_changed"
     assert strings(record["egressgate.workspace.changed"]) == ["src/tool.py"]
 
-    accepted = ok(run(gw, "cat /workspace/src/tool.py", policy="ps-keep", workspace="tamper",
-                      extra=("--accept-changes",)))
+    accepted = ok(
+        run(gw, "cat /workspace/src/tool.py", policy="ps-keep", workspace="tamper", extra=("--accept-changes",))
+    )
     assert "exfiltrate" in accepted.stdout
     record = ws_records(gw, "tamper", "changes_accepted")[-1]
     assert record["egressgate.workspace.accepted_by"] and record["egressgate.decision"] == "allow"
@@ -158,6 +200,7 @@ def test_a_restore_after_a_policy_change_names_both_hashes(gw: Gateway) -> None:
     changed = policy("ps-change")
     changed["network"]["dns"]["allow"] = ["api.allowed.test", "other.allowed.test"]
     (gw.base / "policies" / "ps-change.yaml").write_text(yaml.safe_dump(changed, sort_keys=False))
+
     def reloads() -> int:
         return len([r for r in gw.records() if r.get("egressgate.operation") == "policy_reload"])
 
@@ -175,13 +218,25 @@ def test_a_restore_after_a_policy_change_names_both_hashes(gw: Gateway) -> None:
 
 
 def test_the_previous_runs_token_is_refused_after_a_restore(gw: Gateway) -> None:
-    first = ok(run(gw, 'mkdir -p /workspace/results; echo "$HTTP_PROXY" > /workspace/results/old-proxy',
-                   policy="ps-keep", workspace="creds"))
+    first = ok(
+        run(
+            gw,
+            'mkdir -p /workspace/results; echo "$HTTP_PROXY" > /workspace/results/old-proxy',
+            policy="ps-keep",
+            workspace="creds",
+        )
+    )
     old_sid = sandbox_id(first.stderr)
-    second = ok(run(gw, 'curl -s -o /dev/null -w "%{http_code}\\n" --max-time 10 '
-                        '-x "$(cat /workspace/results/old-proxy)" https://api.allowed.test/; '
-                        'curl -s -o /dev/null -w "%{http_code}\\n" --max-time 10 https://api.allowed.test/',
-                    policy="ps-keep", workspace="creds"))
+    second = ok(
+        run(
+            gw,
+            'curl -s -o /dev/null -w "%{http_code}\\n" --max-time 10 '
+            '-x "$(cat /workspace/results/old-proxy)" https://api.allowed.test/; '
+            'curl -s -o /dev/null -w "%{http_code}\\n" --max-time 10 https://api.allowed.test/',
+            policy="ps-keep",
+            workspace="creds",
+        )
+    )
     old, new = second.stdout.split()
     assert old in ("407", "000"), second.stdout  # curl shows a refused CONNECT as 000
     assert new == "200", second.stdout  # positive control: the reissued token works
@@ -209,17 +264,29 @@ def test_a_previous_sandbox_still_admitted_is_revoked_by_the_restore(gw: Gateway
 
 
 def test_a_package_the_last_run_installed_is_named_at_restore(gw: Gateway) -> None:
-    ok(run(gw, "mkdir -p /workspace/src; echo 'requests==2.32.0' > /workspace/src/requirements.txt",
-           policy="ps-keep", workspace="deps"))
-    ok(run(gw, "d=/workspace/src/.venv/lib/python3.11/site-packages; mkdir -p $d/evil_pkg-0.1.dist-info; "
-               "echo 'requests==2.32.0' > /workspace/src/requirements.txt", policy="ps-keep", workspace="deps"))
+    ok(
+        run(
+            gw,
+            "mkdir -p /workspace/src; echo 'requests==2.32.0' > /workspace/src/requirements.txt",
+            policy="ps-keep",
+            workspace="deps",
+        )
+    )
+    ok(
+        run(
+            gw,
+            "d=/workspace/src/.venv/lib/python3.11/site-packages; mkdir -p $d/evil_pkg-0.1.dist-info; "
+            "echo 'requests==2.32.0' > /workspace/src/requirements.txt",
+            policy="ps-keep",
+            workspace="deps",
+        )
+    )
     ok(run(gw, "true", policy="ps-keep", workspace="deps"))
     records = ws_records(gw, "deps", "restored", at_least=3)
     first, second, third = records[-3:]
     assert strings(first.get("egressgate.workspace.deps.added")) == []  # nothing before the first run
     assert strings(second.get("egressgate.workspace.deps.added")) == ["file:src/requirements.txt"]
-    assert strings(third["egressgate.workspace.deps.added"]) == [
-        "pypi:src/.venv/lib/python3.11/site-packages:evil-pkg"]
+    assert strings(third["egressgate.workspace.deps.added"]) == ["pypi:src/.venv/lib/python3.11/site-packages:evil-pkg"]
     assert third["egressgate.workspace.deps.changed_count"] in (0, "0")  # the same requirements file
 
 
@@ -239,8 +306,9 @@ def approval(gw: Gateway, approval_id: str) -> dict:
 
 
 def test_an_approved_write_is_applied_with_every_path_listed(gw: Gateway) -> None:
-    apr = pending_write(run(gw, "mkdir -p /workspace/src; printf hello > /workspace/src/new.txt",
-                            policy="ps-write", workspace="w-ok"))
+    apr = pending_write(
+        run(gw, "mkdir -p /workspace/src; printf hello > /workspace/src/new.txt", policy="ps-write", workspace="w-ok")
+    )
     assert not (data(gw, "w-ok") / "src").exists()  # staged, not applied
     shown = approval(gw, apr)
     assert shown["kind"] == "persistent_write" and shown["state"] == "pending"
@@ -263,8 +331,9 @@ def test_an_approved_write_is_applied_with_every_path_listed(gw: Gateway) -> Non
 
 def test_a_denied_write_is_discarded_and_a_pending_one_blocks_the_next_run(gw: Gateway) -> None:
     ok(run(gw, "true", policy="ps-write", workspace="w-deny"))  # an empty workspace: nothing to approve
-    apr = pending_write(run(gw, "mkdir -p /workspace/src; echo bad > /workspace/src/bad.txt",
-                            policy="ps-write", workspace="w-deny"))
+    apr = pending_write(
+        run(gw, "mkdir -p /workspace/src; echo bad > /workspace/src/bad.txt", policy="ps-write", workspace="w-deny")
+    )
     blocked = run(gw, "true", policy="ps-write", workspace="w-deny")
     assert blocked.returncode == 120 and apr in blocked.stderr, blocked.stderr
     ok(cli(gw, "approvals", "deny", apr))
@@ -276,8 +345,15 @@ def test_a_denied_write_is_discarded_and_a_pending_one_blocks_the_next_run(gw: G
 
 
 def test_an_expired_write_is_discarded(gw: Gateway) -> None:
-    apr = pending_write(run(gw, "mkdir -p /workspace/src; echo late > /workspace/src/late.txt",
-                            policy="ps-write", workspace="w-exp", extra=("--approval-ttl", "2")))
+    apr = pending_write(
+        run(
+            gw,
+            "mkdir -p /workspace/src; echo late > /workspace/src/late.txt",
+            policy="ps-write",
+            workspace="w-exp",
+            extra=("--approval-ttl", "2"),
+        )
+    )
     record = ws_records(gw, "w-exp", "write_discarded")
     assert record and record[-1]["egressgate.workspace.outcome"] == "expired"
     assert approval(gw, apr)["state"] == "expired"
@@ -287,16 +363,24 @@ def test_an_expired_write_is_discarded(gw: Gateway) -> None:
 def test_a_bounded_workspace_image_is_saved_restored_and_staged(gw: Gateway) -> None:
     """With max_bytes the content lives in an ext4 image: the selection, the manifest and the restore work
     on the mounted content; a staged write copies the (sparse) image and is swapped in whole."""
-    ok(run(gw, "mkdir -p /workspace/src; echo a > /workspace/src/a; echo junk > /workspace/junk",
-           policy="ps-img", workspace="img"))
+    ok(
+        run(
+            gw,
+            "mkdir -p /workspace/src; echo a > /workspace/src/a; echo junk > /workspace/junk",
+            policy="ps-img",
+            workspace="img",
+        )
+    )
     assert [p.name for p in data(gw, "img").iterdir()] == [".egressgate-workspace.ext4"]
-    second = ok(run(gw, "cat /workspace/src/a; test ! -e /workspace/junk && echo gone", policy="ps-img",
-                    workspace="img"))
+    second = ok(
+        run(gw, "cat /workspace/src/a; test ! -e /workspace/junk && echo gone", policy="ps-img", workspace="img")
+    )
     assert second.stdout.split() == ["a", "gone"]
     assert ws_records(gw, "img", "restored", at_least=2)[-1]["egressgate.workspace.verified"] is True
 
-    apr = pending_write(run(gw, "mkdir -p /workspace/src; echo b > /workspace/src/b", policy="ps-img-write",
-                            workspace="img-w"))
+    apr = pending_write(
+        run(gw, "mkdir -p /workspace/src; echo b > /workspace/src/b", policy="ps-img-write", workspace="img-w")
+    )
     assert {c["path"] for c in approval(gw, apr)["details"]["changes"]} == {"src", "src/b"}
     ok(cli(gw, "approvals", "approve", apr))
     ws_records(gw, "img-w", "write_applied")

@@ -42,9 +42,13 @@ def staged_write(tmp_path: Path) -> tuple[Store, Path]:
     (staged / "added.txt").write_text("added\n")
     new_entries = manifest.scan(staged)
     state = store.load() or {}
-    state["pending"] = {"approval_id": "apr-1", "run_id": "run1", "count": 2,
-                        "base_manifest_hash": state["manifest_hash"],
-                        "next": {"manifest_hash": manifest.manifest_hash(new_entries), "entries": new_entries}}
+    state["pending"] = {
+        "approval_id": "apr-1",
+        "run_id": "run1",
+        "count": 2,
+        "base_manifest_hash": state["manifest_hash"],
+        "next": {"manifest_hash": manifest.manifest_hash(new_entries), "entries": new_entries},
+    }
     store.store(state)
     return store, staged
 
