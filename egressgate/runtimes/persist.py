@@ -153,6 +153,20 @@ class Persist:
             action = attrs.pop("action")
             self.record(action, "allow" if action == "write_applied" else "deny", attrs)
 
+    def expose(self, disks: Any, state_dir: Path, data: Path) -> Path:
+        """A named workspace's data bound on state_dir/workspaces/<run_id>, a path the run's uid can traverse
+        (the var dir stays 0700); the mount is DiskLimits', released with them."""
+        from egressgate.runtimes.diskfs import DiskLimitError
+
+        (state_dir / "workspaces").mkdir(mode=0o711, exist_ok=True)
+        state_dir.chmod(0o711)  # traversable (not listable) by the sandbox uid; records stay 0700
+        target = state_dir / "workspaces" / self.run.run_id
+        try:
+            disks.bind(data, target)
+        except DiskLimitError as exc:
+            raise SetupFailed(str(exc)) from None
+        return target
+
     def restore(self, content: Path) -> None:
         """The restore checks on the content as the last run left it (root-owned, not yet the run's)."""
         assert self.store is not None

@@ -203,7 +203,7 @@ class Run:
         if self.persist is not None and workspace is not None:
             self.persist.restore(workspace)  # the content as the last run left it, before anyone owns it
             if req.workspace_name:  # the var dir stays 0700: the sandbox gets the data through a bind mount
-                workspace = self._expose(workspace)
+                workspace = self.persist.expose(self.disks, info.state_dir, workspace)
         if workspace is not None:
             # the run's uid takes over the workspace as the sandbox will see it: the bounded tmpfs or the
             # mounted ext4 image's root and content when max_bytes is set, else the directory itself
@@ -273,20 +273,6 @@ class Run:
         except DiskLimitError as exc:
             raise SetupFailed(str(exc)) from None
         return None
-
-    def _expose(self, data: Path) -> Path:
-        """A named workspace's data bound on state_dir/workspaces/<run_id> (traversable by the run's uid)."""
-        from egressgate.runtimes.diskfs import DiskLimitError
-
-        assert self.info is not None
-        (self.info.state_dir / "workspaces").mkdir(mode=0o711, exist_ok=True)
-        self.info.state_dir.chmod(0o711)
-        target = self.info.state_dir / "workspaces" / self.run_id
-        try:
-            self.disks.bind(data, target)
-        except DiskLimitError as exc:
-            raise SetupFailed(str(exc)) from None
-        return target
 
     def _limits(self, resources: dict[str, Any]) -> None:
         wanted = {k: v for k, v in resources.items() if k in ("memory_mb", "pids_max", "cpu_millis") and v}
