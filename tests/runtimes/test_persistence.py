@@ -162,6 +162,9 @@ def test_only_save_paths_survive_and_the_manifest_is_audited(gw: Gateway) -> Non
     assert second.stdout.split() == ["code", "results", "src"]
     listing = json.loads(ok(cli(gw, "workspaces", "list", "--format", "json")).stdout)
     assert any(w["workspace"] == "sel" and w["entries"] == 4 for w in listing["workspaces"])
+    ok(cli(gw, "workspaces", "rm", "sel"))  # recorded through the gateway, then removed
+    assert not (gw.base / "var" / "workspaces" / "sel").exists()
+    assert ws_records(gw, "sel", "removed")
 
 
 def test_a_workspace_changed_between_runs_is_refused_then_accepted(gw: Gateway) -> None:
