@@ -14,6 +14,7 @@ changes hands at the start and end of every run (workload.prepare_workspace / re
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -190,8 +191,9 @@ def remove(root: str | os.PathLike[str], paths: list[str]) -> None:
                     shutil.rmtree(name, dir_fd=dfd)
                 else:
                     os.unlink(name, dir_fd=dfd)
-            except FileNotFoundError:
-                pass
+            except OSError as exc:  # gone, or a parent is a symlink now (never followed): nothing to remove
+                if exc.errno not in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
+                    raise
             finally:
                 os.close(dfd)
     finally:

@@ -77,13 +77,10 @@ class Store:
         return self.name if self.name is not None else str(self.path)
 
     def create(self) -> None:
-        for d in (self.var_dir, root(self.var_dir), self.dir):
+        for d in (self.var_dir, root(self.var_dir), self.dir.parent, self.dir):
             d.mkdir(mode=0o700, exist_ok=True)
         if self.name is not None and not self.data.exists():
             self.data.mkdir(mode=0o700)
-        if self.path is not None:
-            (root(self.var_dir) / PATHS_DIR).mkdir(mode=0o700, exist_ok=True)
-            self.dir.mkdir(mode=0o700, exist_ok=True)
 
     def lock(self, wait: float = 0.0) -> None:
         """Exclusive for one run (or one settlement); WorkspaceError when another holds it past `wait` s."""
