@@ -47,9 +47,9 @@ WS = {"path": "/workspace", "persistent": True}
 
 
 def policy(name: str, **extra: Any) -> dict:
+    extra.setdefault("sandbox__workspace", WS)
     return runtime_policy(
         name,
-        sandbox__workspace=WS,
         persistence__save=PERSIST["save"],
         persistence__discard=PERSIST["discard"],
         persistence__restore_checks=PERSIST["restore_checks"],
