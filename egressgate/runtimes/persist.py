@@ -52,6 +52,29 @@ def own_entries(entries: dict[str, manifest.Entry]) -> dict[str, manifest.Entry]
     }
 
 
+def take_over(root: Path, paths: set[str], uid: int) -> int:
+    """chown to the run's uid every root-owned entry of `root` whose relative path is in `paths` (walked by
+    directory fds, no symlink followed; a link is chowned itself). Returns how many changed."""
+    changed = 0
+    top = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        for rel_dir, dirs, files, dfd in os.fwalk(".", follow_symlinks=False, dir_fd=top):
+            base = "" if rel_dir == "." else rel_dir[2:] + "/"
+            for name in (*dirs, *files):
+                if base + name not in paths:
+                    continue
+                try:
+                    st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+                    if st.st_uid == 0:
+                        os.chown(name, uid, uid, dir_fd=dfd, follow_symlinks=False)
+                        changed += 1
+                except FileNotFoundError:
+                    continue
+    finally:
+        os.close(top)
+    return changed
+
+
 def log(message: str) -> None:
     import sys
 
@@ -202,6 +225,10 @@ class Persist:
             self.restore_inventory = inventory
         self._reissue(prev, attrs)
         attrs.update(manifest_hash=manifest.manifest_hash(entries), entries=len(entries))
+        # what earlier runs saved (root's since their end) is this run's again: only paths the previous manifest
+        # lists and that are still there; what an operator placed or accepted keeps its owner
+        saved = set(prev.get("entries") or {}) & set(entries)
+        attrs["taken_over"] = take_over(content, saved, self.run.uid) if saved and self.run.uid else 0
         self.record("restored", "allow", attrs)
         self.restored = True
 
