@@ -103,8 +103,15 @@ def _digest(dfd: int, name: str) -> str:
         fd = os.open(name, FILE_FLAGS, dir_fd=dfd)
     except OSError:
         return "unreadable"
-    with os.fdopen(fd, "rb") as fh:
-        return hashlib.file_digest(fh, "sha256").hexdigest()
+    h = hashlib.sha256()
+    try:
+        while chunk := os.read(fd, 1 << 20):
+            h.update(chunk)
+    except OSError:
+        return "unreadable"
+    finally:
+        os.close(fd)
+    return h.hexdigest()
 
 
 def manifest_hash(entries: dict[str, Entry]) -> str:
