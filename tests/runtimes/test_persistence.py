@@ -388,3 +388,46 @@ def test_a_bounded_workspace_image_is_saved_restored_and_staged(gw: Gateway) -> 
     ok(cli(gw, "approvals", "approve", apr))
     ws_records(gw, "img-w", "write_applied")
     assert ok(run(gw, "cat /workspace/src/b", policy="ps-img-write", workspace="img-w")).stdout.strip() == "b"
+
+
+def test_a_killed_run_leaves_no_bind_mount_and_its_changes_need_an_operator(gw: Gateway) -> None:
+    """SIGKILL of `sandbox run` and its watchdog mid-run: `sandbox gc` unmounts the named workspace's bind
+    (recorded before it existed), the workspace lock dies with the process, and the changes the killed run
+    made (never saved, no manifest) make the next restore refuse until an operator accepts them."""
+    from egressgate.runtimes.diskfs import mounted
+    from tests.runtimes.runs import kill_watchdog, wait_for_workload
+
+    ok(run(gw, "mkdir -p /workspace/src; echo v1 > /workspace/src/a", policy="ps-keep", workspace="killed"))
+    argv = gw.cmd(
+        "sandbox",
+        "run",
+        "--config",
+        str(gw.config),
+        "--policy",
+        "ps-keep",
+        "--workspace",
+        "killed",
+        "--",
+        "sh",
+        "-c",
+        "echo v2 > /workspace/src/a; exec sleep 60",
+    )
+    proc = subprocess.Popen(
+        argv, text=True, env=gw.caller_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=safety_net
+    )
+    record = wait_for_workload(gw, proc)
+    target = gw.state_dir / "workspaces" / record["run_id"]
+    assert mounted(target) is not None  # positive control: the bind exists while the run does
+    kill_watchdog(record)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=30)
+    assert mounted(target) is not None  # the kill left it behind
+    gc = subprocess.run(
+        gw.cmd("sandbox", "gc", "--config", str(gw.config)), capture_output=True, text=True, timeout=120, check=False
+    )
+    assert gc.returncode == 0, gc.stdout + gc.stderr
+    assert mounted(target) is None and not target.exists()
+    refused = run(gw, "cat /workspace/src/a", policy="ps-keep", workspace="killed")
+    assert refused.returncode == 120 and "src/a" in refused.stderr, refused.stderr
+    accepted = ok(run(gw, "cat /workspace/src/a", policy="ps-keep", workspace="killed", extra=("--accept-changes",)))
+    assert accepted.stdout.strip() == "v2"
