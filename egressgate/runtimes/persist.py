@@ -302,8 +302,9 @@ class Persist:
         """Teardown: keep the selection, write the manifest (or stage the changes for approval)."""
         if self.store is None:
             return
-        if not (started and self.restored and self.content is not None):
-            return  # nothing ran: nothing to keep (a staged copy is removed by finish, after the unmount)
+        if not (self.restored and self.content is not None) or (self.staged is not None and not started):
+            return  # nothing restored, or a staged copy nothing ran on (finish removes it after the unmount)
+        # (restored but never started: the manifest of what the restore left, so the next restore verifies)
         content = self.content
         entries = own_entries(manifest.scan(content))
         save, discard = self._save_discard()
