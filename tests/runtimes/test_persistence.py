@@ -194,14 +194,23 @@ def test_a_workspace_changed_between_runs_is_refused_then_accepted(gw: Gateway) 
 
 
 def test_a_restore_after_a_policy_change_names_both_hashes(gw: Gateway) -> None:
-    ok(run(gw, "mkdir -p /workspace/src; echo x > /workspace/src/a", policy="ps-change", workspace="pchange"))
+    """The new policy also stops saving /workspace/results: the restore applies it to what is there."""
+    ok(
+        run(
+            gw,
+            "mkdir -p /workspace/src /workspace/results; echo x > /workspace/src/a; echo r > /workspace/results/r",
+            policy="ps-change",
+            workspace="pchange",
+        )
+    )
     old_hash = ws_records(gw, "pchange", "saved")[-1]["egressgate.policy.hash"]
-    ok(run(gw, "true", policy="ps-change", workspace="pchange"))  # positive control: same policy
+    ok(run(gw, "test -e /workspace/results/r", policy="ps-change", workspace="pchange"))  # positive control
     same = ws_records(gw, "pchange", "restored", at_least=2)[-1]
     assert same["egressgate.workspace.policy_changed"] is False
 
     changed = policy("ps-change")
     changed["network"]["dns"]["allow"] = ["api.allowed.test", "other.allowed.test"]
+    changed["persistence"]["save"] = ["/workspace/src"]
     (gw.base / "policies" / "ps-change.yaml").write_text(yaml.safe_dump(changed, sort_keys=False))
 
     def reloads() -> int:
@@ -213,11 +222,12 @@ def test_a_restore_after_a_policy_change_names_both_hashes(gw: Gateway) -> None:
     while reloads() <= before and time.monotonic() < deadline:
         time.sleep(0.1)
 
-    ok(run(gw, "true", policy="ps-change", workspace="pchange"))
+    ok(run(gw, "test ! -e /workspace/results && cat /workspace/src/a", policy="ps-change", workspace="pchange"))
     record = ws_records(gw, "pchange", "restored", at_least=3)[-1]
     assert record["egressgate.workspace.previous_policy_hash"] == old_hash
     assert record["egressgate.workspace.policy_hash"] == record["egressgate.policy.hash"] != old_hash
     assert record["egressgate.workspace.policy_changed"] is True
+    assert strings(record["egressgate.workspace.removed_at_restore"]) == ["results"]
 
 
 def test_the_previous_runs_token_is_refused_after_a_restore(gw: Gateway) -> None:
