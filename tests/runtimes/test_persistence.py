@@ -441,3 +441,36 @@ def test_a_killed_run_leaves_no_bind_mount_and_its_changes_need_an_operator(gw: 
     assert refused.returncode == 120 and "src/a" in refused.stderr, refused.stderr
     accepted = ok(run(gw, "cat /workspace/src/a", policy="ps-keep", workspace="killed", extra=("--accept-changes",)))
     assert accepted.stdout.strip() == "v2"
+
+
+def test_a_host_directory_workspace_is_persisted_verified_and_staged(gw: Gateway) -> None:
+    """`--workspace /some/dir` (a path) keeps its content where the operator put it; its bookkeeping lives in
+    var/workspaces/.paths; a staged write is copied next to it (same file system) and swapped in on approval."""
+    from tests.runtimes.harness import base_dir, remove
+
+    parent = base_dir("/var/tmp")
+    try:
+        host = parent / "work"
+        ok(
+            run(
+                gw,
+                "mkdir -p /workspace/src; echo a > /workspace/src/a; echo j > /workspace/junk",
+                policy="ps-keep",
+                workspace=str(host),
+            )
+        )
+        assert sorted(p.name for p in host.iterdir()) == ["src"]
+        assert list((gw.base / "var" / "workspaces" / ".paths").glob("*/state.json"))
+        (host / "src" / "a").write_text("tampered\n")
+        refused = run(gw, "true", policy="ps-keep", workspace=str(host))
+        assert refused.returncode == 120 and "changed outside a run" in refused.stderr, refused.stderr
+        ok(run(gw, "true", policy="ps-keep", workspace=str(host), extra=("--accept-changes",)))
+
+        apr = pending_write(run(gw, "echo b > /workspace/src/b", policy="ps-write", workspace=str(host)))
+        staged = list(parent.glob(".work.egressgate-staged.*"))
+        assert len(staged) == 1 and (staged[0] / "src" / "b").exists() and not (host / "src" / "b").exists()
+        ok(cli(gw, "approvals", "approve", apr))
+        ws_records(gw, str(host), "write_applied")
+        assert (host / "src" / "b").read_text() == "b\n" and not list(parent.glob(".work.egressgate-staged.*"))
+    finally:
+        remove(parent)
