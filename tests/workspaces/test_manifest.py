@@ -104,3 +104,16 @@ def test_the_walk_is_bounded(tmp_path: Path) -> None:
     except manifest.TooLarge:
         return
     raise AssertionError("a tree over the limit was scanned")
+
+
+def test_the_documented_recomputation_gives_the_manifest_hash(tmp_path: Path) -> None:
+    """docs/policy.md tells an auditor how to recompute the hash from `workspaces show --files`."""
+    import hashlib
+    import json
+
+    tree(tmp_path)
+    entries = json.loads(json.dumps(scan(tmp_path)))  # as the record and the CLI carry it
+    h = hashlib.sha256()
+    for path in sorted(entries):
+        h.update(json.dumps([path, entries[path]], sort_keys=True, separators=(",", ":")).encode() + b"\n")
+    assert manifest_hash(scan(tmp_path)) == "sha256:" + h.hexdigest()
