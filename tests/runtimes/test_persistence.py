@@ -30,6 +30,7 @@ import yaml
 from egressgate.runtimes import manifest
 from tests.networld import World
 from tests.runtimes.harness import Gateway, running_gateway, runtime_policy, safety_net, sandbox_id
+from tests.runtimes.runs import loops_freed
 
 pytestmark = pytest.mark.netns
 
@@ -385,6 +386,8 @@ def test_a_bounded_workspace_image_is_saved_restored_and_staged(gw: Gateway) -> 
         )
     )
     assert [p.name for p in data(gw, "img").iterdir()] == [".egressgate-workspace.ext4"]
+    # another process's cloned mount namespace may hold the unmounted image a while (runs.loops_freed)
+    assert loops_freed(data(gw, "img") / ".egressgate-workspace.ext4") == []
     second = ok(
         run(gw, "cat /workspace/src/a; test ! -e /workspace/junk && echo gone", policy="ps-img", workspace="img")
     )
