@@ -58,12 +58,31 @@ def policy(name: str, **extra: Any) -> dict:
     )
 
 
+def phantom_policy() -> dict:
+    """ps-keep plus a phantom credential admission puts in the workload's environment (EGN_KEY)."""
+    p = policy("ps-phantom")
+    p["network"]["https"]["allow"].append({"id": "phantom", "host": "phantom.allowed.test", "credential": "fake"})
+    p["credentials"] = {
+        "capabilities": {
+            "fake": {
+                "type": "static",
+                "source": {"file": "/nonexistent/egN-secret"},
+                "placement": {"header": "x-api-key"},
+                "mode": "phantom",
+                "phantom_env": "EGN_KEY",
+            }
+        }
+    }
+    return p
+
+
 @pytest.fixture(scope="module")
 def gw(world: World) -> Iterator[Gateway]:
     policies = {
         "ps-keep": policy("ps-keep"),
         "ps-change": policy("ps-change"),
         "ps-write": policy("ps-write", execution__require_approval_for=["persistent_write"]),
+        "ps-phantom": phantom_policy(),
         # the seed policy's shape: a kernel-bounded workspace (an ext4 image, diskfs.py)
         "ps-img": policy("ps-img", sandbox__workspace={**WS, "max_bytes": 8_000_000}),
         "ps-img-write": policy(
@@ -258,6 +277,34 @@ def test_the_previous_runs_token_is_refused_after_a_restore(gw: Gateway) -> None
     assert record["egressgate.workspace.previous_sandbox"] == old_sid
     assert record["egressgate.workspace.previous_sandbox_revoked"] is True
     assert record["egressgate.workspace.sandbox_id"] == sandbox_id(second.stderr) != old_sid
+
+
+def test_a_restore_reissues_the_phantom_credential_and_the_old_one_is_worthless(gw: Gateway) -> None:
+    """The phantom the previous run saved in its workspace is not the new run's, and with the old run's
+    identity it gets nowhere (407); the new identity works (positive control)."""
+    ok(
+        run(
+            gw,
+            'mkdir -p /workspace/results; echo "$EGN_KEY" > /workspace/results/old-key; '
+            'echo "$HTTP_PROXY" > /workspace/results/old-proxy',
+            policy="ps-phantom",
+            workspace="phantom",
+        )
+    )
+    r = "/workspace/results"
+    second = ok(
+        run(
+            gw,
+            f'test -n "$EGN_KEY" && test "$EGN_KEY" != "$(cat {r}/old-key)" && echo new; '
+            f'curl -s -o /dev/null -w "%{{http_code}}\\n" --max-time 10 -H "x-api-key: $(cat {r}/old-key)" '
+            f'-x "$(cat {r}/old-proxy)" https://api.allowed.test/; '
+            'curl -s -o /dev/null -w "%{http_code}\\n" --max-time 10 https://api.allowed.test/',
+            policy="ps-phantom",
+            workspace="phantom",
+        )
+    )
+    fresh, old, new = second.stdout.split()
+    assert fresh == "new" and old in ("407", "000") and new == "200", second.stdout + second.stderr
 
 
 def test_a_previous_sandbox_still_admitted_is_revoked_by_the_restore(gw: Gateway) -> None:
