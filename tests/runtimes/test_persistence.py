@@ -524,3 +524,22 @@ def test_a_host_directory_workspace_is_persisted_verified_and_staged(gw: Gateway
         assert (host / "src" / "b").read_text() == "b\n" and not list(parent.glob(".work.egressgate-staged.*"))
     finally:
         remove(parent)
+
+
+def test_an_approval_the_gateway_could_not_apply_is_applied_by_the_next_run(gw: Gateway) -> None:
+    """Another host's gateway (or one without permission on the var dir) decides the approval but cannot
+    find the staged copy: the next `sandbox run` on the workspace asks the gateway, applies it and records it."""
+    apr = pending_write(
+        run(gw, "mkdir -p /workspace/src; echo lazy > /workspace/src/l", policy="ps-write", workspace="w-lazy")
+    )
+    state_file = gw.base / "var" / "workspaces" / "w-lazy" / "state.json"
+    kept = state_file.read_text()
+    hidden = json.loads(kept)
+    hidden["pending"]["approval_id"] = "apr-0000000000000000"  # the gateway looks for `apr` and finds nothing
+    state_file.write_text(json.dumps(hidden))
+    ok(cli(gw, "approvals", "approve", apr))  # the gateway settles before it answers
+    assert not (data(gw, "w-lazy") / "src").exists()  # not applied by the gateway
+    state_file.write_text(kept)
+    assert ok(run(gw, "cat /workspace/src/l", policy="ps-write", workspace="w-lazy")).stdout.strip() == "lazy"
+    applied = ws_records(gw, "w-lazy", "write_applied")[-1]
+    assert applied["egressgate.workspace.approval_id"] == apr and applied["egressgate.workspace.outcome"] == "approved"
