@@ -543,3 +543,26 @@ def test_an_approval_the_gateway_could_not_apply_is_applied_by_the_next_run(gw: 
     assert ok(run(gw, "cat /workspace/src/l", policy="ps-write", workspace="w-lazy")).stdout.strip() == "lazy"
     applied = ws_records(gw, "w-lazy", "write_applied")[-1]
     assert applied["egressgate.workspace.approval_id"] == apr and applied["egressgate.workspace.outcome"] == "approved"
+
+
+def test_the_trail_with_workspace_records_verifies_replays_and_indexes(gw: Gateway) -> None:
+    """The new `workspace` records are ordinary chain members: `audit verify` accepts the trail, `audit replay`
+    and `audit index` read past them (replay re-decides only requests; the policies changed mid-module, so a
+    changed decision is exit 1, never a crash)."""
+    ok(run(gw, "true", policy="ps-keep", workspace="trail"))
+    assert ws_records(gw, "trail", "saved")
+    audit = str(gw.audit_path)
+    verify = subprocess.run(
+        gw.cmd("audit", "verify", "--allow-unsealed", audit), capture_output=True, text=True, timeout=120, check=False
+    )
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    replay = subprocess.run(
+        gw.cmd("audit", "replay", audit, "--policy", str(gw.base / "policies")),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert replay.returncode in (0, 1) and "Traceback" not in replay.stderr, replay.stdout + replay.stderr
+    index = subprocess.run(gw.cmd("audit", "index", audit), capture_output=True, text=True, timeout=120, check=False)
+    assert index.returncode == 0, index.stdout + index.stderr
