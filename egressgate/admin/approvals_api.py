@@ -55,6 +55,15 @@ def register_approvals(server: AdminServer) -> None:
     server.app.cleanup_ctx.append(api.sweeper)
 
 
+def _brief(approval: dict) -> dict:
+    """The list's form: a persistent write's change list (up to 100,000 paths) only in GET /v1/approvals/{id}
+    (the console polls the list every few seconds)."""
+    details = approval.get("details")
+    if isinstance(details, dict) and "changes" in details:
+        approval["details"] = {k: v for k, v in details.items() if k != "changes"}
+    return approval
+
+
 def _unavailable() -> web.Response:
     return _error(503, "state_unavailable", "the approval store did not answer; retry when /readyz is ready")
 
@@ -80,7 +89,7 @@ class ApprovalsApi:
         except StateUnavailable:
             return _unavailable()
         found.sort(key=lambda a: a.requested_at, reverse=True)  # newest first
-        return web.json_response({"approvals": [a.to_json() for a in found]})
+        return web.json_response({"approvals": [_brief(a.to_json()) for a in found]})
 
     async def show(self, request: web.Request) -> web.Response:
         if not valid_approval_id(request.match_info["approval_id"]):
