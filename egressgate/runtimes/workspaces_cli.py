@@ -141,10 +141,7 @@ def rm(config_file: str | None, var_dir: str | None, workspace: str) -> None:
         if mounted(store.data) is not None or loops_of(store.data / IMAGE):
             raise click.ClickException(f"the workspace {store.label} is mounted (a run uses it)")
         _record(var, store, state)
-        if store.name is not None:
-            shutil.rmtree(store.dir)
-        else:
-            shutil.rmtree(store.dir)  # the bookkeeping only: the operator's directory stays
+        shutil.rmtree(store.dir)  # a host directory's bookkeeping only: the directory itself stays
     finally:
         store.unlock()
     click.echo(f"removed workspace {store.label}")
