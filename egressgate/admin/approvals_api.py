@@ -25,6 +25,7 @@ from egressgate.approvals.audit import approval_event
 from egressgate.approvals.grant import SCOPE_HOST, SCOPES
 from egressgate.approvals.model import (
     DEFAULT_FOR_SECONDS,
+    KIND_PERSISTENT_WRITE,
     MAX_BY_CHARS,
     MAX_FOR_SECONDS,
     Approval,
@@ -54,6 +55,15 @@ def register_approvals(server: AdminServer) -> None:
     server.app.cleanup_ctx.append(api.sweeper)
 
 
+def _brief(approval: dict) -> dict:
+    """The list's form: a persistent write's change list (up to 100,000 paths) only in GET /v1/approvals/{id}
+    (the console polls the list every few seconds)."""
+    details = approval.get("details")
+    if isinstance(details, dict) and "changes" in details:
+        approval["details"] = {k: v for k, v in details.items() if k != "changes"}
+    return approval
+
+
 def _unavailable() -> web.Response:
     return _error(503, "state_unavailable", "the approval store did not answer; retry when /readyz is ready")
 
@@ -63,8 +73,8 @@ class ApprovalsApi:
         self.rt = server.rt
 
     async def sweeper(self, _app: web.Application):
-        task = asyncio.create_task(sweep_forever(self.rt.approvals, self.rt.audit, self.rt.clock),
-                                   name="approval-sweeper")
+        task = asyncio.create_task(sweep_forever(self.rt.approvals, self.rt.audit, self.rt.clock,
+                                                 on_expired=self._settled), name="approval-sweeper")
         yield
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -79,7 +89,7 @@ class ApprovalsApi:
         except StateUnavailable:
             return _unavailable()
         found.sort(key=lambda a: a.requested_at, reverse=True)  # newest first
-        return web.json_response({"approvals": [a.to_json() for a in found]})
+        return web.json_response({"approvals": [_brief(a.to_json()) for a in found]})
 
     async def show(self, request: web.Request) -> web.Response:
         if not valid_approval_id(request.match_info["approval_id"]):
@@ -137,7 +147,8 @@ class ApprovalsApi:
             record = await self.rt.state.get(approval.sandbox_id)
         except StateUnavailable:
             return _unavailable()
-        if approve and (record is None or record.revoked):
+        # a persistent write is about the workspace its (ended, revoked) run left, not the sandbox's authority
+        if approve and approval.kind != KIND_PERSISTENT_WRITE and (record is None or record.revoked):
             return _error(409, "not_pending", f"sandbox {approval.sandbox_id} was revoked; nothing can be granted "
                           "to it")
         try:
@@ -158,7 +169,15 @@ class ApprovalsApi:
         except StateUnavailable:
             self.rt.audit.enqueue_after(approval_event(decided, "not_applied", labels))
             return _unavailable()
+        await self._settled(applied)
         return web.json_response(applied.to_json())
+
+    async def _settled(self, approval: Approval) -> None:
+        """A decided or expired persistent write is applied or discarded now (admin/workspaces_api.py)."""
+        if approval.kind == KIND_PERSISTENT_WRITE:
+            from egressgate.admin.workspaces_api import settle_write
+
+            await settle_write(self.rt, approval)
 
     async def _audit(self, approval: Approval, action: str, labels: dict[str, str] | None) -> bool:
         try:

@@ -31,6 +31,7 @@ from egressgate.admin.policies_api import PoliciesApi, Reload
 from egressgate.admin.readiness import Readiness
 from egressgate.admin.sandboxes_api import SandboxesApi
 from egressgate.admin.ui import console_headers, register_console
+from egressgate.admin.workspaces_api import register_workspaces
 from egressgate.audit.build import build
 from egressgate.audit.event import AuditEvent, AuditUnavailable, EventKind
 from egressgate.broker.inject import admission_phantoms
@@ -152,6 +153,7 @@ class AdminServer:
         router.add_post("/v1/policies/reload", policies.reload)
         router.add_get(JWKS_PATH, self.jwks)
         register_approvals(self)  # /v1/approvals (admin/approvals_api.py) and the expiry sweeper
+        register_workspaces(self)  # persistent workspaces: records and staged writes (admin/workspaces_api.py)
         register_mcp(self)  # local MCP servers: /v1/mcp/local-start, /v1/sandboxes/{id}/mcp/... (admin/mcp_api.py)
         self.console = register_console(self)  # /ui: session + role tokens, not the admin token (admin/ui)
 
@@ -287,7 +289,9 @@ class AdminServer:
              # gateway decides with, so `sandbox run` never reads policy files itself
              "runtime_policy": {"sandbox": policy.model.sandbox.model_dump(mode="json"),
                                 "filesystem": policy.model.filesystem.model_dump(mode="json"),
-                                "execution": policy.model.execution.model_dump(mode="json")},
+                                "execution": policy.model.execution.model_dump(mode="json"),
+                                "persistence": (policy.model.persistence.model_dump(mode="json")
+                                                if policy.model.persistence is not None else None)},
              "notes": {"NO_PROXY": "must be unset in the sandbox; the empty value overrides an inherited one",
                        "ca_bundle": "system roots + the gateway CA (TLS is intercepted)"}},
             status=201,

@@ -28,6 +28,14 @@ def approval_event(approval: Approval, action: str, labels: dict[str, str] | Non
         extra["egressgate.approval.scope"] = approval.scope
     if approval.expires_at is not None:
         extra["egressgate.approval.expires_at"] = approval.expires_at
+    if approval.details is not None:  # e.g. a persistent write's changes: their hash, and how many
+        import hashlib
+        import json
+
+        canonical = json.dumps(approval.details, sort_keys=True, separators=(",", ":")).encode()
+        extra["egressgate.approval.details_sha256"] = hashlib.sha256(canonical).hexdigest()
+        if isinstance(approval.details.get("count"), int):
+            extra["egressgate.approval.details_count"] = approval.details["count"]
     decision = {"approved": "allow", "denied": "deny"}.get(action)
     return build(EventKind.APPROVAL, sandbox_id=approval.sandbox_id, sandbox_labels=labels,
                  decision=decision, policy_name=approval.policy, scheme=approval.scheme, host=approval.host,

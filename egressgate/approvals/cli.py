@@ -40,6 +40,9 @@ def _when(value: float | None) -> str:
 def _target(a: dict) -> str:
     if a.get("kind") == "mcp_tool":  # an MCP tool approval (approvals/model.py KIND_MCP_TOOL)
         return f"mcp tool {a['host']}/{a['path']}"
+    if a.get("kind") == "persistent_write":  # a run's staged workspace changes (`approvals show` lists them)
+        count = (a.get("details") or {}).get("count")
+        return f"persistent write {a['host'].removeprefix('workspace:')} ({count} changes)"
     where = f"{a['scheme']}://{a['host']}:{a['port']}" if a.get("scheme") else f"{a['host']}:{a['port']}"
     return f"{a['method']} {where}{a['path']}" if a.get("method") else where
 

@@ -14,6 +14,7 @@ approvals are dropped from the store RETENTION_SECONDS after they ended.
 
 from __future__ import annotations
 
+import json
 import re
 import secrets
 from dataclasses import asdict, dataclass, replace
@@ -36,6 +37,9 @@ KIND_NETWORK_EXPANSION = "network_expansion"
 # "mcp", host = server name, port 0, method "tools/call", path = tool name (policy/mcp_decide.py reads the
 # grant by exactly these fields; port 0 and the scheme keep it from ever covering a network request).
 KIND_MCP_TOOL = "mcp_tool"
+# A persistent workspace's staged changes (runtimes/persist.py): scheme "workspace", host "workspace:<name>"
+# (no canonical host has a colon), port 0, `details` lists every changed path; never a network grant.
+KIND_PERSISTENT_WRITE = "persistent_write"
 
 
 class ApprovalState(StrEnum):
@@ -86,6 +90,8 @@ class Approval:
     decided_by: str | None = None
     scope: str | None = None
     expires_at: float | None = None
+    pending_ttl: float = PENDING_TTL_SECONDS  # how long it may stay pending (a persistent write sets its own)
+    details: dict | None = None  # what is to be approved beyond the target (persistent_write: the changes)
 
     @property
     def target_key(self) -> str:
@@ -100,7 +106,7 @@ class Approval:
         (approvals/sweeper.py) has recorded it."""
         if self.state is ApprovalState.APPROVED and self.expires_at is not None and now >= self.expires_at:
             return replace(self, state=ApprovalState.EXPIRED)
-        if self.state is ApprovalState.PENDING and now >= self.requested_at + PENDING_TTL_SECONDS:
+        if self.state is ApprovalState.PENDING and now >= self.requested_at + self.pending_ttl:
             return replace(self, state=ApprovalState.EXPIRED)
         return self
 
@@ -109,7 +115,7 @@ class Approval:
         if self.state is ApprovalState.DENIED:
             return self.decided_at
         if self.state is ApprovalState.EXPIRED:
-            return self.expires_at if self.expires_at is not None else self.requested_at + PENDING_TTL_SECONDS
+            return self.expires_at if self.expires_at is not None else self.requested_at + self.pending_ttl
         return None
 
     def decided(self, *, approve: bool, by: str | None, scope: str, for_seconds: int, now: float) -> Approval:
@@ -135,7 +141,10 @@ class Approval:
 
     def to_fields(self) -> dict[str, str]:
         """Flat string fields (the Redis hash); absent = None."""
-        return {k: str(v) for k, v in self.to_json().items() if v is not None}
+        out = {k: str(v) for k, v in self.to_json().items() if v is not None}
+        if self.details is not None:
+            out["details"] = json.dumps(self.details, separators=(",", ":"))
+        return out
 
     @classmethod
     def from_fields(cls, raw: dict[str, str]) -> Approval:
@@ -147,4 +156,6 @@ class Approval:
                    port=int(raw["port"]), method=raw.get("method"), path=raw.get("path"),
                    requested_at=float(raw["requested_at"]), kind=raw.get("kind", KIND_NETWORK_EXPANSION),
                    decided_at=opt_float("decided_at"), decided_by=raw.get("decided_by"),
-                   scope=raw.get("scope"), expires_at=opt_float("expires_at"))
+                   scope=raw.get("scope"), expires_at=opt_float("expires_at"),
+                   pending_ttl=float(raw.get("pending_ttl", PENDING_TTL_SECONDS)),
+                   details=json.loads(raw["details"]) if "details" in raw else None)

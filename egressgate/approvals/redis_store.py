@@ -11,7 +11,7 @@ Layout (B = key("approvals{a}")):
   B:denied:<sandbox>    hash: target key -> id of its denied approval (remembered DENIED_MEMORY_SECONDS)
   B:grants:<sandbox>    hash: id -> Grant JSON (what decide() reads: one HGETALL per decision)
   B:index               zset: id by requested_at (listing)
-  B:deadlines           zset: id by the instant it expires (pending: requested_at + PENDING_TTL_SECONDS)
+  B:deadlines           zset: id by the instant it expires (pending: requested_at + its pending_ttl)
   B:ended               zset: id of a denied/expired approval by the instant it is dropped (RETENTION_SECONDS)
 """
 
@@ -27,7 +27,6 @@ from egressgate.approvals.grant import Grant
 from egressgate.approvals.model import (
     DENIED_MEMORY_SECONDS,
     MAX_PENDING_PER_SANDBOX,
-    PENDING_TTL_SECONDS,
     RETENTION_SECONDS,
     Approval,
     ApprovalNotFound,
@@ -179,7 +178,7 @@ class RedisApprovals:
     async def request(self, draft: Approval, now: float) -> tuple[Approval | None, bool]:
         fields = draft.to_fields()
         reply = await self._call(self._request, [
-            self.base, draft.target_key, draft.id, repr(now), repr(PENDING_TTL_SECONDS),
+            self.base, draft.target_key, draft.id, repr(now), repr(draft.pending_ttl),
             MAX_PENDING_PER_SANDBOX, repr(DENIED_MEMORY_SECONDS), draft.sandbox_id, *_flat(fields)])
         approval_id, status = _text(reply[0]), int(reply[1])
         if status == 2:
@@ -213,7 +212,7 @@ class RedisApprovals:
         decided = approval.decided(approve=approve, by=by, scope=scope, for_seconds=for_seconds, now=now)
         grant = json.dumps(decided.grant().to_json()) if approve else ""
         status = await self._call(self._decide, [
-            self.base, approval_id, repr(now), repr(PENDING_TTL_SECONDS), repr(RETENTION_SECONDS),
+            self.base, approval_id, repr(now), repr(approval.pending_ttl), repr(RETENTION_SECONDS),
             approval.target_key, approval.sandbox_id, "1" if approve else "0", grant,
             repr(decided.expires_at or 0.0), *_flat(decided.to_fields())])
         if int(status) == 0:

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from egressgate.approvals.audit import approval_event
+from egressgate.approvals.model import Approval
 from egressgate.approvals.store import ApprovalStore
 from egressgate.state.base import StateUnavailable
 
@@ -20,19 +21,23 @@ logger = logging.getLogger(__name__)
 SWEEP_INTERVAL = 0.5  # seconds; an expiry record lags the expiry instant by at most this much
 
 
-async def sweep_once(store: ApprovalStore, audit, clock: Callable[[], float]) -> int:
+async def sweep_once(store: ApprovalStore, audit, clock: Callable[[], float],
+                     on_expired: Callable[[Approval], Awaitable[None]] | None = None) -> int:
     expired = await store.expire(clock())
     for approval in expired:
         audit.enqueue_after(approval_event(approval, "expired"))  # queued and retried, never dropped
+        if on_expired is not None:  # e.g. a persistent write's staged copy is discarded
+            await on_expired(approval)
     return len(expired)
 
 
 async def sweep_forever(store: ApprovalStore, audit, clock: Callable[[], float],
-                        interval: float = SWEEP_INTERVAL) -> None:
+                        interval: float = SWEEP_INTERVAL,
+                        on_expired: Callable[[Approval], Awaitable[None]] | None = None) -> None:
     failing = False  # log a store outage once, and its end, not every half second
     while True:
         try:
-            await sweep_once(store, audit, clock)
+            await sweep_once(store, audit, clock, on_expired)
             if failing:
                 logger.warning("approval sweeper: the approval store answers again")
             failing = False

@@ -34,6 +34,9 @@ class EventKind(StrEnum):
     MCP_TOOL_CALL = "mcp_tool_call"
     MCP_TOOLS_LIST = "mcp_tools_list"
     MCP_MESSAGE = "mcp_message"
+    # a persistent workspace saved, restored (or refused), changed outside a run and accepted, removed, or a
+    # staged write applied or discarded (runtimes/persist.py, admin/workspaces_api.py)
+    WORKSPACE = "workspace"
 
 
 @dataclass(slots=True)

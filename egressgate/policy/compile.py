@@ -31,6 +31,7 @@ from egressgate.policy.globs import (
 from egressgate.policy.mcp_compile import EMPTY_MCP, CompiledMcp, compile_mcp
 from egressgate.policy.model import Budget, Conditions, HttpRule, Policy, TcpRule
 from egressgate.policy.passthrough import passthrough_problems, tls_problems
+from egressgate.policy.persistence import persistence_problems
 from egressgate.policy.reasons import Effect
 
 DEFAULT_PORTS = {"https": (443,), "http": (80,)}
@@ -209,6 +210,8 @@ def compile_policy(model: Policy, source: str, policy_hash: str) -> CompiledPoli
     policy.approval_kinds = approval_kinds(model.execution, problems)
     policy.mcp = compile_mcp(model.mcp, policy, problems)
     problems.extend((*_credential_problems(policy), *passthrough_problems(policy), *filesystem_problems(model)))
+    ws = model.sandbox.workspace
+    problems.extend(persistence_problems(model.persistence, ws.path if ws else None, bool(ws and ws.persistent)))
     if problems:
         raise PolicyError(source, problems)
     return policy

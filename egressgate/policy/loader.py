@@ -37,7 +37,10 @@ def _model_class_names() -> frozenset[str]:
 
 def policy_hash(model: policy_model.Policy) -> str:
     # A policy without an `mcp` section keeps the hash it had before the section existed (audit replay).
-    dumped = model.model_dump(mode="json", exclude={"mcp"} if model.mcp == McpSection() else None)
+    exclude = {"mcp"} if model.mcp == McpSection() else set()
+    if model.persistence is None:  # likewise without a `persistence` section (policy/persistence.py)
+        exclude.add("persistence")
+    dumped = model.model_dump(mode="json", exclude=exclude or None)
     canonical = json.dumps(dumped, sort_keys=True, separators=(",", ":"))
     return "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()
 

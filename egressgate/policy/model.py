@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from egressgate.broker.config import Capability
 from egressgate.policy.mcp_model import McpSection
+from egressgate.policy.persistence import Persistence
 
 PositiveInt = Annotated[int, Field(strict=True, gt=0)]
 NonNegativeInt = Annotated[int, Field(strict=True, ge=0)]
@@ -179,3 +180,4 @@ class Policy(Strict):
     credentials: Credentials = Credentials()
     execution: Execution = Execution()
     mcp: McpSection = McpSection()  # MCP servers and tool-call rules (mcp_model.py)
+    persistence: Persistence | None = None  # what a persistent workspace keeps (policy/persistence.py)

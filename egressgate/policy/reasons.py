@@ -65,3 +65,5 @@ class Reason(StrEnum):
     MCP_SERVER_CHANGED = "mcp_server_changed"  # serverInfo differs from its pin / first sight
     MCP_MALFORMED = "mcp_malformed"  # a JSON-RPC body that does not parse strictly: refused whole
     MCP_LOCAL_DENIED = "mcp_local_denied"  # a local MCP server the policy does not allow to start
+    # persistent workspaces (runtimes/persist.py): a workspace changed outside a run is not restored
+    WORKSPACE_CHANGED = "workspace_changed"

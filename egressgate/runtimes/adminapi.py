@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import socket
 
-MAX_RESPONSE = 1 << 20  # the admission answer is a few KiB
+MAX_RESPONSE = 1 << 25  # the admission answer is a few KiB; a persistent write's approval lists every change
 
 
 class AdminUnreachable(RuntimeError):

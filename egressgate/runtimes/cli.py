@@ -23,12 +23,19 @@ from egressgate.admin.cli import parse_labels
 @click.option("--policy", required=True, help="Policy name (sandbox.name)")
 @click.option("--runtime", default="netns", show_default=True, help="netns | docker | gvisor")
 @click.option("--image", help="container image (docker, gvisor)")
-@click.option("--workspace", type=click.Path(file_okay=False, path_type=Path),
-              help="host directory mounted read-write at the policy's sandbox.workspace.path (kept across runs)")
+@click.option("--workspace", type=click.Path(file_okay=False),
+              help="NAME of a workspace the runtime keeps in its var dir (`egressgate workspaces`), or a host "
+                   "directory (a path with a '/': ./work); mounted read-write at sandbox.workspace.path, kept "
+                   "across runs")
+@click.option("--accept-changes", is_flag=True,
+              help="restore a workspace changed outside a run anyway (persistence: verify_manifest_hash; audited)")
+@click.option("--approval-ttl", type=click.IntRange(1, 86400),
+              help="seconds a staged persistent write waits for approval before it is discarded (default 3600)")
 @click.option("--label", "labels", multiple=True, help="k=v, repeatable")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def run_cmd(config_file: str | None, var_dir: str | None, policy: str, runtime: str, image: str | None,
-            workspace: Path | None, labels: tuple[str, ...], command: tuple[str, ...]) -> None:
+            workspace: str | None, accept_changes: bool, approval_ttl: int | None, labels: tuple[str, ...],
+            command: tuple[str, ...]) -> None:
     """Run COMMAND in a new sandbox whose only way out is the gateway; exit with its status.
 
     Exit codes: the workload's status (128+N if signal N killed it); 120 setup failed; 121 memory,
@@ -36,7 +43,8 @@ def run_cmd(config_file: str | None, var_dir: str | None, policy: str, runtime: 
     from egressgate.runtimes.entry import run_from_args
 
     parse_labels(labels)  # k=v, else a usage error
-    sys.exit(run_from_args(config_file, var_dir, policy, runtime, image, workspace, labels, tuple(command)))
+    sys.exit(run_from_args(config_file, var_dir, policy, runtime, image, workspace, labels, tuple(command),
+                           accept_changes=accept_changes, approval_ttl=approval_ttl))
 
 
 @click.command("gc")

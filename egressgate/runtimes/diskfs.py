@@ -46,6 +46,7 @@ IMAGE = ".egressgate-workspace.ext4"
 BYTES_PER_INODE = 4096  # inodes per byte of limit (an inode flood is bounded like the bytes)
 MIN_INODES = 1024
 MS_NOSUID, MS_NODEV, MNT_DETACH = 2, 4, 2
+MS_REMOUNT, MS_BIND = 32, 4096
 SOURCE_RE = re.compile(r"^egressgate-(ws|tmp)-([0-9a-f]{10})$")
 
 
@@ -155,6 +156,19 @@ class DiskLimits:
         self._record({"target": str(path), "source": source, "image": None})
         mount_tmpfs(path, source, max_bytes, uid, gid, 0o1777)
         return path
+
+    def bind(self, source: Path, target: Path) -> None:
+        """A named workspace's data (under the 0700 var dir) shown at `target` = state_dir/workspaces/<run_id>
+        (runtimes/workspaces.py), nosuid,nodev; recorded first like every mount."""
+        target.mkdir(mode=0o700)
+        self._record({"target": str(target), "source": None, "image": None, "bind": str(source)})
+        if _libc().mount(os.fsencode(source), os.fsencode(target), None, MS_BIND, None) != 0:
+            err = ctypes.get_errno()
+            raise DiskLimitError(f"bind mount of the workspace {source} on {target} failed: {os.strerror(err)}")
+        flags = MS_BIND | MS_REMOUNT | MS_NOSUID | MS_NODEV
+        if _libc().mount(None, os.fsencode(target), None, flags, None) != 0:
+            err = ctypes.get_errno()
+            raise DiskLimitError(f"remount of the workspace {target} nosuid,nodev failed: {os.strerror(err)}")
 
     def persistent_workspace(self, path: Path, max_bytes: int, uid: int) -> None:
         image = path / IMAGE
@@ -272,6 +286,15 @@ def release_entry(run_id: str, state_dir: Path, entry: dict) -> list[str]:
     if not target.is_absolute():
         return []
     problems = []
+    if entry.get("bind"):  # a named workspace's bind (DiskLimits.bind): only at this run's own mount point
+        if target != state_dir / "workspaces" / run_id:
+            return [f"record names a bind mount at {target}: not ours, left alone"]
+        while mounted(target) is not None:
+            if not unmount(target):
+                return [f"cannot unmount {target}"]
+        with contextlib.suppress(OSError):
+            target.rmdir()
+        return []
     if image is None:
         expected = {f"egressgate-ws-{run_id}", f"egressgate-tmp-{run_id}"}
         while (m := mounted(target)) is not None and m[0] == "tmpfs" and m[1] in expected:

@@ -33,15 +33,27 @@ def var_dir_of(config_file: str | None, var_dir: str | None) -> Path:
 
 
 def run_from_args(config_file: str | None, var_dir: str | None, policy: str, runtime: str, image: str | None,
-                  workspace: Path | None, labels: tuple[str, ...], command: tuple[str, ...]) -> int:
+                  workspace: Path | str | None, labels: tuple[str, ...], command: tuple[str, ...],
+                  accept_changes: bool = False, approval_ttl: int | None = None) -> int:
     """The `sandbox run` command (both the click command and the fast path of egressgate/cli.py land
-    here); labels are already checked to be k=v."""
+    here); labels are already checked to be k=v. `workspace`: a name without '/' is a workspace the runtime
+    keeps in its var dir (runtimes/workspaces.py); anything else is a host directory."""
     try:
         directory = var_dir_of(config_file, var_dir)
     except SetupFailed as exc:
         log(f"setup failed: {exc}")
         return EXIT_SETUP_FAILED
+    name = None
+    if isinstance(workspace, str):
+        from egressgate.runtimes.workspaces import is_name
+
+        if "/" not in workspace and not is_name(workspace):
+            log(f"setup failed: --workspace {workspace!r} is neither a workspace name (lowercase letters, digits, "
+                "'_.-') nor a path (give a directory as ./{workspace})")
+            return EXIT_SETUP_FAILED
+        name, workspace = (workspace, None) if is_name(workspace) else (None, Path(workspace))
     req = RunRequest(policy=policy, runtime=runtime, command=tuple(command), var_dir=directory,
                      workspace=workspace.absolute() if workspace else None, image=image,
-                     labels=dict(label.split("=", 1) for label in labels))
+                     labels=dict(label.split("=", 1) for label in labels), workspace_name=name,
+                     accept_changes=accept_changes, approval_ttl=approval_ttl)
     return run(req)

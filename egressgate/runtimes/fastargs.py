@@ -51,5 +51,5 @@ def parse(args: list[str]) -> dict | None:
         return None
     return {"config_file": values.get("--config"), "var_dir": values.get("--var-dir"),
             "policy": values["--policy"], "runtime": values.get("--runtime", "netns"),
-            "image": values.get("--image"), "workspace": Path(workspace) if workspace is not None else None,
-            "labels": tuple(labels), "command": tuple(command)}
+            "image": values.get("--image"), "workspace": workspace,
+            "labels": tuple(labels), "command": tuple(command), "accept_changes": False, "approval_ttl": None}

@@ -45,6 +45,9 @@ class RunRequest(NamedTuple):  # not a dataclass: start-up budget (runtimes/base
     workspace: Path | None = None
     image: str | None = None
     labels: Mapping[str, str] = MappingProxyType({})  # read-only: a NamedTuple default is shared
+    workspace_name: str | None = None  # --workspace NAME: kept by the runtime (runtimes/workspaces.py)
+    accept_changes: bool = False  # --accept-changes: a workspace changed outside a run is restored anyway
+    approval_ttl: int | None = None  # --approval-ttl: how long a staged persistent write waits (seconds)
 
 
 def log(message: str) -> None:
@@ -73,6 +76,7 @@ class Run:
         self.temp_workspace: Path | None = None
         self.uid: int | None = None  # the run's own host uid/gid (runtimes/identity.py)
         self.workspace: Path | None = None  # a persistent --workspace (given back to root at teardown)
+        self.persist: Any = None  # persistence and restore of a persistent workspace (runtimes/persist.py)
         self._marks: list[tuple[str, float]] = [("start", time.monotonic())]
 
     def mark(self, phase: str) -> None:
@@ -173,8 +177,16 @@ class Run:
         sandbox = policy.get("sandbox") or {}
         ws_policy = sandbox.get("workspace") or {}
         workspace = req.workspace
-        if workspace is not None and not ws_policy.get("path"):
+        if (workspace is not None or req.workspace_name) and not ws_policy.get("path"):
             raise SetupFailed(f"--workspace given but policy {req.policy!r} has no sandbox.workspace.path")
+        kinds = (policy.get("execution") or {}).get("require_approval_for") or []
+        if req.workspace_name or (workspace is not None and (policy.get("persistence")
+                                                             or "persistent_write" in kinds)):
+            from egressgate.runtimes.persist import Persist
+
+            self.persist = Persist(self, policy, data)
+            path = resolve_workspace(workspace, info.uid_range) if workspace is not None else None
+            workspace = self.persist.open(req.workspace_name, path)
         if workspace is None and ws_policy.get("path"):
             (info.state_dir / "workspaces").mkdir(mode=0o711, exist_ok=True)
             info.state_dir.chmod(0o711)  # traversable (not listable) by the sandbox uid; records stay 0700
@@ -188,6 +200,10 @@ class Run:
                 self.workspace = workspace
                 records.update(info.state_dir, self.run_id, workspace=str(workspace))
         tmp_dir = self._disks(workspace, ws_policy, sandbox)
+        if self.persist is not None and workspace is not None:
+            self.persist.restore(workspace)  # the content as the last run left it, before anyone owns it
+            if req.workspace_name:  # the var dir stays 0700: the sandbox gets the data through a bind mount
+                workspace = self.persist.expose(self.disks, info.state_dir, workspace)
         if workspace is not None:
             # the run's uid takes over the workspace as the sandbox will see it: the bounded tmpfs or the
             # mounted ext4 image's root and content when max_bytes is set, else the directory itself
@@ -317,7 +333,9 @@ class Run:
                            ("t_limits", lambda: self.limits and self.limits.remove()),
                            ("t_setid", strip_setid_bits),
                            ("t_identity", self._release_identity),
-                           ("t_disks", lambda: self.disks and self.disks.release())):
+                           ("t_persist", lambda: self.persist and self.persist.save(self.started)),
+                           ("t_disks", lambda: self.disks and self.disks.release()),
+                           ("t_unlock", lambda: self.persist and self.persist.finish())):
             try:
                 step()
                 self.mark(name)

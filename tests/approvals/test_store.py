@@ -187,3 +187,25 @@ async def test_ended_approvals_are_dropped_after_the_retention(stores):
     assert [a.id for a in await one.list(None, NOW + RETENTION_SECONDS + 11)] == [live.id]
     fresh, created = await one.request(draft(host="d.example.com"), NOW + RETENTION_SECONDS + 11)
     assert created and fresh.id != denied.id
+
+
+async def test_a_persistent_write_keeps_its_details_and_its_own_pending_ttl(stores):
+    """Issue 22 item 4: the change list travels with the approval (both backends), and a pending write
+    expires after the TTL its run asked for, not the default hour."""
+    from dataclasses import replace
+
+    from egressgate.approvals.model import KIND_PERSISTENT_WRITE
+
+    one, two = stores
+    details = {"workspace": "w", "count": 1, "changes": [{"path": "a", "action": "added", "size": 1}]}
+    short = replace(draft(host="workspace:w", port=0, path=None), kind=KIND_PERSISTENT_WRITE, scheme="workspace",
+                    method="write", pending_ttl=5.0, details=details)
+    default = draft(sandbox="sbx-b")  # positive control: the default TTL
+    assert (await one.request(short, NOW))[1] and (await one.request(default, NOW))[1]
+    got = await two.get(short.id)
+    assert got is not None and got.details == details and got.pending_ttl == 5.0
+    assert [a.id for a in await two.expire(NOW + 4)] == []
+    assert [a.id for a in await two.expire(NOW + 6)] == [short.id]
+    assert (await one.get(default.id)).current(NOW + 6).state is ApprovalState.PENDING
+    with pytest.raises(NotPending):
+        await one.decide(short.id, approve=True, by="op", scope="host", for_seconds=60, now=NOW + 6)

@@ -178,6 +178,7 @@ def test_live_gateway_serves_every_documented_route_as_documented(cgw, world):
     if APPROVALS:
         _approvals(cgw, world, check)
     _mcp_local(cgw, check)
+    _workspaces(cgw, check)
 
     missing = required_ops() - check.served
     assert missing == set(), f"documented but never answered 2xx: {sorted(missing)}"
@@ -220,6 +221,22 @@ def _approvals(cgw, world, check: Checker) -> None:
                  if a["sandbox_id"] == sbx.id]
         check(api(cgw, "POST", f"/v1/approvals/{fresh[0]['id']}/deny", json={"by": "c12"}),
               "/v1/approvals/{approval_id}/deny")
+
+
+def _workspaces(cgw, check: Checker) -> None:
+    """The routes `sandbox run` uses for persistent workspaces (admin/workspaces_api.py): a record, a refused
+    one, a staged write (a pending persistent_write approval listing its changes), an unknown sandbox's."""
+    records, writes = "/v1/workspaces/records", "/v1/workspaces/writes"
+    body = {"action": "saved", "workspace": "w", "decision": "allow", "attributes": {"entries": 1, "ok": True}}
+    check(api(cgw, "POST", records, json=body), records)
+    check(api(cgw, "POST", records, json={**body, "attributes": {"Bad Key": 1}}), records)
+    sid = api(cgw, "POST", "/v1/sandboxes", json={"policy": METRICS_POLICY}).json()["id"]
+    write = {"sandbox_id": sid, "workspace": "w", "manifest_hash": "sha256:1", "base_manifest_hash": "none",
+             "changes": [{"path": "a.txt", "action": "added", "type": "f", "size": 1, "sha256": "0" * 64}]}
+    staged = check(api(cgw, "POST", writes, json=write), writes).json()
+    assert staged["kind"] == "persistent_write" and staged["details"]["changes"][0]["path"] == "a.txt"
+    check(api(cgw, "POST", writes, json={**write, "sandbox_id": "sbx-ffffffffffffffff"}), writes)
+    check(api(cgw, "POST", writes, json={**write, "changes": []}), writes)
 
 
 def test_unknown_routes_are_told_apart_from_unknown_objects(cgw):

@@ -230,5 +230,6 @@ def test_policy_without_mcp_keeps_its_hash():
     # the hash of a policy with no mcp section, as computed before the section existed
     assert a == "sha256:" + __import__("hashlib").sha256(
         __import__("json").dumps(
-            {k: v for k, v in parse_policy(plain, "a.yaml").model.model_dump(mode="json").items() if k != "mcp"},
+            {k: v for k, v in parse_policy(plain, "a.yaml").model.model_dump(mode="json").items()
+             if k not in ("mcp", "persistence")},  # neither section existed then
             sort_keys=True, separators=(",", ":")).encode()).hexdigest()

@@ -43,7 +43,6 @@ def test_same_result_as_click(args: list[str]) -> None:
     fast = parse(args)
     assert fast is not None
     slow = click_kwargs(args)
-    slow["workspace"] = Path(slow["workspace"]) if slow["workspace"] is not None else None
     assert fast == slow
 
 
