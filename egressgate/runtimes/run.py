@@ -192,6 +192,13 @@ class Run:
             # the run's uid takes over the workspace as the sandbox will see it: the bounded tmpfs or the
             # mounted ext4 image's root and content when max_bytes is set, else the directory itself
             workspace = prepare_workspace(workspace, uid, info.uid_range)
+            if getattr(self.adapter, "nosuid_binds", False) and self.disks.workspace_mount is None:
+                from egressgate.runtimes.diskfs import DiskLimitError
+
+                try:  # a container runtime binds it as it is: first make it a nosuid,nodev mount (diskfs.py)
+                    workspace = self.disks.nosuid_bind(workspace)
+                except DiskLimitError as exc:
+                    raise SetupFailed(str(exc)) from None
         env, bundle = inside_env(data, address, info.endpoints.proxy[1],
                                  ws_policy.get("path") or "/tmp")  # noqa: S108 - HOME inside
         spec = RunSpec(run_id=self.run_id, sandbox_id=self.sandbox_id, runtime=req.runtime, command=req.command,
