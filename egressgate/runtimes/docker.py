@@ -16,10 +16,13 @@ daemon's unix socket by runtimes/dockerapi.py; no docker CLI is forked):
   per sandbox), Init: no capability (no raw sockets, no route or nftables changes), setuid binaries do
   not raise privileges, never root, never another sandbox's uid, and a PID 1 that forwards signals and reaps;
 * SecurityOpt seccomp=<the profile of seccompjson.py> instead of the daemon's default: socket families
-  by allowlist (no vsock), no io_uring, bpf, keyrings, ptrace, namespaces (the netns runtime's table);
+  by allowlist (no vsock), no io_uring, bpf, keyrings, ptrace, namespaces (the netns runtime's table;
+  gVisor applies it only with runsc's --oci-seccomp, so the gvisor adapter refuses a daemon without it);
   runc gives the container a new session keyring of its own (the caller's is not reachable);
-* ReadonlyRootfs when `sandbox.root_fs: read_only`; tmpfs `/tmp`; the workspace read-write at
-  `sandbox.workspace.path`; the CA bundle, `/etc/resolv.conf` (`nameserver <host_ip>`) and
+* ReadonlyRootfs when `sandbox.root_fs: read_only`; tmpfs `/tmp` owned by the run's uid/gid; the workspace
+  read-write at `sandbox.workspace.path`, bound from a nosuid,nodev mount (`sandbox run` makes one when the
+  workspace is not already: diskfs.nosuid_bind; Docker's binds have no such option); the CA bundle,
+  `/etc/resolv.conf` (`nameserver <host_ip>`) and
   `/etc/hosts` bind-mounted read-only;
 * `filesystem.deny` paths and the docker/containerd sockets are covered by an empty read-only file or
   directory (mode 000 / 555, owned by root); no docker.sock is ever mounted;
