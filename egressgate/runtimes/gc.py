@@ -3,7 +3,8 @@
 Two passes. (1) Run records (`state_dir/runs/*.json`) whose `sandbox run` (owner_pid) is dead: every object
 the record names is removed (processes in its namespace, cgroups and of its uid killed first, set-id bits in
 its persistent workspace stripped and audited, the workspace given back to root), its sandbox is revoked on
-the gateway (when reachable), then the record, which frees its address slot and uid. (2) Orphans no record claims: product-named objects (`egressgate-<id>` netns,
+the gateway (when reachable), then the record, which frees its address slot and uid. (2) Orphans no record
+claims: product-named objects (`egressgate-<id>` netns,
 `egressgate_<id>` nft tables, `egh<id>` veths, `egressgate/<id>` cgroups) whose run id no live record holds.
 Only exact product names (`<id>` = 10 hex digits) are ever touched, and an orphan netns or cgroup must be
 older than `grace` seconds and empty of processes, so a run that is being set up right now (its record may
