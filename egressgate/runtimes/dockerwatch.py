@@ -107,6 +107,8 @@ class CgroupWatch:
     def stop(self, grace: float = 2.0) -> None:
         """After the container exited: a last look at every counter, then the thread ends."""
         self._stop.set()
+        if self._wake < 0:  # stopped before (wait(), then teardown())
+            return
         with contextlib.suppress(OSError):
             os.eventfd_write(self._wake, 1)
         if self._thread.is_alive():
