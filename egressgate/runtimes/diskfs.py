@@ -169,7 +169,10 @@ class DiskLimits:
         parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         (self.state_dir / "binds").chmod(0o700)
         target = parent / str(len(self.made))
-        target.mkdir(mode=0o700, exist_ok=True)
+        if source.is_dir():
+            target.mkdir(mode=0o700, exist_ok=True)
+        else:  # a file is bound on a file
+            target.touch(mode=0o600, exist_ok=True)
         self._record({"target": str(target), "source": None, "image": None, "bind": str(source)})
         keep = os.statvfs(source).f_flag & KEEP_FLAGS
         keep |= MS_RELATIME if os.statvfs(source).f_flag & ST_RELATIME else 0
@@ -305,7 +308,10 @@ def release_entry(run_id: str, state_dir: Path, entry: dict) -> list[str]:
             if not unmount(target):
                 return [f"cannot unmount {target}"]
         with contextlib.suppress(OSError):
-            target.rmdir()
+            if target.is_file() and not target.is_symlink():  # the empty file a file was bound on
+                target.unlink()
+            else:
+                target.rmdir()
             target.parent.rmdir()  # once the run's last bind is gone
         return problems
     if image is None:

@@ -41,6 +41,7 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from egressgate.runtimes import dockermasks, records, sandbox_fs, seccompjson
@@ -89,6 +90,9 @@ class DockerAdapter:
         self._logs: threading.Thread | None = None
         self._close_logs = lambda: None
         self._api: DockerAPI | None = None
+        # set by `sandbox run` (diskfs.nosuid_bind): a read-write host path is bound from a nosuid,nodev
+        # bind of it (Docker's binds take no such option; a read-write bind keeps its source mount's flags)
+        self.nosuid_bind: Callable[[Path], Path] | None = None
 
     @property
     def api(self) -> DockerAPI:
@@ -194,7 +198,8 @@ class DockerAdapter:
             source = os.path.realpath(path)
             sandbox_fs.check_no_channel(source)  # no host socket, device or FIFO (exit 120)
             if os.path.exists(source):
-                mounts.append(bind(Path(source), path, readonly=not writable))
+                bound = self.nosuid_bind(Path(source)) if writable and self.nosuid_bind else Path(source)
+                mounts.append(bind(bound, path, readonly=not writable))
                 trees.append((Path(source), path))
         deny = list(dict.fromkeys([*ALWAYS_MASKED, *((spec.policy.get("filesystem") or {}).get("deny") or [])]))
         kinds = dockermasks.kinds(self.api, spec.image or "", deny, self.oci_runtime, spec.state_dir, trees)
