@@ -72,6 +72,7 @@ def test_watchdog_strips_setid_after_sigkill(gateway: Gateway, dockerd: Dockerd,
         proc.communicate(timeout=10)
         wait_record_gone(gateway, record["run_id"])  # the watchdog, not gc: nobody runs `sandbox gc` here
         check_stripped(gateway, ws, sid, "watchdog", record["uid"])
+        assert not (gateway.state_dir / "binds" / record["run_id"]).exists()  # docker's nosuid bind is gone too
     finally:
         remove(ws)
 
