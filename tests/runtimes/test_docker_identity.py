@@ -19,17 +19,39 @@ pytestmark = pytest.mark.netns
 PY = "/usr/bin/python3"
 A_CMD = 'umask 077; echo "$EGRESSGATE_SANDBOX_TOKEN" > /workspace/secret; id -u > /workspace/uid; exec sleep 60'
 # B: is A's workspace (its host path) there, and whose processes can it see
-B_CMD = ('[ -e "$1" ] && echo visible > /workspace/a || echo absent > /workspace/a; '
-         'cat /proc/[0-9]*/status 2>/dev/null | grep ^Uid: | sort -u > /workspace/uids; id -u > /workspace/uid; '
-         "exec sleep 60")
+B_CMD = (
+    '[ -e "$1" ] && echo visible > /workspace/a || echo absent > /workspace/a; '
+    "cat /proc/[0-9]*/status 2>/dev/null | grep ^Uid: | sort -u > /workspace/uids; id -u > /workspace/uid; "
+    "exec sleep 60"
+)
 HOST_READ = "import sys\ntry:\n    print(open(sys.argv[1]).read().strip())\nexcept OSError as e:\n    print(e.strerror)"
 
 
 def start(gateway: Gateway, dockerd: Dockerd, runtime: str, ws: Path, *command: str) -> subprocess.Popen[str]:
-    argv = gateway.cmd("sandbox", "run", "--config", str(gateway.config), "--policy", "rt-allow", "--workspace",
-                       str(ws), "--runtime", runtime, "--image", dockerd.busybox_image(), "--", *command)
-    return subprocess.Popen(argv, text=True, env={**gateway.caller_env(), "DOCKER_HOST": dockerd.host},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=safety_net)
+    argv = gateway.cmd(
+        "sandbox",
+        "run",
+        "--config",
+        str(gateway.config),
+        "--policy",
+        "rt-allow",
+        "--workspace",
+        str(ws),
+        "--runtime",
+        runtime,
+        "--image",
+        dockerd.busybox_image(),
+        "--",
+        *command,
+    )
+    return subprocess.Popen(
+        argv,
+        text=True,
+        env={**gateway.caller_env(), "DOCKER_HOST": dockerd.host},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        preexec_fn=safety_net,
+    )
 
 
 def wait_file(path: Path, proc: subprocess.Popen[str], timeout: float = 120) -> str:
@@ -42,8 +64,13 @@ def wait_file(path: Path, proc: subprocess.Popen[str], timeout: float = 120) -> 
 
 
 def read_as(uid: int, path: Path) -> str:
-    res = subprocess.run(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", PY, "-c", HOST_READ,
-                          str(path)], capture_output=True, text=True, timeout=30, check=False)
+    res = subprocess.run(
+        ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", PY, "-c", HOST_READ, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
     assert res.returncode == 0, res.stderr
     return res.stdout.strip()
 

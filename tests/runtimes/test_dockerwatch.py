@@ -59,8 +59,10 @@ def run_in_group(group: Path, tmp_path: Path, chunks: int) -> tuple[int, CgroupW
     """The hog in `group`, watched from before it allocates; returns its exit status and the watch after the
     group was removed (what Docker does as a container exits) and the watch stopped."""
     go = tmp_path / "go"
-    proc = subprocess.Popen([sys.executable, "-c", HOG, str(go), str(chunks)],
-                            preexec_fn=lambda: (group / "cgroup.procs").write_text(str(os.getpid())))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOG, str(go), str(chunks)],
+        preexec_fn=lambda: (group / "cgroup.procs").write_text(str(os.getpid())),
+    )
     deadline = time.monotonic() + 30
     while str(proc.pid) not in (group / "cgroup.procs").read_text().split() and time.monotonic() < deadline:
         time.sleep(0.01)

@@ -38,30 +38,70 @@ def plain_dockerd() -> Iterator[Dockerd]:
 
 
 def sandbox_run(gateway: Gateway, daemon: Dockerd) -> subprocess.CompletedProcess[str]:
-    argv = gateway.cmd("sandbox", "run", "--config", str(gateway.config), "--policy", "rt-allow", "--runtime",
-                       "gvisor", "--image", daemon.busybox_image(), "--", "echo", "ran")
-    return subprocess.run(argv, capture_output=True, text=True, timeout=180, check=False,
-                          env={**gateway.caller_env(), "DOCKER_HOST": daemon.host})
+    argv = gateway.cmd(
+        "sandbox",
+        "run",
+        "--config",
+        str(gateway.config),
+        "--policy",
+        "rt-allow",
+        "--runtime",
+        "gvisor",
+        "--image",
+        daemon.busybox_image(),
+        "--",
+        "echo",
+        "ran",
+    )
+    return subprocess.run(
+        argv,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+        env={**gateway.caller_env(), "DOCKER_HOST": daemon.host},
+    )
 
 
 def setuid_under_runsc(daemon: Dockerd, tmp: Path) -> str:
     """The set-id chmod, as uid 65534 under the daemon's runsc with the sandbox's seccomp profile."""
     profile = tmp / "profile.json"
     profile.write_text(json.dumps(seccompjson.profile()))
-    res = daemon.docker("run", "--rm", "--runtime", "runsc", "--network", "none", "--user", "65534:65534",
-                        "--tmpfs", "/tmp:rw,mode=1777", "--security-opt", f"seccomp={profile}",
-                        daemon.busybox_image(), "sh", "-c", SETUID, check=False, timeout=120)
+    res = daemon.docker(
+        "run",
+        "--rm",
+        "--runtime",
+        "runsc",
+        "--network",
+        "none",
+        "--user",
+        "65534:65534",
+        "--tmpfs",
+        "/tmp:rw,mode=1777",
+        "--security-opt",
+        f"seccomp={profile}",
+        daemon.busybox_image(),
+        "sh",
+        "-c",
+        SETUID,
+        check=False,
+        timeout=120,
+    )
     return res.stdout + res.stderr
 
 
-def test_runsc_without_oci_seccomp_is_refused(gateway: Gateway, plain_dockerd: Dockerd, dockerd: Dockerd,
-                                              tmp_path: Path) -> None:
+def test_runsc_without_oci_seccomp_is_refused(
+    gateway: Gateway, plain_dockerd: Dockerd, dockerd: Dockerd, tmp_path: Path
+) -> None:
     before = set(labelled_containers(plain_dockerd.host))
     res = sandbox_run(gateway, plain_dockerd)
     assert res.returncode == 120, res.stderr
     lines = [x for x in res.stderr.splitlines() if "setup failed" in x]
-    assert len(lines) == 1 and re.search(r"runs runtime 'runsc' without --oci-seccomp, so gVisor would ignore "
-                                         r"the sandbox's seccomp profile; add \"--oci-seccomp\"", lines[0]), res.stderr
+    assert len(lines) == 1 and re.search(
+        r"runs runtime 'runsc' without --oci-seccomp, so gVisor would ignore "
+        r"the sandbox's seccomp profile; add \"--oci-seccomp\"",
+        lines[0],
+    ), res.stderr
     assert "Traceback" not in res.stderr and res.stdout == ""
     assert set(labelled_containers(plain_dockerd.host)) == before
     # positive controls: that daemon's runsc really ignores the profile ...
@@ -73,14 +113,17 @@ def test_runsc_without_oci_seccomp_is_refused(gateway: Gateway, plain_dockerd: D
     assert ok.returncode == 0 and ok.stdout.strip() == "ran", ok.stderr
 
 
-@pytest.mark.parametrize(("args", "refused"), [
-    (["--network=host", "--oci-seccomp"], False),
-    (["-oci-seccomp=true"], False),
-    (["--oci-seccomp", "--oci-seccomp=false"], True),  # the last one wins, as in runsc's flag parsing
-    (["--network=host"], True),
-    ([], True),
-    (None, True),  # a runtime configured without runtimeArgs (e.g. a shim's own config file): unverifiable
-])
+@pytest.mark.parametrize(
+    ("args", "refused"),
+    [
+        (["--network=host", "--oci-seccomp"], False),
+        (["-oci-seccomp=true"], False),
+        (["--oci-seccomp", "--oci-seccomp=false"], True),  # the last one wins, as in runsc's flag parsing
+        (["--network=host"], True),
+        ([], True),
+        (None, True),  # a runtime configured without runtimeArgs (e.g. a shim's own config file): unverifiable
+    ],
+)
 def test_oci_seccomp_problem(args: list[str] | None, refused: bool) -> None:
     entry: dict = {"path": "/usr/bin/runsc"} if args is None else {"path": "/usr/bin/runsc", "runtimeArgs": args}
     problem = oci_seccomp_problem({"Runtimes": {"runc": {"path": "runc"}, "runsc": entry}}, "runsc")
