@@ -208,6 +208,10 @@ class Run:
             # the run's uid takes over the workspace as the sandbox will see it: the bounded tmpfs or the
             # mounted ext4 image's root and content when max_bytes is set, else the directory itself
             workspace = prepare_workspace(workspace, uid, info.uid_range)
+        if getattr(self.adapter, "nosuid_binds", False):  # a container runtime binds host paths as they are:
+            self.adapter.nosuid_bind = self._nosuid_bind  # read-write ones from a nosuid,nodev bind (diskfs.py)
+            if workspace is not None and self.disks.workspace_mount is None:  # (a bounded one is such a mount)
+                workspace = self._nosuid_bind(workspace)
         env, bundle = inside_env(data, address, info.endpoints.proxy[1],
                                  ws_policy.get("path") or "/tmp")  # noqa: S108 - HOME inside
         spec = RunSpec(run_id=self.run_id, sandbox_id=self.sandbox_id, runtime=req.runtime, command=req.command,
@@ -273,6 +277,14 @@ class Run:
         except DiskLimitError as exc:
             raise SetupFailed(str(exc)) from None
         return None
+
+    def _nosuid_bind(self, source: Path) -> Path:
+        from egressgate.runtimes.diskfs import DiskLimitError
+
+        try:
+            return self.disks.nosuid_bind(source)
+        except DiskLimitError as exc:
+            raise SetupFailed(str(exc)) from None
 
     def _limits(self, resources: dict[str, Any]) -> None:
         wanted = {k: v for k, v in resources.items() if k in ("memory_mb", "pids_max", "cpu_millis") and v}
