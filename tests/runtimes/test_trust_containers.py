@@ -47,7 +47,7 @@ def test_image_roots_alone_do_not_trust_the_gateway(dockerd: Dockerd, tmp_path: 
     probe_dir(tmp_path / "ws" / "probe", ca, owner=SANDBOX_UID)
     (tmp_path / "ws" / "probe").chmod(0o755)
     script = ("import ssl, sys; sys.argv[1:] = ['/workspace/probe', 'x']; sys.path.insert(0, '/workspace/probe');"
-              "import trust_probe as p; port = p.serve('/workspace/probe', 'good');"
+              "import trust_probe as p; port = p.serve('/workspace/probe', 'good'); p.start_server();"
               "open('/workspace/out.json', 'w').write(p.verify(ssl.create_default_context(), port))")
     spec = make_spec(tmp_path, dockerd.python_image(), ["python3", "-c", script])
     # the adapter as it was before issue 21: the bundle only at /etc/egressgate/ca.pem, the image's own
