@@ -277,12 +277,53 @@ def grpcio_cases():
             "metadata": call("169.254.169.254:443", "/matrix.Echo/Unary", b"hi")}
 
 
+TRUST_PROBE = r"""
+import os, sys
+which, url = sys.argv[1], sys.argv[2]
+try:
+    if which == "requests":
+        import requests
+        print("ok", requests.get(url, timeout=30).status_code)
+    elif which == "httpx":
+        import httpx
+        print("ok", httpx.get(url, timeout=30).status_code)
+    else:
+        import grpc
+        with grpc.secure_channel(url, grpc.ssl_channel_credentials()) as ch:
+            print("ok", ch.unary_unary("/matrix.Echo/Unary")(b"hi", timeout=30))
+except Exception as exc:
+    detail = exc.details() if hasattr(exc, "details") else str(exc)
+    print("failed", type(exc).__name__, detail[-400:])
+"""
+
+
+def trust_cases():
+    """Which Python clients need their own CA variable (issue 21 item 3): each with every CA variable removed
+    ("none") and with only its own variable as `sandbox run` sets it. Debian's requests (python3-certifi:
+    the system store) against requests, httpx and grpcio from PyPI (certifi's and grpcio's own roots)."""
+    bare = {k: v for k, v in os.environ.items() if k not in CA_VARS and k != "PYTHONPATH"}
+    own = {"requests": "REQUESTS_CA_BUNDLE", "httpx": "SSL_CERT_FILE", "grpcio": "GRPC_DEFAULT_SSL_ROOTS_FILE_PATH"}
+    out = {}
+
+    def probe(name, which, url, env):
+        p = run(["/usr/bin/python3", "-c", TRUST_PROBE, which, url], env=env)
+        out[name] = res(200 if p.stdout.startswith("ok") else None, p.stdout, None if p.stdout.startswith("ok")
+                        else p.stdout + p.stderr[-300:])
+
+    probe("debian_requests_none", "requests", f"{API}/ok", bare)
+    for which, url in (("requests", f"{API}/ok"), ("httpx", f"{API}/ok"), ("grpcio", "grpc.matrix.test:443")):
+        pypi = dict(bare, PYTHONPATH=CONFIG["pylibs"])
+        probe(f"pypi_{which}_none", which, url, pypi)
+        probe(f"pypi_{which}_own_var", which, url, dict(pypi, **{own[which]: os.environ[own[which]]}))
+    return out
+
+
 CLIENTS = {
     "curl": lambda: http_cases(curl), "wget": lambda: http_cases(wget), "urllib": lambda: http_cases(urllib_fetch),
     "requests": lambda: http_cases(requests_fetch), "httpx": lambda: http_cases(httpx_fetch),
     "aiohttp": lambda: http_cases(aiohttp_fetch), "node": lambda: http_cases(node_fetch),
     "pip": pip_cases, "npm": npm_cases, "git": git_cases, "openai": openai_cases, "websockets": websockets_cases,
-    "grpcio": grpcio_cases,
+    "grpcio": grpcio_cases, "trust": trust_cases,
 }
 
 if __name__ == "__main__":

@@ -276,3 +276,17 @@ def test_client_matrix(matrix: Matrix, client: str) -> None:
             assert any(e["auth"] == f"Bearer {REAL_KEY}" for e in matrix.upstream_log()[before:]), "no injection"
         assert "Traceback" not in stderr, stderr[-3000:]
     print(f"MATRIX {client}: " + json.dumps(report))
+
+
+def test_which_python_clients_need_their_variable(matrix: Matrix) -> None:
+    """requests (Debian's python3-certifi) trusts the gateway through the system store with no variable;
+    requests and httpx with certifi from PyPI, and grpcio (its bundled roots), do not: they need the variable
+    `sandbox run` sets for them (the positive control: the same call with only that variable works).
+    Documented in docs/runtimes.md ("Which CA the sandbox trusts, and where")."""
+    results, _ = matrix.run_client("trust", "proxy")
+    print("TRUST " + json.dumps(results))
+    assert results["debian_requests_none"]["status"] == 200, results
+    for which in ("requests", "httpx", "grpcio"):
+        assert results[f"pypi_{which}_own_var"]["status"] == 200, (which, results)
+        none = results[f"pypi_{which}_none"]
+        assert none["status"] is None and shows(none, "CERTIFICATE_VERIFY_FAILED"), (which, none)
