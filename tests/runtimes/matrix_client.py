@@ -57,22 +57,34 @@ def res(status=None, body="", error=None):
     return {"status": status, "body": str(body)[:600], "error": None if error is None else str(error)[-900:]}
 
 
+TIMINGS = []  # (seconds, command words): where a slow run spends its time
+
+
 def run(argv, **kw):
+    import time
+
+    started = time.monotonic()
     try:
         return subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False, **kw)
     except subprocess.TimeoutExpired as exc:
         return subprocess.CompletedProcess(argv, 124, exc.stdout or "", f"timeout after 120 s: {exc.stderr or ''}")
+    finally:
+        TIMINGS.append((round(time.monotonic() - started, 2), " ".join(str(a) for a in argv[:4])[:80]))
 
 
 def http_cases(fetch):
+    import time
+
     global TIMEOUT
     out = {}
     for case, url in URLS.items():
         TIMEOUT = LARGE_TIMEOUT if case == "large_body" else 30
+        started = time.monotonic()
         try:
             out[case] = fetch("POST", url, LARGE) if case == "large_body" else fetch("GET", url, 0)
         except Exception as exc:
             out[case] = res(error=f"{type(exc).__name__}: {exc}")
+        out[case]["seconds"] = round(time.monotonic() - started, 2)
     return out
 
 
@@ -327,4 +339,6 @@ CLIENTS = {
 }
 
 if __name__ == "__main__":
-    print("MATRIX " + json.dumps(CLIENTS[CLIENT]()), flush=True)
+    results = CLIENTS[CLIENT]()
+    print("MATRIX " + json.dumps(results), flush=True)
+    print("TIMINGS " + json.dumps(sorted(TIMINGS, reverse=True)[:8]), flush=True)

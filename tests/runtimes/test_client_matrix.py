@@ -104,6 +104,7 @@ class Matrix:
             res = subprocess.run(self.gateway.run_argv(*argv, policy=POLICY), capture_output=True, text=True,
                                  timeout=600, env=self.gateway.caller_env(), check=False, preexec_fn=matrix_safety_net)
         lines = [line for line in res.stdout.splitlines() if line.startswith("MATRIX ")]
+        print(client, mode, *[line for line in res.stdout.splitlines() if line.startswith("TIMINGS ")])
         assert lines, f"{client}/{mode}: no result (rc {res.returncode}): {res.stdout[-2000:]} {res.stderr[-3000:]}"
         return json.loads(lines[-1][len("MATRIX "):]), res.stderr
 
