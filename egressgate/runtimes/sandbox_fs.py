@@ -35,6 +35,9 @@ ETC_ENTRIES = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "nsswitch.conf", "ho
                "protocols", "services", "ssl/openssl.cnf", "alternatives", "localtime", "timezone",
                "os-release", "debian_version", "mime.types", "magic", "inputrc", "bash.bashrc", "profile",
                "python3", "environment")
+# /etc entries named by pattern: Debian's JDKs link $JAVA_HOME/conf into /etc/java-<N>-openjdk (without it no
+# JVM tool starts: java.security is missing)
+ETC_GLOBS = ("java-*-openjdk",)
 SCAN_LIMIT = 100_000  # entries examined per allowed tree; a larger tree is refused (bounded start-up work)
 CHANNEL = {stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a device", stat.S_IFBLK: "a device", stat.S_IFIFO: "a FIFO"}
 
@@ -52,11 +55,18 @@ def passwd(uid: int, gid: int) -> tuple[bytes, bytes]:
     return users.encode(), groups.encode()
 
 
+def etc_paths() -> list[str]:
+    """The /etc entries of the minimal set that the host has a candidate for (ETC_ENTRIES, ETC_GLOBS)."""
+    import glob
+
+    return [*(f"/etc/{e}" for e in ETC_ENTRIES), *sorted(p for g in ETC_GLOBS for p in glob.glob(f"/etc/{g}"))]
+
+
 def minimal_args() -> list[str]:
     """bwrap arguments for the interpreters, libraries and /etc entries (host paths that do not exist are
     skipped; symlinks are recreated, not followed, so /etc/localtime keeps pointing into /usr)."""
     args: list[str] = []
-    for path in (*MINIMAL_TREES, *(f"/etc/{e}" for e in ETC_ENTRIES)):
+    for path in (*MINIMAL_TREES, *etc_paths()):
         if os.path.islink(path):
             args += ["--symlink", os.readlink(path), path]
         elif os.path.exists(path):
@@ -134,7 +144,7 @@ def allow_args(policy: dict) -> list[str]:
 def visible_roots(policy: dict, ws_path: str | None) -> list[str]:
     """The trees that exist inside (a `filesystem.deny` path outside all of them is absent anyway, so it
     needs no mask)."""
-    roots = [*MINIMAL_TREES, *(f"/etc/{e}" for e in ETC_ENTRIES), "/etc/passwd", "/etc/group", "/proc", "/dev",
+    roots = [*MINIMAL_TREES, *etc_paths(), "/etc/passwd", "/etc/group", "/proc", "/dev",
              "/tmp", "/run", truststore.HASHED_DIR, *truststore.OTHER_FILES]  # noqa: S108
     roots += [path for path, _ in host_allow_entries(policy)]
     if ws_path:

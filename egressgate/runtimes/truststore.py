@@ -13,7 +13,8 @@ bundle at each path the common distributions' TLS libraries read by default, the
 * the OpenSSL hashed directory `/etc/ssl/certs` (CApath users: `openssl`, Python's `capath=`, curl `--capath`):
   `<subject hash>.0` for every certificate of the bundle, each a link to ca-certificates.crt (OpenSSL's directory
   lookup loads every certificate of the file it opens, so one file serves every hash). The directory holds
-  nothing else: the host's Java keystore and per-certificate files are not the sandbox's trust.
+  nothing else of the host's per-certificate files (in the netns runtime the host's Java keystore directory
+  /etc/ssl/certs/java is bound too: Debian's JDKs find their default store through it).
 
 The bundle is the system roots plus the gateway CA (gateway/ca.py), not the gateway CA alone: routes the policy
 splices (`tls: passthrough`, TLS inside `network.tcp`) show the upstream's real certificate, and a policy reload
@@ -184,10 +185,19 @@ def hash_links(bundle: bytes) -> list[str]:
     return sorted({f"{subject_hash(cert)}.0" for cert in certificates(bundle)})
 
 
+# keystores other runtimes keep under /etc/ssl/certs, bound from the host when it has them: Debian's JDKs link
+# $JAVA_HOME/lib/security/cacerts here (public roots only; docs/runtimes.md adds the gateway CA to a copy)
+HOST_KEYSTORES = ("/etc/ssl/certs/java",)
+
+
 def bwrap_args(main_fd: int, bundle: bytes) -> list[str]:
     """bwrap arguments laying out the trust store (netns runtime): the bundle read-only from `main_fd` at
-    MAIN_FILE, every other path and every hash link a symlink to it (bwrap creates the parents)."""
+    MAIN_FILE, every other path and every hash link a symlink to it (bwrap creates the parents), and the
+    host's HOST_KEYSTORES read-only where they exist."""
     args = ["--perms", "0755", "--dir", HASHED_DIR, "--perms", "0444", "--ro-bind-data", str(main_fd), MAIN_FILE]
+    for path in HOST_KEYSTORES:
+        if os.path.isdir(path) and not os.path.islink(path):
+            args += ["--ro-bind", path, path]
     for path in OTHER_FILES:
         args += ["--symlink", MAIN_FILE, path]
     for link in hash_links(bundle):

@@ -36,5 +36,5 @@ def test_netns_clients_trust_the_gateway_by_default_paths(gateway: Gateway, host
     assert res.returncode == 0, res.stderr[-2000:]
     result = check_probe_output(res.stdout, bundle)
     assert set(result["files"]) == set(truststore.BUNDLE_PATHS)
-    for client in ("curl", "wget", "git", "node --use-openssl-ca", "capath:/etc/ssl/certs", "default"):
+    for client in ("curl", "wget", "git", "node --use-openssl-ca", "capath:/etc/ssl/certs", "default", "java (recipe)"):
         assert result["good"][client] == "ok", json.dumps(result, indent=1)

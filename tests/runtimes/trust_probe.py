@@ -14,6 +14,7 @@ prints one JSON line, also written to OUT when given)
 import hashlib
 import json
 import os
+import shutil
 import socket
 import ssl
 import subprocess
@@ -118,6 +119,44 @@ def run_client(argv: list, url: str) -> str:
     return f"rc={res.returncode} " + (res.stderr + res.stdout).strip()[-300:]
 
 
+JAVA_FETCH = """
+public class Fetch {
+  public static void main(String[] a) throws Exception {
+    var r = java.net.http.HttpClient.newHttpClient().send(
+        java.net.http.HttpRequest.newBuilder(java.net.URI.create(a[0])).build(),
+        java.net.http.HttpResponse.BodyHandlers.ofString());
+    System.out.println(r.body());
+  }
+}
+"""
+JVM = ["-Xmx64m", "-XX:CompressedClassSpaceSize=64m", "-XX:ReservedCodeCacheSize=32m"]  # under RLIMIT_AS
+# docs/runtimes.md's recipe, word for word apart from the JVM sizing flags: the gateway CA (the bundle's last
+# certificate) added to a copy of the JDK's own store
+JAVA_RECIPE = """set -e
+awk '/BEGIN CERT/{c=""} {c=c $0 "\\n"} END{printf "%s", c}' /etc/egressgate/ca.pem > "$1/gateway-ca.pem"
+JAVA_HOME=$(dirname "$(dirname "$(readlink -f "$(command -v java)")")")
+cp -L "$JAVA_HOME/lib/security/cacerts" "$1/cacerts"
+chmod u+w "$1/cacerts"
+keytool -J-Xmx32m -J-XX:CompressedClassSpaceSize=32m -importcert -noprompt -alias egressgate \\
+  -file "$1/gateway-ca.pem" -keystore "$1/cacerts" -storepass changeit >/dev/null
+"""
+
+
+def java_clients(tmp: str) -> dict:
+    """argv per Java client (the JDK's default store; the recipe's store), or {} without a JDK."""
+    if not shutil.which("java") or not shutil.which("keytool"):
+        return {}
+    with open(os.path.join(tmp, "Fetch.java"), "w") as fh:
+        fh.write(JAVA_FETCH)
+    recipe = subprocess.run(["sh", "-c", JAVA_RECIPE, "recipe", tmp], capture_output=True, text=True, timeout=120)
+    if recipe.returncode != 0:
+        return {"java (recipe)": ["sh", "-c", "echo recipe failed: " + repr(recipe.stderr[-300:]) + "; exit 1"]}
+    fetch = os.path.join(tmp, "Fetch.java")
+    return {"java (default store)": ["java", *JVM, fetch],
+            "java (recipe)": ["java", *JVM, "-Djavax.net.ssl.trustStore=" + os.path.join(tmp, "cacerts"),
+                              "-Djavax.net.ssl.trustStorePassword=changeit", fetch]}
+
+
 def run_git(port: int) -> str:
     """git's TLS (libcurl) against the server; the server is no git server, so success is an error AFTER
     the handshake (HTTP level), failure a certificate error."""
@@ -168,7 +207,9 @@ def main() -> None:
         result["good"][name] = verify(ctx, good)
         result["bad"][name] = verify(ctx, bad)
     if clients:
-        for name, argv in CLIENTS.items():
+        import tempfile
+
+        for name, argv in {**CLIENTS, **java_clients(tempfile.mkdtemp())}.items():
             for which, port in (("good", good), ("bad", bad)):
                 result[which][name] = run_client(argv, f"https://127.0.0.1:{port}/")
         result["good"]["git"], result["bad"]["git"] = run_git(good), run_git(bad)
