@@ -330,12 +330,34 @@ def trust_cases():
     return out
 
 
+def bundle_cases():
+    """curl with no CA variable (the system paths) and with only the gateway CA (the last certificate of the
+    bundle), against an intercepted host and a `tls: passthrough` one."""
+    bare = {k: v for k, v in os.environ.items() if k not in CA_VARS}
+    with open("/etc/egressgate/ca.pem", "rb") as fh:
+        last = fh.read().rsplit(b"-----BEGIN CERTIFICATE-----", 1)[1]
+    gateway_only = os.path.join(TMP, "gateway-ca-only.pem")
+    with open(gateway_only, "wb") as fh:
+        fh.write(b"-----BEGIN CERTIFICATE-----" + last)
+    out = {}
+    for name, url in (("intercepted", f"{API}/ok"), ("passthrough", "https://pass.matrix.test/ok")):
+        # curl reads its compiled-in CApath (/etc/ssl/certs) next to --cacert: an empty one keeps it to the file
+        only = ["--cacert", gateway_only, "--capath", tempfile.mkdtemp(dir=TMP)]
+        for store, extra in (("system_store", []), ("gateway_ca_only", only)):
+            p = run(["curl", "-sS", "--max-time", str(TIMEOUT), *extra, "-o", "-", "-w", "\n@@%{http_code}", url],
+                    env=bare)
+            body, _, code = p.stdout.rpartition("\n@@")
+            out[f"{name}_{store}"] = res(int(code) if code.isdigit() and code != "000" else None, body,
+                                         None if p.returncode == 0 else f"rc={p.returncode} {p.stderr}")
+    return out
+
+
 CLIENTS = {
     "curl": lambda: http_cases(curl), "wget": lambda: http_cases(wget), "urllib": lambda: http_cases(urllib_fetch),
     "requests": lambda: http_cases(requests_fetch), "httpx": lambda: http_cases(httpx_fetch),
     "aiohttp": lambda: http_cases(aiohttp_fetch), "node": lambda: http_cases(node_fetch),
     "pip": pip_cases, "npm": npm_cases, "git": git_cases, "openai": openai_cases, "websockets": websockets_cases,
-    "grpcio": grpcio_cases, "trust": trust_cases,
+    "grpcio": grpcio_cases, "trust": trust_cases, "bundle": bundle_cases,
 }
 
 if __name__ == "__main__":

@@ -31,10 +31,12 @@ from typing import Any
 import pytest
 
 import tests.networld as nw
+from egressgate.gateway.ca import system_roots
 from tests.networld import World
 from tests.runtimes.harness import SAFETY_NPROC, Gateway, base_dir, remove, running_gateway
 from tests.runtimes.matrix_servers import REAL_KEY
 from tests.support import sandbox_pylibs
+from tests.support.launcher import EGRESSGATE
 
 pytestmark = pytest.mark.netns
 
@@ -48,7 +50,7 @@ MODES = ("proxy", "transparent")
 
 
 def matrix_policy(share: Path, pylibs: Path, secret: Path) -> dict[str, Any]:
-    hosts = [f"{n}.matrix.test" for n in NAMES] + ["grpc.matrix.test"]
+    hosts = [f"{n}.matrix.test" for n in NAMES] + ["grpc.matrix.test", "pass.matrix.test"]
     return {
         # the kernel's memory and pids limits are this test's safety net (matrix_safety_net)
         "sandbox": {"name": "matrix", "resources": {"memory_mb": 1024, "pids_max": 256}},
@@ -66,6 +68,8 @@ def matrix_policy(share: Path, pylibs: Path, secret: Path) -> dict[str, Any]:
                 {"id": "ws", "host": "ws.matrix.test", "methods": ["GET"], "paths": ["/echo"]},
                 {"id": "grpc", "host": "grpc.matrix.test", "methods": ["POST"],
                  "paths": ["/matrix.Echo/Unary", "/matrix.Echo/Stream"]},
+                # spliced: the client sees the upstream's own certificate (the world CA, a "public root" here)
+                {"id": "pass", "host": "pass.matrix.test", "tls": "passthrough"},
             ]},
         },
         "credentials": {"capabilities": {"openai": {
@@ -126,7 +130,7 @@ def matrix_servers(world: World, tmp: Path) -> Iterator[Path]:
     for addr in (HTTP_ADDR, GRPC_ADDR):
         nw.sh("ip", "-n", world.net, "addr", "add", f"{addr}/32", "dev", "lo")
     names = [f"{n}.matrix.test" for n in NAMES]
-    leaf = world.ca.issue_cert(*names, "grpc.matrix.test")
+    leaf = world.ca.issue_cert(*names, "grpc.matrix.test", "pass.matrix.test")
     leaf.cert_chain_pems[0].write_to_path(str(tmp / "matrix.pem"))
     leaf.private_key_pem.write_to_path(str(tmp / "matrix.key"))
     log = tmp / "matrix-upstream.jsonl"
@@ -142,6 +146,7 @@ def matrix_servers(world: World, tmp: Path) -> Iterator[Path]:
         records = dict(nw.DEFAULT_DNS)
         records.update({name: {"A": [HTTP_ADDR]} for name in names})
         records["grpc.matrix.test"] = {"A": [GRPC_ADDR]}
+        records["pass.matrix.test"] = {"A": [HTTP_ADDR]}
         world.set_dns(records)
         yield log
     finally:
@@ -168,9 +173,15 @@ def matrix(world: World, tmp_path_factory: pytest.TempPathFactory) -> Iterator[M
                                                    "real_key": REAL_KEY}))
     for path in share.iterdir():
         path.chmod(0o644)
+    # the gateway's "system roots" (gateway/ca.py reads them through OpenSSL's SSL_CERT_FILE) are the host's plus
+    # the world's CA, standing in for a public CA: the sandbox bundle then holds what a passthrough upstream's
+    # certificate chains to, as the real public roots would (test_bundle_serves_passthrough_and_interception)
+    roots = tmp / "public-roots.pem"
+    roots.write_bytes(system_roots().read_bytes().rstrip(b"\n") + b"\n" + world.ca_pem.read_bytes())
+    launcher = ["env", f"SSL_CERT_FILE={roots}", EGRESSGATE]
     try:
         with matrix_servers(world, tmp) as log, \
-                running_gateway(world, {POLICY: matrix_policy(share, pylibs, secret)}) as gw:
+                running_gateway(world, {POLICY: matrix_policy(share, pylibs, secret)}, launcher=launcher) as gw:
             yield Matrix(world=world, gateway=gw, share=share, log=log)
     finally:
         remove(share)
@@ -291,3 +302,18 @@ def test_which_python_clients_need_their_variable(matrix: Matrix) -> None:
         assert results[f"pypi_{which}_own_var"]["status"] == 200, (which, results)
         none = results[f"pypi_{which}_none"]
         assert none["status"] is None and shows(none, "CERTIFICATE_VERIFY_FAILED"), (which, none)
+
+
+def test_bundle_serves_passthrough_and_interception(matrix: Matrix) -> None:
+    """Why the sandbox bundle is the system roots plus the gateway CA, not the gateway CA alone (docs/runtimes.md):
+    with every CA variable removed, curl verifies both an intercepted host (the gateway's certificate) and a
+    `tls: passthrough` host (the upstream's own, from a root of the system store) through the system paths.
+    Given only the gateway CA (the alternative), curl still verifies the intercepted host but refuses the
+    passthrough one: that bundle would break every spliced route."""
+    results, _ = matrix.run_client("bundle", "proxy")
+    print("BUNDLE " + json.dumps(results))
+    expect_allowed("curl", "intercepted_system_store", results["intercepted_system_store"])
+    expect_allowed("curl", "passthrough_system_store", results["passthrough_system_store"])
+    expect_allowed("curl", "intercepted_gateway_ca_only", results["intercepted_gateway_ca_only"])
+    only = results["passthrough_gateway_ca_only"]
+    assert only["status"] is None and shows(only, "SSL certificate problem"), only
