@@ -100,13 +100,21 @@ class Matrix:
             return []
         return [json.loads(line) for line in self.log.read_text().splitlines() if line.strip()]
 
+    def sandbox_run(self, argv: list[str]) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(self.gateway.run_argv(*argv, policy=POLICY), capture_output=True, text=True,
+                              timeout=600, env=self.gateway.caller_env(), check=False, preexec_fn=matrix_safety_net)
+
     def run_client(self, client: str, mode: str) -> tuple[dict[str, Any], str]:
         argv = ["/usr/bin/python3", str(self.share / "matrix_client.py"), client, mode, str(self.share / "config.json")]
         if mode == "direct":
             res = self.world.exec(self.world.open, *argv, timeout=600)
         else:
-            res = subprocess.run(self.gateway.run_argv(*argv, policy=POLICY), capture_output=True, text=True,
-                                 timeout=600, env=self.gateway.caller_env(), check=False, preexec_fn=matrix_safety_net)
+            res = self.sandbox_run(argv)
+            if res.returncode == 120 and "setup failed: SubprocessError" in res.stderr:
+                # seen once at load 14 (08:17 UTC): the runtime's preexec (cgroup entry, keyring, uid change)
+                # failed before the workload existed; the client never ran. One retry, reported on stdout.
+                print(f"RETRY {client}/{mode}: {res.stderr.strip()[-500:]}")
+                res = self.sandbox_run(argv)
         lines = [line for line in res.stdout.splitlines() if line.startswith("MATRIX ")]
         print(client, mode, *[line for line in res.stdout.splitlines() if line.startswith("TIMINGS ")])
         assert lines, f"{client}/{mode}: no result (rc {res.returncode}): {res.stdout[-2000:]} {res.stderr[-3000:]}"
