@@ -215,7 +215,7 @@ def git_cases():
             fh.write("from the matrix\n")
         run(["git", "-C", work, "add", "."], env=env)
         run(["git", "-C", work, "commit", "-qm", f"push from {MODE}"], env=env)
-        p = run(["git", "-C", work, "push", "-q", "origin", "HEAD"], env=env)
+        p = run(["git", "-C", work, "push", "-q", "origin", f"HEAD:refs/heads/matrix-{MODE}"], env=env)
         out["push"] = res(200 if p.returncode == 0 else None, "", None if p.returncode == 0 else
                           f"rc={p.returncode} {p.stderr}")
     out["denied_host"] = clone("https://forbidden.test/repo.git")[1]
