@@ -158,7 +158,7 @@ class DockerAdapter:
             env.append(f"{key}={value}")
         # the trust store at every path the image's TLS libraries read by default (truststore.py), over
         # whatever the image brought: its own roots are not the sandbox's trust
-        trust = truststore.host_tree(spec.ca_bundle.read_bytes(), run_dir / "certs")
+        trust = truststore.host_tree(spec.ca_bundle.read_bytes(), run_dir / "certs", spec.state_dir)
         mounts = [
             bind(BUSYBOX, f"{INSIDE}/busybox"),
             bind(run_dir / "hold", f"{INSIDE}/hold"),

@@ -139,7 +139,7 @@ def build_command(spec: RunSpec, workspace_fd: int | None, tmp_fd: int | None = 
     bundle = spec.ca_bundle.read_bytes()
     trust_fd = _data_fd(bundle)
     cmd.fds.append(trust_fd)
-    cmd.args += truststore.bwrap_args(trust_fd, bundle)
+    cmd.args += truststore.bwrap_args(trust_fd, bundle, spec.state_dir)
     cmd.data(f"nameserver {spec.address.host_ip}\noptions edns0\n".encode(), "/etc/resolv.conf", "0444")
     hostname = str(sandbox.get("name") or "sandbox")
     cmd.data(f"127.0.0.1\tlocalhost\n{spec.address.sandbox_ip}\t{hostname}\n".encode(), "/etc/hosts", "0444")

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import json
 import os
 import re
 from pathlib import Path
@@ -190,7 +191,34 @@ def hash_links(bundle: bytes) -> list[str]:
 HOST_KEYSTORES = ("/etc/ssl/certs/java",)
 
 
-def bwrap_args(main_fd: int, bundle: bytes) -> list[str]:
+_LINK = re.compile(r"[0-9a-f]{8}\.0")
+
+
+def cached_hash_links(bundle: bytes, cache_dir: Path | None) -> list[str]:
+    """hash_links, remembered in `cache_dir` (the runtime's root-owned state dir) per bundle digest: parsing and
+    hashing ~150 roots costs 15-70 ms, paid at every `sandbox run` otherwise. A cache entry that is not a list
+    of `<8 hex>.0` names is ignored and rewritten."""
+    if cache_dir is None:
+        return hash_links(bundle)
+    path = cache_dir / f"trust-links-{hashlib.sha256(bundle).hexdigest()[:32]}.json"
+    try:
+        cached = json.loads(path.read_text())
+        if isinstance(cached, list) and cached and all(isinstance(n, str) and _LINK.fullmatch(n) for n in cached):
+            return cached
+    except (OSError, ValueError):
+        pass
+    links = hash_links(bundle)
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(links))
+        tmp.replace(path)
+    except OSError:
+        pass  # a cache it cannot write costs time, not correctness
+    return links
+
+
+def bwrap_args(main_fd: int, bundle: bytes, cache_dir: Path | None = None) -> list[str]:
     """bwrap arguments laying out the trust store (netns runtime): the bundle read-only from `main_fd` at
     MAIN_FILE, every other path and every hash link a symlink to it (bwrap creates the parents), and the
     host's HOST_KEYSTORES read-only where they exist."""
@@ -200,18 +228,18 @@ def bwrap_args(main_fd: int, bundle: bytes) -> list[str]:
             args += ["--ro-bind", path, path]
     for path in OTHER_FILES:
         args += ["--symlink", MAIN_FILE, path]
-    for link in hash_links(bundle):
+    for link in cached_hash_links(bundle, cache_dir):
         args += ["--symlink", "ca-certificates.crt", f"{HASHED_DIR}/{link}"]
     return args
 
 
-def host_tree(bundle: bytes, out: Path) -> Path:
+def host_tree(bundle: bytes, out: Path, cache_dir: Path | None = None) -> Path:
     """The hashed directory as a host directory (container runtimes bind it at HASHED_DIR): ca-certificates.crt
     (0444) and the relative `<hash>.0` links. Returns the file, which the runtime binds at OTHER_FILES."""
     out.mkdir(mode=0o755, parents=True, exist_ok=True)
     main = out / "ca-certificates.crt"
     main.write_bytes(bundle)
     main.chmod(0o444)
-    for link in hash_links(bundle):
+    for link in cached_hash_links(bundle, cache_dir):
         os.symlink("ca-certificates.crt", out / link)
     return main

@@ -108,3 +108,15 @@ def test_host_tree(tmp_path: Path) -> None:
     bad = subprocess.run(["openssl", "verify", "-no-CAfile", "-CApath", str(tmp_path / "certs"), str(pem)],
                          capture_output=True, text=True, check=False, timeout=30)
     assert bad.returncode != 0
+
+
+def test_hash_links_cache(tmp_path: Path) -> None:
+    """The per-bundle cache returns what the computation does, and a tampered entry is recomputed."""
+    bundle = HOST_BUNDLE + trustme.CA().cert_pem.bytes()
+    links = truststore.hash_links(bundle)
+    assert truststore.cached_hash_links(bundle, tmp_path) == links
+    (entry,) = tmp_path.glob("trust-links-*.json")
+    assert truststore.cached_hash_links(bundle, tmp_path) == links  # from the cache
+    entry.write_text('["../../etc/passwd"]')
+    assert truststore.cached_hash_links(bundle, tmp_path) == links  # refused, recomputed, rewritten
+    assert entry.read_text() != '["../../etc/passwd"]'
