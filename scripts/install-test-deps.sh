@@ -13,6 +13,22 @@ have nft || need+=(nftables)
 have ip || need+=(iproute2)
 have dig || need+=(dnsutils)
 have curl || need+=(curl)
+# tests/runtimes/test_client_matrix.py and the trust tests: the real clients an agent runs inside a sandbox
+# (their Python clients are installed for /usr/bin/python3 by tests/support/sandbox_pylibs.py, at exit below)
+have wget || need+=(wget)
+have git || need+=(git)
+have openssl || need+=(openssl)
+have node || need+=(nodejs)
+have npm || need+=(npm)
+[ -x /usr/bin/python3 ] && /usr/bin/python3 -m pip --version >/dev/null 2>&1 || need+=(python3-pip)
+# requests, httpx, aiohttp, the OpenAI SDK, websockets and grpcio for the sandbox's /usr/bin/python3, cached
+# under /var/cache/egressgate-tests (the matrix's fixture builds it too when this step could not); on every
+# exit of this script, after the packages (pip among them) are in place
+prefetch_pylibs() {
+  [ "$(id -u)" = 0 ] && [ -x .venv/bin/python ] && [ -x /usr/bin/python3 ] || return 0
+  .venv/bin/python -m tests.support.sandbox_pylibs >/dev/null || echo "sandbox client libraries: prefetch failed" >&2
+}
+trap prefetch_pylibs EXIT
 have wrk || need+=(wrk)
 have dockerd || need+=(docker.io)
 have runsc || need+=(runsc)
@@ -26,21 +42,7 @@ have docker-compose || need+=(docker-compose)
 dpkg-query -W -f='${Status}' linux-libc-dev 2>/dev/null | grep -q 'install ok installed' || need+=(linux-libc-dev)
 # tests/console: Playwright drives Debian's chromium at /usr/bin/chromium (no browser download)
 [ -x /usr/bin/chromium ] || need+=(chromium)
-# tests/runtimes/test_client_matrix.py and the trust tests: the real clients an agent runs inside a sandbox
-# (their Python clients are installed for /usr/bin/python3 by tests/support/sandbox_pylibs.py, below)
-have wget || need+=(wget)
-have git || need+=(git)
-have openssl || need+=(openssl)
-have node || need+=(nodejs)
-have npm || need+=(npm)
-[ -x /usr/bin/python3 ] && /usr/bin/python3 -m pip --version >/dev/null 2>&1 || need+=(python3-pip)
-# requests, httpx, aiohttp, the OpenAI SDK, websockets and grpcio for the sandbox's /usr/bin/python3, cached
-# under /var/cache/egressgate-tests (the matrix's fixture builds it too when this step could not)
-prefetch_pylibs() {
-  [ "$(id -u)" = 0 ] && [ -x .venv/bin/python ] && [ -x /usr/bin/python3 ] || return 0
-  .venv/bin/python -m tests.support.sandbox_pylibs >/dev/null || echo "sandbox client libraries: prefetch failed" >&2
-}
-if [ ${#need[@]} -eq 0 ]; then prefetch_pylibs; exit 0; fi
+[ ${#need[@]} -eq 0 ] && exit 0
 if [ "$(id -u)" != 0 ]; then
   echo "missing Debian packages (run as root to install): ${need[*]}" >&2
   exit 0
@@ -48,4 +50,3 @@ fi
 export DEBIAN_FRONTEND=noninteractive
 apt-get update -qq
 apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
-prefetch_pylibs
