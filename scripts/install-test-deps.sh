@@ -13,6 +13,22 @@ have nft || need+=(nftables)
 have ip || need+=(iproute2)
 have dig || need+=(dnsutils)
 have curl || need+=(curl)
+# tests/runtimes/test_client_matrix.py and the trust tests: the real clients an agent runs inside a sandbox
+# (their Python clients are installed for /usr/bin/python3 by tests/support/sandbox_pylibs.py, at exit below)
+have wget || need+=(wget)
+have git || need+=(git)
+have openssl || need+=(openssl)
+have node || need+=(nodejs)
+have npm || need+=(npm)
+[ -x /usr/bin/python3 ] && /usr/bin/python3 -m pip --version >/dev/null 2>&1 || need+=(python3-pip)
+# requests, httpx, aiohttp, the OpenAI SDK, websockets and grpcio for the sandbox's /usr/bin/python3, cached
+# under /var/cache/egressgate-tests (the matrix's fixture builds it too when this step could not); on every
+# exit of this script, after the packages (pip among them) are in place
+prefetch_pylibs() {
+  [ "$(id -u)" = 0 ] && [ -x .venv/bin/python ] && [ -x /usr/bin/python3 ] || return 0
+  .venv/bin/python -m tests.support.sandbox_pylibs >/dev/null || echo "sandbox client libraries: prefetch failed" >&2
+}
+trap prefetch_pylibs EXIT
 have wrk || need+=(wrk)
 have dockerd || need+=(docker.io)
 have runsc || need+=(runsc)

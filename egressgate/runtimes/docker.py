@@ -21,9 +21,9 @@ daemon's unix socket by runtimes/dockerapi.py; no docker CLI is forked):
   runc gives the container a new session keyring of its own (the caller's is not reachable);
 * ReadonlyRootfs when `sandbox.root_fs: read_only`; tmpfs `/tmp` owned by the run's uid/gid; the workspace
   read-write at `sandbox.workspace.path`, bound from a nosuid,nodev mount (`sandbox run` makes one when the
-  workspace is not already: diskfs.nosuid_bind; Docker's binds have no such option); the CA bundle,
-  `/etc/resolv.conf` (`nameserver <host_ip>`) and
-  `/etc/hosts` bind-mounted read-only;
+  workspace is not already: diskfs.nosuid_bind; Docker's binds have no such option); the CA bundle (at every
+  system trust path and as the OpenSSL hashed directory /etc/ssl/certs: truststore.py), `/etc/resolv.conf`
+  (`nameserver <host_ip>`) and `/etc/hosts` bind-mounted read-only;
 * `filesystem.deny` paths and the docker/containerd sockets are covered by an empty read-only file or
   directory (mode 000 / 555, owned by root); no docker.sock is ever mounted;
 * resources from `sandbox.resources` (runtimes/limits.py `docker_flags`, translated to HostConfig by
@@ -44,8 +44,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from egressgate.runtimes import dockermasks, records, sandbox_fs, seccompjson
-from egressgate.runtimes.base import CA_PATH_IN_SANDBOX, ExitInfo, Limit, RunSpec
+from egressgate.runtimes import dockermasks, records, sandbox_fs, seccompjson, truststore
+from egressgate.runtimes.base import ExitInfo, Limit, RunSpec
 from egressgate.runtimes.diskfs import DEFAULT_TMP_MAX_BYTES, tmpfs_options
 from egressgate.runtimes.dockerapi import (
     DEFAULT_DOCKER_HOST,
@@ -163,10 +163,14 @@ class DockerAdapter:
             if not key or "=" in key or "\0" in key or "\0" in value:
                 raise DockerError(f"environment variable {key!r} cannot be passed to docker ('=' or NUL)")
             env.append(f"{key}={value}")
+        # the trust store at every path the image's TLS libraries read by default (truststore.py), over
+        # whatever the image brought: its own roots are not the sandbox's trust
+        trust = truststore.host_tree(spec.ca_bundle.read_bytes(), run_dir / "certs", spec.state_dir)
         mounts = [
             bind(BUSYBOX, f"{INSIDE}/busybox"),
             bind(run_dir / "hold", f"{INSIDE}/hold"),
-            bind(spec.ca_bundle, CA_PATH_IN_SANDBOX),
+            bind(run_dir / "certs", truststore.HASHED_DIR),
+            *(bind(trust, path) for path in truststore.OTHER_FILES),
             bind(run_dir / "resolv.conf", "/etc/resolv.conf"),
             bind(run_dir / "hosts", "/etc/hosts"),
         ]
