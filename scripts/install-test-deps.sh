@@ -26,11 +26,22 @@ have docker-compose || need+=(docker-compose)
 dpkg-query -W -f='${Status}' linux-libc-dev 2>/dev/null | grep -q 'install ok installed' || need+=(linux-libc-dev)
 # tests/console: Playwright drives Debian's chromium at /usr/bin/chromium (no browser download)
 [ -x /usr/bin/chromium ] || need+=(chromium)
-[ ${#need[@]} -eq 0 ] && exit 0
-if [ "$(id -u)" != 0 ]; then
-  echo "missing Debian packages (run as root to install): ${need[*]}" >&2
-  exit 0
+# tests/runtimes/test_microvm.py: QEMU (no recommends: ~80 MiB), lz4 (the cloud kernel's compression), mkfs.ext4
+have qemu-system-x86_64 || need+=(qemu-system-x86)
+have lz4 || need+=(lz4)
+have mkfs.ext4 || need+=(e2fsprogs)
+if [ ${#need[@]} -gt 0 ]; then
+  if [ "$(id -u)" != 0 ]; then
+    echo "missing Debian packages (run as root to install): ${need[*]}" >&2
+    exit 0
+  fi
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
 fi
-export DEBIAN_FRONTEND=noninteractive
-apt-get update -qq
-apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+# the microvm runtime's guest kernel (Debian's cloud kernel, extracted), initramfs and root image, cached under
+# ~/.cache/egressgate/microvm (a no-op once built: ~45 s the first time)
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+if [ "$(id -u)" = 0 ] && [ -x "$ROOT/.venv/bin/egressgate" ] && have qemu-system-x86_64; then
+  "$ROOT/.venv/bin/egressgate" runtime image build >/dev/null
+fi

@@ -1,0 +1,451 @@
+"""`--runtime microvm`: the workload runs in its own guest kernel (QEMU's `microvm` machine) whose only NIC
+is a tap in the sandbox's network namespace.
+
+Lifecycle (runtimes/base.py): `prepare` creates the namespace (as netns does), resolves the kernel,
+initramfs and root image, creates the workspace image; run.py attaches the one plumbing (veth + nftables)
+to that namespace; `start` turns the namespace's end of the veth into a bridge port next to a tap (the
+guest then holds the /30's sandbox address itself, so the host table's rules apply to the guest's packets
+unchanged), and starts QEMU inside the namespace, as the run's uid, with no capability, under its seccomp
+sandbox, in the run's cgroup, dying with `sandbox run` (PDEATHSIG). The run itself (config, environment,
+argv, CA bundle, resolv.conf, hosts) goes to the guest over the virtio-serial port `eg.in`, never on a
+command line; the guest's init (init.sh) reports how the workload ended on `eg.status`; the workload's
+stdio are relayed between the caller's fds and the ports eg.stdin/eg.stdout/eg.stderr.
+
+What maps where: memory_mb → the workload's cgroup in the guest (memory.max; an OOM kill there is
+Limit.MEMORY) with guest RAM above it, and QEMU's host cgroup above that (run.py `_limits`); cpu_millis →
+vCPUs and the host cgroup's CPU quota; pids_max → the guest cgroup's pids.max; wall_time_seconds → the
+host kills QEMU; workspace.max_bytes → the size of the workspace image.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import io
+import math
+import os
+import re
+import shlex
+import signal
+import socket
+import struct
+import subprocess
+import tarfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from egressgate.runtimes import records, sandbox_fs
+from egressgate.runtimes.base import ExitInfo, Limit, RunSpec
+from egressgate.runtimes.diskfs import DEFAULT_TMP_MAX_BYTES
+from egressgate.runtimes.microvm import artifacts, image, qemu
+from egressgate.runtimes.netns import EXIT_PARENT_GONE, PR_SET_PDEATHSIG, delete_netns, netns_name
+from egressgate.runtimes.plumbing import in_netns, ip_batch
+
+TUNSETIFF = 0x400454CA
+IFF_TAP = 0x0002
+IFF_NO_PI = 0x1000
+TAP = "tap0"  # names inside the sandbox's own namespace: no clash with other runs
+BRIDGE = "br0"
+GUEST_OVERHEAD_MB = 96  # guest RAM above the workload's memory.max: kernel, init, page cache
+QEMU_OVERHEAD_MB = 256  # QEMU's host cgroup above guest RAM: translation cache, device state, QEMU itself
+DEFAULT_GUEST_MB = 512
+DEFAULT_WORKSPACE_BYTES = 1 << 30
+VM_DIR = "microvm"  # state_dir/microvm/<run_id>/: the run's workspace image (named in the run record)
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class GuestFailed(RuntimeError):
+    """The guest could not start the workload (its init said why, or QEMU ended without a word)."""
+
+
+def vm_dir(state_dir: Path, run_id: str) -> Path:
+    return state_dir / VM_DIR / run_id
+
+
+def sizes(resources: dict) -> tuple[int, int | None, int]:
+    """(guest RAM MiB, the workload's memory.max in MiB or None, vCPUs) for `sandbox.resources`."""
+    memory = resources.get("memory_mb")
+    guest = memory + GUEST_OVERHEAD_MB if memory else DEFAULT_GUEST_MB
+    cpu = resources.get("cpu_millis")
+    vcpus = max(1, min(math.ceil(cpu / 1000), os.cpu_count() or 1)) if cpu else 1
+    return guest, memory, vcpus
+
+
+def host_limits(resources: dict) -> dict[str, int]:
+    """QEMU's own cgroup (run.py `_limits`): always a memory ceiling (guest RAM + QEMU's overhead), the
+    policy's CPU quota. pids_max is enforced inside the guest (QEMU's threads are not the workload)."""
+    guest, _, _ = sizes(resources)
+    out = {"memory_mb": guest + QEMU_OVERHEAD_MB}
+    if resources.get("cpu_millis"):
+        out["cpu_millis"] = resources["cpu_millis"]
+    return out
+
+
+def _q(value: object) -> str:
+    return shlex.quote(str(value))
+
+
+def run_payload(spec: RunSpec, ws_path: str | None) -> bytes:
+    """The tar init.sh reads from eg.in (see its header)."""
+    sandbox = spec.policy.get("sandbox") or {}
+    resources = sandbox.get("resources") or {}
+    _, memory, _ = sizes(resources)
+    for key, value in spec.env.items():
+        if not ENV_NAME.match(key) or "\0" in value:
+            raise ValueError(f"environment variable {key!r} cannot be passed to the guest (not a shell name, or NUL)")
+    for word in spec.command:
+        if "\0" in word:
+            raise ValueError("a command word contains NUL")
+    hostname = str(sandbox.get("name") or "sandbox")[:63]
+    config = {
+        "EG_IP": spec.address.sandbox_ip,
+        "EG_GW": spec.address.host_ip,
+        "EG_PREFIX": spec.address.prefix_len,
+        "EG_HOSTNAME": re.sub(r"[^A-Za-z0-9.-]", "-", hostname) or "sandbox",
+        "EG_UID": spec.uid,
+        "EG_GID": spec.gid,
+        "EG_WS": ws_path or "",
+        "EG_CWD": ws_path or "/tmp",  # noqa: S108
+        "EG_TMP_BYTES": int((sandbox.get("tmp") or {}).get("max_bytes") or DEFAULT_TMP_MAX_BYTES),
+        "EG_MEM_BYTES": memory * 1024 * 1024 if memory else "",
+        "EG_PIDS_MAX": resources.get("pids_max") or "",
+        "EG_ROOT_RW": "1" if sandbox.get("root_fs") == "read_write" else "",
+    }
+    users, groups = sandbox_fs.passwd(spec.uid, spec.gid)
+    deny = [os.path.normpath(p) for p in (spec.policy.get("filesystem") or {}).get("deny") or []]
+    files = {
+        "config": "".join(f"{k}={_q(v)}\n" for k, v in config.items()).encode(),
+        "env": "".join(f"export {k}={_q(v)}\n" for k, v in spec.env.items()).encode(),
+        "argv": ("set -- " + " ".join(_q(w) for w in spec.command) + "\n").encode(),
+        "deny": "".join(f"{p}\n" for p in deny if p.startswith("/") and "\n" not in p).encode(),
+        "ca.pem": spec.ca_bundle.read_bytes(),
+        "resolv.conf": f"nameserver {spec.address.host_ip}\noptions edns0\n".encode(),
+        "hosts": f"127.0.0.1\tlocalhost\n{spec.address.sandbox_ip}\t{config['EG_HOSTNAME']}\n".encode(),
+        "passwd": users,
+        "group": groups,
+    }
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            info.mode = 0o600
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def parse_status(line: str) -> ExitInfo:
+    """init.sh's `exit RC oom N pids N full N` → ExitInfo; `setup-failed ...` → GuestFailed."""
+    words = line.split()
+    if words[:1] == ["setup-failed"]:
+        raise GuestFailed("the guest could not start the workload: " + " ".join(words[1:]))
+    if len(words) != 8 or words[0::2] != ["exit", "oom", "pids", "full"] or not all(w.isdigit() for w in words[1::2]):
+        raise GuestFailed(f"the guest reported an unreadable status: {line[:200]!r}")
+    rc, oom, pids, full = (int(w) for w in words[1::2])
+    limit = Limit.MEMORY if oom else Limit.PIDS if pids else Limit.WORKSPACE_BYTES if full else None
+    if rc > 128 and rc - 128 < 65:  # the shell's 128+N: killed by signal N
+        return ExitInfo(status=None, signal=rc - 128, limit=limit)
+    return ExitInfo(status=rc, limit=limit)
+
+
+def make_workspace_image(path: Path, content: Path, size: int, uid: int, gid: int) -> None:
+    """A sparse ext4 image of `size` bytes holding `content`, its root owned by the run's uid (no journal:
+    it lives for one run; mounted nosuid,nodev in the guest)."""
+    res = subprocess.run(
+        [
+            "mkfs.ext4",
+            "-q",
+            "-F",
+            "-m",
+            "0",
+            "-O",
+            "^has_journal",
+            "-E",
+            f"root_owner={uid}:{gid},nodiscard",
+            "-d",
+            str(content),
+            str(path),
+            f"{max(size // 1024, 1024)}k",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+    )
+    if res.returncode != 0:
+        raise RuntimeError(f"mkfs.ext4 for the workspace image failed: {res.stderr.strip()[-300:]}")
+
+
+class MicrovmAdapter:
+    """QEMU microvm in a prepared network namespace (see the module docstring)."""
+
+    name = "microvm"
+
+    def __init__(self) -> None:
+        self.spec: RunSpec | None = None
+        self.ns: str | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.preexec: Callable[[], None] | None = None  # run.py: QEMU's host cgroup
+        self.accel = "tcg"
+        self.kernel: Path | None = None
+        self.initrd: Path | None = None
+        self.root: Path | None = None
+        self.ws_image: Path | None = None
+        self.ws_path: str | None = None
+        self._ours: dict[str, socket.socket] = {}
+        self._relays: list[threading.Thread] = []
+        self._stderr = b""
+
+    # ------------------------------------------------------------------------------ prepare
+    def prepare(self, spec: RunSpec) -> None:
+        self.spec = spec
+        sandbox = spec.policy.get("sandbox") or {}
+        if sandbox_fs.host_allow_entries(spec.policy):
+            raise RuntimeError(
+                "the microvm runtime gives the guest no host path but the workspace: the policy's "
+                "filesystem.allow host paths cannot be honoured (use the netns or docker runtime)"
+            )
+        ns = netns_name(spec.run_id)
+        directory = vm_dir(spec.state_dir, spec.run_id)
+        records.update(spec.state_dir, spec.run_id, netns=ns, vm_dir=str(directory))  # before they exist
+        kernel = artifacts.kernel_dir()
+        if kernel is None:
+            raise RuntimeError("no microvm guest kernel: run `egressgate runtime image build` first")
+        self.kernel = kernel / "vmlinux"
+        self.initrd = artifacts.initramfs(kernel)
+        self.root = image.resolve(spec.image)
+        res = subprocess.run(["ip", "netns", "add", ns], capture_output=True, text=True, check=False, timeout=30)
+        if res.returncode != 0:
+            raise RuntimeError(f"ip netns add {ns} failed: {res.stderr.strip()}")
+        self.ns = ns
+        self.ws_path = (sandbox.get("workspace") or {}).get("path") if spec.workspace is not None else None
+        if self.ws_path:
+            assert spec.workspace is not None
+            (spec.state_dir / VM_DIR).mkdir(mode=0o700, exist_ok=True)
+            directory.mkdir(mode=0o700, exist_ok=True)
+            self.ws_image = directory / "workspace.img"
+            size = int((sandbox.get("workspace") or {}).get("max_bytes") or DEFAULT_WORKSPACE_BYTES)
+            make_workspace_image(self.ws_image, spec.workspace, size, spec.uid, spec.gid)
+        self.accel = qemu.accel(self.kernel, self.initrd, artifacts.cache_dir() / "accel.json")
+
+    def netns_path(self) -> str:
+        assert self.ns is not None, "prepare() first"
+        return f"/run/netns/{self.ns}"
+
+    # ------------------------------------------------------------------------------ start
+    def _tap(self) -> int:
+        """In the sandbox namespace: a tap (its fd goes to QEMU; the device dies with QEMU) bridged with
+        the veth end plumbing configured, whose address moves to the guest."""
+        a = self.spec.address  # type: ignore[union-attr]
+        fd = os.open("/dev/net/tun", os.O_RDWR | os.O_CLOEXEC)
+        try:
+            fcntl.ioctl(fd, TUNSETIFF, struct.pack("16sH", TAP.encode(), IFF_TAP | IFF_NO_PI))
+            ip_batch(
+                [
+                    f"link add {BRIDGE} type bridge",
+                    f"link set dev {BRIDGE} addrgenmode none",
+                    f"addr flush dev {a.sandbox_if}",
+                    f"link set {a.sandbox_if} master {BRIDGE}",
+                    f"link set dev {TAP} addrgenmode none",
+                    f"link set {TAP} master {BRIDGE}",
+                    f"link set {TAP} up",
+                    f"link set {BRIDGE} up",
+                ]
+            )
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _child_setup(self) -> None:
+        """In QEMU's child before exec: the sandbox namespace, the host cgroup, the run's uid (and the kvm
+        group when KVM is used), death with `sandbox run`."""
+        fd = os.open(self.netns_path(), os.O_RDONLY)
+        os.setns(fd, os.CLONE_NEWNET)
+        os.close(fd)
+        if self.preexec is not None:
+            self.preexec()
+        os.setgroups(self._groups)
+        os.setresgid(self._gid, self._gid, self._gid)
+        os.setresuid(self._uid, self._uid, self._uid)
+        self._prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != self._parent:
+            os._exit(EXIT_PARENT_GONE)
+
+    def start(self) -> None:
+        spec = self.spec
+        assert spec is not None and self.kernel and self.initrd and self.root, "prepare() first"
+        import ctypes
+
+        self._prctl = ctypes.CDLL(None, use_errno=True).prctl
+        self._parent = os.getpid()
+        self._uid, self._gid = spec.uid, spec.gid
+        self._groups = [os.stat("/dev/kvm").st_gid] if self.accel == "kvm" else []
+        payload = run_payload(spec, self.ws_path)
+        sandbox = spec.policy.get("sandbox") or {}
+        guest_mb, _, vcpus = sizes(sandbox.get("resources") or {})
+        tap = in_netns(self.netns_path(), self._tap)
+        opened = [tap]
+        pairs = {name: socket.socketpair() for name in qemu.PORTS}
+        try:
+            opened += [os.open(path, os.O_RDONLY | os.O_CLOEXEC) for path in (self.kernel, self.initrd, self.root)]
+            ws = ws_ro = None
+            if self.ws_image is not None:
+                ws = os.open(self.ws_image, os.O_RDWR | os.O_CLOEXEC)
+                opened.append(ws)
+                ws_ro = os.open(self.ws_image, os.O_RDONLY | os.O_CLOEXEC)
+                opened.append(ws_ro)
+            fds = qemu.Fds(
+                kernel=opened[1],
+                initrd=opened[2],
+                root=opened[3],
+                workspace=ws,
+                workspace_ro=ws_ro,
+                tap=tap,
+                ports={name: pair[1].fileno() for name, pair in pairs.items()},
+            )
+            argv = qemu.argv(fds, self.accel, guest_mb, vcpus, qemu.mac_of(spec.run_id))
+            self.proc = subprocess.Popen(
+                argv,
+                pass_fds=[*opened, *fds.ports.values()],
+                env={},
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                preexec_fn=self._child_setup,
+                cwd="/",
+            )
+        finally:
+            for fd in opened:
+                os.close(fd)
+            for _, theirs in pairs.values():
+                theirs.close()
+        self._ours = {name: pair[0] for name, pair in pairs.items()}
+        records.update(spec.state_dir, spec.run_id, workload_pid=self.proc.pid, accel=self.accel)
+        from egressgate.runtimes.run import log
+
+        what = (
+            "hardware virtualization"
+            if self.accel == "kvm"
+            else "software emulation: a separate guest kernel, no hardware isolation"
+        )
+        log(f"microvm: QEMU {self.accel.upper()} ({what}), {guest_mb} MiB, {vcpus} vCPU")
+        self._relay(self._send_payload, payload)
+        self._relay(self._pump_out, "eg.stdout", 1)
+        self._relay(self._pump_out, "eg.stderr", 2)
+        self._relay(self._pump_in)
+        self._relay(self._read_stderr)
+
+    def _relay(self, fn: Callable[..., None], *args: object) -> None:
+        thread = threading.Thread(target=fn, args=args, daemon=True, name=f"egressgate-vm-{fn.__name__}")
+        thread.start()
+        self._relays.append(thread)
+
+    def _send_payload(self, payload: bytes) -> None:
+        sock = self._ours["eg.in"]
+        with contextlib.suppress(OSError):
+            sock.sendall(payload)
+            sock.shutdown(socket.SHUT_WR)
+
+    def _pump_out(self, name: str, fd: int) -> None:
+        sock = self._ours[name]
+        with contextlib.suppress(OSError):
+            while chunk := sock.recv(65536):
+                view = memoryview(chunk)
+                while view:
+                    view = view[os.write(fd, view) :]
+
+    def _pump_in(self) -> None:
+        """The caller's stdin to the guest; its EOF becomes the port's (QEMU drops the connection)."""
+        sock = self._ours["eg.stdin"]
+        with contextlib.suppress(OSError):
+            while chunk := os.read(0, 65536):
+                sock.sendall(chunk)
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_WR)
+
+    def _read_stderr(self) -> None:
+        assert self.proc is not None and self.proc.stderr is not None
+        with contextlib.suppress(OSError, ValueError):
+            for line in self.proc.stderr:
+                self._stderr = (self._stderr + line)[-4000:]
+
+    # ------------------------------------------------------------------------------ wait / kill
+    def _status(self, deadline: float | None) -> str | None:
+        sock = self._ours["eg.status"]
+        got = b""
+        while b"\n" not in got:
+            timeout = None if deadline is None else deadline - time.monotonic()
+            if timeout is not None and timeout <= 0:
+                raise TimeoutError
+            sock.settimeout(timeout)
+            try:
+                chunk = sock.recv(4096)
+            except TimeoutError:
+                raise
+            except OSError:
+                chunk = b""
+            if not chunk:
+                return None
+            got += chunk
+        return got.split(b"\n", 1)[0].decode(errors="replace")
+
+    def wait(self, deadline: float | None) -> ExitInfo:
+        assert self.proc is not None, "start() first"
+        try:
+            line = self._status(deadline)
+        except TimeoutError:
+            self.kill()
+            self.proc.wait()
+            self._join()
+            return ExitInfo(status=None, signal=signal.SIGKILL, limit=Limit.WALL_TIME)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=30)  # the guest reboots right after its status line
+        self.kill()
+        self.proc.wait()
+        self._join()
+        if line is None:
+            rc = self.proc.returncode
+            if rc < 0:
+                return ExitInfo(status=None, signal=-rc)
+            detail = self._stderr.decode(errors="replace").strip().splitlines()[-3:]
+            raise GuestFailed(
+                f"QEMU ended ({rc}) before the guest reported a status" + (f": {' | '.join(detail)}" if detail else "")
+            )
+        return parse_status(line)
+
+    def _join(self) -> None:
+        for thread in self._relays:
+            if thread.name != "egressgate-vm-_pump_in":  # blocked on the caller's stdin: left behind
+                thread.join(10)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()
+
+    def teardown(self) -> None:
+        self.kill()
+        if self.proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=10)
+        for sock in self._ours.values():
+            sock.close()
+        if self.spec is not None:
+            remove_vm_dir(self.spec.state_dir, self.spec.run_id)
+        if self.ns is not None:
+            delete_netns(self.ns)
+            self.ns = None
+
+
+def remove_vm_dir(state_dir: Path, run_id: str) -> bool:
+    """The run's workspace image and its directory (teardown, watchdog, gc); False when absent."""
+    import shutil
+
+    directory = vm_dir(state_dir, run_id)
+    if not directory.is_dir():
+        return False
+    shutil.rmtree(directory, ignore_errors=True)
+    return True
