@@ -26,22 +26,25 @@ die() {
     sleep 10
 }
 
-# the virtio ports appear asynchronously (the host announces them after the driver's probe)
-port() {
+# the virtio ports appear asynchronously (the host announces them after the driver's probe); shell
+# builtins only in this loop (every fork+exec costs milliseconds under TCG)
+STATUS= IN= OUT= ERR= INP= i=0
+while :; do
     for p in /sys/class/virtio-ports/*; do
-        [ "$(cat "$p/name" 2>/dev/null)" = "$1" ] && { echo "/dev/${p##*/}"; return 0; }
+        [ -r "$p/name" ] || continue
+        read -r name < "$p/name" || continue
+        case $name in
+            eg.status) STATUS=/dev/${p##*/} ;; eg.in) IN=/dev/${p##*/} ;; eg.stdout) OUT=/dev/${p##*/} ;;
+            eg.stderr) ERR=/dev/${p##*/} ;; eg.stdin) INP=/dev/${p##*/} ;;
+        esac
     done
-    return 1
-}
-i=0
-while ! STATUS=$(port eg.status) || ! IN=$(port eg.in) || ! OUT=$(port eg.stdout) \
-        || ! ERR=$(port eg.stderr) || ! INP=$(port eg.stdin); do
+    [ -c "$STATUS" ] && [ -c "$IN" ] && [ -c "$OUT" ] && [ -c "$ERR" ] && [ -c "$INP" ] && break
     i=$((i + 1)); [ $i -gt 3000 ] && die "virtio ports missing"
     usleep 2000
 done
-while [ ! -c "$STATUS" ] || [ ! -c "$IN" ] || [ ! -c "$OUT" ] || [ ! -c "$ERR" ] || [ ! -c "$INP" ]; do usleep 2000; done
 
-case " $(cat /proc/cmdline) " in
+read -r cmdline < /proc/cmdline
+case " $cmdline " in
     *" egressgate.probe=1 "*) echo "probe-ok" > "$STATUS"; reboot -f; sleep 10 ;;
 esac
 
@@ -68,10 +71,10 @@ mount -t overlay -o "lowerdir=/mnt/lower,upperdir=/mnt/upper/u,workdir=/mnt/uppe
     || die "cannot mount the overlay root"
 R=/newroot
 mkdir -p "$R/etc/egressgate" "$R/tmp" "$R/proc" "$R/dev" "$R/sys" "$R/run"
-for f in resolv.conf hosts passwd group; do
-    rm -f "$R/etc/$f"; cp "/run/eg/$f" "$R/etc/$f"; chmod 0444 "$R/etc/$f"
-done
-cp /run/eg/ca.pem "$R/etc/egressgate/ca.pem"; chmod 0444 "$R/etc/egressgate/ca.pem"
+rm -f "$R/etc/resolv.conf" "$R/etc/hosts" "$R/etc/passwd" "$R/etc/group"
+cp /run/eg/resolv.conf /run/eg/hosts /run/eg/passwd /run/eg/group "$R/etc/"
+cp /run/eg/ca.pem "$R/etc/egressgate/ca.pem"
+chmod 0444 "$R/etc/resolv.conf" "$R/etc/hosts" "$R/etc/passwd" "$R/etc/group" "$R/etc/egressgate/ca.pem"
 [ -n "$EG_WS" ] && mkdir -p "$R$EG_WS"
 # sandbox.root_fs read_write: writes land in the tmpfs upper layer and die with the guest
 [ -z "$EG_ROOT_RW" ] && { mount -o remount,ro "$R" || die "cannot make the root read-only"; }
@@ -121,14 +124,15 @@ sh -c '
 ' sh "$EG_CWD" "$EG_UID" "$EG_GID" < "$INP" > "$OUT" 2> "$ERR" &
 wait $!
 rc=$?
-oom=$(sed -n 's/^oom_kill //p' "$W/memory.events")
-pmax=$(sed -n 's/^max //p' "$W/pids.events")
+oom=0 pmax=0
+while read -r k v; do [ "$k" = oom_kill ] && oom=$v; done < "$W/memory.events"
+while read -r k v; do [ "$k" = max ] && pmax=$v; done < "$W/pids.events"
 full=0
 if [ -n "$EG_WS" ]; then
     avail=$(stat -f -c %a "$R$EG_WS")
     [ "$avail" -le 1 ] && full=1
 fi
-echo "exit $rc oom ${oom:-0} pids ${pmax:-0} full $full" > "$STATUS"
+echo "exit $rc oom $oom pids $pmax full $full" > "$STATUS"
 echo 1 > "$W/cgroup.kill"
 [ -n "$EG_WS" ] && umount "$R$EG_WS"
 sync
