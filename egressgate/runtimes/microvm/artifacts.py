@@ -66,6 +66,10 @@ def fetch_kernel(base: Path | None = None) -> Path:
     base.mkdir(parents=True, exist_ok=True)
     deps = _run(["apt-cache", "depends", KERNEL_PACKAGE]).stdout.decode()
     match = re.search(r"Depends: (linux-image-[0-9][^\s]*)", deps)
+    if match is None and os.geteuid() == 0:  # a fresh machine's empty package lists: fetch them once
+        _run(["apt-get", "update", "-qq"])
+        deps = _run(["apt-cache", "depends", KERNEL_PACKAGE]).stdout.decode()
+        match = re.search(r"Depends: (linux-image-[0-9][^\s]*)", deps)
     if match is None:
         raise ArtifactError(f"apt-cache knows no kernel for {KERNEL_PACKAGE} (run apt-get update)")
     package = match.group(1)
