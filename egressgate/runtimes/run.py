@@ -266,7 +266,7 @@ class Run:
     def _limits(self, resources: dict[str, Any]) -> None:
         wanted = {k: v for k, v in resources.items() if k in ("memory_mb", "pids_max", "cpu_millis") and v}
         if self.req.runtime == "microvm":  # QEMU's own cgroup, always (the guest enforces the workload's)
-            from egressgate.runtimes.microvm.adapter import host_limits
+            from egressgate.runtimes.microvm.guest import host_limits
 
             wanted = host_limits(resources)
         elif not wanted or self.req.runtime != "netns":  # containers get docker flags from their adapter

@@ -14,7 +14,7 @@ import pytest
 
 from egressgate.runtimes.base import ExitInfo, Limit, RunSpec, SandboxAddress
 from egressgate.runtimes.microvm import artifacts, qemu
-from egressgate.runtimes.microvm.adapter import GuestFailed, parse_status, run_payload, sizes
+from egressgate.runtimes.microvm.guest import GuestFailed, parse_status, run_payload, sizes
 
 BUSYBOX = "/bin/busybox"
 HOSTILE = {
