@@ -241,9 +241,6 @@ class Run:
         uid = self.uid  # every mount is the run's own (runtimes/identity.py), never the shared 65534
         self.disks = DiskLimits(self.run_id, self.info.state_dir)
         if self.req.runtime == "microvm":  # the workspace is an image of max_bytes, /tmp the guest's tmpfs
-            if self.temp_workspace is None and workspace is not None:
-                raise SetupFailed("the microvm runtime does not take a persistent --workspace yet (its workspace "
-                                  "is an image that lives for one run); use netns, docker or gvisor for that")
             return None
         try:
             max_bytes = ws_policy.get("max_bytes")

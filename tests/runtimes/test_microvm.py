@@ -11,7 +11,7 @@ costs seconds under TCG):
    the exit status passes through. The positive control for the network (the same attempts from the
    world's `open` namespace reach the canaries) is test_netns_escape's, repeated here.
 2. stdin, stdout and stderr are the caller's; a signal that kills the workload passes through (128+N); the
-   revocation record carries egressgate.run.accel.
+   revocation record carries egressgate.run.accel; a persistent --workspace goes in and comes back.
 3. memory_mb: allocating past it ends the run with 121 (an allocation below it succeeded first).
 4. SIGKILL of `sandbox run` mid-run: the watchdog leaves no QEMU, tap/veth, namespace, table, cgroup,
    workspace image or run record, and revokes the sandbox.
@@ -40,6 +40,7 @@ from tests.runtimes.harness import (
     SAFETY_NPROC,
     Canary,
     Gateway,
+    base_dir,
     remove,
     running_gateway,
     runtime_policy,
@@ -91,17 +92,28 @@ def _limits() -> None:
     resource.setrlimit(resource.RLIMIT_NPROC, (SAFETY_NPROC, SAFETY_NPROC))
 
 
-def vm_argv(gateway: Gateway, policy: str, *command: str) -> list[str]:
+def vm_argv(gateway: Gateway, policy: str, *command: str, workspace: Path | None = None) -> list[str]:
+    extra = ["--workspace", str(workspace)] if workspace else []
     return gateway.cmd(
-        "sandbox", "run", "--config", str(gateway.config), "--policy", policy, "--runtime", "microvm", "--", *command
+        "sandbox",
+        "run",
+        "--config",
+        str(gateway.config),
+        "--policy",
+        policy,
+        "--runtime",
+        "microvm",
+        *extra,
+        "--",
+        *command,
     )
 
 
 def run_vm(
-    gateway: Gateway, policy: str, *command: str, stdin: str = "", timeout: float = 240
+    gateway: Gateway, policy: str, *command: str, stdin: str = "", timeout: float = 240, workspace: Path | None = None
 ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        vm_argv(gateway, policy, *command),
+        vm_argv(gateway, policy, *command, workspace=workspace),
         input=stdin,
         capture_output=True,
         text=True,
@@ -231,18 +243,28 @@ def test_escape_probe_inside_the_guest(gateway: Gateway, host_files: Path, canar
     assert canaries["dot"].hits and canaries["quic"].hits
 
 
-def test_stdio_and_signal_pass_through(gateway: Gateway) -> None:
-    res = run_vm(
-        gateway,
-        "mv-allow",
-        "/bin/sh",
-        "-c",
-        'read line; echo "got:$line"; echo to-stderr >&2; kill -TERM $$',
-        stdin="hello from the caller\n",
+def test_stdio_signal_and_a_persistent_workspace(gateway: Gateway) -> None:
+    """stdin/stdout/stderr are the caller's, a signal passes through (128+N), the audit record names the
+    accelerator, and a persistent --workspace comes in (the file the operator left) and goes back (what the
+    workload changed), its absolute symlink left out by the copy-back's filter."""
+    ws = base_dir("/var/tmp")
+    (ws / "in.txt").write_text("from the operator\n")
+    script = (
+        'read line; echo "got:$line"; cat /workspace/in.txt; echo made > /workspace/out.txt; rm /workspace/in.txt; '
+        "mkdir /workspace/sub; echo deep > /workspace/sub/f; ln -s /etc/passwd /workspace/abs; "
+        "echo to-stderr >&2; kill -TERM $$"
     )
-    assert res.returncode == 128 + signal.SIGTERM, res.stdout + res.stderr
-    assert res.stdout == "got:hello from the caller\n"
-    assert "to-stderr" in res.stderr
+    try:
+        res = run_vm(gateway, "mv-allow", "/bin/sh", "-c", script, stdin="hello from the caller\n", workspace=ws)
+        assert res.returncode == 128 + signal.SIGTERM, res.stdout + res.stderr
+        assert res.stdout == "got:hello from the caller\nfrom the operator\n"
+        assert "to-stderr" in res.stderr
+        assert sorted(p.name for p in ws.iterdir()) == ["out.txt", "sub"], res.stderr
+        assert (ws / "out.txt").read_text() == "made\n" and (ws / "sub" / "f").read_text() == "deep\n"
+        assert (ws / "out.txt").stat().st_uid == 0  # given back to root, as every runtime leaves it
+        assert "refused (left out): ./abs" in res.stderr
+    finally:
+        remove(ws)
     sid = sandbox_id(res.stderr)
     (revocation,) = revocations(gateway, sid)
     accel = revocation["egressgate.run.accel"]

@@ -135,3 +135,45 @@ def test_initramfs_is_a_newc_archive(tmp_path: Path) -> None:
     subprocess.run([BUSYBOX, "cpio", "-id"], stdin=out.open("rb"), cwd=extract, capture_output=True, check=True)
     assert (extract / "init").read_bytes() == artifacts.INIT.read_bytes()
     assert (extract / "bin" / "sh").is_symlink()
+
+
+def hostile_tar(path: Path, escape: Path) -> None:
+    """What an exploited guest kernel could send back as a workspace: a path out of the tree, a link out of
+    it, a set-id file, a device, next to ordinary content."""
+    with tarfile.open(path, "w") as tar:
+
+        def add(name: str, data: bytes = b"", **fields: object) -> None:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            for key, value in fields.items():
+                setattr(info, key, value)
+            tar.addfile(info, io.BytesIO(data) if data else None)
+
+        add("./ok.txt", b"fine\n", uid=70001, gid=70001)
+        add(f"./../{escape.name}", b"escaped\n")
+        add("./out", type=tarfile.SYMTYPE, linkname="../")
+        add("./suid", b"#!/bin/sh\n", mode=0o4755)
+        add("./dev", type=tarfile.CHRTYPE, devmajor=1, devminor=3)
+        add("./lost+found", type=tarfile.DIRTYPE)
+
+
+def test_copy_back_keeps_the_guest_inside_the_workspace(tmp_path: Path) -> None:
+    from egressgate.runtimes.microvm import export
+
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
+    (workspace / "old.txt").write_text("before the run\n")
+    escape = tmp_path / "escaped.txt"
+    spool = tmp_path / "export.tar"
+    hostile_tar(spool, escape)
+    count, skipped = export.sync_back(spool, workspace, "0123456789", had_lost_found=False)
+    assert sorted(p.name for p in workspace.iterdir()) == ["ok.txt", "suid"]  # old content replaced
+    assert set(skipped) == {f"./../{escape.name}", "./out", "./dev"} and count == 2
+    assert not escape.exists()
+    assert (workspace / "suid").stat().st_mode & 0o7000 == 0 and (workspace / "ok.txt").stat().st_uid == 0
+    # positive control: the same archive extracted without the filter writes outside the workspace
+    control = tmp_path / "control" / "ws"
+    control.mkdir(parents=True)
+    with tarfile.open(spool) as tar:
+        tar.extractall(control, members=[m for m in tar if m.name.endswith("escaped.txt")], filter="fully_trusted")  # noqa: S202
+    assert (tmp_path / "control" / "escaped.txt").read_text() == "escaped\n"

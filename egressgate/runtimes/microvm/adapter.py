@@ -26,6 +26,7 @@ import signal
 import socket
 import struct
 import subprocess
+import tarfile
 import threading
 import time
 from collections.abc import Callable
@@ -33,7 +34,7 @@ from pathlib import Path
 
 from egressgate.runtimes import records, sandbox_fs
 from egressgate.runtimes.base import ExitInfo, Limit, RunSpec
-from egressgate.runtimes.microvm import artifacts, image, qemu
+from egressgate.runtimes.microvm import artifacts, export, image, qemu
 from egressgate.runtimes.microvm.guest import GuestFailed, make_workspace_image, parse_status, run_payload, sizes
 from egressgate.runtimes.netns import EXIT_PARENT_GONE, PR_SET_PDEATHSIG, delete_netns, netns_name
 from egressgate.runtimes.plumbing import in_netns, ip_batch
@@ -70,6 +71,10 @@ class MicrovmAdapter:
         self._ours: dict[str, socket.socket] = {}
         self._relays: list[threading.Thread] = []
         self._stderr = b""
+        self.persistent = False
+        self._had_lost_found = False
+        self._export_limit = 0
+        self._export_overflow = False
 
     # ------------------------------------------------------------------------------ prepare
     def prepare(self, spec: RunSpec) -> None:
@@ -101,6 +106,11 @@ class MicrovmAdapter:
             self.ws_image = directory / "workspace.img"
             size = int((sandbox.get("workspace") or {}).get("max_bytes") or DEFAULT_WORKSPACE_BYTES)
             make_workspace_image(self.ws_image, spec.workspace, size, spec.uid, spec.gid)
+            # a persistent --workspace (not the run's temporary one) comes back as a tar at a clean end
+            temporary = spec.state_dir / "workspaces" / spec.run_id
+            self.persistent = spec.workspace.resolve() != temporary.resolve()
+            self._had_lost_found = (spec.workspace / export.MKFS_ONLY).exists()
+            self._export_limit = export.limit_for(size)
         self.accel = qemu.accel(self.kernel, self.initrd, artifacts.cache_dir() / "accel.json")
 
     def netns_path(self) -> str:
@@ -156,7 +166,7 @@ class MicrovmAdapter:
         self._parent = os.getpid()
         self._uid, self._gid = spec.uid, spec.gid
         self._groups = [os.stat("/dev/kvm").st_gid] if self.accel == "kvm" else []
-        payload = run_payload(spec, self.ws_path)
+        payload = run_payload(spec, self.ws_path, export=self.persistent)
         sandbox = spec.policy.get("sandbox") or {}
         guest_mb, _, vcpus = sizes(sandbox.get("resources") or {})
         tap = in_netns(self.netns_path(), self._tap)
@@ -210,6 +220,7 @@ class MicrovmAdapter:
         self._relay(self._pump_out, "eg.stderr", 2)
         self._relay(self._pump_in)
         self._relay(self._read_stderr)
+        self._relay(self._spool_export)
 
     def _relay(self, fn: Callable[..., None], *args: object) -> None:
         thread = threading.Thread(target=fn, args=args, daemon=True, name=f"egressgate-vm-{fn.__name__}")
@@ -238,6 +249,51 @@ class MicrovmAdapter:
                 sock.sendall(chunk)
         with contextlib.suppress(OSError):
             sock.shutdown(socket.SHUT_WR)
+
+    def _spool_export(self) -> None:
+        """eg.out (a persistent workspace's tar) into a bounded spool file; always drained, so a guest
+        writing more than the bound is never blocked (the copy-back is then refused)."""
+        assert self.spec is not None
+        sock = self._ours["eg.out"]
+        spool = vm_dir(self.spec.state_dir, self.spec.run_id) / "export.tar"
+        written = 0
+        with contextlib.suppress(OSError):
+            fh = open(spool, "wb") if self.persistent else None  # noqa: SIM115 - closed below
+            try:
+                while chunk := sock.recv(1 << 16):
+                    written += len(chunk)
+                    if fh is not None and written <= self._export_limit:
+                        fh.write(chunk)
+                    else:
+                        self._export_overflow = self.persistent
+            finally:
+                if fh is not None:
+                    fh.close()
+
+    def _copy_back(self) -> None:
+        """A clean end of a persistent workspace's run: its content from the guest's tar (export.py)."""
+        from egressgate.runtimes.run import log
+
+        assert self.spec is not None and self.spec.workspace is not None
+        if self._export_overflow:
+            log(
+                f"the workspace tar from the guest exceeded {self._export_limit} bytes; {self.spec.workspace} "
+                "keeps its content from before the run"
+            )
+            return
+        spool = vm_dir(self.spec.state_dir, self.spec.run_id) / "export.tar"
+        try:
+            count, skipped = export.sync_back(spool, self.spec.workspace, self.spec.run_id, self._had_lost_found)
+        except (OSError, tarfile.TarError) as exc:
+            log(
+                f"the workspace from the guest was refused ({type(exc).__name__}: {exc}); "
+                f"{self.spec.workspace} keeps its content from before the run"
+            )
+            return
+        log(
+            f"workspace {self.spec.workspace}: {count} entries copied back from the guest"
+            + (f"; refused (left out): {', '.join(skipped[:5])}" if skipped else "")
+        )
 
     def _read_stderr(self) -> None:
         assert self.proc is not None and self.proc.stderr is not None
@@ -287,7 +343,10 @@ class MicrovmAdapter:
             raise GuestFailed(
                 f"QEMU ended ({rc}) before the guest reported a status" + (f": {' | '.join(detail)}" if detail else "")
             )
-        return parse_status(line)
+        result = parse_status(line)
+        if self.persistent:
+            self._copy_back()
+        return result
 
     def _join(self) -> None:
         for thread in self._relays:

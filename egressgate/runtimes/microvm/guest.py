@@ -50,7 +50,7 @@ def _q(value: object) -> str:
     return shlex.quote(str(value))
 
 
-def run_payload(spec: RunSpec, ws_path: str | None) -> bytes:
+def run_payload(spec: RunSpec, ws_path: str | None, export: bool = False) -> bytes:
     """The tar init.sh reads from eg.in (see its header)."""
     sandbox = spec.policy.get("sandbox") or {}
     resources = sandbox.get("resources") or {}
@@ -75,6 +75,7 @@ def run_payload(spec: RunSpec, ws_path: str | None) -> bytes:
         "EG_MEM_BYTES": memory * 1024 * 1024 if memory else "",
         "EG_PIDS_MAX": resources.get("pids_max") or "",
         "EG_ROOT_RW": "1" if sandbox.get("root_fs") == "read_write" else "",
+        "EG_WS_EXPORT": "1" if export and ws_path else "",
     }
     users, groups = sandbox_fs.passwd(spec.uid, spec.gid)
     deny = [os.path.normpath(p) for p in (spec.policy.get("filesystem") or {}).get("deny") or []]

@@ -6,7 +6,8 @@
 # (`export K='V'` lines: exactly admission's environment), `argv` (`set -- ...`), and the files the sandbox
 # sees read-only (ca.pem, resolv.conf, hosts, passwd, group). Nothing of it is on the kernel command line
 # (the QEMU command line is world-readable on the host). The workload's stdio are the ports eg.stdin,
-# eg.stdout, eg.stderr; its end is written to eg.status as one line, then the guest powers off.
+# eg.stdout, eg.stderr; its end is written to eg.status as one line (after a persistent workspace went back
+# as a tar on eg.out), then the guest powers off.
 #
 # The sandbox the workload sees: the root image read-only (an overlay whose upper layer only holds the
 # generated files, remounted read-only), a private tmpfs /tmp, the workspace image at its path, a minimal
@@ -28,17 +29,17 @@ die() {
 
 # the virtio ports appear asynchronously (the host announces them after the driver's probe); shell
 # builtins only in this loop (every fork+exec costs milliseconds under TCG)
-STATUS= IN= OUT= ERR= INP= i=0
+STATUS= IN= OUT= ERR= INP= EXP= i=0
 while :; do
     for p in /sys/class/virtio-ports/*; do
         [ -r "$p/name" ] || continue
         read -r name < "$p/name" || continue
         case $name in
             eg.status) STATUS=/dev/${p##*/} ;; eg.in) IN=/dev/${p##*/} ;; eg.stdout) OUT=/dev/${p##*/} ;;
-            eg.stderr) ERR=/dev/${p##*/} ;; eg.stdin) INP=/dev/${p##*/} ;;
+            eg.stderr) ERR=/dev/${p##*/} ;; eg.stdin) INP=/dev/${p##*/} ;; eg.out) EXP=/dev/${p##*/} ;;
         esac
     done
-    [ -c "$STATUS" ] && [ -c "$IN" ] && [ -c "$OUT" ] && [ -c "$ERR" ] && [ -c "$INP" ] && break
+    [ -c "$STATUS" ] && [ -c "$IN" ] && [ -c "$OUT" ] && [ -c "$ERR" ] && [ -c "$INP" ] && [ -c "$EXP" ] && break
     i=$((i + 1)); [ $i -gt 3000 ] && die "virtio ports missing"
     usleep 2000
 done
@@ -132,8 +133,10 @@ if [ -n "$EG_WS" ]; then
     avail=$(stat -f -c %a "$R$EG_WS")
     [ "$avail" -le 1 ] && full=1
 fi
-echo "exit $rc oom $oom pids $pmax full $full" > "$STATUS"
 echo 1 > "$W/cgroup.kill"
+# a persistent workspace goes back to the host as a tar on eg.out (the host never mounts the image)
+[ -n "$EG_WS" ] && [ -n "$EG_WS_EXPORT" ] && tar -c -C "$R$EG_WS" -f - . > "$EXP" 2>/dev/null
+echo "exit $rc oom $oom pids $pmax full $full" > "$STATUS"
 [ -n "$EG_WS" ] && umount "$R$EG_WS"
 sync
 reboot -f

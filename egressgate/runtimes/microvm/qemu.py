@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 QEMU = "qemu-system-x86_64"
-PORTS = ("eg.in", "eg.status", "eg.stdin", "eg.stdout", "eg.stderr")  # virtio-serial port names (init.sh)
+PORTS = ("eg.in", "eg.status", "eg.stdin", "eg.stdout", "eg.stderr", "eg.out")  # virtio-serial port names (init.sh)
 SECCOMP = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
 PROBE_TIMEOUT = 10.0  # KVM boots to init in well under a second; a PVM host pauses the guest on its error
 
