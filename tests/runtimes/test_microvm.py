@@ -20,6 +20,7 @@ A policy with host `filesystem.allow` paths is refused before any boot (fail clo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
@@ -292,6 +293,21 @@ def test_host_paths_are_refused(gateway: Gateway) -> None:
     assert res.returncode == 120 and "filesystem.allow" in res.stderr, res.stderr
 
 
+def wait_for_qemu(gateway: Gateway, proc: subprocess.Popen[str], timeout: float = 120) -> dict:
+    """The run record of `proc` once its QEMU runs."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for path in (gateway.state_dir / "runs").glob("*.json"):
+            with contextlib.suppress(ValueError, OSError):
+                record = json.loads(path.read_text())
+                pid = record.get("workload_pid") if record.get("owner_pid") == proc.pid else None
+                if pid and Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"qemu-system"):
+                    return record
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    raise AssertionError("QEMU did not start")
+
+
 def test_sigkill_of_sandbox_run_leaves_nothing(gateway: Gateway) -> None:
     proc = subprocess.Popen(
         vm_argv(gateway, "mv-allow", "/bin/sh", "-c", "echo ready; exec sleep 120"),
@@ -303,16 +319,13 @@ def test_sigkill_of_sandbox_run_leaves_nothing(gateway: Gateway) -> None:
         preexec_fn=_limits,
     )
     try:
-        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"  # the workload runs in the guest
-        (record,) = [
-            json.loads(p.read_text())
-            for p in (gateway.state_dir / "runs").glob("*.json")
-            if json.loads(p.read_text()).get("owner_pid") == proc.pid
-        ]
+        record = wait_for_qemu(gateway, proc)  # QEMU, the tap, the image all exist: the guest's boot adds nothing
         qemu = record["workload_pid"]
-        assert Path(f"/proc/{qemu}/cmdline").read_bytes().startswith(b"qemu-system")
         vm_dir = Path(record["vm_dir"])
         assert (vm_dir / "workspace.img").is_file()
+        ns = f"egressgate-{record['run_id']}"
+        links = subprocess.run(["ip", "-n", ns, "-o", "link"], capture_output=True, text=True, check=False).stdout
+        assert ": tap0:" in links and ": br0:" in links, links  # what must go: the tap and bridge in its netns
         proc.kill()
         proc.wait(30)
         deadline = time.monotonic() + 60
