@@ -177,3 +177,27 @@ def test_copy_back_keeps_the_guest_inside_the_workspace(tmp_path: Path) -> None:
     with tarfile.open(spool) as tar:
         tar.extractall(control, members=[m for m in tar if m.name.endswith("escaped.txt")], filter="fully_trusted")  # noqa: S202
     assert (tmp_path / "control" / "escaped.txt").read_text() == "escaped\n"
+
+
+def test_image_given_as_directory_or_ext4_file(tmp_path: Path) -> None:
+    """--image: a directory is packed into a cached ext4 image (the same tree → the same image, a changed tree
+    → a new one); an ext4 file is used as is; anything else is refused with the command that makes one."""
+    from egressgate.runtimes.microvm import image
+    from egressgate.runtimes.microvm.artifacts import ArtifactError
+
+    tree = tmp_path / "root"
+    (tree / "bin").mkdir(parents=True)
+    (tree / "bin" / "hello").write_text("#!/bin/sh\necho hi\n")
+    cache = tmp_path / "cache"
+    packed = image.resolve(str(tree), base=cache)
+    assert packed.read_bytes()[1024 + 56 : 1024 + 58] == b"\x53\xef"  # the ext4 superblock magic
+    assert image.resolve(str(tree), base=cache) == packed
+    (tree / "bin" / "other").write_text("x")
+    assert image.resolve(str(tree), base=cache) != packed
+    assert image.resolve(str(packed), base=cache) == packed
+    junk = tmp_path / "junk.img"
+    junk.write_bytes(b"\0" * 4096)
+    with pytest.raises(ArtifactError, match="not an ext4 image"):
+        image.resolve(str(junk), base=cache)
+    with pytest.raises(ArtifactError, match="runtime image build"):
+        image.resolve(None, base=tmp_path / "empty")
