@@ -15,7 +15,8 @@ costs seconds under TCG):
 3. memory_mb: allocating past it ends the run with 121 (an allocation below it succeeded first).
 4. SIGKILL of `sandbox run` mid-run: the watchdog leaves no QEMU, tap/veth, namespace, table, cgroup,
    workspace image or run record, and revokes the sandbox.
-A policy with host `filesystem.allow` paths is refused before any boot (fail closed).
+wall_time_seconds: the host kills QEMU (124). A policy with host `filesystem.allow` paths is refused before
+any boot (fail closed).
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ def gateway(world: World) -> Iterator[Gateway]:
             filesystem__deny=["/etc/debian_version", "/var/run/docker.sock"],
         ),
         "mv-mem": runtime_policy("mv-mem", sandbox__resources={"memory_mb": 64}),
+        "mv-wall": runtime_policy("mv-wall", sandbox__resources={"wall_time_seconds": 1}),
         "mv-hostpath": runtime_policy("mv-hostpath", filesystem__allow=[{"path": "/var/tmp", "read": True}]),
     }
     with running_gateway(world, policies) as gw:
@@ -286,6 +288,14 @@ def test_memory_limit_ends_the_run_with_121(gateway: Gateway) -> None:
     assert res.stdout == "16 MiB ok\n"  # the control: below the limit the same workload allocates
     (revocation,) = revocations(gateway, sandbox_id(res.stderr))
     assert revocation["egressgate.run.limit"] == "memory"
+
+
+def test_wall_time_is_kept_by_the_host(gateway: Gateway) -> None:
+    """wall_time_seconds counts from QEMU's start (the boot included): the host kills QEMU, 124."""
+    res = run_vm(gateway, "mv-wall", "/bin/sleep", "600")
+    assert res.returncode == 124, res.stderr
+    (revocation,) = revocations(gateway, sandbox_id(res.stderr))
+    assert revocation["egressgate.run.limit"] == "wall_time"
 
 
 def test_host_paths_are_refused(gateway: Gateway) -> None:
