@@ -1,6 +1,6 @@
 """`egressgate sandbox run --runtime microvm`: a real QEMU guest (TCG on these machines; KVM where it works)
-behind the same plumbing as every runtime. Four boots, each running many checks in one workload (a boot
-costs seconds under TCG):
+behind the same plumbing as every runtime. Three full boots, each running many checks in one workload (a
+boot costs seconds under TCG), and two runs that end before the guest is up:
 
 1. the escape probe (tests/runtimes/probe.py, the netns/docker checks) run by the guest's python3: no route
    but the gateway (metadata, private IP, IPv6, other resolvers over UDP/TCP/TLS, QUIC, ICMP, raw sockets,
@@ -13,7 +13,7 @@ costs seconds under TCG):
 2. stdin, stdout and stderr are the caller's; a signal that kills the workload passes through (128+N); the
    revocation record carries egressgate.run.accel; a persistent --workspace goes in and comes back.
 3. memory_mb: allocating past it ends the run with 121 (an allocation below it succeeded first).
-4. SIGKILL of `sandbox run` mid-run: the watchdog leaves no QEMU, tap/veth, namespace, table, cgroup,
+4. SIGKILL of `sandbox run` once QEMU runs: the watchdog leaves no QEMU, tap/veth, namespace, table, cgroup,
    workspace image or run record, and revokes the sandbox.
 wall_time_seconds: the host kills QEMU (124). A policy with host `filesystem.allow` paths is refused before
 any boot (fail closed).
