@@ -236,6 +236,9 @@ def test_escape_probe_inside_the_guest(gateway: Gateway, host_files: Path, canar
     for target in ("169.254.169.254", "10.0.0.5"):
         assert transparent[target]["egressgate.decision"] == "deny", transparent.get(target)
     assert {leak, leak_tcp} <= {r.get("dns.question.name") for r in mine if r.get("egressgate.decision") == "deny"}
+    # the guest's QUIC datagram was dropped by the run's host table: the netns runtime's rules, unchanged
+    (revocation,) = [r for r in mine if r.get("egressgate.operation") == "revocation"]
+    assert int(revocation["egressgate.run.dropped.udp"]) >= 1, revocation
     # positive control: from the world's `open` namespace the same attempts reach the canaries
     control_leak = leak_name()
     mark = world.mark()
