@@ -27,6 +27,7 @@ import os
 import resource
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -63,7 +64,7 @@ def build_artifacts() -> None:
     if artifacts.kernel_dir() is not None and image.default_image() is not None:
         return
     res = subprocess.run(
-        [str(Path(os.sys.executable).with_name("egressgate")), "runtime", "image", "build"],
+        [str(Path(sys.executable).with_name("egressgate")), "runtime", "image", "build"],
         capture_output=True,
         text=True,
         timeout=1200,
