@@ -187,7 +187,8 @@ def initramfs(kernel: Path) -> Path:
     key = hashlib.sha256(INIT.read_bytes() + f"{st.st_size}:{st.st_mtime_ns}:{kernel.name}".encode()).hexdigest()
     out = kernel / f"initramfs-{key[:16]}.cpio"
     if not out.is_file():
-        for old in kernel.glob("initramfs-*.cpio"):
-            old.unlink(missing_ok=True)
+        for old in kernel.glob("initramfs-*.cpio"):  # older inits (a VM that opened one keeps its fd)
+            if old != out:
+                old.unlink(missing_ok=True)
         build_initramfs(kernel, out)
     return out
