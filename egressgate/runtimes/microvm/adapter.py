@@ -234,12 +234,18 @@ class MicrovmAdapter:
             sock.shutdown(socket.SHUT_WR)
 
     def _pump_out(self, name: str, fd: int) -> None:
+        """A guest port to the caller's fd. Drained to the end even when the caller's side is gone (EPIPE):
+        a port nobody reads would block the guest's writer until the wall time."""
         sock = self._ours[name]
+        open_ = True
         with contextlib.suppress(OSError):
             while chunk := sock.recv(65536):
                 view = memoryview(chunk)
-                while view:
-                    view = view[os.write(fd, view) :]
+                while view and open_:
+                    try:
+                        view = view[os.write(fd, view) :]
+                    except OSError:
+                        open_ = False
 
     def _pump_in(self) -> None:
         """The caller's stdin to the guest; its EOF becomes the port's (QEMU drops the connection)."""
