@@ -203,6 +203,12 @@ def clean_record(record: dict[str, Any], state_dir: Path | None = None) -> list[
         for entry in reversed(record["disk_mounts"]):
             if isinstance(entry, dict) and not diskfs.release_entry(run_id, state_dir, entry):
                 removed.append(f"mount {entry.get('target') or entry.get('image')}")
+    vm = record.get("vm_dir")  # microvm: the run's workspace image (after the kills: QEMU held it)
+    if vm and state_dir is not None and Path(vm) == state_dir / "microvm" / run_id:
+        from egressgate.runtimes.microvm.adapter import remove_vm_dir
+
+        if remove_vm_dir(state_dir, run_id):
+            removed.append(f"microvm dir {vm}")
     ws = record.get("temp_workspace")
     if ws and state_dir is not None and Path(ws) == state_dir / "workspaces" / run_id and Path(ws).is_dir():
         shutil.rmtree(ws, ignore_errors=True)
@@ -263,6 +269,13 @@ def collect(var_dir: Path, state_dir: Path | None = None, grace: float = 60.0) -
     from egressgate.runtimes import diskfs, docker
 
     removed += diskfs.orphans(state_dir, live)
+    vm_root = state_dir / "microvm"
+    if vm_root.is_dir():
+        for vm in vm_root.iterdir():
+            old = now - vm.stat().st_mtime >= grace
+            if re.fullmatch(ID, vm.name) and vm.name not in live and old:
+                shutil.rmtree(vm, ignore_errors=True)
+                removed.append(f"orphan microvm dir {vm}")
 
     gone, trouble = docker.gc_orphans(live, info.docker_host if info else None)
     return removed + gone, problems + trouble

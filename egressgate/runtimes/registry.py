@@ -11,6 +11,7 @@ ADAPTERS: dict[str, str] = {
     "netns": "egressgate.runtimes.netns:NetnsAdapter",
     "docker": "egressgate.runtimes.docker:DockerAdapter",
     "gvisor": "egressgate.runtimes.docker:GvisorAdapter",
+    "microvm": "egressgate.runtimes.microvm.adapter:MicrovmAdapter",
 }
 
 

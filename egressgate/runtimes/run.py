@@ -260,6 +260,8 @@ class Run:
         assert self.info is not None and self.uid is not None
         uid = self.uid  # every mount is the run's own (runtimes/identity.py), never the shared 65534
         self.disks = DiskLimits(self.run_id, self.info.state_dir)
+        if self.req.runtime == "microvm":  # the workspace is an image of max_bytes, /tmp the guest's tmpfs
+            return None
         try:
             max_bytes = ws_policy.get("max_bytes")
             if max_bytes and workspace is not None:
@@ -288,7 +290,11 @@ class Run:
 
     def _limits(self, resources: dict[str, Any]) -> None:
         wanted = {k: v for k, v in resources.items() if k in ("memory_mb", "pids_max", "cpu_millis") and v}
-        if not wanted or self.req.runtime != "netns":  # containers get docker flags from their adapter
+        if self.req.runtime == "microvm":  # QEMU's own cgroup, always (the guest enforces the workload's)
+            from egressgate.runtimes.microvm.guest import host_limits
+
+            wanted = host_limits(resources)
+        elif not wanted or self.req.runtime != "netns":  # containers get docker flags from their adapter
             return
         try:
             from egressgate.runtimes.limits import LimitsUnavailable, ResourceLimits
@@ -369,6 +375,8 @@ class Run:
                        "duration_ms": duration_ms, "dropped": dropped}
             if setid:
                 outcome["setid_stripped"] = setid
+            if getattr(self.adapter, "accel", None):  # microvm: kvm | tcg (TCG is no hardware isolation)
+                outcome["accel"] = self.adapter.accel
             self.mark("teardown")
             revoked = self._revoke(outcome)
             self.mark("revoke")
