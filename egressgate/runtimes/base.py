@@ -86,6 +86,7 @@ class RunSpec(NamedTuple):
     address: SandboxAddress
     ca_bundle: Path  # host path of the sandbox CA bundle; mounted read-only inside
     workspace: Path | None = None  # host directory bind-mounted read-write at sandbox.workspace.path
+    workspace_persistent: bool = False  # --workspace (a name or a directory): kept after the run, not temporary
     image: str | None = None  # docker/gvisor: the container image; microvm: the root image (ext4 file or dir)
     labels: Mapping[str, str] = MappingProxyType({})  # read-only: a NamedTuple default is shared
     state_dir: Path = Path("/run/egressgate")  # run records, barrier files, generated resolv.conf/hosts

@@ -216,6 +216,7 @@ class Run:
                                  ws_policy.get("path") or "/tmp")  # noqa: S108 - HOME inside
         spec = RunSpec(run_id=self.run_id, sandbox_id=self.sandbox_id, runtime=req.runtime, command=req.command,
                        env=env, policy=policy, address=address, ca_bundle=bundle, workspace=workspace,
+                       workspace_persistent=workspace is not None and self.temp_workspace is None,
                        image=req.image, labels=dict(req.labels), state_dir=info.state_dir, tmp_dir=tmp_dir,
                        uid=uid, gid=uid)
         self._interrupted()

@@ -107,8 +107,9 @@ class MicrovmAdapter:
             size = int((sandbox.get("workspace") or {}).get("max_bytes") or DEFAULT_WORKSPACE_BYTES)
             make_workspace_image(self.ws_image, spec.workspace, size, spec.uid, spec.gid)
             # a persistent --workspace (not the run's temporary one) comes back as a tar at a clean end
-            temporary = spec.state_dir / "workspaces" / spec.run_id
-            self.persistent = spec.workspace.resolve() != temporary.resolve()
+            # (not by its path: a named workspace is exposed at the same state_dir/workspaces/<run_id> a
+            # temporary one uses, runtimes/workspaces.py)
+            self.persistent = spec.workspace_persistent
             self._had_lost_found = (spec.workspace / export.MKFS_ONLY).exists()
             self._export_limit = export.limit_for(size)
         self.accel = qemu.accel(self.kernel, self.initrd, artifacts.cache_dir() / "accel.json")
