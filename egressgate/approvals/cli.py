@@ -41,7 +41,9 @@ def _target(a: dict) -> str:
     if a.get("kind") == "mcp_tool":  # an MCP tool approval (approvals/model.py KIND_MCP_TOOL)
         return f"mcp tool {a['host']}/{a['path']}"
     where = f"{a['scheme']}://{a['host']}:{a['port']}" if a.get("scheme") else f"{a['host']}:{a['port']}"
-    return f"{a['method']} {where}{a['path']}" if a.get("method") else where
+    target = f"{a['method']} {where}{a['path']}" if a.get("method") else where
+    kind = a.get("kind")
+    return f"{kind}: {target}" if kind in ("package_install", "publish") else target
 
 
 def _printable(text: str) -> str:

@@ -36,6 +36,12 @@ KIND_NETWORK_EXPANSION = "network_expansion"
 # "mcp", host = server name, port 0, method "tools/call", path = tool name (policy/mcp_decide.py reads the
 # grant by exactly these fields; port 0 and the scheme keep it from ever covering a network request).
 KIND_MCP_TOOL = "mcp_tool"
+# Operation classes (policy/opclass.py): a request the rules allow that is a package install
+# (`execution.package_install: approval`) or a publish (`require_approval_for: [publish]`); the grant lets
+# requests of that class through to that scheme://host:port (scope host) or that method and path.
+KIND_PACKAGE_INSTALL = "package_install"
+KIND_PUBLISH = "publish"
+CLASS_KINDS = (KIND_PACKAGE_INSTALL, KIND_PUBLISH)
 
 
 class ApprovalState(StrEnum):
@@ -93,6 +99,8 @@ class Approval:
         an MCP tool per (sandbox, server, tool), so two tools of one server are two approvals."""
         if self.kind == KIND_MCP_TOOL:
             return f"{MCP_SCHEME}|{self.host}|{self.path}"
+        if self.kind in CLASS_KINDS:  # a publish and a network approval of one host are two approvals
+            return f"{self.kind}|{self.scheme or '-'}|{self.host}|{self.port}"
         return f"{self.scheme or '-'}|{self.host}|{self.port}"
 
     def current(self, now: float) -> Approval:

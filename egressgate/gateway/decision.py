@@ -4,8 +4,10 @@ At CONNECT the decision is host/port level (deny early, never resolve a denied n
 is itself an exfiltration channel); inside a tunnel every request (each keep-alive request, each HTTP/2
 stream) is decided on its own method, path and scheme against the tunnel's CONNECT target — never
 against a header. Resolution and the address check are part of the decision (pinning.resolve_target: a
-forbidden address is a deny like any other); nothing here commits state: pinning.py commits an allowed
-destination only after its audit record is durable (record.py).
+forbidden address is a deny like any other). Each request is also classified by protocol (package
+install, publish: policy/opclass.py) from its method, path, query, Content-Type and Accept. Nothing here
+commits state: pinning.py commits an allowed destination only after its audit record is durable
+(record.py).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from egressgate.gateway.target import as_sent, note_target
 from egressgate.policy.canon import CanonError, canon_method, canon_path, split_host_port, split_path_query
 from egressgate.policy.decide import decide
 from egressgate.policy.facts import Facts, Operation, SandboxState
+from egressgate.policy.opclass import classify
 from egressgate.policy.reasons import Reason
 from egressgate.state.base import StateUnavailable
 
@@ -151,9 +154,13 @@ class DecisionAddon:
         if policy is None or snapshot is None:
             return
         body = declared_body_size(req)
+        headers = req.headers
+        accept = ", ".join(headers.get_all("accept")) if "accept" in headers else None
+        op = classify(method, path, query, headers.get("content-type"), accept)  # policy/opclass.py
         facts = Facts(
             operation=Operation.HTTP_REQUEST, host=fs.host, port=fs.port, scheme=scheme, method=method,
             path=path, addresses=addresses, request_bytes=request_head_size(req) + (body or 0),
+            op_class=op[0] if op else None, op_protocol=op[1] if op else None,
         )
         if not (await self._decide(fs, policy, facts, snapshot)).allowed:
             return
