@@ -41,10 +41,16 @@ _VERSIONED = re.compile(r"[a-z0-9][a-z0-9._+-]*-v?\d+\.\d+[a-z0-9.+!_-]*\.(?:tar
 _NPM_NAME = re.compile(r"[a-z0-9][a-z0-9._~-]{0,213}")
 _NPM_SCOPE = re.compile(r"@[a-z0-9][a-z0-9._~-]{0,213}")
 _CRATE = re.compile(r"[a-z0-9_-]{1,64}")
-_RUBYGEMS_FILES = frozenset({
-    "specs.4.8.gz", "latest_specs.4.8.gz", "prerelease_specs.4.8.gz", "specs.4.8", "latest_specs.4.8",
-    "prerelease_specs.4.8",
-})
+_RUBYGEMS_FILES = frozenset(
+    {
+        "specs.4.8.gz",
+        "latest_specs.4.8.gz",
+        "prerelease_specs.4.8.gz",
+        "specs.4.8",
+        "latest_specs.4.8",
+        "prerelease_specs.4.8",
+    }
+)
 
 
 def path_reading(path: str) -> str:
@@ -75,8 +81,13 @@ def _query_pairs(query: str) -> list[tuple[str, str]]:
     return pairs
 
 
-def classify(method: str | None, path: str | None, query: str | None = None, content_type: str | None = None,
-             accept: str | None = None) -> Classified | None:
+def classify(
+    method: str | None,
+    path: str | None,
+    query: str | None = None,
+    content_type: str | None = None,
+    accept: str | None = None,
+) -> Classified | None:
     """(class, protocol) for a package-manager or publishing request, None for anything else.
 
     `method` upper case, `path` an origin-form path without the query (canonical or raw), `query` without
@@ -145,7 +156,8 @@ def _install(p: str, segs: list[str], accept: str | None) -> Classified | None:
     if _sparse_index(segs):
         return PACKAGE_INSTALL, "cargo"
     if p in ("/versions", "/api/v1/dependencies", "/api/v1/dependencies.json") or (
-            n == 2 and segs[0] == "info" and last != "refs"):  # compact index /info/NAME (not git's info/refs)
+        n == 2 and segs[0] == "info" and last != "refs"
+    ):  # compact index /info/NAME (not git's info/refs)
         return PACKAGE_INSTALL, "rubygems"
     if n >= 2 and segs[-2] == "dependencies" and segs[0] == "api":
         return PACKAGE_INSTALL, "rubygems"
@@ -198,7 +210,7 @@ def _publish(method: str, p: str, segs: list[str], content_type: str | None) -> 
     if last == "git-receive-pack":
         return PUBLISH, "git"
     if "v2" in segs:
-        found = _oci(method, segs[segs.index("v2") + 1:])
+        found = _oci(method, segs[segs.index("v2") + 1 :])
         if found is not None:
             return found
     if method == "PUT":
@@ -248,7 +260,7 @@ def _github_release(method: str, segs: list[str]) -> Classified | None:
     """GitHub (and GitHub Enterprise under /api/v3 or /api/uploads): create or edit a release, upload an
     asset (uploads.github.com /repos/OWNER/REPO/releases/ID/assets)."""
     r = segs.index("repos")
-    tail = segs[r + 3:] if segs[r + 3:r + 4] == ["releases"] else None
+    tail = segs[r + 3 :] if segs[r + 3 : r + 4] == ["releases"] else None
     if tail is None:
         return None
     if method == "POST" and (len(tail) == 1 or (len(tail) == 3 and tail[2] == "assets")):
