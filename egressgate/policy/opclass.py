@@ -41,6 +41,7 @@ _VERSIONED = re.compile(r"[a-z0-9][a-z0-9._+-]*-v?\d+\.\d+[a-z0-9.+!_-]*\.(?:tar
 _NPM_NAME = re.compile(r"[a-z0-9][a-z0-9._~-]{0,213}")
 _NPM_SCOPE = re.compile(r"@[a-z0-9][a-z0-9._~-]{0,213}")
 _CRATE = re.compile(r"[a-z0-9_-]{1,64}")
+_GITLAB_PUBLISH = frozenset({"packages", "uploads", "releases"})
 _RUBYGEMS_FILES = frozenset(
     {
         "specs.4.8.gz",
@@ -233,10 +234,13 @@ def _publish(method: str, p: str, segs: list[str], content_type: str | None) -> 
         found = _github_release(method, segs)
         if found is not None:
             return found
-    if "projects" in segs and method in ("POST", "PUT", "PATCH"):
-        k = segs.index("projects")  # GitLab: /api/v4/projects/ID/(packages|uploads|releases)/...
-        if n > k + 2 and segs[k + 2] in ("packages", "uploads", "releases"):
-            return PUBLISH, "gitlab"
+    # GitLab: /api/v4/projects/ID/(packages|uploads|releases)/...; ID may be an encoded path (acme%2Fapp)
+    if (
+        "projects" in segs
+        and method in ("POST", "PUT", "PATCH")
+        and any(seg in _GITLAB_PUBLISH for seg in segs[segs.index("projects") + 2 :])
+    ):
+        return PUBLISH, "gitlab"
     return None
 
 
