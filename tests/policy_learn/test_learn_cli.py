@@ -17,6 +17,7 @@ from tests.policy_learn.conftest import Session, lines
 
 BASE = textwrap.dedent("""\
     sandbox: {name: agent}
+    execution: {package_install: allow}  # /simple/a/ below is a package index request (docs/policy.md)
     network:
       allow_private: [10.0.0.0/8]
       https:
