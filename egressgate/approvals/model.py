@@ -133,7 +133,7 @@ class Approval:
         assert self.state is ApprovalState.APPROVED and self.scope is not None and self.expires_at is not None
         return Grant(id=self.id, sandbox_id=self.sandbox_id, scope=self.scope, scheme=self.scheme,
                      host=self.host, port=self.port, method=self.method, path=self.path,
-                     expires_at=self.expires_at)
+                     expires_at=self.expires_at, kind=self.kind)
 
     def to_json(self) -> dict:
         """The API's Approval object (docs/openapi.yaml)."""

@@ -156,7 +156,8 @@ class DecisionAddon:
         body = declared_body_size(req)
         headers = req.headers
         accept = ", ".join(headers.get_all("accept")) if "accept" in headers else None
-        op = classify(method, path, query, headers.get("content-type"), accept)  # policy/opclass.py
+        npm_hint = headers.get("pacote-req-type")  # npm marks its packument and tarball fetches
+        op = classify(method, path, query, headers.get("content-type"), accept, npm_hint)  # policy/opclass.py
         facts = Facts(
             operation=Operation.HTTP_REQUEST, host=fs.host, port=fs.port, scheme=scheme, method=method,
             path=path, addresses=addresses, request_bytes=request_head_size(req) + (body or 0),

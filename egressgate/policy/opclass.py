@@ -88,12 +88,15 @@ def classify(
     query: str | None = None,
     content_type: str | None = None,
     accept: str | None = None,
+    npm_hint: str | None = None,
 ) -> Classified | None:
     """(class, protocol) for a package-manager or publishing request, None for anything else.
 
     `method` upper case, `path` an origin-form path without the query (canonical or raw), `query` without
-    `?`, `content_type` and `accept` the request's header values (None when absent). The host is not an
-    input: the classes are recognised by protocol, so a private mirror is a package index too."""
+    `?`, `content_type` and `accept` the request's header values (None when absent), `npm_hint` the value
+    of npm's `pacote-req-type` header: npm 10+ fetches full packuments with a plain
+    `Accept: application/json`, so its own request headers mark them. The host is not an input: the
+    classes are recognised by protocol, so a private mirror is a package index too."""
     if method is None or path is None:
         return None
     read = method in _READ
@@ -106,6 +109,8 @@ def classify(
     p = path_reading(path)
     segs = p.strip("/").split("/") if p != "/" else []
     if read:
+        if npm_hint:  # pacote's packument / tarball fetches (npm install, ci, update, exec, view...)
+            return PACKAGE_INSTALL, "npm"
         return _install(p, segs, accept)
     return _publish(method, p, segs, content_type)
 

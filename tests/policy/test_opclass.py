@@ -181,6 +181,15 @@ def test_every_protocol_of_the_docs_is_covered_by_the_table():
     assert sum(c[5] is None for c in CASES) >= 35
 
 
+def test_npm_marks_its_full_packument_fetches():
+    """npm 11 fetches a full packument with a plain `Accept: application/json`: its pacote headers say so."""
+    assert classify("GET", "/left-pad", None, None, "application/json") is None
+    assert classify("GET", "/left-pad", None, None, "application/json", "packument") == (INS, "npm")
+    assert classify("HEAD", "/anything", None, None, None, "tarball") == (INS, "npm")
+    assert classify("PUT", "/left-pad", None, "application/json", None, "packument") == (PUB, "npm")
+    assert classify("POST", "/-/npm/v1/security/advisories/bulk", None, None, None, None) is None
+
+
 def test_the_reading_merges_what_servers_merge():
     assert path_reading("//A%2fB;x=1//c%252F") == "/a/b/c/"
 
