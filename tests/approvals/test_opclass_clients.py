@@ -21,19 +21,21 @@ import pytest
 from tests.approvals.harness import admin, approve, records
 from tests.support.gwworld import Gateway, Sandbox, World
 from tests.support.launcher import launch_loopback, stop_gateway, write_policies
+from tests.support.loopback import server_context
 from tests.support.pkgservers import WHEEL_NAME, PkgServer, client_env
 
 VENV_BIN = Path(sys.executable).parent
 TIMEOUT = 180
 
 
-def _policy(name: str, port: int, package_install: str, kinds: list[str]) -> dict:
+def _policy(name: str, port: int, tls_port: int, package_install: str, kinds: list[str]) -> dict:
     return {
         "sandbox": {"name": name},
         "execution": {"package_install": package_install, "require_approval_for": kinds},
         "network": {
             "allow_private": ["127.0.0.1/32"],
             "http": {"allow": [{"id": "pkgs-any", "host": "pkgs.test", "ports": [port]}]},
+            "https": {"allow": [{"id": "pkgs-tls-any", "host": "pkgs-tls.test", "ports": [tls_port]}]},
         },
     }
 
@@ -49,20 +51,38 @@ def pkgs(tmp_path_factory: pytest.TempPathFactory, world: World) -> Iterator[Pkg
 
 
 @pytest.fixture(scope="module")
-def gw(world: World, pkgs: PkgServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+def pkgs_tls(tmp_path_factory: pytest.TempPathFactory, world: World) -> Iterator[PkgServer]:
+    """The same protocols over HTTPS (certificate from the world's CA, which the gateway trusts upstream):
+    requests reach it only inside an intercepted CONNECT tunnel, decided one by one."""
+    server = PkgServer(tmp_path_factory.mktemp("pkgs-tls"), host="pkgs-tls.test")
+    server.start(server_context(world.ca.issue_cert("pkgs-tls.test")))
+    world.dns.records["pkgs-tls.test"] = "127.0.0.1"
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def gw(
+    world: World, pkgs: PkgServer, pkgs_tls: PkgServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Gateway]:
     tmp = tmp_path_factory.mktemp("pkgs-gw")
+    ports = (pkgs.port, pkgs_tls.port)
     docs = {
-        "pk-deny": _policy("pk-deny", pkgs.port, "deny", ["publish"]),
-        "pk-allow": _policy("pk-allow", pkgs.port, "allow", []),
-        "pk-approval": _policy("pk-approval", pkgs.port, "approval", ["publish"]),
+        "pk-deny": _policy("pk-deny", *ports, "deny", ["publish"]),
+        "pk-allow": _policy("pk-allow", *ports, "allow", []),
+        "pk-approval": _policy("pk-approval", *ports, "approval", ["publish"]),
     }
     policy_dir = write_policies(tmp / "policies", docs)
+    ca_bundle = tmp / "upstream-ca.pem"
+    ca_bundle.write_bytes(world.ca.cert_pem.bytes())
     config = {
         "listen": {"proxy": "127.0.0.1:0", "admin": "127.0.0.1:0", "dns": None, "transparent": None},
         "policy": str(policy_dir),
         "var_dir": str(tmp / "var"),
         "broker": {"local_key_dir": str(tmp / "var" / "keys")},
-        "upstream": {"resolver": f"127.0.0.1:{world.dns_port}"},
+        "upstream": {"resolver": f"127.0.0.1:{world.dns_port}", "ca_bundle": str(ca_bundle)},
     }
     gateway = Gateway(**launch_loopback(tmp, config), policy_dir=policy_dir, world=world)
     try:
@@ -416,3 +436,69 @@ def test_twine_upload_waits_for_approval_and_passes_after_it(gw, pkgs, tmp_path)
     got = upload(control, f"{pkgs.base}/")
     assert got.returncode == 0, got.stdout + got.stderr
     assert len(pkgs.uploads) == before + 2
+
+
+# --------------------------------------------------------------------------------------- HTTPS (CONNECT)
+
+
+def test_inside_an_intercepted_https_tunnel_each_request_is_classified(gw, pkgs_tls, tmp_path):
+    """pip and git over HTTPS: the CONNECT to the package host is allowed (a tunnel carries no request
+    yet), then every request inside it is classified and decided on its own."""
+
+    def pip_tls(sbx: Sandbox, where: Path) -> subprocess.CompletedProcess:
+        return run(
+            [
+                str(VENV_BIN / "python"),
+                "-m",
+                "pip",
+                "install",
+                "--isolated",
+                "--no-cache-dir",
+                "--retries",
+                "0",
+                "--timeout",
+                "30",
+                "--proxy",
+                proxy_of(gw, sbx),
+                "--cert",
+                gw.bundle,
+                "--index-url",
+                f"{pkgs_tls.base}/simple/",
+                "--target",
+                str(where / "site"),
+                "tinywheel",
+            ],
+            client_env(proxy_of(gw, sbx), where / "home"),
+        )
+
+    mark = pkgs_tls.mark()
+    denied = gw.admit("pk-deny")
+    got = pip_tls(denied, tmp_path / "a")
+    assert got.returncode != 0 and _saw_index(pkgs_tls, mark) == [], got.stdout + got.stderr
+    refused = class_records(gw, denied, **{"egressgate.reason": "package_install_denied"})
+    assert refused and {r["url.scheme"] for r in refused} == {"https"}
+    got = pip_tls(gw.admit("pk-allow"), tmp_path / "b")  # positive control
+    assert got.returncode == 0, got.stdout + got.stderr
+    assert (tmp_path / "b" / "site" / "tinywheel" / "__init__.py").exists()
+
+    bare = pkgs_tls.bare_repo("tls.git")
+    sbx = gw.admit("pk-approval")
+    env = client_env(proxy_of(gw, sbx), tmp_path / "git-home")
+    _work_repo(tmp_path / "work", env)
+    push = [
+        "-c",
+        f"http.sslCAInfo={gw.bundle}",
+        "-C",
+        str(tmp_path / "work"),
+        "push",
+        f"{pkgs_tls.base}/git/tls.git",
+        "main",
+    ]
+    got = git(gw, sbx, env, *push)
+    assert got.returncode != 0 and _head(bare) == "", got.stderr
+    asked = pending(gw, sbx, "publish")
+    assert len(asked) == 1 and asked[0]["scheme"] == "https", asked
+    assert approve(gw, asked[0]["id"], scope="host", for_seconds=60, by="ops").status_code == 200
+    got = git(gw, sbx, env, *push)
+    assert got.returncode == 0, got.stderr
+    assert _head(bare) != ""

@@ -16,6 +16,7 @@ import hashlib
 import io
 import json
 import os
+import ssl
 import subprocess
 import tarfile
 import threading
@@ -76,9 +77,11 @@ class PkgServer:
     tarball: bytes = b""
     _server: ThreadingHTTPServer | None = None
 
+    scheme: str = "http"
+
     @property
     def base(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"{self.scheme}://{self.host}:{self.port}"
 
     def mark(self) -> int:
         return len(self.hits)
@@ -93,11 +96,16 @@ class PkgServer:
         subprocess.run(["git", "-C", str(path), "config", "http.receivepack", "true"], check=True)
         return path
 
-    def start(self) -> PkgServer:
+    def start(self, tls: ssl.SSLContext | None = None) -> PkgServer:
+        """Serve on a free loopback port; HTTPS with `tls` (a server context), so a client's requests reach
+        it only through the gateway's intercepted tunnel."""
         self.wheel = build_wheel()
         self.tarball = build_npm_tarball()
         (self.root / "git").mkdir(parents=True, exist_ok=True)
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
+        if tls is not None:
+            self.scheme = "https"
+            self._server.socket = tls.wrap_socket(self._server.socket, server_side=True)
         self._server.daemon_threads = True
         self.port = self._server.server_address[1]
         threading.Thread(target=self._server.serve_forever, daemon=True).start()
