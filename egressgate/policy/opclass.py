@@ -189,7 +189,7 @@ def _install_file(last: str, segs: list[str]) -> Classified | None:
 def _sparse_index(segs: list[str]) -> bool:
     """Cargo's sparse index layout: 1/N, 2/NN, 3/N/NNN, AB/CD/ABCD... (the name's own prefix)."""
     n = len(segs)
-    if n < 2:
+    if n < 2 or len(segs[-2]) > 2:  # the parent is "1", "2", a first letter or two letters
         return False
     name = segs[-1]
     if not _CRATE.fullmatch(name):
