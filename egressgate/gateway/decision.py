@@ -24,7 +24,7 @@ from egressgate.gateway.target import as_sent, note_target
 from egressgate.policy.canon import CanonError, canon_method, canon_path, split_host_port, split_path_query
 from egressgate.policy.decide import decide
 from egressgate.policy.facts import Facts, Operation, SandboxState
-from egressgate.policy.opclass import classify
+from egressgate.policy.opclass import METHOD_OVERRIDE_HEADERS, classify_overridden
 from egressgate.policy.reasons import Reason
 from egressgate.state.base import StateUnavailable
 
@@ -157,7 +157,8 @@ class DecisionAddon:
         headers = req.headers
         accept = ", ".join(headers.get_all("accept")) if "accept" in headers else None
         npm_hint = headers.get("pacote-req-type")  # npm marks its packument and tarball fetches
-        op = classify(method, path, query, headers.get("content-type"), accept, npm_hint)  # policy/opclass.py
+        overrides = [v for h in METHOD_OVERRIDE_HEADERS if h in headers for v in headers.get_all(h)]
+        op = classify_overridden(method, overrides, path, query, headers.get("content-type"), accept, npm_hint)
         facts = Facts(
             operation=Operation.HTTP_REQUEST, host=fs.host, port=fs.port, scheme=scheme, method=method,
             path=path, addresses=addresses, request_bytes=request_head_size(req) + (body or 0),

@@ -115,6 +115,29 @@ def classify(
     return _publish(method, p, segs, content_type)
 
 
+METHOD_OVERRIDE_HEADERS = ("x-http-method-override", "x-http-method", "x-method-override")
+
+
+def classify_overridden(
+    method: str | None,
+    overrides: list[str],
+    path: str | None,
+    query: str | None = None,
+    content_type: str | None = None,
+    accept: str | None = None,
+    npm_hint: str | None = None,
+) -> Classified | None:
+    """classify() by the request's method, then by each method an override header names (`POST` with
+    `X-HTTP-Method-Override: PUT` is a PUT to frameworks that honour it): a request is a publish if any
+    method a server could act on makes it one. `overrides` are those headers' values (usually none)."""
+    found = classify(method, path, query, content_type, accept, npm_hint)
+    for value in overrides:
+        if found is not None:
+            break
+        found = classify(value.strip().upper(), path, query, content_type, accept, npm_hint)
+    return found
+
+
 def _from_query(method: str, query: str) -> Classified | None:
     q = query.lower()
     if "%" in q or "+" in q:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -19,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from tests.approvals.harness import admin, approve, records
-from tests.support.gwworld import Gateway, Sandbox, World
+from tests.support.gwworld import Gateway, Sandbox, World, auth
+from tests.support.http1 import read_reply
 from tests.support.launcher import launch_loopback, stop_gateway, write_policies
 from tests.support.loopback import server_context
 from tests.support.pkgservers import WHEEL_NAME, PkgServer, client_env
@@ -502,3 +504,26 @@ def test_inside_an_intercepted_https_tunnel_each_request_is_classified(gw, pkgs_
     got = git(gw, sbx, env, *push)
     assert got.returncode == 0, got.stderr
     assert _head(bare) != ""
+
+
+def test_a_method_override_header_does_not_turn_a_publish_into_a_post(gw, pkgs):
+    sbx = gw.admit("pk-deny")
+    mark = pkgs.mark()
+
+    def post(extra: str) -> tuple[int, bytes]:
+        body = b'{"name":"egw-override"}'
+        with socket.create_connection(gw.proxy, timeout=30) as sock:
+            sock.sendall(
+                f"POST {pkgs.base}/egw-override HTTP/1.1\r\nHost: {pkgs.host}:{pkgs.port}\r\n{auth(sbx)}{extra}"
+                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+                + body
+            )
+            status, _headers, reply = read_reply(sock)
+        return status, reply
+
+    status, reply = post("X-HTTP-Method-Override: PUT\r\n")
+    assert status == 403 and json.loads(reply)["reason"] == "approval_required", reply
+    assert json.loads(reply)["approval_kind"] == "publish"
+    assert pkgs.since(mark) == []
+    status, _ = post("")  # control: a plain POST is not a publish; it reaches the server (which refuses it)
+    assert status == 405 and pkgs.since(mark) == [("POST", "/egw-override")]

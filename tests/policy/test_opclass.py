@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from egressgate.policy.opclass import PACKAGE_INSTALL, PUBLISH, classify, path_reading
+from egressgate.policy.opclass import PACKAGE_INSTALL, PUBLISH, classify, classify_overridden, path_reading
 from egressgate.policy.target import parse_target
 
 NPM_ACCEPT = "application/vnd.npm.install-v1+json; q=1.0, application/json; q=0.8, */*"
@@ -188,6 +188,15 @@ def test_npm_marks_its_full_packument_fetches():
     assert classify("HEAD", "/anything", None, None, None, "tarball") == (INS, "npm")
     assert classify("PUT", "/left-pad", None, "application/json", None, "packument") == (PUB, "npm")
     assert classify("POST", "/-/npm/v1/security/advisories/bulk", None, None, None, None) is None
+
+
+def test_a_method_override_header_is_read_like_the_method():
+    """POST with X-HTTP-Method-Override: PUT is a PUT to frameworks that honour the header."""
+    assert classify("POST", "/left-pad") is None  # control: the POST itself is not a publish
+    assert classify_overridden("POST", ["put"], "/left-pad") == (PUB, "npm")
+    assert classify_overridden("POST", ["GET", " PUT "], "/v2/acme/app/manifests/v1") == (PUB, "oci")
+    assert classify_overridden("POST", [], "/left-pad") is None
+    assert classify_overridden("GET", ["DELETE"], "/simple/x/") == (INS, "pypi")  # the request's own first
 
 
 def test_the_reading_merges_what_servers_merge():
