@@ -30,8 +30,14 @@ NOW = 1_700_000_000.0
 
 
 def build_policy(n_rules: int):
-    lines = ["sandbox: {name: bench}", "network:", "  https:", "    deny:",
-             "      - {id: d0, host: '*', methods: [DELETE]}", "    allow:"]
+    lines = [
+        "sandbox: {name: bench}",
+        "network:",
+        "  https:",
+        "    deny:",
+        "      - {id: d0, host: '*', methods: [DELETE]}",
+        "    allow:",
+    ]
     for i in range(n_rules):
         if i % 4 == 0:
             lines.append(f"      - {{host: '*.svc{i}.example.com', methods: [GET]}}")
@@ -85,10 +91,12 @@ def measure(n_rules: int, batches: int = 200, batch: int = 100) -> dict:
     }
 
 
-PACKAGE_TEXTS = ("GET https://a.b.svc{i}.example.com/simple/pkg{i}/",
-                 "GET https://a.b.svc{i}.example.com/packages/ab/cd/pkg{i}-1.0-py3-none-any.whl",
-                 "POST https://api{j}.example.com/v2/acme/app/blobs/uploads/",
-                 "GET https://a.b.svc{i}.example.com/left-pad/-/left-pad-1.3.0.tgz")
+PACKAGE_TEXTS = (
+    "GET https://a.b.svc{i}.example.com/simple/pkg{i}/",
+    "GET https://a.b.svc{i}.example.com/packages/ab/cd/pkg{i}-1.0-py3-none-any.whl",
+    "POST https://api{j}.example.com/v2/acme/app/blobs/uploads/",
+    "GET https://a.b.svc{i}.example.com/left-pad/-/left-pad-1.3.0.tgz",
+)
 
 
 def _raw(text: str) -> tuple[str, str, str | None]:
@@ -116,6 +124,7 @@ def measure_classify(n_rules: int, package_share: bool, batches: int = 400, batc
         # an unclassified request is the same Facts object in both variants: only classify() differs
         classified.append(facts if op is None else replace(facts, op_class=op[0], op_protocol=op[1]))
     state = SandboxState(sandbox_id="bench", admitted_at=NOW - 1)
+
     def time_plain(idx: list[int]) -> float:
         start = time.perf_counter_ns()
         for x in idx:
