@@ -17,6 +17,7 @@ from egressgate.approvals.audit import approval_event
 from egressgate.approvals.model import (
     KIND_NETWORK_EXPANSION,
     KIND_PACKAGE_INSTALL,
+    KIND_PUBLISH,
     MAX_PENDING_PER_SANDBOX,
     Approval,
     ApprovalState,
@@ -53,6 +54,27 @@ async def settle(rt: Runtime, policy: CompiledPolicy, policy_name: str, facts: F
         state = replace(state, approvals=grants)
         decision = decide(policy, facts, state, now)
     return await name_approval(rt, state.sandbox_id, policy_name, facts, decision, now, labels), state
+
+
+async def spend(rt: Runtime, policy: CompiledPolicy, policy_name: str, facts: Facts, state: SandboxState,
+                decision: Decision, now: float, labels: dict[str, str] | None = None) -> Decision:
+    """A `publish` approval lets ONE publish through: the request that commits it (policy/opclass.py
+    publish_commit) uses the grant up, atomically in the store, before anything goes upstream. A request
+    that finds it already used (a concurrent one won) is decided again without it; a store failure is
+    `state_unavailable`, never an allow."""
+    assert decision.approval_id is not None
+    try:
+        used = await rt.approvals.consume(state.sandbox_id, decision.approval_id, now)
+    except StateUnavailable:
+        return gateway_deny(Reason.STATE_UNAVAILABLE)
+    if used is None:
+        rest = replace(state, approvals=tuple(g for g in state.approvals if g.id != decision.approval_id))
+        again = decide(policy, facts, rest, now)
+        if again.reason is Reason.APPROVAL_GRANTED and again.approval_kind == KIND_PUBLISH:
+            return await spend(rt, policy, policy_name, facts, rest, again, now, labels)
+        return await name_approval(rt, state.sandbox_id, policy_name, facts, again, now, labels)
+    rt.audit.enqueue_after(approval_event(used, "used", labels))
+    return decision
 
 
 def _target(facts: Facts) -> str:

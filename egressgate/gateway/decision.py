@@ -16,7 +16,7 @@ import logging
 
 from mitmproxy import http
 
-from egressgate.gateway.approval_gate import settle
+from egressgate.gateway.approval_gate import settle, spend
 from egressgate.gateway.context import FlowState, Runtime, ensure_flow_state
 from egressgate.gateway.deny import gateway_deny
 from egressgate.gateway.pinning import resolve_target
@@ -24,7 +24,7 @@ from egressgate.gateway.target import as_sent, note_target
 from egressgate.policy.canon import CanonError, canon_method, canon_path, split_host_port, split_path_query
 from egressgate.policy.decide import decide
 from egressgate.policy.facts import Facts, Operation, SandboxState
-from egressgate.policy.opclass import METHOD_OVERRIDE_HEADERS, classify_overridden
+from egressgate.policy.opclass import METHOD_OVERRIDE_HEADERS, PUBLISH, classify_overridden, publish_commit
 from egressgate.policy.reasons import Reason
 from egressgate.state.base import StateUnavailable
 
@@ -82,6 +82,10 @@ class DecisionAddon:
         if decision.reason is Reason.APPROVAL_REQUIRED:
             assert fs.policy_name is not None
             decision, snapshot = await settle(self.rt, policy, fs.policy_name, facts, snapshot, decision, now)
+        if (decision.reason is Reason.APPROVAL_GRANTED and decision.approval_kind == PUBLISH
+                and publish_commit(facts.method, facts.op_protocol, facts.path)):
+            assert fs.policy_name is not None  # a publish approval passes one publish: its commit spends it
+            decision = await spend(self.rt, policy, fs.policy_name, facts, snapshot, decision, now)
         fs.decision = decision
         fs.facts = facts
         fs.state = snapshot

@@ -115,6 +115,15 @@ def classify(
     return _publish(method, p, segs, content_type)
 
 
+def publish_commit(method: str | None, protocol: str | None, path: str | None) -> bool:
+    """Is this publish request the one that makes the publish happen (and spends a single-use `publish`
+    approval)? Every write except the preparatory ones: git's push discovery (`GET info/refs`) and an OCI
+    push's blob uploads come before the commit (`POST git-receive-pack`, the manifest `PUT`)."""
+    if method is None or method in _READ:
+        return False
+    return not (protocol == "oci" and "/blobs/" in path_reading(path or "/"))
+
+
 METHOD_OVERRIDE_HEADERS = ("x-http-method-override", "x-http-method", "x-method-override")
 
 

@@ -316,6 +316,14 @@ def test_npm_publish_waits_for_approval_and_passes_after_it(gw, pkgs, tmp_path):
     got = npm(gw, sbx, tmp_path / "pkg-a", home, "publish")
     assert got.returncode == 0, got.stdout + got.stderr
     assert pkgs.published["egw-published-a"]["name"] == "egw-published-a"
+    # one approval, one publish: the same package again (a new version) waits for a new approval
+    (tmp_path / "pkg-a" / "package.json").write_text(
+        json.dumps({"name": "egw-published-a", "version": "0.0.2", "main": "index.js"})
+    )
+    del pkgs.published["egw-published-a"]
+    got = npm(gw, sbx, tmp_path / "pkg-a", home, "publish")
+    assert got.returncode != 0 and "egw-published-a" not in pkgs.published, got.stdout + got.stderr
+    assert [a["path"] for a in pending(gw, sbx, "publish")] == ["/egw-published-a"]
     # scope host+path: another package is another publish to approve
     _npm_package(tmp_path / "pkg-b", "egw-published-b")
     got = npm(gw, sbx, tmp_path / "pkg-b", home, "publish")
@@ -371,6 +379,16 @@ def test_git_push_over_smart_http_waits_for_approval_and_clone_does_not(gw, pkgs
     ).stdout.strip()
     assert _head(bare) == local
     assert ("POST", "/git/push-a.git/git-receive-pack") in pkgs.since(mark)
+    # the approval passed ONE push: its git-receive-pack spent it (audited `used`); the next push waits again
+    time.sleep(0.2)
+    steps = records(gw, **{"egressgate.operation": "approval", "egressgate.approval.id": asked[0]["id"]})
+    assert [r["egressgate.approval.action"] for r in steps] == ["requested", "approved", "used"]
+    (tmp_path / "work" / "f.txt").write_text("two\n")
+    subprocess.run(["git", "-C", str(tmp_path / "work"), "commit", "-qam", "two"], check=True, env=env)
+    pushed = _head(bare)
+    got = git(gw, sbx, env, "-C", str(tmp_path / "work"), "push", url, "main")
+    assert got.returncode != 0 and _head(bare) == pushed, got.stderr
+    assert len(pending(gw, sbx, "publish")) == 1
     # a fetch is neither a publish nor a package install: it needs no approval, even under this policy
     other = gw.admit("pk-deny")
     got = git(

@@ -7,7 +7,14 @@ from __future__ import annotations
 
 import pytest
 
-from egressgate.policy.opclass import PACKAGE_INSTALL, PUBLISH, classify, classify_overridden, path_reading
+from egressgate.policy.opclass import (
+    PACKAGE_INSTALL,
+    PUBLISH,
+    classify,
+    classify_overridden,
+    path_reading,
+    publish_commit,
+)
 from egressgate.policy.target import parse_target
 
 NPM_ACCEPT = "application/vnd.npm.install-v1+json; q=1.0, application/json; q=0.8, */*"
@@ -197,6 +204,17 @@ def test_a_method_override_header_is_read_like_the_method():
     assert classify_overridden("POST", ["GET", " PUT "], "/v2/acme/app/manifests/v1") == (PUB, "oci")
     assert classify_overridden("POST", [], "/left-pad") is None
     assert classify_overridden("GET", ["DELETE"], "/simple/x/") == (INS, "pypi")  # the request's own first
+
+
+def test_which_publish_request_spends_a_single_use_approval():
+    """The commit of a publish spends its approval; the requests that prepare it do not."""
+    assert publish_commit("POST", "git", "/a.git/git-receive-pack")
+    assert not publish_commit("GET", "git", "/a.git/info/refs")  # push discovery
+    assert publish_commit("PUT", "npm", "/left-pad") and publish_commit("POST", "pypi", "/legacy/")
+    assert publish_commit("PUT", "oci", "/v2/acme/app/manifests/v1")
+    for method in ("POST", "PATCH", "PUT"):
+        assert not publish_commit(method, "oci", "/v2/acme/app/blobs/uploads/5f0e")
+    assert not publish_commit("PUT", "oci", "/v2/acme/app%2Fblobs%2Fuploads/x")  # the same reading
 
 
 def test_the_reading_merges_what_servers_merge():
