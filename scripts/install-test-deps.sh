@@ -40,6 +40,12 @@ dpkg-query -W -f='${Status}' busybox-static 2>/dev/null | grep -q 'install ok in
 have docker-compose || need+=(docker-compose)
 # tests/runtimes/test_seccomp_units.py cross-checks the syscall numbers against the kernel's headers
 dpkg-query -W -f='${Status}' linux-libc-dev 2>/dev/null | grep -q 'install ok installed' || need+=(linux-libc-dev)
+# tests/approvals/test_opclass_clients.py: real `git push` (git http-backend ships with git), `npm install`
+# and `npm publish` through the gateway (pip, uv and twine come from the Python dev extra)
+have git || need+=(git)
+[ -x /usr/lib/git-core/git-http-backend ] || need+=(git)
+have node || need+=(nodejs)
+have npm || need+=(npm)
 # tests/console: Playwright drives Debian's chromium at /usr/bin/chromium (no browser download)
 [ -x /usr/bin/chromium ] || need+=(chromium)
 # tests/runtimes/test_microvm.py: QEMU (no recommends: ~80 MiB), lz4 (the cloud kernel's compression), mkfs.ext4

@@ -46,6 +46,8 @@ K_CHAIN_SEQ = "egressgate.chain.seq"
 K_CHAIN_PREV = "egressgate.chain.prev"
 K_CHAIN_HASH = "egressgate.chain.hash"
 K_OPERATION = "egressgate.operation"
+K_OP_CLASS = "egressgate.operation.class"  # package_install | publish (policy/opclass.py)
+K_OP_PROTOCOL = "egressgate.operation.protocol"  # pypi, npm, git, oci...
 K_LABELS = "egressgate.sandbox.labels"
 
 Value = str | int | float | bool | list[Any] | dict[str, Any]
@@ -209,6 +211,9 @@ def event_attributes(event: AuditEvent) -> dict[str, Value]:
     if facts is not None:
         pairs["egressgate.facts.addresses"] = _clean_value([str(a) for a in facts.addresses])
         pairs["egressgate.facts.request_bytes"] = _clean_value(facts.request_bytes)
+        if facts.op_class is not None:  # what the request does (policy/opclass.py): read back by replay
+            pairs[K_OP_CLASS] = _clean_value(facts.op_class)
+            pairs[K_OP_PROTOCOL] = _clean_value(facts.op_protocol)
         for key, val in (
             (K_HOST, facts.host),
             (K_PORT, facts.port),

@@ -24,6 +24,8 @@ from egressgate.audit.find import Found, iter_records
 from egressgate.audit.record import (
     K_DNS_NAME,
     K_HOST,
+    K_OP_CLASS,
+    K_OP_PROTOCOL,
     K_OPERATION,
     Record,
     RecordFormatError,
@@ -36,6 +38,7 @@ from egressgate.audit.replay_mcp import McpHistory, NotReplayable, replay_tool_c
 from egressgate.audit.replay_state import History, as_int, state_from, update_history
 from egressgate.policy.canon import canon_host
 from egressgate.policy.facts import Decision, Facts, Operation, SandboxState
+from egressgate.policy.opclass import OP_CLASSES
 
 __all__ = ["Change", "Flip", "ReplayResult", "format_table", "printable", "replay", "replay_diff", "replay_records"]
 
@@ -129,6 +132,7 @@ def facts_from(attrs: dict[str, Any]) -> Facts:
     if isinstance(path, str) and not path.startswith("/"):
         raise ValueError("record path is not in origin form")
     port = attrs.get("server.port")
+    op_class, protocol = attrs.get(K_OP_CLASS), attrs.get(K_OP_PROTOCOL)
     return Facts(
         operation=op,
         host=host,
@@ -143,6 +147,8 @@ def facts_from(attrs: dict[str, Any]) -> Facts:
         if isinstance(attrs.get("egressgate.dns.qtype"), str)
         else None,
         request_bytes=as_int(attrs.get("egressgate.facts.request_bytes")),
+        op_class=op_class if op_class in OP_CLASSES else None,
+        op_protocol=protocol if isinstance(protocol, str) and op_class in OP_CLASSES else None,
     )
 
 

@@ -82,6 +82,8 @@ def deny_body(decision: Decision, request_id: str) -> bytes:
     }
     if decision.reason is Reason.APPROVAL_REQUIRED:
         body["approval_id"] = decision.approval_id
+        if decision.approval_kind is not None:  # package_install | publish (an operation class)
+            body["approval_kind"] = decision.approval_kind
     return json.dumps(body, separators=(",", ":")).encode()
 
 

@@ -139,6 +139,7 @@ class CompiledPolicy:
         self.budgeted_rules: frozenset[str] = frozenset()  # rules whose usage decide() reads
         self.has_passthrough = False  # some rule has `tls: passthrough` (transparent.py peeks at SNI first)
         self.approval_kinds: frozenset[str] = frozenset()  # execution.require_approval_for (policy/execution.py)
+        self.package_install: str = model.execution.package_install  # allow | deny | approval (policy/opclass.py)
         self.mcp: CompiledMcp = EMPTY_MCP  # the `mcp:` section (policy/mcp_compile.py)
 
     def relevant_state(self, state: SandboxState) -> SandboxState:

@@ -167,7 +167,9 @@ class Credentials(Strict):
 
 class Execution(Strict):
     commands: list[str] = []
-    package_install: Literal["allow", "deny"] = "deny"
+    # enforced by the gateway on requests recognised as package installs (policy/opclass.py); "approval":
+    # each one waits for an operator (approval kind package_install)
+    package_install: Literal["allow", "deny", "approval"] = "deny"
     local_mcp_servers: Literal["allow", "deny"] = "deny"
     require_approval_for: list[str] = []
 
