@@ -36,6 +36,7 @@ from egressgate.audit.replay_mcp import McpHistory, NotReplayable, replay_tool_c
 from egressgate.audit.replay_state import History, as_int, state_from, update_history
 from egressgate.policy.canon import canon_host
 from egressgate.policy.facts import Decision, Facts, Operation, SandboxState
+from egressgate.policy.reasons import Effect, Reason
 
 __all__ = ["Change", "Flip", "ReplayResult", "format_table", "printable", "replay", "replay_diff", "replay_records"]
 
@@ -276,9 +277,24 @@ def _replay_one(
     state, exact = state_from(attrs, sandbox_id, hist, time_s)
     if not exact:
         result.approximated_state += 1
-    new = decide(policy, facts, state, time_s)
+    new = budget_stage(policy, attrs, decide(policy, facts, state, time_s))
     target = attrs.get("egressgate.target.canonical") or facts.host
     _tally(result, found, attrs, sandbox_id, str(target), str(new.effect), new.rule_id, new.approval_id, new.reason)
+
+
+def budget_stage(policy: Any, attrs: dict[str, Any], new: Decision) -> Decision:
+    """The gateway's byte-budget check after decide() (gateway/budgets.py): a request whose known size did
+    not fit in what was left of `outbound_bytes_max` was refused there, and its record carries what that
+    check read (`egressgate.budget.needed`, `egressgate.budget.spent`). Re-applied under the replayed
+    policy's budget, so the same policy refuses it again and a larger budget allows it. Allowed records
+    carry no such figures: a smaller replayed budget is applied to them by decide() alone (bytes already
+    spent), not to the size of the request itself."""
+    needed, spent = attrs.get("egressgate.budget.needed"), attrs.get("egressgate.budget.spent")
+    limit = getattr(policy, "outbound_bytes_max", None)
+    if (new.effect != Effect.ALLOW or limit is None or not isinstance(needed, int) or not isinstance(spent, int)
+            or spent + needed <= limit):
+        return new
+    return Decision(effect=Effect.DENY, reason=Reason.BUDGET_EXCEEDED, detail="outbound_bytes_max")
 
 
 def _tally(result: ReplayResult, found, attrs, sandbox_id: str, target: str, new_decision: str,

@@ -17,7 +17,7 @@ from mitmproxy import http
 from egressgate.gateway.approval_gate import settle
 from egressgate.gateway.context import FlowState, Runtime, ensure_flow_state
 from egressgate.gateway.deny import gateway_deny
-from egressgate.gateway.pinning import resolve_target
+from egressgate.gateway.pinning import resolve_checked, with_addresses
 from egressgate.gateway.target import as_sent, note_target
 from egressgate.policy.canon import CanonError, canon_method, canon_path, split_host_port, split_path_query
 from egressgate.policy.decide import decide
@@ -112,7 +112,8 @@ class DecisionAddon:
         if not (await self._decide(fs, policy, facts, snapshot)).allowed:
             return
         allowed = fs.decision
-        target, denied = await resolve_target(self.rt, policy, host, port)
+        target, denied, addresses = await resolve_checked(self.rt, policy, host, port)
+        fs.facts = with_addresses(facts, addresses)
         if denied is not None:
             fs.decision = denied
             return
@@ -161,7 +162,8 @@ class DecisionAddon:
             fs.pinned = conn.tunnel_target
             return
         allowed = fs.decision
-        target, denied = await resolve_target(self.rt, policy, fs.host, fs.port)
+        target, denied, addresses = await resolve_checked(self.rt, policy, fs.host, fs.port)
+        fs.facts = with_addresses(facts, addresses)
         if denied is not None:
             fs.decision = denied
             return
