@@ -61,7 +61,24 @@ NOT_POLICY_REASONS = frozenset(
     }
 )
 
+# Every deny reason decide() itself can produce (policy/decide.py). A deny with any other reason was made
+# by the gateway outside the engine (identity, consistency, transport checks such as the MCP route's
+# `mcp_malformed`, dependencies, limits): a policy cannot change it, so replay skips it (NOT_POLICY_REASONS
+# names the common ones for the docs; this set is the rule, so a reason added later is skipped too).
+ENGINE_DENY_REASONS = frozenset({
+    "host_not_allowed", "scheme_not_allowed", "method_not_allowed", "path_not_allowed", "path_ambiguous",
+    "port_not_allowed", "qtype_not_allowed", "denied_by_rule", "condition_failed", "budget_exceeded",
+    "approval_required", "address_forbidden", "metadata_endpoint",
+})
+
 Decide = Callable[[Any, Facts, SandboxState, float], Decision]
+
+
+def outside_the_engine(reason: Any, detail: Any) -> bool:
+    """A deny the engine did not make: its reason is not one decide() returns, or it is the atomic store
+    check of a rule's `budget.requests` for tunnels (gateway/history.py, detail `rule_budget`: concurrent
+    tunnels spent what decide()'s snapshot still saw; the store's count at that moment is not recorded)."""
+    return reason not in ENGINE_DENY_REASONS or (reason == "budget_exceeded" and detail == "rule_budget")
 
 
 @dataclass(slots=True)
@@ -262,7 +279,7 @@ def _replay_one(
     if old not in ("allow", "deny"):
         result.skip("no recorded decision")
         return
-    if old == "deny" and reason in NOT_POLICY_REASONS:
+    if old == "deny" and (reason in NOT_POLICY_REASONS or outside_the_engine(reason, attrs.get("egressgate.detail"))):
         result.skip(f"decided outside the policy ({reason})")
         return
     policy = single or policies.get(str(attrs.get("egressgate.policy.name")))
