@@ -34,6 +34,7 @@ from egressgate.audit.replay_format import format_table, printable
 from egressgate.audit.replay_mcp import OPERATION as MCP_OPERATION
 from egressgate.audit.replay_mcp import McpHistory, NotReplayable, replay_tool_call
 from egressgate.audit.replay_state import History, as_int, state_from, update_history
+from egressgate.policy.addr import check_address
 from egressgate.policy.canon import canon_host
 from egressgate.policy.facts import Decision, Facts, Operation, SandboxState
 from egressgate.policy.reasons import Effect, Reason
@@ -286,15 +287,21 @@ def _replay_one(
     if policy is None:
         result.skip(f"no policy named {attrs.get('egressgate.policy.name')!r}")
         return
+    answer_filter = attrs.get(K_OPERATION) == "dns_query" and attrs.get("egressgate.dns.stage") == "answer_filter"
     try:
         facts = facts_from(attrs)
     except (ValueError, KeyError):
         result.skip("record lacks the facts to re-decide")
         return
+    if answer_filter and old == "deny" and not facts.addresses:
+        result.skip(f"decided outside the policy ({reason}: the DNS answer's shape)")
+        return
     state, exact = state_from(attrs, sandbox_id, hist, time_s)
     if not exact:
         result.approximated_state += 1
     new = budget_stage(policy, attrs, decide(policy, facts, state, time_s))
+    if answer_filter:
+        new = answer_filter_stage(policy, facts, new)
     target = attrs.get("egressgate.target.canonical") or facts.host
     _tally(result, found, attrs, sandbox_id, str(target), str(new.effect), new.rule_id, new.approval_id, new.reason)
 
@@ -312,6 +319,19 @@ def budget_stage(policy: Any, attrs: dict[str, Any], new: Decision) -> Decision:
             or spent + needed <= limit):
         return new
     return Decision(effect=Effect.DENY, reason=Reason.BUDGET_EXCEEDED, detail="outbound_bytes_max")
+
+
+def answer_filter_stage(policy: Any, facts: Facts, new: Decision) -> Decision:
+    """The resolver's answer filter after decide() (dns/filter.py): a DNS answer whose every address the
+    address check removed is refused `address_forbidden`. Its record carries those addresses
+    (`egressgate.facts.addresses`); under the replayed policy's `allow_private` the answer is emptied again
+    when none of them is allowed."""
+    if new.effect != Effect.ALLOW or not facts.addresses:
+        return new
+    if all(check_address(a, policy.allow_private) is not None for a in facts.addresses):
+        return Decision(effect=Effect.DENY, reason=Reason.ADDRESS_FORBIDDEN, detail="every address in the answer "
+                        "was removed")
+    return new
 
 
 def _tally(result: ReplayResult, found, attrs, sandbox_id: str, target: str, new_decision: str,
