@@ -114,7 +114,7 @@ class FileSink(TrailMixin, WriteMixin):
         self._incident_next: list[Record] = []  # written right after the next chain_start
         self.incidents: list[dict] = []  # shown in /healthz
         self._sign_due = False
-        self._rotation_step: Callable[[str], None] | None = None  # tests: interleave outside moves (_rotate)
+        self._rotation_step: Callable[[str, Path | None], None] | None = None  # tests: outside moves (_rotate)
         self._cp = Checkpointer(signer, clock, max_unsigned=max_unsigned, probe_interval=probe_interval,
                                 sign_timeout=sign_timeout, on_restored=self._sign_now)
         self._queue: asyncio.Queue = asyncio.Queue()

@@ -221,7 +221,7 @@ class TrailMixin:
             await asyncio.to_thread(os.fsync, self._fd)
         state = self._chain.state
         fd, target = self._fd, rotated_name(self.path)
-        self._step("rename")
+        self._step("rename", target)
         renamed, error = await asyncio.to_thread(rename_by_name, self.path, target)
         self._step("locate")
         ours = await asyncio.to_thread(located, fd, self.path.parent, target if renamed else None)
@@ -230,6 +230,11 @@ class TrailMixin:
         # The old file is sealed whatever happened to its name: the chain restarts here, never continues it.
         self._chain = ChainWriter(prev=state.prev, since_signed=state.since_signed)
         self._prev_file = ours
+        if not renamed and ours == self.path.name and error is not None:
+            # the rename itself failed (nothing moved the file): fail this batch; the next one moves the sealed
+            # file aside (`_ensure_file` -> `_open_fresh`), never appends to it
+            self._prev_file = None
+            raise error
         self.rotations += 1
         if renamed and ours == target.name:
             log.info("audit file rotated to %s", target)
@@ -247,9 +252,9 @@ class TrailMixin:
         await asyncio.to_thread(self._open_fresh)  # a non-empty file at `path` (ours, if rename failed) moves aside
         self._step("opened")
 
-    def _step(self: FileSink, name: str) -> None:
+    def _step(self: FileSink, name: str, target: Path | None = None) -> None:
         if self._rotation_step is not None:
-            self._rotation_step(name)
+            self._rotation_step(name, target)
 
     def _incident(self: FileSink, kind: str, detail: str, extra: dict | None = None) -> None:
         log.critical("AUDIT TRAIL INCIDENT %s: %s", kind, detail)

@@ -113,8 +113,8 @@ class DecisionAddon:
             return
         allowed = fs.decision
         target, denied, addresses = await resolve_checked(self.rt, policy, host, port)
-        fs.facts = with_addresses(facts, addresses)
         if denied is not None:
+            fs.facts = with_addresses(facts, addresses)  # what the address check read (audit replay)
             fs.decision = denied
             return
         fs.pinned = target
@@ -163,8 +163,8 @@ class DecisionAddon:
             return
         allowed = fs.decision
         target, denied, addresses = await resolve_checked(self.rt, policy, fs.host, fs.port)
-        fs.facts = with_addresses(facts, addresses)
         if denied is not None:
+            fs.facts = with_addresses(facts, addresses)  # what the address check read (audit replay)
             fs.decision = denied
             return
         fs.pinned = target

@@ -48,7 +48,7 @@ from egressgate.gateway.history import record_contact, refuse_unrecorded
 from egressgate.gateway.http_limits import http_layer
 from egressgate.gateway.identity import NOT_A_PROXY
 from egressgate.gateway.passthrough_peek import SniName, SniPeekLayer
-from egressgate.gateway.pinning import resolve_checked, with_addresses
+from egressgate.gateway.pinning import resolve_target
 from egressgate.gateway.refuse import RefuseLayer, looks_like_http
 from egressgate.gateway.tls_limits import client_tls_layer
 from egressgate.policy.canon import CanonError, split_host_port
@@ -261,10 +261,9 @@ class Transparent:
         decision, facts, snapshot = await td.connect_decision(self.rt, conn, host, port)
         if not decision.passthrough:
             return
-        target, denied, addresses = await resolve_checked(self.rt, self.rt.policies.get(conn.policy_name), host, port)
+        target, denied = await resolve_target(self.rt, self.rt.policies.get(conn.policy_name), host, port)
         if denied is not None or target is None:
             return  # tls_clienthello decides again and records the refusal (one record per connection)
-        facts = with_addresses(facts, addresses) if facts is not None else None
         if await record_contact(self.rt, conn.sandbox_id, host, decision.rule_id) is not None:
             return  # no history, no splice: intercepted instead, each request then enters the history itself
         request_id = new_request_id()

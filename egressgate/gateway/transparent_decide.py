@@ -114,7 +114,9 @@ async def name_decision(rt: Runtime, conn: ConnState, host: str, port: int) -> D
     if not decision.allowed:
         return decision, None, facts, snapshot
     target, denied, addresses = await resolve_checked(rt, rt.policies.get(conn.policy_name), host, port)
-    return (denied or decision), target, with_addresses(facts, addresses), snapshot
+    if denied is not None:  # the record carries what the address check read (audit replay)
+        return denied, target, with_addresses(facts, addresses), snapshot
+    return decision, target, facts, snapshot
 
 
 async def connect_decision(rt: Runtime, conn: ConnState, host: str, port: int

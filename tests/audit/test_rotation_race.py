@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from egressgate.audit.event import AuditUnavailable
 from egressgate.audit.find import iter_records
 from egressgate.audit.signer import load_public_keys
 from egressgate.audit.verify import GENESIS, verify_file, verify_files
@@ -72,7 +73,7 @@ async def test_outside_move_at_any_step_of_rotation_leaves_a_verifying_trail(mak
     sink = await make_sink(max_bytes=4000, checkpoint_every=5, watch_interval=3600)  # only driven checks
     moved: list[bool] = []
 
-    def at(name: str) -> None:
+    def at(name: str, _target: Path | None) -> None:
         if name == step and not moved:
             moved.append(_outside(action, sink.path, elsewhere))
 
@@ -114,7 +115,7 @@ async def test_rotation_without_outside_change_records_no_incident(make_sink, pu
     """Control: plain rotations (the hook runs, does nothing) verify and record no incident."""
     sink = await make_sink(max_bytes=4000, checkpoint_every=5, watch_interval=3600)
     seen: list[str] = []
-    sink._rotation_step = seen.append
+    sink._rotation_step = lambda name, _target: seen.append(name)
     for i in range(40):
         await sink.write(http_event(i))
     await sink.close()
@@ -125,3 +126,34 @@ async def test_rotation_without_outside_change_records_no_incident(make_sink, pu
     assert order[-1] == sink.path
     assert all(r.ok and r.sealed for r in verify_files(order, keys))
     assert _incidents(order) == []
+
+
+async def test_a_failed_rename_fails_one_batch_and_never_appends_to_the_sealed_file(make_sink, pubkey):
+    """Nothing moved the file, but the rename itself fails (here: a directory took the rotated name): the
+    batch is refused (AuditUnavailable: its caller denies), the sealed file is moved aside by the next
+    batch, never appended to, and the trail verifies. Control: the next writes succeed."""
+    sink = await make_sink(max_bytes=4000, checkpoint_every=5, watch_interval=3600)
+    blocked: list[Path] = []
+
+    def at(name: str, target: Path | None) -> None:
+        if name == "rename" and target is not None and not blocked:
+            target.mkdir()  # os.rename(file, directory) fails: IsADirectoryError
+            blocked.append(target)
+
+    sink._rotation_step = at
+    refused = 0
+    for i in range(30):
+        try:
+            await sink.write(http_event(i))
+        except AuditUnavailable:
+            refused += 1
+    await sink.close()
+    assert blocked and refused == 1
+    blocked[0].rmdir()
+    files = [p for p in sink.path.parent.iterdir() if p.suffix == ".jsonl"]
+    keys = load_public_keys([pubkey])
+    order = _chain_order(files, keys)
+    reports = verify_files(order, keys)
+    assert all(r.ok and r.sealed for r in reports), [(r.path, r.error) for r in reports]
+    assert len(_ids(order)) == 29 and "file_moved" not in _incidents(order)
+
