@@ -22,6 +22,7 @@ from click.testing import CliRunner
 
 from egressgate.audit.cli import audit
 from egressgate.audit.find import iter_records
+from egressgate.audit.replay import load_policy_set, replay_diff
 from tests.support.gwworld import Gateway, World, connect_tunnel, policies
 from tests.support.launcher import launch_loopback, stop_gateway, write_policies
 from tests.support.replay_check import assert_replays_unchanged, trail_files
@@ -98,6 +99,12 @@ def test_replay_with_the_recording_policies_flips_nothing(world, tmp_path):
 
     r = CliRunner().invoke(audit, ["replay", *map(str, trail_files(gw.var)), "--policy", str(gw.policy_dir)])
     assert r.exit_code == 0, r.output
+    # the console's replay-diff: raw lines, one candidate policy for one sandbox (admin/ui/audit_api.py)
+    policies_now, _ = load_policy_set(gw.policy_dir)
+    lines = [ln for f in trail_files(gw.var) for ln in f.read_bytes().splitlines() if ln]
+    assert replay_diff(lines, policies_now) == []
+    for name in ("gw-noprivate", "replay-http", "gw-basic"):
+        assert replay_diff(lines, policies_now[name], sandbox=ids[name]) == [], name
 
     # Positive control 1: a policy that allows the canary's range flips exactly the address denials of
     # gw-noprivate / replay-http (the rules allow those names; only the address check refused them).
