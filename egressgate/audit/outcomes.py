@@ -31,8 +31,11 @@ def expects_outcome(attrs: dict) -> bool:
     op = attrs.get(K_OPERATION)
     if op in ("http_request", "mcp_tool_call"):
         return True
-    return op == "connect" and (attrs.get("egressgate.intercept") is False or attrs.get("url.scheme") == "tcp"
-                                or attrs.get("egressgate.tls") == "passthrough")
+    return op == "connect" and (
+        attrs.get("egressgate.intercept") is False
+        or attrs.get("url.scheme") == "tcp"
+        or attrs.get("egressgate.tls") == "passthrough"
+    )
 
 
 @dataclass(slots=True)
@@ -45,9 +48,11 @@ class Gap:
 
     def message(self) -> str:
         ids = ", ".join(self.request_ids)
-        return (f"line {self.line}: recovered gap: {len(self.request_ids)} allowed decision(s) made before this "
-                f"crash have no outcome record (the gateway was killed before writing it; the request may have "
-                f"been forwarded): request ids {ids}")
+        return (
+            f"line {self.line}: recovered gap: {len(self.request_ids)} allowed decision(s) made before this "
+            f"crash have no outcome record (the gateway was killed before writing it; the request may have "
+            f"been forwarded): request ids {ids}"
+        )
 
 
 @dataclass(slots=True)

@@ -16,16 +16,19 @@ if TYPE_CHECKING:
     from egressgate.mcp.mediator import McpSession
 
 
-async def withdraw(session: McpSession, messages: list[Message], forward: list[dict], denial: dict,
-                   ticket: Ticket | None) -> list[dict]:
+async def withdraw(
+    session: McpSession, messages: list[Message], forward: list[dict], denial: dict, ticket: Ticket | None
+) -> list[dict]:
     """A batch is forwarded whole or not at all: when one of its calls was refused, its allowed calls
     are not forwarded as a smaller batch (the agent asked for them together). Each allowed call keeps
     its `allow` record and gets a `no_response` outcome (detail `batch_refused`), its counted budget
     back, and a JSON-RPC error; other requests of the batch get the same error (their ids are freed)."""
     data = denial.get("error", {}).get("data", {})
     reason, rule = str(data.get("reason", Reason.MCP_TOOL_DENIED)), data.get("rule")
-    message = (f"Not forwarded: another message of the same batch was refused ({reason}); a batch is "
-               "forwarded whole or not at all. Send each tools/call in its own message.")
+    message = (
+        f"Not forwarded: another message of the same batch was refused ({reason}); a batch is "
+        "forwarded whole or not at all. Send each tools/call in its own message."
+    )
     sent = {id(obj) for obj in forward}
     replies = []
     for msg in messages:

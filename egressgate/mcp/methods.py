@@ -21,17 +21,38 @@ from collections.abc import Iterable
 
 from egressgate.mcp.jsonrpc import McpMalformed, Message
 
-CLIENT_REQUESTS = frozenset({
-    "initialize", "ping", "server/discover", "subscriptions/listen",
-    "tools/list", "tools/call",
-    "resources/list", "resources/templates/list", "resources/read", "resources/subscribe", "resources/unsubscribe",
-    "prompts/list", "prompts/get", "completion/complete", "logging/setLevel",
-    "tasks/get", "tasks/list", "tasks/result", "tasks/cancel",
-})
-CLIENT_NOTIFICATIONS = frozenset({
-    "notifications/initialized", "notifications/cancelled", "notifications/progress",
-    "notifications/roots/list_changed", "notifications/tasks/status",
-})
+CLIENT_REQUESTS = frozenset(
+    {
+        "initialize",
+        "ping",
+        "server/discover",
+        "subscriptions/listen",
+        "tools/list",
+        "tools/call",
+        "resources/list",
+        "resources/templates/list",
+        "resources/read",
+        "resources/subscribe",
+        "resources/unsubscribe",
+        "prompts/list",
+        "prompts/get",
+        "completion/complete",
+        "logging/setLevel",
+        "tasks/get",
+        "tasks/list",
+        "tasks/result",
+        "tasks/cancel",
+    }
+)
+CLIENT_NOTIFICATIONS = frozenset(
+    {
+        "notifications/initialized",
+        "notifications/cancelled",
+        "notifications/progress",
+        "notifications/roots/list_changed",
+        "notifications/tasks/status",
+    }
+)
 BATCH_VERSIONS = frozenset({"2025-03-26"})
 
 
@@ -44,12 +65,16 @@ def check_client_methods(messages: Iterable[Message]) -> None:
         known = CLIENT_REQUESTS if msg.kind == "request" else CLIENT_NOTIFICATIONS
         if msg.method not in known:
             kind = "request" if msg.kind == "request" else "notification"
-            raise McpMalformed("unknown_method", f"{str(msg.method)[:64]!r} is not an MCP client {kind} method "
-                               "(method names are case-sensitive)")
+            raise McpMalformed(
+                "unknown_method",
+                f"{str(msg.method)[:64]!r} is not an MCP client {kind} method (method names are case-sensitive)",
+            )
 
 
 def check_batch(version: str | None) -> None:
     """McpMalformed("batch_not_supported") unless the session's protocol version has JSON-RPC batches."""
     if version not in BATCH_VERSIONS:
-        raise McpMalformed("batch_not_supported", f"protocol version {version or 'unknown'} has no JSON-RPC batches: "
-                           "send one message per request")
+        raise McpMalformed(
+            "batch_not_supported",
+            f"protocol version {version or 'unknown'} has no JSON-RPC batches: send one message per request",
+        )

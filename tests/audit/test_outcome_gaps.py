@@ -30,11 +30,15 @@ async def _traffic(sink: FileSink) -> dict[str, str]:
     """Decisions and outcomes; returns request ids by role."""
     ids = {}
     connect = EventKind.CONNECT
-    for role, kw in (("done", {}), ("queued", {}), ("in_flight", {}),
-                     ("denied", {"decision": "deny", "reason": "host_not_allowed", "rule_id": None}),
-                     ("tunnel", {"kind": connect, "extra": {"egressgate.intercept": True}}),
-                     ("raw_tcp", {"kind": connect, "scheme": "tcp", "extra": {"egressgate.intercept": False}}),
-                     ("spooled", {})):
+    for role, kw in (
+        ("done", {}),
+        ("queued", {}),
+        ("in_flight", {}),
+        ("denied", {"decision": "deny", "reason": "host_not_allowed", "rule_id": None}),
+        ("tunnel", {"kind": connect, "extra": {"egressgate.intercept": True}}),
+        ("raw_tcp", {"kind": connect, "scheme": "tcp", "extra": {"egressgate.intercept": False}}),
+        ("spooled", {}),
+    ):
         ev = http_event(len(ids), **kw)
         await sink.write(ev)
         ids[role] = ev.request_id
@@ -53,8 +57,15 @@ async def test_verify_names_each_decision_a_crash_left_without_outcome(tmp_path,
     await crash(sink)
     # the next run: seals the crashed file (recovery checkpoint); writes the spooled request's outcome
     again = await FileSink(path, signer).start()
-    await again.write_after(http_event(94, kind=EventKind.OUTCOME, request_id=ids["spooled"], status=200,
-                                       extra={"egressgate.retry.after_restart": True}))
+    await again.write_after(
+        http_event(
+            94,
+            kind=EventKind.OUTCOME,
+            request_id=ids["spooled"],
+            status=200,
+            extra={"egressgate.retry.after_restart": True},
+        )
+    )
     await again.write(http_event(95))
     await again.close()
     files = _history(path)

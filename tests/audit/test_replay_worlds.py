@@ -31,16 +31,25 @@ from tests.support.replay_check import assert_replays_unchanged, trail_files
 def _start(w: World, tmp: Path) -> Gateway:
     docs = policies(w)
     # plain HTTP to a name that resolves to the canary: allowed by its rule, refused by the address check
-    docs["replay-http"] = {"sandbox": {"name": "replay-http"}, "network": {
-        "allow_private": ["127.0.0.1/32"],
-        "http": {"allow": [{"id": "canary-http", "host": "canary.test", "ports": [w.http_port]},
-                           {"id": "plain", "host": "api.test", "ports": [w.http_port], "methods": ["GET"]}]}}}
+    docs["replay-http"] = {
+        "sandbox": {"name": "replay-http"},
+        "network": {
+            "allow_private": ["127.0.0.1/32"],
+            "http": {
+                "allow": [
+                    {"id": "canary-http", "host": "canary.test", "ports": [w.http_port]},
+                    {"id": "plain", "host": "api.test", "ports": [w.http_port], "methods": ["GET"]},
+                ]
+            },
+        },
+    }
     policy_dir = write_policies(tmp / "policies", docs)
     ca_bundle = tmp / "upstream-ca.pem"
     ca_bundle.write_bytes(w.ca.cert_pem.bytes())
     config = {
         "listen": {"proxy": "127.0.0.1:0", "admin": "127.0.0.1:0", "dns": None, "transparent": None},
-        "policy": str(policy_dir), "var_dir": str(tmp / "var"),
+        "policy": str(policy_dir),
+        "var_dir": str(tmp / "var"),
         "upstream": {"resolver": f"127.0.0.1:{w.dns_port}", "ca_bundle": str(ca_bundle)},
     }
     return Gateway(**launch_loopback(tmp, config), policy_dir=policy_dir, world=w)
@@ -54,8 +63,12 @@ def _traffic(gw: Gateway, w: World) -> dict[str, str]:
     """Drive the decisions; returns sandbox ids by policy."""
     basic, noprivate, tcp = gw.admit("gw-basic"), gw.admit("gw-noprivate"), gw.admit("gw-tcp")
     http_sbx, budget = gw.admit("replay-http"), gw.admit("gw-budget")
-    for target, expect in ((f"canary.test:{w.canary_https_port}", 403), (f"mixed.test:{w.https_port}", 403),
-                           (f"127.0.0.2:{w.canary_https_port}", 403), (f"nothere.test:{w.https_port}", 403)):
+    for target, expect in (
+        (f"canary.test:{w.canary_https_port}", 403),
+        (f"mixed.test:{w.https_port}", 403),
+        (f"127.0.0.2:{w.canary_https_port}", 403),
+        (f"nothere.test:{w.https_port}", 403),
+    ):
         sock, head = connect_tunnel(gw, basic, target)
         sock.close()
         assert _status(head) == expect, (target, head)

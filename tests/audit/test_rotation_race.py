@@ -55,19 +55,24 @@ def _chain_order(files: list[Path], keys) -> list[Path]:
 
 
 def _ids(files: list[Path]) -> list[str]:
-    return [f.record.attributes["egressgate.request.id"] for f in iter_records(files)
-            if f.record.attributes.get("egressgate.operation") == "http_request"]
+    return [
+        f.record.attributes["egressgate.request.id"]
+        for f in iter_records(files)
+        if f.record.attributes.get("egressgate.operation") == "http_request"
+    ]
 
 
 def _incidents(files: list[Path]) -> list[str]:
-    return [str(f.record.attributes.get("egressgate.incident")) for f in iter_records(files)
-            if f.record.attributes.get("egressgate.operation") == "audit_incident"]
+    return [
+        str(f.record.attributes.get("egressgate.incident"))
+        for f in iter_records(files)
+        if f.record.attributes.get("egressgate.operation") == "audit_incident"
+    ]
 
 
 @pytest.mark.parametrize("action", ACTIONS)
 @pytest.mark.parametrize("step", STEPS)
-async def test_outside_move_at_any_step_of_rotation_leaves_a_verifying_trail(make_sink, pubkey, tmp_path,
-                                                                               step, action):
+async def test_outside_move_at_any_step_of_rotation_leaves_a_verifying_trail(make_sink, pubkey, tmp_path, step, action):
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     sink = await make_sink(max_bytes=4000, checkpoint_every=5, watch_interval=3600)  # only driven checks
@@ -89,8 +94,7 @@ async def test_outside_move_at_any_step_of_rotation_leaves_a_verifying_trail(mak
     audit_dir = sink.path.parent
     foreign = [p for p in audit_dir.iterdir() if p.read_bytes() == b"not an audit record\n"]
     assert len(foreign) == (1 if action == "mv+foreign" else 0)  # moved aside, never appended to
-    files = [p for p in [*audit_dir.iterdir(), *elsewhere.iterdir()]
-             if p.suffix == ".jsonl" and p not in foreign]
+    files = [p for p in [*audit_dir.iterdir(), *elsewhere.iterdir()] if p.suffix == ".jsonl" and p not in foreign]
     keys = load_public_keys([pubkey])
     order = _chain_order(files, keys)
     reports = verify_files(order, keys)
@@ -156,4 +160,3 @@ async def test_a_failed_rename_fails_one_batch_and_never_appends_to_the_sealed_f
     reports = verify_files(order, keys)
     assert all(r.ok and r.sealed for r in reports), [(r.path, r.error) for r in reports]
     assert len(_ids(order)) == 29 and "file_moved" not in _incidents(order)
-

@@ -16,8 +16,18 @@ import pytest
 
 from tests.mcp.mediator_world import World, answer, body, call, initialize
 
-SPELLINGS = ["Tools/Call", "TOOLS/CALL", "tools/Call", "tools/call ", " tools/call", "tools/call\u0000",
-             "tools\\/call-x", "tools/calls", "tool/call", "tools//call"]
+SPELLINGS = [
+    "Tools/Call",
+    "TOOLS/CALL",
+    "tools/Call",
+    "tools/call ",
+    " tools/call",
+    "tools/call\u0000",
+    "tools\\/call-x",
+    "tools/calls",
+    "tool/call",
+    "tools//call",
+]
 
 
 @pytest.mark.parametrize("method", SPELLINGS)
@@ -38,15 +48,18 @@ async def test_a_misspelled_tools_call_is_refused_and_recorded(mem_world: World,
     assert decided["egressgate.decision"] == "allow" and decided["egressgate.mcp.jsonrpc_id"] == "8"
 
 
-@pytest.mark.parametrize(("message", "forwarded"), [
-    ({"jsonrpc": "2.0", "id": 1, "method": "resources/list"}, True),
-    ({"jsonrpc": "2.0", "id": 1, "method": "prompts/get", "params": {"name": "x"}}, True),
-    ({"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": 1}}, True),
-    ({"jsonrpc": "2.0", "id": 1, "method": "admin/exec"}, False),
-    ({"jsonrpc": "2.0", "id": 1, "method": "notifications/initialized"}, False),  # a notification as a request
-    ({"jsonrpc": "2.0", "method": "ping"}, False),  # a request as a notification
-    ({"jsonrpc": "2.0", "method": "Notifications/Initialized"}, False),
-])
+@pytest.mark.parametrize(
+    ("message", "forwarded"),
+    [
+        ({"jsonrpc": "2.0", "id": 1, "method": "resources/list"}, True),
+        ({"jsonrpc": "2.0", "id": 1, "method": "prompts/get", "params": {"name": "x"}}, True),
+        ({"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": 1}}, True),
+        ({"jsonrpc": "2.0", "id": 1, "method": "admin/exec"}, False),
+        ({"jsonrpc": "2.0", "id": 1, "method": "notifications/initialized"}, False),  # a notification as a request
+        ({"jsonrpc": "2.0", "method": "ping"}, False),  # a request as a notification
+        ({"jsonrpc": "2.0", "method": "Notifications/Initialized"}, False),
+    ],
+)
 async def test_only_mcp_client_methods_pass(mem_world: World, message: dict, forwarded: bool):
     verdict = await mem_world.session().from_client(body(message))
     assert (verdict.forward is not None) is forwarded, verdict
@@ -78,6 +91,7 @@ async def test_a_batch_passes_on_2025_03_26(mem_world: World):
     batch = [call(1, "search_tickets", {"project": "acme"}), {"jsonrpc": "2.0", "id": 2, "method": "ping"}]
     verdict = await s.from_client(body(batch))
     assert json.loads(verdict.forward) == batch and verdict.replies == []
-    answered = json.loads(await s.from_server_bytes(json.dumps([json.loads(answer(1)), json.loads(answer(2, {}))])
-                                                    .encode()))
+    answered = json.loads(
+        await s.from_server_bytes(json.dumps([json.loads(answer(1)), json.loads(answer(2, {}))]).encode())
+    )
     assert [a["id"] for a in answered] == [1, 2]
