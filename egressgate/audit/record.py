@@ -373,9 +373,10 @@ def parse_line(line: bytes | str) -> Record:
 
 
 def addresses_of(attrs: Mapping[str, Value]) -> tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, ...]:
-    """Recorded dial addresses (facts.addresses, else the pinned address), for replay."""
+    """Recorded dial addresses (facts.addresses, else the pinned address: an allowed request's record names
+    the address it dialed, a refused one every address the check read), for replay."""
     raw = attrs.get("egressgate.facts.addresses")
-    if not isinstance(raw, list):
+    if not isinstance(raw, list) or not raw:
         pinned = attrs.get("egressgate.pinned.address")
         raw = [pinned] if isinstance(pinned, str) else []
     out = []

@@ -261,6 +261,7 @@ class Resolver:
         if filtered.emptied:
             self.metrics.emptied_answers += 1
             ctx.stage = "answer_filter"
+            ctx.refused_addresses = filtered.refused
             return await self._refuse(
                 ctx,
                 opt,

@@ -194,6 +194,7 @@ class Budgets:
             fs.decision = gateway_deny(Reason.STATE_UNAVAILABLE, detail="outbound_bytes_max")
             return
         if not fits:
+            fs.budget_refused = (prepay, max(0, (limit or 0) - remaining))
             fs.decision = gateway_deny(
                 Reason.BUDGET_EXCEEDED,
                 f"This request needs {prepay} bytes but only {remaining} bytes of the sandbox's outbound "

@@ -130,6 +130,9 @@ class FlowState:
     stream_request: bool = False  # the request body is relayed as it arrives (large or of unknown length) ...
     meter_request: bool = False  # ... and counted chunk by chunk (unknown length: not prepaid)
     budget_cut: bool = False
+    # the byte budget refused the request before it went upstream: (bytes it needed, bytes already spent or
+    # leased), the inputs of that check, recorded for `audit replay` (egressgate.budget.needed / .spent)
+    budget_refused: tuple[int, int] | None = None
     state_cut: bool = False  # cut because the state store failed while the stream waited for its lease
     ws_out: int = 0
     ws_in: int = 0

@@ -19,7 +19,7 @@ from mitmproxy import http
 from egressgate.gateway.approval_gate import settle, spend
 from egressgate.gateway.context import FlowState, Runtime, ensure_flow_state
 from egressgate.gateway.deny import gateway_deny
-from egressgate.gateway.pinning import resolve_target
+from egressgate.gateway.pinning import resolve_checked, with_addresses
 from egressgate.gateway.target import as_sent, note_target
 from egressgate.policy.canon import CanonError, canon_method, canon_path, split_host_port, split_path_query
 from egressgate.policy.decide import decide
@@ -119,8 +119,9 @@ class DecisionAddon:
         if not (await self._decide(fs, policy, facts, snapshot)).allowed:
             return
         allowed = fs.decision
-        target, denied = await resolve_target(self.rt, policy, host, port)
+        target, denied, addresses = await resolve_checked(self.rt, policy, host, port)
         if denied is not None:
+            fs.facts = with_addresses(facts, addresses)  # what the address check read (audit replay)
             fs.decision = denied
             return
         fs.pinned = target
@@ -174,8 +175,9 @@ class DecisionAddon:
             fs.pinned = conn.tunnel_target
             return
         allowed = fs.decision
-        target, denied = await resolve_target(self.rt, policy, fs.host, fs.port)
+        target, denied, addresses = await resolve_checked(self.rt, policy, fs.host, fs.port)
         if denied is not None:
+            fs.facts = with_addresses(facts, addresses)  # what the address check read (audit replay)
             fs.decision = denied
             return
         fs.pinned = target

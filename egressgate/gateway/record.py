@@ -65,6 +65,8 @@ def decision_event(kind: EventKind, fs: FlowState, labels: dict[str, str], clien
         extra["egressgate.intercept"] = fs.intercept
     if d.passthrough:
         extra["egressgate.tls"] = "passthrough"
+    if fs.budget_refused is not None and not d.allowed:  # what the byte budget check read (audit replay)
+        extra["egressgate.budget.needed"], extra["egressgate.budget.spent"] = fs.budget_refused
     return build(
         kind, time_ns=fs.started_ns, request_id=fs.request_id, verdict=d, sandbox_labels=labels, extra=extra,
         sandbox_id=fs.sandbox_id, policy_name=fs.policy_name, policy_hash=fs.policy_hash,
