@@ -111,7 +111,7 @@ def sandbox_run(gateway: Gateway, dockerd: Dockerd, runtime: str, image: str, ar
     return parse(res.stdout)
 
 
-def docker_run(dockerd: Dockerd, oci_runtime: str, seccomp: str, image: str, argv: list[str]) -> CompletedProcess:
+def docker_run(dockerd: Dockerd, oci_runtime: str, seccomp: str, image: str, argv: list[str]) -> CompletedProcess[str]:
     """`argv` as uid 65534 with no capability, under `oci_runtime` and `--security-opt seccomp=...`; a
     program that hangs once its threads fail is ended by `timeout` (no verdict depends on it)."""
     return dockerd.docker(
