@@ -183,7 +183,7 @@ class DockerAdapter:
         }
         host: dict = {
             "NetworkMode": "none", "CapDrop": ["ALL"], "Init": True,
-            "SecurityOpt": ["no-new-privileges", seccompjson.security_opt(unix_sockets=True)],
+            "SecurityOpt": ["no-new-privileges", seccompjson.security_opt(unix_sockets=True, runtime=self.oci_runtime)],
             "ReadonlyRootfs": sandbox.get("root_fs", "read_only") == "read_only",
             # the container's own /tmp, size- and inode-bounded (sandbox.tmp.max_bytes, diskfs.py) and the
             # run's own like the netns runtime's (owned by its uid/gid, not root's 1777 shared by every uid)

@@ -207,6 +207,12 @@ class Dockerd:
             self._images["python"] = images.python(self)
         return self._images["python"]
 
+    def threaded_image(self) -> str:
+        """Debian python3 + grpcio + nodejs (images.threaded; cached on disk like the python image)."""
+        if "threaded" not in self._images:
+            self._images["threaded"] = images.threaded(self)
+        return self._images["threaded"]
+
     # ------------------------------------------------------------------------------ observation
     def leftovers(self) -> dict[str, list[str]]:
         """What this daemon's containers left on the host: containers, their cgroups, their processes."""
