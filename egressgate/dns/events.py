@@ -61,6 +61,7 @@ class QueryContext:
     # failures), "decide" (the policy decision), "answer_filter" (an allowed answer emptied by the filter).
     # `audit replay` can re-decide only "decide" outcomes.
     stage: str = "resolver"
+    answer_kind: str | None = None  # "gateway": a denied name pointed at the gateway (gateway_answer.py)
 
 
 def requested_name(query: Query) -> str | None:
@@ -90,6 +91,8 @@ def dns_event(ctx: QueryContext, decision: Decision, rcode: int, answers: list[s
     }
     if ctx.cache:
         extra["egressgate.dns.cache"] = ctx.cache
+    if ctx.answer_kind:
+        extra["egressgate.dns.answer"] = ctx.answer_kind
     if ctx.dns_counts is not None:
         # The state decide() was given, as far as a DNS decision reads it (docs/audit.md, "Replay"). The facts
         # (operation, name, scheme, qtype) are the record's own attributes.

@@ -26,6 +26,7 @@ import logging
 
 from mitmproxy import connection, http
 
+from egressgate.gateway import refused_tunnel
 from egressgate.gateway.context import ConnState, FlowState, Runtime, ensure_flow_state
 from egressgate.gateway.deny import gateway_deny
 from egressgate.policy.canon import ip_text
@@ -193,6 +194,9 @@ class Identity:
         if fs.decision is not None:
             return
         conn = self.rt.conn(flow.client_conn.id)
+        if conn.refused_target is not None:
+            refused_tunnel.answer(fs, conn)  # a refused CONNECT accepted to answer inside: its deny, again
+            return
         if conn.transparent:
             # Identity came with the source address (transparent.py); a refused connection (unknown
             # source, revoked, over the limit, a denied name) answers every request with that refusal.

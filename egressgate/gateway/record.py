@@ -126,7 +126,7 @@ class Record:
 
     async def requestheaders(self, flow: http.HTTPFlow) -> None:
         fs = ensure_flow_state(flow)
-        if flow.response is not None and fs.audited:
+        if fs.audited:  # answered earlier, or a request in a refused tunnel (its CONNECT's record is its record)
             return
         fs.bodyless_hash = request_hash.bodyless_hash(flow.request, fs)
         await self._record(EventKind.HTTP_REQUEST, flow, fs)

@@ -115,6 +115,7 @@ class DnsSettings:
     max_queries: int | None
     max_name_bytes: int | None
     rate_per_second: float | None
+    deny_answer: str = "gateway"  # network.dns.deny_answer (dns/gateway_answer.py)
 
 
 class CompiledPolicy:
@@ -372,6 +373,7 @@ def _compile_dns(model: Policy, policy: CompiledPolicy, problems: list[tuple[str
         max_queries=budget.queries if budget else None,
         max_name_bytes=budget.name_bytes if budget else None,
         rate_per_second=budget.per_second if budget else None,
+        deny_answer=dns.deny_answer,
     )
 
 

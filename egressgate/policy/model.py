@@ -140,6 +140,9 @@ class DnsBudget(Strict):
 class DnsSection(Strict):
     allow: list[str] = []
     deny_rcode: Literal["NXDOMAIN", "REFUSED"] = "NXDOMAIN"
+    # a name not allowed: "gateway" answers the gateway's address (its transparent listener then answers the
+    # request with the deny body; no upstream query), "rcode" answers deny_rcode (docs/policy.md)
+    deny_answer: Literal["gateway", "rcode"] = "gateway"
     query_types: list[str] = list(DEFAULT_QUERY_TYPES)
     budget: DnsBudget | None = None
 
