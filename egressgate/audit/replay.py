@@ -143,6 +143,7 @@ def facts_from(attrs: dict[str, Any]) -> Facts:
         if isinstance(attrs.get("egressgate.dns.qtype"), str)
         else None,
         request_bytes=as_int(attrs.get("egressgate.facts.request_bytes")),
+        query=attrs.get("url.query") if isinstance(attrs.get("url.query"), str) else None,
     )
 
 

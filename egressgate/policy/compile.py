@@ -31,6 +31,7 @@ from egressgate.policy.globs import (
 from egressgate.policy.mcp_compile import EMPTY_MCP, CompiledMcp, compile_mcp
 from egressgate.policy.model import Budget, Conditions, HttpRule, Policy, TcpRule
 from egressgate.policy.passthrough import passthrough_problems, tls_problems
+from egressgate.policy.querymatch import QueryMatcher, compile_query
 from egressgate.policy.reasons import Effect
 
 DEFAULT_PORTS = {"https": (443,), "http": (80,)}
@@ -66,6 +67,7 @@ class CompiledRule:
     # Deny rules only: `paths` widened to fail closed against every server reading (policy.readings).
     deny_paths: tuple[DenyGlob, ...] | None = None
     passthrough: bool = False  # an https allow rule with `tls: passthrough`: its tunnels are spliced
+    query: QueryMatcher | None = None  # `query:` (policy/querymatch.py); None = any query
 
     def path_allows(self, path: str | None) -> bool:
         return self.paths is None or (path is not None and any(glob.matches(path) for glob in self.paths))
@@ -73,7 +75,7 @@ class CompiledRule:
     def describe(self) -> str:
         methods = ",".join(sorted(self.methods)) if self.methods else "any method"
         paths = " ".join(g.source for g in self.paths) if self.paths else "any path"
-        return f"{methods} {paths}"
+        return f"{methods} {paths}" + (f"?{self.query.describe()}" if self.query is not None else "")
 
 
 @dataclass(slots=True)
@@ -233,8 +235,10 @@ def _compile_rule(
     )
     if raw.except_hosts and host is not None and host.kind == "exact":
         problems.append((f"{path}.except_hosts", "except_hosts only makes sense with a wildcard host"))
-    methods = paths = credential = None
+    methods = paths = credential = query = None
     if isinstance(raw, HttpRule):
+        if raw.query is not None:
+            query = compile_query(raw.query, f"{path}.query", problems)
         if raw.methods is not None:
             methods = frozenset(_methods(raw.methods, f"{path}.methods", problems))
             if not raw.methods:
@@ -279,6 +283,7 @@ def _compile_rule(
         key_path=path,
         deny_paths=tuple(deny_glob(g) for g in paths) if paths is not None and effect is Effect.DENY else None,
         passthrough=isinstance(raw, HttpRule) and raw.tls == "passthrough",
+        query=query,
     )
 
 

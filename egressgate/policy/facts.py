@@ -41,6 +41,7 @@ class Facts:
     addresses: tuple[IPAddress, ...] = ()  # resolved (or literal) addresses the gateway would dial
     qtype: str | None = None  # DNS query type name, e.g. "A"
     request_bytes: int = 0  # size of this request as far as known (for per-rule byte budgets)
+    query: str | None = None  # the raw query string as sent (no '?'); read only by `query:` rules (querymatch.py)
 
 
 @dataclass(frozen=True, slots=True)

@@ -100,6 +100,8 @@ class HttpRule(Strict):
     ports: list[Port] | None = None
     methods: list[str] | None = None
     paths: list[str] | None = None
+    # query parameter name -> values (policy/querymatch.py: allow rules require one of them, deny rules refuse them)
+    query: dict[str, list[str]] | None = None
     credential: str | None = None
     when: Conditions | None = None
     budget: Budget | None = None

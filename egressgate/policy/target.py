@@ -73,5 +73,6 @@ def parse_target(text: str, addresses: tuple[IPAddress, ...] = ()) -> Facts:
         scheme=url.scheme,
         method=canon_method(method),
         path=url.path,
+        query=url.query or None,
         addresses=addresses or ((literal,) if literal is not None else ()),
     )
