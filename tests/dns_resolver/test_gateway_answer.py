@@ -17,7 +17,7 @@ from egressgate.dns.gateway_answer import answer_address, link_peer
 from egressgate.dns.server import DnsServer
 from egressgate.policy.loader import parse_policy
 from egressgate.state.base import SandboxRecord, hash_token
-from tests.support.dnsclients import SANDBOX_IP, addresses, ask, dig, rcode
+from tests.support.dnsclients import addresses, ask, dig, rcode
 
 RCODE_IP = "127.0.0.10"  # a sandbox under a policy with deny_answer: rcode (link peer 127.0.0.9)
 RCODE_POLICY = """
@@ -32,8 +32,15 @@ network:
 @pytest.fixture
 async def gateway_server(policies, state, audit, dns_config):
     policies = {**policies, "dns-rcode": parse_policy(RCODE_POLICY, "<dns-rcode>")}
-    await state.admit(SandboxRecord(id="sbx-rcode", token_hash=hash_token("t"), policy_name="dns-rcode",
-                                    admitted_at=time.time(), addresses=(RCODE_IP,)))
+    await state.admit(
+        SandboxRecord(
+            id="sbx-rcode",
+            token_hash=hash_token("t"),
+            policy_name="dns-rcode",
+            admitted_at=time.time(),
+            addresses=(RCODE_IP,),
+        )
+    )
     srv = DnsServer(policies.get, state, audit, dataclasses.replace(dns_config, gateway_answer="auto"))
     await srv.start("127.0.0.1", 0)
     yield srv
@@ -41,8 +48,7 @@ async def gateway_server(policies, state, audit, dns_config):
 
 
 @pytest.mark.parametrize("tcp", [False, True])
-async def test_a_denied_name_resolves_to_the_gateway_without_an_upstream_query(gateway_server, upstream, audit,
-                                                                                 tcp):
+async def test_a_denied_name_resolves_to_the_gateway_without_an_upstream_query(gateway_server, upstream, audit, tcp):
     response = await ask(gateway_server, "c2VjcmV0.exfil.example", tcp=tcp)
     assert rcode(response) == "NOERROR" and addresses(response) == ["127.0.0.1"]  # the link peer of 127.0.0.2
     assert [rrset.ttl for rrset in response.answer] == [10]

@@ -102,11 +102,13 @@ def test_curl_prints_the_approval_id(world: World, gateway: Gateway) -> None:
 
 @pytest.mark.parametrize("client", PY_CLIENTS)
 def test_python_clients_read_reason_and_approval_id_through_the_proxy(
-        world: World, gateway: Gateway, client: str) -> None:
+    world: World, gateway: Gateway, client: str
+) -> None:
     sbx = fresh(gateway, "escape-approval")
     mark = world.mark()
-    out = run_client(world, world.sbx, client, "https://other.allowed.test/py", gateway.client_ca,
-                     proxy_url(gateway, sbx))
+    out = run_client(
+        world, world.sbx, client, "https://other.allowed.test/py", gateway.client_ca, proxy_url(gateway, sbx)
+    )
     assert out.get("status") == 403, out
     body = json.loads(out["body"])
     assert body["reason"] == "approval_required" and body["approval_id"].startswith("apr-"), body
@@ -115,15 +117,17 @@ def test_python_clients_read_reason_and_approval_id_through_the_proxy(
     assert headers["x-egressgate-request-id"] == body["request_id"]
     assert requests_on(world, mark, "upstream-tls") == []
     # positive control: the allowed host, same client, same proxy
-    ok = run_client(world, world.sbx, client, "https://api.allowed.test/py-ok", gateway.client_ca,
-                    proxy_url(gateway, sbx))
+    ok = run_client(
+        world, world.sbx, client, "https://api.allowed.test/py-ok", gateway.client_ca, proxy_url(gateway, sbx)
+    )
     assert ok.get("status") == 200, ok
     assert [r["target"] for r in requests_on(world, mark, "upstream-tls")] == ["/py-ok"]
 
 
 # ------------------------------------------------------------------ the accepted tunnel never forwards
 def test_allowed_sni_and_host_inside_a_refused_tunnel_reach_nothing(
-        world: World, gateway: Gateway, sbx: Sandbox) -> None:
+    world: World, gateway: Gateway, sbx: Sandbox
+) -> None:
     """CONNECT forbidden.test, then TLS and Host naming the allowed api.allowed.test, three requests on one
     connection: the first gets the CONNECT's deny (its request id), the connection then closes, and no
     upstream sees a byte. Positive control: the same TLS and requests in a tunnel to api.allowed.test."""
@@ -167,7 +171,8 @@ def test_h2_streams_in_a_refused_tunnel_each_get_the_deny(world: World, gateway:
 
 @pytest.mark.parametrize("payload", [b"\x00\x01not tls nor http\r\n", b"SSH-2.0-OpenSSH_9.2\r\n"])
 def test_raw_bytes_in_a_refused_tunnel_get_the_deny_and_the_close(
-        world: World, gateway: Gateway, sbx: Sandbox, payload: bytes) -> None:
+    world: World, gateway: Gateway, sbx: Sandbox, payload: bytes
+) -> None:
     mark = world.mark()
     sock, resp = gateway.tunnel(sbx, "forbidden.test:443")
     assert resp.status == 200, resp
@@ -193,7 +198,8 @@ def test_plain_http_in_a_refused_tunnel(world: World, gateway: Gateway, sbx: San
 
 
 def test_metadata_literal_is_delivered_in_the_tunnel_and_the_canary_is_untouched(
-        world: World, gateway: Gateway, sbx: Sandbox) -> None:
+    world: World, gateway: Gateway, sbx: Sandbox
+) -> None:
     """escape-https allows 169.254.169.254 by rule: only the address check refuses it (metadata_endpoint)."""
     mark = world.mark()
     sock, resp = gateway.tunnel(sbx, "169.254.169.254:443")
@@ -211,13 +217,24 @@ def test_an_identity_challenge_stays_on_the_connect(gateway: Gateway) -> None:
     resp = parse_response(data)
     assert resp.status == 407 and resp.headers["x-egressgate-reason"] == "identity_unknown", data[:400]
     assert "identity_unknown" in resp.reason
+    record = gateway.audit_record(resp.headers["x-egressgate-request-id"])
+    assert (record["egressgate.decision"], record["egressgate.reason"]) == ("challenge", "identity_unknown")
+    # positive control: wrong credentials are a denial (recorded as one), and also stay on the CONNECT
+    data = gateway.raw(
+        b"CONNECT forbidden.test:443 HTTP/1.1\r\nHost: forbidden.test:443\r\n"
+        b"Proxy-Authorization: Basic c2J4LTA6d3Jvbmc=\r\n\r\n"
+    )
+    resp = parse_response(data)
+    assert resp.status == 407, data[:400]
+    assert gateway.audit_record(resp.headers["x-egressgate-request-id"])["egressgate.decision"] == "deny"
 
 
 # ------------------------------------------------------------------ explicit proxy, option off
 @pytest.fixture(scope="module")
 def plain_gateway(world: World, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    gw = Gateway.start(world, tmp_path_factory.mktemp("gw-no-tunnel"),
-                       extra_config={"deny": {"connect_in_tunnel": False}})
+    gw = Gateway.start(
+        world, tmp_path_factory.mktemp("gw-no-tunnel"), extra_config={"deny": {"connect_in_tunnel": False}}
+    )
     try:
         yield gw
     finally:
@@ -236,15 +253,18 @@ def test_without_the_tunnel_curl_shows_the_reason_headers(world: World, plain_ga
 
 @pytest.mark.parametrize("client", PY_CLIENTS)
 def test_without_the_tunnel_python_clients_raise_with_the_reason(
-        world: World, plain_gateway: Gateway, client: str) -> None:
+    world: World, plain_gateway: Gateway, client: str
+) -> None:
     sbx = plain_gateway.admit("escape-approval")
-    out = run_client(world, world.sbx, client, "https://other.allowed.test/", plain_gateway.client_ca,
-                     proxy_url(plain_gateway, sbx))
+    out = run_client(
+        world, world.sbx, client, "https://other.allowed.test/", plain_gateway.client_ca, proxy_url(plain_gateway, sbx)
+    )
     error = out.get("error", "")
     assert "approval_required" in error and "approval_id=apr-" in error and "request_id=" in error, out
     # positive control: the allowed host works through this gateway too
-    ok = run_client(world, world.sbx, client, "https://api.allowed.test/", plain_gateway.client_ca,
-                    proxy_url(plain_gateway, sbx))
+    ok = run_client(
+        world, world.sbx, client, "https://api.allowed.test/", plain_gateway.client_ca, proxy_url(plain_gateway, sbx)
+    )
     assert ok.get("status") == 200, ok
 
 
@@ -263,10 +283,10 @@ def trd(world: World, gateway: Gateway) -> Iterator[Transparent]:
     ruleset = (
         f"table ip {table} {{\n"
         f"  chain pre {{ type nat hook prerouting priority -100; policy accept;\n"
-        f"    iifname \"{ifname}\" meta l4proto {{ tcp, udp }} th dport 53 dnat to {dns_host}:{dns_port}\n"
-        f"    iifname \"{ifname}\" ip protocol tcp dnat to {host}:{port}\n  }}\n"
+        f'    iifname "{ifname}" meta l4proto {{ tcp, udp }} th dport 53 dnat to {dns_host}:{dns_port}\n'
+        f'    iifname "{ifname}" ip protocol tcp dnat to {host}:{port}\n  }}\n'
         f"  chain fwd {{ type filter hook forward priority 0; policy accept;\n"
-        f"    iifname \"{ifname}\" drop\n    oifname \"{ifname}\" drop\n  }}\n}}\n"
+        f'    iifname "{ifname}" drop\n    oifname "{ifname}" drop\n  }}\n}}\n'
     )
     nw.sh("ip", "netns", "exec", world.gw, "nft", "-f", "-", input=ruleset)
     sbx = fresh(gateway, "escape-approval", SOURCE)
@@ -287,8 +307,7 @@ def addresses(answer: dns.message.Message) -> list[str]:
     return [rr.to_text() for rrset in answer.answer for rr in rrset]
 
 
-def test_a_denied_name_points_at_the_gateway_and_never_leaves(world: World, gateway: Gateway,
-                                                              trd: Transparent) -> None:
+def test_a_denied_name_points_at_the_gateway_and_never_leaves(world: World, gateway: Gateway, trd: Transparent) -> None:
     secret = secrets.token_hex(6)
     name = f"{secret}.exfil.test"
     mark = world.mark()
@@ -315,11 +334,19 @@ def test_nxdomain_stays_a_policy_choice(world: World, trd: Transparent) -> None:
     assert [q for q in world.dns_queries(mark) if secret in q["qname"]] == []
 
 
-def test_transparent_curl_prints_reason_and_approval_id(world: World, gateway: Gateway,
-                                                        trd: Transparent) -> None:
+def test_transparent_curl_prints_reason_and_approval_id(world: World, gateway: Gateway, trd: Transparent) -> None:
     mark = world.mark()
-    res = world.exec(trd.ns, "curl", "-sS", "--max-time", "20", "--cacert", str(gateway.client_ca),
-                     "https://forbidden.test/transparent", timeout=30)
+    res = world.exec(
+        trd.ns,
+        "curl",
+        "-sS",
+        "--max-time",
+        "20",
+        "--cacert",
+        str(gateway.client_ca),
+        "https://forbidden.test/transparent",
+        timeout=30,
+    )
     assert res.returncode == 0, res.stderr
     body = json.loads(res.stdout)
     assert body["reason"] == "approval_required" and body["approval_id"].startswith("apr-"), body
@@ -328,15 +355,25 @@ def test_transparent_curl_prints_reason_and_approval_id(world: World, gateway: G
     time.sleep(SETTLE)
     assert world.hits(mark, listener="forbidden-tls") == []
     assert [q for q in world.dns_queries(mark) if q["qname"] == "forbidden.test"] == []
-    ok = world.exec(trd.ns, "curl", "-sS", "--max-time", "20", "--cacert", str(gateway.client_ca),
-                    "https://api.allowed.test/transparent-ok", timeout=30)
+    ok = world.exec(
+        trd.ns,
+        "curl",
+        "-sS",
+        "--max-time",
+        "20",
+        "--cacert",
+        str(gateway.client_ca),
+        "https://api.allowed.test/transparent-ok",
+        timeout=30,
+    )
     assert ok.returncode == 0 and "egress_denied" not in ok.stdout, ok
     assert [r["target"] for r in requests_on(world, mark, "upstream-tls")] == ["/transparent-ok"]
 
 
 @pytest.mark.parametrize("client", PY_CLIENTS)
-def test_transparent_python_clients_read_reason_and_approval_id(world: World, gateway: Gateway,
-                                                                trd: Transparent, client: str) -> None:
+def test_transparent_python_clients_read_reason_and_approval_id(
+    world: World, gateway: Gateway, trd: Transparent, client: str
+) -> None:
     mark = world.mark()
     out = run_client(world, trd.ns, client, "https://forbidden.test/py", gateway.client_ca)
     assert out.get("status") == 403, out
@@ -349,17 +386,19 @@ def test_transparent_python_clients_read_reason_and_approval_id(world: World, ga
     assert world.hits(mark, listener="forbidden-tls") == []
 
 
-NODE_FETCH = ("fetch(process.argv[1]).then(async r => console.log(JSON.stringify({status: r.status, "
-              "body: await r.text()}))).catch(e => console.log(JSON.stringify({error: String(e.cause || e)})))")
+NODE_FETCH = (
+    "fetch(process.argv[1]).then(async r => console.log(JSON.stringify({status: r.status, "
+    "body: await r.text()}))).catch(e => console.log(JSON.stringify({error: String(e.cause || e)})))"
+)
 
 
-def test_transparent_node_fetch_reads_reason_and_approval_id(world: World, gateway: Gateway,
-                                                             trd: Transparent) -> None:
+def test_transparent_node_fetch_reads_reason_and_approval_id(world: World, gateway: Gateway, trd: Transparent) -> None:
     mark = world.mark()
 
     def fetch(url: str) -> dict:
-        res = world.exec(trd.ns, "env", f"NODE_EXTRA_CA_CERTS={gateway.client_ca}", "node", "-e", NODE_FETCH,
-                         url, timeout=60)
+        res = world.exec(
+            trd.ns, "env", f"NODE_EXTRA_CA_CERTS={gateway.client_ca}", "node", "-e", NODE_FETCH, url, timeout=60
+        )
         assert res.returncode == 0, res.stderr
         return json.loads(res.stdout.strip().splitlines()[-1])
 

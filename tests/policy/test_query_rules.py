@@ -23,7 +23,8 @@ from egressgate.policy.target import parse_target
 NOW = 1_700_000_000.0
 STATE = SandboxState(sandbox_id="s", admitted_at=NOW - 10)
 
-CLONE_ONLY = parse_policy(textwrap.dedent("""
+CLONE_ONLY = parse_policy(
+    textwrap.dedent("""
     sandbox: {name: git-clone}
     network:
       https:
@@ -37,9 +38,12 @@ CLONE_ONLY = parse_policy(textwrap.dedent("""
             host: git.test
             methods: [POST]
             paths: ["/org/repo.git/git-upload-pack"]
-"""), "git-clone")
+"""),
+    "git-clone",
+)
 
-NO_PUSH = parse_policy(textwrap.dedent("""
+NO_PUSH = parse_policy(
+    textwrap.dedent("""
     sandbox: {name: git-no-push}
     network:
       https:
@@ -50,7 +54,9 @@ NO_PUSH = parse_policy(textwrap.dedent("""
         allow:
           - id: anything
             host: git.test
-"""), "git-no-push")
+"""),
+    "git-no-push",
+)
 
 REFS = "GET https://git.test/org/repo.git/info/refs"
 PUSHES = [
@@ -65,8 +71,12 @@ PUSHES = [
     "service=git-upload-pack;service=git-receive-pack",  # ';' as a separator
     "service=git-receive-pac%256b",  # decoded twice by some stacks
 ]
-AMBIGUOUS = ["service=git-upload-pack%", "service=git-upload-pack%zz", "service=git-upload-pack%ff",
-             "service=git-upload-pack;x=1"]
+AMBIGUOUS = [
+    "service=git-upload-pack%",
+    "service=git-upload-pack%zz",
+    "service=git-upload-pack%ff",
+    "service=git-upload-pack;x=1",
+]
 
 
 def verdict(policy, target: str):
@@ -123,12 +133,15 @@ def test_parse_reads_names_lowercased_and_every_value() -> None:
     assert names == {"name"} and values == {"v+w"}
 
 
-@pytest.mark.parametrize(("query", "message"), [
-    ("{}", "an empty query matcher matches nothing"),
-    ("{service: []}", "an empty value list matches nothing"),
-    ("{'a=b': [x]}", "a parameter name is plain text"),
-    ("{Service: [x], service: [y]}", "listed twice"),
-])
+@pytest.mark.parametrize(
+    ("query", "message"),
+    [
+        ("{}", "an empty query matcher matches nothing"),
+        ("{service: []}", "an empty value list matches nothing"),
+        ("{'a=b': [x]}", "a parameter name is plain text"),
+        ("{Service: [x], service: [y]}", "listed twice"),
+    ],
+)
 def test_bad_query_matchers_are_refused_with_their_key_path(query: str, message: str) -> None:
     text = f"sandbox: {{name: q}}\nnetwork:\n  https:\n    allow:\n      - {{host: git.test, query: {query}}}\n"
     with pytest.raises(PolicyError) as exc:
@@ -137,7 +150,9 @@ def test_bad_query_matchers_are_refused_with_their_key_path(query: str, message:
 
 
 def test_passthrough_rules_cannot_carry_a_query() -> None:
-    text = ("sandbox: {name: q}\nnetwork:\n  https:\n    allow:\n"
-            "      - {host: git.test, tls: passthrough, query: {service: [x]}}\n")
+    text = (
+        "sandbox: {name: q}\nnetwork:\n  https:\n    allow:\n"
+        "      - {host: git.test, tls: passthrough, query: {service: [x]}}\n"
+    )
     with pytest.raises(PolicyError, match=r"allow\[0\]\.query"):
         parse_policy(text, "q.yaml")
