@@ -36,6 +36,7 @@ from mitmproxy import tls as mitm_tls
 from mitmproxy.net.tls import starts_like_tls_record
 from mitmproxy.proxy import layer, layers
 from mitmproxy.proxy.layers.http import HTTPMode
+from mitmproxy.proxy.layers.tls import HTTP_ALPNS
 
 from egressgate.gateway.context import ConnState, FlowState, Runtime, flow_state
 from egressgate.gateway.deny import deny_headers, raw_deny
@@ -106,7 +107,7 @@ def inner_layer(rt: Runtime, conn: ConnState, context, data: bytes) -> layer.Lay
     refusal = RefuseLayer(context, raw_deny(conn.refusal, conn.refusal_id or "-"))
     top = context.layers[-1] if context.layers else None
     if isinstance(top, layers.ClientTLSLayer):
-        if context.client.alpn in (b"h2", b"http/1.1"):
+        if context.client.alpn in HTTP_ALPNS:
             return http_layer(context, HTTPMode.transparent, rt)
         if len(data) < 3:
             return None

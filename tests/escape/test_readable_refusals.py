@@ -282,10 +282,10 @@ def trd(world: World, gateway: Gateway) -> Iterator[Transparent]:
     table = "egR_readable"
     ruleset = (
         f"table ip {table} {{\n"
-        f"  chain pre {{ type nat hook prerouting priority -100; policy accept;\n"
+        f"  chain egr_pre {{ type nat hook prerouting priority -100; policy accept;\n"
         f'    iifname "{ifname}" meta l4proto {{ tcp, udp }} th dport 53 dnat to {dns_host}:{dns_port}\n'
         f'    iifname "{ifname}" ip protocol tcp dnat to {host}:{port}\n  }}\n'
-        f"  chain fwd {{ type filter hook forward priority 0; policy accept;\n"
+        f"  chain egr_fwd {{ type filter hook forward priority 0; policy accept;\n"
         f'    iifname "{ifname}" drop\n    oifname "{ifname}" drop\n  }}\n}}\n'
     )
     nw.sh("ip", "netns", "exec", world.gw, "nft", "-f", "-", input=ruleset)
