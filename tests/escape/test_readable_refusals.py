@@ -132,7 +132,7 @@ def test_allowed_sni_and_host_inside_a_refused_tunnel_reach_nothing(
     connection: the first gets the CONNECT's deny (its request id), the connection then closes, and no
     upstream sees a byte. Positive control: the same TLS and requests in a tunnel to api.allowed.test."""
     mark = world.mark()
-    sock, resp = gateway.tunnel(sbx, "forbidden.test:443")
+    sock, resp = gateway.tunnel(sbx, "forbidden.test:443", read_refusal=False)
     assert resp.status == 200 and resp.headers["x-egressgate-reason"] == "host_not_allowed", resp
     connect_id = resp.headers["x-egressgate-request-id"]
     with gateway.tls(sock, "api.allowed.test") as tls:
@@ -155,7 +155,7 @@ def test_allowed_sni_and_host_inside_a_refused_tunnel_reach_nothing(
 
 def test_h2_streams_in_a_refused_tunnel_each_get_the_deny(world: World, gateway: Gateway, sbx: Sandbox) -> None:
     mark = world.mark()
-    sock, resp = gateway.tunnel(sbx, "forbidden.test:443")
+    sock, resp = gateway.tunnel(sbx, "forbidden.test:443", read_refusal=False)
     assert resp.status == 200, resp
     streams = {1: "forbidden.test", 3: "api.allowed.test", 5: "api.allowed.test:9443", 7: "169.254.169.254"}
     with gateway.tls(sock, "forbidden.test", alpn=("h2",)) as tls:
@@ -174,7 +174,7 @@ def test_raw_bytes_in_a_refused_tunnel_get_the_deny_and_the_close(
     world: World, gateway: Gateway, sbx: Sandbox, payload: bytes
 ) -> None:
     mark = world.mark()
-    sock, resp = gateway.tunnel(sbx, "forbidden.test:443")
+    sock, resp = gateway.tunnel(sbx, "forbidden.test:443", read_refusal=False)
     assert resp.status == 200, resp
     with sock:
         sock.sendall(payload)
@@ -187,7 +187,7 @@ def test_raw_bytes_in_a_refused_tunnel_get_the_deny_and_the_close(
 
 def test_plain_http_in_a_refused_tunnel(world: World, gateway: Gateway, sbx: Sandbox) -> None:
     mark = world.mark()
-    sock, resp = gateway.tunnel(sbx, "forbidden.test:80")
+    sock, resp = gateway.tunnel(sbx, "forbidden.test:80", read_refusal=False)
     assert resp.status == 200, resp
     with sock:
         sock.sendall(b"POST /exfil HTTP/1.1\r\nHost: forbidden.test\r\nContent-Length: 5\r\n\r\nhello")
@@ -202,7 +202,7 @@ def test_metadata_literal_is_delivered_in_the_tunnel_and_the_canary_is_untouched
 ) -> None:
     """escape-https allows 169.254.169.254 by rule: only the address check refuses it (metadata_endpoint)."""
     mark = world.mark()
-    sock, resp = gateway.tunnel(sbx, "169.254.169.254:443")
+    sock, resp = gateway.tunnel(sbx, "169.254.169.254:443", read_refusal=False)
     assert resp.status == 200 and resp.headers["x-egressgate-reason"] == "metadata_endpoint", resp
     with gateway.tls(sock, None) as tls:
         tls.sendall(b"GET /latest/meta-data/ HTTP/1.1\r\nHost: 169.254.169.254\r\nConnection: close\r\n\r\n")
