@@ -9,6 +9,7 @@ import socket
 import httpx
 import pytest
 
+from tests.support.gwworld import connect_tunnel
 from tests.support.http1 import read_reply
 
 DENY_KEYS = {"error", "reason", "rule", "request_id", "message"}
@@ -111,8 +112,14 @@ def test_connect_deny_body_and_reasons(gateway):
     sbx = gateway.admit("gw-basic")
     good = "Basic " + base64.b64encode(f"{sbx.id}:{sbx.token}".encode()).decode()
     port = gateway.world.https_port
+    # refused, and accepted to answer inside (deny.connect_in_tunnel): the 200 already carries the deny headers
     status, headers, body = raw_connect(gateway, f"nohost.test:{port}", good)
-    assert status == 403 and headers["x-egressgate-decision"] == "deny"
+    assert status == 200 and headers["x-egressgate-decision"] == "deny", (status, headers, body)
+    assert headers["x-egressgate-reason"] == "host_not_allowed" and body == b""
+    sock, reply = connect_tunnel(gateway, sbx, f"nohost.test:{port}")  # the body, read inside the tunnel
+    sock.close()
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 403") and b"x-egressgate-decision: deny" in head, reply
     import json
 
     doc = json.loads(body)
