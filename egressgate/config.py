@@ -113,6 +113,9 @@ class DnsSection(_Strict):
     # where a policy's `network.dns.deny_answer: gateway` points denied names (dns/gateway_answer.py):
     # "auto" = the host end of the asking sandbox's /30 link, an IPv4 address, or "off" (rcode answers)
     gateway_answer: str = "auto"
+    # the networks whose clients "auto" answers (sandboxes on a /30 whose host end is the gateway); None:
+    # runtime.subnet, the pool `sandbox run` takes its links from
+    gateway_answer_networks: list[str] | None = None
 
     @field_validator("gateway_answer")
     @classmethod
@@ -123,6 +126,13 @@ class DnsSection(_Strict):
             ipaddress.IPv4Address(value)
         except ValueError as exc:
             raise ValueError("gateway_answer: 'auto', 'off' or an IPv4 address") from exc
+        return value
+
+    @field_validator("gateway_answer_networks")
+    @classmethod
+    def _gateway_answer_networks(cls, value: list[str] | None) -> list[str] | None:
+        for item in value or ():
+            ipaddress.ip_network(item, strict=False)  # ValueError names the problem
         return value
 
     @field_validator("upstreams")

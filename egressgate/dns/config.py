@@ -78,6 +78,7 @@ class DnsConfig:
     # the asker's /30), an IPv4 address, or None: no gateway answers (the policy's deny rcode). `egressgate
     # run` passes "auto" only when it runs a transparent listener (the address must reach one).
     gateway_answer: str | None = None
+    gateway_answer_networks: tuple[str, ...] = ()  # "auto" only for clients in these networks (empty: any)
 
     def validate(self) -> DnsConfig:
         """Return self, or raise DnsConfigError naming the first bad field."""

@@ -43,14 +43,26 @@ def link_peer(client: str) -> str | None:
     return None if peer == int(address) else str(ipaddress.IPv4Address(peer))
 
 
-def answer_address(setting: str | None, client: str) -> str | None:
+def answer_address(setting: str | None, client: str, networks: tuple[str, ...] = ()) -> str | None:
     """Where a denied name points for `client`: the configured IPv4, the link peer ("auto"), or None
-    (off, or no usable address: the policy's deny rcode is answered)."""
+    (off, or no usable address: the policy's deny rcode is answered). "auto" holds only for clients in
+    `networks` (the runtime's address pool, where every sandbox sits on a /30 whose host end is the
+    gateway; empty: any client): elsewhere the peer of a /30 could be some other machine."""
     if setting is None:
         return None
     if setting == "auto":
+        if networks and not _inside(client, networks):
+            return None
         return link_peer(client)
     return setting
+
+
+def _inside(client: str, networks: tuple[str, ...]) -> bool:
+    try:
+        address = ipaddress.ip_address(client)
+    except ValueError:
+        return False
+    return any(address in ipaddress.ip_network(net, strict=False) for net in networks)
 
 
 def pack(query: Query, opt: bytes, address: str) -> bytes:

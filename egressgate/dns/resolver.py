@@ -205,7 +205,9 @@ class Resolver:
             else:
                 self.metrics.denied += 1
             if decision.reason in GATEWAY_ANSWERED and policy.dns.deny_answer == "gateway":
-                address = gateway_answer.answer_address(self.config.gateway_answer, ctx.client)
+                address = gateway_answer.answer_address(
+                    self.config.gateway_answer, ctx.client, self.config.gateway_answer_networks
+                )
                 if address is not None:
                     return await self._to_gateway(ctx, opt, decision, address)
             rcode = (

@@ -222,8 +222,9 @@ def dns_resolver_config(cfg: GatewayConfig) -> DnsConfig:
     transparent listener is there to answer the connection (else the policy's deny rcode is answered)."""
     dns_config = cfg.dns.resolver_config()
     if not cfg.listen.transparent:
-        dns_config = dataclasses.replace(dns_config, gateway_answer=None)
-    return dns_config
+        return dataclasses.replace(dns_config, gateway_answer=None)
+    networks = cfg.dns.gateway_answer_networks
+    return dataclasses.replace(dns_config, gateway_answer_networks=tuple(networks or [cfg.runtime.subnet]))
 
 
 def write_runtime_file(cfg: GatewayConfig, info: dict, audit_file: str | None = None) -> None:

@@ -98,3 +98,12 @@ def test_the_link_peer_is_the_host_end_of_the_slot() -> None:
     assert link_peer("2001:db8::2") is None
     assert answer_address("192.0.2.7", "198.18.128.2") == "192.0.2.7"
     assert answer_address(None, "198.18.128.2") is None
+
+
+def test_auto_points_only_clients_of_the_runtime_pool_at_their_link_peer() -> None:
+    """Outside the pool (a sandbox admitted with `--address` on some other network) the peer of a /30
+    could be another machine: the rcode is answered instead."""
+    pool = ("198.18.128.0/17",)
+    assert answer_address("auto", "198.18.128.2", pool) == "198.18.128.1"
+    assert answer_address("auto", "10.1.2.6", pool) is None
+    assert answer_address("192.0.2.7", "10.1.2.6", pool) == "192.0.2.7"  # an explicit address applies to all

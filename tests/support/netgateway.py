@@ -88,7 +88,10 @@ class Gateway:
                        "dns": f"{nw.GW_SBX}:{dns_port}", "transparent": f"127.0.0.1:{transparent_port}"},
             # cache_min_ttl 0: honour the world's TTL 0, so every sandbox query reaches the world resolver
             # (rebinding answers are really delivered to the gateway, not hidden by a cache floor)
-            "dns": {"upstreams": [f"{nw.DNS_ADDR}:53"], "cache_min_ttl": 0},
+            # gateway_answer_networks: the world's sandbox links (198.18.3.0/24, the transparent namespaces)
+            # have the gateway at .1 like a runtime's /30, outside runtime.subnet
+            "dns": {"upstreams": [f"{nw.DNS_ADDR}:53"], "cache_min_ttl": 0,
+                    "gateway_answer_networks": ["198.18.0.0/15"]},
             "policy": str(pdir),
             "var_dir": str(var),
             "upstream": {"resolver": f"{nw.DNS_ADDR}:53", "ca_bundle": str(world.ca_pem)},
