@@ -13,8 +13,6 @@ have nft || need+=(nftables)
 have ip || need+=(iproute2)
 have dig || need+=(dnsutils)
 have curl || need+=(curl)
-# tests/escape/test_readable_refusals.py: node's fetch is one of the clients that must show a refusal
-have node || need+=(nodejs)
 have wrk || need+=(wrk)
 have dockerd || need+=(docker.io)
 have runsc || need+=(runsc)
