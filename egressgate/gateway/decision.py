@@ -153,7 +153,8 @@ class DecisionAddon:
         body = declared_body_size(req)
         facts = Facts(
             operation=Operation.HTTP_REQUEST, host=fs.host, port=fs.port, scheme=scheme, method=method,
-            path=path, addresses=addresses, request_bytes=request_head_size(req) + (body or 0), query=query or None,
+            query=query or None,
+            path=path, addresses=addresses, request_bytes=request_head_size(req) + (body or 0),
         )
         if not (await self._decide(fs, policy, facts, snapshot)).allowed:
             return

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
+from egressgate.policy import querymatch
 from egressgate.policy.canon import CanonError, canon_method, parse_ip_literal
 from egressgate.policy.errors import PolicyError
 from egressgate.policy.execution import approval_kinds
@@ -31,7 +32,6 @@ from egressgate.policy.globs import (
 from egressgate.policy.mcp_compile import EMPTY_MCP, CompiledMcp, compile_mcp
 from egressgate.policy.model import Budget, Conditions, HttpRule, Policy, TcpRule
 from egressgate.policy.passthrough import passthrough_problems, tls_problems
-from egressgate.policy.querymatch import QueryMatcher, compile_query
 from egressgate.policy.reasons import Effect
 
 DEFAULT_PORTS = {"https": (443,), "http": (80,)}
@@ -67,7 +67,7 @@ class CompiledRule:
     # Deny rules only: `paths` widened to fail closed against every server reading (policy.readings).
     deny_paths: tuple[DenyGlob, ...] | None = None
     passthrough: bool = False  # an https allow rule with `tls: passthrough`: its tunnels are spliced
-    query: QueryMatcher | None = None  # `query:` (policy/querymatch.py); None = any query
+    query: querymatch.QueryMatcher | None = None  # `query:` (policy/querymatch.py); None = any query
 
     def path_allows(self, path: str | None) -> bool:
         return self.paths is None or (path is not None and any(glob.matches(path) for glob in self.paths))
@@ -238,7 +238,7 @@ def _compile_rule(
     methods = paths = credential = query = None
     if isinstance(raw, HttpRule):
         if raw.query is not None:
-            query = compile_query(raw.query, f"{path}.query", problems)
+            query = querymatch.compile_query(raw.query, f"{path}.query", problems)
         if raw.methods is not None:
             methods = frozenset(_methods(raw.methods, f"{path}.methods", problems))
             if not raw.methods:

@@ -40,8 +40,8 @@ class Facts:
     path: str | None = None
     addresses: tuple[IPAddress, ...] = ()  # resolved (or literal) addresses the gateway would dial
     qtype: str | None = None  # DNS query type name, e.g. "A"
-    request_bytes: int = 0  # size of this request as far as known (for per-rule byte budgets)
     query: str | None = None  # the raw query string as sent (no '?'); read only by `query:` rules (querymatch.py)
+    request_bytes: int = 0  # size of this request as far as known (for per-rule byte budgets)
 
 
 @dataclass(frozen=True, slots=True)
