@@ -161,6 +161,7 @@ def facts_from(attrs: dict[str, Any]) -> Facts:
         if isinstance(attrs.get("http.request.method"), str)
         else None,
         path=path if isinstance(path, str) else None,
+        query=attrs.get("url.query") if isinstance(attrs.get("url.query"), str) else None,
         addresses=addresses_of(attrs),
         qtype=attrs.get("egressgate.dns.qtype")
         if isinstance(attrs.get("egressgate.dns.qtype"), str)

@@ -63,6 +63,7 @@ class QueryContext:
     stage: str = "resolver"
     # the answer filter emptied the answer: the addresses its address check removed (what replay re-checks)
     refused_addresses: tuple[str, ...] = ()
+    answer_kind: str | None = None  # "gateway": a denied name pointed at the gateway (gateway_answer.py)
 
 
 def requested_name(query: Query) -> str | None:
@@ -94,6 +95,8 @@ def dns_event(ctx: QueryContext, decision: Decision, rcode: int, answers: list[s
         extra["egressgate.dns.cache"] = ctx.cache
     if ctx.refused_addresses:
         extra["egressgate.facts.addresses"] = list(ctx.refused_addresses)
+    if ctx.answer_kind:
+        extra["egressgate.dns.answer"] = ctx.answer_kind
     if ctx.dns_counts is not None:
         # The state decide() was given, as far as a DNS decision reads it (docs/audit.md, "Replay"). The facts
         # (operation, name, scheme, qtype) are the record's own attributes.

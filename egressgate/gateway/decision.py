@@ -166,6 +166,7 @@ class DecisionAddon:
         op = classify_overridden(method, overrides, path, query, headers.get("content-type"), accept, npm_hint)
         facts = Facts(
             operation=Operation.HTTP_REQUEST, host=fs.host, port=fs.port, scheme=scheme, method=method,
+            query=query or None,
             path=path, addresses=addresses, request_bytes=request_head_size(req) + (body or 0),
             op_class=op[0] if op else None, op_protocol=op[1] if op else None,
         )

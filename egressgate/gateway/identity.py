@@ -26,6 +26,7 @@ import logging
 
 from mitmproxy import connection, http
 
+from egressgate.gateway import refused_tunnel
 from egressgate.gateway.context import ConnState, FlowState, Runtime, ensure_flow_state
 from egressgate.gateway.deny import gateway_deny
 from egressgate.policy.canon import ip_text
@@ -36,6 +37,11 @@ from egressgate.state.base import SandboxRecord, StateUnavailable, token_matches
 logger = logging.getLogger(__name__)
 
 MAX_AUTH_LEN = 1024
+# The detail of a 407 to a request that carried no Proxy-Authorization at all: clients (git, pip, curl with
+# --proxy-anyauth) first ask without credentials and answer the challenge. It is audited with decision
+# `challenge`, not `deny` (record.py): a refusal the client then answers is not a denial, and metrics and
+# alerts on denials stay honest. Wrong, malformed or revoked credentials are denials.
+CHALLENGE = "challenge"
 NOT_A_PROXY = ("This connection was redirected to the gateway transparently: send requests to the "
                "destination itself (origin-form, with its Host), not CONNECT or absolute-form proxy requests.")
 UNKNOWN_SOURCE = ("This source address is not registered to any sandbox; start the workload with "
@@ -121,6 +127,9 @@ class Identity:
 
     async def _lookup(self, fs: FlowState, values: list[str], client: connection.Client) -> SandboxRecord | None:
         # exactly one: with two, different parsers could pick different identities
+        if not values:  # no credentials at all: the 407 asks for them (recorded as a challenge, record.py)
+            fs.decision = gateway_deny(Reason.IDENTITY_UNKNOWN, detail=CHALLENGE)
+            return None
         creds = parse_proxy_authorization(values[0]) if len(values) == 1 else None
         if creds is None:
             fs.decision = gateway_deny(Reason.IDENTITY_UNKNOWN)
@@ -193,6 +202,9 @@ class Identity:
         if fs.decision is not None:
             return
         conn = self.rt.conn(flow.client_conn.id)
+        if conn.refused_target is not None:
+            refused_tunnel.answer(fs, conn)  # a refused CONNECT accepted to answer inside: its deny, again
+            return
         if conn.transparent:
             # Identity came with the source address (transparent.py); a refused connection (unknown
             # source, revoked, over the limit, a denied name) answers every request with that refusal.

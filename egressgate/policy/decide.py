@@ -55,6 +55,10 @@ _DEPTH: dict[Reason | str, float] = {reason: i for i, reason in enumerate(_STAGE
 # A rule that matched all but TRACE on a credential: reported as method_not_allowed, ranked after paths.
 _TRACE_ON_CREDENTIAL = "trace_on_credential"
 _DEPTH[_TRACE_ON_CREDENTIAL] = _DEPTH[Reason.PATH_NOT_ALLOWED] + 0.5
+# A rule that matched the path but not its `query:` (querymatch.py): reported as path_not_allowed (the
+# request target is not allowed), detail "query", ranked after a plain path mismatch.
+_QUERY_MISMATCH = "query_mismatch"
+_DEPTH[_QUERY_MISMATCH] = _DEPTH[Reason.PATH_NOT_ALLOWED] + 0.25
 _NO_USAGE = RuleUsage()
 
 
@@ -95,8 +99,11 @@ def decide(policy: CompiledPolicy, facts: Facts, state: SandboxState, now: float
                 intercept = intercept or rule.scheme != "tcp"
             elif _DEPTH[failure] > _DEPTH[best[0]]:
                 best = (failure, rule)
+    detail = None
     if best[0] == _TRACE_ON_CREDENTIAL:
         best = (Reason.METHOD_NOT_ALLOWED, best[1])
+    elif best[0] == _QUERY_MISMATCH:
+        best, detail = (Reason.PATH_NOT_ALLOWED, best[1]), "query"
     if allowed is not None:
         # The first allowing rule sets the tunnel's mode (file order, https before http before tcp): a
         # passthrough rule first means no interception, whatever later rules would have matched.
@@ -113,7 +120,7 @@ def decide(policy: CompiledPolicy, facts: Facts, state: SandboxState, now: float
         if facts.op_class == PACKAGE_INSTALL and policy.package_install == "deny":
             return _deny(policy, facts, Reason.PACKAGE_INSTALL_DENIED, None, detail=facts.op_protocol)
         return _deny(policy, facts, Reason.APPROVAL_REQUIRED, best[1], detail=str(best[0]))
-    return _deny(policy, facts, best[0], best[1])
+    return _deny(policy, facts, best[0], best[1], detail=detail)
 
 
 def _gate(policy: CompiledPolicy, facts: Facts, state: SandboxState, now: float, allow: Decision,
@@ -195,12 +202,14 @@ def _deny_rule_verdict(
     (`path_ambiguous`) by every path deny rule that would otherwise apply to the request."""
     if not _port_ok(rule, facts):
         return None
-    if connect and (rule.methods is not None or rule.paths is not None):
+    if connect and (rule.methods is not None or rule.paths is not None or rule.query is not None):
         return None  # decided per request inside the (intercepted) tunnel
     if rule.methods is not None and facts.method not in rule.methods:
         return None
     if rule.when is not None and not _conditions_hold(rule.when, state, now):
         return None
+    if rule.query is not None and not rule.query.denies(facts.query):
+        return None  # an ambiguous query is denied (querymatch.py), like an ambiguous path
     globs = rule.deny_paths
     if globs is None:
         return Reason.DENIED_BY_RULE, None
@@ -235,6 +244,8 @@ def _allow_rule_failure(
             return Reason.METHOD_NOT_ALLOWED
         if not rule.path_allows(facts.path):
             return Reason.PATH_NOT_ALLOWED
+        if rule.query is not None and not rule.query.allows(facts.query):
+            return _QUERY_MISMATCH
         if rule.credential is not None and facts.method == "TRACE":
             return _TRACE_ON_CREDENTIAL  # TRACE echoes the request, injected credential included
     if rule.when is not None and not _conditions_hold(rule.when, state, now):

@@ -40,6 +40,7 @@ class Facts:
     path: str | None = None
     addresses: tuple[IPAddress, ...] = ()  # resolved (or literal) addresses the gateway would dial
     qtype: str | None = None  # DNS query type name, e.g. "A"
+    query: str | None = None  # the raw query string as sent (no '?'); read only by `query:` rules (querymatch.py)
     request_bytes: int = 0  # size of this request as far as known (for per-rule byte budgets)
     # HTTP requests only: what the request does, recognised by protocol (policy/opclass.py classify()):
     # "package_install" | "publish" | None, and the protocol it was recognised as ("pypi", "npm", "git"...)

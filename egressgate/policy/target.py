@@ -79,6 +79,7 @@ def parse_target(text: str, addresses: tuple[IPAddress, ...] = (), content_type:
         scheme=url.scheme,
         method=method,
         path=url.path,
+        query=url.query or None,
         addresses=addresses or ((literal,) if literal is not None else ()),
         op_class=op[0] if op else None,
         op_protocol=op[1] if op else None,

@@ -9,6 +9,7 @@ import socket
 import httpx
 import pytest
 
+from tests.support.gwworld import connect_tunnel
 from tests.support.http1 import read_reply
 
 DENY_KEYS = {"error", "reason", "rule", "request_id", "message"}
@@ -90,15 +91,13 @@ def test_http2_streams_decided_separately(gateway):
 
 
 def test_unlisted_host_and_wrong_port_denied_at_connect(gateway):
+    """Refused at the CONNECT, and answered inside the accepted tunnel (deny.connect_in_tunnel, the
+    default): the client reads the JSON deny under the CONNECT's request id; nothing reaches the server."""
     sbx = gateway.admit("gw-basic")
     mark = gateway.world.hits.mark()
     with sbx.client() as c:
-        with pytest.raises(httpx.ProxyError) as exc:
-            c.get(sbx.url("nohost.test", "/echo"))
-        assert "403" in str(exc.value)
-        with pytest.raises(httpx.ProxyError) as exc:
-            c.get(sbx.url("api.test", "/echo", port=gateway.world.tcp_port))
-        assert "403" in str(exc.value)
+        assert_deny(c.get(sbx.url("nohost.test", "/echo")), 403, "host_not_allowed")
+        assert_deny(c.get(sbx.url("api.test", "/echo", port=gateway.world.tcp_port)), 403, "port_not_allowed")
     assert gateway.world.hits.since(mark) == []
 
 
@@ -113,8 +112,14 @@ def test_connect_deny_body_and_reasons(gateway):
     sbx = gateway.admit("gw-basic")
     good = "Basic " + base64.b64encode(f"{sbx.id}:{sbx.token}".encode()).decode()
     port = gateway.world.https_port
+    # refused, and accepted to answer inside (deny.connect_in_tunnel): the 200 already carries the deny headers
     status, headers, body = raw_connect(gateway, f"nohost.test:{port}", good)
-    assert status == 403 and headers["x-egressgate-decision"] == "deny"
+    assert status == 200 and headers["x-egressgate-decision"] == "deny", (status, headers, body)
+    assert headers["x-egressgate-reason"] == "host_not_allowed" and body == b""
+    sock, reply = connect_tunnel(gateway, sbx, f"nohost.test:{port}")  # the body, read inside the tunnel
+    sock.close()
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 403") and b"x-egressgate-decision: deny" in head, reply
     import json
 
     doc = json.loads(body)
@@ -179,8 +184,7 @@ def test_redirect_not_followed_next_request_decided_afresh(gateway):
     with sbx.client(follow_redirects=False) as c:
         r = c.get(sbx.url("api.test", "/redirect"), params={"to": target})
         assert r.status_code == 302 and r.headers["location"] == target
-        with pytest.raises(httpx.ProxyError):
-            c.get(target)
+        assert_deny(c.get(target), 403, "host_not_allowed")  # answered inside the refused tunnel
     assert gateway.world.canary.since(canary) == []
 
 
