@@ -234,7 +234,7 @@ def test_store_down_mid_stream_cuts_and_says_state_unavailable(bw: BudgetWorld, 
                     status = read_status(sock)[0]
                 except OSError:
                     status = 0
-            assert status == 0  # cut
+            assert status == 403  # cut: the upstream request aborted, the client told why (state_unavailable)
             assert not any(r.complete for r in bw.upstream.since(mark))
 
             def outcome() -> dict | None:
