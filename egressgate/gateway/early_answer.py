@@ -128,8 +128,7 @@ class EarlyAnswerStream(HalfCloseTunnel):
             return
         yield from self.send_response()  # the `response` hook, then the answer to the client
         self._gateway_answered = True
-        if self.server_state == self.state_done:
-            self.client_state = self.state_done
+        if self.server_state == self.state_done:  # client_state stays discarding: body events may be queued
             yield from self.flow_done()  # drops the stream: the connection layer discards the rest
 
     def handle_protocol_error(

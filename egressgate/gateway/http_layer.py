@@ -189,6 +189,9 @@ class GatewayHttpStream(EarlyAnswerStream):
             return (yield from super().check_killed(emit_error_hook))
         self._paused_event_queue.remove(refused)
         yield from self.handle_protocol_error(refused)
+        # answered and over: body events still queued behind the refusal are dropped (before, the next one
+        # reached the state that had been waiting for the headers: "mitmproxy has crashed!")
+        self.client_state = self.server_state = self.state_errored
         return True
 
     @expect(RequestData, RequestTrailers, RequestEndOfMessage)

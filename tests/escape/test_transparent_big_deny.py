@@ -111,7 +111,8 @@ def test_curl_https_allowed_upload_arrives(tbg: Transparent, world: World, work:
 
 def test_curl_plain_http_denied_and_allowed(tbg: Transparent, world: World, work: Path) -> None:
     """Plain HTTP: the only rule for port 80 allows any method on api.allowed.test, so the refusal here
-    is by host (other.allowed.test has no http rule); control: the same upload to api.allowed.test."""
+    is other.allowed.test's (allowed on 443 only: `port_not_allowed`); control: the same upload to
+    api.allowed.test."""
     mark = world.mark()
     up = curl_upload("http://other.allowed.test/upload", 20 * MB, work=work, cacert=str(tbg.gateway.client_ca),
                      prefix=("ip", "netns", "exec", tbg.ns),
@@ -119,7 +120,7 @@ def test_curl_plain_http_denied_and_allowed(tbg: Transparent, world: World, work
     doc = up.deny()
     assert up.status == 403, str(up)
     untouched(world, mark)
-    assert doc["reason"] in ("host_not_allowed", "scheme_not_allowed"), doc
+    assert doc["reason"] == "port_not_allowed", doc
     up = in_sandbox_curl(tbg, work, f"http://{HOST}/upload", 20 * MB, 80, chunked=True)
     assert up.status == 200, str(up)
     assert [r["body_len"] for r in requests_on(world, mark, "upstream-http")] == [20 * MB]

@@ -38,6 +38,21 @@ def uw(world: World, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Uploa
         yield u
 
 
+@pytest.fixture(autouse=True)
+def gateway_logged_no_error(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A refusal path that crashes a connection's layers (mitmproxy logs "has crashed!" and carries on)
+    fails the test that caused it, whatever the client saw."""
+    if "uw" not in request.fixturenames:
+        yield
+        return
+    gw = request.getfixturevalue("uw").gw
+    before = len(gw.stderr())
+    yield
+    new = gw.stderr()[before:]
+    errors = [line[:300] for line in new.splitlines() if " ERROR " in line or "Traceback" in line]
+    assert not errors, "the gateway logged errors:\n" + "\n".join(errors)
+
+
 def heads_seen(uw: UploadWorld, mark: int) -> list[dict]:
     """What reached the upstream beyond a TCP connection without a request (the gateway dials an allowed
     CONNECT's host eagerly; a denied request must never get further than that)."""
