@@ -17,6 +17,7 @@ listener's cases are in tests/escape/test_transparent_big_deny.py.
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -272,3 +273,85 @@ def test_denied_uploads_are_never_buffered(world: World, tmp_path: Path) -> None
         for up in ups:
             assert_refused(fresh, mark, up)
         assert grew < 10 * 1024, f"peak RSS grew by {grew} KiB while refusing 20 MiB uploads"
+
+
+def test_http2_drain_is_bounded_and_the_connection_goes_on(uw: UploadWorld) -> None:
+    """HTTP/2: after the answer the stream's DATA is discarded up to LINGER_MAX_BYTES, then the stream is
+    reset with NO_ERROR (RFC 9113 8.1); the connection's other streams are untouched: an allowed upload on
+    the same connection arrives (positive control)."""
+    import select
+    import ssl
+
+    import h2.config
+    import h2.connection
+    import h2.events
+    import h2.exceptions
+
+    from egressgate.gateway.http1_framing import LINGER_MAX_BYTES, LINGER_SECONDS
+
+    sbx = uw.admit()
+    mark = uw.seen.mark()
+    raw, answer = connect_tunnel(uw.gw, sbx, f"bigdeny.test:{uw.h2_port}")
+    assert answer.startswith(b"HTTP/1.1 200"), answer
+    ctx = ssl.create_default_context(cafile=uw.gw.bundle)
+    ctx.set_alpn_protocols(["h2"])
+    with ctx.wrap_socket(raw, server_hostname="bigdeny.test") as tls:
+        conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        conn.initiate_connection()
+        tls.sendall(conn.data_to_send())
+
+        def headers(path: str) -> list[tuple[str, str]]:
+            return [(":method", "POST"), (":scheme", "https"), (":authority", f"bigdeny.test:{uw.h2_port}"),
+                    (":path", path)]
+
+        events: list = []
+
+        def pump(until) -> None:
+            tls.settimeout(30)
+            while not until():
+                data = tls.recv(65536)
+                assert data, f"connection closed; events so far: {events}"
+                events.extend(conn.receive_data(data))
+                tls.sendall(conn.data_to_send())
+
+        conn.send_headers(1, headers("/denied"))
+        tls.sendall(conn.data_to_send())
+        pump(lambda: any(isinstance(e, h2.events.StreamEnded) and e.stream_id == 1 for e in events))
+        answered = time.monotonic()
+        status = next(dict(e.headers)[b":status"] for e in events if isinstance(e, h2.events.ResponseReceived))
+        assert status == b"403"
+        sent, reset = 0, None
+        piece = b"u" * 16384
+        while reset is None and sent < LINGER_MAX_BYTES + 16 * 1024 * 1024:
+            window = min(conn.local_flow_control_window(1), conn.max_outbound_frame_size)
+            if window < len(piece):
+                pump(lambda: conn.local_flow_control_window(1) >= len(piece)
+                     or any(isinstance(e, h2.events.StreamReset) for e in events))
+            else:
+                try:
+                    conn.send_data(1, piece)
+                except h2.exceptions.StreamClosedError:
+                    break
+                sent += len(piece)
+                tls.sendall(conn.data_to_send())
+            readable, _, _ = select.select([tls], [], [], 0)
+            if readable or tls.pending():
+                data = tls.recv(65536)
+                assert data, f"connection closed; events so far: {events}"
+                events.extend(conn.receive_data(data))
+                tls.sendall(conn.data_to_send())
+            reset = next((e for e in events if isinstance(e, h2.events.StreamReset) and e.stream_id == 1), None)
+        if reset is None:
+            pump(lambda: any(isinstance(e, h2.events.StreamReset) and e.stream_id == 1 for e in events))
+            reset = next(e for e in events if isinstance(e, h2.events.StreamReset) and e.stream_id == 1)
+        assert reset.error_code == 0, reset  # NO_ERROR
+        # not before a bound: the bytes, or (on a slow machine) the time
+        assert sent >= LINGER_MAX_BYTES or time.monotonic() - answered >= LINGER_SECONDS, sent
+        # the same connection still carries an allowed upload
+        conn.send_headers(3, headers("/allowed"))
+        conn.send_data(3, b"v" * 1000, end_stream=True)
+        tls.sendall(conn.data_to_send())
+        pump(lambda: any(isinstance(e, h2.events.StreamEnded) and e.stream_id == 3 for e in events))
+    assert [e for e in heads_seen(uw, mark) if e["event"] == "done"] == [
+        {"event": "done", "listener": "h2", "path": "/allowed", "body_len": 1000}]
+    assert not [e for e in heads_seen(uw, mark) if e.get("path") == "/denied"]
