@@ -71,7 +71,7 @@ def _race(sock: socket.socket, body: bytes | None, chunked: bool) -> tuple[float
         if not (readable or writable or pending):
             raise TimeoutError("no answer within 30 s")
         if writable and writing:
-            piece = bytes(view[off:off + PIECE])
+            piece = bytes(view[off : off + PIECE])
             frame = (b"%x\r\n" % len(piece) + piece + b"\r\n") if chunked else piece
             try:
                 sent = sock.send(frame)
@@ -96,7 +96,7 @@ def h1_sample(uw: UploadWorld, sbx, kind: str) -> float:
         body = None if kind == "h1-expect" else b"u" * size
         elapsed, first = _race(sock, body, chunked=kind == "h1-chunked")
     want = b"HTTP/1.1 200" if kind == "allowed-small" else b"HTTP/1.1 403"
-    assert first.startswith(want[:len(first)]), first[:200]
+    assert first.startswith(want[: len(first)]), first[:200]
     return elapsed
 
 
@@ -111,8 +111,16 @@ def h2_sample(uw: UploadWorld, sbx) -> float:
     conn.initiate_connection()
     with sock:
         sock.sendall(conn.data_to_send())
-        conn.send_headers(1, [(":method", "POST"), (":scheme", "https"), (":authority", f"{HOST}:{uw.h2_port}"),
-                              (":path", "/denied"), ("content-length", str(BODY))])
+        conn.send_headers(
+            1,
+            [
+                (":method", "POST"),
+                (":scheme", "https"),
+                (":authority", f"{HOST}:{uw.h2_port}"),
+                (":path", "/denied"),
+                ("content-length", str(BODY)),
+            ],
+        )
         sock.sendall(conn.data_to_send())
         start = time.perf_counter()
         sock.setblocking(False)

@@ -48,8 +48,15 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def in_sandbox_curl(tbg: Transparent, work: Path, url: str, size: int, port: int, **kw) -> Upload:
     """curl inside the namespace, the name pinned to the world's upstream address (which the DNAT hands
     to the gateway), trusting the gateway CA."""
-    return curl_upload(url, size, work=work, cacert=str(tbg.gateway.client_ca),
-                       prefix=("ip", "netns", "exec", tbg.ns), extra=("--resolve", f"{HOST}:{port}:{UPSTREAM}"), **kw)
+    return curl_upload(
+        url,
+        size,
+        work=work,
+        cacert=str(tbg.gateway.client_ca),
+        prefix=("ip", "netns", "exec", tbg.ns),
+        extra=("--resolve", f"{HOST}:{port}:{UPSTREAM}"),
+        **kw,
+    )
 
 
 @contextlib.contextmanager
@@ -91,11 +98,11 @@ def untouched(world: World, mark) -> None:
 @pytest.mark.parametrize("expect", [None, False], ids=["expect-default", "no-expect"])
 @pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
 @pytest.mark.parametrize("size", [64 * KB, 20 * MB], ids=["64KB", "20MB"])
-def test_curl_https_denied_upload_gets_the_json(tbg: Transparent, world: World, work: Path, size: int,
-                                                 chunked: bool, expect) -> None:
+def test_curl_https_denied_upload_gets_the_json(
+    tbg: Transparent, world: World, work: Path, size: int, chunked: bool, expect
+) -> None:
     mark = world.mark()
-    up = in_sandbox_curl(tbg, work, f"https://{HOST}/upload", size, 443, method="PUT", chunked=chunked,
-                         expect=expect)
+    up = in_sandbox_curl(tbg, work, f"https://{HOST}/upload", size, 443, method="PUT", chunked=chunked, expect=expect)
     assert_refused(tbg, up)
     assert "rc=0" in up.error, str(up)
     untouched(world, mark)
@@ -114,9 +121,15 @@ def test_curl_plain_http_denied_and_allowed(tbg: Transparent, world: World, work
     is other.allowed.test's (allowed on 443 only: `port_not_allowed`); control: the same upload to
     api.allowed.test."""
     mark = world.mark()
-    up = curl_upload("http://other.allowed.test/upload", 20 * MB, work=work, cacert=str(tbg.gateway.client_ca),
-                     prefix=("ip", "netns", "exec", tbg.ns),
-                     extra=("--resolve", f"other.allowed.test:80:{UPSTREAM}"), chunked=True)
+    up = curl_upload(
+        "http://other.allowed.test/upload",
+        20 * MB,
+        work=work,
+        cacert=str(tbg.gateway.client_ca),
+        prefix=("ip", "netns", "exec", tbg.ns),
+        extra=("--resolve", f"other.allowed.test:80:{UPSTREAM}"),
+        chunked=True,
+    )
     doc = up.deny()
     assert up.status == 403, str(up)
     untouched(world, mark)
@@ -140,8 +153,7 @@ def test_curl_http2_denied_upload_gets_the_json(tbg: Transparent, world: World, 
 
 @pytest.mark.parametrize("client", ["requests", "httpx"])
 @pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
-def test_python_clients_denied_upload_get_the_json(tbg: Transparent, world: World, client: str,
-                                                   chunked: bool) -> None:
+def test_python_clients_denied_upload_get_the_json(tbg: Transparent, world: World, client: str, chunked: bool) -> None:
     mark = world.mark()
     up = in_sandbox_python(tbg, f"https://{HOST}/upload", 20 * MB, client=client, method="PUT", chunked=chunked)
     assert_refused(tbg, up)

@@ -188,7 +188,7 @@ def test_chunked_upload_refused_for_a_spent_budget_gets_429_json(uw: UploadWorld
     control), so a chunked upload is refused at its headers — and the client reads the 429 JSON, not
     mitmproxy's HTML 400 "incomplete chunked read"."""
     sbx = uw.admit("gw-bigdeny-budget")
-    head = (f"POST /allowed HTTP/1.1\r\nHost: bigdeny.test:{uw.tls_port}\r\nContent-Length: {{n}}\r\n\r\n")
+    head = f"POST /allowed HTTP/1.1\r\nHost: bigdeny.test:{uw.tls_port}\r\nContent-Length: {{n}}\r\n\r\n"
     n = 3000 - len(head.format(n=0))
     for _ in range(5):  # the length's own digits count
         n = 3000 - len(head.format(n=n))
@@ -220,9 +220,10 @@ def test_raw_client_sees_the_answer_before_sending_its_body(uw: UploadWorld) -> 
     mark = uw.seen.mark()
     sock = socket.create_connection(uw.gw.proxy, timeout=10)
     with sock:
-        sock.sendall(f"POST http://bigdeny.test:{uw.plain_port}/denied HTTP/1.1\r\nHost: bigdeny.test:"
-                     f"{uw.plain_port}\r\n{auth(sbx)}Content-Length: {100 * MB}\r\nExpect: 100-continue\r\n\r\n"
-                     .encode())
+        sock.sendall(
+            f"POST http://bigdeny.test:{uw.plain_port}/denied HTTP/1.1\r\nHost: bigdeny.test:"
+            f"{uw.plain_port}\r\n{auth(sbx)}Content-Length: {100 * MB}\r\nExpect: 100-continue\r\n\r\n".encode()
+        )
         status, headers, body = read_reply(sock)
         assert status == 403 and headers.get("x-egressgate-decision") == "deny", (status, headers, body)
         assert b"path_not_allowed" in body
@@ -263,11 +264,13 @@ def test_denied_uploads_are_never_buffered(world: World, tmp_path: Path) -> None
         python_client(fresh, sbx, fresh.url("/denied", "h2"), KB, client="httpx2")
         before = _peak_kib(fresh.gateway_pid())
         mark = fresh.seen.mark()
-        ups = [curl(fresh, sbx, fresh.url("/denied"), 20 * MB, expect=False),
-               curl(fresh, sbx, fresh.url("/denied"), 20 * MB, expect=False, chunked=True),
-               python_client(fresh, sbx, fresh.url("/denied"), 20 * MB, client="requests"),
-               python_client(fresh, sbx, fresh.url("/denied"), 20 * MB, client="requests", chunked=True),
-               python_client(fresh, sbx, fresh.url("/denied", "h2"), 20 * MB, client="httpx2")]
+        ups = [
+            curl(fresh, sbx, fresh.url("/denied"), 20 * MB, expect=False),
+            curl(fresh, sbx, fresh.url("/denied"), 20 * MB, expect=False, chunked=True),
+            python_client(fresh, sbx, fresh.url("/denied"), 20 * MB, client="requests"),
+            python_client(fresh, sbx, fresh.url("/denied"), 20 * MB, client="requests", chunked=True),
+            python_client(fresh, sbx, fresh.url("/denied", "h2"), 20 * MB, client="httpx2"),
+        ]
         grew = _peak_kib(fresh.gateway_pid()) - before
         print(f"gateway peak RSS before {before} KiB, growth while refusing 5 x 20 MiB: {grew} KiB")
         for up in ups:
@@ -301,8 +304,12 @@ def test_http2_drain_is_bounded_and_the_connection_goes_on(uw: UploadWorld) -> N
         tls.sendall(conn.data_to_send())
 
         def headers(path: str) -> list[tuple[str, str]]:
-            return [(":method", "POST"), (":scheme", "https"), (":authority", f"bigdeny.test:{uw.h2_port}"),
-                    (":path", path)]
+            return [
+                (":method", "POST"),
+                (":scheme", "https"),
+                (":authority", f"bigdeny.test:{uw.h2_port}"),
+                (":path", path),
+            ]
 
         events: list = []
 
@@ -325,8 +332,12 @@ def test_http2_drain_is_bounded_and_the_connection_goes_on(uw: UploadWorld) -> N
         while reset is None and sent < LINGER_MAX_BYTES + 16 * 1024 * 1024:
             window = min(conn.local_flow_control_window(1), conn.max_outbound_frame_size)
             if window < len(piece):
-                pump(lambda: conn.local_flow_control_window(1) >= len(piece)
-                     or any(isinstance(e, h2.events.StreamReset) for e in events))
+                pump(
+                    lambda: (
+                        conn.local_flow_control_window(1) >= len(piece)
+                        or any(isinstance(e, h2.events.StreamReset) for e in events)
+                    )
+                )
             else:
                 try:
                     conn.send_data(1, piece)
@@ -353,5 +364,6 @@ def test_http2_drain_is_bounded_and_the_connection_goes_on(uw: UploadWorld) -> N
         tls.sendall(conn.data_to_send())
         pump(lambda: any(isinstance(e, h2.events.StreamEnded) and e.stream_id == 3 for e in events))
     assert [e for e in heads_seen(uw, mark) if e["event"] == "done"] == [
-        {"event": "done", "listener": "h2", "path": "/allowed", "body_len": 1000}]
+        {"event": "done", "listener": "h2", "path": "/allowed", "body_len": 1000}
+    ]
     assert not [e for e in heads_seen(uw, mark) if e.get("path") == "/denied"]

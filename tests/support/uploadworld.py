@@ -88,8 +88,14 @@ async def _serve_h1(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, 
             elif isinstance(event, h11.EndOfMessage):
                 seen.add(event="done", listener=listener, path=path, body_len=total)
                 body = json.dumps({"body_len": total}).encode()
-                writer.write(conn.send(h11.Response(status_code=200, headers=[
-                    ("Content-Type", "application/json"), ("Content-Length", str(len(body)))])))
+                writer.write(
+                    conn.send(
+                        h11.Response(
+                            status_code=200,
+                            headers=[("Content-Type", "application/json"), ("Content-Length", str(len(body)))],
+                        )
+                    )
+                )
                 writer.write(conn.send(h11.Data(data=body)) + conn.send(h11.EndOfMessage()))
                 await writer.drain()
                 if conn.our_state is h11.MUST_CLOSE:
@@ -120,8 +126,10 @@ async def _serve_h2(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, 
             total = totals.pop(event.stream_id, 0)
             seen.add(event="done", listener="h2", path=paths.pop(event.stream_id, ""), body_len=total)
             body = json.dumps({"body_len": total}).encode()
-            conn.send_headers(event.stream_id, [(":status", "200"), ("content-type", "application/json"),
-                                                ("content-length", str(len(body)))])
+            conn.send_headers(
+                event.stream_id,
+                [(":status", "200"), ("content-type", "application/json"), ("content-length", str(len(body)))],
+            )
             conn.send_data(event.stream_id, body, end_stream=True)
         return False
 
@@ -156,13 +164,19 @@ def policies(tls_port: int, plain_port: int, h2_port: int) -> dict[str, dict]:
 
     def doc(name: str, resources: dict | None = None) -> dict:
         sandbox: dict = {"name": name, **({"resources": resources} if resources else {})}
-        return {"sandbox": sandbox, "network": {
-            "allow_private": ["127.0.0.1/32"],
-            "https": {"allow": [{"id": "upload-tls", "host": HOST, "ports": [tls_port, h2_port], **rules}]},
-            "http": {"allow": [{"id": "upload-plain", "host": HOST, "ports": [plain_port], **rules}]}}}
+        return {
+            "sandbox": sandbox,
+            "network": {
+                "allow_private": ["127.0.0.1/32"],
+                "https": {"allow": [{"id": "upload-tls", "host": HOST, "ports": [tls_port, h2_port], **rules}]},
+                "http": {"allow": [{"id": "upload-plain", "host": HOST, "ports": [plain_port], **rules}]},
+            },
+        }
 
-    return {"gw-bigdeny": doc("gw-bigdeny"),
-            "gw-bigdeny-budget": doc("gw-bigdeny-budget", {"outbound_bytes_max": BUDGET_BYTES})}
+    return {
+        "gw-bigdeny": doc("gw-bigdeny"),
+        "gw-bigdeny-budget": doc("gw-bigdeny-budget", {"outbound_bytes_max": BUDGET_BYTES}),
+    }
 
 
 @contextlib.contextmanager
@@ -173,11 +187,13 @@ def open_upload_world(world: World, tmp: Path) -> Iterator[UploadWorld]:
     cert = world.ca.issue_cert(HOST)
 
     async def start():
-        tls = await asyncio.start_server(lambda r, w: _serve_h1(r, w, seen, "tls"), "127.0.0.1", 0,
-                                         ssl=server_context(cert, ["http/1.1"]))
+        tls = await asyncio.start_server(
+            lambda r, w: _serve_h1(r, w, seen, "tls"), "127.0.0.1", 0, ssl=server_context(cert, ["http/1.1"])
+        )
         plain = await asyncio.start_server(lambda r, w: _serve_h1(r, w, seen, "plain"), "127.0.0.1", 0)
-        h2s = await asyncio.start_server(lambda r, w: _serve_h2(r, w, seen), "127.0.0.1", 0,
-                                         ssl=server_context(cert, ["h2"]))
+        h2s = await asyncio.start_server(
+            lambda r, w: _serve_h2(r, w, seen), "127.0.0.1", 0, ssl=server_context(cert, ["h2"])
+        )
         return [tls, plain, h2s]
 
     servers = world.loop.run(start())
@@ -190,8 +206,16 @@ def open_upload_world(world: World, tmp: Path) -> Iterator[UploadWorld]:
     files = tmp / "bodies"
     files.mkdir(exist_ok=True)
     gw = start_gateway(world, tmp)
-    uw = UploadWorld(world=world, gw=gw, seen=seen, tls_port=tls_port, plain_port=plain_port, h2_port=h2_port,
-                     files=files, servers=servers)
+    uw = UploadWorld(
+        world=world,
+        gw=gw,
+        seen=seen,
+        tls_port=tls_port,
+        plain_port=plain_port,
+        h2_port=h2_port,
+        files=files,
+        servers=servers,
+    )
     try:
         yield uw
     finally:
@@ -226,8 +250,10 @@ class Upload:
         return doc
 
     def __str__(self) -> str:
-        return (f"{self.client}: status {self.status} in {self.seconds:.2f}s, body {self.body[:300]!r}, "
-                f"error {self.error[-600:]!r}")
+        return (
+            f"{self.client}: status {self.status} in {self.seconds:.2f}s, body {self.body[:300]!r}, "
+            f"error {self.error[-600:]!r}"
+        )
 
 
 def _pieces(size: int) -> Iterator[bytes]:
@@ -247,17 +273,45 @@ def body_file(work: Path, size: int) -> Path:
     return path
 
 
-def curl_upload(url: str, size: int, *, work: Path, cacert: str, proxy: str | None = None,
-                chunked: bool = False, expect: bool | None = None, http2: bool = False, method: str = "POST",
-                prefix: tuple[str, ...] = (), extra: tuple[str, ...] = (), timeout: float = 60) -> Upload:
+def curl_upload(
+    url: str,
+    size: int,
+    *,
+    work: Path,
+    cacert: str,
+    proxy: str | None = None,
+    chunked: bool = False,
+    expect: bool | None = None,
+    http2: bool = False,
+    method: str = "POST",
+    prefix: tuple[str, ...] = (),
+    extra: tuple[str, ...] = (),
+    timeout: float = 60,
+) -> Upload:
     """The curl binary uploading `size` bytes. `expect`: None = curl's default (it sends
     `Expect: 100-continue` above 1 MiB and for chunked bodies), True = always, False = never. `proxy`
     (http://id:token@host:port) or none (transparent mode: `prefix` runs curl in the sandbox's namespace)."""
     stamp = time.monotonic_ns()
     out, hdr = work / f"curl-out-{stamp}", work / f"curl-hdr-{stamp}"
-    args = ["curl", "-sS", "--max-time", str(int(timeout)), "--cacert", cacert, "-o", str(out), "-D", str(hdr),
-            "-w", "%{http_code}", "-X", method, "--data-binary", f"@{body_file(work, size)}",
-            "--http2" if http2 else "--http1.1"]
+    args = [
+        "curl",
+        "-sS",
+        "--max-time",
+        str(int(timeout)),
+        "--cacert",
+        cacert,
+        "-o",
+        str(out),
+        "-D",
+        str(hdr),
+        "-w",
+        "%{http_code}",
+        "-X",
+        method,
+        "--data-binary",
+        f"@{body_file(work, size)}",
+        "--http2" if http2 else "--http1.1",
+    ]
     if proxy is not None:
         args += ["-x", proxy]
     if chunked:
@@ -277,8 +331,7 @@ def curl_upload(url: str, size: int, *, work: Path, cacert: str, proxy: str | No
     blocks = [b for b in head.replace("\r\n", "\n").split("\n\n") if b.strip()]
     final = blocks[-1].splitlines() if blocks else []  # after a CONNECT's 200 and any 1xx
     headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in final[1:]) if k}
-    return Upload("curl", int(res.stdout.strip() or 0), headers, body, res.stderr + f" rc={res.returncode}",
-                  seconds)
+    return Upload("curl", int(res.stdout.strip() or 0), headers, body, res.stderr + f" rc={res.returncode}", seconds)
 
 
 def curl(uw: UploadWorld, sbx: Sandbox, url: str, size: int, **kw: Any) -> Upload:
@@ -287,8 +340,18 @@ def curl(uw: UploadWorld, sbx: Sandbox, url: str, size: int, **kw: Any) -> Uploa
     return curl_upload(url, size, work=uw.files, cacert=uw.gw.bundle, proxy=proxy, **kw)
 
 
-def python_upload(url: str, size: int, *, client: str, cafile: str, proxy: str | None = None,
-                  chunked: bool = False, expect: bool = False, method: str = "POST", timeout: float = 60) -> Upload:
+def python_upload(
+    url: str,
+    size: int,
+    *,
+    client: str,
+    cafile: str,
+    proxy: str | None = None,
+    chunked: bool = False,
+    expect: bool = False,
+    method: str = "POST",
+    timeout: float = 60,
+) -> Upload:
     """requests, httpx (HTTP/1.1) or httpx2 (httpx with HTTP/2) uploading `size` bytes: as bytes (a
     Content-Length) or as an iterator (`chunked`: chunked on HTTP/1.1, no length on HTTP/2)."""
     data: Any = _pieces(size) if chunked else b"u" * size
@@ -298,12 +361,24 @@ def python_upload(url: str, size: int, *, client: str, cafile: str, proxy: str |
         if client == "requests":
             with requests.Session() as s:
                 s.trust_env = False
-                r = s.request(method, url, data=data, headers=headers, verify=cafile, timeout=(10, timeout),
-                              proxies={"http": proxy, "https": proxy} if proxy else None)
+                r = s.request(
+                    method,
+                    url,
+                    data=data,
+                    headers=headers,
+                    verify=cafile,
+                    timeout=(10, timeout),
+                    proxies={"http": proxy, "https": proxy} if proxy else None,
+                )
                 status, rh, body = r.status_code, {k.lower(): v for k, v in r.headers.items()}, r.content
         else:
-            with httpx.Client(proxy=proxy, verify=ssl.create_default_context(cafile=cafile), trust_env=False,
-                              http2=client == "httpx2", timeout=timeout) as c:
+            with httpx.Client(
+                proxy=proxy,
+                verify=ssl.create_default_context(cafile=cafile),
+                trust_env=False,
+                http2=client == "httpx2",
+                timeout=timeout,
+            ) as c:
                 r = c.request(method, url, content=data, headers=headers)
                 status, rh, body = r.status_code, {k.lower(): v for k, v in r.headers.items()}, r.content
                 if client == "httpx2" and r.http_version != "HTTP/2":
