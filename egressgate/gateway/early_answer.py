@@ -22,11 +22,12 @@ without sending complete message body" / "incomplete chunked read"), requests hu
 
 Nothing of the request goes upstream: the answer is set before any upstream connection is asked for.
 
-The same ending serves a streamed body the byte budget cuts midway (budgets.out_counter flags the cut and
-drops the crossing chunk): the upstream request is aborted before its end (HTTP/1: connection closed
+The same ending serves a streamed body refused midway — the byte budget cut it (budgets.out_counter flags
+the cut and drops the crossing chunk) or the phantom guard found a placeholder credential in it
+(credentials.stream_misuse): the upstream request is aborted before its end (HTTP/1: connection closed
 before the body's end; HTTP/2: stream reset), and the client is answered with the deny contract (429
-`budget_exceeded`, or `state_unavailable` when the store failed) instead of a reset — unless the
-upstream's own response is already on its way, in which case the flow is reset as before.
+`budget_exceeded`, `state_unavailable` when the store failed, 403 `credential_misuse`) instead of a reset,
+unless the upstream's own response is already on its way: then the flow is reset as before.
 """
 
 from __future__ import annotations
@@ -95,8 +96,8 @@ class EarlyAnswerStream(HalfCloseTunnel):
         yield from self._send_answer()
 
     def cut_mid_body(self) -> layer.CommandGenerator[None]:
-        """The byte budget cut this streamed body (module docstring); called once, right after the
-        chunk that crossed it was dropped."""
+        """The byte budget or the phantom guard cut this streamed body (module docstring); called once,
+        right after the chunk that crossed it was dropped."""
         fs = flow_state(self.flow)
         yield SendHttp(
             RequestProtocolError(self.stream_id, "cut by the gateway: byte budget", ErrorCode.KILL), self.context.server
@@ -106,7 +107,9 @@ class EarlyAnswerStream(HalfCloseTunnel):
             self.flow.kill()
             yield from self.check_killed(True)
             return
-        if fs.state_cut:
+        if fs.decision is not None and not fs.decision.allowed:  # decided mid-body (a phantom credential)
+            refusal = fs.decision
+        elif fs.state_cut:
             refusal = gateway_deny(Reason.STATE_UNAVAILABLE, detail="outbound_bytes_max")
         else:
             refusal = gateway_deny(

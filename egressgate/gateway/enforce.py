@@ -61,7 +61,8 @@ class Enforce:
         if fs.stream_request:
             counter = out_counter(fs) if fs.meter_request else None
             flow.request.stream = compose_request(
-                fs.hasher, lambda hits: stream_misuse(self.rt, flow, fs, hits), counter)
+                fs.hasher, lambda hits: stream_misuse(self.rt, flow, fs, hits, cut=False), counter)  # the
+            # stream then aborts the upstream request and answers the deny (early_answer.cut_mid_body)
 
     async def _record_history(self, flow: http.HTTPFlow, fs) -> bool:
         """Enter the allowed request into the sandbox's history before a byte of it goes upstream, and

@@ -201,8 +201,11 @@ class GatewayHttpStream(EarlyAnswerStream):
                 return
             yield from super().state_stream_request_body(event)
             fs = flow_state(self.flow)
-            if fs is not None and (fs.budget_cut or fs.state_cut):  # the counter dropped the crossing chunk
-                yield from self.cut_mid_body()  # early_answer.py: upstream aborted, the client answered
+            # the budget counter dropped the crossing chunk, or the phantom guard found a placeholder
+            # credential (the decision turned to deny): early_answer.py aborts the upstream, answers
+            if fs is not None and (fs.budget_cut or fs.state_cut or (fs.decision is not None
+                                                                     and not fs.decision.allowed)):
+                yield from self.cut_mid_body()
             return
         # mitmproxy 12.3.1's end-of-message branch, with the request hook's verdict enforced
         if callable(self.flow.request.stream):
