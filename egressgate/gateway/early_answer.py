@@ -99,9 +99,7 @@ class EarlyAnswerStream(HalfCloseTunnel):
         """The byte budget or the phantom guard cut this streamed body (module docstring); called once,
         right after the chunk that crossed it was dropped."""
         fs = flow_state(self.flow)
-        yield SendHttp(
-            RequestProtocolError(self.stream_id, "cut by the gateway: byte budget", ErrorCode.KILL), self.context.server
-        )
+        yield SendHttp(RequestProtocolError(self.stream_id, "cut by the gateway", ErrorCode.KILL), self.context.server)
         self.client_state = self.state_discard_request_body
         if self.flow.response is not None or fs is None:  # the upstream already answers: no clean answer
             self.flow.kill()
