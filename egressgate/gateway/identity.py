@@ -44,6 +44,11 @@ MAX_AUTH_LEN = 1024
 CHALLENGE = "challenge"
 NOT_A_PROXY = ("This connection was redirected to the gateway transparently: send requests to the "
                "destination itself (origin-form, with its Host), not CONNECT or absolute-form proxy requests.")
+UNKNOWN_IDENTITY = ("Send Proxy-Authorization: Basic base64(sandbox_id:token) as given by `egressgate sandbox "
+                    "admit`; an id and token the gateway does not know (never admitted, or lost with its state "
+                    "store's data) need a new admission.")
+RECORD_LOST = ("The gateway's state store no longer has this sandbox's record (its data was lost), so nothing "
+               "is allowed for it; ask the operator to admit a new sandbox.")
 UNKNOWN_SOURCE = ("This source address is not registered to any sandbox; start the workload with "
                   "`egressgate sandbox run` (or admit it with `sandbox admit --address`).")
 
@@ -115,7 +120,9 @@ async def recheck(rt: Runtime, fs: FlowState, conn: ConnState) -> None:
     except StateUnavailable:
         fs.decision = gateway_deny(Reason.STATE_UNAVAILABLE)
         return
-    if record is None or record.revoked:
+    if record is None:  # bound to it, yet the store has no record: its data was lost (revoking keeps it)
+        fs.decision = gateway_deny(Reason.STATE_UNAVAILABLE, RECORD_LOST, detail="sandbox record missing")
+    elif record.revoked:
         fs.decision = gateway_deny(Reason.SANDBOX_REVOKED)
 
 
@@ -132,7 +139,7 @@ class Identity:
             return None
         creds = parse_proxy_authorization(values[0]) if len(values) == 1 else None
         if creds is None:
-            fs.decision = gateway_deny(Reason.IDENTITY_UNKNOWN)
+            fs.decision = gateway_deny(Reason.IDENTITY_UNKNOWN, UNKNOWN_IDENTITY)
             return None
         sandbox_id, token = creds
         try:
@@ -141,7 +148,9 @@ class Identity:
             fs.decision = gateway_deny(Reason.STATE_UNAVAILABLE)
             return None
         if record is None or not token_matches(record, token):
-            fs.decision = gateway_deny(Reason.IDENTITY_UNKNOWN)
+            # one answer whatever the cause: a token the store cannot verify (its digest lost with the
+            # data) is not told apart from a wrong one, so no client learns which ids once existed
+            fs.decision = gateway_deny(Reason.IDENTITY_UNKNOWN, UNKNOWN_IDENTITY)
             return None
         if record.revoked:
             fs.decision = gateway_deny(Reason.SANDBOX_REVOKED)

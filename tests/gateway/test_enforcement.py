@@ -239,9 +239,12 @@ def test_tunnel_request_never_forwards_proxy_credentials_or_hop_by_hop(gateway):
     assert seen["x-keep"] == "2"
 
 
-def test_denied_large_upload_not_buffered(gateway):
-    """A denied request whose body is chunked or > 64 KiB is cut (connection reset) instead of being
-    buffered by the gateway; a small denied body still gets the deny contract."""
+def test_denied_endless_upload_answered_then_cut(gateway):
+    """A denied request announcing 100 MB is answered at once with the deny contract, before any body
+    byte is read; the gateway then reads and discards what the client still sends (a lingering close, so
+    clients that send first and read after still read the answer) and cuts it after LINGER_MAX_BYTES
+    (64 MiB) or LINGER_SECONDS, before the 100 MB end. Nothing reaches the upstream; a small denied body gets the same
+    answer (control: the deny contract itself)."""
     from tests.support.gwworld import connect_tunnel, tls_wrap
 
     sbx = gateway.admit("gw-basic")
@@ -250,15 +253,17 @@ def test_denied_large_upload_not_buffered(gateway):
     sock, _ = connect_tunnel(gateway, sbx, f"api.test:{port}")
     tls = tls_wrap(sock, gateway, "api.test")
     tls.sendall(f"POST /forbidden HTTP/1.1\r\nHost: api.test:{port}\r\nContent-Length: 100000000\r\n\r\n".encode())
+    status, _, body = read_reply(tls)  # before a single body byte was sent
+    assert status == 403 and json.loads(body)["reason"] == "path_not_allowed", (status, body)
     sent, closed = 0, False
     try:
-        for _ in range(2000):  # up to 128 MiB; the gateway must close long before
+        for _ in range(2000):  # up to 128 MiB; the gateway must stop reading after 64 MiB
             tls.sendall(b"z" * 65536)
             sent += 65536
     except (OSError, ConnectionError):
         closed = True
     tls.close()
-    assert closed and sent < 50_000_000
+    assert closed and sent < 100_000_000, sent  # cut at LINGER_MAX_BYTES read, or after LINGER_SECONDS
     with sbx.client() as c:
         r = c.post(sbx.url("api.test", "/forbidden"), content=b"small")
     assert r.status_code == 403 and r.json()["reason"] == "path_not_allowed"
