@@ -1,0 +1,213 @@
+"""No silent keys (issue 22): every key the policy loader accepts is enforced (by the gateway, the resolver or
+the runtime) or refused. The schema is walked (pydantic `model_fields`, recursively, union members too) and
+compared with policy/enforcement.py; every entry names tests that exist (checked by AST, so a renamed or
+deleted test breaks this one) and `policy check` / `sandbox run` refuse what nobody enforces."""
+
+from __future__ import annotations
+
+import ast
+import types
+import typing
+from functools import cache
+from pathlib import Path
+from typing import Literal, get_args, get_origin
+
+from click.testing import CliRunner
+from pydantic import BaseModel
+
+from egressgate.policy import enforcement
+from egressgate.policy.cli import policy as policy_cli
+from egressgate.policy.execution import APPROVAL_KINDS
+from egressgate.policy.loader import parse_policy
+from egressgate.policy.model import Execution, Policy
+from egressgate.runtimes.registry import ADAPTERS, ENFORCES
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _models(tp: object) -> list[tuple[str, type[BaseModel]]]:
+    origin = get_origin(tp)
+    if origin is typing.Annotated:
+        return _models(get_args(tp)[0])
+    if isinstance(tp, type) and issubclass(tp, BaseModel):
+        return [("", tp)]
+    if origin in (list, tuple):
+        return [("[]" + s, m) for s, m in _models(get_args(tp)[0])]
+    if origin is dict:
+        return [("{}" + s, m) for s, m in _models(get_args(tp)[1])]
+    if origin in (typing.Union, types.UnionType):
+        return [pair for arg in get_args(tp) for pair in _models(arg)]
+    return []
+
+
+def schema_paths(model: type[BaseModel] = Policy, prefix: str = "") -> set[str]:
+    """Every leaf key path the loader accepts; a field holding models is walked into (every union member)."""
+    out: set[str] = set()
+    for name, field in model.model_fields.items():
+        path = f"{prefix}.{name}" if prefix else name
+        subs = _models(field.annotation)
+        if not subs:
+            out.add(path)
+        for suffix, sub in subs:
+            out |= schema_paths(sub, path + suffix)
+    return out
+
+
+def test_the_walk_sees_nested_lists_dicts_and_union_members():
+    """Positive control for the walker itself: it reaches deep and through the capability union."""
+    paths = schema_paths()
+    for path in (
+        "network.tcp.deny[].when.unless_request_to",
+        "credentials.capabilities{}.role",
+        "credentials.capabilities{}.placement.basic.username",
+        "mcp.servers[].tools.allow[].arguments{}.enum",
+        "persistence.restore_checks",
+        "sandbox.workspace.persistent",
+    ):
+        assert path in paths
+    assert len(paths) > 150
+
+
+def test_every_schema_path_has_an_entry_and_no_entry_is_stale():
+    paths = schema_paths()
+    covered = {p.split("=", 1)[0] for p in enforcement.INDEX}
+    assert sorted(paths - covered) == [], "policy keys without an entry in policy/enforcement.py"
+    assert sorted(covered - paths) == [], "entries in policy/enforcement.py for keys the schema does not have"
+    assert len(set(enforcement.INDEX)) == sum(len(enforcement.expand(k.name)) for k in enforcement.KEYS), (
+        "a path is listed by two entries"
+    )
+
+
+def test_keys_enforced_per_value_cover_every_value():
+    """package_install's literal values and every approval kind have their own entry (who enforces a value
+    differs), and no value entry is stale."""
+    values = {
+        "execution.package_install": set(get_args(Execution.model_fields["package_install"].annotation)),
+        "execution.require_approval_for": set(APPROVAL_KINDS),
+    }
+    assert set(values) == set(enforcement.BY_VALUE)
+    for key, wanted in values.items():
+        have = {p.split("=", 1)[1] for p in enforcement.INDEX if p.startswith(key + "=")}
+        assert have == wanted, key
+        assert key not in enforcement.INDEX  # only per value
+    assert get_origin(Execution.model_fields["package_install"].annotation) is Literal
+
+
+@cache
+def _tests_in(path: str) -> frozenset[str]:
+    tree = ast.parse((ROOT / path).read_text(encoding="utf-8"))
+    return frozenset(
+        node.name
+        for node in tree.body
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name.startswith("test_")
+    )
+
+
+def test_every_entry_names_tests_that_exist():
+    assert all(k.by in ("gateway", "resolver", "runtime", "loader", "refused") for k in enforcement.KEYS)
+    missing = []
+    for key in enforcement.KEYS:
+        assert key.tests, f"{key.name}: no test named"
+        for ref in key.tests:
+            path, _, name = ref.partition("::")
+            if not (ROOT / path).is_file() or name not in _tests_in(path):
+                missing.append(f"{key.name}: {ref}")
+    assert missing == []
+
+
+def test_every_runtime_declares_its_set_and_only_runtime_keys():
+    assert set(ENFORCES) == set(ADAPTERS), "a runtime in runtimes/registry.py without an ENFORCES line"
+    for runtime, keys in ENFORCES.items():
+        assert keys <= enforcement.RUNTIME_KEYS, runtime
+    # netns, docker and gVisor enforce every runtime key (read in their code: registry.py says where)
+    assert {r for r, keys in ENFORCES.items() if keys == enforcement.RUNTIME_KEYS} >= {"netns", "docker", "gvisor"}
+
+
+BASE = "sandbox: {name: sb}\n"
+
+
+def test_set_keys_names_what_a_policy_writes():
+    seed = parse_policy((ROOT / "policies/seed-invoice-analysis.yaml").read_text(), "seed.yaml")
+    keys = enforcement.set_keys(seed.model)
+    assert "sandbox.root_fs" in keys and "execution.commands" in keys and "persistence.restore_checks" in keys
+    assert "execution.package_install=deny" in keys and "execution.require_approval_for=publish" in keys
+    assert "execution.require_approval_for=network_expansion" in keys
+    # positive control: a minimal policy writes only its name; defaults are not "set"
+    assert enforcement.set_keys(parse_policy(BASE, "p.yaml").model) == ["sandbox.name"]
+
+
+def test_unenforced_is_what_the_runtime_lacks_plus_what_nobody_enforces():
+    keys = ["sandbox.root_fs", "filesystem.deny", "network.dns.allow", "execution.require_approval_for=publish"]
+    enforces = {"full": enforcement.RUNTIME_KEYS, "partial": enforcement.RUNTIME_KEYS - {"filesystem.deny"}}
+    assert enforcement.unenforced(keys, "full", enforces) == ["execution.require_approval_for=publish"]
+    assert enforcement.unenforced(keys, "partial", enforces) == [
+        "filesystem.deny",
+        "execution.require_approval_for=publish",
+    ]
+    sentence = enforcement.refusal(["filesystem.deny"], "partial", enforces)
+    assert sentence == (
+        "runtime partial cannot enforce filesystem.deny (enforced by full), which the policy sets; "
+        "use a runtime that does, or drop the key"
+    )
+    assert enforcement.unenforced(["sandbox.root_fs", "network.dns.allow"], "partial", enforces) == []
+
+
+def _check(tmp_path: Path, text: str):
+    (tmp_path / "p.yaml").write_text(text)
+    return CliRunner().invoke(policy_cli, ["check", str(tmp_path / "p.yaml")])
+
+
+def test_policy_check_refuses_keys_nobody_enforces(tmp_path: Path):
+    for line, key in (
+        ("execution: {package_install: deny}\n", "execution.package_install"),
+        ("execution: {require_approval_for: [publish]}\n", "execution.require_approval_for"),
+    ):
+        result = _check(tmp_path, BASE + line)
+        assert result.exit_code == 2, result.output
+        assert f"p.yaml: {key}: " in result.output and "nothing enforces" in result.output
+    # positive controls: the values something enforces pass
+    for line in ("execution: {package_install: allow}\n", "execution: {require_approval_for: [network_expansion]}\n"):
+        result = _check(tmp_path, BASE + line)
+        assert result.exit_code == 0 and result.output.startswith("ok  sb  "), result.output
+
+
+def test_policy_check_names_the_runtime_keys_and_their_runtimes(tmp_path: Path):
+    result = _check(
+        tmp_path,
+        BASE.rstrip("}\n") + ", root_fs: read_only, resources: {memory_mb: 64}}\n"
+        "network: {dns: {allow: [a.example]}}\n",
+    )
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert lines[0].startswith("ok  sb  ")
+    assert (
+        "  runtime keys (enforced by sandbox run; a container routed by hand through the gateway does not get them):"
+        in lines
+    )
+    assert "    sandbox.resources.memory_mb: docker, gvisor, netns" in lines
+    assert "    sandbox.root_fs: docker, gvisor, netns" in lines
+    assert not any("network.dns" in line for line in lines[1:])  # the resolver's key is not a runtime key
+    # positive control: a policy that sets no runtime key gets one line
+    result = _check(tmp_path, BASE)
+    assert result.exit_code == 0 and len(result.output.splitlines()) == 1, result.output
+
+
+def test_admission_hands_out_only_the_keys_sandbox_run_checks():
+    """runtime_checked_keys (the admission's `runtime_policy.keys`): runtime and refused entries only,
+    shared rule entries named once, memoized per policy hash."""
+    text = (
+        BASE.rstrip("}\n") + ", workspace: {path: /workspace, persistent: true}}\n"
+        "filesystem: {deny: [/etc/shadow]}\n"
+        "network: {https: {allow: [{host: a.example}, {host: b.example, ports: [443]}]}}\n"
+        "execution: {require_approval_for: [publish, network_expansion]}\n"
+    )
+    compiled = parse_policy(text, "p.yaml")
+    assert "network.{https,http,tcp}.{allow,deny}[].host" in enforcement.set_keys(compiled.model)
+    keys = enforcement.runtime_checked_keys(compiled.model, compiled.hash)
+    assert keys == [
+        "execution.require_approval_for=publish",
+        "filesystem.deny",
+        "sandbox.workspace.path",
+        "sandbox.workspace.persistent",
+    ]
+    assert enforcement.runtime_checked_keys(compiled.model, compiled.hash) == keys
