@@ -10,9 +10,15 @@ SEED = ROOT / "policies" / "seed-invoice-analysis.yaml"
 
 
 def test_check_valid_and_invalid(tmp_path):
-    ok = cli("policy", "check", str(ROOT / "policies"))
+    ok = cli("policy", "check", str(ROOT / "policies" / "example-agent.yaml"))
     assert ok.returncode == 0, ok.stderr
-    assert "invoice-analysis" in ok.stdout and "sha256:" in ok.stdout
+    assert "example-agent" in ok.stdout and "sha256:" in ok.stdout
+    # the article's policy writes package_install: deny and publish approval, which nothing enforces in this
+    # version (policy/enforcement.py): refused, naming both keys (tests/policy/test_no_silent_keys.py)
+    seed = cli("policy", "check", str(ROOT / "policies"))
+    assert seed.returncode == 2 and seed.stdout == ""
+    assert f"{SEED}: execution.package_install: 'deny' is accepted" in seed.stderr
+    assert f"{SEED}: execution.require_approval_for: 'publish' is accepted" in seed.stderr
     bad = tmp_path / "bad.yaml"
     bad.write_text("sandbox: {name: x}\nnetwork:\n  https:\n    allow:\n      - {host: a.example}\n"
                    "      - {host: b.example}\n      - {host: c.example, methods: [GET, 'B@D']}\n")
