@@ -582,3 +582,21 @@ def refusal(missing: list[str], runtime: str, enforces: dict[str, frozenset[str]
         f"runtime {runtime} cannot enforce {'; '.join(parts)}, which the policy sets; use a runtime that "
         "does, or drop the key"
     )
+
+
+def markdown_table(enforces: dict[str, frozenset[str]]) -> str:
+    """The "Who enforces each key" table of docs/policy.md (tests/policy/test_no_silent_keys.py keeps the
+    docs equal to this)."""
+    who = {
+        GATEWAY: "gateway",
+        RESOLVER: "DNS resolver",
+        RUNTIME: "`sandbox run`",
+        LOADER: "loader only",
+        REFUSED: "**nothing: refused**",
+    }
+    rows = ["| key | enforced by | where | runtimes |", "|---|---|---|---|"]
+    for key in KEYS:
+        runtimes = ", ".join(runtimes_enforcing(key.name, enforces)) if key.by == RUNTIME else ""
+        name = key.name.replace("|", "\\|")
+        rows.append(f"| `{name}` | {who[key.by]} | {key.where} | {runtimes or '-'} |")
+    return "\n".join(rows) + "\n"

@@ -211,3 +211,14 @@ def test_admission_hands_out_only_the_keys_sandbox_run_checks():
         "sandbox.workspace.persistent",
     ]
     assert enforcement.runtime_checked_keys(compiled.model, compiled.hash) == keys
+
+
+def test_docs_table_is_the_enforcement_table():
+    """docs/policy.md, "Who enforces each key": the generated table between its markers, unchanged."""
+    text = (ROOT / "docs" / "policy.md").read_text(encoding="utf-8")
+    begin = "<!-- keys:begin (generated from egressgate/policy/enforcement.py: markdown_table) -->\n"
+    inside = text.split(begin, 1)[1].split("<!-- keys:end -->", 1)[0]
+    assert inside == enforcement.markdown_table(ENFORCES)
+    # positive control: a row per entry, and the refused keys stand out
+    assert inside.count("\n") == len(enforcement.KEYS) + 2
+    assert "| `execution.require_approval_for=publish` | **nothing: refused** |" in inside
