@@ -506,9 +506,16 @@ def _norm(path: str) -> str:
     return re.sub(r"\{[^}]*\}", "{}", re.sub(r"\[\d+\]", "[]", path))
 
 
+# runtime keys whose DEFAULT is a constraint (a read-only root, a bounded /tmp; with a workspace, a fresh one per
+# run): a runtime that does not enforce them would leave an unwritten default silent, so they are always "set"
+CONSTRAINING_DEFAULTS = ("sandbox.root_fs", "sandbox.tmp.max_bytes")
+
+
 def set_keys(model: Any) -> list[str]:
-    """The entries a loaded policy (a policy/model.py `Policy`) WRITES: every field given in the file
-    (pydantic's `model_fields_set`, recursively), and for BY_VALUE keys the value written. Sorted, unique."""
+    """The entries a loaded policy (a policy/model.py `Policy`) sets: every field the file writes (pydantic's
+    `model_fields_set`, recursively; for BY_VALUE keys the value written), plus the runtime keys whose
+    default constrains (CONSTRAINING_DEFAULTS, and sandbox.workspace.persistent when there is a workspace).
+    A written default counts as set: `package_install: deny` written is a promise. Sorted, unique."""
     out: set[str] = set()
 
     def visit(obj: Any, prefix: str) -> None:
@@ -538,6 +545,11 @@ def set_keys(model: Any) -> list[str]:
             visit(value, path)
 
     visit(model, "")
+    sandbox = getattr(model, "sandbox", None)
+    if sandbox is not None:  # defaults that constrain apply whether written or not
+        out.update(CONSTRAINING_DEFAULTS)
+        if sandbox.workspace is not None:
+            out.add("sandbox.workspace.persistent")
     return sorted(out)
 
 

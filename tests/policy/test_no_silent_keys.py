@@ -132,8 +132,13 @@ def test_set_keys_names_what_a_policy_writes():
     assert "sandbox.root_fs" in keys and "execution.commands" in keys and "persistence.restore_checks" in keys
     assert "execution.package_install=deny" in keys and "execution.require_approval_for=publish" in keys
     assert "execution.require_approval_for=network_expansion" in keys
-    # positive control: a minimal policy writes only its name; defaults are not "set"
-    assert enforcement.set_keys(parse_policy(BASE, "p.yaml").model) == ["sandbox.name"]
+    # positive control: a minimal policy writes only its name; defaults are not "set" except those that
+    # constrain (a read-only root, a bounded /tmp): a runtime that cannot enforce them must not run it
+    assert enforcement.set_keys(parse_policy(BASE, "p.yaml").model) == [
+        "sandbox.name",
+        "sandbox.root_fs",
+        "sandbox.tmp.max_bytes",
+    ]
 
 
 def test_unenforced_is_what_the_runtime_lacks_plus_what_nobody_enforces():
@@ -187,9 +192,13 @@ def test_policy_check_names_the_runtime_keys_and_their_runtimes(tmp_path: Path):
     assert "    sandbox.resources.memory_mb: docker, gvisor, netns" in lines
     assert "    sandbox.root_fs: docker, gvisor, netns" in lines
     assert not any("network.dns" in line for line in lines[1:])  # the resolver's key is not a runtime key
-    # positive control: a policy that sets no runtime key gets one line
+    # a minimal policy still lists the defaults that constrain (the sandbox's read-only root, bounded /tmp)
     result = _check(tmp_path, BASE)
-    assert result.exit_code == 0 and len(result.output.splitlines()) == 1, result.output
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines()[2:] == [
+        "    sandbox.root_fs: docker, gvisor, netns",
+        "    sandbox.tmp.max_bytes: docker, gvisor, netns",
+    ]
 
 
 def test_admission_hands_out_only_the_keys_sandbox_run_checks():
@@ -207,6 +216,8 @@ def test_admission_hands_out_only_the_keys_sandbox_run_checks():
     assert keys == [
         "execution.require_approval_for=publish",
         "filesystem.deny",
+        "sandbox.root_fs",
+        "sandbox.tmp.max_bytes",
         "sandbox.workspace.path",
         "sandbox.workspace.persistent",
     ]
