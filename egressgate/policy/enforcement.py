@@ -493,8 +493,17 @@ KEYS: tuple[Key, ...] = (
     ),
 )
 
-# every concrete path (or `path=value`) → its entry
-INDEX: dict[str, Key] = {path: key for key in KEYS for path in expand(key.name)}
+_INDEX: dict[str, Key] = {}
+
+
+def index() -> dict[str, Key]:
+    """Every concrete path (or `path=value`) → its entry; built on first use (`sandbox run` never needs it:
+    its start-up is measured)."""
+    if not _INDEX:
+        _INDEX.update({path: key for key in KEYS for path in expand(key.name)})
+    return _INDEX
+
+
 # the keys whose values are enforced by different components: their entries are per value
 # entry name → entry (what set_keys returns, policy check prints and sandbox run refuses)
 NAMED: dict[str, Key] = {key.name: key for key in KEYS}
@@ -517,6 +526,7 @@ def set_keys(model: Any) -> list[str]:
     default constrains (CONSTRAINING_DEFAULTS, and sandbox.workspace.persistent when there is a workspace).
     A written default counts as set: `package_install: deny` written is a promise. Sorted, unique."""
     out: set[str] = set()
+    paths = index()
 
     def visit(obj: Any, prefix: str) -> None:
         if isinstance(obj, list):
@@ -535,11 +545,11 @@ def set_keys(model: Any) -> list[str]:
             value = getattr(obj, name)
             if path in BY_VALUE:
                 for v in value if isinstance(value, list) else [value]:
-                    entry = INDEX.get(f"{path}={v}")
+                    entry = paths.get(f"{path}={v}")
                     if entry is not None:
                         out.add(entry.name)
                 continue
-            entry = INDEX.get(path)
+            entry = paths.get(path)
             if entry is not None:
                 out.add(entry.name)
             visit(value, path)
