@@ -26,10 +26,12 @@ Stdlib only: `sandbox run` imports this at start-up (loadtests/RESULTS.md).
 from __future__ import annotations
 
 import itertools
+import posixpath
 import re
 from typing import Any, NamedTuple
 
 GATEWAY, RESOLVER, RUNTIME, LOADER, REFUSED = "gateway", "resolver", "runtime", "loader", "refused"
+OWN_TMP = "/tmp"  # noqa: S108 - the sandbox's private /tmp (policy/filesystem.py), not a host path
 
 
 class Key(NamedTuple):
@@ -527,10 +529,17 @@ def set_keys(model: Any) -> list[str]:
     A written default counts as set: `package_install: deny` written is a promise. Sorted, unique."""
     out: set[str] = set()
     paths = index()
+    sandbox = getattr(model, "sandbox", None)
+    workspace = getattr(sandbox, "workspace", None)
+    # a filesystem.allow entry naming the sandbox's own workspace or /tmp binds no host path: it states what
+    # every runtime gives anyway (policy/filesystem.py), so it sets nothing a runtime could fail to enforce
+    own = {posixpath.normpath(p) for p in (workspace.path if workspace else None, OWN_TMP) if p}
 
     def visit(obj: Any, prefix: str) -> None:
         if isinstance(obj, list):
             for item in obj:
+                if prefix == "filesystem.allow" and posixpath.normpath(getattr(item, "path", "") or ".") in own:
+                    continue
                 visit(item, prefix + "[]")
             return
         if isinstance(obj, dict):
@@ -555,7 +564,6 @@ def set_keys(model: Any) -> list[str]:
             visit(value, path)
 
     visit(model, "")
-    sandbox = getattr(model, "sandbox", None)
     if sandbox is not None:  # defaults that constrain apply whether written or not
         out.update(CONSTRAINING_DEFAULTS)
         if sandbox.workspace is not None:

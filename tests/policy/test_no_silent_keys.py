@@ -233,3 +233,19 @@ def test_docs_table_is_the_enforcement_table():
     # positive control: a row per entry, and the refused keys stand out
     assert inside.count("\n") == len(enforcement.KEYS) + 2
     assert "| `execution.require_approval_for=publish` | **nothing: refused** |" in inside
+
+
+def test_allow_entries_for_the_sandboxs_own_workspace_and_tmp_set_nothing():
+    """The seed's `filesystem.allow` names only /workspace and /tmp (always present, every runtime): no
+    runtime key; a host path is one (netns binds it, docker mounts it, a runtime that cannot must refuse)."""
+    own = BASE.rstrip("}\n") + ", workspace: {path: /workspace}}\n"
+    text = (
+        own
+        + "filesystem: {allow: [{path: /workspace, read: true, write: true}, {path: /tmp, read: true, write: true}]}\n"
+    )
+    assert not [k for k in enforcement.set_keys(parse_policy(text, "p.yaml").model) if k.startswith("filesystem")]
+    text = own + "filesystem: {allow: [{path: /tmp, read: true, write: true}, {path: /opt/data, read: true}]}\n"
+    assert [k for k in enforcement.set_keys(parse_policy(text, "p.yaml").model) if k.startswith("filesystem")] == [
+        "filesystem.allow[].path",
+        "filesystem.allow[].read",
+    ]
