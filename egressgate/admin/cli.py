@@ -104,9 +104,9 @@ def admit(config_file: str | None, admin: str | None, policy: str, labels: tuple
 def unenforced_note(policy: str, keys: list[str]) -> str:
     """What a sandbox admitted by hand does not get (stderr, so eval/--env-file output is unchanged): the
     policy's keys only `sandbox run` enforces, and those nothing enforces (policy/enforcement.py)."""
-    from egressgate.policy.enforcement import NAMED, REFUSED
+    from egressgate.policy.enforcement import NAMED, REFUSED, RUNTIME
 
-    runtime = [k for k in keys if k in NAMED and NAMED[k].by != REFUSED]
+    runtime = [k for k in keys if k in NAMED and NAMED[k].by == RUNTIME]
     nobody = [k for k in keys if k not in NAMED or NAMED[k].by == REFUSED]
     parts = []
     if runtime:

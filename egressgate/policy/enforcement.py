@@ -373,7 +373,7 @@ KEYS: tuple[Key, ...] = (
         "execution.package_install=deny",
         REFUSED,
         "policy/enforcement.py",
-        ("tests/policy/test_no_silent_keys.py::test_policy_check_refuses_keys_nobody_enforces",),
+        ("tests/policy/test_no_silent_keys.py::test_policy_check_refuses_every_key_the_table_says_nothing_enforces",),
     ),
     Key(
         "execution.require_approval_for=network_expansion",
@@ -396,7 +396,7 @@ KEYS: tuple[Key, ...] = (
         "execution.require_approval_for=publish",
         REFUSED,
         "policy/enforcement.py",
-        ("tests/policy/test_no_silent_keys.py::test_policy_check_refuses_keys_nobody_enforces",),
+        ("tests/policy/test_no_silent_keys.py::test_policy_check_refuses_every_key_the_table_says_nothing_enforces",),
     ),
     # --- persistence: the runtime ------------------------------------------------------------------
     Key(
@@ -574,14 +574,15 @@ def set_keys(model: Any) -> list[str]:
 _CHECKED: dict[str, list[str]] = {}
 
 
-def runtime_checked_keys(model: Any, policy_hash: str) -> list[str]:
-    """The entries of `set_keys` that `sandbox run` checks against its runtime (`runtime` and `refused`
-    ones), handed out in the admission response; memoized per policy hash (admission is a hot path)."""
+def admission_keys(model: Any, policy_hash: str) -> list[str]:
+    """`set_keys`, handed out in the admission response (`runtime_policy.keys`) so `sandbox run` checks them
+    against ITS table and runtime (an entry it does not know is refused: fail closed across versions);
+    memoized per policy hash (admission is a hot path)."""
     keys = _CHECKED.get(policy_hash)
     if keys is None:
         if len(_CHECKED) > 256:  # policies reloaded many times: start over rather than grow
             _CHECKED.clear()
-        keys = _CHECKED[policy_hash] = [k for k in set_keys(model) if NAMED[k].by in (RUNTIME, REFUSED)]
+        keys = _CHECKED[policy_hash] = set_keys(model)
     return list(keys)
 
 
@@ -591,7 +592,8 @@ def runtimes_enforcing(name: str, enforces: dict[str, frozenset[str]]) -> list[s
 
 def unenforced(keys: list[str] | tuple[str, ...], runtime: str, enforces: dict[str, frozenset[str]]) -> list[str]:
     """Of the entries a policy sets (`set_keys`), those `runtime` would leave unenforced: `refused` ones
-    (nobody enforces them) and `runtime` ones the runtime does not declare (runtimes/registry.py)."""
+    (nobody enforces them), `runtime` ones the runtime does not declare (runtimes/registry.py), and names this
+    table does not know (a newer gateway's: fail closed)."""
     mine = enforces.get(runtime, frozenset())
     out = []
     for name in keys:

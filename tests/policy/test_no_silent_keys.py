@@ -12,6 +12,7 @@ from functools import cache
 from pathlib import Path
 from typing import Literal, get_args, get_origin
 
+import pytest
 from click.testing import CliRunner
 from pydantic import BaseModel
 
@@ -141,19 +142,30 @@ def test_set_keys_names_what_a_policy_writes():
     ]
 
 
-def test_unenforced_is_what_the_runtime_lacks_plus_what_nobody_enforces():
-    keys = ["sandbox.root_fs", "filesystem.deny", "network.dns.allow", "execution.require_approval_for=publish"]
+# A key marked as enforced by nobody for the tests of the refusal mechanism, so they hold whatever the table
+# says today (once every key is enforced there is no real one left). The real refused entries are checked by
+# test_policy_check_refuses_every_key_the_table_says_nothing_enforces.
+NOBODY = "execution.require_approval_for=network_expansion"
+NOBODY_LINE = "execution: {require_approval_for: [network_expansion]}\n"
+
+
+@pytest.fixture
+def nobody(monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setitem(enforcement.NAMED, NOBODY, enforcement.NAMED[NOBODY]._replace(by=enforcement.REFUSED))
+    return NOBODY
+
+
+def test_unenforced_is_what_the_runtime_lacks_plus_what_nobody_enforces(nobody: str):
+    keys = ["sandbox.root_fs", "filesystem.deny", "network.dns.allow", nobody]
     enforces = {"full": enforcement.RUNTIME_KEYS, "partial": enforcement.RUNTIME_KEYS - {"filesystem.deny"}}
-    assert enforcement.unenforced(keys, "full", enforces) == ["execution.require_approval_for=publish"]
-    assert enforcement.unenforced(keys, "partial", enforces) == [
-        "filesystem.deny",
-        "execution.require_approval_for=publish",
-    ]
-    sentence = enforcement.refusal(["filesystem.deny"], "partial", enforces)
+    assert enforcement.unenforced(keys, "full", enforces) == [nobody]
+    assert enforcement.unenforced(keys, "partial", enforces) == ["filesystem.deny", nobody]
+    sentence = enforcement.refusal(["filesystem.deny", nobody], "partial", enforces)
     assert sentence == (
-        "runtime partial cannot enforce filesystem.deny (enforced by full), which the policy sets; "
-        "use a runtime that does, or drop the key"
+        f"runtime partial cannot enforce filesystem.deny (enforced by full); {nobody} (enforced by no runtime), "
+        "which the policy sets; use a runtime that does, or drop the key"
     )
+    # positive control: what the runtime enforces, and what the gateway or resolver does, is not listed
     assert enforcement.unenforced(["sandbox.root_fs", "network.dns.allow"], "partial", enforces) == []
 
 
@@ -162,18 +174,29 @@ def _check(tmp_path: Path, text: str):
     return CliRunner().invoke(policy_cli, ["check", str(tmp_path / "p.yaml")])
 
 
-def test_policy_check_refuses_keys_nobody_enforces(tmp_path: Path):
-    for line, key in (
-        ("execution: {package_install: deny}\n", "execution.package_install"),
-        ("execution: {require_approval_for: [publish]}\n", "execution.require_approval_for"),
-    ):
-        result = _check(tmp_path, BASE + line)
-        assert result.exit_code == 2, result.output
-        assert f"p.yaml: {key}: " in result.output and "nothing enforces" in result.output
-    # positive controls: the values something enforces pass
-    for line in ("execution: {package_install: allow}\n", "execution: {require_approval_for: [network_expansion]}\n"):
-        result = _check(tmp_path, BASE + line)
-        assert result.exit_code == 0 and result.output.startswith("ok  sb  "), result.output
+def test_policy_check_refuses_keys_nobody_enforces(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    # positive control first: while something enforces it, the key passes
+    result = _check(tmp_path, BASE + NOBODY_LINE)
+    assert result.exit_code == 0 and result.output.startswith("ok  sb  "), result.output
+    monkeypatch.setitem(enforcement.NAMED, NOBODY, enforcement.NAMED[NOBODY]._replace(by=enforcement.REFUSED))
+    result = _check(tmp_path, BASE + NOBODY_LINE)
+    assert result.exit_code == 2, result.output
+    assert (
+        f"{tmp_path / 'p.yaml'}: execution.require_approval_for: 'network_expansion' is accepted by the schema but "
+        "nothing enforces it in this version" in result.output
+    )
+
+
+def test_policy_check_refuses_every_key_the_table_says_nothing_enforces(tmp_path: Path):
+    """Each real `refused` entry (a `key=value` one here) written in a policy: exit 2 naming it."""
+    for key in (k for k in enforcement.KEYS if k.by == enforcement.REFUSED):
+        path, _, value = key.name.partition("=")
+        assert value and path in enforcement.BY_VALUE, f"{key.name}: write a policy line for it here"
+        section, field = path.split(".")
+        yaml_value = f"[{value}]" if field == "require_approval_for" else value
+        result = _check(tmp_path, BASE + f"{section}: {{{field}: {yaml_value}}}\n")
+        assert result.exit_code == 2, (key.name, result.output)
+        assert f"p.yaml: {path}: {value!r} is accepted by the schema but nothing enforces it" in result.output
 
 
 def test_policy_check_names_the_runtime_keys_and_their_runtimes(tmp_path: Path):
@@ -201,27 +224,32 @@ def test_policy_check_names_the_runtime_keys_and_their_runtimes(tmp_path: Path):
     ]
 
 
-def test_admission_hands_out_only_the_keys_sandbox_run_checks():
-    """runtime_checked_keys (the admission's `runtime_policy.keys`): runtime and refused entries only,
-    shared rule entries named once, memoized per policy hash."""
+def test_admission_hands_out_the_keys_the_policy_sets():
+    """admission_keys (the admission's `runtime_policy.keys`): set_keys, shared rule entries named once,
+    memoized per policy hash; `sandbox run` keeps the runtime and refused ones."""
     text = (
         BASE.rstrip("}\n") + ", workspace: {path: /workspace, persistent: true}}\n"
         "filesystem: {deny: [/etc/shadow]}\n"
         "network: {https: {allow: [{host: a.example}, {host: b.example, ports: [443]}]}}\n"
-        "execution: {require_approval_for: [publish, network_expansion]}\n"
+        "execution: {require_approval_for: [persistent_write, network_expansion]}\n"
     )
     compiled = parse_policy(text, "p.yaml")
-    assert "network.{https,http,tcp}.{allow,deny}[].host" in enforcement.set_keys(compiled.model)
-    keys = enforcement.runtime_checked_keys(compiled.model, compiled.hash)
-    assert keys == [
-        "execution.require_approval_for=publish",
+    keys = enforcement.admission_keys(compiled.model, compiled.hash)
+    assert keys == enforcement.set_keys(compiled.model)
+    assert "network.{https,http,tcp}.{allow,deny}[].host" in keys
+    assert enforcement.admission_keys(compiled.model, compiled.hash) == keys
+    full = {"full": enforcement.RUNTIME_KEYS}
+    assert enforcement.unenforced(keys, "full", full) == []
+    assert enforcement.unenforced(keys, "none", full) == [
+        "execution.require_approval_for=persistent_write",
         "filesystem.deny",
         "sandbox.root_fs",
         "sandbox.tmp.max_bytes",
         "sandbox.workspace.path",
         "sandbox.workspace.persistent",
     ]
-    assert enforcement.runtime_checked_keys(compiled.model, compiled.hash) == keys
+    # a key sandbox run's table does not know (a newer gateway's) is refused, never ignored
+    assert enforcement.unenforced(["sandbox.hypothetical"], "full", full) == ["sandbox.hypothetical"]
 
 
 def test_docs_table_is_the_enforcement_table():
@@ -232,7 +260,7 @@ def test_docs_table_is_the_enforcement_table():
     assert inside == enforcement.markdown_table(ENFORCES)
     # positive control: a row per entry, and the refused keys stand out
     assert inside.count("\n") == len(enforcement.KEYS) + 2
-    assert "| `execution.require_approval_for=publish` | **nothing: refused** |" in inside
+    assert "| `sandbox.workspace.persistent` | `sandbox run` | runtimes/run.py |" in inside
 
 
 def test_allow_entries_for_the_sandboxs_own_workspace_and_tmp_set_nothing():

@@ -1,6 +1,6 @@
 """`sandbox run` leaves no policy key silent (issue 22): `sandbox.workspace.persistent: false` refuses a
 `--workspace` that would carry state into the next run, and a policy setting a key the chosen runtime does
-not enforce, or one nothing enforces (`require_approval_for: [publish]` in this version), is refused with exit
+not enforce, or one nothing enforces, is refused with exit
 120 and one sentence before anything is prepared. Each refusal has its positive control: the same run with
 the key enforced (or a runtime that enforces it) starts and its workload writes its marker."""
 
@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from egressgate.policy.enforcement import runtimes_enforcing
+from egressgate.runtimes.registry import ENFORCES
 from tests.networld import World
 from tests.runtimes.harness import (
     KEPT_WORKSPACE,
@@ -36,7 +38,6 @@ def gateway(world: World) -> Iterator[Gateway]:
     policies = {
         "wp-fresh": runtime_policy("wp-fresh", sandbox__workspace={"path": "/workspace", "persistent": False}),
         "wp-kept": runtime_policy("wp-kept", sandbox__workspace=KEPT_WORKSPACE),
-        "wp-publish": runtime_policy("wp-publish", execution__require_approval_for=["publish"]),
         "wp-expansion": runtime_policy("wp-expansion", execution__require_approval_for=["network_expansion"]),
     }
     with running_gateway(world, policies) as gw:
@@ -106,14 +107,42 @@ def test_a_kept_workspace_needs_persistent_true(gateway: Gateway) -> None:
         remove(ws)
 
 
+# `sandbox run` in a Python that first changes what runtimes/registry.py and policy/enforcement.py say: the
+# narrow stand-in for a runtime that cannot enforce a key (the shipped runtimes enforce every runtime key) and
+# for a key nothing enforces (none is left once every key is enforced). `lacks KEY`: the netns runtime's
+# declared set without KEY; `nobody KEY`: KEY's entry says nothing enforces it.
+WRAPPER = """
+import sys
+from egressgate.policy import enforcement
+from egressgate.runtimes import registry
+mode, key = sys.argv.pop(1), sys.argv.pop(1)
+if mode == "lacks":
+    registry.ENFORCES["netns"] = registry.ENFORCES["netns"] - {key}
+else:
+    enforcement.NAMED[key] = enforcement.NAMED[key]._replace(by=enforcement.REFUSED)
+from egressgate.cli import main
+sys.argv[0] = "egressgate"
+main()
+"""
+
+
+def run_wrapped(gateway: Gateway, mode: str, key: str, policy: str, ws: Path) -> subprocess.CompletedProcess[str]:
+    argv = gateway.run_argv("sh", "-c", MARK, policy=policy, workspace=ws)
+    argv = [*argv[:2], sys.executable, "-c", WRAPPER, mode, key, *argv[3:]]  # nsenter --net=... python -c ...
+    return subprocess.run(
+        argv, capture_output=True, text=True, timeout=60, env=gateway.caller_env(), check=False, preexec_fn=safety_net
+    )
+
+
 def test_a_key_nothing_enforces_refuses_the_run(gateway: Gateway) -> None:
     ws = base_dir()
     try:
-        res = gateway.run("sh", "-c", MARK, policy="wp-publish", workspace=ws)
-        refused(res, "execution.require_approval_for=publish", "enforced by no runtime")
+        key = "execution.require_approval_for=network_expansion"
+        res = run_wrapped(gateway, "nobody", key, "wp-expansion", ws)
+        refused(res, f"runtime netns cannot enforce {key} (enforced by no runtime)")
         assert not (ws / "marker").exists()
         nothing_left(gateway, res)
-        # positive control: an approval kind the gateway enforces runs
+        # positive control: the same policy where the gateway enforces the key runs
         ok = gateway.run("sh", "-c", MARK, policy="wp-expansion", workspace=ws)
         assert ok.returncode == 0, ok.stderr
         assert (ws / "marker").read_text() == "ran\n"
@@ -121,50 +150,17 @@ def test_a_key_nothing_enforces_refuses_the_run(gateway: Gateway) -> None:
         remove(ws)
 
 
-# `sandbox run` in a Python that first drops KEY from the netns runtime's declared set (runtimes/registry.py):
-# the narrow stand-in for a runtime that cannot enforce a key (all three shipped runtimes enforce them all)
-LACKING = """
-import sys
-from egressgate.runtimes import registry
-key = sys.argv.pop(1)
-registry.ENFORCES["netns"] = registry.ENFORCES["netns"] - {key}
-from egressgate.cli import main
-sys.argv[0] = "egressgate"
-main()
-"""
-
-
-def run_lacking(gateway: Gateway, key: str, ws: Path) -> subprocess.CompletedProcess[str]:
-    argv = gateway.cmd(
-        "sandbox",
-        "run",
-        "--config",
-        str(gateway.config),
-        "--policy",
-        "wp-kept",
-        "--workspace",
-        str(ws),
-        "--",
-        "sh",
-        "-c",
-        MARK,
-    )
-    argv = [*argv[:2], sys.executable, "-c", LACKING, key, *argv[3:]]  # nsenter --net=... python -c ... KEY
-    return subprocess.run(
-        argv, capture_output=True, text=True, timeout=60, env=gateway.caller_env(), check=False, preexec_fn=safety_net
-    )
-
-
 def test_a_runtime_that_cannot_enforce_a_key_the_policy_sets_is_refused(gateway: Gateway) -> None:
     ws = base_dir()
     try:
         # wp-kept sets filesystem.deny (the harness policy) and sandbox.workspace.*
-        res = run_lacking(gateway, "filesystem.deny", ws)
-        refused(res, "runtime netns cannot enforce filesystem.deny (enforced by docker, gvisor)")
+        res = run_wrapped(gateway, "lacks", "filesystem.deny", "wp-kept", ws)
+        others = ", ".join(r for r in runtimes_enforcing("filesystem.deny", ENFORCES) if r != "netns")
+        refused(res, f"runtime netns cannot enforce filesystem.deny (enforced by {others})")
         assert not (ws / "marker").exists()
         nothing_left(gateway, res)
         # positive control: the same wrapper dropping a key the policy does not set runs the workload
-        ok = run_lacking(gateway, "sandbox.resources.memory_mb", ws)
+        ok = run_wrapped(gateway, "lacks", "sandbox.resources.memory_mb", "wp-kept", ws)
         assert ok.returncode == 0, ok.stderr
         assert (ws / "marker").read_text() == "ran\n"
     finally:
