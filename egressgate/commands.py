@@ -45,6 +45,10 @@ def _load(name: str) -> click.Command | None:
         from egressgate.runtimes.cli import register
 
         register(command)
+    if name == "runtime":  # `runtime image build`: the microvm runtime's artifacts
+        from egressgate.runtimes.microvm.cli import register as register_image
+
+        register_image(command)
     return command
 
 

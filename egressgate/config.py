@@ -113,6 +113,30 @@ class DnsSection(_Strict):
     # policy name for sources no sandbox registered (`sandbox admit --address`); None denies them everything
     unknown_client_policy: str | None = None
     deny_rcode: Literal["NXDOMAIN", "REFUSED"] = "REFUSED"  # for unknown clients
+    # where a policy's `network.dns.deny_answer: gateway` points denied names (dns/gateway_answer.py):
+    # "auto" = the host end of the asking sandbox's /30 link, an IPv4 address, or "off" (rcode answers)
+    gateway_answer: str = "auto"
+    # the networks whose clients "auto" answers (sandboxes on a /30 whose host end is the gateway); None:
+    # runtime.subnet, the pool `sandbox run` takes its links from
+    gateway_answer_networks: list[str] | None = None
+
+    @field_validator("gateway_answer")
+    @classmethod
+    def _gateway_answer(cls, value: str) -> str:
+        if value in ("auto", "off"):
+            return value
+        try:
+            ipaddress.IPv4Address(value)
+        except ValueError as exc:
+            raise ValueError("gateway_answer: 'auto', 'off' or an IPv4 address") from exc
+        return value
+
+    @field_validator("gateway_answer_networks")
+    @classmethod
+    def _gateway_answer_networks(cls, value: list[str] | None) -> list[str] | None:
+        for item in value or ():
+            ipaddress.ip_network(item, strict=False)  # ValueError names the problem
+        return value
 
     @field_validator("upstreams")
     @classmethod
@@ -132,6 +156,7 @@ class DnsSection(_Strict):
             negative_ttl=self.negative_ttl,
             unknown_client_policy=self.unknown_client_policy,
             deny_rcode=self.deny_rcode,
+            gateway_answer=None if self.gateway_answer == "off" else self.gateway_answer,
         ).validate()
 
 
@@ -215,6 +240,15 @@ class RuntimeSection(_Strict):
         return value
 
 
+class DenySection(_Strict):
+    """How refusals reach clients (docs/policy.md, "What the agent sees")."""
+
+    # A CONNECT refused by the policy (or an address check) is accepted, its TLS intercepted with a leaf of
+    # the gateway CA, and every request inside answered with the deny body; nothing is ever forwarded
+    # (gateway/refused_tunnel.py). False: the CONNECT itself gets the 403, which most clients never show.
+    connect_in_tunnel: bool = True
+
+
 class AdminConfig(_Strict):
     token_file: str | None = None  # default: var_dir/admin.token
     # the only credential listen.metrics accepts (read-only: GET /metrics); the operator provides it
@@ -235,6 +269,7 @@ class GatewayConfig(_Strict):
     limits: LimitsConfig = LimitsConfig()  # connection limits and timeouts of the proxy listener
     runtime: RuntimeSection = RuntimeSection()  # `sandbox run`: address pool and state dir
     state: StateConfig = StateConfig()  # sandbox registry + counters: memory (one process) or redis (shared)
+    deny: DenySection = DenySection()  # how refusals are delivered to clients
 
     @model_validator(mode="after")
     def _metrics_pair(self) -> GatewayConfig:

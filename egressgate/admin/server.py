@@ -89,7 +89,8 @@ def sandbox_env(proxy_host: str, proxy_port: int, sandbox_id: str, token: str, b
 
 OUTCOME_LIMITS = ("memory", "pids", "wall_time", "workspace_bytes")
 OUTCOME_SETID_MAX = 100  # runtimes/setid.py MAX_REPORTED: set-id files stripped from the workspace at teardown
-OUTCOME_RUNTIMES = ("netns", "docker", "gvisor", "unknown")
+OUTCOME_RUNTIMES = ("netns", "docker", "gvisor", "microvm", "unknown")
+OUTCOME_ACCELS = ("kvm", "tcg")  # microvm: hardware virtualization or software emulation
 OUTCOME_DROPS = ("ipv6", "spoofed", "not_tcp_udp", "udp", "tcp", "other")  # runtimes/nftables.py DROP_COUNTERS
 
 
@@ -103,9 +104,11 @@ def run_outcome(body: dict) -> dict[str, object]:
     if not isinstance(raw, dict):
         raise BodyError(400, "invalid_request", "outcome: an object")
     ints = ("exit_code", "status", "signal", "duration_ms")
-    if set(raw) - {"runtime", "limit", "ended_by", "dropped", "setid_stripped", *ints}:
+    if set(raw) - {"runtime", "limit", "ended_by", "dropped", "setid_stripped", "accel", *ints}:
         raise BodyError(400, "invalid_request",
-                        f"outcome keys: runtime, limit, ended_by, dropped, setid_stripped, {', '.join(ints)}")
+                        f"outcome keys: runtime, limit, ended_by, dropped, setid_stripped, accel, {', '.join(ints)}")
+    if raw.get("accel") not in (None, *OUTCOME_ACCELS):
+        raise BodyError(400, "invalid_request", f"outcome.accel: null or one of {', '.join(OUTCOME_ACCELS)}")
     if raw.get("runtime") not in OUTCOME_RUNTIMES:
         raise BodyError(400, "invalid_request", f"outcome.runtime: one of {', '.join(OUTCOME_RUNTIMES)}")
     if raw.get("limit") is not None and raw["limit"] not in OUTCOME_LIMITS:

@@ -14,7 +14,8 @@ from egressgate.audit.event import AuditEvent, EventKind
 
 # not_applied: the approved/denied record just before (same approval id) did not take effect (another
 # decision won the race, or the store failed after the record was written)
-ACTIONS = ("requested", "approved", "denied", "expired", "not_applied")
+# used: a publish grant was spent by the one publish it allowed (gateway/approval_gate.py spend)
+ACTIONS = ("requested", "approved", "denied", "expired", "not_applied", "used")
 
 
 def approval_event(approval: Approval, action: str, labels: dict[str, str] | None = None) -> AuditEvent:

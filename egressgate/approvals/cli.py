@@ -44,7 +44,9 @@ def _target(a: dict) -> str:
         count = (a.get("details") or {}).get("count")
         return f"persistent write {a['host'].removeprefix('workspace:')} ({count} changes)"
     where = f"{a['scheme']}://{a['host']}:{a['port']}" if a.get("scheme") else f"{a['host']}:{a['port']}"
-    return f"{a['method']} {where}{a['path']}" if a.get("method") else where
+    target = f"{a['method']} {where}{a['path']}" if a.get("method") else where
+    kind = a.get("kind")
+    return f"{kind}: {target}" if kind in ("package_install", "publish") else target
 
 
 def _printable(text: str) -> str:

@@ -6,6 +6,8 @@ the others, which is what the Redis store gets from its Lua scripts.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from egressgate.approvals.grant import Grant
 from egressgate.approvals.model import (
     DENIED_MEMORY_SECONDS,
@@ -70,6 +72,13 @@ class MemoryApprovals:
 
     async def grants(self, sandbox_id: str, now: float) -> tuple[Grant, ...]:
         return tuple(g for g in self._grants.get(sandbox_id, {}).values() if now < g.expires_at)
+
+    async def consume(self, sandbox_id: str, approval_id: str, now: float) -> Approval | None:
+        grant = self._grants.get(sandbox_id, {}).pop(approval_id, None)
+        if grant is None or now >= grant.expires_at:
+            return None
+        used = self._all[approval_id] = replace(self._all[approval_id], state=ApprovalState.EXPIRED, expires_at=now)
+        return used
 
     async def expire(self, now: float) -> list[Approval]:
         out = []

@@ -40,6 +40,12 @@ KIND_MCP_TOOL = "mcp_tool"
 # A persistent workspace's staged changes (runtimes/persist.py): scheme "workspace", host "workspace:<name>"
 # (no canonical host has a colon), port 0, `details` lists every changed path; never a network grant.
 KIND_PERSISTENT_WRITE = "persistent_write"
+# Operation classes (policy/opclass.py): a request the rules allow that is a package install
+# (`execution.package_install: approval`) or a publish (`require_approval_for: [publish]`); the grant lets
+# requests of that class through to that scheme://host:port (scope host) or that method and path.
+KIND_PACKAGE_INSTALL = "package_install"
+KIND_PUBLISH = "publish"
+CLASS_KINDS = (KIND_PACKAGE_INSTALL, KIND_PUBLISH)
 
 
 class ApprovalState(StrEnum):
@@ -99,6 +105,8 @@ class Approval:
         an MCP tool per (sandbox, server, tool), so two tools of one server are two approvals."""
         if self.kind == KIND_MCP_TOOL:
             return f"{MCP_SCHEME}|{self.host}|{self.path}"
+        if self.kind in CLASS_KINDS:  # a publish and a network approval of one host are two approvals
+            return f"{self.kind}|{self.scheme or '-'}|{self.host}|{self.port}"
         return f"{self.scheme or '-'}|{self.host}|{self.port}"
 
     def current(self, now: float) -> Approval:
@@ -131,7 +139,7 @@ class Approval:
         assert self.state is ApprovalState.APPROVED and self.scope is not None and self.expires_at is not None
         return Grant(id=self.id, sandbox_id=self.sandbox_id, scope=self.scope, scheme=self.scheme,
                      host=self.host, port=self.port, method=self.method, path=self.path,
-                     expires_at=self.expires_at)
+                     expires_at=self.expires_at, kind=self.kind)
 
     def to_json(self) -> dict:
         """The API's Approval object (docs/openapi.yaml)."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from egressgate.approvals.grant import MCP_SCHEME, SCOPE_HOST, SCOPE_HOST_PATH, Grant
+from egressgate.approvals.grant import KIND_NETWORK, MCP_SCHEME, SCOPE_HOST, SCOPE_HOST_PATH, Grant
 from egressgate.policy.facts import Facts, Operation
 from egressgate.policy.reasons import Reason
 
@@ -37,8 +37,8 @@ def approvable(facts: Facts, reason: Reason) -> bool:
 def covers(grant: Grant, facts: Facts, sandbox_id: str, now: float) -> bool:
     if grant.sandbox_id != sandbox_id or now >= grant.expires_at:
         return False
-    if grant.scheme == MCP_SCHEME:  # an approved MCP tool (server/tool) never widens the network allowlist
-        return False
+    if grant.scheme == MCP_SCHEME or grant.kind != KIND_NETWORK:
+        return False  # an approved MCP tool, package install or publish never widens the network allowlist
     if facts.host != grant.host or facts.port != grant.port:
         return False
     if facts.operation is Operation.CONNECT:
@@ -55,5 +55,22 @@ def covers(grant: Grant, facts: Facts, sandbox_id: str, now: float) -> bool:
 def covering(grants: Iterable[Grant], facts: Facts, sandbox_id: str, now: float) -> Grant | None:
     for grant in grants:
         if covers(grant, facts, sandbox_id, now):
+            return grant
+    return None
+
+
+def class_covering(grants: Iterable[Grant], facts: Facts, kind: str, sandbox_id: str, now: float) -> Grant | None:
+    """A live grant of operation class `kind` (package_install, publish) for this sandbox that covers the
+    request: same scheme://host:port (scope host), or also the same method and canonical path (host+path).
+    Such a grant only lets through a request the network rules (or a network approval) already allow."""
+    for grant in grants:
+        if grant.kind != kind or grant.sandbox_id != sandbox_id or now >= grant.expires_at:
+            continue
+        if facts.host != grant.host or facts.port != grant.port:
+            continue
+        if grant.scheme is not None and facts.scheme != grant.scheme:
+            continue
+        if grant.scope == SCOPE_HOST or (
+                grant.scope == SCOPE_HOST_PATH and facts.method == grant.method and facts.path == grant.path):
             return grant
     return None

@@ -137,6 +137,22 @@ return out
 """
 
 
+# ARGV: base, id, sandbox, now, retention. 1 when this call removed the live grant (and ended its approval).
+_CONSUME = """
+local base, id, sandbox, now = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
+local raw = redis.call('HGET', base .. ':grants:' .. sandbox, id)
+if not raw then return 0 end
+redis.call('HDEL', base .. ':grants:' .. sandbox, id)
+local akey = base .. ':a:' .. id
+local f = redis.call('HMGET', akey, 'state', 'expires_at')
+if f[1] ~= 'approved' or now >= tonumber(f[2]) then return 0 end
+redis.call('HSET', akey, 'state', 'expired', 'expires_at', ARGV[4])
+redis.call('ZREM', base .. ':deadlines', id)
+redis.call('ZADD', base .. ':ended', now + tonumber(ARGV[5]), id)
+return 1
+"""
+
+
 def _flat(fields: dict[str, str]) -> list[str]:
     return [item for pair in fields.items() for item in pair]
 
@@ -153,6 +169,7 @@ class RedisApprovals:
         self._request = redis.register_script(_REQUEST)
         self._decide = redis.register_script(_DECIDE)
         self._expire = redis.register_script(_EXPIRE)
+        self._consume = redis.register_script(_CONSUME)
 
     def _unavailable(self, exc: Exception) -> ApprovalUnavailable:
         if self._on_error is not None:
@@ -235,6 +252,10 @@ class RedisApprovals:
             if grant.sandbox_id == sandbox_id and now < grant.expires_at:
                 out.append(grant)
         return tuple(out)
+
+    async def consume(self, sandbox_id: str, approval_id: str, now: float) -> Approval | None:
+        done = await self._call(self._consume, [self.base, approval_id, sandbox_id, repr(now), repr(RETENTION_SECONDS)])
+        return await self.get(approval_id) if int(done) == 1 else None
 
     async def expire(self, now: float) -> list[Approval]:
         ids = [_text(i) for i in await self._call(self._expire, [self.base, repr(now), 256, repr(RETENTION_SECONDS)])]

@@ -33,6 +33,10 @@ class ApprovalStore(Protocol):
     async def grants(self, sandbox_id: str, now: float) -> tuple[Grant, ...]:
         """The sandbox's live grants (expires_at > now)."""
 
+    async def consume(self, sandbox_id: str, approval_id: str, now: float) -> Approval | None:
+        """Atomically remove a live grant and end its approval (`expired` as of `now`): a single-use grant
+        spent. None when it was already gone (spent by a concurrent request, expired, unknown)."""
+
     async def expire(self, now: float) -> list[Approval]:
         """Move every approval past its deadline to `expired`; each is returned exactly once, even with
         several gateway processes sweeping the same store (its `expired` audit record)."""

@@ -114,6 +114,7 @@ class FileSink(TrailMixin, WriteMixin):
         self._incident_next: list[Record] = []  # written right after the next chain_start
         self.incidents: list[dict] = []  # shown in /healthz
         self._sign_due = False
+        self._rotation_step: Callable[[str, Path | None], None] | None = None  # tests: outside moves (_rotate)
         self._cp = Checkpointer(signer, clock, max_unsigned=max_unsigned, probe_interval=probe_interval,
                                 sign_timeout=sign_timeout, on_restored=self._sign_now)
         self._queue: asyncio.Queue = asyncio.Queue()
@@ -333,25 +334,6 @@ class FileSink(TrailMixin, WriteMixin):
             except asyncio.QueueFull:
                 self.export_failures += 1
                 log.warning("OTLP export queue full; %d records only in the local file", len(out))
-
-    async def _rotate(self) -> None:
-        """Final checkpoint in the old file, rename it, start a new file whose chain links to it."""
-        assert self.path is not None and self._fd is not None
-        await self._append([], final=True)
-        if self.fsync:
-            await asyncio.to_thread(os.fsync, self._fd)
-        last = self._chain.state.prev
-        target = rotated_name(self.path)
-        os.close(self._fd)
-        self._fd = None
-        try:
-            os.rename(self.path, target)
-        finally:
-            self._open_new()
-        self._chain = ChainWriter(prev=last, since_signed=self._chain.state.since_signed)
-        self._prev_file = target.name
-        self.rotations += 1
-        log.info("audit file rotated to %s", target)
 
     async def _export_loop(self) -> None:
         """Background export when the local file is the durable copy; failures are alerts, not denials."""

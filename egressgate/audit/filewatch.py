@@ -133,3 +133,35 @@ def salvage_deleted(fd: int, target: Path, fsync: bool) -> int:
         if dst >= 0:
             os.close(dst)
     return total
+
+
+def rename_by_name(path: Path, target: Path) -> tuple[bool, OSError | None]:
+    """(renamed, the error when not): `path` may have been moved away meanwhile (FileNotFoundError)."""
+    try:
+        os.rename(path, target)
+    except OSError as exc:
+        return False, exc
+    return True, None
+
+
+def located(fd: int, directory: Path, target: Path | None) -> str | None:
+    """The name of the file open on `fd` in the audit directory: `target` when the rename moved it, else
+    wherever an outside `mv` put it (None: outside the directory, or deleted)."""
+    if target is not None:
+        try:
+            st, cur = os.fstat(fd), os.stat(target, follow_symlinks=False)
+        except OSError:
+            return find_by_inode(directory, fd)
+        if (st.st_dev, st.st_ino) == (cur.st_dev, cur.st_ino):
+            return target.name
+    return find_by_inode(directory, fd)
+
+
+def give_back(target: Path, path: Path) -> None:
+    """Undo our rename of a file that was not ours: it gets its name back unless something took the name
+    again (a link never overwrites). The sink's `_open_fresh` then uses it if empty, else moves it aside."""
+    try:
+        os.link(target, path, follow_symlinks=False)
+        os.unlink(target)
+    except OSError as exc:
+        log.warning("could not give %s its name %s back: %s", target, path, exc)

@@ -46,6 +46,8 @@ K_CHAIN_SEQ = "egressgate.chain.seq"
 K_CHAIN_PREV = "egressgate.chain.prev"
 K_CHAIN_HASH = "egressgate.chain.hash"
 K_OPERATION = "egressgate.operation"
+K_OP_CLASS = "egressgate.operation.class"  # package_install | publish (policy/opclass.py)
+K_OP_PROTOCOL = "egressgate.operation.protocol"  # pypi, npm, git, oci...
 K_LABELS = "egressgate.sandbox.labels"
 
 Value = str | int | float | bool | list[Any] | dict[str, Any]
@@ -209,6 +211,9 @@ def event_attributes(event: AuditEvent) -> dict[str, Value]:
     if facts is not None:
         pairs["egressgate.facts.addresses"] = _clean_value([str(a) for a in facts.addresses])
         pairs["egressgate.facts.request_bytes"] = _clean_value(facts.request_bytes)
+        if facts.op_class is not None:  # what the request does (policy/opclass.py): read back by replay
+            pairs[K_OP_CLASS] = _clean_value(facts.op_class)
+            pairs[K_OP_PROTOCOL] = _clean_value(facts.op_protocol)
         for key, val in (
             (K_HOST, facts.host),
             (K_PORT, facts.port),
@@ -368,9 +373,10 @@ def parse_line(line: bytes | str) -> Record:
 
 
 def addresses_of(attrs: Mapping[str, Value]) -> tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, ...]:
-    """Recorded dial addresses (facts.addresses, else the pinned address), for replay."""
+    """Recorded dial addresses (facts.addresses, else the pinned address: an allowed request's record names
+    the address it dialed, a refused one every address the check read), for replay."""
     raw = attrs.get("egressgate.facts.addresses")
-    if not isinstance(raw, list):
+    if not isinstance(raw, list) or not raw:
         pinned = attrs.get("egressgate.pinned.address")
         raw = [pinned] if isinstance(pinned, str) else []
     out = []

@@ -24,6 +24,8 @@ from egressgate.audit.find import Found, iter_records
 from egressgate.audit.record import (
     K_DNS_NAME,
     K_HOST,
+    K_OP_CLASS,
+    K_OP_PROTOCOL,
     K_OPERATION,
     Record,
     RecordFormatError,
@@ -34,8 +36,11 @@ from egressgate.audit.replay_format import format_table, printable
 from egressgate.audit.replay_mcp import OPERATION as MCP_OPERATION
 from egressgate.audit.replay_mcp import McpHistory, NotReplayable, replay_tool_call
 from egressgate.audit.replay_state import History, as_int, state_from, update_history
+from egressgate.policy.addr import check_address
 from egressgate.policy.canon import canon_host
 from egressgate.policy.facts import Decision, Facts, Operation, SandboxState
+from egressgate.policy.opclass import OP_CLASSES
+from egressgate.policy.reasons import Effect, Reason
 
 __all__ = ["Change", "Flip", "ReplayResult", "format_table", "printable", "replay", "replay_diff", "replay_records"]
 
@@ -60,7 +65,24 @@ NOT_POLICY_REASONS = frozenset(
     }
 )
 
+# Every deny reason decide() itself can produce (policy/decide.py). A deny with any other reason was made
+# by the gateway outside the engine (identity, consistency, transport checks such as the MCP route's
+# `mcp_malformed`, dependencies, limits): a policy cannot change it, so replay skips it (NOT_POLICY_REASONS
+# names the common ones for the docs; this set is the rule, so a reason added later is skipped too).
+ENGINE_DENY_REASONS = frozenset({
+    "host_not_allowed", "scheme_not_allowed", "method_not_allowed", "path_not_allowed", "path_ambiguous",
+    "port_not_allowed", "qtype_not_allowed", "denied_by_rule", "condition_failed", "budget_exceeded",
+    "approval_required", "address_forbidden", "metadata_endpoint", "package_install_denied",
+})
+
 Decide = Callable[[Any, Facts, SandboxState, float], Decision]
+
+
+def outside_the_engine(reason: Any, detail: Any) -> bool:
+    """A deny the engine did not make: its reason is not one decide() returns, or it is the atomic store
+    check of a rule's `budget.requests` for tunnels (gateway/history.py, detail `rule_budget`: concurrent
+    tunnels spent what decide()'s snapshot still saw; the store's count at that moment is not recorded)."""
+    return reason not in ENGINE_DENY_REASONS or (reason == "budget_exceeded" and detail == "rule_budget")
 
 
 @dataclass(slots=True)
@@ -129,6 +151,7 @@ def facts_from(attrs: dict[str, Any]) -> Facts:
     if isinstance(path, str) and not path.startswith("/"):
         raise ValueError("record path is not in origin form")
     port = attrs.get("server.port")
+    op_class, protocol = attrs.get(K_OP_CLASS), attrs.get(K_OP_PROTOCOL)
     return Facts(
         operation=op,
         host=host,
@@ -138,11 +161,14 @@ def facts_from(attrs: dict[str, Any]) -> Facts:
         if isinstance(attrs.get("http.request.method"), str)
         else None,
         path=path if isinstance(path, str) else None,
+        query=attrs.get("url.query") if isinstance(attrs.get("url.query"), str) else None,
         addresses=addresses_of(attrs),
         qtype=attrs.get("egressgate.dns.qtype")
         if isinstance(attrs.get("egressgate.dns.qtype"), str)
         else None,
         request_bytes=as_int(attrs.get("egressgate.facts.request_bytes")),
+        op_class=op_class if op_class in OP_CLASSES else None,
+        op_protocol=protocol if isinstance(protocol, str) and op_class in OP_CLASSES else None,
     )
 
 
@@ -261,24 +287,58 @@ def _replay_one(
     if old not in ("allow", "deny"):
         result.skip("no recorded decision")
         return
-    if old == "deny" and reason in NOT_POLICY_REASONS:
+    if old == "deny" and (reason in NOT_POLICY_REASONS or outside_the_engine(reason, attrs.get("egressgate.detail"))):
         result.skip(f"decided outside the policy ({reason})")
         return
     policy = single or policies.get(str(attrs.get("egressgate.policy.name")))
     if policy is None:
         result.skip(f"no policy named {attrs.get('egressgate.policy.name')!r}")
         return
+    answer_filter = attrs.get(K_OPERATION) == "dns_query" and attrs.get("egressgate.dns.stage") == "answer_filter"
     try:
         facts = facts_from(attrs)
     except (ValueError, KeyError):
         result.skip("record lacks the facts to re-decide")
         return
+    if answer_filter and old == "deny" and not facts.addresses:
+        result.skip(f"decided outside the policy ({reason}: the DNS answer's shape)")
+        return
     state, exact = state_from(attrs, sandbox_id, hist, time_s)
     if not exact:
         result.approximated_state += 1
-    new = decide(policy, facts, state, time_s)
+    new = budget_stage(policy, attrs, decide(policy, facts, state, time_s))
+    if answer_filter:
+        new = answer_filter_stage(policy, facts, new)
     target = attrs.get("egressgate.target.canonical") or facts.host
     _tally(result, found, attrs, sandbox_id, str(target), str(new.effect), new.rule_id, new.approval_id, new.reason)
+
+
+def budget_stage(policy: Any, attrs: dict[str, Any], new: Decision) -> Decision:
+    """The gateway's byte-budget check after decide() (gateway/budgets.py): a request whose known size did
+    not fit in what was left of `outbound_bytes_max` was refused there, and its record carries what that
+    check read (`egressgate.budget.needed`, `egressgate.budget.spent`). Re-applied under the replayed
+    policy's budget, so the same policy refuses it again and a larger budget allows it. Allowed records
+    carry no such figures: a smaller replayed budget is applied to them by decide() alone (bytes already
+    spent), not to the size of the request itself."""
+    needed, spent = attrs.get("egressgate.budget.needed"), attrs.get("egressgate.budget.spent")
+    limit = getattr(policy, "outbound_bytes_max", None)
+    if (new.effect != Effect.ALLOW or limit is None or not isinstance(needed, int) or not isinstance(spent, int)
+            or spent + needed <= limit):
+        return new
+    return Decision(effect=Effect.DENY, reason=Reason.BUDGET_EXCEEDED, detail="outbound_bytes_max")
+
+
+def answer_filter_stage(policy: Any, facts: Facts, new: Decision) -> Decision:
+    """The resolver's answer filter after decide() (dns/filter.py): a DNS answer whose every address the
+    address check removed is refused `address_forbidden`. Its record carries those addresses
+    (`egressgate.facts.addresses`); under the replayed policy's `allow_private` the answer is emptied again
+    when none of them is allowed."""
+    if new.effect != Effect.ALLOW or not facts.addresses:
+        return new
+    if all(check_address(a, policy.allow_private) is not None for a in facts.addresses):
+        return Decision(effect=Effect.DENY, reason=Reason.ADDRESS_FORBIDDEN, detail="every address in the answer "
+                        "was removed")
+    return new
 
 
 def _tally(result: ReplayResult, found, attrs, sandbox_id: str, target: str, new_decision: str,

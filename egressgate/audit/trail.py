@@ -29,7 +29,10 @@ from egressgate.audit.filewatch import (
     FileChange,
     file_change,
     find_by_inode,
+    give_back,
+    located,
     newest_rotated,
+    rename_by_name,
     rotated_name,
     salvage_deleted,
     secure_directory,
@@ -136,7 +139,9 @@ class TrailMixin:
 
     async def _ensure_file(self: FileSink, force: bool = False) -> None:
         if self._fd is None:
-            await asyncio.to_thread(self._open_new)  # a failed rotation/reopen left no open file: retry
+            # a failed rotation/reopen left no open file: retry. Fresh: the chain restarted, so a non-empty
+            # file at `path` (the sealed one a failed rename left there) is moved aside, never appended to
+            await asyncio.to_thread(self._open_fresh)
             return
         assert self.path is not None
         now = time.monotonic()
@@ -193,6 +198,63 @@ class TrailMixin:
         self._incident(f"file_{change}", detail, extra)
         await asyncio.to_thread(self._open_fresh)
         await self._append([])  # chain_start + the incident record, at once
+
+    async def _rotate(self: FileSink) -> None:
+        """Final checkpoint in the old file, rename it, start a new file whose chain links to it.
+
+        An operator's `mv` (or logrotate) may race this at any point. Whatever the interleaving, the file
+        our descriptor writes is sealed (the final checkpoint follows the inode, wherever it now is), the
+        next file starts with `chain_start` linked to it, and a move we did not make is a `file_moved`
+        incident naming where the sealed file is. `os.rename` works by name, so it may fail (the file is
+        gone from `path`) or rename someone else's file that now has the name: afterwards we look up where
+        OUR inode is instead of assuming. `_rotation_step` (None in production) lets tests drive each
+        interleaving deterministically (tests/audit/test_rotation_race.py)."""
+        assert self.path is not None and self._fd is not None
+        self._step("check")
+        change = await asyncio.to_thread(file_change, self._fd, self.path, self._size)
+        if change != "ok":  # moved/deleted/truncated since the last check: that path seals and starts anew
+            await self._reopen(change)
+            return
+        self._step("seal")
+        await self._append([], final=True)
+        if self.fsync:
+            await asyncio.to_thread(os.fsync, self._fd)
+        state = self._chain.state
+        fd, target = self._fd, rotated_name(self.path)
+        self._step("rename", target)
+        renamed, error = await asyncio.to_thread(rename_by_name, self.path, target)
+        self._step("locate")
+        ours = await asyncio.to_thread(located, fd, self.path.parent, target if renamed else None)
+        os.close(fd)
+        self._fd = None
+        # The old file is sealed whatever happened to its name: the chain restarts here, never continues it.
+        self._chain = ChainWriter(prev=state.prev, since_signed=state.since_signed)
+        self._prev_file = ours
+        if not renamed and ours == self.path.name and error is not None:
+            # the rename itself failed (nothing moved the file): fail this batch; the next one moves the sealed
+            # file aside (`_ensure_file` -> `_open_fresh`), never appends to it
+            self._prev_file = None
+            raise error
+        self.rotations += 1
+        if renamed and ours == target.name:
+            log.info("audit file rotated to %s", target)
+        else:
+            where = ours or "a place outside the audit directory"
+            detail = (f"the audit file was moved from outside while the gateway rotated it; it was sealed and is "
+                      f"now {where}; the chain continues in a new file")
+            if renamed:  # we renamed a file someone created at the name meanwhile (logrotate `create`)
+                await asyncio.to_thread(give_back, target, self.path)
+                detail += f" (a file someone created at {self.path.name} meanwhile is used if empty, else moved aside)"
+            elif error is not None:
+                detail += f" (rename failed: {error})"
+            self._incident("file_moved", detail)
+        self._step("reopen")
+        await asyncio.to_thread(self._open_fresh)  # a non-empty file at `path` (ours, if rename failed) moves aside
+        self._step("opened")
+
+    def _step(self: FileSink, name: str, target: Path | None = None) -> None:
+        if self._rotation_step is not None:
+            self._rotation_step(name, target)
 
     def _incident(self: FileSink, kind: str, detail: str, extra: dict | None = None) -> None:
         log.critical("AUDIT TRAIL INCIDENT %s: %s", kind, detail)

@@ -41,6 +41,7 @@ from egressgate.audit.chain import (
     compute_line_hash,
     recorded_line_hash,
 )
+from egressgate.audit.outcomes import OutcomeTracker
 from egressgate.audit.record import K_CHAIN_PREV, K_CHAIN_SEQ, K_OPERATION, RecordFormatError, parse_line
 from egressgate.audit.signer import verify_signature
 
@@ -60,6 +61,8 @@ class FileReport:
     deferred: list[int] = field(default_factory=list)  # deferred checkpoints not yet covered in this file
     error: str | None = None  # first problem, None when the file verifies
     warnings: list[str] = field(default_factory=list)
+    # request ids of allowed decisions a crash sealed in this file left without an outcome (outcomes.py)
+    missing_outcomes: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -159,10 +162,15 @@ def _unsigned_message(report: FileReport) -> str:
 
 
 def verify_file(
-    path: str | Path, keys: dict[str, Ed25519PublicKey], allow_unsealed: bool = False, require_seal: bool = True
+    path: str | Path,
+    keys: dict[str, Ed25519PublicKey],
+    allow_unsealed: bool = False,
+    require_seal: bool = True,
+    outcomes: OutcomeTracker | None = None,
 ) -> FileReport:
     """One file. `require_seal=False` leaves the "is the end covered" question to verify_files, which can
-    find the covering signature in a later file."""
+    find the covering signature in a later file. `outcomes` is fed every record (verify_files: decisions
+    a crash left without an outcome)."""
     report = FileReport(str(path))
     data = Path(path).read_bytes()
     chunks = data.split(b"\n")
@@ -220,10 +228,16 @@ def verify_file(
             report.checkpoints += 1
             _note_checkpoint(report, ln)
             report.sealed = bool(ln.attrs.get(K_CP_FINAL))
+            if outcomes is not None and ln.attrs.get(K_CP_RECOVERY):
+                outcomes.crash(str(path), ln.number)
         elif ln.op == OP_INCIDENT:
             report.warnings.append(
                 f"line {ln.number}: audit incident {ln.attrs.get(K_INCIDENT)}: {ln.attrs.get(K_INCIDENT_DETAIL)}"
             )
+            if outcomes is not None and ln.attrs.get(K_INCIDENT) == "crash_tail_invalid":
+                outcomes.crash(str(path), ln.number)  # the crashed file was not sealed: the crash is known here
+        elif outcomes is not None:
+            outcomes.feed(ln.attrs)
         prev_hash = ln.recorded
     report.records = len(lines)
     report.last_seq = lines[-1].seq
@@ -250,8 +264,9 @@ def verify_files(
     live tail) a warning."""
     reports: list[FileReport] = []
     uncovered: list[str] = []  # ranges waiting for a later signature
+    outcomes = OutcomeTracker()
     for i, path in enumerate(paths):
-        rep = verify_file(path, keys, require_seal=False)
+        rep = verify_file(path, keys, require_seal=False, outcomes=outcomes)
         reports.append(rep)
         if not rep.ok:
             return reports
@@ -283,6 +298,10 @@ def verify_files(
             )
         if rep.unsigned_from is not None:
             uncovered.append(f"records {rep.unsigned_from}..{rep.last_seq} of {path}")
+    by_path = {r.path: r for r in reports}
+    for gap in outcomes.gaps():  # after every file: an outcome the next run wrote (retry spool) closes its decision
+        by_path[gap.path].missing_outcomes.extend(gap.request_ids)
+        by_path[gap.path].warnings.append(gap.message())
     last = reports[-1]
     if uncovered or not last.sealed:
         msg = _unsigned_message(last) if not last.sealed else (

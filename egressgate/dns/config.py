@@ -74,11 +74,22 @@ class DnsConfig:
     unknown_client_policy: str | None = None  # policy name for unregistered sources; None = deny everything
     deny_rcode: str = "REFUSED"  # answer to unknown clients and when no policy applies
     unknown_client_table: int = 4096  # how many unknown sources we keep budgets/rate state for
+    # Where a policy's `deny_answer: gateway` points denied names (gateway_answer.py): "auto" (the host end of
+    # the asker's /30), an IPv4 address, or None: no gateway answers (the policy's deny rcode). `egressgate
+    # run` passes "auto" only when it runs a transparent listener (the address must reach one).
+    gateway_answer: str | None = None
+    gateway_answer_networks: tuple[str, ...] = ()  # "auto" only for clients in these networks (empty: any)
 
     def validate(self) -> DnsConfig:
         """Return self, or raise DnsConfigError naming the first bad field."""
         if self.deny_rcode not in DENY_RCODES:
             raise DnsConfigError(f"deny_rcode must be one of {DENY_RCODES}, not {self.deny_rcode!r}")
+        if self.gateway_answer not in (None, "auto"):
+            try:
+                ipaddress.IPv4Address(self.gateway_answer)
+            except ValueError as exc:
+                raise DnsConfigError(f"gateway_answer must be 'auto' or an IPv4 address, not "
+                                     f"{self.gateway_answer!r}") from exc
         positive = {
             "upstream_timeout": self.upstream_timeout,
             "tcp_idle_timeout": self.tcp_idle_timeout,

@@ -61,6 +61,9 @@ class QueryContext:
     # failures), "decide" (the policy decision), "answer_filter" (an allowed answer emptied by the filter).
     # `audit replay` can re-decide only "decide" outcomes.
     stage: str = "resolver"
+    # the answer filter emptied the answer: the addresses its address check removed (what replay re-checks)
+    refused_addresses: tuple[str, ...] = ()
+    answer_kind: str | None = None  # "gateway": a denied name pointed at the gateway (gateway_answer.py)
 
 
 def requested_name(query: Query) -> str | None:
@@ -83,13 +86,17 @@ def describe(filtered: Filtered) -> list[str]:
 
 def dns_event(ctx: QueryContext, decision: Decision, rcode: int, answers: list[str], request_id: str) -> AuditEvent:
     query, policy = ctx.query, ctx.policy
-    extra: dict[str, str | int | float | bool] = {
+    extra: dict[str, str | int | float | bool | list[str]] = {
         "egressgate.dns.rcode": RCODE_NAME.get(rcode, str(rcode)),
         "egressgate.dns.transport": ctx.transport,
         "egressgate.dns.stage": ctx.stage,
     }
     if ctx.cache:
         extra["egressgate.dns.cache"] = ctx.cache
+    if ctx.refused_addresses:
+        extra["egressgate.facts.addresses"] = list(ctx.refused_addresses)
+    if ctx.answer_kind:
+        extra["egressgate.dns.answer"] = ctx.answer_kind
     if ctx.dns_counts is not None:
         # The state decide() was given, as far as a DNS decision reads it (docs/audit.md, "Replay"). The facts
         # (operation, name, scheme, qtype) are the record's own attributes.

@@ -44,6 +44,7 @@ class Filtered:
     stripped: int  # records removed
     emptied: bool  # something was removed and nothing of the asked type is left
     addresses: tuple[str, ...]  # A/AAAA values kept (for the audit record)
+    refused: tuple[str, ...] = ()  # A/AAAA values the address check removed (recorded when it empties the answer)
 
 
 def name_key(label: DNSLabel) -> tuple[bytes, ...]:
@@ -130,6 +131,7 @@ def filter_answer(
 
     kept: list[RR] = []
     addresses: list[str] = []
+    refused: list[str] = []
     stripped = 0
     for rr in answers:
         owner = name_key(rr.rname)
@@ -149,6 +151,8 @@ def filter_answer(
             ip = record_address(rr)
             if ip is None or check_address(ip, allow_private) is not None:
                 stripped += 1
+                if ip is not None:
+                    refused.append(str(ip))
                 continue
             addresses.append(str(ip))
             kept.append(rr)
@@ -164,4 +168,4 @@ def filter_answer(
     emptied = stripped > 0 and not has_asked  # only answer-section removals empty an answer
     soa = tuple(rr for rr in authority if rr.rtype == T_SOA and rr.rclass == CLASS_IN)
     stripped += len(authority) - len(soa)
-    return Filtered(tuple(kept), soa, stripped, emptied, tuple(addresses))
+    return Filtered(tuple(kept), soa, stripped, emptied, tuple(addresses), tuple(refused))

@@ -11,10 +11,11 @@ Transport-independent (server.py owns sockets). Order of work for a query, and w
 5. cache or upstream, then the answer filter (filter.py) with the sandbox's `allow_private`;
 6. the audit record, awaited before the answer leaves: if it cannot be written the client gets SERVFAIL.
 
-Rcodes: a name the policy does not allow gets the policy's `dns.deny_rcode` (NXDOMAIN by default; REFUSED
-configurable); a disallowed query type, an exhausted budget or rate, a non-IN class and unknown clients get
-REFUSED (config `deny_rcode` for unknown clients); an allowed answer that the filter emptied gets the policy's
-deny rcode; every dependency failure (state, policy, audit, upstream) gets SERVFAIL.
+Rcodes: a name the policy does not allow gets the gateway's address (`dns.deny_answer: gateway`, the default,
+when the gateway runs a transparent listener: gateway_answer.py) or the policy's `dns.deny_rcode` (NXDOMAIN by
+default; REFUSED configurable); a disallowed query type, an exhausted budget or rate, a non-IN class and
+unknown clients get REFUSED (config `deny_rcode` for unknown clients); an allowed answer that the filter
+emptied gets the policy's deny rcode; every dependency failure (state, policy, audit, upstream) gets SERVFAIL.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from dnslib import DNSLabel
 
 from egressgate.audit.event import AuditUnavailable
 from egressgate.audit.sink import AuditSink
+from egressgate.dns import gateway_answer
 from egressgate.dns.answer import pack_answer
 from egressgate.dns.cache import AnswerCache, CacheEntry
 from egressgate.dns.config import DnsConfig
@@ -63,6 +65,9 @@ from egressgate.state.base import StateStore, StateUnavailable
 PolicyLookup = Callable[[str], CompiledPolicy | None]
 # Never forwarded whatever a policy says: zone transfers, meta types, transaction signatures.
 NEVER_TYPES = frozenset({41, 249, 250, 251, 252, 253, 254})
+# Denials of the name itself: with `network.dns.deny_answer: gateway` the name points at the gateway, whose
+# transparent listener then answers the request with the deny body (gateway_answer.py)
+GATEWAY_ANSWERED = frozenset({Reason.HOST_NOT_ALLOWED, Reason.METADATA_ENDPOINT})
 
 
 class Resolver:
@@ -199,6 +204,12 @@ class Resolver:
                 self.metrics.budget_exceeded += 1
             else:
                 self.metrics.denied += 1
+            if decision.reason in GATEWAY_ANSWERED and policy.dns.deny_answer == "gateway":
+                address = gateway_answer.answer_address(
+                    self.config.gateway_answer, ctx.client, self.config.gateway_answer_networks
+                )
+                if address is not None:
+                    return await self._to_gateway(ctx, opt, decision, address)
             rcode = (
                 REFUSED
                 if decision.reason in (Reason.QTYPE_NOT_ALLOWED, Reason.BUDGET_EXCEEDED)
@@ -261,6 +272,7 @@ class Resolver:
         if filtered.emptied:
             self.metrics.emptied_answers += 1
             ctx.stage = "answer_filter"
+            ctx.refused_addresses = filtered.refused
             return await self._refuse(
                 ctx,
                 opt,
@@ -302,6 +314,17 @@ class Resolver:
             del self._inflight[key]
 
     # --- denials and audit ---------------------------------------------------------------------------
+
+    async def _to_gateway(self, ctx: QueryContext, opt: bytes, decision: Decision, address: str) -> bytes:
+        """A denied name answered with the gateway's address (gateway_answer.py): still a deny, audited as
+        one (rcode NOERROR, the address it was pointed at, `egressgate.dns.answer` = gateway); nothing
+        was asked upstream."""
+        query = ctx.query
+        ctx.answer_kind = "gateway"
+        answers = [f"A {address}"] if query.qtype == gateway_answer.QTYPE_A else []
+        if not await self._audit(ctx, decision, NOERROR, answers):
+            return bare_response(query.id, query.flags, SERVFAIL, query.question, opt)
+        return gateway_answer.pack(query, opt, address)
 
     async def _refuse(
         self,

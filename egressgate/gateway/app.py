@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -30,6 +31,7 @@ from egressgate.audit.event import EventKind
 from egressgate.audit.signer import Signer
 from egressgate.config import ConfigError, GatewayConfig, parse_listen
 from egressgate.dns import DnsServer
+from egressgate.dns.config import DnsConfig
 from egressgate.gateway import ca, mitm_hotpaths, reconcile, typecheck, varlock
 from egressgate.gateway import listeners as shared_listeners
 from egressgate.gateway.budgets import ByteLedger
@@ -108,7 +110,7 @@ class Gateway:
             rt.listeners.append(metrics_addr)
         dns_addr = None
         if cfg.listen.dns:
-            self.dns = DnsServer(rt.policies.get, state, sink, cfg.dns.resolver_config())
+            self.dns = DnsServer(rt.policies.get, state, sink, dns_resolver_config(cfg))
             inherited = (self.listeners["dns_udp"], self.listeners["dns_tcp"]) if "dns_udp" in self.listeners else None
             dns_addr = await self.dns.start(*parse_listen(cfg.listen.dns), sockets=inherited)
             rt.listeners.append(dns_addr)
@@ -225,6 +227,16 @@ async def audit_signer(cfg: GatewayConfig, broker) -> Signer | None:
     except Exception as exc:
         raise ConfigError(f"audit.transit_key: cannot use Vault transit key {cfg.audit.transit_key!r} "
                           f"to sign audit checkpoints: {exc}") from exc
+
+
+def dns_resolver_config(cfg: GatewayConfig) -> DnsConfig:
+    """The resolver's settings; denied names point at the gateway (`dns.gateway_answer`) only when a
+    transparent listener is there to answer the connection (else the policy's deny rcode is answered)."""
+    dns_config = cfg.dns.resolver_config()
+    if not cfg.listen.transparent:
+        return dataclasses.replace(dns_config, gateway_answer=None)
+    networks = cfg.dns.gateway_answer_networks
+    return dataclasses.replace(dns_config, gateway_answer_networks=tuple(networks or [cfg.runtime.subnet]))
 
 
 def write_runtime_file(cfg: GatewayConfig, info: dict, audit_file: str | None = None) -> None:

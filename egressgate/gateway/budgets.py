@@ -128,9 +128,12 @@ def outbound_limit(rt: Runtime, fs: FlowState) -> int | None:
     return policy.outbound_bytes_max if policy is not None else None
 
 
-def out_counter(rt: Runtime, fs: FlowState, client_id: str) -> Callable[[bytes], object]:
+def out_counter(fs: FlowState) -> Callable[[bytes], object]:
     """Stream callable for request bodies of unknown length: spend from the flow's meter (the layer
-    covered each chunk before it got here); cut + abort on a chunk the budget cannot hold."""
+    covered each chunk before it got here); a chunk the budget cannot hold is dropped, and so is every
+    later one, and the cut is flagged (`budget_cut` / `state_cut`): the stream then aborts the upstream
+    request before its end and answers the client with the deny contract (early_answer.py), or resets it
+    when an upstream response is already on its way."""
     meter = fs.meter
     assert fs.sandbox_id is not None and meter is not None
     state = {"cut": False}
@@ -149,8 +152,6 @@ def out_counter(rt: Runtime, fs: FlowState, client_id: str) -> Callable[[bytes],
         else:
             fs.budget_cut = True
         logger.info("sandbox %s: %s mid-stream; cutting", fs.sandbox_id, meter.failed or "outbound_bytes_max crossed")
-        if rt.abort_connection is not None:
-            rt.abort_connection(client_id)
         return []
 
     return count
@@ -194,6 +195,7 @@ class Budgets:
             fs.decision = gateway_deny(Reason.STATE_UNAVAILABLE, detail="outbound_bytes_max")
             return
         if not fits:
+            fs.budget_refused = (prepay, max(0, (limit or 0) - remaining))
             fs.decision = gateway_deny(
                 Reason.BUDGET_EXCEEDED,
                 f"This request needs {prepay} bytes but only {remaining} bytes of the sandbox's outbound "

@@ -85,6 +85,9 @@ class ConnState:
     original_dst: tuple[str, int] | None = None  # what the sandbox dialed (SO_ORIGINAL_DST): never dialed
     refusal: Decision | None = None  # every request on this transparent connection gets this deny
     refusal_id: str | None = None  # request id of the record of that refusal, when one was written
+    # refused_tunnel.py: an explicit CONNECT refused but accepted to deliver its deny inside (refusal and
+    # refusal_id are that CONNECT's); the target it named. Such a tunnel is never bound nor forwarded.
+    refused_target: tuple[str, int] | None = None
 
     def allow_tcp(self, rule_id: str | None, request_id: str) -> None:
         """Raw TCP in this tunnel was allowed by `rule_id` in the decision recorded as `request_id`."""
@@ -130,6 +133,9 @@ class FlowState:
     stream_request: bool = False  # the request body is relayed as it arrives (large or of unknown length) ...
     meter_request: bool = False  # ... and counted chunk by chunk (unknown length: not prepaid)
     budget_cut: bool = False
+    # the byte budget refused the request before it went upstream: (bytes it needed, bytes already spent or
+    # leased), the inputs of that check, recorded for `audit replay` (egressgate.budget.needed / .spent)
+    budget_refused: tuple[int, int] | None = None
     state_cut: bool = False  # cut because the state store failed while the stream waited for its lease
     ws_out: int = 0
     ws_in: int = 0

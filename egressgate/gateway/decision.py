@@ -4,8 +4,10 @@ At CONNECT the decision is host/port level (deny early, never resolve a denied n
 is itself an exfiltration channel); inside a tunnel every request (each keep-alive request, each HTTP/2
 stream) is decided on its own method, path and scheme against the tunnel's CONNECT target — never
 against a header. Resolution and the address check are part of the decision (pinning.resolve_target: a
-forbidden address is a deny like any other); nothing here commits state: pinning.py commits an allowed
-destination only after its audit record is durable (record.py).
+forbidden address is a deny like any other). Each request is also classified by protocol (package
+install, publish: policy/opclass.py) from its method, path, query, Content-Type and Accept. Nothing here
+commits state: pinning.py commits an allowed destination only after its audit record is durable
+(record.py).
 """
 
 from __future__ import annotations
@@ -14,14 +16,15 @@ import logging
 
 from mitmproxy import http
 
-from egressgate.gateway.approval_gate import settle
+from egressgate.gateway.approval_gate import settle, spend
 from egressgate.gateway.context import FlowState, Runtime, ensure_flow_state
 from egressgate.gateway.deny import gateway_deny
-from egressgate.gateway.pinning import resolve_target
+from egressgate.gateway.pinning import resolve_checked, with_addresses
 from egressgate.gateway.target import as_sent, note_target
 from egressgate.policy.canon import CanonError, canon_method, canon_path, split_host_port, split_path_query
 from egressgate.policy.decide import decide
 from egressgate.policy.facts import Facts, Operation, SandboxState
+from egressgate.policy.opclass import METHOD_OVERRIDE_HEADERS, PUBLISH, classify_overridden, publish_commit
 from egressgate.policy.reasons import Reason
 from egressgate.state.base import StateUnavailable
 
@@ -79,6 +82,10 @@ class DecisionAddon:
         if decision.reason is Reason.APPROVAL_REQUIRED:
             assert fs.policy_name is not None
             decision, snapshot = await settle(self.rt, policy, fs.policy_name, facts, snapshot, decision, now)
+        if (decision.reason is Reason.APPROVAL_GRANTED and decision.approval_kind == PUBLISH
+                and publish_commit(facts.method, facts.op_protocol, facts.path)):
+            assert fs.policy_name is not None  # a publish approval passes one publish: its commit spends it
+            decision = await spend(self.rt, policy, fs.policy_name, facts, snapshot, decision, now)
         fs.decision = decision
         fs.facts = facts
         fs.state = snapshot
@@ -112,8 +119,9 @@ class DecisionAddon:
         if not (await self._decide(fs, policy, facts, snapshot)).allowed:
             return
         allowed = fs.decision
-        target, denied = await resolve_target(self.rt, policy, host, port)
+        target, denied, addresses = await resolve_checked(self.rt, policy, host, port)
         if denied is not None:
+            fs.facts = with_addresses(facts, addresses)  # what the address check read (audit replay)
             fs.decision = denied
             return
         fs.pinned = target
@@ -151,9 +159,16 @@ class DecisionAddon:
         if policy is None or snapshot is None:
             return
         body = declared_body_size(req)
+        headers = req.headers
+        accept = ", ".join(headers.get_all("accept")) if "accept" in headers else None
+        npm_hint = headers.get("pacote-req-type")  # npm marks its packument and tarball fetches
+        overrides = [v for h in METHOD_OVERRIDE_HEADERS if h in headers for v in headers.get_all(h)]
+        op = classify_overridden(method, overrides, path, query, headers.get("content-type"), accept, npm_hint)
         facts = Facts(
             operation=Operation.HTTP_REQUEST, host=fs.host, port=fs.port, scheme=scheme, method=method,
+            query=query or None,
             path=path, addresses=addresses, request_bytes=request_head_size(req) + (body or 0),
+            op_class=op[0] if op else None, op_protocol=op[1] if op else None,
         )
         if not (await self._decide(fs, policy, facts, snapshot)).allowed:
             return
@@ -161,8 +176,9 @@ class DecisionAddon:
             fs.pinned = conn.tunnel_target
             return
         allowed = fs.decision
-        target, denied = await resolve_target(self.rt, policy, fs.host, fs.port)
+        target, denied, addresses = await resolve_checked(self.rt, policy, fs.host, fs.port)
         if denied is not None:
+            fs.facts = with_addresses(facts, addresses)  # what the address check read (audit replay)
             fs.decision = denied
             return
         fs.pinned = target

@@ -16,6 +16,13 @@ from egressgate.policy.reasons import Effect, Reason
 
 DECISION_HEADER = "X-Egressgate-Decision"
 REQUEST_ID_HEADER = "X-Egressgate-Request-Id"
+# The body's fields again as headers: clients of a refused CONNECT (curl, requests, git) never show its
+# body, but `curl -v`/`-D`, an SDK's exception and a proxy log show headers (docs/policy.md, "Deny responses")
+REASON_HEADER = "X-Egressgate-Reason"
+RULE_HEADER = "X-Egressgate-Rule"
+APPROVAL_HEADER = "X-Egressgate-Approval-Id"
+MESSAGE_HEADER = "X-Egressgate-Message"
+_MESSAGE_HEADER_MAX = 400
 
 _STATUS = {
     Reason.IDENTITY_UNKNOWN: 407,
@@ -82,29 +89,65 @@ def deny_body(decision: Decision, request_id: str) -> bytes:
     }
     if decision.reason is Reason.APPROVAL_REQUIRED:
         body["approval_id"] = decision.approval_id
+        if decision.approval_kind is not None:  # package_install | publish (an operation class)
+            body["approval_kind"] = decision.approval_kind
     return json.dumps(body, separators=(",", ":")).encode()
+
+
+def _visible(text: str, limit: int) -> str:
+    """`text` as a header value or reason phrase: printable ASCII only (RFC 9110 field-vchar; a name or
+    message with other characters never breaks the response head), at most `limit` characters."""
+    return "".join(c if " " <= c <= "~" else "?" for c in text)[:limit]
+
+
+def deny_headers(decision: Decision, request_id: str) -> dict[str, str]:
+    """The deny contract's headers: decision, request id, and the body's reason, rule, approval id and
+    message, so a client that shows only the head (any refused CONNECT) still shows why."""
+    headers = {DECISION_HEADER: "deny", REQUEST_ID_HEADER: request_id, REASON_HEADER: str(decision.reason)}
+    if decision.rule_id:
+        headers[RULE_HEADER] = decision.rule_id
+    if decision.reason is Reason.APPROVAL_REQUIRED and decision.approval_id:
+        headers[APPROVAL_HEADER] = decision.approval_id
+    message = decision.message or _DEFAULT_MESSAGES.get(decision.reason, "Denied by the egress policy.")
+    headers[MESSAGE_HEADER] = _visible(message, _MESSAGE_HEADER_MAX)
+    return headers
+
+
+def reason_phrase(decision: Decision, status: int, request_id: str) -> str:
+    """The status line's reason phrase names the refusal: Python's http.client, requests, httpx, urllib3
+    and pip put it in the exception of a refused CONNECT ("Tunnel connection failed: 403 egress denied:
+    host_not_allowed ..."), the one place those clients show anything of the gateway's answer."""
+    parts = [f"egress denied: {decision.reason}"]
+    if decision.rule_id:
+        parts.append(f"rule={decision.rule_id}")
+    if decision.reason is Reason.APPROVAL_REQUIRED and decision.approval_id:
+        parts.append(f"approval_id={decision.approval_id}")
+    parts.append(f"request_id={request_id}")
+    return _visible(" ".join(parts), 300)
 
 
 def deny_response(decision: Decision, request_id: str) -> http.Response:
     status = status_for(decision.reason)
     headers = {
         "Content-Type": "application/json",
-        DECISION_HEADER: "deny",
-        REQUEST_ID_HEADER: request_id,
+        **deny_headers(decision, request_id),
         "Cache-Control": "no-store",
         "Connection": "close",
     }
     if status == 407:
         headers["Proxy-Authenticate"] = 'Basic realm="egressgate"'
-    return http.Response.make(status, deny_body(decision, request_id), headers)
+    response = http.Response.make(status, deny_body(decision, request_id), headers)
+    response.reason = reason_phrase(decision, status, request_id)
+    return response
 
 
 def raw_deny(decision: Decision, request_id: str) -> bytes:
     """HTTP/1.1 deny bytes for places without an HTTP layer (a refused non-HTTP tunnel)."""
     body = deny_body(decision, request_id)
     status = status_for(decision.reason)
+    fields = "".join(f"{name}: {value}\r\n" for name, value in deny_headers(decision, request_id).items())
     head = (
-        f"HTTP/1.1 {status} Denied\r\nContent-Type: application/json\r\n{DECISION_HEADER}: deny\r\n"
-        f"{REQUEST_ID_HEADER}: {request_id}\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+        f"HTTP/1.1 {status} {reason_phrase(decision, status, request_id)}\r\nContent-Type: application/json\r\n"
+        f"{fields}Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
     )
     return head.encode() + body

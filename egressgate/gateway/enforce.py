@@ -27,19 +27,6 @@ from egressgate.state.base import StateUnavailable
 
 logger = logging.getLogger(__name__)
 
-DENY_BUFFER_MAX = 64 * 1024
-
-
-def pending_body_too_large(request: http.Request) -> bool:
-    """A body that is still to come and is chunked or declared larger than we are willing to buffer."""
-    if "transfer-encoding" in request.headers:
-        return True
-    try:
-        return int(request.headers.get("content-length", "0")) > DENY_BUFFER_MAX
-    except ValueError:
-        return True
-
-
 class Enforce:
     def __init__(self, runtime: Runtime) -> None:
         self.rt = runtime
@@ -64,22 +51,18 @@ class Enforce:
             return  # answered earlier (an earlier refusal, already audited)
         decision = fs.decision
         if not decision.allowed:
+            # answered before any of the body is read, whatever its size (early_answer.py)
             flow.request.stream = False
-            if pending_body_too_large(flow.request):
-                # mitmproxy would buffer the whole body before sending our response (a sandbox could
-                # make the gateway hold gigabytes per connection): kill instead. The deny is audited;
-                # the client sees the connection (HTTP/1) or the stream (HTTP/2) reset.
-                flow.kill()
-                return
             flow.response = deny_response(decision, fs.request_id)
             return
         if not await self._record_history(flow, fs):
             return
         request_hash.start(flow.request, fs)
         if fs.stream_request:
-            counter = out_counter(self.rt, fs, flow.client_conn.id) if fs.meter_request else None
+            counter = out_counter(fs) if fs.meter_request else None
             flow.request.stream = compose_request(
-                fs.hasher, lambda hits: stream_misuse(self.rt, flow, fs, hits), counter)
+                fs.hasher, lambda hits: stream_misuse(self.rt, flow, fs, hits, cut=False), counter)  # the
+            # stream then aborts the upstream request and answers the deny (early_answer.cut_mid_body)
 
     async def _record_history(self, flow: http.HTTPFlow, fs) -> bool:
         """Enter the allowed request into the sandbox's history before a byte of it goes upstream, and
@@ -119,10 +102,7 @@ class Enforce:
             path=fs.path, bytes_out=fs.bytes_out,
         ))
         flow.request.stream = False
-        if pending_body_too_large(flow.request):
-            flow.kill()  # as for any deny: never buffer an unbounded body to answer it
-        else:
-            flow.response = deny_response(fs.decision, fs.request_id)
+        flow.response = deny_response(fs.decision, fs.request_id)  # before the body (early_answer.py)
         return False
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:

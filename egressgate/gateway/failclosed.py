@@ -19,7 +19,6 @@ from mitmproxy.proxy import server_hooks
 
 from egressgate.gateway.context import ensure_flow_state
 from egressgate.gateway.deny import deny_response, gateway_deny
-from egressgate.gateway.enforce import pending_body_too_large
 from egressgate.policy.reasons import Reason
 
 logger = logging.getLogger(__name__)
@@ -102,10 +101,10 @@ def refuse(hook: str, subject: Any, abort: Abort, refused: Refused | None = None
     if isinstance(carried, http.HTTPFlow) and not isinstance(subject, http.HTTPFlow | tcp.TCPFlow):
         subject = carried  # hook data carrying its flow (ws_layer's websocket_wire / websocket_control)
     if isinstance(subject, http.HTTPFlow):
-        # a body still to come would be buffered whole to send a response; a streamed one is already
-        # upstream by the `request` hook: in both cases cutting the flow is the only safe refusal
+        # a streamed body is already upstream by the `request` hook: cutting the flow is the only safe
+        # refusal; before it, the answer goes out before any body is read (early_answer.py)
         request = subject.request
-        cannot_answer = bool(request.stream) if hook == "request" else pending_body_too_large(request)
+        cannot_answer = hook == "request" and bool(request.stream)
         if hook in _BEFORE_UPSTREAM and subject.response is None and subject.live and not cannot_answer:
             # the flow's one request id (assigned once, in context.py), never mitmproxy's flow id
             fs = ensure_flow_state(subject)

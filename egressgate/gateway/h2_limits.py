@@ -11,16 +11,29 @@ released; a header list any real client sends is far smaller.
 
 The upstream side also sends request heads through `te_for_upstream` (sanitize.py): only `te: trailers`
 goes out on HTTP/2, whatever version the client spoke.
+
+A stream answered before its request body was read (early_answer.py) ends with the answer while the
+client may still be sending: its DATA is acknowledged (flow control) and discarded, never handed on, up
+to the HTTP/1 lingering bounds (LINGER_MAX_BYTES / LINGER_SECONDS, http1_framing.py); past them the stream
+is reset with NO_ERROR (RFC 9113 8.1: a complete response, the client may stop sending). It is not reset
+at once: a client that sends the whole body before reading (httpx/httpcore) treats a reset during its
+upload as an error and would never read the answer, while curl reads as it sends and stops at the answer.
 """
 
 from __future__ import annotations
 
+import time
+
+import h2.events
+import h2.stream
+from h2.errors import ErrorCodes
 from h2.exceptions import ProtocolError
 from h2.frame_buffer import FrameBuffer
 from mitmproxy.proxy import events, layer
-from mitmproxy.proxy.layers.http._events import RequestHeaders
+from mitmproxy.proxy.layers.http._events import RequestHeaders, ResponseEndOfMessage
 from mitmproxy.proxy.layers.http._http2 import Http2Client, Http2Server
 
+from egressgate.gateway.http1_framing import LINGER_MAX_BYTES, LINGER_SECONDS
 from egressgate.gateway.sanitize import te_for_upstream
 
 HEADER_BLOCK_MAX = 64 * 1024  # = h2's DEFAULT_MAX_HEADER_LIST_SIZE, the decoded bound
@@ -48,6 +61,39 @@ class GatewayHttp2Server(Http2Server):
     def __init__(self, context) -> None:
         super().__init__(context)
         _bound(self, server=True)
+        self._draining: dict[int, list] = {}  # stream id -> [bytes discarded, monotonic start]
+
+    def _handle_event(self, event: events.Event):
+        """A plain function (no generator frame per event): only an answer's end needs a look."""
+        if isinstance(event, ResponseEndOfMessage):
+            return self._end_answer(event)
+        return super()._handle_event(event)
+
+    def _end_answer(self, event: ResponseEndOfMessage) -> layer.CommandGenerator[None]:
+        stream = self.h2_conn.streams.get(event.stream_id)
+        early = stream is not None and stream.state_machine.state is h2.stream.StreamState.OPEN
+        yield from super()._handle_event(event)
+        if early:  # the request side is still open: answered before its body (module docstring)
+            self._draining[event.stream_id] = [0, time.monotonic()]
+
+    def handle_h2_event(self, event: h2.events.Event) -> layer.CommandGenerator[bool]:
+        if self._draining and isinstance(event, (h2.events.DataReceived, h2.events.StreamEnded,
+                                                 h2.events.StreamReset)):
+            drain = self._draining.get(event.stream_id)
+            if drain is not None:
+                if not isinstance(event, h2.events.DataReceived):
+                    del self._draining[event.stream_id]
+                    self.streams.pop(event.stream_id, None)
+                    return False
+                self.h2_conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+                drain[0] += event.flow_controlled_length
+                if drain[0] > LINGER_MAX_BYTES or time.monotonic() - drain[1] > LINGER_SECONDS:
+                    del self._draining[event.stream_id]
+                    self.streams.pop(event.stream_id, None)
+                    if not self.is_closed(event.stream_id):
+                        self.h2_conn.reset_stream(event.stream_id, ErrorCodes.NO_ERROR)
+                return False
+        return (yield from super().handle_h2_event(event))
 
 
 class GatewayHttp2Client(Http2Client):

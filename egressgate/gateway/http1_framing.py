@@ -57,7 +57,6 @@ from mitmproxy.proxy.layers.http._events import (
     ResponseProtocolError,
     ResponseTrailers,
 )
-from mitmproxy.proxy.layers.http._http1 import make_error_response
 
 from egressgate.gateway.credential_streams import refusal_body
 from egressgate.gateway.deny import REQUEST_ID_HEADER, deny_body, gateway_deny
@@ -71,6 +70,11 @@ TRAILER_SECTION_MAX = 64 * 1024
 CHUNK_LINE_MAX = 4 * 1024  # one chunk-size line, extensions included
 DEFAULT_RESPONSE_HEAD_MAX = 64 * 1024  # the default of limits.max_header_bytes
 ABORT_GRACE = 1.0  # seconds a refused client connection has to close cleanly before it is aborted
+# a request answered before its body was read (early_answer.py): how much of the body the gateway still
+# reads and discards, and for how long, so that a client that sends it all before reading (requests,
+# twine, http.client) gets to read the answer instead of a reset (a lingering close, as web servers do)
+LINGER_MAX_BYTES = 64 * 1024 * 1024
+LINGER_SECONDS = 10.0
 INFORMATIONAL_MAX = 16
 _INFORMATIONAL = re.compile(rb"HTTP/1\.[01] (1(?!01)\d\d)(?:[ \r\n]|$)")
 
@@ -126,9 +130,26 @@ def _chunk_line_refusal(conn: Http1Server | Http1Client) -> layer.CommandGenerat
         yield commands.CloseConnection(conn.conn)  # answered early (a deny): no stream left to answer
 
 
+def _body_refusal(conn: Http1Server, error: h11.ProtocolError, closed: bool) -> layer.CommandGenerator[None]:
+    """A request body that cannot be read (bad framing, or the connection ended before the body did):
+    the stream answers `400` with the deny contract and its request id while the client can still read
+    (GatewayHttpStream), never mitmproxy's HTML page; a connection the gateway itself closed gets nothing."""
+    assert conn.stream_id is not None
+    conn.buf.maybe_extract_at_most(len(conn.buf))  # release the memory now
+    conn.state = conn.refused
+    if closed:
+        message = f"The connection ended before the request body did ({error}); send the whole body."
+    else:
+        message = f"The request body's framing is invalid ({error}), so the request was refused."
+    yield ReceiveHttp(RefusedRequest(conn.stream_id, message, "body_incomplete" if closed else "body_framing"))
+    abort_later = getattr(conn, "abort_later", None)
+    if abort_later is not None:  # the stream answers and closes; should it be gone, nothing else would
+        abort_later(conn.conn.id, ABORT_GRACE)
+
+
 def _read_body(conn: Http1Server | Http1Client, event: events.Event, receive_trailers) -> layer.CommandGenerator[None]:
     """mitmproxy 12.3.1's `Http1Connection.read_body`, with trailers emitted instead of raising, the
-    trailer section bounded, and a 400 for the client when its request body cannot be read."""
+    trailer section bounded, and a 400 (deny contract) for the client when its request body cannot be read."""
     assert conn.stream_id is not None
     while True:
         try:
@@ -153,7 +174,8 @@ def _read_body(conn: Http1Server | Http1Client, event: events.Event, receive_tra
                 raise h11.RemoteProtocolError(f"trailer section larger than {TRAILER_SECTION_MAX} bytes")
         except h11.ProtocolError as e:
             if isinstance(conn, Http1Server) and conn.response is None:
-                yield commands.SendData(conn.conn, make_error_response(400, str(e)))  # the client sees why
+                yield from _body_refusal(conn, e, closed=isinstance(event, events.ConnectionClosed))
+                return
             yield commands.CloseConnection(conn.conn)
             yield ReceiveHttp(conn.ReceiveProtocolError(conn.stream_id, f"HTTP/1 protocol error: {e}",
                                                         code=conn.ReceiveProtocolError.code))
@@ -191,6 +213,7 @@ class GatewayHttp1Server(_Refusable, Http1Server):
     answers a refused request or upstream response with the deny contract."""
 
     _response_trailers: http.Headers | None = None
+    _lingered = 0  # body bytes discarded after an early answer
     # aborts a client connection and its upstreams by client id in n seconds
     # (master.abort_connection_later); set by http_limits.py. mitmproxy can lose a CloseConnection:
     # when it cancels a connection's reader task while that task waits for its event lock (a hostile
@@ -224,7 +247,43 @@ class GatewayHttp1Server(_Refusable, Http1Server):
                 yield from self.mark_done(response=True)
                 return
             yield commands.Log("dropping response trailers: the response to this HTTP/1 client is not chunked")
+        if isinstance(event, ResponseEndOfMessage) and not self.request_done and self.state == self.read_body:
+            # answered before the request body was read (early_answer.py): the stream is gone, the rest
+            # of the body is never parsed; the connection ends with a lingering close
+            yield from super().send(event)
+            yield from self._linger()
+            return
         yield from super().send(event)
+
+    def _linger(self) -> layer.CommandGenerator[None]:
+        """FIN after the answer, then read and discard what the client still sends until it closes, up to
+        LINGER_MAX_BYTES / LINGER_SECONDS; then the connection is closed (aborted after the time). A
+        client that waits for the body to go out before reading (requests, http.client) reads the answer;
+        one that reads while it sends (curl) stops sending at the answer. Closing at once would reset the
+        connection with the client's body still arriving, and the reset can discard the unread answer."""
+        self.state = self.lingering
+        self._lingered = len(self.buf)
+        self.buf.maybe_extract_at_most(len(self.buf))
+        yield commands.CloseTcpConnection(self.conn, half_close=True)
+        if self.abort_later is not None:
+            self.abort_later(self.conn.id, LINGER_SECONDS)
+
+    def lingering(self, event: events.Event) -> layer.CommandGenerator[None]:
+        if isinstance(event, events.DataReceived):
+            size = len(self.buf)
+            self.buf.maybe_extract_at_most(size)  # discarded, never parsed
+            self._lingered += size
+            if self._lingered > LINGER_MAX_BYTES:
+                self.state = self.refused
+                yield commands.CloseConnection(self.conn)
+                if self.abort_later is not None:
+                    # inside a CONNECT tunnel mitmproxy turns this close into an error for the outer HTTP/1
+                    # layer, which drops it on a connection that can no longer write (our FIN): abort
+                    self.abort_later(self.conn.id, 0.0)
+        elif isinstance(event, events.ConnectionClosed):
+            self.state = self.refused
+            if self.conn.state is not ConnectionState.CLOSED:
+                yield commands.CloseConnection(self.conn)
 
 
 class GatewayHttp1Client(_Refusable, Http1Client):

@@ -10,7 +10,8 @@ no HTTP flow runs on mitmproxy's stock layers:
 * every new upstream connection stack gets `GatewayHttpClient`, which opens HTTP/1 upstreams with
   `GatewayHttp1Client` (HTTP/2: `GatewayHttp2Client`) (swapped in before the stack starts: mitmproxy builds the stack in
   `get_connection` and offers no factory for it);
-* streams are `GatewayHttpStream` (a CONNECT tunnel's relay keeps half-closes: tunnel_close.py).
+* streams are `GatewayHttpStream` (a CONNECT tunnel's relay keeps half-closes: tunnel_close.py; a request
+  refused at its headers is answered before its body is read: early_answer.py).
 
 `GatewayHttpStream`: for a *streamed* request body, mitmproxy runs the `request` hook after the body went
 upstream and then sends the trailers and the end of the request whatever the hook did — a deny response
@@ -68,6 +69,7 @@ from mitmproxy.proxy.utils import expect
 
 from egressgate.gateway.context import flow_state
 from egressgate.gateway.deny import deny_response, gateway_deny
+from egressgate.gateway.early_answer import EarlyAnswerStream
 from egressgate.gateway.h2_limits import GatewayHttp2Client, GatewayHttp2Server
 from egressgate.gateway.http1_framing import (
     DEFAULT_RESPONSE_HEAD_MAX,
@@ -77,7 +79,6 @@ from egressgate.gateway.http1_framing import (
     RefusedRequest,
 )
 from egressgate.gateway.ledger import BudgetTopUpHook, TopUp
-from egressgate.gateway.tunnel_close import HalfCloseTunnel
 from egressgate.policy.reasons import Reason
 
 
@@ -119,7 +120,7 @@ class GatewayHttpClient(HttpClient):
         yield RegisterHttpConnection(self.context.server, err)
 
 
-class GatewayHttpStream(HalfCloseTunnel):
+class GatewayHttpStream(EarlyAnswerStream):
     def handle_protocol_error(
             self, event: RequestProtocolError | ResponseProtocolError) -> layer.CommandGenerator[None]:
         """A request or response the HTTP/1 framing refused (http1_framing.py: an unbounded line): the
@@ -188,6 +189,9 @@ class GatewayHttpStream(HalfCloseTunnel):
             return (yield from super().check_killed(emit_error_hook))
         self._paused_event_queue.remove(refused)
         yield from self.handle_protocol_error(refused)
+        # answered and over: body events still queued behind the refusal are dropped (before, the next one
+        # reached the state that had been waiting for the headers: "mitmproxy has crashed!")
+        self.client_state = self.server_state = self.state_errored
         return True
 
     @expect(RequestData, RequestTrailers, RequestEndOfMessage)
@@ -196,6 +200,12 @@ class GatewayHttpStream(HalfCloseTunnel):
             if isinstance(event, RequestData) and not (yield from self._budget_covers(len(event.data))):
                 return
             yield from super().state_stream_request_body(event)
+            fs = flow_state(self.flow)
+            # the budget counter dropped the crossing chunk, or the phantom guard found a placeholder
+            # credential (the decision turned to deny): early_answer.py aborts the upstream, answers
+            if fs is not None and (fs.budget_cut or fs.state_cut or (fs.decision is not None
+                                                                     and not fs.decision.allowed)):
+                yield from self.cut_mid_body()
             return
         # mitmproxy 12.3.1's end-of-message branch, with the request hook's verdict enforced
         if callable(self.flow.request.stream):

@@ -26,6 +26,7 @@ import logging
 
 from mitmproxy import connection, http
 
+from egressgate.gateway import refused_tunnel
 from egressgate.gateway.context import ConnState, FlowState, Runtime, ensure_flow_state
 from egressgate.gateway.deny import gateway_deny
 from egressgate.policy.canon import ip_text
@@ -36,8 +37,18 @@ from egressgate.state.base import SandboxRecord, StateUnavailable, token_matches
 logger = logging.getLogger(__name__)
 
 MAX_AUTH_LEN = 1024
+# The detail of a 407 to a request that carried no Proxy-Authorization at all: clients (git, pip, curl with
+# --proxy-anyauth) first ask without credentials and answer the challenge. It is audited with decision
+# `challenge`, not `deny` (record.py): a refusal the client then answers is not a denial, and metrics and
+# alerts on denials stay honest. Wrong, malformed or revoked credentials are denials.
+CHALLENGE = "challenge"
 NOT_A_PROXY = ("This connection was redirected to the gateway transparently: send requests to the "
                "destination itself (origin-form, with its Host), not CONNECT or absolute-form proxy requests.")
+UNKNOWN_IDENTITY = ("Send Proxy-Authorization: Basic base64(sandbox_id:token) as given by `egressgate sandbox "
+                    "admit`; an id and token the gateway does not know (never admitted, or lost with its state "
+                    "store's data) need a new admission.")
+RECORD_LOST = ("The gateway's state store no longer has this sandbox's record (its data was lost), so nothing "
+               "is allowed for it; ask the operator to admit a new sandbox.")
 UNKNOWN_SOURCE = ("This source address is not registered to any sandbox; start the workload with "
                   "`egressgate sandbox run` (or admit it with `sandbox admit --address`).")
 
@@ -109,7 +120,9 @@ async def recheck(rt: Runtime, fs: FlowState, conn: ConnState) -> None:
     except StateUnavailable:
         fs.decision = gateway_deny(Reason.STATE_UNAVAILABLE)
         return
-    if record is None or record.revoked:
+    if record is None:  # bound to it, yet the store has no record: its data was lost (revoking keeps it)
+        fs.decision = gateway_deny(Reason.STATE_UNAVAILABLE, RECORD_LOST, detail="sandbox record missing")
+    elif record.revoked:
         fs.decision = gateway_deny(Reason.SANDBOX_REVOKED)
 
 
@@ -121,9 +134,12 @@ class Identity:
 
     async def _lookup(self, fs: FlowState, values: list[str], client: connection.Client) -> SandboxRecord | None:
         # exactly one: with two, different parsers could pick different identities
+        if not values:  # no credentials at all: the 407 asks for them (recorded as a challenge, record.py)
+            fs.decision = gateway_deny(Reason.IDENTITY_UNKNOWN, detail=CHALLENGE)
+            return None
         creds = parse_proxy_authorization(values[0]) if len(values) == 1 else None
         if creds is None:
-            fs.decision = gateway_deny(Reason.IDENTITY_UNKNOWN)
+            fs.decision = gateway_deny(Reason.IDENTITY_UNKNOWN, UNKNOWN_IDENTITY)
             return None
         sandbox_id, token = creds
         try:
@@ -132,7 +148,9 @@ class Identity:
             fs.decision = gateway_deny(Reason.STATE_UNAVAILABLE)
             return None
         if record is None or not token_matches(record, token):
-            fs.decision = gateway_deny(Reason.IDENTITY_UNKNOWN)
+            # one answer whatever the cause: a token the store cannot verify (its digest lost with the
+            # data) is not told apart from a wrong one, so no client learns which ids once existed
+            fs.decision = gateway_deny(Reason.IDENTITY_UNKNOWN, UNKNOWN_IDENTITY)
             return None
         if record.revoked:
             fs.decision = gateway_deny(Reason.SANDBOX_REVOKED)
@@ -193,6 +211,9 @@ class Identity:
         if fs.decision is not None:
             return
         conn = self.rt.conn(flow.client_conn.id)
+        if conn.refused_target is not None:
+            refused_tunnel.answer(fs, conn)  # a refused CONNECT accepted to answer inside: its deny, again
+            return
         if conn.transparent:
             # Identity came with the source address (transparent.py); a refused connection (unknown
             # source, revoked, over the limit, a denied name) answers every request with that refusal.

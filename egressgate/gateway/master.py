@@ -36,6 +36,7 @@ from egressgate.gateway.identity import Identity
 from egressgate.gateway.mcp_route import McpRoute
 from egressgate.gateway.pinning import Pinning
 from egressgate.gateway.record import Record
+from egressgate.gateway.refused_tunnel import RefusedTunnel
 from egressgate.gateway.revocation import Revocation
 from egressgate.gateway.sanitize import Sanitize
 from egressgate.gateway.trailers import Trailers
@@ -196,7 +197,7 @@ class GatewayMaster:
         ours = [ConnGuard(rt, self.pending_bytes, self.write_backlog),
                 NextLayer(rt), tlsconfig.TlsConfig(), Identity(rt), Transparent(rt), Consistency(rt), Sanitize(),
                 DecisionAddon(rt), Trailers(rt), Credentials(rt), Budgets(rt), ResponseScrub(rt),
-                record, Pinning(rt), Enforce(rt), McpRoute(rt), Revocation(rt)]
+                record, Pinning(rt), Enforce(rt), RefusedTunnel(rt), McpRoute(rt), Revocation(rt)]
         # every addon in the decision path fails closed (failclosed.py); TlsConfig too, since a failed
         # certificate step must not leave a connection half-configured. A refused flow is audited.
         guarded = (FailClosed(a, self.abort_connection, record.refused) for a in ours)

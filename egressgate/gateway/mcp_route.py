@@ -32,7 +32,6 @@ from egressgate.audit.event import EventKind
 from egressgate.gateway.budgets import refund_prepaid
 from egressgate.gateway.context import FlowState, Runtime, flow_state
 from egressgate.gateway.deny import DECISION_HEADER, REQUEST_ID_HEADER, gateway_deny
-from egressgate.gateway.enforce import DENY_BUFFER_MAX
 from egressgate.gateway.mcp_answer import McpAnswers
 from egressgate.gateway.mcp_headers import HeaderView
 from egressgate.gateway.mcp_sessions import McpExchange, McpSessions
@@ -112,24 +111,22 @@ class McpRoute(McpAnswers):
         h = HeaderView(request)  # read once: every question below is about these headers
         if b"upgrade" in h or request.method.upper() == "CONNECT":  # a WebSocket, h2c, a tunnel:
             self._refuse(flow, fs, "upgrade", "MCP messages on this route must be HTTP requests (streamable HTTP "
-                         "or HTTP+SSE); a protocol upgrade would carry them unmediated.",
-                         answer=not _too_large_to_answer(h))
+                         "or HTTP+SSE); a protocol upgrade would carry them unmediated.")
             return
         if len(h.get_all(b"mcp-session-id")) > 1:  # which one the server reads is its choice, not ours
-            self._refuse(flow, fs, "unknown_session", "Send one Mcp-Session-Id header, not several.",
-                         answer=not _too_large_to_answer(h))
+            self._refuse(flow, fs, "unknown_session", "Send one Mcp-Session-Id header, not several.")
             return
         sid = h.get(b"mcp-session-id")
         owner = self.sessions.owner(server.name, sid) if sid is not None and not sse else None
         if owner is not None and owner != fs.sandbox_id:
             self._refuse(flow, fs, "unknown_session", "This Mcp-Session-Id was issued to another sandbox; start "
-                         "a session of your own (initialize without it).", answer=not _too_large_to_answer(h))
+                         "a session of your own (initialize without it).")
             return
         request.headers["accept-encoding"] = "identity"  # an answer is read before the sandbox gets it
         max_bytes = policy.mcp.max_message_bytes
         if role != "post":
             if has_body(h):
-                self._refuse(flow, fs, "body_not_allowed", _NO_BODY, answer=not _too_large_to_answer(h))
+                self._refuse(flow, fs, "body_not_allowed", _NO_BODY)
                 return
             if b"content-length" not in h and callable(request.stream):
                 request.stream = self._no_body(flow, fs, request.stream)  # HTTP/2: a body may still come
@@ -144,15 +141,14 @@ class McpRoute(McpAnswers):
         problem = body_problem(h, max_bytes)
         if problem is not None:
             detail, message = problem
-            self._refuse(flow, fs, detail, message, answer=detail != "unknown_length"
-                         and not _too_large_to_answer(h))
+            self._refuse(flow, fs, detail, message)
             return
         request.stream = False  # buffered (bounded above): decided whole before anything goes upstream
         if sse:
             found = self.sessions.by_endpoint(fs.sandbox_id, server.name, fs.path, fs.query or "")
             if found is None:
                 self._refuse(flow, fs, "unknown_session", "No MCP stream of this sandbox announced this message "
-                             "endpoint; open the server's SSE stream through the gateway first.", answer=True)
+                             "endpoint; open the server's SSE stream through the gateway first.")
                 return
             ex.session, ex.injector = found
         else:
@@ -195,7 +191,7 @@ class McpRoute(McpAnswers):
         except StateUnavailable:
             sandbox = None
         if sandbox is None:
-            self._refuse(flow, fs, "sandbox_record", None, answer=True, reason=Reason.STATE_UNAVAILABLE)
+            self._refuse(flow, fs, "sandbox_record", None, reason=Reason.STATE_UNAVAILABLE)
             return None
         secrets = (fs.credential.spec(),) if fs.credential is not None else ()  # redacted from recorded arguments
         return McpSession(self.rt, policy, server, sandbox, transport, secrets=secrets)
@@ -237,11 +233,10 @@ class McpRoute(McpAnswers):
         body = dumps(replies if ex.batch or len(replies) > 1 else replies[0])
         flow.response = http.Response.make(400 if _is_malformed(replies) else 200, body, headers)
 
-    def _refuse(self, flow: http.HTTPFlow, fs: FlowState, detail: str, message: str | None, *, answer: bool,
+    def _refuse(self, flow: http.HTTPFlow, fs: FlowState, detail: str, message: str | None, *,
                 reason: Reason = Reason.MCP_MALFORMED) -> None:
         """Refuse the flow before anything went upstream: its own decision record, the prepayment back,
-        and a JSON-RPC error (HTTP 400) — or a reset, when answering would mean buffering a body we
-        refuse to hold."""
+        and a JSON-RPC error (HTTP 400), sent before any body is read whatever its size (early_answer.py)."""
         allowed = fs.decision
         assert allowed is not None
         refund_prepaid(self.rt, fs)
@@ -254,11 +249,6 @@ class McpRoute(McpAnswers):
             host=fs.host, port=fs.port, method=fs.method, path=fs.path, bytes_out=fs.bytes_out,
         ))
         flow.request.stream = False
-        if not answer:  # reset now: the client may still be sending a body nobody will read
-            flow.kill()
-            if self.rt.abort_connection is not None:
-                self.rt.abort_connection(flow.client_conn.id)
-            return
         text = fs.decision.message or "Refused by the gateway."
         error = {"jsonrpc": "2.0", "id": None, "error": {
             "code": INVALID_REQUEST if reason is Reason.MCP_MALFORMED else -32001, "message": text,
@@ -269,13 +259,3 @@ class McpRoute(McpAnswers):
              "Cache-Control": "no-store", "Connection": "close"})
         if fs.mcp is not None:
             fs.mcp.answered = True
-
-
-def _too_large_to_answer(h: HeaderView) -> bool:
-    """Answering means mitmproxy buffers the rest of the body first: only for a small declared one."""
-    if b"transfer-encoding" in h:
-        return True
-    try:
-        return int(h.get(b"content-length", "0") or "0") > DENY_BUFFER_MAX
-    except ValueError:
-        return True

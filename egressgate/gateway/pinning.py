@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
+from dataclasses import replace
 
 from mitmproxy import http
 from mitmproxy.proxy import server_hooks
@@ -27,7 +28,7 @@ from egressgate.gateway.deny import gateway_deny
 from egressgate.gateway.resolver import ResolveError
 from egressgate.policy.addr import METADATA_HOSTNAMES, AddrClass, check_address
 from egressgate.policy.canon import parse_ip_literal
-from egressgate.policy.facts import Decision, IPAddress
+from egressgate.policy.facts import Decision, Facts, IPAddress
 from egressgate.policy.reasons import Reason
 
 logger = logging.getLogger(__name__)
@@ -53,8 +54,18 @@ def address_verdict(address: IPAddress, allow_private) -> Decision | None:
 async def resolve_target(rt: Runtime, policy, host: str, port: int) -> tuple[PinnedTarget | None, Decision | None]:
     """Resolve `host` (canonical) once and check every answer; deny if ANY answer is forbidden (a name
     that mixes a public and a private address is a rebinding setup, not a legitimate service)."""
+    target, denied, _addresses = await resolve_checked(rt, policy, host, port)
+    return target, denied
+
+
+async def resolve_checked(
+    rt: Runtime, policy, host: str, port: int
+) -> tuple[PinnedTarget | None, Decision | None, tuple[IPAddress, ...]]:
+    """`resolve_target`, plus every address the check read (empty when nothing was resolved). The address
+    check is part of the decision, so its record must carry them (`with_addresses`): replay re-decides an
+    `address_forbidden` deny from exactly these (docs/audit.md, "Replay")."""
     if host in METADATA_HOSTNAMES:
-        return None, gateway_deny(Reason.METADATA_ENDPOINT, "Cloud metadata endpoints are never reachable.")
+        return None, gateway_deny(Reason.METADATA_ENDPOINT, "Cloud metadata endpoints are never reachable."), ()
     literal = parse_ip_literal(host)
     if literal is not None:
         addresses: tuple[IPAddress, ...] = (literal,)
@@ -64,18 +75,28 @@ async def resolve_target(rt: Runtime, policy, host: str, port: int) -> tuple[Pin
             addresses = await rt.resolver.resolve(host)
         except ResolveError as exc:
             logger.info("resolve failed: %s", exc)
-            return None, gateway_deny(
-                Reason.UPSTREAM_UNRESOLVABLE, f"The name {host} could not be resolved by the gateway."
+            return (
+                None,
+                gateway_deny(Reason.UPSTREAM_UNRESOLVABLE, f"The name {host} could not be resolved by the gateway."),
+                (),
             )
         sni = host
     for address in addresses:
         denied = address_verdict(address, policy.allow_private)
         if denied is not None:
-            return None, denied
+            return None, denied, addresses
     chosen = addresses[0]
     if rt.is_self(chosen, port):
-        return None, gateway_deny(Reason.SELF_CONNECTION)
-    return PinnedTarget(host=host, port=port, address=chosen, sni=sni), None
+        return None, gateway_deny(Reason.SELF_CONNECTION), addresses
+    return PinnedTarget(host=host, port=port, address=chosen, sni=sni), None, addresses
+
+
+def with_addresses(facts: Facts, addresses: tuple[IPAddress, ...]) -> Facts:
+    """`facts` as a refused decision read them: the addresses the gateway resolved and checked. Without
+    them an `address_forbidden` record replays as an allow (a false flip in `audit replay`). Only on the
+    deny path (dataclasses.replace costs µs per request): an allow's record names the address it dialed
+    (`egressgate.pinned.address`), which replay reads instead."""
+    return replace(facts, addresses=addresses) if addresses and facts.addresses != addresses else facts
 
 
 def _same_ip(a: IPAddress, b: IPAddress) -> bool:

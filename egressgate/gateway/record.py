@@ -20,6 +20,7 @@ from egressgate.gateway import request_hash, ws_layer
 from egressgate.gateway.budgets import refund_prepaid
 from egressgate.gateway.context import ConnState, FlowState, Runtime, ensure_flow_state, flow_state, new_request_id
 from egressgate.gateway.deny import gateway_deny
+from egressgate.gateway.identity import CHALLENGE
 from egressgate.gateway.target import note_target
 from egressgate.policy.facts import Decision
 from egressgate.policy.reasons import Reason
@@ -65,8 +66,12 @@ def decision_event(kind: EventKind, fs: FlowState, labels: dict[str, str], clien
         extra["egressgate.intercept"] = fs.intercept
     if d.passthrough:
         extra["egressgate.tls"] = "passthrough"
+    if fs.budget_refused is not None and not d.allowed:  # what the byte budget check read (audit replay)
+        extra["egressgate.budget.needed"], extra["egressgate.budget.spent"] = fs.budget_refused
+    challenge = d.reason is Reason.IDENTITY_UNKNOWN and d.detail == CHALLENGE  # identity.py: asked, not refused
     return build(
         kind, time_ns=fs.started_ns, request_id=fs.request_id, verdict=d, sandbox_labels=labels, extra=extra,
+        decision="challenge" if challenge else str(d.effect),
         sandbox_id=fs.sandbox_id, policy_name=fs.policy_name, policy_hash=fs.policy_hash,
         target_as_sent=fs.target_as_sent, scheme=fs.scheme, host=fs.host, port=fs.port, method=fs.method,
         path=fs.path, query=fs.query, pinned_address=str(fs.pinned.address) if fs.pinned is not None else None,
@@ -126,7 +131,7 @@ class Record:
 
     async def requestheaders(self, flow: http.HTTPFlow) -> None:
         fs = ensure_flow_state(flow)
-        if flow.response is not None and fs.audited:
+        if fs.audited:  # answered earlier, or a request in a refused tunnel (its CONNECT's record is its record)
             return
         fs.bodyless_hash = request_hash.bodyless_hash(flow.request, fs)
         await self._record(EventKind.HTTP_REQUEST, flow, fs)

@@ -21,7 +21,7 @@ from egressgate.gateway.approval_gate import settle
 from egressgate.gateway.context import ConnState, PinnedTarget, Runtime
 from egressgate.gateway.deny import gateway_deny
 from egressgate.gateway.identity import UNKNOWN_SOURCE, connection_limit, source_text
-from egressgate.gateway.pinning import bind_tunnel, resolve_target
+from egressgate.gateway.pinning import bind_tunnel, resolve_checked, resolve_target, with_addresses
 from egressgate.gateway.record import conn_attributes
 from egressgate.policy.canon import CanonError, canon_host, split_host_port
 from egressgate.policy.decide import decide
@@ -113,8 +113,10 @@ async def name_decision(rt: Runtime, conn: ConnState, host: str, port: int) -> D
             rule_id=decision.rule_id)
     if not decision.allowed:
         return decision, None, facts, snapshot
-    target, denied = await resolve_target(rt, rt.policies.get(conn.policy_name), host, port)
-    return (denied or decision), target, facts, snapshot
+    target, denied, addresses = await resolve_checked(rt, rt.policies.get(conn.policy_name), host, port)
+    if denied is not None:  # the record carries what the address check read (audit replay)
+        return denied, target, with_addresses(facts, addresses), snapshot
+    return decision, target, facts, snapshot
 
 
 async def connect_decision(rt: Runtime, conn: ConnState, host: str, port: int

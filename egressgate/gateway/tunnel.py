@@ -13,6 +13,8 @@ per-request decision. Here every layer is chosen explicitly:
   must name the CONNECT host, then a counting splice, no interception);
 * inside a tunnel whose CONNECT was allowed only by a raw-TCP rule (`intercept=False`): a TCP relay;
 * otherwise TLS → intercept (MITM with the gateway CA) → HTTP; plaintext HTTP → HTTP;
+* inside a refused CONNECT accepted to deliver its deny (refused_tunnel.py): TLS intercepted, HTTP
+  answered with the deny, other bytes the raw deny; never a server connection;
 * any other bytes → a raw-TCP decision (`network.tcp.allow` for host:port) → relay, or the deny
   contract and a closed connection. Nothing is forwarded before that decision.
 * a websocket (after an allowed HTTP upgrade): ws_layer.GuardedWebsocketLayer, installed when this addon
@@ -34,7 +36,7 @@ from mitmproxy.proxy.layers.tls import HTTP_ALPNS
 
 from egressgate.audit.build import build
 from egressgate.audit.event import AuditUnavailable, EventKind
-from egressgate.gateway import transparent, ws_layer
+from egressgate.gateway import refused_tunnel, transparent, ws_layer
 from egressgate.gateway.context import ConnState, Runtime, new_request_id
 from egressgate.gateway.deny import gateway_deny, raw_deny
 from egressgate.gateway.history import record_contact, refuse_unrecorded
@@ -101,6 +103,10 @@ class NextLayer:
                 nextlayer.layer = transparent.refused_inner_layer(self.rt, conn, context, data)
             else:
                 nextlayer.layer = RefuseLayer(context, b"")
+            return
+        if conn is not None and conn.refused_target is not None:
+            # a refused CONNECT accepted to deliver its deny (refused_tunnel.py): intercept, answer, never forward
+            nextlayer.layer = refused_tunnel.inner_layer(self.rt, conn, context, data)
             return
         if conn is None or conn.tunnel_host is None:
             nextlayer.layer = RefuseLayer(context, b"")

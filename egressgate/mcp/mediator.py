@@ -34,6 +34,7 @@ from egressgate.audit.event import AuditUnavailable
 from egressgate.broker.redact import SecretSpec
 from egressgate.mcp import records
 from egressgate.mcp.approval import name_tool_approval
+from egressgate.mcp.batch import withdraw
 from egressgate.mcp.facts import Refused, budget_deny, facts_record, needs_approval, needs_network, read_info
 from egressgate.mcp.jsonrpc import (
     McpMalformed,
@@ -45,6 +46,7 @@ from egressgate.mcp.jsonrpc import (
     parse_value,
     reply_id,
 )
+from egressgate.mcp.methods import check_batch, check_client_methods
 from egressgate.mcp.pending import Pending, Ticket, id_key
 from egressgate.mcp.server_side import ServerSide
 from egressgate.policy.mcp_decide import McpFacts, ToolCall, ToolDecision, decide_tool_call
@@ -120,6 +122,8 @@ class McpSession:
         self._serial = 0  # of the last client body whose ids were reserved (Ticket.serial)
         self._pins_read = False
         self.closed = False
+        # the version the server answered `initialize` with (server_side.py): only 2025-03-26 has batches
+        self.protocol_version: str | None = None
 
     # -- policy ----------------------------------------------------------------------------------
 
@@ -143,6 +147,9 @@ class McpSession:
             if policy is None:
                 raise McpMalformed("policy", "no policy")  # replaced below: nothing is forwarded
             messages, was_batch = parse_body(body, max_bytes=policy.mcp.max_message_bytes)
+            check_client_methods(messages)  # deny by default: `Tools/Call` is never forwarded undecided
+            if was_batch:
+                check_batch(self.protocol_version)
             self._check_ids(messages)
         except McpMalformed as exc:
             return await self._refuse_body(exc, policy is None, reply_id(body, self.max_bytes()))
@@ -174,6 +181,9 @@ class McpSession:
             if refresh and forward:
                 await self.server_side.refresh()  # the answer is filtered against what the store holds now
                 self._pins_read = True
+            if was_batch and replies and forward:
+                replies += await withdraw(self, messages, forward, replies[0], ticket)
+                forward = []
         finally:
             for msg in messages:
                 if msg.is_call:
@@ -254,7 +264,7 @@ class McpSession:
                     await self.rt.state.refund_calls(self.sandbox_id, call.counted)
             return await self._fail(msg, tool, arguments, Reason.AUDIT_UNAVAILABLE)
         if call.decision.allowed:
-            self.calls[msg.id] = Pending(request_id, tool, time.monotonic())  # type: ignore[index]
+            self.calls[msg.id] = Pending(request_id, tool, time.monotonic(), call.counted)  # type: ignore[index]
             return None
         return deny_error(msg.id, call.decision.message, str(call.decision.reason), call.decision.rule_id,
                           call.approval_id)

@@ -14,6 +14,7 @@ class Pending:
     request_id: str
     tool: str
     started: float  # monotonic
+    counted: tuple[str, ...] = ()  # budget keys the call consumed (given back if it is not forwarded)
 
 
 @dataclass(slots=True)

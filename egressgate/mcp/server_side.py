@@ -95,6 +95,8 @@ class ServerSide:
         if msg.error is not None:
             return msg.obj
         if method == "initialize":
+            version = msg.result.get("protocolVersion") if isinstance(msg.result, dict) else None
+            self.session.protocol_version = version if isinstance(version, str) else None  # methods.py: batches
             self._initialize(server_info(msg.result))
             return msg.obj
         stamp = stamped_server_info(msg.result)

@@ -6,19 +6,22 @@ import ipaddress
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
 import click
 
+from egressgate.approvals.grant import KIND_NETWORK, SCOPE_HOST, Grant
 from egressgate.policy.canon import CanonError, canon_host
 from egressgate.policy.decide import decide
 from egressgate.policy.errors import PolicyError
-from egressgate.policy.facts import Operation, SandboxState
+from egressgate.policy.facts import Decision, Facts, Operation, SandboxState
 from egressgate.policy.loader import load_policies
 from egressgate.policy.mcp_decide import ToolDecision
 from egressgate.policy.mcp_explain import explain_tool_call, parse_arguments
+from egressgate.policy.reasons import Reason
 from egressgate.policy.target import parse_target
 from egressgate.policy.testcases import pick_policy, run_case_file, tunnel_mode
 
@@ -83,6 +86,25 @@ def _runtime_keys(compiled: Any) -> list[str]:
     return lines
 
 
+def _headers(values: tuple[str, ...]) -> dict[str, str]:
+    out = {}
+    for item in values:
+        name, sep, value = item.partition(":")
+        if not sep or name.strip().lower() not in ("content-type", "accept"):
+            raise click.BadParameter(f"expected 'Content-Type: ...' or 'Accept: ...', got {item!r}",
+                                     param_hint="--header")
+        out[name.strip().lower()] = value.strip()
+    return out
+
+
+def assumed_grant(facts: Facts, decision: Decision, now: float) -> Grant:
+    """`explain --approved`: the grant an operator's `approvals approve` (scope host) would create."""
+    return Grant(id="apr-explain", sandbox_id="explain", scope=SCOPE_HOST,
+                 scheme=facts.scheme if facts.operation is Operation.HTTP_REQUEST else None, host=facts.host,
+                 port=facts.port or 0, method=facts.method, path=facts.path, expires_at=now + 60,
+                 kind=decision.approval_kind or KIND_NETWORK)
+
+
 def _label(values: tuple[str, ...]) -> dict[str, str]:
     labels = {}
     for item in values:
@@ -100,6 +122,11 @@ def _label(values: tuple[str, ...]) -> dict[str, str]:
 @click.option("--resolved", multiple=True, help="An address the host resolves to (repeatable).")
 @click.option("--elapsed", type=float, default=0.0, help="Seconds since the sandbox was admitted.")
 @click.option("--seen", multiple=True, help="A host the sandbox already sent requests to (repeatable).")
+@click.option("--header", "headers", multiple=True,
+              help="'Content-Type: ...' or 'Accept: ...' of the request (repeatable; they change how it is "
+                   "classified: package install, publish).")
+@click.option("--approved", is_flag=True,
+              help="Assume a live operator approval of the request's kind covers it (shows what passes then).")
 @click.option("--json", "as_json", is_flag=True, help="Print the decision as JSON.")
 @click.option("--fail", "fail_on_deny", is_flag=True,
               help="Exit 1 when the decision is DENY (default: 0 whatever the decision; 2 on an invalid policy).")
@@ -118,6 +145,8 @@ def explain(
     resolved: tuple[str, ...],
     elapsed: float,
     seen: tuple[str, ...],
+    headers: tuple[str, ...],
+    approved: bool,
     as_json: bool,
     fail_on_deny: bool,
     request: str | None,
@@ -135,7 +164,9 @@ def explain(
         raise click.UsageError("give --policy PATH and REQUEST (or --mcp-server and --tool for an MCP call)")
     try:
         compiled = pick_policy(load_policies(policy_path), sandbox, policy_path)
-        facts = parse_target(request, tuple(ipaddress.ip_address(a) for a in resolved))
+        given = _headers(headers)
+        facts = parse_target(request, tuple(ipaddress.ip_address(a) for a in resolved),
+                             given.get("content-type"), given.get("accept"))
         now = time.time()
         state = SandboxState(
             sandbox_id="explain",
@@ -149,6 +180,8 @@ def explain(
     except (CanonError, ValueError) as exc:
         raise click.BadParameter(str(exc), param_hint="REQUEST") from None
     decision = decide(compiled, facts, state, now)
+    if approved and decision.reason is Reason.APPROVAL_REQUIRED:
+        decision = decide(compiled, facts, replace(state, approvals=(assumed_grant(facts, decision, now),)), now)
     out = {
         "decision": decision.effect.value,
         "reason": decision.reason.value,
@@ -159,12 +192,17 @@ def explain(
         "policy": compiled.name,
         "policy_hash": compiled.hash,
         "canonical": {"host": facts.host, "port": facts.port, "method": facts.method, "path": facts.path},
+        "operation": facts.op_class,
+        "protocol": facts.op_protocol,
+        "approval_kind": decision.approval_kind,
         "tunnel": tunnel_mode(decision) if facts.operation is Operation.CONNECT else None,
     }
     if as_json:
         click.echo(json.dumps(out, indent=2))
     else:
         click.echo(f"{out['decision'].upper()}  reason={out['reason']}  rule={out['rule'] or '-'}")
+        if facts.op_class:
+            click.echo(f"operation: {facts.op_class} ({facts.op_protocol})")
         if out["tunnel"]:
             click.echo(f"tunnel: {out['tunnel']}")
         if decision.capability:

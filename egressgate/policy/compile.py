@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
+from egressgate.policy import querymatch
 from egressgate.policy.canon import CanonError, canon_method, parse_ip_literal
 from egressgate.policy.errors import PolicyError
 from egressgate.policy.execution import approval_kinds
@@ -67,6 +68,7 @@ class CompiledRule:
     # Deny rules only: `paths` widened to fail closed against every server reading (policy.readings).
     deny_paths: tuple[DenyGlob, ...] | None = None
     passthrough: bool = False  # an https allow rule with `tls: passthrough`: its tunnels are spliced
+    query: querymatch.QueryMatcher | None = None  # `query:` (policy/querymatch.py); None = any query
 
     def path_allows(self, path: str | None) -> bool:
         return self.paths is None or (path is not None and any(glob.matches(path) for glob in self.paths))
@@ -74,7 +76,7 @@ class CompiledRule:
     def describe(self) -> str:
         methods = ",".join(sorted(self.methods)) if self.methods else "any method"
         paths = " ".join(g.source for g in self.paths) if self.paths else "any path"
-        return f"{methods} {paths}"
+        return f"{methods} {paths}" + (f"?{self.query.describe()}" if self.query is not None else "")
 
 
 @dataclass(slots=True)
@@ -116,6 +118,7 @@ class DnsSettings:
     max_queries: int | None
     max_name_bytes: int | None
     rate_per_second: float | None
+    deny_answer: str = "gateway"  # network.dns.deny_answer (dns/gateway_answer.py)
 
 
 class CompiledPolicy:
@@ -139,6 +142,7 @@ class CompiledPolicy:
         self.budgeted_rules: frozenset[str] = frozenset()  # rules whose usage decide() reads
         self.has_passthrough = False  # some rule has `tls: passthrough` (transparent.py peeks at SNI first)
         self.approval_kinds: frozenset[str] = frozenset()  # execution.require_approval_for (policy/execution.py)
+        self.package_install: str = model.execution.package_install  # allow | deny | approval (policy/opclass.py)
         self.mcp: CompiledMcp = EMPTY_MCP  # the `mcp:` section (policy/mcp_compile.py)
 
     def relevant_state(self, state: SandboxState) -> SandboxState:
@@ -235,8 +239,10 @@ def _compile_rule(
     )
     if raw.except_hosts and host is not None and host.kind == "exact":
         problems.append((f"{path}.except_hosts", "except_hosts only makes sense with a wildcard host"))
-    methods = paths = credential = None
+    methods = paths = credential = query = None
     if isinstance(raw, HttpRule):
+        if raw.query is not None:
+            query = querymatch.compile_query(raw.query, f"{path}.query", problems)
         if raw.methods is not None:
             methods = frozenset(_methods(raw.methods, f"{path}.methods", problems))
             if not raw.methods:
@@ -281,6 +287,7 @@ def _compile_rule(
         key_path=path,
         deny_paths=tuple(deny_glob(g) for g in paths) if paths is not None and effect is Effect.DENY else None,
         passthrough=isinstance(raw, HttpRule) and raw.tls == "passthrough",
+        query=query,
     )
 
 
@@ -375,6 +382,7 @@ def _compile_dns(model: Policy, policy: CompiledPolicy, problems: list[tuple[str
         max_queries=budget.queries if budget else None,
         max_name_bytes=budget.name_bytes if budget else None,
         rate_per_second=budget.per_second if budget else None,
+        deny_answer=dns.deny_answer,
     )
 
 

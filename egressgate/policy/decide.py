@@ -16,17 +16,26 @@ same answer for the same inputs. Order of checks (first failure wins):
 5. only when the allow rules refused the request for *where* it goes and the policy requires approval
    for `network_expansion`: a live operator approval of this sandbox that covers it allows it
    (`approval_granted`, intercepted, no credential); otherwise the deny is `approval_required`
-   (approvals/overlay.py states which requests an approval may cover).
+   (approvals/overlay.py states which requests an approval may cover) -- except for a package install
+   under `package_install: deny`, refused `package_install_denied` (no operator could let it through);
+6. an HTTP request the network allows (steps 4-5) that the caller recognised as a package install or a
+   publish (`facts.op_class`, policy/opclass.py) is then gated by its class: `package_install: deny` ->
+   `package_install_denied`; `package_install: approval`, or `publish` in `require_approval_for` -> a live
+   approval of that kind for this sandbox that covers it (`approval_granted`, the rule's credential kept),
+   else `approval_required` with `approval_kind` set. A class never allows what the rules refuse.
 """
 
 from __future__ import annotations
 
-from egressgate.approvals.overlay import NETWORK_EXPANSION, approvable, covering
+from dataclasses import replace
+
+from egressgate.approvals.overlay import NETWORK_EXPANSION, approvable, class_covering, covering
 from egressgate.policy.addr import METADATA_HOSTNAMES, AddrClass, check_address
 from egressgate.policy.canon import parse_ip_literal
 from egressgate.policy.compile import CompiledConditions, CompiledPolicy, CompiledRule
 from egressgate.policy.facts import Decision, Facts, Operation, RuleUsage, SandboxState
 from egressgate.policy.messages import deny_message
+from egressgate.policy.opclass import PACKAGE_INSTALL, PUBLISH
 from egressgate.policy.readings import AmbiguousPath, server_readings
 from egressgate.policy.reasons import Effect, Reason
 
@@ -46,6 +55,10 @@ _DEPTH: dict[Reason | str, float] = {reason: i for i, reason in enumerate(_STAGE
 # A rule that matched all but TRACE on a credential: reported as method_not_allowed, ranked after paths.
 _TRACE_ON_CREDENTIAL = "trace_on_credential"
 _DEPTH[_TRACE_ON_CREDENTIAL] = _DEPTH[Reason.PATH_NOT_ALLOWED] + 0.5
+# A rule that matched the path but not its `query:` (querymatch.py): reported as path_not_allowed (the
+# request target is not allowed), detail "query", ranked after a plain path mismatch.
+_QUERY_MISMATCH = "query_mismatch"
+_DEPTH[_QUERY_MISMATCH] = _DEPTH[Reason.PATH_NOT_ALLOWED] + 0.25
 _NO_USAGE = RuleUsage()
 
 
@@ -80,13 +93,17 @@ def decide(policy: CompiledPolicy, facts: Facts, state: SandboxState, now: float
             failure = _allow_rule_failure(rule, facts, state, now, connect)
             if failure is None:
                 if not connect:
-                    return _allow(rule, intercept=True)
+                    allow = _allow(rule, intercept=True)
+                    return allow if facts.op_class is None else _gate(policy, facts, state, now, allow, rule)
                 allowed = allowed or rule
                 intercept = intercept or rule.scheme != "tcp"
             elif _DEPTH[failure] > _DEPTH[best[0]]:
                 best = (failure, rule)
+    detail = None
     if best[0] == _TRACE_ON_CREDENTIAL:
         best = (Reason.METHOD_NOT_ALLOWED, best[1])
+    elif best[0] == _QUERY_MISMATCH:
+        best, detail = (Reason.PATH_NOT_ALLOWED, best[1]), "query"
     if allowed is not None:
         # The first allowing rule sets the tunnel's mode (file order, https before http before tcp): a
         # passthrough rule first means no interception, whatever later rules would have matched.
@@ -98,9 +115,30 @@ def decide(policy: CompiledPolicy, facts: Facts, state: SandboxState, now: float
     if NETWORK_EXPANSION in policy.approval_kinds and approvable(facts, best[0]):
         grant = covering(state.approvals, facts, state.sandbox_id, now)
         if grant is not None:
-            return Decision(effect=Effect.ALLOW, reason=Reason.APPROVAL_GRANTED, approval_id=grant.id)
+            allow = Decision(effect=Effect.ALLOW, reason=Reason.APPROVAL_GRANTED, approval_id=grant.id)
+            return allow if facts.op_class is None else _gate(policy, facts, state, now, allow, None)
+        if facts.op_class == PACKAGE_INSTALL and policy.package_install == "deny":
+            return _deny(policy, facts, Reason.PACKAGE_INSTALL_DENIED, None, detail=facts.op_protocol)
         return _deny(policy, facts, Reason.APPROVAL_REQUIRED, best[1], detail=str(best[0]))
-    return _deny(policy, facts, best[0], best[1])
+    return _deny(policy, facts, best[0], best[1], detail=detail)
+
+
+def _gate(policy: CompiledPolicy, facts: Facts, state: SandboxState, now: float, allow: Decision,
+          rule: CompiledRule | None) -> Decision:
+    """Step 6: an allowed request of an operation class, under the policy's control of that class."""
+    kind = facts.op_class
+    if kind == PACKAGE_INSTALL:
+        mode = policy.package_install
+        if mode == "allow":
+            return allow
+        if mode == "deny":
+            return _deny(policy, facts, Reason.PACKAGE_INSTALL_DENIED, rule, detail=facts.op_protocol)
+    elif kind != PUBLISH or PUBLISH not in policy.approval_kinds:
+        return allow
+    grant = class_covering(state.approvals, facts, kind, state.sandbox_id, now)
+    if grant is not None:
+        return replace(allow, reason=Reason.APPROVAL_GRANTED, approval_id=grant.id, approval_kind=kind)
+    return replace(_deny(policy, facts, Reason.APPROVAL_REQUIRED, rule, detail=kind), approval_kind=kind)
 
 
 def _allow(rule: CompiledRule, *, intercept: bool, passthrough: bool = False) -> Decision:
@@ -164,12 +202,14 @@ def _deny_rule_verdict(
     (`path_ambiguous`) by every path deny rule that would otherwise apply to the request."""
     if not _port_ok(rule, facts):
         return None
-    if connect and (rule.methods is not None or rule.paths is not None):
+    if connect and (rule.methods is not None or rule.paths is not None or rule.query is not None):
         return None  # decided per request inside the (intercepted) tunnel
     if rule.methods is not None and facts.method not in rule.methods:
         return None
     if rule.when is not None and not _conditions_hold(rule.when, state, now):
         return None
+    if rule.query is not None and not rule.query.denies(facts.query):
+        return None  # an ambiguous query is denied (querymatch.py), like an ambiguous path
     globs = rule.deny_paths
     if globs is None:
         return Reason.DENIED_BY_RULE, None
@@ -204,6 +244,8 @@ def _allow_rule_failure(
             return Reason.METHOD_NOT_ALLOWED
         if not rule.path_allows(facts.path):
             return Reason.PATH_NOT_ALLOWED
+        if rule.query is not None and not rule.query.allows(facts.query):
+            return _QUERY_MISMATCH
         if rule.credential is not None and facts.method == "TRACE":
             return _TRACE_ON_CREDENTIAL  # TRACE echoes the request, injected credential included
     if rule.when is not None and not _conditions_hold(rule.when, state, now):

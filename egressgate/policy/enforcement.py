@@ -216,6 +216,15 @@ KEYS: tuple[Key, ...] = (
             _RESOLVE + "test_denied_names_never_reach_upstream",
         ),
     ),
+    Key(
+        "network.dns.deny_answer",
+        RESOLVER,
+        "dns/",
+        (
+            "tests/dns_resolver/test_gateway_answer.py::test_a_denied_name_resolves_to_the_gateway_without_an_upstream_query",
+            "tests/dns_resolver/test_gateway_answer.py::test_deny_answer_rcode_keeps_nxdomain",
+        ),
+    ),
     Key("network.dns.deny_rcode", RESOLVER, "dns/", (_RESOLVE + "test_policy_deny_rcode_refused",)),
     Key(
         "network.dns.query_types",
@@ -262,6 +271,15 @@ KEYS: tuple[Key, ...] = (
         GATEWAY,
         "policy/decide.py",
         ("tests/gateway/test_enforcement.py::test_wrong_method_or_path_denied_upstream_untouched",),
+    ),
+    Key(
+        _L7 + ".query",
+        GATEWAY,
+        "policy/querymatch.py, policy/decide.py",
+        (
+            "tests/policy/test_query_rules.py::test_a_push_spelling_is_refused_by_the_clone_only_rule",
+            "tests/policy/test_query_rules.py::test_positive_control_the_clone_request_is_allowed",
+        ),
     ),
     Key(
         _L7 + ".credential",
@@ -365,15 +383,32 @@ KEYS: tuple[Key, ...] = (
             "tests/mcp/test_local_relay.py::test_refused_local_start_never_runs_the_server",
         ),
     ),
-    # `allow` is what happens anyway (the network rules decide); nothing refuses package installs as such
     Key(
-        "execution.package_install=allow", GATEWAY, "policy/decide.py (network rules)", (_DECIDE + "test_seed_policy",)
+        "execution.package_install=allow",
+        GATEWAY,
+        "policy/opclass.py, policy/decide.py",
+        (
+            "tests/policy/test_decide_opclass.py::test_package_install_deny_refuses_what_the_rule_allows_and_allow_leaves_it_to_the_rules",
+            "tests/approvals/test_opclass_clients.py::test_pip_download_and_install_are_refused_under_deny_and_work_under_allow",
+        ),
     ),
     Key(
         "execution.package_install=deny",
-        REFUSED,
-        "policy/enforcement.py",
-        ("tests/policy/test_no_silent_keys.py::test_policy_check_refuses_every_key_the_table_says_nothing_enforces",),
+        GATEWAY,
+        "policy/opclass.py, policy/decide.py",
+        (
+            "tests/policy/test_decide_opclass.py::test_package_install_deny_refuses_what_the_rule_allows_and_allow_leaves_it_to_the_rules",
+            "tests/approvals/test_opclass_clients.py::test_npm_install_is_refused_under_deny_and_works_under_allow",
+        ),
+    ),
+    Key(
+        "execution.package_install=approval",
+        GATEWAY,
+        "policy/opclass.py, policy/decide.py, approvals/",
+        (
+            "tests/policy/test_decide_opclass.py::test_package_install_approval_waits_and_a_grant_of_that_kind_lets_it_through",
+            "tests/approvals/test_opclass_clients.py::test_pip_install_waits_for_an_operator_under_approval",
+        ),
     ),
     Key(
         "execution.require_approval_for=network_expansion",
@@ -394,9 +429,13 @@ KEYS: tuple[Key, ...] = (
     ),
     Key(
         "execution.require_approval_for=publish",
-        REFUSED,
-        "policy/enforcement.py",
-        ("tests/policy/test_no_silent_keys.py::test_policy_check_refuses_every_key_the_table_says_nothing_enforces",),
+        GATEWAY,
+        "policy/opclass.py, policy/decide.py, approvals/",
+        (
+            "tests/policy/test_decide_opclass.py::test_publish_waits_for_approval_even_when_a_rule_allows_method_and_path",
+            "tests/approvals/test_opclass_clients.py::test_git_push_without_publish_approval_is_left_to_the_network_rules",
+            "tests/approvals/test_opclass_clients.py::test_npm_publish_waits_for_approval_and_passes_after_it",
+        ),
     ),
     # --- persistence: the runtime ------------------------------------------------------------------
     Key(

@@ -1,10 +1,12 @@
 """`execution.require_approval_for`: which actions need an operator's approval.
 
 `network_expansion` is enforced by the gateway (a request outside the allowlist is refused with
-`approval_required` and an approval an operator can grant: egressgate/approvals). `publish` and
-`persistent_write` are recorded on the compiled policy and handed to runtime adapters in the admission
-response (`runtime_policy.execution.require_approval_for`); the gateway itself has nothing to check for
-them. A misspelt kind must be a load error, never an approval silently not required.
+`approval_required` and an approval an operator can grant: egressgate/approvals). `publish` is enforced by
+the gateway too: a request recognised as publishing (policy/opclass.py: git push, npm publish, PyPI
+uploads, OCI pushes, release uploads) waits for an approval of kind `publish` even when a network rule
+allows it (policy/decide.py). `persistent_write` is recorded on the compiled policy and handed to runtime
+adapters in the admission response (`runtime_policy.execution.require_approval_for`). A misspelt kind
+must be a load error, never an approval silently not required.
 """
 
 from __future__ import annotations

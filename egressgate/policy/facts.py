@@ -40,7 +40,12 @@ class Facts:
     path: str | None = None
     addresses: tuple[IPAddress, ...] = ()  # resolved (or literal) addresses the gateway would dial
     qtype: str | None = None  # DNS query type name, e.g. "A"
+    query: str | None = None  # the raw query string as sent (no '?'); read only by `query:` rules (querymatch.py)
     request_bytes: int = 0  # size of this request as far as known (for per-rule byte budgets)
+    # HTTP requests only: what the request does, recognised by protocol (policy/opclass.py classify()):
+    # "package_install" | "publish" | None, and the protocol it was recognised as ("pypi", "npm", "git"...)
+    op_class: str | None = None
+    op_protocol: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +86,9 @@ class Decision:
     passthrough: bool = False
     # approval_granted: the approval that allowed it; approval_required: the pending approval to ask for
     approval_id: str | None = None
+    # approval_required / approval_granted by an operation class: "package_install" | "publish" (None: the
+    # network allowlist, approvals kind network_expansion)
+    approval_kind: str | None = None
 
     @property
     def allowed(self) -> bool:

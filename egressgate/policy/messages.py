@@ -79,6 +79,14 @@ def deny_message(
         return (f"{target} is refused: rule {rule.id if rule else '?'!r} of policy {name!r} denies some paths "
                 f"on {facts.host}, and servers can read this path ({detail}) in ways that cannot be checked; "
                 f"{hint}.")
+    if reason is Reason.PACKAGE_INSTALL_DENIED:
+        return (f"{target} is a package install ({detail or facts.op_protocol or 'package manager'}) and policy "
+                f"{name!r} does not allow package installs (execution.package_install: deny) from any index or "
+                "mirror; use the dependencies already in the sandbox or ask the operator to change the policy.")
+    if reason is Reason.APPROVAL_REQUIRED and detail in ("package_install", "publish"):
+        what = "a package install" if detail == "package_install" else "a publish"
+        return (f"{target} is {what} ({facts.op_protocol or '?'}) and policy {name!r} requires an operator's "
+                "approval for it; retry this request after an operator approves it.")
     if reason is Reason.APPROVAL_REQUIRED:  # the gateway names the approval (gateway/approval_gate.py)
         return (f"{target} is outside the allowlist of policy {name!r} and needs an operator's approval; do not "
                 "route around the gateway: retry this request after an operator approves it.")

@@ -101,6 +101,8 @@ class HttpRule(Strict):
     ports: list[Port] | None = None
     methods: list[str] | None = None
     paths: list[str] | None = None
+    # query parameter name -> values (policy/querymatch.py: allow rules require one of them, deny rules refuse them)
+    query: dict[str, list[str]] | None = None
     credential: str | None = None
     when: Conditions | None = None
     budget: Budget | None = None
@@ -141,6 +143,9 @@ class DnsBudget(Strict):
 class DnsSection(Strict):
     allow: list[str] = []
     deny_rcode: Literal["NXDOMAIN", "REFUSED"] = "NXDOMAIN"
+    # a name not allowed: "gateway" answers the gateway's address (its transparent listener then answers the
+    # request with the deny body; no upstream query), "rcode" answers deny_rcode (docs/policy.md)
+    deny_answer: Literal["gateway", "rcode"] = "gateway"
     query_types: list[str] = list(DEFAULT_QUERY_TYPES)
     budget: DnsBudget | None = None
 
@@ -167,7 +172,9 @@ class Credentials(Strict):
 
 class Execution(Strict):
     commands: list[str] = []
-    package_install: Literal["allow", "deny"] = "deny"
+    # enforced by the gateway on requests recognised as package installs (policy/opclass.py); "approval":
+    # each one waits for an operator (approval kind package_install)
+    package_install: Literal["allow", "deny", "approval"] = "deny"
     local_mcp_servers: Literal["allow", "deny"] = "deny"
     require_approval_for: list[str] = []
 

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 _NEEDS_HTTP = {
     "methods": "a passthrough route never sees the request method (TLS is not intercepted)",
     "paths": "a passthrough route never sees the request path (TLS is not intercepted)",
+    "query": "a passthrough route never sees the request's query (TLS is not intercepted)",
     "credential": "credentials are injected into intercepted HTTPS only; a passthrough route never sees a request",
 }
 

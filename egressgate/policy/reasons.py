@@ -30,6 +30,7 @@ class Reason(StrEnum):
     CONDITION_FAILED = "condition_failed"
     BUDGET_EXCEEDED = "budget_exceeded"
     APPROVAL_REQUIRED = "approval_required"  # outside the allowlist; the policy lets an operator approve it
+    PACKAGE_INSTALL_DENIED = "package_install_denied"  # a package-manager request under package_install: deny
     # address checks
     ADDRESS_FORBIDDEN = "address_forbidden"
     METADATA_ENDPOINT = "metadata_endpoint"

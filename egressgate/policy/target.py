@@ -17,6 +17,7 @@ from egressgate.policy.canon import (
     split_path_query,
 )
 from egressgate.policy.facts import Facts, IPAddress, Operation
+from egressgate.policy.opclass import classify
 
 DEFAULT_PORT = {"https": 443, "http": 80}
 
@@ -53,8 +54,11 @@ def parse_url(url: str) -> Url:
     return Url(scheme, host, port, canon_path(raw_path), query)
 
 
-def parse_target(text: str, addresses: tuple[IPAddress, ...] = ()) -> Facts:
-    """'METHOD URL' | 'CONNECT host:port' | 'DNS QTYPE name' -> Facts."""
+def parse_target(text: str, addresses: tuple[IPAddress, ...] = (), content_type: str | None = None,
+                 accept: str | None = None) -> Facts:
+    """'METHOD URL' | 'CONNECT host:port' | 'DNS QTYPE name' -> Facts. An HTTP request is classified by
+    protocol (package install, publish: policy/opclass.py) exactly as the gateway does, from its method,
+    path and query and the given Content-Type / Accept header values."""
     parts = text.split()
     if len(parts) == 3 and parts[0].upper() == "DNS":
         return Facts(Operation.DNS_QUERY, canon_host(parts[2]), scheme="dns", qtype=parts[1].upper())
@@ -66,12 +70,17 @@ def parse_target(text: str, addresses: tuple[IPAddress, ...] = ()) -> Facts:
         return Facts(Operation.CONNECT, host, port, addresses=addresses)
     url = parse_url(rest)
     literal = parse_ip_literal(url.host)
+    method = canon_method(method)
+    op = classify(method, url.path, url.query, content_type, accept)
     return Facts(
         Operation.HTTP_REQUEST,
         url.host,
         url.port,
         scheme=url.scheme,
-        method=canon_method(method),
+        method=method,
         path=url.path,
+        query=url.query or None,
         addresses=addresses or ((literal,) if literal is not None else ()),
+        op_class=op[0] if op else None,
+        op_protocol=op[1] if op else None,
     )

@@ -19,6 +19,11 @@ cases:
   - request: CONNECT objects.githubusercontent.com:443
     expect: allow
     tunnel: passthrough                           # CONNECT only: intercept | passthrough | tcp (optional)
+  - request: GET https://mirror.example/simple/requests/
+    headers: {Accept: application/vnd.pypi.simple.v1+json}   # Content-Type / Accept (optional)
+    operation: package_install                    # package_install | publish | none (optional)
+    expect: deny
+    reason: package_install_denied
 ```
 """
 
@@ -56,6 +61,9 @@ class Case(BaseModel):
     elapsed_seconds: float = 0
     seen_hosts: list[str] = []
     sandbox_id: str = "policy-test"
+    # the request's Content-Type / Accept (classification by protocol: policy/opclass.py); other names refused
+    headers: dict[Literal["Content-Type", "Accept", "content-type", "accept"], str] = {}
+    operation: Literal["package_install", "publish", "none"] | None = None  # the class the request must get
     tunnel: Literal["intercept", "passthrough", "tcp"] | None = None
 
 
@@ -118,7 +126,8 @@ def case_state(case: Case, now: float) -> SandboxState:
 def run_case(policy: CompiledPolicy, case: Case, index: int) -> CaseResult:
     try:
         addresses = tuple(ipaddress.ip_address(a) for a in case.resolved)
-        facts = parse_target(case.request, addresses)
+        headers = {k.lower(): v for k, v in case.headers.items()}
+        facts = parse_target(case.request, addresses, headers.get("content-type"), headers.get("accept"))
         decision = decide(policy, facts, case_state(case, FIXED_NOW), FIXED_NOW)
     except (CanonError, ValueError) as exc:
         return CaseResult(case, index, None, (f"request could not be evaluated: {exc}",))
@@ -129,6 +138,8 @@ def run_case(policy: CompiledPolicy, case: Case, index: int) -> CaseResult:
         problems.append(f"expected reason {case.reason}, got {decision.reason.value}")
     if case.rule is not None and decision.rule_id != case.rule:
         problems.append(f"expected rule {case.rule}, got {decision.rule_id}")
+    if case.operation is not None and (facts.op_class or "none") != case.operation:
+        problems.append(f"expected operation {case.operation}, got {facts.op_class or 'none'}")
     if case.tunnel is not None and tunnel_mode(decision) != case.tunnel:
         problems.append(f"expected tunnel {case.tunnel}, got {tunnel_mode(decision)}")
     return CaseResult(case, index, decision, tuple(problems))

@@ -79,14 +79,15 @@ class RunSpec(NamedTuple):
 
     run_id: str  # short, unique on this host; names every host object of the run
     sandbox_id: str
-    runtime: str  # netns | docker | gvisor
+    runtime: str  # netns | docker | gvisor | microvm
     command: tuple[str, ...]
     env: dict[str, str]  # ONLY what admission handed out (rewritten for inside the sandbox); nothing inherited
     policy: dict  # admission's `runtime_policy`: {"sandbox": ..., "filesystem": ..., "execution": ...}
     address: SandboxAddress
     ca_bundle: Path  # host path of the sandbox CA bundle; mounted read-only inside
     workspace: Path | None = None  # host directory bind-mounted read-write at sandbox.workspace.path
-    image: str | None = None  # docker/gvisor
+    workspace_persistent: bool = False  # --workspace (a name or a directory): kept after the run, not temporary
+    image: str | None = None  # docker/gvisor: the container image; microvm: the root image (ext4 file or dir)
     labels: Mapping[str, str] = MappingProxyType({})  # read-only: a NamedTuple default is shared
     state_dir: Path = Path("/run/egressgate")  # run records, barrier files, generated resolv.conf/hosts
     tmp_dir: Path | None = None  # netns: host dir of the run's bounded /tmp tmpfs (diskfs.py), bound at /tmp

@@ -21,8 +21,8 @@ from egressgate.admin.cli import parse_labels
 @click.option("--config", "config_file", type=click.Path(dir_okay=False), help="the gateway's config (for var_dir)")
 @click.option("--var-dir", "var_dir", type=click.Path(file_okay=False), help="the running gateway's var dir")
 @click.option("--policy", required=True, help="Policy name (sandbox.name)")
-@click.option("--runtime", default="netns", show_default=True, help="netns | docker | gvisor")
-@click.option("--image", help="container image (docker, gvisor)")
+@click.option("--runtime", default="netns", show_default=True, help="netns | docker | gvisor | microvm")
+@click.option("--image", help="container image (docker, gvisor); microvm: root image (ext4 file or directory)")
 @click.option("--workspace", type=click.Path(file_okay=False),
               help="NAME of a workspace the runtime keeps in its var dir (`egressgate workspaces`), or a host "
                    "directory (a path with a '/': ./work); mounted read-write at sandbox.workspace.path, kept "

@@ -46,8 +46,11 @@ IMAGE = ".egressgate-workspace.ext4"
 BYTES_PER_INODE = 4096  # inodes per byte of limit (an inode flood is bounded like the bytes)
 MIN_INODES = 1024
 MS_NOSUID, MS_NODEV, MNT_DETACH = 2, 4, 2
-MS_REMOUNT, MS_BIND = 32, 4096
+MS_REMOUNT, MS_BIND, MS_REC, MS_RELATIME = 32, 4096, 16384, 1 << 21
+KEEP_FLAGS = os.ST_RDONLY | os.ST_NOEXEC | os.ST_NOATIME | os.ST_NODIRATIME  # same bits as their MS_ flags
+ST_RELATIME = 4096
 SOURCE_RE = re.compile(r"^egressgate-(ws|tmp)-([0-9a-f]{10})$")
+RUN_ID_RE = re.compile(r"^[0-9a-f]{10}$")
 
 
 class DiskLimitError(RuntimeError):
@@ -170,6 +173,31 @@ class DiskLimits:
             err = ctypes.get_errno()
             raise DiskLimitError(f"remount of the workspace {target} nosuid,nodev failed: {os.strerror(err)}")
 
+    def nosuid_bind(self, source: Path) -> Path:
+        """A `nosuid,nodev` bind of `source` at `state_dir/binds/<run_id>/<n>`; returns that path. For the
+        container runtimes: Docker's bind mounts take no such options, but a bind inherits the flags of the
+        mount it copies, so the container's read-write bind of this one is nosuid,nodev too (the bounded
+        workspaces are such mounts already). The source mount's other flags (ro, noexec, atime) are kept."""
+        parent = self.state_dir / "binds" / self.run_id
+        parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        (self.state_dir / "binds").chmod(0o700)
+        target = parent / str(len(self.made))
+        if source.is_dir():
+            target.mkdir(mode=0o700, exist_ok=True)
+        else:  # a file is bound on a file
+            target.touch(mode=0o600, exist_ok=True)
+        self._record({"target": str(target), "source": None, "image": None, "bind": str(source)})
+        keep = os.statvfs(source).f_flag & KEEP_FLAGS
+        keep |= MS_RELATIME if os.statvfs(source).f_flag & ST_RELATIME else 0
+        libc = _libc()
+        for flags, what in ((MS_BIND | MS_REC, "bind"), (MS_BIND | MS_REMOUNT | MS_NOSUID | MS_NODEV | keep,
+                                                         "remount nosuid,nodev")):
+            src = os.fsencode(source) if what == "bind" else None
+            if libc.mount(src, os.fsencode(target), None, flags, None) != 0:
+                err = ctypes.get_errno()
+                raise DiskLimitError(f"{what} of {source} on {target} failed: {os.strerror(err)}")
+        return target
+
     def persistent_workspace(self, path: Path, max_bytes: int, uid: int) -> None:
         image = path / IMAGE
         if loops_of(image) or mounted(path):
@@ -286,15 +314,21 @@ def release_entry(run_id: str, state_dir: Path, entry: dict) -> list[str]:
     if not target.is_absolute():
         return []
     problems = []
-    if entry.get("bind"):  # a named workspace's bind (DiskLimits.bind): only at this run's own mount point
-        if target != state_dir / "workspaces" / run_id:
-            return [f"record names a bind mount at {target}: not ours, left alone"]
+    if entry.get("bind") is not None:  # DiskLimits.bind (a named workspace) or nosuid_bind: only this run's own
+        in_binds = target.parent == state_dir / "binds" / run_id
+        if not in_binds and target != state_dir / "workspaces" / run_id:
+            return [f"record names bind {target}: not ours, left alone"]
         while mounted(target) is not None:
             if not unmount(target):
                 return [f"cannot unmount {target}"]
         with contextlib.suppress(OSError):
-            target.rmdir()
-        return []
+            if target.is_file() and not target.is_symlink():  # the empty file a file was bound on
+                target.unlink()
+            else:
+                target.rmdir()
+            if in_binds:
+                target.parent.rmdir()  # once the run's last bind is gone
+        return problems
     if image is None:
         expected = {f"egressgate-ws-{run_id}", f"egressgate-tmp-{run_id}"}
         while (m := mounted(target)) is not None and m[0] == "tmpfs" and m[1] in expected:
@@ -346,9 +380,16 @@ def _autoclear(dev: str) -> bool:
 
 def orphans(state_dir: Path, live: set[str]) -> list[str]:
     """Bounded tmpfs mounts (`egressgate-ws|tmp-<id>`) under THIS state dir (`workspaces/<id>`, `tmp/<id>`:
-    their runs' records live here, written before the mount) whose run no live record holds: unmounted by
-    gc's second pass. Mounts of another state dir's runs are never touched."""
+    their runs' records live here, written before the mount), and nosuid binds at `binds/<id>/<n>`, whose
+    run no live record holds: unmounted by gc's second pass. Mounts of another state dir's runs are never
+    touched."""
     removed = []
+    binds = state_dir / "binds"
+    for point in dict.fromkeys(p for p, _fstype, _source in reversed(mounts())):  # nosuid_bind's
+        run_dir = Path(point).parent
+        if (run_dir.parent == binds and RUN_ID_RE.match(run_dir.name) and run_dir.name not in live
+                and not release_entry(run_dir.name, state_dir, {"target": point, "bind": "?"})):
+            removed.append(f"orphan bind {point}")
     for point, fstype, source in mounts():
         m = SOURCE_RE.match(source)
         if not (fstype == "tmpfs" and m and m[2] not in live):

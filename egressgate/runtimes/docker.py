@@ -16,11 +16,14 @@ daemon's unix socket by runtimes/dockerapi.py; no docker CLI is forked):
   per sandbox), Init: no capability (no raw sockets, no route or nftables changes), setuid binaries do
   not raise privileges, never root, never another sandbox's uid, and a PID 1 that forwards signals and reaps;
 * SecurityOpt seccomp=<the profile of seccompjson.py> instead of the daemon's default: socket families
-  by allowlist (no vsock), no io_uring, bpf, keyrings, ptrace, namespaces (the netns runtime's table);
+  by allowlist (no vsock), no io_uring, bpf, keyrings, ptrace, namespaces (the netns runtime's table;
+  gVisor applies it only with runsc's --oci-seccomp, so the gvisor adapter refuses a daemon without it);
   runc gives the container a new session keyring of its own (the caller's is not reachable);
-* ReadonlyRootfs when `sandbox.root_fs: read_only`; tmpfs `/tmp`; the workspace read-write at
-  `sandbox.workspace.path`; the CA bundle, `/etc/resolv.conf` (`nameserver <host_ip>`) and
-  `/etc/hosts` bind-mounted read-only;
+* ReadonlyRootfs when `sandbox.root_fs: read_only`; tmpfs `/tmp` owned by the run's uid/gid; the workspace
+  read-write at `sandbox.workspace.path`, bound from a nosuid,nodev mount (`sandbox run` makes one when the
+  workspace is not already: diskfs.nosuid_bind; Docker's binds have no such option); the CA bundle (at every
+  system trust path and as the OpenSSL hashed directory /etc/ssl/certs: truststore.py), `/etc/resolv.conf`
+  (`nameserver <host_ip>`) and `/etc/hosts` bind-mounted read-only;
 * `filesystem.deny` paths and the docker/containerd sockets are covered by an empty read-only file or
   directory (mode 000 / 555, owned by root); no docker.sock is ever mounted;
 * resources from `sandbox.resources` (runtimes/limits.py `docker_flags`, translated to HostConfig by
@@ -35,14 +38,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-import select
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-from egressgate.runtimes import dockermasks, records, sandbox_fs, seccompjson
-from egressgate.runtimes.base import CA_PATH_IN_SANDBOX, ExitInfo, Limit, RunSpec
+from egressgate.runtimes import dockermasks, records, sandbox_fs, seccompjson, truststore
+from egressgate.runtimes.base import ExitInfo, Limit, RunSpec
 from egressgate.runtimes.diskfs import DEFAULT_TMP_MAX_BYTES, tmpfs_options
 from egressgate.runtimes.dockerapi import (
     DEFAULT_DOCKER_HOST,
@@ -52,6 +55,7 @@ from egressgate.runtimes.dockerapi import (
     host_config_limits,
     write_all,
 )
+from egressgate.runtimes.dockerwatch import CgroupWatch
 
 __all__ = ["DEFAULT_DOCKER_HOST", "DockerAdapter", "DockerError", "GvisorAdapter", "docker_host"]
 
@@ -74,18 +78,21 @@ class DockerAdapter:
 
     name = "docker"
     oci_runtime: str | None = None  # None = the daemon's default (runc)
+    nosuid_binds = True  # `sandbox run` hands over the workspace as a nosuid,nodev mount (diskfs.nosuid_bind)
 
     def __init__(self, host: str | None = None) -> None:
         self.host = host or docker_host()
         self.container: str | None = None
         self.pid: int | None = None
         self.run_dir: Path | None = None
-        self._pids_hit = threading.Event()
-        self._stop_watch = threading.Event()
+        self._cgroups: CgroupWatch | None = None
         self._killed_by: Limit | None = None
         self._logs: threading.Thread | None = None
         self._close_logs = lambda: None
         self._api: DockerAPI | None = None
+        # set by `sandbox run` (diskfs.nosuid_bind): a read-write host path is bound from a nosuid,nodev
+        # bind of it (Docker's binds take no such option; a read-write bind keeps its source mount's flags)
+        self.nosuid_bind: Callable[[Path], Path] | None = None
 
     @property
     def api(self) -> DockerAPI:
@@ -130,7 +137,8 @@ class DockerAdapter:
         # --network host): the plumbing would then route the host, not the sandbox
         if os.readlink(f"/proc/{self.pid}/ns/net") == os.readlink("/proc/self/ns/net"):
             raise DockerError(f"container {self.container} shares the caller's network namespace")
-        threading.Thread(target=self._watch_pids, daemon=True).start()
+        # the kernel's pids and OOM-kill counters of its cgroups, read while they exist (dockerwatch.py)
+        self._cgroups = CgroupWatch(self.pid).start()
         # the workload's stdout/stderr become ours (the log stream replays from the container's start, so
         # nothing written before it connects is lost; the holder itself writes nothing). A thread, not a
         # process: it dies with `sandbox run`, even by SIGKILL, and never prints an orphan's output.
@@ -155,10 +163,14 @@ class DockerAdapter:
             if not key or "=" in key or "\0" in key or "\0" in value:
                 raise DockerError(f"environment variable {key!r} cannot be passed to docker ('=' or NUL)")
             env.append(f"{key}={value}")
+        # the trust store at every path the image's TLS libraries read by default (truststore.py), over
+        # whatever the image brought: its own roots are not the sandbox's trust
+        trust = truststore.host_tree(spec.ca_bundle.read_bytes(), run_dir / "certs", spec.state_dir)
         mounts = [
             bind(BUSYBOX, f"{INSIDE}/busybox"),
             bind(run_dir / "hold", f"{INSIDE}/hold"),
-            bind(spec.ca_bundle, CA_PATH_IN_SANDBOX),
+            bind(run_dir / "certs", truststore.HASHED_DIR),
+            *(bind(trust, path) for path in truststore.OTHER_FILES),
             bind(run_dir / "resolv.conf", "/etc/resolv.conf"),
             bind(run_dir / "hosts", "/etc/hosts"),
         ]
@@ -171,11 +183,13 @@ class DockerAdapter:
         }
         host: dict = {
             "NetworkMode": "none", "CapDrop": ["ALL"], "Init": True,
-            "SecurityOpt": ["no-new-privileges", seccompjson.security_opt(unix_sockets=True)],
+            "SecurityOpt": ["no-new-privileges", seccompjson.security_opt(unix_sockets=True, runtime=self.oci_runtime)],
             "ReadonlyRootfs": sandbox.get("root_fs", "read_only") == "read_only",
-            # the container's own /tmp, size- and inode-bounded (sandbox.tmp.max_bytes, diskfs.py)
+            # the container's own /tmp, size- and inode-bounded (sandbox.tmp.max_bytes, diskfs.py) and the
+            # run's own like the netns runtime's (owned by its uid/gid, not root's 1777 shared by every uid)
             "Tmpfs": {"/tmp": tmpfs_options(int((sandbox.get("tmp") or {}).get("max_bytes")  # noqa: S108
-                                                or DEFAULT_TMP_MAX_BYTES)) + ",mode=1777"},
+                                                or DEFAULT_TMP_MAX_BYTES))
+                      + f",mode=1777,uid={spec.uid},gid={spec.gid}"},
             "Mounts": mounts,
         }
         if spec.workspace is not None:
@@ -188,7 +202,8 @@ class DockerAdapter:
             source = os.path.realpath(path)
             sandbox_fs.check_no_channel(source)  # no host socket, device or FIFO (exit 120)
             if os.path.exists(source):
-                mounts.append(bind(Path(source), path, readonly=not writable))
+                bound = self.nosuid_bind(Path(source)) if writable and self.nosuid_bind else Path(source)
+                mounts.append(bind(bound, path, readonly=not writable))
                 trees.append((Path(source), path))
         deny = list(dict.fromkeys([*ALWAYS_MASKED, *((spec.policy.get("filesystem") or {}).get("deny") or [])]))
         kinds = dockermasks.kinds(self.api, spec.image or "", deny, self.oci_runtime, spec.state_dir, trees)
@@ -219,51 +234,6 @@ class DockerAdapter:
         tmp.chmod(0o444)
         tmp.replace(go)  # appears atomically: the holder never sees a half-written barrier
 
-    def _pids_events(self) -> Path | None:
-        """The container's pids.events (cgroup v1 or v2), when the daemon is local and we can see it."""
-        try:
-            lines = Path(f"/proc/{self.pid}/cgroup").read_text().splitlines()
-        except OSError:
-            return None
-        for line in lines:
-            _, controllers, path = line.split(":", 2)
-            if "pids" in controllers.split(","):
-                return Path("/sys/fs/cgroup/pids") / path.lstrip("/") / "pids.events"
-            if controllers == "" and Path("/sys/fs/cgroup/cgroup.controllers").exists():
-                candidate = Path("/sys/fs/cgroup") / path.lstrip("/") / "pids.events"
-                if candidate.exists():
-                    return candidate
-        return None
-
-    def _watch_pids(self) -> None:
-        """A pids-limit hit does not end a container (fork just fails) and its cgroup is removed as soon as
-        it exits, so the counter is watched while it runs: poll(POLLPRI) wakes on the kernel's notification
-        of a new event, well before a workload that gives up after a failed fork has exited (local
-        daemon only; a remote daemon's hits are not reported)."""
-        events = self._pids_events()
-        if events is None:
-            return
-        try:
-            fd = os.open(events, os.O_RDONLY)
-        except OSError:
-            return
-        poller = select.poll()
-        poller.register(fd, select.POLLPRI | select.POLLERR)
-        try:
-            while not self._stop_watch.is_set():
-                try:
-                    text = os.pread(fd, 4096, 0).decode()
-                except OSError:  # the cgroup is gone: the container exited
-                    return
-                for line in text.splitlines():
-                    key, _, value = line.partition(" ")
-                    if key == "max" and value.strip().isdigit() and int(value) > 0:
-                        self._pids_hit.set()
-                        return
-                poller.poll(100)
-        finally:
-            os.close(fd)
-
     def wait(self, deadline: float | None) -> ExitInfo:
         timeout = None if deadline is None else max(0.001, deadline - time.monotonic())
         try:
@@ -275,13 +245,15 @@ class DockerAdapter:
                 code = self.api.wait(self.container or "", 60.0)
             except TimeoutError:
                 raise DockerError(f"container {self.container} did not exit within 60 s of SIGKILL") from None
-        self._stop_watch.set()
+        watch = self._cgroups
+        if watch is not None:
+            watch.stop()  # a last read of the counters (the group may still be there)
         self._stop_logs(grace=5.0)  # the stream ends with the container: let it copy the tail
         state = self._inspect().get("State") or {}
         limit = self._killed_by
-        if limit is None and state.get("OOMKilled"):
+        if limit is None and (state.get("OOMKilled") or (watch is not None and watch.oom_killed.is_set())):
             limit = Limit.MEMORY
-        if limit is None and self._pids_hit.is_set():
+        if limit is None and watch is not None and watch.pids_hit.is_set():
             limit = Limit.PIDS
         # docker-init (PID 1) exits 128+N when a signal N killed the workload
         if 128 < code <= 128 + 64:
@@ -302,7 +274,8 @@ class DockerAdapter:
             self._logs = None
 
     def teardown(self) -> None:
-        self._stop_watch.set()
+        if self._cgroups is not None:
+            self._cgroups.stop(grace=0)
         self._stop_logs(grace=0)
         if self.container:
             try:
@@ -317,11 +290,41 @@ class DockerAdapter:
         return {"container": self.container or "", "docker_host": self.host}
 
 
+def oci_seccomp_problem(info: object, runtime: str) -> str | None:
+    """Why the daemon's `runtime` (gVisor's runsc) would ignore the container's seccomp profile, from its
+    `GET /info` answer; None when its runtimeArgs turn `--oci-seccomp` on. Without that flag runsc drops the
+    profile with a log line only (docs/runtimes.md): the socket-family and system-call table of
+    seccompjson.py would silently not apply. A runtime configured in a way this cannot read (no
+    runtimeArgs, e.g. a containerd shim with its own config file) is refused too: unverifiable is not on."""
+    runtimes = info.get("Runtimes") if isinstance(info, dict) else None
+    entry = runtimes.get(runtime) if isinstance(runtimes, dict) else None
+    if not isinstance(entry, dict):
+        return (f"the Docker daemon knows no runtime {runtime!r}; register gVisor's runsc with "
+                '"runtimeArgs": ["--oci-seccomp"] in its daemon.json (docs/runtimes.md)')
+    on = False
+    for arg in entry.get("runtimeArgs") or []:  # the last one wins, as in runsc's flag parsing
+        name, _, value = str(arg).lstrip("-").partition("=")
+        if name == "oci-seccomp":
+            on = value.lower() in ("", "true", "1", "t")
+    if on:
+        return None
+    return (f"the Docker daemon runs runtime {runtime!r} without --oci-seccomp, so gVisor would ignore the "
+            'sandbox\'s seccomp profile; add "--oci-seccomp" to its "runtimeArgs" in daemon.json and reload '
+            "dockerd (docs/runtimes.md)")
+
+
 class GvisorAdapter(DockerAdapter):
     """The same container under gVisor (`runsc`, registered with the daemon as runtime `runsc`)."""
 
     name = "gvisor"
     oci_runtime = "runsc"
+
+    def prepare(self, spec: RunSpec) -> None:
+        """Refused (exit 120, nothing created) unless the daemon runs runsc with `--oci-seccomp`."""
+        problem = oci_seccomp_problem(self.api.call("GET", "/info", "info"), str(self.oci_runtime))
+        if problem is not None:
+            raise DockerError(problem)
+        super().prepare(spec)
 
     def limit_flags(self, resources: dict) -> list[str]:
         """Docker's --pids-limit on a gVisor container caps the host threads of gVisor's own kernel, not

@@ -64,7 +64,7 @@ def kinds(api: DockerAPI, image: str, paths: list[str], oci_runtime: str | None,
         pass
     # the same seccomp profile as the workload's: every container egressgate starts gets it
     host: dict = {"NetworkMode": "none", "CapDrop": ["ALL"],
-                  "SecurityOpt": ["no-new-privileges", seccompjson.security_opt()],
+                  "SecurityOpt": ["no-new-privileges", seccompjson.security_opt(runtime=oci_runtime)],
                   "ReadonlyRootfs": True, "Mounts": [bind(BUSYBOX, "/.egressgate/busybox")]}
     if oci_runtime:
         host["Runtime"] = oci_runtime

@@ -1,9 +1,10 @@
 """`egressgate sandbox gc`: remove what runs killed with SIGKILL left behind.
 
 Two passes. (1) Run records (`state_dir/runs/*.json`) whose `sandbox run` (owner_pid) is dead: every object
-the record names is removed (processes in its namespace, cgroups and of its uid killed first, its persistent
-workspace given back to root), its sandbox is revoked on the gateway (when reachable), then the record, which
-frees its address slot and uid. (2) Orphans no record claims: product-named objects (`egressgate-<id>` netns,
+the record names is removed (processes in its namespace, cgroups and of its uid killed first, set-id bits in
+its persistent workspace stripped and audited, the workspace given back to root), its sandbox is revoked on
+the gateway (when reachable), then the record, which frees its address slot and uid. (2) Orphans no record
+claims: product-named objects (`egressgate-<id>` netns,
 `egressgate_<id>` nft tables, `egh<id>` veths, `egressgate/<id>` cgroups) whose run id no live record holds.
 Only exact product names (`<id>` = 10 hex digits) are ever touched, and an orphan netns or cgroup must be
 older than `grace` seconds and empty of processes, so a run that is being set up right now (its record may
@@ -22,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from egressgate.runtimes import endpoints, identity, nftables, records
+from egressgate.runtimes import endpoints, identity, nftables, records, setid
 from egressgate.runtimes.netns import NETNS_PREFIX, delete_netns
 from egressgate.runtimes.plumbing import delete_link
 from egressgate.runtimes.workload import release_workspace
@@ -106,12 +107,46 @@ def revoke(info: endpoints.GatewayInfo | None, record: dict[str, Any], ended_by:
         status, data = call(info.endpoints.admin, "DELETE", f"/v1/sandboxes/{record['sandbox_id']}", token,
                             {"outcome": {"runtime": record.get("runtime") or "unknown", "exit_code": None,
                                          "status": None, "signal": None, "limit": None, "duration_ms": None,
-                                         "ended_by": ended_by}})
+                                         "ended_by": ended_by, **_setid_outcome(record)}})
     except (OSError, AdminUnreachable) as exc:
         return f"cannot revoke {record['sandbox_id']}: {exc}"
     if status not in (200, 404):
         return f"revocation of {record['sandbox_id']} failed ({status}): {data}"
     return None
+
+
+def _setid_outcome(record: dict[str, Any]) -> dict[str, list[str]]:
+    """`setid_stripped` for the revocation's outcome (audited as egressgate.run.setid_stripped), when the
+    leftover path stripped any (strip_leftover_setid)."""
+    found = record.get("setid_stripped")
+    if isinstance(found, list) and found and all(isinstance(x, str) for x in found):
+        return {"setid_stripped": found[:setid.MAX_REPORTED]}
+    return {}
+
+
+def strip_leftover_setid(record: dict[str, Any], state_dir: Path | None) -> list[str]:
+    """A dead run's persistent workspace: clear every set-id bit in it, whoever owns the file (the give-back
+    to root only touches the run uid's files), as the run's own teardown would have (runtimes/setid.py).
+    The paths go into the record (`setid_stripped`), so the revocation audits them even when it has to be
+    retried by a later gc. A temporary workspace is deleted whole; a system directory is never walked."""
+    ws = record.get("workspace")
+    if not isinstance(ws, str) or not ws.startswith("/") or record.get("temp_workspace"):
+        return []
+    from egressgate.runtimes.workload import SetupFailed, check_workspace
+
+    try:
+        check_workspace(Path(ws))
+    except (SetupFailed, OSError):
+        return []
+    found = setid.strip_setid(ws)
+    if not found:
+        return []
+    earlier = record.get("setid_stripped") if isinstance(record.get("setid_stripped"), list) else []
+    record["setid_stripped"] = list(dict.fromkeys([*earlier, *found]))[:setid.MAX_REPORTED]
+    run_id = str(record.get("run_id"))
+    if state_dir is not None and re.fullmatch(ID, run_id) and records.read(state_dir, run_id) is not None:
+        records.update(state_dir, run_id, setid_stripped=record["setid_stripped"])
+    return [f"set-id bits from {len(found)} file(s) in {ws}: {', '.join(found[:5])}"]
 
 
 def clean_record(record: dict[str, Any], state_dir: Path | None = None) -> list[str]:
@@ -156,17 +191,24 @@ def clean_record(record: dict[str, Any], state_dir: Path | None = None) -> list[
     # persistent workspace goes back to root, so the run that gets the uid next cannot read it. Before the
     # bounded file systems are unmounted: a bounded workspace's content is the mounted image's
     uid = record.get("uid")
-    if isinstance(uid, int) and not isinstance(uid, bool) and uid >= identity.MIN_UID:
-        if identity.kill_uid(uid):
-            removed.append(f"processes of uid {uid}")
-        if record.get("workspace") and release_workspace(Path(str(record["workspace"])), uid):
-            removed.append(f"workspace {record['workspace']} given back to root")
+    ours = isinstance(uid, int) and not isinstance(uid, bool) and uid >= identity.MIN_UID
+    if ours and identity.kill_uid(uid):
+        removed.append(f"processes of uid {uid}")
+    removed += strip_leftover_setid(record, state_dir)  # after every kill, before the chown (silent about it)
+    if ours and record.get("workspace") and release_workspace(Path(str(record["workspace"])), int(uid)):
+        removed.append(f"workspace {record['workspace']} given back to root")
     if record.get("disk_mounts") and state_dir is not None:  # after the kills, the container removal, the chown
         from egressgate.runtimes import diskfs
 
         for entry in reversed(record["disk_mounts"]):
             if isinstance(entry, dict) and not diskfs.release_entry(run_id, state_dir, entry):
                 removed.append(f"mount {entry.get('target') or entry.get('image')}")
+    vm = record.get("vm_dir")  # microvm: the run's workspace image (after the kills: QEMU held it)
+    if vm and state_dir is not None and Path(vm) == state_dir / "microvm" / run_id:
+        from egressgate.runtimes.microvm.adapter import remove_vm_dir
+
+        if remove_vm_dir(state_dir, run_id):
+            removed.append(f"microvm dir {vm}")
     ws = record.get("temp_workspace")
     if ws and state_dir is not None and Path(ws) == state_dir / "workspaces" / run_id and Path(ws).is_dir():
         shutil.rmtree(ws, ignore_errors=True)
@@ -227,6 +269,13 @@ def collect(var_dir: Path, state_dir: Path | None = None, grace: float = 60.0) -
     from egressgate.runtimes import diskfs, docker
 
     removed += diskfs.orphans(state_dir, live)
+    vm_root = state_dir / "microvm"
+    if vm_root.is_dir():
+        for vm in vm_root.iterdir():
+            old = now - vm.stat().st_mtime >= grace
+            if re.fullmatch(ID, vm.name) and vm.name not in live and old:
+                shutil.rmtree(vm, ignore_errors=True)
+                removed.append(f"orphan microvm dir {vm}")
 
     gone, trouble = docker.gc_orphans(live, info.docker_host if info else None)
     return removed + gone, problems + trouble

@@ -21,7 +21,8 @@ Isolation (each line is a rule enforced here):
   read-write at sandbox.workspace.path;
 * `filesystem.deny` paths inside a visible tree are masked by mode-000 read-only files/directories;
 * /etc/resolv.conf (`nameserver <host_ip>`), /etc/hosts and the CA bundle are generated read-only
-  copies (data passed by fd: no host path has to be reachable by the sandbox uid);
+  copies (data passed by fd: no host path has to be reachable by the sandbox uid); the bundle sits at every
+  system trust path and as the OpenSSL hashed directory /etc/ssl/certs (truststore.py), not the host's;
 * the environment is exactly RunSpec.env (`--clearenv`), handed to bwrap in a memfd (`--args FD`), never on
   a command line (/proc/<pid>/cmdline is world-readable; the env holds the token and phantoms); bwrap itself
   gets an empty environment (it runs as the sandbox uid: its /proc/<pid>/environ must hold nothing of the
@@ -45,8 +46,8 @@ import subprocess
 import time
 from collections.abc import Callable
 
-from egressgate.runtimes import records, sandbox_fs
-from egressgate.runtimes.base import CA_PATH_IN_SANDBOX, SANDBOX_UID, ExitInfo, Limit, RunSpec
+from egressgate.runtimes import records, sandbox_fs, truststore
+from egressgate.runtimes.base import SANDBOX_UID, ExitInfo, Limit, RunSpec
 from egressgate.runtimes.diskfs import DEFAULT_TMP_MAX_BYTES
 from egressgate.runtimes.seccomp import ARCH_INDEX, REFUSED, no_unix_sockets
 
@@ -134,9 +135,11 @@ def build_command(spec: RunSpec, workspace_fd: int | None, tmp_fd: int | None = 
     if ws_path and workspace_fd is not None:
         cmd.args += ["--bind-fd", str(workspace_fd), ws_path]
     cmd.args += sandbox_fs.allow_args(spec.policy)
-    ca_dir = os.path.dirname(CA_PATH_IN_SANDBOX)
-    cmd.args += ["--perms", "0755", "--dir", ca_dir]
-    cmd.data(spec.ca_bundle.read_bytes(), CA_PATH_IN_SANDBOX, "0444")
+    # the CA bundle where TLS libraries look by default, not only where the variables point (truststore.py)
+    bundle = spec.ca_bundle.read_bytes()
+    trust_fd = _data_fd(bundle)
+    cmd.fds.append(trust_fd)
+    cmd.args += truststore.bwrap_args(trust_fd, bundle, spec.state_dir)
     cmd.data(f"nameserver {spec.address.host_ip}\noptions edns0\n".encode(), "/etc/resolv.conf", "0444")
     hostname = str(sandbox.get("name") or "sandbox")
     cmd.data(f"127.0.0.1\tlocalhost\n{spec.address.sandbox_ip}\t{hostname}\n".encode(), "/etc/hosts", "0444")

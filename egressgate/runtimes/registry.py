@@ -12,6 +12,7 @@ ADAPTERS: dict[str, str] = {
     "netns": "egressgate.runtimes.netns:NetnsAdapter",
     "docker": "egressgate.runtimes.docker:DockerAdapter",
     "gvisor": "egressgate.runtimes.docker:GvisorAdapter",
+    "microvm": "egressgate.runtimes.microvm.adapter:MicrovmAdapter",
 }
 
 # Which runtime-enforced policy keys (policy/enforcement.py, `by: runtime`) each runtime enforces; `sandbox
@@ -23,6 +24,8 @@ ENFORCES: dict[str, frozenset[str]] = {
     "netns": RUNTIME_KEYS,
     "docker": RUNTIME_KEYS,
     "gvisor": RUNTIME_KEYS,
+    # the guest gets no host path but its workspace (microvm/adapter.py refuses filesystem.allow host paths)
+    "microvm": RUNTIME_KEYS - {"filesystem.allow[].path", "filesystem.allow[].read", "filesystem.allow[].write"},
 }
 
 

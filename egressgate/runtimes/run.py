@@ -213,10 +213,15 @@ class Run:
             # the run's uid takes over the workspace as the sandbox will see it: the bounded tmpfs or the
             # mounted ext4 image's root and content when max_bytes is set, else the directory itself
             workspace = prepare_workspace(workspace, uid, info.uid_range)
+        if getattr(self.adapter, "nosuid_binds", False):  # a container runtime binds host paths as they are:
+            self.adapter.nosuid_bind = self._nosuid_bind  # read-write ones from a nosuid,nodev bind (diskfs.py)
+            if workspace is not None and self.disks.workspace_mount is None:  # (a bounded one is such a mount)
+                workspace = self._nosuid_bind(workspace)
         env, bundle = inside_env(data, address, info.endpoints.proxy[1],
                                  ws_policy.get("path") or "/tmp")  # noqa: S108 - HOME inside
         spec = RunSpec(run_id=self.run_id, sandbox_id=self.sandbox_id, runtime=req.runtime, command=req.command,
                        env=env, policy=policy, address=address, ca_bundle=bundle, workspace=workspace,
+                       workspace_persistent=workspace is not None and self.temp_workspace is None,
                        image=req.image, labels=dict(req.labels), state_dir=info.state_dir, tmp_dir=tmp_dir,
                        uid=uid, gid=uid)
         self._interrupted()
@@ -282,6 +287,8 @@ class Run:
         assert self.info is not None and self.uid is not None
         uid = self.uid  # every mount is the run's own (runtimes/identity.py), never the shared 65534
         self.disks = DiskLimits(self.run_id, self.info.state_dir)
+        if self.req.runtime == "microvm":  # the workspace is an image of max_bytes, /tmp the guest's tmpfs
+            return None
         try:
             max_bytes = ws_policy.get("max_bytes")
             if max_bytes and workspace is not None:
@@ -300,9 +307,21 @@ class Run:
             raise SetupFailed(str(exc)) from None
         return None
 
+    def _nosuid_bind(self, source: Path) -> Path:
+        from egressgate.runtimes.diskfs import DiskLimitError
+
+        try:
+            return self.disks.nosuid_bind(source)
+        except DiskLimitError as exc:
+            raise SetupFailed(str(exc)) from None
+
     def _limits(self, resources: dict[str, Any]) -> None:
         wanted = {k: v for k, v in resources.items() if k in ("memory_mb", "pids_max", "cpu_millis") and v}
-        if not wanted or self.req.runtime != "netns":  # containers get docker flags from their adapter
+        if self.req.runtime == "microvm":  # QEMU's own cgroup, always (the guest enforces the workload's)
+            from egressgate.runtimes.microvm.guest import host_limits
+
+            wanted = host_limits(resources)
+        elif not wanted or self.req.runtime != "netns":  # containers get docker flags from their adapter
             return
         try:
             from egressgate.runtimes.limits import LimitsUnavailable, ResourceLimits
@@ -383,6 +402,8 @@ class Run:
                        "duration_ms": duration_ms, "dropped": dropped}
             if setid:
                 outcome["setid_stripped"] = setid
+            if getattr(self.adapter, "accel", None):  # microvm: kvm | tcg (TCG is no hardware isolation)
+                outcome["accel"] = self.adapter.accel
             self.mark("teardown")
             revoked = self._revoke(outcome)
             self.mark("revoke")

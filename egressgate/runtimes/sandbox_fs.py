@@ -11,7 +11,7 @@ starts from its own empty tmpfs root and gets:
   (ETC_ENTRIES); /etc/passwd and /etc/group are generated (root and the sandbox user only: the host's
   list of accounts is not the workload's business);
 * the workspace (run.py), a private /tmp, /proc of its pid namespace, a minimal /dev, a tmpfs /run;
-* the generated CA bundle, resolv.conf and hosts (netns.py);
+* the generated CA bundle at the system trust paths (truststore.py), resolv.conf and hosts (netns.py);
 * the policy's `filesystem.allow` entries that name host paths, read-only or read-write as written
   (entries naming the workspace path or /tmp are the sandbox's own, always present: policy/filesystem.py).
 
@@ -25,14 +25,19 @@ from __future__ import annotations
 import os
 import stat
 
+from egressgate.runtimes import truststore
 from egressgate.runtimes.workload import SetupFailed
 
 MINIMAL_TREES = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
-# what libc, the dynamic loader, TLS libraries, Python and the usual tools read in /etc
+# what libc, the dynamic loader, TLS libraries, Python and the usual tools read in /etc (of /etc/ssl only the
+# OpenSSL config: the trust store inside is the sandbox bundle, truststore.py, and /etc/ssl/private stays out)
 ETC_ENTRIES = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "nsswitch.conf", "host.conf", "gai.conf",
-               "protocols", "services", "ssl", "ca-certificates", "alternatives", "localtime", "timezone",
+               "protocols", "services", "ssl/openssl.cnf", "alternatives", "localtime", "timezone",
                "os-release", "debian_version", "mime.types", "magic", "inputrc", "bash.bashrc", "profile",
                "python3", "environment")
+# /etc entries named by pattern: Debian's JDKs link $JAVA_HOME/conf into /etc/java-<N>-openjdk (without it no
+# JVM tool starts: java.security is missing)
+ETC_GLOBS = ("java-*-openjdk",)
 SCAN_LIMIT = 100_000  # entries examined per allowed tree; a larger tree is refused (bounded start-up work)
 CHANNEL = {stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a device", stat.S_IFBLK: "a device", stat.S_IFIFO: "a FIFO"}
 
@@ -50,11 +55,18 @@ def passwd(uid: int, gid: int) -> tuple[bytes, bytes]:
     return users.encode(), groups.encode()
 
 
+def etc_paths() -> list[str]:
+    """The /etc entries of the minimal set that the host has a candidate for (ETC_ENTRIES, ETC_GLOBS)."""
+    import glob
+
+    return [*(f"/etc/{e}" for e in ETC_ENTRIES), *sorted(p for g in ETC_GLOBS for p in glob.glob(f"/etc/{g}"))]
+
+
 def minimal_args() -> list[str]:
     """bwrap arguments for the interpreters, libraries and /etc entries (host paths that do not exist are
     skipped; symlinks are recreated, not followed, so /etc/localtime keeps pointing into /usr)."""
     args: list[str] = []
-    for path in (*MINIMAL_TREES, *(f"/etc/{e}" for e in ETC_ENTRIES)):
+    for path in (*MINIMAL_TREES, *etc_paths()):
         if os.path.islink(path):
             args += ["--symlink", os.readlink(path), path]
         elif os.path.exists(path):
@@ -132,8 +144,8 @@ def allow_args(policy: dict) -> list[str]:
 def visible_roots(policy: dict, ws_path: str | None) -> list[str]:
     """The trees that exist inside (a `filesystem.deny` path outside all of them is absent anyway, so it
     needs no mask)."""
-    roots = [*MINIMAL_TREES, *(f"/etc/{e}" for e in ETC_ENTRIES), "/etc/passwd", "/etc/group", "/proc", "/dev",
-             "/tmp", "/run"]  # noqa: S108
+    roots = [*MINIMAL_TREES, *etc_paths(), "/etc/passwd", "/etc/group", "/proc", "/dev",
+             "/tmp", "/run", truststore.HASHED_DIR, *truststore.OTHER_FILES]  # noqa: S108
     roots += [path for path, _ in host_allow_entries(policy)]
     if ws_path:
         roots.append(os.path.normpath(ws_path))

@@ -24,6 +24,21 @@ default, so this one must also hold what the default held that matters here. Sha
 gVisor (runsc) applies the container's profile inside its own kernel only when the runtime is registered
 with `--oci-seccomp` (daemon.json runtimeArgs; docs/runtimes.md). Without it gVisor still refuses vsock,
 has its own keyrings and no bpf/userfaultfd/perf_event_open/io_uring (by default).
+
+The gVisor variant (`runtime="runsc"`): runsc's OCI converter ignores `errnoRet` (runsc 20221219, and
+upstream as of gVisor issue #14688): every SCMP_ACT_ERRNO answers EPERM. For the ENOSYS rules that is
+not cosmetic: glibc >= 2.34 creates every thread (and posix_spawn's child) with clone3 first and falls
+back to clone(2) only on ENOSYS, so under EPERM no thread starts at all ("can't start new thread").
+So there those rules use SCMP_ACT_TRACE instead: with no ptrace tracer attached the kernel (gVisor's
+as Linux's, kernel/seccomp.go: "If there is no tracer present, -ENOSYS is returned to userland and the
+system call is not executed") answers ENOSYS whatever errnoRet says. It is as strict as the refusal:
+the call never runs unless a tracer that asked for seccomp events (PTRACE_O_TRACESECCOMP) lets it, and
+no tracer can exist: inside gVisor only the sandbox's own tasks can ptrace one another, and ptrace(2) is
+refused to all of them by this same profile (its EPERM needs no errnoRet); a filter the workload adds
+itself cannot loosen it (the least permissive action of all filters wins, TRACE < ALLOW). The docker
+(runc) profile keeps SCMP_ACT_ERRNO with errnoRet ENOSYS, which libseccomp honours and which no tracer
+can override. The other errnoRet rules (socket families: EAFNOSUPPORT, EPROTONOSUPPORT) have no such
+equivalent and stay refusals that answer EPERM under runsc.
 """
 
 from __future__ import annotations
@@ -38,8 +53,15 @@ ARCHITECTURES = ["SCMP_ARCH_X86_64", "SCMP_ARCH_AARCH64"]
 LOW32 = 0xFFFFFFFF
 
 
-def _errno(names: list[str], err: int, args: list[dict] | None = None) -> dict:
-    rule: dict = {"names": names, "action": "SCMP_ACT_ERRNO", "errnoRet": err}
+GVISOR = "runsc"  # the OCI runtime name whose converter ignores errnoRet (the gvisor adapter's)
+
+
+def _errno(names: list[str], err: int, args: list[dict] | None = None, *, gvisor: bool = False) -> dict:
+    """A refusal answering `err`; under gVisor an ENOSYS refusal is SCMP_ACT_TRACE (the module docstring)."""
+    if gvisor and err == errno.ENOSYS:
+        rule: dict = {"names": names, "action": "SCMP_ACT_TRACE"}
+    else:
+        rule = {"names": names, "action": "SCMP_ACT_ERRNO", "errnoRet": err}
     if args:
         rule["args"] = args
     return rule
@@ -61,18 +83,20 @@ def _refused_values(allowed: dict[int, object], index: int = 0) -> list[tuple[li
     return out
 
 
-def profile(*, unix_sockets: bool = True) -> dict:
+def profile(*, unix_sockets: bool = True, runtime: str | None = None) -> dict:
     """The profile as a dict (see the module docstring). Containers see no host socket path (their root
-    is the image), so socket(AF_UNIX) is allowed there by default."""
+    is the image), so socket(AF_UNIX) is allowed there by default. `runtime` is the container's OCI
+    runtime (None: the daemon's default, runc); "runsc" gets the gVisor variant of the ENOSYS rules."""
+    gvisor = runtime == GVISOR
     rules: list[dict] = []
     by_errno: dict[int, list[str]] = {}
     for s in REFUSED:
         if s.flags:  # refused only when the first argument has one of these bits
             rules.append(_errno([s.name], s.errno, [{"index": 0, "value": s.flags, "valueTwo": s.flags,
-                                                     "op": "SCMP_CMP_MASKED_EQ"}]))
+                                                     "op": "SCMP_CMP_MASKED_EQ"}], gvisor=gvisor))
         else:
             by_errno.setdefault(s.errno, []).append(s.name)
-    rules += [_errno(names, err) for err, names in sorted(by_errno.items())]
+    rules += [_errno(names, err, gvisor=gvisor) for err, names in sorted(by_errno.items())]
     for bit in (seccomp.S_ISUID, seccomp.S_ISGID):  # one comparison per rule (see _refused_values)
         for m in seccomp.SETID_MODE:
             rules.append(_errno([m.name], errno.EPERM, [{"index": m.arg, "value": bit, "valueTwo": bit,
@@ -90,7 +114,7 @@ def profile(*, unix_sockets: bool = True) -> dict:
     return {"defaultAction": "SCMP_ACT_ALLOW", "architectures": ARCHITECTURES, "syscalls": rules}
 
 
-def security_opt(*, unix_sockets: bool = True) -> str:
+def security_opt(*, unix_sockets: bool = True, runtime: str | None = None) -> str:
     """HostConfig.SecurityOpt entry: `seccomp=` followed by the profile's JSON (what the CLI sends for
-    `--security-opt seccomp=FILE`, after reading the file)."""
-    return "seccomp=" + json.dumps(profile(unix_sockets=unix_sockets), separators=(",", ":"))
+    `--security-opt seccomp=FILE`, after reading the file), for the container's OCI `runtime`."""
+    return "seccomp=" + json.dumps(profile(unix_sockets=unix_sockets, runtime=runtime), separators=(",", ":"))

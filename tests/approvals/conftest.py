@@ -11,6 +11,7 @@ from tests.approvals import harness
 from tests.support.gwworld import Gateway, World, open_world
 from tests.support.launcher import stop_gateway
 from tests.support.redis import RedisServer
+from tests.support.replay_check import assert_replays_unchanged
 
 
 @pytest.fixture(scope="session")
@@ -42,3 +43,4 @@ def gateway(world: World, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         yield gw
     finally:
         stop_gateway(gw)
+    assert_replays_unchanged(gw.var, gw.policy_dir)  # approvals included (issue 23, item 1)

@@ -70,9 +70,14 @@ def http_get(gw: Gateway, sbx: Sandbox, host: str, path: str = "/", method: str 
 
 
 def connect(gw: Gateway, sbx: Sandbox, host: str, port: int) -> Reply:
+    """A CONNECT; a refusal answered inside the accepted tunnel (gateway/refused_tunnel.py: a 200 carrying
+    `X-Egressgate-Decision: deny`) is read as a client reads it, one request inside, and returned."""
     with socket.create_connection(gw.proxy, timeout=10) as sock:
         sock.sendall(f"CONNECT {host}:{port} HTTP/1.1\r\nHost: {host}:{port}\r\n{auth(sbx)}\r\n".encode())
         status, headers, body = read_reply(sock)
+        if status == 200 and {k.lower(): v for k, v in headers.items()}.get("x-egressgate-decision") == "deny":
+            sock.sendall(f"GET / HTTP/1.1\r\nHost: {host}:{port}\r\nConnection: close\r\n\r\n".encode())
+            status, headers, body = read_reply(sock)
     return Reply(status, {k.lower(): v for k, v in headers.items()}, body)
 
 

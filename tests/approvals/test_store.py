@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import pytest
 
 from egressgate.approvals.memory import MemoryApprovals
 from egressgate.approvals.model import (
     DENIED_MEMORY_SECONDS,
+    KIND_PUBLISH,
     MAX_PENDING_PER_SANDBOX,
     PENDING_TTL_SECONDS,
     RETENTION_SECONDS,
@@ -209,3 +211,27 @@ async def test_a_persistent_write_keeps_its_details_and_its_own_pending_ttl(stor
     assert (await one.get(default.id)).current(NOW + 6).state is ApprovalState.PENDING
     with pytest.raises(NotPending):
         await one.decide(short.id, approve=True, by="op", scope="host", for_seconds=60, now=NOW + 6)
+
+
+async def test_a_publish_grant_is_spent_once_even_by_racing_replicas(stores):
+    """`publish` approvals pass one publish (gateway/approval_gate.py spend): consume() removes the grant
+    atomically; of two replicas racing for it exactly one gets it, and it is then no longer live."""
+    one, two = stores
+    asked, _ = await one.request(replace(draft(path="/pkg"), method="PUT", kind=KIND_PUBLISH), NOW)
+    assert asked is not None and asked.target_key.startswith("publish|")
+    network, _ = await one.request(draft(path="/pkg"), NOW)  # the same target as a network approval: another one
+    assert network is not None and network.id != asked.id
+    await one.decide(asked.id, approve=True, by="ops", scope="host+path", for_seconds=600, now=NOW)
+    (grant,) = await two.grants("sbx-a", NOW + 1)
+    assert (grant.kind, grant.method, grant.path) == ("publish", "PUT", "/pkg")  # the kind survives the store
+    results = await asyncio.gather(one.consume("sbx-a", asked.id, NOW + 2), two.consume("sbx-a", asked.id, NOW + 2))
+    used = [r for r in results if r is not None]
+    assert len(used) == 1 and used[0].state is ApprovalState.EXPIRED and used[0].expires_at == NOW + 2
+    assert await one.grants("sbx-a", NOW + 3) == () and await two.grants("sbx-a", NOW + 3) == ()
+    assert (await two.get(asked.id)).current(NOW + 3).state is ApprovalState.EXPIRED
+    assert await one.consume("sbx-a", asked.id, NOW + 4) is None  # spent is spent
+    # control: an unspent grant is still live for its whole lifetime, and not consumable once dead
+    again, _ = await one.request(replace(draft(path="/other"), method="PUT", kind=KIND_PUBLISH), NOW)
+    await one.decide(again.id, approve=True, by="ops", scope="host", for_seconds=60, now=NOW)
+    assert len(await two.grants("sbx-a", NOW + 59)) == 1
+    assert await two.consume("sbx-a", again.id, NOW + 60) is None

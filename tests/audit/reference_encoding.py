@@ -87,6 +87,9 @@ def event_attributes(event: AuditEvent) -> dict[str, Any]:
     if facts is not None:
         pairs["egressgate.facts.addresses"] = [str(a) for a in facts.addresses]
         pairs["egressgate.facts.request_bytes"] = facts.request_bytes
+        if facts.op_class is not None:
+            pairs["egressgate.operation.class"] = facts.op_class
+            pairs["egressgate.operation.protocol"] = facts.op_protocol
         for key, val in (
             ("server.address", facts.host),
             ("server.port", facts.port),

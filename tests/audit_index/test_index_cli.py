@@ -69,6 +69,30 @@ async def test_find_never_prints_bytes_the_index_did_not_recheck(make_sink):
     assert "not used" in r.stderr and "changed since it was indexed" in r.stderr
 
 
+async def test_a_stale_mark_outlives_the_find_that_found_it(make_sink):
+    """`audit find` refused a row whose line changed in place (same length: none of the cheap checks see
+    it); the next `audit index` — another process — must re-index that file and report the break, not say
+    "0 new records" (issue 23, item 2). Control: without the edit, the second run reads nothing."""
+    files = await _trail(make_sink)
+    assert _run("index", *files).exit_code == 0
+    clean = _run("index", *files)
+    assert clean.exit_code == 0 and ": 0 new records from" in clean.output and "re-indexed" not in clean.output
+    target = next(f for f in files if RH.encode() in f.read_bytes())
+    target.write_bytes(target.read_bytes().replace(b'"allow"', b'"ALLOW"'))
+    quiet = _run("index", *files)  # control: the same-length edit alone is invisible to `audit index`
+    assert quiet.exit_code == 0 and ": 0 new records from" in quiet.output, quiet.output
+    found = CliRunner().invoke(audit, ["find", *map(str, files), "--request-hash", RH])
+    assert "changed since it was indexed" in found.stderr
+    r = CliRunner().invoke(audit, ["index", *map(str, files)])
+    assert f"warning: re-indexed {target}: a record read back did not match the indexed bytes" in r.stderr, r.output
+    assert r.exit_code == 1 and f"FAIL chain broken: {target}: line " in r.stdout  # the edit is now reported
+    assert ": 0 new records from" not in r.stdout
+    after = _run("index", *files)  # re-indexed once: the mark is gone
+    assert ": 0 new records from" in after.output and "re-indexed" not in after.output
+    found = CliRunner().invoke(audit, ["find", *map(str, files), "--request-hash", RH])
+    assert found.exit_code == 0 and "not used" not in found.stderr  # the index serves the file as it is now
+
+
 async def test_broken_index_file_falls_back_to_the_scan(make_sink):
     files = await _trail(make_sink)
     db = default_index_path(files[0])

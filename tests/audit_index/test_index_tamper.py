@@ -57,7 +57,7 @@ async def test_same_length_edit_in_the_middle_is_caught_when_read_back_and_by_ve
     with pytest.raises(IndexStale, match="changed since it was indexed"):
         index.record_line(hit)
     stats = index.add_files([sink.path])  # the read-back marked the file: rebuilt now
-    assert _why(stats, sink.path) == ["a record read back did not match the indexed bytes"]
+    assert _why(stats, sink.path) == [f"a record read back did not match the indexed bytes (line {hit.line} changed)"]
     assert stats.broken == [f"{sink.path}: line {hit.line} (seq {hit.chain_index}): record edited (its content does "
                             "not match its chain hash)"]
     (again,) = index.find(request_hash=RH)

@@ -166,6 +166,11 @@ def test_explain_with_a_loaded_policy_and_a_candidate(gw, auditor, world):
         {"id": "cand-del", "host": "api.test", "ports": [world.https_port], "methods": ["DELETE"]}]}}})
     res = auditor.post("/ui/api/explain", json={"policy_yaml": candidate, "method": "DELETE", "url": url})
     assert res.json()["decision"] == "allow" and res.json()["rule"] == "cand-del" and res.json()["policy"] == "cand"
+    assert res.json()["operation"] is None
+    publish = url.replace("/echo", "/pkg")  # npm publish, recognised by protocol (policy/opclass.py)
+    res = auditor.post("/ui/api/explain", json={"policy_yaml": candidate.replace("DELETE", "PUT"), "method": "PUT",
+                                                "url": publish})
+    assert (res.json()["decision"], res.json()["operation"]) == ("allow", "publish")  # no publish approval asked
     assert auditor.post("/ui/api/explain", json={"policy": "nope", "method": "GET", "url": url}).status_code == 404
     assert auditor.post("/ui/api/explain", json={"policy_yaml": "network: [", "method": "GET",
                                                  "url": url}).status_code == 422

@@ -11,7 +11,17 @@ import pytest
 
 from egressgate.dns.server import DnsServer
 from egressgate.state.base import SandboxRecord, hash_token
-from tests.support.dnsclients import PRIVATE_IP, REFUSED_IP, SANDBOX_IP, UNKNOWN_IP, addresses, ask, dig, rcode
+from tests.support.dnsclients import (
+    POLICIES,
+    PRIVATE_IP,
+    REFUSED_IP,
+    SANDBOX_IP,
+    UNKNOWN_IP,
+    addresses,
+    ask,
+    dig,
+    rcode,
+)
 
 
 async def test_allowed_name_resolves_through_upstream(server, upstream, audit):
@@ -152,6 +162,28 @@ async def test_private_loopback_metadata_answers_stripped(server, upstream, audi
     # positive control: the upstream really sent those addresses (the resolver asked and got them)
     assert ("mapped.example.com", "AAAA", "udp") in upstream.seen
     assert server.metrics.emptied_answers == 7
+
+
+async def test_an_emptied_answer_replays_as_the_same_deny(server, audit, policies):
+    """Issue 23, item 1: the answer filter's deny carries the addresses it removed, so `audit replay` with
+    the same policy re-decides it as the same deny (it used to flip to an allow: the engine alone allows the
+    name). Positive control: a policy whose allow_private covers the address flips exactly that record."""
+    from egressgate.audit.record import record_from_event
+    from egressgate.audit.replay import replay_diff
+    from egressgate.policy.loader import parse_policy
+
+    response = await ask(server, "private.example.com", "A")
+    assert rcode(response) == "NXDOMAIN"
+    event = audit.events[-1]
+    assert event.reason == "address_forbidden" and event.extra["egressgate.facts.addresses"]
+    allowed = await ask(server, "mixed.example.com")  # an allowed answer: replays as an allow
+    assert rcode(allowed) == "NOERROR"
+    records = [record_from_event(e) for e in audit.events]
+    assert replay_diff(records, policies["dns-test"]) == []
+    opened = parse_policy(POLICIES["dns-test"].replace("network:\n", "network:\n  allow_private: [10.0.0.0/8]\n"),
+                          "<dns-test-open>")
+    [flip] = replay_diff(records, opened)
+    assert flip.direction == "deny->allow" and flip.target == "private.example.com A"
 
 
 async def test_mixed_answer_keeps_only_global(server):

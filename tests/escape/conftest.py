@@ -13,6 +13,7 @@ import pytest
 
 from tests.networld import World
 from tests.support.netgateway import Gateway, Sandbox
+from tests.support.replay_check import assert_replays_unchanged
 
 
 @pytest.fixture(scope="session")
@@ -32,6 +33,9 @@ def gateway(world: World, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         yield gw
     finally:
         gw.stop()
+    # every escape attempt's decision (address denials, DNS, transparent, tunnels) replays the same under
+    # the same policies (issue 23, item 1)
+    assert_replays_unchanged(gw.tmp / "var", gw.tmp / "policies")
 
 
 @pytest.fixture(scope="session")

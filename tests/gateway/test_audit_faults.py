@@ -21,6 +21,7 @@ from egressgate.audit.find import iter_records
 from egressgate.audit.reqhash import canonical_fields, request_hash
 from tests.support.gwworld import start_gateway
 from tests.support.launcher import EGRESSGATE, stop_gateway
+from tests.support.replicas import hold_sse
 from tests.support.tmpfs import fill
 
 REQUEST_ID = "x-egressgate-request-id"
@@ -105,6 +106,39 @@ def test_kill9_then_restart_verifies_across_the_crash(gateway, tmp_path):
     # positive control: the same history with one record removed from the crashed file fails
     res = verify(remove_a_record(files, files[0], tmp_path), key)
     assert res.returncode == 1 and "records removed" in res.stdout, res.stdout
+
+
+def test_kill9_verify_names_every_decision_left_without_outcome(gateway, tmp_path):
+    """Issue 23, item 4: SIGKILL while a response streams (its decision is durable, its outcome can only
+    come when it ends) right after completed requests: after the restart, `audit verify` names exactly the
+    allowed decisions of the crashed run that have no outcome — computed here independently from the
+    records — as a recovered gap, the streaming request among them and no request whose outcome exists."""
+    world = gateway.world
+    gw = start_gateway(world, tmp_path / "gw", {"audit": {"checkpoint_every": 4}})
+    key = f"gap-{uuid.uuid4().hex[:8]}"
+    try:
+        sbx = gw.admit("gw-basic")
+        done = get_ids(sbx, 5, "gap")
+        held = hold_sse(sbx, key)
+        assert held.wait_first(30), held.outcome
+    finally:
+        gw.proc.kill()
+        gw.proc.wait(10)
+        world.release_sse(key)
+    gw2 = start_gateway(world, tmp_path / "gw", {"audit": {"checkpoint_every": 4}})
+    assert stop_gateway(gw2) == 0
+    live, pub = gw.var / "audit.jsonl", gw.var / "audit-signing.key.pub"
+    files = history(live)
+    res = verify(files, pub)
+    assert res.returncode == 0, res.stdout + res.stderr
+    crashed = [f.record.attributes for f in iter_records([files[0]])]
+    outcomes = set(records(files, "outcome"))
+    expected = [str(a["egressgate.request.id"]) for a in crashed if a.get("egressgate.operation") == "http_request"
+                and a.get("egressgate.decision") == "allow" and a["egressgate.request.id"] not in outcomes]
+    streaming = next(str(a["egressgate.request.id"]) for a in crashed if a.get("url.path") == "/sse")
+    assert streaming in expected and not set(done) & set(expected)
+    (gap,) = [line for line in res.stderr.splitlines() if "recovered gap" in line]
+    assert f": {len(expected)} allowed decision(s)" in gap and gap.endswith(", ".join(expected)), gap
 
 
 def test_audit_file_deleted_under_traffic(gateway, tmp_path):

@@ -113,11 +113,12 @@ def test_chunked_budget_exact_and_cut(gateway):
     status, _ = chunked_post(gateway, sbx, sizes)
     assert status == 200
     assert [h["body_len"] for h in world.hits.since(mark)] == [payload]
-    # one byte more, streamed: cut, the flow killed, the upstream never sees a complete request
+    # one byte more, streamed: cut, the upstream never sees a complete request, and the client reads
+    # the 429 deny contract (issue 23 item 6; before, a reset)
     sbx2 = gateway.admit("gw-budget")
     mark = world.hits.mark()
     status, _ = chunked_post(gateway, sbx2, [*sizes, 1], pause=0.02)
-    assert status == 0
+    assert status == 429
     time.sleep(0.3)
     assert world.hits.since(mark) == []
     # and the sandbox is now refused before connecting

@@ -9,6 +9,7 @@ import socket
 import httpx
 import pytest
 
+from tests.support.gwworld import connect_tunnel
 from tests.support.http1 import read_reply
 
 DENY_KEYS = {"error", "reason", "rule", "request_id", "message"}
@@ -90,15 +91,13 @@ def test_http2_streams_decided_separately(gateway):
 
 
 def test_unlisted_host_and_wrong_port_denied_at_connect(gateway):
+    """Refused at the CONNECT, and answered inside the accepted tunnel (deny.connect_in_tunnel, the
+    default): the client reads the JSON deny under the CONNECT's request id; nothing reaches the server."""
     sbx = gateway.admit("gw-basic")
     mark = gateway.world.hits.mark()
     with sbx.client() as c:
-        with pytest.raises(httpx.ProxyError) as exc:
-            c.get(sbx.url("nohost.test", "/echo"))
-        assert "403" in str(exc.value)
-        with pytest.raises(httpx.ProxyError) as exc:
-            c.get(sbx.url("api.test", "/echo", port=gateway.world.tcp_port))
-        assert "403" in str(exc.value)
+        assert_deny(c.get(sbx.url("nohost.test", "/echo")), 403, "host_not_allowed")
+        assert_deny(c.get(sbx.url("api.test", "/echo", port=gateway.world.tcp_port)), 403, "port_not_allowed")
     assert gateway.world.hits.since(mark) == []
 
 
@@ -113,8 +112,14 @@ def test_connect_deny_body_and_reasons(gateway):
     sbx = gateway.admit("gw-basic")
     good = "Basic " + base64.b64encode(f"{sbx.id}:{sbx.token}".encode()).decode()
     port = gateway.world.https_port
+    # refused, and accepted to answer inside (deny.connect_in_tunnel): the 200 already carries the deny headers
     status, headers, body = raw_connect(gateway, f"nohost.test:{port}", good)
-    assert status == 403 and headers["x-egressgate-decision"] == "deny"
+    assert status == 200 and headers["x-egressgate-decision"] == "deny", (status, headers, body)
+    assert headers["x-egressgate-reason"] == "host_not_allowed" and body == b""
+    sock, reply = connect_tunnel(gateway, sbx, f"nohost.test:{port}")  # the body, read inside the tunnel
+    sock.close()
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 403") and b"x-egressgate-decision: deny" in head, reply
     import json
 
     doc = json.loads(body)
@@ -179,8 +184,7 @@ def test_redirect_not_followed_next_request_decided_afresh(gateway):
     with sbx.client(follow_redirects=False) as c:
         r = c.get(sbx.url("api.test", "/redirect"), params={"to": target})
         assert r.status_code == 302 and r.headers["location"] == target
-        with pytest.raises(httpx.ProxyError):
-            c.get(target)
+        assert_deny(c.get(target), 403, "host_not_allowed")  # answered inside the refused tunnel
     assert gateway.world.canary.since(canary) == []
 
 
@@ -235,9 +239,12 @@ def test_tunnel_request_never_forwards_proxy_credentials_or_hop_by_hop(gateway):
     assert seen["x-keep"] == "2"
 
 
-def test_denied_large_upload_not_buffered(gateway):
-    """A denied request whose body is chunked or > 64 KiB is cut (connection reset) instead of being
-    buffered by the gateway; a small denied body still gets the deny contract."""
+def test_denied_endless_upload_answered_then_cut(gateway):
+    """A denied request announcing 100 MB is answered at once with the deny contract, before any body
+    byte is read; the gateway then reads and discards what the client still sends (a lingering close, so
+    clients that send first and read after still read the answer) and cuts it after LINGER_MAX_BYTES
+    (64 MiB) or LINGER_SECONDS, before the 100 MB end. Nothing reaches the upstream; a small denied body gets the same
+    answer (control: the deny contract itself)."""
     from tests.support.gwworld import connect_tunnel, tls_wrap
 
     sbx = gateway.admit("gw-basic")
@@ -246,15 +253,17 @@ def test_denied_large_upload_not_buffered(gateway):
     sock, _ = connect_tunnel(gateway, sbx, f"api.test:{port}")
     tls = tls_wrap(sock, gateway, "api.test")
     tls.sendall(f"POST /forbidden HTTP/1.1\r\nHost: api.test:{port}\r\nContent-Length: 100000000\r\n\r\n".encode())
+    status, _, body = read_reply(tls)  # before a single body byte was sent
+    assert status == 403 and json.loads(body)["reason"] == "path_not_allowed", (status, body)
     sent, closed = 0, False
     try:
-        for _ in range(2000):  # up to 128 MiB; the gateway must close long before
+        for _ in range(2000):  # up to 128 MiB; the gateway must stop reading after 64 MiB
             tls.sendall(b"z" * 65536)
             sent += 65536
     except (OSError, ConnectionError):
         closed = True
     tls.close()
-    assert closed and sent < 50_000_000
+    assert closed and sent < 100_000_000, sent  # cut at LINGER_MAX_BYTES read, or after LINGER_SECONDS
     with sbx.client() as c:
         r = c.post(sbx.url("api.test", "/forbidden"), content=b"small")
     assert r.status_code == 403 and r.json()["reason"] == "path_not_allowed"

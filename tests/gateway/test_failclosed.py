@@ -59,13 +59,17 @@ def test_request_hooks_answer_500_deny_and_halt_the_chain(guarded):
     assert json.loads(flow.response.content)["reason"] == "internal_error"
 
 
-def test_request_with_pending_chunked_body_is_killed_not_buffered(guarded):
+def test_request_with_pending_chunked_body_is_answered_not_killed(guarded):
+    """A body still to come no longer forces a kill: the 500 goes out before the body is read
+    (gateway/early_answer.py; end to end in test_big_body_deny.py), so the client reads why."""
     addon, _ = guarded
     flow = tflow.tflow()
     flow.request.headers["transfer-encoding"] = "chunked"
     with pytest.raises(exceptions.AddonHalt):
         addon.requestheaders(flow)
-    assert flow.response is None and flow.error is not None  # killed
+    assert flow.response is not None and flow.response.status_code == 500 and flow.error is None
+    assert json.loads(flow.response.content)["reason"] == "internal_error"
+    assert flow.request.stream is False
 
 
 def test_request_hook_after_a_streamed_body_kills(guarded):

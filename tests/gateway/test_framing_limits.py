@@ -274,6 +274,8 @@ def test_endless_request_chunk_line_refused_400(gw, hostile):
     assert doc["request_id"] == headers["x-egressgate-request-id"]
     assert not hostile.seen.get("/upload-endless", {}).get("complete")
     assert outcome(gw, doc["request_id"]).get("egressgate.request_refused") == "chunk_line_too_large"
+    # the body bytes queued behind the refusal are dropped: they used to crash the connection's layers
+    assert "has crashed" not in gw.stderr()
     # positive control
     s = proxy_request(gw, sbx, hostile.port, "POST", "/upload-under", "Transfer-Encoding: chunked\r\n")
     s.sendall(b"5;x=" + b"e" * 4000 + b"\r\nhello\r\n6\r\n world\r\n0\r\n\r\n")

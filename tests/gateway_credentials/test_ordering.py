@@ -53,7 +53,11 @@ def test_forbidden_address_never_gets_the_credential(cgw: Gateway) -> None:
     authority = f"forbidden.test:{w.canary_port}"
     mark = w.canary.mark()
     tls, head = _tunnel(cgw, cgw.admit("cred-kv"), authority, "forbidden.test")
-    assert tls is None and b" 403 " in head and b"address_forbidden" in head
+    # refused, and accepted to answer inside over the gateway's TLS (deny.connect_in_tunnel)
+    assert tls is not None and b"address_forbidden" in head, head
+    reply = _get(tls, authority)
+    assert b" 403 " in reply.split(b"\r\n", 1)[0] and b"address_forbidden" in reply, reply
+    assert KV_SECRET.encode() not in reply
     assert w.canary.since(mark) == []
     # positive control: where the policy permits 127.0.0.2, the canary receives the credential
     tls, head = _tunnel(cgw, cgw.admit("cred-canary-open"), authority, "forbidden.test")

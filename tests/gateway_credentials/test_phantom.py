@@ -129,6 +129,8 @@ def test_phantom_in_streamed_body_split_across_chunks(cgw: Gateway) -> None:
     mark = cgw.world.hits.mark()
     reply = _stream_post(cgw, sbx, [b"a" * 100, b'{"key":"' + p[:20], p[20:], b'"}', b"z" * 10])
     assert b" 200 " not in reply.split(b"\r\n", 1)[0]
+    # the sandbox reads why (before: a reset): the upstream request is aborted, the client answered
+    assert reply.startswith(b"HTTP/1.1 403") and b"x-egressgate-decision: deny" in reply.lower(), reply[:300]
     time.sleep(0.3)
     for hit in hits_for(cgw, mark, "phantom.test"):
         assert p not in hit["body"] and p[:20] not in hit["body"]  # not even the first half got out

@@ -148,10 +148,10 @@ async def list_tools(s: McpSession, jid, tools: list[dict]) -> list[str]:
     return [t["name"] for t in out["result"]["tools"]]
 
 
-async def initialize(s: McpSession, jid, name: str, version: str) -> None:
+async def initialize(s: McpSession, jid, name: str, version: str, protocol: str = "2025-06-18") -> None:
     init = {"jsonrpc": "2.0", "id": jid, "method": "initialize",
-            "params": {"protocolVersion": "2025-06-18", "capabilities": {},
+            "params": {"protocolVersion": protocol, "capabilities": {},
                        "clientInfo": {"name": "c", "version": "1"}}}
     assert (await s.from_client(body(init))).forward
-    await s.from_server_bytes(answer(jid, {"protocolVersion": "2025-06-18", "capabilities": {},
+    await s.from_server_bytes(answer(jid, {"protocolVersion": protocol, "capabilities": {},
                                            "serverInfo": {"name": name, "version": version}}))

@@ -26,6 +26,7 @@ from mcp.client.streamable_http import streamable_http_client
 from tests.mcp.servers import McpWorld, serve_mcp
 from tests.support.launcher import LoopbackGateway, launch_loopback, stop_gateway, write_policies
 from tests.support.loopback import DnsServer, LoopThread, start_dns
+from tests.support.replay_check import assert_replays_unchanged
 from tests.support.waiting import wait_for
 
 HOST = "tickets.mcp.test"
@@ -242,5 +243,6 @@ def open_remote_world(tmp: Path) -> Iterator[RemoteWorld]:
                 yield RemoteWorld(mcp=mcp_world, gw=gw, dns=dns)
             finally:
                 stop_gateway(gw)
+            assert_replays_unchanged(gw.var, policy_dir)  # tool calls included (issue 23, item 1)
     finally:
         loop.close((), (), [transport])

@@ -110,16 +110,35 @@ async def test_denied_call_is_answered_by_the_gateway_and_never_forwarded(mem_wo
     assert ok.forward is not None and ok.replies == []
 
 
-async def test_batch_forwards_only_its_allowed_members(mem_world: World):
+async def test_a_batch_with_a_denied_call_forwards_nothing(mem_world: World):
+    """Issue 23, item 10: the allowed half of a mixed batch is not forwarded as a new batch; the allowed
+    call keeps its allow record, gets a `no_response` outcome (batch_refused) and its budget back.
+    Control: a batch of allowed members only is forwarded whole, as a batch."""
     s = mem_world.session()
-    allowed = call(1, "search_tickets", {"project": "acme"})
-    hidden = call(2, "delete_ticket", {"id": "all"})
+    await initialize(s, "init", "tickets-server", "1", protocol="2025-03-26")  # the protocol with batches
     note = {"jsonrpc": "2.0", "method": "notifications/progress", "params": {"progressToken": 1, "progress": 1}}
-    verdict = await s.from_client(body([allowed, hidden, note]))
-    assert json.loads(verdict.forward) == [allowed, note]  # still a batch: the server answers a batch
-    assert [r["id"] for r in verdict.replies] == [2] and verdict.was_batch
-    assert verdict.replies[0]["error"]["data"]["reason"] == "mcp_tool_denied"
-    assert b"delete_ticket" not in verdict.forward
+    ok = await s.from_client(body([call(1, "search_tickets", {"project": "acme"}), note]))
+    assert json.loads(ok.forward) == [call(1, "search_tickets", {"project": "acme"}), note]  # still a batch
+    await s.from_server_bytes(answer(1))
+    allowed = call(2, "search_tickets", {"project": "acme"})
+    hidden = call(3, "delete_ticket", {"id": "all"})
+    ping = {"jsonrpc": "2.0", "id": 4, "method": "ping"}
+    verdict = await s.from_client(body([allowed, hidden, note, ping]))
+    assert verdict.forward is None and verdict.was_batch and verdict.ticket is None
+    assert sorted(r["id"] for r in verdict.replies) == [2, 3, 4]
+    by_id = {r["id"]: r["error"]["data"]["reason"] for r in verdict.replies}
+    assert by_id == {2: "mcp_tool_denied", 3: "mcp_tool_denied", 4: "mcp_tool_denied"}
+    calls = mem_world.records(**{"egressgate.operation": "mcp_tool_call"})
+    assert [(r["egressgate.mcp.jsonrpc_id"], r["egressgate.decision"]) for r in calls] == [
+        ("1", "allow"), ("2", "allow"), ("3", "deny")]
+    outcomes = await mem_world.wait_records(2, **{"egressgate.operation": "outcome"})
+    refused = [r for r in outcomes if r.get("egressgate.mcp.jsonrpc_id") == "2"]
+    assert refused and refused[0]["egressgate.mcp.outcome"] == "no_response"
+    assert refused[0]["egressgate.detail"] == "batch_refused"
+    counts, _ = await mem_world.rt.state.mcp_read(s.sandbox_id, "tickets", ["mcp:tickets"])
+    assert counts.get("mcp:tickets", 0) == 1  # the withdrawn call's count was given back
+    again = await s.from_client(body(allowed))  # its id is free again, and the call alone goes through
+    assert again.forward is not None
 
 
 @pytest.mark.parametrize(("raw", "detail"), [
@@ -457,6 +476,7 @@ async def test_unanswered_requests_are_bounded_not_evicted(mem_world: World):
     from egressgate.mcp import mediator
 
     s = mem_world.session()
+    await initialize(s, "init", "tickets-server", "1", protocol="2025-03-26")  # the protocol with batches
     batch = [{"jsonrpc": "2.0", "id": i, "method": "tools/list"} for i in range(mediator.MAX_WAITING)]
     assert (await s.from_client(body(batch))).forward is not None  # exactly at the bound: accepted
     over = await s.from_client(body({"jsonrpc": "2.0", "id": "one-more", "method": "tools/list"}))

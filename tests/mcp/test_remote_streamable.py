@@ -169,6 +169,11 @@ CALL = '{"jsonrpc":"2.0","id":%s,"method":"tools/call","params":{"name":"%s","ar
     # deeply nested arguments
     ('{"jsonrpc":"2.0","id":6,"method":"tools/call","params":{"name":"search_tickets","arguments":{"project":'
      + "[" * 200 + "]" * 200 + "}}}", b"[[[["),
+    # another spelling of tools/call (issue 23, item 10): undecided, a lenient server would run it
+    ('{"jsonrpc":"2.0","id":7,"method":"Tools/Call","params":{"name":"delete_ticket","arguments":{"ticket":"T-1"}}}',
+     b"delete_ticket"),
+    # a batch on a protocol version without batches (this session speaks 2025-11-25)
+    ("[" + CALL % (8, "search_tickets") + "]", b"search_tickets"),
 ])
 def test_malformed_messages_are_refused_whole(rw: RemoteWorld, body: str, smuggled: bytes) -> None:
     sbx = rw.admit()
@@ -196,31 +201,29 @@ def test_a_unicode_escaped_tool_name_is_decided_on_its_decoded_value(rw: RemoteW
 
 
 def test_a_batch_cannot_hide_a_second_call(rw: RemoteWorld) -> None:
+    """A batch (none in this session's protocol, 2025-11-25) is refused whole: neither call is forwarded,
+    not even the allowed one. Control: the allowed call alone is answered by the server."""
     sbx = rw.admit()
     with raw_session(rw, sbx) as (client, headers):
         mark = rw.mcp.received.mark()
         body = "[" + CALL % (11, "search_tickets") + "," + CALL % (12, "delete_ticket") + "]"
         res = client.post(rw.url("json"), content=body.encode(), headers=headers)
-    answers = _answer(res)
-    answers = answers if isinstance(answers, list) else [answers]
-    denial = [a for a in answers if a.get("id") == 12]
-    assert denial and denial[0]["error"]["data"]["reason"] == "mcp_tool_denied"
-    assert not rw.mcp.received.saw(b"delete_ticket", mark)
-    assert [n for n, _ in rw.mcp.received.tool_calls(mark)] in ([], ["search_tickets"])
+        assert res.status_code == 400 and res.json()["error"]["data"]["reason"] == "mcp_malformed", res.text
+        assert not rw.mcp.received.saw(b"delete_ticket", mark) and rw.mcp.received.tool_calls(mark) == []
+        alone = client.post(rw.url("json"), content=(CALL % (13, "search_tickets")).encode(), headers=headers)
+    assert _answer(alone)["result"]["content"][0]["text"] == "5 open tickets in acme"
 
 
-@pytest.mark.parametrize(("size", "answered"), [(20 * 1024, True), (2 * 1024 * 1024, False)])
-def test_an_oversized_body_is_refused_before_the_server(rw: RemoteWorld, size: int, answered: bool) -> None:
+@pytest.mark.parametrize("size", [20 * 1024, 2 * 1024 * 1024])
+def test_an_oversized_body_is_refused_before_the_server(rw: RemoteWorld, size: int) -> None:
+    """Answered before the body is read, whatever its size (gateway/early_answer.py): before, a body
+    over 64 KiB got a reset (or mitmproxy's HTML 400) instead of the JSON-RPC error."""
     sbx = rw.admit()
     with raw_session(rw, sbx) as (client, headers):
         mark = rw.mcp.received.mark()
         body = (CALL % (9, "search_tickets")).replace('"acme"', '"acme' + "a" * size + '"').encode()
-        if answered:
-            res = client.post(rw.url("json"), content=body, headers=headers)
-            assert res.status_code == 400 and res.json()["error"]["data"]["reason"] == "mcp_malformed"
-        else:  # too large to buffer for an answer: the flow is killed (mitmproxy's 400 page or a reset)
-            with contextlib.suppress(httpx.TransportError):
-                assert client.post(rw.url("json"), content=body, headers=headers).status_code >= 400
+        res = client.post(rw.url("json"), content=body, headers=headers)
+        assert res.status_code == 400 and res.json()["error"]["data"]["reason"] == "mcp_malformed"
     assert rw.mcp.received.bodies(mark) == []
     [refusal] = rw.records(sbx, "http_request", **{"egressgate.phase": "mcp"})
     assert (refusal["egressgate.reason"], refusal["egressgate.detail"]) == ("mcp_malformed", "oversized")

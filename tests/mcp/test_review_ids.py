@@ -11,7 +11,7 @@ import asyncio
 import json
 
 from egressgate.mcp.mediator import MAX_WAITING
-from tests.mcp.mediator_world import World, answer, body, call
+from tests.mcp.mediator_world import World, answer, body, call, initialize
 
 PING = {"jsonrpc": "2.0", "id": 7, "method": "ping"}
 SECRET = {"content": [{"type": "text", "text": "exfiltrated " * 50}]}
@@ -45,6 +45,7 @@ async def test_a_ping_reusing_the_id_of_a_pending_call_is_refused_and_concurrent
 
 async def test_pending_requests_are_bounded(mem_world: World):
     s = mem_world.session()
+    await initialize(s, "init", "tickets-server", "1", protocol="2025-03-26")  # the protocol with batches
     batch = [{**PING, "id": i} for i in range(MAX_WAITING)]
     assert (await s.from_client(body(batch))).forward is not None  # positive control: the bound itself
     over = await s.from_client(body({**PING, "id": "one-more"}))

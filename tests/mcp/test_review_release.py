@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from egressgate.mcp import mediator
-from tests.mcp.mediator_world import World, answer, body, call
+from tests.mcp.mediator_world import World, answer, body, call, initialize
 from tests.mcp.remote_world import ROGUE, RemoteWorld, open_remote_world
 
 
@@ -87,6 +87,7 @@ async def test_released_bodies_never_fill_the_bound(mem_world: World, monkeypatc
     usable (main: `too_many_pending` once MAX_WAITING calls were lost), and a released call is recorded once."""
     monkeypatch.setattr(mediator, "MAX_WAITING", 2)  # one call and one ping per body
     s = mem_world.session()
+    await initialize(s, "init", "tickets-server", "1", protocol="2025-03-26")  # the protocol with batches
     for jid in range(3):  # (the policy's server budget is 4 calls)
         verdict = await s.from_client(body([call(jid, "note", {}), {"jsonrpc": "2.0", "id": f"p{jid}",
                                                                      "method": "ping"}]))

@@ -52,7 +52,7 @@ def test_explain_prints_decision_reason_rule():
 def test_policy_test_passes_shipped_cases_and_diffs_failures(tmp_path):
     shipped = cli("policy", "test", str(ROOT / "policies" / "tests" / "seed-invoice-analysis.test.yaml"))
     assert shipped.returncode == 0, shipped.stdout
-    assert "11 passed, 0 failed" in shipped.stdout
+    assert "12 passed, 0 failed" in shipped.stdout
     cases = tmp_path / "cases.yaml"
     cases.write_text(f"""
 policy: {SEED}

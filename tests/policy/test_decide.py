@@ -121,7 +121,9 @@ def test_seed_policy(request_text, effect, reason, rule):
     if decision.effect is Effect.DENY:
         assert decision.message and "\n" not in decision.message
     gated = run(SEED, request_text)  # the seed as shipped: only allowlist refusals wait for an operator
-    if reason in _EXPANDABLE:
+    if parse_target(request_text).op_class == "package_install":  # package_install: deny, no approval
+        assert (gated.reason, gated.detail) == (Reason.PACKAGE_INSTALL_DENIED, "pypi")
+    elif reason in _EXPANDABLE:
         assert (gated.reason, gated.detail, gated.rule_id) == (Reason.APPROVAL_REQUIRED, reason, rule)
         assert "retry" in gated.message and "\n" not in gated.message
     else:

@@ -17,6 +17,7 @@ from tests.policy_learn.conftest import Session, lines
 
 BASE = textwrap.dedent("""\
     sandbox: {name: agent}
+    execution: {package_install: allow}  # /simple/a/ below is a package index request (docs/policy.md)
     network:
       allow_private: [10.0.0.0/8]
       https:
@@ -201,8 +202,9 @@ def test_approval_required_denials_are_learned():
     """`approval_required` is "outside the allowlist, an operator may approve": learnable like host_not_allowed."""
     from egressgate.policy.learn import Selector, learn
 
-    gated = BASE.replace("sandbox: {name: agent}\n", "sandbox: {name: agent}\nexecution: "
-                                                     "{require_approval_for: [network_expansion]}\n")
+    gated = BASE.replace("execution: {package_install: allow}",
+                         "execution: {package_install: allow, require_approval_for: [network_expansion]}")
+    assert gated != BASE
     s = Session(gated)
     s.admit("s1")
     event = s.request("s1", "GET https://new.example.com/x")

@@ -20,6 +20,7 @@ OLD = textwrap.dedent("""\
     """)
 NEW = textwrap.dedent("""\
     sandbox: {name: agent}
+    execution: {package_install: allow}  # GET /simple/ is a package index request (docs/policy.md)
     network:
       https:
         allow:

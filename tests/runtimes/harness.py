@@ -88,12 +88,13 @@ def sandbox_world(tmp: Path) -> Iterator[World]:
 
 @contextlib.contextmanager
 def running_gateway(world: World, policies: dict[str, dict[str, Any]],
-                    runtime: dict[str, Any] | None = None) -> Iterator[Gateway]:
+                    runtime: dict[str, Any] | None = None, launcher: list[str] | None = None) -> Iterator[Gateway]:
     """The real gateway in the world's gw namespace, in a base_dir() removed afterwards (also when the
-    gateway does not start); `runtime`: more keys of its runtime section (e.g. uid_range)."""
+    gateway does not start); `runtime`: more keys of its runtime section (e.g. uid_range); `launcher`: the
+    command that starts `egressgate` (launcher.launch_in_namespace)."""
     base = base_dir()
     try:
-        gw = Gateway.start(world, base, policies, runtime)
+        gw = Gateway.start(world, base, policies, runtime, launcher)
     except BaseException:
         remove(base)
         raise
@@ -127,7 +128,7 @@ class Gateway:
 
     @classmethod
     def start(cls, world: World, base: Path, policies: dict[str, dict[str, Any]],
-              runtime: dict[str, Any] | None = None) -> Gateway:
+              runtime: dict[str, Any] | None = None, launcher: list[str] | None = None) -> Gateway:
         pdir = write_policies(base / "policies", policies)
         config = {
             "listen": {"proxy": "127.0.0.1:0", "admin": "127.0.0.1:0", "dns": "127.0.0.1:0",
@@ -138,7 +139,8 @@ class Gateway:
             "upstream": {"resolver": f"{nw.DNS_ADDR}:53", "ca_bundle": str(world.ca_pem)},
             "runtime": {"state_dir": str(base / "state"), **(runtime or {})},
         }
-        proc, info, cfg, stderr = launch_in_namespace(world, world.gw, base, config)  # stderr: closed in stop()
+        # stderr: closed in stop()
+        proc, info, cfg, stderr = launch_in_namespace(world, world.gw, base, config, launcher)
         gw = cls(world=world, base=base, proc=proc, config=cfg, info=info)
         gw._stderr = stderr
         return gw

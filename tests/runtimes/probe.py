@@ -268,6 +268,17 @@ def main():
             with open("/proc/self/status") as fh:
                 caps = fh.read().split("CapEff:")[1].split()[0]
             out.append({"ok": True, "uid": os.getuid(), "caps": caps})
+        elif kind == "uname":  # the kernel the workload runs on (microvm: the guest's, not the host's)
+            with open("/proc/version") as fh:
+                out.append({"ok": True, "release": os.uname().release, "version": fh.read().strip()})
+        elif kind == "get":  # an HTTPS GET the way a well-behaved client does it (admission's proxy and CA)
+            import urllib.request
+
+            try:
+                with urllib.request.urlopen(args[0], timeout=20) as resp:  # noqa: S310 - the test's https URL
+                    out.append({"ok": True, "status": resp.status})
+            except OSError as exc:
+                out.append(err(exc))
         else:
             fn = {"tcp": tcp, "udp": udp, "dns": dns, "tls": tls, "raw": raw_socket, "icmp": icmp_dgram,
                   "open": open_file, "unix": unix, "pair": pair, "family": family, "pairfam": pair_family,

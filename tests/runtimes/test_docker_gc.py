@@ -9,15 +9,21 @@ import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
+from egressgate.runtimes.diskfs import mounts
 from egressgate.runtimes.docker import labelled_containers
 from tests.runtimes.harness import Gateway
 from tests.runtimes.runs import kill_watchdog
 from tests.support.dockerd import Dockerd
 
 pytestmark = pytest.mark.netns
+
+
+def mounted(path: Path) -> bool:
+    return any(point == str(path) for point, _fstype, _source in mounts())
 
 
 def _gc(gateway: Gateway, dockerd: Dockerd) -> subprocess.CompletedProcess[str]:
@@ -49,11 +55,42 @@ def test_sigkill_then_gc_removes_the_container(gateway: Gateway, dockerd: Docker
     assert left == {f"egressgate-{run_id}": run_id}
     record = json.loads((gateway.state_dir / "runs" / f"{run_id}.json").read_text())
     assert record["container"] == f"egressgate-{run_id}" and record["docker_host"] == dockerd.host
+    # ... and so did the workspace's nosuid bind (diskfs.nosuid_bind), which the record names
+    bind = gateway.state_dir / "binds" / run_id / "0"
+    assert mounted(bind) and any(e.get("bind") and e["target"] == str(bind) for e in record["disk_mounts"])
     gc = _gc(gateway, dockerd)
     assert gc.returncode == 0, gc.stdout + gc.stderr
     assert f"container egressgate-{run_id}" in gc.stdout
     assert run_id not in labelled_containers(dockerd.host).values()
     assert not (gateway.state_dir / "runs" / f"{run_id}.json").exists()
+    assert not mounted(bind) and not bind.parent.exists()
+
+
+def test_gc_unmounts_orphan_binds_of_its_state_dir_only(gateway: Gateway, tmp_path: Path) -> None:
+    """A nosuid bind no record names (a lost record) is unmounted by gc's orphan pass; a bind elsewhere, or
+    under a name that is not a run id, stays."""
+    source = tmp_path / "src"
+    source.mkdir()
+    orphan = gateway.state_dir / "binds" / "0123456789" / "0"
+    other = gateway.state_dir / "binds" / "not-a-run" / "0"
+    for target in (orphan, other):
+        target.mkdir(parents=True)
+        subprocess.run(["mount", "--bind", str(source), str(target)], check=True)
+    try:
+        assert mounted(orphan) and mounted(other)  # positive control
+        gc = subprocess.run(gateway.cmd("sandbox", "gc", "--config", str(gateway.config), "--grace", "0"),
+                            capture_output=True, text=True, timeout=120, check=False)
+        assert gc.returncode == 0, gc.stdout + gc.stderr
+        assert f"orphan bind {orphan}" in gc.stdout, gc.stdout
+        assert not mounted(orphan) and not orphan.parent.exists()
+        assert mounted(other)
+    finally:
+        subprocess.run(["umount", str(other)], check=False)
+        subprocess.run(["umount", str(orphan)], capture_output=True, check=False)
+        for path in (other, orphan):
+            if path.exists():
+                path.rmdir()
+                path.parent.rmdir()
 
 
 def test_gc_sweeps_labelled_orphans_only(gateway: Gateway, dockerd: Dockerd) -> None:

@@ -24,6 +24,7 @@ import pytest
 
 from tests.networld import World
 from tests.runtimes.harness import Gateway, base_dir, remove, running_gateway, runtime_policy, sandbox_id
+from tests.support.dockerd import Dockerd
 
 pytestmark = pytest.mark.netns
 
@@ -98,10 +99,16 @@ def wait_for(path: Path, proc: subprocess.Popen[str], timeout: float = 30) -> st
     return path.read_text()
 
 
-def start_publishing(gateway: Gateway, ws: Path) -> tuple[subprocess.Popen[str], list[str]]:
+def start_publishing(gateway: Gateway, ws: Path, dockerd: Dockerd | None = None,
+                     runtime: str = "netns") -> tuple[subprocess.Popen[str], list[str]]:
     """A run whose workload wrote [token, phantom, proxy URL, id] to ws/secrets and waits for ws/done."""
-    proc = subprocess.Popen(gateway.run_argv("sh", "-c", PUBLISH, policy=POLICY, workspace=ws), text=True,
-                            env=gateway.caller_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    argv = gateway.run_argv("sh", "-c", PUBLISH, policy=POLICY, workspace=ws)
+    env = gateway.caller_env()
+    if dockerd is not None:
+        at = argv.index("--")
+        argv[at:at] = ["--runtime", runtime, "--image", dockerd.busybox_image()]
+        env["DOCKER_HOST"] = dockerd.host
+    proc = subprocess.Popen(argv, text=True, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     secrets = wait_for(ws / "secrets", proc).splitlines()
     assert len(secrets) == 4 and len(secrets[0]) >= 32 and len(secrets[1]) >= 16, secrets
     return proc, secrets
@@ -161,6 +168,40 @@ def test_no_secret_in_any_readable_cmdline_or_environ(gateway: Gateway) -> None:
             for p in (planted, own):
                 p.kill()
                 p.wait()
+        out, err = finish(proc, ws)
+        proc = None
+        assert needles[0] not in out + err and needles[1] not in out + err
+    finally:
+        if proc is not None:
+            proc.kill()
+            proc.communicate()
+        remove(ws)
+
+
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")  # scan_as's child
+@pytest.mark.parametrize("runtime", ["docker", "gvisor"])
+def test_no_secret_readable_from_a_container_run(gateway: Gateway, dockerd: Dockerd, runtime: str) -> None:
+    """Docker/gVisor parity: the environment goes to the daemon in the API request body, so no process of
+    the run (dockerd, containerd, shim, runc/runsc, the workload) shows it to another local user. The
+    positive control is the netns test's (the same scan finds planted needles)."""
+    ws = base_dir()
+    proc = None
+    try:
+        proc, secrets = start_publishing(gateway, ws, dockerd, runtime)
+        needles = secrets[:2]
+        found = scan_as(UNPRIVILEGED, needles)
+        assert found["hits"] == [], found["hits"]
+        assert found["cmdline"] > 0
+        # control: the token was there to be found. Under runc root reads it in the workload's own
+        # /proc/<pid>/environ; under gVisor the workload's environment lives inside gVisor's kernel (no host
+        # process has it), and root finds it only in the container's config through the daemon's API
+        if runtime == "docker":
+            root = scan_as(0, needles[:1])
+            assert root["hits"] and {h[1] for h in root["hits"]} == {"environ"}, root
+        run_id = next(path.stem for path in (gateway.state_dir / "runs").glob("*.json")
+                      if json.loads(path.read_text()).get("owner_pid") == proc.pid)
+        env = dockerd.docker("inspect", "-f", "{{json .Config.Env}}", f"egressgate-{run_id}").stdout
+        assert needles[0] in env and needles[1] in env
         out, err = finish(proc, ws)
         proc = None
         assert needles[0] not in out + err and needles[1] not in out + err

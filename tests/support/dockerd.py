@@ -79,6 +79,9 @@ class Dockerd:
     sid: str = field(default_factory=lambda: secrets.token_hex(3))
     proc: subprocess.Popen[bytes] | None = None
     _images: dict[str, str] = field(default_factory=dict)
+    # the `runsc` runtime's arguments (a test of the gVisor adapter's refusal starts a daemon without
+    # --oci-seccomp: tests/runtimes/test_gvisor_seccomp.py)
+    runsc_args: tuple[str, ...] = ("--network=host", "--oci-seccomp")
 
     # ------------------------------------------------------------------------------ names
     @property
@@ -105,10 +108,10 @@ class Dockerd:
 
     # ------------------------------------------------------------------------------ lifecycle
     @classmethod
-    def start(cls, state: Path) -> Dockerd:
+    def start(cls, state: Path, runsc_args: tuple[str, ...] | None = None) -> Dockerd:
         ensure_installed()
         reap_stale()
-        d = cls(state=state)
+        d = cls(state=state) if runsc_args is None else cls(state=state, runsc_args=runsc_args)
         try:
             d._start()
         except BaseException:
@@ -131,7 +134,7 @@ class Dockerd:
         _sh("ip", "netns", "add", self.netns)
         _sh("ip", "-n", self.netns, "link", "set", "lo", "up")
         config = {
-            "runtimes": {"runsc": {"path": RUNSC, "runtimeArgs": ["--network=host", "--oci-seccomp"]}},
+            "runtimes": {"runsc": {"path": RUNSC, "runtimeArgs": list(self.runsc_args)}},
             "cgroup-parent": self.cgroup_parent,
             "log-level": "warn",
         }
@@ -203,6 +206,12 @@ class Dockerd:
         if "python" not in self._images:
             self._images["python"] = images.python(self)
         return self._images["python"]
+
+    def threaded_image(self) -> str:
+        """Debian python3 + grpcio + nodejs (images.threaded; cached on disk like the python image)."""
+        if "threaded" not in self._images:
+            self._images["threaded"] = images.threaded(self)
+        return self._images["threaded"]
 
     # ------------------------------------------------------------------------------ observation
     def leftovers(self) -> dict[str, list[str]]:
@@ -295,8 +304,8 @@ def reap_stale() -> None:
 
 
 @contextlib.contextmanager
-def running(state: Path) -> Iterator[Dockerd]:
-    d = Dockerd.start(state)
+def running(state: Path, runsc_args: tuple[str, ...] | None = None) -> Iterator[Dockerd]:
+    d = Dockerd.start(state, runsc_args)
     try:
         yield d
     finally:

@@ -265,12 +265,22 @@ def start_gateway(w: World, tmp: Path, extra_config: dict | None = None, launche
 
 # --------------------------------------------------------------------------------------- raw clients
 def connect_tunnel(gw: LoopbackGateway, sbx: Sandbox | None, target: str,
-                   extra: str = "") -> tuple[socket.socket, bytes]:
-    """Open a CONNECT tunnel with a raw socket; returns the socket and the proxy's response head."""
+                   extra: str = "", read_refusal: bool = True) -> tuple[socket.socket, bytes]:
+    """Open a CONNECT tunnel with a raw socket; returns the socket and the proxy's response head.
+
+    A CONNECT the policy refuses is accepted by default and its deny answered inside the tunnel (a 200
+    carrying `X-Egressgate-Decision: deny`, gateway/refused_tunnel.py). With `read_refusal` such a refusal
+    is read as a client reads it, one plain request inside, and that answer (the deny body under the
+    CONNECT's request id) is returned instead of the 200."""
     sock = socket.create_connection(gw.proxy, timeout=10)
     credentials = auth(sbx) if sbx is not None else ""
     sock.sendall(f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n{credentials}{extra}\r\n".encode())
     status, headers, body = read_reply(sock)
+    if read_refusal and status == 200 and headers.get("x-egressgate-decision") == "deny":
+        sock.sendall(f"GET / HTTP/1.1\r\nHost: {target}\r\nConnection: close\r\n\r\n".encode())
+        connect_id = headers.get("x-egressgate-request-id")
+        status, headers, body = read_reply(sock)
+        assert headers.get("x-egressgate-request-id") == connect_id, (status, headers, body)
     head = f"HTTP/1.1 {status} -\r\n".encode() + "".join(f"{k}: {v}\r\n" for k, v in headers.items()).encode()
     return sock, head + b"\r\n" + body
 

@@ -6,6 +6,8 @@
 - python: Debian's python3 + ca-certificates, made by mmdebstrap from the machine's own apt mirror (a
   package install, not test traffic). ~20 s, so the root filesystem tarball is cached on disk, keyed by
   everything that determines it (suite, packages, mirror); `docker import` of the cached tar is ~3 s.
+- threaded: the same with python3-grpcio and nodejs (programs that start threads of their own), built
+  the same way, on first use only.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ if TYPE_CHECKING:
 
 BUSYBOX = "/usr/bin/busybox"  # Debian busybox-static (statically linked: runs in any image)
 PYTHON_PACKAGES = ("python3", "ca-certificates")
+THREADED_PACKAGES = ("python3", "python3-grpcio", "nodejs", "ca-certificates")
 CACHE = Path(os.environ.get("EGRESSGATE_IMAGE_CACHE", "/var/cache/egressgate-tests"))
 PASSWD = "root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/nonexistent:/bin/sh\n"
 GROUP = "root:x:0:\nnogroup:x:65534:\n"
@@ -81,19 +84,30 @@ def _mirror() -> tuple[str, str]:
 
 def python(d: Dockerd) -> str:
     """Import the python image into `d` (building the cached rootfs tarball when missing)."""
+    return debian(d, "python", PYTHON_PACKAGES)
+
+
+def threaded(d: Dockerd) -> str:
+    """Debian's python3 + grpcio and node: runtimes that start threads of their own (libuv's pool, V8's
+    platform threads, gRPC's pollers) for the thread tests under gVisor."""
+    return debian(d, "threaded", THREADED_PACKAGES)
+
+
+def debian(d: Dockerd, name: str, packages: tuple[str, ...]) -> str:
+    """Import a Debian image of `packages` into `d` as egd-NAME (the rootfs tarball cached on disk)."""
     suite, mirror = _mirror()
-    key = hashlib.sha256(f"{suite}|{mirror}|{','.join(PYTHON_PACKAGES)}".encode()).hexdigest()[:16]
-    cached = CACHE / f"python-{key}.tar"
+    key = hashlib.sha256(f"{suite}|{mirror}|{','.join(packages)}".encode()).hexdigest()[:16]
+    cached = CACHE / f"{name}-{key}.tar"
     if not cached.exists():
         CACHE.mkdir(parents=True, exist_ok=True)
         partial = cached.with_suffix(f".{os.getpid()}.partial")
         res = subprocess.run(
-            ["mmdebstrap", "--quiet", "--format=tar", "--variant=essential", f"--include={','.join(PYTHON_PACKAGES)}",
+            ["mmdebstrap", "--quiet", "--format=tar", "--variant=essential", f"--include={','.join(packages)}",
              suite, str(partial), mirror], capture_output=True, text=True, timeout=600, check=False)
         if res.returncode != 0:
             partial.unlink(missing_ok=True)
             raise RuntimeError(f"mmdebstrap failed ({res.returncode}): {res.stderr[-3000:]}")
         partial.replace(cached)
-    tag = f"egd-python:{key}"
+    tag = f"egd-{name}:{key}"
     d.docker("import", "-c", "ENV PATH=/usr/local/bin:/usr/bin:/bin", str(cached), tag, timeout=300)
     return tag

@@ -88,7 +88,10 @@ class Gateway:
                        "dns": f"{nw.GW_SBX}:{dns_port}", "transparent": f"127.0.0.1:{transparent_port}"},
             # cache_min_ttl 0: honour the world's TTL 0, so every sandbox query reaches the world resolver
             # (rebinding answers are really delivered to the gateway, not hidden by a cache floor)
-            "dns": {"upstreams": [f"{nw.DNS_ADDR}:53"], "cache_min_ttl": 0},
+            # gateway_answer_networks: the world's sandbox links (198.18.3.0/24, the transparent namespaces)
+            # have the gateway at .1 like a runtime's /30, outside runtime.subnet
+            "dns": {"upstreams": [f"{nw.DNS_ADDR}:53"], "cache_min_ttl": 0,
+                    "gateway_answer_networks": ["198.18.0.0/15"]},
             "policy": str(pdir),
             "var_dir": str(var),
             "upstream": {"resolver": f"{nw.DNS_ADDR}:53", "ca_bundle": str(world.ca_pem)},
@@ -196,12 +199,24 @@ class Gateway:
             sock.sendall(payload)
             return read_all(sock, wait, first=10)
 
-    def tunnel(self, sbx: Sandbox, target: str) -> tuple[socket.socket, Response]:
-        """CONNECT `target` with the sandbox's identity; returns the socket and the CONNECT response."""
+    def tunnel(self, sbx: Sandbox, target: str, read_refusal: bool = True) -> tuple[socket.socket, Response]:
+        """CONNECT `target` with the sandbox's identity; returns the socket and the CONNECT response.
+
+        A CONNECT the policy refuses is accepted by default (`deny.connect_in_tunnel`: a 200 that carries
+        `X-Egressgate-Decision: deny`, gateway/refused_tunnel.py) and its deny is read inside the tunnel. With
+        `read_refusal` (the default) such a refusal is read the way a client reads it: one plain request in
+        the tunnel, whose answer (the deny body, under the CONNECT's request id) is returned instead of
+        the 200. `read_refusal=False`: the CONNECT's own response, whatever it is."""
         sock = self.connect()
         sock.sendall(f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n"
                      f"Proxy-Authorization: {sbx.auth_header}\r\n\r\n".encode())
-        return sock, read_response(sock)
+        resp = read_response(sock)
+        if read_refusal and resp.status == 200 and resp.denied:
+            sock.sendall(f"GET / HTTP/1.1\r\nHost: {target}\r\nConnection: close\r\n\r\n".encode())
+            inner = read_response(sock)
+            assert inner.headers.get("x-egressgate-request-id") == resp.headers.get("x-egressgate-request-id"), inner
+            return sock, inner
+        return sock, resp
 
     def tls(self, sock: socket.socket, sni: str | None, alpn: tuple[str, ...] = ("http/1.1",)) -> ssl.SSLSocket:
         """TLS over an open tunnel, presenting `sni` (verification against our bundle, names unchecked:

@@ -28,7 +28,7 @@ DURATIONS = Path(__file__).resolve().parents[1] / "durations.json"
 # (group, why, module paths relative to tests/ — a folder prefix ends with "/")
 EXCLUSIVE: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("host-runtime", "product netns/cgroups are host-global names; one dockerd per run", (
-        "runtimes/", "mcp/test_local_relay.py", "render/test_compose_up.py",
+        "runtimes/", "mcp/test_local_relay.py", "render/test_compose_up.py", "render/test_compose_up_standalone.py",
     )),
 )
 

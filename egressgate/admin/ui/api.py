@@ -161,6 +161,7 @@ class ConsoleApi:
             "capability": decision.capability, "message": decision.message or None,
             "policy": compiled.name, "policy_hash": compiled.hash,
             "canonical": {"host": facts.host, "port": facts.port, "method": facts.method, "path": facts.path},
+            "operation": facts.op_class,  # package_install | publish | null (policy/opclass.py)
         })
 
 

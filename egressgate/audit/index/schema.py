@@ -13,6 +13,8 @@ from pathlib import Path
 
 SCHEMA_VERSION = 1
 
+# `stale_files`: files a reader found changed under its rows (`AuditIndex.record_line`), kept in the database so
+# the next writer re-indexes them whichever process it is (a mark in the reader's memory died with `audit find`).
 # `computed` is NULL unless the line's recomputed chain hash differs from the one it carries (an edited
 # record): `record()` re-checks the bytes against exactly what was seen when indexing.
 _DDL = """
@@ -28,6 +30,7 @@ CREATE TABLE IF NOT EXISTS records (
     time_ns INTEGER NOT NULL, kind TEXT NOT NULL, request_id TEXT, request_hash TEXT, sandbox TEXT, host TEXT,
     decision TEXT, reason TEXT, rule TEXT, trigger TEXT, computed TEXT
 );
+CREATE TABLE IF NOT EXISTS stale_files (file_id INTEGER PRIMARY KEY, reason TEXT NOT NULL);
 CREATE INDEX IF NOT EXISTS records_file ON records(file_id, line);
 CREATE INDEX IF NOT EXISTS records_request_id ON records(request_id) WHERE request_id IS NOT NULL;
 CREATE INDEX IF NOT EXISTS records_request_hash ON records(request_hash) WHERE request_hash IS NOT NULL;

@@ -61,7 +61,9 @@ class AuditIndex:
         self._local = threading.local()
         self._conns: list[sqlite3.Connection] = []
         self._conns_lock = threading.Lock()
-        self._stale: set[str] = set()  # paths whose bytes record() found changed: rebuilt by the next add_files
+        # paths whose bytes record() found changed: rebuilt by the next add_files. Also persisted in the
+        # database (`stale_files`, _mark_stale): the next writer may be another process (`audit index`).
+        self._stale: set[str] = set()
         create_db_file(self.db_path)
         ensure_schema(self._conn())
 
@@ -171,7 +173,25 @@ class AuditIndex:
     @staticmethod
     def _drop(conn: sqlite3.Connection, state: FileState) -> None:
         conn.execute("DELETE FROM records WHERE file_id = ?", (state.id,))
+        conn.execute("DELETE FROM stale_files WHERE file_id = ?", (state.id,))
         conn.execute("DELETE FROM files WHERE id = ?", (state.id,))
+
+    def _mark_stale(self, path: str, reason: str) -> None:
+        """Remember that `path`'s rows no longer match its bytes, in memory and in the database, so the next
+        add_files — of this process or of the next `audit index` — re-indexes it from byte 0. A reader that
+        cannot write the database (read-only copy, busy past the timeout) keeps the in-memory mark and says so."""
+        self._stale.add(path)
+        try:
+            self._conn().execute("INSERT OR REPLACE INTO stale_files(file_id, reason) "
+                                 "SELECT id, ? FROM files WHERE path = ?", (reason, path))
+        except sqlite3.Error as exc:
+            log.warning("audit index: could not mark %s for re-indexing in %s (%s); the next `audit index "
+                        "--verify` finds it", path, self.db_path, exc)
+
+    @staticmethod
+    def _stale_reason(conn: sqlite3.Connection, state: FileState) -> str | None:
+        row = conn.execute("SELECT reason FROM stale_files WHERE file_id = ?", (state.id,)).fetchone()
+        return None if row is None else str(row[0])
 
     @contextlib.contextmanager
     def _pool(self, backlog: int) -> Iterator[Executor | None]:
@@ -186,8 +206,9 @@ class AuditIndex:
     def _index_file(self, conn: sqlite3.Connection, state: FileState | None, path: str, fd: int,
                     st: os.stat_result, stats: IndexStats, pool: Executor | None = None) -> None:
         if state is not None:
-            why = ("a record read back did not match the indexed bytes" if path in self._stale
-                   else changed(fd, st, state))
+            marked = self._stale_reason(conn, state)
+            why = ("a record read back did not match the indexed bytes" + (f" ({marked})" if marked else "")
+                   if path in self._stale or marked is not None else changed(fd, st, state))
             if why:
                 with _transaction(conn):
                     self._drop(conn, state)
@@ -253,10 +274,10 @@ class AuditIndex:
             data = self._read_at(hit, dev, ino)
             recorded, computed = chain_hashes(data)
         except (OSError, LineError, IndexStale) as exc:
-            self._stale.add(hit.file)
+            self._mark_stale(hit.file, f"line {hit.line}: {exc}")
             raise IndexStale(f"{hit.file} line {hit.line}: {exc}") from None
         if recorded != hit.record_hash or computed != (computed_then or recorded):
-            self._stale.add(hit.file)
+            self._mark_stale(hit.file, f"line {hit.line} changed")
             raise IndexStale(f"{hit.file} line {hit.line}: the record changed since it was indexed (edited); "
                              "the index will re-read this file")
         return data
@@ -307,6 +328,10 @@ class AuditIndex:
                 try:
                     st = os.fstat(fd)
                     why = changed(fd, st, state) or self._differs(conn, fd, state)
+                    if not why and self._stale_reason(conn, state) is not None:  # the bytes are back as indexed
+                        with _transaction(conn):
+                            conn.execute("DELETE FROM stale_files WHERE file_id = ?", (state.id,))
+                        self._stale.discard(state.path)
                     if why:
                         check.rebuilt = why
                         stats = IndexStats()

@@ -95,7 +95,7 @@ def compose_gateway_config(ip: dict[str, str]) -> dict:
 
 
 def _build(target: str) -> dict:
-    return {"context": ".", "dockerfile": "Dockerfile", "target": target}
+    return {"context": ".", "dockerfile": "Dockerfile.offline", "target": target}  # scripts/build-images.sh
 
 
 def compose_file(ctx: RenderContext, nets: dict[str, ipaddress.IPv4Network], config_dir: str) -> dict:

@@ -1,0 +1,1 @@
+"""`--runtime microvm`: QEMU microvm guests (adapter.py), their artifacts and root images."""
