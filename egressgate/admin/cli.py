@@ -96,6 +96,25 @@ def admit(config_file: str | None, admin: str | None, policy: str, labels: tuple
     """Register a sandbox; prints its id, token, proxy_url and the env to give it."""
     data = request_admission(_config(config_file), admin, policy, parse_labels(labels), list(addresses))
     click.echo(render_admission(data, fmt))
+    note = unenforced_note(policy, (data.get("runtime_policy") or {}).get("keys") or [])
+    if note:
+        click.echo(note, err=True)
+
+
+def unenforced_note(policy: str, keys: list[str]) -> str:
+    """What a sandbox admitted by hand does not get (stderr, so eval/--env-file output is unchanged): the
+    policy's keys only `sandbox run` enforces, and those nothing enforces (policy/enforcement.py)."""
+    from egressgate.policy.enforcement import NAMED, REFUSED, RUNTIME
+
+    runtime = [k for k in keys if k in NAMED and NAMED[k].by == RUNTIME]
+    nobody = [k for k in keys if k not in NAMED or NAMED[k].by == REFUSED]
+    parts = []
+    if runtime:
+        parts.append(f"egressgate: policy {policy!r} sets keys only `sandbox run` enforces ({', '.join(runtime)}): "
+                     "a sandbox admitted by hand and routed through the gateway does not get them")
+    if nobody:
+        parts.append(f"egressgate: policy {policy!r} sets keys nothing enforces in this version ({', '.join(nobody)})")
+    return "\n".join(parts)
 
 
 def parse_labels(labels: tuple[str, ...]) -> dict[str, str]:

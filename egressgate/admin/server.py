@@ -37,6 +37,7 @@ from egressgate.audit.event import AuditEvent, AuditUnavailable, EventKind
 from egressgate.broker.inject import admission_phantoms
 from egressgate.gateway.context import Runtime
 from egressgate.policy.canon import ip_text
+from egressgate.policy.enforcement import admission_keys
 from egressgate.policy.reasons import Reason
 from egressgate.runtimes.admitenv import CA_ENV_VARS
 from egressgate.state.base import SandboxRecord, StateUnavailable, hash_token
@@ -294,7 +295,10 @@ class AdminServer:
                                 "filesystem": policy.model.filesystem.model_dump(mode="json"),
                                 "execution": policy.model.execution.model_dump(mode="json"),
                                 "persistence": (policy.model.persistence.model_dump(mode="json")
-                                                if policy.model.persistence is not None else None)},
+                                                if policy.model.persistence is not None else None),
+                                # the keys the policy sets: `sandbox run` refuses (exit 120) one its
+                                # runtime does not enforce (policy/enforcement.py)
+                                "keys": admission_keys(policy.model, policy.hash)},
              "notes": {"NO_PROXY": "must be unset in the sandbox; the empty value overrides an inherited one",
                        "ca_bundle": "system roots + the gateway CA (TLS is intercepted)"}},
             status=201,

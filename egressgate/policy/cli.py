@@ -43,11 +43,47 @@ def check(path: str) -> None:
     except PolicyError as exc:
         click.echo(str(exc), err=True)
         sys.exit(EXIT_INVALID)
+    refused = [line for _, compiled in sorted(policies.items()) for line in _unenforced_keys(compiled)]
+    if refused:
+        click.echo("\n".join(refused), err=True)
+        sys.exit(EXIT_INVALID)
     for name, compiled in sorted(policies.items()):
         passthrough = sum(r.passthrough for r in compiled.rules)
         spliced = f", {passthrough} tls: passthrough" if passthrough else ""
         spliced += f", {len(compiled.mcp.servers)} mcp servers" if compiled.mcp.servers else ""
         click.echo(f"ok  {name}  {compiled.hash}  ({compiled.source}, {len(compiled.rules)} rules{spliced})")
+        for line in _runtime_keys(compiled):
+            click.echo(line)
+
+
+def _unenforced_keys(compiled: Any) -> list[str]:
+    """`file: key.path: message` for each key the policy writes that nothing enforces (policy/enforcement.py)."""
+    from egressgate.policy.enforcement import NAMED, REFUSED, set_keys
+
+    out = []
+    for name in set_keys(compiled.model):
+        if NAMED[name].by == REFUSED:
+            key, _, value = name.partition("=")
+            what = f"{value!r} is" if value else "it is"
+            out.append(f"{compiled.source}: {key}: {what} accepted by the schema but nothing enforces it in this "
+                       "version; remove it (docs/policy.md, \"Who enforces each key\")")
+    return out
+
+
+def _runtime_keys(compiled: Any) -> list[str]:
+    """The runtime-enforced keys the policy sets, each with the runtimes that enforce it."""
+    from egressgate.policy.enforcement import NAMED, RUNTIME, runtimes_enforcing, set_keys
+    from egressgate.runtimes.registry import ENFORCES
+
+    keys = [name for name in set_keys(compiled.model) if NAMED[name].by == RUNTIME]
+    if not keys:
+        return []
+    lines = ["  runtime keys (enforced by sandbox run; a container routed by hand through the gateway does not "
+             "get them):"]
+    for name in keys:
+        able = runtimes_enforcing(name, ENFORCES)
+        lines.append(f"    {name}: {', '.join(able) if able else 'no runtime'}")
+    return lines
 
 
 def _headers(values: tuple[str, ...]) -> dict[str, str]:

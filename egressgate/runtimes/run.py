@@ -173,12 +173,17 @@ class Run:
         policy = data.get("runtime_policy")
         if not isinstance(policy, dict):
             raise SetupFailed("the gateway's admission has no runtime_policy; upgrade the gateway")
+        self._check_keys(policy)
         check_command(req.command, policy.get("execution") or {})
         sandbox = policy.get("sandbox") or {}
         ws_policy = sandbox.get("workspace") or {}
         workspace = req.workspace
         if (workspace is not None or req.workspace_name) and not ws_policy.get("path"):
             raise SetupFailed(f"--workspace given but policy {req.policy!r} has no sandbox.workspace.path")
+        if (workspace is not None or req.workspace_name) and not ws_policy.get("persistent"):
+            # persistent: false means every run starts from an empty workspace: a kept one would carry state
+            raise SetupFailed(f"--workspace keeps a workspace across runs but policy {req.policy!r} has "
+                              "sandbox.workspace.persistent: false; drop --workspace or set persistent: true")
         kinds = (policy.get("execution") or {}).get("require_approval_for") or []
         if req.workspace_name or (workspace is not None and (policy.get("persistence")
                                                              or "persistent_write" in kinds)):
@@ -251,6 +256,27 @@ class Run:
         if limit is not None and limit is not result.limit:
             result = ExitInfo(status=result.status, signal=result.signal, limit=limit)
         return result
+
+    def enforced_keys(self) -> frozenset[str]:
+        """The runtime keys this run's runtime declares it enforces (runtimes/registry.py)."""
+        from egressgate.runtimes.registry import ENFORCES
+
+        return ENFORCES.get(self.req.runtime, frozenset())
+
+    def _check_keys(self, policy: dict[str, Any]) -> None:
+        """Refuse (exit 120) before anything is prepared when the policy sets a key this runtime does not
+        enforce, or one nothing enforces (policy/enforcement.py): never a sandbox with a silent key."""
+        from egressgate.policy.enforcement import refusal, unenforced
+
+        keys = policy.get("keys")
+        if not isinstance(keys, list):
+            raise SetupFailed("the gateway's admission does not list the policy's runtime keys; upgrade the gateway")
+        enforces = {self.req.runtime: self.enforced_keys()}
+        missing = unenforced(keys, self.req.runtime, enforces)
+        if missing:
+            from egressgate.runtimes.registry import ENFORCES
+
+            raise SetupFailed(refusal(missing, self.req.runtime, {**ENFORCES, **enforces}))
 
     def _disks(self, workspace: Path | None, ws_policy: dict[str, Any], sandbox: dict[str, Any]) -> Path | None:
         """Kernel-bounded file systems (diskfs.py): the workspace when max_bytes is set (a tmpfs for a

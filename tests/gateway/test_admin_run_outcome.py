@@ -34,7 +34,10 @@ def test_admission_hands_out_the_runtime_sections(gateway):
                      trust_env=False, headers={"Authorization": f"Bearer {gateway.token}"})
     assert res.status_code == 201, res.text
     runtime = res.json()["runtime_policy"]
-    assert set(runtime) == {"sandbox", "filesystem", "execution", "persistence"}
+    assert set(runtime) == {"sandbox", "filesystem", "execution", "persistence", "keys"}
+    # the keys the policy sets (policy/enforcement.py), which `sandbox run` checks against its runtime
+    assert {"sandbox.name", "sandbox.root_fs", "sandbox.tmp.max_bytes"} <= set(runtime["keys"])
+    assert "network.{https,http,tcp}.{allow,deny}[].host" in runtime["keys"]
     assert runtime["persistence"] is None  # the policy has no persistence section (runtimes/persist.py)
     assert runtime["sandbox"]["name"] == "gw-basic" and runtime["sandbox"]["root_fs"] == "read_only"
     assert runtime["filesystem"] == {"allow": [], "deny": []}

@@ -166,6 +166,9 @@ def test_cli_admit_revoke_and_ca(gateway):
     assert data["id"].startswith("sbx-") and data["token"]
     assert data["env"]["HTTPS_PROXY"] == data["proxy_url"]
     assert data["env"]["NO_PROXY"] == "" and "NO_PROXY" in data["notes"]
+    # stderr says what a sandbox admitted by hand does not get (docs/policy.md, "Who enforces each key")
+    assert "sets keys only `sandbox run` enforces (sandbox.root_fs, sandbox.tmp.max_bytes" in res.stderr
+    assert "a sandbox admitted by hand and routed through the gateway does not get them" in res.stderr
     with httpx.Client(proxy=data["proxy_url"], verify=False, trust_env=False) as c:  # noqa: S501 - checking auth only
         r = c.get(f"https://api.test:{gateway.world.https_port}/echo")
     assert r.status_code == 200

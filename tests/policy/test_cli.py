@@ -4,15 +4,29 @@ from __future__ import annotations
 
 import json
 
+from egressgate.policy.enforcement import NAMED, REFUSED, set_keys
+from egressgate.policy.loader import load_policy
 from tests.support.cli import ROOT, cli
 
 SEED = ROOT / "policies" / "seed-invoice-analysis.yaml"
 
 
 def test_check_valid_and_invalid(tmp_path):
-    ok = cli("policy", "check", str(ROOT / "policies"))
+    ok = cli("policy", "check", str(ROOT / "policies" / "example-agent.yaml"))
     assert ok.returncode == 0, ok.stderr
-    assert "invoice-analysis" in ok.stdout and "sha256:" in ok.stdout
+    assert "example-agent" in ok.stdout and "sha256:" in ok.stdout
+    # the article's policy: ok while everything it writes is enforced; each key nothing enforces yet
+    # (policy/enforcement.py: package_install: deny and publish approval before the gateway classified them)
+    # makes it exit 2 naming that key
+    seed = cli("policy", "check", str(ROOT / "policies"))
+    refused = [k for k in set_keys(load_policy(SEED).model) if NAMED[k].by == REFUSED]
+    if refused:
+        assert seed.returncode == 2 and seed.stdout == "", seed.stdout
+        for key in refused:
+            path, _, value = key.partition("=")
+            assert f"{SEED}: {path}: {value!r} is accepted" in seed.stderr, seed.stderr
+    else:
+        assert seed.returncode == 0 and "invoice-analysis" in seed.stdout, seed.stderr
     bad = tmp_path / "bad.yaml"
     bad.write_text("sandbox: {name: x}\nnetwork:\n  https:\n    allow:\n      - {host: a.example}\n"
                    "      - {host: b.example}\n      - {host: c.example, methods: [GET, 'B@D']}\n")

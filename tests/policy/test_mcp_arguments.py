@@ -263,3 +263,10 @@ def test_type_integer_alone_refuses_bool():
 
 def test_url_argument_length_is_bounded():
     refused(search(url="https://docs.allowed.test/" + "a" * 9000), "url", "network:bad_url:too_long")
+
+
+def test_required_argument_missing_is_refused_and_present_passes():
+    """`required: true` (project): a call without it is refused as `missing`; with it, allowed; an
+    argument that is not required (limit) may be left out."""
+    refused(call(P, "search_tickets", {"limit": 5}), "project", "missing")
+    assert call(P, "search_tickets", {"project": "acme"}).allowed

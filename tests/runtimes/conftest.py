@@ -12,6 +12,7 @@ import tests.networld as nw
 from tests.networld import World
 from tests.runtimes.harness import (
     DENIED_FILE_NAME,
+    KEPT_WORKSPACE,
     Canary,
     Gateway,
     base_dir,
@@ -51,7 +52,7 @@ def gateway(world: World, host_files: Path) -> Iterator[Gateway]:
         "rt-mem": runtime_policy("rt-mem", sandbox__resources={"memory_mb": 64}),
         "rt-pids": runtime_policy("rt-pids", sandbox__resources={"pids_max": 32}),
         "rt-wall": runtime_policy("rt-wall", sandbox__resources={"wall_time_seconds": 2}),
-        "rt-ws": runtime_policy("rt-ws", sandbox__workspace={"path": "/workspace", "max_bytes": 1_000_000}),
+        "rt-ws": runtime_policy("rt-ws", sandbox__workspace={**KEPT_WORKSPACE, "max_bytes": 1_000_000}),
     }
     with running_gateway(world, policies) as gw:
         yield gw

@@ -51,11 +51,15 @@ def safety_net() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (SAFETY_AS, SAFETY_AS))
 
 
+# a workspace `sandbox run --workspace` may keep across runs (persistent: false refuses --workspace)
+KEPT_WORKSPACE = {"path": "/workspace", "persistent": True}
+
+
 def runtime_policy(name: str, **extra: object) -> dict:
     """The runtime tests' base policy (workspace, denied host files, one allowed API) with `section__key=value`
     overrides, e.g. `sandbox__resources={"pids_max": 32}`."""
     body: dict = {
-        "sandbox": {"name": name, "workspace": {"path": "/workspace"}},
+        "sandbox": {"name": name, "workspace": KEPT_WORKSPACE},
         "filesystem": {"deny": ["/etc/shadow", "/var/run/docker.sock"]},
         "network": {
             "allow_private": ["198.18.1.0/24"],

@@ -14,7 +14,7 @@ import pytest
 
 from egressgate.runtimes.diskfs import IMAGE, loops_of, mounts
 from tests.networld import World
-from tests.runtimes.harness import Gateway, base_dir, remove, running_gateway, runtime_policy
+from tests.runtimes.harness import KEPT_WORKSPACE, Gateway, base_dir, remove, running_gateway, runtime_policy
 from tests.runtimes.runs import loops_freed
 from tests.support.dockerd import Dockerd
 
@@ -40,7 +40,7 @@ print("wrote", done)
 @pytest.fixture(scope="module")
 def gateway(world: World, host_files: Path) -> Iterator[Gateway]:
     policies = {
-        "dd-ws": runtime_policy("dd-ws", sandbox__workspace={"path": "/workspace", "max_bytes": 2 * MiB},
+        "dd-ws": runtime_policy("dd-ws", sandbox__workspace={**KEPT_WORKSPACE, "max_bytes": 2 * MiB},
                                 sandbox__tmp={"max_bytes": 4 * MiB}),
     }
     with running_gateway(world, policies) as gw:

@@ -40,6 +40,7 @@ from tests.networld import World
 from tests.runtimes.escape_probe import PROBE, leak_name, network_checks, parse, probe_argv
 from tests.runtimes.harness import (
     CALLER_SECRET,
+    KEPT_WORKSPACE,
     SAFETY_NPROC,
     Canary,
     Gateway,
@@ -79,7 +80,7 @@ def gateway(world: World) -> Iterator[Gateway]:
     policies = {
         "mv-allow": runtime_policy(
             "mv-allow",
-            sandbox__workspace={"path": "/workspace", "max_bytes": 64 * MB},
+            sandbox__workspace={**KEPT_WORKSPACE, "max_bytes": 64 * MB},
             sandbox__resources={"pids_max": 64},
             filesystem__deny=["/etc/debian_version", "/var/run/docker.sock"],
         ),

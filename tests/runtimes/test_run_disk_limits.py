@@ -20,7 +20,15 @@ from egressgate.runtimes import records
 from egressgate.runtimes.diskfs import IMAGE, loops_of, mounts
 from egressgate.runtimes.identity import MIN_UID
 from tests.networld import World
-from tests.runtimes.harness import Gateway, base_dir, remove, running_gateway, runtime_policy, sandbox_id
+from tests.runtimes.harness import (
+    KEPT_WORKSPACE,
+    Gateway,
+    base_dir,
+    remove,
+    running_gateway,
+    runtime_policy,
+    sandbox_id,
+)
 from tests.runtimes.runs import loops_freed
 
 pytestmark = pytest.mark.netns
@@ -30,8 +38,8 @@ MiB = 1024 * 1024
 @pytest.fixture(scope="module")
 def gateway(world: World, host_files: Path) -> Iterator[Gateway]:
     policies = {
-        "dl-ws": runtime_policy("dl-ws", sandbox__workspace={"path": "/workspace", "max_bytes": 2 * MiB}),
-        "dl-ws8": runtime_policy("dl-ws8", sandbox__workspace={"path": "/workspace", "max_bytes": 8 * MiB}),
+        "dl-ws": runtime_policy("dl-ws", sandbox__workspace={**KEPT_WORKSPACE, "max_bytes": 2 * MiB}),
+        "dl-ws8": runtime_policy("dl-ws8", sandbox__workspace={**KEPT_WORKSPACE, "max_bytes": 8 * MiB}),
         "dl-tmp": runtime_policy("dl-tmp", sandbox__tmp={"max_bytes": 4 * MiB}),
         "dl-open": runtime_policy("dl-open"),
     }
