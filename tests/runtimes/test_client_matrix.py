@@ -73,6 +73,9 @@ def matrix_policy(share: Path, pylibs: Path, secret: Path) -> dict[str, Any]:
                 {"id": "pass", "host": "pass.matrix.test", "tls": "passthrough"},
             ]},
         },
+        # installs are this matrix's allowed case (package_install: deny, the default, refuses them by protocol:
+        # tests/approvals/test_opclass_clients.py)
+        "execution": {"package_install": "allow"},
         "credentials": {"capabilities": {"openai": {
             "type": "static", "source": {"file": str(secret)},
             "placement": {"header": "Authorization", "format": "Bearer {value}"},
