@@ -175,15 +175,17 @@ def test_gc_removes_unrecorded_product_objects_only(gateway: Gateway) -> None:
     # a real hierarchy (gc reads cgroup.procs): v1's pids controller, or the cgroup2 root
     hierarchy = next(b for b in (CGROUP_ROOT / "pids", CGROUP_ROOT) if (b / "cgroup.procs").exists())
     cgroup = hierarchy / "egressgate" / run_id
+    fresh = hierarchy / "egressgate" / new_run_id()  # a "concurrent run's" group: younger than the grace
     cgroup.mkdir(parents=True)
-    old = time.time() - SWEEP_GRACE - 60
-    os.utime(cgroup, (old, old))
-    fresh = cgroup.with_name(new_run_id())  # a "concurrent run's" group: younger than the grace
-    fresh.mkdir()
     try:
         # positive control: the orphans exist, and are of no run this gateway knows
         assert netns in product_netns() and cgroup.is_dir() and run_id not in gateway.own_run_ids()
         wait_until_older(Path("/run/netns", netns), SWEEP_GRACE)
+        # backdated just past the grace, just before the gc: younger than the default grace (60 s) that
+        # every other test's gc keeps, so only this gc can take it
+        old = time.time() - SWEEP_GRACE - 5
+        os.utime(cgroup, (old, old))
+        fresh.mkdir()
         gc = subprocess.run(gateway.cmd("sandbox", "gc", "--config", str(gateway.config),
                                         "--grace", str(SWEEP_GRACE)),
                             capture_output=True, text=True, timeout=60, check=False)
