@@ -10,10 +10,13 @@ ever run the same group. The groups:
   one worker, in order; the three run side by side (they were one `host-runtime` group, the suite's
   critical path). What makes that safe:
 
-  - `host-docker`: every module that uses the private dockerd (tests/support/dockerd.py, a session fixture:
-    one daemon and one set of test images per worker, so all of them on one worker) — docker and gVisor
-    runs, the docker gc/watchdog/identity tests, `compose up`;
-  - `host-microvm`: tests/runtimes/test_microvm.py (QEMU boots: the heaviest module without dockerd);
+  - `host-docker`: the runtime modules that use the private dockerd (tests/support/dockerd.py, a session
+    fixture: one daemon and one set of test images per worker, so all of them on one worker) — docker and
+    gVisor runs, the docker gc/watchdog/identity tests;
+  - `host-heavy`: the three longest modules, each on its own too long to share a group with the rest
+    (seconds of one serial run on this 2-core host in tests/durations.json): QEMU boots (test_microvm.py),
+    the real-client matrix (test_client_matrix.py) and `compose up` (render/test_compose_up.py: it builds
+    the product images in a dockerd of its own worker, the only other daemon of the run);
   - `host-netns`: the rest of tests/runtimes/ (netns/bwrap runs, limits, gc) and the local MCP relay.
 
   Product netns (`/run/netns/egressgate-<id>`) and cgroups (`egressgate/<id>`) are host-global names, so
@@ -42,18 +45,19 @@ DURATIONS = Path(__file__).resolve().parents[1] / "durations.json"
 
 # (group, why, module paths relative to tests/ — a folder prefix ends with "/")
 # (group, why, module paths relative to tests/ — a folder prefix ends with "/"); the first match wins.
-# DOCKERD_MODULES: every module with a test that uses the `dockerd` fixture (assign_groups refuses one that
-# is missing here: it would start a second daemon on another worker)
+# DOCKERD_MODULES: the runtime modules with a test that uses the `dockerd` fixture (assign_groups refuses a
+# dockerd user outside DOCKERD_GROUPS: it would start one more daemon on yet another worker)
 DOCKERD_MODULES = tuple(f"runtimes/test_{name}.py" for name in (
     "docker_adapter", "docker_disk_limits", "docker_errors", "docker_escape", "docker_gc", "docker_host",
     "docker_identity", "docker_mounts", "docker_persistence", "dockerapi", "dockerd", "gvisor_seccomp",
     "kernel_surface", "secrets_off_argv", "setid_leftover", "trust_containers", "watchdog",
 ))
+DOCKERD_GROUPS = ("host-docker", "host-heavy")
 EXCLUSIVE: tuple[tuple[str, str, tuple[str, ...]], ...] = (
-    ("host-docker", "one private dockerd (and one image build) per worker", (
-        *DOCKERD_MODULES, "render/test_compose_up.py",
+    ("host-docker", "one private dockerd (and one set of test images) per worker", DOCKERD_MODULES),
+    ("host-heavy", "the longest sandbox modules: QEMU boots, the client matrix, compose up (own dockerd)", (
+        "runtimes/test_microvm.py", "runtimes/test_client_matrix.py", "render/test_compose_up.py",
     )),
-    ("host-microvm", "QEMU boots: the heaviest sandbox module without dockerd", ("runtimes/test_microvm.py",)),
     ("host-netns", "product sandboxes (netns, bwrap, limits, gc)", ("runtimes/", "mcp/test_local_relay.py")),
 )
 
@@ -82,7 +86,7 @@ def assign_groups(items: list[pytest.Item], tests_root: Path, weights: dict[str,
     for item in items:
         rel = Path(str(item.path)).resolve().relative_to(tests_root).as_posix()
         group = group_of(rel)
-        if "dockerd" in getattr(item, "fixturenames", ()) and group != "host-docker":
+        if "dockerd" in getattr(item, "fixturenames", ()) and group not in DOCKERD_GROUPS:
             raise pytest.UsageError(f"{rel} uses the dockerd fixture: add it to DOCKERD_MODULES in "
                                     "tests/support/scheduling.py (group host-docker)")
         first_seen.setdefault(group, len(first_seen))
