@@ -22,7 +22,7 @@ import re
 import struct
 from pathlib import Path
 
-IN_CREATE, IN_MOVED_TO, IN_Q_OVERFLOW = 0x100, 0x80, 0x4000
+IN_CREATE, IN_MOVED_TO, IN_Q_OVERFLOW, IN_IGNORED = 0x100, 0x80, 0x4000, 0x8000
 _EVENT = struct.Struct("iIII")  # struct inotify_event: wd, mask, cookie, len; then `len` bytes of name
 _ID = re.compile(r"^([0-9a-f]{10})\.(json|tmp\d+)$")
 
@@ -59,8 +59,8 @@ class RunIds:
                 _wd, mask, _cookie, length = _EVENT.unpack_from(data, offset)
                 name = data[offset + _EVENT.size: offset + _EVENT.size + length].split(b"\0", 1)[0].decode()
                 offset += _EVENT.size + length
-                if mask & IN_Q_OVERFLOW:  # never silently incomplete: a check must not pass on lost ids
-                    raise RuntimeError(f"inotify queue overflow watching {self.runs_dir}")
+                if mask & (IN_Q_OVERFLOW | IN_IGNORED):  # never silently incomplete: no check passes on lost ids
+                    raise RuntimeError(f"the watch of {self.runs_dir} lost events or ended (mask {mask:#x})")
                 if m := _ID.match(name):
                     self._ids.add(m.group(1))
         self._ids |= {p.stem for p in self.runs_dir.glob("*.json") if _ID.match(p.name)}
