@@ -14,9 +14,10 @@ ever run the same group. The groups:
     fixture: one daemon and one set of test images per worker, so all of them on one worker) — docker and
     gVisor runs, the docker gc/watchdog/identity tests;
   - `host-heavy`: the three longest modules, each on its own too long to share a group with the rest
-    (seconds of one serial run on this 2-core host in tests/durations.json): QEMU boots (test_microvm.py),
+    (weights in tests/durations.json: seconds per group in a parallel run): QEMU boots (test_microvm.py),
     the real-client matrix (test_client_matrix.py) and `compose up` (render/test_compose_up.py: it builds
-    the product images in a dockerd of its own worker, the only other daemon of the run);
+    the product images in a dockerd of its own worker, the only other daemon of the run), and
+    test_limits_workspace.py to even out the groups (host-netns was the longest in a parallel run);
   - `host-netns`: the rest of tests/runtimes/ (netns/bwrap runs, limits, gc) and the local MCP relay.
 
   Product netns (`/run/netns/egressgate-<id>`) and cgroups (`egressgate/<id>`) are host-global names, so
@@ -57,6 +58,7 @@ EXCLUSIVE: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("host-docker", "one private dockerd (and one set of test images) per worker", DOCKERD_MODULES),
     ("host-heavy", "the longest sandbox modules: QEMU boots, the client matrix, compose up (own dockerd)", (
         "runtimes/test_microvm.py", "runtimes/test_client_matrix.py", "render/test_compose_up.py",
+        "runtimes/test_limits_workspace.py",
     )),
     ("host-netns", "product sandboxes (netns, bwrap, limits, gc)", ("runtimes/", "mcp/test_local_relay.py")),
 )
