@@ -73,8 +73,9 @@ def canaries(world: World) -> Iterator[dict[str, Canary]]:
 
 @pytest.fixture(autouse=True)
 def netns_baseline(request: pytest.FixtureRequest) -> None:
-    """What `runs.leftovers` compares against: the product netns that exist as this test starts."""
+    """What `runs.leftovers` compares against: the product netns and cgroups that exist as this test starts."""
     if "gateway" in request.fixturenames:
-        from tests.runtimes.runs import product_netns
+        from tests.runtimes.runs import product_cgroups, product_netns
 
-        request.getfixturevalue("gateway").netns_baseline = product_netns()
+        gateway = request.getfixturevalue("gateway")
+        gateway.netns_baseline, gateway.cgroup_baseline = product_netns(), product_cgroups()

@@ -25,6 +25,7 @@ from typing import Any
 
 import tests.networld as nw
 from tests.networld import World
+from tests.runtimes.runids import RunIds
 from tests.support.launcher import (
     EGRESSGATE,
     audit_records,
@@ -125,6 +126,9 @@ class Gateway:
     # product netns that existed when the current test started (conftest.py): a run of an earlier test
     # still being torn down by its watchdog is not this test's leftover (runs.leftovers)
     netns_baseline: set[str] = field(default_factory=set)
+    cgroup_baseline: set[str] = field(default_factory=set)  # the same for `egressgate/<id>` cgroups
+    # every run id this gateway's runs wrote a record for (runids.py): leftover checks look only at those
+    run_ids: RunIds | None = None
 
     @classmethod
     def start(cls, world: World, base: Path, policies: dict[str, dict[str, Any]],
@@ -139,9 +143,13 @@ class Gateway:
             "upstream": {"resolver": f"{nw.DNS_ADDR}:53", "ca_bundle": str(world.ca_pem)},
             "runtime": {"state_dir": str(base / "state"), **(runtime or {})},
         }
-        # stderr: closed in stop()
-        proc, info, cfg, stderr = launch_in_namespace(world, world.gw, base, config, launcher)
-        gw = cls(world=world, base=base, proc=proc, config=cfg, info=info)
+        run_ids = RunIds(Path(config["runtime"]["state_dir"]) / "runs")  # before any run can start
+        try:  # stderr: closed in stop()
+            proc, info, cfg, stderr = launch_in_namespace(world, world.gw, base, config, launcher)
+        except BaseException:
+            run_ids.close()
+            raise
+        gw = cls(world=world, base=base, proc=proc, config=cfg, info=info, run_ids=run_ids)
         gw._stderr = stderr
         return gw
 
@@ -149,6 +157,12 @@ class Gateway:
         stop_process(self.proc, timeout=10)
         if self._stderr is not None:
             self._stderr.close()
+        if self.run_ids is not None:
+            self.run_ids.close()
+
+    def own_run_ids(self) -> set[str]:
+        """The ids of every run this gateway's state dir has seen (runids.py)."""
+        return self.run_ids.seen() if self.run_ids is not None else set()
 
     @property
     def state_dir(self) -> Path:

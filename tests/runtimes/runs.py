@@ -12,6 +12,19 @@ from pathlib import Path
 
 from tests.runtimes.harness import Gateway
 
+# `sandbox gc --grace` of every test gc that may sweep orphans: the netns/cgroup sweep is host-wide, and a
+# run being set up (or torn down) by another test worker or test run on this host has a product netns with
+# no process in it for a moment; gc leaves product objects younger than the grace alone. Never 0 in a test
+# (that would break such a run); a test's own orphan is made older than this (wait_until_older, os.utime).
+SWEEP_GRACE = 30.0
+
+
+def wait_until_older(path: Path, seconds: float) -> None:
+    """Sleep until `path` (e.g. a test's own orphan netns) is more than `seconds` old: what makes it an
+    orphan to `sandbox gc --grace seconds`. A wait for an age, not a speed assumption."""
+    while (age := time.time() - path.stat().st_mtime) <= seconds:
+        time.sleep(seconds - age + 0.5)
+
 
 def product_netns() -> set[str]:
     """Host-global product netns names (`egressgate-<run id>`)."""
@@ -19,18 +32,29 @@ def product_netns() -> set[str]:
     return {line.split()[0] for line in netns.splitlines() if line.startswith("egressgate-")}
 
 
+def product_cgroups() -> set[str]:
+    """Host-global product cgroups (`egressgate/<run id>` in every hierarchy), as paths."""
+    from egressgate.runtimes.gc import cgroup_dirs
+
+    return {str(p) for p in cgroup_dirs()}
+
+
 def leftovers(gateway: Gateway) -> dict[str, list[str]]:
-    """Product objects in the gateway's namespace (tables, veths), product netns names that appeared since
-    the test started (the names are host-global: a run an earlier test ended may still be torn down by
-    its watchdog), and run records."""
+    """What the gateway's runs left behind: product objects in the gateway's namespace (nft tables, veths),
+    the host-global product netns and cgroups of THIS gateway's runs (runids.py: the names are host-global,
+    and runs of other test workers or other test runs on this host come and go there) that appeared since
+    the test started (a run an earlier test ended may still be torn down by its watchdog), and run
+    records."""
     world = gateway.world
     tables = world.exec(world.gw, "nft", "list", "tables").stdout
     links = world.exec(world.gw, "ip", "-o", "link").stdout
     runs = gateway.state_dir / "runs"
+    own = gateway.own_run_ids()
     return {
         "tables": [line for line in tables.splitlines() if "egressgate_" in line],
         "veths": [line.split(":")[1].strip().split("@")[0] for line in links.splitlines() if ": egh" in line],
-        "netns": sorted(product_netns() - gateway.netns_baseline),
+        "netns": sorted(n for n in product_netns() - gateway.netns_baseline if n.removeprefix("egressgate-") in own),
+        "cgroups": sorted(c for c in product_cgroups() - gateway.cgroup_baseline if Path(c).name in own),
         "records": sorted(p.name for p in runs.glob("*.json")) if runs.is_dir() else [],
     }
 

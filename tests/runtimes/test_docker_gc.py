@@ -27,7 +27,10 @@ def mounted(path: Path) -> bool:
 
 
 def _gc(gateway: Gateway, dockerd: Dockerd) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(gateway.cmd("sandbox", "gc", "--config", str(gateway.config), "--grace", "0"),
+    """gc with its default grace: what these tests remove (recorded objects, orphan binds of the state dir,
+    labelled containers on this dockerd) takes no grace, and the host-wide netns/cgroup sweep must leave a
+    run another test worker is setting up alone (runs.SWEEP_GRACE)."""
+    return subprocess.run(gateway.cmd("sandbox", "gc", "--config", str(gateway.config), ),
                           capture_output=True, text=True, timeout=120, check=False,
                           env={**os.environ, "DOCKER_HOST": dockerd.host})
 
@@ -78,7 +81,7 @@ def test_gc_unmounts_orphan_binds_of_its_state_dir_only(gateway: Gateway, tmp_pa
         subprocess.run(["mount", "--bind", str(source), str(target)], check=True)
     try:
         assert mounted(orphan) and mounted(other)  # positive control
-        gc = subprocess.run(gateway.cmd("sandbox", "gc", "--config", str(gateway.config), "--grace", "0"),
+        gc = subprocess.run(gateway.cmd("sandbox", "gc", "--config", str(gateway.config), ),
                             capture_output=True, text=True, timeout=120, check=False)
         assert gc.returncode == 0, gc.stdout + gc.stderr
         assert f"orphan bind {orphan}" in gc.stdout, gc.stdout

@@ -156,17 +156,26 @@ def test_cpu_quota_throttles_a_busy_loop(runs):
     """cpu_millis=200: the loop gets at most ~20 % of one CPU (CPU time / wall time) and the kernel counts
     throttled periods. Control: the same loop under cpu_millis=2000 (two CPUs, no ceiling on this machine) is
     never throttled and gets clearly more CPU (the machine is shared by other jobs, so the control only has to
-    beat the limited run by a margin, not reach 100 %)."""
+    beat the limited run by a margin, not reach 100 %). The host test groups run side by side
+    (tests/support/scheduling.py), so one control sample can land in a burst where every runnable process
+    gets less than 30 % of a CPU: the control takes up to 5 samples and must beat the margin in one (the
+    limited loop never can, whatever the load: the quota caps every sample)."""
     limited, limits = _ratio(runs, "cpu", {"cpu_millis": 200})
-    free, control = _ratio(runs, "cpu-ctl", {"cpu_millis": 2000})
 
     def throttled(lim) -> int:
         g = next(g for g in lim.groups if g.has("cpu.max") or g.has("cpu.cfs_quota_us"))
         return g.events("cpu.stat").get("nr_throttled", 0)
 
     assert limited <= 0.30, limited
-    assert throttled(limits) > 0 and throttled(control) == 0
-    assert free > 1.5 * limited, (free, limited)
+    assert throttled(limits) > 0
+    samples = []
+    for attempt in range(5):
+        free, control = _ratio(runs, f"cpu-ctl{attempt}", {"cpu_millis": 2000})
+        assert throttled(control) == 0
+        samples.append(free)
+        if free > 1.5 * limited:
+            break
+    assert samples[-1] > 1.5 * limited, (samples, limited)
 
 
 # --- wall time (the adapter's deadline uses kill_all on the whole tree) ---------------------------

@@ -3,6 +3,8 @@ cleanup after SIGKILL (of `sandbox run` and its watchdog) by `sandbox gc` (nothi
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import subprocess
 import time
@@ -10,8 +12,19 @@ from pathlib import Path
 
 import pytest
 
+from egressgate.runtimes.gc import CGROUP_ROOT
+from egressgate.runtimes.records import new_run_id
 from tests.runtimes.harness import Gateway, base_dir, remove, sandbox_id
-from tests.runtimes.runs import kill_watchdog, leftovers, netns_commands, revocations, wait_for_workload
+from tests.runtimes.runs import (
+    SWEEP_GRACE,
+    kill_watchdog,
+    leftovers,
+    netns_commands,
+    product_netns,
+    revocations,
+    wait_for_workload,
+    wait_until_older,
+)
 from tests.support.launcher import EGRESSGATE
 
 pytestmark = pytest.mark.netns
@@ -53,7 +66,7 @@ def test_parallel_runs_get_their_own_link_and_identity(gateway: Gateway) -> None
     sids = {sandbox_id(err) for _, err in outs}
     ips = {err.split(", netns, ")[1].split(")")[0] for _, err in outs}
     assert len(sids) == 2 and len(ips) == 2, outs
-    assert leftovers(gateway) == {"tables": [], "veths": [], "netns": [], "records": []}
+    assert leftovers(gateway) == {"tables": [], "veths": [], "netns": [], "cgroups": [], "records": []}
 
 
 def test_old_token_is_refused_with_407(gateway: Gateway) -> None:
@@ -99,7 +112,7 @@ def test_sigterm_kills_the_sandbox_and_cleans_up(gateway: Gateway) -> None:
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=20)
     assert proc.returncode == 128 + signal.SIGTERM, err
-    assert leftovers(gateway) == {"tables": [], "veths": [], "netns": [], "records": []}
+    assert leftovers(gateway) == {"tables": [], "veths": [], "netns": [], "cgroups": [], "records": []}
     assert not Path(f"/proc/{record['workload_pid']}").exists()
     (rev,) = revocations(gateway, record["sandbox_id"])
     assert rev["egressgate.run.signal"] in (15, "15")
@@ -125,39 +138,71 @@ def test_sigkill_then_gc_leaves_nothing(gateway: Gateway) -> None:
     # positive control: SIGKILL left the run's objects behind (so gc has something to prove)
     assert left["records"] == [f"{record['run_id']}.json"]
     assert left["veths"] == [f"egh{record['run_id']}"] and left["netns"] == [f"egressgate-{record['run_id']}"]
-    assert len(left["tables"]) == 1
+    assert left["cgroups"] == sorted(map(str, cgroups)) and len(left["tables"]) == 1
     gc = subprocess.run(gateway.cmd("sandbox", "gc", "--config", str(gateway.config)), capture_output=True,
                         text=True, timeout=60, check=False)
     assert gc.returncode == 0, gc.stdout + gc.stderr
-    assert leftovers(gateway) == {"tables": [], "veths": [], "netns": [], "records": []}
+    assert leftovers(gateway) == {"tables": [], "veths": [], "netns": [], "cgroups": [], "records": []}
     assert [p for p in cgroups if p.exists()] == []
     (rev,) = revocations(gateway, record["sandbox_id"])
     assert rev["egressgate.run.ended_by"] == "gc"
     again = subprocess.run(gateway.cmd("sandbox", "gc", "--config", str(gateway.config)), capture_output=True,
                            text=True, timeout=60, check=False)
-    assert again.returncode == 0 and again.stdout == ""
+    # nothing of this gateway's is left to do: no record, no revocation, no object of its runs (an "orphan"
+    # line can only be another test run's host-global object, e.g. of a concurrent test worker)
+    assert again.returncode == 0, again.stdout + again.stderr
+    own = gateway.own_run_ids()
+    assert [line for line in again.stdout.splitlines()
+            if not line.startswith("orphan ") or any(run_id in line for run_id in own)] == [], again.stdout
 
 
 def test_gc_removes_unrecorded_product_objects_only(gateway: Gateway) -> None:
-    """Orphans (no record at all, e.g. a lost state dir): product-named objects go, anything else stays."""
+    """Orphans (no record at all, e.g. a lost state dir): product-named objects go, anything else stays.
+
+    The gc keeps a grace (SWEEP_GRACE, not 0): its netns/cgroup sweep is host-wide, and a run another test
+    worker is setting up right now has a product netns with no process in it yet; the grace is what keeps
+    gc's hands off it (as it does for an operator's gc). So the orphan netns is made first and gc runs once
+    it is older than the grace (a netns's age cannot be backdated: nsfs refuses utime); the orphan cgroup
+    is backdated."""
     world = gateway.world
-    run_id = "0123456789"
+    run_id = new_run_id()  # not a fixed id: another checkout's test run may do the same on this host now
     world.exec(world.gw, "nft", "add", "table", "inet", f"egressgate_{run_id}")
     world.exec(world.gw, "nft", "add", "table", "inet", "egNkeep")
     world.exec(world.gw, "ip", "link", "add", f"egh{run_id}", "type", "veth", "peer", "name", "egNpeer")
     world.exec(world.gw, "ip", "link", "add", "egNkeep0", "type", "veth", "peer", "name", "egNkeep1")
-    subprocess.run(["ip", "netns", "add", f"egressgate-{run_id}"], check=True)
+    netns = f"egressgate-{run_id}"
+    subprocess.run(["ip", "netns", "add", netns], check=True)
+    # a real hierarchy (gc reads cgroup.procs): v1's pids controller, or the cgroup2 root
+    hierarchy = next(b for b in (CGROUP_ROOT / "pids", CGROUP_ROOT) if (b / "cgroup.procs").exists())
+    cgroup = hierarchy / "egressgate" / run_id
+    fresh = hierarchy / "egressgate" / new_run_id()  # a "concurrent run's" group: younger than the grace
+    cgroup.mkdir(parents=True)
     try:
-        gc = subprocess.run(gateway.cmd("sandbox", "gc", "--config", str(gateway.config), "--grace", "0"),
+        # positive control: the orphans exist, and are of no run this gateway knows
+        assert netns in product_netns() and cgroup.is_dir() and run_id not in gateway.own_run_ids()
+        wait_until_older(Path("/run/netns", netns), SWEEP_GRACE)
+        # backdated just past the grace, just before the gc: younger than the default grace (60 s) that
+        # every other test's gc keeps, so only this gc can take it
+        old = time.time() - SWEEP_GRACE - 5
+        os.utime(cgroup, (old, old))
+        fresh.mkdir()
+        gc = subprocess.run(gateway.cmd("sandbox", "gc", "--config", str(gateway.config),
+                                        "--grace", str(SWEEP_GRACE)),
                             capture_output=True, text=True, timeout=60, check=False)
         assert gc.returncode == 0, gc.stderr
-        assert leftovers(gateway) == {"tables": [], "veths": [], "netns": [], "records": []}
+        assert leftovers(gateway) == {"tables": [], "veths": [], "netns": [], "cgroups": [], "records": []}
+        assert netns not in product_netns() and not cgroup.exists(), gc.stdout
+        assert f"orphan netns {netns}" in gc.stdout and f"orphan cgroup {cgroup}" in gc.stdout, gc.stdout
+        assert fresh.is_dir(), gc.stdout  # within the grace: left alone
         assert "egNkeep" in world.exec(world.gw, "nft", "list", "tables").stdout
         assert "egNkeep0" in world.exec(world.gw, "ip", "-o", "link").stdout
     finally:
         world.exec(world.gw, "nft", "delete", "table", "inet", "egNkeep")
         world.exec(world.gw, "ip", "link", "del", "egNkeep0")
-        subprocess.run(["ip", "netns", "del", f"egressgate-{run_id}"], capture_output=True, check=False)
+        subprocess.run(["ip", "netns", "del", netns], capture_output=True, check=False)
+        for group in (cgroup, fresh):
+            with contextlib.suppress(OSError):
+                group.rmdir()
 
 
 def test_console_script_is_used() -> None:

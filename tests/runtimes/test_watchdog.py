@@ -28,7 +28,7 @@ from tests.support.dockerd import Dockerd
 pytestmark = pytest.mark.netns
 
 WORKLOAD = 'echo "$EGRESSGATE_SANDBOX_ID $EGRESSGATE_SANDBOX_TOKEN" > /workspace/identity; exec sleep 60'
-NOTHING = {"tables": [], "veths": [], "netns": [], "records": []}
+NOTHING = {"tables": [], "veths": [], "netns": [], "cgroups": [], "records": []}
 
 
 def leftovers_of(gateway: Gateway, run_id: str) -> dict[str, list[str]]:

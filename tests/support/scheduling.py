@@ -5,12 +5,31 @@ ever run the same group. The groups:
 
 * **one per test module** by default: a module's module- and session-scoped fixtures (its gateway, its
   network world, its OpenBao) are built once on the worker that runs the module, not once per worker;
-* **`host-runtime`** for every module that starts product sandboxes (`sandbox run` with any runtime, `mcp
-  run`), uses the private Docker daemon, or asserts on host-global product objects. Sandboxes' network
-  namespaces (`/run/netns/egressgate-<id>`) and cgroups (`egressgate/<id>`) are host-global names: `sandbox
-  gc --grace 0` in one test sweeps another test's half-built run, and "nothing left behind" checks list
-  them host-wide (a netns of a run on another worker failed them). One worker runs them one after another,
-  as the whole suite used to, with one dockerd and one set of test images for the run.
+* **three host groups** for every module that starts product sandboxes (`sandbox run` with any runtime,
+  `mcp run`), uses the private Docker daemon, or asserts on host-global product objects. Each group runs on
+  one worker, in order; the three run side by side (they were one `host-runtime` group, the suite's
+  critical path). What makes that safe:
+
+  - `host-docker`: the runtime modules that use the private dockerd (tests/support/dockerd.py, a session
+    fixture: one daemon and one set of test images per worker, so all of them on one worker) — docker and
+    gVisor runs, the docker gc/watchdog/identity tests;
+  - `host-heavy`: the three longest modules, each on its own too long to share a group with the rest
+    (weights in tests/durations.json: seconds per group in a parallel run): QEMU boots (test_microvm.py),
+    the real-client matrix (test_client_matrix.py) and `compose up` (render/test_compose_up.py: it builds
+    the product images in a dockerd of its own worker, the only other daemon of the run), and
+    test_limits_workspace.py to even out the groups (host-netns was the longest in a parallel run);
+  - `host-netns`: the rest of tests/runtimes/ (netns/bwrap runs, limits, gc) and the local MCP relay.
+
+  Product netns (`/run/netns/egressgate-<id>`) and cgroups (`egressgate/<id>`) are host-global names, so
+  no test may assume it is alone on the host: "nothing left behind" checks look only at objects of the
+  run ids their own gateway handed out (tests/runtimes/runids.py, runs.leftovers), and a test's `sandbox
+  gc` never runs with `--grace 0` (runs.SWEEP_GRACE: the host-wide orphan sweep must not take another
+  worker's run that is being set up; a test's own orphans are made older than the grace). Everything
+  else a run takes is per gateway: its uid range (launcher.private_uid_range: a flock'd block per test
+  process), its address pool and veths/nft tables (in its own world's gw namespace), its state dir (run
+  records, loop-mounted disk images, microVM dirs). The shared caches (tests/support/images.py,
+  sandbox_pylibs.py under /var/cache/egressgate-tests) are filled through a per-pid temp name and an
+  atomic rename. Another checkout's test run on the same host is just one more concurrent worker.
 
 Groups are handed out longest first (weights from tests/durations.json, written by `make test-durations`)
 so the long groups do not start last and set the wall time; unknown groups keep their place after them.
@@ -25,11 +44,23 @@ import pytest
 
 DURATIONS = Path(__file__).resolve().parents[1] / "durations.json"
 
-# (group, why, module paths relative to tests/ — a folder prefix ends with "/")
+# (group, why, module paths relative to tests/ — a folder prefix ends with "/"); the first match wins.
+# DOCKERD_MODULES: the runtime modules with a test that uses the `dockerd` fixture (assign_groups refuses a
+# dockerd user outside DOCKERD_GROUPS: it would start one more daemon on yet another worker)
+DOCKERD_MODULES = tuple(f"runtimes/test_{name}.py" for name in (
+    "docker_adapter", "docker_disk_limits", "docker_errors", "docker_escape", "docker_gc", "docker_host",
+    "docker_identity", "docker_mounts", "docker_persistence", "dockerapi", "dockerd", "gvisor_seccomp",
+    "kernel_surface", "secrets_off_argv", "setid_leftover", "trust_containers", "watchdog",
+    "gvisor_threads",  # on main, not yet on this branch
+))
+DOCKERD_GROUPS = ("host-docker", "host-heavy")
 EXCLUSIVE: tuple[tuple[str, str, tuple[str, ...]], ...] = (
-    ("host-runtime", "product netns/cgroups are host-global names; one dockerd per run", (
-        "runtimes/", "mcp/test_local_relay.py", "render/test_compose_up.py", "render/test_compose_up_standalone.py",
+    ("host-docker", "one private dockerd (and one set of test images) per worker", DOCKERD_MODULES),
+    ("host-heavy", "the longest sandbox modules: QEMU boots, the client matrix, compose up (own dockerd)", (
+        "runtimes/test_microvm.py", "runtimes/test_client_matrix.py", "render/test_compose_up.py",
+        "runtimes/test_limits_workspace.py", "render/test_compose_up_standalone.py",  # the latter: on main
     )),
+    ("host-netns", "product sandboxes (netns, bwrap, limits, gc)", ("runtimes/", "mcp/test_local_relay.py")),
 )
 
 
@@ -57,6 +88,9 @@ def assign_groups(items: list[pytest.Item], tests_root: Path, weights: dict[str,
     for item in items:
         rel = Path(str(item.path)).resolve().relative_to(tests_root).as_posix()
         group = group_of(rel)
+        if "dockerd" in getattr(item, "fixturenames", ()) and group not in DOCKERD_GROUPS:
+            raise pytest.UsageError(f"{rel} uses the dockerd fixture: add it to DOCKERD_MODULES in "
+                                    "tests/support/scheduling.py (group host-docker)")
         first_seen.setdefault(group, len(first_seen))
         group_by_item[id(item)] = group
         item.add_marker(pytest.mark.xdist_group(group))
