@@ -44,6 +44,16 @@ def netns_pids(name: str) -> list[int]:
     return [int(p) for p in res.stdout.split() if p.isdigit()]
 
 
+def _younger(path: Path, now: float, grace: float) -> bool:
+    """True when `path` changed less than `grace` seconds ago, or is gone: the sweep lists first and looks
+    after, and a run of another state dir (or its own teardown) may remove the object in between. A vanished
+    object is not an orphan to remove (it crashed gc with FileNotFoundError when two gateways shared a host)."""
+    try:
+        return now - path.stat().st_mtime < grace
+    except FileNotFoundError:
+        return True
+
+
 def list_netns() -> list[str]:
     netns_dir = Path("/run/netns")
     if not netns_dir.is_dir():
@@ -244,8 +254,7 @@ def collect(var_dir: Path, state_dir: Path | None = None, grace: float = 60.0) -
     now = time.time()
     for name in list_netns():
         run_id = name[len(NETNS_PREFIX):]
-        path = Path("/run/netns") / name
-        if run_id in live or now - path.stat().st_mtime < grace or netns_pids(name):
+        if run_id in live or _younger(Path("/run/netns") / name, now, grace) or netns_pids(name):
             continue
         if delete_netns(name):
             removed.append(f"orphan netns {name}")
@@ -257,7 +266,7 @@ def collect(var_dir: Path, state_dir: Path | None = None, grace: float = 60.0) -
         if veth[3:] not in live and delete_link(veth):
             removed.append(f"orphan veth {veth}")
     for group in cgroup_dirs():
-        if group.name in live or now - group.stat().st_mtime < grace:
+        if group.name in live or _younger(group, now, grace):
             continue
         try:
             if (group / "cgroup.procs").read_text().strip():
@@ -272,8 +281,7 @@ def collect(var_dir: Path, state_dir: Path | None = None, grace: float = 60.0) -
     vm_root = state_dir / "microvm"
     if vm_root.is_dir():
         for vm in vm_root.iterdir():
-            old = now - vm.stat().st_mtime >= grace
-            if re.fullmatch(ID, vm.name) and vm.name not in live and old:
+            if re.fullmatch(ID, vm.name) and vm.name not in live and not _younger(vm, now, grace):
                 shutil.rmtree(vm, ignore_errors=True)
                 removed.append(f"orphan microvm dir {vm}")
 
