@@ -11,7 +11,6 @@ import time: the CLI's start-up is measured (loadtests/).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import sys
@@ -23,7 +22,6 @@ from typing import Any, NamedTuple
 
 from egressgate.runtimes import addressing, endpoints, records
 from egressgate.runtimes.base import (
-    EXIT_SETUP_FAILED,
     ExitInfo,
     Limit,
     RunSpec,
@@ -339,117 +337,9 @@ class Run:
             self.adapter.on_kill = self.limits.kill_all
 
     def _teardown(self, exit_info: ExitInfo | None, duration_ms: int) -> int:
-        """Every step runs whatever failed before it; the record goes last (only a clean teardown removes it)."""
-        clean = True
-        dropped: dict[str, int] = {}
-        if self.signal is not None and exit_info is not None and exit_info.limit is None:
-            exit_info = ExitInfo(status=None, signal=self.signal)
+        from egressgate.runtimes.run_end import end_run
 
-        def release() -> None:
-            """After the kills, before the adapter removes the namespace: the drop counters (final now)
-            while the veth deletion runs (plumbing.release); a failure only loses the counters."""
-            nonlocal dropped
-            if self.plumbing is not None:
-                with contextlib.suppress(Exception):
-                    dropped = self.plumbing.release()
-
-        setid: list[str] = []
-
-        def strip_setid_bits() -> None:
-            """Before the workspace goes back to root (t_identity): that chown clears set-id bits too, but
-            silently; this strip reports what it found (audited as egressgate.run.setid_stripped)."""
-            nonlocal setid
-            if self.temp_workspace is None and self.workspace is not None and self.started:
-                from egressgate.runtimes.setid import MAX_REPORTED, strip_setid
-
-                found = strip_setid(self.workspace)
-                if found:
-                    log(f"stripped set-id bits from {len(found)} file(s) in the workspace: {', '.join(found[:5])}")
-                setid = found[:MAX_REPORTED]
-
-        # the set-id strip and the give-back to root work on the workspace's content, which for a bounded
-        # workspace is the mounted file system (diskfs.py): both before t_disks unmounts it
-        for name, step in (("t_watch", lambda: self.watch and self.watch.stop()),
-                           ("t_kill", lambda: self.adapter and self.adapter.kill()),
-                           ("t_killall", lambda: self.limits and self.limits.kill_all()),
-                           ("counters", release),
-                           ("t_adapter", lambda: self.adapter and self.adapter.teardown()),
-                           ("t_plumbing", lambda: self.plumbing and self.plumbing.detach()),
-                           ("t_limits", lambda: self.limits and self.limits.remove()),
-                           ("t_setid", strip_setid_bits),
-                           ("t_identity", self._release_identity),
-                           ("t_persist", lambda: self.persist and self.persist.save(self.started)),
-                           ("t_disks", lambda: self.disks and self.disks.release()),
-                           ("t_unlock", lambda: self.persist and self.persist.finish())):
-            try:
-                step()
-                self.mark(name)
-            except Exception as exc:
-                clean = False
-                log(f"teardown step failed ({type(exc).__name__}: {exc}); `egressgate sandbox gc` will retry")
-        if self.temp_workspace is not None:  # after t_disks: its tmpfs is unmounted
-            import shutil
-
-            shutil.rmtree(self.temp_workspace, ignore_errors=True)
-        code = exit_info.exit_code() if exit_info is not None else EXIT_SETUP_FAILED
-        if exit_info is None and self.signal is not None:
-            code = 128 + self.signal
-        if self.sandbox_id is not None:
-            outcome = {"runtime": self.req.runtime, "exit_code": code,
-                       "status": exit_info.status if exit_info else None,
-                       "signal": exit_info.signal if exit_info else self.signal,
-                       "limit": str(exit_info.limit) if exit_info and exit_info.limit else None,
-                       "duration_ms": duration_ms, "dropped": dropped}
-            if setid:
-                outcome["setid_stripped"] = setid
-            if getattr(self.adapter, "accel", None):  # microvm: kvm | tcg (TCG is no hardware isolation)
-                outcome["accel"] = self.adapter.accel
-            self.mark("teardown")
-            revoked = self._revoke(outcome)
-            self.mark("revoke")
-            clean = clean and revoked
-            what = f"limit {exit_info.limit}" if exit_info and exit_info.limit else f"exit {code}"
-            log(f"sandbox {self.sandbox_id} ended ({what}){' and was revoked' if revoked else ''}; "
-                f"audit records: {self.info.audit_file if self.info else '?'}")
-        if self.info is not None and clean:
-            with contextlib.suppress(OSError):
-                records.remove(self.info.state_dir, self.run_id)
-        if TIMING:
-            self.mark("end")
-            pairs = zip(self._marks, self._marks[1:], strict=False)
-            phases = [f"{name}={(t - prev) * 1000:.1f}" for (_, prev), (name, t) in pairs]
-            log("timing ms: " + " ".join(phases))
-        return code
-
-    def _release_identity(self) -> None:
-        """The run's uid is free once its record goes: every process of it killed (whatever escaped the
-        namespace and cgroups) and the persistent workspace's files given to root, so the next run given
-        this uid cannot read them."""
-        if self.uid is None:
-            return
-        from egressgate.runtimes.identity import kill_uid
-        from egressgate.runtimes.workload import release_workspace
-
-        kill_uid(self.uid)
-        if self.workspace is not None:
-            release_workspace(self.workspace, self.uid)
-
-    def _revoke(self, outcome: dict[str, Any]) -> bool:
-        """Revoke with the outcome; a gateway that refuses the outcome body (older version) still gets a
-        plain revocation: the sandbox's authority must end with the run whatever the record says."""
-        path = f"/v1/sandboxes/{self.sandbox_id}"
-        for body in ({"outcome": outcome}, None):
-            try:
-                status, data = self._admin("DELETE", path, body)
-            except SetupFailed as exc:
-                log(f"revocation of {self.sandbox_id} failed: {exc}; `egressgate sandbox gc` retries it")
-                return False
-            if status == 200:
-                return True
-            log(f"revocation of {self.sandbox_id} answered {status}: {data}")
-            if status != 400:
-                return False
-        return False
+        return end_run(self, exit_info, duration_ms)
 
 
 def run(req: RunRequest) -> int:
