@@ -5,15 +5,14 @@ Written by `sandbox run` at the end of a run, after the workload is dead and the
 (`verify_manifest_hash`): a workspace whose content differs from the manifest the last run wrote was changed
 outside any run, by something no policy decided about.
 
-The walk opens every directory relative to its parent's descriptor with O_NOFOLLOW (a symlink left in the
-workspace is recorded as a link, never followed), stays on the workspace's file system, and is bounded
-(MAX_ENTRIES: a larger tree is refused, not partly trusted). Owners are not recorded: a persistent workspace
+The walk is fdwalk.walk (O_NOFOLLOW from the parent's descriptor: a symlink left in the workspace is
+recorded as a link, never followed; one file system; bounded by MAX_ENTRIES: a larger tree is refused, not
+partly trusted). Owners are not recorded: a persistent workspace
 changes hands at the start and end of every run (workload.prepare_workspace / release_workspace). Stdlib only.
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import hashlib
 import json
@@ -23,8 +22,12 @@ import stat
 from collections.abc import Iterable
 from typing import NamedTuple
 
+from egressgate.runtimes.fdwalk import DIR_FLAGS, walk
+from egressgate.runtimes.fdwalk import (
+    TooLarge as TooLarge,  # re-exported: persist.py and callers catch manifest.TooLarge
+)
+
 MAX_ENTRIES = 1_000_000
-DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 # never carried over (persistence discard keyword `shell_history`, and always): the shells' and REPLs' history
 # files, wherever they are (HOME inside a sandbox is the workspace)
@@ -51,50 +54,21 @@ HISTORY_NAMES = frozenset(
 Entry = dict[str, object]  # {"t": "f"|"d"|"l"|"o", "mode": int, "size": int, "sha256": hex, "target": str}
 
 
-class TooLarge(RuntimeError):
-    """The tree has more than MAX_ENTRIES entries."""
-
-
 def scan(root: str | os.PathLike[str], limit: int = MAX_ENTRIES) -> dict[str, Entry]:
-    """workspace-relative path -> entry, for everything under `root` (root itself excluded)."""
-    top = os.open(root, DIR_FLAGS)
+    """workspace-relative path -> entry, for everything under `root` (root itself excluded); a tree of
+    more than `limit` entries raises TooLarge (refused, not partly trusted)."""
     out: dict[str, Entry] = {}
-    dev = os.fstat(top).st_dev
-    stack: list[tuple[int, str]] = [(top, "")]
-    try:
-        while stack:
-            dfd, rel = stack.pop()
-            try:
-                names = os.listdir(dfd)
-            except OSError:
-                names = []
-            try:
-                for name in names:
-                    if len(out) >= limit:
-                        raise TooLarge(f"more than {limit} entries")
-                    path = f"{rel}/{name}" if rel else name
-                    try:
-                        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-                    except OSError:
-                        continue
-                    mode = stat.S_IMODE(st.st_mode)
-                    if stat.S_ISDIR(st.st_mode):
-                        out[path] = {"t": "d", "mode": mode}
-                        if st.st_dev == dev:
-                            with contextlib.suppress(OSError):
-                                stack.append((os.open(name, DIR_FLAGS, dir_fd=dfd), path))
-                    elif stat.S_ISREG(st.st_mode):
-                        out[path] = {"t": "f", "mode": mode, "size": st.st_size, "sha256": _digest(dfd, name)}
-                    elif stat.S_ISLNK(st.st_mode):
-                        out[path] = {"t": "l", "target": os.readlink(name, dir_fd=dfd)}
-                    else:
-                        out[path] = {"t": "o", "mode": mode}
-            finally:
-                os.close(dfd)
-    finally:
-        for dfd, _ in stack:
-            with contextlib.suppress(OSError):
-                os.close(dfd)
+    for found in walk(root, limit):
+        st, path = found.st, found.path
+        mode = stat.S_IMODE(st.st_mode)
+        if stat.S_ISDIR(st.st_mode):
+            out[path] = {"t": "d", "mode": mode}
+        elif stat.S_ISREG(st.st_mode):
+            out[path] = {"t": "f", "mode": mode, "size": st.st_size, "sha256": _digest(found.dir_fd, found.name)}
+        elif stat.S_ISLNK(st.st_mode):
+            out[path] = {"t": "l", "target": os.readlink(found.name, dir_fd=found.dir_fd)}
+        else:
+            out[path] = {"t": "o", "mode": mode}
     return out
 
 
