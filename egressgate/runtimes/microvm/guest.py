@@ -9,7 +9,6 @@ import math
 import os
 import re
 import shlex
-import subprocess
 import tarfile
 from pathlib import Path
 
@@ -117,26 +116,9 @@ def parse_status(line: str) -> ExitInfo:
 def make_workspace_image(path: Path, content: Path, size: int, uid: int, gid: int) -> None:
     """A sparse ext4 image of `size` bytes holding `content`, its root owned by the run's uid (no journal:
     it lives for one run; mounted nosuid,nodev in the guest)."""
-    res = subprocess.run(
-        [
-            "mkfs.ext4",
-            "-q",
-            "-F",
-            "-m",
-            "0",
-            "-O",
-            "^has_journal",
-            "-E",
-            f"root_owner={uid}:{gid},nodiscard",
-            "-d",
-            str(content),
-            str(path),
-            f"{max(size // 1024, 1024)}k",
-        ],
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=300,
-    )
+    from egressgate.runtimes.microvm.image import mkfs_ext4
+
+    res = mkfs_ext4(path, content, f"{max(size // 1024, 1024)}k", "-E", f"root_owner={uid}:{gid},nodiscard",
+                    timeout=300)
     if res.returncode != 0:
         raise RuntimeError(f"mkfs.ext4 for the workspace image failed: {res.stderr.strip()[-300:]}")

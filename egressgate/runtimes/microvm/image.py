@@ -105,31 +105,19 @@ def _tree_size(tree: Path) -> int:
     return total
 
 
+def mkfs_ext4(image: Path, tree: Path, size: str, *options: str, timeout: float) -> subprocess.CompletedProcess:
+    """`mkfs.ext4 -d TREE` into `image` (created or overwritten) of `size` (mkfs's units: 512M, 4096k):
+    no journal (every image here is either read-only or lives for one run), no reserved blocks."""
+    return subprocess.run(
+        ["mkfs.ext4", "-q", "-F", "-m", "0", "-O", "^has_journal", *options, "-d", str(tree), str(image), size],
+        capture_output=True, text=True, check=False, timeout=timeout)
+
+
 def pack(tree: Path, out: Path) -> None:
     """`mkfs.ext4 -d`: an image of exactly the tree (no journal: it is only ever mounted read-only)."""
     size = (_tree_size(tree) * 5 // 4 + HEADROOM + (1 << 20) - 1) // (1 << 20)
     tmp = out.with_suffix(f".tmp{os.getpid()}")
-    res = subprocess.run(
-        [
-            "mkfs.ext4",
-            "-q",
-            "-F",
-            "-m",
-            "0",
-            "-O",
-            "^has_journal",
-            "-L",
-            "egressgate-root",
-            "-d",
-            str(tree),
-            str(tmp),
-            f"{size}M",
-        ],
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=1800,
-    )
+    res = mkfs_ext4(tmp, tree, f"{size}M", "-L", "egressgate-root", timeout=1800)
     if res.returncode != 0:
         tmp.unlink(missing_ok=True)
         raise ArtifactError(f"mkfs.ext4 -d {tree} failed: {res.stderr.strip()[-400:]}")
