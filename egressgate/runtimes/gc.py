@@ -8,7 +8,9 @@ claims: product-named objects (`egressgate-<id>` netns,
 `egressgate_<id>` nft tables, `egh<id>` veths, `egressgate/<id>` cgroups) whose run id no live record holds.
 Only exact product names (`<id>` = 10 hex digits) are ever touched, and an orphan netns or cgroup must be
 older than `grace` seconds and empty of processes, so a run that is being set up right now (its record may
-live in another state dir) is never broken.
+live in another state dir) is never broken. A run of this version also holds a host-wide lock (runlock.py)
+from its first host object until its watchdog is done: every object of a run id whose lock is held is left
+alone whatever `--grace` says, so the grace only matters for runs of older versions.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from egressgate.runtimes import endpoints, identity, nftables, records, setid
+from egressgate.runtimes import endpoints, identity, nftables, records, runlock, setid
 from egressgate.runtimes.netns import NETNS_PREFIX, delete_netns
 from egressgate.runtimes.plumbing import delete_link
 from egressgate.runtimes.workload import release_workspace
@@ -251,6 +253,7 @@ def collect(var_dir: Path, state_dir: Path | None = None, grace: float = 60.0) -
             removed.append(f"sandbox {record['sandbox_id']} revoked (run {run_id})")
         records.remove(state_dir, run_id)
         removed.append(f"run record {run_id}")
+    live |= runlock.held()  # runs of any state dir on this host, alive or being cleaned by their watchdog
     now = time.time()
     for name in list_netns():
         run_id = name[len(NETNS_PREFIX):]

@@ -75,6 +75,7 @@ class Run:
         self.uid: int | None = None  # the run's own host uid/gid (runtimes/identity.py)
         self.workspace: Path | None = None  # a persistent --workspace (given back to root at teardown)
         self.persist: Any = None  # persistence and restore of a persistent workspace (runtimes/persist.py)
+        self.lock_fd: int | None = None  # the run's host-wide liveness lock (runtimes/runlock.py)
         self._marks: list[tuple[str, float]] = [("start", time.monotonic())]
 
     def mark(self, phase: str) -> None:
@@ -142,8 +143,13 @@ class Run:
             raise SetupFailed(str(exc)) from None
         if info.docker_host and hasattr(self.adapter, "host"):  # docker/gvisor: the configured daemon wins
             self.adapter.host = info.docker_host
+        from egressgate.runtimes import runlock
         from egressgate.runtimes.identity import UidsExhausted
 
+        try:  # before the first host object: gc counts the run as live, whatever state dir it reads
+            self.lock_fd = runlock.hold(self.run_id)
+        except runlock.LockFailed as exc:
+            raise SetupFailed(str(exc)) from None
         try:
             address, uid = addressing.allocate_run(
                 info.state_dir, info.subnet, self.run_id,
@@ -157,7 +163,7 @@ class Run:
         # from here on host objects exist: the watchdog cleans them up if this process dies by SIGKILL
         from egressgate.runtimes import watchdog
 
-        watchdog_pid = watchdog.start(info.state_dir, self.run_id, req.var_dir.absolute())
+        watchdog_pid = watchdog.start(info.state_dir, self.run_id, req.var_dir.absolute(), self.lock_fd)
         self.mark("watchdog")
         status, data = self._admin("POST", "/v1/sandboxes", {"policy": req.policy, "labels": req.labels,
                                                              "addresses": [address.sandbox_ip]})

@@ -98,6 +98,10 @@ def end_run(run: Run, exit_info: ExitInfo | None, duration_ms: int) -> int:
     if run.info is not None and clean:
         with contextlib.suppress(OSError):
             records.remove(run.info.state_dir, run.run_id)
+    if run.lock_fd is not None and (clean or run.info is None):  # unclean: gc retries from the record, and
+        from egressgate.runtimes import runlock  # the lock ends with this process and the watchdog
+
+        runlock.release(run.run_id, run.lock_fd)
     if TIMING:
         run.mark("end")
         pairs = zip(run._marks, run._marks[1:], strict=False)

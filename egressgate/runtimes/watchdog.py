@@ -20,6 +20,7 @@ touches names derived from the run id, so a watchdog cannot delete another run's
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -28,9 +29,11 @@ from pathlib import Path
 ENDED_BY = "watchdog"
 
 
-def start(state_dir: Path, run_id: str, var_dir: Path) -> int:
+def start(state_dir: Path, run_id: str, var_dir: Path, lock_fd: int | None = None) -> int:
     """Fork the watchdog of `run_id`; returns its pid. The pipe's write end stays open in this process
-    until it exits (deliberately never closed: its closing by the kernel is the signal)."""
+    until it exits (deliberately never closed: its closing by the kernel is the signal). `lock_fd`, the
+    run's lock (runlock.py), stays open in the watchdog too: the run counts as live to `sandbox gc` until
+    the watchdog has cleaned up after it."""
     read_end, write_end = (_above_stdio(fd) for fd in os.pipe())  # both O_CLOEXEC (PEP 446)
     parent = os.getpid()
     pid = os.fork()
@@ -38,7 +41,7 @@ def start(state_dir: Path, run_id: str, var_dir: Path) -> int:
         code = 0
         try:
             os.close(write_end)
-            _detach(read_end)
+            _detach(read_end, lock_fd)
             _watch(read_end, parent, state_dir, run_id, var_dir)
         except BaseException:  # never return into `sandbox run`'s code in the child
             code = 1
@@ -63,7 +66,7 @@ def _above_stdio(fd: int) -> int:
     return high
 
 
-def _detach(read_end: int) -> None:
+def _detach(read_end: int, lock_fd: int | None = None) -> None:
     os.setsid()
     for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGPIPE):
         signal.signal(sig, signal.SIG_IGN)
@@ -71,8 +74,11 @@ def _detach(read_end: int) -> None:
     null = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
         os.dup2(null, fd)
-    os.closerange(3, read_end)  # `null` included (it is > 2 unless stdio was closed, then it is one of them)
-    os.closerange(read_end + 1, _max_fd())
+    low = 3  # every other descriptor closes, `null` included (it is > 2 unless stdio was closed)
+    for keep in sorted(fd for fd in (read_end, lock_fd) if fd is not None and fd > 2):
+        os.closerange(low, keep)
+        low = keep + 1
+    os.closerange(low, _max_fd())
 
 
 def _max_fd() -> int:
@@ -94,6 +100,11 @@ def _watch(read_end: int, parent: int, state_dir: Path, run_id: str, var_dir: Pa
             return  # still our parent: not ours to clean (`sandbox gc` is the backstop)
         time.sleep(0.005)
     cleanup(state_dir, run_id, var_dir)
+    from egressgate.runtimes import records, runlock
+
+    if records.read(state_dir, run_id) is None:  # all cleaned up: the lock file goes (the lock with this process)
+        with contextlib.suppress(OSError):
+            os.unlink(runlock.LOCK_DIR / run_id)
 
 
 def cleanup(state_dir: Path, run_id: str, var_dir: Path) -> list[str]:

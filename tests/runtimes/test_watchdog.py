@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from egressgate.runtimes import runlock
 from egressgate.runtimes.docker import labelled_containers
 from egressgate.runtimes.gc import clean_record
 from egressgate.runtimes.plumbing import in_netns
@@ -126,12 +127,15 @@ def test_netns_run_killed_is_cleaned_by_its_watchdog(gateway: Gateway) -> None:
         assert len(left["tables"]) == 1 and cgroups and all(p.is_dir() for p in cgroups), (left, cgroups)
         assert proxy_connect_status(gateway, sid, token) == LIVE
         # the watchdog holds none of the caller's pipes (a caller reading `sandbox run`'s output must see
-        # EOF when it exits) and nothing but its own pipe and /dev/null
+        # EOF when it exits) and nothing but its own pipe, /dev/null and the run's lock (runtimes/runlock.py)
         callers = {os.readlink(f"/proc/{proc.pid}/fd/{fd}") for fd in (1, 2)}
         held = {os.readlink(f"/proc/{watchdog_pid}/fd/{fd}") for fd in os.listdir(f"/proc/{watchdog_pid}/fd")}
         assert all(c.startswith("pipe:") for c in callers) and not callers & held, (callers, held)
-        assert held - {"/dev/null"} and all(h.startswith("pipe:") for h in held - {"/dev/null"}), held
-        assert len(held - {"/dev/null"}) == 1, held
+        lock = str(runlock.LOCK_DIR / run_id)
+        assert lock in held, held
+        rest = held - {"/dev/null", lock}
+        assert rest and all(h.startswith("pipe:") for h in rest), held
+        assert len(rest) == 1, held
         took = sigkill_and_wait_clean(gateway, proc, run_id, lambda: not [p for p in cgroups if p.exists()])
         assert took < CLEANUP_WITHIN, took
         assert_revoked_by_watchdog(gateway, sid, token)
