@@ -32,7 +32,7 @@ from egressgate.audit.signer import Signer
 from egressgate.config import ConfigError, GatewayConfig, parse_listen
 from egressgate.dns import DnsServer
 from egressgate.dns.config import DnsConfig
-from egressgate.gateway import ca, mitm_hotpaths, reconcile, typecheck, varlock
+from egressgate.gateway import ca, emit, mitm_hotpaths, reconcile, typecheck, varlock
 from egressgate.gateway import listeners as shared_listeners
 from egressgate.gateway.budgets import ByteLedger
 from egressgate.gateway.context import PolicyHolder, Runtime
@@ -168,7 +168,7 @@ class Gateway:
         event = build(EventKind.POLICY_RELOAD, decision="allow" if ok else "deny",
                       message=error[:2000] if error else None, extra=extra)
         # the reload already happened (or was refused): its record is queued and retried, never dropped
-        await self.rt.audit.write_after(event)
+        await emit.write_after(self.rt, event)
 
     async def _watch_policies(self) -> None:
         """Poll for changes until stopped. Nothing may end this loop but cancellation: a watcher that

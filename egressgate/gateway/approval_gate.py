@@ -26,6 +26,7 @@ from egressgate.approvals.model import (
 from egressgate.approvals.overlay import NETWORK_EXPANSION
 from egressgate.gateway.context import Runtime
 from egressgate.gateway.deny import gateway_deny
+from egressgate.gateway.emit import write_behind
 from egressgate.policy.compile import CompiledPolicy
 from egressgate.policy.decide import decide
 from egressgate.policy.facts import Decision, Facts, Operation, SandboxState
@@ -73,7 +74,7 @@ async def spend(rt: Runtime, policy: CompiledPolicy, policy_name: str, facts: Fa
         if again.reason is Reason.APPROVAL_GRANTED and again.approval_kind == KIND_PUBLISH:
             return await spend(rt, policy, policy_name, facts, rest, again, now, labels)
         return await name_approval(rt, state.sandbox_id, policy_name, facts, again, now, labels)
-    rt.audit.enqueue_after(approval_event(used, "used", labels))
+    write_behind(rt, approval_event(used, "used", labels))
     return decision
 
 
@@ -107,7 +108,7 @@ async def name_approval(rt: Runtime, sandbox_id: str, policy_name: str, facts: F
             f"{target} needs an operator's approval, but {MAX_PENDING_PER_SANDBOX} approvals of this sandbox "
             "are already waiting; retry after an operator decides them."))
     if created:
-        rt.audit.enqueue_after(approval_event(approval, "requested", labels))  # queued, never dropped
+        write_behind(rt, approval_event(approval, "requested", labels))  # queued, never dropped
     if approval.state is ApprovalState.DENIED:
         return replace(decision, approval_id=approval.id, message=(
             f"An operator denied approval {approval.id} for {target}; do not retry it or route around "

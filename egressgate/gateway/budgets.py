@@ -2,7 +2,7 @@
 by the state store and shared by every gateway process on it (ledger.py: the accounting).
 
 Counted out: request head (HTTP/1.1 serialization of what goes upstream: after sanitizing and, on a
-credentialed route, with the injected credential; see decision.request_head_size),
+credentialed route, with the injected credential; see sizes.request_head_size),
 request body bytes (de-chunked payload), every websocket frame byte from the client as read (headers,
 masks, data fragments, ping/pong/close; see ws_layer.py), raw TCP bytes from the client. Counted in:
 response bodies, websocket frame bytes and raw TCP bytes from the server.
@@ -24,45 +24,22 @@ upstream never sees the terminating chunk of a cut body.
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from collections.abc import Callable
 
-from mitmproxy import ctx, http, tcp
+from mitmproxy import http, tcp
 
 from egressgate.gateway import ws_layer
 from egressgate.gateway.context import FlowState, Runtime, ensure_flow_state, flow_state
-from egressgate.gateway.decision import declared_body_size, request_head_size
+from egressgate.gateway.counters import finish_flow, hold_client
 from egressgate.gateway.deny import gateway_deny
 from egressgate.gateway.ledger import ByteLedger as ByteLedger  # re-exported: app.py builds it from here
 from egressgate.gateway.ledger import Meter, TopUp, answer_top_up
+from egressgate.gateway.sizes import declared_body_size, request_head_size
 from egressgate.gateway.streaming import STREAM_THRESHOLD, should_stream
-from egressgate.policy.model import Budget
 from egressgate.policy.reasons import Reason
 from egressgate.state.base import StateUnavailable
 
 logger = logging.getLogger(__name__)
-
-
-def refund_prepaid(rt: Runtime, fs: FlowState) -> None:
-    """A prepaid request that a later check refused before anything of it went upstream: return the
-    bytes to the sandbox's budget (the only place a refund happens). Its meter, if any, is closed."""
-    if fs.prepaid_out and fs.sandbox_id and not fs.prepay_committed:
-        rt.ledger.give_back(fs.sandbox_id, fs.prepaid_out)
-        fs.bytes_out -= fs.prepaid_out
-        fs.prepaid_out = 0
-    if fs.meter is not None:
-        fs.meter.close()
-
-
-def finish_flow(rt: Runtime, fs: FlowState) -> None:
-    """The request can no longer be refunded (it went, or may have gone, upstream): its prepayment stays
-    spent; its meter's unused credit goes back. Idempotent."""
-    if fs.prepaid_out and fs.sandbox_id and not fs.prepay_committed:
-        fs.prepay_committed = True
-        rt.ledger.commit(fs.sandbox_id, fs.prepaid_out)
-    if fs.meter is not None:
-        fs.meter.close()
 
 
 def flow_meter(rt: Runtime, fs: FlowState, sandbox_id: str, limit: int | None) -> Meter:
@@ -71,37 +48,6 @@ def flow_meter(rt: Runtime, fs: FlowState, sandbox_id: str, limit: int | None) -
     if meter is None or meter.closed:
         meter = fs.meter = rt.ledger.open(sandbox_id, limit)
     return meter
-
-
-def hold_client(client_id: str) -> Callable[[], None]:
-    """Stop reading from a sandbox's connection while one of its flows waits for a lease top-up; returns
-    the function that reads again. mitmproxy keeps reading a connection whose layer is paused and queues
-    what it reads in memory, so during a slow store round trip (up to its 2 s timeout) a sandbox could
-    make the gateway buffer whatever it can send; held, the kernel's socket buffers push back instead.
-    (A connection multiplexing HTTP/2 streams is held for all of them, for one round trip.)"""
-    proxyserver = ctx.master.addons.get("proxyserver") if ctx.master is not None else None
-    handler = proxyserver.connections.get(client_id) if proxyserver is not None else None
-    io = handler.transports.get(handler.client) if handler is not None else None
-    transport = getattr(getattr(io, "writer", None), "transport", None)
-    if transport is None or transport.is_closing():
-        return _nothing
-    transport.pause_reading()
-    # mitmproxy's StreamReader pauses the transport itself when its buffer is full and resumes it once
-    # mitmproxy has read the buffer; taken over here (no public API), so that resume does not undo the
-    # hold. After the hold its own flow control applies again from the next read.
-    reader = getattr(io, "reader", None)
-    if isinstance(reader, asyncio.StreamReader):
-        reader._paused = False
-
-    def resume() -> None:
-        if not transport.is_closing() and not transport.is_reading():
-            transport.resume_reading()
-
-    return resume
-
-
-def _nothing() -> None:
-    return None
 
 
 async def top_up_paused(top: TopUp) -> None:
@@ -113,61 +59,9 @@ async def top_up_paused(top: TopUp) -> None:
         resume()
 
 
-def rule_budget(rt: Runtime, fs: FlowState) -> Budget | None:
-    """The budget of the rule that allowed this flow (None: it has none), for the store's atomic
-    check-and-count (enforce.py)."""
-    rule_id = fs.decision.rule_id if fs.decision is not None else None
-    policy = rt.policies.get(fs.policy_name)
-    if rule_id is None or policy is None or rule_id not in policy.budgeted_rules:
-        return None
-    return next((rule.budget for rule in policy.rules if rule.id == rule_id), None)
-
-
 def outbound_limit(rt: Runtime, fs: FlowState) -> int | None:
     policy = rt.policies.get(fs.policy_name)
     return policy.outbound_bytes_max if policy is not None else None
-
-
-def out_counter(fs: FlowState) -> Callable[[bytes], object]:
-    """Stream callable for request bodies of unknown length: spend from the flow's meter (the layer
-    covered each chunk before it got here); a chunk the budget cannot hold is dropped, and so is every
-    later one, and the cut is flagged (`budget_cut` / `state_cut`): the stream then aborts the upstream
-    request before its end and answers the client with the deny contract (early_answer.py), or resets it
-    when an upstream response is already on its way."""
-    meter = fs.meter
-    assert fs.sandbox_id is not None and meter is not None
-    state = {"cut": False}
-
-    def count(chunk: bytes) -> object:
-        if state["cut"]:
-            return []  # never b"": an empty chunk is the chunked terminator on HTTP/1
-        if not chunk:
-            return []
-        if meter.take(len(chunk)):
-            fs.bytes_out += len(chunk)
-            return chunk
-        state["cut"] = True
-        if meter.failed:  # the store failed during the top-up: not the budget (outcome: state_unavailable)
-            fs.state_cut = True
-        else:
-            fs.budget_cut = True
-        logger.info("sandbox %s: %s mid-stream; cutting", fs.sandbox_id, meter.failed or "outbound_bytes_max crossed")
-        return []
-
-    return count
-
-
-def in_counter(rt: Runtime, fs: FlowState) -> Callable[[bytes], object]:
-    sandbox_id = fs.sandbox_id
-    assert sandbox_id is not None
-
-    def count(chunk: bytes) -> object:
-        if chunk:
-            fs.bytes_in += len(chunk)
-            rt.ledger.add_in(sandbox_id, len(chunk))
-        return chunk
-
-    return count
 
 
 class Budgets:

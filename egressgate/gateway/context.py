@@ -28,12 +28,10 @@ if TYPE_CHECKING:
     from egressgate.audit.sink import AuditSink
     from egressgate.broker.broker import Broker
     from egressgate.gateway.compose import ScrubPlan
-    from egressgate.gateway.credential_response import Applied
+    from egressgate.gateway.flowtypes import Applied, LimitRecords, WsRefusal
     from egressgate.gateway.ledger import ByteLedger, Meter
-    from egressgate.gateway.limit_audit import LimitAudit
     from egressgate.gateway.mcp_sessions import McpExchange
     from egressgate.gateway.resolver import Resolver
-    from egressgate.gateway.ws_layer import Refusal as WsRefusal
     from egressgate.state.base import SandboxRecord, StateStore
 
 # The one flow.metadata key the gateway uses: it holds the flow's FlowState (every other per-flow fact
@@ -128,7 +126,7 @@ class FlowState:
     bytes_out: int = 0
     bytes_in: int = 0
     prepaid_out: int = 0  # bytes reserved up front (head + Content-Length)
-    prepay_committed: bool = False  # ... and past the last refund: they stay spent (budgets.finish_flow)
+    prepay_committed: bool = False  # ... and past the last refund: they stay spent (counters.finish_flow)
     meter: Meter | None = None  # bytes of unknown total (body, websocket, raw TCP) paid from the lease
     stream_request: bool = False  # the request body is relayed as it arrives (large or of unknown length) ...
     meter_request: bool = False  # ... and counted chunk by chunk (unknown length: not prepaid)
@@ -211,7 +209,7 @@ class Runtime:
     # set by connguard.py: audits an oversized request head (client id, source, bytes) -> request id
     header_overflow: Callable[[str, str, int], str] | None = None
     # set by connguard.py: the rate-limited audit of limit events (limit_audit.py), for other layers
-    limit_audit: LimitAudit | None = None
+    limit_audit: LimitRecords | None = None
     # operator approvals (egressgate/approvals): app.py puts them in the state backend's store
     approvals: ApprovalStore = field(default_factory=MemoryApprovals)
 

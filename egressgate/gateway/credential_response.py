@@ -14,16 +14,15 @@ from __future__ import annotations
 
 import logging
 import re
-from dataclasses import dataclass
 
 from mitmproxy import http
 
-from egressgate.broker.credential import Credential
-from egressgate.broker.redact import SecretSpec, cached_scrubber
+from egressgate.broker.redact import cached_scrubber
 from egressgate.gateway.compose import ScrubPlan
 from egressgate.gateway.context import FlowState, Runtime, flow_state
-from egressgate.gateway.credential_streams import as_chunks, reframe, refusal_body, refuse, scrub_chain
+from egressgate.gateway.credential_streams import as_chunks, fields, reframe, refusal_body, refuse, scrub_chain
 from egressgate.gateway.deny import REQUEST_ID_HEADER
+from egressgate.gateway.flowtypes import Applied
 from egressgate.gateway.response_codings import Uninspectable, body_codings, folded, folded_headers
 
 logger = logging.getLogger(__name__)
@@ -34,27 +33,6 @@ BUFFERED_MAX_DECODED = 16 << 20  # a buffered (<= 64 KiB on the wire) body may n
 _QUOTED = re.compile(r"b?'(?:[^'\\]|\\.)*'" r'|b?"(?:[^"\\]|\\.)*"')
 _UNDECODABLE = ("The upstream's compressed response was corrupt or inflated beyond the gateway's limit, so it "
                 "was refused; retry with uncompressed responses (Accept-Encoding: identity).")
-
-
-@dataclass(slots=True, repr=False)
-class Applied:
-    """The credential placed on a flow; what its response is scrubbed of. repr never shows the value."""
-
-    capability: str
-    credential: Credential
-    username: str | None
-
-    def spec(self) -> SecretSpec:
-        return SecretSpec(self.credential.value, self.username)
-
-    def __repr__(self) -> str:
-        return f"Applied(capability={self.capability!r}, key_id={self.credential.key_id!r})"
-
-
-def fields(pairs: list[tuple[str, str]]) -> http.Headers:
-    """mitmproxy decodes header bytes as utf-8 with surrogateescape; encode back losslessly."""
-    enc = ("utf-8", "surrogateescape")
-    return http.Headers([(k.encode(*enc), v.encode(*enc)) for k, v in pairs])
 
 
 class ResponseScrub:

@@ -169,3 +169,9 @@ def refuse(flow: http.HTTPFlow, request_id: str, reason: str, message: str, bodi
                                 content_length="0" if bodiless else str(len(body)))
     resp.headers[REQUEST_ID_HEADER] = request_id
     return b"" if bodiless else body
+
+
+def fields(pairs: list[tuple[str, str]]) -> http.Headers:
+    """mitmproxy decodes header bytes as utf-8 with surrogateescape; encode back losslessly."""
+    enc = ("utf-8", "surrogateescape")
+    return http.Headers([(k.encode(*enc), v.encode(*enc)) for k, v in pairs])

@@ -32,19 +32,20 @@ from urllib.parse import unquote
 from mitmproxy import http
 
 from egressgate.audit.build import build
-from egressgate.audit.event import AuditEvent, AuditUnavailable, EventKind
+from egressgate.audit.event import AuditUnavailable, EventKind
 from egressgate.broker.broker import Broker
 from egressgate.broker.config import BasicPlacement, QueryPlacement
 from egressgate.broker.credential import Credential, CredentialUnavailable
 from egressgate.broker.inject import PhantomHit, find_phantoms, inject, redact_phantoms, scan_bytes, swap_phantom
 from egressgate.broker.redact import cached_scrubber
 from egressgate.config import GatewayConfig
-from egressgate.gateway import ws_layer
-from egressgate.gateway.budgets import refund_prepaid
+from egressgate.gateway import emit, ws_layer
 from egressgate.gateway.context import FlowState, Runtime, flow_state
-from egressgate.gateway.credential_response import Applied, fields
+from egressgate.gateway.counters import refund_prepaid
+from egressgate.gateway.credential_streams import fields
 from egressgate.gateway.deny import deny_response, gateway_deny
-from egressgate.gateway.record import write_behind
+from egressgate.gateway.flowtypes import Applied
+from egressgate.gateway.misuse import MISUSE_MESSAGE, misuse_event, stream_misuse
 from egressgate.policy.errors import PolicyError
 from egressgate.policy.reasons import Reason
 from egressgate.state.base import StateUnavailable
@@ -53,10 +54,6 @@ logger = logging.getLogger(__name__)
 
 SEEN_MAX = 10000
 
-_MISUSE_MESSAGE = (
-    "A placeholder credential (egph_...) may only be sent in the header configured for its own "
-    "destination; remove it from this request."
-)
 _UNAVAILABLE_MESSAGE = "The credential for this destination could not be obtained; nothing was sent. Retry later."
 
 
@@ -117,31 +114,6 @@ async def start_broker(config: GatewayConfig, policies: dict) -> Broker:
         logger.error("credential broker (%s) did not start: %s; credentialed routes will be denied",
                      config.broker.backend, exc)
     return broker
-
-
-def misuse_event(fs: FlowState, where: str) -> AuditEvent:
-    return build(
-        EventKind.HTTP_REQUEST, request_id=fs.request_id,
-        sandbox_id=fs.sandbox_id, decision="deny", reason=str(Reason.CREDENTIAL_MISUSE),
-        rule_id=fs.decision.rule_id if fs.decision else None, policy_name=fs.policy_name,
-        policy_hash=fs.policy_hash, scheme=fs.scheme, host=fs.host, port=fs.port, method=fs.method,
-        path=fs.path, capability=fs.decision.capability if fs.decision else None,
-        message=_MISUSE_MESSAGE, extra={"egressgate.detail": where, "egressgate.phase": "after_headers"},
-    )
-
-
-def stream_misuse(rt: Runtime, flow: http.HTTPFlow, fs: FlowState, hits: list[PhantomHit], where: str = "body",
-                  *, cut: bool = True) -> None:
-    """A phantom in a streamed body (compose.py's guard calls this): nothing more is forwarded, the
-    connection is cut (the upstream never sees a complete body; `cut=False` when the caller closes it
-    another way) and the deny is audited."""
-    logger.warning("phantom credential misuse by %s to %s (streamed %s)", fs.sandbox_id, fs.host, where)
-    event = misuse_event(fs, where)
-    fs.decision = gateway_deny(Reason.CREDENTIAL_MISUSE, _MISUSE_MESSAGE, detail=where,
-                               rule_id=fs.decision.rule_id if fs.decision else None)
-    write_behind(rt, event)  # already refused: its record cannot be denied (record.write_behind)
-    if cut and rt.abort_connection is not None:
-        rt.abort_connection(flow.client_conn.id)
 
 
 class Credentials:
@@ -294,7 +266,7 @@ class Credentials:
                    "egressgate.credential.expires_at": int(cred.expires_at)},
         )
         try:
-            await self.rt.audit.write(event)
+            await emit.write(self.rt, event)
         except AuditUnavailable as exc:
             logger.error("credential issue could not be audited: %s", exc)
             return False
@@ -313,7 +285,7 @@ class Credentials:
         fs.path = _redact_target(fs.path) if fs.path else fs.path
         if fs.target_as_sent:
             fs.target_as_sent = _redact_target(fs.target_as_sent)
-        self._deny(fs, Reason.CREDENTIAL_MISUSE, _MISUSE_MESSAGE, detail=where[:200])
+        self._deny(fs, Reason.CREDENTIAL_MISUSE, MISUSE_MESSAGE, detail=where[:200])
 
     async def request(self, flow: http.HTTPFlow) -> None:
         """Buffered request bodies (streamed ones are guarded chunk by chunk)."""
@@ -327,7 +299,7 @@ class Credentials:
             return
         self._misuse(fs, hits)
         fs.credential = None
-        await self.rt.audit.write_after(misuse_event(fs, "body"))
+        await emit.write_after(self.rt, misuse_event(fs, "body"))
         assert fs.decision is not None
         flow.response = deny_response(fs.decision, fs.request_id)
 
@@ -372,7 +344,7 @@ class Credentials:
     def _ws_misuse(self, flow: http.HTTPFlow, fs: FlowState, hits: list[PhantomHit], where: str) -> None:
         """A phantom on a websocket: the frame is not relayed, the websocket is closed (1008) by the
         layer and the deny is audited like a phantom in a streamed body."""
-        ws_layer.refuse(flow, Reason.CREDENTIAL_MISUSE, ws_layer.POLICY_VIOLATION, _MISUSE_MESSAGE, detail=where)
+        ws_layer.refuse(flow, Reason.CREDENTIAL_MISUSE, ws_layer.POLICY_VIOLATION, MISUSE_MESSAGE, detail=where)
         stream_misuse(self.rt, flow, fs, hits, where, cut=False)
 
     # ------------------------------------------------------------------ response side

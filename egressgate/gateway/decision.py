@@ -3,7 +3,7 @@
 At CONNECT the decision is host/port level (deny early, never resolve a denied name — a resolver query
 is itself an exfiltration channel); inside a tunnel every request (each keep-alive request, each HTTP/2
 stream) is decided on its own method, path and scheme against the tunnel's CONNECT target — never
-against a header. Resolution and the address check are part of the decision (pinning.resolve_target: a
+against a header. Resolution and the address check are part of the decision (destination.resolve_target: a
 forbidden address is a deny like any other). Each request is also classified by protocol (package
 install, publish: policy/opclass.py) from its method, path, query, Content-Type and Accept. Nothing here
 commits state: pinning.py commits an allowed destination only after its audit record is durable
@@ -19,7 +19,8 @@ from mitmproxy import http
 from egressgate.gateway.approval_gate import settle, spend
 from egressgate.gateway.context import FlowState, Runtime, ensure_flow_state
 from egressgate.gateway.deny import gateway_deny
-from egressgate.gateway.pinning import resolve_checked, with_addresses
+from egressgate.gateway.destination import resolve_checked, with_addresses
+from egressgate.gateway.sizes import declared_body_size, request_head_size
 from egressgate.gateway.target import as_sent, note_target
 from egressgate.policy.canon import CanonError, canon_method, canon_path, split_host_port, split_path_query
 from egressgate.policy.decide import decide
@@ -29,32 +30,6 @@ from egressgate.policy.reasons import Reason
 from egressgate.state.base import StateUnavailable
 
 logger = logging.getLogger(__name__)
-
-
-def request_head_size(request: http.Request) -> int:
-    """Bytes of the request head as counted against budgets: the HTTP/1.1 serialization of what goes
-    upstream (request line, headers after sanitizing — and, when Budgets prepays, after credential
-    injection — blank line). Used for HTTP/2 too, so one request
-    costs the same whatever the wire version (documented counting rule)."""
-    target = request.path or "/"
-    size = len(request.method) + 1 + len(target.encode()) + len(b" HTTP/1.1\r\n") + 2
-    for name, value in request.headers.fields:
-        size += len(name) + 2 + len(value) + 2
-    return size
-
-
-def declared_body_size(request: http.Request) -> int | None:
-    """Content-Length when present and the body is not chunked (mitmproxy already rejected CL+TE)."""
-    if "transfer-encoding" in request.headers:
-        return None
-    raw = request.headers.get("content-length")
-    if raw is None:
-        return 0 if not request.is_http2 and not request.is_http3 else None
-    try:
-        value = int(raw)
-    except ValueError:
-        return None
-    return value if value >= 0 else None
 
 
 class DecisionAddon:

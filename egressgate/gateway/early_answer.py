@@ -22,9 +22,9 @@ without sending complete message body" / "incomplete chunked read"), requests hu
 
 Nothing of the request goes upstream: the answer is set before any upstream connection is asked for.
 
-The same ending serves a streamed body refused midway — the byte budget cut it (budgets.out_counter flags
+The same ending serves a streamed body refused midway — the byte budget cut it (counters.out_counter flags
 the cut and drops the crossing chunk) or the phantom guard found a placeholder credential in it
-(credentials.stream_misuse): the upstream request is aborted before its end (HTTP/1: connection closed
+(misuse.stream_misuse): the upstream request is aborted before its end (HTTP/1: connection closed
 before the body's end; HTTP/2: stream reset), and the client is answered with the deny contract (429
 `budget_exceeded`, `state_unavailable` when the store failed, 403 `credential_misuse`) instead of a reset,
 unless the upstream's own response is already on its way: then the flow is reset as before.
@@ -39,8 +39,8 @@ from mitmproxy.proxy.layers.http import SendHttp
 from mitmproxy.proxy.layers.http._events import ErrorCode, RequestHeaders, RequestProtocolError, ResponseProtocolError
 from mitmproxy.proxy.layers.http._hooks import HttpRequestHeadersHook, HttpRequestHook, HttpResponseHeadersHook
 
-from egressgate.gateway.budgets import hold_client
 from egressgate.gateway.context import flow_state
+from egressgate.gateway.counters import hold_client
 from egressgate.gateway.deny import deny_response, gateway_deny
 from egressgate.gateway.tunnel_close import HalfCloseTunnel
 from egressgate.policy.reasons import Reason
@@ -62,7 +62,7 @@ class EarlyAnswerStream(HalfCloseTunnel):
                 return done.value
             hook = isinstance(command, HttpRequestHeadersHook)
             # while the decision is made, the sandbox's connection is not read: mitmproxy would queue the
-            # body it keeps sending in memory (budgets.hold_client); the socket buffers push back instead
+            # body it keeps sending in memory (counters.hold_client); the socket buffers push back instead
             resume = hold_client(self.context.client.id) if hook and not event.end_stream else None
             try:
                 reply = yield command

@@ -16,12 +16,12 @@ from mitmproxy import http
 from egressgate.audit.build import build
 from egressgate.audit.event import EventKind
 from egressgate.gateway import request_hash
-from egressgate.gateway.budgets import in_counter, out_counter, refund_prepaid, rule_budget
 from egressgate.gateway.compose import compose_request, compose_response
 from egressgate.gateway.context import Runtime, flow_state
-from egressgate.gateway.credentials import stream_misuse
+from egressgate.gateway.counters import in_counter, out_counter, refund_prepaid, rule_budget
 from egressgate.gateway.deny import REQUEST_ID_HEADER, deny_response, gateway_deny
-from egressgate.gateway.record import write_behind
+from egressgate.gateway.emit import write_behind
+from egressgate.gateway.misuse import stream_misuse
 from egressgate.policy.reasons import Reason
 from egressgate.state.base import StateUnavailable
 

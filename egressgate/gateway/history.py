@@ -24,7 +24,7 @@ from egressgate.audit.build import build
 from egressgate.audit.event import EventKind
 from egressgate.gateway.context import ConnState, Runtime
 from egressgate.gateway.deny import gateway_deny
-from egressgate.gateway.record import conn_attributes
+from egressgate.gateway.emit import conn_attributes, write_after
 from egressgate.policy.facts import Decision
 from egressgate.policy.reasons import Reason
 from egressgate.state.base import StateUnavailable
@@ -74,7 +74,7 @@ async def refuse_unrecorded(rt: Runtime, conn: ConnState, host: str | None, port
     if refusal is None:
         return None
     policy = rt.policies.get(conn.policy_name)
-    await rt.audit.write_after(build(
+    await write_after(rt, build(
         EventKind.OUTCOME, request_id=request_id, verdict=refusal, rule_id=rule_id, sandbox_id=conn.sandbox_id,
         policy_name=conn.policy_name, policy_hash=policy.hash if policy is not None else None, scheme=scheme,
         host=host, port=port, bytes_out=0, bytes_in=0, extra=conn_attributes(conn),

@@ -21,15 +21,14 @@ from __future__ import annotations
 
 import base64
 import binascii
-import ipaddress
 import logging
 
 from mitmproxy import connection, http
 
-from egressgate.gateway import refused_tunnel
+from egressgate.gateway import refused_layers
 from egressgate.gateway.context import ConnState, FlowState, Runtime, ensure_flow_state
 from egressgate.gateway.deny import gateway_deny
-from egressgate.policy.canon import ip_text
+from egressgate.gateway.sources import CHALLENGE, NOT_A_PROXY, UNKNOWN_SOURCE, connection_limit, source_text
 from egressgate.policy.facts import Decision
 from egressgate.policy.reasons import Reason
 from egressgate.state.base import SandboxRecord, StateUnavailable, token_matches
@@ -37,35 +36,11 @@ from egressgate.state.base import SandboxRecord, StateUnavailable, token_matches
 logger = logging.getLogger(__name__)
 
 MAX_AUTH_LEN = 1024
-# The detail of a 407 to a request that carried no Proxy-Authorization at all: clients (git, pip, curl with
-# --proxy-anyauth) first ask without credentials and answer the challenge. It is audited with decision
-# `challenge`, not `deny` (record.py): a refusal the client then answers is not a denial, and metrics and
-# alerts on denials stay honest. Wrong, malformed or revoked credentials are denials.
-CHALLENGE = "challenge"
-NOT_A_PROXY = ("This connection was redirected to the gateway transparently: send requests to the "
-               "destination itself (origin-form, with its Host), not CONNECT or absolute-form proxy requests.")
 UNKNOWN_IDENTITY = ("Send Proxy-Authorization: Basic base64(sandbox_id:token) as given by `egressgate sandbox "
                     "admit`; an id and token the gateway does not know (never admitted, or lost with its state "
                     "store's data) need a new admission.")
 RECORD_LOST = ("The gateway's state store no longer has this sandbox's record (its data was lost), so nothing "
                "is allowed for it; ask the operator to admit a new sandbox.")
-UNKNOWN_SOURCE = ("This source address is not registered to any sandbox; start the workload with "
-                  "`egressgate sandbox run` (or admit it with `sandbox admit --address`).")
-
-
-def source_text(client: connection.Client) -> str | None:
-    """The client's source address in the canonical text admission stores (`ip_text`)."""
-    if not client.peername:
-        return None
-    try:
-        address = ipaddress.ip_address(str(client.peername[0]).split("%", 1)[0])
-    except ValueError:
-        return None
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped  # a dual-stack listener reports IPv4 clients as ::ffff:a.b.c.d
-    return ip_text(address)
-
-
 def address_mismatch(record: SandboxRecord, source: str | None) -> Decision | None:
     """The refusal for a token presented from an address its sandbox was not admitted with; None when
     the record has no addresses (not bound) or the source is one of them. Pure: the caller passes the
@@ -94,20 +69,6 @@ def parse_proxy_authorization(value: str | None) -> tuple[str, str] | None:
     if not sep or not sandbox_id or not token:
         return None
     return sandbox_id, token
-
-
-def connection_limit(rt: Runtime, record: SandboxRecord) -> Decision | None:
-    """Concurrent connections per sandbox are bounded (limits.max_connections_per_sandbox): one sandbox
-    must not exhaust the gateway's sockets and memory for every other sandbox. The refusal is the
-    request's decision (429 + Connection: close), audited like any deny."""
-    limit = rt.config.limits.max_connections_per_sandbox
-    if len(rt.by_sandbox.get(record.id, ())) < limit:
-        return None
-    return gateway_deny(
-        Reason.CONNECTION_LIMIT,
-        f"This sandbox already has {limit} open connections through the gateway "
-        f"(limits.max_connections_per_sandbox); close or reuse one, then retry.",
-        detail="max_connections_per_sandbox")
 
 
 async def recheck(rt: Runtime, fs: FlowState, conn: ConnState) -> None:
@@ -212,7 +173,7 @@ class Identity:
             return
         conn = self.rt.conn(flow.client_conn.id)
         if conn.refused_target is not None:
-            refused_tunnel.answer(fs, conn)  # a refused CONNECT accepted to answer inside: its deny, again
+            refused_layers.answer(fs, conn)  # a refused CONNECT accepted to answer inside: its deny, again
             return
         if conn.transparent:
             # Identity came with the source address (transparent.py); a refused connection (unknown

@@ -6,7 +6,7 @@ sockets. So each (reason, source address) gets at most `limits.audit_per_second`
 per second; beyond that, events are *counted*, and one summary record per (reason, source) per second
 carries `egressgate.suppressed` = how many were folded into it. Nothing is dropped silently: the sum
 of individual records and suppressed counts is the number of events, and a record the sink cannot
-take now is queued and retried (record.write_behind), never dropped; `flush()` at shutdown writes the
+take now is queued and retried (emit.write_behind), never dropped; `flush()` at shutdown writes the
 last summaries.
 """
 
@@ -18,7 +18,7 @@ import time
 from egressgate.audit.build import build
 from egressgate.audit.event import AuditEvent, EventKind
 from egressgate.gateway.context import Runtime
-from egressgate.gateway.record import write_behind
+from egressgate.gateway.emit import write_behind
 from egressgate.policy.reasons import Reason
 
 WINDOW = 1.0  # seconds
@@ -68,6 +68,6 @@ class LimitAudit:
         self.flush()
 
     def _write(self, event: AuditEvent) -> None:
-        """The refusal already took effect: its record goes through record.write_behind (queued and
+        """The refusal already took effect: its record goes through emit.write_behind (queued and
         retried when the sink fails, never dropped; shutdown drains it)."""
         write_behind(self.rt, event)

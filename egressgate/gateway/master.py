@@ -38,7 +38,7 @@ from egressgate.gateway.pinning import Pinning
 from egressgate.gateway.record import Record
 from egressgate.gateway.refused_tunnel import RefusedTunnel
 from egressgate.gateway.revocation import Revocation
-from egressgate.gateway.sanitize import Sanitize
+from egressgate.gateway.sanitize_addon import Sanitize
 from egressgate.gateway.trailers import Trailers
 from egressgate.gateway.transparent import Transparent
 from egressgate.gateway.tunnel import NextLayer

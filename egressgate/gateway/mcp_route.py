@@ -29,14 +29,14 @@ from mitmproxy import http
 
 from egressgate.audit.build import build
 from egressgate.audit.event import EventKind
-from egressgate.gateway.budgets import refund_prepaid
 from egressgate.gateway.context import FlowState, Runtime, flow_state
+from egressgate.gateway.counters import refund_prepaid
 from egressgate.gateway.deny import DECISION_HEADER, REQUEST_ID_HEADER, gateway_deny
+from egressgate.gateway.emit import write_behind
 from egressgate.gateway.mcp_answer import McpAnswers
 from egressgate.gateway.mcp_headers import HeaderView
 from egressgate.gateway.mcp_sessions import McpExchange, McpSessions
 from egressgate.gateway.mcp_stream import Injector
-from egressgate.gateway.record import write_behind
 from egressgate.mcp.jsonrpc import INVALID_REQUEST, PARSE_ERROR, dumps
 from egressgate.mcp.mediator import McpSession
 from egressgate.policy.mcp_decide import mcp_server_for

@@ -51,8 +51,8 @@ from egressgate.audit.event import EventKind
 from egressgate.gateway.client_hello import ALERT_ACCESS_DENIED, check_hello, server_hello_kind
 from egressgate.gateway.context import ConnState, Runtime, new_request_id
 from egressgate.gateway.deny import gateway_deny
+from egressgate.gateway.emit import conn_attributes, write_behind
 from egressgate.gateway.ledger import BudgetTopUpHook, Meter, TopUp
-from egressgate.gateway.record import conn_attributes, write_behind
 from egressgate.gateway.splice import Splice, Tally
 from egressgate.gateway.tls_limits import ALERT_GRACE, ALERT_ILLEGAL_PARAMETER, HelloScan
 from egressgate.policy.facts import Decision

@@ -19,6 +19,7 @@ import logging
 
 from egressgate.audit.build import build
 from egressgate.audit.event import EventKind
+from egressgate.gateway import emit
 from egressgate.gateway.context import Runtime
 from egressgate.state.base import StateUnavailable
 
@@ -34,7 +35,7 @@ async def reconcile_once(rt: Runtime) -> int:
     for worker_id, sandbox_id, amount in forfeited:
         logger.warning("worker %s died holding %d bytes of %s's outbound budget; they stay spent",
                        worker_id, amount, sandbox_id)
-        await rt.audit.write_after(build(
+        await emit.write_after(rt, build(
             EventKind.BUDGET_RECONCILE, sandbox_id=sandbox_id, bytes_out=amount,
             message=(f"Gateway worker {worker_id} stopped while holding {amount} bytes of this sandbox's "
                      "outbound budget; those bytes stay spent."),

@@ -16,45 +16,17 @@ from mitmproxy import http, tcp
 
 from egressgate.audit.build import build
 from egressgate.audit.event import AuditEvent, AuditUnavailable, EventKind
-from egressgate.gateway import request_hash, ws_layer
-from egressgate.gateway.budgets import refund_prepaid
+from egressgate.gateway import emit, request_hash, ws_layer
 from egressgate.gateway.context import ConnState, FlowState, Runtime, ensure_flow_state, flow_state, new_request_id
+from egressgate.gateway.counters import refund_prepaid
 from egressgate.gateway.deny import gateway_deny
-from egressgate.gateway.identity import CHALLENGE
+from egressgate.gateway.emit import conn_attributes, transparent_attributes, write_behind
+from egressgate.gateway.sources import CHALLENGE
 from egressgate.gateway.target import note_target
 from egressgate.policy.facts import Decision
 from egressgate.policy.reasons import Reason
 
 logger = logging.getLogger(__name__)
-
-
-def write_behind(rt: Runtime, event: AuditEvent) -> None:
-    """The one way to write a record of something that already happened, without waiting for it.
-
-    Outcome records (and a refusal that takes effect whether or not its record is written) are written
-    without holding the response: intent-before-effect is the decision record's job, and it was durable
-    before anything went upstream. Such a record cannot be denied (the exchange happened) and may hold the
-    only request hash of a streamed body, so it goes through the sink's `enqueue_after`: a failed write is
-    queued and retried, never dropped (the sink logs the request id; a full retry queue makes the sink
-    unhealthy, so *new* requests are denied), and the sink's close() drains it. No task per record (one
-    per request was ~2 % of the gateway's CPU at c=1, issue 11)."""
-    rt.audit.enqueue_after(event)
-
-
-def transparent_attributes(transparent: bool, original_dst: tuple[str, int] | None) -> dict[str, str]:
-    """`egressgate.mode` = `transparent` (and the address the sandbox dialed) for a connection on the
-    transparent listener; nothing for the explicit proxy (its records are unchanged)."""
-    if not transparent:
-        return {}
-    out = {"egressgate.mode": "transparent"}
-    if original_dst is not None:
-        host, port = original_dst
-        out["egressgate.original_dst"] = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    return out
-
-
-def conn_attributes(conn: ConnState | None) -> dict[str, str]:
-    return transparent_attributes(conn.transparent, conn.original_dst) if conn is not None else {}
 
 
 def decision_event(kind: EventKind, fs: FlowState, labels: dict[str, str], client: str | None) -> AuditEvent:
@@ -105,7 +77,7 @@ class Record:
 
     async def _write(self, event: AuditEvent) -> bool:
         try:
-            await self.rt.audit.write(event)
+            await emit.write(self.rt, event)
             return True
         except AuditUnavailable as exc:
             logger.error("audit sink unavailable: %s", exc)
@@ -207,7 +179,7 @@ class Record:
     async def websocket_end(self, flow: http.HTTPFlow) -> None:
         """One more `outcome` record (same request id) when a websocket ends: the frame bytes of the
         session after the 101 (whose own outcome was written with the response), how it was closed and,
-        when the gateway closed it (ws_layer.Refusal: budget, message size, phantom, internal error),
+        when the gateway closed it (flowtypes.WsRefusal: budget, message size, phantom, internal error),
         the reason code with decision `deny`. Awaited: the record is durable before the flow is done."""
         fs = flow_state(flow)
         if fs is None or flow.websocket is None or fs.ws_audited:

@@ -14,8 +14,9 @@ by the policy or an address check is answered `200` instead (with the deny heade
   the CONNECT host, and the SNI the client sent: whatever name it presents, nothing leaves), then HTTP/1
   or HTTP/2 (every stream);
 * **every request** inside is answered by enforce.py with the CONNECT's decision under the CONNECT's
-  request id (identity.py sets it before any other stage): the body, the headers and the audit record
-  the agent can look up are the same. HTTP/1 answers close the connection (`Connection: close`);
+  request id (identity.py sets it before any other stage, refused_layers.answer; NextLayer picks the layers
+  with refused_layers.inner_layer): the body, the headers and the audit record the agent can look up are
+  the same. HTTP/1 answers close the connection (`Connection: close`);
 * **one audit record**: the CONNECT's deny. The answers inside write no record of their own (nothing was
   decided anew and nothing went anywhere), so one refused attempt is one deny in the trail and in metrics;
 * **other bytes** (not TLS, not HTTP, or not HTTP inside the TLS) get the raw deny bytes and the close.
@@ -33,16 +34,9 @@ import time
 
 from mitmproxy import http
 from mitmproxy import tls as mitm_tls
-from mitmproxy.net.tls import starts_like_tls_record
-from mitmproxy.proxy import layer, layers
-from mitmproxy.proxy.layers.http import HTTPMode
-from mitmproxy.proxy.layers.tls import HTTP_ALPNS
 
 from egressgate.gateway.context import ConnState, FlowState, Runtime, flow_state
-from egressgate.gateway.deny import deny_headers, raw_deny
-from egressgate.gateway.http_limits import http_layer
-from egressgate.gateway.refuse import RefuseLayer, looks_like_http
-from egressgate.gateway.tls_limits import client_tls_layer
+from egressgate.gateway.deny import deny_headers
 from egressgate.policy.facts import Decision
 from egressgate.policy.reasons import Reason
 
@@ -88,39 +82,6 @@ def accepted(decision: Decision, request_id: str, http_version: str) -> http.Res
     now = time.time()
     fields = [(k.encode(), v.encode()) for k, v in deny_headers(decision, request_id).items()]
     return http.Response(http_version, 200, b"Connection established", http.Headers(fields), b"", None, now, now)
-
-
-def answer(fs: FlowState, conn: ConnState) -> None:
-    """A request inside a refused tunnel: the CONNECT's decision under the CONNECT's request id, already
-    audited (record.py writes nothing; enforce.py answers it)."""
-    assert conn.refusal is not None and conn.refused_target is not None
-    fs.sandbox_id, fs.policy_name = conn.sandbox_id, conn.policy_name
-    fs.host, fs.port = conn.refused_target
-    fs.decision = conn.refusal
-    fs.request_id = conn.refusal_id or fs.request_id
-    fs.audited = True
-
-
-def inner_layer(rt: Runtime, conn: ConnState, context, data: bytes) -> layer.Layer | None:
-    """The layer inside a refused tunnel (None: wait for more bytes)."""
-    assert conn.refusal is not None
-    refusal = RefuseLayer(context, raw_deny(conn.refusal, conn.refusal_id or "-"))
-    top = context.layers[-1] if context.layers else None
-    if isinstance(top, layers.ClientTLSLayer):
-        if context.client.alpn in HTTP_ALPNS:
-            return http_layer(context, HTTPMode.transparent, rt)
-        if len(data) < 3:
-            return None
-        return http_layer(context, HTTPMode.transparent, rt) if looks_like_http(data) else refusal
-    if len(data) < 3:
-        return None
-    if starts_like_tls_record(data):
-        server_tls = layers.ServerTLSLayer(context)  # never connects: nothing inside opens a server connection
-        server_tls.child_layer = client_tls_layer(context, rt)
-        return server_tls
-    if looks_like_http(data):
-        return http_layer(context, HTTPMode.transparent, rt)
-    return refusal
 
 
 class RefusedTunnel:

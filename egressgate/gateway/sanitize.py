@@ -1,4 +1,5 @@
-"""Headers that must never go upstream: proxy credentials and hop-by-hop headers.
+"""Headers that must never go upstream: proxy credentials and hop-by-hop headers (the rules; the Sanitize
+addon applies them before the decision, the upstream side of the HTTP layers applies the te rule again).
 
 `Proxy-Authorization` carries the sandbox's gateway token; forwarding it would hand it to the
 destination. Hop-by-hop headers (RFC 9110 7.6.1) belong to the client-gateway hop, and headers named in
@@ -131,10 +132,3 @@ def strip_hop_by_hop(request: http.Request) -> None:
         out.append((name, value))
     if changed:
         request.data.headers.fields = tuple(out)
-
-
-class Sanitize:
-    """Addon: strip before the decision, so byte counting and the audit see what is actually sent."""
-
-    def requestheaders(self, flow: http.HTTPFlow) -> None:
-        strip_hop_by_hop(flow.request)

@@ -28,8 +28,9 @@ from mitmproxy import http
 
 from egressgate.audit.build import build
 from egressgate.audit.event import AuditUnavailable, EventKind
-from egressgate.gateway.budgets import refund_prepaid
+from egressgate.gateway import emit
 from egressgate.gateway.context import Runtime, flow_state
+from egressgate.gateway.counters import refund_prepaid
 from egressgate.gateway.deny import deny_response, gateway_deny
 from egressgate.policy.reasons import Reason
 
@@ -63,7 +64,7 @@ class Trailers:
             path=fs.path, bytes_out=fs.bytes_out,
         )
         try:
-            await self.rt.audit.write(event)
+            await emit.write(self.rt, event)
         except AuditUnavailable as exc:  # the deny stands either way
             logger.error("refusal of request trailers could not be audited: %s", exc)
         if flow.response is None:

@@ -20,9 +20,9 @@ from egressgate.audit.event import AuditUnavailable, EventKind
 from egressgate.gateway.approval_gate import settle
 from egressgate.gateway.context import ConnState, PinnedTarget, Runtime
 from egressgate.gateway.deny import gateway_deny
-from egressgate.gateway.identity import UNKNOWN_SOURCE, connection_limit, source_text
-from egressgate.gateway.pinning import bind_tunnel, resolve_checked, resolve_target, with_addresses
-from egressgate.gateway.record import conn_attributes
+from egressgate.gateway.destination import bind_tunnel, resolve_checked, resolve_target, with_addresses
+from egressgate.gateway.emit import conn_attributes, write
+from egressgate.gateway.sources import UNKNOWN_SOURCE, connection_limit, source_text
 from egressgate.policy.canon import CanonError, canon_host, split_host_port
 from egressgate.policy.decide import decide
 from egressgate.policy.facts import Decision, Facts, Operation, SandboxState
@@ -178,7 +178,7 @@ async def record(rt: Runtime, conn: ConnState, client: connection.Client, reques
         client_address=source_text(client), facts=facts, state=snapshot,
     )
     try:
-        await rt.audit.write(event)
+        await write(rt, event)
     except AuditUnavailable:
         return gateway_deny(Reason.AUDIT_UNAVAILABLE)
     return decision

@@ -36,7 +36,7 @@ from mitmproxy.proxy.layers.tls import HTTP_ALPNS
 
 from egressgate.audit.build import build
 from egressgate.audit.event import AuditUnavailable, EventKind
-from egressgate.gateway import refused_tunnel, transparent, ws_layer
+from egressgate.gateway import emit, refused_layers, transparent_layers, ws_layer
 from egressgate.gateway.context import ConnState, Runtime, new_request_id
 from egressgate.gateway.deny import gateway_deny, raw_deny
 from egressgate.gateway.history import record_contact, refuse_unrecorded
@@ -60,7 +60,7 @@ class NextLayer:
 
     def load(self, loader) -> None:
         ws_layer.install(self.rt.config.websocket.max_message_bytes)
-        transparent.install()
+        transparent_layers.install()
 
     def websocket_start(self, flow) -> None:
         """Fail closed: a websocket whose frames would not pass GuardedWebsocketLayer (install() did not
@@ -94,19 +94,19 @@ class NextLayer:
             if isinstance(context.client.proxy_mode, mode_specs.RegularMode):
                 nextlayer.layer = explicit_http_proxy(context, data, self.rt)
             return
-        if len(context.layers) == 1 and isinstance(top, transparent.TransparentRoot):
-            nextlayer.layer = await transparent.root_layer(self.rt, nextlayer)
+        if len(context.layers) == 1 and isinstance(top, transparent_layers.TransparentRoot):
+            nextlayer.layer = await transparent_layers.root_layer(self.rt, nextlayer)
             return
         conn = self.rt.conns.get(context.client.id)
         if conn is not None and conn.transparent and conn.refusal is not None:
             if isinstance(top, layers.ClientTLSLayer):
-                nextlayer.layer = transparent.refused_inner_layer(self.rt, conn, context, data)
+                nextlayer.layer = transparent_layers.refused_inner_layer(self.rt, conn, context, data)
             else:
                 nextlayer.layer = RefuseLayer(context, b"")
             return
         if conn is not None and conn.refused_target is not None:
             # a refused CONNECT accepted to deliver its deny (refused_tunnel.py): intercept, answer, never forward
-            nextlayer.layer = refused_tunnel.inner_layer(self.rt, conn, context, data)
+            nextlayer.layer = refused_layers.inner_layer(self.rt, conn, context, data)
             return
         if conn is None or conn.tunnel_host is None:
             nextlayer.layer = RefuseLayer(context, b"")
@@ -190,7 +190,7 @@ class NextLayer:
             client_address=peer[0] if peer else None, capability=None, facts=facts,
         )
         try:
-            await self.rt.audit.write(event)
+            await emit.write(self.rt, event)
         except AuditUnavailable:
             return gateway_deny(Reason.AUDIT_UNAVAILABLE)
         return decision

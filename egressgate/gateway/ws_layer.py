@@ -53,6 +53,7 @@ from wsproto import ConnectionState
 from wsproto.frame_protocol import CloseReason, Opcode
 
 from egressgate.gateway.context import ensure_flow_state
+from egressgate.gateway.flowtypes import WsRefusal
 from egressgate.policy.reasons import Reason
 
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
@@ -64,28 +65,14 @@ MESSAGE_TOO_BIG = int(CloseReason.MESSAGE_TOO_BIG)  # 1009
 INTERNAL_ERROR = int(CloseReason.INTERNAL_ERROR)  # 1011
 
 
-@dataclass(frozen=True, slots=True)
-class Refusal:
-    """Why the gateway closed a websocket: the reason code (audit + Close reason) and a sentence."""
-
-    reason: Reason
-    code: int  # the Close code sent to both peers
-    message: str
-    detail: str | None = None
-
-    def close_reason(self) -> str:
-        """What the sandbox reads in the Close frame (wsproto truncates to 123 bytes; code first)."""
-        return f"egressgate {self.reason}: {self.message}"
-
-
 def refuse(flow: http.HTTPFlow, reason: Reason, code: int, message: str, detail: str | None = None) -> None:
     """Ask the layer to close this websocket after the current hook (the first refusal wins)."""
     fs = ensure_flow_state(flow)
     if fs.ws_refusal is None:
-        fs.ws_refusal = Refusal(reason, code, message, detail)
+        fs.ws_refusal = WsRefusal(reason, code, message, detail)
 
 
-def refusal_of(flow: http.HTTPFlow) -> Refusal | None:
+def refusal_of(flow: http.HTTPFlow) -> WsRefusal | None:
     return ensure_flow_state(flow).ws_refusal
 
 

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from egressgate.audit.reqhash import StreamingRequestHash
 from egressgate.broker.inject import phantom_value
 from egressgate.broker.redact import Scrubber
-from egressgate.gateway.budgets import ByteLedger, in_counter, out_counter
+from egressgate.gateway.budgets import ByteLedger
+from egressgate.gateway.counters import in_counter, out_counter
 from egressgate.gateway.compose import ScrubPlan, compose_request, compose_response
 from egressgate.gateway.context import FlowState, new_request_id
 from egressgate.state.base import SandboxRecord
