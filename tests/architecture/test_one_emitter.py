@@ -12,7 +12,7 @@ import ast
 
 from tests.architecture.imports import PACKAGE, modules, tree
 
-EMITTER = f"{PACKAGE}.emit"
+EMITTER = f"{PACKAGE}.shared.emit"
 SINK_WRITES = {"write", "write_after", "enqueue_after"}  # audit/sink.py: AuditSink's ways in
 SINK_ONLY = {"write_after", "enqueue_after"}  # names no other object of ours has: flagged on any receiver
 
@@ -57,4 +57,4 @@ def test_only_emit_py_writes_to_the_sink() -> None:
 def test_refund_prepaid_is_defined_once_in_the_shared_counters() -> None:
     where = [name for name in modules() for node in ast.walk(tree(name))
              if isinstance(node, ast.FunctionDef) and node.name == "refund_prepaid"]
-    assert where == [f"{PACKAGE}.counters"], where
+    assert where == [f"{PACKAGE}.shared.counters"], where

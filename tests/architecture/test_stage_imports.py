@@ -15,30 +15,30 @@ from __future__ import annotations
 
 from tests.architecture.imports import PACKAGE, imports, master_addons, modules, reach
 
-CONTEXT = f"{PACKAGE}.context"
+CONTEXT = f"{PACKAGE}.shared.context"
 
 # Modules every stage may import, and why each is shared rather than owned by one stage.
 SHARED = {
-    "context": "FlowState/ConnState/Runtime: the typed state every stage reads and writes",
-    "flowtypes": "the types FlowState's fields use (credential applied, websocket refusal, limit records)",
-    "deny": "the deny contract: one Decision and one answer shape for every refusal",
-    "emit": "the one module that hands records to the audit sink (building stays in audit/build.py)",
-    "counters": "refunds and byte counters: the one refund of a prepayment, the body counters, held reads",
-    "sizes": "head and declared body size: what the decision judges and what Budgets prepays, alike",
-    "destination": "target resolution: resolve a name, check every address, bind a tunnel to it",
-    "target": "what a flow asked for, as sent and canonical (for the records of refused flows too)",
-    "request_hash": "the canonical request hash: started by Enforce, fed and finished by Record",
-    "misuse": "stream misuse: a phantom credential in a streamed body refuses the flow (Credentials, Enforce)",
-    "ws_layer": "the guarded websocket layer's hook payloads and refusal, which the websocket hooks get",
-    "sources": "who a connection is: source address, the per-sandbox connection limit, identity answers",
-    "ledger": "the byte ledger (meters, top-ups) every counting stage spends from",
-    "compose": "the one place a body's stream callable is built (Enforce calls it, MCP hooks into it)",
-    "credential_streams": "stream callables over body chunks (scrub, phantom guard, reframe)",
-    "tls_limits": "the bounded client TLS layer every layer choice uses",
-    "http_limits": "the gateway's HTTP layer with its framing limits, for every layer choice",
-    "refuse": "the raw-bytes refusal layer (deny, then close) every layer choice may need",
-    "history": "entering a contact into the sandbox's history before bytes go (tunnels, transparent)",
-    "refused_layers": "the layers and answers inside a CONNECT refused but accepted (identity, layer choice)",
+    "shared.context": "FlowState/ConnState/Runtime: the typed state every stage reads and writes",
+    "shared.flowtypes": "the types FlowState's fields use (credential applied, websocket refusal, limit records)",
+    "shared.deny": "the deny contract: one Decision and one answer shape for every refusal",
+    "shared.emit": "the one module that hands records to the audit sink (building stays in audit/build.py)",
+    "shared.counters": "refunds and byte counters: the one refund of a prepayment, the body counters, held reads",
+    "shared.sizes": "head and declared body size: what the decision judges and what Budgets prepays, alike",
+    "shared.destination": "target resolution: resolve a name, check every address, bind a tunnel to it",
+    "shared.target": "what a flow asked for, as sent and canonical (for the records of refused flows too)",
+    "shared.request_hash": "the canonical request hash: started by Enforce, fed and finished by Record",
+    "shared.misuse": "stream misuse: a phantom credential in a streamed body refuses the flow (Credentials, Enforce)",
+    "layers.ws_layer": "the guarded websocket layer's hook payloads and refusal, which the websocket hooks get",
+    "shared.sources": "who a connection is: source address, the per-sandbox connection limit, identity answers",
+    "shared.ledger": "the byte ledger (meters, top-ups) every counting stage spends from",
+    "shared.compose": "the one place a body's stream callable is built (Enforce calls it, MCP hooks into it)",
+    "shared.credential_streams": "stream callables over body chunks (scrub, phantom guard, reframe)",
+    "layers.tls_limits": "the bounded client TLS layer every layer choice uses",
+    "layers.http_limits": "the gateway's HTTP layer with its framing limits, for every layer choice",
+    "layers.refuse": "the raw-bytes refusal layer (deny, then close) every layer choice may need",
+    "shared.history": "entering a contact into the sandbox's history before bytes go (tunnels, transparent)",
+    "layers.refused_layers": "the layers and answers inside a CONNECT refused but accepted (identity, layer choice)",
 }
 
 

@@ -21,7 +21,7 @@ def _table() -> list[tuple[str, str, list[str]]]:
     block = text.split("<!-- hook-table:start -->", 1)[1].split("<!-- hook-table:end -->", 1)[0]
     rows = []
     for line in block.splitlines():
-        m = re.match(r"\| \d+ \| (\w+) \((?:`(\w+)\.py`|mitmproxy)\) \| ([\w, ]+) \|$", line)
+        m = re.match(r"\| \d+ \| (\w+) \((?:`([\w/]+)\.py`|mitmproxy)\) \| ([\w, ]+) \|$", line)
         if m:
             rows.append((m.group(1), m.group(2) or "", [h.strip() for h in m.group(3).split(",")]))
     return rows
@@ -50,7 +50,7 @@ def test_the_table_lists_each_addons_hooks() -> None:
     known = set(hooks.all_hooks)
     for name, module, listed in _table():
         cls = tlsconfig.TlsConfig if not module else getattr(
-            importlib.import_module(f"egressgate.gateway.{module}"), name)
+            importlib.import_module(f"egressgate.gateway.{module.replace('/', '.')}"), name)
         implemented = sorted(h for h in dir(cls) if h in known)
         assert listed == implemented, (name, listed, implemented)
 
