@@ -24,6 +24,7 @@ SHARED = {
     "shared.deny": "the deny contract: one Decision and one answer shape for every refusal",
     "shared.emit": "the one module that hands records to the audit sink (building stays in audit/build.py)",
     "shared.counters": "refunds and byte counters: the one refund of a prepayment, the body counters, held reads",
+    "shared.flow_decision": "decide_flow(): the one snapshot + decide() (explicit proxy, transparent, tunnels)",
     "shared.sizes": "head and declared body size: what the decision judges and what Budgets prepays, alike",
     "shared.destination": "target resolution: resolve a name, check every address, bind a tunnel to it",
     "shared.target": "what a flow asked for, as sent and canonical (for the records of refused flows too)",

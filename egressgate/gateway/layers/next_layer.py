@@ -24,7 +24,6 @@ per-request decision. Here every layer is chosen explicitly:
 
 from __future__ import annotations
 
-import contextlib
 import logging
 
 from mitmproxy import tls as mitm_tls
@@ -43,12 +42,11 @@ from egressgate.gateway.layers.tls_limits import BoundedClientTLSLayer, client_t
 from egressgate.gateway.shared import emit
 from egressgate.gateway.shared.context import ConnState, Runtime, new_request_id
 from egressgate.gateway.shared.deny import gateway_deny, raw_deny
+from egressgate.gateway.shared.flow_decision import decide_flow
 from egressgate.gateway.shared.history import record_contact, refuse_unrecorded
 from egressgate.gateway.tunnels.passthrough import PassthroughLayer
-from egressgate.policy.decide import decide
 from egressgate.policy.facts import Decision, Facts, Operation
 from egressgate.policy.reasons import Reason
-from egressgate.state.base import StateUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -158,30 +156,26 @@ class NextLayer:
         policy = self.rt.policies.get(conn.policy_name)
         decision: Decision
         facts = None
-        snapshot = None
-        if policy is not None and conn.sandbox_id is not None:
-            # a store that cannot answer leaves snapshot None: refused state_unavailable (fail closed)
-            with contextlib.suppress(StateUnavailable, KeyError):
-                snapshot = self.rt.ledger.spent_view(await self.rt.state.snapshot(
-                    conn.sandbox_id, history=policy.history_patterns, rules=policy.budgeted_rules))
         if policy is None or conn.sandbox_id is None:
             decision = gateway_deny(Reason.POLICY_UNAVAILABLE)
-        elif snapshot is None:
-            decision = gateway_deny(Reason.STATE_UNAVAILABLE)
         else:
-            assert conn.tunnel_host is not None
-            facts = Facts(
+            assert conn.tunnel_host is not None and conn.policy_name is not None
+            asked = Facts(
                 operation=Operation.HTTP_REQUEST, host=conn.tunnel_host, port=conn.tunnel_port, scheme="tcp",
                 addresses=(conn.tunnel_target.address,) if conn.tunnel_target else (),
             )
-            decision = decide(policy, facts, snapshot, self.rt.clock())
-            if not decision.allowed:
-                decision = gateway_deny(
-                    Reason.PROTOCOL_NOT_ALLOWED,
-                    f"Only HTTP(S) is allowed to {conn.tunnel_host}:{conn.tunnel_port}; no network.tcp rule "
-                    f"allows raw TCP there.",
-                    rule_id=decision.rule_id,
-                )
+            # a store that cannot answer: refused state_unavailable (fail closed), no facts recorded
+            decision, state = await decide_flow(self.rt, policy, conn.policy_name, conn.sandbox_id, asked,
+                                                approvals=False)
+            if state is not None:
+                facts = asked
+                if not decision.allowed:
+                    decision = gateway_deny(
+                        Reason.PROTOCOL_NOT_ALLOWED,
+                        f"Only HTTP(S) is allowed to {conn.tunnel_host}:{conn.tunnel_port}; no network.tcp rule "
+                        f"allows raw TCP there.",
+                        rule_id=decision.rule_id,
+                    )
         event = build(
             EventKind.CONNECT, request_id=request_id, verdict=decision, sandbox_labels=conn.labels,
             sandbox_id=conn.sandbox_id, policy_name=conn.policy_name,

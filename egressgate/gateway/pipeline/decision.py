@@ -1,4 +1,4 @@
-"""Build canonical facts, call the pure decision engine, and stage the pinned destination.
+"""Build canonical facts, decide (shared/flow_decision.decide_flow), and stage the pinned destination.
 
 At CONNECT the decision is host/port level (deny early, never resolve a denied name — a resolver query
 is itself an exfiltration channel); inside a tunnel every request (each keep-alive request, each HTTP/2
@@ -16,18 +16,16 @@ import logging
 
 from mitmproxy import http
 
-from egressgate.gateway.shared.approval_gate import settle, spend
 from egressgate.gateway.shared.context import FlowState, Runtime, ensure_flow_state
 from egressgate.gateway.shared.deny import gateway_deny
 from egressgate.gateway.shared.destination import resolve_checked, with_addresses
+from egressgate.gateway.shared.flow_decision import decide_flow
 from egressgate.gateway.shared.sizes import declared_body_size, request_head_size
 from egressgate.gateway.shared.target import as_sent, note_target
 from egressgate.policy.canon import CanonError, canon_method, canon_path, split_host_port, split_path_query
-from egressgate.policy.decide import decide
-from egressgate.policy.facts import Facts, Operation, SandboxState
-from egressgate.policy.opclass import METHOD_OVERRIDE_HEADERS, PUBLISH, classify_overridden, publish_commit
+from egressgate.policy.facts import Facts, Operation
+from egressgate.policy.opclass import METHOD_OVERRIDE_HEADERS, classify_overridden
 from egressgate.policy.reasons import Reason
-from egressgate.state.base import StateUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -36,35 +34,16 @@ class DecisionAddon:
     def __init__(self, runtime: Runtime) -> None:
         self.rt = runtime
 
-    async def _snapshot(self, fs: FlowState, policy) -> SandboxState | None:
-        """Only what `policy` can read (its history patterns, its budgeted rules: a Redis backend then
-        skips the rest of a long history); relevant_state in _decide reduces any backend's answer to
-        exactly that, so the decision and its audit record are the same as with the full snapshot."""
-        try:
-            assert fs.sandbox_id is not None
-            return self.rt.ledger.spent_view(await self.rt.state.snapshot(  # leases held here: unspent
-                fs.sandbox_id, history=policy.history_patterns, rules=policy.budgeted_rules))
-        except (StateUnavailable, KeyError):
-            fs.decision = gateway_deny(Reason.STATE_UNAVAILABLE)
-            return None
-
-    async def _decide(self, fs: FlowState, policy, facts: Facts, snapshot: SandboxState):
-        """The pure decision, plus exactly the inputs it saw for the audit record (and replay); an
-        `approval_required` deny gets its approval (approval_gate.py)."""
-        snapshot = policy.relevant_state(snapshot)  # same decision; what the audit record carries
-        now = self.rt.clock()
-        decision = decide(policy, facts, snapshot, now)
-        if decision.reason is Reason.APPROVAL_REQUIRED:
-            assert fs.policy_name is not None
-            decision, snapshot = await settle(self.rt, policy, fs.policy_name, facts, snapshot, decision, now)
-        if (decision.reason is Reason.APPROVAL_GRANTED and decision.approval_kind == PUBLISH
-                and publish_commit(facts.method, facts.op_protocol, facts.path)):
-            assert fs.policy_name is not None  # a publish approval passes one publish: its commit spends it
-            decision = await spend(self.rt, policy, fs.policy_name, facts, snapshot, decision, now)
+    async def _decide(self, fs: FlowState, policy, facts: Facts):
+        """The decision (shared/flow_decision.py: snapshot, decide(), approvals), plus exactly the inputs it
+        saw for the audit record (and replay); a store that could not answer leaves only the deny."""
+        assert fs.sandbox_id is not None and fs.policy_name is not None
+        decision, state = await decide_flow(self.rt, policy, fs.policy_name, fs.sandbox_id, facts)
         fs.decision = decision
-        fs.facts = facts
-        fs.state = snapshot
-        return fs.decision
+        if state is not None:
+            fs.facts = facts
+            fs.state = state
+        return decision
 
     def _policy(self, fs: FlowState):
         policy = self.rt.policies.get(fs.policy_name)
@@ -87,11 +66,10 @@ class DecisionAddon:
             return
         fs.host, fs.port = host, port
         policy = self._policy(fs)
-        snapshot = await self._snapshot(fs, policy) if policy is not None else None
-        if policy is None or snapshot is None:
+        if policy is None:
             return
         facts = Facts(operation=Operation.CONNECT, host=host, port=port)
-        if not (await self._decide(fs, policy, facts, snapshot)).allowed:
+        if not (await self._decide(fs, policy, facts)).allowed:
             return
         allowed = fs.decision
         target, denied, addresses = await resolve_checked(self.rt, policy, host, port)
@@ -130,8 +108,7 @@ class DecisionAddon:
         fs.scheme, fs.method, fs.path, fs.query = scheme, method, path, query or None
         assert fs.host is not None and fs.port is not None
         policy = self._policy(fs)
-        snapshot = await self._snapshot(fs, policy) if policy is not None else None
-        if policy is None or snapshot is None:
+        if policy is None:
             return
         body = declared_body_size(req)
         headers = req.headers
@@ -145,7 +122,7 @@ class DecisionAddon:
             path=path, addresses=addresses, request_bytes=request_head_size(req) + (body or 0),
             op_class=op[0] if op else None, op_protocol=op[1] if op else None,
         )
-        if not (await self._decide(fs, policy, facts, snapshot)).allowed:
+        if not (await self._decide(fs, policy, facts)).allowed:
             return
         if tunnel:
             fs.pinned = conn.tunnel_target

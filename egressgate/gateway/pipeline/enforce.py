@@ -4,6 +4,10 @@ Runs after record.py (the decision is durable, or was turned into `audit_unavail
 (an allowed destination is committed). A deny is answered with the deny contract whether or not its
 record could be written; an allow gets its body stream callables, built once by compose.py from what the
 earlier stages planned, its request hash and its request history.
+
+Entering the history is also the one decision made after the decision stage (docs/architecture.md,
+"Enforce"): the state store's atomic check-and-count of the rule's budget, the authority over decide()'s
+snapshot, and the request's first effect, so it follows the durable decision record.
 """
 
 from __future__ import annotations

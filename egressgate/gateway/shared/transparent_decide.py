@@ -17,14 +17,13 @@ from mitmproxy import connection
 
 from egressgate.audit.build import build
 from egressgate.audit.event import AuditUnavailable, EventKind
-from egressgate.gateway.shared.approval_gate import settle
 from egressgate.gateway.shared.context import ConnState, PinnedTarget, Runtime
 from egressgate.gateway.shared.deny import gateway_deny
 from egressgate.gateway.shared.destination import bind_tunnel, resolve_checked, resolve_target, with_addresses
 from egressgate.gateway.shared.emit import conn_attributes, write
+from egressgate.gateway.shared.flow_decision import decide_flow
 from egressgate.gateway.shared.sources import UNKNOWN_SOURCE, connection_limit, source_text
 from egressgate.policy.canon import CanonError, canon_host, split_host_port
-from egressgate.policy.decide import decide
 from egressgate.policy.facts import Decision, Facts, Operation, SandboxState
 from egressgate.policy.reasons import Reason
 from egressgate.state.base import StateUnavailable
@@ -83,19 +82,6 @@ def host_header_name(raw: str | None, port: int) -> tuple[str | None, Decision |
 Decided = tuple[Decision, PinnedTarget | None, Facts | None, SandboxState | None]
 
 
-async def _inputs(rt: Runtime, conn: ConnState):
-    policy = rt.policies.get(conn.policy_name)
-    if policy is None:
-        return None, None, gateway_deny(Reason.POLICY_UNAVAILABLE)
-    try:
-        assert conn.sandbox_id is not None
-        snapshot = policy.relevant_state(rt.ledger.spent_view(await rt.state.snapshot(  # decision.py
-            conn.sandbox_id, history=policy.history_patterns, rules=policy.budgeted_rules)))
-    except (StateUnavailable, KeyError):
-        return policy, None, gateway_deny(Reason.STATE_UNAVAILABLE)
-    return policy, snapshot, None
-
-
 async def name_decision(rt: Runtime, conn: ConnState, host: str, port: int) -> Decided:
     """Decide the name like a CONNECT target (deny early: a denied name is never resolved), then
     resolve and check every address and pin one. TLS and HTTP by name are intercepted here, or spliced
@@ -122,16 +108,13 @@ async def name_decision(rt: Runtime, conn: ConnState, host: str, port: int) -> D
 async def connect_decision(rt: Runtime, conn: ConnState, host: str, port: int
                            ) -> tuple[Decision, Facts | None, SandboxState | None]:
     """The pure CONNECT-level decision for a name (no resolution); facts None when it could not be made."""
-    policy, snapshot, denied = await _inputs(rt, conn)
-    if denied is not None:
-        return denied, None, None
+    policy = rt.policies.get(conn.policy_name)
+    if policy is None:
+        return gateway_deny(Reason.POLICY_UNAVAILABLE), None, None
+    assert conn.sandbox_id is not None and conn.policy_name is not None
     facts = Facts(operation=Operation.CONNECT, host=host, port=port)
-    now = rt.clock()
-    decision = decide(policy, facts, snapshot, now)
-    if decision.reason is Reason.APPROVAL_REQUIRED:
-        assert conn.policy_name is not None
-        decision, snapshot = await settle(rt, policy, conn.policy_name, facts, snapshot, decision, now, conn.labels)
-    return decision, facts, snapshot
+    decision, state = await decide_flow(rt, policy, conn.policy_name, conn.sandbox_id, facts, labels=conn.labels)
+    return decision, (facts if state is not None else None), state
 
 
 async def raw_tcp_decision(rt: Runtime, conn: ConnState) -> tuple[str, Decided]:
@@ -141,12 +124,15 @@ async def raw_tcp_decision(rt: Runtime, conn: ConnState) -> tuple[str, Decided]:
     assert conn.original_dst is not None
     raw_host, port = conn.original_dst
     host = canon_host(raw_host)
-    policy, snapshot, denied = await _inputs(rt, conn)
-    if denied is not None:
-        return host, (denied, None, None, None)
+    policy = rt.policies.get(conn.policy_name)
+    if policy is None:
+        return host, (gateway_deny(Reason.POLICY_UNAVAILABLE), None, None, None)
+    assert conn.sandbox_id is not None and conn.policy_name is not None
     literal = ipaddress.ip_address(host)
     facts = Facts(operation=Operation.HTTP_REQUEST, host=host, port=port, scheme="tcp", addresses=(literal,))
-    decision = decide(policy, facts, snapshot, rt.clock())
+    decision, snapshot = await decide_flow(rt, policy, conn.policy_name, conn.sandbox_id, facts, approvals=False)
+    if snapshot is None:
+        return host, (decision, None, None, None)
     target = None
     if decision.allowed:
         target, refused = await resolve_target(rt, policy, host, port)
