@@ -22,9 +22,15 @@ DECIDE_ON_KNOWN_STATE = {f"{PACKAGE}.shared.approval_gate", f"{PACKAGE}.mcp.answ
 
 def calls(module: ast.Module, name: str) -> list[int]:
     """Lines calling `name(...)` or `<anything>.name(...)`."""
-    return [node.lineno for node in ast.walk(module) if isinstance(node, ast.Call) and (
-        (isinstance(node.func, ast.Name) and node.func.id == name)
-        or (isinstance(node.func, ast.Attribute) and node.func.attr == name))]
+    return [
+        node.lineno
+        for node in ast.walk(module)
+        if isinstance(node, ast.Call)
+        and (
+            (isinstance(node.func, ast.Name) and node.func.id == name)
+            or (isinstance(node.func, ast.Attribute) and node.func.attr == name)
+        )
+    ]
 
 
 def test_the_check_finds_both_call_shapes() -> None:
@@ -45,6 +51,9 @@ def test_decide_is_called_by_decide_flow_and_on_known_state_only() -> None:
 
 
 def test_the_explicit_proxy_transparent_listener_and_tunnels_use_it() -> None:
-    users = {name.removeprefix(PACKAGE + ".") for name in modules()
-             if name != FLOW_DECISION and calls(tree(name), "decide_flow")}
+    users = {
+        name.removeprefix(PACKAGE + ".")
+        for name in modules()
+        if name != FLOW_DECISION and calls(tree(name), "decide_flow")
+    }
     assert {"pipeline.decision", "shared.transparent_decide", "layers.next_layer"} <= users, users

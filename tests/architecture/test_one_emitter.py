@@ -26,7 +26,8 @@ def sink_calls(module: ast.Module) -> list[str]:
             continue
         method, receiver = node.func.attr, node.func.value
         via_audit = (isinstance(receiver, ast.Attribute) and receiver.attr == "audit") or (
-            isinstance(receiver, ast.Name) and receiver.id == "audit")
+            isinstance(receiver, ast.Name) and receiver.id == "audit"
+        )
         asks_emit = isinstance(receiver, ast.Name) and receiver.id == "emit"  # emit.write_after(rt, …)
         if not asks_emit and (method in SINK_ONLY or (method in SINK_WRITES and via_audit)):
             found.append(f"line {node.lineno}: {ast.unparse(node.func)}(…)")
@@ -36,14 +37,16 @@ def sink_calls(module: ast.Module) -> list[str]:
 def test_the_check_finds_direct_sink_calls() -> None:
     """Positive control: each way a file could write to the sink itself is found (and an unrelated
     `write` is not)."""
-    source = ast.parse("async def f(rt, self, audit, fh):\n"
-                       "    await rt.audit.write(e)\n"
-                       "    await self.rt.audit.write_after(e)\n"
-                       "    rt.audit.enqueue_after(e)\n"
-                       "    audit.write(e)\n"
-                       "    sink.enqueue_after(e)\n"
-                       "    fh.write(b'x')\n"
-                       "    await emit.write_after(rt, e)\n")
+    source = ast.parse(
+        "async def f(rt, self, audit, fh):\n"
+        "    await rt.audit.write(e)\n"
+        "    await self.rt.audit.write_after(e)\n"
+        "    rt.audit.enqueue_after(e)\n"
+        "    audit.write(e)\n"
+        "    sink.enqueue_after(e)\n"
+        "    fh.write(b'x')\n"
+        "    await emit.write_after(rt, e)\n"
+    )
     assert len(sink_calls(source)) == 5
 
 
@@ -55,6 +58,10 @@ def test_only_emit_py_writes_to_the_sink() -> None:
 
 
 def test_refund_prepaid_is_defined_once_in_the_shared_counters() -> None:
-    where = [name for name in modules() for node in ast.walk(tree(name))
-             if isinstance(node, ast.FunctionDef) and node.name == "refund_prepaid"]
+    where = [
+        name
+        for name in modules()
+        for node in ast.walk(tree(name))
+        if isinstance(node, ast.FunctionDef) and node.name == "refund_prepaid"
+    ]
     assert where == [f"{PACKAGE}.shared.counters"], where

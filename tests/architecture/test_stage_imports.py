@@ -80,8 +80,11 @@ def test_no_stage_module_reaches_another() -> None:
 def test_context_imports_no_stage_and_nothing_that_imports_it() -> None:
     stages = _stages()
     reached = reach(CONTEXT)
-    bad = [" -> ".join(_short(m) for m in chain) for m, chain in sorted(reached.items())
-           if m in stages or CONTEXT in imports(m)]
+    bad = [
+        " -> ".join(_short(m) for m in chain)
+        for m, chain in sorted(reached.items())
+        if m in stages or CONTEXT in imports(m)
+    ]
     assert not bad, "context.py reaches a stage or a module importing it back:\n  " + "\n  ".join(bad)
 
 
@@ -97,6 +100,11 @@ def test_modules_two_stages_share_are_listed_and_reach_no_stage() -> None:
     assert not unlisted, f"imported by two or more stages but not in SHARED (with its reason): {unlisted}"
     missing = sorted(name for name in SHARED if f"{PACKAGE}.{name}" not in modules())
     assert not missing, f"SHARED names modules that do not exist: {missing}"
-    leaking = sorted(" -> ".join(_short(x) for x in chain) for m in shared if m in modules()
-                     for x, chain in reach(m).items() if x in stages)
+    leaking = sorted(
+        " -> ".join(_short(x) for x in chain)
+        for m in shared
+        if m in modules()
+        for x, chain in reach(m).items()
+        if x in stages
+    )
     assert not leaking, "shared modules reach stage modules:\n  " + "\n  ".join(leaking)

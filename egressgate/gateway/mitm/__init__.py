@@ -1,2 +1,1 @@
-"""Faster equivalents of mitmproxy internals every flow pays for: hook dispatch, task helpers, typecheck.
-"""
+"""Faster equivalents of mitmproxy internals every flow pays for: hook dispatch, task helpers, typecheck."""

@@ -36,15 +36,23 @@ async def snapshot(rt: Runtime, policy: CompiledPolicy, sandbox_id: str) -> Sand
     the rest of a long history), with the byte leases this process holds counted as unspent; None when
     the store cannot answer (the caller denies `state_unavailable`: fail closed)."""
     try:
-        return rt.ledger.spent_view(await rt.state.snapshot(
-            sandbox_id, history=policy.history_patterns, rules=policy.budgeted_rules))
+        return rt.ledger.spent_view(
+            await rt.state.snapshot(sandbox_id, history=policy.history_patterns, rules=policy.budgeted_rules)
+        )
     except (StateUnavailable, KeyError):
         return None
 
 
-async def decide_flow(rt: Runtime, policy: CompiledPolicy, policy_name: str, sandbox_id: str, facts: Facts, *,
-                      labels: dict[str, str] | None = None, approvals: bool = True
-                      ) -> tuple[Decision, SandboxState | None]:
+async def decide_flow(
+    rt: Runtime,
+    policy: CompiledPolicy,
+    policy_name: str,
+    sandbox_id: str,
+    facts: Facts,
+    *,
+    labels: dict[str, str] | None = None,
+    approvals: bool = True,
+) -> tuple[Decision, SandboxState | None]:
     """The decision for `facts`, and exactly the state it was made on (None: the store could not answer,
     and the decision is `state_unavailable`). `relevant_state` reduces any backend's snapshot to what the
     policy reads, so the decision and its record are the same as with the full snapshot. `approvals`:
@@ -57,7 +65,10 @@ async def decide_flow(rt: Runtime, policy: CompiledPolicy, policy_name: str, san
     decision = decide(policy, facts, state, now)
     if approvals and decision.reason is Reason.APPROVAL_REQUIRED:
         decision, state = await settle(rt, policy, policy_name, facts, state, decision, now, labels)
-    if (decision.reason is Reason.APPROVAL_GRANTED and decision.approval_kind == PUBLISH
-            and publish_commit(facts.method, facts.op_protocol, facts.path)):
+    if (
+        decision.reason is Reason.APPROVAL_GRANTED
+        and decision.approval_kind == PUBLISH
+        and publish_commit(facts.method, facts.op_protocol, facts.path)
+    ):
         decision = await spend(rt, policy, policy_name, facts, state, decision, now)  # one publish per grant
     return decision, state

@@ -50,7 +50,15 @@ class WsRefusal:
 class LimitRecords(Protocol):
     """The rate-limited audit of limit events (limit_audit.LimitAudit), as other layers use it."""
 
-    def record(self, reason: Reason, source: str, message: str, *, sandbox_id: str | None = None,
-               request_id: str | None = None, extra: dict | None = None) -> None: ...
+    def record(
+        self,
+        reason: Reason,
+        source: str,
+        message: str,
+        *,
+        sandbox_id: str | None = None,
+        request_id: str | None = None,
+        extra: dict | None = None,
+    ) -> None: ...
 
     def close(self) -> None: ...
