@@ -16,12 +16,12 @@ import click
 COMMANDS = {
     "policy": "egressgate.policy.cli:policy",
     "audit": "egressgate.audit.cli:audit",
-    "run": "egressgate.gateway.cli:run_cmd",
+    "run": "egressgate.gateway.service.cli:run_cmd",
     "sandbox": "egressgate.admin.cli:sandbox",
     "approvals": "egressgate.approvals.cli:approvals",
     "workspaces": "egressgate.runtimes.workspaces_cli:workspaces",  # persistent workspaces (runtimes/workspaces.py)
     "mcp": "egressgate.mcp.cli:mcp",  # `mcp run`: local stdio MCP servers (egressgate/mcp/local.py)
-    "ca": "egressgate.gateway.cli:ca_group",
+    "ca": "egressgate.gateway.service.cli:ca_group",
     "runtime": "egressgate.runtimes.render.cli:runtime",  # `runtime render` (branch h10-render)
 }
 

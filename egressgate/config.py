@@ -62,7 +62,7 @@ class ListenConfig(_Strict):
     proxy: str = "127.0.0.1:8080"
     admin: str = "127.0.0.1:8081"
     dns: str | None = "127.0.0.1:5353"  # the DNS resolver; null turns it off (use 53 when running as root)
-    # the transparent listener (gateway/transparent.py): runtimes DNAT a sandbox's TCP here; null turns it off
+    # the transparent listener (gateway/pipeline/transparent.py): runtimes DNAT a sandbox's TCP here; null turns it off
     transparent: str | None = "127.0.0.1:8082"
     # read-only GET /metrics (admin.metrics_token_file), /healthz, /readyz for scrapers and probes in other
     # network namespaces, while the admin API stays on loopback (admin/metrics_listener.py); null: none
@@ -161,7 +161,7 @@ class DnsSection(_Strict):
 
 
 class WebsocketSection(_Strict):
-    """WebSocket relaying (egressgate/gateway/ws_layer.py)."""
+    """WebSocket relaying (egressgate/gateway/layers/ws_layer.py)."""
 
     # The largest message (all fragments of one message, either direction) the gateway holds before
     # relaying it; the fragment that would pass it closes the connection with 1009 `message_too_large`.
@@ -170,7 +170,7 @@ class WebsocketSection(_Strict):
 
 
 class LimitsConfig(_Strict):
-    """Connection limits and timeouts of the proxy listener (gateway/connguard.py, docs/operations.md).
+    """Connection limits and timeouts of the proxy listener (gateway/pipeline/connguard.py, docs/operations.md).
 
     mitmproxy closes a connection only after `tcp_timeout` of *inactivity*, so a client sending one
     header byte now and then (slow loris) held a connection forever; these bound every phase in which
@@ -245,7 +245,7 @@ class DenySection(_Strict):
 
     # A CONNECT refused by the policy (or an address check) is accepted, its TLS intercepted with a leaf of
     # the gateway CA, and every request inside answered with the deny body; nothing is ever forwarded
-    # (gateway/refused_tunnel.py). False: the CONNECT itself gets the 403, which most clients never show.
+    # (gateway/pipeline/refused_tunnel.py). False: the CONNECT itself gets the 403, which most clients never show.
     connect_in_tunnel: bool = True
 
 

@@ -3,7 +3,7 @@ one SO_REUSEPORT socket per worker.
 
     python -m loadtests.accept_spread [--workers 2] [--connections 32] [--rounds 5]
 
-Why: `egressgate run --workers N` (gateway/listeners.py) binds ONE listening socket in the supervisor and
+Why: `egressgate run --workers N` (gateway/service/listeners.py) binds ONE listening socket in the supervisor and
 every worker serves it. asyncio accepts in a loop on each readiness event (up to `backlog` connections per
 wake-up, base_events/selector_events `_accept_connection`), so when a client opens its keep-alive connections
 in a burst, whichever worker wakes first can take most or all of them, and keep-alive keeps them there: the

@@ -20,7 +20,7 @@ import sys
 
 from egressgate.audit.event import AuditEvent
 from egressgate.config import load_config
-from egressgate.gateway import app
+from egressgate.gateway.service import app
 
 
 class DiscardSink:
@@ -62,7 +62,7 @@ def main() -> None:
     for noisy in ("mitmproxy", "hpack", "aiohttp.access"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     if not hasattr(app, "open_audit_sink"):
-        raise SystemExit("egressgate.gateway.app no longer uses open_audit_sink; update this launcher")
+        raise SystemExit("egressgate.gateway.service.app no longer uses open_audit_sink; update this launcher")
     app.open_audit_sink = _open_discard_sink  # type: ignore[assignment]
 
     def announce(line: str) -> None:

@@ -169,7 +169,7 @@ async def _mediator_cell(calls: int) -> tuple[list[float], list[float]]:
     from egressgate.approvals.memory import MemoryApprovals
     from egressgate.audit.config import open_audit_sink
     from egressgate.config import load_config
-    from egressgate.gateway.context import PolicyHolder, Runtime
+    from egressgate.gateway.shared.context import PolicyHolder, Runtime
     from egressgate.mcp.mediator import McpSession
     from egressgate.policy.loader import parse_policy
     from egressgate.state.base import SandboxRecord, hash_token

@@ -17,9 +17,9 @@ import timeit
 
 from mitmproxy import http
 
-import egressgate.gateway.mcp_answer as answer
-import egressgate.gateway.mcp_route as route
-from egressgate.gateway import mcp_stream
+import egressgate.gateway.mcp.answer as answer
+import egressgate.gateway.mcp.route as route
+from egressgate.gateway.mcp import stream as mcp_stream
 
 NEW = hasattr(mcp_stream, "passthrough")
 BODY = json.dumps({"jsonrpc": "2.0", "id": 7, "method": "tools/call", "params": {
@@ -44,7 +44,7 @@ def headers_old() -> None:
 
 
 def headers_new() -> None:
-    from egressgate.gateway.mcp_headers import HeaderView
+    from egressgate.gateway.mcp.headers import HeaderView
 
     h = HeaderView(REQ)
     _ = b"upgrade" in h, h.get(b"mcp-session-id"), route.body_problem(h, 1 << 20)

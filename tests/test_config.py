@@ -83,7 +83,7 @@ def test_limits_defaults_and_validation(tmp_path):
 
 
 def test_transparent_listener_default_off_and_distinct(tmp_path):
-    """listen.transparent (gateway/transparent.py): on by default on loopback, null turns it off, and it
+    """listen.transparent (gateway/pipeline/transparent.py): on by default on loopback, null turns it off, and it
     may not share listen.proxy's address (mitmproxy would refuse the second listener at start)."""
     assert load_config(None).listen.transparent == "127.0.0.1:8082"
     assert load_config(write(tmp_path, "listen: {transparent: null}\n")).listen.transparent is None

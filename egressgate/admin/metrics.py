@@ -45,7 +45,7 @@ from egressgate.audit.observe import observe_writes
 from egressgate.policy.reasons import Reason
 
 if TYPE_CHECKING:
-    from egressgate.gateway.context import PolicyHolder, Runtime
+    from egressgate.gateway.shared.context import PolicyHolder, Runtime
 
 REASONS = frozenset(r.value for r in Reason)
 RCODES = frozenset({"NOERROR", "FORMERR", "SERVFAIL", "NXDOMAIN", "NOTIMP", "REFUSED"})

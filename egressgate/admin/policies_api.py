@@ -3,7 +3,7 @@
 The active policy set is identified by one version hash (admin/metrics.py `policy_set_version`: over every
 policy's name and content hash), so an operator or a deploy script can tell which set a replica runs and
 whether two replicas agree. A reload through the API is the same reload as SIGHUP and the file watch
-(gateway/app.py `Gateway.reload`): all files valid or nothing changes, and it is audited either way.
+(gateway/service/app.py `Gateway.reload`): all files valid or nothing changes, and it is audited either way.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from aiohttp import web
 
 from egressgate.admin.errors import error_response
 from egressgate.admin.metrics import policy_set_version
-from egressgate.gateway.context import Runtime
+from egressgate.gateway.shared.context import Runtime
 
 Reload = Callable[[str], Awaitable[bool]]
 

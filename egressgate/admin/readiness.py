@@ -23,7 +23,7 @@ from typing import Any
 
 from aiohttp import web
 
-from egressgate.gateway.context import Runtime
+from egressgate.gateway.shared.context import Runtime
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from typing import Any
 from aiohttp import web
 
 from egressgate.admin.errors import error_response, state_unavailable
-from egressgate.gateway.context import Runtime
+from egressgate.gateway.shared.context import Runtime
 from egressgate.policy.facts import SandboxState
 from egressgate.state.base import SandboxRecord, StateUnavailable
 

@@ -35,7 +35,7 @@ from egressgate.admin.workspaces_api import register_workspaces
 from egressgate.audit.build import build
 from egressgate.audit.event import AuditEvent, AuditUnavailable, EventKind
 from egressgate.broker.inject import admission_phantoms
-from egressgate.gateway.context import Runtime
+from egressgate.gateway.shared.context import Runtime
 from egressgate.policy.canon import ip_text
 from egressgate.policy.enforcement import admission_keys
 from egressgate.policy.reasons import Reason

@@ -43,7 +43,7 @@ from egressgate.state.base import StateUnavailable
 
 if TYPE_CHECKING:
     from egressgate.admin.server import AdminServer
-    from egressgate.gateway.context import Runtime
+    from egressgate.gateway.shared.context import Runtime
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from egressgate.audit.event import AuditEvent, EventKind
 
 # not_applied: the approved/denied record just before (same approval id) did not take effect (another
 # decision won the race, or the store failed after the record was written)
-# used: a publish grant was spent by the one publish it allowed (gateway/approval_gate.py spend)
+# used: a publish grant was spent by the one publish it allowed (gateway/shared/approval_gate.py spend)
 ACTIONS = ("requested", "approved", "denied", "expired", "not_applied", "used")
 
 

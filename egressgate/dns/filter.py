@@ -99,7 +99,7 @@ def cname_chain(qname: DNSLabel, answers: Sequence[RR]) -> tuple[set[tuple[bytes
     """(owner names on the CNAME chain that starts at `qname`, ids of the CNAME records forming it).
 
     The one rule for "which records of an answer belong to the question", shared by the answer filter
-    and the gateway's own lookups (gateway/resolver.py): a record owned by any other name is ignored."""
+    and the gateway's own lookups (gateway/service/resolver.py): a record owned by any other name is ignored."""
     by_owner: dict[tuple[bytes, ...], RR] = {}
     for rr in answers:
         if rr.rtype == T_CNAME and rr.rclass == CLASS_IN:

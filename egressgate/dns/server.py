@@ -122,7 +122,7 @@ def _udp_socket(host: str, port: int) -> socket.socket:
 def bind_dns(host: str, port: int) -> tuple[socket.socket, socket.socket]:
     """Bind UDP and TCP on the same port (port 0: a free one both protocols can have) and listen.
 
-    Split from `DnsServer.start` so `egressgate run --workers N` (gateway/workers.py) can bind the pair
+    Split from `DnsServer.start` so `egressgate run --workers N` (gateway/service/workers.py) can bind the pair
     once in the supervisor and hand the same sockets to every worker."""
     last_error: OSError | None = None
     for _ in range(_BIND_ATTEMPTS if port == 0 else 1):

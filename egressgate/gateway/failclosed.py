@@ -17,8 +17,8 @@ from typing import Any
 from mitmproxy import exceptions, http, tcp
 from mitmproxy.proxy import server_hooks
 
-from egressgate.gateway.context import ensure_flow_state
-from egressgate.gateway.deny import deny_response, gateway_deny
+from egressgate.gateway.shared.context import ensure_flow_state
+from egressgate.gateway.shared.deny import deny_response, gateway_deny
 from egressgate.policy.reasons import Reason
 
 logger = logging.getLogger(__name__)

@@ -22,26 +22,26 @@ from mitmproxy.proxy import layer, mode_specs
 from mitmproxy.proxy.layers.http._http1 import Http1Server
 from mitmproxy.proxy.layers.http._http2 import Http2Server
 
-from egressgate.gateway import dispatch
-from egressgate.gateway.budgets import Budgets
-from egressgate.gateway.connguard import ConnGuard
-from egressgate.gateway.consistency import Consistency
-from egressgate.gateway.context import Runtime
-from egressgate.gateway.credential_response import ResponseScrub
-from egressgate.gateway.credentials import Credentials
-from egressgate.gateway.decision import DecisionAddon
-from egressgate.gateway.enforce import Enforce
 from egressgate.gateway.failclosed import FailClosed
-from egressgate.gateway.identity import Identity
-from egressgate.gateway.mcp_route import McpRoute
-from egressgate.gateway.pinning import Pinning
-from egressgate.gateway.record import Record
-from egressgate.gateway.refused_tunnel import RefusedTunnel
-from egressgate.gateway.revocation import Revocation
-from egressgate.gateway.sanitize import Sanitize
-from egressgate.gateway.trailers import Trailers
-from egressgate.gateway.transparent import Transparent
-from egressgate.gateway.tunnel import NextLayer
+from egressgate.gateway.layers.next_layer import NextLayer
+from egressgate.gateway.mcp.route import McpRoute
+from egressgate.gateway.mitm import dispatch
+from egressgate.gateway.pipeline.budgets import Budgets
+from egressgate.gateway.pipeline.connguard import ConnGuard
+from egressgate.gateway.pipeline.consistency import Consistency
+from egressgate.gateway.pipeline.credential_response import ResponseScrub
+from egressgate.gateway.pipeline.credentials import Credentials
+from egressgate.gateway.pipeline.decision import DecisionAddon
+from egressgate.gateway.pipeline.enforce import Enforce
+from egressgate.gateway.pipeline.identity import Identity
+from egressgate.gateway.pipeline.pinning import Pinning
+from egressgate.gateway.pipeline.record import Record
+from egressgate.gateway.pipeline.refused_tunnel import RefusedTunnel
+from egressgate.gateway.pipeline.revocation import Revocation
+from egressgate.gateway.pipeline.sanitize import Sanitize
+from egressgate.gateway.pipeline.trailers import Trailers
+from egressgate.gateway.pipeline.transparent import Transparent
+from egressgate.gateway.shared.context import Runtime
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """`approval: required` tools: the deny of an unapproved call gets its approval (egressgate/approvals).
 
-Same flow as network expansion (gateway/approval_gate.py): the call is refused at once, never held
+Same flow as network expansion (gateway/shared/approval_gate.py): the call is refused at once, never held
 open; the pending approval for the same sandbox, server and tool is named again on every retry (one
 id shared by retries: Approval.target_key), a new one is audited `requested`, and none is created once
 the sandbox already has MAX_PENDING_PER_SANDBOX waiting. An operator approves it with the existing

@@ -54,7 +54,7 @@ from egressgate.policy.reasons import Reason
 from egressgate.state.base import StateUnavailable
 
 if TYPE_CHECKING:
-    from egressgate.gateway.context import Runtime
+    from egressgate.gateway.shared.context import Runtime
     from egressgate.policy.compile import CompiledPolicy
     from egressgate.policy.mcp_compile import McpServer
     from egressgate.state.base import SandboxRecord
@@ -383,7 +383,7 @@ class McpSession:
         freed (else a long session fills MAX_WAITING and every later call is refused) and each such call
         is recorded `no_response` with `why`, once. Only what THIS body reserved: an id already answered
         and reused by a later body is that body's. Never for a transport whose answers come on another
-        stream (HTTP+SSE) or on an answer stream still open: the caller's rule (gateway/mcp_answer.py)."""
+        stream (HTTP+SSE) or on an answer stream still open: the caller's rule (gateway/mcp/answer.py)."""
         for jsonrpc_id, pending in ticket.calls.items():
             if self.calls.get(jsonrpc_id) is pending:
                 del self.calls[jsonrpc_id]

@@ -87,7 +87,7 @@ def deny_message(
         what = "a package install" if detail == "package_install" else "a publish"
         return (f"{target} is {what} ({facts.op_protocol or '?'}) and policy {name!r} requires an operator's "
                 "approval for it; retry this request after an operator approves it.")
-    if reason is Reason.APPROVAL_REQUIRED:  # the gateway names the approval (gateway/approval_gate.py)
+    if reason is Reason.APPROVAL_REQUIRED:  # the gateway names the approval (gateway/shared/approval_gate.py)
         return (f"{target} is outside the allowlist of policy {name!r} and needs an operator's approval; do not "
                 "route around the gateway: retry this request after an operator approves it.")
     if reason is Reason.HOST_NOT_ALLOWED:

@@ -52,7 +52,7 @@ class Reason(StrEnum):
     STATE_UNAVAILABLE = "state_unavailable"
     POLICY_UNAVAILABLE = "policy_unavailable"
     UPSTREAM_UNRESOLVABLE = "upstream_unresolvable"
-    # connection limits and timeouts (gateway/connguard.py, `limits:` in the gateway config)
+    # connection limits and timeouts (gateway/pipeline/connguard.py, `limits:` in the gateway config)
     CONNECTION_LIMIT = "connection_limit"
     HEADER_TIMEOUT = "header_timeout"
     HEADER_TOO_LARGE = "header_too_large"

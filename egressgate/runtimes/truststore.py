@@ -16,7 +16,7 @@ bundle at each path the common distributions' TLS libraries read by default, the
   nothing else of the host's per-certificate files (in the netns runtime the host's Java keystore directory
   /etc/ssl/certs/java is bound too: Debian's JDKs find their default store through it).
 
-The bundle is the system roots plus the gateway CA (gateway/ca.py), not the gateway CA alone: routes the policy
+The bundle is the system roots plus the gateway CA (gateway/service/ca.py), not the gateway CA alone: routes the policy
 splices (`tls: passthrough`, TLS inside `network.tcp`) show the upstream's real certificate, and a policy reload
 can add one while a sandbox runs, so a bundle cut to the policy at start would go stale. The public roots give a
 sandbox no way around the gateway (it has no route but the gateway, and which hosts are spliced is the policy's

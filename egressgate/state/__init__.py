@@ -11,7 +11,7 @@ logger = logging.getLogger(__name__)
 
 
 async def open_state(cfg: StateConfig) -> StateStore:
-    """The one factory (gateway/app.py). A Redis that does not answer at start does not stop the gateway:
+    """The one factory (gateway/service/app.py). A Redis that does not answer at start does not stop the gateway:
     requests are denied `state_unavailable` (and /readyz says so) until it does, then it recovers."""
     if cfg.backend == "memory":
         from egressgate.state.memory import MemoryState

@@ -70,7 +70,7 @@ def http_get(gw: Gateway, sbx: Sandbox, host: str, path: str = "/", method: str 
 
 
 def connect(gw: Gateway, sbx: Sandbox, host: str, port: int) -> Reply:
-    """A CONNECT; a refusal answered inside the accepted tunnel (gateway/refused_tunnel.py: a 200 carrying
+    """A CONNECT; a refusal answered inside the accepted tunnel (gateway/pipeline/refused_tunnel.py: a 200 carrying
     `X-Egressgate-Decision: deny`) is read as a client reads it, one request inside, and returned."""
     with socket.create_connection(gw.proxy, timeout=10) as sock:
         sock.sendall(f"CONNECT {host}:{port} HTTP/1.1\r\nHost: {host}:{port}\r\n{auth(sbx)}\r\n".encode())

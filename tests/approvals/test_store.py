@@ -214,7 +214,7 @@ async def test_a_persistent_write_keeps_its_details_and_its_own_pending_ttl(stor
 
 
 async def test_a_publish_grant_is_spent_once_even_by_racing_replicas(stores):
-    """`publish` approvals pass one publish (gateway/approval_gate.py spend): consume() removes the grant
+    """`publish` approvals pass one publish (gateway/shared/approval_gate.py spend): consume() removes the grant
     atomically; of two replicas racing for it exactly one gets it, and it is then no longer live."""
     one, two = stores
     asked, _ = await one.request(replace(draft(path="/pkg"), method="PUT", kind=KIND_PUBLISH), NOW)

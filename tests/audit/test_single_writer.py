@@ -51,7 +51,7 @@ async def test_writers_of_different_files_in_one_directory_do_not_block_each_oth
 
 def test_a_second_gateway_on_the_same_audit_file_does_not_start(tmp_path):
     """Process level: `egressgate run` twice on one audit file (ephemeral ports, so both could bind; its own
-    var dir, so the var-dir lock of gateway/varlock.py does not refuse it first): the second exits naming
+    var dir, so the var-dir lock of gateway/service/varlock.py does not refuse it first): the second exits naming
     the audit file; the first keeps serving and its trail verifies."""
     import subprocess
 

@@ -17,7 +17,7 @@ from egressgate.audit.filesink import FileSink
 from egressgate.audit.find import iter_records
 from egressgate.audit.signer import load_public_keys
 from egressgate.audit.verify import verify_file, verify_files
-from egressgate.gateway.limit_audit import LimitAudit
+from egressgate.gateway.shared.limit_audit import LimitAudit
 from egressgate.policy.reasons import Reason
 from tests.audit.forge import line_index, rewrite_chain
 from tests.support.audit_events import crash, fill_until_failure, http_event
@@ -261,7 +261,7 @@ async def test_spooled_outcomes_are_written_by_the_next_start(tiny_fs, signer, p
 
 
 async def test_connection_limit_records_on_a_full_disk_are_queued_not_dropped(tiny_fs, signer, pubkey):
-    """A limit refusal (gateway/limit_audit.py) took effect whether or not its record is written: on a full
+    """A limit refusal (gateway/shared/limit_audit.py) took effect whether or not its record is written: on a full
     disk the record is queued and retried like an outcome, never dropped; the summary of suppressed events
     too. Control: the same records are in the file once the disk has room again."""
     sink, filler, _ = await full_disk_sink(tiny_fs, signer, probe_interval=0.05)

@@ -9,7 +9,7 @@ import httpx
 from egressgate.admin.server import AdminServer
 from egressgate.audit.config import open_audit_sink
 from egressgate.config import load_config
-from egressgate.gateway.context import PolicyHolder, Runtime
+from egressgate.gateway.shared.context import PolicyHolder, Runtime
 from egressgate.state.memory import MemoryState
 
 

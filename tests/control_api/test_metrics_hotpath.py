@@ -10,7 +10,7 @@ import sys
 from egressgate.admin.metrics import AuditMetrics
 from egressgate.audit.build import build
 from egressgate.audit.event import EventKind
-from egressgate.gateway.context import PolicyHolder
+from egressgate.gateway.shared.context import PolicyHolder
 from egressgate.policy.facts import Decision
 from egressgate.policy.reasons import Effect, Reason
 

@@ -31,7 +31,7 @@ import yaml
 from egressgate.admin.server import AdminServer
 from egressgate.audit.config import open_audit_sink
 from egressgate.config import load_config
-from egressgate.gateway.context import PolicyHolder, Runtime
+from egressgate.gateway.shared.context import PolicyHolder, Runtime
 from egressgate.policy.loader import load_policies
 from egressgate.state.memory import MemoryState
 from tests.control_api.harness import APPROVE_POLICY, MCP_LOCAL_POLICY, METRICS_POLICY, api, control_policies

@@ -2,7 +2,7 @@
 
 A client that sends its bytes and then `shutdown(SHUT_WR)` must still read the upstream's answer. The
 explicit proxy lost it (mitmproxy's CONNECT stream turned the relay's half-close into a full close;
-gateway/tunnel_close.py, tests/gateway/test_tcp_half_close.py); the transparent listener runs the relay
+gateway/tunnels/tunnel_close.py, tests/gateway/test_tcp_half_close.py); the transparent listener runs the relay
 directly under its root layer and must keep doing so. Here the gateway holds the client's bytes and FIN
 until its decision is recorded, then dials, sends both at once: a relay that closed the upstream on the
 client's FIN would drop the world's raw upstream's `RAW-ACK`. Control: the same exchange with the

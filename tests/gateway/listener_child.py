@@ -1,7 +1,7 @@
 """A minimal process serving HTTP proxy requests with real mitmproxy on a listening socket it inherited.
 
 `python tests/gateway/listener_child.py '{"proxy": FD}' patch|nopatch|asyncio`: rebuilds the socket from the
-descriptor its parent passed (egressgate.gateway.listeners.inherit) and runs a mitmproxy master whose
+descriptor its parent passed (egressgate.gateway.service.listeners.inherit) and runs a mitmproxy master whose
 regular mode names that socket's address. With `patch` (listeners.install_mitm, as a worker of
 `run --workers N` does) mitmproxy serves the inherited socket; with `nopatch` it tries to bind the
 address itself, which the parent holds (the control); with `asyncio` it serves the inherited socket with
@@ -20,7 +20,7 @@ from mitmproxy import master as mitm_master
 from mitmproxy.addons import next_layer, proxyserver
 from mitmproxy.proxy import mode_servers
 
-from egressgate.gateway import listeners
+from egressgate.gateway.service import listeners
 
 
 class AnswerWithPid:

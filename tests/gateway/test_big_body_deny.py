@@ -5,7 +5,7 @@ Before: a denied request with a body over ~64 KiB (or chunked) was decided and a
 not to buffer it; curl printed mitmproxy's HTML 400 ("peer closed connection without sending complete
 message body" / "incomplete chunked read"), requests hung or raised SSLEOFError. Now the answer goes out
 before the body is read (no `100 Continue`), then the connection lingers (HTTP/1) or the stream drains
-(HTTP/2) so that every client reads it (gateway/early_answer.py).
+(HTTP/2) so that every client reads it (gateway/layers/early_answer.py).
 
 Each case runs a real client (the curl binary, requests, httpx over HTTP/1.1 and HTTP/2) through the
 explicit proxy (intercepted CONNECT, and plain HTTP) against a counting upstream
@@ -290,7 +290,7 @@ def test_http2_drain_is_bounded_and_the_connection_goes_on(uw: UploadWorld) -> N
     import h2.events
     import h2.exceptions
 
-    from egressgate.gateway.http1_framing import LINGER_MAX_BYTES, LINGER_SECONDS
+    from egressgate.gateway.layers.http1_framing import LINGER_MAX_BYTES, LINGER_SECONDS
 
     sbx = uw.admit()
     mark = uw.seen.mark()

@@ -1,4 +1,4 @@
-"""Streams of unknown total paid from leases (gateway/ledger.py): a raw-TCP relay and a websocket each need
+"""Streams of unknown total paid from leases (gateway/shared/ledger.py): a raw-TCP relay and a websocket each need
 many lease top-ups before their budget is spent. While a top-up is in flight the stream waits (the
 `tcp_message` / `websocket_wire` hook awaits it), so nothing is lost, reordered or cut while budget
 remains; once the store says the budget is spent the stream is cut and the upstream never got more than

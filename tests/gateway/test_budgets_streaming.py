@@ -1,7 +1,7 @@
 """Outbound byte budgets exact to the byte (Content-Length, chunked, websocket), streaming (large bodies,
 SSE first event before the upstream finishes).
 
-Counting rule (docs in gateway/budgets.py): request head = HTTP/1.1 serialization of what goes upstream
+Counting rule (docs in gateway/pipeline/budgets.py): request head = HTTP/1.1 serialization of what goes upstream
 (for a raw HTTP/1.1 client that is exactly the bytes of its head), body = payload bytes (de-chunked).
 `gw-budget` has outbound_bytes_max: 4000.
 """

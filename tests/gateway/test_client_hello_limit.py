@@ -1,4 +1,4 @@
-"""The client's TLS ClientHello is bounded (`limits.max_client_hello_bytes`, gateway/tls_limits.py), with
+"""The client's TLS ClientHello is bounded (`limits.max_client_hello_bytes`, gateway/layers/tls_limits.py), with
 real sockets against a real gateway process (default limits: 64 KiB).
 
 Before: mitmproxy buffered a ClientHello of up to 16 MiB (24-bit length over any number of records) and
@@ -93,7 +93,7 @@ def test_hello_scan_agrees_with_mitmproxy_parser():
     """The incremental scan says "complete" at exactly the prefix at which mitmproxy's own parser first
     finds the ClientHello, however records and reads are split; the re-framed buffer parses to the same
     ClientHello with the trailing bytes kept; a non-handshake record is invalid."""
-    from egressgate.gateway.tls_limits import HelloScan  # here: the other tests also run on the old code
+    from egressgate.gateway.layers.tls_limits import HelloScan  # here: the other tests also run on the old code
     hello = real_client_hello(["h2", "http/1.1"] + [f"p{i}" * 20 for i in range(40)])
     sizes = [1, 2, 3, 1, 7, 100, 1, 1000, 5, 4000]
     records, i, k = b"", 0, 0

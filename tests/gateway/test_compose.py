@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 from egressgate.audit.reqhash import StreamingRequestHash
 from egressgate.broker.inject import phantom_value
 from egressgate.broker.redact import Scrubber
-from egressgate.gateway.budgets import ByteLedger, in_counter, out_counter
-from egressgate.gateway.compose import ScrubPlan, compose_request, compose_response
-from egressgate.gateway.context import FlowState, new_request_id
+from egressgate.gateway.pipeline.budgets import ByteLedger
+from egressgate.gateway.shared.compose import ScrubPlan, compose_request, compose_response
+from egressgate.gateway.shared.context import FlowState, new_request_id
+from egressgate.gateway.shared.counters import in_counter, out_counter
 from egressgate.state.base import SandboxRecord
 from egressgate.state.memory import MemoryState
 

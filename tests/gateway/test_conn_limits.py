@@ -1,4 +1,4 @@
-"""Connection deadlines and limits (`limits:` in the gateway config, gateway/connguard.py) with real
+"""Connection deadlines and limits (`limits:` in the gateway config, gateway/pipeline/connguard.py) with real
 sockets against a real gateway process.
 
 Before: mitmproxy closed a connection only after 600 s of *inactivity*, so slow-loris connections (one

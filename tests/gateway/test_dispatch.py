@@ -13,8 +13,8 @@ from mitmproxy import master as mitm_master
 from mitmproxy.proxy.layers.http import HttpRequestHeadersHook, HttpRequestHook
 from mitmproxy.test import tflow
 
-from egressgate.gateway import dispatch
 from egressgate.gateway.failclosed import FailClosed
+from egressgate.gateway.mitm import dispatch
 
 
 class Recorder:

@@ -61,7 +61,7 @@ def test_request_hooks_answer_500_deny_and_halt_the_chain(guarded):
 
 def test_request_with_pending_chunked_body_is_answered_not_killed(guarded):
     """A body still to come no longer forces a kill: the 500 goes out before the body is read
-    (gateway/early_answer.py; end to end in test_big_body_deny.py), so the client reads why."""
+    (gateway/layers/early_answer.py; end to end in test_big_body_deny.py), so the client reads why."""
     addon, _ = guarded
     flow = tflow.tflow()
     flow.request.headers["transfer-encoding"] = "chunked"

@@ -6,7 +6,7 @@ import ast
 import dataclasses
 from pathlib import Path
 
-from egressgate.gateway.context import ConnState, FlowState
+from egressgate.gateway.shared.context import ConnState, FlowState
 
 GATEWAY = Path(__file__).resolve().parents[2] / "egressgate"
 
@@ -17,7 +17,7 @@ def test_only_context_py_touches_flow_metadata() -> None:
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Attribute) and node.attr == "metadata":
                 users.append(path.relative_to(GATEWAY).as_posix())
-    assert set(users) == {"gateway/context.py"}, sorted(set(users))
+    assert set(users) == {"gateway/shared/context.py"}, sorted(set(users))
 
 
 def test_state_has_no_untyped_bags() -> None:

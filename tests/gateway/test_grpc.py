@@ -1,6 +1,6 @@
 """gRPC through the gateway, with a real grpcio client and server (tests/support/grpcworld.py).
 
-The bug (issue 21): sanitize.py stripped every `te`, including HTTP/2's `te: trailers`, which grpcio
+The bug (issue 21): layers/hop_by_hop.py stripped every `te`, including HTTP/2's `te: trailers`, which grpcio
 servers require; the server reset each call and the client saw `UNAVAILABLE ... status: 502`. Here: a
 direct call (positive control: the world works without the gateway), a unary call, 1,000 server-streamed
 messages in order, an error status whose grpc-message survives, and a method the policy does not allow,
@@ -216,5 +216,5 @@ def test_other_te_never_forwarded_on_h2(gw: GrpcWorld, headers: list[tuple[bytes
     seen = gw.recorder.since(mark)
     bad = [te_fields(f) for f in seen if te_fields(f) not in ([], [(b"te", b"trailers")])]
     # observed with mitmproxy 12.3.1: GOAWAY for each (h2's inbound validation, before any hook runs);
-    # sanitize.py and the upstream side would strip them if that validation were ever off
+    # layers/hop_by_hop.py and the upstream side would strip them if that validation were ever off
     assert not bad, (outcome, seen)

@@ -1,4 +1,4 @@
-"""HTTP/2 header blocks are bounded (gateway/h2_limits.py; the CONTINUATION-flood class, CVE-2024-27316).
+"""HTTP/2 header blocks are bounded (gateway/layers/h2_limits.py; the CONTINUATION-flood class, CVE-2024-27316).
 
 h2 buffered a header block split over CONTINUATION frames up to 64 frames of the 128 KiB mitmproxy
 allows: ~8 MiB per connection before decoding anything. Through a real CONNECT tunnel with TLS and h2,

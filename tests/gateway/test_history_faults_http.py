@@ -3,7 +3,7 @@
 The gateway runs through history_fault_launcher.py: the state store's `record_request` fails (as in a
 store outage) for sandboxes labelled `fault=history`. A request the history never saw would be invisible
 to every later `after_request_to` / `unless_request_to` condition and request budget, so it is refused
-`state_unavailable` (gateway/enforce.py), and the refusal is audited under the allow record's request id.
+`state_unavailable` (gateway/pipeline/enforce.py), and the refusal is audited under the allow record's request id.
 Positive control: the same requests from an unlabelled sandbox of the same policy reach the upstream.
 """
 

@@ -7,7 +7,7 @@ record saying `allow`, so the audit trail claimed a relay that never happened. E
 the trail: an outcome record under the request id of the deny body, decision `deny`, reason
 `state_unavailable`, no bytes. Both explicit-proxy raw-TCP paths: a CONNECT allowed only by a
 `network.tcp` rule (the relay starts at once) and a CONNECT allowed by an https rule whose bytes are not
-TLS/HTTP (tunnel.py's in-tunnel raw-TCP decision). Positive control: the same tunnels of an unlabelled
+TLS/HTTP (layers/next_layer.py's in-tunnel raw-TCP decision). Positive control: the same tunnels of an unlabelled
 sandbox reach the upstream, and their outcome record says `allow` with the bytes.
 """
 

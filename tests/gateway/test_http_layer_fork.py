@@ -5,7 +5,7 @@ from __future__ import annotations
 from mitmproxy import connection, options
 from mitmproxy.proxy.context import Context
 
-from egressgate.gateway.http_layer import fork
+from egressgate.gateway.layers.http_layer import fork
 
 
 def test_fork_has_the_same_attributes_as_mitmproxys():

@@ -17,7 +17,7 @@ def loaded(imports: str) -> str:
 
 
 def test_the_gateway_does_not_import_mitmdumps_default_addons() -> None:
-    assert loaded("import egressgate.gateway.app") == "[]"
+    assert loaded("import egressgate.gateway.service.app") == "[]"
 
 
 def test_positive_control_mitmproxy_alone_imports_them() -> None:

@@ -11,7 +11,7 @@ import asyncio
 import random
 import time
 
-from egressgate.gateway.ledger import LEASE_MIN, RETRY_DELAYS, ByteLedger
+from egressgate.gateway.shared.ledger import LEASE_MIN, RETRY_DELAYS, ByteLedger
 from egressgate.state.base import SandboxRecord, StateUnavailable
 from egressgate.state.memory import MemoryState
 

@@ -1,4 +1,4 @@
-"""The listener sharing of `run --workers N` (egressgate/gateway/listeners.py), at the level of the mechanism:
+"""The listener sharing of `run --workers N` (egressgate/gateway/service/listeners.py), at the level of the mechanism:
 a parent binds the listening sockets once, child processes inherit them and real mitmproxy masters serve
 them. (Two gateway workers on the memory backend are refused, so the end-to-end tests with real workers
 run on Redis: tests/state_redis/test_workers.py; tests/gateway/test_supervisor.py covers the supervisor.)"""
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from egressgate.config import ListenConfig
-from egressgate.gateway import listeners
+from egressgate.gateway.service import listeners
 from tests.support.http1 import read_reply
 from tests.support.waiting import wait_for
 

@@ -8,7 +8,7 @@ import pytest
 from mitmproxy.proxy import server
 from mitmproxy.utils import asyncio_utils
 
-from egressgate.gateway import mitm_hotpaths
+from egressgate.gateway.mitm import hotpaths as mitm_hotpaths
 
 
 async def _noop() -> None:

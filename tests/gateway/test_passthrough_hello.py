@@ -1,4 +1,4 @@
-"""The pure TLS parsing behind passthrough routes (egressgate/gateway/client_hello.py), table-driven.
+"""The pure TLS parsing behind passthrough routes (egressgate/gateway/layers/client_hello.py), table-driven.
 
 Real ClientHellos come from Python's TLS client (captured from a MemoryBIO); hostile ones are that hello
 with one thing changed. Each refusal row has its accepting twin (the same hello, honest), so a check
@@ -13,8 +13,8 @@ import struct
 
 import pytest
 
-from egressgate.gateway.client_hello import HRR_RANDOM, check_hello, read_sni, server_hello_kind
-from egressgate.gateway.tls_limits import HelloScan
+from egressgate.gateway.layers.client_hello import HRR_RANDOM, check_hello, read_sni, server_hello_kind
+from egressgate.gateway.layers.tls_limits import HelloScan
 
 
 def hello_record(sni: str | None) -> bytes:

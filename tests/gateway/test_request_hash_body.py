@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from mitmproxy import http
 
-from egressgate.gateway.request_hash import has_no_body
+from egressgate.gateway.shared.request_hash import has_no_body
 
 
 def _request(version: str, headers: list[tuple[bytes, bytes]]) -> http.Request:

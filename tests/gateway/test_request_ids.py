@@ -226,7 +226,7 @@ def test_raw_tcp_outcome_shares_the_connect_decision_id(gateway):
 def gw_ids(gateway, tmp_path_factory):
     """A second gateway, started through the fault launcher (a planted bug for `fault=snapshot` sandboxes
     only), with one extra policy: tcp.test allowed by an https rule *and* a tcp rule, so raw TCP is decided
-    inside the (intercepting) tunnel by tunnel.py rather than at the CONNECT."""
+    inside the (intercepting) tunnel by layers/next_layer.py rather than at the CONNECT."""
     tmp = tmp_path_factory.mktemp("gw-ids")
     world = gateway.world
     (tmp / "policies").mkdir()

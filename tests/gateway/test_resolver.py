@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from egressgate.gateway.resolver import (
+from egressgate.gateway.service.resolver import (
     DNS_CACHE_MAX_SECONDS,
     SYSTEM_CACHE_SECONDS,
     GatewayResolver,

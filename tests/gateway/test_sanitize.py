@@ -11,7 +11,7 @@ import pytest
 from mitmproxy import http
 from mitmproxy.proxy.layers.http._events import RequestHeaders
 
-from egressgate.gateway.sanitize import only_trailers, strip_hop_by_hop, te_for_upstream
+from egressgate.gateway.layers.hop_by_hop import only_trailers, strip_hop_by_hop, te_for_upstream
 
 ALWAYS = ("proxy-authorization", "proxy-connection", "proxy-authenticate", "keep-alive", "te", "trailer")
 

@@ -1,4 +1,4 @@
-"""`egressgate run --workers N` (egressgate/gateway/workers.py) without Redis: the refusal on the memory
+"""`egressgate run --workers N` (egressgate/gateway/service/workers.py) without Redis: the refusal on the memory
 backend, `--workers 1` unchanged, and the supervisor's mechanics (shared listeners, per-worker audit files,
 SIGHUP/SIGTERM fan-out, restart of a killed worker, workers dying with the supervisor, a worker that cannot
 start). The mechanics run through tests/gateway/unshared_workers_launcher.py (the refusal lifted; these
@@ -130,7 +130,7 @@ def test_supervisor_shares_listeners_fans_out_signals_and_restarts(tmp_path, run
     assert _holds(w0, var / "audit.w0.jsonl") and _holds(w1, var / "audit.w1.jsonl")
     # SIGHUP to the supervisor reloads the policies in every worker
     run.proc.send_signal(signal.SIGHUP)
-    assert wait_for(lambda: all(f"w{i}/egressgate.gateway.app: policies reloaded (SIGHUP)" in run.stderr()
+    assert wait_for(lambda: all(f"w{i}/egressgate.gateway.service.app: policies reloaded (SIGHUP)" in run.stderr()
                                 for i in (0, 1)), timeout=15), run.stderr()[-3000:]
     # kill -9 a worker: the other keeps serving at once, the supervisor starts a new one in its slot
     os.kill(w0, signal.SIGKILL)
@@ -204,8 +204,8 @@ def test_log_format_json_in_the_supervisor_and_every_worker(tmp_path, runs):
     assert stop_process(run.proc, timeout=40) == 0
     lines = [json.loads(line) for line in run.stderr().splitlines()]
     loggers = {line["logger"] for line in lines}
-    assert "egressgate.gateway.workers" in loggers
-    assert {"w0/egressgate.gateway.app", "w1/egressgate.gateway.app"} <= loggers, loggers
+    assert "egressgate.gateway.service.workers" in loggers
+    assert {"w0/egressgate.gateway.service.app", "w1/egressgate.gateway.service.app"} <= loggers, loggers
     assert all(set(line) >= {"ts", "level", "logger", "message"} for line in lines)
     text = tmp_path / "text"
     text.mkdir()

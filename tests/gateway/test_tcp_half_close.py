@@ -5,7 +5,7 @@ reads until EOF: netcat, rsync-style pipes, many test probes) depend on it. The 
 only after it has read EOF, so a relay that closes the client when the client's FIN arrives (instead of
 forwarding the FIN and waiting for the other side) leaves the client with b"". Both raw-TCP paths of the
 explicit proxy are covered: a CONNECT allowed only by a `network.tcp` rule (the relay starts at once) and a
-CONNECT allowed by an https rule whose bytes turn out not to be TLS/HTTP (tunnel.py's raw-TCP decision).
+CONNECT allowed by an https rule whose bytes turn out not to be TLS/HTTP (layers/next_layer.py's raw-TCP decision).
 Positive controls: a client that keeps its sending side open gets the reply too (the upstream is live and
 the relay works), and the outcome record counts the bytes exactly in both directions.
 """

@@ -15,8 +15,8 @@ from mitmproxy.proxy.layers import modes, tls
 from mitmproxy.test import tflow
 from mitmproxy.tls import ClientHelloData
 
-from egressgate.gateway.tls_limits import BoundedClientTLSLayer
-from egressgate.gateway.tunnel import NextLayer
+from egressgate.gateway.layers.next_layer import NextLayer
+from egressgate.gateway.layers.tls_limits import BoundedClientTLSLayer
 
 
 def _hello_on(layer_factory) -> list[str]:

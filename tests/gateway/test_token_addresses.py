@@ -77,7 +77,8 @@ def test_the_binding_rule_is_pure_and_canonical() -> None:
     another spelling is the address it was admitted with."""
     from mitmproxy import connection
 
-    from egressgate.gateway.identity import address_mismatch, source_text
+    from egressgate.gateway.pipeline.identity import address_mismatch
+    from egressgate.gateway.shared.sources import source_text
     from egressgate.state.base import SandboxRecord
 
     def client(host: str) -> connection.Client:

@@ -10,7 +10,7 @@ from mitmproxy import http
 from mitmproxy.test import tutils
 from mitmproxy.utils import typecheck as mitm_typecheck
 
-from egressgate.gateway import typecheck
+from egressgate.gateway.mitm import typecheck
 
 SAMPLES = [b"x", "x", 1, 0, True, 1.5, None, http.Headers(), [], (), object(), bytearray(b"x")]
 

@@ -1,4 +1,4 @@
-"""One gateway per var dir (egressgate/gateway/varlock.py): a second `egressgate run` on a var dir a gateway
+"""One gateway per var dir (egressgate/gateway/service/varlock.py): a second `egressgate run` on a var dir a gateway
 runs on refuses to start *and changes nothing there*.
 
 Why it matters: it used to refuse (at its audit writer lock) but on its way out it removed the running

@@ -19,8 +19,8 @@ from mitmproxy.proxy.layers import websocket as mitm_ws
 from mitmproxy.test import tflow
 from wsproto.extensions import PerMessageDeflate
 
-from egressgate.gateway import ws_layer
 from egressgate.gateway.failclosed import FailClosed
+from egressgate.gateway.layers import ws_layer
 
 LIMIT = 4096
 

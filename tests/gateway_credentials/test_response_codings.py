@@ -11,7 +11,7 @@ import pytest
 from mitmproxy import http
 
 from egressgate.broker.decompress import decoder
-from egressgate.gateway.response_codings import Uninspectable, body_codings, folded_headers
+from egressgate.gateway.shared.response_codings import Uninspectable, body_codings, folded_headers
 
 
 def response(*headers: tuple[str, str], version: str = "HTTP/1.1") -> http.Response:

@@ -7,7 +7,7 @@ import gzip
 
 from egressgate.broker.inject import phantom_value
 from egressgate.broker.redact import Scrubber
-from egressgate.gateway.credential_streams import phantom_guard, replace_body, scrub_chain
+from egressgate.gateway.shared.credential_streams import phantom_guard, replace_body, scrub_chain
 
 SECRET = "sk-live-0123456789abcdefghij"
 

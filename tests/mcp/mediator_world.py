@@ -16,7 +16,7 @@ from egressgate.approvals.memory import MemoryApprovals
 from egressgate.approvals.store import open_approvals
 from egressgate.audit.config import open_audit_sink
 from egressgate.config import load_config
-from egressgate.gateway.context import PolicyHolder, Runtime
+from egressgate.gateway.shared.context import PolicyHolder, Runtime
 from egressgate.mcp.jsonrpc import dumps
 from egressgate.mcp.mediator import McpSession
 from egressgate.mcp.schema import tool_hash

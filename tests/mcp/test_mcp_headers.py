@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from mitmproxy import http
 
-from egressgate.gateway.mcp_headers import WANTED, HeaderView
-from egressgate.gateway.mcp_route import body_problem
+from egressgate.gateway.mcp.headers import WANTED, HeaderView
+from egressgate.gateway.mcp.route import body_problem
 
 FIELDS = [
     [(b"Content-Length", b"12"), (b"Content-Type", b"application/json; charset=utf-8")],

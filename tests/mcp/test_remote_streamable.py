@@ -216,7 +216,7 @@ def test_a_batch_cannot_hide_a_second_call(rw: RemoteWorld) -> None:
 
 @pytest.mark.parametrize("size", [20 * 1024, 2 * 1024 * 1024])
 def test_an_oversized_body_is_refused_before_the_server(rw: RemoteWorld, size: int) -> None:
-    """Answered before the body is read, whatever its size (gateway/early_answer.py): before, a body
+    """Answered before the body is read, whatever its size (gateway/layers/early_answer.py): before, a body
     over 64 KiB got a reset (or mitmproxy's HTML 400) instead of the JSON-RPC error."""
     sbx = rw.admit()
     with raw_session(rw, sbx) as (client, headers):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 from mitmproxy.net.http.http1 import read_request_head
 
-from egressgate.gateway.target import as_sent
+from egressgate.gateway.shared.target import as_sent
 from egressgate.policy.canon import CanonError, join_host_port, split_host_port
 
 ACCEPTED: list[tuple[str, int | None, tuple[str, int]]] = [
@@ -106,8 +106,8 @@ def test_no_row_is_listed_twice() -> None:
 
 
 # ------------------------------------------------------------------------ CONNECT targets, end to end
-# The gateway's CONNECT path (gateway/decision.py `http_connect`): mitmproxy parses the request line,
-# `gateway/target.py`'s `as_sent` takes the authority text, `split_host_port` canonicalizes it. Rows
+# The gateway's CONNECT path (gateway/pipeline/decision.py `http_connect`): mitmproxy parses the request line,
+# `gateway/shared/target.py`'s `as_sent` takes the authority text, `split_host_port` canonicalizes it. Rows
 # mitmproxy already refuses are checked against our parser too: if mitmproxy ever loosened its
 # request-line parser, the gateway would still refuse them (`ours` is the code our parser gives).
 CONNECT_TARGETS: list[tuple[str, tuple[str, int] | None, str | None]] = [

@@ -73,7 +73,7 @@ def test_gateway_workers_share_state_in_redis(tmp_path):
     """The compose gateway runs `--workers 2` on the rendered Redis (the config the gateway would refuse with
     the memory backend passes), and Redis keeps its append-only file on a volume (a restart of Redis or of
     the gateway keeps sandboxes and spent budgets); Redis sits only on the internal backend network."""
-    from egressgate.gateway.workers import check_workers
+    from egressgate.gateway.service.workers import check_workers
 
     out = rendered(tmp_path)
     doc = yaml.safe_load((out / "compose.yaml").read_text())

@@ -196,7 +196,7 @@ def test_replicas_share_one_redis_only_the_gateway_reaches(tmp_path):
     Redis as their state store; Redis admits only the gateway pods (an agent that could write to it
     could refill its own budget), and the gateway may reach it (pod addresses are private: the gateway's
     public egress rule alone would not)."""
-    from egressgate.gateway.workers import check_workers
+    from egressgate.gateway.service.workers import check_workers
 
     docs = render(tmp_path, "--replicas", "3", "--workers", "2", "--namespace", "agents")
     gateway = by_kind(docs, "StatefulSet", "egressgate-gateway")

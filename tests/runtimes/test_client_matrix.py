@@ -32,7 +32,7 @@ from typing import Any
 import pytest
 
 import tests.networld as nw
-from egressgate.gateway.ca import system_roots
+from egressgate.gateway.service.ca import system_roots
 from tests.networld import World
 from tests.runtimes.harness import SAFETY_NPROC, Gateway, base_dir, remove, running_gateway
 from tests.runtimes.matrix_servers import REAL_KEY
@@ -185,7 +185,7 @@ def matrix(world: World, tmp_path_factory: pytest.TempPathFactory) -> Iterator[M
                                                    "real_key": REAL_KEY}))
     for path in share.iterdir():
         path.chmod(0o644)
-    # the gateway's "system roots" (gateway/ca.py reads them through OpenSSL's SSL_CERT_FILE) are the host's plus
+    # the gateway's "system roots" (gateway/service/ca.py reads them via OpenSSL's SSL_CERT_FILE) are the host's plus
     # the world's CA, standing in for a public CA: the sandbox bundle then holds what a passthrough upstream's
     # certificate chains to, as the real public roots would (test_bundle_serves_passthrough_and_interception)
     roots = tmp / "public-roots.pem"

@@ -16,7 +16,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from egressgate.gateway.ca import system_roots
+from egressgate.gateway.service.ca import system_roots
 from egressgate.runtimes import truststore
 
 HOST_BUNDLE = system_roots().read_bytes()

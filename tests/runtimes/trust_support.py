@@ -10,13 +10,13 @@ from pathlib import Path
 
 import trustme
 
-from egressgate.gateway.ca import system_roots
+from egressgate.gateway.service.ca import system_roots
 
 PROBE = Path(__file__).resolve().parent / "trust_probe.py"
 
 
 def sandbox_bundle(ca: trustme.CA) -> bytes:
-    """What gateway/ca.py hands sandboxes: the system roots, then the gateway CA."""
+    """What gateway/service/ca.py hands sandboxes: the system roots, then the gateway CA."""
     return system_roots().read_bytes().rstrip(b"\n") + b"\n" + ca.cert_pem.bytes()
 
 

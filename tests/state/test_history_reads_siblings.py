@@ -1,6 +1,6 @@
 """Siblings of test_history_reads.py: the other per-request snapshot reads must not read a sandbox's whole
-host history either — the raw-TCP decision inside an intercepted tunnel (gateway/tunnel.py) and the
-"N bytes remain" of a 429 (gateway/ledger.py `remaining`). Both are sandbox-triggered at will; under Redis
+host history either — the raw-TCP decision inside an intercepted tunnel (gateway/layers/next_layer.py) and the
+"N bytes remain" of a 429 (gateway/shared/ledger.py `remaining`). Both are sandbox-triggered at will; under Redis
 each whole-history read is an SMEMBERS inside Redis's one thread (a cross-tenant stall).
 
 Deterministic check: Redis's MONITOR stream (it shows the commands scripts run) has no SMEMBERS of a

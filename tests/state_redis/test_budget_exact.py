@@ -1,4 +1,4 @@
-"""One sandbox's budgets held exactly by gateway processes sharing one state store (gateway/ledger.py).
+"""One sandbox's budgets held exactly by gateway processes sharing one state store (gateway/shared/ledger.py).
 
 Every test drives real `egressgate run` processes through their proxy listener with 64 concurrent
 uploads (threads, raw sockets) to a counting upstream (tests/support/budgetworld.py) and compares three

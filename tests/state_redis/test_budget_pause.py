@@ -1,4 +1,4 @@
-"""A stream waiting for its byte lease is paused, not cut and not read (gateway/budgets.py hold_client).
+"""A stream waiting for its byte lease is paused, not cut and not read (gateway/pipeline/budgets.py hold_client).
 
 The gateway runs through slow_lease_launcher.py: lease top-ups of sandboxes labelled `slow=lease` take
 2 s (a store round trip near its timeout). mitmproxy keeps reading a connection whose layer waits for a

@@ -269,7 +269,7 @@ def connect_tunnel(gw: LoopbackGateway, sbx: Sandbox | None, target: str,
     """Open a CONNECT tunnel with a raw socket; returns the socket and the proxy's response head.
 
     A CONNECT the policy refuses is accepted by default and its deny answered inside the tunnel (a 200
-    carrying `X-Egressgate-Decision: deny`, gateway/refused_tunnel.py). With `read_refusal` such a refusal
+    carrying `X-Egressgate-Decision: deny`, gateway/pipeline/refused_tunnel.py). With `read_refusal` such a refusal
     is read as a client reads it, one plain request inside, and that answer (the deny body under the
     CONNECT's request id) is returned instead of the 200."""
     sock = socket.create_connection(gw.proxy, timeout=10)

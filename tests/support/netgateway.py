@@ -203,7 +203,7 @@ class Gateway:
         """CONNECT `target` with the sandbox's identity; returns the socket and the CONNECT response.
 
         A CONNECT the policy refuses is accepted by default (`deny.connect_in_tunnel`: a 200 that carries
-        `X-Egressgate-Decision: deny`, gateway/refused_tunnel.py) and its deny is read inside the tunnel. With
+        `X-Egressgate-Decision: deny`, gateway/pipeline/refused_tunnel.py) and its deny is read inside the tunnel. With
         `read_refusal` (the default) such a refusal is read the way a client reads it: one plain request in
         the tunnel, whose answer (the deny body, under the CONNECT's request id) is returned instead of
         the 200. `read_refusal=False`: the CONNECT's own response, whatever it is."""

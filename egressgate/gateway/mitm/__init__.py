@@ -1,0 +1,1 @@
+"""Faster equivalents of mitmproxy internals every flow pays for: hook dispatch, task helpers, typecheck."""

@@ -1,0 +1,233 @@
+"""Record every decision and every outcome (the audit stage of each decision hook).
+
+Intent before effect: this addon runs after every stage that can decide and before any stage that
+gives the decision an effect (pinning.py commits an allowed destination, enforce.py answers a deny).
+An allow whose record cannot be made durable becomes a `audit_unavailable` deny here. Outcome records
+(status, bytes, duration) follow the response, linked by request id. Records are built by
+audit/build.py from the flow's typed state (context.FlowState); nothing else is read.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from mitmproxy import http, tcp
+
+from egressgate.audit.build import build
+from egressgate.audit.event import AuditEvent, AuditUnavailable, EventKind
+from egressgate.gateway.layers import ws_layer
+from egressgate.gateway.shared import emit, request_hash
+from egressgate.gateway.shared.context import (
+    ConnState,
+    FlowState,
+    Runtime,
+    ensure_flow_state,
+    flow_state,
+    new_request_id,
+)
+from egressgate.gateway.shared.counters import refund_prepaid
+from egressgate.gateway.shared.deny import gateway_deny
+from egressgate.gateway.shared.emit import conn_attributes, transparent_attributes, write_behind
+from egressgate.gateway.shared.sources import CHALLENGE
+from egressgate.gateway.shared.target import note_target
+from egressgate.policy.facts import Decision
+from egressgate.policy.reasons import Reason
+
+logger = logging.getLogger(__name__)
+
+
+def decision_event(kind: EventKind, fs: FlowState, labels: dict[str, str], client: str | None) -> AuditEvent:
+    """The flow's decision record (CONNECT or HTTP request)."""
+    d = fs.decision
+    assert d is not None
+    extra: dict = transparent_attributes(fs.transparent, fs.original_dst)
+    if fs.intercept is not None:
+        extra["egressgate.intercept"] = fs.intercept
+    if d.passthrough:
+        extra["egressgate.tls"] = "passthrough"
+    if fs.budget_refused is not None and not d.allowed:  # what the byte budget check read (audit replay)
+        extra["egressgate.budget.needed"], extra["egressgate.budget.spent"] = fs.budget_refused
+    challenge = d.reason is Reason.IDENTITY_UNKNOWN and d.detail == CHALLENGE  # identity.py: asked, not refused
+    return build(
+        kind, time_ns=fs.started_ns, request_id=fs.request_id, verdict=d, sandbox_labels=labels, extra=extra,
+        decision="challenge" if challenge else str(d.effect),
+        sandbox_id=fs.sandbox_id, policy_name=fs.policy_name, policy_hash=fs.policy_hash,
+        target_as_sent=fs.target_as_sent, scheme=fs.scheme, host=fs.host, port=fs.port, method=fs.method,
+        path=fs.path, query=fs.query, pinned_address=str(fs.pinned.address) if fs.pinned is not None else None,
+        client_address=client, key_id=fs.key_id, bytes_out=fs.bytes_out if fs.prepaid_out else None,
+        facts=fs.facts, state=fs.state, request_hash=fs.bodyless_hash,
+    )
+
+
+def outcome_event(fs: FlowState, **fields) -> AuditEvent:
+    """An outcome record of the flow's allowed decision (same request id); `fields` say what happened."""
+    return build(EventKind.OUTCOME, request_id=fs.request_id, sandbox_id=fs.sandbox_id,
+                 policy_name=fs.policy_name, policy_hash=fs.policy_hash, host=fs.host, port=fs.port,
+                 duration_ms=(time.time_ns() - fs.started_ns) / 1e6, **fields)
+
+
+def mark_transparent(conn: ConnState | None, fs: FlowState) -> None:
+    if conn is not None and conn.transparent:
+        fs.transparent, fs.original_dst = True, conn.original_dst
+
+
+def _orphan_id(flow: tcp.TCPFlow) -> str:
+    """A raw-TCP relay with no recorded decision id cannot happen (ConnState.allow_tcp sets both); if it
+    ever does, the outcome is still written, under a fresh id, and the log says so."""
+    logger.error("raw TCP outcome for client %s has no decision request id", flow.client_conn.id)
+    return new_request_id()
+
+
+class Record:
+    def __init__(self, runtime: Runtime) -> None:
+        self.rt = runtime
+
+    async def _write(self, event: AuditEvent) -> bool:
+        try:
+            await emit.write(self.rt, event)
+            return True
+        except AuditUnavailable as exc:
+            logger.error("audit sink unavailable: %s", exc)
+            return False
+
+    async def _record(self, kind: EventKind, flow: http.HTTPFlow, fs: FlowState) -> Decision:
+        """Write the decision; return the decision to enforce (audit failure turns allow into deny)."""
+        if fs.decision is None:  # no addon decided: fail closed
+            fs.decision = gateway_deny(Reason.INVALID_REQUEST, "The gateway could not decide this request.")
+        conn = self.rt.conns.get(flow.client_conn.id)
+        labels = conn.labels if conn is not None else {}
+        client = flow.client_conn.peername[0] if flow.client_conn.peername else None
+        mark_transparent(conn, fs)
+        ok = await self._write(decision_event(kind, fs, labels, client))
+        fs.audited = True
+        if not ok and fs.decision.allowed:
+            refund_prepaid(self.rt, fs)  # nothing goes upstream
+            fs.decision = gateway_deny(Reason.AUDIT_UNAVAILABLE)
+        return fs.decision
+
+    async def http_connect(self, flow: http.HTTPFlow) -> None:
+        await self._record(EventKind.CONNECT, flow, ensure_flow_state(flow))
+
+    async def requestheaders(self, flow: http.HTTPFlow) -> None:
+        fs = ensure_flow_state(flow)
+        if fs.audited:  # answered earlier, or a request in a refused tunnel (its CONNECT's record is its record)
+            return
+        fs.bodyless_hash = request_hash.bodyless_hash(flow.request, fs)
+        await self._record(EventKind.HTTP_REQUEST, flow, fs)
+
+    async def _outcome(self, flow: http.HTTPFlow, error: str | None = None) -> None:
+        fs = flow_state(flow)
+        if fs is None or fs.outcome_sent or fs.decision is None or not fs.decision.allowed:
+            return
+        fs.outcome_sent = True
+        extra: dict = transparent_attributes(fs.transparent, fs.original_dst)
+        for key, value in (("egressgate.error", error), ("egressgate.budget_cut", fs.budget_cut),
+                           ("egressgate.internal_error", fs.internal_error),  # the hook that crashed
+                           # credential_response.py: why the body was not forwarded
+                           ("egressgate.response_refused", fs.response_refused),
+                           # http1_framing.py: the request body's framing was refused
+                           ("egressgate.request_refused", fs.request_refused)):
+            if value:
+                extra[key] = value
+        req_hash, body_hash = request_hash.finish(fs)
+        write_behind(self.rt, outcome_event(
+            fs, decision="deny" if fs.state_cut else str(fs.decision.effect),  # the store failed mid-body
+            reason=str(Reason.STATE_UNAVAILABLE) if fs.state_cut
+            else str(Reason.BUDGET_EXCEEDED) if fs.budget_cut else str(fs.decision.reason),
+            rule_id=fs.decision.rule_id, status=flow.response.status_code if flow.response is not None else None,
+            bytes_out=fs.bytes_out, bytes_in=fs.bytes_in, request_hash=req_hash, body_hash=body_hash, extra=extra,
+        ))
+
+    def refused(self, flow: http.HTTPFlow, hook: str) -> None:
+        """An addon crashed and failclosed.py refused the flow (500 `internal_error`, or a kill).
+
+        Not yet audited: the refusal is the flow's decision and is recorded as one, write-behind (a deny
+        takes effect whether or not its record could be written), under the flow's request id, which is
+        the one the 500 body carries. Already audited (the crash came after the decision record): the
+        outcome record, under the same id, says `internal_error`."""
+        fs = ensure_flow_state(flow)
+        fs.internal_error = hook
+        if fs.audited:
+            return
+        earlier = fs.decision
+        fs.decision = gateway_deny(
+            Reason.INTERNAL_ERROR,
+            detail=f"hook={hook}" + (f"; earlier={earlier.reason}" if earlier is not None else ""),
+            rule_id=earlier.rule_id if earlier is not None else None,
+        )
+        fs.audited = True
+        try:
+            note_target(self.rt, flow, fs)  # the crash may have come before the target was filled in
+        except Exception:
+            logger.exception("could not describe the target of a refused flow")
+        conn = self.rt.conns.get(flow.client_conn.id)
+        client = flow.client_conn.peername[0] if flow.client_conn.peername else None
+        mark_transparent(conn, fs)
+        kind = EventKind.CONNECT if flow.request.method == "CONNECT" else EventKind.HTTP_REQUEST
+        write_behind(self.rt, decision_event(kind, fs, conn.labels if conn is not None else {}, client))
+
+    def request(self, flow: http.HTTPFlow) -> None:
+        fs = flow_state(flow)
+        if fs is not None and fs.decision is not None and fs.decision.allowed:
+            request_hash.feed_buffered(flow.request, fs)
+
+    async def response(self, flow: http.HTTPFlow) -> None:
+        await self._outcome(flow)
+
+    async def error(self, flow: http.HTTPFlow) -> None:
+        await self._outcome(flow, flow.error.msg if flow.error else "error")
+
+    async def http_connect_error(self, flow: http.HTTPFlow) -> None:
+        """An allowed CONNECT that was not established (the eager upstream connection failed: mitmproxy
+        answers 502 and no other hook sees the flow again): its allow record gets its outcome, with why."""
+        why = flow.error.msg if flow.error else (flow.server_conn.error or "upstream connection failed")
+        await self._outcome(flow, why)
+
+    async def websocket_end(self, flow: http.HTTPFlow) -> None:
+        """One more `outcome` record (same request id) when a websocket ends: the frame bytes of the
+        session after the 101 (whose own outcome was written with the response), how it was closed and,
+        when the gateway closed it (flowtypes.WsRefusal: budget, message size, phantom, internal error),
+        the reason code with decision `deny`. Awaited: the record is durable before the flow is done."""
+        fs = flow_state(flow)
+        if fs is None or flow.websocket is None or fs.ws_audited:
+            return
+        fs.ws_audited = True
+        refusal = ws_layer.refusal_of(flow)
+        extra: dict = {"egressgate.websocket.close_code": int(flow.websocket.close_code or 0),
+                       "egressgate.websocket.closed_by": "gateway" if refusal is not None
+                       else "client" if flow.websocket.closed_by_client else "server"}
+        if refusal is not None and refusal.detail:
+            extra["egressgate.detail"] = refusal.detail
+        if refusal is not None and refusal.reason == Reason.BUDGET_EXCEEDED:
+            extra["egressgate.budget_cut"] = True
+        await self._write(outcome_event(
+            fs, decision="deny" if refusal is not None else "allow",
+            reason=str(refusal.reason) if refusal is not None else str(Reason.RULE_MATCHED),
+            rule_id=fs.decision.rule_id if fs.decision is not None else None, scheme=fs.scheme,
+            status=101, bytes_out=fs.ws_out, bytes_in=fs.ws_in,
+            message=refusal.message if refusal is not None else None, extra=extra,
+        ))
+
+    async def tcp_end(self, flow: tcp.TCPFlow) -> None:
+        await self._tcp_outcome(flow)
+
+    async def tcp_error(self, flow: tcp.TCPFlow) -> None:
+        await self._tcp_outcome(flow)
+
+    async def _tcp_outcome(self, flow: tcp.TCPFlow) -> None:
+        conn = self.rt.conns.get(flow.client_conn.id)
+        fs = ensure_flow_state(flow)
+        if conn is None or conn.tcp_allowed_rule is None or fs.outcome_sent:
+            return
+        fs.outcome_sent = True
+        extra: dict = {"egressgate.budget_cut": True} if fs.budget_cut else {}
+        extra.update(conn_attributes(conn))
+        write_behind(self.rt, build(  # a relay the store's failure cut (budgets.py) is a deny, and says so
+            EventKind.OUTCOME, request_id=conn.tcp_request_id or _orphan_id(flow), sandbox_id=conn.sandbox_id,
+            decision="deny" if fs.state_cut else "allow",
+            reason=str(Reason.STATE_UNAVAILABLE if fs.state_cut else Reason.RULE_MATCHED),
+            rule_id=conn.tcp_allowed_rule,
+            host=conn.tunnel_host, port=conn.tunnel_port, scheme="tcp", bytes_out=fs.bytes_out,
+            bytes_in=fs.bytes_in, extra=extra,
+        ))

@@ -1,0 +1,1 @@
+"""Tunnels whose bytes the gateway does not read: `tls: passthrough` (SNI check, then splice)."""
