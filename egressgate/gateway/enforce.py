@@ -78,6 +78,8 @@ class Enforce:
         takes effect whether or not its record is written: queued and retried, never dropped)."""
         if fs.sandbox_id is None or fs.host is None:
             return True
+        if fs.history_written:  # budgets.py wrote it with the prepayment, in the same store step
+            return True
         allowed = fs.decision
         budget = rule_budget(self.rt, fs)
         try:
