@@ -13,7 +13,10 @@ buffered body): those return it through `refund_prepaid`, the one refund. The pr
 (spent) at the `request` hook, which runs after every stage that can refund it, or when the flow ends.
 
 A request with a known length reserves exactly its size before connecting (429 with the remaining figure
-when it does not fit, so the upstream never sees a request that could not complete). Bytes of unknown
+when it does not fit, so the upstream never sees a request that could not complete), in the same atomic
+store step that checks and counts its rule's budget and enters it into the sandbox's history
+(`StateStore.reserve_request`: one Redis round trip after the decision's snapshot; enforce.py then has
+nothing left to write). Bytes of unknown
 total (chunked / HTTP/2 bodies, websocket frames, raw TCP) are paid from a per-flow `Meter` over the
 sandbox's leased pool: the synchronous stream callable and hooks spend from it; when it runs dry the
 flow pauses (http_layer.py yields a blocking `BudgetTopUpHook` before the chunk reaches the callable;

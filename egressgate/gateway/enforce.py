@@ -67,6 +67,8 @@ class Enforce:
     async def _record_history(self, flow: http.HTTPFlow, fs) -> bool:
         """Enter the allowed request into the sandbox's history before a byte of it goes upstream, and
         count it against its rule's budget (`budget.requests` / `budget.bytes`) in the same atomic step.
+        Usually already done: budgets.py wrote both with the request's prepayment (`history_written`);
+        this is for a request it did not write.
 
         decide() judged the rule's budget on a snapshot; concurrent requests (on this or another gateway
         process) may all have passed on the same one. The store's check-and-count is the authority: a
