@@ -255,8 +255,13 @@ class ByteLedger:
         await asyncio.gather(*(self._write_one(*item) for item in batch))
 
     async def _write_one(self, sandbox_id: str, spent: int, unused: int, in_: int) -> None:
-        # both at once: issued in the same tick, they leave in one write to the store (one round trip)
-        await asyncio.gather(self._settle(sandbox_id, spent, unused), self._add_in(sandbox_id, in_))
+        if (spent or unused) and in_:
+            # both at once: issued in the same tick, they leave in one write to the store (one round trip)
+            await asyncio.gather(self._settle(sandbox_id, spent, unused), self._add_in(sandbox_id, in_))
+        elif in_:  # the common case in process (memory: bytes in after each response): no task of its own
+            await self._add_in(sandbox_id, in_)
+        else:
+            await self._settle(sandbox_id, spent, unused)
 
     async def _settle(self, sandbox_id: str, spent: int, unused: int) -> None:
         if spent or unused:
