@@ -16,11 +16,7 @@ in): the same test counted 4.0 per request on that code.
 from __future__ import annotations
 
 import hashlib
-import re
-import secrets
-import socket
 import sys
-import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -34,6 +30,7 @@ from egressgate.state import lua
 from tests.support.gwworld import Gateway, World, start_gateway
 from tests.support.launcher import stop_gateway
 from tests.support.redis import RedisServer
+from tests.support.redis_monitor import Monitor
 from tests.support.waiting import wait_for
 
 LAUNCHER = Path(__file__).with_name("roundtrip_launcher.py")
@@ -42,72 +39,10 @@ REQUESTS = 20
 # second), the worker's heartbeat SET (every third of its TTL) and the approvals sweeper's expiry script
 # (every 0.5 s: approvals/sweeper.py)
 BACKGROUND = {"PING", "SET", "APPROVALS_EXPIRE"}
-QUOTED = re.compile(r'"((?:[^"\\]|\\.)*)"')  # MONITOR's "word" "word" ...
 
 
 def sha(script: str) -> str:
     return hashlib.sha1(script.encode()).hexdigest()
-
-
-class Monitor:
-    """MONITOR on a connection of its own: the commands Redis runs, read by a thread into `lines`."""
-
-    def __init__(self, port: int) -> None:
-        self.port = port
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=30)
-        self.sock.sendall(b"MONITOR\r\n")
-        self.lines: list[str] = []
-        self.lock = threading.Lock()
-        self.thread = threading.Thread(target=self._read, daemon=True)
-        self.thread.start()
-
-    def _read(self) -> None:
-        buf = b""
-        while True:
-            try:
-                data = self.sock.recv(65536)
-            except OSError:
-                return
-            if not data:
-                return
-            buf += data
-            *done, buf = buf.split(b"\r\n")
-            with self.lock:
-                self.lines.extend(line.decode(errors="replace") for line in done)
-
-    def mark(self) -> str:
-        """A sentinel command sent on another connection; returns when MONITOR has shown it. Redis runs
-        commands one at a time, so everything it ran before the sentinel is in `lines` before it."""
-        token = secrets.token_hex(8)
-        with socket.create_connection(("127.0.0.1", self.port), timeout=10) as s:
-            s.sendall(f"ECHO {token}\r\n".encode())
-            s.recv(100)
-        assert wait_for(lambda: any(token in line for line in self.snapshot()), timeout=10)
-        return token
-
-    def snapshot(self) -> list[str]:
-        with self.lock:
-            return list(self.lines)
-
-    def between(self, start: str, end: str) -> list[tuple[str, list[str]]]:
-        """(client, words) of every command sent by a client (not run by a script) between two marks,
-        sentinels and background commands left out."""
-        lines = self.snapshot()
-        first = next(i for i, line in enumerate(lines) if start in line)
-        last = next(i for i, line in enumerate(lines) if end in line)
-        out = []
-        for line in lines[first + 1 : last]:
-            if "[" not in line or "] " not in line:
-                continue
-            client = line[line.index("[") + 1 : line.index("] ")].split(" ", 1)[-1]  # "0 127.0.0.1:5555"
-            words = QUOTED.findall(line[line.index("] ") + 2 :])
-            if client == "lua" or not words or name(words) in BACKGROUND:
-                continue
-            out.append((client, words))
-        return out
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 SCRIPTS = {sha(getattr(lua, n)): n for n in dir(lua) if n.isupper() and isinstance(getattr(lua, n), str)}
@@ -151,7 +86,11 @@ def test_an_allowed_request_costs_at_most_two_round_trips(gw: Gateway, redis_ser
                 assert r.status_code == 200, r.text
             end = monitor.mark()
         assert len(gw.world.hits.since(mark)) == REQUESTS + 1  # every request reached the upstream
-        commands = monitor.between(start, end)
+        commands = [
+            (client, words)
+            for client, words in monitor.between(start, end)
+            if client != "lua" and name(words) not in BACKGROUND
+        ]
     finally:
         monitor.close()
     seen = describe(commands)
