@@ -51,8 +51,12 @@ def test_requests_under_a_policy_without_history_conditions_never_read_the_histo
                     end = monitor.mark()
                 commands = monitor.between(start, end)
                 # control: a read of the whole history (the control API's usage figures) is seen
-                res = httpx.get(f"http://{gw.admin}/v1/sandboxes/{sbx.id}", timeout=10, trust_env=False,
-                                headers={"Authorization": f"Bearer {gw.token}"})
+                res = httpx.get(
+                    f"http://{gw.admin}/v1/sandboxes/{sbx.id}",
+                    timeout=10,
+                    trust_env=False,
+                    headers={"Authorization": f"Bearer {gw.token}"},
+                )
                 assert res.status_code == 200 and res.json()["usage"]["hosts_contacted"] == 2
                 control = monitor.between(end, monitor.mark())
             finally:
@@ -61,8 +65,10 @@ def test_requests_under_a_policy_without_history_conditions_never_read_the_histo
             assert [w for _, w in control if w[0].upper() == "SMEMBERS" and w[1].endswith(history)] != []
             # positive control: the requests did go through Redis, and the watch sees inside the scripts
             assert any(words[0].upper() == "EVALSHA" for _, words in commands)
-            assert any(client == "lua" and words[1:2] == [f"{state['state']['key_prefix']}ctr:{sbx.id}"]
-                       for client, words in commands)
+            assert any(
+                client == "lua" and words[1:2] == [f"{state['state']['key_prefix']}ctr:{sbx.id}"]
+                for client, words in commands
+            )
             reads = [words for _, words in commands if words[0].upper() == "SMEMBERS" and words[1].endswith(history)]
             assert reads == [], f"{len(reads)} whole-history reads for 10 requests"
         finally:
