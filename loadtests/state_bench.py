@@ -314,6 +314,8 @@ def outer(args: argparse.Namespace, argv: list[str]) -> int:
         print("make bench-state needs root (it creates network namespaces)", file=sys.stderr)
         return 2
     command = shlex.join([".venv/bin/python", "-m", "loadtests.state_bench", *argv])
+    if args.base_src is not None:  # inherited by the driver in the client namespace (state_procs reads it)
+        os.environ[state_procs.BASE_SRC_ENV] = str(args.base_src.resolve())
     meta = {"command": command, "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "git": bench_report.git_state(ROOT), "mitmproxy": bench_report.version("mitmproxy"),
             "redis_py": bench_report.version("redis"), "python": sys.version.split()[0]}
@@ -358,7 +360,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--body-bytes", type=int, default=1024)
     ap.add_argument("--modes", nargs="+", default=["http", "https"], choices=["http", "https"])
-    ap.add_argument("--candidates", nargs="+", default=[n for n in NAMES if n != "redis-setsid"], choices=NAMES)
+    ap.add_argument("--candidates", nargs="+", default=[n for n in NAMES if n != "redis-setsid"
+                                                         and not state_procs.CANDIDATES[n].base], choices=NAMES)
+    ap.add_argument("--base-src", type=Path, help="the tree the *-base candidates run (e.g. `git archive main`)")
     ap.add_argument("--http-client", choices=["wrk", "python"], default="wrk",
                     help="plain-HTTP client (wrk when installed; HTTPS always uses loadtests/loadgen.py)")
     ap.add_argument("--budget-n", type=int, default=20000, help="reserve_out calls per budget-check case (0: skip)")

@@ -37,6 +37,7 @@ class Candidate:
     proxy_port: int
     admin_port: int
     own_session: bool = False  # started under setsid: its own session, so its own scheduler autogroup
+    base: bool = False  # runs the code of another tree (BASE_SRC_ENV, `--base-src`): an A/B in one run
 
 
 CANDIDATES = {
@@ -47,7 +48,13 @@ CANDIDATES = {
     # starts them with start_new_session); with kernel.sched_autogroup_enabled=1 a session is a scheduling
     # group of its own, which changes how it shares a busy CPU with the client, upstream and Redis
     "redis-setsid": Candidate("redis-setsid", "redis", 1, 8104, 9104, own_session=True),
+    # only if named, with `--base-src DIR` (e.g. `git archive main | tar -x -C DIR`): the same candidates
+    # running that tree's egressgate (PYTHONPATH=DIR ahead of this checkout's editable install), measured
+    # interleaved with this tree's, so a before/after comparison shares the machine's load
+    "memory-base": Candidate("memory-base", "memory", 1, 8105, 9105, base=True),
+    "redis-base": Candidate("redis-base", "redis", 1, 8106, 9106, base=True),
 }
+BASE_SRC_ENV = "EGB_STATE_BASE_SRC"
 
 
 def redis_cmd(prefix: Sequence[str], port: int, *args: str, timeout: float = 10) -> str:
@@ -95,7 +102,7 @@ def start_gateway(world: World, directory: Path, upstream_ca: Path, http_port: i
     ports 100 above the candidate's, with its own sandbox and key prefix."""
     if profile_dir is not None:
         cand = Candidate(cand.name + "-profiled", cand.backend, cand.workers, cand.proxy_port + 100,
-                         cand.admin_port + 100, cand.own_session)
+                         cand.admin_port + 100, cand.own_session, cand.base)
     d = directory / cand.name
     pol = d / "policies"
     pol.mkdir(parents=True, exist_ok=True)
@@ -112,8 +119,15 @@ def start_gateway(world: World, directory: Path, upstream_ca: Path, http_port: i
     program = [procs.EGRESSGATE, "run"] + (["--workers", str(cand.workers)] if cand.workers > 1 else [])
     if cand.own_session:
         program = ["setsid", *program]  # not a group leader (Popen's child): setsid() then exec, same pid
+    env = _profiling_env(profile_dir)
+    if cand.base:
+        base = os.environ.get(BASE_SRC_ENV)
+        if not base or not (Path(base) / "egressgate" / "__init__.py").exists():
+            raise RuntimeError(f"{cand.name} needs --base-src DIR (a tree with egressgate/), got {base!r}")
+        env = dict(env or os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(x for x in (base, env.get("PYTHONPATH")) if x)
     p = procs.launch_egressgate(d, upstream_ca, listen, {"sandbox": "bench"}, name=cand.name, extra_config=extra,
-                                program=program, prefix=world.exec_prefix("gw"), env=_profiling_env(profile_dir))
+                                program=program, prefix=world.exec_prefix("gw"), env=env)
     p.info["key_prefix"] = extra.get("state", {}).get("key_prefix")
     pids = tree_pids(p.pid)
     p.info["pids_at_start"] = pids

@@ -19,7 +19,8 @@ from loadtests.bench_report import _f, _goal
 
 GOALS = {"redis_vs_memory": 0.9, "workers2_vs_1": 1.6, "budget_p99_us": 1000.0}
 LABEL = {"memory": "memory, 1 process", "redis": "redis, 1 process", "redis-2w": "redis, --workers 2",
-         "redis-setsid": "redis, 1 process, own session"}
+         "redis-setsid": "redis, 1 process, own session", "memory-base": "BASE tree: memory, 1 process",
+         "redis-base": "BASE tree: redis, 1 process"}
 
 
 def summarize(rows: list[dict]) -> list[dict]:
@@ -75,7 +76,10 @@ def ratios(summary: list[dict]) -> list[dict]:
                     "redis_vs_memory_per_cpu": div("redis", "memory", "req_per_cpu_s"),
                     "w2_vs_w1": div("redis-2w", "redis", "rps"),
                     "w2_vs_w1_per_cpu": div("redis-2w", "redis", "req_per_cpu_s"),
-                    "w2_vs_memory": div("redis-2w", "memory", "rps")})
+                    "w2_vs_memory": div("redis-2w", "memory", "rps"),
+                    "base_redis_vs_memory": div("redis-base", "memory-base", "rps"),
+                    "redis_vs_base": div("redis", "redis-base", "rps"),
+                    "memory_vs_base": div("memory", "memory-base", "rps")})
     return out
 
 
@@ -129,6 +133,14 @@ def markdown(report: dict) -> str:
                      f"{_goal(r['redis_vs_memory'], GOALS['redis_vs_memory'])} | "
                      f"{_f(r['redis_vs_memory_per_cpu'], '.2f', 'x')} | {_f(r['w2_vs_w1'], '.2f', 'x')}{w2_goal} | "
                      f"{_f(r['w2_vs_w1_per_cpu'], '.2f', 'x')} | {_f(r['w2_vs_memory'], '.2f', 'x')} |")
+    if any(r["base_redis_vs_memory"] or r["redis_vs_base"] for r in ratios(report["summary"])):
+        lines += ["", "Before/after (the *-base candidates run the `--base-src` tree, interleaved with this one):", "",
+                  "| mode | conc | BASE redis / BASE memory rps | redis / memory rps (this tree) | redis: this tree / "
+                  "BASE rps | memory: this tree / BASE rps |", "|---|---:|---:|---:|---:|---:|"]
+        for r in ratios(report["summary"]):
+            lines.append(f"| {r['mode']} | {r['conc']} | {_f(r['base_redis_vs_memory'], '.2f', 'x')} | "
+                         f"{_f(r['redis_vs_memory'], '.2f', 'x')} | {_f(r['redis_vs_base'], '.2f', 'x')} | "
+                         f"{_f(r['memory_vs_base'], '.2f', 'x')} |")
     lua = [(s["mode"], s["conc"], s["candidate"], s["redis_script_p99_us"]) for s in report["summary"]
            if s.get("redis_script_p99_us") is not None]
     if lua:

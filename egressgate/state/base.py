@@ -78,6 +78,17 @@ def rule_budget_allows(requests: int, nbytes_used: int, nbytes: int,
     return bytes_max is None or (nbytes_used < bytes_max and nbytes_used + nbytes <= bytes_max)
 
 
+@dataclass(frozen=True, slots=True)
+class RequestGrant:
+    """What `reserve_request` did. `refused`: None (the bytes are reserved and the request is in the
+    history and its rule's usage), "bytes" (they do not fit under the limit) or "rule" (the rule's budget
+    is spent); when refused nothing was reserved or recorded. `bytes_out`: the sandbox's bytes_out (spent
+    and leased) as that step left it, the figure of a 429's "only N bytes remain"."""
+
+    refused: str | None
+    bytes_out: int
+
+
 class StateStore(Protocol):
     worker_id: str  # unique per process (uuid4 hex): leases and heartbeats belong to a worker
     errors: int  # operations that raised StateUnavailable (read by /metrics at scrape time)
@@ -127,6 +138,15 @@ class StateStore(Protocol):
         """Atomically check the rule's budget and remember an allowed request: host history (for
         `when.after_request_to`) and per-rule usage. False, and nothing recorded, when this request
         would take the rule over `requests_max` / `bytes_max` (rule_budget_allows)."""
+
+    async def reserve_request(self, sandbox_id: str, host: str, rule_id: str | None, nbytes: int, want: int,
+                              limit: int | None, *, requests_max: int | None = None, bytes_max: int | None = None,
+                              add_in: int = 0) -> RequestGrant:
+        """`reserve_out(want, want, limit)` (nothing when `want` is 0: this process held the bytes) and
+        `record_request(host, rule_id, nbytes, ...)` as ONE atomic step, all or nothing, the bytes checked
+        first: what an allowed request with a known size needs before it goes upstream, in one round trip
+        on Redis instead of two (issue 25). `add_in` bytes received earlier are counted too (bytes_in),
+        whatever the answer: the ledger sends what it summed since its last write with it."""
 
     async def add_dns_query(self, sandbox_id: str, name_bytes: int) -> tuple[int, int]:
         """Atomically count one DNS query; return the new (queries, name_bytes) totals."""

@@ -129,6 +129,49 @@ end
 return out
 """
 
+# RESERVE_OUT (minimum = want) and RECORD_REQUEST as one step, all or nothing, the bytes checked first, plus
+# the bytes in the ledger summed since its last write (base.StateStore.reserve_request; one round trip).
+# KEYS: ctr, lease(worker), hb(worker), workers, sbx, hosts, hist, usage
+# ARGV: sandbox, want (0: none), limit (-1: none), ttl_ms, worker, host, reversed host, rule ('' = none),
+#       nbytes, requests_max (-1), bytes_max (-1), bytes in
+# -> {'' | 'bytes' | 'rule', bytes_out after the step}
+RESERVE_REQUEST = _HELPERS + _LIVE_RECORD + """
+local gone = live_record(KEYS[5])
+if gone then return gone end
+local add = N(ARGV[12])
+if add > 0 and add <= MAX_AMOUNT then redis.call('HINCRBY', KEYS[1], 'in', I(add)) end
+local used = N(redis.call('HGET', KEYS[1], 'out'))
+local want = N(ARGV[2])
+if want < 0 or want > MAX_AMOUNT then return {'bytes', I(used)} end
+local limit = N(ARGV[3])
+if want > 0 and limit >= 0 and limit - used < want then return {'bytes', I(used)} end
+local n = N(ARGV[9])
+if n > MAX_AMOUNT then return {'rule', I(used)} end
+local rule = ARGV[8]
+if rule ~= '' then
+  local rmax = N(ARGV[10])
+  local bmax = N(ARGV[11])
+  if rmax >= 0 or bmax >= 0 then
+    local cur = redis.call('HMGET', KEYS[8], 'r:' .. rule, 'b:' .. rule)
+    local r, b = N(cur[1]), N(cur[2])
+    if rmax >= 0 and r + 1 > rmax then return {'rule', I(used)} end
+    if bmax >= 0 and (b >= bmax or b + n > bmax) then return {'rule', I(used)} end
+  end
+end
+if want > 0 then
+  used = redis.call('HINCRBY', KEYS[1], 'out', I(want))
+  redis.call('HINCRBY', KEYS[2], ARGV[1], I(want))
+  redis.call('SET', KEYS[3], '1', 'PX', ARGV[4])
+  redis.call('SADD', KEYS[4], ARGV[5])
+end
+if rule ~= '' then
+  redis.call('HINCRBY', KEYS[8], 'r:' .. rule, 1)
+  redis.call('HINCRBY', KEYS[8], 'b:' .. rule, I(n))
+end
+if redis.call('SADD', KEYS[6], ARGV[6]) == 1 then redis.call('ZADD', KEYS[7], 0, ARGV[7]) end
+return {'', I(used)}
+"""
+
 # KEYS: hosts, hist, usage   ARGV: host, host with its labels reversed (redis_codec.rev_host), rule
 # ('' = none), nbytes, requests_max (-1), bytes_max (-1). The history is kept twice: `hosts` (a set, read
 # whole) and `hist` (sorted by reversed host, read by pattern; see SNAPSHOT)

@@ -8,7 +8,7 @@ from types import MappingProxyType
 
 from egressgate.policy.facts import RuleUsage, SandboxState
 from egressgate.policy.globs import HostPattern
-from egressgate.state.base import MAX_AMOUNT, SandboxRecord, grant_size, rule_budget_allows
+from egressgate.state.base import MAX_AMOUNT, RequestGrant, SandboxRecord, grant_size, rule_budget_allows
 
 
 class MemoryState:
@@ -136,6 +136,29 @@ class MemoryState:
             old = usage.get(rule_id, RuleUsage())
             usage[rule_id] = RuleUsage(requests=old.requests + 1, bytes=old.bytes + nbytes)
         return True
+
+    async def reserve_request(self, sandbox_id: str, host: str, rule_id: str | None, nbytes: int, want: int,
+                              limit: int | None, *, requests_max: int | None = None, bytes_max: int | None = None,
+                              add_in: int = 0) -> RequestGrant:
+        """reserve_out, then record_request (the same two methods, so a subclass or a test that changes
+        one changes this step too); a refusal or an error of record_request gives the bytes back at once:
+        nothing else runs on this loop in between, so the step is all or nothing like the Redis script."""
+        counters = self._bytes.setdefault(sandbox_id, [0, 0])
+        counters[1] += max(add_in, 0)
+        if want > 0 and await self.reserve_out(sandbox_id, want, want, limit) < want:
+            return RequestGrant("bytes", counters[0])  # all or nothing: grant_size gave 0
+        try:
+            recorded = await self.record_request(sandbox_id, host, rule_id, nbytes, requests_max=requests_max,
+                                                 bytes_max=bytes_max)
+        except BaseException:
+            if want > 0:
+                await self.settle_out(sandbox_id, 0, want)
+            raise
+        if not recorded:
+            if want > 0:
+                await self.settle_out(sandbox_id, 0, want)
+            return RequestGrant("rule", counters[0])
+        return RequestGrant(None, counters[0])
 
     async def add_dns_query(self, sandbox_id: str, name_bytes: int) -> tuple[int, int]:
         counters = self._dns.setdefault(sandbox_id, [0, 0])

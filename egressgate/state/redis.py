@@ -6,7 +6,10 @@ Why it is shaped like this:
 - One round trip per operation (a script, or one MULTI pipeline); records come from a per-process
   cache that pub/sub keeps honest (state/redis_events.py), so the per-request re-read is free. The
   per-request operations share one multiplexed connection (state/resp.py: ~5x less CPU per command
-  than redis-py); redis-py (`self.redis`, a bounded pool) serves the rest.
+  than redis-py); redis-py (`self.redis`, a bounded pool) serves the rest. An allowed request of known
+  size costs two round trips: the snapshot its decision reads, then `reserve_request` (its bytes, its
+  rule's budget and its history in one script); bytes received ride along with the next write
+  (gateway/ledger.py), not one of their own.
 - Fail closed: any Redis error (connection refused, timeout, a script error, a corrupt record) raises
   StateUnavailable and counts in `errors`; callers deny `state_unavailable`. No command is retried
   by the client library (a retried write could count twice, or give a lease back twice). After a
@@ -42,7 +45,7 @@ from redis.maint_notifications import MaintNotificationsConfig
 from egressgate.policy.facts import SandboxState
 from egressgate.policy.globs import HostPattern
 from egressgate.state import lua
-from egressgate.state.base import SandboxRecord, StateUnavailable
+from egressgate.state.base import RequestGrant, SandboxRecord, StateUnavailable
 from egressgate.state.redis_codec import decode_record, decode_usage, encode_record, history_spec, pairs, rev_host
 from egressgate.state.redis_events import BACKOFF_MAX, BACKOFF_MIN, RecordCache, Subscriber
 from egressgate.state.resp import RespConnection
@@ -82,8 +85,9 @@ class RedisState:
         # the hot path's commands: one multiplexed connection (state/resp.py)
         self._conn = RespConnection(url, timeout=timeout, connect_timeout=CONNECT_TIMEOUT)
         self._scripts = {name: self.redis.register_script(getattr(lua, name)).sha for name in (
-            "RESERVE_OUT", "SETTLE_OUT", "RECORD_REQUEST", "SNAPSHOT", "BY_ADDRESS", "LIST_SANDBOXES",
-            "REVOKE", "RECONCILE", "ADD_COUNTERS", "COUNT_CALLS", "REFUND_CALLS", "MCP_PIN", "MCP_READ")}
+            "RESERVE_OUT", "SETTLE_OUT", "RECORD_REQUEST", "RESERVE_REQUEST", "SNAPSHOT", "BY_ADDRESS",
+            "LIST_SANDBOXES", "REVOKE", "RECONCILE", "ADD_COUNTERS", "COUNT_CALLS", "REFUND_CALLS", "MCP_PIN",
+            "MCP_READ")}
         self._events = self.key("events")
         self._callbacks: list[Callable[[str], None]] = []
         self._cache = RecordCache()
@@ -317,6 +321,22 @@ class RedisState:
         keys = [self.key("hosts", sandbox_id), self.key("hist", sandbox_id), self.key("usage", sandbox_id)]
         args = [host, rev_host(host), rule_id or "", int(nbytes), _limit(requests_max), _limit(bytes_max)]
         return bool(await self._eval("RECORD_REQUEST", keys, args))
+
+    async def reserve_request(self, sandbox_id: str, host: str, rule_id: str | None, nbytes: int, want: int,
+                              limit: int | None, *, requests_max: int | None = None, bytes_max: int | None = None,
+                              add_in: int = 0) -> RequestGrant:
+        keys = [self.key("ctr", sandbox_id), self.key("lease", self.worker_id), self.key("hb", self.worker_id),
+                self.key("workers"), self.key("sbx", sandbox_id), self.key("hosts", sandbox_id),
+                self.key("hist", sandbox_id), self.key("usage", sandbox_id)]
+        args = [sandbox_id, int(want), _limit(limit), int(self.heartbeat_ttl * 1000), self.worker_id, host,
+                rev_host(host), rule_id or "", int(nbytes), _limit(requests_max), _limit(bytes_max), int(add_in)]
+        reply = await self._eval("RESERVE_REQUEST", keys, args)
+        try:
+            refused, used = reply
+            return RequestGrant(refused or None, int(used))
+        except (ValueError, TypeError) as exc:
+            self.errors += 1
+            raise StateUnavailable(f"state backend error (reserve_request): unreadable reply ({exc})") from exc
 
     async def add_dns_query(self, sandbox_id: str, name_bytes: int) -> tuple[int, int]:
         keys = [self.key("ctr", sandbox_id), self.key("sbx", sandbox_id)]

@@ -9,19 +9,23 @@ state timeout every sandbox is denied `state_unavailable`). The store can read o
 asks about (`history=policy.history_patterns, rules=policy.budgeted_rules`, state/base.py); a policy
 without history conditions then reads none.
 
-Deterministic check: Redis's own command statistics (SMEMBERS runs inside the SNAPSHOT script) over
-requests of a sandbox whose policy has no `when` history condition.
+Deterministic check: Redis's own MONITOR (SMEMBERS of the sandbox's `hosts:<id>` key runs inside the
+SNAPSHOT script) over requests of a sandbox whose policy has no `when` history condition. Only that key
+is counted: the gateway's reconcile round (every 5 s) runs SMEMBERS of the `workers` set, which made a
+count of every SMEMBERS fail whenever a round fell inside the requests (a loaded machine).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
+import httpx
 import pytest
 
 from tests.support.gwworld import World, open_world, start_gateway
 from tests.support.launcher import stop_gateway
 from tests.support.redis import RedisServer
+from tests.support.redis_monitor import Monitor
 
 
 @pytest.fixture(scope="module")
@@ -30,31 +34,42 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
         yield w
 
 
-def _calls(server: RedisServer, command: str) -> int:
-    import redis
-
-    client = redis.Redis(host="127.0.0.1", port=server.port)
-    try:
-        stats = client.info("commandstats")
-    finally:
-        client.close()
-    return int(stats.get(f"cmdstat_{command}", {}).get("calls", 0))
-
-
 def test_requests_under_a_policy_without_history_conditions_never_read_the_history(world: World, tmp_path):
     with RedisServer(tmp_path / "redis") as server:
         state = {"state": {"backend": "redis", "url": server.url, "key_prefix": server.prefix()}}
         gw = start_gateway(world, tmp_path / "gw", state)
         try:
             sbx = gw.admit("gw-basic")
-            with sbx.client() as c:
-                assert c.get(sbx.url("api.test", "/echo")).status_code == 200  # the history has a host now
-                before = _calls(server, "smembers")
-                for _ in range(5):
-                    assert c.get(sbx.url("api.test", "/echo")).status_code == 200
-                    assert c.get(sbx.url("other.test", "/x")).status_code in (200, 404)
-            after = _calls(server, "smembers")
-            assert _calls(server, "evalsha") > 0  # positive control: the requests did go through Redis
-            assert after == before, f"{after - before} whole-history reads for 10 requests"
+            monitor = Monitor(server.port)
+            try:
+                with sbx.client() as c:
+                    assert c.get(sbx.url("api.test", "/echo")).status_code == 200  # the history has a host now
+                    start = monitor.mark()
+                    for _ in range(5):
+                        assert c.get(sbx.url("api.test", "/echo")).status_code == 200
+                        assert c.get(sbx.url("other.test", "/x")).status_code in (200, 404)
+                    end = monitor.mark()
+                commands = monitor.between(start, end)
+                # control: a read of the whole history (the control API's usage figures) is seen
+                res = httpx.get(
+                    f"http://{gw.admin}/v1/sandboxes/{sbx.id}",
+                    timeout=10,
+                    trust_env=False,
+                    headers={"Authorization": f"Bearer {gw.token}"},
+                )
+                assert res.status_code == 200 and res.json()["usage"]["hosts_contacted"] == 2
+                control = monitor.between(end, monitor.mark())
+            finally:
+                monitor.close()
+            history = f"hosts:{sbx.id}"
+            assert [w for _, w in control if w[0].upper() == "SMEMBERS" and w[1].endswith(history)] != []
+            # positive control: the requests did go through Redis, and the watch sees inside the scripts
+            assert any(words[0].upper() == "EVALSHA" for _, words in commands)
+            assert any(
+                client == "lua" and words[1:2] == [f"{state['state']['key_prefix']}ctr:{sbx.id}"]
+                for client, words in commands
+            )
+            reads = [words for _, words in commands if words[0].upper() == "SMEMBERS" and words[1].endswith(history)]
+            assert reads == [], f"{len(reads)} whole-history reads for 10 requests"
         finally:
             stop_gateway(gw)

@@ -164,6 +164,55 @@ def test_rule_request_budget_is_exact_under_concurrency(bw: BudgetWorld, backend
             stop_gateway(gw)
 
 
+def rule_requests(gw: LoopbackGateway, sandbox_id: str, rule: str) -> int:
+    """The store's request count of one rule, as the control API shows it."""
+    import httpx
+
+    res = httpx.get(f"http://{gw.admin}/v1/sandboxes/{sandbox_id}", headers={"Authorization": f"Bearer {gw.token}"},
+                    timeout=10, trust_env=False)
+    assert res.status_code == 200, res.text
+    return int(res.json()["usage"]["rules"].get(rule, {}).get("requests", 0))
+
+
+def test_byte_and_rule_budgets_in_one_step_stay_exact(bw: BudgetWorld, backend: dict | None) -> None:
+    """The bytes of a request, its rule's budget and its history are one atomic store step (issue 25): with
+    room for 12 requests in the byte budget and 30 in the rule's, exactly 12 of 64 concurrent requests (on
+    two gateway processes sharing one Redis) pass; the 52 refused for their bytes are not counted against
+    the rule (all or nothing), so its count is exactly 12 and the bytes spent are what the upstream got.
+    Control: the rule's own budget refuses once it is spent (30), the byte budget is not what stops it."""
+    port = bw.upstream.port
+    size = len(head(port, "/few", "Content-Length: 100")) + 100
+    gateways = gateways_for(bw, backend, 12 * size + size // 2, requests_max=30)
+    try:
+        sid, auth = admit(gateways[0])
+        mark = bw.upstream.mark()
+        results = fan_out(gateways, UPLOADS, lambda proxy: send(proxy, auth, port, "/few", b"f" * 100))
+        statuses = sorted(status for status, _ in results)
+        assert statuses == [200] * 12 + [429] * (UPLOADS - 12), statuses
+        refused = [json.loads(body) for status, body in results if status == 429]
+        assert {r["reason"] for r in refused} == {"budget_exceeded"}
+        # refused for their bytes (the rule's budget had room): no rule named, the byte budget's message
+        assert all(r["rule"] is None and r["message"].startswith("This request needs") for r in refused), refused[:2]
+        assert len(bw.upstream.since(mark)) == 12 and bw.upstream.total(mark) == 12 * size
+        assert [rule_requests(gw, sid, "few") for gw in gateways] == [12] * len(gateways)
+        assert spent_everywhere(gateways, sid) == [12 * size] * len(gateways)
+    finally:
+        for gw in gateways:
+            stop_gateway(gw)
+    # control: a byte budget with room for all, a rule budget of 30: the rule is what refuses now
+    gateways = gateways_for(bw, backend, 10_000_000, requests_max=30)
+    try:
+        sid, auth = admit(gateways[0])
+        results = fan_out(gateways, UPLOADS, lambda proxy: send(proxy, auth, port, "/few", b"f" * 100))
+        assert sorted(status for status, _ in results) == [200] * 30 + [429] * (UPLOADS - 30)
+        refused = [json.loads(body) for status, body in results if status == 429]
+        assert {(r["reason"], r["rule"]) for r in refused} == {("budget_exceeded", "few")}  # the rule's, not bytes
+        assert [rule_requests(gw, sid, "few") for gw in gateways] == [30] * len(gateways)
+    finally:
+        for gw in gateways:
+            stop_gateway(gw)
+
+
 def test_kill_9_mid_upload_survivor_serves_total_never_over(bw: BudgetWorld, redis_server: RedisServer) -> None:
     """Two processes on one Redis; one is killed (-9) while it relays chunked uploads holding a lease.
     The survivor keeps serving, the total spent never passes the budget (the dead lease stays spent),

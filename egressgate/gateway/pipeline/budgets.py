@@ -13,7 +13,10 @@ buffered body): those return it through `refund_prepaid`, the one refund. The pr
 (spent) at the `request` hook, which runs after every stage that can refund it, or when the flow ends.
 
 A request with a known length reserves exactly its size before connecting (429 with the remaining figure
-when it does not fit, so the upstream never sees a request that could not complete). Bytes of unknown
+when it does not fit, so the upstream never sees a request that could not complete), in the same atomic
+store step that checks and counts its rule's budget and enters it into the sandbox's history
+(`StateStore.reserve_request`: one Redis round trip after the decision's snapshot; enforce.py then has
+nothing left to write). Bytes of unknown
 total (chunked / HTTP/2 bodies, websocket frames, raw TCP) are paid from a per-flow `Meter` over the
 sandbox's leased pool: the synchronous stream callable and hooks spend from it; when it runs dry the
 flow pauses (http_layer.py yields a blocking `BudgetTopUpHook` before the chunk reaches the callable;
@@ -25,12 +28,13 @@ upstream never sees the terminating chunk of a cut body.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 from mitmproxy import http, tcp
 
 from egressgate.gateway.layers import ws_layer
 from egressgate.gateway.shared.context import FlowState, Runtime, ensure_flow_state, flow_state
-from egressgate.gateway.shared.counters import finish_flow, hold_client
+from egressgate.gateway.shared.counters import finish_flow, hold_client, rule_budget
 from egressgate.gateway.shared.deny import gateway_deny
 from egressgate.gateway.shared.ledger import ByteLedger as ByteLedger  # re-exported: app.py builds it from here
 from egressgate.gateway.shared.ledger import Meter, TopUp, answer_top_up
@@ -81,13 +85,18 @@ class Budgets:
         head = request_head_size(flow.request)
         body = declared_body_size(flow.request)
         prepay = head + (body or 0)
-        try:
-            fits = await self.rt.ledger.reserve(sandbox_id, prepay, limit)
-            remaining = 0 if fits else await self.rt.ledger.remaining(sandbox_id, limit)
-        except (StateUnavailable, KeyError) as exc:
-            logger.error("byte budget of %s unavailable: %s", sandbox_id, exc)
-            fs.decision = gateway_deny(Reason.STATE_UNAVAILABLE, detail="outbound_bytes_max")
-            return
+        if fs.host is not None:
+            fits, remaining = await self._reserve_and_record(fs, sandbox_id, prepay, limit)
+            if fits is None:
+                return
+        else:  # no host to enter into the history (enforce.py refuses it): the bytes alone
+            try:
+                fits = await self.rt.ledger.reserve(sandbox_id, prepay, limit)
+                remaining = 0 if fits else await self.rt.ledger.remaining(sandbox_id, limit)
+            except (StateUnavailable, KeyError) as exc:
+                logger.error("byte budget of %s unavailable: %s", sandbox_id, exc)
+                fs.decision = gateway_deny(Reason.STATE_UNAVAILABLE, detail="outbound_bytes_max")
+                return
         if not fits:
             fs.budget_refused = (prepay, max(0, (limit or 0) - remaining))
             fs.decision = gateway_deny(
@@ -104,6 +113,46 @@ class Budgets:
         fs.stream_request = body is None or body > STREAM_THRESHOLD  # a large known one is paid in full
         if body is None:
             fs.meter = self.rt.ledger.open(sandbox_id, limit)
+
+    async def _reserve_and_record(self, fs: FlowState, sandbox_id: str, prepay: int,
+                                  limit: int | None) -> tuple[bool | None, int]:
+        """The prepayment, the rule's budget (`budget.requests` / `budget.bytes`) and the request's entry in
+        the sandbox's history in one atomic store step (one round trip on Redis; enforce.py then has
+        nothing left to write). (True, 0): reserved and recorded; (False, remaining bytes): the byte budget
+        cannot hold it; (None, 0): refused here, `fs.decision` says why.
+
+        decide() judged the rule's budget on a snapshot that concurrent requests (on any gateway process)
+        may have shared: the store's check-and-count is the authority, and a request over it is refused
+        `budget_exceeded` (detail `rule_budget`) as its decision, before its record is written. Fail
+        closed: when the store cannot write the history, the request is refused `state_unavailable` (a
+        request the history does not know of would escape every later `after_request_to` /
+        `unless_request_to` condition and request budget). A request refused after this step (its
+        decision record could not be written, its body) stays in the history and its rule's usage, as it
+        did when the history was written after the record: counts may over-state, never under-state."""
+        allowed = fs.decision
+        assert allowed is not None and fs.host is not None
+        budget = rule_budget(self.rt, fs)
+        try:
+            grant = await self.rt.ledger.reserve_request(
+                sandbox_id, prepay, limit, fs.host, allowed.rule_id,
+                requests_max=budget.requests if budget is not None else None,
+                bytes_max=budget.bytes if budget is not None else None)
+        except (StateUnavailable, KeyError) as exc:
+            logger.error("could not reserve and record the request of %s: %s; refusing it", sandbox_id, exc)
+            fs.decision = replace(gateway_deny(Reason.STATE_UNAVAILABLE, detail="request history not written",
+                                               rule_id=allowed.rule_id), capability=allowed.capability)
+            return None, 0
+        if grant.refused == "rule":
+            fs.decision = replace(gateway_deny(
+                Reason.BUDGET_EXCEEDED, f"The budget of rule {allowed.rule_id!r} is spent (its budget.requests "
+                "or budget.bytes); further requests under it are refused.", detail="rule_budget",
+                rule_id=allowed.rule_id), capability=allowed.capability)
+            return None, 0
+        if grant.refused is not None:
+            pool_avail = self.rt.ledger.held(sandbox_id)
+            return False, max(0, (limit or 0) - grant.bytes_out + pool_avail)
+        fs.history_written = True
+        return True, 0
 
     async def budget_top_up(self, top: TopUp) -> None:
         """A layer paused a flow until its meter holds the next chunk (ledger.BudgetTopUpHook)."""

@@ -71,6 +71,8 @@ class Enforce:
     async def _record_history(self, flow: http.HTTPFlow, fs) -> bool:
         """Enter the allowed request into the sandbox's history before a byte of it goes upstream, and
         count it against its rule's budget (`budget.requests` / `budget.bytes`) in the same atomic step.
+        Usually already done: budgets.py wrote both with the request's prepayment (`history_written`);
+        this is for a request it did not write.
 
         decide() judged the rule's budget on a snapshot; concurrent requests (on this or another gateway
         process) may all have passed on the same one. The store's check-and-count is the authority: a
@@ -81,6 +83,8 @@ class Enforce:
         bytes (nothing went upstream) and is recorded under the request id of its allow record (a deny
         takes effect whether or not its record is written: queued and retried, never dropped)."""
         if fs.sandbox_id is None or fs.host is None:
+            return True
+        if fs.history_written:  # budgets.py wrote it with the prepayment, in the same store step
             return True
         allowed = fs.decision
         budget = rule_budget(self.rt, fs)

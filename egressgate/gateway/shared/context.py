@@ -127,6 +127,7 @@ class FlowState:
     bytes_in: int = 0
     prepaid_out: int = 0  # bytes reserved up front (head + Content-Length)
     prepay_committed: bool = False  # ... and past the last refund: they stay spent (counters.finish_flow)
+    history_written: bool = False  # budgets.py entered the request into the history with its prepayment
     meter: Meter | None = None  # bytes of unknown total (body, websocket, raw TCP) paid from the lease
     stream_request: bool = False  # the request body is relayed as it arrives (large or of unknown length) ...
     meter_request: bool = False  # ... and counted chunk by chunk (unknown length: not prepaid)

@@ -22,7 +22,10 @@ idle. A pool left holding bytes without use (a flow that never reached its end h
 is settled by `sweep` (run every second by reconcile.py) after one to two seconds of no use.
 
 Writes after the fact (settle, add_in) are summed per sandbox and written once per event-loop tick (one
-task for all of them), never one per chunk (issue 11). A settle that fails is not retried: after a timeout
+task for all of them), never one per chunk (issue 11). On a shared store (Redis: a round trip each) bytes
+in are not written on their own: they ride along with the sandbox's next write (`reserve_request`, a
+settle) and the sweep writes what is left within a second (issue 25: two round trips per request); they
+are a figure, no budget reads them. A settle that fails is not retried: after a timeout
 the store may have applied it, and giving unused bytes back twice would let the sandbox exceed its
 budget. A lost settle only overstates what was spent (fail closed); it is logged and counted.
 """
@@ -37,7 +40,7 @@ from typing import Any
 from mitmproxy.proxy.commands import StartHook
 
 from egressgate.policy.facts import SandboxState
-from egressgate.state.base import StateStore, StateUnavailable
+from egressgate.state.base import RequestGrant, StateStore, StateUnavailable
 from egressgate.state.memory import MemoryState
 
 logger = logging.getLogger(__name__)
@@ -57,7 +60,8 @@ RETRY_DELAYS = (0.02, 0.05, 0.1, 0.2, 0.4, 0.8, 1.0)
 class _Pool:
     """This process's share of one sandbox's budget."""
 
-    __slots__ = ("avail", "fetching", "in_", "lease", "seen", "settle_spent", "spent", "unused", "used", "users")
+    __slots__ = ("avail", "fetching", "flush_in", "in_", "lease", "seen", "settle_spent", "spent", "unused", "used",
+                 "users")
 
     def __init__(self) -> None:
         self.avail = 0  # reserved from the store, given to no flow yet
@@ -70,6 +74,7 @@ class _Pool:
         self.used = 0  # activity counter (bumped per take; sweep compares it with `seen`)
         self.seen = 0
         self.settle_spent = False  # the next write settles `spent` too (idle, swept, or past SPENT_SETTLE)
+        self.flush_in = False  # the next write counts `in_` even when nothing else is written (sweep, flush)
 
 
 class ByteLedger:
@@ -79,6 +84,8 @@ class ByteLedger:
         self.state = state
         # one process owns a memory store: no other process can hold a lease of it, nothing to wait for
         self.retry_delays: tuple[float, ...] = () if isinstance(state, MemoryState) else RETRY_DELAYS
+        # a shared store pays a round trip per write: bytes in wait for the sandbox's next write (module doc)
+        self.defer_in = not isinstance(state, MemoryState)
         self._pools: dict[str, _Pool] = {}
         self._dirty: set[str] = set()
         self._scheduled = False
@@ -112,6 +119,30 @@ class ByteLedger:
             return True
         self.give_back(sandbox_id, local + granted)  # granted is 0 (all or nothing); defensive
         return False
+
+    async def reserve_request(self, sandbox_id: str, amount: int, limit: int | None, host: str,
+                              rule_id: str | None, *, requests_max: int | None = None,
+                              bytes_max: int | None = None) -> RequestGrant:
+        """`reserve` and the store's `record_request` in one store step (StateStore.reserve_request): the
+        request's `amount` bytes (this process's pool first, the rest from the store) and its entry in the
+        history and its rule's usage, all or nothing. The bytes in summed since the last write go with it.
+        Raises StateUnavailable (nothing reserved here; the bytes in it carried are not counted again)."""
+        pool = self._pool(sandbox_id)
+        local = min(pool.avail, amount)
+        pool.avail -= local
+        in_, pool.in_ = pool.in_, 0
+        try:
+            grant = await self.state.reserve_request(sandbox_id, host, rule_id, amount, amount - local, limit,
+                                                     requests_max=requests_max, bytes_max=bytes_max, add_in=in_)
+        except BaseException as exc:
+            self.give_back(sandbox_id, local)
+            if in_:  # not retried, like a failed add_in: it may have been counted
+                self.settle_failures += 1
+                logger.error("counting %d bytes in for %s failed: %s", in_, sandbox_id, exc)
+            raise
+        if grant.refused is not None:
+            self.give_back(sandbox_id, local)
+        return grant
 
     async def give_back_now(self, sandbox_id: str, pool: _Pool) -> None:
         """Return what this pool holds to the store at once (not at the next tick): a flow here waits
@@ -153,6 +184,11 @@ class ByteLedger:
             return snap
         return replace(snap, bytes_out=max(0, snap.bytes_out - pool.avail))
 
+    def held(self, sandbox_id: str) -> int:
+        """Bytes this process holds in the sandbox's pool, given to no flow (leased, not spent)."""
+        pool = self._pools.get(sandbox_id)
+        return pool.avail if pool is not None else 0
+
     async def remaining(self, sandbox_id: str, limit: int | None) -> int:
         """What this sandbox could still send from here (for the 429 message; a store read)."""
         if limit is None:
@@ -179,7 +215,8 @@ class ByteLedger:
     def add_in(self, sandbox_id: str, amount: int) -> None:
         if amount:
             self._pool(sandbox_id).in_ += amount
-            self._mark(sandbox_id)
+            if not self.defer_in:
+                self._mark(sandbox_id)
 
     # ------------------------------------------------------------------ store writes
     def _mark(self, sandbox_id: str, spent: bool = False) -> None:
@@ -200,9 +237,12 @@ class ByteLedger:
                 continue
             spent = pool.spent if (pool.unused or pool.settle_spent or pool.spent >= SPENT_SETTLE) else 0
             pool.settle_spent = False
-            unused, in_ = pool.unused, pool.in_
+            unused = pool.unused
+            in_ = pool.in_ if (spent or unused or pool.flush_in or not self.defer_in) else 0
+            pool.flush_in = False
             pool.spent -= spent
-            pool.unused = pool.in_ = 0
+            pool.unused = 0
+            pool.in_ -= in_
             if spent or unused or in_:
                 batch.append((sandbox_id, spent, unused, in_))
         self._dirty.clear()
@@ -215,6 +255,15 @@ class ByteLedger:
         await asyncio.gather(*(self._write_one(*item) for item in batch))
 
     async def _write_one(self, sandbox_id: str, spent: int, unused: int, in_: int) -> None:
+        if (spent or unused) and in_:
+            # both at once: issued in the same tick, they leave in one write to the store (one round trip)
+            await asyncio.gather(self._settle(sandbox_id, spent, unused), self._add_in(sandbox_id, in_))
+        elif in_:  # the common case in process (memory: bytes in after each response): no task of its own
+            await self._add_in(sandbox_id, in_)
+        else:
+            await self._settle(sandbox_id, spent, unused)
+
+    async def _settle(self, sandbox_id: str, spent: int, unused: int) -> None:
         if spent or unused:
             try:
                 await self.state.settle_out(sandbox_id, spent, unused)
@@ -222,6 +271,8 @@ class ByteLedger:
                 self.settle_failures += 1
                 logger.error("settling %d spent / %d unused bytes of %s failed (%s); its bytes_out stays "
                              "overstated until the lease is reconciled", spent, unused, sandbox_id, exc)
+
+    async def _add_in(self, sandbox_id: str, in_: int) -> None:
         if in_:
             try:
                 await self.state.add_in(sandbox_id, in_)
@@ -233,6 +284,9 @@ class ByteLedger:
         """Settle pools unused since the last sweep (bytes held by a flow that went quiet or never
         closed go back; a later chunk tops up again) and forget empty ones. Called every second."""
         for sandbox_id, pool in list(self._pools.items()):
+            if pool.in_:  # bytes in waiting for a write (defer_in): written now, busy or not
+                pool.flush_in = True
+                self._mark(sandbox_id)
             if pool.used != pool.seen:
                 pool.seen = pool.used
                 continue
@@ -254,6 +308,7 @@ class ByteLedger:
             pool.unused += pool.avail
             pool.avail = 0
             if pool.spent or pool.unused or pool.in_:
+                pool.flush_in = True
                 self._mark(sandbox_id, spent=True)
         await self.flush_writes()
 
