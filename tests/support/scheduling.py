@@ -237,6 +237,11 @@ class GroupWallTimes:
         for group, (_start, stop, _busy) in self.span.items():
             per_worker[self.worker[group]] = max(per_worker.get(self.worker[group], 0.0), stop - t0)
         last = ", ".join(f"{w} {t:.0f}s" for w, t in sorted(per_worker.items()))
+        try:  # the machine's load with the figures: a wall time means little without it
+            load = " ".join(Path("/proc/loadavg").read_text().split()[:3])
+        except OSError:
+            load = "?"
+        tr.write_line(f"load average at the end (1/5/15 min): {load}")
         unweighted = sorted(g for g in self.span if g not in weights)
         tr.write_line(
             f"last test end per worker: {last}; {len(unweighted)} groups without a weight"
