@@ -26,6 +26,22 @@ COMMANDS = {
 }
 
 
+# name -> the command's own help (its first paragraph is all `egressgate --help` shows), so the top-level
+# help lists the commands without importing them: loading every group for its one-line summary took ~0.5 s
+# (the gateway's config and DNS stack among them). tests/test_cli_help.py checks each against the command.
+SUMMARIES = {
+    "policy": "Check, explain and test policies.",
+    "audit": "Verify, search and replay the audit trail.",
+    "run": "Start the gateway (proxy + admin API). Prints one JSON line with the bound addresses.",
+    "sandbox": "Admit, run and revoke sandboxes on the running gateway.",
+    "approvals": "List, approve and deny sandbox requests outside their allowlist (execution.require_approval_for).",
+    "workspaces": "Persistent workspaces kept by the runtime (`sandbox run --workspace NAME`).",
+    "mcp": "MCP servers: local stdio servers run in a sandbox, their tool calls decided by the gateway.",
+    "ca": "The gateway CA that signs intercepted TLS (private key stays in ca_dir).",
+    "runtime": "Deployment files for Kubernetes, compose and Firecracker; admission for a containerised agent.",
+}
+
+
 def _exists(module: str) -> bool:
     try:
         return importlib.util.find_spec(module) is not None
@@ -58,6 +74,16 @@ class LazyGroup(click.Group):
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
         return _load(cmd_name) if cmd_name in COMMANDS else None
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """click's listing, from SUMMARIES instead of the loaded commands (same shortening, same layout)."""
+        names = self.list_commands(ctx)
+        if not names:
+            return
+        limit = formatter.width - 6 - max(len(name) for name in names)
+        rows = [(name, click.Command(name, help=SUMMARIES[name]).get_short_help_str(limit)) for name in names]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})

@@ -15,14 +15,21 @@ TESTS_ROOT = Path(__file__).resolve().parent
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--group-durations", metavar="PATH", default=None,
-                     help="write seconds per xdist group as JSON (refresh tests/durations.json with it)")
+    parser.addoption(
+        "--group-durations",
+        metavar="PATH",
+        default=None,
+        help="write seconds per xdist group as JSON (refresh tests/durations.json with it)",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    if hasattr(config, "workerinput"):  # the controller sees every worker's reports
+        return
+    config.pluginmanager.register(scheduling.GroupWallTimes(), "group-wall-times")
     path = config.getoption("--group-durations")
-    if path and not hasattr(config, "workerinput"):  # the controller sees every worker's reports
-        config.pluginmanager.register(scheduling.GroupDurations(Path(path)), "group-durations")
+    if path:
+        config.pluginmanager.register(scheduling.GroupDurations(Path(path), TESTS_ROOT), "group-durations")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the xdist_group marks it adds
@@ -44,5 +51,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     which pytest 9 no longer reads): the suite would run with every host-global test spread over workers."""
     config = session.config
     if getattr(config.option, "loadgroup", False) and session.items and "@" not in session.items[0].nodeid:
-        raise pytest.UsageError("xdist ignored the test groups (tests/support/scheduling.py): "
-                                "this pytest/pytest-xdist pair cannot run `make test` in parallel safely")
+        raise pytest.UsageError(
+            "xdist ignored the test groups (tests/support/scheduling.py): "
+            "this pytest/pytest-xdist pair cannot run `make test` in parallel safely"
+        )

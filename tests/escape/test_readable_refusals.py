@@ -296,6 +296,9 @@ def trd(world: World, gateway: Gateway) -> Iterator[Transparent]:
         yield t
     finally:
         nw.sh("ip", "netns", "exec", world.gw, "nft", "delete", "table", "ip", table, check=False)
+        # the namespace stays in the session's world (World.namespaces): give it back the world's resolver,
+        # which tests/escape/test_world.py checks in every namespace when it runs later on the same worker
+        (Path("/etc/netns") / ns / "resolv.conf").write_text(f"nameserver {nw.DNS_ADDR}\n")
 
 
 def ask(trd: Transparent, name: str, qtype: str = "A", source: str = SOURCE) -> dns.message.Message:

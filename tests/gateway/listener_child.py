@@ -28,6 +28,23 @@ class AnswerWithPid:
         flow.response = http.Response.make(200, str(os.getpid()).encode())
 
 
+class ReportServers:
+    """One stderr line once mitmproxy has tried to start its proxy servers (Master.run awaits setup_servers
+    before the `running` hook): `servers: [{"running": ..., "error": ...}]`. The control test waits for it (the
+    unpatched child's bind failure) instead of a grace period: how long a start takes on a loaded machine is
+    not a test's to guess."""
+
+    def __init__(self, server: proxyserver.Proxyserver) -> None:
+        self.server = server
+
+    def running(self) -> None:
+        states = [
+            {"running": s.is_running, "error": str(s.last_exception) if s.last_exception else None}
+            for s in self.server.servers
+        ]
+        print("servers: " + json.dumps(states), file=sys.stderr, flush=True)
+
+
 async def main() -> None:
     socks = listeners.inherit(json.loads(sys.argv[1]))
     if sys.argv[2] in ("patch", "asyncio"):
@@ -42,7 +59,8 @@ async def main() -> None:
     host, port = socks["proxy"].getsockname()[:2]
     opts = options.Options()
     master = mitm_master.Master(opts, with_termlog=False)
-    master.addons.add(proxyserver.Proxyserver(), next_layer.NextLayer(), AnswerWithPid())
+    server = proxyserver.Proxyserver()
+    master.addons.add(server, next_layer.NextLayer(), AnswerWithPid(), ReportServers(server))
     opts.update(mode=[f"regular@{host}:{port}"])
     await master.run()
 

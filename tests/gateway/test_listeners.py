@@ -96,16 +96,28 @@ def test_a_killed_process_loses_no_new_connection(shared):
     assert answers == Counter({str(b.pid): 60}), answers
 
 
-def test_without_the_patch_mitmproxy_does_not_serve_the_inherited_socket(shared):
+def servers_line(tmp_path: Path, child: int) -> str:
+    """What child number `child` said about its proxy servers (listener_child.ReportServers), "" until then."""
+    path = tmp_path / f"child{child}.err"
+    lines = [line for line in path.read_text().splitlines() if line.startswith("servers: ")] if path.exists() else []
+    return lines[0].removeprefix("servers: ") if lines else ""
+
+
+def test_without_the_patch_mitmproxy_does_not_serve_the_inherited_socket(shared, tmp_path):
     """Control: mitmproxy binds by itself (no reuse_port) and cannot take the address the parent holds,
     so without listeners.install_mitm a connection is accepted by the kernel and never answered; the
     same child with the patch answers at once."""
     port, start = shared
-    bare = start("nopatch")
-    wait_for(lambda: bare.poll() is not None, timeout=4)  # give it the time a patched child needs
+    start("nopatch")
+    # not a grace period (it was one: 4 s, stretched to wait_for's 60 s floor): the child says when mitmproxy
+    # has tried to start its server, and that it could not take the address
+    assert wait_for(lambda: servers_line(tmp_path, 0), timeout=120), (tmp_path / "child0.err").read_text()
+    bare = json.loads(servers_line(tmp_path, 0))
+    assert [s["running"] for s in bare] == [False] and "address already in use" in bare[0]["error"], bare
     assert ask(port, 3) == ""
     start("patch")
     assert wait_for(lambda: ask(port, 2) != "", timeout=30)
+    assert json.loads(servers_line(tmp_path, 1)) == [{"running": True, "error": None}]
 
 
 def burst(port: int, n: int = 32) -> Counter:
