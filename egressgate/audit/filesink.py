@@ -108,7 +108,11 @@ class FileSink(TrailMixin, WriteMixin):
         self._pending: deque[Record] = deque()
         self.after_delay = after_delay  # enqueue_after records wait at most this long for a batch to join
         self._after: list[Record] = []
-        self._after_timer: asyncio.TimerHandle | None = None
+        self._after_timer: asyncio.Handle | None = None
+        # Sparse traffic (the last outcome was not followed by a record within `after_delay`): the next
+        # outcome is written as soon as the loop is idle instead of after the timer (trail.enqueue_after)
+        self._after_idle = True
+        self._after_at: float | None = None  # loop time of the last outcome handed over, until a record follows
         self._spool = RetrySpool(Path(retry_spool) if retry_spool is not None else None)
         self._spooled: set[int] = set()  # ids of queued records that also have a copy in the spool
         self._incident_next: list[Record] = []  # written right after the next chain_start
@@ -204,7 +208,11 @@ class FileSink(TrailMixin, WriteMixin):
     async def _submit(self, record: Record) -> None:
         if self._closed or self._writer is None:
             raise AuditUnavailable("audit sink is not running")
-        fut = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        if self._after_at is not None:  # did this record follow the last outcome closely? (enqueue_after)
+            self._after_idle = loop.time() - self._after_at > self.after_delay
+            self._after_at = None
+        fut = loop.create_future()
         self._queue.put_nowait((record, fut))
         await fut
 
