@@ -25,11 +25,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from egressgate.audit import writerlock
+from egressgate.audit.afterfact import AfterRecords
 from egressgate.audit.chain import KIND_FINAL, KIND_PERIODIC, ChainWriter
 from egressgate.audit.checkpointer import Checkpointer
 from egressgate.audit.event import AuditEvent, AuditUnavailable
 from egressgate.audit.filewatch import rotated_name
-from egressgate.audit.inline import WriteMixin
+from egressgate.audit.inline import BatchWriter
 from egressgate.audit.record import Record, record_from_event
 from egressgate.audit.signer import Signer
 from egressgate.audit.spool import RetrySpool
@@ -49,7 +50,7 @@ class ExportFailed(OSError):
     """The OTLP exporter (the only destination) did not accept the batch."""
 
 
-class FileSink(TrailMixin, WriteMixin):
+class FileSink(TrailMixin):
     """AuditSink writing to `path` (None: exporter only) and/or an OTLP/HTTP exporter."""
 
     def __init__(
@@ -91,11 +92,9 @@ class FileSink(TrailMixin, WriteMixin):
         self.batch_max = batch_max
         self.probe_interval = probe_interval
         self._clock = clock
-        self.inline_write_max = inline_write_max  # 0: always write in a worker thread
-        self.inline_slow = inline_slow
-        self.inline_retry = inline_retry  # seconds after a slow inline write before writing inline again
-        self._inline_ok = True  # False after a slow inline write, until a write (in a thread) is fast again
-        self._inline_retry_at = 0.0  # ... or until this monotonic time has passed
+        # where a batch is written: inline on the event loop when cheap, else in a thread (inline.py)
+        self._batches = BatchWriter(fsync=fsync, inline_write_max=inline_write_max, inline_slow=inline_slow,
+                                    inline_retry=inline_retry)
         self._fd: int | None = None
         self._lock: int | None = None  # writerlock fd, held from start() to close()
         self._size = 0
@@ -105,16 +104,10 @@ class FileSink(TrailMixin, WriteMixin):
         self._last_watch = time.monotonic()
         self._last_fstat = 0.0
         self.pending_max = pending_max  # queued after-the-fact records beyond which new requests are denied
-        self._pending: deque[Record] = deque()
-        self.after_delay = after_delay  # enqueue_after records wait at most this long for a batch to join
-        self._after: list[Record] = []
-        self._after_timer: asyncio.Handle | None = None
-        # Sparse traffic (the last outcome was not followed by a record within `after_delay`): the next
-        # outcome is written as soon as the loop is idle instead of after the timer (trail.enqueue_after)
-        self._after_idle = True
-        self._after_at: float | None = None  # loop time of the last outcome handed over, until a record follows
-        self._spool = RetrySpool(Path(retry_spool) if retry_spool is not None else None)
-        self._spooled: set[int] = set()  # ids of queued records that also have a copy in the spool
+        # outcomes: deferred to ride a batch, retried, spooled, never dropped (afterfact.py)
+        self._afterq = AfterRecords(RetrySpool(Path(retry_spool) if retry_spool is not None else None), after_delay,
+                                    wake=lambda: self._queue.put_nowait(_WAKE),
+                                    writer_stopped=lambda: self._writer is None or self._writer.done())
         self._incident_next: list[Record] = []  # written right after the next chain_start
         self.incidents: list[dict] = []  # shown in /healthz
         self._sign_due = False
@@ -134,9 +127,26 @@ class FileSink(TrailMixin, WriteMixin):
         self.records_dropped = 0  # only in allow-and-alert mode
         self.export_failures = 0
         self.rotations = 0
-        self.slow_inline_writes = 0
-        self.records_retried = 0  # after-the-fact records written on a later attempt
-        self.records_lost = 0  # queued records that could not be written before the sink stopped
+
+    @property
+    def slow_inline_writes(self) -> int:
+        """Inline writes slower than `inline_slow` (the writes after each went to a thread for a while)."""
+        return self._batches.slow_inline_writes
+
+    @property
+    def records_retried(self) -> int:
+        """After-the-fact records written on a later attempt."""
+        return self._afterq.retried
+
+    @property
+    def records_lost(self) -> int:
+        """Queued records that could not be written before the sink stopped (nor kept in the spool)."""
+        return self._afterq.lost
+
+    @property
+    def _pending(self) -> deque[Record]:
+        """The retry queue (admin/metrics.py reads its length)."""
+        return self._afterq.pending
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -163,12 +173,12 @@ class FileSink(TrailMixin, WriteMixin):
             if item is _STOP or item is _WAKE:
                 continue
             if item[1] is None:  # enqueue_after: nobody waits; queued (spooled) and named, never dropped
-                self._queue_for_retry(item[0], err)
+                self._afterq.retry(item[0], err)
             elif not item[1].done():
                 item[1].set_exception(err)
-        for record, _ in self._take_after():  # enqueue_after records not yet in a batch
-            self._queue_for_retry(record, err)
-        self._report_lost()
+        for record, _ in self._afterq.take():  # enqueue_after records not yet in a batch
+            self._afterq.retry(record, err)
+        self._afterq.report_lost()
 
     def healthy(self) -> bool:
         """False after a failed write until one succeeds, and while `pending_max` or more after-the-fact
@@ -209,9 +219,7 @@ class FileSink(TrailMixin, WriteMixin):
         if self._closed or self._writer is None:
             raise AuditUnavailable("audit sink is not running")
         loop = asyncio.get_running_loop()
-        if self._after_at is not None:  # did this record follow the last outcome closely? (enqueue_after)
-            self._after_idle = loop.time() - self._after_at > self.after_delay
-            self._after_at = None
+        self._afterq.followed(loop.time())  # did it follow the last outcome closely? (afterfact.py)
         fut = loop.create_future()
         self._queue.put_nowait((record, fut))
         await fut
@@ -255,11 +263,11 @@ class FileSink(TrailMixin, WriteMixin):
                 if len(batch) >= self.batch_max or self._queue.empty():
                     break
                 item = self._queue.get_nowait()
-            if self._after:
-                batch[:0] = self._take_after()
+            if self._afterq.deferred:
+                batch[:0] = self._afterq.take()
             if batch or stopping or self._sign_due:
                 await self._run_batch(batch, final=stopping, checkpoint=self._sign_due)
-        self._report_lost()
+        self._afterq.report_lost()
 
     async def _run_batch(
         self, batch: list, *, checkpoint: bool = False, final: bool = False, watch_only: bool = False
@@ -277,8 +285,8 @@ class FileSink(TrailMixin, WriteMixin):
                       len(batch), len(self._pending), exc)
             err = AuditUnavailable(f"audit record could not be made durable: {exc}")
             for record, fut in batch:
-                if fut is None:  # enqueue_after: cannot be denied, so retried (trail.py), never dropped
-                    self._queue_for_retry(record, err)
+                if fut is None:  # enqueue_after: cannot be denied, so retried (afterfact.py), never dropped
+                    self._afterq.retry(record, err)
                 elif not fut.done():
                     fut.set_exception(err)
             return
@@ -286,7 +294,7 @@ class FileSink(TrailMixin, WriteMixin):
         if checkpoint:  # signed, or the signer failed again: its probe asks for the next one
             self._sign_due = False
         if pending:
-            self._written_pending(pending)
+            self._afterq.written(pending)
         for _, fut in batch:
             if fut is not None and not fut.done():
                 fut.set_result(None)
@@ -325,7 +333,7 @@ class FileSink(TrailMixin, WriteMixin):
                 return
             data = b"".join(line + b"\n" for line in lines)
             if self._fd is not None:
-                await self._write_batch(data)
+                self._size = await self._batches.write(self._fd, self._size, data, self.path)
             elif self.exporter is not None and not await asyncio.to_thread(self.exporter.export, out):
                 raise ExportFailed(f"OTLP export to {self.exporter.endpoint} failed")
         except BaseException:

@@ -37,7 +37,7 @@ from egressgate.audit.filewatch import (
     salvage_deleted,
     secure_directory,
 )
-from egressgate.audit.record import Record, record_from_event
+from egressgate.audit.record import record_from_event
 from egressgate.audit.recovery import TailState, append_seal, inspect_tail
 
 if TYPE_CHECKING:
@@ -56,12 +56,9 @@ class TrailMixin:
     async def _open_initial(self: FileSink) -> None:
         assert self.path is not None
         tail_path, tail = await asyncio.to_thread(self._previous_tail)
-        restored = await asyncio.to_thread(self._spool.load)  # queued by a run that was killed
+        restored = await asyncio.to_thread(self._afterq.spool.load)  # queued by a run that was killed
         if restored:
-            self._pending.extend(restored)
-            self._spooled.update(id(r) for r in restored)
-            log.warning("%d audit records queued by the previous run are written first (request ids: %s)",
-                        len(restored), ", ".join(str(r.attributes.get(K_REQUEST_ID)) for r in restored[:20]))
+            self._afterq.restore(restored)
         last = tail.last_hash if tail is not None and tail.last_hash else None
         since_signed = tail.since_signed if tail is not None else 0
         if tail is not None and not tail.sealed:
@@ -273,79 +270,21 @@ class TrailMixin:
             await self._submit(record)
             return True
         except AuditUnavailable as exc:
-            self._queue_for_retry(record, exc)
+            self._afterq.retry(record, exc)
             return False
 
     def enqueue_after(self: FileSink, event: AuditEvent) -> None:
         """`write_after` for a caller that does not wait for the answer (the gateway's outcome records):
-        the record goes to the writer's queue with no future, and no task or coroutine is created for it
-        (one per request was ~2 % of the gateway's CPU at c=1, issue 11). The same never-dropped rule:
-        if its batch fails, the writer moves it to the retry queue (`_run_batch`); if the writer dies
-        first, `_writer_done` does and names it; `close()` drains the queue through the final batch."""
+        the record is handed to the writer with no future, and no task or coroutine is created for it
+        (one per request was ~2 % of the gateway's CPU at c=1, issue 11). It rides the next batch, or is
+        written at idle / after `after_delay` (afterfact.py). The same never-dropped rule: if its batch
+        fails, the writer moves it to the retry queue (`_run_batch`); if the writer dies first,
+        `_writer_done` does and names it; `close()` drains it through the final batch."""
         record = record_from_event(event)
         if self._closed or self._writer is None or self._writer.done():
-            self._queue_for_retry(record, AuditUnavailable("audit sink is not running"))
+            self._afterq.retry(record, AuditUnavailable("audit sink is not running"))
             return
-        # Not queued at once while traffic is dense: it rides the next batch (at c=1 the next request's
-        # decision record, so one os.write and one writer wake-up per request instead of two), or after
-        # `after_delay` at the latest. While it is sparse (the last outcome was not followed by a record
-        # within `after_delay`, so waiting joins nothing) it is written as soon as the loop is idle: the
-        # kill -9 window shrinks from `after_delay` to the rest of this loop turn at no extra write.
-        self._after.append(record)
-        loop = asyncio.get_running_loop()
-        self._after_at = loop.time()
-        if self._after_timer is None:
-            self._after_timer = (loop.call_soon(self._kick_after) if self._after_idle or self.after_delay <= 0
-                                 else loop.call_later(self.after_delay, self._kick_after))
-
-    def _kick_after(self: FileSink) -> None:
-        self._after_timer = None
-        if self._after:
-            self._queue.put_nowait(WAKE)
-
-    def _take_after(self: FileSink) -> list:
-        """The deferred after-the-fact records, as batch items with no future (the writer's only caller)."""
-        items = [(r, None) for r in self._after]
-        self._after.clear()  # the timer is left to fire (a no-op then): one timer per window, not per record
-        return items
-
-    def _queue_for_retry(self: FileSink, record: Record, exc: Exception) -> None:
-        """An after-the-fact record whose write failed: retried first in every later batch (and copied to
-        the spool when one is configured); named in the log; reported if the writer has stopped."""
-        self._pending.append(record)
-        if self._spool.add(record):
-            self._spooled.add(id(record))
-        log.error("audit record of request %s (%s) not written (%s); queued for retry, %d pending",
-                  record.attributes.get(K_REQUEST_ID), record.attributes.get("egressgate.operation"), exc,
-                  len(self._pending))
-        if self._writer is None or self._writer.done():
-            self._report_lost()
-
-    def _written_pending(self: FileSink, written: list[Record]) -> None:
-        for _ in written:
-            self._pending.popleft()
-        self.records_retried += len(written)
-        if not self._pending:
-            self._spool.clear()
-            self._spooled.clear()
-        ids = ", ".join(str(r.attributes.get(K_REQUEST_ID)) for r in written[:20])
-        log.warning("%d queued audit records written on retry (request ids: %s%s)", len(written), ids,
-                    ", ..." if len(written) > 20 else "")
-
-    def _report_lost(self: FileSink) -> None:
-        """The writer has stopped with records still queued: say exactly which (never silently)."""
-        while self._pending:
-            rec = self._pending.popleft()
-            what = (rec.attributes.get("egressgate.operation"), rec.attributes.get(K_REQUEST_ID),
-                    rec.attributes.get("egressgate.request.hash"))
-            if id(rec) in self._spooled:
-                log.critical("audit record not written before the audit sink stopped, kept in the retry spool "
-                             "%s for the next start: %s record of request %s (request hash %s)",
-                             self._spool.path, *what)
-                continue
-            self.records_lost += 1
-            log.critical("AUDIT RECORD LOST: %s record of request %s could not be written before the audit "
-                         "sink stopped (request hash %s)", *what)
+        self._afterq.defer(record)
 
     def _sign_now(self: FileSink) -> None:
         self._sign_due = True
@@ -357,7 +296,7 @@ class TrailMixin:
             "healthy": self.healthy(),
             "degraded": self.degraded,  # a write failed (in allow-and-alert mode healthy() stays True)
             "write_failures": self.write_failures,
-            "pending_records": len(self._pending),
+            "pending_records": len(self._afterq.pending),
             "records_retried": self.records_retried,
             "records_lost": self.records_lost,
             "signer": self._cp.status(),
