@@ -30,8 +30,9 @@ K_REQUEST_ID = "egressgate.request.id"
 
 
 class AfterRecords:
-    def __init__(self, spool: RetrySpool, after_delay: float, wake: Callable[[], None],
-                 writer_stopped: Callable[[], bool]) -> None:
+    def __init__(
+        self, spool: RetrySpool, after_delay: float, wake: Callable[[], None], writer_stopped: Callable[[], bool]
+    ) -> None:
         self.spool = spool
         self.after_delay = after_delay  # a deferred record waits at most this long for a batch to join
         self._wake = wake  # puts a wake-up on the writer's queue
@@ -53,8 +54,11 @@ class AfterRecords:
         loop = asyncio.get_running_loop()
         self._at = loop.time()
         if self._timer is None:
-            self._timer = (loop.call_soon(self._kick) if self.idle or self.after_delay <= 0
-                           else loop.call_later(self.after_delay, self._kick))
+            self._timer = (
+                loop.call_soon(self._kick)
+                if self.idle or self.after_delay <= 0
+                else loop.call_later(self.after_delay, self._kick)
+            )
 
     def followed(self, now: float) -> None:
         """A record is being submitted at loop time `now`: did it follow the last deferred one closely
@@ -80,8 +84,11 @@ class AfterRecords:
         """Records the previous run left in the spool: written first."""
         self.pending.extend(records)
         self.spooled.update(id(r) for r in records)
-        log.warning("%d audit records queued by the previous run are written first (request ids: %s)",
-                    len(records), ", ".join(str(r.attributes.get(K_REQUEST_ID)) for r in records[:20]))
+        log.warning(
+            "%d audit records queued by the previous run are written first (request ids: %s)",
+            len(records),
+            ", ".join(str(r.attributes.get(K_REQUEST_ID)) for r in records[:20]),
+        )
 
     def retry(self, record: Record, exc: Exception) -> None:
         """A record whose write failed: retried first in every later batch (and copied to the spool when one
@@ -89,9 +96,13 @@ class AfterRecords:
         self.pending.append(record)
         if self.spool.add(record):
             self.spooled.add(id(record))
-        log.error("audit record of request %s (%s) not written (%s); queued for retry, %d pending",
-                  record.attributes.get(K_REQUEST_ID), record.attributes.get("egressgate.operation"), exc,
-                  len(self.pending))
+        log.error(
+            "audit record of request %s (%s) not written (%s); queued for retry, %d pending",
+            record.attributes.get(K_REQUEST_ID),
+            record.attributes.get("egressgate.operation"),
+            exc,
+            len(self.pending),
+        )
         if self._writer_stopped():
             self.report_lost()
 
@@ -104,20 +115,33 @@ class AfterRecords:
             self.spool.clear()
             self.spooled.clear()
         ids = ", ".join(str(r.attributes.get(K_REQUEST_ID)) for r in records[:20])
-        log.warning("%d queued audit records written on retry (request ids: %s%s)", len(records), ids,
-                    ", ..." if len(records) > 20 else "")
+        log.warning(
+            "%d queued audit records written on retry (request ids: %s%s)",
+            len(records),
+            ids,
+            ", ..." if len(records) > 20 else "",
+        )
 
     def report_lost(self) -> None:
         """The writer has stopped with records still queued: say exactly which (never silently)."""
         while self.pending:
             rec = self.pending.popleft()
-            what = (rec.attributes.get("egressgate.operation"), rec.attributes.get(K_REQUEST_ID),
-                    rec.attributes.get("egressgate.request.hash"))
+            what = (
+                rec.attributes.get("egressgate.operation"),
+                rec.attributes.get(K_REQUEST_ID),
+                rec.attributes.get("egressgate.request.hash"),
+            )
             if id(rec) in self.spooled:
-                log.critical("audit record not written before the audit sink stopped, kept in the retry spool "
-                             "%s for the next start: %s record of request %s (request hash %s)",
-                             self.spool.path, *what)
+                log.critical(
+                    "audit record not written before the audit sink stopped, kept in the retry spool "
+                    "%s for the next start: %s record of request %s (request hash %s)",
+                    self.spool.path,
+                    *what,
+                )
                 continue
             self.lost += 1
-            log.critical("AUDIT RECORD LOST: %s record of request %s could not be written before the audit "
-                         "sink stopped (request hash %s)", *what)
+            log.critical(
+                "AUDIT RECORD LOST: %s record of request %s could not be written before the audit "
+                "sink stopped (request hash %s)",
+                *what,
+            )

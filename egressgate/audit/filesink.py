@@ -100,21 +100,34 @@ class FileSink:
         self.probe_interval = probe_interval
         self._clock = clock
         # where a batch is written: inline on the event loop when cheap, else in a thread (inline.py)
-        self._batches = BatchWriter(fsync=fsync, inline_write_max=inline_write_max, inline_slow=inline_slow,
-                                    inline_retry=inline_retry)
+        self._batches = BatchWriter(
+            fsync=fsync, inline_write_max=inline_write_max, inline_slow=inline_slow, inline_retry=inline_retry
+        )
         self._lock: int | None = None  # writerlock fd, held from start() to close()
         self._head = ChainHead(clock)  # the chain: shared with the trail (restarts, incidents)
         self.pending_max = pending_max  # queued after-the-fact records beyond which new requests are denied
         # outcomes: deferred to ride a batch, retried, spooled, never dropped (afterfact.py)
-        self._afterq = AfterRecords(RetrySpool(Path(retry_spool) if retry_spool is not None else None), after_delay,
-                                    wake=lambda: self._queue.put_nowait(_WAKE),
-                                    writer_stopped=lambda: self._writer is None or self._writer.done())
+        self._afterq = AfterRecords(
+            RetrySpool(Path(retry_spool) if retry_spool is not None else None),
+            after_delay,
+            wake=lambda: self._queue.put_nowait(_WAKE),
+            writer_stopped=lambda: self._writer is None or self._writer.done(),
+        )
         self._sign_due = False
-        self._cp = Checkpointer(signer, clock, max_unsigned=max_unsigned, probe_interval=probe_interval,
-                                sign_timeout=sign_timeout, on_restored=self._sign_now)
+        self._cp = Checkpointer(
+            signer,
+            clock,
+            max_unsigned=max_unsigned,
+            probe_interval=probe_interval,
+            sign_timeout=sign_timeout,
+            on_restored=self._sign_now,
+        )
         # the live file (None: exporter only): crash seal, rotation, outside moves (trail.py)
-        self._trail = (Trail(self.path, self._head, self._cp, self._append, fsync=fsync, watch_interval=watch_interval)
-                       if self.path is not None else None)
+        self._trail = (
+            Trail(self.path, self._head, self._cp, self._append, fsync=fsync, watch_interval=watch_interval)
+            if self.path is not None
+            else None
+        )
         self._queue: asyncio.Queue = asyncio.Queue()
         self._export_queue: asyncio.Queue = asyncio.Queue(maxsize=1024)
         self._writer: asyncio.Task | None = None
@@ -340,8 +353,9 @@ class FileSink:
         except Exception as exc:
             self._healthy = False
             self.write_failures += 1
-            log.error("audit write failed (%d records rejected, %d queued for retry): %s",
-                      len(batch), len(self._pending), exc)
+            log.error(
+                "audit write failed (%d records rejected, %d queued for retry): %s", len(batch), len(self._pending), exc
+            )
             err = AuditUnavailable(f"audit record could not be made durable: {exc}")
             for record, fut in batch:
                 if fut is None:  # enqueue_after: cannot be denied, so retried (afterfact.py), never dropped

@@ -48,8 +48,11 @@ class BatchWriter:
         loaded gateway every thread write looked slow and the sink never returned inline - it paid the
         thread round trip for every batch from the first hiccup on (measured: 5-15 % of the CPU of a busy
         gateway, issue 11). A disk that is still slow costs one inline stall per `inline_retry`."""
-        if not self.fsync and len(data) <= self.inline_write_max and (
-                self.inline_ok or time.monotonic() >= self.inline_retry_at):
+        if (
+            not self.fsync
+            and len(data) <= self.inline_write_max
+            and (self.inline_ok or time.monotonic() >= self.inline_retry_at)
+        ):
             started = time.perf_counter()
             size = self.write_durable(fd, size, data, path)
             finished = time.perf_counter()

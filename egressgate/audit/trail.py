@@ -76,8 +76,9 @@ class ChainHead:
 class Trail:
     """The file at `path` the sink writes: its descriptor and size, its checks, rotation and fault answers."""
 
-    def __init__(self, path: Path, head: ChainHead, cp: Checkpointer, append: Append, *, fsync: bool,
-                 watch_interval: float) -> None:
+    def __init__(
+        self, path: Path, head: ChainHead, cp: Checkpointer, append: Append, *, fsync: bool, watch_interval: float
+    ) -> None:
         self.path = path
         self.head = head
         self._cp = cp
@@ -138,22 +139,26 @@ class Trail:
         """Append a `recovery` checkpoint to a file the previous run did not seal (kill -9, power loss)."""
         assert self.path is not None
         if tail.problem is not None:
-            detail = (f"the previous audit file was not sealed and its unsigned tail does not verify "
-                      f"({tail.problem}); it was NOT signed at restart - run `egressgate audit verify`")
+            detail = (
+                f"the previous audit file was not sealed and its unsigned tail does not verify "
+                f"({tail.problem}); it was NOT signed at restart - run `egressgate audit verify`"
+            )
             self.head.incident("crash_tail_invalid", detail)
             return tail.last_hash, tail.since_signed
         chain = ChainWriter(prev=tail.last_hash, seq=tail.last_seq + 1, since_signed=tail.since_signed)
         extra = {
             "egressgate.recovery.reason": "the gateway stopped without sealing this file (crash, kill -9 or "
-                                          "power loss); sealed when it started again",
+            "power loss); sealed when it started again",
             "egressgate.recovery.last_record_time": str(tail.last_time_ns),
             "egressgate.recovery.cut_bytes": tail.partial,
         }
         line, _ = await self._cp.make(chain, KIND_RECOVERY, extra)
         await asyncio.to_thread(append_seal, path, line, tail.complete_size, self.fsync)
-        detail = (f"the previous run stopped without sealing its audit file after seq {tail.last_seq}; "
-                  f"sealed at restart with a recovery checkpoint"
-                  + (f" ({tail.partial} bytes of an unacknowledged partial line cut)" if tail.partial else ""))
+        detail = (
+            f"the previous run stopped without sealing its audit file after seq {tail.last_seq}; "
+            f"sealed at restart with a recovery checkpoint"
+            + (f" ({tail.partial} bytes of an unacknowledged partial line cut)" if tail.partial else "")
+        )
         self.head.incident("crash_recovered", detail, {"egressgate.incident.last_seq": tail.last_seq})
         return chain.state.prev, chain.state.since_signed
 
@@ -214,21 +219,29 @@ class Trail:
                 target = rotated_name(self.path)
                 size = await asyncio.to_thread(salvage_deleted, self.fd, target, self.fsync)
                 prev_file = target.name
-                detail = (f"the audit file was deleted while in use; its {last_seq + 1} records (sealed) were "
-                          f"restored from the open file to {target.name} ({size} bytes)")
+                detail = (
+                    f"the audit file was deleted while in use; its {last_seq + 1} records (sealed) were "
+                    f"restored from the open file to {target.name} ({size} bytes)"
+                )
             except OSError as exc:
                 extra["egressgate.incident.lost_records"] = last_seq + 1
-                detail = (f"the audit file was deleted while in use and could not be restored ({exc}): "
-                          f"records seq 0..{last_seq} of that file are lost")
+                detail = (
+                    f"the audit file was deleted while in use and could not be restored ({exc}): "
+                    f"records seq 0..{last_seq} of that file are lost"
+                )
         elif change == "moved":
             prev_file = find_by_inode(self.path.parent, self.fd)
-            detail = (f"the audit file was moved from outside to "
-                      f"{prev_file or 'a place outside the audit directory'}; it was sealed there and the "
-                      f"chain continues in a new file")
+            detail = (
+                f"the audit file was moved from outside to "
+                f"{prev_file or 'a place outside the audit directory'}; it was sealed there and the "
+                f"chain continues in a new file"
+            )
         else:
-            detail = (f"the audit file was truncated from outside ({self.size} bytes written, fewer left; e.g. "
-                      f"logrotate copytruncate): the records before are only in that copy, unsealed; the chain "
-                      f"continues here")
+            detail = (
+                f"the audit file was truncated from outside ({self.size} bytes written, fewer left; e.g. "
+                f"logrotate copytruncate): the records before are only in that copy, unsealed; the chain "
+                f"continues here"
+            )
         os.close(self.fd)
         self.fd = None
         self.head.restart(prev_file)
@@ -275,8 +288,10 @@ class Trail:
             log.info("audit file rotated to %s", target)
         else:
             where = ours or "a place outside the audit directory"
-            detail = (f"the audit file was moved from outside while the gateway rotated it; it was sealed and is "
-                      f"now {where}; the chain continues in a new file")
+            detail = (
+                f"the audit file was moved from outside while the gateway rotated it; it was sealed and is "
+                f"now {where}; the chain continues in a new file"
+            )
             if renamed:  # we renamed a file someone created at the name meanwhile (logrotate `create`)
                 await asyncio.to_thread(give_back, target, self.path)
                 detail += f" (a file someone created at {self.path.name} meanwhile is used if empty, else moved aside)"
