@@ -10,7 +10,12 @@ Failure never loses an accepted record and never leaves a half line: the file is
 last complete batch and the chain state rolled back, the batch's callers get AuditUnavailable (they deny),
 and `healthy()` is False until a write succeeds (a periodic checkpoint probes the disk meanwhile).
 Records of things that already happened (outcomes) cannot be denied: `write_after` queues them and the
-writer retries them first in every later batch (trail.py: incidents, crash seal, the retry queue).
+writer retries them first in every later batch (afterfact.py).
+
+Collaborators, one concern each: the live file and its faults (trail.py: crash seal, rotation, outside
+moves), where a batch is written (inline.py), outcomes deferred and retried (afterfact.py), checkpoint
+signing (checkpointer.py). This module is the writer task: batching, the chain append, failure handling,
+health and the optional OTLP export.
 """
 
 from __future__ import annotations
@@ -25,16 +30,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from egressgate.audit import writerlock
+from egressgate.audit.afterfact import AfterRecords
 from egressgate.audit.chain import KIND_FINAL, KIND_PERIODIC, ChainWriter
 from egressgate.audit.checkpointer import Checkpointer
 from egressgate.audit.event import AuditEvent, AuditUnavailable
 from egressgate.audit.filewatch import rotated_name
-from egressgate.audit.inline import WriteMixin
+from egressgate.audit.inline import BatchWriter
 from egressgate.audit.record import Record, record_from_event
 from egressgate.audit.signer import Signer
 from egressgate.audit.spool import RetrySpool
-from egressgate.audit.trail import WAKE as _WAKE
-from egressgate.audit.trail import TrailMixin
+from egressgate.audit.trail import ChainHead, Trail
 
 if TYPE_CHECKING:  # the OpenTelemetry SDK loads only when an OTLP endpoint is configured
     from egressgate.audit.exporter import OtlpHttpExporter
@@ -49,7 +54,10 @@ class ExportFailed(OSError):
     """The OTLP exporter (the only destination) did not accept the batch."""
 
 
-class FileSink(TrailMixin, WriteMixin):
+_WAKE = object()  # queue item: wake the writer (outcomes to write, or the signer is back: sign the deferred range)
+
+
+class FileSink:
     """AuditSink writing to `path` (None: exporter only) and/or an OTLP/HTTP exporter."""
 
     def __init__(
@@ -91,32 +99,35 @@ class FileSink(TrailMixin, WriteMixin):
         self.batch_max = batch_max
         self.probe_interval = probe_interval
         self._clock = clock
-        self.inline_write_max = inline_write_max  # 0: always write in a worker thread
-        self.inline_slow = inline_slow
-        self.inline_retry = inline_retry  # seconds after a slow inline write before writing inline again
-        self._inline_ok = True  # False after a slow inline write, until a write (in a thread) is fast again
-        self._inline_retry_at = 0.0  # ... or until this monotonic time has passed
-        self._fd: int | None = None
+        # where a batch is written: inline on the event loop when cheap, else in a thread (inline.py)
+        self._batches = BatchWriter(
+            fsync=fsync, inline_write_max=inline_write_max, inline_slow=inline_slow, inline_retry=inline_retry
+        )
         self._lock: int | None = None  # writerlock fd, held from start() to close()
-        self._size = 0
-        self._chain = ChainWriter()
-        self._prev_file: str | None = None
-        self.watch_interval = watch_interval  # how often the writer checks the file is still `path`
-        self._last_watch = time.monotonic()
-        self._last_fstat = 0.0
+        self._head = ChainHead(clock)  # the chain: shared with the trail (restarts, incidents)
         self.pending_max = pending_max  # queued after-the-fact records beyond which new requests are denied
-        self._pending: deque[Record] = deque()
-        self.after_delay = after_delay  # enqueue_after records wait at most this long for a batch to join
-        self._after: list[Record] = []
-        self._after_timer: asyncio.TimerHandle | None = None
-        self._spool = RetrySpool(Path(retry_spool) if retry_spool is not None else None)
-        self._spooled: set[int] = set()  # ids of queued records that also have a copy in the spool
-        self._incident_next: list[Record] = []  # written right after the next chain_start
-        self.incidents: list[dict] = []  # shown in /healthz
+        # outcomes: deferred to ride a batch, retried, spooled, never dropped (afterfact.py)
+        self._afterq = AfterRecords(
+            RetrySpool(Path(retry_spool) if retry_spool is not None else None),
+            after_delay,
+            wake=lambda: self._queue.put_nowait(_WAKE),
+            writer_stopped=lambda: self._writer is None or self._writer.done(),
+        )
         self._sign_due = False
-        self._rotation_step: Callable[[str, Path | None], None] | None = None  # tests: outside moves (_rotate)
-        self._cp = Checkpointer(signer, clock, max_unsigned=max_unsigned, probe_interval=probe_interval,
-                                sign_timeout=sign_timeout, on_restored=self._sign_now)
+        self._cp = Checkpointer(
+            signer,
+            clock,
+            max_unsigned=max_unsigned,
+            probe_interval=probe_interval,
+            sign_timeout=sign_timeout,
+            on_restored=self._sign_now,
+        )
+        # the live file (None: exporter only): crash seal, rotation, outside moves (trail.py)
+        self._trail = (
+            Trail(self.path, self._head, self._cp, self._append, fsync=fsync, watch_interval=watch_interval)
+            if self.path is not None
+            else None
+        )
         self._queue: asyncio.Queue = asyncio.Queue()
         self._export_queue: asyncio.Queue = asyncio.Queue(maxsize=1024)
         self._writer: asyncio.Task | None = None
@@ -129,17 +140,50 @@ class FileSink(TrailMixin, WriteMixin):
         self.write_failures = 0
         self.records_dropped = 0  # only in allow-and-alert mode
         self.export_failures = 0
-        self.rotations = 0
-        self.slow_inline_writes = 0
-        self.records_retried = 0  # after-the-fact records written on a later attempt
-        self.records_lost = 0  # queued records that could not be written before the sink stopped
+
+    @property
+    def slow_inline_writes(self) -> int:
+        """Inline writes slower than `inline_slow` (the writes after each went to a thread for a while)."""
+        return self._batches.slow_inline_writes
+
+    @property
+    def rotations(self) -> int:
+        return self._trail.rotations if self._trail is not None else 0
+
+    @property
+    def incidents(self) -> list[dict]:
+        """What happened to the trail itself (shown in /healthz)."""
+        return self._head.incidents
+
+    @property
+    def records_retried(self) -> int:
+        """After-the-fact records written on a later attempt."""
+        return self._afterq.retried
+
+    @property
+    def records_lost(self) -> int:
+        """Queued records that could not be written before the sink stopped (nor kept in the spool)."""
+        return self._afterq.lost
+
+    @property
+    def _after(self) -> list[Record]:
+        """Outcomes handed over and not yet in a batch (admin/metrics.py counts them in the queue depth)."""
+        return self._afterq.deferred
+
+    @property
+    def _pending(self) -> deque[Record]:
+        """The retry queue (admin/metrics.py reads its length)."""
+        return self._afterq.pending
 
     # --- lifecycle -------------------------------------------------------------------------------
 
     async def start(self) -> FileSink:
-        if self.path is not None:
-            self._lock = await asyncio.to_thread(writerlock.hold, self.path)  # AuditFileBusy: one writer per chain
-            await self._open_initial()  # trail.py: seals a file a crash left open, then starts a new one
+        if self._trail is not None:
+            self._lock = await asyncio.to_thread(writerlock.hold, self._trail.path)  # AuditFileBusy: one per chain
+            await self._trail.open_initial()  # seals a file a crash left open, then starts a new one
+            restored = await asyncio.to_thread(self._afterq.spool.load)  # queued by a run that was killed
+            if restored:
+                self._afterq.restore(restored)
         self._writer = asyncio.create_task(self._write_loop(), name="audit-writer")
         self._writer.add_done_callback(self._writer_done)
         if self.path is not None and self.exporter is not None:
@@ -159,12 +203,12 @@ class FileSink(TrailMixin, WriteMixin):
             if item is _STOP or item is _WAKE:
                 continue
             if item[1] is None:  # enqueue_after: nobody waits; queued (spooled) and named, never dropped
-                self._queue_for_retry(item[0], err)
+                self._afterq.retry(item[0], err)
             elif not item[1].done():
                 item[1].set_exception(err)
-        for record, _ in self._take_after():  # enqueue_after records not yet in a batch
-            self._queue_for_retry(record, err)
-        self._report_lost()
+        for record, _ in self._afterq.take():  # enqueue_after records not yet in a batch
+            self._afterq.retry(record, err)
+        self._afterq.report_lost()
 
     def healthy(self) -> bool:
         """False after a failed write until one succeeds, and while `pending_max` or more after-the-fact
@@ -188,9 +232,8 @@ class FileSink(TrailMixin, WriteMixin):
             self._export_queue.put_nowait(_STOP)
             await self._export_task
         await self._cp.close()
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        if self._trail is not None:
+            self._trail.close()
         writerlock.release(self._lock)
         self._lock = None
         if self.exporter is not None:
@@ -204,7 +247,9 @@ class FileSink(TrailMixin, WriteMixin):
     async def _submit(self, record: Record) -> None:
         if self._closed or self._writer is None:
             raise AuditUnavailable("audit sink is not running")
-        fut = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        self._afterq.followed(loop.time())  # did it follow the last outcome closely? (afterfact.py)
+        fut = loop.create_future()
         self._queue.put_nowait((record, fut))
         await fut
 
@@ -219,10 +264,53 @@ class FileSink(TrailMixin, WriteMixin):
                 return
             raise
 
+    async def write_after(self, event: AuditEvent) -> bool:
+        """Write the record of something that already happened (an outcome): it cannot be denied, so
+        a failed write queues it for retry in every later batch instead of dropping it. True when
+        durable now, False when queued (the log names the request id)."""
+        record = record_from_event(event)
+        try:
+            await self._submit(record)
+            return True
+        except AuditUnavailable as exc:
+            self._afterq.retry(record, exc)
+            return False
+
+    def enqueue_after(self, event: AuditEvent) -> None:
+        """`write_after` for a caller that does not wait for the answer (the gateway's outcome records):
+        the record is handed to the writer with no future, and no task or coroutine is created for it
+        (one per request was ~2 % of the gateway's CPU at c=1, issue 11). It rides the next batch, or is
+        written at idle / after `after_delay` (afterfact.py). The same never-dropped rule: if its batch
+        fails, the writer moves it to the retry queue (`_run_batch`); if the writer dies first,
+        `_writer_done` does and names it; `close()` drains it through the final batch."""
+        record = record_from_event(event)
+        if self._closed or self._writer is None or self._writer.done():
+            self._afterq.retry(record, AuditUnavailable("audit sink is not running"))
+            return
+        self._afterq.defer(record)
+
+    def _sign_now(self) -> None:
+        self._sign_due = True
+        self._queue.put_nowait(_WAKE)
+
+    def status(self) -> dict:
+        """What `/healthz` shows about the trail (no record content)."""
+        return {
+            "healthy": self.healthy(),
+            "degraded": self.degraded,  # a write failed (in allow-and-alert mode healthy() stays True)
+            "write_failures": self.write_failures,
+            "pending_records": len(self._afterq.pending),
+            "records_retried": self.records_retried,
+            "records_lost": self.records_lost,
+            "signer": self._cp.status(),
+            "unsigned_records": self._head.writer.state.since_signed,
+            "incidents": list(self.incidents),
+        }
+
     def _idle_timeout(self) -> float | None:
         if not self._healthy or self._pending or self._sign_due:
             return self.probe_interval
-        return self.watch_interval if self.path is not None else None
+        return self._trail.watch_interval if self._trail is not None else None
 
     async def _write_loop(self) -> None:
         stopping = False
@@ -247,11 +335,11 @@ class FileSink(TrailMixin, WriteMixin):
                 if len(batch) >= self.batch_max or self._queue.empty():
                     break
                 item = self._queue.get_nowait()
-            if self._after:
-                batch[:0] = self._take_after()
+            if self._afterq.deferred:
+                batch[:0] = self._afterq.take()
             if batch or stopping or self._sign_due:
                 await self._run_batch(batch, final=stopping, checkpoint=self._sign_due)
-        self._report_lost()
+        self._afterq.report_lost()
 
     async def _run_batch(
         self, batch: list, *, checkpoint: bool = False, final: bool = False, watch_only: bool = False
@@ -259,18 +347,19 @@ class FileSink(TrailMixin, WriteMixin):
         pending = list(self._pending)
         try:
             if watch_only:
-                await self._ensure_file(force=True)
+                await self._trail.ensure(force=True)
                 return
             await self._commit([*pending, *(r for r, _ in batch)], checkpoint=checkpoint, final=final)
         except Exception as exc:
             self._healthy = False
             self.write_failures += 1
-            log.error("audit write failed (%d records rejected, %d queued for retry): %s",
-                      len(batch), len(self._pending), exc)
+            log.error(
+                "audit write failed (%d records rejected, %d queued for retry): %s", len(batch), len(self._pending), exc
+            )
             err = AuditUnavailable(f"audit record could not be made durable: {exc}")
             for record, fut in batch:
-                if fut is None:  # enqueue_after: cannot be denied, so retried (trail.py), never dropped
-                    self._queue_for_retry(record, err)
+                if fut is None:  # enqueue_after: cannot be denied, so retried (afterfact.py), never dropped
+                    self._afterq.retry(record, err)
                 elif not fut.done():
                     fut.set_exception(err)
             return
@@ -278,54 +367,58 @@ class FileSink(TrailMixin, WriteMixin):
         if checkpoint:  # signed, or the signer failed again: its probe asks for the next one
             self._sign_due = False
         if pending:
-            self._written_pending(pending)
+            self._afterq.written(pending)
         for _, fut in batch:
             if fut is not None and not fut.done():
                 fut.set_result(None)
 
     async def _commit(self, records: list[Record], *, checkpoint: bool = False, final: bool = False) -> None:
-        if self.path is not None:
-            await self._ensure_file(force=final)  # deleted / moved / truncated from outside (trail.py)
-        if self._fd is not None and self._size >= self.max_bytes and (records or checkpoint):
-            await self._rotate()
+        trail = self._trail
+        if trail is not None:
+            await trail.ensure(force=final)  # deleted / moved / truncated from outside (trail.py)
+            if trail.fd is not None and trail.size >= self.max_bytes and (records or checkpoint):
+                await trail.rotate()
         await self._append(records, checkpoint=checkpoint, final=final)
 
     async def _append(self, records: list[Record], *, checkpoint: bool = False, final: bool = False) -> None:
         """Chain, encode and write one batch (+ checkpoints); on failure the chain state is rolled back."""
-        snap = self._chain.snapshot()
-        prev_file = self._prev_file
+        head = self._head
+        chain = head.writer
+        snap = chain.snapshot()
+        prev_file = head.prev_file
         lines: list[bytes] = []
         out: list[Record] = []
         try:
-            if self._chain.state.seq == 0:
-                start = ChainWriter.start_record(self._clock(), self.signer.key_id, self._prev_file)
-                for rec in (start, *self._incident_next):
-                    lines.append(self._chain.append(rec))
+            if chain.state.seq == 0:
+                start = ChainWriter.start_record(self._clock(), self.signer.key_id, head.prev_file)
+                for rec in (start, *head.incident_next):
+                    lines.append(chain.append(rec))
                     out.append(rec)
             for rec in records:
-                lines.append(self._chain.append(rec))
+                lines.append(chain.append(rec))
                 out.append(rec)
-                if self._chain.state.since_checkpoint >= self.checkpoint_every:
-                    line, cp = await self._cp.make(self._chain, KIND_PERIODIC)
+                if chain.state.since_checkpoint >= self.checkpoint_every:
+                    line, cp = await self._cp.make(chain, KIND_PERIODIC)
                     lines.append(line)
                     out.append(cp)
             if final or checkpoint:  # a probe must really write: an empty batch proves nothing
-                line, cp = await self._cp.make(self._chain, KIND_FINAL if final else KIND_PERIODIC)
+                line, cp = await self._cp.make(chain, KIND_FINAL if final else KIND_PERIODIC)
                 lines.append(line)
                 out.append(cp)
             if not lines:
                 return
             data = b"".join(line + b"\n" for line in lines)
-            if self._fd is not None:
-                await self._write_batch(data)
+            trail = self._trail
+            if trail is not None and trail.fd is not None:
+                trail.size = await self._batches.write(trail.fd, trail.size, data, trail.path)
             elif self.exporter is not None and not await asyncio.to_thread(self.exporter.export, out):
                 raise ExportFailed(f"OTLP export to {self.exporter.endpoint} failed")
         except BaseException:
-            self._chain.restore(snap)
-            self._prev_file = prev_file
+            chain.restore(snap)
+            head.prev_file = prev_file
             raise
-        self._prev_file = None
-        self._incident_next.clear()
+        head.prev_file = None
+        head.incident_next.clear()
         self.records_written += len(out)
         self.batches_written += 1
         if self._export_task is not None:

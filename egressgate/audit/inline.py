@@ -1,7 +1,9 @@
 """How a batch reaches the file: inline on the event loop when that is cheap, in a thread when not.
 
-Kept apart from filesink.py (the writer task, batching and failure handling) because this is the part
-that decides *where* the bytes are written; both share FileSink's state (this is a mixin of it).
+A collaborator of `FileSink` (filesink.py keeps the writer task, batching and failure handling): this is the
+part that decides *where* the bytes are written, and writes them whole or not at all (a failed write is cut
+back to the last complete batch, so the file stays verifiable). It owns no file: the sink passes its
+descriptor and the size it has written so far, and gets the new size back.
 
 Tried and not kept (issue 11): letting a caller commit a lone record itself while the writer task was
 idle, to save the hand-over (queue, future, two task switches). Interleaved against the same tree
@@ -15,17 +17,23 @@ import asyncio
 import logging
 import os
 import time
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from egressgate.audit.filesink import FileSink
 
 log = logging.getLogger("egressgate.audit.filesink")
 
 
-class WriteMixin:
-    async def _write_batch(self: FileSink, data: bytes) -> None:
-        """One batch to the file: inline on the event loop when that is cheap, else in a worker thread.
+class BatchWriter:
+    def __init__(self, *, fsync: bool, inline_write_max: int, inline_slow: float, inline_retry: float) -> None:
+        self.fsync = fsync
+        self.inline_write_max = inline_write_max  # 0: always write in a worker thread
+        self.inline_slow = inline_slow
+        self.inline_retry = inline_retry  # seconds after a slow inline write before writing inline again
+        self.inline_ok = True  # False after a slow inline write, until a write (in a thread) is fast again
+        self.inline_retry_at = 0.0  # ... or until this monotonic time has passed
+        self.slow_inline_writes = 0
+
+    async def write(self, fd: int, size: int, data: bytes, path: object = None) -> int:
+        """Append `data` to `fd` (whose file holds `size` bytes); the new size. Inline on the event loop
+        when that is cheap, else in a worker thread.
 
         Why inline: without fsync the write is one `os.write` into the page cache (tens of microseconds for a
         batch), while handing it to a thread costs a GIL round trip that, measured with the DNS resolver at
@@ -40,41 +48,44 @@ class WriteMixin:
         loaded gateway every thread write looked slow and the sink never returned inline - it paid the
         thread round trip for every batch from the first hiccup on (measured: 5-15 % of the CPU of a busy
         gateway, issue 11). A disk that is still slow costs one inline stall per `inline_retry`."""
-        if not self.fsync and len(data) <= self.inline_write_max and (
-                self._inline_ok or time.monotonic() >= self._inline_retry_at):
+        if (
+            not self.fsync
+            and len(data) <= self.inline_write_max
+            and (self.inline_ok or time.monotonic() >= self.inline_retry_at)
+        ):
             started = time.perf_counter()
-            self._write_durable(data)
+            size = self.write_durable(fd, size, data, path)
             finished = time.perf_counter()
             if finished - started > self.inline_slow:
                 self.slow_inline_writes += 1
-                self._inline_ok = False
-                self._inline_retry_at = time.monotonic() + self.inline_retry
+                self.inline_ok = False
+                self.inline_retry_at = time.monotonic() + self.inline_retry
             else:
-                self._inline_ok = True
-            return
-        elapsed = await asyncio.to_thread(self._timed_write, data)
+                self.inline_ok = True
+            return size
+        size, elapsed = await asyncio.to_thread(self._timed_write, fd, size, data, path)
         if not self.fsync and elapsed <= self.inline_slow:
-            self._inline_ok = True
+            self.inline_ok = True
+        return size
 
-    def _timed_write(self: FileSink, data: bytes) -> float:
+    def _timed_write(self, fd: int, size: int, data: bytes, path: object) -> tuple[int, float]:
         started = time.perf_counter()
-        self._write_durable(data)
-        return time.perf_counter() - started
+        size = self.write_durable(fd, size, data, path)
+        return size, time.perf_counter() - started
 
-    def _write_durable(self: FileSink, data: bytes) -> None:
-        assert self._fd is not None
-        start = self._size
+    def write_durable(self, fd: int, size: int, data: bytes, path: object = None) -> int:
+        """Write all of `data` (+ fsync when configured) or, on failure, cut the file back to `size` and raise."""
         view = memoryview(data)
         try:
             while view:
-                n = os.write(self._fd, view)
+                n = os.write(fd, view)
                 view = view[n:]
             if self.fsync:
-                os.fsync(self._fd)
+                os.fsync(fd)
         except OSError:
             try:  # never leave a partial line: the file must stay verifiable
-                os.ftruncate(self._fd, start)
+                os.ftruncate(fd, size)
             except OSError:
-                log.critical("audit file %s could not be truncated after a failed write", self.path)
+                log.critical("audit file %s could not be truncated after a failed write", path)
             raise
-        self._size = start + len(data)
+        return size + len(data)

@@ -1,7 +1,6 @@
-"""The sink's answers to faults of the trail itself: a crashed previous run, the file deleted, moved or
-truncated from outside, after-the-fact records that could not be written (the retry queue), and the
-status `/healthz` reports. A mixin of `FileSink` (filesink.py keeps the write path); the writer task is the
-only caller of the methods that touch the chain, so no lock is needed.
+"""The live audit file and its answers to faults of the trail itself: a crashed previous run, size rotation,
+the file deleted, moved or truncated from outside. A collaborator of `FileSink` (filesink.py keeps the
+writer task and the write path); the writer task is its only caller, so no lock is needed.
 
 Rules enforced here:
 * a file a crash left unsealed is sealed at restart by a signed `recovery` checkpoint, only if its unsigned
@@ -9,8 +8,11 @@ Rules enforced here:
 * when the file at `path` is no longer the one being written (deleted, moved, truncated), the old file is
   sealed (a deleted one is copied out of its still-open inode first), a new file continues the chain from
   the last record, and an `audit_incident` record right after its `chain_start` says what happened;
-* an after-the-fact record (outcome) is never dropped: it is retried in every later batch; while
-  `pending_max` or more wait, `healthy()` is False so new requests are denied instead.
+* rotation seals the file it wrote, wherever an outside `mv` put it, and restarts the chain in a new file.
+
+The chain itself (`ChainHead`: the writer, the previous file's name, the incidents to write after the next
+`chain_start`) is shared with the sink, which appends every batch to it; sealing and restarting go through
+the sink's `append` (one batch: chain, encode, write).
 """
 
 from __future__ import annotations
@@ -20,11 +22,12 @@ import logging
 import os
 import stat
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from egressgate.audit.chain import KIND_RECOVERY, ChainWriter, incident_record
-from egressgate.audit.event import AuditEvent, AuditUnavailable
+from egressgate.audit.checkpointer import Checkpointer
+from egressgate.audit.event import AuditUnavailable
 from egressgate.audit.filewatch import (
     FileChange,
     file_change,
@@ -37,31 +40,68 @@ from egressgate.audit.filewatch import (
     salvage_deleted,
     secure_directory,
 )
-from egressgate.audit.record import Record, record_from_event
+from egressgate.audit.record import Record
 from egressgate.audit.recovery import TailState, append_seal, inspect_tail
 
-if TYPE_CHECKING:
-    from egressgate.audit.filesink import FileSink
-
 log = logging.getLogger("egressgate.audit.filesink")
-K_REQUEST_ID = "egressgate.request.id"
 MAX_INCIDENTS = 20
 FSTAT_INTERVAL = 0.01
-WAKE = object()  # queue item: the signer is back, sign the deferred range now even without traffic
+Append = Callable[..., Awaitable[None]]  # FileSink._append(records, *, checkpoint=False, final=False)
 
 
-class TrailMixin:
+class ChainHead:
+    """Where the chain stands: its writer, the file the next `chain_start` links to, and the incident records
+    written right after it. Shared by the sink (every batch) and the trail (restarts, incidents)."""
+
+    def __init__(self, clock: Callable[[], int]) -> None:
+        self._clock = clock
+        self.writer = ChainWriter()
+        self.prev_file: str | None = None
+        self.incident_next: list[Record] = []  # written right after the next chain_start
+        self.incidents: list[dict] = []  # shown in /healthz
+
+    def restart(self, prev_file: str | None) -> None:
+        """A new file: seq 0 again, linked to the last hash (and still counting what no signature covers)."""
+        state = self.writer.state
+        self.writer = ChainWriter(prev=state.prev, since_signed=state.since_signed)
+        self.prev_file = prev_file
+
+    def incident(self, kind: str, detail: str, extra: dict | None = None) -> None:
+        log.critical("AUDIT TRAIL INCIDENT %s: %s", kind, detail)
+        self.incident_next.append(incident_record(self._clock(), kind, detail, extra))
+        self.incidents.append({"incident": kind, "detail": detail, "at": time.time()})
+        del self.incidents[:-MAX_INCIDENTS]
+
+
+class Trail:
+    """The file at `path` the sink writes: its descriptor and size, its checks, rotation and fault answers."""
+
+    def __init__(
+        self, path: Path, head: ChainHead, cp: Checkpointer, append: Append, *, fsync: bool, watch_interval: float
+    ) -> None:
+        self.path = path
+        self.head = head
+        self._cp = cp
+        self._append = append
+        self.fsync = fsync
+        self.watch_interval = watch_interval  # how often the writer checks the file is still `path`
+        self.fd: int | None = None
+        self.size = 0
+        self._last_watch = time.monotonic()
+        self._last_fstat = 0.0
+        self.rotations = 0
+        self.rotation_step: Callable[[str, Path | None], None] | None = None  # tests: outside moves (rotate)
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
     # --- start: seal what a crash left, then start a new file linked to it ------------------------
 
-    async def _open_initial(self: FileSink) -> None:
+    async def open_initial(self) -> None:
         assert self.path is not None
         tail_path, tail = await asyncio.to_thread(self._previous_tail)
-        restored = await asyncio.to_thread(self._spool.load)  # queued by a run that was killed
-        if restored:
-            self._pending.extend(restored)
-            self._spooled.update(id(r) for r in restored)
-            log.warning("%d audit records queued by the previous run are written first (request ids: %s)",
-                        len(restored), ", ".join(str(r.attributes.get(K_REQUEST_ID)) for r in restored[:20]))
         last = tail.last_hash if tail is not None and tail.last_hash else None
         since_signed = tail.since_signed if tail is not None else 0
         if tail is not None and not tail.sealed:
@@ -69,14 +109,14 @@ class TrailMixin:
         if os.path.lexists(self.path) and os.stat(self.path, follow_symlinks=False).st_size > 0:
             rotated = rotated_name(self.path)  # a previous run's file: never append to it
             os.rename(self.path, rotated)
-            self._chain = ChainWriter(prev=last or ChainWriter().state.prev, since_signed=since_signed)
-            self._prev_file = rotated.name
+            self.head.writer = ChainWriter(prev=last or ChainWriter().state.prev, since_signed=since_signed)
+            self.head.prev_file = rotated.name
         elif tail is not None and tail_path != self.path:  # an empty live file: link to the rotated one
-            self._chain = ChainWriter(prev=last or ChainWriter().state.prev, since_signed=since_signed)
-            self._prev_file = tail_path.name
+            self.head.writer = ChainWriter(prev=last or ChainWriter().state.prev, since_signed=since_signed)
+            self.head.prev_file = tail_path.name
         await asyncio.to_thread(self._open_new)
 
-    def _previous_tail(self: FileSink) -> tuple[Path, TailState | None]:
+    def _previous_tail(self) -> tuple[Path, TailState | None]:
         """The file the new chain continues and its tail: the live file, or, when the live file exists
         but is empty, the newest rotated one. An empty live file is what a run leaves that rotated (or
         opened) it and was stopped before its first record (chain_start is written with the first
@@ -95,37 +135,41 @@ class TrailMixin:
         prior = newest_rotated(self.path)
         return (prior, inspect_tail(prior)) if prior is not None else (self.path, None)
 
-    async def _seal_crashed(self: FileSink, tail: TailState, path: Path) -> tuple[str, int]:
+    async def _seal_crashed(self, tail: TailState, path: Path) -> tuple[str, int]:
         """Append a `recovery` checkpoint to a file the previous run did not seal (kill -9, power loss)."""
         assert self.path is not None
         if tail.problem is not None:
-            detail = (f"the previous audit file was not sealed and its unsigned tail does not verify "
-                      f"({tail.problem}); it was NOT signed at restart - run `egressgate audit verify`")
-            self._incident("crash_tail_invalid", detail)
+            detail = (
+                f"the previous audit file was not sealed and its unsigned tail does not verify "
+                f"({tail.problem}); it was NOT signed at restart - run `egressgate audit verify`"
+            )
+            self.head.incident("crash_tail_invalid", detail)
             return tail.last_hash, tail.since_signed
         chain = ChainWriter(prev=tail.last_hash, seq=tail.last_seq + 1, since_signed=tail.since_signed)
         extra = {
             "egressgate.recovery.reason": "the gateway stopped without sealing this file (crash, kill -9 or "
-                                          "power loss); sealed when it started again",
+            "power loss); sealed when it started again",
             "egressgate.recovery.last_record_time": str(tail.last_time_ns),
             "egressgate.recovery.cut_bytes": tail.partial,
         }
         line, _ = await self._cp.make(chain, KIND_RECOVERY, extra)
         await asyncio.to_thread(append_seal, path, line, tail.complete_size, self.fsync)
-        detail = (f"the previous run stopped without sealing its audit file after seq {tail.last_seq}; "
-                  f"sealed at restart with a recovery checkpoint"
-                  + (f" ({tail.partial} bytes of an unacknowledged partial line cut)" if tail.partial else ""))
-        self._incident("crash_recovered", detail, {"egressgate.incident.last_seq": tail.last_seq})
+        detail = (
+            f"the previous run stopped without sealing its audit file after seq {tail.last_seq}; "
+            f"sealed at restart with a recovery checkpoint"
+            + (f" ({tail.partial} bytes of an unacknowledged partial line cut)" if tail.partial else "")
+        )
+        self.head.incident("crash_recovered", detail, {"egressgate.incident.last_seq": tail.last_seq})
         return chain.state.prev, chain.state.since_signed
 
-    def _open_new(self: FileSink) -> None:
+    def _open_new(self) -> None:
         assert self.path is not None
         flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
-        self._fd = os.open(self.path, flags, 0o600)
-        os.fchmod(self._fd, 0o600)
-        self._size = os.fstat(self._fd).st_size
+        self.fd = os.open(self.path, flags, 0o600)
+        os.fchmod(self.fd, 0o600)
+        self.size = os.fstat(self.fd).st_size
 
-    def _open_fresh(self: FileSink) -> None:
+    def _open_fresh(self) -> None:
         """Open a new file at `path`; whatever someone else left there (non-empty) is moved aside."""
         assert self.path is not None
         secure_directory(self.path.parent)  # the whole directory may have been removed
@@ -137,8 +181,8 @@ class TrailMixin:
 
     # --- while running: is `path` still the file we write? ------------------------------------------
 
-    async def _ensure_file(self: FileSink, force: bool = False) -> None:
-        if self._fd is None:
+    async def ensure(self, force: bool = False) -> None:
+        if self.fd is None:
             # a failed rotation/reopen left no open file: retry. Fresh: the chain restarted, so a non-empty
             # file at `path` (the sealed one a failed rename left there) is moved aside, never appended to
             await asyncio.to_thread(self._open_fresh)
@@ -147,21 +191,21 @@ class TrailMixin:
         now = time.monotonic()
         if force or now - self._last_watch >= self.watch_interval:
             self._last_watch = now
-            change = file_change(self._fd, self.path, self._size)
+            change = file_change(self.fd, self.path, self.size)
         elif now - self._last_fstat >= FSTAT_INTERVAL:
             # one fstat (~1 us) at most every 10 ms: stop writing into an unlinked or truncated file at once
             # without adding a syscall to every batch of a busy DNS resolver
             self._last_fstat = now
-            st = os.fstat(self._fd)
-            change = "deleted" if st.st_nlink == 0 else "truncated" if st.st_size < self._size else "ok"
+            st = os.fstat(self.fd)
+            change = "deleted" if st.st_nlink == 0 else "truncated" if st.st_size < self.size else "ok"
         else:
             return
         if change != "ok":
             await self._reopen(change)
 
-    async def _reopen(self: FileSink, change: FileChange) -> None:
-        assert self.path is not None and self._fd is not None
-        last_seq = self._chain.state.seq - 1
+    async def _reopen(self, change: FileChange) -> None:
+        assert self.path is not None and self.fd is not None
+        last_seq = self.head.writer.state.seq - 1
         extra: dict = {}
         if change in ("deleted", "moved"):
             try:  # the old file stays a complete, sealed file
@@ -173,33 +217,39 @@ class TrailMixin:
             try:
                 await asyncio.to_thread(secure_directory, self.path.parent)  # `rm -rf` took the directory too
                 target = rotated_name(self.path)
-                size = await asyncio.to_thread(salvage_deleted, self._fd, target, self.fsync)
+                size = await asyncio.to_thread(salvage_deleted, self.fd, target, self.fsync)
                 prev_file = target.name
-                detail = (f"the audit file was deleted while in use; its {last_seq + 1} records (sealed) were "
-                          f"restored from the open file to {target.name} ({size} bytes)")
+                detail = (
+                    f"the audit file was deleted while in use; its {last_seq + 1} records (sealed) were "
+                    f"restored from the open file to {target.name} ({size} bytes)"
+                )
             except OSError as exc:
                 extra["egressgate.incident.lost_records"] = last_seq + 1
-                detail = (f"the audit file was deleted while in use and could not be restored ({exc}): "
-                          f"records seq 0..{last_seq} of that file are lost")
+                detail = (
+                    f"the audit file was deleted while in use and could not be restored ({exc}): "
+                    f"records seq 0..{last_seq} of that file are lost"
+                )
         elif change == "moved":
-            prev_file = find_by_inode(self.path.parent, self._fd)
-            detail = (f"the audit file was moved from outside to "
-                      f"{prev_file or 'a place outside the audit directory'}; it was sealed there and the "
-                      f"chain continues in a new file")
+            prev_file = find_by_inode(self.path.parent, self.fd)
+            detail = (
+                f"the audit file was moved from outside to "
+                f"{prev_file or 'a place outside the audit directory'}; it was sealed there and the "
+                f"chain continues in a new file"
+            )
         else:
-            detail = (f"the audit file was truncated from outside ({self._size} bytes written, fewer left; e.g. "
-                      f"logrotate copytruncate): the records before are only in that copy, unsealed; the chain "
-                      f"continues here")
-        os.close(self._fd)
-        self._fd = None
-        state = self._chain.state
-        self._chain = ChainWriter(prev=state.prev, since_signed=state.since_signed)
-        self._prev_file = prev_file
-        self._incident(f"file_{change}", detail, extra)
+            detail = (
+                f"the audit file was truncated from outside ({self.size} bytes written, fewer left; e.g. "
+                f"logrotate copytruncate): the records before are only in that copy, unsealed; the chain "
+                f"continues here"
+            )
+        os.close(self.fd)
+        self.fd = None
+        self.head.restart(prev_file)
+        self.head.incident(f"file_{change}", detail, extra)
         await asyncio.to_thread(self._open_fresh)
         await self._append([])  # chain_start + the incident record, at once
 
-    async def _rotate(self: FileSink) -> None:
+    async def rotate(self) -> None:
         """Final checkpoint in the old file, rename it, start a new file whose chain links to it.
 
         An operator's `mv` (or logrotate) may race this at any point. Whatever the interleaving, the file
@@ -209,152 +259,49 @@ class TrailMixin:
         gone from `path`) or rename someone else's file that now has the name: afterwards we look up where
         OUR inode is instead of assuming. `_rotation_step` (None in production) lets tests drive each
         interleaving deterministically (tests/audit/test_rotation_race.py)."""
-        assert self.path is not None and self._fd is not None
+        assert self.path is not None and self.fd is not None
         self._step("check")
-        change = await asyncio.to_thread(file_change, self._fd, self.path, self._size)
+        change = await asyncio.to_thread(file_change, self.fd, self.path, self.size)
         if change != "ok":  # moved/deleted/truncated since the last check: that path seals and starts anew
             await self._reopen(change)
             return
         self._step("seal")
         await self._append([], final=True)
         if self.fsync:
-            await asyncio.to_thread(os.fsync, self._fd)
-        state = self._chain.state
-        fd, target = self._fd, rotated_name(self.path)
+            await asyncio.to_thread(os.fsync, self.fd)
+        fd, target = self.fd, rotated_name(self.path)
         self._step("rename", target)
         renamed, error = await asyncio.to_thread(rename_by_name, self.path, target)
         self._step("locate")
         ours = await asyncio.to_thread(located, fd, self.path.parent, target if renamed else None)
         os.close(fd)
-        self._fd = None
+        self.fd = None
         # The old file is sealed whatever happened to its name: the chain restarts here, never continues it.
-        self._chain = ChainWriter(prev=state.prev, since_signed=state.since_signed)
-        self._prev_file = ours
+        self.head.restart(ours)
         if not renamed and ours == self.path.name and error is not None:
             # the rename itself failed (nothing moved the file): fail this batch; the next one moves the sealed
-            # file aside (`_ensure_file` -> `_open_fresh`), never appends to it
-            self._prev_file = None
+            # file aside (`ensure` -> `_open_fresh`), never appends to it
+            self.head.prev_file = None
             raise error
         self.rotations += 1
         if renamed and ours == target.name:
             log.info("audit file rotated to %s", target)
         else:
             where = ours or "a place outside the audit directory"
-            detail = (f"the audit file was moved from outside while the gateway rotated it; it was sealed and is "
-                      f"now {where}; the chain continues in a new file")
+            detail = (
+                f"the audit file was moved from outside while the gateway rotated it; it was sealed and is "
+                f"now {where}; the chain continues in a new file"
+            )
             if renamed:  # we renamed a file someone created at the name meanwhile (logrotate `create`)
                 await asyncio.to_thread(give_back, target, self.path)
                 detail += f" (a file someone created at {self.path.name} meanwhile is used if empty, else moved aside)"
             elif error is not None:
                 detail += f" (rename failed: {error})"
-            self._incident("file_moved", detail)
+            self.head.incident("file_moved", detail)
         self._step("reopen")
         await asyncio.to_thread(self._open_fresh)  # a non-empty file at `path` (ours, if rename failed) moves aside
         self._step("opened")
 
-    def _step(self: FileSink, name: str, target: Path | None = None) -> None:
-        if self._rotation_step is not None:
-            self._rotation_step(name, target)
-
-    def _incident(self: FileSink, kind: str, detail: str, extra: dict | None = None) -> None:
-        log.critical("AUDIT TRAIL INCIDENT %s: %s", kind, detail)
-        self._incident_next.append(incident_record(self._clock(), kind, detail, extra))
-        self.incidents.append({"incident": kind, "detail": detail, "at": time.time()})
-        del self.incidents[:-MAX_INCIDENTS]
-
-    # --- after-the-fact records: retried, never dropped --------------------------------------------
-
-    async def write_after(self: FileSink, event: AuditEvent) -> bool:
-        """Write the record of something that already happened (an outcome): it cannot be denied, so
-        a failed write queues it for retry in every later batch instead of dropping it. True when
-        durable now, False when queued (the log names the request id)."""
-        record = record_from_event(event)
-        try:
-            await self._submit(record)
-            return True
-        except AuditUnavailable as exc:
-            self._queue_for_retry(record, exc)
-            return False
-
-    def enqueue_after(self: FileSink, event: AuditEvent) -> None:
-        """`write_after` for a caller that does not wait for the answer (the gateway's outcome records):
-        the record goes to the writer's queue with no future, and no task or coroutine is created for it
-        (one per request was ~2 % of the gateway's CPU at c=1, issue 11). The same never-dropped rule:
-        if its batch fails, the writer moves it to the retry queue (`_run_batch`); if the writer dies
-        first, `_writer_done` does and names it; `close()` drains the queue through the final batch."""
-        record = record_from_event(event)
-        if self._closed or self._writer is None or self._writer.done():
-            self._queue_for_retry(record, AuditUnavailable("audit sink is not running"))
-            return
-        # Not queued at once: it rides the next batch (at c=1 the next request's decision record, so one
-        # os.write and one writer wake-up per request instead of two), or after `after_delay` at the latest.
-        self._after.append(record)
-        if self._after_timer is None:
-            self._after_timer = asyncio.get_running_loop().call_later(self.after_delay, self._kick_after)
-
-    def _kick_after(self: FileSink) -> None:
-        self._after_timer = None
-        if self._after:
-            self._queue.put_nowait(WAKE)
-
-    def _take_after(self: FileSink) -> list:
-        """The deferred after-the-fact records, as batch items with no future (the writer's only caller)."""
-        items = [(r, None) for r in self._after]
-        self._after.clear()  # the timer is left to fire (a no-op then): one timer per window, not per record
-        return items
-
-    def _queue_for_retry(self: FileSink, record: Record, exc: Exception) -> None:
-        """An after-the-fact record whose write failed: retried first in every later batch (and copied to
-        the spool when one is configured); named in the log; reported if the writer has stopped."""
-        self._pending.append(record)
-        if self._spool.add(record):
-            self._spooled.add(id(record))
-        log.error("audit record of request %s (%s) not written (%s); queued for retry, %d pending",
-                  record.attributes.get(K_REQUEST_ID), record.attributes.get("egressgate.operation"), exc,
-                  len(self._pending))
-        if self._writer is None or self._writer.done():
-            self._report_lost()
-
-    def _written_pending(self: FileSink, written: list[Record]) -> None:
-        for _ in written:
-            self._pending.popleft()
-        self.records_retried += len(written)
-        if not self._pending:
-            self._spool.clear()
-            self._spooled.clear()
-        ids = ", ".join(str(r.attributes.get(K_REQUEST_ID)) for r in written[:20])
-        log.warning("%d queued audit records written on retry (request ids: %s%s)", len(written), ids,
-                    ", ..." if len(written) > 20 else "")
-
-    def _report_lost(self: FileSink) -> None:
-        """The writer has stopped with records still queued: say exactly which (never silently)."""
-        while self._pending:
-            rec = self._pending.popleft()
-            what = (rec.attributes.get("egressgate.operation"), rec.attributes.get(K_REQUEST_ID),
-                    rec.attributes.get("egressgate.request.hash"))
-            if id(rec) in self._spooled:
-                log.critical("audit record not written before the audit sink stopped, kept in the retry spool "
-                             "%s for the next start: %s record of request %s (request hash %s)",
-                             self._spool.path, *what)
-                continue
-            self.records_lost += 1
-            log.critical("AUDIT RECORD LOST: %s record of request %s could not be written before the audit "
-                         "sink stopped (request hash %s)", *what)
-
-    def _sign_now(self: FileSink) -> None:
-        self._sign_due = True
-        self._queue.put_nowait(WAKE)
-
-    def status(self: FileSink) -> dict:
-        """What `/healthz` shows about the trail (no record content)."""
-        return {
-            "healthy": self.healthy(),
-            "degraded": self.degraded,  # a write failed (in allow-and-alert mode healthy() stays True)
-            "write_failures": self.write_failures,
-            "pending_records": len(self._pending),
-            "records_retried": self.records_retried,
-            "records_lost": self.records_lost,
-            "signer": self._cp.status(),
-            "unsigned_records": self._chain.state.since_signed,
-            "incidents": list(self.incidents),
-        }
+    def _step(self, name: str, target: Path | None = None) -> None:
+        if self.rotation_step is not None:
+            self.rotation_step(name, target)

@@ -140,8 +140,12 @@ class McpSession:
 
     # -- client -> server ------------------------------------------------------------------------
 
-    async def from_client(self, body: bytes) -> ClientVerdict:
-        """A whole client body (an HTTP POST body, a stdio line): what to forward, what to answer."""
+    async def from_client(self, body: bytes, protocol_header: str | None = None) -> ClientVerdict:
+        """A whole client body (an HTTP POST body, a stdio line): what to forward, what to answer.
+
+        `protocol_header`: the request's MCP-Protocol-Version header (streamable HTTP). The version the
+        server answered `initialize` with wins; without one (the session began before a gateway restart)
+        the header says which version this request speaks, so a 2025-03-26 session keeps its batches."""
         policy = self.current_policy()
         try:
             if policy is None:
@@ -149,7 +153,7 @@ class McpSession:
             messages, was_batch = parse_body(body, max_bytes=policy.mcp.max_message_bytes)
             check_client_methods(messages)  # deny by default: `Tools/Call` is never forwarded undecided
             if was_batch:
-                check_batch(self.protocol_version)
+                check_batch(self.protocol_version or protocol_header)
             self._check_ids(messages)
         except McpMalformed as exc:
             return await self._refuse_body(exc, policy is None, reply_id(body, self.max_bytes()))

@@ -11,8 +11,12 @@ python SDK's `ClientRequest` / `ClientNotification` unions, plus the 2025-11-25 
 client sends to the server's own requests (roots/list, sampling, elicitation) are responses: no method.
 
 Batches (a JSON array of messages) exist only in protocol 2025-03-26 (added there, removed in 2025-06-18):
-a batch is refused unless the session's server answered `initialize` with that version. A session whose
-version is not known (no initialize seen: a gateway restart, the 2026-07-28 discovery handshake) has none.
+a batch is refused unless the session's server answered `initialize` with that version. A session that
+began before a gateway restart (no initialize seen by this gateway) takes the version from the request's
+`MCP-Protocol-Version` header, which streamable HTTP clients send with every request after initialize; a
+client claiming 2025-03-26 to a server that negotiated a later version gains nothing (every message of a
+batch is decided on its own, and the server refuses the batch). Without either (the 2026-07-28 discovery
+handshake, a client that sends no header) the version is unknown: no batches.
 """
 
 from __future__ import annotations

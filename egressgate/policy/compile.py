@@ -18,7 +18,7 @@ from egressgate.policy import querymatch
 from egressgate.policy.canon import CanonError, canon_method, parse_ip_literal
 from egressgate.policy.errors import PolicyError
 from egressgate.policy.execution import approval_kinds
-from egressgate.policy.facts import SandboxState
+from egressgate.policy.facts import RuleUsage, SandboxState
 from egressgate.policy.filesystem import filesystem_problems
 from egressgate.policy.globs import (
     DenyGlob,
@@ -38,6 +38,8 @@ from egressgate.policy.reasons import Effect
 DEFAULT_PORTS = {"https": (443,), "http": (80,)}
 SCHEMES = ("https", "http", "tcp")
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+_NO_USAGE = RuleUsage()  # a budgeted rule the sandbox never used (relevant_state)
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,9 +157,15 @@ class CompiledPolicy:
             hosts = frozenset(h for h in hosts if any(p.matches(h) for p in self.history_patterns))
         elif hosts:
             hosts = frozenset()
+        # Every budgeted rule's usage, a rule never used as zero: "this rule had 0 requests" is a fact the
+        # decision used, and `audit replay` must read it from the record rather than count the rule's
+        # uses in the log (concurrent requests all decided on 0 before any was counted; issue 23 item 1).
         usage = state.rule_usage
-        if usage:
-            usage = MappingProxyType({r: u for r, u in usage.items() if r in self.budgeted_rules})
+        if self.budgeted_rules:
+            if usage.keys() != self.budgeted_rules:
+                usage = MappingProxyType({r: usage.get(r) or _NO_USAGE for r in sorted(self.budgeted_rules)})
+        elif usage:
+            usage = MappingProxyType({})
         unchanged = hosts is state.seen_hosts and usage is state.rule_usage
         return state if unchanged else replace(state, seen_hosts=hosts, rule_usage=usage)
 

@@ -44,10 +44,10 @@ async def test_slow_inline_write_moves_writes_off_the_event_loop(make_sink, pubk
     for i in range(5):
         await sink.write(http_event(2 + i))
     assert sink.slow_inline_writes == 1  # the following batches did not run inline
-    sink.inline_slow = 10.0  # the disk is fast again: the next thread write sees it, then writes go inline
+    sink._batches.inline_slow = 10.0  # the disk is fast again: the next thread write sees it, then writes go inline
     await sink.write(http_event(8))
     await sink.write(http_event(9))
-    assert sink._inline_ok and sink.slow_inline_writes == 1
+    assert sink._batches.inline_ok and sink.slow_inline_writes == 1
     await sink.close()
     rep = verify_file(sink.path, load_public_keys([pubkey]))
     assert rep.ok and rep.sealed, rep.error
@@ -63,7 +63,7 @@ async def test_writes_go_back_inline_even_when_thread_writes_look_slow(make_sink
     and stay in threads in between (a slow disk stalls the loop at most once per retry period)."""
     sink = await make_sink(inline_slow=-1.0)
     await sink.write(http_event(1))
-    assert sink.slow_inline_writes == 1 and not sink._inline_ok
+    assert sink.slow_inline_writes == 1 and not sink._batches.inline_ok
     n = 2
     started = time.monotonic()
     while time.monotonic() - started < 0.5:  # well within the retry period: threads only
@@ -76,12 +76,12 @@ async def test_writes_go_back_inline_even_when_thread_writes_look_slow(make_sink
         await asyncio.sleep(0.01)
     assert sink.slow_inline_writes == 2, "the sink never tried an inline write again"
     assert time.monotonic() - started >= 0.9
-    sink.inline_slow = 10.0  # the disk is fast: after the next retry the writes stay inline
-    while time.monotonic() - started < 5.0 and not sink._inline_ok:
+    sink._batches.inline_slow = 10.0  # the disk is fast: after the next retry the writes stay inline
+    while time.monotonic() - started < 5.0 and not sink._batches.inline_ok:
         await sink.write(http_event(n))
         n += 1
         await asyncio.sleep(0.01)
-    assert sink._inline_ok
+    assert sink._batches.inline_ok
     await sink.close()
     rep = verify_file(sink.path, load_public_keys([pubkey]))
     assert rep.ok and rep.sealed, rep.error

@@ -1,6 +1,6 @@
 """An operator's `mv` racing the sink's own size rotation (issue 23, item 3).
 
-The interleavings are driven, not timed: the sink calls `_rotation_step(name)` at each step of `_rotate`
+The interleavings are driven, not timed: the sink calls `_trail.rotation_step(name)` at each step of `Trail.rotate`
 (check, seal, rename, locate, reopen, opened), and the test's outside change runs exactly there — a plain `mv`,
 logrotate's `create` (mv + an empty file at the name), a foreign non-empty file put at the name, or a move out
 of the audit directory. Whatever the interleaving, every file of the trail verifies (linked, sealed), no
@@ -82,7 +82,7 @@ async def test_outside_move_at_any_step_of_rotation_leaves_a_verifying_trail(mak
         if name == step and not moved:
             moved.append(_outside(action, sink.path, elsewhere))
 
-    sink._rotation_step = at
+    sink._trail.rotation_step = at
     sent = []
     for i in range(60):  # several rotations; the outside change happens in the first
         ev = http_event(i)
@@ -119,7 +119,7 @@ async def test_rotation_without_outside_change_records_no_incident(make_sink, pu
     """Control: plain rotations (the hook runs, does nothing) verify and record no incident."""
     sink = await make_sink(max_bytes=4000, checkpoint_every=5, watch_interval=3600)
     seen: list[str] = []
-    sink._rotation_step = lambda name, _target: seen.append(name)
+    sink._trail.rotation_step = lambda name, _target: seen.append(name)
     for i in range(40):
         await sink.write(http_event(i))
     await sink.close()
@@ -144,7 +144,7 @@ async def test_a_failed_rename_fails_one_batch_and_never_appends_to_the_sealed_f
             target.mkdir()  # os.rename(file, directory) fails: IsADirectoryError
             blocked.append(target)
 
-    sink._rotation_step = at
+    sink._trail.rotation_step = at
     refused = 0
     for i in range(30):
         try:

@@ -376,3 +376,36 @@ async def test_enqueued_outcome_rides_the_next_batch_or_its_timer(tmp_path, sign
     await sink.close()
     assert verify_file(sink.path, load_public_keys([pubkey])).ok
     assert ids(sink.path) == [e.request_id for e in (first, out1, dec2, alone)]
+
+
+# --- issue 23 item 4: the kill -9 window of an outcome with no traffic behind it ----------------------------
+
+async def _written_within_turns(sink: FileSink, request_id: str, turns: int = 10) -> bool:
+    """True once `request_id` is in the file, within `turns` turns of the event loop (no time has to pass)."""
+    for _ in range(turns):
+        await asyncio.sleep(0)
+        if request_id in sink.path.read_text():
+            return True
+    return False
+
+
+async def test_an_outcome_alone_is_written_as_soon_as_the_loop_is_idle(tmp_path, signer, pubkey):
+    """Sparse traffic (nothing followed the last outcome within `after_delay`; at start): an outcome is written
+    once the event loop has run what was ready, not after the 2 ms timer, so a kill -9 in between loses only
+    what this loop turn handed over. Dense traffic (a record followed the last outcome at once) keeps the timer:
+    the outcome rides the next record's batch, no extra write at c=1. Counted in loop turns, never in time;
+    the dense case (a 5 s timer) is the positive control: the same turns leave its outcome unwritten."""
+    sink = await FileSink(tmp_path / "audit.jsonl", signer, watch_interval=60, after_delay=5.0).start()
+    await sink.write(http_event(7600))
+    alone = http_event(7601, kind="outcome")
+    sink.enqueue_after(alone)
+    assert await _written_within_turns(sink, alone.request_id)  # sparse: written at idle
+    batches = sink.batches_written
+    await sink.write(http_event(7602))  # follows the outcome at once: traffic is dense now
+    dense = http_event(7603, kind="outcome")
+    sink.enqueue_after(dense)
+    assert not await _written_within_turns(sink, dense.request_id)  # waits for a batch to ride (or the timer)
+    await sink.write(http_event(7604))
+    assert dense.request_id in sink.path.read_text() and sink.batches_written == batches + 2  # rode it
+    await sink.close()
+    assert verify_file(sink.path, load_public_keys([pubkey])).ok

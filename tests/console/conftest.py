@@ -21,6 +21,7 @@ from tests.control_api.harness import start_control_gateway
 from tests.support.env import IN_CI
 from tests.support.gwworld import Gateway, World, open_world
 from tests.support.launcher import stop_gateway
+from tests.support.replay_check import assert_config_replays
 
 CHROMIUM = "/usr/bin/chromium"
 
@@ -132,6 +133,8 @@ def ui_gw(ui_world: World, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         yield gw
     finally:
         stop_gateway(gw)
+    # every decision the console's tests made replays the same under the same policies (issue 23, item 1)
+    assert_config_replays(gw.config)
 
 
 # module scope: Playwright's sync API keeps its event loop running in this thread while it is open, so any later

@@ -281,6 +281,8 @@ def test_every_console_route_is_served_as_documented(gw, operator, auditor, traf
         assert wait_for(lambda: len([a for a in auditor.get("/ui/api/approvals").json()["approvals"]
                                      if a["sandbox_id"] == pending.id]) == 2)
         ids = [a["id"] for a in auditor.get("/ui/api/approvals").json()["approvals"] if a["sandbox_id"] == pending.id]
+        check(auditor.get(f"/ui/api/approvals/{ids[0]}"), "/ui/api/approvals/{approval_id}")
+        check(auditor.get("/ui/api/approvals/apr-nope"), "/ui/api/approvals/{approval_id}")
         check(operator.post(f"/ui/api/approvals/{ids[0]}/approve", json={"for_seconds": 30}),
               "/ui/api/approvals/{approval_id}/approve")
         check(operator.post(f"/ui/api/approvals/{ids[0]}/approve", json={}), "/ui/api/approvals/{approval_id}/approve")

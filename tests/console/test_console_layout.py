@@ -42,7 +42,30 @@ def traffic(ui_gw: Gateway) -> dict[str, Any]:
         assert client.get(asker.url("other.test", "/echo", scheme="http")).status_code == 403
     wait_until(lambda: [a for a in api(ui_gw, "GET", "/v1/approvals?state=pending").json()["approvals"]
                         if a["sandbox_id"] == asker.id], 10, "the pending approval")
-    return {"sandbox": sbx, "asker": asker}
+    # a persistent write waiting for an operator (what `sandbox run` stages: runtimes/persist.py)
+    write = api(ui_gw, "POST", "/v1/workspaces/writes", json={
+        "sandbox_id": asker.id, "workspace": f"layout-{uuid.uuid4().hex[:6]}", "changes": WRITE_CHANGES,
+        "manifest_hash": "sha256:" + "ab" * 32, "base_manifest_hash": "none"})
+    assert write.status_code == 201, write.text
+    return {"sandbox": sbx, "asker": asker, "write": write.json()["id"]}
+
+
+WRITE_CHANGES = [
+    {"path": "reports/q3.csv", "action": "added", "type": "f", "size": 10_485_760, "sha256": "c0ffee" * 10 + "abcd"},
+    {"path": "src/" + "deeply/" * 12 + "nested.py", "action": "changed", "type": "f", "size": 812,
+     "sha256": "beef" * 16},
+    {"path": "old/notes.txt", "action": "removed", "type": "f", "size": None, "sha256": None},
+]
+
+
+def _open_write(c: Console, approval_id: str):
+    """The persistent write's row on the approvals page, its change list unfolded."""
+    c.page.select_option("#approvals-state", "pending")
+    row = c.page.locator(f"#approvals-list tr[data-id='{approval_id}']")
+    row.wait_for()
+    row.locator("[data-testid=write-changes] summary").click()
+    row.locator("[data-testid=write-changes-table]").wait_for()
+    return row
 
 
 def _page_fits(c: Console) -> tuple[int, int]:
@@ -79,6 +102,8 @@ def test_every_page_fits_the_screen_and_is_captured(console, traffic, size: str)
         if name == "sandboxes":
             c.page.locator(f"#sandbox-list tr[data-id='{traffic['sandbox'].id}'] [data-testid=open-sandbox]").click()
             c.page.locator("[data-testid=budget-table]").wait_for()
+        if name == "approvals":  # a persistent write's change list unfolded: it must fit too
+            _open_write(c, traffic["write"])
         c.page.screenshot(path=str(out / f"{name}.png"), full_page=True)
         width, window = _page_fits(c)
         assert width <= window, f"{name} at {size}: {width} px wide in a {window} px window"
@@ -137,6 +162,33 @@ def test_units_axes_and_approval_steps_are_readable(console, traffic) -> None:
     c.assert_clean()
 
 
+def test_a_persistent_write_shows_its_change_list(console, traffic) -> None:
+    """A persistent write is one compact row (workspace, how many changes) whose change list unfolds: every path
+    with its change, size and hash (it was a generic row "write workspace:<name>", the paths nowhere)."""
+    c = console("auditor")  # reading it needs no operator role
+    c.go("approvals")
+    _settle(c, "approvals")
+    c.page.select_option("#approvals-state", "pending")
+    row = c.page.locator(f"#approvals-list tr[data-id='{traffic['write']}']")
+    row.wait_for()
+    box = row.locator("[data-testid=write-changes]")
+    assert box.get_attribute("open") is None  # folded: the row stays one line
+    summary = box.locator("summary").text_content()
+    assert summary.startswith("write layout-") and summary.endswith(" · 3 changes"), summary
+    row = _open_write(c, traffic["write"])
+    table = row.locator("[data-testid=write-changes-table]")
+    assert table.locator("[data-field=path]").all_text_contents() == [ch["path"] for ch in WRITE_CHANGES]
+    assert table.locator("[data-field=action]").all_text_contents() == ["added", "changed", "removed"]
+    assert table.locator("[data-field=size]").first.text_content() == "10.0 MiB"
+    assert table.locator("[data-field=sha256]").first.text_content() == WRITE_CHANGES[0]["sha256"]  # whole, cut by CSS
+    # control: a network approval's row is the request itself, nothing to unfold
+    other = c.page.locator("#approvals-list tr", has=c.page.locator(
+        f"[data-field=sandbox_id]:text-is('{traffic['asker'].id}')")).filter(has=c.page.locator("[data-field=host]"))
+    assert other.first.locator("[data-field=host]").text_content() == "other.test"
+    assert other.first.locator("[data-testid=write-changes]").count() == 0
+    c.assert_clean()
+
+
 def test_no_serious_accessibility_violation_on_any_page(browser, ui_gw: Gateway, traffic) -> None:
     if not AXE.exists():
         if IN_CI:
@@ -150,6 +202,8 @@ def test_no_serious_accessibility_violation_on_any_page(browser, ui_gw: Gateway,
         for name in PAGES:
             c.go(name)
             _settle(c, name)
+            if name == "approvals":
+                _open_write(c, traffic["write"])
             found[name] = _axe(c)
         c.page.click("#logout")
         c.page.locator("#login-form").wait_for()

@@ -9,6 +9,7 @@ import pytest
 from tests.control_api.harness import start_control_gateway
 from tests.support.gwworld import Gateway, World, open_world
 from tests.support.launcher import stop_gateway
+from tests.support.replay_check import assert_config_replays
 
 
 @pytest.fixture(scope="session")
@@ -24,3 +25,5 @@ def cgw(world: World, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gate
         yield gw
     finally:
         stop_gateway(gw)
+    # every decision the session's tests made replays the same under the same policies (issue 23, item 1)
+    assert_config_replays(gw.config)

@@ -10,6 +10,7 @@ import pytest
 from tests.support.bao import BaoServer
 from tests.support.credworld import Gateway, World, launch, open_world
 from tests.support.launcher import stop_gateway
+from tests.support.replay_check import assert_config_replays
 
 
 @pytest.fixture(scope="session")
@@ -36,3 +37,5 @@ def cgw(cworld: World, cbao: BaoServer, tmp_path_factory: pytest.TempPathFactory
         yield gw
     finally:
         stop_gateway(gw)
+    # every decision the session's tests made replays the same under the same policies (issue 23, item 1)
+    assert_config_replays(gw.config)

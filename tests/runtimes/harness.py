@@ -33,6 +33,7 @@ from tests.support.launcher import (
     stop_process,
     write_policies,
 )
+from tests.support.replay_check import assert_config_replays
 
 CALLER_SECRET = "AKIAEGNCALLERSECRET0123456789"  # in the caller's env: must never reach a sandbox
 DENIED_FILE_NAME = "egN-denied.txt"  # a host file the runtime policies deny (the host_files fixture)
@@ -99,11 +100,17 @@ def running_gateway(world: World, policies: dict[str, dict[str, Any]],
     except BaseException:
         remove(base)
         raise
+    finished = False
     try:
         yield gw
+        finished = True
     finally:
         gw.stop()
-        remove(base)
+        try:
+            if finished:  # every decision its runs made replays the same under its policies (issue 23, item 1)
+                assert_config_replays(gw.config)
+        finally:
+            remove(base)
 
 
 def base_dir(parent: str | None = None) -> Path:

@@ -62,6 +62,5 @@ async def crash(sink: FileSink) -> None:
     sink._writer.cancel()
     with pytest.raises(asyncio.CancelledError):
         await sink._writer
-    os.close(sink._fd)
-    sink._fd = None
+    sink._trail.close()
     os.close(sink._lock)  # the kernel drops a dead process's writer lock (audit/writerlock.py)

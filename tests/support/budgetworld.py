@@ -22,6 +22,7 @@ from pathlib import Path
 
 from tests.support.launcher import LoopbackGateway, launch_loopback, start_all, stop_gateway
 from tests.support.loopback import DnsServer, LoopThread, read_request_head
+from tests.support.replay_check import assert_config_replays
 
 HOST = "up.test"
 
@@ -135,6 +136,10 @@ def budget_world(tmp: Path) -> Iterator[BudgetWorld]:
         yield BudgetWorld(tmp, upstream, transport.get_extra_info("sockname")[1], loop)
     finally:
         loop.close(servers=[server], transports=[transport])
+    # every gateway the module started (start_gateways: stopped by its test) replays its trail the same
+    # under its own policy: byte-budget denials included (issue 23, item 1)
+    for config in sorted(tmp.glob("gw*/gateway.yaml")):
+        assert_config_replays(config)
 
 
 def start_gateways(w: BudgetWorld, policy: dict, state: dict | None, count: int,

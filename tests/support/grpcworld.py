@@ -39,6 +39,7 @@ import trustme
 from tests.support.h2server import serve_h2_events
 from tests.support.launcher import LoopbackGateway, launch_loopback, stop_gateway, write_policies
 from tests.support.loopback import DnsServer, LoopThread, server_context, start_dns
+from tests.support.replay_check import assert_config_replays
 
 SERVICE = "egress.test.Echo"
 HOST = "grpc.test"
@@ -220,5 +221,7 @@ def open_grpc_world(tmp: Path) -> Iterator[GrpcWorld]:
                 yield GrpcWorld(ca=ca, upstream=up, gateway=gw, dns_port=dns_port, recorder=recorder)
             finally:
                 stop_gateway(gw)
+            # every decision the module's tests made replays the same under its policy (issue 23, item 1)
+            assert_config_replays(gw.config)
     finally:
         loop.close(servers=[h2server], transports=[transport])

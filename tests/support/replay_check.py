@@ -2,14 +2,17 @@
 
 Every fact a decision used must be in its record, so `audit replay` with the recording policy re-decides
 every record the same way. The worlds call `assert_replays_unchanged` when their gateway stops (the
-session fixtures of tests/gateway, tests/escape, tests/approvals, tests/mcp and the budget world), so every
-request the suite sends through them is replayed. Records written under another version of a policy (a
+session fixtures of tests/gateway, tests/escape, tests/approvals, tests/mcp, the budget world of
+tests/state_redis, credworld, grpcworld, the control-API harness and the runtime gateways of tests/runtimes),
+so every request the suite sends through them is replayed. Records written under another version of a policy (a
 reload during a test) are left out: replay answers "what would THIS policy have done".
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+
+import yaml
 
 from egressgate.audit.find import Found, iter_records
 from egressgate.audit.replay import ReplayResult, load_policy_set, replay_records
@@ -51,3 +54,11 @@ def assert_replays_unchanged(var: Path, policy_dir: Path, min_replayed: int = 0)
     assert not flips, f"audit replay of {var} with its own policies flipped {len(flips)} decision(s): {flips[:5]}"
     assert result.replayed >= min_replayed, (var, result)
     return result
+
+
+def assert_config_replays(config: Path, min_replayed: int = 0) -> ReplayResult:
+    """`assert_replays_unchanged` for the gateway `config` (its gateway.yaml) ran: its var dir and policy
+    dir (the test harnesses write absolute paths). Call it after the gateway stopped (every outcome is
+    written)."""
+    doc = yaml.safe_load(config.read_text())
+    return assert_replays_unchanged(Path(doc["var_dir"]), Path(doc["policy"]), min_replayed)

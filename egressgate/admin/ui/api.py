@@ -172,6 +172,7 @@ def api_routes(console: Console, guard, operator: tuple[str, ...]) -> list[web.A
         web.get("/ui/api/sandboxes/{sandbox_id}", guard(api.sandboxes.show), allow_head=False),
         web.delete("/ui/api/sandboxes/{sandbox_id}", guard(api.revoke, roles=operator, mutating=True)),
         web.get("/ui/api/approvals", guard(api.approvals.list), allow_head=False),
+        web.get("/ui/api/approvals/{approval_id}", guard(api.approvals.show), allow_head=False),  # a write's paths
         web.post("/ui/api/approvals/{approval_id}/approve", guard(api.approve, roles=operator, mutating=True)),
         web.post("/ui/api/approvals/{approval_id}/deny", guard(api.deny, roles=operator, mutating=True)),
         web.post("/ui/api/request-hash", guard(api.request_hash, mutating=True)),

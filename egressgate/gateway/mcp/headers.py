@@ -15,7 +15,7 @@ from mitmproxy import http
 
 # the only names the route reads (others are skipped while scanning: nothing else is decided on here)
 WANTED = frozenset({b"upgrade", b"mcp-session-id", b"content-encoding", b"content-length",
-                    b"transfer-encoding", b"content-type"})
+                    b"transfer-encoding", b"content-type", b"mcp-protocol-version"})
 
 
 class HeaderView:

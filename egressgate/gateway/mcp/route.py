@@ -153,6 +153,7 @@ class McpRoute(McpAnswers):
             ex.session, ex.injector = found
         else:
             ex.key = (fs.sandbox_id, server.name, sid)
+            ex.protocol_header = h.get(b"mcp-protocol-version")
             ex.session = await self._keyed(flow, fs, policy)
 
     def _no_body(self, flow: http.HTTPFlow, fs: FlowState, inner):
@@ -203,7 +204,7 @@ class McpRoute(McpAnswers):
                 or fs.decision is None or not fs.decision.allowed):
             return
         body = flow.request.raw_content or b""
-        verdict = await ex.session.from_client(body)
+        verdict = await ex.session.from_client(body, ex.protocol_header)
         ex.batch = verdict.batch
         replies = list(verdict.replies)
         if verdict.forward is None:

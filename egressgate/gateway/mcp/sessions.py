@@ -56,6 +56,9 @@ class McpExchange:
     ping_id: str | None = None  # ... and the gateway ping standing in for a fully denied POST
     ticket: Any = None  # streamable HTTP POST: the requests it forwarded (mediator.Ticket), freed when it ends
     status: int | None = None  # the upstream's HTTP status for this POST
+    # the request's MCP-Protocol-Version header: the session's version when no initialize was seen (a
+    # gateway restart), for the batch check (mcp/methods.py)
+    protocol_header: str | None = None
 
 
 @dataclass(slots=True)

@@ -2,9 +2,10 @@
 // does not allow). Operators approve (for how long, host or host+path) or deny; auditors only see.
 
 import * as api from "./api.js";
-import {clear, el, notice, table, timeCell, val} from "./dom.js";
+import {clear, el, fmtBytes, fmtCount, notice, table, timeCell, val} from "./dom.js";
 
 const STATES = ["pending", "approved", "denied", "expired", ""];
+const CHANGES_SHOWN = 200;  // a write lists up to 100,000 paths: the rest is named, `approvals show` lists all
 
 export function render(root) {
   const select = el("select", {id: "approvals-state", name: "state", "aria-label": "approval state"},
@@ -26,9 +27,10 @@ export function render(root) {
         {key: "sandbox_id", label: "Sandbox · policy", cls: "mid", render: (r) => el("div", null,
           val(r.sandbox_id, "sandbox_id"), el("div", {class: "sub"}, val(r.policy, "policy")))},
         {key: "kind", label: "Kind"},
-        {key: "request", label: "Request", cls: "wide", render: (r) => el("div", {class: "request"},
-          r.method ? [val(r.method, "method"), " "] : null, val(r.host, "host"),
-          r.port ? [":", val(r.port, "port")] : null, r.path ? [" ", val(r.path, "path")] : null)},
+        {key: "request", label: "Request", cls: "wide", render: (r) => r.kind === "persistent_write" ? writeCell(r)
+          : el("div", {class: "request"},
+            r.method ? [val(r.method, "method"), " "] : null, val(r.host, "host"),
+            r.port ? [":", val(r.port, "port")] : null, r.path ? [" ", val(r.path, "path")] : null)},
         {key: "requested_at", label: "Requested", render: (r) => timeCell(r.requested_at, "requested_at")},
         {key: "state", label: "State", render: (r) => el("div", null, val(r.state, "state"),
           r.decided_by ? el("div", {class: "sub"}, "by ", val(r.decided_by, "decided_by")) : null)},
@@ -46,6 +48,39 @@ export function render(root) {
   load();
   const timer = setInterval(() => load(false), 3000);  // a queue: new requests show up by themselves
   return () => clearInterval(timer);
+}
+
+/** A persistent write (a run's staged workspace changes): one line (workspace, how many changes) that unfolds
+ * into the change list, fetched when opened (the list the page polls leaves the paths out: GET one approval). */
+function writeCell(row) {
+  const details = row.details && typeof row.details === "object" ? row.details : {};
+  const body = el("div", {class: "changes"});
+  const box = el("details", {class: "write", "data-testid": "write-changes"},
+    el("summary", null, "write ", val(details.workspace ?? row.host, "workspace"), " · ",
+      fmtCount(details.count, "count"), " changes"), body);
+  let loaded = false;
+  box.addEventListener("toggle", async () => {
+    if (!box.open || loaded) return;
+    loaded = true;
+    clear(body, notice("info", "Loading the change list…"));
+    try {
+      const full = await api.get(`approvals/${api.seg(row.id)}`);
+      const changes = Array.isArray(full.details?.changes) ? full.details.changes : [];
+      const cols = [
+        {key: "action", label: "Change", cls: "word"},
+        {key: "path", label: "Path", cls: "wide"},
+        {key: "size", label: "Size", cls: "word", render: (c) => fmtBytes(c.size, "size")},
+        {key: "sha256", label: "sha256", cls: "hash", render: (c) => el("div", {class: "cut"}, val(c.sha256, "sha256"))},
+      ];
+      const more = changes.length - CHANGES_SHOWN;
+      clear(body, table(cols, changes.slice(0, CHANGES_SHOWN), {testid: "write-changes-table"}),
+        more > 0 ? notice("info", `${more} more: egressgate approvals show ${row.id}`) : null);
+    } catch (err) {
+      loaded = false;
+      clear(body, notice("error", err.message));
+    }
+  });
+  return box;
 }
 
 function actions(row, reload, out) {
