@@ -74,7 +74,7 @@ def verify(files: tuple[str, ...], public_keys: tuple[str, ...], allow_unsealed:
     sys.exit(1 if failed else 0)
 
 
-_WORKER = re.compile(r"\.w\d+\.[^.]*$")  # gateway/workers.py: audit.jsonl -> audit.w<slot>.jsonl
+_WORKER = re.compile(r"\.w\d+\.[^.]*$")  # gateway/service/workers.py: audit.jsonl -> audit.w<slot>.jsonl
 
 
 def _chains(files: tuple[str, ...]) -> dict[str, list[str]]:

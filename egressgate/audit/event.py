@@ -22,12 +22,14 @@ class EventKind(StrEnum):
     OUTCOME = "outcome"  # status / bytes / duration of an earlier allowed decision (same request_id)
     CREDENTIAL_ISSUE = "credential_issue"
     BUDGET = "budget"
-    BUDGET_RECONCILE = "budget_reconcile"  # a dead worker's outstanding byte lease, forfeited (gateway/reconcile.py)
+    # a dead worker's outstanding byte lease, forfeited (gateway/service/reconcile.py)
+    BUDGET_RECONCILE = "budget_reconcile"
     ADMISSION = "admission"
     REVOCATION = "revocation"
     POLICY_RELOAD = "policy_reload"
     APPROVAL = "approval"  # an approval requested, approved, denied or expired (egressgate/approvals)
-    CONNECTION = "connection"  # a client connection refused or closed by a limit/timeout (gateway/connguard.py)
+    # a client connection refused or closed by a limit/timeout (gateway/pipeline/connguard.py)
+    CONNECTION = "connection"
     # MCP (egressgate/mcp/records.py): one decision per tools/call (its effect is an OUTCOME record with
     # the same request_id), a tools/list answer that changed a tool's hash, and other MCP messages the
     # gateway refused or recorded (malformed, a serverInfo that differs from its pin)

@@ -80,7 +80,7 @@ Decide = Callable[[Any, Facts, SandboxState, float], Decision]
 
 def outside_the_engine(reason: Any, detail: Any) -> bool:
     """A deny the engine did not make: its reason is not one decide() returns, or it is the atomic store
-    check of a rule's `budget.requests` for tunnels (gateway/history.py, detail `rule_budget`: concurrent
+    check of a rule's `budget.requests` for tunnels (gateway/shared/history.py, detail `rule_budget`: concurrent
     tunnels spent what decide()'s snapshot still saw; the store's count at that moment is not recorded)."""
     return reason not in ENGINE_DENY_REASONS or (reason == "budget_exceeded" and detail == "rule_budget")
 
@@ -314,7 +314,7 @@ def _replay_one(
 
 
 def budget_stage(policy: Any, attrs: dict[str, Any], new: Decision) -> Decision:
-    """The gateway's byte-budget check after decide() (gateway/budgets.py): a request whose known size did
+    """The gateway's byte-budget check after decide() (gateway/pipeline/budgets.py): a request whose known size did
     not fit in what was left of `outbound_bytes_max` was refused there, and its record carries what that
     check read (`egressgate.budget.needed`, `egressgate.budget.spent`). Re-applied under the replayed
     policy's budget, so the same policy refuses it again and a larger budget allows it. Allowed records

@@ -112,7 +112,7 @@ def update_history(hist: History, attrs: dict[str, Any], time_s: float) -> None:
 
 def relayed(attrs: dict[str, Any]) -> bool:
     """A connect record of a tunnel the gateway relays unread (a tcp rule, `tls: passthrough`): that tunnel
-    is the request and entered the sandbox's history (gateway/history.py); an intercepted tunnel's
+    is the request and entered the sandbox's history (gateway/shared/history.py); an intercepted tunnel's
     requests have their own records."""
     return (attrs.get("egressgate.intercept") is False or attrs.get(K_SCHEME) == "tcp"
             or attrs.get("egressgate.tls") == "passthrough")

@@ -9,7 +9,7 @@ Why it is shaped like this:
   than redis-py); redis-py (`self.redis`, a bounded pool) serves the rest. An allowed request of known
   size costs two round trips: the snapshot its decision reads, then `reserve_request` (its bytes, its
   rule's budget and its history in one script); bytes received ride along with the next write
-  (gateway/ledger.py), not one of their own.
+  (gateway/shared/ledger.py), not one of their own.
 - Fail closed: any Redis error (connection refused, timeout, a script error, a corrupt record) raises
   StateUnavailable and counts in `errors`; callers deny `state_unavailable`. No command is retried
   by the client library (a retried write could count twice, or give a lease back twice). After a

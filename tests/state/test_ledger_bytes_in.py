@@ -1,7 +1,7 @@
-"""Bytes received from upstream, counted without a Redis round trip of their own (gateway/ledger.py).
+"""Bytes received from upstream, counted without a Redis round trip of their own (gateway/shared/ledger.py).
 
 On a shared store the ledger keeps a sandbox's bytes in until its next write (`reserve_request`, a
-settle) or the next sweep (every second, gateway/reconcile.py), so a request costs two round trips
+settle) or the next sweep (every second, gateway/service/reconcile.py), so a request costs two round trips
 instead of three. Real Redis; control: the in-process store is written at the next tick as before.
 """
 
@@ -11,7 +11,7 @@ import asyncio
 
 import pytest
 
-from egressgate.gateway.ledger import ByteLedger
+from egressgate.gateway.shared.ledger import ByteLedger
 from egressgate.state.base import StateUnavailable
 from egressgate.state.memory import MemoryState
 from tests.state.helpers import record, redis_store

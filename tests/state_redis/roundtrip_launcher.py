@@ -3,9 +3,9 @@
 `python roundtrip_launcher.py PAUSE_DIR run --config ...`:
 
 - Only request-driven traffic reaches Redis during a test: the ledger's sweep and the reconcile rounds
-  (time-driven: at most one write a second each, whatever the request rate; gateway/reconcile.py) run
+  (time-driven: at most one write a second each, whatever the request rate; gateway/service/reconcile.py) run
   once an hour instead of every second, so the commands a test sees are the ones its requests cost.
-  Settles and bytes in still go out with the requests' own writes (gateway/ledger.py).
+  Settles and bytes in still go out with the requests' own writes (gateway/shared/ledger.py).
 - A pause between a request's two round trips: for a sandbox admitted with the label `pause=1`,
   `RedisState.reserve_request` (the second round trip, after the snapshot decide() read) first writes
   PAUSE_DIR/paused-<sandbox id> and waits until PAUSE_DIR/go-<sandbox id> exists; then it runs the
@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from egressgate.cli import main
-from egressgate.gateway import reconcile
+from egressgate.gateway.service import reconcile
 from egressgate.state.redis import RedisState
 
 PAUSE_DIR = Path(sys.argv.pop(1))
