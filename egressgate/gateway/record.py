@@ -23,6 +23,7 @@ from egressgate.gateway.deny import gateway_deny
 from egressgate.gateway.identity import CHALLENGE
 from egressgate.gateway.target import note_target
 from egressgate.policy.facts import Decision
+from egressgate.policy.mcp_decide import mcp_post_server
 from egressgate.policy.reasons import Reason
 
 logger = logging.getLogger(__name__)
@@ -99,6 +100,52 @@ def _orphan_id(flow: tcp.TCPFlow) -> str:
     return new_request_id()
 
 
+def flow_decision_event(rt: Runtime, flow: http.HTTPFlow, fs: FlowState,
+                        kind: EventKind = EventKind.HTTP_REQUEST) -> AuditEvent:
+    """The flow's decision record, with the connection's labels, client address and mode."""
+    conn = rt.conns.get(flow.client_conn.id)
+    client = flow.client_conn.peername[0] if flow.client_conn.peername else None
+    mark_transparent(conn, fs)
+    return decision_event(kind, fs, conn.labels if conn is not None else {}, client)
+
+
+def write_owed(rt: Runtime, flow: http.HTTPFlow, fs: FlowState) -> None:
+    """The deferred decision record of an MCP POST that nothing folded (Record._owed), written behind:
+    the flow ends or is refused without anything having gone upstream on it."""
+    if fs.record_owed:
+        fs.record_owed = False
+        write_behind(rt, flow_decision_event(rt, flow, fs))
+
+
+def write_outcome(rt: Runtime, flow: http.HTTPFlow, fs: FlowState, error: str | None = None,
+                  more: dict | None = None) -> None:
+    """The outcome record of an allowed flow, once, written behind; `more`: attributes of the exchange
+    another stage adds (the MCP route: its call's outcome, one record per call, docs/audit.md "MCP")."""
+    if fs.outcome_sent or fs.decision is None or not fs.decision.allowed:
+        return
+    fs.outcome_sent = True
+    write_owed(rt, flow, fs)  # an MCP POST that ended before its route recorded it
+    extra: dict = transparent_attributes(fs.transparent, fs.original_dst)
+    if more:
+        extra.update(more)
+    for key, value in (("egressgate.error", error), ("egressgate.budget_cut", fs.budget_cut),
+                       ("egressgate.internal_error", fs.internal_error),  # the hook that crashed
+                       # credential_response.py: why the body was not forwarded
+                       ("egressgate.response_refused", fs.response_refused),
+                       # http1_framing.py: the request body's framing was refused
+                       ("egressgate.request_refused", fs.request_refused)):
+        if value:
+            extra[key] = value
+    req_hash, body_hash = request_hash.finish(fs)
+    write_behind(rt, outcome_event(
+        fs, decision="deny" if fs.state_cut else str(fs.decision.effect),  # the store failed mid-body
+        reason=str(Reason.STATE_UNAVAILABLE) if fs.state_cut
+        else str(Reason.BUDGET_EXCEEDED) if fs.budget_cut else str(fs.decision.reason),
+        rule_id=fs.decision.rule_id, status=flow.response.status_code if flow.response is not None else None,
+        bytes_out=fs.bytes_out, bytes_in=fs.bytes_in, request_hash=req_hash, body_hash=body_hash, extra=extra,
+    ))
+
+
 class Record:
     def __init__(self, runtime: Runtime) -> None:
         self.rt = runtime
@@ -115,16 +162,33 @@ class Record:
         """Write the decision; return the decision to enforce (audit failure turns allow into deny)."""
         if fs.decision is None:  # no addon decided: fail closed
             fs.decision = gateway_deny(Reason.INVALID_REQUEST, "The gateway could not decide this request.")
-        conn = self.rt.conns.get(flow.client_conn.id)
-        labels = conn.labels if conn is not None else {}
-        client = flow.client_conn.peername[0] if flow.client_conn.peername else None
-        mark_transparent(conn, fs)
-        ok = await self._write(decision_event(kind, fs, labels, client))
+        if kind is EventKind.HTTP_REQUEST and self._owed(flow, fs):
+            return fs.decision
+        ok = await self._write(flow_decision_event(self.rt, flow, fs, kind))
         fs.audited = True
         if not ok and fs.decision.allowed:
             refund_prepaid(self.rt, fs)  # nothing goes upstream
             fs.decision = gateway_deny(Reason.AUDIT_UNAVAILABLE)
         return fs.decision
+
+    def _owed(self, flow: http.HTTPFlow, fs: FlowState) -> bool:
+        """An allowed POST of JSON-RPC messages to a remote MCP server: its body is buffered and decided
+        by the MCP route (mcp_route.py) before anything goes upstream, so its decision record is deferred
+        there and folded into the `mcp_tool_call` record of the call it carries (one record per call,
+        docs/audit.md "MCP"); the route writes it durably itself before forwarding anything else, and
+        `write_owed` covers a flow that ends first. Pinning may commit the destination meanwhile
+        (`audited`): nothing is sent on it before the route's `request` hook."""
+        d = fs.decision
+        if (d is None or not d.allowed or flow.response is not None or fs.scheme is None or fs.host is None
+                or fs.port is None or fs.path is None or fs.method is None):
+            return False
+        policy = self.rt.policies.get(fs.policy_name)
+        if policy is None or not policy.mcp.by_origin:
+            return False
+        if mcp_post_server(policy, fs.scheme, fs.host, fs.port, fs.method, fs.path) is None:
+            return False
+        fs.audited = fs.record_owed = True
+        return True
 
     async def http_connect(self, flow: http.HTTPFlow) -> None:
         await self._record(EventKind.CONNECT, flow, ensure_flow_state(flow))
@@ -138,26 +202,9 @@ class Record:
 
     async def _outcome(self, flow: http.HTTPFlow, error: str | None = None) -> None:
         fs = flow_state(flow)
-        if fs is None or fs.outcome_sent or fs.decision is None or not fs.decision.allowed:
+        if fs is None or fs.outcome_folded:  # the MCP route writes it, with its call's outcome
             return
-        fs.outcome_sent = True
-        extra: dict = transparent_attributes(fs.transparent, fs.original_dst)
-        for key, value in (("egressgate.error", error), ("egressgate.budget_cut", fs.budget_cut),
-                           ("egressgate.internal_error", fs.internal_error),  # the hook that crashed
-                           # credential_response.py: why the body was not forwarded
-                           ("egressgate.response_refused", fs.response_refused),
-                           # http1_framing.py: the request body's framing was refused
-                           ("egressgate.request_refused", fs.request_refused)):
-            if value:
-                extra[key] = value
-        req_hash, body_hash = request_hash.finish(fs)
-        write_behind(self.rt, outcome_event(
-            fs, decision="deny" if fs.state_cut else str(fs.decision.effect),  # the store failed mid-body
-            reason=str(Reason.STATE_UNAVAILABLE) if fs.state_cut
-            else str(Reason.BUDGET_EXCEEDED) if fs.budget_cut else str(fs.decision.reason),
-            rule_id=fs.decision.rule_id, status=flow.response.status_code if flow.response is not None else None,
-            bytes_out=fs.bytes_out, bytes_in=fs.bytes_in, request_hash=req_hash, body_hash=body_hash, extra=extra,
-        ))
+        write_outcome(self.rt, flow, fs, error)
 
     def refused(self, flow: http.HTTPFlow, hook: str) -> None:
         """An addon crashed and failclosed.py refused the flow (500 `internal_error`, or a kill).
@@ -168,8 +215,9 @@ class Record:
         outcome record, under the same id, says `internal_error`."""
         fs = ensure_flow_state(flow)
         fs.internal_error = hook
-        if fs.audited:
+        if fs.audited and not fs.record_owed:
             return
+        fs.record_owed = False  # the refusal below is this flow's decision record
         earlier = fs.decision
         fs.decision = gateway_deny(
             Reason.INTERNAL_ERROR,
@@ -181,11 +229,8 @@ class Record:
             note_target(self.rt, flow, fs)  # the crash may have come before the target was filled in
         except Exception:
             logger.exception("could not describe the target of a refused flow")
-        conn = self.rt.conns.get(flow.client_conn.id)
-        client = flow.client_conn.peername[0] if flow.client_conn.peername else None
-        mark_transparent(conn, fs)
         kind = EventKind.CONNECT if flow.request.method == "CONNECT" else EventKind.HTTP_REQUEST
-        write_behind(self.rt, decision_event(kind, fs, conn.labels if conn is not None else {}, client))
+        write_behind(self.rt, flow_decision_event(self.rt, flow, fs, kind))
 
     def request(self, flow: http.HTTPFlow) -> None:
         fs = flow_state(flow)
