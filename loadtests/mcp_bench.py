@@ -16,7 +16,9 @@ serves two sandboxes whose policies allow the same `POST https://localhost:PORT/
 check). A keep-alive client (one CONNECT + TLS per cell) sends the same `tools/call` body sequentially
 (c=1) through each, alternating cells per repeat; the upstream (in this process, its own thread) answers
 a fixed JSON-RPC result. Overhead = median p50 (MCP) - median p50 (plain); every answer must be 200 and
-carry the upstream's `result` (a gateway denial would be a JSON-RPC `error`).
+carry the upstream's `result` (a gateway denial would be a JSON-RPC `error`). Also printed: the paired
+overhead (MCP minus plain within each repeat, median over repeats: the load drifts between repeats on a
+shared machine), audit records per request of each cell, and the load average at start and end.
 Run: `PYTHONPATH=$PWD .venv/bin/python -m loadtests.mcp_bench gateway [--seconds 4 --repeats 5]`.
 
 `mediator`: the gateway's MCP work per call without mitmproxy: McpSession.from_client (strict parse,

@@ -107,8 +107,13 @@ async def _cell(target: Target, seconds: float) -> list[float]:
     return latencies
 
 
+def _load() -> str:
+    return Path("/proc/loadavg").read_text().strip()
+
+
 def gateway_main(seconds: float, repeats: int, as_json: bool = False) -> None:
     procs.check_loopback_name()
+    print(f"load at start: {_load()}", file=sys.stderr, flush=True)
     rows = []
     with tempfile.TemporaryDirectory(prefix="e13e-mcp-bench-") as tmp:
         d = Path(tmp)
@@ -140,25 +145,42 @@ def gateway_main(seconds: float, repeats: int, as_json: bool = False) -> None:
                           file=sys.stderr, flush=True)
             audit = Path(gw.info["audit"]).read_text(errors="replace")
             recorded = audit.count('"mcp_tool_call"')
+            # audit records per request of each cell (the sandbox's admission record aside: < 1/n)
+            lines = audit.splitlines()
+            per_request = {label: sum(f'"mcpbench-{label}"' in line for line in lines)
+                           / max(1, sum(r["n"] for r in rows if r["target"] == label)) for label in ("plain", "mcp")}
         finally:
             if gw is not None:
                 gw.stop()
             up.stop()
     med = {label: {k: statistics.median(r[k] for r in rows if r["target"] == label)
                    for k in ("p50_ms", "p99_ms", "gw_cpu_ms_per_req")} for label in ("plain", "mcp")}
+    # paired: MCP minus plain within each repeat (adjacent cells), then the median over repeats -- robust
+    # to the load drifting between repeats on a shared machine
+    paired = {k: statistics.median(
+        next(r[k] for r in rows if r["rep"] == rep and r["target"] == "mcp")
+        - next(r[k] for r in rows if r["rep"] == rep and r["target"] == "plain") for rep in range(repeats))
+        for k in ("p50_ms", "gw_cpu_ms_per_req")}
     summary = {"plain": med["plain"], "mcp": med["mcp"], "upstream_requests": up.requests,
-               "mcp_tool_call_records": recorded,
+               "mcp_tool_call_records": recorded, "records_per_request": per_request,
+               "paired_overhead_p50_ms": paired["p50_ms"],
+               "paired_overhead_cpu_ms_per_req": paired["gw_cpu_ms_per_req"],
                "overhead_p50_ms": med["mcp"]["p50_ms"] - med["plain"]["p50_ms"],
                "overhead_cpu_ms_per_req": med["mcp"]["gw_cpu_ms_per_req"] - med["plain"]["gw_cpu_ms_per_req"]}
+    summary["load_at_end"] = _load()
     if as_json:
         print(json.dumps({"rows": rows, "summary": summary}, indent=1))
         return
+    print(f"load at end: {summary['load_at_end']}")
     print(f"plain POST   p50 {med['plain']['p50_ms']:.3f} ms  p99 {med['plain']['p99_ms']:.3f} ms  "
           f"gateway CPU {med['plain']['gw_cpu_ms_per_req']:.3f} ms/req")
     print(f"MCP tools/call p50 {med['mcp']['p50_ms']:.3f} ms  p99 {med['mcp']['p99_ms']:.3f} ms  "
           f"gateway CPU {med['mcp']['gw_cpu_ms_per_req']:.3f} ms/req")
     print(f"overhead p50 {summary['overhead_p50_ms']:.3f} ms (goal <= 0.3), gateway CPU "
           f"{summary['overhead_cpu_ms_per_req']:.3f} ms/req; {recorded} mcp_tool_call records")
+    print(f"paired (median over repeats of MCP - plain): p50 {paired['p50_ms']:.3f} ms, gateway CPU "
+          f"{paired['gw_cpu_ms_per_req']:.3f} ms/req; audit records per request: plain "
+          f"{per_request['plain']:.2f}, MCP {per_request['mcp']:.2f}")
 
 
 async def _mediator_cell(calls: int) -> tuple[list[float], list[float]]:
