@@ -20,10 +20,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 
 from egressgate.audit.find import iter_records
 from egressgate.audit.replay import load_policy_set, replay_records
 from tests.mcp.remote_world import RemoteWorld, Sandbox, open_remote_world
+from tests.support.launcher import write_policies
 from tests.support.replay_check import trail_files
 from tests.support.waiting import wait_for
 
@@ -144,3 +146,29 @@ async def test_positive_control_http_sse_calls_keep_two_records_each_and_the_cou
     assert (decisions, outcomes) == (2, 2), [r["egressgate.operation"] for r in records]
     calls = [r for r in records if r["egressgate.operation"] == "mcp_tool_call"]
     assert len(calls) == 3 and not any("egressgate.network.rule" in c for c in calls)
+
+
+async def test_replay_re_decides_the_folded_network_decision(rw: RemoteWorld, tmp_path: Path) -> None:
+    """The network half of a folded record is really re-decided: under a policy whose route rule no longer
+    allows POST, replay flips exactly the POSTs (their calls' records, as `http_request`), while the
+    recording policy flips nothing (above)."""
+    sbx, _records = await _session(rw, "json", 1)
+    doc = yaml.safe_load((Path(rw.gw.var).parent / "policies" / "mcp-remote.yaml").read_text())
+    [rule] = [r for r in doc["network"]["https"]["allow"] if r["id"] == "tickets-mcp"]
+    rule["methods"] = ["GET", "DELETE"]
+    policies, _single = load_policy_set(write_policies(tmp_path / "policies", {"mcp-remote": doc}))
+    found = [
+        f
+        for f in iter_records(trail_files(Path(rw.gw.var)))
+        if f.record.attributes.get("egressgate.sandbox.id") == sbx.id
+    ]
+    changes = replay_records(found, policies, None).changes
+    assert changes and all(
+        (c.operation, c.old_rule, c.new_decision) == ("http_request", "tickets-mcp", "deny") for c in changes
+    )
+    folded = {
+        f.record.attributes["egressgate.request.id"]
+        for f in found
+        if f.record.attributes.get("egressgate.network.rule") == "tickets-mcp"
+    }
+    assert len(folded) == 1 and folded <= {c.request_id for c in changes}  # the call's POST among them
