@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import ssl
 import statistics
 import sys
@@ -126,7 +128,13 @@ def gateway_main(seconds: float, repeats: int, as_json: bool = False) -> None:
             for name, with_mcp in (("mcpbench-plain", False), ("mcpbench-mcp", True)):
                 (gdir / "policies" / f"{name}.yaml").write_text(yaml.safe_dump(policy(name, up.port, with_mcp)))
             listen = {"proxy": "127.0.0.1:0", "admin": "127.0.0.1:0", "dns": None, "transparent": "127.0.0.2:0"}
-            gw = procs.launch_egressgate(gdir, certs.ca_pem, listen, {"plain": "mcpbench-plain", "mcp": "mcpbench-mcp"})
+            # MCP_BENCH_PROFILE=OUT.prof:LABEL: the gateway under loadtests.cprofile_gateway, profiling only
+            # the cells of LABEL (plain or mcp); Python calls per request are then load-independent
+            prof, _, prof_label = os.environ.get("MCP_BENCH_PROFILE", "").partition(":")
+            program = ([sys.executable, "-m", "loadtests.cprofile_gateway", prof, "--", "run"] if prof
+                       else [procs.EGRESSGATE, "run"])
+            gw = procs.launch_egressgate(gdir, certs.ca_pem, listen, {"plain": "mcpbench-plain", "mcp": "mcpbench-mcp"},
+                                         program=program)
             for rep in range(repeats):
                 order = ["plain", "mcp"] if rep % 2 == 0 else ["mcp", "plain"]
                 for label in order:
@@ -134,7 +142,11 @@ def gateway_main(seconds: float, repeats: int, as_json: bool = False) -> None:
                                     dial=("127.0.0.1", gw.info["port"]), via_proxy=True, ca_file=gw.info["ca"],
                                     proxy_auth=gw.info[label], path="/mcp")
                     cpu0 = gw.cpu_seconds()
+                    if prof and label == prof_label:
+                        os.kill(gw.pid, signal.SIGUSR1)
                     lat = asyncio.run(_cell(target, seconds))
+                    if prof and label == prof_label:
+                        os.kill(gw.pid, signal.SIGUSR2)
                     cpu = gw.cpu_seconds() - cpu0
                     lat.sort()
                     rows.append({"rep": rep, "target": label, "n": len(lat), "p50_ms": statistics.median(lat),
@@ -151,8 +163,20 @@ def gateway_main(seconds: float, repeats: int, as_json: bool = False) -> None:
                            / max(1, sum(r["n"] for r in rows if r["target"] == label)) for label in ("plain", "mcp")}
         finally:
             if gw is not None:
-                gw.stop()
+                gw.stop(grace=60 if prof else 10)
             up.stop()
+    if prof:
+        import pstats
+
+        st = pstats.Stats(prof)
+        # requests profiled = the decision stage's requestheaders calls (a signal may land after a cell began)
+        n = sum(v[1] for (f, _l, fn), v in st.stats.items()  # type: ignore[attr-defined]
+                if f.endswith("gateway/decision.py") and fn == "requestheaders")
+        enc = sum(v[1] for (f, _l, fn), v in st.stats.items()  # type: ignore[attr-defined]
+                  if f.endswith("audit/encode.py") and fn == "encode_record")
+        calls = st.total_calls  # type: ignore[attr-defined]
+        print(f"profiled {prof_label} cells: {calls} Python calls / {n} requests = {calls / max(1, n):.0f} per "
+              f"request; {enc / max(1, n):.2f} records encoded per request")
     med = {label: {k: statistics.median(r[k] for r in rows if r["target"] == label)
                    for k in ("p50_ms", "p99_ms", "gw_cpu_ms_per_req")} for label in ("plain", "mcp")}
     # paired: MCP minus plain within each repeat (adjacent cells), then the median over repeats -- robust
