@@ -209,7 +209,8 @@ class McpRoute(McpAnswers):
         if conn is not None and not conn.closed:  # closed: revoked meanwhile (the mediator re-reads)
             # HTTP+SSE: the call's answer comes on the stream's flow, so its records stay its own
             fold = fs.record_owed and ex.injector is None
-            via = FromFlow(flow_decision_event(self.rt, flow, fs) if fold else None, conn.labels, fs.state)
+            via = FromFlow(flow_decision_event(self.rt, flow, fs) if fold else None, conn.labels, fs.state,
+                           fs.policy_hash)
         verdict = await ex.session.from_client(body, via)
         ex.batch = verdict.batch
         replies = list(verdict.replies)

@@ -37,6 +37,7 @@ class FromFlow:
     record: AuditEvent | None  # None: not folded (HTTP+SSE: the call's answer comes on another flow)
     labels: Mapping[str, str]
     snapshot: SandboxState | None
+    policy_hash: str | None = None  # of the policy the flow was decided under: its snapshot is that policy's
     used: bool = False  # the record was folded into a durable mcp_tool_call record
     held: HeldOutcome | None = None  # the folded call was forwarded: its outcome, for the flow's outcome
 

@@ -307,7 +307,8 @@ class McpSession:
                 raise Refused(Reason.STATE_UNAVAILABLE)
             snap = None
             if needs_network(policy, self.server_name, tool):  # allowed_by_network: decided like a request
-                snap = flow.snapshot if flow is not None else None
+                # the flow's snapshot holds what ITS policy reads (relevant_state): not after a reload
+                snap = flow.snapshot if flow is not None and flow.policy_hash == self.ctx.policy_hash else None
                 if snap is None:
                     snap = await state.snapshot(self.sandbox_id, history=policy.history_patterns,
                                                 rules=policy.budgeted_rules)
