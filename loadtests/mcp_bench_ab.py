@@ -31,8 +31,7 @@ def _gateway(d: Path, certs: procs.Certs, port: int, env: dict[str, str] | None)
     for name, with_mcp in (("mcpbench-plain", False), ("mcpbench-mcp", True)):
         (d / "policies" / f"{name}.yaml").write_text(yaml.safe_dump(policy(name, port, with_mcp)))
     listen = {"proxy": "127.0.0.1:0", "admin": "127.0.0.1:0", "dns": None, "transparent": None}
-    return procs.launch_egressgate(d, certs.ca_pem, listen, {"plain": "mcpbench-plain", "mcp": "mcpbench-mcp"},
-                                   env=env)
+    return procs.launch_egressgate(d, certs.ca_pem, listen, {"plain": "mcpbench-plain", "mcp": "mcpbench-mcp"}, env=env)
 
 
 def ab_main(base: str, seconds: float, repeats: int) -> None:
@@ -52,14 +51,29 @@ def ab_main(base: str, seconds: float, repeats: int) -> None:
             for rep in range(repeats):
                 for tree, label in cells if rep % 2 == 0 else cells[::-1]:
                     gw = gws[tree]
-                    target = Target(scheme="https", host=procs.UPSTREAM_NAME, port=up.port,
-                                    dial=("127.0.0.1", gw.info["port"]), via_proxy=True, ca_file=gw.info["ca"],
-                                    proxy_auth=gw.info[label], path="/mcp")
+                    target = Target(
+                        scheme="https",
+                        host=procs.UPSTREAM_NAME,
+                        port=up.port,
+                        dial=("127.0.0.1", gw.info["port"]),
+                        via_proxy=True,
+                        ca_file=gw.info["ca"],
+                        proxy_auth=gw.info[label],
+                        path="/mcp",
+                    )
                     cpu0 = gw.cpu_seconds()
                     lat = asyncio.run(_cell(target, seconds))
                     cpu = gw.cpu_seconds() - cpu0
-                    rows.append({"rep": rep, "tree": tree, "label": label, "n": len(lat),
-                                 "p50_ms": statistics.median(lat), "cpu_ms": cpu * 1000 / len(lat)})
+                    rows.append(
+                        {
+                            "rep": rep,
+                            "tree": tree,
+                            "label": label,
+                            "n": len(lat),
+                            "p50_ms": statistics.median(lat),
+                            "cpu_ms": cpu * 1000 / len(lat),
+                        }
+                    )
                 print(f"rep {rep + 1}/{repeats} done, load {_load()}", file=sys.stderr, flush=True)
             for tree, gw in gws.items():
                 audits[tree] = Path(gw.info["audit"]).read_text(errors="replace")
@@ -73,15 +87,26 @@ def ab_main(base: str, seconds: float, repeats: int) -> None:
         return next(r[key] for r in rows if (r["tree"], r["label"], r["rep"]) == (tree, label, rep))
 
     for tree in ("base", "this"):
-        paired = {key: statistics.median(at(tree, "mcp", rep, key) - at(tree, "plain", rep, key)
-                                         for rep in range(repeats)) for key in ("p50_ms", "cpu_ms")}
-        med = {label: {key: statistics.median(at(tree, label, rep, key) for rep in range(repeats))
-                       for key in ("p50_ms", "cpu_ms")} for label in ("plain", "mcp")}
+        paired = {
+            key: statistics.median(at(tree, "mcp", rep, key) - at(tree, "plain", rep, key) for rep in range(repeats))
+            for key in ("p50_ms", "cpu_ms")
+        }
+        med = {
+            label: {
+                key: statistics.median(at(tree, label, rep, key) for rep in range(repeats))
+                for key in ("p50_ms", "cpu_ms")
+            }
+            for label in ("plain", "mcp")
+        }
         lines = audits[tree].splitlines()
-        per_req = {label: sum(f'"mcpbench-{label}"' in line for line in lines)
-                   / max(1, sum(r["n"] for r in rows if (r["tree"], r["label"]) == (tree, label)))
-                   for label in ("plain", "mcp")}
-        print(f"{tree:4}: plain p50 {med['plain']['p50_ms']:.3f} ms CPU {med['plain']['cpu_ms']:.3f} ms/req | MCP p50 "
-              f"{med['mcp']['p50_ms']:.3f} ms CPU {med['mcp']['cpu_ms']:.3f} ms/req | paired overhead p50 "
-              f"{paired['p50_ms']:+.3f} ms, CPU {paired['cpu_ms']:+.3f} ms/req (goal p50 <= 0.3) | records/request "
-              f"plain {per_req['plain']:.2f} MCP {per_req['mcp']:.2f}")
+        per_req = {
+            label: sum(f'"mcpbench-{label}"' in line for line in lines)
+            / max(1, sum(r["n"] for r in rows if (r["tree"], r["label"]) == (tree, label)))
+            for label in ("plain", "mcp")
+        }
+        print(
+            f"{tree:4}: plain p50 {med['plain']['p50_ms']:.3f} ms CPU {med['plain']['cpu_ms']:.3f} ms/req | MCP p50 "
+            f"{med['mcp']['p50_ms']:.3f} ms CPU {med['mcp']['cpu_ms']:.3f} ms/req | paired overhead p50 "
+            f"{paired['p50_ms']:+.3f} ms, CPU {paired['cpu_ms']:+.3f} ms/req (goal p50 <= 0.3) | records/request "
+            f"plain {per_req['plain']:.2f} MCP {per_req['mcp']:.2f}"
+        )
