@@ -56,6 +56,7 @@ class McpExchange:
     ping_id: str | None = None  # ... and the gateway ping standing in for a fully denied POST
     ticket: Any = None  # streamable HTTP POST: the requests it forwarded (mediator.Ticket), freed when it ends
     status: int | None = None  # the upstream's HTTP status for this POST
+    held: Any = None  # mediator HeldOutcome: the folded call's outcome, written into this POST's outcome
 
 
 @dataclass(slots=True)
