@@ -16,8 +16,13 @@ serves two sandboxes whose policies allow the same `POST https://localhost:PORT/
 check). A keep-alive client (one CONNECT + TLS per cell) sends the same `tools/call` body sequentially
 (c=1) through each, alternating cells per repeat; the upstream (in this process, its own thread) answers
 a fixed JSON-RPC result. Overhead = median p50 (MCP) - median p50 (plain); every answer must be 200 and
-carry the upstream's `result` (a gateway denial would be a JSON-RPC `error`).
+carry the upstream's `result` (a gateway denial would be a JSON-RPC `error`). Also printed: the paired
+overhead (MCP minus plain within each repeat, median over repeats: the load drifts between repeats on a
+shared machine), audit records per request of each cell, and the load average at start and end.
 Run: `PYTHONPATH=$PWD .venv/bin/python -m loadtests.mcp_bench gateway [--seconds 4 --repeats 5]`.
+
+`ab --base TREE`: this tree and another one, two gateways side by side in one run, cells interleaved
+(loadtests/mcp_bench_ab.py): the before/after figure on a loaded machine.
 
 `mediator`: the gateway's MCP work per call without mitmproxy: McpSession.from_client (strict parse,
 decision, budget counts, the durable mcp_tool_call record) and from_server_bytes (answer read, outcome
@@ -132,7 +137,8 @@ def run(batches: int, batch: int, extra_rules: int) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("mode", nargs="?", choices=["pure", "mediator", "gateway"], default="pure")
+    parser.add_argument("mode", nargs="?", choices=["pure", "mediator", "gateway", "ab"], default="pure")
+    parser.add_argument("--base", help="ab: the other source tree (e.g. `git archive main` unpacked)")
     parser.add_argument("--seconds", type=float, default=4.0, help="gateway: seconds per cell")
     parser.add_argument("--repeats", type=int, default=5, help="gateway: repeats (cells alternate)")
     parser.add_argument("--batches", type=int, default=300)
@@ -144,6 +150,11 @@ def main() -> None:
         from loadtests.mcp_bench_gateway import mediator_main
 
         mediator_main()
+        return
+    if args.mode == "ab":
+        from loadtests.mcp_bench_ab import ab_main
+
+        ab_main(args.base, args.seconds, args.repeats)
         return
     if args.mode == "gateway":
         from loadtests.mcp_bench_gateway import gateway_main

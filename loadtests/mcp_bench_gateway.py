@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import ssl
 import statistics
 import sys
@@ -107,8 +109,13 @@ async def _cell(target: Target, seconds: float) -> list[float]:
     return latencies
 
 
+def _load() -> str:
+    return Path("/proc/loadavg").read_text().strip()
+
+
 def gateway_main(seconds: float, repeats: int, as_json: bool = False) -> None:
     procs.check_loopback_name()
+    print(f"load at start: {_load()}", file=sys.stderr, flush=True)
     rows = []
     with tempfile.TemporaryDirectory(prefix="e13e-mcp-bench-") as tmp:
         d = Path(tmp)
@@ -121,7 +128,13 @@ def gateway_main(seconds: float, repeats: int, as_json: bool = False) -> None:
             for name, with_mcp in (("mcpbench-plain", False), ("mcpbench-mcp", True)):
                 (gdir / "policies" / f"{name}.yaml").write_text(yaml.safe_dump(policy(name, up.port, with_mcp)))
             listen = {"proxy": "127.0.0.1:0", "admin": "127.0.0.1:0", "dns": None, "transparent": "127.0.0.2:0"}
-            gw = procs.launch_egressgate(gdir, certs.ca_pem, listen, {"plain": "mcpbench-plain", "mcp": "mcpbench-mcp"})
+            # MCP_BENCH_PROFILE=OUT.prof:LABEL: the gateway under loadtests.cprofile_gateway, profiling only
+            # the cells of LABEL (plain or mcp); Python calls per request are then load-independent
+            prof, _, prof_label = os.environ.get("MCP_BENCH_PROFILE", "").partition(":")
+            program = ([sys.executable, "-m", "loadtests.cprofile_gateway", prof, "--", "run"] if prof
+                       else [procs.EGRESSGATE, "run"])
+            gw = procs.launch_egressgate(gdir, certs.ca_pem, listen, {"plain": "mcpbench-plain", "mcp": "mcpbench-mcp"},
+                                         program=program)
             for rep in range(repeats):
                 order = ["plain", "mcp"] if rep % 2 == 0 else ["mcp", "plain"]
                 for label in order:
@@ -129,7 +142,11 @@ def gateway_main(seconds: float, repeats: int, as_json: bool = False) -> None:
                                     dial=("127.0.0.1", gw.info["port"]), via_proxy=True, ca_file=gw.info["ca"],
                                     proxy_auth=gw.info[label], path="/mcp")
                     cpu0 = gw.cpu_seconds()
+                    if prof and label == prof_label:
+                        os.kill(gw.pid, signal.SIGUSR1)
                     lat = asyncio.run(_cell(target, seconds))
+                    if prof and label == prof_label:
+                        os.kill(gw.pid, signal.SIGUSR2)
                     cpu = gw.cpu_seconds() - cpu0
                     lat.sort()
                     rows.append({"rep": rep, "target": label, "n": len(lat), "p50_ms": statistics.median(lat),
@@ -140,25 +157,54 @@ def gateway_main(seconds: float, repeats: int, as_json: bool = False) -> None:
                           file=sys.stderr, flush=True)
             audit = Path(gw.info["audit"]).read_text(errors="replace")
             recorded = audit.count('"mcp_tool_call"')
+            # audit records per request of each cell (the sandbox's admission record aside: < 1/n)
+            lines = audit.splitlines()
+            per_request = {label: sum(f'"mcpbench-{label}"' in line for line in lines)
+                           / max(1, sum(r["n"] for r in rows if r["target"] == label)) for label in ("plain", "mcp")}
         finally:
             if gw is not None:
-                gw.stop()
+                gw.stop(grace=60 if prof else 10)
             up.stop()
+    if prof:
+        import pstats
+
+        st = pstats.Stats(prof)
+        # requests profiled = the decision stage's requestheaders calls (a signal may land after a cell began)
+        n = sum(v[1] for (f, _l, fn), v in st.stats.items()  # type: ignore[attr-defined]
+                if f.endswith(("gateway/pipeline/decision.py", "gateway/decision.py")) and fn == "requestheaders")
+        enc = sum(v[1] for (f, _l, fn), v in st.stats.items()  # type: ignore[attr-defined]
+                  if f.endswith("audit/encode.py") and fn == "encode_record")
+        calls = st.total_calls  # type: ignore[attr-defined]
+        print(f"profiled {prof_label} cells: {calls} Python calls / {n} requests = {calls / max(1, n):.0f} per "
+              f"request; {enc / max(1, n):.2f} records encoded per request")
     med = {label: {k: statistics.median(r[k] for r in rows if r["target"] == label)
                    for k in ("p50_ms", "p99_ms", "gw_cpu_ms_per_req")} for label in ("plain", "mcp")}
+    # paired: MCP minus plain within each repeat (adjacent cells), then the median over repeats -- robust
+    # to the load drifting between repeats on a shared machine
+    paired = {k: statistics.median(
+        next(r[k] for r in rows if r["rep"] == rep and r["target"] == "mcp")
+        - next(r[k] for r in rows if r["rep"] == rep and r["target"] == "plain") for rep in range(repeats))
+        for k in ("p50_ms", "gw_cpu_ms_per_req")}
     summary = {"plain": med["plain"], "mcp": med["mcp"], "upstream_requests": up.requests,
-               "mcp_tool_call_records": recorded,
+               "mcp_tool_call_records": recorded, "records_per_request": per_request,
+               "paired_overhead_p50_ms": paired["p50_ms"],
+               "paired_overhead_cpu_ms_per_req": paired["gw_cpu_ms_per_req"],
                "overhead_p50_ms": med["mcp"]["p50_ms"] - med["plain"]["p50_ms"],
                "overhead_cpu_ms_per_req": med["mcp"]["gw_cpu_ms_per_req"] - med["plain"]["gw_cpu_ms_per_req"]}
+    summary["load_at_end"] = _load()
     if as_json:
         print(json.dumps({"rows": rows, "summary": summary}, indent=1))
         return
+    print(f"load at end: {summary['load_at_end']}")
     print(f"plain POST   p50 {med['plain']['p50_ms']:.3f} ms  p99 {med['plain']['p99_ms']:.3f} ms  "
           f"gateway CPU {med['plain']['gw_cpu_ms_per_req']:.3f} ms/req")
     print(f"MCP tools/call p50 {med['mcp']['p50_ms']:.3f} ms  p99 {med['mcp']['p99_ms']:.3f} ms  "
           f"gateway CPU {med['mcp']['gw_cpu_ms_per_req']:.3f} ms/req")
     print(f"overhead p50 {summary['overhead_p50_ms']:.3f} ms (goal <= 0.3), gateway CPU "
           f"{summary['overhead_cpu_ms_per_req']:.3f} ms/req; {recorded} mcp_tool_call records")
+    print(f"paired (median over repeats of MCP - plain): p50 {paired['p50_ms']:.3f} ms, gateway CPU "
+          f"{paired['gw_cpu_ms_per_req']:.3f} ms/req; audit records per request: plain "
+          f"{per_request['plain']:.2f}, MCP {per_request['mcp']:.2f}")
 
 
 async def _mediator_cell(calls: int) -> tuple[list[float], list[float]]:

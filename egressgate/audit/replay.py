@@ -34,7 +34,7 @@ from egressgate.audit.record import (
 )
 from egressgate.audit.replay_format import format_table, printable
 from egressgate.audit.replay_mcp import OPERATION as MCP_OPERATION
-from egressgate.audit.replay_mcp import McpHistory, NotReplayable, replay_tool_call
+from egressgate.audit.replay_mcp import McpHistory, NotReplayable, network_view, replay_tool_call
 from egressgate.audit.replay_state import History, as_int, state_from, update_history
 from egressgate.policy.addr import check_address
 from egressgate.policy.canon import canon_host
@@ -228,10 +228,13 @@ def replay_records(
                 break
         elif op == MCP_OPERATION and (since_ns is None or found.record.time_ns >= since_ns):
             _replay_tool_call(found, attrs, sandbox_id, mcp_history, time_s, policies, single, result)
+            network = network_view(attrs)  # the POST that carried the call, folded into its record
+            if network is not None:
+                _replay_one(found, network, sandbox_id, hist, time_s, policies, single, decide, result)
             if limit is not None and len(result.changes) >= limit:
                 result.truncated = True
                 break
-        update_history(hist, attrs, time_s)
+        update_history(hist, network_view(attrs) or attrs if op == MCP_OPERATION else attrs, time_s)
         mcp_history.update(sandbox_id, attrs)
     return result
 

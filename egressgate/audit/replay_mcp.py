@@ -13,6 +13,10 @@ carries (egressgate/mcp/records.py, docs/audit.md "MCP"): server, tool, the sand
   replay cannot know whether the new constraints would hold.
 - A record without `egressgate.mcp.facts`: counts come from the log (allowed calls before it), pins are
   taken to hold; it counts as reconstructed state, like network records without recorded state.
+- A record that also states the network decision of the HTTP POST that carried the call (one record per
+  call: `egressgate.network.rule` / `.reason`, mcp/records.fold_network) is two decisions: `network_view`
+  gives the POST's `http_request` record back (an allow, with its facts and state), re-decided and
+  counted in the sandbox's history like any other.
 """
 
 from __future__ import annotations
@@ -55,6 +59,27 @@ class Replayed:
     exact_state: bool
     arguments_checked: bool
     target: str
+
+
+_NETWORK = {"egressgate.network.rule": "egressgate.rule", "egressgate.network.reason": "egressgate.reason",
+            "egressgate.network.detail": "egressgate.detail",
+            "egressgate.network.approval.id": "egressgate.approval.id"}
+
+
+def network_view(attrs: dict[str, Any]) -> dict[str, Any] | None:
+    """The folded POST's own `http_request` decision (an allow) from an `mcp_tool_call` record, or None
+    when the record states the call alone (stdio, a batch's other calls, records before the fold)."""
+    if attrs.get("egressgate.network.reason") is None:
+        return None
+    view = {k: v for k, v in attrs.items() if not k.startswith(P) and k not in (
+        "egressgate.rule", "egressgate.reason", "egressgate.detail", "egressgate.approval.id", "egressgate.message")}
+    for key, to in _NETWORK.items():
+        view.pop(key, None)
+        if attrs.get(key) is not None:
+            view[to] = attrs[key]
+    view["egressgate.operation"] = "http_request"
+    view["egressgate.decision"] = "allow"
+    return view
 
 
 class NotReplayable(Exception):

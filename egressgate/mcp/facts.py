@@ -2,21 +2,44 @@
 
 Kept apart from the session so each module stays one concern: here the pure helpers — which reads a
 tool needs (network state only for `allowed_by_network` arguments, grants only for `approval: required`
-tools), how a stored pin is read back (a corrupt one is a store failure, never "not seen yet"), the
+tools), what the gateway flow carrying a body already read (FromFlow), how a stored pin is read back
+(a corrupt one is a store failure, never "not seen yet"), the
 facts as recorded for `audit replay`, and the deny of a budget a concurrent call spent first.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from egressgate.mcp.pending import HeldOutcome
 from egressgate.policy.mcp_decide import McpFacts, ToolDecision
 from egressgate.policy.messages import mcp_message
 from egressgate.policy.reasons import Reason
 
 if TYPE_CHECKING:
+    from egressgate.audit.event import AuditEvent
     from egressgate.policy.compile import CompiledPolicy
+    from egressgate.policy.facts import SandboxState
+
+
+@dataclass(slots=True)
+class FromFlow:
+    """What the gateway flow carrying a client body already knows (gateway/mcp/route.py), so a call is
+    decided and recorded without reading it again: the flow's network decision record (owed: record.py
+    deferred it), folded into the first recorded tools/call's `mcp_tool_call` record (one record per
+    call; docs/audit.md "MCP"); and the facts its network decision read moments ago for this very POST —
+    the sandbox's labels (its identity was resolved and found not revoked) and the state snapshot
+    (`allowed_by_network` arguments are decided on it, as the POST itself was)."""
+
+    record: AuditEvent | None  # None: not folded (HTTP+SSE: the call's answer comes on another flow)
+    labels: Mapping[str, str]
+    snapshot: SandboxState | None
+    policy_hash: str | None = None  # of the policy the flow was decided under: its snapshot is that policy's
+    used: bool = False  # the record was folded into a durable mcp_tool_call record
+    held: HeldOutcome | None = None  # the folded call was forwarded: its outcome, for the flow's outcome
 
 
 class Refused(Exception):

@@ -30,12 +30,20 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from egressgate.audit.build import new_request_id
-from egressgate.audit.event import AuditUnavailable
+from egressgate.audit.event import AuditEvent, AuditUnavailable
 from egressgate.broker.redact import SecretSpec
 from egressgate.mcp import records
 from egressgate.mcp.approval import name_tool_approval
 from egressgate.mcp.batch import withdraw
-from egressgate.mcp.facts import Refused, budget_deny, facts_record, needs_approval, needs_network, read_info
+from egressgate.mcp.facts import (
+    FromFlow,
+    Refused,
+    budget_deny,
+    facts_record,
+    needs_approval,
+    needs_network,
+    read_info,
+)
 from egressgate.mcp.jsonrpc import (
     McpMalformed,
     Message,
@@ -47,7 +55,7 @@ from egressgate.mcp.jsonrpc import (
     reply_id,
 )
 from egressgate.mcp.methods import check_batch, check_client_methods
-from egressgate.mcp.pending import Pending, Ticket, id_key
+from egressgate.mcp.pending import HeldOutcome, Pending, Ticket, id_key
 from egressgate.mcp.server_side import ServerSide
 from egressgate.policy.mcp_decide import McpFacts, ToolCall, ToolDecision, decide_tool_call
 from egressgate.policy.reasons import Reason
@@ -78,6 +86,7 @@ class ClientVerdict:
     was_batch: bool = False
     refused: bool = False  # the whole body was refused (malformed)
     ticket: Ticket | None = None  # the requests forwarded: hand back to `release` when the exchange ends
+    folded: bool = False  # the POST's network decision record went into a call's mcp_tool_call record
 
     @property
     def batch(self) -> bool:
@@ -140,8 +149,11 @@ class McpSession:
 
     # -- client -> server ------------------------------------------------------------------------
 
-    async def from_client(self, body: bytes, protocol_header: str | None = None) -> ClientVerdict:
+    async def from_client(self, body: bytes, flow: FromFlow | None = None,
+                          protocol_header: str | None = None) -> ClientVerdict:
         """A whole client body (an HTTP POST body, a stdio line): what to forward, what to answer.
+        `flow`: what the gateway flow carrying it knows (FromFlow); `folded` in the verdict says whether
+        its record was folded (else the caller still owes it).
 
         `protocol_header`: the request's MCP-Protocol-Version header (streamable HTTP). The version the
         server answered `initialize` with wins; without one (the session began before a gateway restart)
@@ -157,10 +169,10 @@ class McpSession:
             self._check_ids(messages)
         except McpMalformed as exc:
             return await self._refuse_body(exc, policy is None, reply_id(body, self.max_bytes()))
-        return await self._from_client(messages, was_batch, Ticket(self._serial))
+        return await self._from_client(messages, was_batch, Ticket(self._serial), flow)
 
     async def _from_client(self, messages: list[Message], was_batch: bool,
-                           ticket: Ticket | None = None) -> ClientVerdict:
+                           ticket: Ticket | None = None, flow: FromFlow | None = None) -> ClientVerdict:
         try:
             await self.server_side.settle()  # pins and records of answers already relayed come first
             policy = self.current_policy()
@@ -169,7 +181,7 @@ class McpSession:
             refresh = not self._pins_read
             for msg in messages:
                 if msg.is_call:
-                    reply = await self._call(msg, policy)
+                    reply = await self._call(msg, policy, flow)
                     if reply is None:
                         forward.append(msg.obj)
                         if ticket is not None:
@@ -194,7 +206,7 @@ class McpSession:
                     self._reserved.discard(msg.id)  # type: ignore[arg-type]
         body = dumps(forward if was_batch else forward[0]) if forward else None
         held = ticket if ticket is not None and (ticket.calls or ticket.others) else None
-        return ClientVerdict(body, replies, was_batch, ticket=held)
+        return ClientVerdict(body, replies, was_batch, ticket=held, folded=flow is not None and flow.used)
 
     def _check_ids(self, messages: list[Message]) -> None:
         """A request whose id is still waiting for its answer would make two answers of one id: which one
@@ -230,7 +242,7 @@ class McpSession:
         self.rt.audit.enqueue_after(event)  # refused either way: queued, never dropped
         return ClientVerdict(None, [reply], refused=True)
 
-    async def _call(self, msg: Message, policy: CompiledPolicy | None) -> dict | None:
+    async def _call(self, msg: Message, policy: CompiledPolicy | None, flow: FromFlow | None = None) -> dict | None:
         """Decide, count, approve, record one tools/call. None: forward it; else the JSON-RPC error."""
         params = msg.params
         tool, arguments = params["name"], params.get("arguments") or {}
@@ -238,7 +250,7 @@ class McpSession:
         if policy is None:
             return await self._fail(msg, tool, arguments, Reason.POLICY_UNAVAILABLE)
         try:
-            facts = await self._facts(policy, tool, now)
+            facts = await self._facts(policy, tool, now, flow)
         except Refused as refused:
             return await self._fail(msg, tool, arguments, refused.reason)
         try:
@@ -259,33 +271,52 @@ class McpSession:
                 call.counted = tuple(key for key, _ in decision.budget_keys)
         elif decision.approval_kind is not None:
             call.decision, call.approval_id = await name_tool_approval(self, policy, tool, decision, now)
-        request_id = new_request_id()
+        fold = (flow if flow is not None and flow.record is not None and not flow.used
+                and flow.record.policy_hash == self.ctx.policy_hash
+                else None)  # one record states one policy's decisions (a reload in between: not folded)
+        request_id = fold.record.request_id if fold is not None else new_request_id()
+        event = self._record(call, request_id, policy)
         try:
-            await self.rt.audit.write(self._record(call, request_id, policy))
+            if fold is not None:
+                fold.used = True  # reserved before the await: two calls of one batch never both fold it
+                event = records.fold_network(event, fold.record)  # type: ignore[arg-type]
+            await self.rt.audit.write(event)
         except AuditUnavailable:
+            if fold is not None:
+                fold.used = False  # not recorded: the caller still owes the flow's record
             if call.counted:
                 with contextlib.suppress(StateUnavailable):  # the counter keeps it: over-counted, never under
                     await self.rt.state.refund_calls(self.sandbox_id, call.counted)
             return await self._fail(msg, tool, arguments, Reason.AUDIT_UNAVAILABLE)
         if call.decision.allowed:
-            self.calls[msg.id] = Pending(request_id, tool, time.monotonic(), call.counted)  # type: ignore[index]
+            pending = Pending(request_id, tool, time.monotonic(), call.counted)
+            if fold is not None:
+                pending.held = fold.held = HeldOutcome()
+            self.calls[msg.id] = pending  # type: ignore[index]
             return None
         return deny_error(msg.id, call.decision.message, str(call.decision.reason), call.decision.rule_id,
                           call.approval_id)
 
-    async def _facts(self, policy: CompiledPolicy, tool: str, now: float) -> McpFacts:
+    async def _facts(self, policy: CompiledPolicy, tool: str, now: float, flow: FromFlow | None = None) -> McpFacts:
         state = self.rt.state
         server_key, tool_key = f"mcp:{self.server_name}", f"mcp:{self.server_name}/{tool}"
         try:
-            record = await state.get(self.sandbox_id)
-            if record is None or record.revoked:
-                raise Refused(Reason.SANDBOX_REVOKED)
+            if flow is not None:  # the flow's identity stage read the record for this very POST
+                labels = flow.labels
+            else:
+                record = await state.get(self.sandbox_id)
+                if record is None or record.revoked:
+                    raise Refused(Reason.SANDBOX_REVOKED)
+                labels = record.labels
             if self.server_side.pin_failed:
                 raise Refused(Reason.STATE_UNAVAILABLE)
             snap = None
             if needs_network(policy, self.server_name, tool):  # allowed_by_network: decided like a request
-                snap = await state.snapshot(self.sandbox_id, history=policy.history_patterns,
-                                            rules=policy.budgeted_rules)
+                # the flow's snapshot holds what ITS policy reads (relevant_state): not after a reload
+                snap = flow.snapshot if flow is not None and flow.policy_hash == self.ctx.policy_hash else None
+                if snap is None:
+                    snap = await state.snapshot(self.sandbox_id, history=policy.history_patterns,
+                                                rules=policy.budgeted_rules)
             counts, pins = await state.mcp_read(self.sandbox_id, self.server_name, [server_key, tool_key])
             self.server_side.known = dict(pins)
             # grants matter only to a tool that needs approval: no store read for the others
@@ -297,7 +328,7 @@ class McpSession:
         except StateUnavailable:
             raise Refused(Reason.STATE_UNAVAILABLE) from None
         return McpFacts(
-            sandbox_id=self.sandbox_id, labels=MappingProxyType(dict(record.labels)),  # current (readmission)
+            sandbox_id=self.sandbox_id, labels=MappingProxyType(dict(labels)),  # current (readmission)
             server_calls=counts.get(server_key, 0), tool_calls=counts.get(tool_key, 0),
             server_info_seen=read_info(pins.get("server_info")), tool_schema_seen=pins.get("tool:" + tool),
             tool_schema_now=self.server_side.tool_hashes.get(tool), server_info_now=self.server_side.server_info_now,
@@ -366,10 +397,18 @@ class McpSession:
     def _outcome(self, msg: Message) -> None:
         pending = self.calls.pop(msg.id)  # type: ignore[arg-type]
         payload = msg.error if msg.error is not None else msg.result
-        self.rt.audit.enqueue_after(records.outcome_record(
+        self._emit(pending, records.outcome_record(
             self.ctx, request_id=pending.request_id, tool=pending.tool, jsonrpc_id=msg.id,
             duration_ms=(time.monotonic() - pending.started) * 1000, response=msg.result, error=msg.error,
             response_bytes=len(dumps(payload))))
+
+    def _emit(self, pending: Pending, event: AuditEvent) -> None:
+        """A call's outcome record: held for the gateway flow whose record is the call's (HeldOutcome),
+        else written behind."""
+        if pending.held is not None and pending.held.open:
+            pending.held.event = event
+        else:
+            self.rt.audit.enqueue_after(event)
 
     async def close(self) -> None:
         """The session ended: every allowed call still unanswered is recorded `no_response`."""
@@ -378,6 +417,8 @@ class McpSession:
         self.closed = True
         await self.server_side.settle()
         for jsonrpc_id, pending in list(self.calls.items()):
+            if pending.held is not None:
+                pending.held.open = False  # the session ends first (a gateway stop): written on its own
             self._no_response(jsonrpc_id, pending, None)
         self.calls.clear()
 
@@ -400,7 +441,7 @@ class McpSession:
         ticket.others.clear()
 
     def _no_response(self, jsonrpc_id: int | str, pending: Pending, why: str | None) -> None:
-        self.rt.audit.enqueue_after(records.outcome_record(
+        self._emit(pending, records.outcome_record(
             self.ctx, request_id=pending.request_id, tool=pending.tool, jsonrpc_id=jsonrpc_id,
             duration_ms=(time.monotonic() - pending.started) * 1000, no_response=True, detail=why))
 

@@ -5,8 +5,22 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from egressgate.audit.event import AuditEvent
 
 _LONG_ID = 64  # a longer string id is kept as its sha256 in `outstanding` (bounded memory per id)
+
+
+@dataclass(slots=True)
+class HeldOutcome:
+    """The outcome of a call whose decision record is its POST's (mcp/records.fold_network): held for the
+    gateway flow, which writes it into the POST's own outcome record (one record per call) while `open`;
+    after that (the session closed first) it is written on its own."""
+
+    event: AuditEvent | None = None
+    open: bool = True
 
 
 @dataclass(slots=True)
@@ -15,6 +29,7 @@ class Pending:
     tool: str
     started: float  # monotonic
     counted: tuple[str, ...] = ()  # budget keys the call consumed (given back if it is not forwarded)
+    held: HeldOutcome | None = None
 
 
 @dataclass(slots=True)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from egressgate.audit.build import APPROVAL_ID, DETAIL, build
@@ -71,6 +71,25 @@ class Context:
         target.update(fields)
         return build(kind, sandbox_id=self.sandbox_id, sandbox_labels=dict(self.labels),
                      policy_name=self.policy_name, policy_hash=self.policy_hash, extra=attributes, **target)
+
+
+NETWORK_RULE, NETWORK_REASON = "egressgate.network.rule", "egressgate.network.reason"
+NETWORK_DETAIL, NETWORK_APPROVAL_ID = "egressgate.network.detail", "egressgate.network.approval.id"
+
+
+def fold_network(call: AuditEvent, network: AuditEvent) -> AuditEvent:
+    """One record for a tools/call and the HTTP POST that carried it (docs/audit.md "MCP"): the POST's
+    network decision record (gateway/pipeline/record.py, an allow: target, addresses, state, client, credential
+    key) as an `mcp_tool_call` record under the POST's request id. Decision, reason, rule, message,
+    detail and approval id are the call's; the network decision's own rule, reason, detail and approval
+    id move to `egressgate.network.*`, so `audit replay` re-decides both (audit/replay_mcp.py)."""
+    extra = dict(network.extra)
+    moved = {NETWORK_RULE: network.rule_id, NETWORK_REASON: network.reason,
+             NETWORK_DETAIL: extra.pop(DETAIL, None), NETWORK_APPROVAL_ID: extra.pop(APPROVAL_ID, None)}
+    extra.update((k, v) for k, v in moved.items() if v is not None)
+    extra.update(call.extra)
+    return replace(network, kind=EventKind.MCP_TOOL_CALL, decision=call.decision, reason=call.reason,
+                   rule_id=call.rule_id, message=call.message, extra=extra)
 
 
 def redact_arguments(arguments: Any, secrets: Iterable[SecretSpec] = ()) -> str:

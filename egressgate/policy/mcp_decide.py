@@ -91,6 +91,18 @@ def mcp_server_for(policy: CompiledPolicy, scheme: str, host: str, port: int, pa
     return None
 
 
+def mcp_post_server(policy: CompiledPolicy, scheme: str, host: str, port: int, method: str,
+                    path: str) -> McpServer | None:
+    """The remote MCP server a request POSTs JSON-RPC messages to (gateway/mcp/route.py's role `post`):
+    a POST on the route that is not the HTTP+SSE transport's stream URL. None: not such a POST."""
+    if method != "POST":
+        return None
+    server = mcp_server_for(policy, scheme, host, port, path)
+    if server is None or (server.transport == "sse" and path == server.path):
+        return None
+    return server
+
+
 def local_server(policy: CompiledPolicy, name: str) -> McpServer | None:
     server = policy.mcp.servers.get(name)
     return server if server is not None and server.local else None

@@ -30,6 +30,7 @@ from egressgate.gateway.shared.context import FlowState, flow_state
 from egressgate.gateway.shared.credential_streams import reframe, replace_body
 from egressgate.gateway.shared.credential_streams import refuse as refuse_response
 from egressgate.gateway.shared.deny import REQUEST_ID_HEADER
+from egressgate.gateway.shared.emit import write_outcome
 from egressgate.mcp.jsonrpc import McpMalformed, dumps
 from egressgate.policy.canon import CanonError
 from egressgate.policy.decide import decide
@@ -183,6 +184,17 @@ class McpAnswers:
                 why = (f"response_refused={fs.response_refused}" if fs.response_refused
                        else "no_answer" if 200 <= status < 300 and status != 202 else f"http_status={status}")
                 ex.session.release(ex.ticket, why)
+            self._folded_outcome(flow, fs, ex, None)
+
+    def _folded_outcome(self, flow: http.HTTPFlow, fs: FlowState | None, ex: McpExchange | None,
+                        error: str | None) -> None:
+        """The POST's outcome record, with its call's outcome (held by the mediator: answered, or
+        released `no_response` just above): one outcome record per call (docs/audit.md "MCP")."""
+        if fs is None or ex is None or ex.held is None:
+            return
+        held, ex.held = ex.held, None
+        held.open = False
+        write_outcome(self.rt, flow, fs, error, held.event.extra if held.event is not None else None)
 
     def _answer_done(self, flow: http.HTTPFlow, fs: FlowState | None, ex: McpExchange | None) -> None:
         resp = flow.response
@@ -220,5 +232,6 @@ class McpAnswers:
         ex = fs.mcp if fs is not None else None
         if ex is not None and ex.ticket is not None:  # no answer will come for what this POST forwarded
             ex.session.release(ex.ticket, "connection_error")
+        self._folded_outcome(flow, fs, ex, flow.error.msg if flow.error else "error")
         if ex is not None and ex.role == "stream" and ex.server.transport == "sse" and ex.key is not None:
             self.sessions.end(ex.key)

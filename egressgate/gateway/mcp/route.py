@@ -28,15 +28,17 @@ from dataclasses import replace
 from mitmproxy import http
 
 from egressgate.audit.build import build
-from egressgate.audit.event import EventKind
+from egressgate.audit.event import AuditUnavailable, EventKind
 from egressgate.gateway.mcp.answer import McpAnswers
 from egressgate.gateway.mcp.headers import HeaderView
 from egressgate.gateway.mcp.sessions import McpExchange, McpSessions
 from egressgate.gateway.mcp.stream import Injector
+from egressgate.gateway.shared import emit
 from egressgate.gateway.shared.context import FlowState, Runtime, flow_state
 from egressgate.gateway.shared.counters import refund_prepaid
 from egressgate.gateway.shared.deny import DECISION_HEADER, REQUEST_ID_HEADER, gateway_deny
-from egressgate.gateway.shared.emit import write_behind
+from egressgate.gateway.shared.emit import flow_decision_event, write_behind, write_owed
+from egressgate.mcp.facts import FromFlow
 from egressgate.mcp.jsonrpc import INVALID_REQUEST, PARSE_ERROR, dumps
 from egressgate.mcp.mediator import McpSession
 from egressgate.policy.mcp_decide import mcp_server_for
@@ -204,9 +206,24 @@ class McpRoute(McpAnswers):
                 or fs.decision is None or not fs.decision.allowed):
             return
         body = flow.request.raw_content or b""
-        verdict = await ex.session.from_client(body, ex.protocol_header)
+        conn = self.rt.conns.get(flow.client_conn.id)
+        via = None
+        if conn is not None and not conn.closed:  # closed: revoked meanwhile (the mediator re-reads)
+            # HTTP+SSE: the call's answer comes on the stream's flow, so its records stay its own
+            fold = fs.record_owed and ex.injector is None
+            via = FromFlow(flow_decision_event(self.rt, flow, fs) if fold else None, conn.labels, fs.state,
+                           fs.policy_hash)
+        verdict = await ex.session.from_client(body, via, ex.protocol_header)
         ex.batch = verdict.batch
         replies = list(verdict.replies)
+        if verdict.folded:
+            fs.record_owed = False  # the call's mcp_tool_call record is this POST's record
+            if via is not None and via.held is not None:  # forwarded: its outcome goes into the POST's
+                ex.held, fs.outcome_folded = via.held, True
+        upstream = verdict.forward is not None or (ex.injector is not None and replies and not _is_malformed(replies))
+        if fs.record_owed and upstream and not await self._write_owed(flow, fs, ex, verdict):
+            return
+        write_owed(self.rt, flow, fs)  # nothing goes upstream on this POST: written behind
         if verdict.forward is None:
             if ex.injector is not None and replies and not _is_malformed(replies):
                 flow.request.content = ex.injector.ping(replies)  # the stream carries the denials
@@ -220,6 +237,22 @@ class McpRoute(McpAnswers):
         else:
             ex.replies = replies
             ex.ticket = verdict.ticket  # freed when this POST's exchange ends (mcp/answer.py)
+
+    async def _write_owed(self, flow: http.HTTPFlow, fs: FlowState, ex: McpExchange, verdict) -> bool:
+        """This POST forwards messages but no call's record carried its network decision (no tools/call
+        in it, or more than one policy version): its own `http_request` record, durable before anything
+        goes upstream (intent before effect). Unrecordable: refused `audit_unavailable`, and the
+        requests it reserved are freed."""
+        fs.record_owed = False
+        try:
+            await emit.write(self.rt, flow_decision_event(self.rt, flow, fs))
+            return True
+        except AuditUnavailable as exc:
+            logger.error("audit sink unavailable: %s", exc)
+        if verdict.ticket is not None:
+            ex.session.release(verdict.ticket, "audit_unavailable")
+        self._refuse(flow, fs, "audit", None, reason=Reason.AUDIT_UNAVAILABLE)
+        return False
 
     def _answer(self, flow: http.HTTPFlow, fs: FlowState, ex: McpExchange, replies: list[dict]) -> None:
         """The gateway answers the POST itself: nothing of it went upstream."""
@@ -240,6 +273,7 @@ class McpRoute(McpAnswers):
         and a JSON-RPC error (HTTP 400), sent before any body is read whatever its size (early_answer.py)."""
         allowed = fs.decision
         assert allowed is not None
+        fs.record_owed = False  # this refusal is the flow's decision record (record.py deferred the allow)
         refund_prepaid(self.rt, fs)
         fs.decision = replace(gateway_deny(reason, message, detail=detail, rule_id=allowed.rule_id),
                               capability=allowed.capability)

@@ -59,6 +59,7 @@ class McpExchange:
     # the request's MCP-Protocol-Version header: the session's version when no initialize was seen (a
     # gateway restart), for the batch check (mcp/methods.py)
     protocol_header: str | None = None
+    held: Any = None  # mediator HeldOutcome: the folded call's outcome, written into this POST's outcome
 
 
 @dataclass(slots=True)

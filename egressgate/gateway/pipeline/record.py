@@ -10,7 +10,6 @@ audit/build.py from the flow's typed state (context.FlowState); nothing else is 
 from __future__ import annotations
 
 import logging
-import time
 
 from mitmproxy import http, tcp
 
@@ -19,7 +18,6 @@ from egressgate.audit.event import AuditEvent, AuditUnavailable, EventKind
 from egressgate.gateway.layers import ws_layer
 from egressgate.gateway.shared import emit, request_hash
 from egressgate.gateway.shared.context import (
-    ConnState,
     FlowState,
     Runtime,
     ensure_flow_state,
@@ -28,48 +26,19 @@ from egressgate.gateway.shared.context import (
 )
 from egressgate.gateway.shared.counters import refund_prepaid
 from egressgate.gateway.shared.deny import gateway_deny
-from egressgate.gateway.shared.emit import conn_attributes, transparent_attributes, write_behind
-from egressgate.gateway.shared.sources import CHALLENGE
+from egressgate.gateway.shared.emit import (
+    conn_attributes,
+    flow_decision_event,
+    outcome_event,
+    write_behind,
+    write_outcome,
+)
 from egressgate.gateway.shared.target import note_target
 from egressgate.policy.facts import Decision
+from egressgate.policy.mcp_decide import mcp_post_server
 from egressgate.policy.reasons import Reason
 
 logger = logging.getLogger(__name__)
-
-
-def decision_event(kind: EventKind, fs: FlowState, labels: dict[str, str], client: str | None) -> AuditEvent:
-    """The flow's decision record (CONNECT or HTTP request)."""
-    d = fs.decision
-    assert d is not None
-    extra: dict = transparent_attributes(fs.transparent, fs.original_dst)
-    if fs.intercept is not None:
-        extra["egressgate.intercept"] = fs.intercept
-    if d.passthrough:
-        extra["egressgate.tls"] = "passthrough"
-    if fs.budget_refused is not None and not d.allowed:  # what the byte budget check read (audit replay)
-        extra["egressgate.budget.needed"], extra["egressgate.budget.spent"] = fs.budget_refused
-    challenge = d.reason is Reason.IDENTITY_UNKNOWN and d.detail == CHALLENGE  # identity.py: asked, not refused
-    return build(
-        kind, time_ns=fs.started_ns, request_id=fs.request_id, verdict=d, sandbox_labels=labels, extra=extra,
-        decision="challenge" if challenge else str(d.effect),
-        sandbox_id=fs.sandbox_id, policy_name=fs.policy_name, policy_hash=fs.policy_hash,
-        target_as_sent=fs.target_as_sent, scheme=fs.scheme, host=fs.host, port=fs.port, method=fs.method,
-        path=fs.path, query=fs.query, pinned_address=str(fs.pinned.address) if fs.pinned is not None else None,
-        client_address=client, key_id=fs.key_id, bytes_out=fs.bytes_out if fs.prepaid_out else None,
-        facts=fs.facts, state=fs.state, request_hash=fs.bodyless_hash,
-    )
-
-
-def outcome_event(fs: FlowState, **fields) -> AuditEvent:
-    """An outcome record of the flow's allowed decision (same request id); `fields` say what happened."""
-    return build(EventKind.OUTCOME, request_id=fs.request_id, sandbox_id=fs.sandbox_id,
-                 policy_name=fs.policy_name, policy_hash=fs.policy_hash, host=fs.host, port=fs.port,
-                 duration_ms=(time.time_ns() - fs.started_ns) / 1e6, **fields)
-
-
-def mark_transparent(conn: ConnState | None, fs: FlowState) -> None:
-    if conn is not None and conn.transparent:
-        fs.transparent, fs.original_dst = True, conn.original_dst
 
 
 def _orphan_id(flow: tcp.TCPFlow) -> str:
@@ -95,16 +64,33 @@ class Record:
         """Write the decision; return the decision to enforce (audit failure turns allow into deny)."""
         if fs.decision is None:  # no addon decided: fail closed
             fs.decision = gateway_deny(Reason.INVALID_REQUEST, "The gateway could not decide this request.")
-        conn = self.rt.conns.get(flow.client_conn.id)
-        labels = conn.labels if conn is not None else {}
-        client = flow.client_conn.peername[0] if flow.client_conn.peername else None
-        mark_transparent(conn, fs)
-        ok = await self._write(decision_event(kind, fs, labels, client))
+        if kind is EventKind.HTTP_REQUEST and self._owed(flow, fs):
+            return fs.decision
+        ok = await self._write(flow_decision_event(self.rt, flow, fs, kind))
         fs.audited = True
         if not ok and fs.decision.allowed:
             refund_prepaid(self.rt, fs)  # nothing goes upstream
             fs.decision = gateway_deny(Reason.AUDIT_UNAVAILABLE)
         return fs.decision
+
+    def _owed(self, flow: http.HTTPFlow, fs: FlowState) -> bool:
+        """An allowed POST of JSON-RPC messages to a remote MCP server: its body is buffered and decided
+        by the MCP route (mcp/route.py) before anything goes upstream, so its decision record is deferred
+        there and folded into the `mcp_tool_call` record of the call it carries (one record per call,
+        docs/audit.md "MCP"); the route writes it durably itself before forwarding anything else, and
+        `write_owed` covers a flow that ends first. Pinning may commit the destination meanwhile
+        (`audited`): nothing is sent on it before the route's `request` hook."""
+        d = fs.decision
+        if (d is None or not d.allowed or flow.response is not None or fs.scheme is None or fs.host is None
+                or fs.port is None or fs.path is None or fs.method is None):
+            return False
+        policy = self.rt.policies.get(fs.policy_name)
+        if policy is None or not policy.mcp.by_origin:
+            return False
+        if mcp_post_server(policy, fs.scheme, fs.host, fs.port, fs.method, fs.path) is None:
+            return False
+        fs.audited = fs.record_owed = True
+        return True
 
     async def http_connect(self, flow: http.HTTPFlow) -> None:
         await self._record(EventKind.CONNECT, flow, ensure_flow_state(flow))
@@ -118,26 +104,9 @@ class Record:
 
     async def _outcome(self, flow: http.HTTPFlow, error: str | None = None) -> None:
         fs = flow_state(flow)
-        if fs is None or fs.outcome_sent or fs.decision is None or not fs.decision.allowed:
+        if fs is None or fs.outcome_folded:  # the MCP route writes it, with its call's outcome
             return
-        fs.outcome_sent = True
-        extra: dict = transparent_attributes(fs.transparent, fs.original_dst)
-        for key, value in (("egressgate.error", error), ("egressgate.budget_cut", fs.budget_cut),
-                           ("egressgate.internal_error", fs.internal_error),  # the hook that crashed
-                           # credential_response.py: why the body was not forwarded
-                           ("egressgate.response_refused", fs.response_refused),
-                           # http1_framing.py: the request body's framing was refused
-                           ("egressgate.request_refused", fs.request_refused)):
-            if value:
-                extra[key] = value
-        req_hash, body_hash = request_hash.finish(fs)
-        write_behind(self.rt, outcome_event(
-            fs, decision="deny" if fs.state_cut else str(fs.decision.effect),  # the store failed mid-body
-            reason=str(Reason.STATE_UNAVAILABLE) if fs.state_cut
-            else str(Reason.BUDGET_EXCEEDED) if fs.budget_cut else str(fs.decision.reason),
-            rule_id=fs.decision.rule_id, status=flow.response.status_code if flow.response is not None else None,
-            bytes_out=fs.bytes_out, bytes_in=fs.bytes_in, request_hash=req_hash, body_hash=body_hash, extra=extra,
-        ))
+        write_outcome(self.rt, flow, fs, error)
 
     def refused(self, flow: http.HTTPFlow, hook: str) -> None:
         """An addon crashed and failclosed.py refused the flow (500 `internal_error`, or a kill).
@@ -148,8 +117,9 @@ class Record:
         outcome record, under the same id, says `internal_error`."""
         fs = ensure_flow_state(flow)
         fs.internal_error = hook
-        if fs.audited:
+        if fs.audited and not fs.record_owed:
             return
+        fs.record_owed = False  # the refusal below is this flow's decision record
         earlier = fs.decision
         fs.decision = gateway_deny(
             Reason.INTERNAL_ERROR,
@@ -161,11 +131,8 @@ class Record:
             note_target(self.rt, flow, fs)  # the crash may have come before the target was filled in
         except Exception:
             logger.exception("could not describe the target of a refused flow")
-        conn = self.rt.conns.get(flow.client_conn.id)
-        client = flow.client_conn.peername[0] if flow.client_conn.peername else None
-        mark_transparent(conn, fs)
         kind = EventKind.CONNECT if flow.request.method == "CONNECT" else EventKind.HTTP_REQUEST
-        write_behind(self.rt, decision_event(kind, fs, conn.labels if conn is not None else {}, client))
+        write_behind(self.rt, flow_decision_event(self.rt, flow, fs, kind))
 
     def request(self, flow: http.HTTPFlow) -> None:
         fs = flow_state(flow)

@@ -163,6 +163,10 @@ class FlowState:
     transparent: bool = False
     original_dst: tuple[str, int] | None = None
     audited: bool = False
+    # an MCP POST's decision record is owed (pipeline/record.py deferred it: the route folds it into the call's
+    # `mcp_tool_call` record, or writes it before anything goes upstream); `audited` is already set
+    record_owed: bool = False
+    outcome_folded: bool = False  # mcp/route.py writes the outcome, with its call's (emit.write_outcome)
     outcome_sent: bool = False
     ws_audited: bool = False
 
