@@ -5,6 +5,8 @@
 Candidates (each a separate process in the gateway namespace, all started once; loadtests/bench_world.py):
   direct          the client talks to the upstream itself (the ceiling)
   squid           Debian's Squid: forward proxy for plain HTTP, CONNECT tunnel for HTTPS (no MITM)
+  squid-bump      the same Squid (squid-openssl) as an ssl-bump MITM for HTTPS, its own process and test CA:
+                  the C reference for egressgate's MITM rate (reported "not available" without OpenSSL)
   mitmdump        bare mitmdump 12.3.1 (no scripts): forward proxy for plain HTTP, MITM for HTTPS
   egressgate      `egressgate run`, full pipeline (identity, policy, pinning, budgets, audit to a file):
                   plain HTTP, and HTTPS intercepted (MITM)
@@ -46,8 +48,9 @@ from loadtests.loadgen import Target, run_cell
 from loadtests.procs import Proc, upstream_stats
 from loadtests.streaming import Download, curl_download, download
 
-CANDIDATES = ("direct", "squid", "mitmdump", "egressgate", "egressgate-pt")
-MODES = {"egressgate-pt": ("https",)}  # the others: http and https
+CANDIDATES = ("direct", "squid", "squid-bump", "mitmdump", "egressgate", "egressgate-pt")
+MODES = {"egressgate-pt": ("https",), "squid-bump": ("https",)}  # the others: http and https
+INTERCEPTS = ("squid-bump", "mitmdump", "egressgate")  # the client trusts only their CA
 BULK = ("direct", "squid", "egressgate", "egressgate-pt")
 WORLD_ENV = "EGB_BENCH_WORLD"  # set for the driver re-run inside the client namespace
 RESULT_ENV = "EGB_BENCH_RESULT"
@@ -77,6 +80,7 @@ class Driver:
             self.unavailable["egressgate-pt"] = pt_why
         starters = {
             "squid": lambda: bench_procs.start_squid(self.world, self.dir),
+            "squid-bump": lambda: bench_procs.start_squid_bump(self.world, self.dir, self.certs.ca_pem),
             "mitmdump": lambda: bench_procs.start_mitmdump(self.world, self.dir, self.certs.ca_pem),
             "egressgate": lambda: bench_procs.start_egressgate(self.world, self.dir, self.certs.ca_pem, *ports,
                                                                passthrough=pt_why is None),
@@ -128,10 +132,11 @@ class Driver:
             return Target(dial=(ADDR["up"], common["port"]), via_proxy=False, ca_file=upstream_ca, **common)
         p = self.proc_of(candidate)
         assert p is not None
-        intercepts = candidate in ("mitmdump", "egressgate")
+        intercepts = candidate in INTERCEPTS
         auth = p.info.get("sandbox_pt" if candidate == "egressgate-pt" else "sandbox")
         return Target(dial=(ADDR["gw"], p.info["port"]), via_proxy=True,
-                      ca_file=p.info["ca"] if intercepts else upstream_ca, proxy_auth=auth, **common)
+                      ca_file=p.info["ca"] if intercepts else upstream_ca, proxy_auth=auth,
+                      x509_strict=candidate != "squid-bump", **common)
 
     def matrix(self) -> list[dict]:
         a = self.args
