@@ -94,6 +94,8 @@ def ratios(summary: list[dict]) -> list[dict]:
                     "pt_vs_squid": div(get("egressgate-pt", "rps"), get("squid", "rps")),
                     "pt_added_p50_ms": sub(get("egressgate-pt", "p50_ms"), get("direct", "p50_ms")),
                     "eg_vs_squid_bump": div(get("egressgate", "rps"), get("squid-bump", "rps")),
+                    "eg_vs_squid_bump_per_cpu": div(get("egressgate", "req_per_cpu_s"),
+                                                    get("squid-bump", "req_per_cpu_s")),
                     "squid_bump_added_p50_ms": sub(get("squid-bump", "p50_ms"), get("direct", "p50_ms"))})
     return out
 
@@ -145,8 +147,8 @@ def markdown(report: dict) -> str:
               f"CPU-second | egressgate added p50 over direct (goal <= {GOALS['added_p50_ms']} ms at c=1) | mitmdump "
               f"added p50 | passthrough / squid CONNECT rps (goal >= {GOALS['pt_vs_squid']}x) "
               f"| passthrough added p50 | egressgate MITM / squid ssl-bump rps (goal >= {GOALS['vs_squid_bump']}x "
-              f"at c={BUMP_GOAL_CONC}) | squid ssl-bump added p50 |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              f"at c={BUMP_GOAL_CONC}) | same, per proxy CPU-second | squid ssl-bump added p50 |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in ratios(report["summary"]):
         p50_goal = _goal(r["eg_added_p50_ms"], GOALS["added_p50_ms"], higher=False) if r["conc"] == 1 else ""
         bump_goal = _goal(r["eg_vs_squid_bump"], GOALS["vs_squid_bump"]) if r["conc"] == BUMP_GOAL_CONC else ""
@@ -156,7 +158,7 @@ def markdown(report: dict) -> str:
             f"| {_f(r['eg_added_p50_ms'], '.2f', ' ms')}{p50_goal} "
             f"| {_f(r['mitmdump_added_p50_ms'], '.2f', ' ms')} | {_f(r['pt_vs_squid'], '.2f', 'x')}"
             f"{_goal(r['pt_vs_squid'], GOALS['pt_vs_squid'])} | {_f(r['pt_added_p50_ms'], '.2f', ' ms')} "
-            f"| {_f(r['eg_vs_squid_bump'], '.2f', 'x')}{bump_goal} "
+            f"| {_f(r['eg_vs_squid_bump'], '.2f', 'x')}{bump_goal} | {_f(r['eg_vs_squid_bump_per_cpu'], '.2f', 'x')} "
             f"| {_f(r['squid_bump_added_p50_ms'], '.2f', ' ms')} |")
     bulk = bulk_summary(report.get("bulk", []))
     if bulk:

@@ -137,7 +137,8 @@ def test_egressgate_mitm_is_set_against_squid_ssl_bump_with_the_goal_at_c32() ->
     assert "squid (ssl-bump MITM)" in md
     line1 = next(x for x in md.splitlines() if x.startswith("| https | 1 | -"))
     line32 = next(x for x in md.splitlines() if x.startswith("| https | 32 | -"))
-    assert "0.27x |" in line1 and "0.20 ms" in line1 and "met" not in line1.split("|")[-3]
+    assert by[32]["eg_vs_squid_bump_per_cpu"] == pytest.approx(0.2)  # every row: proxy CPU 0.5
+    assert "0.27x |" in line1 and "0.20 ms" in line1 and "met" not in line1.split("|")[-4]
     assert "0.20x (**not met**)" in line32
     rows[4] = row("https", 32, "squid-bump", 1800, 6.0)
     md = bench_report.markdown({"meta": meta(), "summary": summarize(rows), "bulk": []})

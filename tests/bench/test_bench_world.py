@@ -117,7 +117,7 @@ def test_bench_runs_end_to_end_and_writes_its_report(tmp_path: Path) -> None:
     md = next(tmp_path.glob("bench-*.md")).read_text()
     assert "egressgate / mitmdump" in md and "loadavg" in md
     ratio = next(x for x in md.splitlines() if x.startswith("| https | 1 | -"))  # no mitmdump in this run
-    assert ratio.split("|")[-3].strip().endswith("x"), ratio  # egressgate MITM / squid ssl-bump rps
+    assert ratio.split("|")[-4].strip().endswith("x"), ratio  # egressgate MITM / squid ssl-bump rps
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert report["meta"]["world"].startswith("egB-") and report["meta"]["world"] not in listed
 
