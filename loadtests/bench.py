@@ -10,6 +10,8 @@ Candidates (each a separate process in the gateway namespace, all started once; 
   mitmdump        bare mitmdump 12.3.1 (no scripts): forward proxy for plain HTTP, MITM for HTTPS
   egressgate      `egressgate run`, full pipeline (identity, policy, pinning, budgets, audit to a file):
                   plain HTTP, and HTTPS intercepted (MITM)
+  egressgate-base with `--baseline TREE`: the same gateway from another source tree (e.g. `git archive` of
+                  the commit before a change), for an A/B in the same interleaved run
   egressgate-pt   the same gateway, another sandbox whose rule is `tls: passthrough` (spliced, not
                   intercepted); measured only if the installed policy engine accepts such a rule,
                   reported "not available" otherwise
@@ -48,9 +50,9 @@ from loadtests.loadgen import Target, run_cell
 from loadtests.procs import Proc, upstream_stats
 from loadtests.streaming import Download, curl_download, download
 
-CANDIDATES = ("direct", "squid", "squid-bump", "mitmdump", "egressgate", "egressgate-pt")
+CANDIDATES = ("direct", "squid", "squid-bump", "mitmdump", "egressgate", "egressgate-base", "egressgate-pt")
 MODES = {"egressgate-pt": ("https",), "squid-bump": ("https",)}  # the others: http and https
-INTERCEPTS = ("squid-bump", "mitmdump", "egressgate")  # the client trusts only their CA
+INTERCEPTS = ("squid-bump", "mitmdump", "egressgate", "egressgate-base")  # the client trusts only their CA
 BULK = ("direct", "squid", "egressgate", "egressgate-pt")
 WORLD_ENV = "EGB_BENCH_WORLD"  # set for the driver re-run inside the client namespace
 RESULT_ENV = "EGB_BENCH_RESULT"
@@ -87,6 +89,9 @@ class Driver:
         }
         if "egressgate-pt" in wanted:
             wanted.add("egressgate")
+        if "egressgate-base" in wanted:
+            starters["egressgate-base"] = lambda: bench_procs.start_egressgate_baseline(
+                self.world, self.dir, self.certs.ca_pem, *ports, tree=self.args.baseline)
         for name, start in starters.items():
             if name not in wanted:
                 continue
@@ -318,9 +323,16 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--out-dir", type=Path, default=ROOT / "loadtests" / "results")
     ap.add_argument("--timeout", type=float, default=3600, help="stop the whole run after this many seconds")
     ap.add_argument("--keep", action="store_true", help="keep the work dir (logs, audit file)")
+    ap.add_argument("--baseline", type=Path, default=None,
+                    help="a source tree (its egressgate/ package) run as the extra candidate egressgate-base")
     if "--quick" in argv:
         ap.set_defaults(seconds=2.0, repeats=1, bulk_bytes=128 << 20)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.baseline is not None and "egressgate-base" not in args.candidates:
+        args.candidates.append("egressgate-base")
+    if args.baseline is None and "egressgate-base" in args.candidates:
+        args.candidates.remove("egressgate-base")  # nothing to compare with
+    return args
 
 
 def main() -> None:

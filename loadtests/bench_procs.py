@@ -9,6 +9,7 @@ program, so a Proc's pid is the program's own pid (its /proc figures are the pro
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -138,6 +139,23 @@ def start_egressgate(world: World, directory: Path, upstream_ca: Path, http_port
         sandboxes["sandbox_pt"] = "bench-pt"
     listen = {"proxy": f"{ADDR['gw']}:0", "admin": "127.0.0.1:0", "dns": None, "transparent": None}
     return procs.launch_egressgate(d, upstream_ca, listen, sandboxes, prefix=world.exec_prefix("gw"))
+
+
+def start_egressgate_baseline(world: World, directory: Path, upstream_ca: Path, http_port: int, https_port: int,
+                              tree: Path | None) -> procs.Proc:
+    """The same gateway and policy as start_egressgate, its code from `tree` (put first on its PYTHONPATH:
+    the venv's console script then imports that tree's `egressgate`), for an A/B in one interleaved run.
+    The CLI calls (`sandbox admit`, `ca path`) run from this tree: they only talk to its admin API."""
+    if tree is None or not (tree / "egressgate" / "__init__.py").is_file():
+        raise RuntimeError(f"--baseline {tree}: no egressgate/ package there")
+    d = directory / "egressgate-base"
+    pol = d / "policies"
+    pol.mkdir(parents=True, exist_ok=True)
+    (pol / "bench.yaml").write_text(yaml.safe_dump(world_policy(http_port, https_port)))
+    listen = {"proxy": f"{ADDR['gw']}:0", "admin": "127.0.0.1:0", "dns": None, "transparent": None}
+    env = {**os.environ, "PYTHONPATH": str(tree.resolve())}
+    return procs.launch_egressgate(d, upstream_ca, listen, {"sandbox": "bench"}, name="egressgate-base",
+                                   prefix=world.exec_prefix("gw"), env=env)
 
 
 def reset_peak_rss(p: procs.Proc) -> bool:

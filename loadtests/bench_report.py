@@ -24,11 +24,13 @@ LABEL = {
     ("mitmdump", "http"): "mitmdump", ("mitmdump", "https"): "mitmdump (MITM)",
     ("egressgate", "http"): "egressgate (plain HTTP)", ("egressgate", "https"): "egressgate (MITM)",
     ("egressgate-pt", "https"): "egressgate (passthrough)",
+    ("egressgate-base", "http"): "egressgate, baseline tree (plain HTTP)",
+    ("egressgate-base", "https"): "egressgate, baseline tree (MITM)",
 }
 BULK_LABEL = {"direct": "direct (TLS)", "squid": "squid (CONNECT tunnel)", "egressgate": "egressgate (MITM)",
               "egressgate-pt": "egressgate (passthrough)"}
 COLOR = {"direct": "#7f7f7f", "squid": "#2ca02c", "squid-bump": "#17becf", "mitmdump": "#1f77b4",
-         "egressgate": "#d62728", "egressgate-pt": "#ff7f0e"}
+         "egressgate": "#d62728", "egressgate-pt": "#ff7f0e", "egressgate-base": "#9467bd"}
 GOALS = {"vs_mitmdump": 1.1, "added_p50_ms": 1.0, "pt_vs_squid": 0.5, "rss_mb": 180.0, "vs_squid_bump": 0.5}
 BUMP_GOAL_CONC = 32  # issue 25: egressgate's MITM rate >= 0.5x Squid ssl-bump's at c=32
 
@@ -96,7 +98,11 @@ def ratios(summary: list[dict]) -> list[dict]:
                     "eg_vs_squid_bump": div(get("egressgate", "rps"), get("squid-bump", "rps")),
                     "eg_vs_squid_bump_per_cpu": div(get("egressgate", "req_per_cpu_s"),
                                                     get("squid-bump", "req_per_cpu_s")),
-                    "squid_bump_added_p50_ms": sub(get("squid-bump", "p50_ms"), get("direct", "p50_ms"))})
+                    "squid_bump_added_p50_ms": sub(get("squid-bump", "p50_ms"), get("direct", "p50_ms")),
+                    "eg_vs_base": div(get("egressgate", "rps"), get("egressgate-base", "rps")),
+                    "eg_vs_base_per_cpu": div(get("egressgate", "req_per_cpu_s"),
+                                              get("egressgate-base", "req_per_cpu_s")),
+                    "base_added_p50_ms": sub(get("egressgate-base", "p50_ms"), get("direct", "p50_ms"))})
     return out
 
 
@@ -160,6 +166,13 @@ def markdown(report: dict) -> str:
             f"{_goal(r['pt_vs_squid'], GOALS['pt_vs_squid'])} | {_f(r['pt_added_p50_ms'], '.2f', ' ms')} "
             f"| {_f(r['eg_vs_squid_bump'], '.2f', 'x')}{bump_goal} | {_f(r['eg_vs_squid_bump_per_cpu'], '.2f', 'x')} "
             f"| {_f(r['squid_bump_added_p50_ms'], '.2f', ' ms')} |")
+    base = [r for r in ratios(report["summary"]) if r["eg_vs_base"] is not None]
+    if base:
+        lines += ["", "| mode | conc | this tree / baseline tree rps | same, per proxy CPU-second "
+                  "| added p50 over direct: this tree | baseline tree |", "|---|---:|---:|---:|---:|---:|"]
+        lines += [f"| {r['mode']} | {r['conc']} | {_f(r['eg_vs_base'], '.2f', 'x')} | "
+                  f"{_f(r['eg_vs_base_per_cpu'], '.2f', 'x')} | {_f(r['eg_added_p50_ms'], '.2f', ' ms')} | "
+                  f"{_f(r['base_added_p50_ms'], '.2f', ' ms')} |" for r in base]
     bulk = bulk_summary(report.get("bulk", []))
     if bulk:
         size = max((r["bytes"] for r in report["bulk"]), default=0) / (1 << 20)

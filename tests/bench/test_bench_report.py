@@ -143,3 +143,16 @@ def test_egressgate_mitm_is_set_against_squid_ssl_bump_with_the_goal_at_c32() ->
     rows[4] = row("https", 32, "squid-bump", 1800, 6.0)
     md = bench_report.markdown({"meta": meta(), "summary": summarize(rows), "bulk": []})
     assert "0.56x (met)" in next(x for x in md.splitlines() if x.startswith("| https | 32 | -"))
+
+
+def test_baseline_tree_is_compared_in_its_own_table() -> None:
+    rows = [row("http", 1, "direct", 9000, 0.1), row("http", 1, "egressgate", 1100, 0.9),
+            row("http", 1, "egressgate-base", 1000, 1.1)]
+    (r,) = bench_report.ratios(summarize(rows))
+    assert r["eg_vs_base"] == pytest.approx(1.1) and r["base_added_p50_ms"] == pytest.approx(1.0)
+    md = bench_report.markdown({"meta": meta(), "summary": summarize(rows), "bulk": []})
+    assert "| http | 1 | 1.10x | 1.10x | 0.80 ms | 1.00 ms |" in md
+    assert "egressgate, baseline tree (plain HTTP)" in md
+    # no baseline in the run: no such table
+    md = bench_report.markdown({"meta": meta(), "summary": summarize(rows[:2]), "bulk": []})
+    assert "baseline tree" not in md
