@@ -156,3 +156,15 @@ def test_baseline_tree_is_compared_in_its_own_table() -> None:
     # no baseline in the run: no such table
     md = bench_report.markdown({"meta": meta(), "summary": summarize(rows[:2]), "bulk": []})
     assert "baseline tree" not in md
+
+
+def test_baseline_candidate_runs_only_with_a_baseline_tree(tmp_path: Path) -> None:
+    from loadtests import bench_procs
+    from loadtests.bench import parse
+
+    assert "egressgate-base" not in parse([]).candidates
+    assert "egressgate-base" not in parse(["--candidates", "direct", "egressgate-base"]).candidates
+    assert parse(["--baseline", str(tmp_path), "--candidates", "direct"]).candidates == ["direct", "egressgate-base"]
+    # a tree without the package is refused before anything starts (the run then says "not available")
+    with pytest.raises(RuntimeError, match="no egressgate/ package"):
+        bench_procs.start_egressgate_baseline(None, tmp_path, tmp_path / "ca.pem", 1, 2, tree=tmp_path)
