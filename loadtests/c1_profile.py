@@ -66,10 +66,17 @@ def main() -> None:
         listen = {"proxy": "127.0.0.1:0", "admin": "127.0.0.1:0", "dns": None, "transparent": None}
         program = [sys.executable, "-m", "loadtests.cprofile_gateway", str(out), "--", "run"]
         gw = procs.launch_egressgate(d, certs.ca_pem, listen, {"sandbox": "bench"}, program=program)
-        target = Target(scheme=args.mode, host=procs.UPSTREAM_NAME, port=up.info[f"{args.mode}_port"],
-                        dial=("127.0.0.1", gw.info["port"]), via_proxy=True,
-                        ca_file=gw.info["ca"] if args.mode == "https" else None, proxy_auth=gw.info["sandbox"],
-                        path="/bytes/1024", expect_body=1024)
+        target = Target(
+            scheme=args.mode,
+            host=procs.UPSTREAM_NAME,
+            port=up.info[f"{args.mode}_port"],
+            dial=("127.0.0.1", gw.info["port"]),
+            via_proxy=True,
+            ca_file=gw.info["ca"] if args.mode == "https" else None,
+            proxy_auth=gw.info["sandbox"],
+            path="/bytes/1024",
+            expect_body=1024,
+        )
         run_cell(target, 1, 1.0)  # warm: connection, TLS, caches
         os.kill(gw.pid, signal.SIGUSR1)
         result = run_cell(target, 1, args.seconds)
@@ -78,8 +85,10 @@ def main() -> None:
         if gw is not None:
             gw.stop(30)
         up.stop()
-    print(f"profiled {result.ok} requests ({result.rps:.0f} rps under cProfile, p50 {result.p50_ms:.2f} ms; "
-          f"loadavg {' '.join(Path('/proc/loadavg').read_text().split()[:3])})")
+    print(
+        f"profiled {result.ok} requests ({result.rps:.0f} rps under cProfile, p50 {result.p50_ms:.2f} ms; "
+        f"loadavg {' '.join(Path('/proc/loadavg').read_text().split()[:3])})"
+    )
     print(cprofile_gateway.describe(cprofile_gateway.summarize(out)))
     print("per request (exact counts):")
     for label, n in counts(out, max(1, result.ok)).items():

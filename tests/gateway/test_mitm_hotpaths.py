@@ -90,25 +90,44 @@ def _conn(protocol: str = "tcp"):
 def _summary(cmds) -> list:
     from mitmproxy.proxy import commands
 
-    return [(type(c).__name__, id(c.connection), c.data) if isinstance(c, commands.SendData)
-            else (type(c).__name__, id(getattr(c, "connection", None))) for c in cmds]
+    return [
+        (type(c).__name__, id(c.connection), c.data)
+        if isinstance(c, commands.SendData)
+        else (type(c).__name__, id(getattr(c, "connection", None)))
+        for c in cmds
+    ]
 
 
 def test_coalesce_sends_merges_only_adjacent_writes_to_one_tcp_connection() -> None:
     from mitmproxy.proxy import commands
 
     a, b, udp = _conn(), _conn(), _conn("udp")
-    cmds = [commands.SendData(a, b"head"), commands.SendData(a, b"body"), commands.SendData(b, b"other"),
-            commands.SendData(a, b"x"), commands.CloseConnection(a), commands.SendData(a, b"y"),
-            commands.SendData(udp, b"d1"), commands.SendData(udp, b"d2"), commands.SendData(a, b"z")]
+    cmds = [
+        commands.SendData(a, b"head"),
+        commands.SendData(a, b"body"),
+        commands.SendData(b, b"other"),
+        commands.SendData(a, b"x"),
+        commands.CloseConnection(a),
+        commands.SendData(a, b"y"),
+        commands.SendData(udp, b"d1"),
+        commands.SendData(udp, b"d2"),
+        commands.SendData(a, b"z"),
+    ]
     out = list(mitm_hotpaths.coalesce_sends(iter(cmds)))
-    assert _summary(out) == [("SendData", id(a), b"headbody"), ("SendData", id(b), b"other"),
-                             ("SendData", id(a), b"x"), ("CloseConnection", id(a)), ("SendData", id(a), b"y"),
-                             ("SendData", id(udp), b"d1"), ("SendData", id(udp), b"d2"),  # datagrams: never merged
-                             ("SendData", id(a), b"z")]
+    assert _summary(out) == [
+        ("SendData", id(a), b"headbody"),
+        ("SendData", id(b), b"other"),
+        ("SendData", id(a), b"x"),
+        ("CloseConnection", id(a)),
+        ("SendData", id(a), b"y"),
+        ("SendData", id(udp), b"d1"),
+        ("SendData", id(udp), b"d2"),  # datagrams: never merged
+        ("SendData", id(a), b"z"),
+    ]
     # positive control: the same stream without the merge keeps every write apart, bytes in the same order
     assert b"".join(c.data for c in out if isinstance(c, commands.SendData)) == b"".join(
-        c.data for c in cmds if isinstance(c, commands.SendData))
+        c.data for c in cmds if isinstance(c, commands.SendData)
+    )
 
 
 def test_coalesce_sends_never_merges_large_writes() -> None:
@@ -117,8 +136,18 @@ def test_coalesce_sends_never_merges_large_writes() -> None:
     a = _conn()
     big = b"x" * mitm_hotpaths.COALESCE_MAX
     small = b"y" * 10
-    out = list(mitm_hotpaths.coalesce_sends(iter([commands.SendData(a, small), commands.SendData(a, big),
-                                                  commands.SendData(a, small), commands.SendData(a, small)])))
+    out = list(
+        mitm_hotpaths.coalesce_sends(
+            iter(
+                [
+                    commands.SendData(a, small),
+                    commands.SendData(a, big),
+                    commands.SendData(a, small),
+                    commands.SendData(a, small),
+                ]
+            )
+        )
+    )
     assert [len(c.data) for c in out] == [10, len(big), 20]
 
 
