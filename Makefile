@@ -45,8 +45,8 @@ test-durations: $(STAMP) test-deps
 lint: $(STAMP)
 	$(BIN)/ruff check egressgate tests loadtests
 
-# One interleaved run in a closed namespace world (loadtests/bench.py; needs root): direct, Squid, bare
-# mitmdump, egressgate. `make bench BENCH_ARGS="--quick"` for a smoke run, "--record" to append to RESULTS.md.
+# One interleaved run in a closed namespace world (loadtests/bench.py; needs root): direct, Squid (CONNECT tunnel
+# and ssl-bump MITM: squid-openssl, installed by test-deps), bare mitmdump, egressgate. `make bench BENCH_ARGS="--quick"` for a smoke run, "--record" to append to RESULTS.md.
 BENCH_STAMP := $(VENV)/.bench-installed
 $(BENCH_STAMP): $(STAMP) pyproject.toml
 	$(BIN)/pip install -q -e '.[dev,bench]'

@@ -5,9 +5,13 @@
 Candidates (each a separate process in the gateway namespace, all started once; loadtests/bench_world.py):
   direct          the client talks to the upstream itself (the ceiling)
   squid           Debian's Squid: forward proxy for plain HTTP, CONNECT tunnel for HTTPS (no MITM)
+  squid-bump      the same Squid (squid-openssl) as an ssl-bump MITM for HTTPS, its own process and test CA:
+                  the C reference for egressgate's MITM rate (reported "not available" without OpenSSL)
   mitmdump        bare mitmdump 12.3.1 (no scripts): forward proxy for plain HTTP, MITM for HTTPS
   egressgate      `egressgate run`, full pipeline (identity, policy, pinning, budgets, audit to a file):
                   plain HTTP, and HTTPS intercepted (MITM)
+  egressgate-base with `--baseline TREE`: the same gateway from another source tree (e.g. `git archive` of
+                  the commit before a change), for an A/B in the same interleaved run
   egressgate-pt   the same gateway, another sandbox whose rule is `tls: passthrough` (spliced, not
                   intercepted); measured only if the installed policy engine accepts such a rule,
                   reported "not available" otherwise
@@ -46,8 +50,9 @@ from loadtests.loadgen import Target, run_cell
 from loadtests.procs import Proc, upstream_stats
 from loadtests.streaming import Download, curl_download, download
 
-CANDIDATES = ("direct", "squid", "mitmdump", "egressgate", "egressgate-pt")
-MODES = {"egressgate-pt": ("https",)}  # the others: http and https
+CANDIDATES = ("direct", "squid", "squid-bump", "mitmdump", "egressgate", "egressgate-base", "egressgate-pt")
+MODES = {"egressgate-pt": ("https",), "squid-bump": ("https",)}  # the others: http and https
+INTERCEPTS = ("squid-bump", "mitmdump", "egressgate", "egressgate-base")  # the client trusts only their CA
 BULK = ("direct", "squid", "egressgate", "egressgate-pt")
 WORLD_ENV = "EGB_BENCH_WORLD"  # set for the driver re-run inside the client namespace
 RESULT_ENV = "EGB_BENCH_RESULT"
@@ -77,12 +82,16 @@ class Driver:
             self.unavailable["egressgate-pt"] = pt_why
         starters = {
             "squid": lambda: bench_procs.start_squid(self.world, self.dir),
+            "squid-bump": lambda: bench_procs.start_squid_bump(self.world, self.dir, self.certs.ca_pem),
             "mitmdump": lambda: bench_procs.start_mitmdump(self.world, self.dir, self.certs.ca_pem),
             "egressgate": lambda: bench_procs.start_egressgate(self.world, self.dir, self.certs.ca_pem, *ports,
                                                                passthrough=pt_why is None),
         }
         if "egressgate-pt" in wanted:
             wanted.add("egressgate")
+        if "egressgate-base" in wanted:
+            starters["egressgate-base"] = lambda: bench_procs.start_egressgate_baseline(
+                self.world, self.dir, self.certs.ca_pem, *ports, tree=self.args.baseline)
         for name, start in starters.items():
             if name not in wanted:
                 continue
@@ -128,10 +137,11 @@ class Driver:
             return Target(dial=(ADDR["up"], common["port"]), via_proxy=False, ca_file=upstream_ca, **common)
         p = self.proc_of(candidate)
         assert p is not None
-        intercepts = candidate in ("mitmdump", "egressgate")
+        intercepts = candidate in INTERCEPTS
         auth = p.info.get("sandbox_pt" if candidate == "egressgate-pt" else "sandbox")
         return Target(dial=(ADDR["gw"], p.info["port"]), via_proxy=True,
-                      ca_file=p.info["ca"] if intercepts else upstream_ca, proxy_auth=auth, **common)
+                      ca_file=p.info["ca"] if intercepts else upstream_ca, proxy_auth=auth,
+                      x509_strict=candidate != "squid-bump", **common)
 
     def matrix(self) -> list[dict]:
         a = self.args
@@ -313,9 +323,16 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--out-dir", type=Path, default=ROOT / "loadtests" / "results")
     ap.add_argument("--timeout", type=float, default=3600, help="stop the whole run after this many seconds")
     ap.add_argument("--keep", action="store_true", help="keep the work dir (logs, audit file)")
+    ap.add_argument("--baseline", type=Path, default=None,
+                    help="a source tree (its egressgate/ package) run as the extra candidate egressgate-base")
     if "--quick" in argv:
         ap.set_defaults(seconds=2.0, repeats=1, bulk_bytes=128 << 20)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.baseline is not None and "egressgate-base" not in args.candidates:
+        args.candidates.append("egressgate-base")
+    if args.baseline is None and "egressgate-base" in args.candidates:
+        args.candidates.remove("egressgate-base")  # nothing to compare with
+    return args
 
 
 def main() -> None:

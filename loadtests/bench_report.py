@@ -2,7 +2,9 @@
 
 Ratios are of medians over repeats, each against the right reference: egressgate / bare mitmdump in the same
 mode and concurrency (what the gateway costs over the tool it embeds), passthrough / Squid's CONNECT tunnel
-(both splice TLS they do not terminate), and added p50 = candidate p50 - direct p50 (what a hop costs).
+(both splice TLS they do not terminate), egressgate's MITM / Squid's ssl-bump MITM (both terminate TLS and
+relay HTTP: the C reference; issue 25's goal is >= 0.5x at c=32), and added p50 = candidate p50 - direct p50
+(what a hop costs).
 The PNG needs matplotlib (the `bench` extra: `pip install -e '.[bench]'`, which `make bench` does); without
 it the run still writes the table and says why there is no plot.
 """
@@ -18,15 +20,19 @@ from pathlib import Path
 LABEL = {
     ("direct", "http"): "direct", ("direct", "https"): "direct (TLS)",
     ("squid", "http"): "squid (forward)", ("squid", "https"): "squid (CONNECT tunnel)",
+    ("squid-bump", "https"): "squid (ssl-bump MITM)",
     ("mitmdump", "http"): "mitmdump", ("mitmdump", "https"): "mitmdump (MITM)",
     ("egressgate", "http"): "egressgate (plain HTTP)", ("egressgate", "https"): "egressgate (MITM)",
     ("egressgate-pt", "https"): "egressgate (passthrough)",
+    ("egressgate-base", "http"): "egressgate, baseline tree (plain HTTP)",
+    ("egressgate-base", "https"): "egressgate, baseline tree (MITM)",
 }
 BULK_LABEL = {"direct": "direct (TLS)", "squid": "squid (CONNECT tunnel)", "egressgate": "egressgate (MITM)",
               "egressgate-pt": "egressgate (passthrough)"}
-COLOR = {"direct": "#7f7f7f", "squid": "#2ca02c", "mitmdump": "#1f77b4", "egressgate": "#d62728",
-         "egressgate-pt": "#ff7f0e"}
-GOALS = {"vs_mitmdump": 1.1, "added_p50_ms": 1.0, "pt_vs_squid": 0.5, "rss_mb": 180.0}
+COLOR = {"direct": "#7f7f7f", "squid": "#2ca02c", "squid-bump": "#17becf", "mitmdump": "#1f77b4",
+         "egressgate": "#d62728", "egressgate-pt": "#ff7f0e", "egressgate-base": "#9467bd"}
+GOALS = {"vs_mitmdump": 1.1, "added_p50_ms": 1.0, "pt_vs_squid": 0.5, "rss_mb": 180.0, "vs_squid_bump": 0.5}
+BUMP_GOAL_CONC = 32  # issue 25: egressgate's MITM rate >= 0.5x Squid ssl-bump's at c=32
 
 
 def git_state(root: Path) -> str:
@@ -88,7 +94,15 @@ def ratios(summary: list[dict]) -> list[dict]:
                     "eg_added_p50_ms": sub(get("egressgate", "p50_ms"), get("direct", "p50_ms")),
                     "mitmdump_added_p50_ms": sub(get("mitmdump", "p50_ms"), get("direct", "p50_ms")),
                     "pt_vs_squid": div(get("egressgate-pt", "rps"), get("squid", "rps")),
-                    "pt_added_p50_ms": sub(get("egressgate-pt", "p50_ms"), get("direct", "p50_ms"))})
+                    "pt_added_p50_ms": sub(get("egressgate-pt", "p50_ms"), get("direct", "p50_ms")),
+                    "eg_vs_squid_bump": div(get("egressgate", "rps"), get("squid-bump", "rps")),
+                    "eg_vs_squid_bump_per_cpu": div(get("egressgate", "req_per_cpu_s"),
+                                                    get("squid-bump", "req_per_cpu_s")),
+                    "squid_bump_added_p50_ms": sub(get("squid-bump", "p50_ms"), get("direct", "p50_ms")),
+                    "eg_vs_base": div(get("egressgate", "rps"), get("egressgate-base", "rps")),
+                    "eg_vs_base_per_cpu": div(get("egressgate", "req_per_cpu_s"),
+                                              get("egressgate-base", "req_per_cpu_s")),
+                    "base_added_p50_ms": sub(get("egressgate-base", "p50_ms"), get("direct", "p50_ms"))})
     return out
 
 
@@ -138,16 +152,27 @@ def markdown(report: dict) -> str:
     lines += ["", f"| mode | conc | egressgate / mitmdump rps (goal >= {GOALS['vs_mitmdump']}x) | same, per proxy "
               f"CPU-second | egressgate added p50 over direct (goal <= {GOALS['added_p50_ms']} ms at c=1) | mitmdump "
               f"added p50 | passthrough / squid CONNECT rps (goal >= {GOALS['pt_vs_squid']}x) "
-              "| passthrough added p50 |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|"]
+              f"| passthrough added p50 | egressgate MITM / squid ssl-bump rps (goal >= {GOALS['vs_squid_bump']}x "
+              f"at c={BUMP_GOAL_CONC}) | same, per proxy CPU-second | squid ssl-bump added p50 |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in ratios(report["summary"]):
         p50_goal = _goal(r["eg_added_p50_ms"], GOALS["added_p50_ms"], higher=False) if r["conc"] == 1 else ""
+        bump_goal = _goal(r["eg_vs_squid_bump"], GOALS["vs_squid_bump"]) if r["conc"] == BUMP_GOAL_CONC else ""
         lines.append(
             f"| {r['mode']} | {r['conc']} | {_f(r['eg_vs_mitmdump'], '.2f', 'x')}"
             f"{_goal(r['eg_vs_mitmdump'], GOALS['vs_mitmdump'])} | {_f(r['eg_vs_mitmdump_per_cpu'], '.2f', 'x')} "
             f"| {_f(r['eg_added_p50_ms'], '.2f', ' ms')}{p50_goal} "
             f"| {_f(r['mitmdump_added_p50_ms'], '.2f', ' ms')} | {_f(r['pt_vs_squid'], '.2f', 'x')}"
-            f"{_goal(r['pt_vs_squid'], GOALS['pt_vs_squid'])} | {_f(r['pt_added_p50_ms'], '.2f', ' ms')} |")
+            f"{_goal(r['pt_vs_squid'], GOALS['pt_vs_squid'])} | {_f(r['pt_added_p50_ms'], '.2f', ' ms')} "
+            f"| {_f(r['eg_vs_squid_bump'], '.2f', 'x')}{bump_goal} | {_f(r['eg_vs_squid_bump_per_cpu'], '.2f', 'x')} "
+            f"| {_f(r['squid_bump_added_p50_ms'], '.2f', ' ms')} |")
+    base = [r for r in ratios(report["summary"]) if r["eg_vs_base"] is not None]
+    if base:
+        lines += ["", "| mode | conc | this tree / baseline tree rps | same, per proxy CPU-second "
+                  "| added p50 over direct: this tree | baseline tree |", "|---|---:|---:|---:|---:|---:|"]
+        lines += [f"| {r['mode']} | {r['conc']} | {_f(r['eg_vs_base'], '.2f', 'x')} | "
+                  f"{_f(r['eg_vs_base_per_cpu'], '.2f', 'x')} | {_f(r['eg_added_p50_ms'], '.2f', ' ms')} | "
+                  f"{_f(r['base_added_p50_ms'], '.2f', ' ms')} |" for r in base]
     bulk = bulk_summary(report.get("bulk", []))
     if bulk:
         size = max((r["bytes"] for r in report["bulk"]), default=0) / (1 << 20)

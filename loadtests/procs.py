@@ -19,7 +19,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -194,7 +194,7 @@ def start_mitmdump(directory: Path, upstream_ca: Path, flow_detail: int = 0, pre
 
 SQUID_CONF = """\
 # A plain forward proxy and CONNECT tunnel for the benchmarks: no cache, everything in its private dir.
-http_port {addr}:{port}
+http_port {addr}:{port}{port_options}
 visible_hostname egressgate-bench
 pid_filename {d}/squid.pid
 cache_log {d}/cache.log
@@ -210,36 +210,42 @@ dns_nameservers 127.0.0.1
 acl bench_clients src {net}
 http_access allow bench_clients
 http_access deny all
-"""
+{extra}"""
 
 
 def start_squid(directory: Path, prefix: Sequence[str] = (), addr: str = "127.0.0.1", port: int | None = None,
-                net: str = "127.0.0.1/32", access_log: bool = True) -> Proc:
+                net: str = "127.0.0.1/32", access_log: bool = True, name: str = "squid",
+                setup: Callable[[Path], tuple[str, str]] | None = None) -> Proc:
     """Squid (Debian package) in the foreground (-N: one process): plain HTTP forwarding and CONNECT tunnels
     (no TLS MITM) on addr:port (a port the OS just handed out by default), open to clients in `net`.
-    `prefix`: as start_upstream; the readiness probe then connects from here to addr:port."""
+    `prefix`: as start_upstream; the readiness probe then connects from here to addr:port. `setup(dir)`
+    prepares files in Squid's private dir and returns (http_port options, extra config lines): how
+    loadtests/bench_procs.py turns the same Squid into an ssl-bump MITM; `name` is also its service name
+    (`-n`), so two Squids on one host keep their runtime objects apart."""
     squid = shutil.which("squid") or "/usr/sbin/squid"
     # Its own temp dir: squid runs as `proxy` and must traverse to it (the harness dir is 0700).
-    d = Path(tempfile.mkdtemp(prefix="egressgate-bench-squid-", dir=directory.parent))
+    d = Path(tempfile.mkdtemp(prefix=f"egressgate-bench-{name}-", dir=directory.parent))
     d.chmod(0o755)
     port = port or free_port()
+    port_options, extra = setup(d) if setup is not None else ("", "")
     conf = d / "squid.conf"
-    conf.write_text(SQUID_CONF.format(addr=addr, port=port, d=d, net=net,
+    conf.write_text(SQUID_CONF.format(addr=addr, port=port, d=d, net=net, port_options=port_options, extra=extra,
                                       access_log=f"stdio:{d}/access.log" if access_log else "none"))
     if os.geteuid() == 0:  # squid drops to cache_effective_user (proxy); it must write its logs and pid
         with contextlib.suppress(KeyError):
             pw = pwd.getpwnam("proxy")
-            for path in (d, *d.iterdir()):
-                os.chown(path, pw.pw_uid, pw.pw_gid)
+            for root, dirs, files in os.walk(d):
+                for path in (root, *(os.path.join(root, x) for x in (*dirs, *files))):
+                    os.chown(path, pw.pw_uid, pw.pw_gid)
     out = d / "squid.out"
-    cmd = [*prefix, squid, "-N", "-f", str(conf)]
+    cmd = [*prefix, squid, "-N", "-n", name.replace("-", ""), "-f", str(conf)]
     proc = subprocess.Popen(cmd, stdout=out.open("w"), stderr=subprocess.STDOUT)
-    p = Proc("squid", proc, logs=[out, d / "cache.log"], info={"port": port, "cmd": " ".join(cmd)}, remove=[d])
+    p = Proc(name, proc, logs=[out, d / "cache.log"], info={"port": port, "cmd": " ".join(cmd)}, remove=[d])
     try:
         wait_port(port, 30, proc, host=addr)
     except RuntimeError as exc:
         p.stop()
-        raise RuntimeError(f"squid did not start: {exc}\n" + p.log_tail()) from None
+        raise RuntimeError(f"{name} did not start: {exc}\n" + p.log_tail()) from None
     return p
 
 

@@ -6,7 +6,9 @@
 set -eu
 need=()
 have() { command -v "$1" >/dev/null 2>&1; }
-have squid || need+=(squid)
+# Squid built with OpenSSL (Debian's squid-openssl; it conflicts with the GnuTLS `squid` package and replaces it):
+# the same binary serves `make bench`'s forward proxy / CONNECT tunnel and its ssl-bump MITM candidate
+{ squid -v || /usr/sbin/squid -v; } 2>/dev/null | grep -q -- '--with-openssl' || need+=(squid-openssl)
 have redis-server || need+=(redis-server)
 have dnsmasq || need+=(dnsmasq-base)
 have nft || need+=(nftables)

@@ -120,3 +120,51 @@ def test_record_appends_and_keeps_what_was_there(tmp_path: Path) -> None:
     bench_report.record("### `make bench` run, now\n\n| a |", results)
     text = results.read_text()
     assert text.startswith("# Benchmark results\n\nolder section\n") and text.endswith("| a |\n")
+
+
+def test_egressgate_mitm_is_set_against_squid_ssl_bump_with_the_goal_at_c32() -> None:
+    """Issue 25: egressgate's MITM rate as a fraction of Squid ssl-bump's, goal >= 0.5x marked at c=32 only,
+    and both added p50s at c=1."""
+    rows = [row("https", 1, "direct", 9000, 0.1), row("https", 1, "squid-bump", 3000, 0.3),
+            row("https", 1, "egressgate", 800, 1.2),
+            row("https", 32, "direct", 30000, 1.0), row("https", 32, "squid-bump", 5000, 6.0),
+            row("https", 32, "egressgate", 1000, 30.0)]
+    by = {r["conc"]: r for r in bench_report.ratios(summarize(rows))}
+    assert by[1]["eg_vs_squid_bump"] == pytest.approx(800 / 3000)
+    assert by[1]["squid_bump_added_p50_ms"] == pytest.approx(0.2)
+    assert by[32]["eg_vs_squid_bump"] == pytest.approx(0.2)
+    md = bench_report.markdown({"meta": meta(), "summary": summarize(rows), "bulk": []})
+    assert "squid (ssl-bump MITM)" in md
+    line1 = next(x for x in md.splitlines() if x.startswith("| https | 1 | -"))
+    line32 = next(x for x in md.splitlines() if x.startswith("| https | 32 | -"))
+    assert by[32]["eg_vs_squid_bump_per_cpu"] == pytest.approx(0.2)  # every row: proxy CPU 0.5
+    assert "0.27x |" in line1 and "0.20 ms" in line1 and "met" not in line1.split("|")[-4]
+    assert "0.20x (**not met**)" in line32
+    rows[4] = row("https", 32, "squid-bump", 1800, 6.0)
+    md = bench_report.markdown({"meta": meta(), "summary": summarize(rows), "bulk": []})
+    assert "0.56x (met)" in next(x for x in md.splitlines() if x.startswith("| https | 32 | -"))
+
+
+def test_baseline_tree_is_compared_in_its_own_table() -> None:
+    rows = [row("http", 1, "direct", 9000, 0.1), row("http", 1, "egressgate", 1100, 0.9),
+            row("http", 1, "egressgate-base", 1000, 1.1)]
+    (r,) = bench_report.ratios(summarize(rows))
+    assert r["eg_vs_base"] == pytest.approx(1.1) and r["base_added_p50_ms"] == pytest.approx(1.0)
+    md = bench_report.markdown({"meta": meta(), "summary": summarize(rows), "bulk": []})
+    assert "| http | 1 | 1.10x | 1.10x | 0.80 ms | 1.00 ms |" in md
+    assert "egressgate, baseline tree (plain HTTP)" in md
+    # no baseline in the run: no such table
+    md = bench_report.markdown({"meta": meta(), "summary": summarize(rows[:2]), "bulk": []})
+    assert "baseline tree" not in md
+
+
+def test_baseline_candidate_runs_only_with_a_baseline_tree(tmp_path: Path) -> None:
+    from loadtests import bench_procs
+    from loadtests.bench import parse
+
+    assert "egressgate-base" not in parse([]).candidates
+    assert "egressgate-base" not in parse(["--candidates", "direct", "egressgate-base"]).candidates
+    assert parse(["--baseline", str(tmp_path), "--candidates", "direct"]).candidates == ["direct", "egressgate-base"]
+    # a tree without the package is refused before anything starts (the run then says "not available")
+    with pytest.raises(RuntimeError, match="no egressgate/ package"):
+        bench_procs.start_egressgate_baseline(None, tmp_path, tmp_path / "ca.pem", 1, 2, tree=tmp_path)

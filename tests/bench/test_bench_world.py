@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -89,7 +91,8 @@ def test_bench_runs_end_to_end_and_writes_its_report(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("EGB_BENCH_WORLD", None)
     cmd = [sys.executable, "-m", "loadtests.bench", "--seconds", "0.5", "--repeats", "1", "--concurrency", "1",
-           "--candidates", "direct", "squid", "egressgate", "egressgate-pt", "--bulk-bytes", str(4 << 20),
+           "--candidates", "direct", "squid", "squid-bump", "egressgate", "egressgate-pt",
+           "--bulk-bytes", str(4 << 20),
            "--out-dir", str(tmp_path)]
     run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=220)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -99,6 +102,12 @@ def test_bench_runs_end_to_end_and_writes_its_report(tmp_path: Path) -> None:
         for cand in ("direct", "squid", "egressgate"):
             s = cells[(mode, cand)]
             assert s["rps"] > 0 and s["errors"] == 0, s
+    # Squid's ssl-bump MITM (squid-openssl, which scripts/install-test-deps.sh installs): measured, through
+    # its own CA only (the client trusts nothing else on that cell), and set against egressgate's MITM
+    assert "squid-bump" not in report["unavailable"], report["unavailable"]
+    bump = cells[("https", "squid-bump")]
+    assert bump["rps"] > 0 and bump["errors"] == 0, bump
+    assert ("http", "squid-bump") not in cells  # plain HTTP through it would be the forward proxy again
     if "egressgate-pt" in report["unavailable"]:
         assert "tls: passthrough" in report["unavailable"]["egressgate-pt"]
     else:
@@ -107,5 +116,74 @@ def test_bench_runs_end_to_end_and_writes_its_report(tmp_path: Path) -> None:
     assert {r["candidate"] for r in report["bulk"]} >= {"direct", "squid", "egressgate"}
     md = next(tmp_path.glob("bench-*.md")).read_text()
     assert "egressgate / mitmdump" in md and "loadavg" in md
+    ratio = next(x for x in md.splitlines() if x.startswith("| https | 1 | -"))  # no mitmdump in this run
+    assert ratio.split("|")[-4].strip().endswith("x"), ratio  # egressgate MITM / squid ssl-bump rps
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert report["meta"]["world"].startswith("egB-") and report["meta"]["world"] not in listed
+
+
+ONE_GET = """\
+import asyncio, json, sys
+from loadtests.loadgen import Target, connect, read_response
+
+async def get(t):
+    try:
+        reader, writer = await connect(t)
+        writer.write(t.request_bytes())
+        status, n = await read_response(reader)
+        writer.close()
+        return "ok" if (status, n) == (200, 64) else f"status {status}, {n} bytes"
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+out = {}
+for name, host, port, proxy_port, ca, strict in json.loads(sys.argv[1]):
+    t = Target(scheme="https", host=host, port=port, dial=(sys.argv[2], proxy_port), via_proxy=True, ca_file=ca,
+               path="/bytes/64", expect_body=64, x509_strict=strict)
+    out[name] = asyncio.run(get(t))
+print(json.dumps(out))
+"""
+
+
+def test_squid_bump_intercepts_with_its_own_ca_and_verifies_the_upstream() -> None:
+    """The ssl-bump candidate is a MITM, not a tunnel: a client that trusts only Squid's bump CA gets the
+    upstream's body, one that trusts only the upstream's CA fails its handshake; plain Squid's CONNECT
+    tunnel is the positive control the other way round. And the bump verifies the upstream: a bump Squid
+    given another CA for its upstreams refuses this one (positive control: the first bump Squid)."""
+    from loadtests import bench_procs
+
+    # as in loadtests/bench.py: work dirs in /tmp, so Squid (it runs as `proxy`) can reach its private dirs
+    # next to them (pytest's tmp_path lives under a 0700 directory)
+    work, other = (Path(tempfile.mkdtemp(prefix="egB-bumptest-")) for _ in range(2))
+    w = World.create()
+    started = []
+    try:
+        certs = bench_procs.make_certs(work)
+        started.append(up := bench_procs.start_upstream(w, certs, work))
+        started.append(tunnel := bench_procs.start_squid(w, work))
+        started.append(bump := bench_procs.start_squid_bump(w, work, certs.ca_pem))
+        other_ca = bench_procs.make_certs(other).ca_pem
+        started.append(wrong := bench_procs.start_squid_bump(w, other, other_ca, port=3130, name="squid-bump2"))
+        port = up.info["https_port"]
+        cases = [("bump_trusting_bump_ca", bump, bump.info["ca"]),
+                 ("bump_trusting_upstream_ca", bump, str(certs.ca_pem)),
+                 ("tunnel_trusting_upstream_ca", tunnel, str(certs.ca_pem)),
+                 ("tunnel_trusting_bump_ca", tunnel, bump.info["ca"]),
+                 ("bump_not_trusting_the_upstream", wrong, wrong.info["ca"])]
+        arg = [(name, UPSTREAM_NAME, port, p.info["port"], ca, p is tunnel) for name, p, ca in cases]
+        run = subprocess.run([*w.exec_prefix("cli"), sys.executable, "-c", ONE_GET, json.dumps(arg), ADDR["gw"]],
+                             cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+                             timeout=90)
+        assert run.returncode == 0, run.stderr[-2000:]
+        out = json.loads(run.stdout)
+        assert out["bump_trusting_bump_ca"] == "ok", out
+        assert "CERTIFICATE_VERIFY_FAILED" in out["bump_trusting_upstream_ca"], out
+        assert out["tunnel_trusting_upstream_ca"] == "ok", out
+        assert "CERTIFICATE_VERIFY_FAILED" in out["tunnel_trusting_bump_ca"], out
+        assert out["bump_not_trusting_the_upstream"].startswith("status 503"), out  # ERR_SECURE_CONNECT_FAIL
+    finally:
+        for p in reversed(started):
+            p.stop()
+        w.destroy()
+        for d in (work, other):
+            shutil.rmtree(d, ignore_errors=True)
