@@ -12,7 +12,8 @@ import pytest
 
 from egressgate.logs import configure
 from tests.control_api.harness import METRICS_POLICY, api, start_control_gateway
-from tests.support.launcher import EGRESSGATE, stop_gateway
+from tests.support.launcher import EGRESSGATE
+from tests.support.replay_check import stop_and_replay
 from tests.support.waiting import wait_for
 
 
@@ -86,7 +87,7 @@ def test_running_gateway_logs_one_json_object_per_line(world, tmp_path):
         broken.unlink()
         assert wait_for(lambda: "policy reload rejected" in gw.stderr())
     finally:
-        stop_gateway(gw)
+        stop_and_replay(gw)
     lines = [line for line in gw.stderr().splitlines() if line.strip()]
     records = [json.loads(line) for line in lines]  # every line parses
     assert all(set(r) >= {"ts", "level", "logger", "message"} for r in records)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import socket
 
 from tests.control_api.harness import METRICS_POLICY, api, control_policies, start_control_gateway
-from tests.support.launcher import stop_gateway
+from tests.support.replay_check import stop_and_replay
 from tests.support.tmpfs import fill, tiny_tmpfs
 from tests.support.waiting import wait_for
 
@@ -40,7 +40,7 @@ def test_full_audit_disk_makes_the_gateway_unready_until_space_returns(world, tm
             filler.unlink()
             assert wait_for(lambda: _ready(gw)[0] == 200, timeout=10), _ready(gw)
         finally:
-            stop_gateway(gw)
+            stop_and_replay(gw)
 
 
 def _dead_port() -> socket.socket:
@@ -69,7 +69,7 @@ def test_unreachable_vault_makes_the_gateway_unready_only_when_a_policy_needs_it
             assert body["components"]["broker"]["backend"] == "vault"
             assert body["components"]["audit"]["status"] == "ok" and body["components"]["state"]["status"] == "ok"
         finally:
-            stop_gateway(gw)
+            stop_and_replay(gw)
         # the same dead Vault, but no policy has a capability: ready, and the broker still reported
         plain = {name: doc for name, doc in docs.items() if not doc.get("credentials")}
         gw = start_control_gateway(world, tmp_path / "plain", broker, docs=plain)
@@ -79,6 +79,6 @@ def test_unreachable_vault_makes_the_gateway_unready_only_when_a_policy_needs_it
             assert body["components"]["broker"]["status"] == "unavailable"
             assert body["components"]["broker"]["required"] is False
         finally:
-            stop_gateway(gw)
+            stop_and_replay(gw)
     finally:
         dead.close()

@@ -14,8 +14,9 @@ from collections.abc import Iterator
 import pytest
 
 from tests.control_api.harness import METRICS_POLICY, SCRAPED_BY, api, scrape, start_control_gateway, value
-from tests.support.launcher import EGRESSGATE, stop_gateway
+from tests.support.launcher import EGRESSGATE
 from tests.support.redis import RedisServer
+from tests.support.replay_check import stop_and_replay
 from tests.support.waiting import wait_for
 
 
@@ -51,9 +52,9 @@ def test_two_gateways_share_the_registry_the_api_shows(world, tmp_path, redis):
             assert detail["budgets"]["rules"]["c12-get"]["requests"] == {"limit": 3, "used": 1, "left": 2}
             assert detail["usage"]["bytes_out"] > 0
         finally:
-            stop_gateway(two)
+            stop_and_replay(two)
     finally:
-        stop_gateway(one)
+        stop_and_replay(one)
 
 
 def test_redis_outage_makes_the_gateway_unready_and_counts_state_errors(world, tmp_path, redis):
@@ -84,7 +85,7 @@ def test_redis_outage_makes_the_gateway_unready_and_counts_state_errors(world, t
         assert wait_for(lambda: api(gw, "GET", "/readyz", token=None).status_code == 200, timeout=15)
         assert api(gw, "GET", "/v1/sandboxes").status_code == 200
     finally:
-        stop_gateway(gw)
+        stop_and_replay(gw)
 
 
 def test_workers_share_one_admin_address_and_their_series_never_mix(world, tmp_path, redis):
@@ -115,7 +116,7 @@ def test_workers_share_one_admin_address_and_their_series_never_mix(world, tmp_p
             if len(final) == 2:
                 break
     finally:
-        stop_gateway(gw)
+        stop_and_replay(gw)
     workers = {w for w, _ in series}
     assert len(workers) == 2, series
     for worker in workers:

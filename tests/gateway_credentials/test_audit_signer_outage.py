@@ -16,7 +16,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from egressgate.audit.signer import public_pem
 from tests.support.bao_persistent import PersistentBao
 from tests.support.credworld import World, launch
-from tests.support.launcher import EGRESSGATE, stop_gateway
+from tests.support.launcher import EGRESSGATE
+from tests.support.replay_check import stop_and_replay
 
 
 def transit_pub(bao: PersistentBao, path: Path) -> Path:
@@ -59,7 +60,7 @@ def test_vault_outage_defers_audit_signatures_and_only_credentialed_routes_fail(
             assert signer_status(gw)["available"]
             assert c.get(gw.url("api.test", "/echo")).status_code == 200  # credentialed works again
     finally:
-        assert stop_gateway(gw) == 0  # type: ignore[arg-type]
+        assert stop_and_replay(gw) == 0  # type: ignore[arg-type]
         bao.stop()
     res = subprocess.run([EGRESSGATE, "audit", "verify", "--public-key", str(pub), str(gw.var / "audit.jsonl")],
                          capture_output=True, text=True, timeout=60)

@@ -35,7 +35,7 @@ from tests.gateway_credentials.rawcodings import (
 )
 from tests.support.bao import KV_SECRET, BaoServer
 from tests.support.credworld import KV, MAX_TTL, Gateway, World, launch
-from tests.support.launcher import stop_gateway
+from tests.support.replay_check import stop_and_replay
 
 EXPECTED = b"x" * 300 + b"[[REDACTED]][REDACTED]" + b"y" * 300  # payload(secret), scrubbed
 
@@ -73,7 +73,7 @@ def env(cworld: World, cbao: BaoServer, tmp_path_factory: pytest.TempPathFactory
     try:
         yield Env(gw, up, gw.admit("cred-codings"))
     finally:
-        stop_gateway(gw)  # type: ignore[arg-type]
+        stop_and_replay(gw)  # type: ignore[arg-type]
         cworld.loop.run(up.stop())
 
 

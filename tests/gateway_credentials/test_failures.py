@@ -13,7 +13,7 @@ import pytest
 
 from tests.support.bao import KV_SECRET, BaoServer
 from tests.support.credworld import Gateway, World, last, launch
-from tests.support.launcher import stop_gateway
+from tests.support.replay_check import stop_and_replay
 
 
 @pytest.fixture
@@ -48,7 +48,7 @@ def test_vault_stopped_mid_test_denies_credential_unavailable(
         for text in (r.text, gw.audit_text(), gw.stderr()):
             assert KV_SECRET not in text
     finally:
-        stop_gateway(gw)  # type: ignore[arg-type]
+        stop_and_replay(gw)  # type: ignore[arg-type]
 
 
 def test_no_secret_in_logs_error_pages_or_admission(cgw: Gateway) -> None:
@@ -94,7 +94,7 @@ def test_local_backend_default_file_secret_and_jwks(cworld: World, tmp_path) -> 
             assert c.get(gw.url("api.test", "/echo")).status_code == 200
         assert last(gw, mark, "api.test")["auth"] == [f"Bearer {KV_SECRET}"]
     finally:
-        stop_gateway(gw)  # type: ignore[arg-type]
+        stop_and_replay(gw)  # type: ignore[arg-type]
 
 
 def test_local_backend_refuses_vault_capabilities_at_start(cworld: World, tmp_path) -> None:
@@ -102,4 +102,4 @@ def test_local_backend_refuses_vault_capabilities_at_start(cworld: World, tmp_pa
     refuses to start), never a run of per-request credential_unavailable denies."""
     with pytest.raises(RuntimeError, match="needs broker backend 'vault'"):
         gw = launch(cworld, tmp_path, None, broker={})  # the policies use KV v2 sources
-        stop_gateway(gw)  # type: ignore[arg-type]  # only reached if it started (the test then fails)
+        stop_and_replay(gw)  # type: ignore[arg-type]  # only reached if it started (the test then fails)

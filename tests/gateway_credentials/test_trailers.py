@@ -41,8 +41,8 @@ from tests.gateway_credentials.trailer_peers import (
 )
 from tests.support.bao import KV_SECRET
 from tests.support.credworld import World, launch
-from tests.support.launcher import stop_gateway
 from tests.support.loopback import Hits
+from tests.support.replay_check import stop_and_replay
 
 BUDGET = 20000
 HOSTS = ("trailers.test", "credtrail.test", "phtrail.test")
@@ -95,7 +95,7 @@ def tw(cworld: World, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TWor
         yield TWorld(gw=gw, hits=hits, h1_port=h1_port, h2_port=h2_port, plain_port=plain_port,
                      ca_pem=str(tmp / "upstream-ca.pem"))
     finally:
-        stop_gateway(gw)  # type: ignore[arg-type]
+        stop_and_replay(gw)  # type: ignore[arg-type]
 
         async def stop() -> None:
             for server in servers:

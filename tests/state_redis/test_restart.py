@@ -11,8 +11,8 @@ import pytest
 
 from tests.state_redis.workers_support import get_fresh, start_workers, worker_records
 from tests.support.gwworld import Sandbox, World
-from tests.support.launcher import stop_gateway
 from tests.support.redis import RedisServer
+from tests.support.replay_check import stop_and_replay
 from tests.support.waiting import wait_for
 
 BODY = 1500  # gw-budget allows 4000 outbound bytes (heads + bodies): two such uploads fit, a third does not
@@ -44,7 +44,7 @@ def test_restart_keeps_tokens_and_spent_budgets(world: World, redis: RedisServer
         assert upload(sbx).status_code == 200
         stale = first.admit("gw-basic")
     finally:
-        assert stop_gateway(first) == 0
+        assert stop_and_replay(first) == 0
     second = start_workers(world, tmp_path / "gw2", redis, prefix)  # new processes, new var dir, same Redis
     try:
         old = moved(sbx, second)
@@ -60,7 +60,7 @@ def test_restart_keeps_tokens_and_spent_budgets(world: World, redis: RedisServer
                         env={}, gw=second)
         assert get_fresh(wrong, scheme="http").status_code == 407  # control: the token is really checked
     finally:
-        stop_gateway(second)
+        stop_and_replay(second)
 
 
 def test_redis_outage_denies_then_recovers_without_restart(world: World, redis: RedisServer, tmp_path):
@@ -89,4 +89,4 @@ def test_redis_outage_denies_then_recovers_without_restart(world: World, redis: 
         assert wait_for(recovered, timeout=30, interval=0.2), seen[-20:]
         assert {reason for status, reason in seen if status != 200} <= {"state_unavailable"}, seen
     finally:
-        stop_gateway(gw)
+        stop_and_replay(gw)

@@ -20,9 +20,10 @@ from tests.state_redis.workers_support import (
     start_workers,
 )
 from tests.support.gwworld import Gateway, World
-from tests.support.launcher import EGRESSGATE, stop_gateway
+from tests.support.launcher import EGRESSGATE
 from tests.support.procs import alive, children
 from tests.support.redis import RedisServer
+from tests.support.replay_check import stop_and_replay
 from tests.support.waiting import wait_for
 
 
@@ -33,7 +34,7 @@ def gw(world: World, redis_server: RedisServer, tmp_path_factory: pytest.TempPat
         yield gateway
     finally:
         workers = children(gateway.proc.pid)
-        stop_gateway(gateway)
+        stop_and_replay(gateway)
         for pid in workers:
             assert not alive(pid), f"worker {pid} outlived the supervisor"
 

@@ -10,7 +10,9 @@ reload during a test) are left out: replay answers "what would THIS policy have 
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -62,3 +64,15 @@ def assert_config_replays(config: Path, min_replayed: int = 0) -> ReplayResult:
     written)."""
     doc = yaml.safe_load(config.read_text())
     return assert_replays_unchanged(Path(doc["var_dir"]), Path(doc["policy"]), min_replayed)
+
+
+def stop_and_replay(gw: Any) -> int:
+    """Stop a per-test gateway (tests/support/launcher.stop_gateway) and replay its trail with its own
+    policies, unless the test is already failing: called from a `finally`, a replay failure must not hide
+    the test's own error (sys.exc_info() there is the exception in flight, if any). Its exit code."""
+    from tests.support.launcher import stop_gateway
+
+    code = stop_gateway(gw)
+    if sys.exc_info()[1] is None:
+        assert_config_replays(gw.config)
+    return code
