@@ -5,9 +5,10 @@ Runs after record.py (the decision is durable, or was turned into `audit_unavail
 record could be written; an allow gets its body stream callables, built once by compose.py from what the
 earlier stages planned, its request hash and its request history.
 
-Entering the history is also the one decision made after the decision stage (docs/architecture.md,
-"Enforce"): the state store's atomic check-and-count of the rule's budget, the authority over decide()'s
-snapshot, and the request's first effect, so it follows the durable decision record.
+Entering the history is also where a rule's budget is checked again by the state store's atomic
+check-and-count, the authority over decide()'s snapshot (docs/architecture.md, "Enforce"). Budgets usually
+did it already, with the request's prepayment in one store step (`FlowState.history_written`); Enforce does
+it for a request Budgets did not write.
 """
 
 from __future__ import annotations

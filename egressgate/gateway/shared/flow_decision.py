@@ -9,9 +9,10 @@ and raw TCP inside a CONNECT tunnel (layers/next_layer.py) all call this, so the
 its audit record carries for `audit replay` — are made one way.
 
 One later check is not made here, on purpose: a rule's `budget.requests` / `budget.bytes` is checked
-again by the state store's atomic check-and-count when the allowed request enters the history
-(pipeline/enforce.py). decide() judges it on a snapshot that concurrent requests share; the store's count
-is the authority, and it must run after the decision record is durable (it is the request's first effect).
+again by the state store's atomic check-and-count when the allowed request's bytes are reserved and it
+enters the history (pipeline/budgets.py, `StateStore.reserve_request`; pipeline/enforce.py for a request
+Budgets did not write). decide() judges it on a snapshot that concurrent requests share; the store's count
+is the authority. A refusal there becomes the request's decision record, before anything goes upstream.
 """
 
 from __future__ import annotations
