@@ -253,7 +253,11 @@ def collect(var_dir: Path, state_dir: Path | None = None, grace: float = 60.0) -
             removed.append(f"sandbox {record['sandbox_id']} revoked (run {run_id})")
         records.remove(state_dir, run_id)
         removed.append(f"run record {run_id}")
-    live |= runlock.held()  # runs of any state dir on this host, alive or being cleaned by their watchdog
+    try:  # runs of any state dir on this host, alive or being cleaned by their watchdog
+        live |= runlock.held()
+    except runlock.LockFailed as exc:  # cannot tell live runs of other state dirs from orphans: no sweep
+        problems.append(f"{exc}; orphan sweep skipped")
+        return removed, problems
     now = time.time()
     for name in list_netns():
         run_id = name[len(NETNS_PREFIX):]

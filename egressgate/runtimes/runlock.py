@@ -71,18 +71,26 @@ def release(run_id: str, fd: int, lock_dir: Path = LOCK_DIR) -> None:
 
 def held(lock_dir: Path = LOCK_DIR) -> set[str]:
     """Run ids whose lock is held right now. A lock file nobody holds is a dead run's: removed here (under
-    the lock gc took for the check, so a run re-taking that id would see the path gone and retry)."""
+    the lock gc took for the check, so a run re-taking that id would see the path gone and retry).
+
+    Fail closed: a lock that cannot be checked counts as held, and a directory that exists but cannot be
+    listed raises LockFailed (gc then sweeps no orphans: it cannot tell live runs from dead ones)."""
     live: set[str] = set()
     try:
         names = os.listdir(lock_dir)
-    except OSError:
+    except FileNotFoundError:  # no run of this version ever started on this host
         return live
+    except OSError as exc:
+        raise LockFailed(f"cannot list the run locks in {lock_dir}: {exc.strerror}") from None
     for name in names:
         if not ID.fullmatch(name):
             continue
         try:
             fd = os.open(lock_dir / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:  # its run ended meanwhile
+            continue
         except OSError:
+            live.add(name)  # cannot be checked: treated as a live run's
             continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
