@@ -46,7 +46,7 @@ from egressgate.policy.facts import SandboxState
 from egressgate.policy.globs import HostPattern
 from egressgate.state import lua
 from egressgate.state.base import RequestGrant, SandboxRecord, StateUnavailable
-from egressgate.state.redis_codec import decode_record, decode_usage, encode_record, history_spec, pairs, rev_host
+from egressgate.state.redis_codec import decode_record, decode_usage, encode_record, pairs, rev_host, snapshot_spec
 from egressgate.state.redis_events import BACKOFF_MAX, BACKOFF_MIN, RecordCache, Subscriber
 from egressgate.state.resp import RespConnection
 
@@ -96,10 +96,24 @@ class RedisState:
         self._retry_at = 0.0  # monotonic; before it, operations are refused without trying
         self._backoff = 0.0
         self._tasks: list[asyncio.Task] = []
+        self._keys: dict[str, tuple[str, str, str, str, str]] = {}
+        self._lease, self._hb, self._workers = (self.key("lease", self.worker_id), self.key("hb", self.worker_id),
+                                                self.key("workers"))
 
     def key(self, *parts: str) -> str:
         """A key under this gateway's prefix (approvals keep their own keys here too)."""
         return self.prefix + ":".join(parts)
+
+    def _sandbox_keys(self, sandbox_id: str) -> tuple[str, str, str, str, str]:
+        """ctr, hosts, hist, usage, sbx of a sandbox: made once per sandbox, not per request."""
+        keys = self._keys.get(sandbox_id)
+        if keys is None:
+            if len(self._keys) >= 4096:  # bounded: sandboxes come and go
+                self._keys.clear()
+            keys = self._keys[sandbox_id] = (self.key("ctr", sandbox_id), self.key("hosts", sandbox_id),
+                                             self.key("hist", sandbox_id), self.key("usage", sandbox_id),
+                                             self.key("sbx", sandbox_id))
+        return keys
 
     async def start(self) -> None:
         """Start the subscription and the heartbeat (needs the running loop; open_state calls it)."""
@@ -269,13 +283,8 @@ class RedisState:
                        rules: Collection[str] | None = None) -> SandboxState:
         record = self._cache.record(sandbox_id)
         epoch = self._cache.epoch
-        spec = history_spec(history)
-        spec["rec"] = 0 if record is not None else 1
-        if rules is not None:
-            spec["r"] = list(rules)
-        keys = [self.key("ctr", sandbox_id), self.key("hosts", sandbox_id), self.key("hist", sandbox_id),
-                self.key("usage", sandbox_id), self.key("sbx", sandbox_id)]
-        reply = await self._eval("SNAPSHOT", keys, [json.dumps(spec)])
+        keys = self._sandbox_keys(sandbox_id)[:5]  # ctr, hosts, hist, usage, sbx
+        reply = await self._eval("SNAPSHOT", keys, [snapshot_spec(history, rules, record is None)])
         try:
             # cjson encodes an empty Lua table as {}: `or ()` reads it as the empty list it is
             ctr, hosts, reversed_hosts, usage, fields, exists = json.loads(reply)
@@ -325,9 +334,8 @@ class RedisState:
     async def reserve_request(self, sandbox_id: str, host: str, rule_id: str | None, nbytes: int, want: int,
                               limit: int | None, *, requests_max: int | None = None, bytes_max: int | None = None,
                               add_in: int = 0) -> RequestGrant:
-        keys = [self.key("ctr", sandbox_id), self.key("lease", self.worker_id), self.key("hb", self.worker_id),
-                self.key("workers"), self.key("sbx", sandbox_id), self.key("hosts", sandbox_id),
-                self.key("hist", sandbox_id), self.key("usage", sandbox_id)]
+        ctr, hosts, hist, usage, sbx = self._sandbox_keys(sandbox_id)
+        keys = [ctr, self._lease, self._hb, self._workers, sbx, hosts, hist, usage]
         args = [sandbox_id, int(want), _limit(limit), int(self.heartbeat_ttl * 1000), self.worker_id, host,
                 rev_host(host), rule_id or "", int(nbytes), _limit(requests_max), _limit(bytes_max), int(add_in)]
         reply = await self._eval("RESERVE_REQUEST", keys, args)
