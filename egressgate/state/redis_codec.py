@@ -100,3 +100,11 @@ def _snapshot_spec(history: bool | Collection[HostPattern], rules: Collection[st
     if rules is not None:
         spec["r"] = list(rules)
     return json.dumps(spec)
+
+
+@functools.lru_cache(maxsize=4096)
+def sandbox_keys(prefix: str, sandbox_id: str) -> tuple[str, str, str, str, str]:
+    """A sandbox's ctr, hosts, hist, usage and sbx keys (RedisState.key's layout), made once per
+    sandbox, not per request."""
+    return (f"{prefix}ctr:{sandbox_id}", f"{prefix}hosts:{sandbox_id}", f"{prefix}hist:{sandbox_id}",
+            f"{prefix}usage:{sandbox_id}", f"{prefix}sbx:{sandbox_id}")
