@@ -73,20 +73,39 @@ def main() -> None:
     variants = ["this", "this-pure"] + (["base"] if args.base_src else [])
     port = free_port()
     with tempfile.TemporaryDirectory() as data:
-        server = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                                   "--appendonly", "no", "--dir", data], stdout=subprocess.DEVNULL)
+        server = subprocess.Popen(
+            [
+                "redis-server",
+                "--port",
+                str(port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                data,
+            ],
+            stdout=subprocess.DEVNULL,
+        )
         try:
             time.sleep(0.5)
             print("load at start:", Path("/proc/loadavg").read_text().strip())
             rows: dict[str, list[dict]] = {v: [] for v in variants}
             for rep in range(args.reps):
-                for variant in variants[rep % len(variants):] + variants[:rep % len(variants)]:
+                for variant in variants[rep % len(variants) :] + variants[: rep % len(variants)]:
                     env = dict(os.environ)
                     if variant == "base":
                         env["PYTHONPATH"] = str(args.base_src)
-                    out = subprocess.run([sys.executable, "-c", CHILD, f"redis://127.0.0.1:{port}/0", str(args.n),
-                                          variant], env=env, capture_output=True, text=True, check=True,
-                                         cwd=data)  # not this tree's root: `-c` puts the cwd first on sys.path
+                    out = subprocess.run(
+                        [sys.executable, "-c", CHILD, f"redis://127.0.0.1:{port}/0", str(args.n), variant],
+                        env=env,
+                        capture_output=True,
+                        text=True,
+                        check=True,
+                        cwd=data,
+                    )  # not this tree's root: `-c` puts the cwd first on sys.path
                     rows[variant].append(json.loads(out.stdout))
             print("load at end:", Path("/proc/loadavg").read_text().strip())
         finally:
@@ -94,8 +113,10 @@ def main() -> None:
             server.wait()
     for variant, r in rows.items():
         print(f"{variant:10s} ran {sorted({x['tree'] for x in r})}")
-        print(f"{variant:10s} CPU µs per pair median {statistics.median(x['cpu_us'] for x in r):6.1f}  "
-              f"p50 µs median {statistics.median(x['p50_us'] for x in r):6.1f}  CPU per rep {[x['cpu_us'] for x in r]}")
+        print(
+            f"{variant:10s} CPU µs per pair median {statistics.median(x['cpu_us'] for x in r):6.1f}  "
+            f"p50 µs median {statistics.median(x['p50_us'] for x in r):6.1f}  CPU per rep {[x['cpu_us'] for x in r]}"
+        )
     for other in variants[1:]:
         cpu = statistics.median(a["cpu_us"] / b["cpu_us"] for a, b in zip(rows["this"], rows[other], strict=True))
         p50 = statistics.median(a["p50_us"] / b["p50_us"] for a, b in zip(rows["this"], rows[other], strict=True))
