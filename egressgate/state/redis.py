@@ -46,8 +46,16 @@ from egressgate.policy.facts import SandboxState
 from egressgate.policy.globs import HostPattern
 from egressgate.state import lua
 from egressgate.state.base import RequestGrant, SandboxRecord, StateUnavailable
-from egressgate.state.redis_codec import decode_record, decode_usage, encode_record, history_spec, pairs, rev_host
-from egressgate.state.redis_events import BACKOFF_MAX, BACKOFF_MIN, RecordCache, Subscriber
+from egressgate.state.redis_codec import (
+    decode_record,
+    decode_usage,
+    encode_record,
+    pairs,
+    rev_host,
+    sandbox_keys,
+    snapshot_spec,
+)
+from egressgate.state.redis_events import BACKOFF_MAX, BACKOFF_MIN, RecordCache, Revocations, Subscriber
 from egressgate.state.resp import RespConnection
 
 logger = logging.getLogger(__name__)
@@ -89,13 +97,16 @@ class RedisState:
             "LIST_SANDBOXES", "REVOKE", "RECONCILE", "ADD_COUNTERS", "COUNT_CALLS", "REFUND_CALLS", "MCP_PIN",
             "MCP_READ")}
         self._events = self.key("events")
-        self._callbacks: list[Callable[[str], None]] = []
         self._cache = RecordCache()
-        self._subscriber = Subscriber(self.redis, self._events, self._cache, self._on_event, self._resync,
-                                      self._drop_idle_connections)
+        self._revocations = Revocations(self.redis, self._cache, self._events, self.worker_id,
+                                        lambda sandbox_id: self.key("sbx", sandbox_id))
+        self._subscriber = Subscriber(self.redis, self._events, self._cache, self._revocations.on_event,
+                                      self._revocations.resync, self._drop_idle_connections)
         self._retry_at = 0.0  # monotonic; before it, operations are refused without trying
         self._backoff = 0.0
         self._tasks: list[asyncio.Task] = []
+        self._lease, self._hb, self._workers = (self.key("lease", self.worker_id), self.key("hb", self.worker_id),
+                                                self.key("workers"))
 
     def key(self, *parts: str) -> str:
         """A key under this gateway's prefix (approvals keep their own keys here too)."""
@@ -112,41 +123,42 @@ class RedisState:
 
     # -- failure handling -------------------------------------------------------------------------
 
-    async def _call(self, what: str, op):
-        """Run one Redis operation (an awaitable factory); any failure → StateUnavailable."""
+    async def _call(self, what: str, op, *args):
+        """Run one Redis operation (`await op(*args)`); any failure → StateUnavailable."""
         if self._backoff and time.monotonic() < self._retry_at:
             self.errors += 1
-            raise StateUnavailable(f"state backend unavailable ({what}): Redis did not answer, retrying shortly")
+            raise StateUnavailable(f"state backend unavailable ({what.lower()}): Redis did not answer, "
+                                   "retrying shortly")
         try:
-            result = await op()
+            result = await op(*args)
         except _DOWN as exc:
             self._backoff = min(max(self._backoff * 2, BACKOFF_MIN), BACKOFF_MAX)
             self._retry_at = time.monotonic() + self._backoff
             self.errors += 1
             await self._drop_idle_connections()
-            raise StateUnavailable(f"state backend unavailable ({what}): {exc}") from exc
+            raise StateUnavailable(f"state backend unavailable ({what.lower()}): {exc}") from exc
         except (RedisError, StateUnavailable) as exc:
             self.errors += 1
-            raise StateUnavailable(f"state backend error ({what}): {exc}") from exc
+            raise StateUnavailable(f"state backend error ({what.lower()}): {exc}") from exc
         except UnicodeError as exc:  # a value the wire cannot carry (a lone surrogate): nothing was sent
             self.errors += 1
-            raise StateUnavailable(f"state backend error ({what}): a value cannot be encoded for Redis") from exc
+            raise StateUnavailable(f"state backend error ({what.lower()}): a value cannot be encoded for Redis") \
+                from exc
         self._backoff = 0.0
         return result
 
-    async def _eval(self, name: str, keys: list[str], args: list):
-        """One script by its SHA. NOSCRIPT (Redis restarted or SCRIPT FLUSH) means it did not run: load
-        it and send it once more, so nothing runs twice."""
-        command = ("EVALSHA", self._scripts[name], len(keys), *keys, *args)
+    async def _eval(self, name: str, keys: Sequence[str], args: list):
+        """One script by its SHA (no closure per call: this is every request's path)."""
+        return await self._call(name, self._script, name, ("EVALSHA", self._scripts[name], len(keys), *keys, *args))
 
-        async def op():
-            try:
-                return await self._conn.call(*command)
-            except NoScriptError:
-                await self._conn.call("SCRIPT", "LOAD", getattr(lua, name))
-                return await self._conn.call(*command)
-
-        return await self._call(name.lower(), op)
+    async def _script(self, name: str, command: tuple):
+        """NOSCRIPT (Redis restarted or SCRIPT FLUSH) means the script did not run: load it and send it once
+        more, so nothing runs twice."""
+        try:
+            return await self._conn.call(*command)
+        except NoScriptError:
+            await self._conn.call("SCRIPT", "LOAD", getattr(lua, name))
+            return await self._conn.call(*command)
 
     async def _drop_idle_connections(self) -> None:
         """After a connection failure the pool's idle connections are likely dead too (Redis restarted):
@@ -223,45 +235,11 @@ class RedisState:
         if found or cached:
             # here at once, other processes by the published event; also when Redis lost the record this
             # process still caches (FLUSHALL): connections admitted before it must still close
-            self._run_callbacks(sandbox_id)
+            self._revocations.run(sandbox_id)
         return bool(found)
 
     def on_revoke(self, callback: Callable[[str], None]) -> None:
-        self._callbacks.append(callback)
-
-    def _run_callbacks(self, sandbox_id: str) -> None:
-        for callback in list(self._callbacks):
-            try:
-                callback(sandbox_id)
-            except Exception:  # one failing subscriber must not keep the others from closing connections
-                logger.exception("on_revoke callback failed for %s", sandbox_id)
-
-    def _on_event(self, data: str) -> None:
-        try:
-            event = json.loads(data)
-            sandbox_id = str(event["id"])
-        except (ValueError, KeyError, TypeError):
-            logger.warning("state: ignoring a malformed event on %s", self._events)
-            self._cache.drop_all()  # cannot tell what it invalidates: forget everything
-            self._cache.live = True
-            return
-        cached = self._cache.records.get(sandbox_id) is not None
-        self._cache.invalidate(sandbox_id, tuple(event.get("addresses") or ()))
-        if event.get("op") == "revoke" and event.get("w") != self.worker_id and (event.get("found", 1) or cached):
-            self._run_callbacks(sandbox_id)
-
-    async def _resync(self, ids: set[str]) -> None:
-        """Back on the subscription: run callbacks for sandboxes revoked while we could not hear it."""
-        if not ids:
-            return
-        ordered = sorted(ids)
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for sandbox_id in ordered:
-                pipe.hget(self.key("sbx", sandbox_id), "revoked")
-            flags = await pipe.execute()
-        for sandbox_id, flag in zip(ordered, flags, strict=True):
-            if flag != "0":  # revoked, or gone (Redis restarted without its data): close its connections
-                self._run_callbacks(sandbox_id)
+        self._revocations.callbacks.append(callback)
 
     # -- counters -----------------------------------------------------------------------------------
 
@@ -269,18 +247,13 @@ class RedisState:
                        rules: Collection[str] | None = None) -> SandboxState:
         record = self._cache.record(sandbox_id)
         epoch = self._cache.epoch
-        spec = history_spec(history)
-        spec["rec"] = 0 if record is not None else 1
-        if rules is not None:
-            spec["r"] = list(rules)
-        keys = [self.key("ctr", sandbox_id), self.key("hosts", sandbox_id), self.key("hist", sandbox_id),
-                self.key("usage", sandbox_id), self.key("sbx", sandbox_id)]
-        reply = await self._eval("SNAPSHOT", keys, [json.dumps(spec)])
+        keys = sandbox_keys(self.prefix, sandbox_id)  # ctr, hosts, hist, usage, sbx
+        reply = await self._eval("SNAPSHOT", keys, [snapshot_spec(history, rules, record is None)])
         try:
             # cjson encodes an empty Lua table as {}: `or ()` reads it as the empty list it is
             ctr, hosts, reversed_hosts, usage, fields, exists = json.loads(reply)
             rule_usage = decode_usage(usage or ())
-            out, in_, queries, name_bytes = (int(v) for v in ctr)
+            out, in_, queries, name_bytes = map(int, ctr)
             seen = frozenset(hosts) if hosts else frozenset(rev_host(h) for h in reversed_hosts or ())
         except (ValueError, TypeError, AttributeError) as exc:
             self.errors += 1
@@ -325,9 +298,8 @@ class RedisState:
     async def reserve_request(self, sandbox_id: str, host: str, rule_id: str | None, nbytes: int, want: int,
                               limit: int | None, *, requests_max: int | None = None, bytes_max: int | None = None,
                               add_in: int = 0) -> RequestGrant:
-        keys = [self.key("ctr", sandbox_id), self.key("lease", self.worker_id), self.key("hb", self.worker_id),
-                self.key("workers"), self.key("sbx", sandbox_id), self.key("hosts", sandbox_id),
-                self.key("hist", sandbox_id), self.key("usage", sandbox_id)]
+        ctr, hosts, hist, usage, sbx = sandbox_keys(self.prefix, sandbox_id)
+        keys = [ctr, self._lease, self._hb, self._workers, sbx, hosts, hist, usage]
         args = [sandbox_id, int(want), _limit(limit), int(self.heartbeat_ttl * 1000), self.worker_id, host,
                 rev_host(host), rule_id or "", int(nbytes), _limit(requests_max), _limit(bytes_max), int(add_in)]
         reply = await self._eval("RESERVE_REQUEST", keys, args)

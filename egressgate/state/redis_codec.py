@@ -7,6 +7,7 @@ dump of Redis cannot impersonate a sandbox. Decoding rejects a record it cannot 
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Collection, Mapping, Sequence
 
@@ -80,3 +81,30 @@ def history_spec(history: bool | Collection[HostPattern]) -> dict:
         return {"h": "all"}
     return {"h": "some", "x": [rev_host(p.value) for p in patterns if p.kind == "exact"],
             "s": [rev_host(p.value) + "." for p in patterns if p.kind == "suffix"]}
+
+
+def snapshot_spec(history: bool | Collection[HostPattern], rules: Collection[str] | None, record: bool) -> str:
+    """The SNAPSHOT script's argument (lua.py): what to read of the history and the rules' usage, and
+    whether the record too. A policy's patterns and rules are the same objects request after request:
+    the JSON is made once per policy (cached), not per request."""
+    try:
+        return _snapshot_spec(history, rules, record)
+    except TypeError:  # an unhashable collection: made afresh
+        return _snapshot_spec.__wrapped__(history, rules, record)
+
+
+@functools.lru_cache(maxsize=256)
+def _snapshot_spec(history: bool | Collection[HostPattern], rules: Collection[str] | None, record: bool) -> str:
+    spec = history_spec(history)
+    spec["rec"] = 1 if record else 0
+    if rules is not None:
+        spec["r"] = list(rules)
+    return json.dumps(spec)
+
+
+@functools.lru_cache(maxsize=4096)
+def sandbox_keys(prefix: str, sandbox_id: str) -> tuple[str, str, str, str, str]:
+    """A sandbox's ctr, hosts, hist, usage and sbx keys (RedisState.key's layout), made once per
+    sandbox, not per request."""
+    return (f"{prefix}ctr:{sandbox_id}", f"{prefix}hosts:{sandbox_id}", f"{prefix}hist:{sandbox_id}",
+            f"{prefix}usage:{sandbox_id}", f"{prefix}sbx:{sandbox_id}")

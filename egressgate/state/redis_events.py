@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -123,3 +124,53 @@ class Subscriber:
                 last_ping = now
             if now - last_rx > DEAD_AFTER:
                 raise ConnectionError(f"no answer on the subscription for {DEAD_AFTER:.0f} s")
+
+
+class Revocations:
+    """Who is told that a sandbox was revoked: the on_revoke callbacks (they close its connections). A
+    revocation made here runs them at once (RedisState.revoke); one made by another process runs them
+    when its published event arrives (`on_event`); one made while this process could not hear the
+    subscription runs them when it is back (`resync`). Every event also invalidates the record cache."""
+
+    def __init__(self, redis: Redis, cache: RecordCache, channel: str, worker_id: str,
+                 record_key: Callable[[str], str]) -> None:
+        self.redis = redis
+        self.cache = cache
+        self.channel = channel
+        self.worker_id = worker_id
+        self.record_key = record_key  # sandbox id -> its record's key
+        self.callbacks: list[Callable[[str], None]] = []
+
+    def run(self, sandbox_id: str) -> None:
+        for callback in list(self.callbacks):
+            try:
+                callback(sandbox_id)
+            except Exception:  # one failing subscriber must not keep the others from closing connections
+                logger.exception("on_revoke callback failed for %s", sandbox_id)
+
+    def on_event(self, data: str) -> None:
+        try:
+            event = json.loads(data)
+            sandbox_id = str(event["id"])
+        except (ValueError, KeyError, TypeError):
+            logger.warning("state: ignoring a malformed event on %s", self.channel)
+            self.cache.drop_all()  # cannot tell what it invalidates: forget everything
+            self.cache.live = True
+            return
+        cached = self.cache.records.get(sandbox_id) is not None
+        self.cache.invalidate(sandbox_id, tuple(event.get("addresses") or ()))
+        if event.get("op") == "revoke" and event.get("w") != self.worker_id and (event.get("found", 1) or cached):
+            self.run(sandbox_id)
+
+    async def resync(self, ids: set[str]) -> None:
+        """Back on the subscription: run callbacks for sandboxes revoked while we could not hear it."""
+        if not ids:
+            return
+        ordered = sorted(ids)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for sandbox_id in ordered:
+                pipe.hget(self.record_key(sandbox_id), "revoked")
+            flags = await pipe.execute()
+        for sandbox_id, flag in zip(ordered, flags, strict=True):
+            if flag != "0":  # revoked, or gone (Redis restarted without its data): close its connections
+                self.run(sandbox_id)

@@ -9,6 +9,7 @@ import time
 import pytest
 import redis
 
+from egressgate.state import resp
 from egressgate.state.base import StateUnavailable
 from egressgate.state.redis import RedisState
 from egressgate.state.resp import _INCOMPLETE, RespConnection, pack, parse
@@ -126,3 +127,116 @@ async def test_a_silent_server_fails_every_waiting_command_within_the_timeout():
             writer.close()
         server.close()
         await server.wait_closed()
+
+
+# hiredis (a dependency: the C reader and packer serve when it is installed) and the pure-Python fallback
+# must give the same values, the same errors and the same bytes.
+READERS = [resp._PyReader, resp._CReader]
+
+
+def test_hiredis_is_installed_and_serves():
+    """pyproject lists `redis[hiredis]`: without it every state command costs the Python parser and packer."""
+    assert resp.hiredis is not None
+    assert resp._Reader is resp._CReader and resp._pack is resp.fast_pack
+
+
+@pytest.mark.parametrize("reader_class", READERS)
+@pytest.mark.parametrize(("wire", "value"), REPLIES)
+def test_both_readers_read_every_split_the_same(reader_class, wire: bytes, value):
+    for cut in range(len(wire) + 1):
+        reader = reader_class()
+        reader.feed(wire[:cut])
+        if cut < len(wire):
+            assert reader.gets() is _INCOMPLETE  # never a value from a partial reply
+        reader.feed(wire[cut:] + b"+NEXT\r\n")
+        assert reader.gets() == value
+        assert reader.gets() == "NEXT"
+        assert reader.gets() is _INCOMPLETE
+
+
+@pytest.mark.parametrize("reader_class", READERS)
+def test_both_readers_give_errors_as_the_same_exceptions(reader_class):
+    reader = reader_class()
+    reader.feed(b"-NOSCRIPT No matching script\r\n-WRONGTYPE Operation\r\n*2\r\n-ERR inner\r\n:1\r\n")
+    err = reader.gets()
+    assert type(err) is redis.exceptions.NoScriptError
+    err = reader.gets()
+    assert type(err) is redis.exceptions.ResponseError and "WRONGTYPE" in str(err)
+    inner, one = reader.gets()
+    assert isinstance(inner, redis.exceptions.ResponseError) and "inner" in str(inner) and one == 1
+
+
+@pytest.mark.parametrize("reader_class", READERS)
+@pytest.mark.parametrize("wire", [b"?what\r\n", b"$2\r\n\xff\xfe\r\n"])
+def test_both_readers_refuse_an_unreadable_reply(reader_class, wire: bytes):
+    reader = reader_class()
+    reader.feed(wire)
+    with pytest.raises(ValueError):
+        reader.gets()
+    ok = reader_class()  # positive control: a readable reply of the same shape
+    ok.feed(b"$2\r\nhi\r\n")
+    assert ok.gets() == "hi"
+
+
+def test_the_c_packer_writes_the_same_bytes():
+    args = ("EVALSHA", "a" * 40, 2, "k:ctr", b"raw", -1, 2**53 - 1, "h\u00e9llo", 1.5)
+    assert resp.fast_pack(args) == pack(args)
+    assert resp.fast_pack(("SET", "k", True)) == pack(("SET", "k", True)) == pack(("SET", "k", "True"))
+    with pytest.raises(UnicodeError):  # redis.py turns it into StateUnavailable; nothing is sent
+        resp.fast_pack(("SET", "k", "\udc80"))
+
+
+@pytest.mark.parametrize("reader_class", READERS)
+async def test_an_unreadable_reply_fails_the_waiters_and_the_next_command_reconnects(
+    reader_class, monkeypatch: pytest.MonkeyPatch
+):
+    """A peer answering garbage: the waiting command fails (ConnectionError, so the store denies), the
+    connection is dropped, and the next command gets a fresh connection and its own reply."""
+    monkeypatch.setattr(resp, "_Reader", reader_class)
+    answers = [b"?garbage\r\n", b"+PONG\r\n"]
+    writers: list[asyncio.StreamWriter] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writers.append(writer)
+        answer = answers.pop(0)
+        while await reader.read(65536):
+            writer.write(answer)
+            await writer.drain()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    conn = RespConnection(f"redis://127.0.0.1:{port}/0", timeout=2, connect_timeout=1)
+    try:
+        with pytest.raises(redis.exceptions.ConnectionError, match="unreadable reply"):
+            await conn.call("PING")
+        assert await conn.call("PING") == "PONG"
+        assert len(writers) == 2
+    finally:
+        conn.close()
+        for writer in writers:
+            writer.close()
+        server.close()
+        await server.wait_closed()
+
+
+async def test_one_command_at_a_time_is_written_at_once_and_a_burst_in_one_write(redis_server: RedisServer):
+    """Nothing in flight: the command leaves inside call() (no loop turn of delay). Commands issued while
+    replies are awaited leave together at the end of the tick, and every caller still gets its own reply."""
+    conn = RespConnection(redis_server.url, timeout=2, connect_timeout=1)
+    try:
+        assert await conn.call("PING") == "PONG"
+        proto = conn._proto
+        assert proto is not None
+        writes: list[bytes] = []
+        real_write = proto.transport.write
+        monkey = lambda data: (writes.append(bytes(data)), real_write(data))[1]  # noqa: E731
+        proto.transport.write = monkey
+        first = asyncio.ensure_future(conn.call("ECHO", "a"))
+        await asyncio.sleep(0)  # the task runs up to its await: written already, before any later tick
+        assert writes == [pack(("ECHO", "a"))]
+        rest = [asyncio.ensure_future(conn.call("ECHO", str(i))) for i in range(5)]
+        assert await first == "a"
+        assert await asyncio.gather(*rest) == [str(i) for i in range(5)]
+        assert len(writes) == 2 and writes[1] == b"".join(pack(("ECHO", str(i))) for i in range(5))
+    finally:
+        conn.close()
