@@ -312,7 +312,9 @@ def _replay_one(
     if answer_filter and old == "deny" and not facts.addresses:
         result.skip(f"decided outside the policy ({reason}: the DNS answer's shape)")
         return
-    state, exact = state_from(attrs, sandbox_id, hist, time_s)
+    # the replayed policy is the recording one: its history patterns are the record's seen_scope
+    hint = policy.history_patterns if attrs.get("egressgate.policy.hash") == getattr(policy, "hash", None) else None
+    state, exact = state_from(attrs, sandbox_id, hist, time_s, hint)
     if not exact:
         result.approximated_state += 1
     new = budget_stage(policy, attrs, decide(policy, facts, state, time_s))

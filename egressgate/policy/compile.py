@@ -141,6 +141,7 @@ class CompiledPolicy:
         self._dns_index = RuleIndex()
         self.dns: DnsSettings
         self.history_patterns: tuple[HostPattern, ...] = ()  # hosts any `when` asks the history about
+        self.history_scope: tuple[str, ...] | None = None  # the same as text (SandboxState.seen_scope); None: none
         self.budgeted_rules: frozenset[str] = frozenset()  # rules whose usage decide() reads
         self.has_passthrough = False  # some rule has `tls: passthrough` (transparent.py peeks at SNI first)
         self.approval_kinds: frozenset[str] = frozenset()  # execution.require_approval_for (policy/execution.py)
@@ -166,8 +167,12 @@ class CompiledPolicy:
                 usage = MappingProxyType({r: usage.get(r) or _NO_USAGE for r in sorted(self.budgeted_rules)})
         elif usage:
             usage = MappingProxyType({})
-        unchanged = hosts is state.seen_hosts and usage is state.rule_usage
-        return state if unchanged else replace(state, seen_hosts=hosts, rule_usage=usage)
+        # Which hosts `hosts` answers for (SandboxState.seen_scope, recorded with it): `audit replay` takes
+        # exactly the recorded answer for those (a host another request added after this snapshot, logged
+        # before this decision's record, was not seen by it) and the log's history for any other host.
+        scope = self.history_scope
+        unchanged = hosts is state.seen_hosts and usage is state.rule_usage and state.seen_scope == scope
+        return state if unchanged else replace(state, seen_hosts=hosts, rule_usage=usage, seen_scope=scope)
 
     def candidates(self, scheme: str, effect: Effect, host: str) -> list[CompiledRule]:
         return self.index[(scheme, effect)].candidates(host)
@@ -217,6 +222,7 @@ def compile_policy(model: Policy, source: str, policy_hash: str) -> CompiledPoli
         p for r in policy.rules if r.when is not None
         for p in (*(r.when.after_request_to or ()), *(r.when.unless_request_to or ()))
     )
+    policy.history_scope = tuple(sorted({str(p) for p in policy.history_patterns})) or None
     policy.budgeted_rules = frozenset(r.id for r in policy.rules if r.budget is not None)
     policy.has_passthrough = any(r.passthrough for r in policy.rules)
     policy.approval_kinds = approval_kinds(model.execution, problems)
