@@ -447,7 +447,7 @@ KEYS: tuple[Key, ...] = (
     Key(
         "persistence.restore_checks",
         RUNTIME,
-        "runtimes/persist.py",
+        "runtimes/persist.py, runtimes/restore_checks.py",
         (
             _PERSIST + "test_a_workspace_changed_between_runs_is_refused_then_accepted",
             _PERSIST + "test_a_restore_after_a_policy_change_names_both_hashes",
