@@ -4,19 +4,13 @@ Why it is shaped like this:
 - Exact budgets across processes: every check-and-change is one Lua script (state/lua.py), so two
   gateways can never both take the last bytes of a budget.
 - One round trip per operation (a script, or one MULTI pipeline); records come from a per-process
-  cache that pub/sub keeps honest (state/redis_events.py), so the per-request re-read is free. The
-  per-request operations share one multiplexed connection (state/resp.py: ~5x less CPU per command
-  than redis-py); redis-py (`self.redis`, a bounded pool) serves the rest. An allowed request of known
-  size costs two round trips: the snapshot its decision reads, then `reserve_request` (its bytes, its
-  rule's budget and its history in one script); bytes received ride along with the next write
-  (gateway/shared/ledger.py), not one of their own.
-- Fail closed: any Redis error (connection refused, timeout, a script error, a corrupt record) raises
-  StateUnavailable and counts in `errors`; callers deny `state_unavailable`. No command is retried
-  by the client library (a retried write could count twice, or give a lease back twice). After a
-  connection failure, operations are refused at once for a short backoff (50 ms doubling to 1 s)
-  instead of each waiting on a dead server; then the next one tries again, and the connections
-  are made again by themselves when Redis is back (no gateway restart). A NOSCRIPT answer (Redis
-  restarted) is the one resend: the script did not run.
+  cache that pub/sub keeps honest (state/redis_events.py), so the per-request re-read is free. An allowed
+  request of known size costs two round trips: the snapshot its decision reads, then `reserve_request`
+  (its bytes, its rule's budget and its history in one script); bytes received ride along with the next
+  write (gateway/shared/ledger.py), not one of their own.
+- Fail closed, through one link (state/redis_link.py: the connections, the backoff after a failure, the
+  NOSCRIPT resend): any Redis error raises StateUnavailable and counts in `errors`; callers deny
+  `state_unavailable`.
 - Leases: reserve_out records the grant under this worker's lease hash and refreshes its heartbeat
   key (TTL `heartbeat_ttl`); a task refreshes it while the process lives. reconcile() forfeits the
   leases of workers whose heartbeat key is gone (Redis's clock decides expiry, so replica clock skew
@@ -29,35 +23,23 @@ import asyncio
 import contextlib
 import json
 import logging
-import time
 import uuid
 from collections.abc import Callable, Collection, Sequence
 from types import MappingProxyType
 
-from redis.asyncio import BlockingConnectionPool, Redis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, RedisError
-from redis.exceptions import TimeoutError as RedisTimeoutError
-from redis.maint_notifications import MaintNotificationsConfig
+from redis.exceptions import RedisError
 
 from egressgate.policy.facts import SandboxState
 from egressgate.policy.globs import HostPattern
-from egressgate.state import lua
 from egressgate.state.base import RequestGrant, SandboxRecord, StateUnavailable
 from egressgate.state.redis_codec import decode_record, decode_usage, encode_record, history_spec, pairs, rev_host
-from egressgate.state.redis_events import BACKOFF_MAX, BACKOFF_MIN, RecordCache, Subscriber
-from egressgate.state.resp import RespConnection
+from egressgate.state.redis_events import RecordCache, Subscriber
+from egressgate.state.redis_link import SOCKET_TIMEOUT, RedisLink
 
 logger = logging.getLogger(__name__)
 
-SOCKET_TIMEOUT = 2.0  # one operation waits at most this long for Redis, then the request is denied
-CONNECT_TIMEOUT = 1.0
-MAX_CONNECTIONS = 64  # per process; the subscription holds one of them
 REVOKED_RETENTION = 7 * 86400.0  # a revoked sandbox's keys are dropped this long after its revocation
 HEARTBEAT_TTL = 15.0  # a worker silent this long is dead: its leases are forfeited by reconcile()
-_DOWN = (RedisConnectionError, RedisTimeoutError, OSError, asyncio.TimeoutError)
 
 
 def _limit(value: int | None) -> int:
@@ -70,32 +52,25 @@ class RedisState:
     def __init__(self, url: str, key_prefix: str = "egressgate:", *, heartbeat_ttl: float = HEARTBEAT_TTL,
                  timeout: float = SOCKET_TIMEOUT) -> None:
         self.worker_id = uuid.uuid4().hex
-        self.errors = 0
         self.prefix = key_prefix
         self.heartbeat_ttl = heartbeat_ttl
-        # A bounded pool that makes callers wait for a free connection (the default pool fails with
-        # "Too many connections" under a burst); waiting is bounded by SOCKET_TIMEOUT like the rest.
-        pool = BlockingConnectionPool.from_url(
-            url, max_connections=MAX_CONNECTIONS, timeout=timeout, decode_responses=True,
-            retry=Retry(NoBackoff(), 0), socket_timeout=timeout, socket_connect_timeout=CONNECT_TIMEOUT,
-            # off: one round trip less per new connection (Redis 7 refuses it anyway), and with it off
-            # the pool checks a pooled connection is still open before handing it out
-            maint_notifications_config=MaintNotificationsConfig(enabled=False))
-        self.redis: Redis = Redis.from_pool(pool)  # owns the pool: aclose() closes it
-        # the hot path's commands: one multiplexed connection (state/resp.py)
-        self._conn = RespConnection(url, timeout=timeout, connect_timeout=CONNECT_TIMEOUT)
-        self._scripts = {name: self.redis.register_script(getattr(lua, name)).sha for name in (
-            "RESERVE_OUT", "SETTLE_OUT", "RECORD_REQUEST", "RESERVE_REQUEST", "SNAPSHOT", "BY_ADDRESS",
-            "LIST_SANDBOXES", "REVOKE", "RECONCILE", "ADD_COUNTERS", "COUNT_CALLS", "REFUND_CALLS", "MCP_PIN",
-            "MCP_READ")}
+        self._link = RedisLink(url, timeout)
+        self.redis = self._link.redis  # the pooled client: pipelines, pub/sub, the approval store
         self._events = self.key("events")
         self._callbacks: list[Callable[[str], None]] = []
         self._cache = RecordCache()
         self._subscriber = Subscriber(self.redis, self._events, self._cache, self._on_event, self._resync,
-                                      self._drop_idle_connections)
-        self._retry_at = 0.0  # monotonic; before it, operations are refused without trying
-        self._backoff = 0.0
+                                      self._link.drop_idle_connections)
         self._tasks: list[asyncio.Task] = []
+
+    @property
+    def errors(self) -> int:
+        """State-store operations that failed (StateUnavailable), this process: /metrics."""
+        return self._link.errors
+
+    @errors.setter
+    def errors(self, value: int) -> None:  # the approval store counts its failures here too
+        self._link.errors = value
 
     def key(self, *parts: str) -> str:
         """A key under this gateway's prefix (approvals keep their own keys here too)."""
@@ -109,50 +84,6 @@ class RedisState:
 
     async def wait_subscribed(self, timeout: float = 5.0) -> None:
         await asyncio.wait_for(self._subscriber.subscribed.wait(), timeout)
-
-    # -- failure handling -------------------------------------------------------------------------
-
-    async def _call(self, what: str, op):
-        """Run one Redis operation (an awaitable factory); any failure → StateUnavailable."""
-        if self._backoff and time.monotonic() < self._retry_at:
-            self.errors += 1
-            raise StateUnavailable(f"state backend unavailable ({what}): Redis did not answer, retrying shortly")
-        try:
-            result = await op()
-        except _DOWN as exc:
-            self._backoff = min(max(self._backoff * 2, BACKOFF_MIN), BACKOFF_MAX)
-            self._retry_at = time.monotonic() + self._backoff
-            self.errors += 1
-            await self._drop_idle_connections()
-            raise StateUnavailable(f"state backend unavailable ({what}): {exc}") from exc
-        except (RedisError, StateUnavailable) as exc:
-            self.errors += 1
-            raise StateUnavailable(f"state backend error ({what}): {exc}") from exc
-        except UnicodeError as exc:  # a value the wire cannot carry (a lone surrogate): nothing was sent
-            self.errors += 1
-            raise StateUnavailable(f"state backend error ({what}): a value cannot be encoded for Redis") from exc
-        self._backoff = 0.0
-        return result
-
-    async def _eval(self, name: str, keys: list[str], args: list):
-        """One script by its SHA. NOSCRIPT (Redis restarted or SCRIPT FLUSH) means it did not run: load
-        it and send it once more, so nothing runs twice."""
-        command = ("EVALSHA", self._scripts[name], len(keys), *keys, *args)
-
-        async def op():
-            try:
-                return await self._conn.call(*command)
-            except NoScriptError:
-                await self._conn.call("SCRIPT", "LOAD", getattr(lua, name))
-                return await self._conn.call(*command)
-
-        return await self._call(name.lower(), op)
-
-    async def _drop_idle_connections(self) -> None:
-        """After a connection failure the pool's idle connections are likely dead too (Redis restarted):
-        close them, so the next operations connect afresh instead of each failing on a stale one."""
-        with contextlib.suppress(Exception):
-            await self.redis.connection_pool.disconnect(inuse_connections=False)
 
     # -- registry -----------------------------------------------------------------------------------
 
@@ -170,7 +101,7 @@ class RedisState:
                 pipe.publish(self._events, event)
                 await pipe.execute()
 
-        await self._call("admit", op)
+        await self._link.call("admit", op)
         self._cache.invalidate(record.id, record.addresses)
 
     async def get(self, sandbox_id: str) -> SandboxRecord | None:
@@ -178,7 +109,7 @@ class RedisState:
         if cached is not None:
             return cached
         epoch = self._cache.epoch
-        fields = await self._call("get", lambda: self._conn.call("HGETALL", self.key("sbx", sandbox_id)))
+        fields = await self._link.command("get", "HGETALL", self.key("sbx", sandbox_id))
         record = self._decode(pairs(fields))
         if record is not None:
             self._remember(record, epoch)
@@ -189,14 +120,14 @@ class RedisState:
         if cached is not None:
             return cached
         epoch = self._cache.epoch
-        flat = await self._eval("BY_ADDRESS", [self.key("addr", address)], [self.prefix])
+        flat = await self._link.eval("BY_ADDRESS", [self.key("addr", address)], [self.prefix])
         record = self._decode(pairs(flat))
         if record is not None:
             self._remember(record, epoch, address)
         return record
 
     async def list_sandboxes(self) -> list[SandboxRecord]:
-        flat = await self._eval("LIST_SANDBOXES", [self.key("sbxs")], [self.prefix])
+        flat = await self._link.eval("LIST_SANDBOXES", [self.key("sbxs")], [self.prefix])
         return [r for r in (self._decode(pairs(item)) for item in flat) if r is not None]
 
     def _decode(self, fields) -> SandboxRecord | None:
@@ -217,7 +148,7 @@ class RedisState:
         keys = [self.key("sbx", sandbox_id), self._events, self.key("ctr", sandbox_id),
                 self.key("hosts", sandbox_id), self.key("hist", sandbox_id), self.key("usage", sandbox_id),
                 self.key("mcp", sandbox_id), self.key("calls", sandbox_id)]
-        found = await self._eval("REVOKE", keys, [event, int(REVOKED_RETENTION * 1000)])
+        found = await self._link.eval("REVOKE", keys, [event, int(REVOKED_RETENTION * 1000)])
         cached = self._cache.records.get(sandbox_id) is not None
         self._cache.invalidate(sandbox_id)
         if found or cached:
@@ -275,7 +206,7 @@ class RedisState:
             spec["r"] = list(rules)
         keys = [self.key("ctr", sandbox_id), self.key("hosts", sandbox_id), self.key("hist", sandbox_id),
                 self.key("usage", sandbox_id), self.key("sbx", sandbox_id)]
-        reply = await self._eval("SNAPSHOT", keys, [json.dumps(spec)])
+        reply = await self._link.eval("SNAPSHOT", keys, [json.dumps(spec)])
         try:
             # cjson encodes an empty Lua table as {}: `or ()` reads it as the empty list it is
             ctr, hosts, reversed_hosts, usage, fields, exists = json.loads(reply)
@@ -283,8 +214,7 @@ class RedisState:
             out, in_, queries, name_bytes = (int(v) for v in ctr)
             seen = frozenset(hosts) if hosts else frozenset(rev_host(h) for h in reversed_hosts or ())
         except (ValueError, TypeError, AttributeError) as exc:
-            self.errors += 1
-            raise StateUnavailable(f"state backend error (snapshot): unreadable reply ({exc})") from exc
+            raise self._link.unreadable("snapshot", exc) from exc
         if not exists:
             # Redis lost the record (FLUSHALL, a restart without its data) while this process still
             # caches it: its counters are gone too, so nothing read here may decide anything
@@ -305,22 +235,21 @@ class RedisState:
                 self.key("workers"), self.key("sbx", sandbox_id)]
         args = [sandbox_id, int(want), int(minimum), _limit(limit),
                 int(self.heartbeat_ttl * 1000), self.worker_id]
-        return int(await self._eval("RESERVE_OUT", keys, args))
+        return int(await self._link.eval("RESERVE_OUT", keys, args))
 
     async def settle_out(self, sandbox_id: str, spent: int, unused: int) -> None:
         keys = [self.key("ctr", sandbox_id), self.key("lease", self.worker_id)]
-        await self._eval("SETTLE_OUT", keys, [sandbox_id, int(spent), int(unused)])
+        await self._link.eval("SETTLE_OUT", keys, [sandbox_id, int(spent), int(unused)])
 
     async def add_in(self, sandbox_id: str, amount: int) -> None:
         if amount:
-            await self._call("add_in", lambda: self._conn.call(
-                "HINCRBY", self.key("ctr", sandbox_id), "in", int(amount)))
+            await self._link.command("add_in", "HINCRBY", self.key("ctr", sandbox_id), "in", int(amount))
 
     async def record_request(self, sandbox_id: str, host: str, rule_id: str | None, nbytes: int, *,
                              requests_max: int | None = None, bytes_max: int | None = None) -> bool:
         keys = [self.key("hosts", sandbox_id), self.key("hist", sandbox_id), self.key("usage", sandbox_id)]
         args = [host, rev_host(host), rule_id or "", int(nbytes), _limit(requests_max), _limit(bytes_max)]
-        return bool(await self._eval("RECORD_REQUEST", keys, args))
+        return bool(await self._link.eval("RECORD_REQUEST", keys, args))
 
     async def reserve_request(self, sandbox_id: str, host: str, rule_id: str | None, nbytes: int, want: int,
                               limit: int | None, *, requests_max: int | None = None, bytes_max: int | None = None,
@@ -330,17 +259,16 @@ class RedisState:
                 self.key("hist", sandbox_id), self.key("usage", sandbox_id)]
         args = [sandbox_id, int(want), _limit(limit), int(self.heartbeat_ttl * 1000), self.worker_id, host,
                 rev_host(host), rule_id or "", int(nbytes), _limit(requests_max), _limit(bytes_max), int(add_in)]
-        reply = await self._eval("RESERVE_REQUEST", keys, args)
+        reply = await self._link.eval("RESERVE_REQUEST", keys, args)
         try:
             refused, used = reply
             return RequestGrant(refused or None, int(used))
         except (ValueError, TypeError) as exc:
-            self.errors += 1
-            raise StateUnavailable(f"state backend error (reserve_request): unreadable reply ({exc})") from exc
+            raise self._link.unreadable("reserve_request", exc) from exc
 
     async def add_dns_query(self, sandbox_id: str, name_bytes: int) -> tuple[int, int]:
         keys = [self.key("ctr", sandbox_id), self.key("sbx", sandbox_id)]
-        queries, nbytes = await self._eval("ADD_COUNTERS", keys, ["dq", 1, "db", int(name_bytes)])
+        queries, nbytes = await self._link.eval("ADD_COUNTERS", keys, ["dq", 1, "db", int(name_bytes)])
         return int(queries), int(nbytes)
 
     async def count_calls(self, sandbox_id: str, keys: Sequence[tuple[str, int | None]]) -> str | None:
@@ -349,52 +277,51 @@ class RedisState:
         args: list = []
         for key, limit in keys:
             args += [key, _limit(limit)]
-        refused = await self._eval("COUNT_CALLS", [self.key("calls", sandbox_id), self.key("sbx", sandbox_id)], args)
+        keys_ = [self.key("calls", sandbox_id), self.key("sbx", sandbox_id)]
+        refused = await self._link.eval("COUNT_CALLS", keys_, args)
         return refused or None
 
     async def call_counts(self, sandbox_id: str, keys: Sequence[str]) -> dict[str, int]:
         if not keys:
             return {}
-        values = await self._call("call_counts", lambda: self._conn.call(
-            "HMGET", self.key("calls", sandbox_id), *("m:" + key for key in keys)))
+        values = await self._link.command("call_counts", "HMGET", self.key("calls", sandbox_id),
+                                          *("m:" + key for key in keys))
         try:
             return {key: int(value or 0) for key, value in zip(keys, values, strict=True)}
         except (ValueError, TypeError) as exc:
-            self.errors += 1
-            raise StateUnavailable(f"state backend error (call_counts): unreadable reply ({exc})") from exc
+            raise self._link.unreadable("call_counts", exc) from exc
 
     async def refund_calls(self, sandbox_id: str, keys: Sequence[str]) -> None:
         if keys:
-            await self._eval("REFUND_CALLS", [self.key("calls", sandbox_id)], list(keys))
+            await self._link.eval("REFUND_CALLS", [self.key("calls", sandbox_id)], list(keys))
 
     async def mcp_read(self, sandbox_id: str, server: str,
                        keys: Sequence[str]) -> tuple[dict[str, int], dict[str, str]]:
-        reply = await self._eval("MCP_READ", [self.key("calls", sandbox_id), self.key("mcp", sandbox_id)],
+        reply = await self._link.eval("MCP_READ", [self.key("calls", sandbox_id), self.key("mcp", sandbox_id)],
                                  [server, *keys])
         try:
             counts, flat = json.loads(reply)
             # cjson encodes an empty Lua table as {}: `or ()` reads it as the empty list it is
             return ({key: int(n) for key, n in zip(keys, counts or (), strict=True)}, pairs(flat or ()))
         except (ValueError, TypeError) as exc:
-            self.errors += 1
-            raise StateUnavailable(f"state backend error (mcp_read): unreadable reply ({exc})") from exc
+            raise self._link.unreadable("mcp_read", exc) from exc
 
     async def mcp_pin(self, sandbox_id: str, server: str, name: str, value: str) -> str:
         # server names are [a-z0-9_-]: "|" cannot occur in them, so (server, name) -> field is one-to-one
-        return str(await self._eval("MCP_PIN", [self.key("mcp", sandbox_id)], [f"{server}|{name}", value]))
+        return str(await self._link.eval("MCP_PIN", [self.key("mcp", sandbox_id)], [f"{server}|{name}", value]))
 
     async def mcp_pins(self, sandbox_id: str, server: str) -> dict[str, str]:
-        flat = await self._call("mcp_pins", lambda: self._conn.call("HGETALL", self.key("mcp", sandbox_id)))
+        flat = await self._link.command("mcp_pins", "HGETALL", self.key("mcp", sandbox_id))
         prefix = server + "|"
         return {k[len(prefix):]: v for k, v in pairs(flat).items() if k.startswith(prefix)}
 
     # -- liveness -----------------------------------------------------------------------------------
 
     async def ping(self) -> None:
-        await self._call("ping", lambda: self._conn.call("PING"))
+        await self._link.command("ping", "PING")
 
     async def reconcile(self, now: float) -> list[tuple[str, str, int]]:
-        flat = await self._eval("RECONCILE", [self.key("workers")], [self.prefix])
+        flat = await self._link.eval("RECONCILE", [self.key("workers")], [self.prefix])
         return [(flat[i], flat[i + 1], int(flat[i + 2])) for i in range(0, len(flat) - 2, 3)]
 
     async def _heartbeat(self) -> None:
@@ -415,7 +342,7 @@ class RedisState:
             with contextlib.suppress(asyncio.CancelledError, Exception):  # stopping anyway
                 await task
         self._tasks = []
-        self._conn.close()
+        self._link.close_multiplexed()
         # a stopped worker holds no lease: let reconcile() forfeit leftovers now, not after the TTL
         with contextlib.suppress(RedisError, OSError):
             await self.redis.delete(self.key("hb", self.worker_id))

@@ -57,7 +57,7 @@ async def test_cancelled_callers_do_not_shift_the_replies(redis_server: RedisSer
         await store.admit(record())
         assert await store.reserve_out("sbx", 1, 1, None) == 1  # connected, script loaded (no NOSCRIPT below)
         tasks = [asyncio.create_task(store.reserve_out("sbx", 1, 1, None)) for _ in range(40)]
-        proto = store._conn._proto
+        proto = store._link._conn._proto
         assert proto is not None
         while len(proto.waiters) < 40:  # every command sent (or about to be); now half the callers go away
             await asyncio.sleep(0)
