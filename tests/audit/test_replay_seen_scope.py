@@ -34,8 +34,9 @@ network:
       - {id: up, host: uploads.example.com, methods: [PUT], when: {unless_request_to: [secrets.example.com]}}
 """
 # the same, and uploads also refused after a request to other.example.com (a host LIVE never asked about)
-STRICTER = LIVE.replace("unless_request_to: [secrets.example.com]",
-                        "unless_request_to: [secrets.example.com, other.example.com]")
+STRICTER = LIVE.replace(
+    "unless_request_to: [secrets.example.com]", "unless_request_to: [secrets.example.com, other.example.com]"
+)
 # another version of LIVE (its hash differs) that decides this module's requests the same way
 LIVE_V2 = LIVE + "      - {id: v2, host: v2.example.com}\n"
 T0 = 1_795_000_000.0
@@ -58,11 +59,26 @@ async def record(sink, policy, i: int, facts: Facts, seen: set[str]) -> str:
     state = policy.relevant_state(SandboxState("sbx-1", T0, seen_hosts=frozenset(seen)))
     now = T0 + 1 + i / 1000
     d = decide(policy, facts, state, now)
-    await sink.write(AuditEvent(
-        EventKind.HTTP_REQUEST, int(now * 1e9), f"r{i}", sandbox_id="sbx-1", decision=str(d.effect),
-        reason=str(d.reason), rule_id=d.rule_id, policy_name=policy.name, policy_hash=policy.hash,
-        scheme="https", host=facts.host, port=443, method=facts.method, path=facts.path, facts=facts, state=state,
-    ))
+    await sink.write(
+        AuditEvent(
+            EventKind.HTTP_REQUEST,
+            int(now * 1e9),
+            f"r{i}",
+            sandbox_id="sbx-1",
+            decision=str(d.effect),
+            reason=str(d.reason),
+            rule_id=d.rule_id,
+            policy_name=policy.name,
+            policy_hash=policy.hash,
+            scheme="https",
+            host=facts.host,
+            port=443,
+            method=facts.method,
+            path=facts.path,
+            facts=facts,
+            state=state,
+        )
+    )
     return str(d.effect)
 
 
@@ -81,8 +97,12 @@ def without_scope(found: Found) -> Found:
     """The record as written before records carried `egressgate.state.seen_scope`."""
     attrs = {k: v for k, v in found.record.attributes.items() if k != "egressgate.state.seen_scope"}
     r = found.record
-    return Found(found.path, found.line, found.raw,
-                 Record(r.time_ns, r.severity_number, r.severity_text, r.event_name, r.body, attrs))
+    return Found(
+        found.path,
+        found.line,
+        found.raw,
+        Record(r.time_ns, r.severity_number, r.severity_text, r.event_name, r.body, attrs),
+    )
 
 
 async def test_a_host_seen_concurrently_does_not_flip_the_replay(make_sink, tmp_path):
@@ -91,10 +111,10 @@ async def test_a_host_seen_concurrently_does_not_flip_the_replay(make_sink, tmp_
     trail = await concurrent_trail(make_sink, policy)
     result = replay([trail], path)
     assert result.changes == [] and result.replayed == 3 and result.approximated_state == 0
-    upload = [f.record.attributes for f in iter_records([trail])
-              if f.record.attributes.get("url.path") == "/x"]
+    upload = [f.record.attributes for f in iter_records([trail]) if f.record.attributes.get("url.path") == "/x"]
     assert [(a["egressgate.state.seen_hosts"], a.get("egressgate.state.seen_scope")) for a in upload] == [
-        ([], ["secrets.example.com"])]  # what it saw, and which hosts that answers for
+        ([], ["secrets.example.com"])
+    ]  # what it saw, and which hosts that answers for
 
 
 async def test_old_records_without_a_scope(make_sink, tmp_path):
@@ -110,7 +130,8 @@ async def test_old_records_without_a_scope(make_sink, tmp_path):
     assert other.hash != policy.hash
     flips = replay_records(trail, {"exfil": other}, None).changes
     assert [(c.target, c.direction, c.new_reason) for c in flips] == [
-        (UPLOAD_TARGET, "allow->deny", "condition_failed")]
+        (UPLOAD_TARGET, "allow->deny", "condition_failed")
+    ]
 
 
 async def test_positive_control_history_outside_the_scope_still_flips(make_sink, tmp_path):
@@ -120,7 +141,8 @@ async def test_positive_control_history_outside_the_scope_still_flips(make_sink,
     trail = await concurrent_trail(make_sink, live)
     flips = replay([trail], write_policy(tmp_path, "stricter.yaml", STRICTER)).changes
     assert [(c.target, c.direction, c.new_reason) for c in flips] == [
-        (UPLOAD_TARGET, "allow->deny", "condition_failed")]
+        (UPLOAD_TARGET, "allow->deny", "condition_failed")
+    ]
 
 
 async def test_positive_control_a_recorded_sighting_still_denies(make_sink, tmp_path):
@@ -133,8 +155,9 @@ async def test_positive_control_a_recorded_sighting_still_denies(make_sink, tmp_
     assert await record(sink, policy, 1, UPLOAD, {"secrets.example.com"}) == "deny"
     await sink.close()
     assert replay([sink.path], path).changes == []
-    open_policy = write_policy(tmp_path, "open.yaml", LIVE.replace(
-        ", when: {unless_request_to: [secrets.example.com]}", ""))
+    open_policy = write_policy(
+        tmp_path, "open.yaml", LIVE.replace(", when: {unless_request_to: [secrets.example.com]}", "")
+    )
     flips = replay([sink.path], open_policy).changes
     assert [(c.target, c.direction) for c in flips] == [(UPLOAD_TARGET, "deny->allow")]
 
@@ -152,8 +175,14 @@ async def test_a_forged_scope_answers_for_nothing(make_sink, tmp_path):
             if "egressgate.state.seen_scope" in attrs:
                 attrs["egressgate.state.seen_scope"] = bad
             r = f.record
-            forged.append(Found(f.path, f.line, f.raw,
-                                Record(r.time_ns, r.severity_number, r.severity_text, r.event_name, r.body, attrs)))
+            forged.append(
+                Found(
+                    f.path,
+                    f.line,
+                    f.raw,
+                    Record(r.time_ns, r.severity_number, r.severity_text, r.event_name, r.body, attrs),
+                )
+            )
         other = load_policy(write_policy(tmp_path, "live2.yaml", LIVE_V2))
         flips = replay_records(forged, {"exfil": other}, None).changes
         assert [c.direction for c in flips] == ["allow->deny"], bad
