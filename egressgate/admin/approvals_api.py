@@ -74,7 +74,8 @@ class ApprovalsApi:
 
     async def sweeper(self, _app: web.Application):
         task = asyncio.create_task(sweep_forever(self.rt.approvals, self.rt.audit, self.rt.clock,
-                                                 on_expired=self._settled), name="approval-sweeper")
+                                                 on_expired=self._settled, labels_of=self._labels),
+                                   name="approval-sweeper")
         yield
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -178,6 +179,14 @@ class ApprovalsApi:
             from egressgate.admin.workspaces_api import settle_write
 
             await settle_write(self.rt, approval)
+
+    async def _labels(self, sandbox_id: str) -> dict[str, str] | None:
+        """The sandbox's labels for an `expired` record (None: gone, or the registry did not answer)."""
+        try:
+            record = await self.rt.state.get(sandbox_id)
+        except StateUnavailable:
+            return None
+        return dict(record.labels) if record is not None else None
 
     async def _audit(self, approval: Approval, action: str, labels: dict[str, str] | None) -> bool:
         try:

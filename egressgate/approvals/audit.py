@@ -8,6 +8,8 @@ write the same shape.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from egressgate.approvals.model import Approval
 from egressgate.audit.build import APPROVAL_ID, build
 from egressgate.audit.event import AuditEvent, EventKind
@@ -18,11 +20,14 @@ from egressgate.audit.event import AuditEvent, EventKind
 ACTIONS = ("requested", "approved", "denied", "expired", "not_applied", "used")
 
 
-def approval_event(approval: Approval, action: str, labels: dict[str, str] | None = None) -> AuditEvent:
+def approval_event(approval: Approval, action: str, labels: Mapping[str, str] | None = None) -> AuditEvent:
     assert action in ACTIONS
-    extra: dict[str, object] = {APPROVAL_ID: approval.id, "egressgate.approval.action": action,
-                                "egressgate.approval.kind": approval.kind,
-                                "egressgate.approval.requested_at": approval.requested_at}
+    extra: dict[str, object] = {
+        APPROVAL_ID: approval.id,
+        "egressgate.approval.action": action,
+        "egressgate.approval.kind": approval.kind,
+        "egressgate.approval.requested_at": approval.requested_at,
+    }
     if approval.decided_by is not None:
         extra["egressgate.approval.by"] = approval.decided_by
     if approval.scope is not None:
@@ -38,6 +43,16 @@ def approval_event(approval: Approval, action: str, labels: dict[str, str] | Non
         if isinstance(approval.details.get("count"), int):
             extra["egressgate.approval.details_count"] = approval.details["count"]
     decision = {"approved": "allow", "denied": "deny"}.get(action)
-    return build(EventKind.APPROVAL, sandbox_id=approval.sandbox_id, sandbox_labels=labels,
-                 decision=decision, policy_name=approval.policy, scheme=approval.scheme, host=approval.host,
-                 port=approval.port, method=approval.method, path=approval.path, extra=extra)
+    return build(
+        EventKind.APPROVAL,
+        sandbox_id=approval.sandbox_id,
+        sandbox_labels=dict(labels) if labels else None,
+        decision=decision,
+        policy_name=approval.policy,
+        scheme=approval.scheme,
+        host=approval.host,
+        port=approval.port,
+        method=approval.method,
+        path=approval.path,
+        extra=extra,
+    )

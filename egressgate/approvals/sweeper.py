@@ -3,14 +3,16 @@
 decide() already ignores a grant from its `expires_at` on (it gets `now`), so enforcement never waits
 for this loop; the sweeper moves dead approvals to `expired` in the store and writes their `expired`
 records. The store's `expire()` hands each approval to exactly one caller, so every gateway process
-(workers, replicas) may sweep at once.
+(workers, replicas) may sweep at once. Like every other approval record, an `expired` one names the
+sandbox's labels (`labels_of`: the registry's; none when the sandbox is gone or the registry cannot
+answer, so a registry outage never holds an expiry record back).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 
 from egressgate.approvals.audit import approval_event
 from egressgate.approvals.model import Approval
@@ -21,11 +23,16 @@ logger = logging.getLogger(__name__)
 SWEEP_INTERVAL = 0.5  # seconds; an expiry record lags the expiry instant by at most this much
 
 
+LabelsOf = Callable[[str], Awaitable[Mapping[str, str] | None]]
+
+
 async def sweep_once(store: ApprovalStore, audit, clock: Callable[[], float],
-                     on_expired: Callable[[Approval], Awaitable[None]] | None = None) -> int:
+                     on_expired: Callable[[Approval], Awaitable[None]] | None = None,
+                     labels_of: LabelsOf | None = None) -> int:
     expired = await store.expire(clock())
     for approval in expired:
-        audit.enqueue_after(approval_event(approval, "expired"))  # queued and retried, never dropped
+        labels = await labels_of(approval.sandbox_id) if labels_of is not None else None
+        audit.enqueue_after(approval_event(approval, "expired", labels))  # queued and retried, never dropped
         if on_expired is not None:  # e.g. a persistent write's staged copy is discarded
             await on_expired(approval)
     return len(expired)
@@ -33,11 +40,12 @@ async def sweep_once(store: ApprovalStore, audit, clock: Callable[[], float],
 
 async def sweep_forever(store: ApprovalStore, audit, clock: Callable[[], float],
                         interval: float = SWEEP_INTERVAL,
-                        on_expired: Callable[[Approval], Awaitable[None]] | None = None) -> None:
+                        on_expired: Callable[[Approval], Awaitable[None]] | None = None,
+                        labels_of: LabelsOf | None = None) -> None:
     failing = False  # log a store outage once, and its end, not every half second
     while True:
         try:
-            await sweep_once(store, audit, clock, on_expired)
+            await sweep_once(store, audit, clock, on_expired, labels_of)
             if failing:
                 logger.warning("approval sweeper: the approval store answers again")
             failing = False

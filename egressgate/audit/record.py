@@ -263,6 +263,8 @@ def state_attributes(state: Any) -> dict[str, Any]:
         "egressgate.state.rule_usage": {
             rule: {"requests": u.requests, "bytes": u.bytes} for rule, u in sorted(state.rule_usage.items())
         },
+        # the host patterns seen_hosts answers for exactly (SandboxState.seen_scope), when reduced to some
+        **({"egressgate.state.seen_scope": list(state.seen_scope)} if state.seen_scope else {}),
     }
 
 

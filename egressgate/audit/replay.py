@@ -152,11 +152,17 @@ def facts_from(attrs: dict[str, Any]) -> Facts:
         raise ValueError("record path is not in origin form")
     port = attrs.get("server.port")
     op_class, protocol = attrs.get(K_OP_CLASS), attrs.get(K_OP_PROTOCOL)
+    scheme = attrs.get("url.scheme") if isinstance(attrs.get("url.scheme"), str) else None
+    if op is Operation.CONNECT and scheme == "tcp":
+        # a raw-TCP decision (bytes neither TLS nor HTTP inside a CONNECT tunnel, or on the transparent
+        # listener), recorded under its connection's kind: decide() judged it as a request of scheme tcp
+        # (layers/next_layer.py, shared/transparent_decide.py), never as the tunnel's CONNECT
+        op = Operation.HTTP_REQUEST
     return Facts(
         operation=op,
         host=host,
         port=port if isinstance(port, int) else None,
-        scheme=attrs.get("url.scheme") if isinstance(attrs.get("url.scheme"), str) else None,
+        scheme=scheme,
         method=attrs.get("http.request.method")
         if isinstance(attrs.get("http.request.method"), str)
         else None,
@@ -306,7 +312,9 @@ def _replay_one(
     if answer_filter and old == "deny" and not facts.addresses:
         result.skip(f"decided outside the policy ({reason}: the DNS answer's shape)")
         return
-    state, exact = state_from(attrs, sandbox_id, hist, time_s)
+    # the replayed policy is the recording one: its history patterns are the record's seen_scope
+    hint = policy.history_patterns if attrs.get("egressgate.policy.hash") == getattr(policy, "hash", None) else None
+    state, exact = state_from(attrs, sandbox_id, hist, time_s, hint)
     if not exact:
         result.approximated_state += 1
     new = budget_stage(policy, attrs, decide(policy, facts, state, time_s))

@@ -10,7 +10,7 @@ fail when its enforcement is removed. Who:
   runtimes do is declared in runtimes/registry.py (`ENFORCES`). A container routed by hand through the
   gateway does not get these. `sandbox run` refuses a runtime that does not enforce one the policy sets;
 * `loader`: only shapes or names the policy (`sandbox.name`, rule ids) or the loader accepts nothing but
-  its default (compile.py refuses the rest), so there is nothing to enforce at run time;
+  its default (compiler.py refuses the rest), so there is nothing to enforce at run time;
 * `refused`: nothing enforces it in this version: `egressgate policy check` refuses a policy that writes it
   and `sandbox run` refuses to start one. Such an entry becomes enforced by changing `by` (and naming the
   tests) in the same commit that makes something enforce it.
@@ -257,7 +257,7 @@ KEYS: tuple[Key, ...] = (
     Key(
         _R + ".id",
         LOADER,
-        "policy/compile.py",
+        "policy/compiler.py",
         ("tests/policy/test_model.py::test_duplicate_rule_ids_and_yaml_keys_are_errors",),
     ),
     Key(
@@ -447,7 +447,7 @@ KEYS: tuple[Key, ...] = (
     Key(
         "persistence.restore_checks",
         RUNTIME,
-        "runtimes/persist.py",
+        "runtimes/persist.py, runtimes/restore_checks.py",
         (
             _PERSIST + "test_a_workspace_changed_between_runs_is_refused_then_accepted",
             _PERSIST + "test_a_restore_after_a_policy_change_names_both_hashes",

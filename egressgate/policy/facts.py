@@ -70,6 +70,11 @@ class SandboxState:
     # live operator approvals of this sandbox (egressgate/approvals), given only under a policy that
     # requires approval for network_expansion; decide() drops the expired ones by `now`
     approvals: tuple[Grant, ...] = ()
+    # The host patterns `seen_hosts` was reduced to (CompiledPolicy.relevant_state: the ones a `when` of the
+    # deciding policy asks about): every seen host matching one is in it, no other is. None: not reduced to
+    # a scope. decide() never reads it; it is recorded with the state so `audit replay` knows for which hosts
+    # the record's `seen_hosts` is the exact answer (docs/audit.md, "Replay").
+    seen_scope: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

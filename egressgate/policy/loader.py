@@ -15,7 +15,8 @@ from pathlib import Path
 from pydantic import BaseModel, ValidationError
 
 from egressgate.policy import model as policy_model
-from egressgate.policy.compile import CompiledPolicy, compile_policy
+from egressgate.policy.compile import CompiledPolicy
+from egressgate.policy.compiler import compile_policy
 from egressgate.policy.errors import PolicyError
 from egressgate.policy.limits import MAX_POLICY_BYTES, MAX_POLICY_FILES, check_limits
 from egressgate.policy.mcp_model import McpSection

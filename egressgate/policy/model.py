@@ -4,7 +4,7 @@ The article's policy (policies/seed-invoice-analysis.yaml) must load unchanged, 
 are the core of this schema; everything egressgate adds is optional. Every model forbids unknown keys
 and is strict about types: a typo in a security policy must be an error naming the key path, never a
 silently ignored rule. Semantic checks that need canonicalization (hosts, globs, credential bindings)
-live in compile.py, which reports errors in the same `file: key.path[i]: message` form.
+live in compiler.py, which reports errors in the same `file: key.path[i]: message` form.
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ class HttpRule(Strict):
     credential: str | None = None
     when: Conditions | None = None
     budget: Budget | None = None
-    # network.https allow rules only (compile.py): `passthrough` splices the client's TLS to the pinned
+    # network.https allow rules only (compiler.py): `passthrough` splices the client's TLS to the pinned
     # address without interception, after checking the ClientHello's SNI names the CONNECT host; such a
     # rule can carry nothing that needs to read HTTP (docs/policy.md, "Passthrough routes").
     tls: Literal["intercept", "passthrough"] | None = None

@@ -1,9 +1,9 @@
-"""Load-time checks of `tls:` and of passthrough rules (called by compile.py).
+"""Load-time checks of `tls:` and of passthrough rules (called by compiler.py).
 
 A passthrough tunnel is spliced unread, so a rule that needs to read a request cannot be one, and no
 other rule may be made weaker by one: an L7 deny rule it would hide requests from, or a credential rule
 it would always win over (the first allowing rule sets a CONNECT's mode). Each problem names the key to
-change, in compile.py's `(key path, message)` form. docs/policy.md, "Passthrough routes".
+change, in compiler.py's `(key path, message)` form. docs/policy.md, "Passthrough routes".
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ At the start of the next run (after admission, before the sandbox uid owns anyth
     content, and the record names the previous and the current policy hash;
   reissue_short_lived_credentials (always): the run was admitted anew (new id, token, phantoms); the previous
     run's sandbox is checked revoked at the gateway, and revoked now if it was not (`restored` says which).
+The checks themselves are runtimes/restore_checks.py; this module runs the workspace's life cycle around them.
 """
 
 from __future__ import annotations
@@ -35,44 +36,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from egressgate.runtimes import depscan, manifest
+from egressgate.runtimes import depscan, manifest, restore_checks
+from egressgate.runtimes.restore_checks import REPORTED
 from egressgate.runtimes.workload import SetupFailed
 from egressgate.runtimes.workspaces import Store, WorkspaceError, settle
-
-REPORTED = 20  # paths per list in an audit record (counts are complete)
-
-
-def own_entries(entries: dict[str, manifest.Entry]) -> dict[str, manifest.Entry]:
-    """The workload's content: not the image file of a bounded workspace (diskfs.IMAGE, when the directory is
-    looked at unmounted) nor the ext4 root's `lost+found` (made by mke2fs, root's, 0700)."""
-    return {
-        p: e
-        for p, e in entries.items()
-        if not (p.startswith(".egressgate-workspace.ext4") or p == "lost+found" or p.startswith("lost+found/"))
-    }
-
-
-def take_over(root: Path, paths: set[str], uid: int) -> int:
-    """chown to the run's uid every root-owned entry of `root` whose relative path is in `paths` (walked by
-    directory fds, no symlink followed; a link is chowned itself). Returns how many changed."""
-    changed = 0
-    top = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        for rel_dir, dirs, files, dfd in os.fwalk(".", follow_symlinks=False, dir_fd=top):
-            base = "" if rel_dir == "." else rel_dir[2:] + "/"
-            for name in (*dirs, *files):
-                if base + name not in paths:
-                    continue
-                try:
-                    st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-                    if st.st_uid == 0:
-                        os.chown(name, uid, uid, dir_fd=dfd, follow_symlinks=False)
-                        changed += 1
-                except FileNotFoundError:
-                    continue
-    finally:
-        os.close(top)
-    return changed
 
 
 def log(message: str) -> None:
@@ -198,7 +165,7 @@ class Persist:
             entries = manifest.scan(content)
         except (OSError, manifest.TooLarge) as exc:
             raise SetupFailed(f"cannot read the workspace {self.store.label}: {exc}") from None
-        entries = own_entries(entries)
+        entries = restore_checks.own_entries(entries)
         prev = self.state
         attrs: dict[str, Any] = {"first_run": not prev.get("manifest_hash"), "checks": sorted(self.checks) or None}
         if "verify_manifest_hash" in self.checks:
@@ -216,39 +183,24 @@ class Persist:
             policy_changed=bool(prev.get("policy_hash")) and prev.get("policy_hash") != self.policy_hash,
         )
         if "rescan_dependencies" in self.checks:
-            # against the inventory the previous run started with: what that run (or anything since) changed
-            inventory = depscan.inventory(entries, self._reader(content))
-            before = prev.get("restore_inventory", prev.get("inventory")) or {}
-            change = depscan.summary(depscan.inventory_diff(before, inventory))
-            attrs.update({f"deps.{k}": v for k, v in change.items()})
-            attrs["deps.count"] = len(inventory)
-            self.restore_inventory = inventory
-        self._reissue(prev, attrs)
+            self.restore_inventory = restore_checks.rescan_dependencies(prev, entries, content, attrs)
+        attrs.update(restore_checks.reissue(self.run._admin, prev.get("sandbox_id"), self.run.sandbox_id))
         attrs.update(manifest_hash=manifest.manifest_hash(entries), entries=len(entries))
         # what earlier runs saved (root's since their end) is this run's again: only paths the previous manifest
         # lists and that are still there; what an operator placed or accepted keeps its owner
         saved = set(prev.get("entries") or {}) & set(entries)
-        attrs["taken_over"] = take_over(content, saved, self.run.uid) if saved and self.run.uid else 0
+        attrs["taken_over"] = restore_checks.take_over(content, saved, self.run.uid) if saved and self.run.uid else 0
         self.record("restored", "allow", attrs)
         self.restored = True
 
     def _verify(self, prev: dict[str, Any], entries: dict[str, manifest.Entry], attrs: dict[str, Any]) -> None:
+        """verify_manifest_hash: unchanged content passes; a change is refused, or accepted by the operator."""
         assert self.store is not None
-        expected = prev.get("entries") or {}
-        d = manifest.diff(expected, entries)
-        if d.empty():
+        changed = restore_checks.manifest_changes(prev, entries)
+        if changed is None:
             attrs["verified"] = True
             return
-        what = {
-            "added": d.added[:REPORTED],
-            "removed": d.removed[:REPORTED],
-            "changed": d.changed[:REPORTED],
-            "added_count": len(d.added),
-            "removed_count": len(d.removed),
-            "changed_count": len(d.changed),
-            "previous_manifest_hash": prev.get("manifest_hash"),
-            "found_manifest_hash": manifest.manifest_hash(entries),
-        }
+        d, what = changed
         where = "since its last run" if prev.get("manifest_hash") else "and has no manifest from an earlier run"
         if self.run.req.accept_changes:
             who = os.environ.get("SUDO_USER") or getpass.getuser()
@@ -266,37 +218,6 @@ class Persist:
         self.record("restore_refused", "deny", what, reason="workspace_changed", message=message)
         raise SetupFailed(message)
 
-    def _reissue(self, prev: dict[str, Any], attrs: dict[str, Any]) -> None:
-        """The previous run's sandbox (its token, phantoms) must be dead before this one works."""
-        old = prev.get("sandbox_id")
-        attrs["sandbox_id"] = self.run.sandbox_id
-        if not old:
-            return
-        attrs["previous_sandbox"] = old
-        status, data = self.run._admin("GET", f"/v1/sandboxes/{old}", None)
-        if status == 200 and not data.get("revoked"):
-            status, data = self.run._admin("DELETE", f"/v1/sandboxes/{old}", None)
-            if status != 200:
-                raise SetupFailed(
-                    f"the previous run's sandbox {old} is still admitted and could not be revoked "
-                    f"({status}); refusing to restore its workspace"
-                )
-            attrs["previous_sandbox_revoked_now"] = True
-        else:
-            attrs["previous_sandbox_revoked"] = status == 200 or status == 404
-
-    @staticmethod
-    def _reader(content: Path):
-        def read(rel: str) -> bytes | None:
-            try:
-                fd = os.open(content / rel, manifest.FILE_FLAGS)
-            except OSError:
-                return None
-            with os.fdopen(fd, "rb") as fh:
-                return fh.read(depscan.MAX_PACKAGE_JSON)
-
-        return read
-
     # ------------------------------------------------------------------------------ end
     def save(self, started: bool) -> None:
         """Teardown: keep the selection, write the manifest (or stage the changes for approval)."""
@@ -306,7 +227,7 @@ class Persist:
             return  # nothing restored, or a staged copy nothing ran on (finish removes it after the unmount)
         # (restored but never started: the manifest of what the restore left, so the next restore verifies)
         content = self.content
-        entries = own_entries(manifest.scan(content))
+        entries = restore_checks.own_entries(manifest.scan(content))
         save, discard = self._save_discard()
         gone = manifest.to_remove(entries, save, discard)
         manifest.remove(content, gone)
@@ -314,7 +235,7 @@ class Persist:
         state = {
             "manifest_hash": manifest.manifest_hash(entries),
             "entries": entries,
-            "inventory": depscan.inventory(entries, self._reader(content)),
+            "inventory": depscan.inventory(entries, restore_checks.reader(content)),
             "policy": self.policy_name,
             "policy_hash": self.policy_hash,
             "sandbox_id": self.run.sandbox_id,

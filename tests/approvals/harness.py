@@ -18,7 +18,8 @@ from tests.support.launcher import launch_loopback, write_policies
 
 def approval_policies(w: World, kinds: list[str], name: str, resources: dict | None = None) -> dict[str, Any]:
     """api.test (GET /v1/**; POST /keyed with a credential) is allowed; everything else is outside the
-    allowlist. other.test/admin/** is denied by rule; loopback 127.0.0.1 is allowed_private, the canary's
+    allowlist. other.test/admin/** is denied by rule, http://other.test/locked/** for a sandbox labelled
+    tier=locked only; loopback 127.0.0.1 is allowed_private, the canary's
     127.0.0.2 is not."""
     return {"sandbox": {"name": name, "resources": resources or {}},
             "execution": {"require_approval_for": kinds}, "network": {
@@ -28,7 +29,10 @@ def approval_policies(w: World, kinds: list[str], name: str, resources: dict | N
                             {"id": "keyed", "host": "api.test", "ports": [w.https_port], "methods": ["POST"],
                              "paths": ["/keyed"], "credential": "billing"}],
                   "deny": [{"id": "no-admin", "host": "other.test", "paths": ["/admin/**"]}]},
-        "http": {"deny": [{"id": "no-admin-http", "host": "other.test", "paths": ["/admin/**"]}]}},
+        "http": {"deny": [{"id": "no-admin-http", "host": "other.test", "paths": ["/admin/**"]},
+                          # only a sandbox admitted with tier=locked: the labels decide (and no approval lifts it)
+                          {"id": "locked-tier", "host": "other.test", "paths": ["/locked/**"],
+                           "when": {"labels": {"tier": ["locked"]}}}]}},
         "credentials": {"capabilities": {"billing": {"type": "jwt", "ttl_seconds": 120}}}}
 
 

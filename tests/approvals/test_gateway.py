@@ -16,6 +16,8 @@ import yaml
 
 from tests.approvals.harness import admin, approve, connect, http_get, records
 from tests.support.gwworld import Gateway
+from tests.support.launcher import labels_of
+from tests.support.waiting import wait_for
 
 
 def asked(gw: Gateway, sbx, host: str, path: str = "/data", method: str = "GET") -> str:
@@ -78,6 +80,50 @@ def test_request_approve_retry_is_allowed_and_every_step_is_audited(gateway: Gat
                                   "egressgate.reason": "approval_required"})
     assert len(refused) == 3 and {r["egressgate.approval.id"] for r in refused} == {first}
     assert {r["egressgate.detail"] for r in refused} == {"host_not_allowed"}
+
+
+def approval_steps(gw: Gateway, approval_id: str, n: int) -> list[dict]:
+    """The approval's `approval` records, once `n` are written (the `requested` one is written behind)."""
+    def steps() -> list[dict]:
+        return records(gw, **{"egressgate.operation": "approval", "egressgate.approval.id": approval_id})
+
+    assert wait_for(lambda: len(steps()) >= n), f"fewer than {n} approval records for {approval_id}: {steps()}"
+    return steps()
+
+
+def test_the_explicit_proxy_settles_approvals_with_the_sandbox_labels(gateway: Gateway):
+    """An approval is the sandbox's, labels included: the `requested` record the explicit proxy writes
+    (for a request and for a CONNECT) carries the labels the decision read, like the operator's `approved`
+    record. And the labels decide: a `when: labels` deny rule refuses the tier=locked sandbox (no approval
+    offered, none lifts it), while the same request from the tier=open sandbox waits for one and is
+    allowed after it (the positive control)."""
+    opened = gateway.admit("ap-gated", labels={"tier": "open", "team": "a"})
+    locked = gateway.admit("ap-gated", labels={"tier": "locked"})
+    mark = gateway.world.hits.mark()
+    first = asked(gateway, opened, "other.test", "/locked/report")
+    for _ in range(2):  # before the approval and after it: the label's deny rule holds
+        refused = http_get(gateway, locked, "other.test", "/locked/report")
+        assert refused.status == 403 and refused.json()["reason"] == "denied_by_rule", refused
+        assert refused.json()["rule"] == "locked-tier" and refused.json().get("approval_id") is None
+        if _ == 0:
+            assert approve(gateway, first, for_seconds=600, scope="host", by="alice").status_code == 200
+    assert http_get(gateway, opened, "other.test", "/locked/report").status == 200
+    assert [h["path"] for h in upstream_saw(gateway, mark, "other.test")] == ["/locked/report"]
+    tunnel = connect(gateway, opened, "elsewhere.test", gateway.world.https_port)  # asked for at CONNECT
+    assert tunnel.json()["reason"] == "approval_required"
+
+    labels = {"tier": "open", "team": "a"}
+    steps = approval_steps(gateway, first, 2)
+    assert [(r["egressgate.approval.action"], labels_of(r)) for r in steps] == [
+        ("requested", labels), ("approved", labels)]
+    (at_connect,) = approval_steps(gateway, tunnel.json()["approval_id"], 1)
+    assert (at_connect["egressgate.approval.action"], labels_of(at_connect)) == ("requested", labels)
+    decided = records(gateway, **{"egressgate.operation": "http_request", "egressgate.sandbox.id": opened.id})
+    assert [(r["egressgate.reason"], labels_of(r)) for r in decided] == [
+        ("approval_required", labels), ("approval_granted", labels)]
+    locked_records = records(gateway, **{"egressgate.operation": "http_request", "egressgate.sandbox.id": locked.id})
+    assert {(r["egressgate.reason"], r["egressgate.rule"]) for r in locked_records} == {("denied_by_rule",
+                                                                                            "locked-tier")}
 
 
 def test_an_approval_for_sandbox_a_is_not_usable_by_sandbox_b(gateway: Gateway):
@@ -202,7 +248,7 @@ def test_a_sandbox_cannot_flood_the_queue(gateway: Gateway):
 
 
 def test_expiry_in_real_time(gateway: Gateway):
-    sbx = gateway.admit("ap-gated")
+    sbx = gateway.admit("ap-gated", labels={"team": "expiring"})
     approval_id = asked(gateway, sbx, "other.test")
     granted = approve(gateway, approval_id, for_seconds=1).json()
     assert http_get(gateway, sbx, "other.test").status == 200
@@ -211,14 +257,11 @@ def test_expiry_in_real_time(gateway: Gateway):
     later = asked(gateway, sbx, "other.test")  # refused on time, asked anew
     assert later != approval_id
     assert admin(gateway, "GET", f"/v1/approvals/{approval_id}").json()["state"] == "expired"
-    deadline = time.monotonic() + 3
-    while time.monotonic() < deadline:
-        expired = records(gateway, **{"egressgate.operation": "approval", "egressgate.approval.id": approval_id,
-                                      "egressgate.approval.action": "expired"})
-        if expired:
-            break
-        time.sleep(0.1)
+    steps = approval_steps(gateway, approval_id, 3)  # requested, approved, expired (by the sweeper)
+    expired = [r for r in steps if r["egressgate.approval.action"] == "expired"]
     assert len(expired) == 1 and expired[0]["egressgate.approval.expires_at"] == granted["expires_at"]
+    # like the others, the sweeper's record names the sandbox's labels (the registry's)
+    assert [labels_of(r) for r in steps] == [{"team": "expiring"}] * 3, steps
     listed = admin(gateway, "GET", "/v1/approvals?state=expired").json()["approvals"]
     assert approval_id in {a["id"] for a in listed}
 

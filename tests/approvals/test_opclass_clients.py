@@ -22,9 +22,10 @@ import pytest
 from tests.approvals.harness import admin, approve, records
 from tests.support.gwworld import Gateway, Sandbox, World, auth
 from tests.support.http1 import read_reply
-from tests.support.launcher import launch_loopback, stop_gateway, write_policies
+from tests.support.launcher import labels_of, launch_loopback, stop_gateway, write_policies
 from tests.support.loopback import server_context
 from tests.support.pkgservers import WHEEL_NAME, PkgServer, client_env
+from tests.support.waiting import wait_for
 
 VENV_BIN = Path(sys.executable).parent
 TIMEOUT = 180
@@ -359,7 +360,8 @@ def _head(bare: Path) -> str:
 
 def test_git_push_over_smart_http_waits_for_approval_and_clone_does_not(gw, pkgs, tmp_path):
     bare = pkgs.bare_repo("push-a.git")
-    sbx = gw.admit("pk-deny")
+    labels = {"team": "pub"}  # every approval record names them (approval_gate.py: the decision's state)
+    sbx = gw.admit("pk-deny", labels=labels)
     env = client_env(proxy_of(gw, sbx), tmp_path / "home")
     _work_repo(tmp_path / "work", env)
     url = f"{pkgs.base}/git/push-a.git"
@@ -380,9 +382,11 @@ def test_git_push_over_smart_http_waits_for_approval_and_clone_does_not(gw, pkgs
     assert _head(bare) == local
     assert ("POST", "/git/push-a.git/git-receive-pack") in pkgs.since(mark)
     # the approval passed ONE push: its git-receive-pack spent it (audited `used`); the next push waits again
-    time.sleep(0.2)
-    steps = records(gw, **{"egressgate.operation": "approval", "egressgate.approval.id": asked[0]["id"]})
-    assert [r["egressgate.approval.action"] for r in steps] == ["requested", "approved", "used"]
+    match = {"egressgate.operation": "approval", "egressgate.approval.id": asked[0]["id"]}
+    assert wait_for(lambda: len(records(gw, **match)) >= 3), records(gw, **match)
+    steps = records(gw, **match)
+    assert [(r["egressgate.approval.action"], labels_of(r)) for r in steps] == [
+        ("requested", labels), ("approved", labels), ("used", labels)]
     (tmp_path / "work" / "f.txt").write_text("two\n")
     subprocess.run(["git", "-C", str(tmp_path / "work"), "commit", "-qam", "two"], check=True, env=env)
     pushed = _head(bare)

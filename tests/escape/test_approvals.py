@@ -17,9 +17,10 @@ import pytest
 import tests.networld as nw
 from tests.escape.checks import ADDRESS_REASONS, assert_denied, assert_untouched, deny_reason, requests_on
 from tests.networld import World
-from tests.support.launcher import EGRESSGATE
+from tests.support.launcher import EGRESSGATE, audit_records, labels_of
 from tests.support.netgateway import Curl, Gateway, Sandbox
 from tests.support.transparent import Transparent
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.netns
 
@@ -139,3 +140,71 @@ def test_transparent_requests_ask_and_an_approval_never_lifts_the_address_check(
     again = tsb.http(nw.UPSTREAM, "metadata.evil.test", path="/latest/meta-data/", source=source)
     assert deny_reason(again) in ADDRESS_REASONS
     assert_untouched(world, mark, "metadata.evil.test (transparent)")
+
+
+def admit_labelled(world: World, gateway: Gateway, labels: dict[str, str], address: str | None = None) -> Sandbox:
+    """`egressgate sandbox admit --label k=v ...` (and `--address` for the transparent listener)."""
+    extra = [arg for k, v in labels.items() for arg in ("--label", f"{k}={v}")]
+    if address is not None:
+        extra += ["--address", address]
+    res = world.exec(world.gw, EGRESSGATE, "sandbox", "admit", "--config", str(gateway.config),
+                     "--policy", "escape-approval", *extra)
+    assert res.returncode == 0, res.stderr
+    data = json.loads(res.stdout)
+    return Sandbox(id=data["id"], token=data["token"], proxy_url=data["proxy_url"], policy="escape-approval",
+                   env=data.get("env", {}))
+
+
+def approval_records(gateway: Gateway, approval: str, n: int) -> list[dict]:
+    """The `approval` records of one approval once `n` are written (`requested` is written behind)."""
+    def found() -> list[dict]:
+        return [r for r in audit_records(gateway.tmp / "var" / "audit.jsonl")
+                if r.get("egressgate.operation") == "approval" and r.get("egressgate.approval.id") == approval]
+
+    assert wait_for(lambda: len(found()) >= n), f"fewer than {n} approval records for {approval}: {found()}"
+    return found()
+
+
+def test_explicit_and_transparent_settle_approvals_with_the_same_labels(
+        world: World, gateway: Gateway, tsb: Transparent) -> None:
+    """Both paths decide and settle an approval on the sandbox's identity facts, labels included. The
+    same label-conditioned policy gives the same answers through the explicit proxy and the transparent
+    listener: tier=locked is refused by the `when: labels` deny rule before and after any approval (none
+    is offered), tier=open waits for an approval and is reached after it (the positive control: the
+    upstream sees exactly the two approved requests). Every approval record names the sandbox's labels."""
+    opened = {"tier": "open", "team": "t1"}
+    explicit = {"open": admit_labelled(world, gateway, opened),
+                "locked": admit_labelled(world, gateway, {"tier": "locked"})}
+    sources = {"open": f"{TNET}.4", "locked": f"{TNET}.5"}
+    for tier, source in sources.items():
+        admit_labelled(world, gateway, opened if tier == "open" else {"tier": "locked"}, source)
+
+    def via_proxy(tier: str):
+        return gateway.curl(explicit[tier], "http://other.allowed.test/labelled")
+
+    def via_transparent(tier: str):
+        return tsb.http(nw.UPSTREAM, "other.allowed.test", path="/labelled", source=sources[tier])
+
+    def outcome(res) -> str:
+        return "allowed" if res.status == 200 and not res.denied else deny_reason(res)
+
+    def body(res) -> dict:
+        return res.deny_body() if hasattr(res, "deny_body") else res.json()
+
+    mark = world.mark()
+    seen: dict[str, list[str]] = {}
+    approvals: dict[str, str] = {}
+    for path, fetch in (("explicit", via_proxy), ("transparent", via_transparent)):
+        first_open, first_locked = fetch("open"), fetch("locked")
+        assert body(first_locked)["rule"] == "locked-tier" and "approval_id" not in body(first_locked)
+        approvals[path] = body(first_open)["approval_id"]
+        cli_approve(world, gateway, approvals[path])
+        seen[path] = [outcome(first_open), outcome(first_locked), outcome(fetch("open")), outcome(fetch("locked"))]
+    assert seen["explicit"] == seen["transparent"] == [
+        "approval_required", "denied_by_rule", "allowed", "denied_by_rule"], seen
+    assert approvals["explicit"] != approvals["transparent"]  # two sandboxes, two approvals
+    assert [h["target"] for h in requests_on(world, mark, "upstream-http")] == ["/labelled", "/labelled"]
+    for path, approval in approvals.items():
+        steps = approval_records(gateway, approval, 2)
+        assert [(r["egressgate.approval.action"], labels_of(r)) for r in steps] == [
+            ("requested", opened), ("approved", opened)], (path, steps)

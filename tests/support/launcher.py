@@ -144,6 +144,14 @@ def flatten_otlp(record: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def labels_of(record: dict[str, Any]) -> dict[str, str] | None:
+    """A flattened record's `egressgate.sandbox.labels` (an OTLP kvlist) as a dict; None when absent."""
+    raw = record.get("egressgate.sandbox.labels")
+    if raw is None:
+        return None
+    return {kv["key"]: next(iter(kv["value"].values())) for kv in raw.get("values", [])}
+
+
 def complete_lines(path: Path) -> list[str]:
     """The non-empty lines of a file another process may be appending to: a last line without its newline
     is not written yet (parsing it raced the gateway's audit writer under load)."""

@@ -155,7 +155,7 @@ class NextLayer:
     async def _tcp_decision(self, conn: ConnState, peer, request_id: str) -> Decision:
         policy = self.rt.policies.get(conn.policy_name)
         decision: Decision
-        facts = None
+        facts = state = None  # the record carries both, as an HTTP decision's does (audit replay reads them)
         if policy is None or conn.sandbox_id is None:
             decision = gateway_deny(Reason.POLICY_UNAVAILABLE)
         else:
@@ -182,7 +182,7 @@ class NextLayer:
             policy_hash=policy.hash if policy is not None else None, target_as_sent=conn.tunnel_as_sent,
             scheme="tcp", host=conn.tunnel_host, port=conn.tunnel_port,
             pinned_address=str(conn.tunnel_target.address) if conn.tunnel_target else None,
-            client_address=peer[0] if peer else None, capability=None, facts=facts,
+            client_address=peer[0] if peer else None, capability=None, facts=facts, state=state,
         )
         try:
             await emit.write(self.rt, event)

@@ -51,13 +51,13 @@ async def decide_flow(
     sandbox_id: str,
     facts: Facts,
     *,
-    labels: dict[str, str] | None = None,
     approvals: bool = True,
 ) -> tuple[Decision, SandboxState | None]:
     """The decision for `facts`, and exactly the state it was made on (None: the store could not answer,
     and the decision is `state_unavailable`). `relevant_state` reduces any backend's snapshot to what the
     policy reads, so the decision and its record are the same as with the full snapshot. `approvals`:
-    settle an `approval_required` answer (raw TCP does not: only a `tcp` rule allows it)."""
+    settle an `approval_required` answer (raw TCP does not: only a `tcp` rule allows it). An approval's
+    records name the sandbox by the state's id and labels (approval_gate.py), whichever path asked."""
     state = await snapshot(rt, policy, sandbox_id)
     if state is None:
         return gateway_deny(Reason.STATE_UNAVAILABLE), None
@@ -65,7 +65,7 @@ async def decide_flow(
     now = rt.clock()
     decision = decide(policy, facts, state, now)
     if approvals and decision.reason is Reason.APPROVAL_REQUIRED:
-        decision, state = await settle(rt, policy, policy_name, facts, state, decision, now, labels)
+        decision, state = await settle(rt, policy, policy_name, facts, state, decision, now)
     if (
         decision.reason is Reason.APPROVAL_GRANTED
         and decision.approval_kind == PUBLISH

@@ -113,7 +113,7 @@ async def connect_decision(rt: Runtime, conn: ConnState, host: str, port: int
         return gateway_deny(Reason.POLICY_UNAVAILABLE), None, None
     assert conn.sandbox_id is not None and conn.policy_name is not None
     facts = Facts(operation=Operation.CONNECT, host=host, port=port)
-    decision, state = await decide_flow(rt, policy, conn.policy_name, conn.sandbox_id, facts, labels=conn.labels)
+    decision, state = await decide_flow(rt, policy, conn.policy_name, conn.sandbox_id, facts)
     return decision, (facts if state is not None else None), state
 
 
