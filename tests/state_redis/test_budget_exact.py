@@ -51,7 +51,7 @@ def fleet_budgets(port: int) -> list[tuple[int, int]]:
 
 @dataclass
 class Fleet:
-    """The gateways of one backend (memory: one process; redis: two on one Redis), started once for the file
+    """The gateways of one backend (memory: one process; redis: two on one Redis), started once for TestOneFleet
     with one policy per budget pair of `fleet_budgets`. Why sharing them cannot make one test see another's
     state: every test admits a sandbox of its own, and every figure a test asserts on is that sandbox's
     (its bytes_out, its rule's request count, the 429s of its requests: the store keys budgets, leases and
@@ -73,7 +73,7 @@ class Fleet:
         return admit(self.gateways[0], name)
 
 
-@pytest.fixture(scope="module", params=["memory", "redis"])
+@pytest.fixture(scope="class", params=["memory", "redis"])
 def fleet(request: pytest.FixtureRequest, bw: BudgetWorld) -> Iterator[Fleet]:
     """The state backend under test (memory: the embedded default, one process; redis: two processes on
     one Redis, a key prefix of their own) and its gateways."""
@@ -112,86 +112,6 @@ def fan_out(gateways: list[LoopbackGateway], count: int, call) -> list[tuple[int
         return list(pool.map(lambda i: call(gateways[i % len(gateways)].proxy), range(count)))
 
 
-def test_known_length_uploads_hold_one_budget_exactly(bw: BudgetWorld, fleet: Fleet) -> None:
-    port = bw.upstream.port
-    size = len(head(port, "/k", f"Content-Length: {BODY}")) + BODY
-    fit = 20
-    budget = fit * size + size // 2  # room for 20 and a half: exactly 20 fit
-    gateways = fleet.gateways
-    sid, auth = fleet.admit(bw, budget)
-    mark = bw.upstream.mark()
-    results = fan_out(gateways, UPLOADS, lambda proxy: send(proxy, auth, port, "/k", b"k" * BODY))
-    statuses = sorted(status for status, _ in results)
-    assert statuses == [200] * fit + [429] * (UPLOADS - fit), statuses
-    refused = [json.loads(body) for status, body in results if status == 429]
-    assert {r["reason"] for r in refused} == {"budget_exceeded"}
-    got = bw.upstream.since(mark)
-    assert len(got) == fit and all(r.complete and r.body_len == BODY for r in got)
-    assert bw.upstream.total(mark) == fit * size  # the gateway's count is what the upstream saw
-    assert spent_everywhere(gateways, sid) == [fit * size] * len(gateways)  # one store, exact
-
-
-def test_chunked_uploads_use_the_whole_budget_and_no_more(bw: BudgetWorld, fleet: Fleet) -> None:
-    """Leases are topped up while the streams pause: with room for all 64 uploads, none is cut (no
-    false cut while budget remains), and once they are done the store is exact to the byte."""
-    port = bw.upstream.port
-    chunks = [b"c" * 2000] * 20
-    size = len(head(port, "/c", "Transfer-Encoding: chunked")) + sum(map(len, chunks))
-    slack = 777
-    budget = UPLOADS * size + slack
-    gateways = fleet.gateways
-    sid, auth = fleet.admit(bw, budget)
-    mark = bw.upstream.mark()
-    results = fan_out(gateways, UPLOADS, lambda proxy: send(proxy, auth, port, "/c", None, chunks, 0.001))
-    assert [status for status, _ in results] == [200] * UPLOADS
-    assert bw.upstream.total(mark) == UPLOADS * size
-    # leases settled once the uploads are over: spent is exactly what the upstream received
-    assert wait_for(lambda: spent_everywhere(gateways, sid) == [UPLOADS * size] * len(gateways), timeout=5), \
-        spent_everywhere(gateways, sid)
-
-
-def test_chunked_uploads_over_the_budget_are_cut_never_over(bw: BudgetWorld, fleet: Fleet) -> None:
-    port = bw.upstream.port
-    chunks = [b"d" * 4000] * 25  # 100 kB each, 6.4 MB asked for
-    budget = 1_000_000
-    gateways = fleet.gateways
-    sid, auth = fleet.admit(bw, budget)
-    mark = bw.upstream.mark()
-    results = fan_out(gateways, UPLOADS, lambda proxy: send(proxy, auth, port, "/d", None, chunks, 0.001))
-    statuses = [status for status, _ in results]
-    # cut: the budget could not hold them all; each cut upload's client reads the 429 deny (before,
-    # a reset: status 0), so does one that starts once the budget is spent
-    assert 429 in statuses
-    assert set(statuses) <= {200, 429}
-    received = bw.upstream.total(mark)
-    spent = bytes_out(gateways[0], sid)
-    # never over; what reached the upstream was paid for (a cut socket may lose its last bytes)
-    assert received <= spent <= budget
-    assert spent > budget - 2 * 4000 * UPLOADS // 4  # and the budget was used, not stranded in leases
-    completed = [r for r in bw.upstream.since(mark) if r.complete]
-    assert all(r.body_len == 100_000 for r in completed)
-
-
-def test_rule_request_budget_is_exact_under_concurrency(bw: BudgetWorld, fleet: Fleet) -> None:
-    """`budget.requests: 10` on a rule: of 64 concurrent requests exactly 10 reach the upstream; decide()
-    alone (one snapshot shared by concurrent requests) let more through. Control: the sandbox's other rule
-    still serves it afterwards."""
-    port = bw.upstream.port
-    gateways = fleet.gateways
-    sid, auth = fleet.admit(bw, 10_000_000, 10)
-    mark = bw.upstream.mark()
-    results = fan_out(gateways, UPLOADS, lambda proxy: send(proxy, auth, port, "/few", b"f" * 100))
-    statuses = sorted(status for status, _ in results)
-    assert statuses == [200] * 10 + [429] * (UPLOADS - 10), statuses
-    refused = [json.loads(body) for status, body in results if status == 429]
-    assert {(r["reason"], r["rule"]) for r in refused} == {("budget_exceeded", "few")}
-    assert len([r for r in bw.upstream.since(mark) if r.path == "/few"]) == 10
-    assert send(gateways[-1].proxy, auth, port, "/other", b"o")[0] == 200  # positive control
-    # refused ones were never counted against the byte budget: 10 + 1 requests are spent
-    assert wait_for(lambda: spent_everywhere(gateways, sid) == [bw.upstream.total(mark)] * len(gateways),
-                    timeout=5), (spent_everywhere(gateways, sid), bw.upstream.total(mark))
-
-
 def rule_requests(gw: LoopbackGateway, sandbox_id: str, rule: str) -> int:
     """The store's request count of one rule, as the control API shows it."""
     import httpx
@@ -202,34 +122,118 @@ def rule_requests(gw: LoopbackGateway, sandbox_id: str, rule: str) -> int:
     return int(res.json()["usage"]["rules"].get(rule, {}).get("requests", 0))
 
 
-def test_byte_and_rule_budgets_in_one_step_stay_exact(bw: BudgetWorld, fleet: Fleet) -> None:
-    """The bytes of a request, its rule's budget and its history are one atomic store step (issue 25): with
-    room for 12 requests in the byte budget and 30 in the rule's, exactly 12 of 64 concurrent requests (on
-    two gateway processes sharing one Redis) pass; the 52 refused for their bytes are not counted against
-    the rule (all or nothing), so its count is exactly 12 and the bytes spent are what the upstream got.
-    Control: the rule's own budget refuses once it is spent (30), the byte budget is not what stops it."""
-    port = bw.upstream.port
-    size = len(head(port, "/few", "Content-Length: 100")) + 100
-    gateways = fleet.gateways
-    sid, auth = fleet.admit(bw, 12 * size + size // 2, 30)
-    mark = bw.upstream.mark()
-    results = fan_out(gateways, UPLOADS, lambda proxy: send(proxy, auth, port, "/few", b"f" * 100))
-    statuses = sorted(status for status, _ in results)
-    assert statuses == [200] * 12 + [429] * (UPLOADS - 12), statuses
-    refused = [json.loads(body) for status, body in results if status == 429]
-    assert {r["reason"] for r in refused} == {"budget_exceeded"}
-    # refused for their bytes (the rule's budget had room): no rule named, the byte budget's message
-    assert all(r["rule"] is None and r["message"].startswith("This request needs") for r in refused), refused[:2]
-    assert len(bw.upstream.since(mark)) == 12 and bw.upstream.total(mark) == 12 * size
-    assert [rule_requests(gw, sid, "few") for gw in gateways] == [12] * len(gateways)
-    assert spent_everywhere(gateways, sid) == [12 * size] * len(gateways)
-    # control: a byte budget with room for all, a rule budget of 30: the rule is what refuses now
-    sid, auth = fleet.admit(bw, 10_000_000, 30)
-    results = fan_out(gateways, UPLOADS, lambda proxy: send(proxy, auth, port, "/few", b"f" * 100))
-    assert sorted(status for status, _ in results) == [200] * 30 + [429] * (UPLOADS - 30)
-    refused = [json.loads(body) for status, body in results if status == 429]
-    assert {(r["reason"], r["rule"]) for r in refused} == {("budget_exceeded", "few")}  # the rule's, not bytes
-    assert [rule_requests(gw, sid, "few") for gw in gateways] == [30] * len(gateways)
+class TestOneFleet:
+    """The tests on the shared fleet, in a class so the fleet (class-scoped) is stopped before the kill -9
+    and store-down tests start gateways of their own: those run on a machine as quiet as before."""
+
+    def test_known_length_uploads_hold_one_budget_exactly(self, bw: BudgetWorld, fleet: Fleet) -> None:
+        port = bw.upstream.port
+        size = len(head(port, "/k", f"Content-Length: {BODY}")) + BODY
+        fit = 20
+        budget = fit * size + size // 2  # room for 20 and a half: exactly 20 fit
+        gateways = fleet.gateways
+        sid, auth = fleet.admit(bw, budget)
+        mark = bw.upstream.mark()
+        results = fan_out(gateways, UPLOADS, lambda proxy: send(proxy, auth, port, "/k", b"k" * BODY))
+        statuses = sorted(status for status, _ in results)
+        assert statuses == [200] * fit + [429] * (UPLOADS - fit), statuses
+        refused = [json.loads(body) for status, body in results if status == 429]
+        assert {r["reason"] for r in refused} == {"budget_exceeded"}
+        got = bw.upstream.since(mark)
+        assert len(got) == fit and all(r.complete and r.body_len == BODY for r in got)
+        assert bw.upstream.total(mark) == fit * size  # the gateway's count is what the upstream saw
+        assert spent_everywhere(gateways, sid) == [fit * size] * len(gateways)  # one store, exact
+
+
+    def test_chunked_uploads_use_the_whole_budget_and_no_more(self, bw: BudgetWorld, fleet: Fleet) -> None:
+        """Leases are topped up while the streams pause: with room for all 64 uploads, none is cut (no
+        false cut while budget remains), and once they are done the store is exact to the byte."""
+        port = bw.upstream.port
+        chunks = [b"c" * 2000] * 20
+        size = len(head(port, "/c", "Transfer-Encoding: chunked")) + sum(map(len, chunks))
+        slack = 777
+        budget = UPLOADS * size + slack
+        gateways = fleet.gateways
+        sid, auth = fleet.admit(bw, budget)
+        mark = bw.upstream.mark()
+        results = fan_out(gateways, UPLOADS, lambda proxy: send(proxy, auth, port, "/c", None, chunks, 0.001))
+        assert [status for status, _ in results] == [200] * UPLOADS
+        assert bw.upstream.total(mark) == UPLOADS * size
+        # leases settled once the uploads are over: spent is exactly what the upstream received
+        assert wait_for(lambda: spent_everywhere(gateways, sid) == [UPLOADS * size] * len(gateways), timeout=5), \
+            spent_everywhere(gateways, sid)
+
+
+    def test_chunked_uploads_over_the_budget_are_cut_never_over(self, bw: BudgetWorld, fleet: Fleet) -> None:
+        port = bw.upstream.port
+        chunks = [b"d" * 4000] * 25  # 100 kB each, 6.4 MB asked for
+        budget = 1_000_000
+        gateways = fleet.gateways
+        sid, auth = fleet.admit(bw, budget)
+        mark = bw.upstream.mark()
+        results = fan_out(gateways, UPLOADS, lambda proxy: send(proxy, auth, port, "/d", None, chunks, 0.001))
+        statuses = [status for status, _ in results]
+        # cut: the budget could not hold them all; each cut upload's client reads the 429 deny (before,
+        # a reset: status 0), so does one that starts once the budget is spent
+        assert 429 in statuses
+        assert set(statuses) <= {200, 429}
+        received = bw.upstream.total(mark)
+        spent = bytes_out(gateways[0], sid)
+        # never over; what reached the upstream was paid for (a cut socket may lose its last bytes)
+        assert received <= spent <= budget
+        assert spent > budget - 2 * 4000 * UPLOADS // 4  # and the budget was used, not stranded in leases
+        completed = [r for r in bw.upstream.since(mark) if r.complete]
+        assert all(r.body_len == 100_000 for r in completed)
+
+
+    def test_rule_request_budget_is_exact_under_concurrency(self, bw: BudgetWorld, fleet: Fleet) -> None:
+        """`budget.requests: 10` on a rule: of 64 concurrent requests exactly 10 reach the upstream; decide()
+        alone (one snapshot shared by concurrent requests) let more through. Control: the sandbox's other rule
+        still serves it afterwards."""
+        port = bw.upstream.port
+        gateways = fleet.gateways
+        sid, auth = fleet.admit(bw, 10_000_000, 10)
+        mark = bw.upstream.mark()
+        results = fan_out(gateways, UPLOADS, lambda proxy: send(proxy, auth, port, "/few", b"f" * 100))
+        statuses = sorted(status for status, _ in results)
+        assert statuses == [200] * 10 + [429] * (UPLOADS - 10), statuses
+        refused = [json.loads(body) for status, body in results if status == 429]
+        assert {(r["reason"], r["rule"]) for r in refused} == {("budget_exceeded", "few")}
+        assert len([r for r in bw.upstream.since(mark) if r.path == "/few"]) == 10
+        assert send(gateways[-1].proxy, auth, port, "/other", b"o")[0] == 200  # positive control
+        # refused ones were never counted against the byte budget: 10 + 1 requests are spent
+        assert wait_for(lambda: spent_everywhere(gateways, sid) == [bw.upstream.total(mark)] * len(gateways),
+                        timeout=5), (spent_everywhere(gateways, sid), bw.upstream.total(mark))
+
+
+    def test_byte_and_rule_budgets_in_one_step_stay_exact(self, bw: BudgetWorld, fleet: Fleet) -> None:
+        """The bytes of a request, its rule's budget and its history are one atomic store step (issue 25): with
+        room for 12 requests in the byte budget and 30 in the rule's, exactly 12 of 64 concurrent requests (on
+        two gateway processes sharing one Redis) pass; the 52 refused for their bytes are not counted against
+        the rule (all or nothing), so its count is exactly 12 and the bytes spent are what the upstream got.
+        Control: the rule's own budget refuses once it is spent (30), the byte budget is not what stops it."""
+        port = bw.upstream.port
+        size = len(head(port, "/few", "Content-Length: 100")) + 100
+        gateways = fleet.gateways
+        sid, auth = fleet.admit(bw, 12 * size + size // 2, 30)
+        mark = bw.upstream.mark()
+        results = fan_out(gateways, UPLOADS, lambda proxy: send(proxy, auth, port, "/few", b"f" * 100))
+        statuses = sorted(status for status, _ in results)
+        assert statuses == [200] * 12 + [429] * (UPLOADS - 12), statuses
+        refused = [json.loads(body) for status, body in results if status == 429]
+        assert {r["reason"] for r in refused} == {"budget_exceeded"}
+        # refused for their bytes (the rule's budget had room): no rule named, the byte budget's message
+        assert all(r["rule"] is None and r["message"].startswith("This request needs") for r in refused), refused[:2]
+        assert len(bw.upstream.since(mark)) == 12 and bw.upstream.total(mark) == 12 * size
+        assert [rule_requests(gw, sid, "few") for gw in gateways] == [12] * len(gateways)
+        assert spent_everywhere(gateways, sid) == [12 * size] * len(gateways)
+        # control: a byte budget with room for all, a rule budget of 30: the rule is what refuses now
+        sid, auth = fleet.admit(bw, 10_000_000, 30)
+        results = fan_out(gateways, UPLOADS, lambda proxy: send(proxy, auth, port, "/few", b"f" * 100))
+        assert sorted(status for status, _ in results) == [200] * 30 + [429] * (UPLOADS - 30)
+        refused = [json.loads(body) for status, body in results if status == 429]
+        assert {(r["reason"], r["rule"]) for r in refused} == {("budget_exceeded", "few")}  # the rule's, not bytes
+        assert [rule_requests(gw, sid, "few") for gw in gateways] == [30] * len(gateways)
 
 
 def test_kill_9_mid_upload_survivor_serves_total_never_over(bw: BudgetWorld, redis_server: RedisServer) -> None:
