@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import scheduling
+from tests.support import cpu_usage, scheduling
 from tests.support.dockerd import dockerd  # noqa: F401 - the session's private dockerd, for every folder
 from tests.support.env import IN_CI, netns_unavailable_reason
 
@@ -21,9 +21,17 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=None,
         help="write seconds per xdist group as JSON (refresh tests/durations.json with it)",
     )
+    parser.addoption(
+        "--cpu-report",
+        metavar="PATH",
+        default=None,
+        help="CPU seconds per test module (worker + reaped children + its cpuacct cgroup) as JSON, top in the "
+        "summary (tests/support/cpu_usage.py)",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    cpu_usage.register(config, config.getoption("--cpu-report"))
     if hasattr(config, "workerinput"):  # the controller sees every worker's reports
         return
     config.pluginmanager.register(scheduling.GroupWallTimes(), "group-wall-times")

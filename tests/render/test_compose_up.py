@@ -122,7 +122,15 @@ def stack(built_dockerd: Dockerd, tmp_path: Path) -> Iterator[tuple[Dockerd, lis
 
 
 def in_service(d: Dockerd, compose: list[str], service: str, script: str) -> subprocess.CompletedProcess[str]:
-    return sh(*compose, "exec", "-T", service, "sh", "-c", script, check=False, timeout=60, env=d.env(), cwd=ROOT)
+    """What `docker-compose exec -T SERVICE sh -c SCRIPT` runs (the same command in the service's container,
+    as its user, no TTY, no stdin), done with the docker CLI: the container is the one compose labelled with
+    this project and service. Each docker-compose 1.29 call starts a Python CLI (~0.85 CPU-s); the test
+    makes nine such probes, and `up`/`down` stay compose's."""
+    project = compose[compose.index("-p") + 1]
+    found = d.docker("ps", "-q", "--filter", f"label=com.docker.compose.project={project}",
+                     "--filter", f"label=com.docker.compose.service={service}").stdout.split()
+    assert len(found) == 1, f"compose service {service} of {project}: containers {found}"
+    return d.docker("exec", found[0], "sh", "-c", script, check=False, timeout=60)
 
 
 def hit_lines(hits: Path, name: str) -> list[str]:

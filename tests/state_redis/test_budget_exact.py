@@ -16,7 +16,9 @@ from __future__ import annotations
 import json
 import socket
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import pytest
 
@@ -37,14 +39,56 @@ UPLOADS = 64
 BODY = 10_000
 
 
-@pytest.fixture(params=["memory", "redis"])
-def backend(request) -> dict | None:
-    """The state backend config of the gateways under test (None: the embedded memory default, one
-    process; redis: two processes on one Redis, a fresh key prefix per test)."""
-    if request.param == "memory":
-        return None
-    server: RedisServer = request.getfixturevalue("redis_server")
-    return {"backend": "redis", "url": server.url, "key_prefix": server.prefix()}
+def fleet_budgets(port: int) -> list[tuple[int, int]]:
+    """Every (byte budget, rule request budget) the tests of this file run under, one policy each in the
+    shared fleet: each test's own arithmetic (the test asks for its pair with `Fleet.admit`)."""
+    known = len(head(port, "/k", f"Content-Length: {BODY}")) + BODY
+    chunked = len(head(port, "/c", "Transfer-Encoding: chunked")) + 20 * 2000
+    few = len(head(port, "/few", "Content-Length: 100")) + 100
+    return [(20 * known + known // 2, 1000), (UPLOADS * chunked + 777, 1000), (1_000_000, 1000),
+            (10_000_000, 10), (12 * few + few // 2, 30), (10_000_000, 30)]
+
+
+@dataclass
+class Fleet:
+    """The gateways of one backend (memory: one process; redis: two on one Redis), started once for TestOneFleet
+    with one policy per budget pair of `fleet_budgets`. Why sharing them cannot make one test see another's
+    state: every test admits a sandbox of its own, and every figure a test asserts on is that sandbox's
+    (its bytes_out, its rule's request count, the 429s of its requests: the store keys budgets, leases and
+    history by sandbox id) or counted on the upstream from the test's own `mark()`; every test waits for all
+    of its requests (fan_out) and for its leases to settle before it ends. Gateway starts were most of this
+    file's CPU (~1.4 CPU-s each, 21 of them): now 3, plus the kill -9 and store-down tests' own."""
+
+    gateways: list[LoopbackGateway]
+    names: dict[tuple[int, int], str]
+
+    def admit(self, bw: BudgetWorld, budget: int, requests_max: int = 1000) -> tuple[str, str]:
+        """A new sandbox under the policy with exactly these budgets: (id, auth header line). First, the
+        upstream is idle: a request an earlier test's gateway cut mid-body is recorded when the gateway
+        closes that connection, which may come after the earlier test's last response (it must not land
+        after this test's `mark()`)."""
+        name = self.names.get((budget, requests_max))
+        assert name is not None, f"add ({budget}, {requests_max}) to fleet_budgets"
+        assert wait_for(bw.upstream.idle, timeout=30), "the upstream still has a connection open"
+        return admit(self.gateways[0], name)
+
+
+@pytest.fixture(scope="class", params=["memory", "redis"])
+def fleet(request: pytest.FixtureRequest, bw: BudgetWorld) -> Iterator[Fleet]:
+    """The state backend under test (memory: the embedded default, one process; redis: two processes on
+    one Redis, a key prefix of their own) and its gateways."""
+    backend = None
+    if request.param == "redis":
+        server: RedisServer = request.getfixturevalue("redis_server")
+        backend = {"backend": "redis", "url": server.url, "key_prefix": server.prefix()}
+    names = {pair: f"exact-{pair[0]}-{pair[1]}" for pair in fleet_budgets(bw.upstream.port)}
+    policies = [bw.policy(budget, requests_max, name) for (budget, requests_max), name in names.items()]
+    gateways = start_gateways(bw, policies, backend, 2 if backend is not None else 1)
+    try:
+        yield Fleet(gateways, names)
+    finally:
+        for gw in gateways:
+            stop_gateway(gw)
 
 
 def gateways_for(bw: BudgetWorld, backend: dict | None, budget: int, requests_max: int = 1000):
@@ -52,9 +96,9 @@ def gateways_for(bw: BudgetWorld, backend: dict | None, budget: int, requests_ma
     return start_gateways(bw, bw.policy(budget, requests_max), backend, 2 if backend is not None else 1)
 
 
-def admit(gw: LoopbackGateway) -> tuple[str, str]:
+def admit(gw: LoopbackGateway, policy: str = "exact") -> tuple[str, str]:
     """A new sandbox (admitted on one gateway, known to all on a shared store): (id, auth header line)."""
-    data = gw.admit_sandbox({"policy": "exact", "labels": {}})
+    data = gw.admit_sandbox({"policy": policy, "labels": {}})
     return data["id"], proxy_auth(data["id"], data["token"])
 
 
@@ -68,14 +112,27 @@ def fan_out(gateways: list[LoopbackGateway], count: int, call) -> list[tuple[int
         return list(pool.map(lambda i: call(gateways[i % len(gateways)].proxy), range(count)))
 
 
-def test_known_length_uploads_hold_one_budget_exactly(bw: BudgetWorld, backend: dict | None) -> None:
-    port = bw.upstream.port
-    size = len(head(port, "/k", f"Content-Length: {BODY}")) + BODY
-    fit = 20
-    budget = fit * size + size // 2  # room for 20 and a half: exactly 20 fit
-    gateways = gateways_for(bw, backend, budget)
-    try:
-        sid, auth = admit(gateways[0])
+def rule_requests(gw: LoopbackGateway, sandbox_id: str, rule: str) -> int:
+    """The store's request count of one rule, as the control API shows it."""
+    import httpx
+
+    res = httpx.get(f"http://{gw.admin}/v1/sandboxes/{sandbox_id}", headers={"Authorization": f"Bearer {gw.token}"},
+                    timeout=10, trust_env=False)
+    assert res.status_code == 200, res.text
+    return int(res.json()["usage"]["rules"].get(rule, {}).get("requests", 0))
+
+
+class TestOneFleet:
+    """The tests on the shared fleet, in a class so the fleet (class-scoped) is stopped before the kill -9
+    and store-down tests start gateways of their own: those run on a machine as quiet as before."""
+
+    def test_known_length_uploads_hold_one_budget_exactly(self, bw: BudgetWorld, fleet: Fleet) -> None:
+        port = bw.upstream.port
+        size = len(head(port, "/k", f"Content-Length: {BODY}")) + BODY
+        fit = 20
+        budget = fit * size + size // 2  # room for 20 and a half: exactly 20 fit
+        gateways = fleet.gateways
+        sid, auth = fleet.admit(bw, budget)
         mark = bw.upstream.mark()
         results = fan_out(gateways, UPLOADS, lambda proxy: send(proxy, auth, port, "/k", b"k" * BODY))
         statuses = sorted(status for status, _ in results)
@@ -86,22 +143,18 @@ def test_known_length_uploads_hold_one_budget_exactly(bw: BudgetWorld, backend: 
         assert len(got) == fit and all(r.complete and r.body_len == BODY for r in got)
         assert bw.upstream.total(mark) == fit * size  # the gateway's count is what the upstream saw
         assert spent_everywhere(gateways, sid) == [fit * size] * len(gateways)  # one store, exact
-    finally:
-        for gw in gateways:
-            stop_gateway(gw)
 
 
-def test_chunked_uploads_use_the_whole_budget_and_no_more(bw: BudgetWorld, backend: dict | None) -> None:
-    """Leases are topped up while the streams pause: with room for all 64 uploads, none is cut (no
-    false cut while budget remains), and once they are done the store is exact to the byte."""
-    port = bw.upstream.port
-    chunks = [b"c" * 2000] * 20
-    size = len(head(port, "/c", "Transfer-Encoding: chunked")) + sum(map(len, chunks))
-    slack = 777
-    budget = UPLOADS * size + slack
-    gateways = gateways_for(bw, backend, budget)
-    try:
-        sid, auth = admit(gateways[0])
+    def test_chunked_uploads_use_the_whole_budget_and_no_more(self, bw: BudgetWorld, fleet: Fleet) -> None:
+        """Leases are topped up while the streams pause: with room for all 64 uploads, none is cut (no
+        false cut while budget remains), and once they are done the store is exact to the byte."""
+        port = bw.upstream.port
+        chunks = [b"c" * 2000] * 20
+        size = len(head(port, "/c", "Transfer-Encoding: chunked")) + sum(map(len, chunks))
+        slack = 777
+        budget = UPLOADS * size + slack
+        gateways = fleet.gateways
+        sid, auth = fleet.admit(bw, budget)
         mark = bw.upstream.mark()
         results = fan_out(gateways, UPLOADS, lambda proxy: send(proxy, auth, port, "/c", None, chunks, 0.001))
         assert [status for status, _ in results] == [200] * UPLOADS
@@ -109,18 +162,14 @@ def test_chunked_uploads_use_the_whole_budget_and_no_more(bw: BudgetWorld, backe
         # leases settled once the uploads are over: spent is exactly what the upstream received
         assert wait_for(lambda: spent_everywhere(gateways, sid) == [UPLOADS * size] * len(gateways), timeout=5), \
             spent_everywhere(gateways, sid)
-    finally:
-        for gw in gateways:
-            stop_gateway(gw)
 
 
-def test_chunked_uploads_over_the_budget_are_cut_never_over(bw: BudgetWorld, backend: dict | None) -> None:
-    port = bw.upstream.port
-    chunks = [b"d" * 4000] * 25  # 100 kB each, 6.4 MB asked for
-    budget = 1_000_000
-    gateways = gateways_for(bw, backend, budget)
-    try:
-        sid, auth = admit(gateways[0])
+    def test_chunked_uploads_over_the_budget_are_cut_never_over(self, bw: BudgetWorld, fleet: Fleet) -> None:
+        port = bw.upstream.port
+        chunks = [b"d" * 4000] * 25  # 100 kB each, 6.4 MB asked for
+        budget = 1_000_000
+        gateways = fleet.gateways
+        sid, auth = fleet.admit(bw, budget)
         mark = bw.upstream.mark()
         results = fan_out(gateways, UPLOADS, lambda proxy: send(proxy, auth, port, "/d", None, chunks, 0.001))
         statuses = [status for status, _ in results]
@@ -135,19 +184,15 @@ def test_chunked_uploads_over_the_budget_are_cut_never_over(bw: BudgetWorld, bac
         assert spent > budget - 2 * 4000 * UPLOADS // 4  # and the budget was used, not stranded in leases
         completed = [r for r in bw.upstream.since(mark) if r.complete]
         assert all(r.body_len == 100_000 for r in completed)
-    finally:
-        for gw in gateways:
-            stop_gateway(gw)
 
 
-def test_rule_request_budget_is_exact_under_concurrency(bw: BudgetWorld, backend: dict | None) -> None:
-    """`budget.requests: 10` on a rule: of 64 concurrent requests exactly 10 reach the upstream; decide()
-    alone (one snapshot shared by concurrent requests) let more through. Control: the sandbox's other rule
-    still serves it afterwards."""
-    port = bw.upstream.port
-    gateways = gateways_for(bw, backend, 10_000_000, requests_max=10)
-    try:
-        sid, auth = admit(gateways[0])
+    def test_rule_request_budget_is_exact_under_concurrency(self, bw: BudgetWorld, fleet: Fleet) -> None:
+        """`budget.requests: 10` on a rule: of 64 concurrent requests exactly 10 reach the upstream; decide()
+        alone (one snapshot shared by concurrent requests) let more through. Control: the sandbox's other rule
+        still serves it afterwards."""
+        port = bw.upstream.port
+        gateways = fleet.gateways
+        sid, auth = fleet.admit(bw, 10_000_000, 10)
         mark = bw.upstream.mark()
         results = fan_out(gateways, UPLOADS, lambda proxy: send(proxy, auth, port, "/few", b"f" * 100))
         statuses = sorted(status for status, _ in results)
@@ -159,32 +204,18 @@ def test_rule_request_budget_is_exact_under_concurrency(bw: BudgetWorld, backend
         # refused ones were never counted against the byte budget: 10 + 1 requests are spent
         assert wait_for(lambda: spent_everywhere(gateways, sid) == [bw.upstream.total(mark)] * len(gateways),
                         timeout=5), (spent_everywhere(gateways, sid), bw.upstream.total(mark))
-    finally:
-        for gw in gateways:
-            stop_gateway(gw)
 
 
-def rule_requests(gw: LoopbackGateway, sandbox_id: str, rule: str) -> int:
-    """The store's request count of one rule, as the control API shows it."""
-    import httpx
-
-    res = httpx.get(f"http://{gw.admin}/v1/sandboxes/{sandbox_id}", headers={"Authorization": f"Bearer {gw.token}"},
-                    timeout=10, trust_env=False)
-    assert res.status_code == 200, res.text
-    return int(res.json()["usage"]["rules"].get(rule, {}).get("requests", 0))
-
-
-def test_byte_and_rule_budgets_in_one_step_stay_exact(bw: BudgetWorld, backend: dict | None) -> None:
-    """The bytes of a request, its rule's budget and its history are one atomic store step (issue 25): with
-    room for 12 requests in the byte budget and 30 in the rule's, exactly 12 of 64 concurrent requests (on
-    two gateway processes sharing one Redis) pass; the 52 refused for their bytes are not counted against
-    the rule (all or nothing), so its count is exactly 12 and the bytes spent are what the upstream got.
-    Control: the rule's own budget refuses once it is spent (30), the byte budget is not what stops it."""
-    port = bw.upstream.port
-    size = len(head(port, "/few", "Content-Length: 100")) + 100
-    gateways = gateways_for(bw, backend, 12 * size + size // 2, requests_max=30)
-    try:
-        sid, auth = admit(gateways[0])
+    def test_byte_and_rule_budgets_in_one_step_stay_exact(self, bw: BudgetWorld, fleet: Fleet) -> None:
+        """The bytes of a request, its rule's budget and its history are one atomic store step (issue 25): with
+        room for 12 requests in the byte budget and 30 in the rule's, exactly 12 of 64 concurrent requests (on
+        two gateway processes sharing one Redis) pass; the 52 refused for their bytes are not counted against
+        the rule (all or nothing), so its count is exactly 12 and the bytes spent are what the upstream got.
+        Control: the rule's own budget refuses once it is spent (30), the byte budget is not what stops it."""
+        port = bw.upstream.port
+        size = len(head(port, "/few", "Content-Length: 100")) + 100
+        gateways = fleet.gateways
+        sid, auth = fleet.admit(bw, 12 * size + size // 2, 30)
         mark = bw.upstream.mark()
         results = fan_out(gateways, UPLOADS, lambda proxy: send(proxy, auth, port, "/few", b"f" * 100))
         statuses = sorted(status for status, _ in results)
@@ -196,21 +227,13 @@ def test_byte_and_rule_budgets_in_one_step_stay_exact(bw: BudgetWorld, backend: 
         assert len(bw.upstream.since(mark)) == 12 and bw.upstream.total(mark) == 12 * size
         assert [rule_requests(gw, sid, "few") for gw in gateways] == [12] * len(gateways)
         assert spent_everywhere(gateways, sid) == [12 * size] * len(gateways)
-    finally:
-        for gw in gateways:
-            stop_gateway(gw)
-    # control: a byte budget with room for all, a rule budget of 30: the rule is what refuses now
-    gateways = gateways_for(bw, backend, 10_000_000, requests_max=30)
-    try:
-        sid, auth = admit(gateways[0])
+        # control: a byte budget with room for all, a rule budget of 30: the rule is what refuses now
+        sid, auth = fleet.admit(bw, 10_000_000, 30)
         results = fan_out(gateways, UPLOADS, lambda proxy: send(proxy, auth, port, "/few", b"f" * 100))
         assert sorted(status for status, _ in results) == [200] * 30 + [429] * (UPLOADS - 30)
         refused = [json.loads(body) for status, body in results if status == 429]
         assert {(r["reason"], r["rule"]) for r in refused} == {("budget_exceeded", "few")}  # the rule's, not bytes
         assert [rule_requests(gw, sid, "few") for gw in gateways] == [30] * len(gateways)
-    finally:
-        for gw in gateways:
-            stop_gateway(gw)
 
 
 def test_kill_9_mid_upload_survivor_serves_total_never_over(bw: BudgetWorld, redis_server: RedisServer) -> None:

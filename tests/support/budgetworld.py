@@ -42,6 +42,12 @@ class CountingUpstream:
     port: int
     received: list[Received] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    connections: int = 0  # open now: a request cut mid-body is recorded when its connection ends
+
+    def idle(self) -> bool:
+        """No connection open: every request that reached the upstream so far is in `received`."""
+        with self.lock:
+            return self.connections == 0
 
     def since(self, mark: int) -> list[Received]:
         with self.lock:
@@ -59,6 +65,8 @@ class CountingUpstream:
             self.received.append(item)
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with self.lock:
+            self.connections += 1
         try:
             while True:
                 req = await read_request_head(reader)
@@ -99,6 +107,8 @@ class CountingUpstream:
             pass
         finally:
             writer.close()
+            with self.lock:
+                self.connections -= 1
 
 
 @dataclass
@@ -108,8 +118,8 @@ class BudgetWorld:
     dns_port: int
     loop: LoopThread
 
-    def policy(self, budget: int, requests_max: int) -> dict:
-        return {"sandbox": {"name": "exact", "resources": {"outbound_bytes_max": budget}},
+    def policy(self, budget: int, requests_max: int, name: str = "exact") -> dict:
+        return {"sandbox": {"name": name, "resources": {"outbound_bytes_max": budget}},
                 "network": {"allow_private": ["127.0.0.1/32"], "http": {"allow": [
                     {"id": "few", "host": HOST, "ports": [self.upstream.port], "paths": ["/few"],
                      "budget": {"requests": requests_max}},
@@ -142,16 +152,20 @@ def budget_world(tmp: Path) -> Iterator[BudgetWorld]:
         assert_config_replays(config)
 
 
-def start_gateways(w: BudgetWorld, policy: dict, state: dict | None, count: int,
+def start_gateways(w: BudgetWorld, policy: dict | list[dict], state: dict | None, count: int,
                    launcher: list[str] | None = None) -> list[LoopbackGateway]:
     """`count` gateway processes on the same `state` backend config (None: memory), each its own ports,
-    var dir (audit file, CA) and policy copy; started at once (launcher.start_all)."""
+    var dir (audit file, CA) and policy copy (one policy, or several: one `<sandbox.name>.yaml` each);
+    started at once (launcher.start_all)."""
     import yaml
+
+    docs = policy if isinstance(policy, list) else [policy]
 
     def start(i: int) -> LoopbackGateway:
         tmp = w.tmp / f"gw{i}-{id(policy)}"
         (tmp / "policies").mkdir(parents=True)
-        (tmp / "policies" / "exact.yaml").write_text(yaml.safe_dump(policy))
+        for doc in docs:
+            (tmp / "policies" / f"{doc['sandbox']['name']}.yaml").write_text(yaml.safe_dump(doc))
         config = {"listen": {"proxy": "127.0.0.1:0", "admin": "127.0.0.1:0", "dns": None, "transparent": None},
                   "policy": str(tmp / "policies"), "var_dir": str(tmp / "var"),
                   "upstream": {"resolver": f"127.0.0.1:{w.dns_port}"}}

@@ -90,8 +90,14 @@ def first_line(proc: subprocess.Popen, timeout: float) -> str:
 STARTUP_TIMEOUT = 120.0
 
 
+# Gateways this process has waited for (`--cpu-report`, tests/support/cpu_usage.py: starts per module).
+GATEWAY_STARTS = 0
+
+
 def startup_info(proc: subprocess.Popen, stderr_path: Path, timeout: float = STARTUP_TIMEOUT) -> dict[str, Any]:
     """The startup line as a dict; a gateway that does not print one is killed and its log shown."""
+    global GATEWAY_STARTS
+    GATEWAY_STARTS += 1
     line = first_line(proc, timeout)
     try:
         info = json.loads(line)
