@@ -94,8 +94,9 @@ def budget_deny(policy: CompiledPolicy, server: str, tool: str, allowed: ToolDec
     return ToolDecision("deny", Reason.BUDGET_EXCEEDED, allowed.rule_id, message, detail=key)
 
 
-async def read_facts(session: McpSession, policy: CompiledPolicy, tool: str, now: float,
-                     flow: FromFlow | None = None) -> McpFacts:
+async def read_facts(
+    session: McpSession, policy: CompiledPolicy, tool: str, now: float, flow: FromFlow | None = None
+) -> McpFacts:
     """The facts `decide_tool_call` reads for one call of `tool` in `session`: the sandbox's labels
     and, for `allowed_by_network` arguments, its state snapshot (from `flow` when it read them for this
     very POST under the same policy, else from the store), the call counts and pins (one store read),
@@ -117,8 +118,9 @@ async def read_facts(session: McpSession, policy: CompiledPolicy, tool: str, now
             # the flow's snapshot holds what ITS policy reads (relevant_state): not after a reload
             snap = flow.snapshot if flow is not None and flow.policy_hash == session.ctx.policy_hash else None
             if snap is None:
-                snap = await state.snapshot(session.sandbox_id, history=policy.history_patterns,
-                                            rules=policy.budgeted_rules)
+                snap = await state.snapshot(
+                    session.sandbox_id, history=policy.history_patterns, rules=policy.budgeted_rules
+                )
         counts, pins = await state.mcp_read(session.sandbox_id, session.server_name, [server_key, tool_key])
         session.server_side.known = dict(pins)
         # grants matter only to a tool that needs approval: no store read for the others
@@ -130,8 +132,14 @@ async def read_facts(session: McpSession, policy: CompiledPolicy, tool: str, now
     except StateUnavailable:
         raise Refused(Reason.STATE_UNAVAILABLE) from None
     return McpFacts(
-        sandbox_id=session.sandbox_id, labels=MappingProxyType(dict(labels)),  # current (readmission)
-        server_calls=counts.get(server_key, 0), tool_calls=counts.get(tool_key, 0),
-        server_info_seen=read_info(pins.get("server_info")), tool_schema_seen=pins.get("tool:" + tool),
-        tool_schema_now=session.server_side.tool_hashes.get(tool), server_info_now=session.server_side.server_info_now,
-        grants=grants, network_state=snap)
+        sandbox_id=session.sandbox_id,
+        labels=MappingProxyType(dict(labels)),  # current (readmission)
+        server_calls=counts.get(server_key, 0),
+        tool_calls=counts.get(tool_key, 0),
+        server_info_seen=read_info(pins.get("server_info")),
+        tool_schema_seen=pins.get("tool:" + tool),
+        tool_schema_now=session.server_side.tool_hashes.get(tool),
+        server_info_now=session.server_side.server_info_now,
+        grants=grants,
+        network_state=snap,
+    )

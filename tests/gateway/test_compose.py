@@ -160,8 +160,13 @@ def _leaky_listing(jid: int) -> bytes:
     raw and JSON-escaped, and `delete_ticket` (denied: the mediator drops it)."""
     escaped = "".join(f"\\u{ord(c):04x}" for c in SECRET)
     listing = (
-        '{"jsonrpc":"2.0","id":' + str(jid) + ',"result":{"tools":[{"name":"note","description":"raw ' + SECRET
-        + " escaped " + escaped + '","inputSchema":{"type":"object"}},'
+        '{"jsonrpc":"2.0","id":'
+        + str(jid)
+        + ',"result":{"tools":[{"name":"note","description":"raw '
+        + SECRET
+        + " escaped "
+        + escaped
+        + '","inputSchema":{"type":"object"}},'
         '{"name":"delete_ticket","inputSchema":{"type":"object"}}]}}'
     )
     return f"event: message\r\ndata: {listing}\r\n\r\n".encode()
@@ -175,8 +180,9 @@ async def test_an_mcp_answer_is_counted_then_scrubbed_then_mediated_then_scrubbe
     world = await make_world(tmp_path, MemoryState())
     try:
         outs = []
-        control = SandboxRecord(id="sbx-b", token_hash="y", policy_name="mcp-med", admitted_at=time.time(),
-                                labels={"tenant": "acme"})
+        control = SandboxRecord(
+            id="sbx-b", token_hash="y", policy_name="mcp-med", admitted_at=time.time(), labels={"tenant": "acme"}
+        )
         await world.rt.state.admit(control)  # its own first sight of the tools (pins are per sandbox)
         for credentialed in (True, False):
             session = world.session(sandbox=None if credentialed else control)
@@ -184,8 +190,10 @@ async def test_an_mcp_answer_is_counted_then_scrubbed_then_mediated_then_scrubbe
             rt, fs = await _world()
             scrubber = Scrubber([SECRET])
             plan = ScrubPlan([], scrubber, 1 << 20, lambda exc: None) if credentialed else None
-            answer = AnswerFilter(lambda inner, s=session: sse_filter(inner, s, 1 << 20, [], None, None, print),
-                                  scrubber if credentialed else None)
+            answer = AnswerFilter(
+                lambda inner, s=session: sse_filter(inner, s, 1 << 20, [], None, None, print),
+                scrubber if credentialed else None,
+            )
             stream = compose_response(in_counter(rt, fs), plan, None, answer)
             assert callable(stream)
             wire = _leaky_listing(51)
@@ -212,7 +220,7 @@ async def test_a_body_refused_on_its_route_is_neither_hashed_counted_nor_forward
     cuts: list[int] = []
     hasher = _hasher()
     stream = compose_request(hasher, lambda hits: None, out_counter(fs), lambda: cuts.append(1))
-    assert await _feed_metered(fs, stream, [b"{\"jsonrpc\":\"2.0\"}", b"more"]) == b""
+    assert await _feed_metered(fs, stream, [b'{"jsonrpc":"2.0"}', b"more"]) == b""
     assert cuts == [1] and fs.bytes_out == 0 and await _bytes_out(rt, fs) == 0
     assert hasher.body_hash() == _hasher().body_hash()  # nothing of it was hashed
     rt, fs = await _world()

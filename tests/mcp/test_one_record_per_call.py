@@ -169,11 +169,21 @@ async def test_a_batchs_later_calls_have_one_decision_record_and_one_outcome_eac
     Three calls, three decision records, three outcomes, each call's request id [mcp_tool_call, outcome];
     the trail replays unchanged."""
     sbx = rw.admit()
-    batch = [{"jsonrpc": "2.0", "id": 61 + i, "method": "tools/call",
-              "params": {"name": "lookup", "arguments": {"ticket": f"T-{i}"}}} for i in range(3)]
+    batch = [
+        {
+            "jsonrpc": "2.0",
+            "id": 61 + i,
+            "method": "tools/call",
+            "params": {"name": "lookup", "arguments": {"ticket": f"T-{i}"}},
+        }
+        for i in range(3)
+    ]
     with sbx.raw() as client:
-        res = client.post(f"https://{ROGUE}:{rw.mcp.port}/rogue/mcp/batch", json=batch,
-                          headers={"Accept": "application/json", "MCP-Protocol-Version": "2025-03-26"})
+        res = client.post(
+            f"https://{ROGUE}:{rw.mcp.port}/rogue/mcp/batch",
+            json=batch,
+            headers={"Accept": "application/json", "MCP-Protocol-Version": "2025-03-26"},
+        )
     assert res.status_code == 200 and [a["id"] for a in res.json()] == [61, 62, 63], res.text
     records = _settled(rw, sbx)
     assert _count(records) == (3, 3), [(r["egressgate.operation"], r.get("egressgate.request.id")) for r in records]
