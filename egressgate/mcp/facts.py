@@ -38,7 +38,7 @@ class FromFlow:
     the sandbox's labels (its identity was resolved and found not revoked) and the state snapshot
     (`allowed_by_network` arguments are decided on it, as the POST itself was)."""
 
-    record: AuditEvent | None  # None: not folded (HTTP+SSE: the call's answer comes on another flow)
+    record: AuditEvent | None  # None: not folded (the POST's record was already written)
     labels: Mapping[str, str]
     snapshot: SandboxState | None
     policy_hash: str | None = None  # of the policy the flow was decided under: its snapshot is that policy's
