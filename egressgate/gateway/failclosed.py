@@ -17,6 +17,7 @@ from typing import Any
 from mitmproxy import exceptions, http, tcp
 from mitmproxy.proxy import server_hooks
 
+from egressgate.gateway.shared.compose import buffer_body
 from egressgate.gateway.shared.context import ensure_flow_state
 from egressgate.gateway.shared.deny import deny_response, gateway_deny
 from egressgate.policy.reasons import Reason
@@ -109,7 +110,7 @@ def refuse(hook: str, subject: Any, abort: Abort, refused: Refused | None = None
             # the flow's one request id (assigned once, in context.py), never mitmproxy's flow id
             fs = ensure_flow_state(subject)
             subject.response = deny_response(gateway_deny(Reason.INTERNAL_ERROR), fs.request_id)
-            subject.request.stream = False
+            buffer_body(subject.request)
         elif subject.killable:
             subject.kill()
         if refused is not None:

@@ -197,7 +197,7 @@ class GatewayMaster:
         ours = [ConnGuard(rt, self.pending_bytes, self.write_backlog),
                 NextLayer(rt), tlsconfig.TlsConfig(), Identity(rt), Transparent(rt), Consistency(rt), Sanitize(),
                 DecisionAddon(rt), Trailers(rt), Credentials(rt), Budgets(rt), ResponseScrub(rt),
-                record, Pinning(rt), Enforce(rt), RefusedTunnel(rt), McpRoute(rt), Revocation(rt)]
+                record, Pinning(rt), McpRoute(rt), Enforce(rt), RefusedTunnel(rt), Revocation(rt)]
         # every addon in the decision path fails closed (failclosed.py); TlsConfig too, since a failed
         # certificate step must not leave a connection half-configured. A refused flow is audited.
         guarded = (FailClosed(a, self.abort_connection, record.refused) for a in ours)

@@ -1,10 +1,11 @@
 """What a tool-call decision reads from the stores, and how the mediator records it (mcp/mediator.py).
 
-Kept apart from the session so each module stays one concern: here the pure helpers — which reads a
-tool needs (network state only for `allowed_by_network` arguments, grants only for `approval: required`
-tools), what the gateway flow carrying a body already read (FromFlow), how a stored pin is read back
-(a corrupt one is a store failure, never "not seen yet"), the
-facts as recorded for `audit replay`, and the deny of a budget a concurrent call spent first.
+Kept apart from the session so each module stays one concern: here the reads (`read_facts`: from the
+gateway flow carrying the body when it already read them, else from the stores) and the pure helpers —
+which reads a tool needs (network state only for `allowed_by_network` arguments, grants only for
+`approval: required` tools), what the gateway flow carrying a body already read (FromFlow), how a stored
+pin is read back (a corrupt one is a store failure, never "not seen yet"), the facts as recorded for
+`audit replay`, and the deny of a budget a concurrent call spent first.
 """
 
 from __future__ import annotations
@@ -12,15 +13,18 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from egressgate.mcp.pending import HeldOutcome
 from egressgate.policy.mcp_decide import McpFacts, ToolDecision
 from egressgate.policy.messages import mcp_message
 from egressgate.policy.reasons import Reason
+from egressgate.state.base import StateUnavailable
 
 if TYPE_CHECKING:
     from egressgate.audit.event import AuditEvent
+    from egressgate.mcp.mediator import McpSession
     from egressgate.policy.compile import CompiledPolicy
     from egressgate.policy.facts import SandboxState
 
@@ -34,7 +38,7 @@ class FromFlow:
     the sandbox's labels (its identity was resolved and found not revoked) and the state snapshot
     (`allowed_by_network` arguments are decided on it, as the POST itself was)."""
 
-    record: AuditEvent | None  # None: not folded (HTTP+SSE: the call's answer comes on another flow)
+    record: AuditEvent | None  # None: not folded (the POST's record was already written)
     labels: Mapping[str, str]
     snapshot: SandboxState | None
     policy_hash: str | None = None  # of the policy the flow was decided under: its snapshot is that policy's
@@ -88,3 +92,54 @@ def facts_record(facts: McpFacts) -> dict[str, Any]:
 def budget_deny(policy: CompiledPolicy, server: str, tool: str, allowed: ToolDecision, key: str) -> ToolDecision:
     message = mcp_message(policy, Reason.BUDGET_EXCEEDED, server, tool, rule_id=allowed.rule_id, detail=key)
     return ToolDecision("deny", Reason.BUDGET_EXCEEDED, allowed.rule_id, message, detail=key)
+
+
+async def read_facts(
+    session: McpSession, policy: CompiledPolicy, tool: str, now: float, flow: FromFlow | None = None
+) -> McpFacts:
+    """The facts `decide_tool_call` reads for one call of `tool` in `session`: the sandbox's labels
+    and, for `allowed_by_network` arguments, its state snapshot (from `flow` when it read them for this
+    very POST under the same policy, else from the store), the call counts and pins (one store read),
+    and grants only for a tool that needs approval. Raises Refused (revoked, store unavailable)."""
+    state = session.rt.state
+    server_key, tool_key = f"mcp:{session.server_name}", f"mcp:{session.server_name}/{tool}"
+    try:
+        if flow is not None:  # the flow's identity stage read the record for this very POST
+            labels = flow.labels
+        else:
+            record = await state.get(session.sandbox_id)
+            if record is None or record.revoked:
+                raise Refused(Reason.SANDBOX_REVOKED)
+            labels = record.labels
+        if session.server_side.pin_failed:
+            raise Refused(Reason.STATE_UNAVAILABLE)
+        snap = None
+        if needs_network(policy, session.server_name, tool):  # allowed_by_network: decided like a request
+            # the flow's snapshot holds what ITS policy reads (relevant_state): not after a reload
+            snap = flow.snapshot if flow is not None and flow.policy_hash == session.ctx.policy_hash else None
+            if snap is None:
+                snap = await state.snapshot(
+                    session.sandbox_id, history=policy.history_patterns, rules=policy.budgeted_rules
+                )
+        counts, pins = await state.mcp_read(session.sandbox_id, session.server_name, [server_key, tool_key])
+        session.server_side.known = dict(pins)
+        # grants matter only to a tool that needs approval: no store read for the others
+        grants: tuple = ()
+        if needs_approval(policy, session.server_name, tool):
+            grants = await session.rt.approvals.grants(session.sandbox_id, now)
+    except KeyError:
+        raise Refused(Reason.SANDBOX_REVOKED) from None
+    except StateUnavailable:
+        raise Refused(Reason.STATE_UNAVAILABLE) from None
+    return McpFacts(
+        sandbox_id=session.sandbox_id,
+        labels=MappingProxyType(dict(labels)),  # current (readmission)
+        server_calls=counts.get(server_key, 0),
+        tool_calls=counts.get(tool_key, 0),
+        server_info_seen=read_info(pins.get("server_info")),
+        tool_schema_seen=pins.get("tool:" + tool),
+        tool_schema_now=session.server_side.tool_hashes.get(tool),
+        server_info_now=session.server_side.server_info_now,
+        grants=grants,
+        network_state=snap,
+    )

@@ -35,15 +35,7 @@ from egressgate.broker.redact import SecretSpec
 from egressgate.mcp import records
 from egressgate.mcp.approval import name_tool_approval
 from egressgate.mcp.batch import withdraw
-from egressgate.mcp.facts import (
-    FromFlow,
-    Refused,
-    budget_deny,
-    facts_record,
-    needs_approval,
-    needs_network,
-    read_info,
-)
+from egressgate.mcp.facts import FromFlow, Refused, budget_deny, facts_record, read_facts
 from egressgate.mcp.jsonrpc import (
     McpMalformed,
     Message,
@@ -51,13 +43,12 @@ from egressgate.mcp.jsonrpc import (
     dumps,
     malformed_error,
     parse_body,
-    parse_value,
     reply_id,
 )
 from egressgate.mcp.methods import check_batch, check_client_methods
 from egressgate.mcp.pending import HeldOutcome, Pending, Ticket, id_key
 from egressgate.mcp.server_side import ServerSide
-from egressgate.policy.mcp_decide import McpFacts, ToolCall, ToolDecision, decide_tool_call
+from egressgate.policy.mcp_decide import ToolCall, ToolDecision, decide_tool_call
 from egressgate.policy.reasons import Reason
 from egressgate.state.base import StateUnavailable
 
@@ -250,7 +241,7 @@ class McpSession:
         if policy is None:
             return await self._fail(msg, tool, arguments, Reason.POLICY_UNAVAILABLE)
         try:
-            facts = await self._facts(policy, tool, now, flow)
+            facts = await read_facts(self, policy, tool, now, flow)
         except Refused as refused:
             return await self._fail(msg, tool, arguments, refused.reason)
         try:
@@ -296,43 +287,6 @@ class McpSession:
             return None
         return deny_error(msg.id, call.decision.message, str(call.decision.reason), call.decision.rule_id,
                           call.approval_id)
-
-    async def _facts(self, policy: CompiledPolicy, tool: str, now: float, flow: FromFlow | None = None) -> McpFacts:
-        state = self.rt.state
-        server_key, tool_key = f"mcp:{self.server_name}", f"mcp:{self.server_name}/{tool}"
-        try:
-            if flow is not None:  # the flow's identity stage read the record for this very POST
-                labels = flow.labels
-            else:
-                record = await state.get(self.sandbox_id)
-                if record is None or record.revoked:
-                    raise Refused(Reason.SANDBOX_REVOKED)
-                labels = record.labels
-            if self.server_side.pin_failed:
-                raise Refused(Reason.STATE_UNAVAILABLE)
-            snap = None
-            if needs_network(policy, self.server_name, tool):  # allowed_by_network: decided like a request
-                # the flow's snapshot holds what ITS policy reads (relevant_state): not after a reload
-                snap = flow.snapshot if flow is not None and flow.policy_hash == self.ctx.policy_hash else None
-                if snap is None:
-                    snap = await state.snapshot(self.sandbox_id, history=policy.history_patterns,
-                                                rules=policy.budgeted_rules)
-            counts, pins = await state.mcp_read(self.sandbox_id, self.server_name, [server_key, tool_key])
-            self.server_side.known = dict(pins)
-            # grants matter only to a tool that needs approval: no store read for the others
-            grants: tuple = ()
-            if needs_approval(policy, self.server_name, tool):
-                grants = await self.rt.approvals.grants(self.sandbox_id, now)
-        except KeyError:
-            raise Refused(Reason.SANDBOX_REVOKED) from None
-        except StateUnavailable:
-            raise Refused(Reason.STATE_UNAVAILABLE) from None
-        return McpFacts(
-            sandbox_id=self.sandbox_id, labels=MappingProxyType(dict(labels)),  # current (readmission)
-            server_calls=counts.get(server_key, 0), tool_calls=counts.get(tool_key, 0),
-            server_info_seen=read_info(pins.get("server_info")), tool_schema_seen=pins.get("tool:" + tool),
-            tool_schema_now=self.server_side.tool_hashes.get(tool), server_info_now=self.server_side.server_info_now,
-            grants=grants, network_state=snap)
 
     def _record(self, call: _Call, request_id: str, policy: CompiledPolicy):
         d = call.decision
@@ -390,10 +344,6 @@ class McpSession:
         out = await self.from_server(messages)
         return dumps(out if was_batch else out[0])
 
-    async def from_server_value(self, value: Any) -> list[dict]:
-        messages, _ = parse_value(value)
-        return await self.from_server(messages)
-
     def _outcome(self, msg: Message) -> None:
         pending = self.calls.pop(msg.id)  # type: ignore[arg-type]
         payload = msg.error if msg.error is not None else msg.result
@@ -403,12 +353,11 @@ class McpSession:
             response_bytes=len(dumps(payload))))
 
     def _emit(self, pending: Pending, event: AuditEvent) -> None:
-        """A call's outcome record: held for the gateway flow whose record is the call's (HeldOutcome),
-        else written behind."""
-        if pending.held is not None and pending.held.open:
-            pending.held.event = event
-        else:
-            self.rt.audit.enqueue_after(event)
+        """A call's outcome record: held for the gateway flow whose record is the call's, or folded into
+        that flow's outcome waiting for it (HeldOutcome.settle), else written behind."""
+        out = pending.held.settle(event) if pending.held is not None else event
+        if out is not None:
+            self.rt.audit.enqueue_after(out)
 
     async def close(self) -> None:
         """The session ended: every allowed call still unanswered is recorded `no_response`."""

@@ -7,6 +7,8 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from egressgate.mcp.records import fold_outcome
+
 if TYPE_CHECKING:
     from egressgate.audit.event import AuditEvent
 
@@ -16,11 +18,23 @@ _LONG_ID = 64  # a longer string id is kept as its sha256 in `outstanding` (boun
 @dataclass(slots=True)
 class HeldOutcome:
     """The outcome of a call whose decision record is its POST's (mcp/records.fold_network): held for the
-    gateway flow, which writes it into the POST's own outcome record (one record per call) while `open`;
-    after that (the session closed first) it is written on its own."""
+    gateway flow, which writes it into the POST's own outcome record (one record per call) while `open`.
+    When the POST ended before the call's answer came (HTTP+SSE: the answer travels on the stream), the
+    POST's outcome record waits here instead (`waiting`) and the call's outcome is folded into it when it
+    comes (records.fold_outcome). Neither: (the session closed first) it is written on its own."""
 
     event: AuditEvent | None = None
     open: bool = True
+    waiting: AuditEvent | None = None  # the POST's outcome record, built when the POST ended
+
+    def settle(self, event: AuditEvent) -> AuditEvent | None:
+        """The call's outcome `event` is known: None while the flow holds it (it writes it), else the
+        record to write now."""
+        if self.open:
+            self.event = event
+            return None
+        waiting, self.waiting = self.waiting, None
+        return fold_outcome(waiting, event) if waiting is not None else event
 
 
 @dataclass(slots=True)

@@ -92,6 +92,17 @@ def fold_network(call: AuditEvent, network: AuditEvent) -> AuditEvent:
                    rule_id=call.rule_id, message=call.message, extra=extra)
 
 
+def fold_outcome(flow_outcome: AuditEvent, call_outcome: AuditEvent) -> AuditEvent:
+    """One outcome record for a call and the POST that carried it, when the call's answer came after the
+    POST ended (HTTP+SSE: the answer travels on the stream): the POST's outcome record (status, bytes,
+    request hash, under the POST's request id, which is the call's) with the call's outcome attributes,
+    stamped when the answer came and lasting until then."""
+    durations = [d for d in (flow_outcome.duration_ms, call_outcome.duration_ms) if d is not None]
+    return replace(flow_outcome, time_ns=max(flow_outcome.time_ns, call_outcome.time_ns),
+                   duration_ms=max(durations) if durations else None,
+                   extra={**flow_outcome.extra, **call_outcome.extra})
+
+
 def redact_arguments(arguments: Any, secrets: Iterable[SecretSpec] = ()) -> str:
     """The canonical JSON text of `arguments` with every known secret and phantom replaced."""
     text = canonical(arguments).decode("utf-8")

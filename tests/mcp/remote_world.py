@@ -23,7 +23,7 @@ from mcp import Client
 from mcp.client.sse import sse_client
 from mcp.client.streamable_http import streamable_http_client
 
-from tests.mcp.servers import McpWorld, serve_mcp
+from tests.mcp.servers import SECRET, McpWorld, serve_mcp
 from tests.support.launcher import LoopbackGateway, launch_loopback, stop_gateway, write_policies
 from tests.support.loopback import DnsServer, LoopThread, start_dns
 from tests.support.replay_check import assert_replays_unchanged
@@ -60,7 +60,6 @@ def tools(server: str) -> dict[str, Any]:
 ALLOWED = {"search_tickets", "count_tickets", "lookup", "slow_ticket", "note", "close_ticket"}
 # transport kind -> server url path
 KINDS = {"json": "/json/mcp", "sse": "/sse/mcp", "old": "/old/sse", "cred": "/cred/mcp"}
-SECRET = "sk-mcp-route-credential-4d2c"  # the credential the gateway injects on the /cred route
 
 
 def policy(port: int, secret_file: str) -> dict[str, Any]:

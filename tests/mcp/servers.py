@@ -6,6 +6,8 @@ One HTTPS server (uvicorn in a thread, TLS from the test CA via trustme) serves 
   /old/sse + /old/messages/   the older HTTP+SSE transport       (SDK server "tickets-old")
   /evil/sse            a hostile HTTP+SSE endpoint: its `endpoint` event names another origin
   /rogue/mcp/<mode>    a hostile streamable-HTTP responder (odd SSE events, bad JSON, codings, 503, 202, ...)
+  /cred/mcp/leaky, /rogue/mcp/leaky   a tools/list answer (one SSE event) leaking SECRET and offering a denied tool
+  /rogue/mcp/batch     answers a JSON-RPC batch (one result per request)
 
 `Received` is the oracle of the deny tests: an ASGI wrapper in front of every route keeps the exact bytes
 of every request body the server got (before the SDK parses it), so "the upstream never saw the denied
@@ -34,6 +36,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Mount, Route
 
 VERSION = "1.4.2"
+SECRET = "sk-mcp-route-credential-4d2c"  # the credential the gateway injects on the /cred route (remote_world.py)
 # The Host header is the gateway's business here (it names tickets.mcp.test:PORT): the SDK's
 # DNS-rebinding guard for a loopback bind would refuse it.
 _OPEN = TransportSecuritySettings(enable_dns_rebinding_protection=False)
@@ -193,6 +196,31 @@ async def _escaped_echo(request: Request) -> Response:
     return Response((head + text + '"}],"isError":false}}').encode(), media_type="application/json")
 
 
+def leaky_listing(jid: int) -> bytes:
+    """The whole body `_leaky` answers a tools/list of id `jid` with: one SSE `message` event whose listing
+    offers `note` (allowed) and `delete_ticket` (denied: the mediator drops it), the note's description
+    leaking SECRET twice — raw, and with every character JSON-escaped (the same string to a JSON parser,
+    other bytes to a byte-level matcher)."""
+    escaped = "".join(f"\\u{ord(c):04x}" for c in SECRET)
+    listing = ('{"jsonrpc":"2.0","id":' + json.dumps(jid) + ',"result":{"tools":[{"name":"note","description":"raw '
+               + SECRET + " escaped " + escaped + '","inputSchema":{"type":"object"}},'
+               '{"name":"delete_ticket","inputSchema":{"type":"object"}}]}}')
+    return f"event: message\r\ndata: {listing}\r\n\r\n".encode()
+
+
+async def _leaky(request: Request) -> Response:
+    call = json.loads(await request.body())
+    return Response(leaky_listing(call["id"]), media_type="text/event-stream")
+
+
+async def _batch(request: Request) -> Response:
+    """A JSON-RPC batch answered as one JSON array, a `fine` result for every request in it (the SDK
+    servers answer no batches)."""
+    answers = [{"jsonrpc": "2.0", "id": m["id"], "result": {"content": [{"type": "text", "text": "fine"}],
+                "isError": False}} for m in json.loads(await request.body()) if "id" in m]
+    return Response(json.dumps(answers).encode(), media_type="application/json")
+
+
 async def _rogue(request: Request) -> Response:
     """A hostile streamable-HTTP server: answers a POSTed request in the way its path names (`mode`)."""
     call = json.loads(await request.body())
@@ -275,8 +303,11 @@ def serve_mcp(ca: trustme.CA, tmp: Path, hostnames: list[str]) -> Iterator[McpWo
         async with json_server.session_manager.run(), sse_server.session_manager.run():
             yield
 
-    routes = [Route("/evil/sse", _evil_sse), Route("/rogue/mcp/{mode}", _rogue, methods=["POST"]),
+    routes = [Route("/evil/sse", _evil_sse), Route("/rogue/mcp/leaky", _leaky, methods=["POST"]),
+              Route("/rogue/mcp/batch", _batch, methods=["POST"]),
+              Route("/rogue/mcp/{mode}", _rogue, methods=["POST"]),
               Route("/cred/mcp/echo", _escaped_echo, methods=["POST"]),
+              Route("/cred/mcp/leaky", _leaky, methods=["POST"]),
               Mount("/json", json_app), Mount("/cred", json_app),
               Mount("/sse", sse_app), Mount("/old", old_app)]
     root = Starlette(routes=routes, lifespan=lifespan)

@@ -9,9 +9,12 @@ outcome, under one request id, with every fact either decision read so `audit re
 Counted the way an auditor would: two sessions of the same real SDK client against the same real SDK
 server, one making 1 call and one making 3 (the SDK's own requests — initialize, the notification,
 the one tools/list its result validation asks for, the stream, the DELETE — are the same in both), so
-the difference in records is what the 2 extra calls wrote. Positive control: the HTTP+SSE transport,
-whose calls are answered on another flow and so keep their POST's own records, counted the same way
-shows two decision records and two outcomes per call — the count sees a second record when there is one.
+the difference in records is what the 2 extra calls wrote. The HTTP+SSE transport too: its call's
+answer comes on the stream (another flow) after the POST's 202, so the POST's outcome record waits for
+it (mcp/pending.HeldOutcome) and carries it. A batch's later calls have their own `mcp_tool_call`
+record and MCP outcome (the POST's records are the first call's): one of each per call as well.
+Positive control: each step of a session making a call AND a tools/list, counted the same way, shows
+two decision records and two outcomes — the count sees a second record when there is one.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import yaml
 
 from egressgate.audit.find import iter_records
 from egressgate.audit.replay import load_policy_set, replay_records
-from tests.mcp.remote_world import RemoteWorld, Sandbox, open_remote_world
+from tests.mcp.remote_world import ROGUE, RemoteWorld, Sandbox, open_remote_world
 from tests.support.launcher import write_policies
 from tests.support.replay_check import trail_files
 from tests.support.waiting import wait_for
@@ -91,7 +94,7 @@ async def _extra_records_per_call(rw: RemoteWorld, kind: str) -> tuple[float, fl
     return (d3 - d1) / 2, (o3 - o1) / 2, three, b
 
 
-@pytest.mark.parametrize("kind", ["json", "sse"])  # the server answers as JSON / as an SSE stream
+@pytest.mark.parametrize("kind", ["json", "sse", "old"])  # answers as JSON / SSE / on the HTTP+SSE stream
 async def test_a_tool_call_writes_one_decision_record_and_one_outcome(rw: RemoteWorld, kind: str) -> None:
     decisions, outcomes, records, sbx = await _extra_records_per_call(rw, kind)
     assert (decisions, outcomes) == (1, 1), [
@@ -107,11 +110,16 @@ async def test_a_tool_call_writes_one_decision_record_and_one_outcome(rw: Remote
         # the call's record is also the POST's network decision: its facts are all there
         assert (call["egressgate.decision"], call["egressgate.rule"]) == ("allow", f"tickets-{kind}-search")
         assert (call["egressgate.network.rule"], call["egressgate.network.reason"]) == ("tickets-mcp", "rule_matched")
-        assert call["http.request.method"] == "POST" and call["url.path"] == f"/{kind}/mcp"
+        path = "/old/messages/" if kind == "old" else f"/{kind}/mcp"  # HTTP+SSE: the announced endpoint
+        assert call["http.request.method"] == "POST" and call["url.path"] == path
         assert call["egressgate.pinned.address"] == "127.0.0.1" and "egressgate.state.bytes_out" in call
         assert "egressgate.mcp.facts" in call  # what the call decision read (counts, pins)
-        # the POST's outcome is also the call's
-        assert int(outcome["http.response.status_code"]) == 200 and int(outcome["egressgate.bytes.in"]) > 0
+        # the POST's outcome is also the call's (HTTP+SSE: the POST's 202, its answer came on the stream)
+        if kind == "old":
+            assert int(outcome["http.response.status_code"]) == 202
+            assert float(outcome["egressgate.duration_ms"]) > 0
+        else:
+            assert int(outcome["http.response.status_code"]) == 200 and int(outcome["egressgate.bytes.in"]) > 0
         assert (outcome["egressgate.mcp.outcome"], outcome["egressgate.mcp.is_error"]) == ("result", False)
         assert outcome["egressgate.mcp.tool"] == "search_tickets" and int(outcome["egressgate.mcp.result_bytes"]) > 0
     # both decisions of each folded record replay unchanged with the recording policy: network and call
@@ -139,13 +147,55 @@ async def test_a_denied_call_is_one_record_with_the_network_decision_too(rw: Rem
     assert result.changes == [] and result.replayed >= 2  # the call and the POST's network decision
 
 
-async def test_positive_control_http_sse_calls_keep_two_records_each_and_the_count_sees_them(rw: RemoteWorld) -> None:
-    """The legacy HTTP+SSE transport answers a call on its stream (another flow), so the POST keeps its
-    own `http_request` and outcome records: the same count finds 2 + 2 per call there."""
-    decisions, outcomes, records, _sbx = await _extra_records_per_call(rw, "old")
-    assert (decisions, outcomes) == (2, 2), [r["egressgate.operation"] for r in records]
+async def test_positive_control_the_count_sees_two_records_per_step_when_there_are_two(rw: RemoteWorld) -> None:
+    """Each step makes a tools/call and a tools/list (a POST without a call keeps its own `http_request`
+    record and outcome): the same count finds 2 + 2 per step, on both transports."""
+    for kind in ("json", "old"):
+        counts = []
+        for steps in (1, 3):
+            sbx = rw.admit()
+            async with rw.client(sbx, kind) as client:
+                for _ in range(steps):
+                    assert not (await client.call_tool("search_tickets", ARGS)).is_error
+                    await client.list_tools()
+            counts.append(_count(_settled(rw, sbx)))
+        (d1, o1), (d3, o3) = counts
+        assert ((d3 - d1) / 2, (o3 - o1) / 2) == (2, 2), (kind, counts)
+
+
+async def test_a_batchs_later_calls_have_one_decision_record_and_one_outcome_each(rw: RemoteWorld) -> None:
+    """A 2025-03-26 batch of three calls in one POST: the first call's record is the POST's (folded), the
+    others have their own `mcp_tool_call` record and MCP outcome; the POST writes no record of its own.
+    Three calls, three decision records, three outcomes, each call's request id [mcp_tool_call, outcome];
+    the trail replays unchanged."""
+    sbx = rw.admit()
+    batch = [
+        {
+            "jsonrpc": "2.0",
+            "id": 61 + i,
+            "method": "tools/call",
+            "params": {"name": "lookup", "arguments": {"ticket": f"T-{i}"}},
+        }
+        for i in range(3)
+    ]
+    with sbx.raw() as client:
+        res = client.post(
+            f"https://{ROGUE}:{rw.mcp.port}/rogue/mcp/batch",
+            json=batch,
+            headers={"Accept": "application/json", "MCP-Protocol-Version": "2025-03-26"},
+        )
+    assert res.status_code == 200 and [a["id"] for a in res.json()] == [61, 62, 63], res.text
+    records = _settled(rw, sbx)
+    assert _count(records) == (3, 3), [(r["egressgate.operation"], r.get("egressgate.request.id")) for r in records]
     calls = [r for r in records if r["egressgate.operation"] == "mcp_tool_call"]
-    assert len(calls) == 3 and not any("egressgate.network.rule" in c for c in calls)
+    assert [c["egressgate.mcp.jsonrpc_id"] for c in calls] == ["61", "62", "63"]
+    assert all(c["egressgate.decision"] == "allow" for c in calls)
+    assert ["egressgate.network.rule" in c for c in calls] == [True, False, False]  # the POST's is the first's
+    for call in calls:
+        same = [r for r in records if r.get("egressgate.request.id") == call["egressgate.request.id"]]
+        assert [r["egressgate.operation"] for r in same] == ["mcp_tool_call", "outcome"]
+        assert same[1]["egressgate.mcp.outcome"] == "result"
+    assert _replay(rw, sbx).changes == []
 
 
 async def test_replay_re_decides_the_folded_network_decision(rw: RemoteWorld, tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ from mcp import MCPError
 
 from tests.mcp.remote_world import (
     ALLOWED,
+    HOST,
     ROGUE,
     SECRET,
     RemoteWorld,
@@ -27,7 +28,7 @@ from tests.mcp.remote_world import (
     open_remote_world,
     raw_initialize,
 )
-from tests.mcp.servers import VERSION, drift, set_version
+from tests.mcp.servers import VERSION, drift, leaky_listing, set_version
 
 STREAMABLE = ["json", "sse"]
 
@@ -334,6 +335,39 @@ def test_an_answer_the_gateway_left_unchanged_goes_out_as_the_upstream_spelled_i
     assert filtered.status_code == 200, filtered.text
     assert filtered.json()["result"]["tools"] == [] and b"delete_ticket" not in filtered.content
     assert b'"id":42' in filtered.content  # re-serialized (compact), not the upstream's spelling
+
+
+@pytest.mark.parametrize(("host", "path", "credentialed"), [
+    (HOST, "/cred/mcp/leaky", True),  # the route's rule injects SECRET: it must never come back
+    (ROGUE, "/rogue/mcp/leaky", False),  # control: no credential on this route, so nothing is scrubbed
+])
+def test_an_sse_answer_is_counted_as_sent_then_scrubbed_mediated_and_scrubbed_again(
+        rw: RemoteWorld, host: str, path: str, credentialed: bool) -> None:
+    """The byte order compose.py states for an MCP answer (issue 25: the route plans its filter, Enforce
+    builds the one callable): budget counter (the upstream's wire bytes) -> decode + scrub -> the MCP
+    filter (the mediator drops the denied tool and re-encodes) -> re-scrub of what it re-encoded. The
+    upstream's SSE answer leaks the credential raw and JSON-escaped; the re-encoding unescapes the second.
+    The control route has no credential: both come through (decoded), so the secret really is in what the
+    upstream sent and the scrub steps are what removed it; the tool is dropped there too."""
+    sbx = rw.admit()
+    listing = {"jsonrpc": "2.0", "id": 51, "method": "tools/list", "params": {}}
+    with sbx.raw() as client:
+        res = client.post(f"https://{host}:{rw.mcp.port}{path}", json=listing,
+                          headers={"Accept": "application/json, text/event-stream"})
+    assert res.status_code == 200 and res.headers["content-type"].startswith("text/event-stream"), res.text
+    data = b"".join(line[5:] for line in res.content.splitlines() if line.startswith(b"data:"))
+    [tool] = json.loads(data)["result"]["tools"]  # mediated: delete_ticket dropped, note kept
+    assert tool["name"] == "note"
+    if credentialed:
+        assert SECRET.encode() not in res.content and SECRET not in tool["description"]
+        assert tool["description"] == "raw [REDACTED] escaped [REDACTED]"
+    else:
+        assert tool["description"] == f"raw {SECRET} escaped {SECRET}"
+    wire = leaky_listing(51)
+    [outcome] = rw.records(sbx, "outcome")
+    # counted first: the upstream's bytes as sent, not what the scrub and the filter made of them
+    assert int(outcome["egressgate.bytes.in"]) == len(wire) != len(res.content)
+    assert SECRET not in rw.gw.audit_text()
 
 
 LOOKUP = {"jsonrpc": "2.0", "id": 31, "method": "tools/call", "params": {"name": "lookup", "arguments": {

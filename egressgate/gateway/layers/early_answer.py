@@ -39,6 +39,7 @@ from mitmproxy.proxy.layers.http import SendHttp
 from mitmproxy.proxy.layers.http._events import ErrorCode, RequestHeaders, RequestProtocolError, ResponseProtocolError
 from mitmproxy.proxy.layers.http._hooks import HttpRequestHeadersHook, HttpRequestHook, HttpResponseHeadersHook
 
+from egressgate.gateway.shared.compose import buffer_body
 from egressgate.gateway.shared.context import flow_state
 from egressgate.gateway.shared.counters import hold_client
 from egressgate.gateway.shared.deny import deny_response, gateway_deny
@@ -87,7 +88,7 @@ class EarlyAnswerStream(HalfCloseTunnel):
     def _answer_before_body(self) -> layer.CommandGenerator[None]:
         self.client_state = self.state_discard_request_body
         self.server_state = self.state_wait_for_response_headers
-        self.flow.request.stream = False
+        buffer_body(self.flow.request)
         self.flow.request.timestamp_end = time.time()
         yield HttpRequestHook(self.flow)  # as after a buffered body: nothing of it is forwarded
         if (yield from self.check_killed(True)):

@@ -4,10 +4,12 @@ request side and the route's rules).
 Every answer on the route is read before the sandbox gets it: `Accept-Encoding: identity` was asked for,
 so a coded answer is refused (502, `egressgate.response_refused`); an SSE answer (streamable HTTP POST
 or GET stream, the HTTP+SSE transport's stream) is filtered per event and a JSON answer whole
-(mcp/stream.py), each wrapped around the stream callable Enforce built, so the byte counter and the
-credential scrub still see the upstream's bytes first — and what the filter re-encoded is scrubbed once
-more. The gateway's own denials for members of the POST that did not go upstream are merged in. An
-answer of another content type could carry anything: refused. The HTTP+SSE transport's session lives as
+(mcp/stream.py). This side only plans: the filter is `FlowState.answer_filter`, which compose.py puts
+in its stated place when Enforce (the next addon) builds the answer's one callable — after the byte
+counter and the credential scrub, which still see the upstream's bytes first, and before a re-scrub of
+what the filter re-encoded; a refused or replaced answer is `FlowState.replacement`. The gateway's own
+denials for members of the POST that did not go upstream are merged in. An answer of another content
+type could carry anything: refused. The HTTP+SSE transport's session lives as
 long as its stream (`response` / `error` end it). When a streamable-HTTP POST's exchange ends (`response`
 after the whole answer, streamed or not, or `error`), the ids of the requests it forwarded and that were
 not answered are freed (McpSession.release): an HTTP error or a 202 never answers them, and keeping them
@@ -26,11 +28,12 @@ from egressgate.broker.redact import cached_scrubber
 from egressgate.gateway.mcp.headers import HeaderView
 from egressgate.gateway.mcp.sessions import McpExchange
 from egressgate.gateway.mcp.stream import json_answer, json_collector, sse_filter
+from egressgate.gateway.shared.compose import AnswerFilter
 from egressgate.gateway.shared.context import FlowState, flow_state
-from egressgate.gateway.shared.credential_streams import reframe, replace_body
+from egressgate.gateway.shared.credential_streams import reframe
 from egressgate.gateway.shared.credential_streams import refuse as refuse_response
 from egressgate.gateway.shared.deny import REQUEST_ID_HEADER
-from egressgate.gateway.shared.emit import write_outcome
+from egressgate.gateway.shared.emit import flow_outcome_event, write_outcome
 from egressgate.mcp.jsonrpc import McpMalformed, dumps
 from egressgate.policy.canon import CanonError
 from egressgate.policy.decide import decide
@@ -75,8 +78,8 @@ class McpAnswers:
             return
         policy = self.rt.policies.get(fs.policy_name)
         max_bytes = policy.mcp.max_message_bytes if policy is not None else 0
-        inner = resp.stream if callable(resp.stream) else None
         refuse = self._stream_refusal(flow, fs)
+        rescrub = cached_scrubber(fs.credential.spec()) if fs.credential is not None else None
         if ctype == "text/event-stream":
             on_endpoint = None
             if ex.role == "stream" and ex.server.transport == "sse":
@@ -85,18 +88,18 @@ class McpAnswers:
                 on_endpoint = self._endpoint_check(fs, ex, policy)
             reframe(flow)
             first, ex.replies = ex.replies, []
-            resp.stream = self._scrubbed(fs, sse_filter(inner, ex.session, max_bytes, first,
-                                                        ex.injector if ex.role == "stream" else None,
-                                                        on_endpoint, refuse))
+            session, injector = ex.session, ex.injector if ex.role == "stream" else None
+            fs.answer_filter = AnswerFilter(
+                lambda inner: sse_filter(inner, session, max_bytes, first, injector, on_endpoint, refuse), rescrub)
             fs.stream_response = True
             return
         if ex.role == "post" and ctype == "application/json":
-            if resp.stream:  # large or of unknown length: collected (bounded) by our callable
+            if fs.stream_response:  # large or of unknown length: collected (bounded) by the filter
                 reframe(flow)
                 session, replies, batch = ex.session, ex.replies, ex.batch
-                resp.stream = self._scrubbed(fs, json_collector(
-                    inner, max_bytes, lambda body: json_answer(session, body, max_bytes, replies, batch), refuse))
-                fs.stream_response = True
+                fs.answer_filter = AnswerFilter(lambda inner: json_collector(
+                    inner, max_bytes, lambda body: json_answer(session, body, max_bytes, replies, batch), refuse),
+                    rescrub)
             return  # buffered: filtered whole in `response`
         if ex.role == "post" and ex.replies and (resp.status_code == 202 or not ok):  # no answer of its own
             body = dumps(ex.replies if ex.batch or len(ex.replies) > 1 else ex.replies[0])
@@ -104,8 +107,7 @@ class McpAnswers:
             resp.headers = http.Headers(content_type="application/json", cache_control="no-store",
                                         content_length=str(len(body)))
             resp.headers[REQUEST_ID_HEADER] = fs.request_id
-            resp.stream = replace_body(body)
-            fs.replacement = body
+            fs.replacement = body  # compose.py streams it instead of the upstream's body
             return
         if bodiless or resp.status_code == 202:
             return
@@ -115,9 +117,7 @@ class McpAnswers:
 
     def _refuse_answer(self, flow: http.HTTPFlow, fs: FlowState, reason: str, message: str, bodiless: bool) -> None:
         fs.response_refused = reason
-        fs.replacement = refuse_response(flow, fs.request_id, reason, message, bodiless)
-        assert flow.response is not None
-        flow.response.stream = replace_body(fs.replacement)
+        fs.replacement = refuse_response(flow, fs.request_id, reason, message, bodiless)  # compose.py sends it
         fs.stream_response = True
 
     def _stream_refusal(self, flow: http.HTTPFlow, fs: FlowState):
@@ -131,21 +131,6 @@ class McpAnswers:
                 flow.kill()
 
         return refuse
-
-    def _scrubbed(self, fs: FlowState, stream):
-        """A credentialed route: what the filter re-encoded is scrubbed again (a secret the upstream had
-        escaped in JSON comes out of the re-encoding unescaped)."""
-        applied = fs.credential
-        if applied is None:
-            return stream
-        scrubber = cached_scrubber(applied.spec())
-
-        def scrubbing(chunk: bytes) -> object:
-            out = stream(chunk)
-            chunks = [out] if isinstance(out, bytes) else list(out)  # type: ignore[arg-type]
-            return [scrubber.scrub(c) for c in chunks if c]
-
-        return scrubbing
 
     def _endpoint_check(self, fs: FlowState, ex: McpExchange, policy):
         """The HTTP+SSE transport's `endpoint` event: where the client will POST its messages. It must be
@@ -189,11 +174,17 @@ class McpAnswers:
     def _folded_outcome(self, flow: http.HTTPFlow, fs: FlowState | None, ex: McpExchange | None,
                         error: str | None) -> None:
         """The POST's outcome record, with its call's outcome (held by the mediator: answered, or
-        released `no_response` just above): one outcome record per call (docs/audit.md "MCP")."""
+        released `no_response` just above): one outcome record per call (docs/audit.md "MCP"). On the
+        HTTP+SSE transport the call's answer comes on the stream, usually after the POST's 202: the POST's
+        outcome record then waits in the HeldOutcome and the mediator writes it with the call's outcome
+        (or its `no_response` when the session ends first)."""
         if fs is None or ex is None or ex.held is None:
             return
         held, ex.held = ex.held, None
         held.open = False
+        if held.event is None and ex.injector is not None and not ex.session.closed:
+            held.waiting = flow_outcome_event(self.rt, flow, fs, error)
+            return
         write_outcome(self.rt, flow, fs, error, held.event.extra if held.event is not None else None)
 
     def _answer_done(self, flow: http.HTTPFlow, fs: FlowState | None, ex: McpExchange | None) -> None:

@@ -1,8 +1,12 @@
 """Remote MCP: a request to a URL of a policy's `mcp.servers` entry is an MCP route (PLAN-13).
 
 The network decision came first (decision.py: the server is reached only through an allowed network rule,
-credentials injected by that rule, the allow recorded); this addon runs after Enforce and adds the
-tool-level mediation on top, through the session's mediator (egressgate/mcp/mediator.py):
+credentials injected by that rule, the allow recorded, the destination pinned); this addon runs right
+before Enforce and adds the tool-level mediation on top, through the session's mediator
+(egressgate/mcp/mediator.py). Before Enforce because Enforce builds the body callables (compose.py, the
+one place they are built) and this route only *plans* its part of them: a POST body buffered
+(`stream_request` off), a body refused on a request that may carry none (`forbid_body`), the answer
+filter (`answer_filter`, mcp/answer.py).
 
 - A POST carries JSON-RPC messages. Its body is buffered whole (at most `mcp.max_message_bytes`, with a
   declared length and no content coding: anything else is refused before a byte goes upstream), parsed
@@ -34,6 +38,7 @@ from egressgate.gateway.mcp.headers import HeaderView
 from egressgate.gateway.mcp.sessions import McpExchange, McpSessions
 from egressgate.gateway.mcp.stream import Injector
 from egressgate.gateway.shared import emit
+from egressgate.gateway.shared.compose import buffer_body
 from egressgate.gateway.shared.context import FlowState, Runtime, flow_state
 from egressgate.gateway.shared.counters import refund_prepaid
 from egressgate.gateway.shared.deny import DECISION_HEADER, REQUEST_ID_HEADER, gateway_deny
@@ -81,7 +86,7 @@ def _is_malformed(replies: list[dict]) -> bool:
 
 
 class McpRoute(McpAnswers):
-    """The addon (master.py, after Enforce); its answer side is mcp/answer.py."""
+    """The addon (master.py, right before Enforce); its answer side is mcp/answer.py."""
 
     def __init__(self, runtime: Runtime) -> None:
         self.rt = runtime
@@ -130,8 +135,8 @@ class McpRoute(McpAnswers):
             if has_body(h):
                 self._refuse(flow, fs, "body_not_allowed", _NO_BODY)
                 return
-            if b"content-length" not in h and callable(request.stream):
-                request.stream = self._no_body(flow, fs, request.stream)  # HTTP/2: a body may still come
+            if b"content-length" not in h:  # HTTP/2: a body may still come (compose.py cuts it)
+                fs.forbid_body = self._body_cut(flow, fs)
             if role == "stream" and sse:
                 ex.key = (fs.sandbox_id, server.name, "sse:" + fs.request_id)
                 ex.injector = Injector()
@@ -145,7 +150,7 @@ class McpRoute(McpAnswers):
             detail, message = problem
             self._refuse(flow, fs, detail, message)
             return
-        request.stream = False  # buffered (bounded above): decided whole before anything goes upstream
+        fs.stream_request = False  # buffered (bounded above): decided whole before anything goes upstream
         if sse:
             found = self.sessions.by_endpoint(fs.sandbox_id, server.name, fs.path, fs.query or "")
             if found is None:
@@ -158,24 +163,18 @@ class McpRoute(McpAnswers):
             ex.protocol_header = h.get(b"mcp-protocol-version")
             ex.session = await self._keyed(flow, fs, policy)
 
-    def _no_body(self, flow: http.HTTPFlow, fs: FlowState, inner):
-        """A request on an MCP route that is not a POST, of undeclared length (HTTP/2): its headers went
-        upstream, but any body byte cuts it (never forwarded): a message there would be unmediated."""
+    def _body_cut(self, flow: http.HTTPFlow, fs: FlowState):
+        """A request on an MCP route that is not a POST, of undeclared length (HTTP/2): its headers go
+        upstream, but its first body byte cuts it (compose.py forwards none of it): a message there would
+        be unmediated."""
         client_id = flow.client_conn.id
-        cut = False
 
-        def guard(chunk: bytes) -> object:
-            nonlocal cut
-            if chunk or cut:
-                if not cut:
-                    cut = True
-                    fs.request_refused = "mcp_body_not_allowed"  # the outcome record says why
-                    if self.rt.abort_connection is not None:
-                        self.rt.abort_connection(client_id)
-                return []
-            return inner(chunk)
+        def cut() -> None:
+            fs.request_refused = "mcp_body_not_allowed"  # the outcome record says why
+            if self.rt.abort_connection is not None:
+                self.rt.abort_connection(client_id)
 
-        return guard
+        return cut
 
     async def _keyed(self, flow: http.HTTPFlow, fs: FlowState, policy) -> object | None:
         ex = fs.mcp
@@ -209,10 +208,10 @@ class McpRoute(McpAnswers):
         conn = self.rt.conns.get(flow.client_conn.id)
         via = None
         if conn is not None and not conn.closed:  # closed: revoked meanwhile (the mediator re-reads)
-            # HTTP+SSE: the call's answer comes on the stream's flow, so its records stay its own
-            fold = fs.record_owed and ex.injector is None
-            via = FromFlow(flow_decision_event(self.rt, flow, fs) if fold else None, conn.labels, fs.state,
-                           fs.policy_hash)
+            # the POST's decision record goes into its first call's (HTTP+SSE too: the answer comes on the
+            # stream's flow, and the POST's outcome waits for it, mcp/answer.py)
+            via = FromFlow(flow_decision_event(self.rt, flow, fs) if fs.record_owed else None, conn.labels,
+                           fs.state, fs.policy_hash)
         verdict = await ex.session.from_client(body, via, ex.protocol_header)
         ex.batch = verdict.batch
         replies = list(verdict.replies)
@@ -283,7 +282,7 @@ class McpRoute(McpAnswers):
             sandbox_id=fs.sandbox_id, policy_name=fs.policy_name, policy_hash=fs.policy_hash, scheme=fs.scheme,
             host=fs.host, port=fs.port, method=fs.method, path=fs.path, bytes_out=fs.bytes_out,
         ))
-        flow.request.stream = False
+        buffer_body(flow.request)  # answered before its body is read (early_answer.py)
         text = fs.decision.message or "Refused by the gateway."
         error = {"jsonrpc": "2.0", "id": None, "error": {
             "code": INVALID_REQUEST if reason is Reason.MCP_MALFORMED else -32001, "message": text,

@@ -107,10 +107,11 @@ def passthrough(body: bytes, messages: list[Any], out: list[dict]) -> bool:
 def sse_filter(inner: StreamFn | None, session: Any, max_bytes: int, first: list[dict],
                injector: Injector | None, on_endpoint: Callable[[bytes], bool] | None,
                refuse: Refuse) -> StreamFn:
-    """The stream callable of an SSE answer on an MCP route: `inner` (the byte counter / scrub chain
-    enforce.py built) first, then decode -> filter -> encode. `first`: gateway answers that go out before
-    anything of the upstream's (denied members of the POST this stream answers). `on_endpoint`: the
-    HTTP+SSE transport's endpoint check (None: an `endpoint` event is dropped like any unknown event)."""
+    """The stream callable of an SSE answer on an MCP route (compose.py's answer filter): `inner` (the byte
+    counter / scrub chain, compose.py's earlier steps) first, then decode -> filter -> encode. `first`:
+    gateway answers that go out before anything of the upstream's (denied members of the POST this stream
+    answers). `on_endpoint`: the HTTP+SSE transport's endpoint check (None: an `endpoint` event is dropped
+    like any unknown event)."""
     decoder = SseDecoder(max_event_bytes=max_bytes)
     pending = list(first)
     dead = False

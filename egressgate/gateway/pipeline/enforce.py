@@ -21,7 +21,13 @@ from mitmproxy import http
 from egressgate.audit.build import build
 from egressgate.audit.event import EventKind
 from egressgate.gateway.shared import request_hash
-from egressgate.gateway.shared.compose import compose_request, compose_response
+from egressgate.gateway.shared.compose import (
+    buffer_body,
+    compose_request,
+    compose_response,
+    install_request,
+    install_response,
+)
 from egressgate.gateway.shared.context import Runtime, flow_state
 from egressgate.gateway.shared.counters import in_counter, out_counter, refund_prepaid, rule_budget
 from egressgate.gateway.shared.deny import REQUEST_ID_HEADER, deny_response, gateway_deny
@@ -57,7 +63,7 @@ class Enforce:
         decision = fs.decision
         if not decision.allowed:
             # answered before any of the body is read, whatever its size (early_answer.py)
-            flow.request.stream = False
+            buffer_body(flow.request)
             flow.response = deny_response(decision, fs.request_id)
             return
         if not await self._record_history(flow, fs):
@@ -65,9 +71,10 @@ class Enforce:
         request_hash.start(flow.request, fs)
         if fs.stream_request:
             counter = out_counter(fs) if fs.meter_request else None
-            flow.request.stream = compose_request(
-                fs.hasher, lambda hits: stream_misuse(self.rt, flow, fs, hits, cut=False), counter)  # the
-            # stream then aborts the upstream request and answers the deny (early_answer.cut_mid_body)
+            install_request(flow.request, compose_request(
+                fs.hasher, lambda hits: stream_misuse(self.rt, flow, fs, hits, cut=False), counter,
+                fs.forbid_body))  # a phantom: the stream then aborts the upstream request and answers the
+            # deny (early_answer.cut_mid_body)
 
     async def _record_history(self, flow: http.HTTPFlow, fs) -> bool:
         """Enter the allowed request into the sandbox's history before a byte of it goes upstream, and
@@ -110,7 +117,7 @@ class Enforce:
             policy_hash=fs.policy_hash, scheme=fs.scheme, host=fs.host, port=fs.port, method=fs.method,
             path=fs.path, bytes_out=fs.bytes_out,
         ))
-        flow.request.stream = False
+        buffer_body(flow.request)
         flow.response = deny_response(fs.decision, fs.request_id)  # before the body (early_answer.py)
         return False
 
@@ -123,4 +130,4 @@ class Enforce:
             return
         if fs.stream_response or fs.replacement is not None:
             counter = in_counter(self.rt, fs) if fs.sandbox_id is not None else None
-            flow.response.stream = compose_response(counter, fs.scrub, fs.replacement)
+            install_response(flow.response, compose_response(counter, fs.scrub, fs.replacement, fs.answer_filter))

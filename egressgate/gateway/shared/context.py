@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from egressgate.broker.broker import Broker
     from egressgate.gateway.mcp.sessions import McpExchange
     from egressgate.gateway.service.resolver import Resolver
-    from egressgate.gateway.shared.compose import ScrubPlan
+    from egressgate.gateway.shared.compose import AnswerFilter, ScrubPlan
     from egressgate.gateway.shared.flowtypes import Applied, LimitRecords, WsRefusal
     from egressgate.gateway.shared.ledger import ByteLedger, Meter
     from egressgate.state.base import SandboxRecord, StateStore
@@ -148,8 +148,12 @@ class FlowState:
     # request_hash.py: the canonical request hash (complete at the headers, or fed by the body)
     bodyless_hash: str | None = None
     hasher: StreamingRequestHash | None = None
-    # mcp/route.py: this flow is on a remote MCP route (its server, session, gateway answers)
+    # mcp/route.py: this flow is on a remote MCP route (its server, session, gateway answers) and, for
+    # compose.py, what the route adds to the body callables: a body refused on a request that may carry
+    # none (called once, at its first byte), and the filter over a streamed answer
     mcp: McpExchange | None = None
+    forbid_body: Callable[[], None] | None = None
+    answer_filter: AnswerFilter | None = None
     # connguard.py: this request is counted in its connection's in-flight requests
     in_flight: bool = False
     # ws_layer.py: the websocket runs on the guarded layer / why the gateway closed it

@@ -155,8 +155,19 @@ def write_outcome(
 ) -> None:
     """The outcome record of an allowed flow, once, written behind; `more`: attributes of the exchange
     another stage adds (the MCP route: its call's outcome, one record per call, docs/audit.md "MCP")."""
+    event = flow_outcome_event(rt, flow, fs, error, more)
+    if event is not None:
+        write_behind(rt, event)
+
+
+def flow_outcome_event(
+    rt: Runtime, flow: http.HTTPFlow, fs: FlowState, error: str | None = None, more: dict | None = None
+) -> AuditEvent | None:
+    """What `write_outcome` writes, built once (None: not an allow, or already built); the caller writes it.
+    The MCP route holds an HTTP+SSE POST's until its call's answer arrives on the stream (one outcome
+    record per call)."""
     if fs.outcome_sent or fs.decision is None or not fs.decision.allowed:
-        return
+        return None
     fs.outcome_sent = True
     write_owed(rt, flow, fs)  # an MCP POST that ended before its route recorded it
     extra: dict = transparent_attributes(fs.transparent, fs.original_dst)
@@ -174,22 +185,19 @@ def write_outcome(
         if value:
             extra[key] = value
     req_hash, body_hash = request_hash.finish(fs)
-    write_behind(
-        rt,
-        outcome_event(
-            fs,
-            decision="deny" if fs.state_cut else str(fs.decision.effect),  # the store failed mid-body
-            reason=str(Reason.STATE_UNAVAILABLE)
-            if fs.state_cut
-            else str(Reason.BUDGET_EXCEEDED)
-            if fs.budget_cut
-            else str(fs.decision.reason),
-            rule_id=fs.decision.rule_id,
-            status=flow.response.status_code if flow.response is not None else None,
-            bytes_out=fs.bytes_out,
-            bytes_in=fs.bytes_in,
-            request_hash=req_hash,
-            body_hash=body_hash,
-            extra=extra,
-        ),
+    return outcome_event(
+        fs,
+        decision="deny" if fs.state_cut else str(fs.decision.effect),  # the store failed mid-body
+        reason=str(Reason.STATE_UNAVAILABLE)
+        if fs.state_cut
+        else str(Reason.BUDGET_EXCEEDED)
+        if fs.budget_cut
+        else str(fs.decision.reason),
+        rule_id=fs.decision.rule_id,
+        status=flow.response.status_code if flow.response is not None else None,
+        bytes_out=fs.bytes_out,
+        bytes_in=fs.bytes_in,
+        request_hash=req_hash,
+        body_hash=body_hash,
+        extra=extra,
     )
