@@ -22,10 +22,11 @@ idle. A pool left holding bytes without use (a flow that never reached its end h
 is settled by `sweep` (run every second by reconcile.py) after one to two seconds of no use.
 
 Writes after the fact (settle, add_in) are summed per sandbox and written once per event-loop tick (one
-task for all of them), never one per chunk (issue 11). On a shared store (Redis: a round trip each) bytes
-in are not written on their own: they ride along with the sandbox's next write (`reserve_request`, a
-settle) and the sweep writes what is left within a second (issue 25: two round trips per request); they
-are a figure, no budget reads them. A settle that fails is not retried: after a timeout
+task for all of them), never one per chunk (issue 11); the in-process store (MemoryState) is written at
+once instead, synchronously (a dict update needs no task: issue 25). On a shared store (Redis: a round
+trip each) bytes in are not written on their own: they ride along with the sandbox's next write
+(`reserve_request`, a settle) and the sweep writes what is left within a second (issue 25: two round
+trips per request); they are a figure, no budget reads them. A settle that fails is not retried: after a timeout
 the store may have applied it, and giving unused bytes back twice would let the sandbox exceed its
 budget. A lost settle only overstates what was spent (fail closed); it is logged and counted.
 """
@@ -86,6 +87,9 @@ class ByteLedger:
         self.retry_delays: tuple[float, ...] = () if isinstance(state, MemoryState) else RETRY_DELAYS
         # a shared store pays a round trip per write: bytes in wait for the sandbox's next write (module doc)
         self.defer_in = not isinstance(state, MemoryState)
+        # the in-process store (exactly MemoryState: a subclass may override its writes) is written at once,
+        # synchronously, by the same sums: no per-tick callback and task (a loop iteration per request)
+        self._direct = state if type(state) is MemoryState else None
         self._pools: dict[str, _Pool] = {}
         self._dirty: set[str] = set()
         self._scheduled = False
@@ -214,6 +218,9 @@ class ByteLedger:
     # ------------------------------------------------------------------ in
     def add_in(self, sandbox_id: str, amount: int) -> None:
         if amount:
+            if self._direct is not None:
+                self._write_now(self._direct, sandbox_id, 0, 0, amount)
+                return
             self._pool(sandbox_id).in_ += amount
             if not self.defer_in:
                 self._mark(sandbox_id)
@@ -223,12 +230,15 @@ class ByteLedger:
         if spent:
             self._pool(sandbox_id).settle_spent = True
         self._dirty.add(sandbox_id)
-        if not self._scheduled:
+        if self._direct is not None:
+            self._drain()
+        elif not self._scheduled:
             self._scheduled = True
             asyncio.get_running_loop().call_soon(self._drain)
 
     def _drain(self) -> None:
-        """Hand the summed deltas to the store: one tracked task per tick for every sandbox."""
+        """Hand the summed deltas to the store: one tracked task per tick for every sandbox (the in-process
+        store: written here and now)."""
         self._scheduled = False
         batch: list[tuple[str, int, int, int]] = []
         for sandbox_id in self._dirty:
@@ -246,10 +256,24 @@ class ByteLedger:
             if spent or unused or in_:
                 batch.append((sandbox_id, spent, unused, in_))
         self._dirty.clear()
-        if batch:
+        if batch and self._direct is not None:
+            for item in batch:
+                self._write_now(self._direct, *item)
+        elif batch:
             task = asyncio.get_running_loop().create_task(self._write(batch))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+
+    def _write_now(self, state: MemoryState, sandbox_id: str, spent: int, unused: int, in_: int) -> None:
+        try:
+            if spent or unused:
+                state.settle_out_now(sandbox_id, spent, unused)
+            if in_:
+                state.add_in_now(sandbox_id, in_)
+        except Exception as exc:  # as _settle / _add_in: never retried, counted and logged
+            self.settle_failures += 1
+            logger.error("writing %d spent / %d unused / %d in bytes of %s failed: %s", spent, unused, in_,
+                         sandbox_id, exc)
 
     async def _write(self, batch: list[tuple[str, int, int, int]]) -> None:
         await asyncio.gather(*(self._write_one(*item) for item in batch))
