@@ -110,7 +110,7 @@ class FileSink:
         self._afterq = AfterRecords(
             RetrySpool(Path(retry_spool) if retry_spool is not None else None),
             after_delay,
-            wake=lambda: self._queue.put_nowait(_WAKE),
+            wake=self._wake_writer,
             writer_stopped=lambda: self._writer is None or self._writer.done(),
         )
         self._sign_due = False
@@ -292,51 +292,65 @@ class FileSink:
             return
         self._afterq.defer(record)
 
-    def _commit_now(self, record: Record) -> bool:
-        """Write `record`, after the outcomes waiting for a batch, here and now: the writer task's batch,
-        made by the caller while that task is parked on an empty queue (no await from here to the end, so
-        the two never interleave and the chain has one writer at a time). Only a batch that needs nothing
-        that waits: a running chain (not its first line), no checkpoint, rotation, incident, retry or
-        signature due, a healthy inline-writable file whose checks pass. Saves the hand-over to the writer
-        (a future and two task switches: 2 of ~9 loop iterations of a gateway request, issue 25).
-        False, with nothing changed, when the writer task must do it; raises AuditUnavailable as the
-        writer's batch would (the outcomes taken go to the retry queue)."""
+    def _commit_now(self, record: Record | None) -> bool:
+        """Write the outcomes waiting for a batch, and `record`, here and now: the writer task's batch, made
+        by the caller while that task is parked on an empty queue (no await from here to the end, so the two
+        never interleave and the chain has one writer at a time). Only a batch that needs nothing that
+        waits: a running chain (not its first line), no checkpoint, rotation, incident, retry or signature
+        due, a healthy inline-writable file whose checks pass. Saves the hand-over to the writer (a future
+        and two task switches: 2 of ~9 loop iterations of a gateway request, issue 25; for outcomes alone,
+        the writer's wake-up). False, with nothing changed, when the writer task must do it; on a failed
+        write, what the writer's batch would do: `record`'s caller gets AuditUnavailable, the outcomes go
+        to the retry queue."""
         trail, head = self._trail, self._head
         chain = head.writer
         state = chain.state
+        own = [] if record is None else [record]
         if (
             trail is None
             or not self._queue.empty()
             or self._writer is None
             or self._writer.done()
+            or self._writer.cancelling()  # going down (its done callback takes the outcomes): not parked
             or not self._healthy
             or self._pending
             or self._sign_due
             or head.incident_next
             or state.seq == 0
-            or state.since_checkpoint + len(self._afterq.deferred) + 1 >= self.checkpoint_every
+            or state.since_checkpoint + len(self._afterq.deferred) + len(own) >= self.checkpoint_every
             or trail.size >= self.max_bytes
             or not self._batches.inline_now()
             or not trail.settled()
         ):
             return False
-        batch = [*self._afterq.take(), (record, None)]
+        after = [r for r, _ in self._afterq.take()]
+        records = [*after, *own]
         snap = chain.snapshot()
         try:
-            data = b"".join([chain.append(r) + b"\n" for r, _ in batch])
+            data = b"".join([chain.append(r) + b"\n" for r in records])
             if len(data) > self._batches.inline_write_max:  # too large for the loop: the writer's thread
                 chain.restore(snap)
-                self._afterq.deferred[:0] = [r for r, _ in batch[:-1]]
+                self._afterq.deferred[:0] = after
                 return False
-            trail.size = self._batches.write_inline(trail.fd, trail.size, data, trail.path)
+            if data:
+                trail.size = self._batches.write_inline(trail.fd, trail.size, data, trail.path)
         except Exception as exc:
             chain.restore(snap)
-            fut = asyncio.get_running_loop().create_future()  # the failure path only: the writer's answer
-            self._batch_failed([*batch[:-1], (record, fut)], exc)
+            fut = asyncio.get_running_loop().create_future() if own else None  # the writer's answer
+            self._batch_failed([*((r, None) for r in after), *((r, fut) for r in own)], exc)
             self._queue.put_nowait(_WAKE)  # the parked writer starts probing the disk (and retrying) now
-            fut.result()  # raises AuditUnavailable
-        self._written([r for r, _ in batch])
+            if fut is not None:
+                fut.result()  # raises AuditUnavailable
+            return True
+        if records:
+            self._written(records)
         return True
+
+    def _wake_writer(self) -> None:
+        """Outcomes wait for a batch (afterfact.py: the loop is idle, or their timer fired): written here
+        when the writer task is parked (no wake-up, no task switch), else by that task."""
+        if not (self._parked and self._commit_now(None)):
+            self._queue.put_nowait(_WAKE)
 
     def _sign_now(self) -> None:
         self._sign_due = True

@@ -86,23 +86,25 @@ async def test_same_bytes_as_the_writer_task(tmp_path, signer, pubkey):
 
 async def test_a_parked_writer_means_no_hand_over(make_sink, pubkey):
     """With the writer parked on an empty queue a record is durable before write() first yields: no
-    future, no loop iteration. Positive controls: the first record of a file (its chain_start), and a
-    record behind one already queued for the writer, are handed over (write() suspends)."""
+    future, no loop iteration; an outcome written at idle is written by the idle callback itself (the
+    writer is not woken). Positive controls: the first record of a file (its chain_start), and a record
+    behind one already queued for the writer, are handed over (write() suspends)."""
     sink = await make_sink(watch_interval=60, inline_slow=10.0)  # a preempted write must not count as slow
-    events = [http_event(1), http_event(2), http_event(3, kind="outcome"), http_event(4)]
+    events = [http_event(1), http_event(2), http_event(3), http_event(4, kind="outcome")]
     first = eager(sink.write(events[0]))
+    second = eager(sink.write(events[1]))
     assert not first.done()  # seq 0: the writer task writes chain_start with it
-    await first
+    assert not second.done()  # behind it in the queue: in order, through the writer
+    await asyncio.gather(first, second)
     batches = sink.batches_written
-    task = eager(sink.write(events[1]))
+    task = eager(sink.write(events[2]))
     assert task.done() and task.exception() is None
-    assert events[1].request_id in sink.path.read_text() and sink.batches_written == batches + 1
-    sink.enqueue_after(events[2])  # sparse traffic: the writer is woken (a wake-up on its queue) ...
-    await asyncio.sleep(0)  # ... once the loop has run what was ready (here, at once)
-    assert not sink._queue.empty()
-    behind = eager(sink.write(events[3]))
-    assert not behind.done()  # the queue is not empty: in order, through the writer
-    await behind
+    assert events[2].request_id in sink.path.read_text() and sink.batches_written == batches + 1
+    sink.enqueue_after(events[3])  # sparse traffic: written once the loop has run what was ready ...
+    assert events[3].request_id not in sink.path.read_text()
+    await asyncio.sleep(0)  # ... here, at once
+    assert events[3].request_id in sink.path.read_text() and sink.batches_written == batches + 2
+    assert sink._queue.empty()  # ... without waking the writer task
     await sink.close()
     rep = verify_file(sink.path, load_public_keys([pubkey]))
     assert rep.ok and rep.sealed, rep.error
