@@ -3,7 +3,8 @@
 Why group commit: `write()` must not return before its record is durable (intent before effect), but one
 write+flush(+fsync) per request would cap the gateway at the disk's flush rate. A single writer task takes
 everything queued, chains and encodes it, writes it with one `os.write` (+ one `fsync` when configured) and
-then resolves every waiting future, so concurrent requests share one flush. `os.write` on an O_APPEND fd
+then resolves every waiting future, so concurrent requests share one flush (a caller whose record finds the
+writer idle commits that batch itself, `_commit_now`: no hand-over). `os.write` on an O_APPEND fd
 has no user-space buffer: once it returns, the record survives a gateway crash; `fsync` adds power loss.
 
 Failure never loses an accepted record and never leaves a half line: the file is truncated back to the
