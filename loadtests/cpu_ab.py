@@ -1,15 +1,16 @@
 """Gateway CPU per request, this tree against another (A/B), at c=1: the figure that a loaded machine blurs least.
 
-    PYTHONPATH=$PWD .venv/bin/python -m loadtests.cpu_ab --baseline /tmp/base [--rounds 8] [--seconds 3]
+    PYTHONPATH=$PWD .venv/bin/python -m loadtests.cpu_ab --baseline /tmp/base [--rounds 8] [--concurrency 1]
 
 Starts the upstream and two `egressgate run` gateways (this tree, and the `--baseline` tree: `git archive
-<commit> egressgate | tar -x -C DIR`) as loadtests/gateway_bench.py does, then runs keep-alive 1 KiB GETs at
-c=1 against each in turn, `--rounds` times per mode, the order alternating, and reads each gateway's own
-CPU time (utime + stime, /proc) around every cell. Why: on a machine other jobs saturate, rps and p50 say
-mostly how much CPU the gateway was given (loadtests/RESULTS.md: per-repeat rps spread 5-10x); the CPU
-time the gateway spends per request depends on what it does, much less on when it ran. Printed: median
+<commit> egressgate | tar -x -C DIR`) as loadtests/gateway_bench.py does, then runs keep-alive 1 KiB GETs
+at c=1 (`--concurrency`) against each in turn, `--rounds` times per mode, the order alternating, and reads
+each gateway's own CPU time (utime + stime, /proc) around every cell. Why: on a machine other jobs
+saturate, rps and p50 say mostly how much CPU the gateway was given (loadtests/RESULTS.md: per-repeat rps
+spread 5-10x); the CPU time the gateway spends per request depends more on what it does. Printed: median
 µs of gateway CPU per request for each tree, and the median of the per-round ratios (this / baseline).
 Each cell's CPU includes its connection set-up (TLS handshake, warm-up requests): the same for both trees.
+Caveat (RESULTS.md, h-hop2): on a saturated machine a starved cell still costs more CPU per request.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ def main() -> None:
     ap.add_argument("--baseline", type=Path, required=True)
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--seconds", type=float, default=3.0)
+    ap.add_argument("--concurrency", type=int, default=1)
     ap.add_argument("--modes", nargs="+", default=["http", "https"], choices=["http", "https"])
     args = ap.parse_args()
     ns = argparse.Namespace(upstream_host=procs.UPSTREAM_NAME, baseline=args.baseline, mitmdump_flow_detail=0)
@@ -50,7 +52,7 @@ def main() -> None:
                     proc = bench.procs[name]
                     target = bench.target(name, mode)
                     cpu0 = proc.cpu_seconds()
-                    res = run_cell(target, 1, args.seconds)
+                    res = run_cell(target, args.concurrency, args.seconds)
                     cpu = proc.cpu_seconds() - cpu0
                     if res.ok:
                         got[name] = 1e6 * cpu / res.ok
