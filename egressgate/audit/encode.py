@@ -95,7 +95,13 @@ def _attributes_json(attrs: Mapping[str, Any]) -> str:
                 if len(_PREFIXES) >= _FRAGMENTS_MAX:
                     _PREFIXES.clear()
                 _PREFIXES[key] = prefix
-            append(prefix + _value_json(value) + "}")
+            t = type(value)  # the two common cases of _value_json, without its call (~13 per record)
+            if t is str:
+                append(prefix + '{"stringValue":' + _esc(value) + "}}")
+            elif t is int:
+                append(prefix + '{"intValue":"' + int.__repr__(value) + '"}}')
+            else:
+                append(prefix + _value_json(value) + "}")
     return ",".join(parts)
 
 

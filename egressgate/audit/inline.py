@@ -5,10 +5,10 @@ part that decides *where* the bytes are written, and writes them whole or not at
 back to the last complete batch, so the file stays verifiable). It owns no file: the sink passes its
 descriptor and the size it has written so far, and gets the new size back.
 
-Tried and not kept (issue 11): letting a caller commit a lone record itself while the writer task was
-idle, to save the hand-over (queue, future, two task switches). Interleaved against the same tree
-without it, c=1: rps 1.06x / 1.08x, per CPU-second 0.99x, p50 unchanged — inside the noise, so the
-single writer stays the only code path that touches the chain.
+A caller may also write its batch itself (`write_inline`), without the writer task, when the writer is
+parked on an empty queue and the batch needs nothing that waits (filesink.py `_commit_now`): the
+hand-over (queue, future, two task switches) was 2 of ~9 event-loop iterations of a gateway request at
+c=1 (issue 25). Issue 11 had tried it and measured it inside the noise; the counts are what it saves.
 """
 
 from __future__ import annotations
@@ -48,23 +48,26 @@ class BatchWriter:
         loaded gateway every thread write looked slow and the sink never returned inline - it paid the
         thread round trip for every batch from the first hiccup on (measured: 5-15 % of the CPU of a busy
         gateway, issue 11). A disk that is still slow costs one inline stall per `inline_retry`."""
-        if (
-            not self.fsync
-            and len(data) <= self.inline_write_max
-            and (self.inline_ok or time.monotonic() >= self.inline_retry_at)
-        ):
-            started = time.perf_counter()
-            size = self.write_durable(fd, size, data, path)
-            finished = time.perf_counter()
-            if finished - started > self.inline_slow:
-                self.slow_inline_writes += 1
-                self.inline_ok = False
-                self.inline_retry_at = time.monotonic() + self.inline_retry
-            else:
-                self.inline_ok = True
-            return size
+        if len(data) <= self.inline_write_max and self.inline_now():
+            return self.write_inline(fd, size, data, path)
         size, elapsed = await asyncio.to_thread(self._timed_write, fd, size, data, path)
         if not self.fsync and elapsed <= self.inline_slow:
+            self.inline_ok = True
+        return size
+
+    def inline_now(self) -> bool:
+        """May a batch (of at most `inline_write_max` bytes) be written on the event loop now?"""
+        return not self.fsync and (self.inline_ok or time.monotonic() >= self.inline_retry_at)
+
+    def write_inline(self, fd: int, size: int, data: bytes, path: object = None) -> int:
+        """`write_durable` on the event loop, timed: a slow write sends the next ones to a thread."""
+        started = time.perf_counter()
+        size = self.write_durable(fd, size, data, path)
+        if time.perf_counter() - started > self.inline_slow:
+            self.slow_inline_writes += 1
+            self.inline_ok = False
+            self.inline_retry_at = time.monotonic() + self.inline_retry
+        else:
             self.inline_ok = True
         return size
 

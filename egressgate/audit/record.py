@@ -155,11 +155,15 @@ _BASE_KEYS = frozenset(
 )
 
 
-def event_attributes(event: AuditEvent) -> dict[str, Value]:
+_NOT_GIVEN: Any = object()
+
+
+def event_attributes(event: AuditEvent, target: str | None = _NOT_GIVEN) -> dict[str, Value]:
     """The attribute set for one event (chain fields are added by chain.py). None values are left out;
     `extra` adds `egressgate.*` attributes but never overrides a field of the event, its facts or state.
     (The straightforward version of this function is kept as a test oracle in
-    tests/audit/reference_encoding.py; this one skips None early and cleans by exact type.)"""
+    tests/audit/reference_encoding.py; this one skips None early and cleans by exact type.) `target`: the
+    event's `canonical_target`, when the caller has it already (record_from_event)."""
     kind = event.kind
     raw: tuple[tuple[str, Any], ...] = (
         ("egressgate.request.id", event.request_id),
@@ -170,7 +174,7 @@ def event_attributes(event: AuditEvent) -> dict[str, Value]:
         ("egressgate.policy.name", event.policy_name),
         ("egressgate.policy.hash", event.policy_hash),
         ("egressgate.target.as_sent", event.target_as_sent),
-        ("egressgate.target.canonical", canonical_target(event)),
+        ("egressgate.target.canonical", canonical_target(event) if target is _NOT_GIVEN else target),
         (K_SCHEME, event.scheme),
         (K_HOST, event.host),
         (K_PORT, event.port),
@@ -270,8 +274,8 @@ def state_attributes(state: Any) -> dict[str, Any]:
 
 def record_from_event(event: AuditEvent) -> Record:
     deny = event.decision == "deny"
-    target = canonical_target(event) or ""
-    parts = [event.decision or "", str(event.kind), target]
+    canonical = canonical_target(event)
+    parts = [event.decision or "", str(event.kind), canonical or ""]
     if event.reason:
         parts.append(f"({event.reason})")
     return Record(
@@ -280,7 +284,7 @@ def record_from_event(event: AuditEvent) -> Record:
         severity_text="WARN" if deny else "INFO",
         event_name=f"egressgate.{event.kind}",
         body=clean_str(" ".join(p for p in parts if p)),
-        attributes=event_attributes(event),
+        attributes=event_attributes(event, canonical),
     )
 
 

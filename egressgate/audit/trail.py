@@ -1,6 +1,6 @@
 """The live audit file and its answers to faults of the trail itself: a crashed previous run, size rotation,
 the file deleted, moved or truncated from outside. A collaborator of `FileSink` (filesink.py keeps the
-writer task and the write path); the writer task is its only caller, so no lock is needed.
+writer task and the write path); the writer task is its caller (see below), so no lock is needed.
 
 Rules enforced here:
 * a file a crash left unsealed is sealed at restart by a signed `recovery` checkpoint, only if its unsigned
@@ -12,7 +12,8 @@ Rules enforced here:
 
 The chain itself (`ChainHead`: the writer, the previous file's name, the incidents to write after the next
 `chain_start`) is shared with the sink, which appends every batch to it; sealing and restarting go through
-the sink's `append` (one batch: chain, encode, write).
+the sink's `append` (one batch: chain, encode, write). Besides the writer task, only a batch the sink
+writes while that task is parked on an empty queue calls in (`settled`, no await: never both at once).
 """
 
 from __future__ import annotations
@@ -202,6 +203,28 @@ class Trail:
             return
         if change != "ok":
             await self._reopen(change)
+
+    def settled(self) -> bool:
+        """`ensure` for a batch the sink writes without its writer task (filesink.py `_commit_now`): the
+        checks `ensure` would run now, run here; True when the file is still ours. False, with nothing
+        consumed (the check stays due), when there is no file or it changed: the writer task's `ensure`
+        must handle that, so the batch goes to it."""
+        if self.fd is None:
+            return False
+        now = time.monotonic()
+        try:
+            if now - self._last_watch >= self.watch_interval:
+                if file_change(self.fd, self.path, self.size) != "ok":
+                    return False
+                self._last_watch = now
+            elif now - self._last_fstat >= FSTAT_INTERVAL:
+                st = os.fstat(self.fd)
+                if st.st_nlink == 0 or st.st_size < self.size:
+                    return False
+                self._last_fstat = now
+        except OSError:
+            return False
+        return True
 
     async def _reopen(self, change: FileChange) -> None:
         assert self.path is not None and self.fd is not None

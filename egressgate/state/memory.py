@@ -105,6 +105,11 @@ class MemoryState:
         return grant
 
     async def settle_out(self, sandbox_id: str, spent: int, unused: int) -> None:
+        self.settle_out_now(sandbox_id, spent, unused)
+
+    def settle_out_now(self, sandbox_id: str, spent: int, unused: int) -> None:
+        """`settle_out` without a coroutine: the byte ledger calls it as the bytes are settled (a write to
+        this store is a dict update, so it needs no task and no later loop iteration)."""
         lease = self._leases.get(sandbox_id, 0)
         back = min(max(unused, 0), lease)
         lease -= back + min(max(spent, 0), lease - back)
@@ -116,6 +121,10 @@ class MemoryState:
             self._bytes.setdefault(sandbox_id, [0, 0])[0] -= back
 
     async def add_in(self, sandbox_id: str, amount: int) -> None:
+        self.add_in_now(sandbox_id, amount)
+
+    def add_in_now(self, sandbox_id: str, amount: int) -> None:
+        """`add_in` without a coroutine (see settle_out_now)."""
         self._bytes.setdefault(sandbox_id, [0, 0])[1] += amount
 
     async def record_request(self, sandbox_id: str, host: str, rule_id: str | None, nbytes: int, *,

@@ -11,6 +11,8 @@ import asyncio
 import random
 import time
 
+import pytest
+
 from egressgate.gateway.shared.ledger import LEASE_MIN, RETRY_DELAYS, ByteLedger
 from egressgate.state.base import SandboxRecord, StateUnavailable
 from egressgate.state.memory import MemoryState
@@ -37,19 +39,25 @@ class CountingState(MemoryState):
         await super().add_in(sandbox_id, amount)
 
 
-async def _state(*ids: str) -> CountingState:
-    state = CountingState()
+async def _state(*ids: str, cls: type[MemoryState] = CountingState) -> CountingState:
+    state = cls()
     for sid in ids or ("sbx-a",):
         await state.admit(SandboxRecord(id=sid, token_hash="x", policy_name="p", admitted_at=time.time()))
     return state
+
+
+# CountingState (a subclass: its writes may be overridden) is written by the per-tick task; MemoryState itself
+# is written at once, synchronously (ledger._write_now): both must count exactly the same
+BOTH_PATHS = pytest.mark.parametrize("cls", [CountingState, MemoryState], ids=["per-tick", "direct"])
 
 
 async def _out(state: MemoryState, sid: str = "sbx-a") -> int:
     return (await state.snapshot(sid)).bytes_out
 
 
-async def test_exact_reservation_fits_whole_or_not_at_all() -> None:
-    state = await _state()
+@BOTH_PATHS
+async def test_exact_reservation_fits_whole_or_not_at_all(cls: type[MemoryState]) -> None:
+    state = await _state(cls=cls)
     ledger = ByteLedger(state)
     assert await ledger.reserve("sbx-a", 600, 1000)
     assert not await ledger.reserve("sbx-a", 401, 1000)  # one byte too many: nothing taken
@@ -83,8 +91,9 @@ async def test_many_chunks_make_no_store_call_per_chunk() -> None:
     assert (snap_a.bytes_out, snap_a.bytes_in, snap_b.bytes_in) == (10_000, 3000, 1000)
 
 
-async def test_a_stream_never_passes_the_limit_and_gives_the_rest_back() -> None:
-    state = await _state()
+@BOTH_PATHS
+async def test_a_stream_never_passes_the_limit_and_gives_the_rest_back(cls: type[MemoryState]) -> None:
+    state = await _state(cls=cls)
     ledger = ByteLedger(state)
     meter = ledger.open("sbx-a", 100)
     sent = 0
@@ -99,11 +108,12 @@ async def test_a_stream_never_passes_the_limit_and_gives_the_rest_back() -> None
     assert await _out(state) == 98  # exact once idle
 
 
-async def test_two_ledgers_on_one_store_hold_one_budget_exactly() -> None:
+@BOTH_PATHS
+async def test_two_ledgers_on_one_store_hold_one_budget_exactly(cls: type[MemoryState]) -> None:
     """Two gateway processes (ledgers) on one store, 64 concurrent streams split between them, random
     chunk sizes: what they send together never passes the limit, and the store is exact when idle."""
     limit = 300_000
-    state = await _state()
+    state = await _state(cls=cls)
     ledgers = [ByteLedger(state), ByteLedger(state)]
     sent = [0] * 64
     rng = random.Random(12)
@@ -128,8 +138,9 @@ async def test_two_ledgers_on_one_store_hold_one_budget_exactly() -> None:
     assert await _out(state) == sum(sent)
 
 
-async def test_concurrent_exact_reservations_never_overbook() -> None:
-    state = await _state()
+@BOTH_PATHS
+async def test_concurrent_exact_reservations_never_overbook(cls: type[MemoryState]) -> None:
+    state = await _state(cls=cls)
     ledgers = [ByteLedger(state), ByteLedger(state)]
     results = await asyncio.gather(*(ledgers[i % 2].reserve("sbx-a", 1000, 10_500) for i in range(64)))
     assert results.count(True) == 10
@@ -150,8 +161,9 @@ async def test_one_top_up_in_flight_per_pool() -> None:
     assert await _out(state) == 2000
 
 
-async def test_an_idle_pool_goes_back_by_sweep() -> None:
-    state = await _state()
+@BOTH_PATHS
+async def test_an_idle_pool_goes_back_by_sweep(cls: type[MemoryState]) -> None:
+    state = await _state(cls=cls)
     ledger = ByteLedger(state)
     meter = ledger.open("sbx-a", None)  # a flow that never closes (a quiet websocket, a missed end hook)
     assert await meter.top_up(10) and meter.take(10)
@@ -226,3 +238,27 @@ async def test_without_a_shared_store_a_refusal_is_final_at_once() -> None:
     started = time.monotonic()
     assert not await meter.top_up(101)
     assert time.monotonic() - started < 0.5
+
+
+async def test_the_in_process_store_is_written_at_once() -> None:
+    """The ledger writes MemoryState itself synchronously: bytes in, settles and give-backs are in the store
+    when the call returns, with no task and no loop iteration (issue 25: the per-tick task was one loop
+    iteration per request). Positive control: a subclass, whose writes may be overridden, still gets
+    them from the per-tick task (not yet there when the call returns)."""
+    for cls, direct in ((MemoryState, True), (CountingState, False)):
+        state = await _state(cls=cls)
+        ledger = ByteLedger(state)
+        tasks = len(asyncio.all_tasks())
+        ledger.add_in("sbx-a", 5)
+        assert await ledger.reserve("sbx-a", 300, None)  # exact: nothing held, straight from the store
+        ledger.give_back("sbx-a", 100)  # no flow of the sandbox here: back to the store
+        ledger.commit("sbx-a", 200)
+        meter = ledger.open("sbx-a", None)
+        assert await meter.top_up(10) and meter.take(10)
+        meter.close()  # the last flow: the pool's lease is settled (spent 10, the rest unused)
+        snap = state._bytes["sbx-a"]  # read without an await: no tick may pass before this
+        assert (snap == [210, 5]) is direct, (cls, snap)
+        assert (len(asyncio.all_tasks()) == tasks and not ledger._tasks) is direct
+        await ledger.flush()
+        assert state._bytes["sbx-a"] == [210, 5]  # either way the same figures once written
+        assert ledger.settle_failures == 0

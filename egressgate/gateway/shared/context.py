@@ -147,6 +147,7 @@ class FlowState:
     replacement: bytes | None = None
     # request_hash.py: the canonical request hash (complete at the headers, or fed by the body)
     bodyless_hash: str | None = None
+    hash_fields: tuple | None = None  # the canonical fields `bodyless_hash` hashed (start() reuses them)
     hasher: StreamingRequestHash | None = None
     # mcp/route.py: this flow is on a remote MCP route (its server, session, gateway answers) and, for
     # compose.py, what the route adds to the body callables: a body refused on a request that may carry

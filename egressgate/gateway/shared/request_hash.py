@@ -16,6 +16,8 @@ from mitmproxy import http
 from egressgate.audit.reqhash import EMPTY_BODY_SHA256, StreamingRequestHash, content_type_value, request_hash
 from egressgate.gateway.shared.context import FlowState
 
+EMPTY_BODY_HASH = "sha256:" + EMPTY_BODY_SHA256
+
 
 def has_no_body(request: http.Request) -> bool:
     """Known at the headers: HTTP/1 without Content-Length/Transfer-Encoding (or Content-Length: 0).
@@ -44,14 +46,19 @@ def _fields(request: http.Request, fs: FlowState) -> tuple | None:
 
 
 def bodyless_hash(request: http.Request, fs: FlowState) -> str | None:
-    """The request hash when it is already complete at the headers, else None."""
+    """The request hash when it is already complete at the headers, else None. The fields it hashed are
+    kept (`fs.hash_fields`): `start` hashes the same ones, so the outcome record's hash is this one by
+    construction, and `finish` reuses it instead of computing it a second time."""
     fields = _fields(request, fs) if has_no_body(request) else None
-    return request_hash(*fields, EMPTY_BODY_SHA256) if fields is not None else None
+    if fields is None:
+        return None
+    fs.hash_fields = fields
+    return request_hash(*fields, EMPTY_BODY_SHA256)
 
 
 def start(request: http.Request, fs: FlowState) -> None:
     """Begin hashing an allowed request's body (a streamed one is fed by compose.py's outermost wrapper)."""
-    fields = _fields(request, fs)
+    fields = fs.hash_fields or _fields(request, fs)
     if fields is not None:
         fs.hasher = StreamingRequestHash(*fields)
 
@@ -64,8 +71,11 @@ def feed_buffered(request: http.Request, fs: FlowState) -> None:
 
 
 def finish(fs: FlowState) -> tuple[str | None, str | None]:
-    """(request hash, body hash) for the outcome record."""
+    """(request hash, body hash) for the outcome record. A body-less request's hash is the one its
+    decision record carries (same fields, empty body): computed once per flow, not twice."""
     hasher = fs.hasher
     if hasher is None:
         return None, None
+    if fs.bodyless_hash is not None and hasher.body_size == 0:
+        return fs.bodyless_hash, EMPTY_BODY_HASH
     return hasher.request_hash(), hasher.body_hash()
