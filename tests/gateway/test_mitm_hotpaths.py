@@ -168,7 +168,8 @@ def test_coalesce_sends_writes_what_it_holds_before_a_layer_error() -> None:
 
 
 def _normalized_body(fn) -> str:
-    """The function's body as an AST dump, with what the copy may spell differently made equal:
+    """The statements of one server_event pass as an AST dump (mitmproxy's: the body of its `async with`;
+    ours: `_one_pass` without its docstring), with what the copy may spell differently made equal:
     `server.X` vs `X`, f-strings without placeholders, and the one marked change (coalesce_sends(x) -> x)."""
     import ast
     import inspect
@@ -192,17 +193,108 @@ def _normalized_body(fn) -> str:
                 return node.args[0]
             return node
 
-    tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
-    body = tree.body[0].body
+    body = ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0].body
     if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
         body = body[1:]  # the docstring
+    if len(body) == 1 and isinstance(body[0], ast.AsyncWith):
+        body = body[0].body  # mitmproxy's: everything happens under the handler's lock
     return ast.dump(Norm().visit(ast.Module(body=body, type_ignores=[])))
 
 
-def test_server_event_is_mitmproxys_own_but_for_coalesce_sends() -> None:
+def test_one_pass_is_mitmproxys_server_event_but_for_coalesce_sends() -> None:
     """Re-checked on every mitmproxy upgrade: the copy differs from the original in the one marked line."""
-    assert _normalized_body(mitm_hotpaths._server_event) == _normalized_body(mitm_hotpaths._ORIGINAL_SERVER_EVENT)
-    assert "coalesce_sends" in __import__("inspect").getsource(mitm_hotpaths._server_event)
+    import inspect
+
+    ours = _normalized_body(mitm_hotpaths._one_pass)
+    assert "register_activity" in ours and "StartHook" in ours
+    assert ours == _normalized_body(mitm_hotpaths._ORIGINAL_SERVER_EVENT)
+    assert "coalesce_sends" in inspect.getsource(mitm_hotpaths._one_pass)
+
+
+class _Handler:
+    """The parts of a ConnectionHandler a pass touches, with a scripted layer: each event yields the
+    commands `script[event]` lists; a `StartHook` runs mitmproxy's hook_task as an eager task, and the
+    hook itself either finishes at once or waits for `release` (as a hook waiting for I/O does)."""
+
+    def __init__(self, script: dict, slow_hooks: set[str]) -> None:
+        self.script, self.slow_hooks = script, slow_hooks
+        self.seen: list[str] = []
+        self.release = asyncio.Event()
+        self.transports: dict = {}
+        self.client = _conn()
+        self.timeout_watchdog = _watchdog()
+        self._server_event_lock = asyncio.Lock()
+        handler = self
+
+        class Layer:
+            def handle_event(self, event):
+                name = getattr(event, "command", None)
+                label = f"completed:{name.name}" if name is not None else type(event).__name__
+                handler.seen.append(label)
+                yield from handler.script.get(label, [])
+
+        self.layer = Layer()
+
+    server_event = mitm_hotpaths._server_event
+    hook_task = server.ConnectionHandler.hook_task
+
+    async def handle_hook(self, hook) -> None:
+        if hook.name in self.slow_hooks:
+            await self.release.wait()
+
+    def log(self, message, level=None, exc_info=None) -> None:
+        raise AssertionError(message)
+
+
+async def test_hooks_that_finish_at_once_complete_in_the_same_pass_in_order() -> None:
+    """Two hooks started in one pass, the first finishing at once, the second waiting: the first's
+    HookCompleted is processed before server_event returns (no loop iteration in between), and the
+    events keep mitmproxy's order; the waiting one completes after it is released, through the lock."""
+    from mitmproxy.proxy import events
+    from mitmproxy.proxy.layers import http as http_layers
+
+    # real hook commands (no flow needed: the scripted handler never reads their arguments)
+    fast, slow, third = (
+        http_layers.HttpRequestHook(None),
+        http_layers.HttpResponseHook(None),
+        http_layers.HttpResponseHeadersHook(None),
+    )
+    asyncio.get_running_loop().set_task_factory(asyncio.eager_task_factory)
+    try:
+        h = _Handler({"Start": [fast, slow], "completed:request": [third]}, {"response"})
+        await h.server_event(events.Start())
+        # positive control for "same pass": with mitmproxy's server_event the completions come later
+        assert h.seen == ["Start", "completed:request", "completed:responseheaders"]
+        h.release.set()
+        for _ in range(100):
+            if "completed:response" in h.seen:
+                break
+            await asyncio.sleep(0.01)
+        assert h.seen == ["Start", "completed:request", "completed:responseheaders", "completed:response"]
+        assert h.__dict__.get("_eg_deferred") is None
+    finally:
+        asyncio.get_running_loop().set_task_factory(None)
+
+
+async def test_mitmproxys_own_server_event_completes_them_an_iteration_later() -> None:
+    """The positive control of the test above: the same script through mitmproxy's original server_event
+    has not processed the first hook's completion when server_event returns."""
+    from mitmproxy.proxy import events
+    from mitmproxy.proxy.layers import http as http_layers
+
+    asyncio.get_running_loop().set_task_factory(asyncio.eager_task_factory)
+    try:
+        h = _Handler({"Start": [http_layers.HttpRequestHook(None)]}, set())
+        h.server_event = lambda ev: mitm_hotpaths._ORIGINAL_SERVER_EVENT(h, ev)
+        await h.server_event(events.Start())
+        assert h.seen == ["Start"]
+        for _ in range(100):
+            if len(h.seen) == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert h.seen == ["Start", "completed:request"]
+    finally:
+        asyncio.get_running_loop().set_task_factory(None)
 
 
 def test_install_swaps_server_event_and_uninstall_restores_it(restore) -> None:

@@ -24,7 +24,11 @@ large body to save one syscall would cost more than it saves). The head-with-bod
 tried (holding the head until the body was read) is not this: that one changed what a client saw when a
 response was refused mid-stream.
 
-Re-check all three against mitmproxy's source on any upgrade (tests/gateway/test_mitm_hotpaths.py compares
+And per hook: a hook whose addons finish without waiting completes in the pass that started it, not an
+event-loop iteration later (`_server_event`): ~2.5 loop iterations, ~6 lock acquisitions and ~3 futures
+fewer per request (loadtests/RESULTS.md).
+
+Re-check all of them against mitmproxy's source on any upgrade (tests/gateway/test_mitm_hotpaths.py compares
 the behaviour with mitmproxy's originals).
 """
 
@@ -128,57 +132,88 @@ def coalesce_sends(layer_commands: Iterator[commands.Command]) -> Iterator[comma
 
 
 async def _server_event(self: server.ConnectionHandler, event: events.Event) -> None:
-    """mitmproxy 12.3.1's ConnectionHandler.server_event, verbatim except the marked line (its comments
-    shortened). Patched here rather than on the top layer: mitmproxy replaces both the handler's top layer
-    (mode_servers) and the NextLayer's `handle_event` (once the next layer is known) after start-up."""
+    """mitmproxy 12.3.1's ConnectionHandler.server_event (one pass: `_one_pass`), with one change in how
+    events that arrive *during* a pass wait for it to end.
+
+    A pass starts hooks as eager tasks (mitmproxy's task factory); a hook whose addons finish without
+    suspending calls `server_event(HookCompleted)` from inside the pass. mitmproxy makes that call wait
+    on the handler's lock, so it runs one event-loop iteration later (a lock future, a task wake-up, an
+    epoll round: per request, for each of the 3-4 hooks that do not wait for I/O). Here an event that
+    arrives while a pass of this handler runs is queued and processed right after the pass, under the
+    same lock hold, in arrival order (nothing else can run in between, a pass has no `await`). Events
+    other tasks had already queued on the lock (a chunk a reader task read meanwhile) now run after
+    these completions rather than between them: the order mitmproxy gives as well whenever those
+    events arrive a moment later, so no layer may rely on either (the passthrough take-over does not:
+    it waits until mitmproxy holds nothing of the tunnel, tunnels/splice.py `_parked`). A hook that
+    does suspend (the decision waiting for its audit record) calls in after the pass has ended and
+    takes the lock as before."""
+    deferred = self.__dict__.get("_eg_deferred")
+    if deferred is not None:  # called from inside this handler's running pass (see above)
+        deferred.append(event)
+        return
     async with self._server_event_lock:
-        # No `await` beyond this point (mitmproxy: the eager task factory's reentrancy, mitmproxy#7027).
-        self.timeout_watchdog.register_activity()
-        try:
-            layer_commands = coalesce_sends(self.layer.handle_event(event))  # changed: coalesce_sends
-            for command in layer_commands:
-                if isinstance(command, commands.OpenConnection):
-                    assert command.connection not in self.transports
-                    handler = asyncio_utils.create_task(
-                        self.open_connection(command),
-                        name=f"server connection handler {command.connection.address}",
-                        keep_ref=False,
-                        client=self.client.peername,
-                    )
-                    self.transports[command.connection] = server.ConnectionIO(handler=handler)
-                elif isinstance(command, commands.RequestWakeup):
-                    task = asyncio_utils.create_task(
-                        self.wakeup(command),
-                        name=f"wakeup timer ({command.delay:.1f}s)",
-                        keep_ref=False,
-                        client=self.client.peername,
-                    )
-                    assert task is not None
-                    self.wakeup_timer.add(task)
-                elif isinstance(command, commands.ConnectionCommand) and command.connection not in self.transports:
-                    pass  # The connection has already been closed.
-                elif isinstance(command, commands.SendData):
-                    writer = self.transports[command.connection].writer
-                    assert writer
-                    if not writer.is_closing():
-                        writer.write(command.data)
-                elif isinstance(command, commands.CloseTcpConnection):
-                    self.close_connection(command.connection, command.half_close)
-                elif isinstance(command, commands.CloseConnection):
-                    self.close_connection(command.connection, False)
-                elif isinstance(command, commands.StartHook):
-                    asyncio_utils.create_task(
-                        self.hook_task(command),
-                        name=f"handle_hook({command.name})",
-                        keep_ref=True,
-                        client=self.client.peername,
-                    )
-                elif isinstance(command, commands.Log):
-                    self.log(command.message, command.level)
-                else:
-                    raise RuntimeError(f"Unexpected command: {command}")
-        except Exception:
-            self.log("mitmproxy has crashed!", logging.ERROR, exc_info=True)
+        queue = [event]
+        while queue:
+            self._eg_deferred = []
+            try:
+                _one_pass(self, queue.pop(0))
+            finally:
+                queue.extend(self._eg_deferred)
+                self._eg_deferred = None
+
+
+def _one_pass(self: server.ConnectionHandler, event: events.Event) -> None:
+    """One pass of mitmproxy 12.3.1's ConnectionHandler.server_event: the body of its `async with`,
+    verbatim except the marked line (comments shortened; tests/gateway/test_mitm_hotpaths.py compares the
+    two). Patched rather than wrapping the top layer: mitmproxy replaces both the handler's top layer
+    (mode_servers) and the NextLayer's `handle_event` (once the next layer is known) after start-up."""
+    # No `await` beyond this point (mitmproxy: the eager task factory's reentrancy, mitmproxy#7027).
+    self.timeout_watchdog.register_activity()
+    try:
+        layer_commands = coalesce_sends(self.layer.handle_event(event))  # changed: coalesce_sends
+        for command in layer_commands:
+            if isinstance(command, commands.OpenConnection):
+                assert command.connection not in self.transports
+                handler = asyncio_utils.create_task(
+                    self.open_connection(command),
+                    name=f"server connection handler {command.connection.address}",
+                    keep_ref=False,
+                    client=self.client.peername,
+                )
+                self.transports[command.connection] = server.ConnectionIO(handler=handler)
+            elif isinstance(command, commands.RequestWakeup):
+                task = asyncio_utils.create_task(
+                    self.wakeup(command),
+                    name=f"wakeup timer ({command.delay:.1f}s)",
+                    keep_ref=False,
+                    client=self.client.peername,
+                )
+                assert task is not None
+                self.wakeup_timer.add(task)
+            elif isinstance(command, commands.ConnectionCommand) and command.connection not in self.transports:
+                pass  # The connection has already been closed.
+            elif isinstance(command, commands.SendData):
+                writer = self.transports[command.connection].writer
+                assert writer
+                if not writer.is_closing():
+                    writer.write(command.data)
+            elif isinstance(command, commands.CloseTcpConnection):
+                self.close_connection(command.connection, command.half_close)
+            elif isinstance(command, commands.CloseConnection):
+                self.close_connection(command.connection, False)
+            elif isinstance(command, commands.StartHook):
+                asyncio_utils.create_task(
+                    self.hook_task(command),
+                    name=f"handle_hook({command.name})",
+                    keep_ref=True,
+                    client=self.client.peername,
+                )
+            elif isinstance(command, commands.Log):
+                self.log(command.message, command.level)
+            else:
+                raise RuntimeError(f"Unexpected command: {command}")
+    except Exception:
+        self.log("mitmproxy has crashed!", logging.ERROR, exc_info=True)
 
 
 def install() -> None:

@@ -18,7 +18,8 @@ fronting through a shared front end). client_hello.check_hello refuses, before a
 Whatever the client sends behind its ClientHello is held (up to the same bound) until the server's first
 handshake message arrives: a TLS 1.3 HelloRetryRequest makes the client send a second ClientHello in
 clear, which servers act on again, so it gets the same check (and bytes pipelined before the retry are
-judged as that second ClientHello, never relayed unseen).
+judged as that second ClientHello, never relayed unseen). A client that half-closes meanwhile still
+has them sent up after the server's hello, then its FIN.
 
 A refusal is a fatal TLS `access_denied` alert (`illegal_parameter` for the size bound) and a close,
 recorded as the tunnel's outcome record with decision `deny` and the reason. An accepted tunnel relays
@@ -61,8 +62,9 @@ from egressgate.policy.reasons import Reason
 logger = logging.getLogger(__name__)
 
 TLS_ATTRIBUTE = {"egressgate.tls": "passthrough"}
-# Loop iterations the splice may wait for mitmproxy to hand on bytes it already read (splice.py,
-# `_unconsumed`); a tunnel that never pauses stays on the event path (slower, same counting).
+# Loop iterations the take-over may wait in a row for mitmproxy to hand the layer what it read (splice.py,
+# `_parked`); after that each event the layer relays asks again. A tunnel that never lets go stays on
+# the event path (slower, same counting).
 TAKE_OVER_TRIES = 100
 
 
@@ -86,6 +88,9 @@ class PassthroughLayer(layer.Layer):
         self.meter: Meter | None = None  # opened at the first byte up, closed with the outcome record
         self.splice: Splice | None = None
         self.take_over_tries = 0
+        self.take_over_due = False  # a `_take_over` is scheduled
+        self.take_over_off = False  # these sockets cannot be spliced (TLS transport, EOF seen): never again
+        self.client_eof = False  # the client half-closed before the server's hello (passed on after it)
         self.refusal: Decision | None = None
         self.preset = refusal
         self.error: str | None = None
@@ -190,6 +195,11 @@ class PassthroughLayer(layer.Layer):
     def _await_server(self, event: events.Event) -> layer.CommandGenerator[None]:
         """A checked ClientHello went up; the server's first handshake message decides what follows."""
         if isinstance(event, events.ConnectionClosed):
+            if event.connection is self.context.client and self.context.client.state & ConnectionState.CAN_WRITE \
+                    and self.context.server.state & ConnectionState.CAN_READ:
+                # a half-close: what the client sent before it still goes up, after the server's hello
+                self.client_eof = True
+                return
             self.error = "closed before the server's hello"
             yield from self._close_all()
             return
@@ -217,12 +227,20 @@ class PassthroughLayer(layer.Layer):
             self._handle_event = self._hello
             self.buf = bytearray(held)
             yield from self._scan_hello()
+            if self.client_eof and self._handle_event == self._hello:  # no second ClientHello will follow
+                self.error = "closed before the ClientHello was complete"
+                yield from self._close_all()
             return
         self._handle_event = self._relay
         if held:
             yield from self._to_server(held)
-        # the rest of the tunnel bypasses mitmproxy's event path (splice.py), as soon as the loop is free
-        asyncio.get_running_loop().call_soon(self._take_over)
+        if self.client_eof:  # after everything the client sent; the tunnel stays on the event path
+            self.take_over_off = True
+            yield commands.CloseTcpConnection(self.context.server, half_close=True)
+            return
+        # the rest of the tunnel bypasses mitmproxy's event path (splice.py), as soon as mitmproxy has
+        # handed the layer everything it read
+        self._schedule_take_over()
 
     def _check_held(self) -> layer.CommandGenerator[None]:
         if len(self.held) > self.rt.config.limits.max_client_hello_bytes:
@@ -231,29 +249,43 @@ class PassthroughLayer(layer.Layer):
                 "Too much data before the server's TLS hello (it is held until the server answers).",
                 detail="early_data_too_large"))
 
+    def _schedule_take_over(self) -> None:
+        if not (self.take_over_due or self.take_over_off or self.splice is not None):
+            self.take_over_due = True
+            asyncio.get_running_loop().call_soon(self._take_over)
+
     def _take_over(self) -> None:
-        if self.tally.cut or self.conn.closed or self._handle_event != self._relay:
+        """Hand the sockets to the splice once nothing of theirs is on mitmproxy's event path: not while a
+        layer of this connection is paused (this one waits for a lease top-up, BudgetTopUpHook: mitmproxy
+        queues the events that arrive meanwhile in the layer and replays them afterwards, which would write
+        them after bytes the splice relayed first), nor while one of mitmproxy's reader tasks holds a chunk
+        or an EOF it read and has not handed on yet (splice.py, `_parked`). Then the next loop iteration
+        tries again, and after TAKE_OVER_TRIES in a row the next event this layer relays does."""
+        self.take_over_due = False
+        if self.tally.cut or self.conn.closed or self._handle_event != self._relay or self.splice is not None:
             return
-        splice = Splice(self.rt, self.sandbox_id, self._meter(), self.tally)
-        # not while this layer waits for a lease top-up (BudgetTopUpHook): mitmproxy queues the events
-        # that arrive meanwhile in the layer and replays them afterwards, which would write them to the
-        # sockets after bytes the splice relayed first
-        paused = self._paused is not None or bool(self._paused_event_queue)
-        taken = None if paused else splice.take_over(self.context.client, self.context.server)
+        paused = any(each._paused is not None or each._paused_event_queue for each in self.context.layers)
+        splice = None if paused else Splice(self.rt, self.sandbox_id, self._meter(), self.tally)
+        taken = None if splice is None else splice.take_over(self.context.client, self.context.server)
         if taken:
             self.splice = splice
-        elif taken is None and self.take_over_tries < TAKE_OVER_TRIES:
-            self.take_over_tries += 1  # mitmproxy still holds unread bytes: after they reached the layer
-            asyncio.get_running_loop().call_soon(self._take_over)
-        else:
+        elif taken is False:
+            self.take_over_off = True
             logger.debug("passthrough tunnel of %s stays on the event path", self.context.client.id)
+        elif self.take_over_tries < TAKE_OVER_TRIES:
+            self.take_over_tries += 1
+            self._schedule_take_over()
 
     def _relay(self, event: events.Event) -> layer.CommandGenerator[None]:
         if isinstance(event, events.DataReceived):
+            if self.splice is not None:  # cannot happen (splice.py, `_parked`): say so, keep the order
+                logger.error("passthrough tunnel of %s: mitmproxy delivered %d bytes after the take-over",
+                             self.context.client.id, len(event.data))
             if event.connection is self.context.client:
                 yield from self._to_server(event.data)
             else:
                 yield from self._to_client(event.data)
+            self._schedule_take_over()  # mitmproxy handed this chunk on: its reader may be parked now
         elif isinstance(event, events.ConnectionClosed):
             client, server = self.context.client, self.context.server
             if (client.state & ConnectionState.CAN_READ) or (server.state & ConnectionState.CAN_READ):

@@ -5,7 +5,7 @@ event lock and watchdog, the layer stack (proxy mode, HTTP layer, tunnel, our la
 every writer. For a spliced tunnel none of that decides anything, and it made the passthrough route half
 as fast as Squid's CONNECT tunnel for small keep-alive requests (loadtests/RESULTS.md, "Issue 11:
 passthrough"). Once passthrough.py has checked the ClientHello and mitmproxy has handed the layer every
-byte it read (`_unconsumed`), `Splice.take_over` swaps the asyncio
+byte it read (both its reader tasks wait in `read()`: `_parked`), `Splice.take_over` swaps the asyncio
 protocols of the tunnel's two sockets for a pair of `_Side` protocols that write each chunk straight to the
 other socket, after counting it exactly as the layer does, from the same meter (ledger.py): a client chunk
 the lease cannot cover stops reading from the client until the lease is topped up (one task per top-up,
@@ -46,13 +46,21 @@ class Tally:
     cut_reason: str | None = None  # "state_unavailable" when the store failed, not the budget
 
 
-def _unconsumed(reader: asyncio.StreamReader) -> bool:
-    """mitmproxy's reader task has bytes (or an EOF, an error) in this StreamReader that it has not
-    taken yet. Its task may already be woken for them: were they taken from under it, its `read()` would
-    return b"" and mitmproxy would act on an EOF the peer never sent (half-close the other socket, then
-    close both), while the splice still relays: the server's answer would be lost and the client would
-    see a clean close. So the take-over waits until mitmproxy has handed every byte to the layer."""
-    return bool(reader._buffer) or reader._eof or reader.exception() is not None  # no public API for these
+def _parked(reader: asyncio.StreamReader) -> bool:
+    """mitmproxy's reader task for this socket waits in `read()` for bytes that have not come yet.
+
+    Only then has mitmproxy nothing of this socket in hand: its reader loop is `read()`, then
+    `server_event(DataReceived)` (which waits for the handler's lock, a loop iteration or more when other
+    events queue), then a drain of every writer, then `read()` again. A chunk it has read but not yet
+    handed to the layers sits in that task, invisible in the StreamReader: taken over then, the chunk
+    reached the layer after the splice had relayed newer bytes (out of order), or after the splice had
+    passed the peer's FIN on, where mitmproxy's write raised and the chunk was lost (the upstream saw the
+    ClientHello and a clean EOF). Bytes still in the StreamReader, an EOF or an error (which wake the
+    task) are in hand too; taken from under it, its `read()` would return b"" and mitmproxy would act on
+    an EOF the peer never sent. A pending `_waiter` rules out all of these: `feed_data`, `feed_eof` and
+    `set_exception` complete and clear it, and the task sets it only with an empty buffer and no EOF."""
+    waiter = reader._waiter  # no public API for this
+    return waiter is not None and not waiter.done() and not reader._buffer and not reader._eof
 
 
 class _Side(asyncio.Protocol):
@@ -103,8 +111,9 @@ class Splice:
 
     def take_over(self, client: connection.Client, server: connection.Server) -> bool | None:
         """Move both sockets to the splice; False (nothing changed) when they are not both open plain
-        TCP sockets of a live mitmproxy connection, and the layer keeps relaying them itself; None (nothing
-        changed) when mitmproxy still holds bytes it read but did not hand on: try again shortly."""
+        TCP sockets of a live mitmproxy connection whose ends it has not read, and the layer keeps relaying
+        them itself; None (nothing changed) when mitmproxy may still hold something it read and did not
+        hand to the layer (a reader task not parked in `read()`, see `_parked`): try again once it has."""
         proxyserver = ctx.master.addons.get("proxyserver") if ctx.master is not None else None
         handler = proxyserver.connections.get(client.id) if proxyserver is not None else None
         if handler is None or client.state is not connection.ConnectionState.OPEN \
@@ -117,7 +126,9 @@ class Splice:
                    and t.get_extra_info("sslcontext") is None for t in transports) \
                 or not all(isinstance(r, asyncio.StreamReader) for r in readers):
             return False
-        if any(_unconsumed(r) for r in readers):
+        if any(r._eof or r.exception() is not None for r in readers):
+            return False  # an end mitmproxy has seen or will see: the layer relays the rest
+        if not all(_parked(r) for r in readers):
             return None
         c = _Side(self, transports[0], transports[0].get_protocol(), True)
         s = _Side(self, transports[1], transports[1].get_protocol(), False)
