@@ -153,8 +153,7 @@ class FileSink:
             failed=self._batch_failed,
             written=self._written,
         )
-        # the OTLP copy of what the local file holds, in the background (export_behind.py)
-        self._export = ExportBehind(exporter) if self.path is not None and exporter is not None else None
+        self._export: ExportBehind | None = None  # the background OTLP copy of the file, from start()
         self._healthy = True
         self._closed = False
         # counters (exposed for metrics / alerts)
@@ -213,7 +212,8 @@ class FileSink:
                 self._afterq.restore(restored)
         self._writer = asyncio.create_task(self._write_loop(), name="audit-writer")
         self._writer.add_done_callback(self._writer_done)
-        if self._export is not None:
+        if self.path is not None and self.exporter is not None:  # the file is the durable copy (export_behind.py)
+            self._export = ExportBehind(self.exporter)
             self._export.start()
         return self
 
