@@ -4,7 +4,7 @@ Why group commit: `write()` must not return before its record is durable (intent
 write+flush(+fsync) per request would cap the gateway at the disk's flush rate. A single writer task takes
 everything queued, chains and encodes it, writes it with one `os.write` (+ one `fsync` when configured) and
 then resolves every waiting future, so concurrent requests share one flush (a caller whose record finds the
-writer idle commits that batch itself, `_commit_now`: no hand-over). `os.write` on an O_APPEND fd
+writer idle commits that batch itself: handoff.py). `os.write` on an O_APPEND fd
 has no user-space buffer: once it returns, the record survives a gateway crash; `fsync` adds power loss.
 
 Failure never loses an accepted record and never leaves a half line: the file is truncated back to the
@@ -14,9 +14,10 @@ Records of things that already happened (outcomes) cannot be denied: `write_afte
 writer retries them first in every later batch (afterfact.py).
 
 Collaborators, one concern each: the live file and its faults (trail.py: crash seal, rotation, outside
-moves), where a batch is written (inline.py), outcomes deferred and retried (afterfact.py), checkpoint
-signing (checkpointer.py). This module is the writer task: batching, the chain append, failure handling,
-health and the optional OTLP export.
+moves), where a batch is written (inline.py), who commits it, the caller or the writer task (handoff.py),
+outcomes deferred and retried (afterfact.py), one batch into the chain with its checkpoints (batch.py),
+checkpoint signing (checkpointer.py), the background OTLP copy (export_behind.py). This module is the sink
+and its writer task: the write API, batching, the failure answers and health.
 """
 
 from __future__ import annotations
@@ -32,10 +33,12 @@ from typing import TYPE_CHECKING, Literal
 
 from egressgate.audit import writerlock
 from egressgate.audit.afterfact import AfterRecords
-from egressgate.audit.chain import KIND_FINAL, KIND_PERIODIC, ChainWriter
+from egressgate.audit.batch import ChainAppend, ExportFailed
 from egressgate.audit.checkpointer import Checkpointer
 from egressgate.audit.event import AuditEvent, AuditUnavailable
+from egressgate.audit.export_behind import ExportBehind
 from egressgate.audit.filewatch import rotated_name
+from egressgate.audit.handoff import WAKE, CallerCommit
 from egressgate.audit.inline import BatchWriter
 from egressgate.audit.record import Record, record_from_event
 from egressgate.audit.signer import Signer
@@ -49,13 +52,6 @@ log = logging.getLogger(__name__)
 
 OnFailure = Literal["deny", "allow-and-alert"]
 _STOP = object()
-
-
-class ExportFailed(OSError):
-    """The OTLP exporter (the only destination) did not accept the batch."""
-
-
-_WAKE = object()  # queue item: wake the writer (outcomes to write, or the signer is back: sign the deferred range)
 
 
 class FileSink:
@@ -99,7 +95,6 @@ class FileSink:
         self.exporter = exporter
         self.batch_max = batch_max
         self.probe_interval = probe_interval
-        self._clock = clock
         # where a batch is written: inline on the event loop when cheap, else in a thread (inline.py)
         self._batches = BatchWriter(
             fsync=fsync, inline_write_max=inline_write_max, inline_slow=inline_slow, inline_retry=inline_retry
@@ -111,7 +106,7 @@ class FileSink:
         self._afterq = AfterRecords(
             RetrySpool(Path(retry_spool) if retry_spool is not None else None),
             after_delay,
-            wake=self._wake_writer,
+            wake=lambda: self._handoff.wake(),
             writer_stopped=lambda: self._writer is None or self._writer.done(),
         )
         self._sign_due = False
@@ -123,17 +118,42 @@ class FileSink:
             sign_timeout=sign_timeout,
             on_restored=self._sign_now,
         )
+        # one batch into the chain, with its checkpoints, onto the file or the collector (batch.py)
+        self._chain = ChainAppend(
+            self._head,
+            self._cp,
+            self._batches,
+            signer,
+            clock,
+            checkpoint_every=checkpoint_every,
+            max_bytes=max_bytes,
+            exporter=exporter,
+            written=self._written,
+        )
         # the live file (None: exporter only): crash seal, rotation, outside moves (trail.py)
         self._trail = (
-            Trail(self.path, self._head, self._cp, self._append, fsync=fsync, watch_interval=watch_interval)
+            Trail(self.path, self._head, self._cp, self._chain.append, fsync=fsync, watch_interval=watch_interval)
             if self.path is not None
             else None
         )
+        self._chain.trail = self._trail
         self._queue: asyncio.Queue = asyncio.Queue()
-        self._export_queue: asyncio.Queue = asyncio.Queue(maxsize=1024)
         self._writer: asyncio.Task | None = None
-        self._parked = False  # the writer task waits on an empty queue (a caller may commit itself: _commit_now)
-        self._export_task: asyncio.Task | None = None
+        # a caller commits its own batch while the writer task is parked (handoff.py)
+        self._handoff = CallerCommit(
+            self._queue,
+            self._head,
+            self._trail,
+            self._batches,
+            self._afterq,
+            checkpoint_every=checkpoint_every,
+            max_bytes=max_bytes,
+            writer=lambda: self._writer,
+            sink_ready=lambda: self._healthy and not self._pending and not self._sign_due,
+            failed=self._batch_failed,
+            written=self._written,
+        )
+        self._export: ExportBehind | None = None  # the background OTLP copy of the file, from start()
         self._healthy = True
         self._closed = False
         # counters (exposed for metrics / alerts)
@@ -141,12 +161,16 @@ class FileSink:
         self.batches_written = 0
         self.write_failures = 0
         self.records_dropped = 0  # only in allow-and-alert mode
-        self.export_failures = 0
 
     @property
     def slow_inline_writes(self) -> int:
         """Inline writes slower than `inline_slow` (the writes after each went to a thread for a while)."""
         return self._batches.slow_inline_writes
+
+    @property
+    def export_failures(self) -> int:
+        """Batches the background OTLP export did not deliver (the records are in the local file)."""
+        return self._export.failures if self._export is not None else 0
 
     @property
     def rotations(self) -> int:
@@ -188,8 +212,9 @@ class FileSink:
                 self._afterq.restore(restored)
         self._writer = asyncio.create_task(self._write_loop(), name="audit-writer")
         self._writer.add_done_callback(self._writer_done)
-        if self.path is not None and self.exporter is not None:
-            self._export_task = asyncio.create_task(self._export_loop(), name="audit-exporter")
+        if self.path is not None and self.exporter is not None:  # the file is the durable copy (export_behind.py)
+            self._export = ExportBehind(self.exporter)
+            self._export.start()
         return self
 
     def _writer_done(self, task: asyncio.Task) -> None:
@@ -202,7 +227,7 @@ class FileSink:
         err = AuditUnavailable("audit writer is not running")
         while not self._queue.empty():
             item = self._queue.get_nowait()
-            if item is _STOP or item is _WAKE:
+            if item is _STOP or item is WAKE:
                 continue
             if item[1] is None:  # enqueue_after: nobody waits; queued (spooled) and named, never dropped
                 self._afterq.retry(item[0], err)
@@ -230,9 +255,8 @@ class FileSink:
         if self._writer is not None:
             self._queue.put_nowait(_STOP)
             await self._writer
-        if self._export_task is not None:
-            self._export_queue.put_nowait(_STOP)
-            await self._export_task
+        if self._export is not None:
+            await self._export.stop()
         await self._cp.close()
         if self._trail is not None:
             self._trail.close()
@@ -251,7 +275,7 @@ class FileSink:
             raise AuditUnavailable("audit sink is not running")
         loop = asyncio.get_running_loop()
         self._afterq.followed(loop.time())  # did it follow the last outcome closely? (afterfact.py)
-        if self._parked and self._commit_now(record):
+        if self._handoff.parked and self._handoff.commit(record):
             return
         fut = loop.create_future()
         self._queue.put_nowait((record, fut))
@@ -293,69 +317,9 @@ class FileSink:
             return
         self._afterq.defer(record)
 
-    def _commit_now(self, record: Record | None) -> bool:
-        """Write the outcomes waiting for a batch, and `record`, here and now: the writer task's batch, made
-        by the caller while that task is parked on an empty queue (no await from here to the end, so the two
-        never interleave and the chain has one writer at a time). Only a batch that needs nothing that
-        waits: a running chain (not its first line), no checkpoint, rotation, incident, retry or signature
-        due, a healthy inline-writable file whose checks pass. Saves the hand-over to the writer (a future
-        and two task switches: 2 of ~9 loop iterations of a gateway request, issue 25; for outcomes alone,
-        the writer's wake-up). False, with nothing changed, when the writer task must do it; on a failed
-        write, what the writer's batch would do: `record`'s caller gets AuditUnavailable, the outcomes go
-        to the retry queue."""
-        trail, head = self._trail, self._head
-        chain = head.writer
-        state = chain.state
-        own = [] if record is None else [record]
-        if (
-            trail is None
-            or not self._queue.empty()
-            or self._writer is None
-            or self._writer.done()
-            or self._writer.cancelling()  # going down (its done callback takes the outcomes): not parked
-            or not self._healthy
-            or self._pending
-            or self._sign_due
-            or head.incident_next
-            or state.seq == 0
-            or state.since_checkpoint + len(self._afterq.deferred) + len(own) >= self.checkpoint_every
-            or trail.size >= self.max_bytes
-            or not self._batches.inline_now()
-            or not trail.settled()
-        ):
-            return False
-        after = [r for r, _ in self._afterq.take()]
-        records = [*after, *own]
-        snap = chain.snapshot()
-        try:
-            data = b"".join([chain.append(r) + b"\n" for r in records])
-            if len(data) > self._batches.inline_write_max:  # too large for the loop: the writer's thread
-                chain.restore(snap)
-                self._afterq.deferred[:0] = after
-                return False
-            if data:
-                trail.size = self._batches.write_inline(trail.fd, trail.size, data, trail.path)
-        except Exception as exc:
-            chain.restore(snap)
-            fut = asyncio.get_running_loop().create_future() if own else None  # the writer's answer
-            self._batch_failed([*((r, None) for r in after), *((r, fut) for r in own)], exc)
-            self._queue.put_nowait(_WAKE)  # the parked writer starts probing the disk (and retrying) now
-            if fut is not None:
-                fut.result()  # raises AuditUnavailable
-            return True
-        if records:
-            self._written(records)
-        return True
-
-    def _wake_writer(self) -> None:
-        """Outcomes wait for a batch (afterfact.py: the loop is idle, or their timer fired): written here
-        when the writer task is parked (no wake-up, no task switch), else by that task."""
-        if not (self._parked and self._commit_now(None)):
-            self._queue.put_nowait(_WAKE)
-
     def _sign_now(self) -> None:
         self._sign_due = True
-        self._queue.put_nowait(_WAKE)
+        self._queue.put_nowait(WAKE)
 
     def status(self) -> dict:
         """What `/healthz` shows about the trail (no record content)."""
@@ -379,11 +343,11 @@ class FileSink:
     async def _write_loop(self) -> None:
         stopping = False
         while not stopping:
-            self._parked = True
+            self._handoff.parked = True
             try:
                 first = await asyncio.wait_for(self._queue.get(), self._idle_timeout())
             except TimeoutError:
-                self._parked = False
+                self._handoff.parked = False
                 if not self._healthy or self._pending or self._sign_due:
                     # probe: does the disk accept a write again? (and drain the retry queue, sign late)
                     await self._run_batch([], checkpoint=not self._healthy or self._sign_due)
@@ -391,14 +355,14 @@ class FileSink:
                     await self._run_batch([], watch_only=True)  # is the file still ours?
                 continue
             finally:
-                self._parked = False
+                self._handoff.parked = False
             batch = []
             item = first
             while True:
                 if item is _STOP:
                     stopping = True
                     break
-                if item is not _WAKE:
+                if item is not WAKE:
                     batch.append(item)
                 if len(batch) >= self.batch_max or self._queue.empty():
                     break
@@ -417,7 +381,7 @@ class FileSink:
             if watch_only:
                 await self._trail.ensure(force=True)
                 return
-            await self._commit([*pending, *(r for r, _ in batch)], checkpoint=checkpoint, final=final)
+            await self._chain.commit([*pending, *(r for r, _ in batch)], checkpoint=checkpoint, final=final)
         except Exception as exc:
             self._batch_failed(batch, exc)
             return
@@ -444,81 +408,12 @@ class FileSink:
             elif not fut.done():
                 fut.set_exception(err)
 
-    async def _commit(self, records: list[Record], *, checkpoint: bool = False, final: bool = False) -> None:
-        trail = self._trail
-        if trail is not None:
-            await trail.ensure(force=final)  # deleted / moved / truncated from outside (trail.py)
-            if trail.fd is not None and trail.size >= self.max_bytes and (records or checkpoint):
-                await trail.rotate()
-        await self._append(records, checkpoint=checkpoint, final=final)
-
-    async def _append(self, records: list[Record], *, checkpoint: bool = False, final: bool = False) -> None:
-        """Chain, encode and write one batch (+ checkpoints); on failure the chain state is rolled back."""
-        head = self._head
-        chain = head.writer
-        snap = chain.snapshot()
-        prev_file = head.prev_file
-        lines: list[bytes] = []
-        out: list[Record] = []
-        try:
-            if chain.state.seq == 0:
-                start = ChainWriter.start_record(self._clock(), self.signer.key_id, head.prev_file)
-                for rec in (start, *head.incident_next):
-                    lines.append(chain.append(rec))
-                    out.append(rec)
-            for rec in records:
-                lines.append(chain.append(rec))
-                out.append(rec)
-                if chain.state.since_checkpoint >= self.checkpoint_every:
-                    line, cp = await self._cp.make(chain, KIND_PERIODIC)
-                    lines.append(line)
-                    out.append(cp)
-            if final or checkpoint:  # a probe must really write: an empty batch proves nothing
-                line, cp = await self._cp.make(chain, KIND_FINAL if final else KIND_PERIODIC)
-                lines.append(line)
-                out.append(cp)
-            if not lines:
-                return
-            data = b"".join(line + b"\n" for line in lines)
-            trail = self._trail
-            if trail is not None and trail.fd is not None:
-                trail.size = await self._batches.write(trail.fd, trail.size, data, trail.path)
-            elif self.exporter is not None and not await asyncio.to_thread(self.exporter.export, out):
-                raise ExportFailed(f"OTLP export to {self.exporter.endpoint} failed")
-        except BaseException:
-            chain.restore(snap)
-            head.prev_file = prev_file
-            raise
-        head.prev_file = None
-        head.incident_next.clear()
-        self._written(out)
-
     def _written(self, out: list[Record]) -> None:
         """A batch is durable: count it and hand it to the background export."""
         self.records_written += len(out)
         self.batches_written += 1
-        if self._export_task is not None:
-            try:
-                self._export_queue.put_nowait(out)
-            except asyncio.QueueFull:
-                self.export_failures += 1
-                log.warning("OTLP export queue full; %d records only in the local file", len(out))
-
-    async def _export_loop(self) -> None:
-        """Background export when the local file is the durable copy; failures are alerts, not denials."""
-        assert self.exporter is not None
-        while True:
-            item = await self._export_queue.get()
-            if item is _STOP:
-                return
-            for attempt in range(3):
-                if await asyncio.to_thread(self.exporter.export, item):
-                    break
-                if attempt < 2:
-                    await asyncio.sleep(0.2 * (attempt + 1))
-            else:
-                self.export_failures += 1
-                log.error("OTLP export failed for %d audit records (kept in the local file)", len(item))
+        if self._export is not None:
+            self._export.submit(out)
 
 
 async def open_file_sink(path: str | os.PathLike[str] | None, signer: Signer, **kwargs) -> FileSink:

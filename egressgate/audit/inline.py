@@ -6,7 +6,7 @@ back to the last complete batch, so the file stays verifiable). It owns no file:
 descriptor and the size it has written so far, and gets the new size back.
 
 A caller may also write its batch itself (`write_inline`), without the writer task, when the writer is
-parked on an empty queue and the batch needs nothing that waits (filesink.py `_commit_now`): the
+parked on an empty queue and the batch needs nothing that waits (handoff.py `CallerCommit.commit`): the
 hand-over (queue, future, two task switches) was 2 of ~9 event-loop iterations of a gateway request at
 c=1 (issue 25). Issue 11 had tried it and measured it inside the noise; the counts are what it saves.
 """

@@ -205,7 +205,7 @@ class Trail:
             await self._reopen(change)
 
     def settled(self) -> bool:
-        """`ensure` for a batch the sink writes without its writer task (filesink.py `_commit_now`): the
+        """`ensure` for a batch the sink writes without its writer task (handoff.py `CallerCommit.commit`): the
         checks `ensure` would run now, run here; True when the file is still ours. False, with nothing
         consumed (the check stays due), when there is no file or it changed: the writer task's `ensure`
         must handle that, so the batch goes to it."""

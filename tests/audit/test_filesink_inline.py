@@ -1,4 +1,4 @@
-"""A record committed by its caller while the sink's writer task is parked (filesink.py `_commit_now`):
+"""A record committed by its caller while the sink's writer task is parked (handoff.py `CallerCommit.commit`):
 the same bytes as the writer task's batch, the same chain, the same failure answers, and no hand-over
 (the caller does not wait for a loop iteration). Real sinks on real files, a real full disk."""
 
@@ -63,14 +63,14 @@ async def test_same_bytes_as_the_writer_task(tmp_path, signer, pubkey):
             tmp_path / name / "audit.jsonl", signer, checkpoint_every=5, clock=lambda: T0, inline_slow=10.0
         ).start()
         commits = []
-        real = sink._commit_now
+        real = sink._handoff.commit
 
         def counted(record, real=real, commits=commits, allow_inline=allow_inline):
             done = allow_inline and real(record)
             commits.append(done)
             return done
 
-        sink._commit_now = counted
+        sink._handoff.commit = counted
         await _script(sink, events)
         await sink.close()
         inline_counts.append(sum(commits))
