@@ -74,8 +74,9 @@ async def test_deleted_file_is_restored_and_the_chain_continues(make_sink, pubke
     else:
         shutil.rmtree(sink.path.parent)
     sent += await write_burst(sink, 100, 5)  # these still land in the deleted inode
-    await until(lambda: sink.incidents)
-    assert sink.path.exists() and sink.incidents[0]["incident"] == "file_deleted"
+    # the incident is noted before the new file is opened (in a worker thread): wait for both
+    await until(lambda: sink.incidents and sink.path.exists())
+    assert sink.incidents[0]["incident"] == "file_deleted"
     assert sink.status()["incidents"][0]["incident"] == "file_deleted"  # what /healthz shows
     sent += await write_burst(sink, 200, 5)
     await sink.close()
