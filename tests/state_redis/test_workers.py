@@ -111,7 +111,11 @@ HOLD = str(DEADLINE * 3)  # the upstream's own end of a stream nobody cut: well 
 
 def _hold_stream(gw: Gateway, sbx, key: str, outcome: dict) -> None:
     try:
-        with sbx.client() as c, c.stream("GET", sbx.url("sse.test", "/sse"), params={"key": key, "hold": HOLD}) as r:
+        # no read timeout: the stream ends only when the gateway cuts it or the upstream ends it (a client
+        # timeout would end it without "data: last" too, and pass for a cut)
+        timeout = httpx.Timeout(15, read=None)
+        with sbx.client() as c, c.stream("GET", sbx.url("sse.test", "/sse"), params={"key": key, "hold": HOLD},
+                                         timeout=timeout) as r:
             for line in r.iter_lines():
                 if line == "data: first":
                     outcome["first"] = time.monotonic()
