@@ -88,6 +88,7 @@ def test_redis_outage_makes_the_gateway_unready_and_counts_state_errors(world, t
         stop_and_replay(gw)
 
 
+@pytest.mark.timeout(600)  # a 2-worker start, 140 admin calls and a replay: over 120 s on a loaded 2-core machine
 def test_workers_share_one_admin_address_and_their_series_never_mix(world, tmp_path, redis):
     """`run --workers 2`: scrapes of the one admin address reach both workers; every sample carries its
     worker, and each worker's counter only grows. Positive control: read without the label, at least one

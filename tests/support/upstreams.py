@@ -61,8 +61,8 @@ def make_app(hits: Hits, sse_release: dict) -> web.Application:
         await resp.write(b"data: first\n\n")
         key = request.query.get("key", "default")
         event = sse_release.setdefault(key, asyncio.Event())
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(event.wait(), 10)
+        with contextlib.suppress(TimeoutError):  # `hold`: seconds until it ends on its own (default 10)
+            await asyncio.wait_for(event.wait(), float(request.query.get("hold", "10")))
         await resp.write(b"data: last\n\n")
         await resp.write_eof()
         return resp
