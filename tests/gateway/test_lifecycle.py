@@ -122,14 +122,12 @@ def test_upstream_101_to_raw_protocol_never_relays(gateway):
 def test_revocation_closes_live_connection(gateway):
     sbx = gateway.admit("gw-basic")
     key = f"rev{time.monotonic_ns()}"
-    held = hold_sse(sbx, key)
+    held = hold_sse(sbx, key, hold=180)  # the upstream holds 180 s; the client never times out
     assert held.wait_first()
-    revoked_at = time.monotonic()
     r = gateway.revoke(sbx.id)
     assert r.status_code == 200 and r.json()["revoked"] is True
-    assert held.join(5)
-    assert held.outcome["t"] - revoked_at < 2.0  # not the upstream's 10 s hold
-    assert "data: last" not in held.outcome.get("lines", [])
+    assert held.join(60), "the stream outlived the revocation"
+    assert "data: last" not in held.outcome.get("lines", []), held.outcome  # cut, not the hold's end
     gateway.world.release_sse(key)
     # and the identity is refused from now on
     sock, head = connect_tunnel(gateway, sbx, f"api.test:{gateway.world.https_port}")

@@ -50,15 +50,13 @@ def test_revocation_on_one_gateway_closes_a_stream_held_through_the_other(pair: 
     sbx = a.admit("gw-basic")
     via_b = through(sbx, b)
     key = uuid.uuid4().hex
-    held = hold_sse(via_b, key)
+    held = hold_sse(via_b, key, hold=180)  # the upstream holds 180 s; the client never times out
     try:
         assert held.wait_first()
-        revoked_at = time.monotonic()
         r = a.revoke(sbx.id)  # on the other gateway
         assert r.status_code == 200 and r.json()["revoked"] is True
-        assert held.join(5)
-        assert held.outcome["t"] - revoked_at < 1.5, held.outcome  # not the upstream's 10 s hold
-        assert "data: last" not in held.outcome.get("lines", [])
+        assert held.join(60), "the stream outlived the revocation"
+        assert "data: last" not in held.outcome.get("lines", []), held.outcome  # cut, not the hold's end
     finally:
         a.world.release_sse(key)
     sock, head = connect_tunnel(b, via_b, f"api.test:{a.world.https_port}")

@@ -210,7 +210,8 @@ class LoopbackGateway:
     def proxied_client(self, proxy_url: str, **kw: Any) -> httpx.Client:
         """An httpx client through the proxy (`proxy_url` carries the sandbox's credentials), trusting the
         gateway's interception CA only; no environment proxies."""
-        return httpx.Client(proxy=proxy_url, verify=ssl.create_default_context(cafile=self.bundle), timeout=15,
+        kw.setdefault("timeout", 15)
+        return httpx.Client(proxy=proxy_url, verify=ssl.create_default_context(cafile=self.bundle),
                             trust_env=False, **kw)
 
 

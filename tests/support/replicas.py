@@ -56,7 +56,7 @@ class HeldStream:
     thread: threading.Thread
     outcome: dict = field(default_factory=dict)
 
-    def wait_first(self, timeout: float = 5) -> bool:
+    def wait_first(self, timeout: float = 30) -> bool:
         return wait_for(lambda: "first" in self.outcome, timeout=timeout)
 
     def join(self, timeout: float = 5) -> bool:
@@ -65,13 +65,19 @@ class HeldStream:
         return not self.thread.is_alive()
 
 
-def hold_sse(sbx: Sandbox, key: str) -> HeldStream:
-    """Open `sbx`'s stream to sse.test/sse?key=KEY through `sbx`'s proxy and keep reading it."""
+def hold_sse(sbx: Sandbox, key: str, hold: float | None = None) -> HeldStream:
+    """Open `sbx`'s stream to sse.test/sse?key=KEY through `sbx`'s proxy and keep reading it.
+
+    With `hold`, the upstream ends the stream on its own only after `hold` seconds and the client never
+    times out reading: only a cut (by the gateway) or that end can end it, so a test that asserts a cut
+    needs no bound on how soon it came (a loaded machine may take seconds)."""
     outcome: dict = {}
+    params = {"key": key} if hold is None else {"key": key, "hold": str(hold)}
+    client_kw = {} if hold is None else {"timeout": httpx.Timeout(30, read=None)}
 
     def stream() -> None:
         try:
-            with sbx.client() as c, c.stream("GET", sbx.url("sse.test", "/sse"), params={"key": key}) as r:
+            with sbx.client(**client_kw) as c, c.stream("GET", sbx.url("sse.test", "/sse"), params=params) as r:
                 for line in r.iter_lines():
                     if line:
                         outcome.setdefault("lines", []).append(line)
