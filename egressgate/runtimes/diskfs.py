@@ -49,6 +49,7 @@ MS_NOSUID, MS_NODEV, MNT_DETACH = 2, 4, 2
 MS_REMOUNT, MS_BIND, MS_REC, MS_RELATIME = 32, 4096, 16384, 1 << 21
 KEEP_FLAGS = os.ST_RDONLY | os.ST_NOEXEC | os.ST_NOATIME | os.ST_NODIRATIME  # same bits as their MS_ flags
 ST_RELATIME = 4096
+RELEASE_WAIT = 60.0  # s a previous run's image may take to be let go by its container's namespace (wait_released)
 SOURCE_RE = re.compile(r"^egressgate-(ws|tmp)-([0-9a-f]{10})$")
 RUN_ID_RE = re.compile(r"^[0-9a-f]{10}$")
 
@@ -200,6 +201,7 @@ class DiskLimits:
 
     def persistent_workspace(self, path: Path, max_bytes: int, uid: int) -> None:
         image = path / IMAGE
+        wait_released(image, path, RELEASE_WAIT)
         if loops_of(image) or mounted(path):
             raise DiskLimitError(f"the workspace {path} is in use by another run (its image is attached)")
         if not image.exists():
@@ -369,6 +371,19 @@ def release_entry(run_id: str, state_dir: Path, entry: dict) -> list[str]:
     # (a container's, removed asynchronously by its runtime) frees itself once that namespace goes; until
     # then the next run on this workspace is refused ("in use"), never mounted twice
     return problems
+
+
+def wait_released(image: Path, path: Path, seconds: float) -> None:
+    """A run that just ended can leave its image attached for a while: the device is autoclear and no longer
+    mounted here, but a removed container's mount namespace (runc's, gVisor's gofer) still holds it until its
+    runtime lets go, seconds later on a busy host. The next run on the workspace waits for that, up to
+    `seconds`, instead of refusing it as "in use". A mount here (a live run) or a device without autoclear is
+    never waited for: the caller refuses it at once."""
+    deadline = time.monotonic() + seconds
+    while (loops := loops_of(image)) and mounted(path) is None and all(map(_autoclear, loops)):
+        if time.monotonic() >= deadline:
+            return
+        time.sleep(0.1)
 
 
 def _autoclear(dev: str) -> bool:
