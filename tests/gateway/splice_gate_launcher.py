@@ -22,6 +22,7 @@ Every wait is on an event of the gateway's own, never on time. Used by test_spli
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 from pathlib import Path
 
@@ -32,6 +33,16 @@ from egressgate.cli import main
 from egressgate.gateway.tunnels import passthrough, splice
 
 GATE_DIR = Path(sys.argv.pop(1)) if __name__ == "__main__" else Path(".")
+
+
+def say(name: str, text: str) -> None:
+    """Write GATE_DIR/<name> whole or not at all (a rename): the test polls for the name and reads it at once,
+    so a file created and then written could be read empty."""
+    tmp = GATE_DIR / f".{name}.tmp"
+    tmp.write_text(text)
+    os.replace(tmp, GATE_DIR / name)
+
+
 MODES = ("client-data", "server-data", "client-eof", "fin-before-hello")
 _GATES: dict[asyncio.StreamReader, Gate] = {}
 
@@ -74,7 +85,7 @@ class Gate:
     def attempted_take_over(self) -> None:
         self.attempted = True
         outcome = "spliced" if self.layer.splice is not None else "declined"
-        (GATE_DIR / self.layer.conn.tunnel_host).write_text(outcome)
+        say(self.layer.conn.tunnel_host, outcome)
         if outcome == "declined":
             self.release.set()
 
@@ -136,7 +147,7 @@ def _gated_take_over(self: passthrough.PassthroughLayer) -> None:
         gate.attempted_take_over()
     if self.splice is not None and not gate.spliced:
         gate.spliced = True
-        (GATE_DIR / f"{self.conn.tunnel_host}.spliced").write_text("spliced")
+        say(f"{self.conn.tunnel_host}.spliced", "spliced")
 
 
 _eof, _lost = splice.Splice.eof, splice.Splice.lost
