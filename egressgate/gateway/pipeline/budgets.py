@@ -98,7 +98,7 @@ class Budgets:
                 fs.decision = gateway_deny(Reason.STATE_UNAVAILABLE, detail="outbound_bytes_max")
                 return
         if not fits:
-            fs.budget_refused = (prepay, max(0, (limit or 0) - remaining))
+            fs.budget_refused = fs.budget_refused or (prepay, max(0, (limit or 0) - remaining))
             fs.decision = gateway_deny(
                 Reason.BUDGET_EXCEEDED,
                 f"This request needs {prepay} bytes but only {remaining} bytes of the sandbox's outbound "
@@ -149,6 +149,9 @@ class Budgets:
                 rule_id=allowed.rule_id), capability=allowed.capability)
             return None, 0
         if grant.refused is not None:
+            # the record carries what the store's check read (spent and leased, this process's idle pool
+            # included): audit replay re-applies exactly that; the 429's figure below adds back the idle pool
+            fs.budget_refused = (prepay, grant.bytes_out)
             pool_avail = self.rt.ledger.held(sandbox_id)
             return False, max(0, (limit or 0) - grant.bytes_out + pool_avail)
         fs.history_written = True
