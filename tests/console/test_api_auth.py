@@ -279,14 +279,14 @@ def test_auditor_cannot_revoke_or_decide_and_the_sandbox_keeps_working(gw, audit
 def test_operator_revoke_is_audited_and_closes_the_live_connection(gw, operator):
     sbx = gw.admit("gw-basic")
     key = f"ui{time.monotonic_ns()}"
-    held = hold_sse(sbx, key)
+    held = hold_sse(sbx, key, hold=180)  # the upstream holds 180 s; the client never times out
     try:
         assert held.wait_first()
         assert held.thread.is_alive()
-        revoked_at = time.monotonic()
         res = operator.delete(f"/ui/api/sandboxes/{sbx.id}")
         assert res.status_code == 200 and res.json()["revoked"] is True, res.text
-        assert held.join(5) and held.outcome["t"] - revoked_at < 2.0  # cut, not the upstream's own end
+        assert held.join(60), "the stream outlived the revocation"
+        assert "data: last" not in held.outcome.get("lines", []), held.outcome  # cut, not the hold's end
         assert operator.get(f"/ui/api/sandboxes/{sbx.id}").json()["revoked"] is True
         assert wait_for(lambda: any(r.get("egressgate.operation") == "revocation"
                                     and r.get("egressgate.sandbox.id") == sbx.id for r in gw.audit_records()))
