@@ -18,6 +18,11 @@ handled the client's FIN. On main every run of those cases fails. Each case asse
 received, byte for byte, and (for the held chunks) that the tunnel was still spliced once mitmproxy had
 handed the chunk on (the fix must not just turn the splice off). The client's EOF read and not yet
 handled at the take-over was already guarded; kept as a regression case.
+
+The held-behind-a-FIN path must not become a way around the SNI check: bytes held there are judged like
+any that follow a ClientHello, so a second ClientHello naming another host, sent with the FIN before the
+server asks for a retry (HelloRetryRequest), is refused, never relayed (it was already; a regression case,
+shown failing with the held bytes sent up unjudged).
 """
 
 from __future__ import annotations
@@ -239,3 +244,76 @@ def test_a_client_half_close_before_the_servers_hello_still_sends_its_bytes_up(g
     up.close()
     assert got == early, (len(got), log_tail(gw))
     assert recv_all(t.client) == SERVER_HELLO + b"done", log_tail(gw)
+
+
+# RFC 8446 4.1.3: a ServerHello whose random is this is a HelloRetryRequest
+HRR_RANDOM = bytes.fromhex("CF21AD74E59A6111BE1D8C021E65B891C2A211167ABB8C5E079E09E2C8A8339C")
+_HRR_BODY = b"\x02" + (38).to_bytes(3, "big") + b"\x03\x03" + HRR_RANDOM + b"\x00" * 4
+HELLO_RETRY = b"\x16\x03\x03" + struct.pack("!H", len(_HRR_BODY)) + _HRR_BODY
+ALERT_ACCESS_DENIED = b"\x15\x03\x03\x00\x02\x02\x31"
+
+
+def recv_until_closed(sock: socket.socket) -> bytes:
+    """Everything until the peer closes (a reset ends it too: the bytes read before it are kept)."""
+    buf = b""
+    with contextlib.suppress(ConnectionResetError):
+        while chunk := sock.recv(65536):
+            buf += chunk
+    return buf
+
+
+def tunnel_outcome(gw, host: str) -> dict:
+    """The tunnel's one outcome record (written when both sides are closed)."""
+
+    def found() -> list[dict]:
+        return [
+            r
+            for r in gw.audit_records()
+            if r.get("egressgate.operation") == "outcome" and r.get("server.address") == host
+        ]
+
+    deadline = time.monotonic() + HANG_GUARD
+    while not found():
+        assert time.monotonic() < deadline, f"no outcome record for {host}; gateway log:\n{log_tail(gw)}"
+        time.sleep(0.05)
+    [record] = found()
+    return record
+
+
+@pytest.mark.parametrize("second", ["denied", "allowed"])
+def test_a_second_client_hello_held_behind_a_fin_is_judged_after_a_hello_retry(gw, world, tunnels, second):
+    """The tunnel was judged on the first ClientHello's SNI. A client pipelines a second ClientHello naming
+    another host (`other.test`: no rule allows it) and half-closes, all before the server's hello (the gate
+    holds that hello until the layer has handled the FIN); the server then asks for a retry (a TLS 1.3
+    HelloRetryRequest: a server that acts on the next ClientHello's SNI). The held bytes are that second
+    ClientHello: judged like the first, refused `host_mismatch` / `sni_mismatch` with an access_denied
+    alert, and the upstream never sees them. Positive control: the same sequence with the second
+    ClientHello naming the CONNECT host reaches the upstream after the retry, then the FIN, and the
+    server's answers reach the client."""
+    t = tunnels("fin-before-hello", f"hrr{second}")
+    retry = client_hello(world, "other.test" if second == "denied" else t.host)
+    t.client.sendall(t.hello + retry)
+    t.client.shutdown(socket.SHUT_WR)
+    up = t.accept()
+    assert recv_exactly(up, len(t.hello)) == t.hello
+    up.sendall(HELLO_RETRY)  # held in the gateway until its layer has handled the client's FIN
+    if second == "denied":
+        got = recv_until_closed(up)
+        assert got == b"", (len(got), got[:16], log_tail(gw))  # nothing of the second ClientHello went up
+        assert recv_until_closed(t.client) == HELLO_RETRY + ALERT_ACCESS_DENIED, log_tail(gw)
+        out = tunnel_outcome(gw, t.host)
+        assert (out["egressgate.decision"], out["egressgate.reason"], out["egressgate.detail"]) == (
+            "deny",
+            "host_mismatch",
+            "sni_mismatch",
+        ), out
+        assert out["egressgate.tls.sni"] == "other.test"
+        return
+    assert recv_exactly(up, len(retry)) == retry, log_tail(gw)  # judged, then sent up after the retry
+    up.sendall(SERVER_HELLO)
+    assert recv_until_closed(up) == b"", log_tail(gw)  # then the client's FIN
+    up.sendall(b"done")
+    up.close()
+    assert recv_until_closed(t.client) == HELLO_RETRY + SERVER_HELLO + b"done", log_tail(gw)
+    out = tunnel_outcome(gw, t.host)
+    assert (out["egressgate.decision"], out.get("egressgate.tls.sni")) == ("allow", t.host), out
