@@ -2,9 +2,9 @@
 JSONL), misses what is not there, and a second run reads only what was appended. Correctness only: the
 timing goals are measured by loadtests/index_bench.py (RESULTS.md). The chain is generated in-process
 (tests/audit_index/chaingen.py), not through a gateway, from the cheapest valid record (~1 kB: operation,
-request hash, chain fields). CPU of this process, generation (~3.5 s) included: ~13.5 s with 2 index workers
-(which add ~10 s of their own), ~21 s with one; measured on a shared machine, so the wall clock on two idle
-cores (~15 s) is an estimate.
+request hash, chain fields). CPU of this process, generation (~2 s: chaingen hashes the constant line head
+once) included: ~13.5 s with 2 index workers (which add ~10 s of their own), ~21 s with one; measured on a
+shared machine, so the wall clock on two idle cores (~15 s) is an estimate.
 E14I_WORKERS=1 runs it without worker processes."""
 
 from __future__ import annotations

@@ -79,8 +79,7 @@ def remove_a_record(files: list[Path], target: Path, tmp: Path) -> list[Path]:
     return copies
 
 
-def test_kill9_then_restart_verifies_across_the_crash(gateway, tmp_path):
-    world = gateway.world
+def test_kill9_then_restart_verifies_across_the_crash(world, tmp_path):
     gw = start_gateway(world, tmp_path / "gw", {"audit": {"checkpoint_every": 4}})
     try:
         before = get_ids(gw.admit("gw-basic"), 6, "before")
@@ -108,12 +107,11 @@ def test_kill9_then_restart_verifies_across_the_crash(gateway, tmp_path):
     assert res.returncode == 1 and "records removed" in res.stdout, res.stdout
 
 
-def test_kill9_verify_names_every_decision_left_without_outcome(gateway, tmp_path):
+def test_kill9_verify_names_every_decision_left_without_outcome(world, tmp_path):
     """Issue 23, item 4: SIGKILL while a response streams (its decision is durable, its outcome can only
     come when it ends) right after completed requests: after the restart, `audit verify` names exactly the
     allowed decisions of the crashed run that have no outcome — computed here independently from the
     records — as a recovered gap, the streaming request among them and no request whose outcome exists."""
-    world = gateway.world
     gw = start_gateway(world, tmp_path / "gw", {"audit": {"checkpoint_every": 4}})
     key = f"gap-{uuid.uuid4().hex[:8]}"
     try:
@@ -141,8 +139,8 @@ def test_kill9_verify_names_every_decision_left_without_outcome(gateway, tmp_pat
     assert f": {len(expected)} allowed decision(s)" in gap and gap.endswith(", ".join(expected)), gap
 
 
-def test_audit_file_deleted_under_traffic(gateway, tmp_path):
-    gw = start_gateway(gateway.world, tmp_path / "gw")
+def test_audit_file_deleted_under_traffic(world, tmp_path):
+    gw = start_gateway(world, tmp_path / "gw")
     live, key = gw.var / "audit.jsonl", gw.var / "audit-signing.key.pub"
     try:
         sbx = gw.admit("gw-basic")
@@ -164,8 +162,8 @@ def test_audit_file_deleted_under_traffic(gateway, tmp_path):
     assert res.returncode == 1, res.stdout
 
 
-def test_outside_rotation_mv_under_traffic(gateway, tmp_path):
-    gw = start_gateway(gateway.world, tmp_path / "gw", {"audit": {"checkpoint_every": 5}})
+def test_outside_rotation_mv_under_traffic(world, tmp_path):
+    gw = start_gateway(world, tmp_path / "gw", {"audit": {"checkpoint_every": 5}})
     live, key = gw.var / "audit.jsonl", gw.var / "audit-signing.key.pub"
     moved = gw.var / "audit.by-operator.jsonl"
     sent: list[str] = []
@@ -249,10 +247,10 @@ def post_then_fill(gw, mnt: Path, tmp_path: Path) -> tuple[str, str, bytes, Path
     return rid, url, first_part + rest, filler
 
 
-def test_outcome_write_failure_is_retried_not_lost(gateway, tiny_fs, tmp_path):
+def test_outcome_write_failure_is_retried_not_lost(world, tiny_fs, tmp_path):
     """The outcome record (written after the response) is the only place a streamed body's request hash
     lives. Its write fails on a full disk: it must be retried, logged with the request id, and written."""
-    gw = start_gateway(gateway.world, tmp_path / "gw", {"audit": {"path": str(tiny_fs / "audit.jsonl")}})
+    gw = start_gateway(world, tmp_path / "gw", {"audit": {"path": str(tiny_fs / "audit.jsonl")}})
     live = tiny_fs / "audit.jsonl"
     try:
         rid, url, body, filler = post_then_fill(gw, tiny_fs, tmp_path)
@@ -270,11 +268,11 @@ def test_outcome_write_failure_is_retried_not_lost(gateway, tiny_fs, tmp_path):
     assert during.status_code == 503 and during.json()["audit_status"]["pending_records"] >= 1  # /healthz said so
 
 
-def test_queued_outcome_survives_kill9(gateway, tiny_fs, tmp_path):
+def test_queued_outcome_survives_kill9(world, tiny_fs, tmp_path):
     """The queue has a copy on disk (the retry spool, in var_dir, not on the full audit volume): a gateway
     SIGKILLed while an outcome waits writes it after the restart."""
     extra = {"audit": {"path": str(tiny_fs / "audit.jsonl")}}
-    gw = start_gateway(gateway.world, tmp_path / "gw", extra)
+    gw = start_gateway(world, tmp_path / "gw", extra)
     live = tiny_fs / "audit.jsonl"
     try:
         rid, url, body, filler = post_then_fill(gw, tiny_fs, tmp_path)
@@ -284,7 +282,7 @@ def test_queued_outcome_survives_kill9(gateway, tiny_fs, tmp_path):
     assert rid not in records([live], "outcome")
     assert rid in (gw.var / "audit-retry.jsonl").read_text()
     filler.unlink()
-    gw2 = start_gateway(gateway.world, tmp_path / "gw", extra)
+    gw2 = start_gateway(world, tmp_path / "gw", extra)
     try:
         wait(lambda: rid in records(history(live), "outcome"))
     finally:
@@ -297,10 +295,10 @@ def test_queued_outcome_survives_kill9(gateway, tiny_fs, tmp_path):
     assert (gw.var / "audit-retry.jsonl").read_bytes() == b""  # emptied once written
 
 
-def test_revocation_on_a_full_disk_is_recorded_later(gateway, tiny_fs, tmp_path):
+def test_revocation_on_a_full_disk_is_recorded_later(world, tiny_fs, tmp_path):
     """Sibling of the outcome: a revocation takes effect even when its record cannot be written (fail
     closed), so its record is queued and retried, not dropped."""
-    gw = start_gateway(gateway.world, tmp_path / "gw", {"audit": {"path": str(tiny_fs / "audit.jsonl")}})
+    gw = start_gateway(world, tmp_path / "gw", {"audit": {"path": str(tiny_fs / "audit.jsonl")}})
     live = tiny_fs / "audit.jsonl"
     try:
         sbx = gw.admit("gw-basic", labels={"pad": "x" * 800})  # its revocation record is > 1.4 KB

@@ -327,7 +327,7 @@ def test_slow_reader_of_a_large_response_is_not_cut(gw_fast):
     target = f"http://api.test:{gw.world.http_port}/big?n={size}"
     s.sendall(f"GET {target} HTTP/1.1\r\nHost: api.test:{gw.world.http_port}\r\n{auth(sbx)}\r\n".encode())
     s.settimeout(10)
-    data = b""
+    data = bytearray()  # a small receive buffer: thousands of short reads (bytes += would copy it all each time)
     while len(data) < size - 1_500_000:  # read most of it, then stop reading for a while
         chunk = s.recv(1 << 20)
         assert chunk
