@@ -19,11 +19,8 @@ TESTS = Path(__file__).resolve().parents[1] / "tests"
 
 def parts() -> list[Path]:
     """The suite's top-level folders and modules (support code is imported by the tests that use it)."""
-    return sorted(
-        p
-        for p in TESTS.iterdir()
-        if (p.is_dir() and p.name not in ("__pycache__", "support")) or (p.name.startswith("test_") and p.suffix == ".py")
-    )
+    folders = [p for p in TESTS.iterdir() if p.is_dir() and p.name not in ("__pycache__", "support")]
+    return sorted([*folders, *TESTS.glob("test_*.py")])
 
 
 def main() -> int:
