@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from tests.runtimes.harness import Gateway
+from tests.support.procs import alive
 
 # `sandbox gc --grace` of every test gc that may sweep orphans: the netns/cgroup sweep is host-wide, and a
 # run being set up (or torn down) by another test worker or test run on this host has a product netns with
@@ -80,13 +81,17 @@ def netns_commands(run_id: str) -> list[str]:
 
 
 def kill_watchdog(record: dict) -> None:
-    """SIGKILL the run's watchdog (runtimes/watchdog.py) and wait until it is gone."""
+    """SIGKILL the run's watchdog (runtimes/watchdog.py) and wait until it is dead. Dead, not gone: it is
+    `sandbox run`'s child, which reaps it only when it ends (the tests kill it next), so until then it stays
+    a zombie — one that holds no descriptor (the run's lock is released). Waiting for /proc/<pid> to vanish
+    waited out the whole 10 s deadline in every caller and then went on anyway."""
     pid = record["watchdog_pid"]
-    assert Path(f"/proc/{pid}").exists(), "the run has no live watchdog"
+    assert alive(pid), "the run has no live watchdog"
     os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
-        time.sleep(0.02)  # it is not our child: init reaps it
+    deadline = time.monotonic() + 30
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not alive(pid), f"the watchdog {pid} outlived SIGKILL"
 
 
 def wait_for_workload(gateway: Gateway, proc: subprocess.Popen[str], command: str = "sleep",
