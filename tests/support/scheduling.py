@@ -106,6 +106,7 @@ EXCLUSIVE: tuple[tuple[str, str, tuple[str, ...]], ...] = (
                     "workspace_persistent",
                     "netns_escape",
                     "truststore_units",
+                    "gc_runlock",
                 )
             ),
         ),
