@@ -74,3 +74,16 @@ def test_group_durations_refresh_what_ran_and_keep_the_rest(tmp_path: Path) -> N
     # dropped: a module that no longer exists
     assert weights == {"host-netns": 30.0, "test_config.py": 18.0, "test_scheduling.py": 1.8}
     assert list(weights) == ["host-netns", "test_config.py", "test_scheduling.py"]
+
+
+def test_every_runtime_module_is_in_a_host_group_and_every_listed_module_exists() -> None:
+    """tests/runtimes/ starts product sandboxes: none of its modules may fall into a module group of its
+    own; and a host group's module list names files that exist (a renamed module would silently move)."""
+    from tests.support.scheduling import EXCLUSIVE, group_of
+
+    hosts = {group for group, _why, _prefixes in EXCLUSIVE}
+    modules = sorted(p.relative_to(TESTS_ROOT).as_posix() for p in (TESTS_ROOT / "runtimes").glob("test_*.py"))
+    assert modules and {group_of(m) for m in modules} <= hosts
+    assert {group_of(m) for m in modules} >= {"host-netns", "host-netns-b", "host-docker", "host-heavy"}
+    listed = [p for _group, _why, prefixes in EXCLUSIVE for p in prefixes if p.endswith(".py")]
+    assert [p for p in listed if not (TESTS_ROOT / p).is_file()] == []

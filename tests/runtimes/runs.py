@@ -3,6 +3,7 @@ in its namespace, and killing its watchdog (shared by the lifecycle, watchdog an
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -11,6 +12,7 @@ import time
 from pathlib import Path
 
 from tests.runtimes.harness import Gateway
+from tests.support.procs import alive
 
 # `sandbox gc --grace` of every test gc that may sweep orphans: the netns/cgroup sweep is host-wide, and a
 # run being set up (or torn down) by another test worker or test run on this host has a product netns with
@@ -79,13 +81,17 @@ def netns_commands(run_id: str) -> list[str]:
 
 
 def kill_watchdog(record: dict) -> None:
-    """SIGKILL the run's watchdog (runtimes/watchdog.py) and wait until it is gone."""
+    """SIGKILL the run's watchdog (runtimes/watchdog.py) and wait until it is dead. Dead, not gone: it is
+    `sandbox run`'s child, which reaps it only when it ends (the tests kill it next), so until then it stays
+    a zombie — one that holds no descriptor (the run's lock is released). Waiting for /proc/<pid> to vanish
+    waited out the whole 10 s deadline in every caller and then went on anyway."""
     pid = record["watchdog_pid"]
-    assert Path(f"/proc/{pid}").exists(), "the run has no live watchdog"
+    assert alive(pid), "the run has no live watchdog"
     os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
-        time.sleep(0.02)  # it is not our child: init reaps it
+    deadline = time.monotonic() + 30
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not alive(pid), f"the watchdog {pid} outlived SIGKILL"
 
 
 def wait_for_workload(gateway: Gateway, proc: subprocess.Popen[str], command: str = "sleep",
@@ -104,15 +110,46 @@ def wait_for_workload(gateway: Gateway, proc: subprocess.Popen[str], command: st
     raise AssertionError("the workload did not start")
 
 
-def loops_freed(image: Path, timeout: float = 60.0) -> list[str]:
+def foreign_holders(devices: list[str]) -> dict[str, list[int]]:
+    """Mount namespaces other than this process's that still mount one of `devices` (/dev/loopN), with
+    their processes: the copies `ip netns exec` (a world's servers, any worker's) took while an image was
+    mounted here. Read from /proc/<pid>/mountinfo, one process per namespace."""
+    own = os.readlink("/proc/self/ns/mnt")
+    by_ns: dict[str, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                by_ns.setdefault(os.readlink(f"/proc/{entry.name}/ns/mnt"), []).append(int(entry.name))
+    held: dict[str, list[int]] = {}
+    for ns, pids in by_ns.items():
+        if ns == own:
+            continue
+        for pid in pids:
+            try:
+                lines = Path(f"/proc/{pid}/mountinfo").read_text().splitlines()
+            except OSError:
+                continue  # gone: ask the next process of the namespace
+            tails = (line.split(" - ", 1)[-1].split() for line in lines)  # fstype, source, options
+            if any(len(tail) > 1 and tail[1] in devices for tail in tails):
+                held[ns] = pids
+            break
+    return held
+
+
+def loops_freed(image: Path, timeout: float = 60.0, held_timeout: float = 900.0) -> list[str]:
     """The loop devices still backed by `image` once the kernel has let them go (or after `timeout`).
     The image's file system is unmounted by teardown, but a mount namespace another process cloned while
-    it was mounted (any `ip netns exec`, bwrap or container start on the host, e.g. another test worker)
-    holds a copy until that process exits; autoclear then frees the device (diskfs.py documents the
-    "in use" refusal meanwhile). A wait, not a speed check."""
+    it was mounted (any `ip netns exec`, e.g. a world server of another test worker, which lives as long as
+    its module) holds a copy until that process exits; autoclear then frees the device (diskfs.py documents
+    the "in use" refusal meanwhile). So past `timeout` the wait goes on while such a foreign namespace
+    demonstrably still mounts the device (`foreign_holders`), up to `held_timeout`: the device must still
+    be freed, a copy in another namespace only delays it. A wait, not a speed check."""
     from egressgate.runtimes.diskfs import loops_of
 
-    deadline = time.monotonic() + timeout
-    while (left := loops_of(image)) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    start = time.monotonic()
+    while left := loops_of(image):
+        waited = time.monotonic() - start
+        if waited > held_timeout or (waited > timeout and not foreign_holders(left)):
+            break
+        time.sleep(0.1 if waited <= timeout else 0.5)
     return left

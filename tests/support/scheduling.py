@@ -5,9 +5,9 @@ ever run the same group. The groups:
 
 * **one per test module** by default: a module's module- and session-scoped fixtures (its gateway, its
   network world, its OpenBao) are built once on the worker that runs the module, not once per worker;
-* **three host groups** for every module that starts product sandboxes (`sandbox run` with any runtime,
+* **four host groups** for every module that starts product sandboxes (`sandbox run` with any runtime,
   `mcp run`), uses the private Docker daemon, or asserts on host-global product objects. Each group runs on
-  one worker, in order; the three run side by side (they were one `host-runtime` group, the suite's
+  one worker, in order; they run side by side (they were one `host-runtime` group, the suite's
   critical path). What makes that safe:
 
   - `host-docker`: the runtime modules that use the private dockerd (tests/support/dockerd.py, a session
@@ -16,9 +16,12 @@ ever run the same group. The groups:
   - `host-heavy`: the three longest modules, each on its own too long to share a group with the rest
     (weights in tests/durations.json: seconds per group in a parallel run): QEMU boots (test_microvm.py),
     the real-client matrix (test_client_matrix.py) and `compose up` (render/test_compose_up.py: it builds
-    the product images in a dockerd of its own worker, the only other daemon of the run), and
-    test_limits_workspace.py to even out the groups (host-netns was the longest in a parallel run);
-  - `host-netns`: the rest of tests/runtimes/ (netns/bwrap runs, limits, gc) and the local MCP relay.
+    the product images in a dockerd of its own worker, the only other daemon of the run);
+  - `host-netns` and `host-netns-b`: the rest of tests/runtimes/ (netns/bwrap runs, limits, gc) and the
+    local MCP relay, in two halves of about equal weight (one group was ~350 s of a quiet run, longer
+    than any other group: the critical path). No dockerd in either. They need no exclusivity against each
+    other for the same reasons they run beside host-docker and host-heavy (below): a run's host-global
+    names are checked by run id, a test's gc sweeps with a grace, and all else a run takes is its gateway's.
 
   Product netns (`/run/netns/egressgate-<id>`) and cgroups (`egressgate/<id>`) are host-global names, so
   no test may assume it is alone on the host: "nothing left behind" checks look only at objects of the
@@ -84,11 +87,31 @@ EXCLUSIVE: tuple[tuple[str, str, tuple[str, ...]], ...] = (
             "runtimes/test_microvm.py",
             "runtimes/test_client_matrix.py",
             "render/test_compose_up.py",
-            "runtimes/test_limits_workspace.py",
-            "render/test_compose_up_standalone.py",  # the latter: on main
+            "render/test_compose_up_standalone.py",
         ),
     ),
-    ("host-netns", "product sandboxes (netns, bwrap, limits, gc)", ("runtimes/", "mcp/test_local_relay.py")),
+    (
+        "host-netns-b",
+        "product sandboxes (netns, bwrap, limits), the second half of the netns runs",
+        (
+            "mcp/test_local_relay.py",
+            *(
+                f"runtimes/test_{name}.py"
+                for name in (
+                    "trust_default_paths",
+                    "identity_runs",
+                    "run_limits",
+                    "run_disk_limits",
+                    "netns_fs",
+                    "workspace_persistent",
+                    "netns_escape",
+                    "truststore_units",
+                    "gc_runlock",
+                )
+            ),
+        ),
+    ),
+    ("host-netns", "product sandboxes (netns, bwrap, limits, gc)", ("runtimes/",)),
 )
 
 
