@@ -25,6 +25,8 @@ from typing import IO, TYPE_CHECKING, Any
 import httpx
 import yaml
 
+from tests.support import zygote
+
 if TYPE_CHECKING:
     from tests.networld import World
 
@@ -246,8 +248,11 @@ def launch_loopback(tmp: Path, config: dict[str, Any], *, launcher: list[str] | 
         os.chmod(cfg, 0o600)
     stderr_path = tmp / "gateway.stderr"
     stderr = open(stderr_path, "w")  # noqa: SIM115 - lives with the process
-    proc = subprocess.Popen([*(launcher or [EGRESSGATE]), "run", "--config", str(cfg), "--log-level", "DEBUG"],
-                            stdout=subprocess.PIPE, stderr=stderr, text=True, env={**os.environ, "NO_PROXY": ""})
+    argv = [*(launcher or [EGRESSGATE]), "run", "--config", str(cfg), "--log-level", "DEBUG"]
+    env = {**os.environ, "NO_PROXY": ""}
+    # a custom launcher is a real command of its own; the console script forks from the zygote (zygote.py)
+    start = subprocess.Popen if launcher else zygote.popen
+    proc = start(argv, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
     info = startup_info(proc, stderr_path)
     var = Path(config["var_dir"])
     return {"proc": proc, "config": cfg, "var": var, "proxy": host_port(info["proxy"]), "admin": info["admin"],
