@@ -1,11 +1,14 @@
 """Start `egressgate ...` processes without paying for their imports each time: a per-test-process fork server.
 
 Why: the suite is CPU-bound on a 2-core machine, and a gateway start spends ~1 CPU-s importing mitmproxy,
-aiohttp, aioquic, pydantic, cryptography, ... (about half of it third-party). The server
-(tests/support/zygote_server.py, one per test process, started on first use) imports those third-party modules
-once and forks a child per start; the child takes the caller's argv, environment, cwd and stdio fds (sent over
-a unix socket, SCM_RIGHTS) and runs the console script's `egressgate.cli.main()`, so it imports egressgate
-itself afresh, as an exec'd process would: no egressgate module-level state is ever shared or inherited.
+aiohttp, aioquic, pydantic, cryptography and egressgate's own pydantic models. The server
+(tests/support/zygote_server.py, one per test process, started on first use) imports what `egressgate run`
+imports once and forks a child per start; the child takes the caller's argv, environment, cwd and stdio fds
+(sent over a unix socket, SCM_RIGHTS) and runs the console script's `egressgate.cli.main()`. Nothing of
+egressgate has run in the server but module-level code, and tests/architecture/test_fork_safe_imports.py
+keeps that code from capturing anything a child would wrongly share (the environment variables allowed to
+differ, the cwd, the clock, random bytes, files); the one random draw, audit/build.py's request-id key, is
+re-drawn after a fork.
 
 What the child is NOT: an exec'd process. Its interpreter was started with the server's environment, so
 anything read at interpreter or third-party import time (PYTHON*, locale, SSL_CERT_*, ...) is the server's.

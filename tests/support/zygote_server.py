@@ -1,5 +1,6 @@
 """The fork server behind tests/support/zygote.py (run as a script, one per test process; read that module's
-docstring first). It imports the third-party modules `egressgate` loads (never egressgate itself), then
+docstring first). It imports the modules `egressgate run` loads (ENTRY_MODULES: third-party first, then
+egressgate's own, whose import-time reads tests/architecture/test_fork_safe_imports.py keeps safe), then
 forks one child per request: the child becomes `egressgate ARGV...` with the caller's stdio, environment and
 working directory, exactly as the console script would, and the server (its parent) reports its exit.
 
@@ -26,6 +27,13 @@ import threading
 import types
 
 MAX_MSG = 1 << 20
+# What `egressgate run` imports before it serves (and the console script's own modules).
+ENTRY_MODULES = [
+    "egressgate.cli",
+    "egressgate.commands",
+    "egressgate.gateway.service.cli",
+    "egressgate.gateway.service.app",
+]
 
 
 def _preimport(names: list[str]) -> None:
@@ -223,16 +231,11 @@ def _become(request: dict, script: str) -> None:
 def main() -> None:
     socket_path, control_fd, script = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     control = socket.socket(fileno=control_fd)
+    sys.path[0] = os.path.dirname(script)  # the console script's, for whatever scans sys.path at import
     _preimport(
-        _probe(
-            [
-                "egressgate.cli",
-                "egressgate.commands",
-                "egressgate.gateway.service.cli",
-                "egressgate.gateway.service.app",
-            ]
-        )
-    )
+        _probe(ENTRY_MODULES)
+    )  # third-party first, then egressgate (tests/architecture/test_fork_safe_imports.py)
+    _preimport(ENTRY_MODULES)
     if threading.active_count() != 1:
         raise SystemExit("zygote: an import started a thread; forking would copy a half-held lock")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
