@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from tests.support import zygote
+from tests.support.cli import POLICIES, cli
 from tests.support.launcher import EGRESSGATE, drain, launch_loopback, stop_process, write_policies
 
 
@@ -129,3 +130,18 @@ def test_it_steps_aside_when_the_interpreter_would_differ(tmp_path: Path) -> Non
     assert isinstance(same, zygote.ZygoteProcess)  # a run-time-only variable differs: forked
     assert isinstance(other, subprocess.Popen) and isinstance(elsewhere, subprocess.Popen)
     assert len(set(outputs)) == 1 and outputs[0].strip(), outputs
+
+
+def test_cli_calls_answer_as_the_exec_d_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    """tests/support/cli.py's `python -m egressgate` through the fork server: same exit codes, stdout and
+    stderr (click names the program from how it was started: `python -m egressgate`) as the exec'd one."""
+    calls = [("--help",), ("nonsense",), ("policy", "check", str(POLICIES)), ("policy", "check", "/nonexistent")]
+    answers = {}
+    for switch in ("0", "1"):
+        monkeypatch.setenv(zygote.SWITCH, switch)
+        forked = zygote.FORKED
+        answers[switch] = [(r.returncode, r.stdout, r.stderr) for r in (cli(*args) for args in calls)]
+        assert zygote.FORKED - forked == (len(calls) if switch == "1" else 0)
+    assert answers["1"] == answers["0"]
+    assert [code for code, _, _ in answers["1"]] == [0, 2, 0, answers["0"][3][0]] and answers["0"][3][0] != 0
+    assert "python -m egressgate" in answers["1"][1][2]

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import IO, Any
 
 SERVER = Path(__file__).with_name("zygote_server.py")
+EGRESSGATE = str(Path(sys.executable).with_name("egressgate"))  # the console script
 SWITCH = "EGRESSGATE_TEST_ZYGOTE"
 # Read by egressgate (or the libraries it calls) when it runs, never at import time.
 FORK_SAFE_ENV = (
@@ -150,7 +151,8 @@ class ZygoteProcess:
         self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self._conn.connect(server.path)
-            socket.send_fds(self._conn, [json.dumps({"argv": argv, "env": env, "cwd": cwd}).encode()], theirs)
+            request = {"argv": argv, "env": env, "cwd": cwd, "module": _module_of(argv)}
+            socket.send_fds(self._conn, [json.dumps(request).encode()], theirs)
             self.pid = json.loads(self._conn.recv(4096))["pid"]
         finally:
             for fd in close_after:
@@ -207,6 +209,11 @@ class ZygoteProcess:
         self.wait()
 
 
+def _module_of(argv: list[str]) -> str | None:
+    """The module `python -m` runs ("egressgate") for `python -m egressgate ...` with this interpreter."""
+    return "egressgate" if argv[:3] == [sys.executable, "-m", "egressgate"] else None
+
+
 def popen(
     argv: list[str],
     *,
@@ -217,12 +224,14 @@ def popen(
     stderr: IO[Any] | int | None = None,
     text: bool = False,
 ) -> ZygoteProcess | subprocess.Popen:
-    """`subprocess.Popen(argv, ...)` for an `egressgate` command (argv[0] the console script), forked from
+    """`subprocess.Popen(argv, ...)` for an `egressgate` command (the console script, or `python -m
+    egressgate` with this interpreter), forked from
     the zygote when that is indistinguishable to the command (see the module docstring), exec'd otherwise."""
     env = dict(os.environ if env is None else env)
     wanted = enabled() and env.get(SWITCH, "1") != "0" and stdin != subprocess.PIPE
-    server = _get_server(argv[0]) if wanted else None
-    if server is None or argv[0] != server.script or _comparable(env) != _comparable(server.env):
+    server = _get_server(EGRESSGATE) if wanted else None
+    ours = server is not None and (argv[:1] == [server.script] or _module_of(argv) is not None)
+    if server is None or not ours or _comparable(env) != _comparable(server.env):
         return subprocess.Popen(argv, env=env, cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr, text=text)
     global FORKED
     FORKED += 1

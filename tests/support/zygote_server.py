@@ -1,14 +1,15 @@
 """The fork server behind tests/support/zygote.py (run as a script, one per test process; read that module's
 docstring first). It imports the modules `egressgate run` loads (ENTRY_MODULES: third-party first, then
 egressgate's own, whose import-time reads tests/architecture/test_fork_safe_imports.py keeps safe), then
-forks one child per request: the child becomes `egressgate ARGV...` with the caller's stdio, environment and
-working directory, exactly as the console script would, and the server (its parent) reports its exit.
+forks one child per request: the child becomes `egressgate ARGV...` (or `python -m egressgate ARGV...`)
+with the caller's stdio, environment and working directory, as the console script (or -m) would, and the
+server (its parent) reports its exit.
 
 Single-threaded on purpose (a fork copies only the forking thread, and locks held by another thread would be
 held forever in the child): one selector loop, SIGCHLD through a wakeup pipe.
 
 Protocol (SOCK_SEQPACKET, one connection per child, JSON messages):
-  client -> {"argv", "env", "cwd"} + 3 fds (SCM_RIGHTS: stdin, stdout, stderr)
+  client -> {"argv", "env", "cwd", "module"} + 3 fds (SCM_RIGHTS: stdin, stdout, stderr)
   server -> {"pid": N} ... later {"exit": CODE, "cpu": SECONDS}   (CODE as Popen.returncode: -SIG if killed)
   client -> {"signal": N}   (sent to the child only while it is unreaped: never to a recycled pid)
 """
@@ -192,12 +193,20 @@ def _become(request: dict, script: str) -> None:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
-    argv = request["argv"]
-    sys.argv = [script, *argv[1:]]
-    sys.orig_argv = [sys.executable, script, *argv[1:]]
-    sys.path[0] = os.path.dirname(script)
+    argv, module = request["argv"], request.get("module")
     main = types.ModuleType("__main__")
-    main.__file__ = script
+    if module:  # `python -m MODULE ARGS`: runpy sets argv[0] and fills __main__ as -m does
+        args = argv[3:]
+        sys.argv = ["-m", *args]
+        sys.orig_argv = [sys.executable, "-m", module, *args]
+        sys.path[0] = os.getcwd()
+        name = os.path.basename(sys.executable)
+    else:  # the console script
+        sys.argv = [script, *argv[1:]]
+        sys.orig_argv = [sys.executable, script, *argv[1:]]
+        sys.path[0] = os.path.dirname(script)
+        main.__file__ = script
+        name = os.path.basename(script)
     sys.modules["__main__"] = main
     import random
 
@@ -205,7 +214,7 @@ def _become(request: dict, script: str) -> None:
     try:  # the process name `pgrep egressgate` matches, as for the exec'd console script
         import ctypes
 
-        ctypes.CDLL(None, use_errno=True).prctl(15, os.path.basename(script).encode()[:15], 0, 0, 0)  # PR_SET_NAME
+        ctypes.CDLL(None, use_errno=True).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
     except OSError:
         pass
 
@@ -232,21 +241,30 @@ def main() -> None:
     socket_path, control_fd, script = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     control = socket.socket(fileno=control_fd)
     sys.path[0] = os.path.dirname(script)  # the console script's, for whatever scans sys.path at import
-    _preimport(
-        _probe(ENTRY_MODULES)
-    )  # third-party first, then egressgate (tests/architecture/test_fork_safe_imports.py)
+    # third-party first, then egressgate (its import-time reads: tests/architecture/test_fork_safe_imports.py)
+    _preimport(_probe(ENTRY_MODULES))
     _preimport(ENTRY_MODULES)
     if threading.active_count() != 1:
         raise SystemExit("zygote: an import started a thread; forking would copy a half-held lock")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(socket_path)
     listener.listen(64)
+    import gc
+
+    gc.collect()
+    gc.freeze()  # the heap is shared copy-on-write with every child: keep the collector from touching it
     control.send(b"ready")
     request = Server(listener, control).serve()
     if request is None:
         return
     _become(request, script)
+    module = request.get("module")
     del request
+    if module:
+        import runpy
+
+        runpy._run_module_as_main(module, alter_argv=True)  # what `python -m` runs
+        return
     from egressgate.cli import main as egressgate_main
 
     sys.exit(egressgate_main())
