@@ -16,6 +16,7 @@ import pytest
 
 from tests.support import zygote
 from tests.support.cli import POLICIES, cli
+from tests.support.env import netns_unavailable_reason
 from tests.support.launcher import EGRESSGATE, drain, launch_loopback, stop_process, write_policies
 
 
@@ -145,3 +146,53 @@ def test_cli_calls_answer_as_the_exec_d_command(monkeypatch: pytest.MonkeyPatch)
     assert answers["1"] == answers["0"]
     assert [code for code, _, _ in answers["1"]] == [0, 2, 0, answers["0"][3][0]] and answers["0"][3][0] != 0
     assert "python -m egressgate" in answers["1"][1][2]
+
+
+def _ns_portrait(pid: int) -> dict[str, Any]:
+    """What a process in a namespace sees: its network namespace, its /etc/resolv.conf (through its own
+    mount namespace), what is mounted on /sys and /etc, and whether its mount namespace is its own."""
+    proc = Path(f"/proc/{pid}")
+    mounts = []
+    for line in (proc / "mountinfo").read_text().splitlines():
+        fields = line.split()
+        mount_point, fstype = fields[4], fields[fields.index("-") + 1]
+        if mount_point == "/sys" or mount_point.startswith("/etc/"):
+            mounts.append((mount_point, fstype, fields[3]))
+    return {
+        "net": os.readlink(proc / "ns" / "net"),
+        "own_mount_ns": os.readlink(proc / "ns" / "mnt") != os.readlink("/proc/self/ns/mnt"),
+        "resolv.conf": (proc / "root" / "etc" / "resolv.conf").read_text(),
+        "mounts": sorted(mounts),
+    }
+
+
+def test_a_gateway_forked_into_a_namespace_sees_what_ip_netns_exec_shows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests.networld import world
+    from tests.support.launcher import launch_in_namespace
+
+    if reason := netns_unavailable_reason():
+        pytest.fail(f"network namespaces are needed here: {reason}")
+    (tmp_path / "world").mkdir()
+    with world(tmp_path / "world") as w:
+        views = {}
+        for switch in ("0", "1"):
+            monkeypatch.setenv(zygote.SWITCH, switch)
+            base = tmp_path / f"gw{switch}"
+            base.mkdir()
+            config = _config(base)
+            config["listen"] = {"proxy": "127.0.0.1:0", "admin": "127.0.0.1:0", "dns": None, "transparent": None}
+            proc, _, _, stderr = launch_in_namespace(w, w.gw, base, config)
+            try:
+                kind = zygote.ZygoteProcess if switch == "1" else subprocess.Popen
+                assert isinstance(proc, kind)
+                views[switch] = _ns_portrait(proc.pid)
+            finally:
+                assert stop_process(proc) == 0
+                stderr.close()
+        assert views["1"] == views["0"]
+        assert views["1"]["net"] != os.readlink("/proc/self/ns/net") and views["1"]["own_mount_ns"]
+        netns_etc = Path("/etc/netns") / w.gw
+        if (netns_etc / "resolv.conf").exists():  # the namespace's own resolv.conf is what it reads
+            assert views["1"]["resolv.conf"] == (netns_etc / "resolv.conf").read_text()

@@ -269,8 +269,11 @@ def launch_in_namespace(world: World, ns: str, tmp: Path, config: dict[str, Any]
     cfg = tmp / "gateway.yaml"
     cfg.write_text(yaml.safe_dump(with_uid_range(config)))
     stderr = open(tmp / "gateway.stderr", "w")  # noqa: SIM115 - lives as long as the process
-    proc = world.popen(ns, *(launcher or [EGRESSGATE]), "run", "--config", str(cfg), stdout=subprocess.PIPE,
-                       stderr=stderr)
+    if launcher:
+        proc = world.popen(ns, *launcher, "run", "--config", str(cfg), stdout=subprocess.PIPE, stderr=stderr)
+    else:  # `ip netns exec ns egressgate run ...`, forked from the zygote (zygote.py)
+        proc = zygote.popen([EGRESSGATE, "run", "--config", str(cfg)], netns=ns, stdout=subprocess.PIPE, stderr=stderr,
+                            text=True)
     info = startup_info(proc, tmp / "gateway.stderr")
     drain(proc)
     return proc, info, cfg, stderr

@@ -117,6 +117,7 @@ class ZygoteProcess:
         stdout: IO[Any] | int | None,
         stderr: IO[Any] | int | None,
         text: bool,
+        netns: str | None = None,
     ) -> None:
         self.args = argv
         self.returncode: int | None = None
@@ -151,7 +152,7 @@ class ZygoteProcess:
         self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self._conn.connect(server.path)
-            request = {"argv": argv, "env": env, "cwd": cwd, "module": _module_of(argv)}
+            request = {"argv": argv, "env": env, "cwd": cwd, "module": _module_of(argv), "netns": netns}
             socket.send_fds(self._conn, [json.dumps(request).encode()], theirs)
             self.pid = json.loads(self._conn.recv(4096))["pid"]
         finally:
@@ -223,16 +224,20 @@ def popen(
     stdout: IO[Any] | int | None = None,
     stderr: IO[Any] | int | None = None,
     text: bool = False,
+    netns: str | None = None,
 ) -> ZygoteProcess | subprocess.Popen:
     """`subprocess.Popen(argv, ...)` for an `egressgate` command (the console script, or `python -m
-    egressgate` with this interpreter), forked from
+    egressgate` with this interpreter; `netns`: inside that network namespace, as `ip netns exec NETNS ARGV`
+    runs it), forked from
     the zygote when that is indistinguishable to the command (see the module docstring), exec'd otherwise."""
     env = dict(os.environ if env is None else env)
     wanted = enabled() and env.get(SWITCH, "1") != "0" and stdin != subprocess.PIPE
     server = _get_server(EGRESSGATE) if wanted else None
     ours = server is not None and (argv[:1] == [server.script] or _module_of(argv) is not None)
     if server is None or not ours or _comparable(env) != _comparable(server.env):
-        return subprocess.Popen(argv, env=env, cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr, text=text)
+        command = ["ip", "netns", "exec", netns, *argv] if netns else argv
+        return subprocess.Popen(command, env=env, cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr, text=text)
     global FORKED
     FORKED += 1
-    return ZygoteProcess(server, argv, env, str(Path(cwd or os.getcwd()).absolute()), stdin, stdout, stderr, text)
+    cwd = str(Path(cwd or os.getcwd()).absolute())
+    return ZygoteProcess(server, argv, env, cwd, stdin, stdout, stderr, text, netns)

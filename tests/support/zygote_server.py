@@ -9,7 +9,7 @@ Single-threaded on purpose (a fork copies only the forking thread, and locks hel
 held forever in the child): one selector loop, SIGCHLD through a wakeup pipe.
 
 Protocol (SOCK_SEQPACKET, one connection per child, JSON messages):
-  client -> {"argv", "env", "cwd", "module"} + 3 fds (SCM_RIGHTS: stdin, stdout, stderr)
+  client -> {"argv", "env", "cwd", "module", "netns"} + 3 fds (SCM_RIGHTS: stdin, stdout, stderr)
   server -> {"pid": N} ... later {"exit": CODE, "cpu": SECONDS}   (CODE as Popen.returncode: -SIG if killed)
   client -> {"signal": N}   (sent to the child only while it is unreaped: never to a recycled pid)
 """
@@ -182,6 +182,35 @@ class Server:
                     )
 
 
+def _enter_netns(name: str) -> None:
+    """What `ip netns exec NAME` does before it execs (iproute2's netns_switch): join the namespace, take a
+    mount namespace of its own (slave to the host's), mount a /sys that describes the new network namespace,
+    and bind /etc/netns/NAME/* over /etc (a failed bind is only a warning there too)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    ms_rdonly, ms_bind, ms_rec, ms_slave, mnt_detach = 1, 4096, 16384, 1 << 19, 2
+
+    def mount(source: str, target: str, fstype: str, flags: int) -> int:
+        return libc.mount(source.encode(), target.encode(), fstype.encode(), flags, None)
+
+    with open(f"/run/netns/{name}") as fh:
+        os.setns(fh.fileno(), os.CLONE_NEWNET)
+    os.unshare(os.CLONE_NEWNS)
+    if mount("", "/", "none", ms_slave | ms_rec) != 0:
+        raise OSError(ctypes.get_errno(), f'"mount --make-rslave /" failed for netns {name}')
+    flags = 0
+    if libc.umount2(b"/sys", mnt_detach) != 0 and os.statvfs("/sys").f_flag & os.ST_RDONLY:
+        flags = ms_rdonly
+    if mount(name, "/sys", "sysfs", flags) != 0:
+        raise OSError(ctypes.get_errno(), f"mount of /sys failed for netns {name}")
+    etc = f"/etc/netns/{name}"
+    if os.path.isdir(etc):
+        for entry in sorted(os.listdir(etc)):
+            if mount(f"{etc}/{entry}", f"/etc/{entry}", "none", ms_bind) != 0:
+                print(f"Bind {etc}/{entry} -> /etc/{entry} failed", file=sys.stderr)
+
+
 def _become(request: dict, script: str) -> None:
     """In the forked child: take the caller's stdio, environment, cwd and argv, and shed the server's state
     (its sockets, signal handlers, `random` state), so what runs next is the console script's process."""
@@ -190,6 +219,8 @@ def _become(request: dict, script: str) -> None:
         os.dup2(fd, target)  # inheritable, as a fresh process's stdio
     for fd in {stdin, stdout, stderr} - {0, 1, 2}:
         os.close(fd)
+    if request.get("netns"):
+        _enter_netns(request["netns"])
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
