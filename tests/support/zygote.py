@@ -26,8 +26,10 @@ status and the child's CPU (added to ZYGOTE_CPU: tests/support/cpu_usage.py coun
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -68,6 +70,7 @@ def _comparable(env: dict[str, str]) -> dict[str, str]:
 class _Server:
     def __init__(self, script: str) -> None:
         self.dir = tempfile.mkdtemp(prefix="egressgate-zygote-")
+        atexit.register(shutil.rmtree, self.dir, True)  # its socket and log; the server ends with this process
         self.path = os.path.join(self.dir, "s")
         self.control, theirs = socket.socketpair()
         self.env = dict(os.environ)
