@@ -15,9 +15,12 @@ anything read at interpreter or third-party import time (PYTHON*, locale, SSL_CE
 `popen` therefore forks only when the caller's environment equals the server's except for variables in
 FORK_SAFE_ENV (read by egressgate at run time only) and otherwise runs the real command; it also runs the real
 command when EGRESSGATE_TEST_ZYGOTE=0 (the switch to rule the fork server out when a test fails oddly).
-One visible difference remains: /proc/PID/environ shows the environment a process was exec'd with, so a
-forked child's shows the server's (its `os.environ`, what egressgate reads, is the caller's); no test reads a
-gateway's /proc environ. tests/test_zygote.py compares a forked gateway with an exec'd one.
+Two differences remain. /proc/PID/environ shows the environment a process was exec'd with, so a forked
+child's shows the server's (its `os.environ`, what egressgate reads, is the caller's); only
+tests/runtimes/test_secrets_off_argv.py reads every /proc/*/environ, for secrets no gateway is started
+with. And forked children share the server's string-hash seed (an exec'd process draws its own): the
+iteration order of str-keyed sets is the same in every gateway one test process forks.
+tests/test_zygote.py compares a forked gateway with an exec'd one.
 
 `ZygoteProcess` is the Popen subset the harnesses use (pid, stdout, poll, wait, send_signal, terminate,
 kill, returncode, context manager). The server is the child's parent: it reaps it and reports the exit
