@@ -35,6 +35,17 @@ _ID_KEY = os.urandom(32)
 _ID_COUNTER = itertools.count()
 
 
+def _new_id_key() -> None:
+    """A forked child is another process: its own key and counter, or two processes would hand out the
+    same ids (the test suite's fork server, tests/support/zygote.py, forks gateways with this module loaded)."""
+    global _ID_KEY, _ID_COUNTER
+    _ID_KEY = os.urandom(32)
+    _ID_COUNTER = itertools.count()
+
+
+os.register_at_fork(after_in_child=_new_id_key)
+
+
 def new_request_id() -> str:
     """128-bit ids, unique per process (a counter) and unguessable across sandboxes (keyed BLAKE2b of
     it: a sequential id in a deny body would tell one sandbox how busy the others are). About 4x cheaper

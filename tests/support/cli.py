@@ -6,18 +6,33 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
+
+from tests.support import zygote
 
 ROOT = Path(__file__).resolve().parents[2]
 POLICIES = ROOT / "policies"
 
 
 def cli(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
-    """The real console entry point (`python -m egressgate`), as an operator runs it."""
-    return subprocess.run([sys.executable, "-m", "egressgate", *args], capture_output=True, text=True, cwd=cwd,
-                          check=False, timeout=120)
+    """The real console entry point (`python -m egressgate`), as an operator runs it: forked from the test
+    fork server (tests/support/zygote.py: the same process, without re-importing what `egressgate run`
+    imports; EGRESSGATE_TEST_ZYGOTE=0 execs it)."""
+    argv = [sys.executable, "-m", "egressgate", *args]
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = zygote.popen(argv, cwd=cwd, stdout=out, stderr=err, text=True)
+        try:
+            code = proc.wait(120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(argv, code, out.read(), err.read())
 
 
 def kubernetes_validate() -> str:

@@ -6,6 +6,7 @@ teardown, and whatever the worker does between them), each worker records
 
 * `self`: its own user+system CPU (`RUSAGE_SELF`: the test code, in-process servers, clients);
 * `children`: the CPU of child processes it has reaped (`RUSAGE_CHILDREN`: gateways, CLI calls, redis,
+  plus what the fork server of tests/support/zygote.py reports for the gateways it forked and reaped;
   OpenBao — counted when the test stops and waits for them, so a module-scoped daemon lands on the teardown
   of the module's last test, and a session-scoped one is not counted);
 * `cgroup`: when the worker could move itself into a cgroup-v1 `cpuacct` group of its own (opt-in, this
@@ -63,6 +64,12 @@ def _gateway_starts() -> int:
     return launcher.GATEWAY_STARTS
 
 
+def _zygote_cpu() -> float:
+    from tests.support import zygote
+
+    return zygote.ZYGOTE_CPU
+
+
 class Meter:
     """On every process that runs tests (each xdist worker, or the only process): snapshots between phases,
     the deltas attached to each phase's report (`user_properties`, which xdist sends to the controller)."""
@@ -80,7 +87,8 @@ class Meter:
                 cg = int((self.group / "cpuacct.usage").read_text()) / 1e9
             except (OSError, ValueError):
                 cg = -1.0
-        return me.ru_utime + me.ru_stime, kids.ru_utime + kids.ru_stime, cg, _gateway_starts()
+        forked = _zygote_cpu()  # forked gateways are the fork server's children: it reports their CPU
+        return me.ru_utime + me.ru_stime, kids.ru_utime + kids.ru_stime + forked, cg, _gateway_starts()
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtestloop(self, session: pytest.Session):

@@ -25,6 +25,8 @@ from typing import IO, TYPE_CHECKING, Any
 import httpx
 import yaml
 
+from tests.support import zygote
+
 if TYPE_CHECKING:
     from tests.networld import World
 
@@ -246,8 +248,11 @@ def launch_loopback(tmp: Path, config: dict[str, Any], *, launcher: list[str] | 
         os.chmod(cfg, 0o600)
     stderr_path = tmp / "gateway.stderr"
     stderr = open(stderr_path, "w")  # noqa: SIM115 - lives with the process
-    proc = subprocess.Popen([*(launcher or [EGRESSGATE]), "run", "--config", str(cfg), "--log-level", "DEBUG"],
-                            stdout=subprocess.PIPE, stderr=stderr, text=True, env={**os.environ, "NO_PROXY": ""})
+    argv = [*(launcher or [EGRESSGATE]), "run", "--config", str(cfg), "--log-level", "DEBUG"]
+    env = {**os.environ, "NO_PROXY": ""}
+    # a custom launcher is a real command of its own; the console script forks from the zygote (zygote.py)
+    start = subprocess.Popen if launcher else zygote.popen
+    proc = start(argv, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
     info = startup_info(proc, stderr_path)
     var = Path(config["var_dir"])
     return {"proc": proc, "config": cfg, "var": var, "proxy": host_port(info["proxy"]), "admin": info["admin"],
@@ -264,8 +269,11 @@ def launch_in_namespace(world: World, ns: str, tmp: Path, config: dict[str, Any]
     cfg = tmp / "gateway.yaml"
     cfg.write_text(yaml.safe_dump(with_uid_range(config)))
     stderr = open(tmp / "gateway.stderr", "w")  # noqa: SIM115 - lives as long as the process
-    proc = world.popen(ns, *(launcher or [EGRESSGATE]), "run", "--config", str(cfg), stdout=subprocess.PIPE,
-                       stderr=stderr)
+    if launcher:
+        proc = world.popen(ns, *launcher, "run", "--config", str(cfg), stdout=subprocess.PIPE, stderr=stderr)
+    else:  # `ip netns exec ns egressgate run ...`, forked from the zygote (zygote.py)
+        proc = zygote.popen([EGRESSGATE, "run", "--config", str(cfg)], netns=ns, stdout=subprocess.PIPE, stderr=stderr,
+                            text=True)
     info = startup_info(proc, tmp / "gateway.stderr")
     drain(proc)
     return proc, info, cfg, stderr
