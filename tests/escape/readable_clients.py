@@ -1,12 +1,17 @@
 """Run one real HTTP client the way an agent would, print what the agent gets to read (JSON on stdout).
 
-Usage: python readable_clients.py CLIENT URL CA [PROXY]
-CLIENT: requests | httpx | urllib. With PROXY the client goes through the explicit proxy (as with the
-sandbox's HTTPS_PROXY); without it, it connects directly (a transparent sandbox: name resolution by the
+Usage: python readable_clients.py CLIENT CA PROXY URL [URL ...]
+CLIENT: requests | httpx | urllib. With a PROXY the client goes through the explicit proxy (as with the
+sandbox's HTTPS_PROXY); with `-` it connects directly (a transparent sandbox: name resolution by the
 system resolver, the connection redirected to the gateway). CA is the bundle the client trusts.
 
-The output is {"status", "body", "headers"} for a response, or {"error": str(exception)} when the client
-raised: exactly the text an agent sees in its program's output or traceback.
+Each URL is fetched in turn by a client of its own (nothing pooled or shared between them: a new
+`requests.get`, `httpx.Client` or opener each), so a refusal and its positive control run in one
+interpreter: the test suite pays one Python start and one client import for both.
+
+The output is a JSON list, one entry per URL: {"status", "body", "headers"} for a response, or
+{"error": str(exception)} when the client raised: exactly the text an agent sees in its program's output
+or traceback.
 """
 
 from __future__ import annotations
@@ -52,5 +57,7 @@ def run(client: str, url: str, ca: str, proxy: str | None) -> dict:
 
 
 if __name__ == "__main__":
-    args = sys.argv[1:]
-    print(json.dumps(run(args[0], args[1], args[2], args[3] if len(args) > 3 else None)))
+    client, ca, proxy, *urls = sys.argv[1:]
+    if not urls:
+        raise SystemExit(__doc__)
+    print(json.dumps([run(client, url, ca, None if proxy == "-" else proxy) for url in urls]))
