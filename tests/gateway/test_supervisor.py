@@ -20,7 +20,7 @@ import pytest
 import yaml
 from dnslib import RCODE, DNSRecord
 
-from tests.support import cli
+from tests.support import cli, zygote
 from tests.support.cli import POLICIES
 from tests.support.env import free_port
 from tests.support.launcher import EGRESSGATE, drain, first_line, stop_process
@@ -44,8 +44,10 @@ class Run:
     def __init__(self, tmp: Path, cfg: Path, *args: str, launcher: list[str] | None = None) -> None:
         self.err_path = tmp / "run.stderr"
         err = open(self.err_path, "w")  # noqa: SIM115 - lives with the process
-        self.proc = subprocess.Popen([*(launcher or [EGRESSGATE]), "run", "--config", str(cfg), *args],
-                                     stdout=subprocess.PIPE, stderr=err, text=True, env={**os.environ, "NO_PROXY": ""})
+        # the console script is forked from the test fork server; a custom launcher (the --workers N>1 runs
+        # with unshared workers) is exec'd as given (zygote.popen runs any other command for real)
+        self.proc = zygote.popen([*(launcher or [EGRESSGATE]), "run", "--config", str(cfg), *args],
+                                 stdout=subprocess.PIPE, stderr=err, text=True, env={**os.environ, "NO_PROXY": ""})
         line = first_line(self.proc, 60)
         self.info = json.loads(line) if line.strip() else None
         drain(self.proc)
