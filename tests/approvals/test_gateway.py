@@ -346,11 +346,12 @@ def test_cli_lists_approves_and_denies(gateway: Gateway):
     import os
     import subprocess
 
+    from tests.support import cli as support_cli
     from tests.support.launcher import EGRESSGATE
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([EGRESSGATE, "approvals", *args, "--config", str(gateway.config)], text=True,
-                              capture_output=True, timeout=30, env={**os.environ, "NO_PROXY": ""})
+        return support_cli.run([EGRESSGATE, "approvals", *args, "--config", str(gateway.config)], timeout=30,
+                               env={**os.environ, "NO_PROXY": ""})
 
     sbx = gateway.admit("ap-gated")
     first, second = asked(gateway, sbx, "other.test"), asked(gateway, sbx, "h.cli.test")

@@ -53,11 +53,9 @@ def test_a_second_gateway_on_the_same_audit_file_does_not_start(tmp_path):
     """Process level: `egressgate run` twice on one audit file (ephemeral ports, so both could bind; its own
     var dir, so the var-dir lock of gateway/service/varlock.py does not refuse it first): the second exits naming
     the audit file; the first keeps serving and its trail verifies."""
-    import subprocess
-
     import yaml
 
-    from tests.support.cli import cli
+    from tests.support.cli import cli, run
     from tests.support.launcher import EGRESSGATE, launch_loopback, stop_process, write_policies
 
     policies = write_policies(tmp_path / "policies", {"p": {"sandbox": {"name": "p"}, "network": {}}})
@@ -69,8 +67,7 @@ def test_a_second_gateway_on_the_same_audit_file_does_not_start(tmp_path):
         other = tmp_path / "second.yaml"
         other.write_text(yaml.safe_dump({**config, "var_dir": str(tmp_path / "var2"),
                                          "audit": {"path": str(first["var"] / "audit.jsonl")}}))
-        second = subprocess.run([EGRESSGATE, "run", "--config", str(other)], capture_output=True,
-                                text=True, timeout=60)
+        second = run([EGRESSGATE, "run", "--config", str(other)], timeout=60)
         assert second.returncode != 0, second.stdout
         assert "another process" in second.stderr and "audit" in second.stderr, second.stderr[-2000:]
         first["proc"].poll()

@@ -9,12 +9,13 @@ import os
 import subprocess
 
 from tests.control_api.harness import METRICS_POLICY
+from tests.support import cli as support_cli
 from tests.support.launcher import EGRESSGATE
 
 
 def cli(gw, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([EGRESSGATE, "sandbox", *args, "--config", str(gw.config)], capture_output=True,
-                          text=True, timeout=30, env={**os.environ, "NO_PROXY": ""}, check=False)
+    return support_cli.run([EGRESSGATE, "sandbox", *args, "--config", str(gw.config)], timeout=30,
+                           env={**os.environ, "NO_PROXY": ""})
 
 
 def test_list_and_show_follow_real_traffic(cgw):

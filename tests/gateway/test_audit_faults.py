@@ -19,6 +19,7 @@ import pytest
 
 from egressgate.audit.find import iter_records
 from egressgate.audit.reqhash import canonical_fields, request_hash
+from tests.support import cli
 from tests.support.gwworld import start_gateway
 from tests.support.launcher import EGRESSGATE, stop_gateway
 from tests.support.replicas import hold_sse
@@ -34,8 +35,7 @@ def history(live: Path) -> list[Path]:
 
 
 def verify(files: list[Path], key: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([EGRESSGATE, "audit", "verify", "--public-key", str(key), *map(str, files)],
-                          capture_output=True, text=True, timeout=60)
+    return cli.run([EGRESSGATE, "audit", "verify", "--public-key", str(key), *map(str, files)], timeout=60)
 
 
 def records(files: list[Path], op: str) -> dict[str, dict]:

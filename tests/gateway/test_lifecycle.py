@@ -16,6 +16,7 @@ import httpx
 import pytest
 import yaml
 
+from tests.support import cli
 from tests.support.gwworld import connect_tunnel, raw_bytes_in_tunnel, start_gateway
 from tests.support.http1 import read_reply
 from tests.support.launcher import EGRESSGATE, stop_gateway
@@ -153,8 +154,8 @@ def test_admin_api_requires_token_and_token_file_is_private(gateway):
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([EGRESSGATE, *args], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "HTTP_PROXY": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9"})
+    return cli.run([EGRESSGATE, *args], timeout=60,
+                   env={**os.environ, "HTTP_PROXY": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9"})
 
 
 def test_cli_admit_revoke_and_ca(gateway):

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.support import cli, zygote
 from tests.support.launcher import EGRESSGATE, drain, startup_info, stop_process, write_policies
 
 NOT_LOCAL = "192.0.2.1:8080"  # TEST-NET-1: never a local address, so binding it fails
@@ -37,8 +38,8 @@ def _config(tmp: Path, listen: dict[str, str | None]) -> Path:
 def _run(cfg: Path, args: list[str], env: dict[str, str], tmp: Path) -> tuple[subprocess.Popen, dict]:
     stderr_path = tmp / "gateway.stderr"
     with open(stderr_path, "w") as stderr:
-        proc = subprocess.Popen([EGRESSGATE, "run", "--config", str(cfg), *args], stdout=subprocess.PIPE,
-                                stderr=stderr, text=True, env=env)
+        proc = zygote.popen([EGRESSGATE, "run", "--config", str(cfg), *args], stdout=subprocess.PIPE,
+                            stderr=stderr, text=True, env=env)
     info = startup_info(proc, stderr_path)
     drain(proc)
     return proc, info
@@ -67,8 +68,8 @@ def test_env_alone_and_ipv6_in_brackets(tmp_path: Path) -> None:
     env = _env(proxy="127.0.0.1:0", admin="[::1]:0", dns="off", transparent="127.0.0.14:0")
     stderr_path = tmp_path / "gateway.stderr"
     with open(stderr_path, "w") as stderr:
-        proc = subprocess.Popen([EGRESSGATE, "run", "--policy", str(policies)], stdout=subprocess.PIPE,
-                                stderr=stderr, text=True, env=env, cwd=tmp_path)
+        proc = zygote.popen([EGRESSGATE, "run", "--policy", str(policies)], stdout=subprocess.PIPE,
+                            stderr=stderr, text=True, env=env, cwd=tmp_path)
     info = startup_info(proc, stderr_path)
     drain(proc)
     try:
@@ -89,8 +90,8 @@ def test_env_alone_and_ipv6_in_brackets(tmp_path: Path) -> None:
 ])
 def test_a_bad_address_is_refused_naming_its_flag(tmp_path: Path, args: list[str], env: dict[str, str],
                                                   named: str, why: str) -> None:
-    res = subprocess.run([EGRESSGATE, "run", "--policy", str(tmp_path), *args], capture_output=True, text=True,
-                         env=_env(**env), cwd=tmp_path, timeout=60)
+    res = cli.run([EGRESSGATE, "run", "--policy", str(tmp_path), *args], env=_env(**env), cwd=tmp_path,
+                  timeout=60)
     assert res.returncode == 2, res.stdout + res.stderr
     assert named in res.stderr and why in res.stderr, res.stderr
     assert not (tmp_path / "var").exists()  # refused before anything was created
@@ -99,6 +100,6 @@ def test_a_bad_address_is_refused_naming_its_flag(tmp_path: Path, args: list[str
 def test_a_valid_flag_still_meets_the_config_rules(tmp_path: Path) -> None:
     """The flag goes through the same model as the file: transparent equal to proxy is refused at once."""
     cfg = _config(tmp_path, {"proxy": "127.0.0.1:0", "admin": "127.0.0.1:0", "dns": None})
-    res = subprocess.run([EGRESSGATE, "run", "--config", str(cfg), "--listen-transparent", "127.0.0.1:0"],
-                         capture_output=True, text=True, env=_env(), timeout=60)
+    res = cli.run([EGRESSGATE, "run", "--config", str(cfg), "--listen-transparent", "127.0.0.1:0"],
+                  env=_env(), timeout=60)
     assert res.returncode == 1 and "listen.transparent must differ" in res.stderr, res.stderr

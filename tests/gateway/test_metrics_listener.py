@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.support import cli, zygote
 from tests.support.launcher import EGRESSGATE, drain, startup_info, stop_process, write_policies
 
 
@@ -60,8 +61,8 @@ def gateway(tmp_path: Path):
     token_file, token = _token_file(tmp_path)
     stderr_path = tmp_path / "gateway.stderr"
     with open(stderr_path, "w") as stderr:
-        proc = subprocess.Popen([EGRESSGATE, "run", "--config", str(_config(tmp_path, token_file))],
-                                stdout=subprocess.PIPE, stderr=stderr, text=True, env={**os.environ, "NO_PROXY": ""})
+        proc = zygote.popen([EGRESSGATE, "run", "--config", str(_config(tmp_path, token_file))],
+                            stdout=subprocess.PIPE, stderr=stderr, text=True, env={**os.environ, "NO_PROXY": ""})
     info = startup_info(proc, stderr_path)
     drain(proc)
     admin_token = (tmp_path / "var" / "admin.token").read_text().strip()
@@ -112,13 +113,13 @@ def test_a_bad_metrics_setup_refuses_to_start(tmp_path: Path, token_mode: int, t
                                               with_listener: bool, with_token: bool, why: str) -> None:
     token_file, _ = _token_file(tmp_path, token_mode, token)
     cfg = _config(tmp_path, token_file if with_token else None, "127.0.0.1:0" if with_listener else None)
-    res = subprocess.run([EGRESSGATE, "run", "--config", str(cfg)], capture_output=True, text=True, timeout=120)
+    res = cli.run([EGRESSGATE, "run", "--config", str(cfg)], timeout=120)
     assert res.returncode != 0 and why in res.stderr, res.stderr
 
 
 def test_a_missing_token_file_is_named(tmp_path: Path) -> None:
     cfg = _config(tmp_path, tmp_path / "absent.token")
-    res = subprocess.run([EGRESSGATE, "run", "--config", str(cfg)], capture_output=True, text=True, timeout=120)
+    res = cli.run([EGRESSGATE, "run", "--config", str(cfg)], timeout=120)
     assert res.returncode != 0 and "absent.token: cannot read it" in res.stderr, res.stderr
 
 
@@ -127,8 +128,8 @@ def test_listen_metrics_flag_sets_the_address(tmp_path: Path) -> None:
     cfg = _config(tmp_path, token_file, metrics="192.0.2.1:9090")  # TEST-NET: binding it would fail
     stderr_path = tmp_path / "gateway.stderr"
     with open(stderr_path, "w") as stderr:
-        proc = subprocess.Popen([EGRESSGATE, "run", "--config", str(cfg), "--listen-metrics", "127.0.0.15:0"],
-                                stdout=subprocess.PIPE, stderr=stderr, text=True)
+        proc = zygote.popen([EGRESSGATE, "run", "--config", str(cfg), "--listen-metrics", "127.0.0.15:0"],
+                            stdout=subprocess.PIPE, stderr=stderr, text=True)
     info = startup_info(proc, stderr_path)
     drain(proc)
     try:

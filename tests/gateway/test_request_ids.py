@@ -12,7 +12,6 @@ from __future__ import annotations
 import base64
 import json
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import httpx
 import pytest
 import yaml
 
+from tests.support import cli
 from tests.support.gwworld import connect_tunnel, raw_bytes_in_tunnel, start_gateway, tls_wrap
 from tests.support.http1 import read_reply
 from tests.support.launcher import EGRESSGATE, flatten_otlp, stop_gateway
@@ -35,8 +35,7 @@ def attrs(line: str) -> dict:
 def audit_find(gw, request_id: str) -> list[dict]:
     """`egressgate audit find --request-id` over the gateway's audit file(s), parsed."""
     files = sorted(str(p) for p in gw.var.glob("audit*.jsonl"))
-    res = subprocess.run([EGRESSGATE, "audit", "find", "--request-id", request_id, *files],
-                         capture_output=True, text=True, timeout=30, check=False)
+    res = cli.run([EGRESSGATE, "audit", "find", "--request-id", request_id, *files], timeout=30)
     return [attrs(line) for line in res.stdout.splitlines() if line.strip()]
 
 

@@ -94,14 +94,13 @@ def test_source_address_cannot_be_registered_twice(dns_gateway):
 def test_admission_formats_for_shells_and_env_files(dns_gateway):
     """`sandbox admit --format shell|env-file`: the same env, ready for eval or docker --env-file."""
     import shlex
-    import subprocess
 
+    from tests.support import cli
     from tests.support.launcher import EGRESSGATE
 
     def admit_cli(fmt: str) -> str:
-        out = subprocess.run([EGRESSGATE, "sandbox", "admit", "--config", str(dns_gateway.config),
-                              "--policy", "gw-basic", "--format", fmt],
-                             capture_output=True, text=True, check=True, timeout=30)
+        out = cli.run([EGRESSGATE, "sandbox", "admit", "--config", str(dns_gateway.config),
+                       "--policy", "gw-basic", "--format", fmt], check=True, timeout=30)
         return out.stdout
 
     shell = admit_cli("shell")

@@ -20,6 +20,7 @@ import pytest
 import yaml
 from dnslib import RCODE, DNSRecord
 
+from tests.support import cli, zygote
 from tests.support.cli import POLICIES
 from tests.support.env import free_port
 from tests.support.launcher import EGRESSGATE, drain, first_line, stop_process
@@ -43,8 +44,10 @@ class Run:
     def __init__(self, tmp: Path, cfg: Path, *args: str, launcher: list[str] | None = None) -> None:
         self.err_path = tmp / "run.stderr"
         err = open(self.err_path, "w")  # noqa: SIM115 - lives with the process
-        self.proc = subprocess.Popen([*(launcher or [EGRESSGATE]), "run", "--config", str(cfg), *args],
-                                     stdout=subprocess.PIPE, stderr=err, text=True, env={**os.environ, "NO_PROXY": ""})
+        # the console script is forked from the test fork server; a custom launcher (the --workers N>1 runs
+        # with unshared workers) is exec'd as given (zygote.popen runs any other command for real)
+        self.proc = zygote.popen([*(launcher or [EGRESSGATE]), "run", "--config", str(cfg), *args],
+                                 stdout=subprocess.PIPE, stderr=err, text=True, env={**os.environ, "NO_PROXY": ""})
         line = first_line(self.proc, 60)
         self.info = json.loads(line) if line.strip() else None
         drain(self.proc)
@@ -71,8 +74,7 @@ def test_workers_refused_with_the_memory_backend(tmp_path, runs):
     port = free_port()
     cfg = config(tmp_path, listen={"proxy": f"127.0.0.1:{port}", "admin": "127.0.0.1:0", "dns": None,
                                    "transparent": None})
-    res = subprocess.run([EGRESSGATE, "run", "--config", str(cfg), "--workers", "2"], capture_output=True,
-                         text=True, timeout=60)
+    res = cli.run([EGRESSGATE, "run", "--config", str(cfg), "--workers", "2"], timeout=60)
     assert res.returncode != 0 and res.stdout == ""
     assert "--workers 2 needs a shared state store" in res.stderr and "backend: redis" in res.stderr, res.stderr
     assert not (tmp_path / "var" / "gateway.json").exists()
@@ -151,8 +153,8 @@ def test_supervisor_shares_listeners_fans_out_signals_and_restarts(tmp_path, run
     assert not alive(w1) and not alive(new_w0)
     assert not (var / "gateway.json").exists()
     files = sorted(str(p) for p in var.glob("audit*.jsonl"))
-    res = subprocess.run([EGRESSGATE, "audit", "verify", "--per-worker", "--public-key",
-                          str(var / "audit-signing.key.pub"), *files], capture_output=True, text=True, timeout=60)
+    res = cli.run([EGRESSGATE, "audit", "verify", "--per-worker", "--public-key",
+                   str(var / "audit-signing.key.pub"), *files], timeout=60)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "new chain" not in res.stderr  # the killed worker's successor continued its chain
     assert res.stdout.count("sealed") == len(files)  # without --allow-unsealed: every file was sealed

@@ -12,7 +12,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from tests.support.cli import cli
+from tests.support.cli import cli, run
 from tests.support.launcher import EGRESSGATE, drain, launch_loopback, stop_process, write_policies
 
 
@@ -36,8 +36,8 @@ def test_a_refused_second_gateway_changes_nothing_the_running_one_owns(tmp_path:
     try:
         before = _files(var)
         assert "gateway.json" in before and "audit.jsonl" in before
-        second = subprocess.run([EGRESSGATE, "run", "--config", str(first["config"])], capture_output=True,
-                                text=True, timeout=60, stdin=subprocess.DEVNULL)
+        second = run([EGRESSGATE, "run", "--config", str(first["config"])], timeout=60,
+                 stdin=subprocess.DEVNULL)
         assert second.returncode != 0, second.stdout
         after = _files(var)
         assert after == before, {k for k in before.keys() | after.keys() if before.get(k) != after.get(k)}

@@ -6,7 +6,6 @@ When the same OpenBao comes back the deferred range is signed and `audit verify`
 from __future__ import annotations
 
 import base64
-import subprocess
 import time
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import httpx
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from egressgate.audit.signer import public_pem
+from tests.support import cli
 from tests.support.bao_persistent import PersistentBao
 from tests.support.credworld import World, launch
 from tests.support.launcher import EGRESSGATE
@@ -62,7 +62,7 @@ def test_vault_outage_defers_audit_signatures_and_only_credentialed_routes_fail(
     finally:
         assert stop_and_replay(gw) == 0  # type: ignore[arg-type]
         bao.stop()
-    res = subprocess.run([EGRESSGATE, "audit", "verify", "--public-key", str(pub), str(gw.var / "audit.jsonl")],
-                         capture_output=True, text=True, timeout=60)
+    res = cli.run([EGRESSGATE, "audit", "verify", "--public-key", str(pub), str(gw.var / "audit.jsonl")],
+                  timeout=60)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "deferred (signer unavailable)" in res.stderr and "signed late" in res.stderr, res.stderr

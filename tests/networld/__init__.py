@@ -70,6 +70,8 @@ from tests.networld.plan import (
     UPSTREAMS,
     V6,
 )
+from tests.support import cli
+from tests.support.zygote import EGRESSGATE
 
 __all__ = [
     "CERT_NAMES", "DEFAULT_DNS", "DNS_ADDR", "FORBIDDEN_UPSTREAM", "GW_CANARIES", "GW_NET", "GW_OPEN", "GW_SBX",
@@ -314,7 +316,10 @@ class World:
     def exec(
         self, ns: str, *args: str, timeout: float = 20, input: str | None = None
     ) -> subprocess.CompletedProcess[str]:
-        """Run a command inside a namespace of this world (never raises on a non-zero exit)."""
+        """Run a command inside a namespace of this world (never raises on a non-zero exit). An `egressgate`
+        command is forked from the test fork server (tests/support/cli.run: as `ip netns exec` runs it)."""
+        if args[:1] == (EGRESSGATE,) and input is None:
+            return cli.run(list(args), netns=ns, timeout=timeout)
         return subprocess.run(["ip", "netns", "exec", ns, *args], capture_output=True, text=True,
                               timeout=timeout, input=input, check=False)
 

@@ -4,8 +4,6 @@ within the limits load."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +11,7 @@ import pytest
 from egressgate.policy import limits
 from egressgate.policy.errors import PolicyError
 from egressgate.policy.loader import load_policies, load_policy
+from tests.support.cli import cli
 
 ROOT = Path(__file__).resolve().parents[2]
 HEAD = "sandbox: {name: x}\n"
@@ -112,8 +111,7 @@ def test_a_directory_reports_every_bad_file(tmp_path):
 def test_policy_check_exits_2_without_traceback(tmp_path, name):
     path = tmp_path / f"{name}.yaml"
     path.write_text(HOSTILE[name][0])
-    out = subprocess.run([sys.executable, "-m", "egressgate", "policy", "check", str(path)],
-                         capture_output=True, text=True, cwd=ROOT, check=False)
+    out = cli("policy", "check", str(path))
     assert out.returncode == 2, out.stderr
     assert "Traceback" not in out.stderr and out.stderr.startswith(f"{path}: ")
 
@@ -122,8 +120,7 @@ def test_policy_test_case_file_and_gateway_config_use_the_same_bounds(tmp_path):
     """Siblings: the test-case files of `policy test` and the gateway config are YAML from the operator."""
     cases = tmp_path / "cases.yaml"
     cases.write_text("? [a, b]\n: 1\n")
-    out = subprocess.run([sys.executable, "-m", "egressgate", "policy", "test", str(cases)],
-                         capture_output=True, text=True, cwd=ROOT, check=False)
+    out = cli("policy", "test", str(cases))
     assert out.returncode == 2 and "Traceback" not in out.stderr and str(cases) in out.stderr
     from egressgate.config import ConfigError, load_config
 

@@ -9,8 +9,6 @@ load, and the accepted passthrough rule decides CONNECTs with `passthrough=True`
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 from types import MappingProxyType
@@ -24,6 +22,7 @@ from egressgate.policy.loader import parse_policy
 from egressgate.policy.reasons import Reason
 from egressgate.policy.target import parse_target
 from egressgate.policy.testcases import tunnel_mode
+from tests.support.cli import cli as support_cli
 
 NOW = 1_700_000_000.0
 STATE = SandboxState(sandbox_id="s", admitted_at=NOW - 10)
@@ -185,8 +184,7 @@ def test_policy_cli_check_explain_and_test_know_passthrough(tmp_path):
                           "  - {id: api, host: api.example.com}\n"))
 
     def cli(*args: str):
-        return subprocess.run([sys.executable, "-m", "egressgate", "policy", *args], capture_output=True,
-                              text=True, cwd=ROOT, check=False)
+        return support_cli("policy", *args)
 
     out = cli("check", str(pol))
     assert out.returncode == 0 and "2 rules, 1 tls: passthrough" in out.stdout, out

@@ -20,6 +20,7 @@ from tests.state_redis.workers_support import (
     start_workers,
     worker_records,
 )
+from tests.support import cli
 from tests.support.gwworld import Gateway, World
 from tests.support.launcher import EGRESSGATE
 from tests.support.procs import alive, children
@@ -98,8 +99,8 @@ def test_a_killed_worker_is_replaced_while_the_other_serves(gw: Gateway):
 
     assert wait_for(both_again, timeout=60, interval=0)
     files = sorted(str(p) for p in gw.var.glob("audit.w*.jsonl"))
-    res = subprocess.run([EGRESSGATE, "audit", "verify", "--per-worker", "--allow-unsealed", "--public-key",
-                          str(gw.var / "audit-signing.key.pub"), *files], capture_output=True, text=True, timeout=60)
+    res = cli.run([EGRESSGATE, "audit", "verify", "--per-worker", "--allow-unsealed", "--public-key",
+                   str(gw.var / "audit-signing.key.pub"), *files], timeout=60)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "new chain" not in res.stderr and "recovery checkpoint" in res.stderr, res.stderr
     assert slots_with(gw.var, **{"egressgate.incident": "crash_recovered"}) == {0}

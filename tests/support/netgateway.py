@@ -25,6 +25,7 @@ import yaml
 
 import tests.networld as nw
 from tests.networld import World
+from tests.support import cli
 from tests.support.http1 import Response, read_all, read_response
 from tests.support.launcher import (
     EGRESSGATE,
@@ -148,8 +149,7 @@ class Gateway:
         The CA path comes from the real `egressgate ca path`, as an operator would get it."""
         bundle = self.tmp / "client-ca.pem"
         if not bundle.exists():
-            res = subprocess.run([EGRESSGATE, "ca", "path", "--config", str(self.config)],
-                                 capture_output=True, text=True, check=True, timeout=30)
+            res = cli.run([EGRESSGATE, "ca", "path", "--config", str(self.config)], check=True, timeout=30)
             gateway_ca = Path(res.stdout.strip()).read_text()
             bundle.write_text(gateway_ca + self.world.ca_pem.read_text())
         return bundle
