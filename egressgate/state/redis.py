@@ -34,7 +34,7 @@ import uuid
 from collections.abc import Callable, Collection, Sequence
 from types import MappingProxyType
 
-from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -57,6 +57,7 @@ from egressgate.state.redis_codec import (
 )
 from egressgate.state.redis_events import BACKOFF_MAX, BACKOFF_MIN, RecordCache, Revocations, Subscriber
 from egressgate.state.resp import RespConnection
+from egressgate.state.stall import BlockingPool
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +84,8 @@ class RedisState:
         self.heartbeat_ttl = heartbeat_ttl
         # A bounded pool that makes callers wait for a free connection (the default pool fails with
         # "Too many connections" under a burst); waiting is bounded by SOCKET_TIMEOUT like the rest.
-        pool = BlockingConnectionPool.from_url(
+        # BlockingPool: a connect timed out by a stall of this loop is made again (state/stall.py)
+        pool = BlockingPool.from_url(
             url, max_connections=MAX_CONNECTIONS, timeout=timeout, decode_responses=True,
             retry=Retry(NoBackoff(), 0), socket_timeout=timeout, socket_connect_timeout=CONNECT_TIMEOUT,
             # off: one round trip less per new connection (Redis 7 refuses it anyway), and with it off

@@ -16,12 +16,12 @@ import asyncio
 import contextlib
 import json
 import logging
-import time
 from collections.abc import Awaitable, Callable
 
 from redis.asyncio import Redis
 
 from egressgate.state.base import SandboxRecord
+from egressgate.state.stall import LoopClock, overdue
 
 logger = logging.getLogger(__name__)
 
@@ -105,12 +105,16 @@ class Subscriber:
             backoff = min(backoff * 2, BACKOFF_MAX)
 
     async def _listen(self, pubsub) -> None:
-        last_rx = last_ping = time.monotonic()
+        # silence is measured in time this loop could run (state/stall.py): a loop stalled past DEAD_AFTER
+        # while the pongs wait in the socket is not a dead subscription
+        clock = LoopClock(PING_EVERY)
+        rx_live, rx_wall = clock.now(), clock.wall
+        last_ping = rx_wall
         while True:
             msg = await pubsub.get_message(timeout=PING_EVERY)
-            now = time.monotonic()
+            live, now = clock.now(), clock.wall
             if msg is not None:
-                last_rx = now
+                rx_live, rx_wall = live, now
                 kind = msg["type"]
                 if kind == "subscribe":
                     await self.on_resync(self.missed)  # raises on a Redis error: resubscribe
@@ -122,7 +126,7 @@ class Subscriber:
             if now - last_ping >= PING_EVERY:
                 await pubsub.ping()
                 last_ping = now
-            if now - last_rx > DEAD_AFTER:
+            if overdue(clock, rx_live, rx_wall, DEAD_AFTER):
                 raise ConnectionError(f"no answer on the subscription for {DEAD_AFTER:.0f} s")
 
 

@@ -12,6 +12,8 @@ Safety rules of a multiplexed connection, each enforced here:
   reply (the queue never shifts), its result is dropped.
 - A reply that does not come within `timeout` poisons the ordering: the connection is closed and
   every waiter fails (ConnectionError); nothing is read from it again. The next command reconnects.
+  That timeout, and the connect's, count only time in which the event loop could run (state/stall.py):
+  a loop stalled past them is not taken for a slow Redis.
 - The connection going away fails every waiter. Whether those commands ran is unknown: callers treat
   it as a failure (state_unavailable) and never resend a write.
 
@@ -26,13 +28,15 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-import time
 from collections import deque
 from typing import Any
 
 from redis.asyncio.connection import parse_url
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
+
+from egressgate.state.stall import STEPS, LoopClock, overdue
+from egressgate.state.stall import timeout as loop_timeout
 
 try:
     import hiredis
@@ -141,10 +145,11 @@ _Reader = _PyReader if hiredis is None else _CReader
 
 
 class _Protocol(asyncio.Protocol):
-    def __init__(self) -> None:
+    def __init__(self, clock: LoopClock) -> None:
         self.transport: asyncio.Transport | None = None
         self.reader = _Reader()
-        self.waiters: deque[tuple[asyncio.Future, float]] = deque()
+        self.clock = clock  # the connection's watchdog observes it; a waiter is stamped with (live, wall)
+        self.waiters: deque[tuple[asyncio.Future, float, float]] = deque()
         self.closed = False
         self._out: list[bytes] = []
 
@@ -157,7 +162,8 @@ class _Protocol(asyncio.Protocol):
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         idle = not self.waiters
-        self.waiters.append((future, time.monotonic()))
+        clock = self.clock
+        self.waiters.append((future, clock.now(), clock.wall))
         if idle:  # nothing in flight, nothing queued: no reason to wait for the end of the tick
             self.transport.write(data)
             return future
@@ -179,7 +185,7 @@ class _Protocol(asyncio.Protocol):
                 value = reader.gets()
                 if value is _INCOMPLETE:
                     break
-                future, _ = self.waiters.popleft()
+                future = self.waiters.popleft()[0]
                 if not future.done():
                     if isinstance(value, Exception):
                         future.set_exception(value)
@@ -194,7 +200,7 @@ class _Protocol(asyncio.Protocol):
     def abort(self, error: Exception) -> None:
         self.closed = True
         while self.waiters:
-            future, _ = self.waiters.popleft()
+            future = self.waiters.popleft()[0]
             if not future.done():
                 future.set_exception(error)
         if self.transport is not None:
@@ -211,6 +217,7 @@ class RespConnection:
         self._proto: _Protocol | None = None
         self._connecting: asyncio.Lock | None = None
         self._watchdog: asyncio.TimerHandle | None = None
+        self.clock = LoopClock(timeout / STEPS)  # observed by the watchdog every step and by each command
         self._failed_at = -1.0  # monotonic time of the last failed connect, and why
         self._failure: Exception | None = None
 
@@ -223,7 +230,8 @@ class RespConnection:
     async def _connect(self) -> _Protocol:
         if self._connecting is None:
             self._connecting = asyncio.Lock()
-        started = time.monotonic()
+        loop = asyncio.get_running_loop()
+        started = loop.time()
         async with self._connecting:
             if self._proto is not None and not self._proto.closed:
                 return self._proto
@@ -234,19 +242,20 @@ class RespConnection:
             try:
                 return await self._open()
             except BaseException as exc:
-                self._failed_at, self._failure = time.monotonic(), exc
+                self._failed_at, self._failure = loop.time(), exc
                 raise
 
     async def _open(self) -> _Protocol:
         loop = asyncio.get_running_loop()
         kw = self.kwargs
+        clock = self.clock
         try:
-            if "path" in kw:
-                connect = loop.create_unix_connection(_Protocol, kw["path"])
-            else:
-                connect = loop.create_connection(_Protocol, kw.get("host", "localhost"), kw.get("port", 6379),
-                                                 ssl=self._ssl_context())
-            _, proto = await asyncio.wait_for(connect, self.connect_timeout)
+            async with loop_timeout(self.connect_timeout, "no connection"):
+                if "path" in kw:
+                    _, proto = await loop.create_unix_connection(lambda: _Protocol(clock), kw["path"])
+                else:
+                    _, proto = await loop.create_connection(lambda: _Protocol(clock), kw.get("host", "localhost"),
+                                                            kw.get("port", 6379), ssl=self._ssl_context())
         except (OSError, TimeoutError) as exc:
             raise RedisConnectionError(f"cannot connect to Redis: {exc}") from exc
         setup = []
@@ -256,8 +265,9 @@ class RespConnection:
         if kw.get("db"):
             setup.append(("SELECT", kw["db"]))
         try:
-            for command in setup:
-                await asyncio.wait_for(proto.send(_pack(command)), self.timeout)
+            async with loop_timeout(self.timeout, "Redis did not answer the connection's setup"):
+                for command in setup:
+                    await proto.send(_pack(command))
         except BaseException:
             proto.abort(RedisConnectionError("connection setup failed"))
             raise
@@ -277,22 +287,29 @@ class RespConnection:
         return ctx
 
     def _arm_watchdog(self) -> None:
-        """Every quarter of the timeout: a reply older than `timeout` closes the connection."""
-        loop = asyncio.get_running_loop()
-        self._watchdog = loop.call_later(max(self.timeout / 4, 0.05), self._check)
+        """Every step (timeout / STEPS): the oldest reply awaited for `timeout` by the rule of state/stall.py
+        (running-loop time, wall-time cap) closes the connection."""
+        if self._watchdog is not None:  # a reconnect before the old one's last check: one chain only
+            self._watchdog.cancel()
+        self._watchdog = asyncio.get_running_loop().call_later(self.clock.step, self._check)
 
     def _check(self) -> None:
+        self._watchdog = None
         proto = self._proto
         if proto is None or proto.closed:
             return
-        if proto.waiters and time.monotonic() - proto.waiters[0][1] > self.timeout:
-            proto.abort(RedisConnectionError(f"Redis did not answer within {self.timeout:g} s"))
-            return
+        self.clock.now()
+        if proto.waiters:
+            _, live, wall = proto.waiters[0]
+            if overdue(self.clock, live, wall, self.timeout):
+                proto.abort(RedisConnectionError(f"Redis did not answer within {self.timeout:g} s"))
+                return
         self._arm_watchdog()
 
     def close(self) -> None:
         if self._watchdog is not None:
             self._watchdog.cancel()
+            self._watchdog = None
         if self._proto is not None:
             self._proto.abort(RedisConnectionError("state store closed"))
             self._proto = None
