@@ -217,7 +217,9 @@ class RespConnection:
         self._proto: _Protocol | None = None
         self._connecting: asyncio.Lock | None = None
         self._watchdog: asyncio.TimerHandle | None = None
-        self.clock = LoopClock(timeout / STEPS)  # observed by the watchdog every step and by each command
+        # observed every step by the watchdog (connected) or by the connect's deadline, and by each command;
+        # `clock.stalls` counts the stalls it saw
+        self.clock = LoopClock(timeout / STEPS)
         self._failed_at = -1.0  # monotonic time of the last failed connect, and why
         self._failure: Exception | None = None
 
@@ -249,8 +251,9 @@ class RespConnection:
         loop = asyncio.get_running_loop()
         kw = self.kwargs
         clock = self.clock
+        clock.resume()  # unobserved while disconnected: nothing waited on it
         try:
-            async with loop_timeout(self.connect_timeout, "no connection"):
+            async with loop_timeout(self.connect_timeout, "no connection", clock):
                 if "path" in kw:
                     _, proto = await loop.create_unix_connection(lambda: _Protocol(clock), kw["path"])
                 else:
@@ -265,7 +268,7 @@ class RespConnection:
         if kw.get("db"):
             setup.append(("SELECT", kw["db"]))
         try:
-            async with loop_timeout(self.timeout, "Redis did not answer the connection's setup"):
+            async with loop_timeout(self.timeout, "Redis did not answer the connection's setup", self.clock):
                 for command in setup:
                     await proto.send(_pack(command))
         except BaseException:

@@ -65,6 +65,10 @@ class LoopClock:
         self.live += gap
         return self.live
 
+    def resume(self) -> None:
+        """Nothing observed this clock for a while because nothing waited: do not take that gap for a stall."""
+        self.wall = time.monotonic()
+
     def settled(self) -> bool:
         """At least one `step` of running loop since the last stall seen (as of the last observation)."""
         return self.live - self._stall_end >= self.step
@@ -79,20 +83,23 @@ def overdue(clock: LoopClock, live_start: float, wall_start: float, timeout: flo
 
 
 class Deadline:
-    """Calls `on_expire` once, when `timeout` is overdue by the rule; observes its own clock every step.
-    `clock.stalls` tells afterwards whether the loop stalled meanwhile."""
+    """Calls `on_expire` once, when `timeout` is overdue by the rule; observes `clock` (its own, of step
+    timeout / STEPS, unless one is shared) every step meanwhile. `clock.stalls` tells whether the loop
+    stalled."""
 
-    def __init__(self, timeout: float, on_expire: Callable[[], object] | None = None) -> None:
+    def __init__(
+        self, timeout: float, on_expire: Callable[[], object] | None = None, *, clock: LoopClock | None = None
+    ) -> None:
         self.timeout = timeout
-        self.clock = LoopClock(timeout / STEPS)
-        self._wall0 = self.clock.wall
+        self.clock = clock or LoopClock(timeout / STEPS)
+        self._live0, self._wall0 = self.clock.now(), self.clock.wall
         self._on_expire = on_expire
         self._loop = asyncio.get_running_loop()
         self._handle: asyncio.TimerHandle | None = self._loop.call_later(self.clock.step, self._tick)
 
     def _tick(self) -> None:
         self.clock.now()
-        if overdue(self.clock, 0.0, self._wall0, self.timeout):
+        if overdue(self.clock, self._live0, self._wall0, self.timeout):
             self._handle = None
             if self._on_expire is not None:
                 self._on_expire()
@@ -106,14 +113,14 @@ class Deadline:
 
 
 @contextlib.asynccontextmanager
-async def timeout(seconds: float, what: str) -> AsyncIterator[None]:
-    """`asyncio.timeout(seconds)` with the deadline kept by the rule; on expiry the block is cancelled
-    and TimeoutError(f"{what} within {seconds} s") raised (a cause an operator can read, not "")."""
+async def timeout(seconds: float, what: str, clock: LoopClock | None = None) -> AsyncIterator[None]:
+    """`asyncio.timeout(seconds)` with the deadline kept by the rule (on `clock` when given); on expiry the
+    block is cancelled and TimeoutError(f"{what} within {seconds} s") raised (a cause one can read, not "")."""
     loop = asyncio.get_running_loop()
     scope = asyncio.timeout(None)
     try:
         async with scope:
-            deadline = Deadline(seconds, lambda: scope.reschedule(loop.time()))
+            deadline = Deadline(seconds, lambda: scope.reschedule(loop.time()), clock=clock)
             try:
                 yield
             finally:
