@@ -61,7 +61,9 @@ from egressgate.state.stall import BlockingPool
 
 logger = logging.getLogger(__name__)
 
-SOCKET_TIMEOUT = 2.0  # one operation waits at most this long for Redis, then the request is denied
+# One operation waits this long for Redis, then the request is denied; both count only time the event loop
+# could run (a stalled loop is not a slow Redis), and end at stall.CAP times this of wall time (state/stall.py)
+SOCKET_TIMEOUT = 2.0
 CONNECT_TIMEOUT = 1.0
 MAX_CONNECTIONS = 64  # per process; the subscription holds one of them
 REVOKED_RETENTION = 7 * 86400.0  # a revoked sandbox's keys are dropped this long after its revocation
