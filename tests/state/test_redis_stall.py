@@ -14,6 +14,7 @@ host; lower bounds show nothing is refused before its timeout.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import socket
@@ -25,6 +26,7 @@ import pytest
 
 from egressgate.state.base import StateUnavailable
 from egressgate.state.redis import CONNECT_TIMEOUT, SOCKET_TIMEOUT, RedisState
+from egressgate.state.redis_events import DEAD_AFTER, PING_EVERY
 from egressgate.state.stall import CAP, STEPS
 from tests.state.helpers import record, redis_store
 from tests.support.redis import RedisServer
@@ -204,5 +206,32 @@ async def test_a_pooled_connect_that_never_completes_is_refused_after_one_retry(
         elapsed = time.monotonic() - started
         assert stall + CONNECT_TIMEOUT - 0.01 <= elapsed < stall + 2 * CONNECT_TIMEOUT + LATENESS, elapsed
         assert store.redis.connection_pool.stalled_connects == 1  # once, not again
+    finally:
+        await store.close()
+
+
+async def test_the_subscription_outlives_a_stall_longer_than_its_dead_time(
+    own_redis: RedisServer, caplog: pytest.LogCaptureFixture
+):
+    """The subscription is declared dead after DEAD_AFTER without an answer, counted in running-loop time:
+    a stall longer than that (the pongs wait in the socket) keeps it and the record cache; the positive
+    control is a SIGSTOP'd Redis, noticed within the bound."""
+    caplog.set_level(logging.WARNING, logger="egressgate.state.redis_events")
+    store = await redis_store(own_redis)
+    try:
+        _stall_next_turn(DEAD_AFTER + 0.5)
+        await asyncio.sleep(0)  # the stall runs
+        await asyncio.sleep(2.5 * PING_EVERY)  # pings and pongs while the loop runs
+        assert [r.getMessage() for r in caplog.records] == [] and store._cache.live
+        assert own_redis.proc is not None
+        os.kill(own_redis.proc.pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            while store._cache.live:
+                assert time.monotonic() - started < CAP * DEAD_AFTER + PING_EVERY + LATENESS
+                await asyncio.sleep(0.05)
+        finally:
+            os.kill(own_redis.proc.pid, signal.SIGCONT)
+        assert any(f"no answer on the subscription for {DEAD_AFTER:.0f} s" in r.getMessage() for r in caplog.records)
     finally:
         await store.close()
