@@ -144,6 +144,8 @@ class BlockingPool(BlockingConnectionPool):
     which use state/resp.py) awaits across a stall longer than its socket timeout is still a timeout,
     because that command may have run and is never resent."""
 
+    stalled_connects = 0  # connections made again after a stall (tests read it)
+
     async def ensure_connection(self, connection: AbstractConnection) -> None:
         kw = self.connection_kwargs
         watch = Deadline(max(kw.get("socket_connect_timeout") or 0.0, kw.get("socket_timeout") or 0.0) or 1.0)
@@ -157,5 +159,3 @@ class BlockingPool(BlockingConnectionPool):
             await super().ensure_connection(connection)
         finally:
             watch.cancel()
-
-    stalled_connects = 0  # connections made again after a stall (tests read it)
