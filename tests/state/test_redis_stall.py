@@ -222,7 +222,9 @@ async def test_the_subscription_outlives_a_stall_longer_than_its_dead_time(
         _stall_next_turn(DEAD_AFTER + 0.5)
         await asyncio.sleep(0)  # the stall runs
         await asyncio.sleep(2.5 * PING_EVERY)  # pings and pongs while the loop runs
-        assert [r.getMessage() for r in caplog.records] == [] and store._cache.live
+        # (a heartbeat whose reply the stall timed out may warn: a pool command's reply is not resent)
+        assert [r.getMessage() for r in caplog.records if "subscription" in r.getMessage()] == []
+        assert store._cache.live
         assert own_redis.proc is not None
         os.kill(own_redis.proc.pid, signal.SIGSTOP)
         try:
