@@ -26,6 +26,8 @@ import json
 import os
 import resource
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -130,29 +132,88 @@ def run_vm(
 
 
 class CmdlineWatch:
-    """Every distinct host /proc/*/cmdline seen while it runs (polled): where a secret on a command line
-    would show."""
+    """Every distinct host /proc/*/cmdline seen while it runs: where a secret on a command line would show.
+
+    Every exec on the host is reported by the kernel's process-events connector (netlink, root) and the new
+    program's cmdline read at once (a process that execs is seen within the time the reader takes to wake, not
+    at the next poll); a full scan of /proc every SCAN seconds besides catches a command line rewritten after
+    exec and what ran before the watch. Without the connector (not root, no CONFIG_PROC_EVENTS) it falls back
+    to the full scan every 20 ms (what this watch always did: ~0.08 CPU-s per second of run)."""
+
+    SCAN = 0.2
+    FALLBACK_SCAN = 0.02
 
     def __init__(self) -> None:
         self.seen: set[bytes] = set()
+        self.events = 0  # exec events read (the connector worked)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
+        self._sock = self._connector()
+        self._threads = [threading.Thread(target=self._scan_loop, daemon=True)]
+        if self._sock is not None:
+            self._threads.append(threading.Thread(target=self._exec_loop, daemon=True))
+        for thread in self._threads:
+            thread.start()
 
-    def _run(self) -> None:
+    @staticmethod
+    def _connector() -> socket.socket | None:
+        netlink_connector, cn_idx_proc, cn_val_proc, listen, nlmsg_done = 11, 1, 1, 1, 3
+        try:
+            sock = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, netlink_connector)
+        except OSError:
+            return None
+        try:
+            sock.bind((0, cn_idx_proc))
+            op = struct.pack("=I", listen)
+            msg = struct.pack("=IIIIHH", cn_idx_proc, cn_val_proc, 0, 0, len(op), 0) + op
+            sock.send(struct.pack("=IHHII", 16 + len(msg), nlmsg_done, 0, 0, 0) + msg)
+            sock.settimeout(0.2)
+        except OSError:
+            sock.close()
+            return None
+        return sock
+
+    def _read(self, pid: int | str) -> None:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                self.seen.add(fh.read())
+        except OSError:
+            pass
+
+    def _exec_loop(self) -> None:
+        proc_event_exec = 2
+        assert self._sock is not None
+        while not self._stop.is_set():
+            try:
+                data = self._sock.recv(65536)
+            except TimeoutError:
+                continue
+            except OSError:  # ENOBUFS: events were lost; the full scan still runs
+                continue
+            pos = 0
+            while pos + 16 <= len(data):  # netlink messages, each: nlmsghdr, cn_msg, proc_event
+                length = struct.unpack_from("=I", data, pos)[0]
+                if length < 16:
+                    break
+                event = pos + 16 + 20
+                if event + 24 <= pos + length and struct.unpack_from("=I", data, event)[0] == proc_event_exec:
+                    self.events += 1
+                    self._read(struct.unpack_from("=i", data, event + 16)[0])
+                pos += (length + 3) & ~3
+
+    def _scan_loop(self) -> None:
+        interval = self.SCAN if self._sock is not None else self.FALLBACK_SCAN
         while not self._stop.is_set():
             for entry in os.scandir("/proc"):
                 if entry.name.isdigit():
-                    try:
-                        with open(f"/proc/{entry.name}/cmdline", "rb") as fh:
-                            self.seen.add(fh.read())
-                    except OSError:
-                        pass
-            self._stop.wait(0.02)
+                    self._read(entry.name)
+            self._stop.wait(interval)
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(5)
+        for thread in self._threads:
+            thread.join(5)
+        if self._sock is not None:
+            self._sock.close()
 
 
 def test_escape_probe_inside_the_guest(gateway: Gateway, host_files: Path, canaries: dict[str, Canary]) -> None:

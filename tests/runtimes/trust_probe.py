@@ -20,12 +20,26 @@ import ssl
 import subprocess
 import sys
 
-CA_VARS = ("SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "NODE_EXTRA_CA_CERTS",
-           "GIT_SSL_CAINFO", "PIP_CERT", "GRPC_DEFAULT_SSL_ROOTS_FILE_PATH")
+CA_VARS = (
+    "SSL_CERT_FILE",
+    "SSL_CERT_DIR",
+    "REQUESTS_CA_BUNDLE",
+    "CURL_CA_BUNDLE",
+    "NODE_EXTRA_CA_CERTS",
+    "GIT_SSL_CAINFO",
+    "PIP_CERT",
+    "GRPC_DEFAULT_SSL_ROOTS_FILE_PATH",
+)
 PROXY_VARS = ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "ALL_PROXY", "all_proxy")
-FILES = ("/etc/ssl/certs/ca-certificates.crt", "/etc/ssl/cert.pem", "/etc/ssl/ca-bundle.pem",
-         "/etc/pki/tls/certs/ca-bundle.crt", "/etc/pki/tls/cacert.pem",
-         "/etc/pki/ca-trust/extracted/pem/tls-ca-bundle.pem", "/etc/egressgate/ca.pem")
+FILES = (
+    "/etc/ssl/certs/ca-certificates.crt",
+    "/etc/ssl/cert.pem",
+    "/etc/ssl/ca-bundle.pem",
+    "/etc/pki/tls/certs/ca-bundle.crt",
+    "/etc/pki/tls/cacert.pem",
+    "/etc/pki/ca-trust/extracted/pem/tls-ca-bundle.pem",
+    "/etc/egressgate/ca.pem",
+)
 
 
 LISTENERS = []  # (socket, TLS context): one child process serves them all (start_server)
@@ -52,8 +66,9 @@ def answer(sock: socket.socket, ctx: ssl.SSLContext) -> None:
                 if not chunk:
                     break
                 head += chunk
-            tls.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 5\r\n"
-                        b"Connection: close\r\n\r\nhello")
+            tls.sendall(
+                b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 5\r\nConnection: close\r\n\r\nhello"
+            )
     except (OSError, ssl.SSLError):
         conn.close()
 
@@ -82,8 +97,10 @@ def serve_forever() -> None:
 
 def verify(ctx: ssl.SSLContext, port: int) -> str:
     try:
-        with socket.create_connection(("127.0.0.1", port), timeout=10) as raw, \
-                ctx.wrap_socket(raw, server_hostname="127.0.0.1") as tls:
+        with (
+            socket.create_connection(("127.0.0.1", port), timeout=10) as raw,
+            ctx.wrap_socket(raw, server_hostname="127.0.0.1") as tls,
+        ):
             tls.sendall(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
             data = b""
             while True:
@@ -99,8 +116,10 @@ def verify(ctx: ssl.SSLContext, port: int) -> str:
 # the host's command-line clients, each with nothing but its defaults (no CA flag, no CA variable)
 # node's https module (its native HTTP parser: fetch's wasm one needs more address space than the tests'
 # RLIMIT_AS safety net allows; fetch itself runs in the client matrix)
-NODE_GET = ("require('https').get(process.argv[1], r => {let b = ''; r.on('data', c => b += c);"
-            " r.on('end', () => console.log(b))}).on('error', e => {console.log(String(e)); process.exit(1)})")
+NODE_GET = (
+    "require('https').get(process.argv[1], r => {let b = ''; r.on('data', c => b += c);"
+    " r.on('end', () => console.log(b))}).on('error', e => {console.log(String(e)); process.exit(1)})"
+)
 CLIENTS = {
     "curl": ["curl", "-sS", "--max-time", "20"],
     "wget": ["wget", "-nv", "-O-", "--timeout=20", "--tries=1"],
@@ -119,26 +138,57 @@ def run_client(argv: list, url: str) -> str:
     return f"rc={res.returncode} " + (res.stderr + res.stdout).strip()[-300:]
 
 
+def run_java(argv: list, good: int, bad: int) -> tuple:
+    """One JVM for both servers (Fetch): (good's result, bad's result), each "ok" or what failed."""
+    urls = [f"https://127.0.0.1:{port}/" for port in (good, bad)]
+    try:
+        res = subprocess.run([*argv, *urls], capture_output=True, text=True, timeout=120, check=False)
+    except OSError as exc:
+        return ("not runnable: " + str(exc),) * 2
+    lines = dict(line.split(" ", 1) for line in res.stdout.splitlines() if line.startswith("https://") and " " in line)
+    failed = f"rc={res.returncode} " + (res.stderr + res.stdout).strip()[-300:]
+    return tuple(lines.get(url, failed)[:300] for url in urls)
+
+
+# one JVM per trust store fetches every URL it is given, each with a client of its own (a JVM start costs
+# ~0.7 CPU-s; the good and the bad server in one run instead of one run each): one line per URL, "URL ok" or
+# "URL <the exception>"
 JAVA_FETCH = """
 public class Fetch {
-  public static void main(String[] a) throws Exception {
-    var r = java.net.http.HttpClient.newHttpClient().send(
-        java.net.http.HttpRequest.newBuilder(java.net.URI.create(a[0])).build(),
-        java.net.http.HttpResponse.BodyHandlers.ofString());
-    System.out.println(r.body());
+  public static void main(String[] a) {
+    for (String url : a) {
+      String out;
+      try {
+        var r = java.net.http.HttpClient.newHttpClient().send(
+            java.net.http.HttpRequest.newBuilder(java.net.URI.create(url)).build(),
+            java.net.http.HttpResponse.BodyHandlers.ofString());
+        out = r.body().endsWith("hello") ? "ok" : "no data";
+      } catch (Exception e) {
+        out = String.valueOf(e);
+      }
+      System.out.println(url + " " + out.replace('\\n', ' '));
+    }
   }
 }
 """
-JVM = ["-Xmx64m", "-XX:CompressedClassSpaceSize=64m", "-XX:ReservedCodeCacheSize=32m"]  # under RLIMIT_AS
-# docs/runtimes.md's recipe, word for word apart from the JVM sizing flags: the gateway CA (the bundle's last
-# certificate) added to a copy of the JDK's own store
+# under RLIMIT_AS (sizes); C1 only and the serial collector: a run this short gains nothing from C2 or
+# parallel GC threads, which only burn CPU (the TLS code and its trust decisions are the same)
+JVM = [
+    "-Xmx64m",
+    "-XX:CompressedClassSpaceSize=64m",
+    "-XX:ReservedCodeCacheSize=32m",
+    "-XX:TieredStopAtLevel=1",
+    "-XX:+UseSerialGC",
+]
+# docs/runtimes.md's recipe, word for word apart from the JVM flags (sizing, JIT tier, GC): the gateway CA (the
+# bundle's last certificate) added to a copy of the JDK's own store
 JAVA_RECIPE = """set -e
 awk '/BEGIN CERT/{c=""} {c=c $0 "\\n"} END{printf "%s", c}' /etc/egressgate/ca.pem > "$1/gateway-ca.pem"
 JAVA_HOME=$(dirname "$(dirname "$(readlink -f "$(command -v java)")")")
 cp -L "$JAVA_HOME/lib/security/cacerts" "$1/cacerts"
 chmod u+w "$1/cacerts"
-keytool -J-Xmx32m -J-XX:CompressedClassSpaceSize=32m -importcert -noprompt -alias egressgate \\
-  -file "$1/gateway-ca.pem" -keystore "$1/cacerts" -storepass changeit >/dev/null
+keytool -J-Xmx32m -J-XX:CompressedClassSpaceSize=32m -J-XX:TieredStopAtLevel=1 -J-XX:+UseSerialGC -importcert \\
+  -noprompt -alias egressgate -file "$1/gateway-ca.pem" -keystore "$1/cacerts" -storepass changeit >/dev/null
 """
 
 
@@ -155,23 +205,36 @@ def java_clients(tmp: str) -> dict:
     # the four runs (~1 CPU-second each); the class is the same program either way
     fetch = [os.path.join(tmp, "Fetch.java")]
     if shutil.which("javac"):
-        javac = subprocess.run(["javac", *["-J" + flag for flag in JVM], "-d", tmp, fetch[0]],
-                               capture_output=True, text=True, timeout=120)
+        javac = subprocess.run(
+            ["javac", *["-J" + flag for flag in JVM], "-d", tmp, fetch[0]], capture_output=True, text=True, timeout=120
+        )
         if javac.returncode != 0:
             failed = ["sh", "-c", "echo javac failed: " + repr(javac.stderr[-300:]) + "; exit 1"]
             return {"java (default store)": failed, "java (recipe)": failed}
         fetch = ["-cp", tmp, "Fetch"]
-    return {"java (default store)": ["java", *JVM, *fetch],
-            "java (recipe)": ["java", *JVM, "-Djavax.net.ssl.trustStore=" + os.path.join(tmp, "cacerts"),
-                              "-Djavax.net.ssl.trustStorePassword=changeit", *fetch]}
+    return {
+        "java (default store)": ["java", *JVM, *fetch],
+        "java (recipe)": [
+            "java",
+            *JVM,
+            "-Djavax.net.ssl.trustStore=" + os.path.join(tmp, "cacerts"),
+            "-Djavax.net.ssl.trustStorePassword=changeit",
+            *fetch,
+        ],
+    }
 
 
 def run_git(port: int) -> str:
     """git's TLS (libcurl) against the server; the server is no git server, so success is an error AFTER
     the handshake (HTTP level), failure a certificate error."""
-    res = subprocess.run(["git", "ls-remote", f"https://127.0.0.1:{port}/repo.git"], capture_output=True,
-                         text=True, timeout=60, check=False, env=dict(os.environ, GIT_TERMINAL_PROMPT="0",
-                                                                      HOME="/tmp"))
+    res = subprocess.run(
+        ["git", "ls-remote", f"https://127.0.0.1:{port}/repo.git"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env=dict(os.environ, GIT_TERMINAL_PROMPT="0", HOME="/tmp"),
+    )
     err = res.stderr.strip()
     if "unable to access" in err or "certificate" in err.lower():  # transport or TLS failure
         return f"rc={res.returncode} {err[-300:]}"
@@ -218,9 +281,11 @@ def main() -> None:
     if clients:
         import tempfile
 
-        for name, argv in {**CLIENTS, **java_clients(tempfile.mkdtemp())}.items():
+        for name, argv in CLIENTS.items():
             for which, port in (("good", good), ("bad", bad)):
                 result[which][name] = run_client(argv, f"https://127.0.0.1:{port}/")
+        for name, argv in java_clients(tempfile.mkdtemp()).items():
+            result["good"][name], result["bad"][name] = run_java(argv, good, bad)
         result["good"]["git"], result["bad"]["git"] = run_git(good), run_git(bad)
     os.kill(server, 9)
     os.waitpid(server, 0)
