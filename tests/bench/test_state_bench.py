@@ -65,6 +65,7 @@ def test_state_bench_runs_end_to_end_in_tiny_mode(tmp_path: Path) -> None:
     assert budget["redis/sequential"]["reserve_out"]["calls"] == 200
     assert set(report["profiles"]) == {"redis-2w"}, list(report["profiles"])
     prof = report["profiles"]["redis-2w"]  # cProfile saw the request path, not only start-up
+    assert prof["in_place"], prof  # the measured gateway itself, profiled after its cells: no second start
     assert "error" not in prof, prof
     assert prof["busy_s"] > 0 and prof["components_self_pct"].get("egressgate.policy (decide/canon)", 0) > 0, prof
     assert any("snapshot" in w for w, _us, _n in prof["state_inclusive"]), prof["state_inclusive"]
