@@ -330,16 +330,27 @@ def launch_egressgate(d: Path, upstream_ca: Path, listen: dict, sandboxes: dict[
                 raise RuntimeError(f"sandbox admit --policy {policy} failed: {admit.stdout} {admit.stderr}")
             sbx = json.loads(admit.stdout)
             p.info[key] = (sbx["id"], sbx["token"])
-        ca = subprocess.run([*prefix, EGRESSGATE, "ca", "path", "--config", str(cfg)], capture_output=True,
-                            text=True, timeout=30)
-        if ca.returncode != 0:
-            raise RuntimeError(f"ca path failed: {ca.stderr}")
-        p.info["ca"] = ca.stdout.strip()
+        p.info["ca"] = _ca_cert(d, config, cfg, prefix)
         p.info["audit"] = config["audit"]["path"]
     except Exception as exc:
         p.stop()
         raise RuntimeError(f"egressgate did not start: {exc}\n" + p.log_tail()) from None
     return p
+
+
+def _ca_cert(d: Path, config: dict, cfg: Path, prefix: Sequence[str]) -> str:
+    """The gateway's CA certificate, made by its start-up: <ca_dir>/mitmproxy-ca-cert.pem, ca_dir defaulting to
+    <var_dir>/ca (egressgate/config.py ca_path, egressgate/gateway/service/ca.py CA_CERT). Read where this
+    config puts it, not through `egressgate ca path`: a CLI start costs ~0.7 CPU-s per gateway. A config with
+    its own ca_dir, or a file not there, asks the CLI."""
+    cert = d / "var" / "ca" / "mitmproxy-ca-cert.pem"
+    if "ca_dir" not in config and cert.is_file():
+        return str(cert.resolve())
+    ca = subprocess.run([*prefix, EGRESSGATE, "ca", "path", "--config", str(cfg)], capture_output=True, text=True,
+                        timeout=30)
+    if ca.returncode != 0:
+        raise RuntimeError(f"ca path failed: {ca.stderr}")
+    return ca.stdout.strip()
 
 
 def check_loopback_name() -> None:
