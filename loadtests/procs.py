@@ -39,8 +39,39 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_port(port: int, timeout: float, proc: subprocess.Popen | None = None, host: str = "127.0.0.1") -> None:
-    """Poll from this process's namespace until `host:port` accepts (or `proc` exits, or `timeout`)."""
+# Polls host:port from inside a namespace (argv: host port timeout); exit 0 once it accepts, 1 at the timeout.
+_PROBE = "\n".join([
+    "import socket, sys, time",
+    "host, port, end = sys.argv[1], int(sys.argv[2]), time.monotonic() + float(sys.argv[3])",
+    "while time.monotonic() < end:",
+    "    try:",
+    "        socket.create_connection((host, port), 0.5).close()",
+    "        sys.exit(0)",
+    "    except OSError:",
+    "        time.sleep(0.05)",
+    "sys.exit(1)",
+])
+
+
+def wait_port(port: int, timeout: float, proc: subprocess.Popen | None = None, host: str = "127.0.0.1",
+              prefix: Sequence[str] = ()) -> None:
+    """Poll until `host:port` accepts (or `proc` exits, or `timeout`): from the namespace `prefix` runs commands
+    in when one is given (the caller's own namespace may have no route there: a host-namespace caller's
+    connect to a world address would leave through the host's default route), else from this process's."""
+    if prefix:
+        probe = subprocess.Popen([*prefix, sys.executable, "-I", "-S", "-c", _PROBE, host, str(port), str(timeout)])
+        try:
+            while probe.poll() is None:
+                if proc is not None and proc.poll() is not None:
+                    raise RuntimeError(f"process exited with {proc.returncode} before listening on {port}")
+                time.sleep(0.05)
+        finally:
+            if probe.poll() is None:
+                probe.kill()
+            probe.wait()
+        if probe.returncode != 0:
+            raise RuntimeError(f"nothing listening on {host}:{port} after {timeout} s")
+        return
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
@@ -242,7 +273,7 @@ def start_squid(directory: Path, prefix: Sequence[str] = (), addr: str = "127.0.
     proc = subprocess.Popen(cmd, stdout=out.open("w"), stderr=subprocess.STDOUT)
     p = Proc(name, proc, logs=[out, d / "cache.log"], info={"port": port, "cmd": " ".join(cmd)}, remove=[d])
     try:
-        wait_port(port, 30, proc, host=addr)
+        wait_port(port, 30, proc, host=addr, prefix=prefix)
     except RuntimeError as exc:
         p.stop()
         raise RuntimeError(f"{name} did not start: {exc}\n" + p.log_tail()) from None
@@ -330,16 +361,27 @@ def launch_egressgate(d: Path, upstream_ca: Path, listen: dict, sandboxes: dict[
                 raise RuntimeError(f"sandbox admit --policy {policy} failed: {admit.stdout} {admit.stderr}")
             sbx = json.loads(admit.stdout)
             p.info[key] = (sbx["id"], sbx["token"])
-        ca = subprocess.run([*prefix, EGRESSGATE, "ca", "path", "--config", str(cfg)], capture_output=True,
-                            text=True, timeout=30)
-        if ca.returncode != 0:
-            raise RuntimeError(f"ca path failed: {ca.stderr}")
-        p.info["ca"] = ca.stdout.strip()
+        p.info["ca"] = _ca_cert(d, config, cfg, prefix)
         p.info["audit"] = config["audit"]["path"]
     except Exception as exc:
         p.stop()
         raise RuntimeError(f"egressgate did not start: {exc}\n" + p.log_tail()) from None
     return p
+
+
+def _ca_cert(d: Path, config: dict, cfg: Path, prefix: Sequence[str]) -> str:
+    """The gateway's CA certificate, made by its start-up: <ca_dir>/mitmproxy-ca-cert.pem, ca_dir defaulting to
+    <var_dir>/ca (egressgate/config.py ca_path, egressgate/gateway/service/ca.py CA_CERT). Read where this
+    config puts it, not through `egressgate ca path`: a CLI start costs ~0.7 CPU-s per gateway. A config with
+    its own ca_dir, or a file not there, asks the CLI."""
+    cert = d / "var" / "ca" / "mitmproxy-ca-cert.pem"
+    if "ca_dir" not in config and cert.is_file():
+        return str(cert.resolve())
+    ca = subprocess.run([*prefix, EGRESSGATE, "ca", "path", "--config", str(cfg)], capture_output=True, text=True,
+                        timeout=30)
+    if ca.returncode != 0:
+        raise RuntimeError(f"ca path failed: {ca.stderr}")
+    return ca.stdout.strip()
 
 
 def check_loopback_name() -> None:

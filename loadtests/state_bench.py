@@ -85,8 +85,10 @@ class Driver:
                 log(f"redis-server {r.info['version']} on 127.0.0.1:{r.info['port']} (gateway namespace)")
             except Exception as exc:
                 log(f"redis-server UNAVAILABLE: {exc}")
-        # the candidates start at once (each is CPU-bound Python start-up; nothing is measured before all are up)
-        started = self._start_gateways(self.args.candidates, redis_url)
+        # the candidates start at once (each is CPU-bound Python start-up; nothing is measured before all are up);
+        # a candidate named by --profile starts with the profiling hook, off until profiles() switches it on
+        started = self._start_gateways(self.args.candidates, redis_url, self.profile_dirs(self.args.candidates),
+                                       in_place=True)
         for name in self.args.candidates:
             p = started[name]
             if isinstance(p, Exception):  # one missing backend must not hide the others' figures
@@ -96,8 +98,12 @@ class Driver:
                 self.procs[name] = p
                 log(f"{name} up on {ADDR['gw']}:{p.info['port']} (pids {p.info['pids_at_start']})")
 
-    def _start_gateways(self, names: list[str], redis_url: str | None,
-                        profile_dirs: dict[str, Path] | None = None) -> dict[str, Proc | Exception]:
+    def profile_dirs(self, names: list[str]) -> dict[str, Path]:
+        """Where the cProfile stats of each candidate in `names` that --profile names go."""
+        return {name: self.dir / f"profile-{name}" for name in names if name in self.args.profile}
+
+    def _start_gateways(self, names: list[str], redis_url: str | None, profile_dirs: dict[str, Path] | None = None,
+                        in_place: bool = False) -> dict[str, Proc | Exception]:
         """state_procs.start_gateway for every name, concurrently (threads): each gateway's Proc, or why not."""
         up = self.procs["upstream"]
 
@@ -105,7 +111,8 @@ class Driver:
             try:
                 return state_procs.start_gateway(self.world, self.dir, self.certs.ca_pem, up.info["http_port"],
                                                  up.info["https_port"], state_procs.CANDIDATES[name], redis_url,
-                                                 self.tag, profile_dir=(profile_dirs or {}).get(name))
+                                                 self.tag, profile_dir=(profile_dirs or {}).get(name),
+                                                 in_place=in_place)
             except Exception as exc:
                 return exc
 
@@ -234,11 +241,18 @@ class Driver:
 
 
     def profiles(self, names: list[str]) -> dict[str, dict]:
-        """Another gateway of each candidate in `names` (every process of it, workers too) under cProfile through
-        a c=32 cell per mode; where its CPU goes (loadtests/cprofile_gateway.py). Not a measured figure. The
-        profiled gateways start at once (after every measured cell), then are profiled one at a time."""
+        """Each candidate in `names` (every process of its gateway, workers too) under cProfile through a c=32
+        cell per mode; where its CPU goes (loadtests/cprofile_gateway.py). Not a measured figure. A measured
+        candidate is profiled in place, after every measured cell (it started with the hook, off until now:
+        no second start-up of the same gateway); one not measured (--profile X without X in --candidates, or
+        its measured gateway did not start) gets another gateway, started here. Then it is stopped (every
+        process writes its stats on the way out)."""
         dirs = {name: self.dir / f"profile-{name}" for name in names}
-        started = self._start_gateways(names, self.redis.info["url"] if self.redis else None, dirs)
+        measured = {name: self.procs[name] for name in names if name in self.procs}
+        others = [name for name in names if name not in measured]
+        started: dict[str, Proc | Exception] = dict(measured)
+        if others:
+            started |= self._start_gateways(others, self.redis.info["url"] if self.redis else None, dirs)
         out = {}
         try:
             for name in names:
@@ -246,7 +260,7 @@ class Driver:
                 if isinstance(p, Exception):
                     out[name] = {"error": " ".join(str(p).split())[:300]}
                 else:
-                    out[name] = self.profile(name, p, dirs[name])
+                    out[name] = {"in_place": name in measured, **self.profile(name, p, dirs[name])}
         finally:
             for p in started.values():
                 if not isinstance(p, Exception):
@@ -367,8 +381,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
                     help="plain-HTTP client (wrk when installed; HTTPS always uses loadtests/loadgen.py)")
     ap.add_argument("--budget-n", type=int, default=20000, help="reserve_out calls per budget-check case (0: skip)")
     ap.add_argument("--profile", nargs="*", default=[], choices=NAMES,
-                    help="after the measured cells: another gateway of this candidate (all its processes) under "
-                         "cProfile, a c=32 cell per mode")
+                    help="after the measured cells: this candidate's gateway (all its processes) under cProfile, a "
+                         "c=32 cell per mode (a measured candidate's own gateway, started with the hook off)")
     ap.add_argument("--profile-concurrency", type=int, default=32)
     ap.add_argument("--quick", action="store_true", help="a smoke run: 2 s cells, 1 repeat, 2000 budget calls")
     ap.add_argument("--record", action="store_true", help="append the table and the command to RESULTS.md")

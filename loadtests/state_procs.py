@@ -93,14 +93,16 @@ def start_redis(directory: Path, port: int, prefix: Sequence[str] = ()) -> procs
 
 
 def start_gateway(world: World, directory: Path, upstream_ca: Path, http_port: int, https_port: int,
-                  cand: Candidate, redis_url: str | None, run_tag: str, profile_dir: Path | None = None) -> procs.Proc:
+                  cand: Candidate, redis_url: str | None, run_tag: str, profile_dir: Path | None = None,
+                  in_place: bool = False) -> procs.Proc:
     """`egressgate run [--workers N]` with `state:` for the candidate's backend, and one sandbox admitted
     with the real `egressgate sandbox admit` (through the admin API, so with Redis every worker sees it).
     Each Redis candidate has its own key prefix: they share the Redis server, never a sandbox or a budget.
     `profile_dir`: another gateway of this candidate, every process of it (workers too) under cProfile
     (loadtests/profile_env/sitecustomize.py: off until SIGUSR1, stats to profile_dir/PID.prof at exit), on
-    ports 100 above the candidate's, with its own sandbox and key prefix."""
-    if profile_dir is not None:
+    ports 100 above the candidate's, with its own sandbox and key prefix; with `in_place`, the candidate's own
+    gateway with the profiling hook installed (off until SIGUSR1: its measured cells are not profiled)."""
+    if profile_dir is not None and not in_place:
         cand = Candidate(cand.name + "-profiled", cand.backend, cand.workers, cand.proxy_port + 100,
                          cand.admin_port + 100, cand.own_session, cand.base)
     d = directory / cand.name

@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 import random
 
+import pytest
+
 from egressgate.audit.index import AuditIndex
 from tests.audit_index.chaingen import lines, request_hash, write_chain
 
@@ -19,6 +21,9 @@ N = 1_000_000
 WORKERS = int(os.environ.get("E14I_WORKERS", "2"))
 
 
+# ~40 s of wall clock in a full run, but 100-127 s alone on this 2-core host at loadavg 8-16, where one run
+# failed at 127 s (past the suite's default 120 s timeout): the bound is for a stalled run, not a slow one
+@pytest.mark.timeout(400)
 def test_find_by_hash_among_a_million_records(tmp_path):
     path = write_chain(tmp_path / "audit.jsonl", N, realistic=None)  # the cheapest valid records
     index = AuditIndex(tmp_path / "audit.jsonl.index.sqlite", workers=WORKERS)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from loadtests import procs
 from loadtests.bench_world import ADDR, UPSTREAM_NAME, World
 
 pytestmark = pytest.mark.netns
@@ -56,6 +57,10 @@ def test_world_adds_nothing_to_the_host_and_has_no_way_out(world: World) -> None
     off = subprocess.run([*world.exec_prefix("cli"), sys.executable, "-c", DIAL, "198.19.255.1"],
                          capture_output=True, text=True, timeout=30)
     assert off.stdout.strip() == "errno 101", off  # ENETUNREACH
+    # readiness probes run inside the world (procs.wait_port with a prefix), never from this process's host
+    # namespace, which has no route there: nothing listens on the gateway's port 8000, and the probe says so
+    with pytest.raises(RuntimeError, match=r"nothing listening on 198\.18\.0\.2:8000"):
+        procs.wait_port(8000, 1.0, host=ADDR["gw"], prefix=world.exec_prefix("cli"))
 
 
 def test_client_reaches_the_upstream_namespace_and_the_gateway_resolves_its_name(world: World) -> None:

@@ -36,7 +36,8 @@ def test_state_bench_runs_end_to_end_in_tiny_mode(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("EGB_STATE_WORLD", None)
     # tiny: half-second cells (wrk's take 1 s, its minimum), c=2, 200 budget calls, and one profiled gateway at
-    # c=2 -- redis-2w, whose supervisor and two workers take every profiling path a one-process gateway takes
+    # c=2 -- redis-2w, whose supervisor and two workers take every profiling path a one-process gateway takes;
+    # it is the measured redis-2w itself, profiled after its cells (one gateway start less)
     cmd = [sys.executable, "-m", "loadtests.state_bench", "--seconds", "0.5", "--repeats", "1", "--concurrency", "2",
            "--budget-n", "200", "--profile", "redis-2w", "--profile-concurrency", "2", "--out-dir", str(tmp_path)]
     run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
@@ -65,6 +66,7 @@ def test_state_bench_runs_end_to_end_in_tiny_mode(tmp_path: Path) -> None:
     assert budget["redis/sequential"]["reserve_out"]["calls"] == 200
     assert set(report["profiles"]) == {"redis-2w"}, list(report["profiles"])
     prof = report["profiles"]["redis-2w"]  # cProfile saw the request path, not only start-up
+    assert prof["in_place"], prof  # the measured gateway itself, profiled after its cells: no second start
     assert "error" not in prof, prof
     assert prof["busy_s"] > 0 and prof["components_self_pct"].get("egressgate.policy (decide/canon)", 0) > 0, prof
     assert any("snapshot" in w for w, _us, _n in prof["state_inclusive"]), prof["state_inclusive"]

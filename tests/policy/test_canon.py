@@ -9,6 +9,7 @@ fixed point. parse_inet_aton is checked against the C library's own inet_aton (s
 from __future__ import annotations
 
 import pickle
+import random
 import socket
 import sys
 import unicodedata
@@ -803,21 +804,61 @@ def test_any_text_port(raw: str) -> None:
     assert canon_port(str(port)) == port
 
 
-@settings(max_examples=1500, deadline=None)
-@given(st.one_of(_NUMERIC_HOSTS, st.text(alphabet="0123456789abcdefxX.", max_size=24)))
-@example("0x")
-@example("1.")
-@example("0x7f.1")
-def test_parse_inet_aton_matches_the_c_library(raw: str) -> None:
-    try:
-        expected: bytes | None = socket.inet_aton(raw)
-    except OSError:
-        expected = None
-    got = parse_inet_aton(raw)
-    assert (got.packed if got else None) == expected, raw
-    if expected is not None and not raw.endswith("."):
-        # Whatever the C library reads as an address, canon_host reads as the same address.
-        assert canon_host(raw) == str(IPv4Address(expected))
+# The two differential tests below also check a BATCH of subjects per example, built by random.Random from a
+# seed Hypothesis draws, in the shapes of their strategies: Hypothesis's own work per example (drawing,
+# mutating, replaying) was most of their CPU, the comparison itself cheap. Hypothesis still draws a subject
+# of its own in every example (its edge cases), the @example cases run as before (with an empty batch).
+BATCH = 5
+
+
+def _seeded(build) -> st.SearchStrategy[list]:
+    return st.integers(min_value=0, max_value=2**64 - 1).map(lambda seed: build(random.Random(seed)))
+
+
+def _random_number(rnd: random.Random) -> int:
+    """0..2**33, boundary-focused as Hypothesis's integers are: near a power of two (a part's limit, an
+    octet, the 32-bit wrap), small, or anywhere."""
+    kind = rnd.randrange(3)
+    if kind == 0:
+        return max(0, 2 ** rnd.choice((7, 8, 15, 16, 23, 24, 31, 32, 33)) + rnd.randint(-2, 2))
+    return rnd.randint(0, 300) if kind == 1 else rnd.randint(0, 2**33)
+
+
+def _random_number_part(rnd: random.Random) -> str:
+    """A part as _NUMBER_PART draws it: decimal, octal, 0x, 0X, or one of its odd spellings."""
+    n, kind = _random_number(rnd), rnd.randrange(5)
+    if kind == 4:
+        return rnd.choice(["0x", "08", "09", "00", "0", "", "0xg", "1e2"])
+    return (str(n), "0" + format(n, "o"), "0x" + format(n, "x"), "0X" + format(n, "X"))[kind]
+
+
+def _random_inet_texts(rnd: random.Random) -> list[str]:
+    """BATCH texts, each a _NUMERIC_HOSTS or a short text of the same alphabet, as the test's strategy."""
+    return [
+        ".".join(_random_number_part(rnd) for _ in range(rnd.randint(1, 5)))
+        if rnd.random() < 0.5
+        else "".join(rnd.choice("0123456789abcdefxX.") for _ in range(rnd.randint(0, 24)))
+        for _ in range(BATCH)
+    ]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(_NUMERIC_HOSTS, st.text(alphabet="0123456789abcdefxX.", max_size=24)), _seeded(_random_inet_texts))
+@example("0x", [])
+@example("1.", [])
+@example("0x7f.1", [])
+def test_parse_inet_aton_matches_the_c_library(raw: str, batch: list[str]) -> None:
+    texts = [raw, *batch]  # the drawn text first
+    for raw in texts:
+        try:
+            expected: bytes | None = socket.inet_aton(raw)
+        except OSError:
+            expected = None
+        got = parse_inet_aton(raw)
+        assert (got.packed if got else None) == expected, raw
+        if expected is not None and not raw.endswith("."):
+            # Whatever the C library reads as an address, canon_host reads as the same address.
+            assert canon_host(raw) == str(IPv4Address(expected))
 
 
 def _rfc3986_remove_dot_segments(inp: str) -> str:
@@ -850,26 +891,31 @@ def _merge_slashes(path: str) -> str:
     return path
 
 
-_DOT_PATHS = st.lists(st.sampled_from(["/", "//", ".", "..", "a", "b", "%2e", "%2E%2e"]), max_size=14).map(
-    lambda atoms: "/" + "".join(atoms)
-)
+_DOT_ATOMS = ["/", "//", ".", "..", "a", "b", "%2e", "%2E%2e"]
+_DOT_PATHS = st.lists(st.sampled_from(_DOT_ATOMS), max_size=14).map(lambda atoms: "/" + "".join(atoms))
 
 
-@settings(max_examples=1500, deadline=None)
-@given(_DOT_PATHS)
-@example("/a//../b")
-@example("/a/b//c/../../d")
-def test_dot_segments_match_rfc3986_and_slash_merging_servers(raw: str) -> None:
-    try:
-        got = canon_path(raw)
-    except CanonError as exc:
+def _random_dot_paths(rnd: random.Random) -> list[str]:
+    """BATCH paths as _DOT_PATHS draws them: "/" and 0-14 _DOT_ATOMS."""
+    return ["/" + "".join(rnd.choice(_DOT_ATOMS) for _ in range(rnd.randint(0, 14))) for _ in range(BATCH)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(_DOT_PATHS, _seeded(_random_dot_paths))
+@example("/a//../b", [])
+@example("/a/b//c/../../d", [])
+def test_dot_segments_match_rfc3986_and_slash_merging_servers(raw: str, batch: list[str]) -> None:
+    paths = [raw, *batch]  # the drawn path first
+    for raw in paths:
         decoded = raw.replace("%2e", ".").replace("%2E", ".")
-        if exc.code == "dot_segment_trailing":  # '...': Windows drops trailing dots, no agreed reading
-            assert any(len(seg) > 2 and set(seg) == {"."} for seg in decoded.split("/")), raw
-        else:
-            assert exc.code == "ambiguous_traversal"
-        return
-    decoded = raw.replace("%2e", ".").replace("%2E", ".")
-    assert got == (_rfc3986_remove_dot_segments(decoded) or "/")
-    # A server that merges slashes before resolving dot segments reaches the same resource.
-    assert _merge_slashes(got) == (_rfc3986_remove_dot_segments(_merge_slashes(decoded)) or "/")
+        try:
+            got = canon_path(raw)
+        except CanonError as exc:
+            if exc.code == "dot_segment_trailing":  # '...': Windows drops trailing dots, no agreed reading
+                assert any(len(seg) > 2 and set(seg) == {"."} for seg in decoded.split("/")), raw
+            else:
+                assert exc.code == "ambiguous_traversal"
+            continue
+        assert got == (_rfc3986_remove_dot_segments(decoded) or "/")
+        # A server that merges slashes before resolving dot segments reaches the same resource.
+        assert _merge_slashes(got) == (_rfc3986_remove_dot_segments(_merge_slashes(decoded)) or "/")
