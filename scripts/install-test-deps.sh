@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install the Debian packages the tests and benchmarks use (nftables, iproute2, dig, curl; Squid, dnsmasq, wrk; redis-server for the shared-state tests;
-# Debian chromium for the console's browser tests; Docker, gVisor runsc, static busybox, mmdebstrap and bubblewrap for the runtime adapters)
+# Debian chromium (its headless shell) for the console's browser tests; Docker, gVisor runsc, static busybox, mmdebstrap and bubblewrap for the runtime adapters)
 # when they are missing. Needs root; otherwise it says what is missing and the tests that need it skip
 # (outside CI) or fail (in CI).
 set -eu
@@ -48,8 +48,9 @@ have git || need+=(git)
 [ -x /usr/lib/git-core/git-http-backend ] || need+=(git)
 have node || need+=(nodejs)
 have npm || need+=(npm)
-# tests/console: Playwright drives Debian's chromium at /usr/bin/chromium (no browser download)
-[ -x /usr/bin/chromium ] || need+=(chromium)
+# tests/console: Playwright drives Debian's chromium headless shell (no browser download; the full browser
+# /usr/bin/chromium cost three times the CPU per page: tests/console/conftest.py)
+[ -x /usr/bin/chromium-headless-shell ] || need+=(chromium-headless-shell)
 # tests/runtimes/test_microvm.py: QEMU (no recommends: ~80 MiB), lz4 (the cloud kernel's compression), mkfs.ext4
 have qemu-system-x86_64 || need+=(qemu-system-x86)
 have lz4 || need+=(lz4)

@@ -119,6 +119,7 @@ def pip(gw: Gateway, sbx: Sandbox, pkgs: PkgServer, tmp: Path, *args: str) -> su
         "pip",
         *args,
         "--isolated",
+        "--disable-pip-version-check",  # --isolated ignores the PIP_* variables of client_env
         "--no-cache-dir",
         "--retries",
         "0",
@@ -177,6 +178,7 @@ def test_a_direct_wheel_url_from_any_host_is_a_package_install(gw, pkgs, tmp_pat
         "pip",
         "download",
         "--isolated",
+        "--disable-pip-version-check",  # --isolated ignores the PIP_* variables of client_env
         "--no-cache-dir",
         "--retries",
         "0",
@@ -477,6 +479,7 @@ def test_inside_an_intercepted_https_tunnel_each_request_is_classified(gw, pkgs_
                 "pip",
                 "install",
                 "--isolated",
+                "--disable-pip-version-check",
                 "--no-cache-dir",
                 "--retries",
                 "0",

@@ -7,6 +7,7 @@ POST/DELETE unless a test says otherwise (`origin=None`, `csrf=None`, or wrong v
 
 from __future__ import annotations
 
+import ssl
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,9 @@ from tests.control_api.harness import start_control_gateway
 from tests.support.gwworld import Gateway, World
 
 UNSET: Any = object()
+# the console is plain HTTP, yet every httpx client builds a TLS context and loads certifi's bundle into it
+# (~16 ms of CPU each, tests/control_api/harness.py): one unused context for every client instead
+_UNUSED_TLS = ssl.create_default_context()
 
 
 def role_token(gw: Gateway, role: str) -> str:
@@ -26,7 +30,7 @@ class ConsoleClient:
     def __init__(self, gw: Gateway, role: str | None = None) -> None:
         self.gw = gw
         self.origin = f"http://{gw.admin}"
-        self.http = httpx.Client(base_url=self.origin, timeout=10, trust_env=False)
+        self.http = httpx.Client(base_url=self.origin, timeout=10, trust_env=False, verify=_UNUSED_TLS)
         self.csrf = ""
         if role is not None:
             self.login(role)
@@ -78,7 +82,7 @@ class LiveStream:
         self.status: int | None = None
         self.headers: httpx.Headers | None = None
         self._client = httpx.Client(base_url=client.origin, timeout=httpx.Timeout(10, read=30), trust_env=False,
-                                    cookies=client.http.cookies)
+                                    cookies=client.http.cookies, verify=_UNUSED_TLS)
         self._thread = threading.Thread(target=self._run, args=(params,), daemon=True)
         self._thread.start()
 

@@ -83,11 +83,20 @@ def test_an_approved_tunnel_to_a_metadata_name_is_refused(world: World, gateway:
     assert_untouched(world, mark, "https://metadata.evil.test/")
 
 
+@pytest.fixture(scope="module")
+def unoffered_sbx(gateway: Gateway) -> Sandbox:
+    """One escape-approval sandbox for every never-offered literal: none of them creates an approval (each
+    case asserts it), so nothing one case does can change another's answer; a fresh sandbox per case was
+    one `sandbox admit` CLI run each."""
+    gateway.sandboxes.pop("escape-approval", None)
+    return gateway.admit("escape-approval")
+
+
 @pytest.mark.parametrize("literal", NEVER_OFFERED)
-def test_forbidden_literals_are_never_offered_for_approval(world: World, gateway: Gateway, sbx: Sandbox,
+def test_forbidden_literals_are_never_offered_for_approval(world: World, gateway: Gateway, unoffered_sbx: Sandbox,
                                                            literal: str) -> None:
     mark = world.mark()
-    res = gateway.curl(sbx, f"http://{literal}/")
+    res = gateway.curl(unoffered_sbx, f"http://{literal}/")
     assert_denied(res, ADDRESS_REASONS)
     assert "approval_id" not in res.deny_body()
     assert_untouched(world, mark, literal)
