@@ -78,7 +78,8 @@ stamp=$(printf '%s\n' "$deps" | sha256sum | cut -c1-16)-$py_minor-pyc
 if [ "$(cat "$OUT/site.stamp" 2>/dev/null)" != "$stamp" ]; then
   rm -rf "$OUT/site" "$OUT/site.part"
   if [ "$(cat "$CACHE/site.stamp" 2>/dev/null)" = "$stamp" ] && [ -d "$CACHE/site" ]; then
-    cp -a "$CACHE/site" "$OUT/site.part"
+    # hard links when the cache is on the clone's filesystem (nothing writes to either copy), else a copy
+    cp -al "$CACHE/site" "$OUT/site.part" 2>/dev/null || { rm -rf "$OUT/site.part"; cp -a "$CACHE/site" "$OUT/site.part"; }
   else
     mapfile -t reqs <<<"$deps"
     pip_site() { "$PYTHON" -m pip install --quiet --disable-pip-version-check --target "$OUT/site.part" "$@" "${reqs[@]}"; }
@@ -104,7 +105,8 @@ if [ ! -x "$OUT/bao" ]; then
     mv "$CACHE/bao.part" "$CACHE/bao"
     rm -rf "$OUT/bao-pkg"
   fi
-  cp "$CACHE/bao" "$OUT/bao.part"
+  rm -f "$OUT/bao.part"
+  ln "$CACHE/bao" "$OUT/bao.part" 2>/dev/null || cp "$CACHE/bao" "$OUT/bao.part"
   mv "$OUT/bao.part" "$OUT/bao"
 fi
 

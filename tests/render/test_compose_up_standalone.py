@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import selectors
 import shutil
 import subprocess
 import sys
@@ -23,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.cli import ROOT
-from tests.support.dockerd import Dockerd
+from tests.support.dockerd import DOCKER, Dockerd
 
 PYBASE = "egressgate-pybase:trixie"
 CACHE = Path.home() / ".cache" / "egressgate" / "images"
@@ -86,6 +87,28 @@ def _context(tmp: Path, wheels: Path) -> Path:
     return ctx
 
 
+def _wait_for_health_event(d: Dockerd, name: str, since: str, timeout: float) -> None:
+    """Until the daemon reports the container healthy or dead (`docker events`, one CLI process streaming
+    the daemon's events instead of a `docker inspect` a second), or `timeout` seconds pass; the caller reads
+    the state itself afterwards."""
+    events = subprocess.Popen(
+        [DOCKER, "events", "--since", since, "--filter", f"container={name}", "--filter", "event=health_status",
+         "--filter", "event=die", "--format", "{{.Status}}"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=d.env())
+    assert events.stdout is not None
+    try:
+        with selectors.DefaultSelector() as sel:
+            sel.register(events.stdout, selectors.EVENT_READ)
+            deadline = time.monotonic() + timeout
+            while (left := deadline - time.monotonic()) > 0 and sel.select(left):
+                line = events.stdout.readline()
+                if not line or line.strip() in ("health_status: healthy", "die"):
+                    return
+    finally:
+        events.kill()
+        events.wait()
+
+
 def test_the_plain_dockerfile_is_the_standalone_gateway() -> None:
     """A plain `docker build .` builds ./Dockerfile's last stage, and the classic builder builds every stage of
     it: so that file holds the standalone build only (no stage FROM a base only build-images.sh makes)."""
@@ -118,19 +141,14 @@ def test_docker_build_dot_makes_a_gateway_that_turns_healthy(dockerd: Dockerd, t
     (policies / "p.yaml").write_text("sandbox: {name: p}\nnetwork: {}\n")
     (policies / "p.yaml").chmod(0o644)
     name = f"egstandalone{dockerd.sid}"
+    since = f"{time.time() - 1:.3f}"  # the daemon's events from before the start on (same host clock)
     started = dockerd.docker("run", "-d", "--name", name, "--network", "none", "--read-only", "--tmpfs", "/tmp",
                              "--tmpfs", "/var/lib/egressgate:uid=65532,gid=65532", "-v",
                              f"{policies}:/etc/egressgate/policies:ro", tag, check=False)
     try:
         assert started.returncode == 0, started.stderr
-        deadline = time.monotonic() + 180
-        status = ""
-        while time.monotonic() < deadline:
-            state = json.loads(dockerd.docker("inspect", name).stdout)[0]["State"]
-            status = state.get("Health", {}).get("Status", "")
-            if status == "healthy" or not state["Running"]:
-                break
-            time.sleep(1)
+        _wait_for_health_event(dockerd, name, since, timeout=180)
+        status = json.loads(dockerd.docker("inspect", name).stdout)[0]["State"].get("Health", {}).get("Status", "")
         logs = dockerd.docker("logs", name, check=False)
         assert status == "healthy", (status, logs.stdout[-2000:], logs.stderr[-3000:])
         # the gateway itself answered (its startup line names its listeners), not only a process that exists
