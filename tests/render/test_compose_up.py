@@ -15,6 +15,7 @@ the upstream's CA for the gateway, and the upstream's name in the gateway's /etc
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -45,13 +46,23 @@ def sh(*args: str, check: bool = True, timeout: float = 60, **kw) -> subprocess.
     return res
 
 
+# the machine's cache directory, as the user's environment names it: dockerd.env() sets HOME to the daemon's
+# temp state dir, so build-images.sh, left to its default, would cache in a directory removed at session
+# end and build the Debian base (mmdebstrap) and the Python packages (pip, from PyPI) again in every session
+CACHE_HOME = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "egressgate"
+
+
 @pytest.fixture(scope="session")
 def built_dockerd(dockerd: Dockerd) -> Dockerd:
     """The session's private dockerd (tests/support/dockerd.py: its own namespace with no route out,
-    198.18/15 only) with the four images built once per session (the Debian base and the Python
-    packages are cached on disk in build/images/ by the script)."""
+    198.18/15 only) with the four images built once per session from this checkout by
+    scripts/build-images.sh; its inputs (the Debian base tar, the Python packages, `bao`) come from the
+    machine's cache once a run has filled it, as on a developer's machine (and the wheelhouse that
+    scripts/check-bare-install.sh fills in CI)."""
+    cache = {"EGRESSGATE_IMAGE_CACHE": str(CACHE_HOME / "images"),
+             "EGRESSGATE_WHEELHOUSE": os.environ.get("EGRESSGATE_WHEELHOUSE", str(CACHE_HOME / "bare-wheels"))}
     res = subprocess.run(["bash", str(ROOT / "scripts" / "build-images.sh")], capture_output=True, text=True,
-                         env={**dockerd.env(), "PYTHON": sys.executable}, timeout=900, check=False)
+                         env={**dockerd.env(), "PYTHON": sys.executable, **cache}, timeout=900, check=False)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return dockerd
 
@@ -194,3 +205,37 @@ def test_the_gateway_image_says_what_it_is_and_how_it_is_healthy(built_dockerd: 
     assert labels["org.opencontainers.image.version"] == "0.1.0" and labels["org.opencontainers.image.licenses"]
     assert set(config["ExposedPorts"]) == {"8080/tcp", "8082/tcp", "5353/udp", "5353/tcp", "9090/tcp"}
     assert "/readyz" in " ".join(config["Healthcheck"]["Test"]) and config["User"] == "65532:65532"
+
+
+# Run inside the gateway image: every module the gateway's own imports load from the dependencies' directory
+# has a .pyc that this Python accepts (its magic number; the source's mtime and size, which the loader checks).
+BYTECODE_CHECK = """
+import importlib.util, os, struct, sys
+import egressgate.cli, egressgate.gateway.service, mitmproxy.proxy.server, cryptography.x509, pydantic, aiohttp
+site, bad, n = "/opt/egressgate/site/", [], 0
+for mod in list(sys.modules.values()):
+    spec = getattr(mod, "__spec__", None)
+    if spec is None or not (spec.origin or "").startswith(site) or not spec.origin.endswith(".py"):
+        continue
+    n += 1
+    try:
+        head = open(spec.cached, "rb").read(16)
+    except OSError:
+        bad.append(spec.origin)
+        continue
+    st = os.stat(spec.origin)
+    flags, mtime, size = struct.unpack("<III", head[4:16])
+    if head[:4] != importlib.util.MAGIC_NUMBER or flags or mtime != int(st.st_mtime) & 0xFFFFFFFF or size != st.st_size:
+        bad.append(spec.origin)
+print(n, len(bad), *bad[:5])
+"""
+
+
+def test_the_gateway_image_ships_the_bytecode_of_its_dependencies(built_dockerd: Dockerd) -> None:
+    """The images run read-only with PYTHONDONTWRITEBYTECODE: without .pyc files in the image, every gateway
+    process (the supervisor, each worker, `runtime admit`) would compile its dependencies again at each start."""
+    res = built_dockerd.docker("run", "--rm", "--network", "none", "--entrypoint", "python3", "egressgate:0.1.0",
+                               "-c", BYTECODE_CHECK, check=False, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    checked, bad, *_ = res.stdout.split()
+    assert int(checked) > 300 and bad == "0", res.stdout

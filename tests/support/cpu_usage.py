@@ -12,8 +12,10 @@ teardown, and whatever the worker does between them), each worker records
 * `cgroup`: when the worker could move itself into a cgroup-v1 `cpuacct` group of its own (opt-in, this
   option only; root), the CPU of every process that stayed in it — also daemons nobody reaped and the
   grandchildren of a double fork. Product sandboxes that the runtime moves into their own cgroups are in
-  the `cpu`/`memory`/`pids` hierarchies, not in `cpuacct`, so they stay counted; docker containers are not
-  (containerd puts them in docker's own groups). The cgroup figure includes background daemons of earlier
+  the `cpu`/`memory`/`pids` hierarchies, not in `cpuacct`, so they stay counted; so are the containers of the
+  private dockerd (its relative cgroup parent nests them under the worker's group), but not the RUN steps of a
+  BuildKit build (`DOCKER_BUILDKIT=1`: BuildKit puts them in a top-level `egD<sid>` group; measure those
+  apart). The cgroup figure includes background daemons of earlier
   modules on the same worker (a session dockerd), so read it next to `self + children`;
 * `gateways`: how many gateways the phase started (tests/support/launcher.py counts startup lines).
 
