@@ -22,16 +22,15 @@ from __future__ import annotations
 import errno
 import json
 import platform
-import shlex
 import subprocess
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from egressgate.runtimes import seccompjson
 from egressgate.runtimes.seccomp import ARCH_INDEX, REFUSED
+from tests.runtimes.batch import Ran, batch, split
 from tests.runtimes.harness import Gateway, safety_net
 from tests.support.dockerd import Dockerd
 
@@ -102,67 +101,17 @@ def programs() -> dict[str, list[str]]:
     }
 
 
-MARK = "@@egN-batch"
-
-
-def batch(names: tuple[str, ...]) -> list[str]:
-    """One `sh -c` running the named programs one after another, each bounded by `timeout -s KILL 120` (a
-    program that hangs once its threads fail is ended; no verdict depends on it) and framed on stdout and
-    stderr by marker lines that carry its exit status."""
-    steps = []
-    for name in names:
-        argv = " ".join(shlex.quote(a) for a in ["timeout", "-s", "KILL", "120", *programs()[name]])
-        steps.append(
-            f"echo {MARK} begin {name}; echo {MARK} begin {name} >&2; {argv}; rc=$?; "
-            f"echo {MARK} end {name} $rc; echo {MARK} end {name} $rc >&2"
-        )
-    return ["sh", "-c", "; ".join(steps) + "; exit 0"]
-
-
-@dataclass
-class Ran:
-    """One program's part of a batch: its exit status, stdout and stderr."""
-
-    returncode: int | None
-    stdout: str
-    stderr: str
-
-    def json(self) -> dict:
-        assert self.stdout.strip(), (self.returncode, self.stderr)
-        return json.loads(self.stdout.strip().splitlines()[-1])
-
-
-def split(names: tuple[str, ...], stdout: str, stderr: str) -> dict[str, Ran]:
-    """A batch's output, per program (a program whose end marker is missing has returncode None)."""
-
-    def sections(text: str) -> dict[str, tuple[int | None, str]]:
-        found: dict[str, tuple[int | None, str]] = {}
-        current, body = None, []
-        for line in text.splitlines():
-            words = line.split()
-            if words[:2] == [MARK, "begin"]:
-                current, body = words[2], []
-            elif words[:2] == [MARK, "end"] and current == words[2]:
-                found[current] = (int(words[3]), "\n".join(body))
-                current = None
-            elif current is not None:
-                body.append(line)
-        if current is not None:
-            found[current] = (None, "\n".join(body))
-        return found
-
-    out, err = sections(stdout), sections(stderr)
-    return {
-        name: Ran(out.get(name, (None, ""))[0], out.get(name, (None, ""))[1], err.get(name, (None, ""))[1])
-        for name in names
-    }
+def bounded(names: tuple[str, ...]) -> list[str]:
+    """The named programs in one batch (tests/runtimes/batch.py), each under `timeout -s KILL 120`: a program
+    that hangs once its threads fail is ended (no verdict depends on it)."""
+    return batch({name: programs()[name] for name in names}, bound=120)
 
 
 def sandbox_batch(gateway: Gateway, dockerd: Dockerd, runtime: str, names: tuple[str, ...]) -> dict[str, Ran]:
     """The programs in one `sandbox run --runtime RUNTIME` on the threaded image."""
     cmd = gateway.cmd(
         "sandbox", "run", "--config", str(gateway.config), "--policy", "rt-allow",
-        "--runtime", runtime, "--image", dockerd.threaded_image(), "--", *batch(names),
+        "--runtime", runtime, "--image", dockerd.threaded_image(), "--", *bounded(names),
     )  # fmt: skip
     res = subprocess.run(
         cmd,
@@ -183,7 +132,7 @@ def docker_batch(dockerd: Dockerd, oci_runtime: str, seccomp: str, names: tuple[
     res = dockerd.docker(
         "run", "--rm", "--runtime", oci_runtime, "--network", "none", "--user", "65534:65534",
         "--cap-drop", "ALL", "--security-opt", "no-new-privileges", "--security-opt", seccomp,
-        dockerd.threaded_image(), *batch(names), check=False, timeout=600,
+        dockerd.threaded_image(), *bounded(names), check=False, timeout=600,
     )  # fmt: skip
     assert res.returncode == 0, (oci_runtime, seccomp, res.stdout, res.stderr)
     return split(names, res.stdout, res.stderr)
