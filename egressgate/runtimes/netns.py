@@ -82,9 +82,13 @@ class BwrapCommand:
         self.fds: list[int] = []
 
     def data(self, content: bytes, dest: str, perms: str | None = None) -> None:
+        self.args += ([ "--perms", perms] if perms else []) + ["--ro-bind-data", str(self.data_fd(content)), dest]
+
+    def data_fd(self, content: bytes) -> int:
+        """A memfd holding `content` that bwrap is given (its number goes into an argument)."""
         fd = _data_fd(content)
         self.fds.append(fd)
-        self.args += ([ "--perms", perms] if perms else []) + ["--ro-bind-data", str(fd), dest]
+        return fd
 
     def environment(self, env: dict[str, str]) -> None:
         """`--clearenv` and one `--setenv` per variable, read by bwrap from a memfd (`--args FD`), never
@@ -139,7 +143,7 @@ def build_command(spec: RunSpec, workspace_fd: int | None, tmp_fd: int | None = 
     bundle = spec.ca_bundle.read_bytes()
     trust_fd = _data_fd(bundle)
     cmd.fds.append(trust_fd)
-    cmd.args += truststore.bwrap_args(trust_fd, bundle, spec.state_dir)
+    cmd.args += truststore.bwrap_args(trust_fd, bundle, cmd.data_fd, spec.state_dir)
     cmd.data(f"nameserver {spec.address.host_ip}\noptions edns0\n".encode(), "/etc/resolv.conf", "0444")
     hostname = str(sandbox.get("name") or "sandbox")
     cmd.data(f"127.0.0.1\tlocalhost\n{spec.address.sandbox_ip}\t{hostname}\n".encode(), "/etc/hosts", "0444")

@@ -11,10 +11,13 @@ bundle at each path the common distributions' TLS libraries read by default, the
   `/etc/pki/ca-trust/extracted/pem/tls-ca-bundle.pem`, openSUSE `/etc/ssl/ca-bundle.pem`, `/etc/pki/tls/cacert.pem`
   (together: Go's crypto/x509 list), and egressgate's own `/etc/egressgate/ca.pem` (the variables point there);
 * the OpenSSL hashed directory `/etc/ssl/certs` (CApath users: `openssl`, Python's `capath=`, curl `--capath`):
-  `<subject hash>.0` for every certificate of the bundle, each a link to ca-certificates.crt (OpenSSL's directory
-  lookup loads every certificate of the file it opens, so one file serves every hash). The directory holds
-  nothing else of the host's per-certificate files (in the netns runtime the host's Java keystore directory
-  /etc/ssl/certs/java is bound too: Debian's JDKs find their default store through it).
+  `<subject hash>.0` for every subject hash of the bundle, a file holding only the certificates with that hash,
+  as `openssl rehash` lays it out. Not a link to ca-certificates.crt (which OpenSSL's lookup alone would accept):
+  clients that load every file of the directory — GnuTLS's trust directory, so libcurl-gnutls with its default
+  CApath (git over HTTPS on Debian), Go's crypto/x509 — would parse the whole bundle once per link, ~150 x 150
+  certificates: seconds of CPU on every TLS connection of `git clone`. The directory holds nothing else of the
+  host's per-certificate files (in the netns runtime the host's Java keystore directory /etc/ssl/certs/java is
+  bound too: Debian's JDKs find their default store through it).
 
 The bundle is the system roots plus the gateway CA (gateway/service/ca.py), not the gateway CA alone: routes the policy
 splices (`tls: passthrough`, TLS inside `network.tcp`) show the upstream's real certificate, and a policy reload
@@ -35,6 +38,7 @@ import hashlib
 import json
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 from egressgate.runtimes.base import CA_PATH_IN_SANDBOX
@@ -180,10 +184,18 @@ def subject_hash(cert: bytes) -> str:
     return f"{int.from_bytes(digest[:4], 'little'):08x}"
 
 
+def hash_groups(bundle: bytes) -> dict[str, list[int]]:
+    """`<hash>.0` → the positions (in `certificates(bundle)` order) of the certificates with that subject hash;
+    one name per distinct hash (two subjects sharing a hash share the file, as with `openssl rehash`'s .0)."""
+    groups: dict[str, list[int]] = {}
+    for i, cert in enumerate(certificates(bundle)):
+        groups.setdefault(f"{subject_hash(cert)}.0", []).append(i)
+    return dict(sorted(groups.items()))
+
+
 def hash_links(bundle: bytes) -> list[str]:
-    """The `<hash>.0` names of the hashed directory for `bundle`, sorted, one per distinct subject hash (two
-    subjects sharing a hash share the link: it opens the whole bundle, which holds both)."""
-    return sorted({f"{subject_hash(cert)}.0" for cert in certificates(bundle)})
+    """The `<hash>.0` names of the hashed directory for `bundle`, sorted, one per distinct subject hash."""
+    return list(hash_groups(bundle))
 
 
 # keystores other runtimes keep under /etc/ssl/certs, bound from the host when it has them: Debian's JDKs link
@@ -194,33 +206,53 @@ HOST_KEYSTORES = ("/etc/ssl/certs/java",)
 _LINK = re.compile(r"[0-9a-f]{8}\.0")
 
 
-def cached_hash_links(bundle: bytes, cache_dir: Path | None) -> list[str]:
-    """hash_links, remembered in `cache_dir` (the runtime's root-owned state dir) per bundle digest: parsing and
-    hashing ~150 roots costs 15-70 ms, paid at every `sandbox run` otherwise. A cache entry that is not a list
-    of `<8 hex>.0` names is ignored and rewritten."""
+def _valid_groups(cached: object, count: int) -> bool:
+    return (isinstance(cached, dict) and bool(cached)
+            and all(isinstance(k, str) and _LINK.fullmatch(k) and isinstance(v, list) and v
+                    and all(isinstance(i, int) and 0 <= i < count for i in v) for k, v in cached.items()))
+
+
+def cached_hash_groups(bundle: bytes, cache_dir: Path | None) -> dict[str, list[int]]:
+    """hash_groups, remembered in `cache_dir` (the runtime's root-owned state dir) per bundle digest: parsing and
+    hashing ~150 roots costs 15-70 ms, paid at every `sandbox run` otherwise. A cache entry that is not a map of
+    `<8 hex>.0` names to positions of the bundle's certificates is ignored and rewritten."""
     if cache_dir is None:
-        return hash_links(bundle)
-    path = cache_dir / f"trust-links-{hashlib.sha256(bundle).hexdigest()[:32]}.json"
+        return hash_groups(bundle)
+    path = cache_dir / f"trust-groups-{hashlib.sha256(bundle).hexdigest()[:32]}.json"
     try:
         cached = json.loads(path.read_text())
-        if isinstance(cached, list) and cached and all(isinstance(n, str) and _LINK.fullmatch(n) for n in cached):
+        if _valid_groups(cached, len(_PEM.findall(bundle))):
             return cached
     except (OSError, ValueError):
         pass
-    links = hash_links(bundle)
+    groups = hash_groups(bundle)
     try:
         cache_dir.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}")
-        tmp.write_text(json.dumps(links))
+        tmp.write_text(json.dumps(groups))
         tmp.replace(path)
     except OSError:
         pass  # a cache it cannot write costs time, not correctness
-    return links
+    return groups
 
 
-def bwrap_args(main_fd: int, bundle: bytes, cache_dir: Path | None = None) -> list[str]:
+def cached_hash_links(bundle: bytes, cache_dir: Path | None) -> list[str]:
+    """hash_links through the cache of cached_hash_groups."""
+    return sorted(cached_hash_groups(bundle, cache_dir))
+
+
+def hashed_files(bundle: bytes, cache_dir: Path | None = None) -> dict[str, bytes]:
+    """`<hash>.0` → its content: the PEM blocks of the bundle's certificates with that subject hash."""
+    blocks = [m.group(0) + b"\n" for m in _PEM.finditer(bundle)]
+    return {name: b"".join(blocks[i] for i in positions)
+            for name, positions in cached_hash_groups(bundle, cache_dir).items()}
+
+
+def bwrap_args(main_fd: int, bundle: bytes, data_fd: Callable[[bytes], int],
+               cache_dir: Path | None = None) -> list[str]:
     """bwrap arguments laying out the trust store (netns runtime): the bundle read-only from `main_fd` at
-    MAIN_FILE, every other path and every hash link a symlink to it (bwrap creates the parents), and the
+    MAIN_FILE, every other path a symlink to it (bwrap creates the parents), each `<hash>.0` file copied from
+    an fd that `data_fd(content)` opens for bwrap (mode 0444, on the root bwrap remounts read-only), and the
     host's HOST_KEYSTORES read-only where they exist."""
     args = ["--perms", "0755", "--dir", HASHED_DIR, "--perms", "0444", "--ro-bind-data", str(main_fd), MAIN_FILE]
     for path in HOST_KEYSTORES:
@@ -228,18 +260,19 @@ def bwrap_args(main_fd: int, bundle: bytes, cache_dir: Path | None = None) -> li
             args += ["--ro-bind", path, path]
     for path in OTHER_FILES:
         args += ["--symlink", MAIN_FILE, path]
-    for link in cached_hash_links(bundle, cache_dir):
-        args += ["--symlink", "ca-certificates.crt", f"{HASHED_DIR}/{link}"]
+    for name, content in hashed_files(bundle, cache_dir).items():
+        args += ["--perms", "0444", "--file", str(data_fd(content)), f"{HASHED_DIR}/{name}"]
     return args
 
 
 def host_tree(bundle: bytes, out: Path, cache_dir: Path | None = None) -> Path:
     """The hashed directory as a host directory (container runtimes bind it at HASHED_DIR): ca-certificates.crt
-    (0444) and the relative `<hash>.0` links. Returns the file, which the runtime binds at OTHER_FILES."""
+    and the `<hash>.0` files (0444). Returns the file, which the runtime binds at OTHER_FILES."""
     out.mkdir(mode=0o755, parents=True, exist_ok=True)
     main = out / "ca-certificates.crt"
     main.write_bytes(bundle)
     main.chmod(0o444)
-    for link in cached_hash_links(bundle, cache_dir):
-        os.symlink("ca-certificates.crt", out / link)
+    for name, content in hashed_files(bundle, cache_dir).items():
+        (out / name).write_bytes(content)
+        (out / name).chmod(0o444)
     return main

@@ -2,9 +2,12 @@
 netns`, in proxy mode (the sandbox's proxy environment) and transparent mode (no proxy environment), against
 local servers of each protocol (tests/runtimes/matrix_servers.py), with a direct (no gateway) positive control.
 
-One sandbox run per client per mode executes tests/runtimes/matrix_client.py, which does all of that client's
-cases (allowed, denied by host, denied by path, a large body to a denied path, the metadata address, plus git
-push, a 1,000-message gRPC stream and the OpenAI SDK's streaming with a phantom key) and prints one JSON line.
+Per client and mode, tests/runtimes/matrix_client.py does all of that client's cases (allowed, denied by host,
+denied by path, a large body to a denied path, the metadata address, plus git push, a 1,000-message gRPC stream
+and the OpenAI SDK's streaming with a phantom key) in a process of its own and prints one JSON line. Every
+client in both modes (and the trust and bundle probes) runs in ONE sandbox run (tests/runtimes/matrix_batch.py,
+the module fixture `sandboxed`), two at a time, while nothing else talks to the world: what reached an upstream
+in that window is asserted empty for every client. The direct control runs per client, after it.
 The clients that read the system trust store run with every CA variable removed (issue 21 item 3).
 
 What each case must show is one named function below. Where other branches change today's behaviour (large
@@ -24,7 +27,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -106,23 +108,44 @@ class Matrix:
 
     def sandbox_run(self, argv: list[str]) -> subprocess.CompletedProcess[str]:
         return subprocess.run(self.gateway.run_argv(*argv, policy=POLICY), capture_output=True, text=True,
-                              timeout=600, env=self.gateway.caller_env(), check=False, preexec_fn=matrix_safety_net)
+                              timeout=1500, env=self.gateway.caller_env(), check=False, preexec_fn=matrix_safety_net)
 
-    def run_client(self, client: str, mode: str) -> tuple[dict[str, Any], str]:
-        argv = ["/usr/bin/python3", str(self.share / "matrix_client.py"), client, mode, str(self.share / "config.json")]
-        if mode == "direct":
-            res = self.world.exec(self.world.open, *argv, timeout=600)
-        else:
+    def run_direct(self, client: str) -> tuple[dict[str, Any], str]:
+        """The direct control: the client in the world's `open` namespace, no gateway."""
+        argv = ["/usr/bin/python3", str(self.share / "matrix_client.py"), client, "direct",
+                str(self.share / "config.json")]
+        res = self.world.exec(self.world.open, *argv, timeout=600)
+        return client_result(client, "direct", res.returncode, res.stdout, res.stderr), res.stderr
+
+    def run_batch(self, pairs: list[str]) -> subprocess.CompletedProcess[str]:
+        """matrix_batch.py over `pairs` (CLIENT:MODE) in one sandbox run."""
+        argv = ["/usr/bin/python3", str(self.share / "matrix_batch.py"), str(self.share / "matrix_client.py"),
+                str(self.share / "config.json"), *pairs]
+        res = self.sandbox_run(argv)
+        if res.returncode == 120 and "setup failed: SubprocessError" in res.stderr:
+            # seen once at load 14 (08:17 UTC): the runtime's preexec (cgroup entry, keyring, uid change)
+            # failed before the workload existed; no client ran. One retry, reported on stdout.
+            print(f"RETRY batch: {res.stderr.strip()[-500:]}")
             res = self.sandbox_run(argv)
-            if res.returncode == 120 and "setup failed: SubprocessError" in res.stderr:
-                # seen once at load 14 (08:17 UTC): the runtime's preexec (cgroup entry, keyring, uid change)
-                # failed before the workload existed; the client never ran. One retry, reported on stdout.
-                print(f"RETRY {client}/{mode}: {res.stderr.strip()[-500:]}")
-                res = self.sandbox_run(argv)
-        lines = [line for line in res.stdout.splitlines() if line.startswith("MATRIX ")]
-        print(client, mode, *[line for line in res.stdout.splitlines() if line.startswith("TIMINGS ")])
-        assert lines, f"{client}/{mode}: no result (rc {res.returncode}): {res.stdout[-2000:]} {res.stderr[-3000:]}"
-        return json.loads(lines[-1][len("MATRIX "):]), res.stderr
+        return res
+
+
+def client_result(client: str, mode: str, rc: int | None, stdout: str, stderr: str) -> dict[str, Any]:
+    """The one JSON line matrix_client.py printed for `client` in `mode`."""
+    lines = [line for line in stdout.splitlines() if line.startswith("MATRIX ")]
+    print(client, mode, *[line for line in stdout.splitlines() if line.startswith("TIMINGS ")])
+    assert lines, f"{client}/{mode}: no result (rc {rc}): {stdout[-2000:]} {stderr[-3000:]}"
+    return json.loads(lines[-1][len("MATRIX "):])
+
+
+@dataclass
+class Sandboxed:
+    """The one sandbox run of the whole matrix: per (client, mode) its results, stderr and seconds; what
+    reached an upstream while it ran; the upstream log entries of that window."""
+
+    runs: dict[tuple[str, str], tuple[dict[str, Any], str, float]]
+    reached: dict[str, bool]
+    log: list[dict[str, Any]]
 
 
 def _git_root(root: Path) -> Path:
@@ -180,6 +203,7 @@ def matrix(world: World, tmp_path_factory: pytest.TempPathFactory) -> Iterator[M
     secret.write_text(REAL_KEY)
     secret.chmod(0o600)
     shutil.copy(HERE / "matrix_client.py", share / "matrix_client.py")
+    shutil.copy(HERE / "matrix_batch.py", share / "matrix_batch.py")
     (share / "world-ca.pem").write_bytes(world.ca_pem.read_bytes())
     (share / "config.json").write_text(json.dumps({"pylibs": str(pylibs), "world_ca": str(share / "world-ca.pem"),
                                                    "real_key": REAL_KEY}))
@@ -197,6 +221,28 @@ def matrix(world: World, tmp_path_factory: pytest.TempPathFactory) -> Iterator[M
             yield Matrix(world=world, gateway=gw, share=share, log=log)
     finally:
         remove(share)
+
+
+SANDBOXED = [f"{client}:{mode}" for client in CLIENTS for mode in MODES] + ["trust:proxy", "bundle:proxy"]
+
+
+@pytest.fixture(scope="module")
+def sandboxed(matrix: Matrix) -> Sandboxed:
+    """Every client in both modes, and the trust and bundle probes, in one sandbox run (matrix_batch.py)."""
+    before, mark = len(matrix.upstream_log()), matrix.world.mark()
+    res = matrix.run_batch(SANDBOXED)
+    time.sleep(0.2)  # the servers log before answering; the hit logs are flushed per line
+    got = reached(matrix, before, mark)
+    assert "Traceback" not in res.stderr, res.stderr[-3000:]
+    runs = {}
+    for line in res.stdout.splitlines():
+        if line.startswith("BATCH "):
+            r = json.loads(line[len("BATCH "):])
+            runs[(r["client"], r["mode"])] = (r["rc"], r["stdout"], r["stderr"], r["seconds"])
+    missing = [pair for pair in SANDBOXED if tuple(pair.split(":")) not in runs]
+    assert not missing, f"no result for {missing} (rc {res.returncode}): {res.stdout[-2000:]} {res.stderr[-3000:]}"
+    results = {key: (client_result(*key, rc, out, err), err, seconds) for key, (rc, out, err, seconds) in runs.items()}
+    return Sandboxed(runs=results, reached=got, log=matrix.upstream_log()[before:])
 
 
 # ------------------------------------------------------------------------------------------------ expectations
@@ -276,25 +322,16 @@ def reached(matrix: Matrix, before_log: int, mark: nw.Mark) -> dict[str, bool]:
             "metadata": any(h.get("listener", "").startswith("metadata") for h in hits)}
 
 
-@pytest.mark.timeout(900)  # three sandbox runs of one client (the first also builds the fixture)
+@pytest.mark.timeout(1800)  # the first one also builds the fixtures: the whole matrix in one sandbox run
 @pytest.mark.parametrize("client", CLIENTS)
-def test_client_matrix(matrix: Matrix, client: str) -> None:
+def test_client_matrix(matrix: Matrix, sandboxed: Sandboxed, client: str) -> None:
     report: dict[str, Any] = {}
-
-    def timed(mode: str) -> tuple[dict[str, Any], str, float]:
-        started = time.monotonic()
-        results, stderr = matrix.run_client(client, mode)
-        return results, stderr, round(time.monotonic() - started, 1)
-
-    # both sandbox modes at once (they share the expectation "nothing reached"), then the direct control alone
-    before, mark = len(matrix.upstream_log()), matrix.world.mark()
-    with ThreadPoolExecutor(2) as pool:
-        runs = dict(zip(MODES, pool.map(timed, MODES), strict=True))
-    time.sleep(0.2)  # the servers log before answering; the hit logs are flushed per line
-    got = reached(matrix, before, mark)
-    for mode, (results, stderr, seconds) in runs.items():
+    # both sandbox modes (they share the expectation "nothing reached", asserted over the whole sandbox run)
+    for mode in MODES:
+        results, stderr, seconds = sandboxed.runs[(client, mode)]
         report[mode] = {"seconds": seconds, "results": results}
-        assert got == {"denied_path": False, "denied_host": False, "metadata": False}, (client, got, runs)
+        assert sandboxed.reached == {"denied_path": False, "denied_host": False, "metadata": False}, (
+            client, sandboxed.reached)
         for case, r in results.items():
             if case in ("allowed", "push", "stream"):
                 expect_allowed(client, case, r)
@@ -310,10 +347,13 @@ def test_client_matrix(matrix: Matrix, client: str) -> None:
             assert results["allowed"]["env_key"] != REAL_KEY and REAL_KEY not in json.dumps(results), results
         assert "Traceback" not in stderr, stderr[-3000:]
     if client == "openai":
-        injected = [e for e in matrix.upstream_log()[before:] if e["auth"] == f"Bearer {REAL_KEY}"]
+        injected = [e for e in sandboxed.log if e["auth"] == f"Bearer {REAL_KEY}"]
         assert len(injected) >= len(MODES), "the gateway did not inject the real key for every sandbox run"
+    # then the direct control alone
     before, mark = len(matrix.upstream_log()), matrix.world.mark()
-    results, _, seconds = timed("direct")
+    started = time.monotonic()
+    results, _ = matrix.run_direct(client)
+    seconds = round(time.monotonic() - started, 1)
     time.sleep(0.2)
     got = reached(matrix, before, mark)
     report["direct"] = {"seconds": seconds, "results": results, "reached": got}
@@ -321,12 +361,13 @@ def test_client_matrix(matrix: Matrix, client: str) -> None:
     print(f"MATRIX {client}: " + json.dumps(report))
 
 
-def test_which_python_clients_need_their_variable(matrix: Matrix) -> None:
+@pytest.mark.timeout(1800)  # builds the fixtures when run alone
+def test_which_python_clients_need_their_variable(sandboxed: Sandboxed) -> None:
     """requests (Debian's python3-certifi) trusts the gateway through the system store with no variable;
     requests and httpx with certifi from PyPI, and grpcio (its bundled roots), do not: they need the variable
     `sandbox run` sets for them (the positive control: the same call with only that variable works).
     Documented in docs/runtimes.md ("Which CA the sandbox trusts, and where")."""
-    results, _ = matrix.run_client("trust", "proxy")
+    results, _, _ = sandboxed.runs[("trust", "proxy")]
     print("TRUST " + json.dumps(results))
     assert results["debian_requests_none"]["status"] == 200, results
     for which in ("requests", "httpx", "grpcio"):
@@ -335,13 +376,14 @@ def test_which_python_clients_need_their_variable(matrix: Matrix) -> None:
         assert none["status"] is None and shows(none, "CERTIFICATE_VERIFY_FAILED"), (which, none)
 
 
-def test_bundle_serves_passthrough_and_interception(matrix: Matrix) -> None:
+@pytest.mark.timeout(1800)  # builds the fixtures when run alone
+def test_bundle_serves_passthrough_and_interception(sandboxed: Sandboxed) -> None:
     """Why the sandbox bundle is the system roots plus the gateway CA, not the gateway CA alone (docs/runtimes.md):
     with every CA variable removed, curl verifies both an intercepted host (the gateway's certificate) and a
     `tls: passthrough` host (the upstream's own, from a root of the system store) through the system paths.
     Given only the gateway CA (the alternative), curl still verifies the intercepted host but refuses the
     passthrough one: that bundle would break every spliced route."""
-    results, _ = matrix.run_client("bundle", "proxy")
+    results, _, _ = sandboxed.runs[("bundle", "proxy")]
     print("BUNDLE " + json.dumps(results))
     expect_allowed("curl", "intercepted_system_store", results["intercepted_system_store"])
     expect_allowed("curl", "passthrough_system_store", results["passthrough_system_store"])

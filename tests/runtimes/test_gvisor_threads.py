@@ -9,6 +9,12 @@ the same errnos while threads, a thread pool, posix_spawn and fork work. Positiv
 probe under the session daemon's runsc directly: the runc profile (the state before the fix) stops every
 thread and posix_spawn there; without any profile (unconfined) clone(CLONE_NEWUSER), unshare and ptrace
 succeed in both runtimes and runc answers clone3 itself (EINVAL), so the refusals are the profile's.
+
+Each container runs several programs one after another (`batch`: the thread probe, node, grpcio, each framed
+by marker lines with its own exit status and read on its own), so a runtime or a profile costs one container
+start, not one per program: one `sandbox run` per runtime and one `docker run` per (OCI runtime, profile),
+shared by the tests that read them (module fixtures). The image is the threaded one (Debian python3, grpcio,
+node), which has everything each program needs.
 """
 
 from __future__ import annotations
@@ -17,13 +23,14 @@ import errno
 import json
 import platform
 import subprocess
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from subprocess import CompletedProcess
 
 import pytest
 
 from egressgate.runtimes import seccompjson
 from egressgate.runtimes.seccomp import ARCH_INDEX, REFUSED
+from tests.runtimes.batch import Ran, batch, split
 from tests.runtimes.harness import Gateway, safety_net
 from tests.support.dockerd import Dockerd
 
@@ -39,7 +46,7 @@ const done = () => { if ("workers" in out && "pbkdf2" in out) console.log(JSON.s
 const N = 4;
 let n = 0;
 const body = "const {parentPort} = require('worker_threads'); let h = 'x';" +
-  "for (let i = 0; i < 20000; i++) h = require('crypto').createHash('sha256').update(h).digest('hex');" +
+  "for (let i = 0; i < 2000; i++) h = require('crypto').createHash('sha256').update(h).digest('hex');" +
   "parentPort.postMessage(h)";
 for (let i = 0; i < N; i++) {
   const w = new Worker(body, { eval: true });
@@ -85,47 +92,90 @@ def numbers() -> str:
     return json.dumps({s.name: s.nr[i] for s in REFUSED if s.name in ("clone3", "clone", "unshare", "ptrace")})
 
 
-def probe_argv() -> list[str]:
-    return ["python3", "-c", PROBE, numbers(), str(THREADS)]
+def programs() -> dict[str, list[str]]:
+    """The programs a container runs, by name: the thread probe (python3, stdlib), node, grpcio."""
+    return {
+        "probe": ["python3", "-c", PROBE, numbers(), str(THREADS)],
+        "node": ["node", "-e", NODE],
+        "grpc": ["python3", "-c", GRPC],
+    }
 
 
-def parse(stdout: str) -> dict:
-    return json.loads(stdout.strip().splitlines()[-1])
+def bounded(names: tuple[str, ...]) -> list[str]:
+    """The named programs in one batch (tests/runtimes/batch.py), each under `timeout -s KILL 120`: a program
+    that hangs once its threads fail is ended (no verdict depends on it)."""
+    return batch({name: programs()[name] for name in names}, bound=120)
 
 
-def sandbox_run(gateway: Gateway, dockerd: Dockerd, runtime: str, image: str, argv: list[str]) -> dict:
+def sandbox_batch(gateway: Gateway, dockerd: Dockerd, runtime: str, names: tuple[str, ...]) -> dict[str, Ran]:
+    """The programs in one `sandbox run --runtime RUNTIME` on the threaded image."""
     cmd = gateway.cmd(
         "sandbox", "run", "--config", str(gateway.config), "--policy", "rt-allow",
-        "--runtime", runtime, "--image", image, "--", *argv,
+        "--runtime", runtime, "--image", dockerd.threaded_image(), "--", *bounded(names),
     )  # fmt: skip
     res = subprocess.run(
         cmd,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=600,
         check=False,
         env={**gateway.caller_env(), "DOCKER_HOST": dockerd.host},
         preexec_fn=safety_net,
     )
-    assert res.returncode == 0, (runtime, argv[0], res.stdout, res.stderr)
-    return parse(res.stdout)
+    assert res.returncode == 0, (runtime, res.stdout, res.stderr)
+    return split(names, res.stdout, res.stderr)
 
 
-def docker_run(dockerd: Dockerd, oci_runtime: str, seccomp: str, image: str, argv: list[str]) -> CompletedProcess[str]:
-    """`argv` as uid 65534 with no capability, under `oci_runtime` and `--security-opt seccomp=...`; a
-    program that hangs once its threads fail is ended by `timeout` (no verdict depends on it)."""
-    return dockerd.docker(
+def docker_batch(dockerd: Dockerd, oci_runtime: str, seccomp: str, names: tuple[str, ...]) -> dict[str, Ran]:
+    """The programs in one container as uid 65534 with no capability, under `oci_runtime` and
+    `--security-opt seccomp=...`, outside egressgate."""
+    res = dockerd.docker(
         "run", "--rm", "--runtime", oci_runtime, "--network", "none", "--user", "65534:65534",
         "--cap-drop", "ALL", "--security-opt", "no-new-privileges", "--security-opt", seccomp,
-        image, "timeout", "-s", "KILL", "120", *argv, check=False, timeout=300,
+        dockerd.threaded_image(), *bounded(names), check=False, timeout=600,
     )  # fmt: skip
-
-
-def direct_run(dockerd: Dockerd, oci_runtime: str, seccomp: str) -> dict:
-    """The thread probe under `oci_runtime` with `seccomp`, outside egressgate."""
-    res = docker_run(dockerd, oci_runtime, seccomp, dockerd.python_image(), probe_argv())
     assert res.returncode == 0, (oci_runtime, seccomp, res.stdout, res.stderr)
-    return parse(res.stdout)
+    return split(names, res.stdout, res.stderr)
+
+
+@pytest.fixture(scope="module")
+def in_sandbox(gateway: Gateway, dockerd: Dockerd) -> dict[str, dict[str, Ran]]:
+    """`sandbox run` in both runtimes: the thread probe, node and grpcio, one run per runtime."""
+    return {runtime: sandbox_batch(gateway, dockerd, runtime, ("probe", "node", "grpc")) for runtime in RUNTIMES}
+
+
+PROFILES: dict[str, Callable[[], dict]] = {
+    "runc": seccompjson.profile,
+    "gvisor": lambda: seccompjson.profile(runtime="runsc"),
+}
+
+
+@pytest.fixture(scope="module")
+def direct(dockerd: Dockerd, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., dict[str, Ran]]]:
+    """`direct(oci_runtime, profile, names)`: the programs under the session daemon's `oci_runtime` with the
+    runc profile, its gVisor variant or none ("unconfined"), outside egressgate; one container per
+    (oci_runtime, profile), run the first time a test asks for it (every program it is asked for)."""
+    tmp = tmp_path_factory.mktemp("profiles")
+    wanted = {
+        ("runsc", "runc"): ("probe", "node", "grpc"),
+        ("runsc", "gvisor"): ("probe", "node", "grpc"),
+        ("runc", "unconfined"): ("probe",),
+        ("runsc", "unconfined"): ("probe",),
+    }
+    done: dict[tuple[str, str], dict[str, Ran]] = {}
+
+    def run(oci_runtime: str, profile: str) -> dict[str, Ran]:
+        key = (oci_runtime, profile)
+        if key not in done:
+            opt = "seccomp=unconfined"
+            if profile != "unconfined":
+                path = tmp / f"{profile}.json"
+                path.write_text(json.dumps(PROFILES[profile]()))
+                opt = f"seccomp={path}"
+            done[key] = docker_batch(dockerd, oci_runtime, opt, wanted[key])
+        return done[key]
+
+    yield run
 
 
 def assert_threads_work(out: dict) -> None:
@@ -135,39 +185,36 @@ def assert_threads_work(out: dict) -> None:
     assert out["fork"]["ok"], out["fork"]
 
 
-def test_threads_start_and_process_creation_stays_refused(gateway: Gateway, dockerd: Dockerd) -> None:
+def probe_of(ran: dict[str, Ran]) -> dict:
+    assert ran["probe"].returncode == 0, ran["probe"]
+    return ran["probe"].json()
+
+
+def test_threads_start_and_process_creation_stays_refused(in_sandbox: dict[str, dict[str, Ran]]) -> None:
     """`sandbox run` in both runtimes: the same answers, threads work, namespaces and tracers do not."""
-    image = dockerd.python_image()
-    got = {runtime: sandbox_run(gateway, dockerd, runtime, image, probe_argv()) for runtime in RUNTIMES}
+    got = {runtime: probe_of(ran) for runtime, ran in in_sandbox.items()}
     for runtime, out in got.items():
         assert_threads_work(out)
         assert {k: out[k] for k in REFUSED_NOW} == REFUSED_NOW, (runtime, out)
     assert got["docker"] == got["gvisor"], got
 
 
-def test_controls_without_the_gvisor_variant_and_without_a_profile(dockerd: Dockerd, tmp_path: Path) -> None:
+def test_controls_without_the_gvisor_variant_and_without_a_profile(direct: Callable[..., dict[str, Ran]]) -> None:
     """The probe can fail: the profile without the gVisor variant (what the gvisor runtime used before)
     stops threads under runsc, and with no profile at all the refused calls succeed."""
-
-    def profile_opt(name: str, profile: dict) -> str:
-        path = tmp_path / f"{name}.json"
-        path.write_text(json.dumps(profile))
-        return f"seccomp={path}"
-
-    runc_profile, gvisor_profile = seccompjson.profile(), seccompjson.profile(runtime="runsc")
     # before the fix: the runc profile under runsc answers clone3 with EPERM, glibc does not fall back
-    before = direct_run(dockerd, "runsc", profile_opt("runc", runc_profile))
+    before = probe_of(direct("runsc", "runc"))
     assert before["threads"] == {"ok": False, "error": "can't start new thread"}, before
     assert before["executor"] == {"ok": False, "error": "can't start new thread"}, before
     assert before["posix_spawn"] == {"ok": False, "error": "EPERM"}, before
     assert before["clone3"] == {"ok": False, "error": "EPERM"}, before
     # the fix, outside egressgate: the gVisor variant under runsc
-    after = direct_run(dockerd, "runsc", profile_opt("gvisor", gvisor_profile))
+    after = probe_of(direct("runsc", "gvisor"))
     assert_threads_work(after)
     assert {k: after[k] for k in REFUSED_NOW} == REFUSED_NOW, after
     # unconfined: the refusals are the profile's, not the kernels'
     for oci_runtime in ("runc", "runsc"):
-        free = direct_run(dockerd, oci_runtime, "seccomp=unconfined")
+        free = probe_of(direct(oci_runtime, "unconfined"))
         assert_threads_work(free)
         for name in ("clone_newuser", "unshare_newuser", "ptrace_attach"):
             assert free[name]["ok"], (oci_runtime, name, free[name])
@@ -199,27 +246,21 @@ def test_gvisor_variant_differs_only_in_the_enosys_rules() -> None:
     assert seccompjson.security_opt(runtime=None) == seccompjson.security_opt()
 
 
-def test_node_and_grpcio_start_their_threads(gateway: Gateway, dockerd: Dockerd) -> None:
+def test_node_and_grpcio_start_their_threads(in_sandbox: dict[str, dict[str, Ran]]) -> None:
     """Runtimes that start threads of their own: node (V8 platform threads, libuv's pool, workers) and
     grpcio (gRPC core's threads, a server's thread pool), in both runtimes."""
-    image = dockerd.threaded_image()
-    for runtime in RUNTIMES:
-        assert sandbox_run(gateway, dockerd, runtime, image, ["node", "-e", NODE]) == {"workers": 4, "pbkdf2": 32}
-        assert sandbox_run(gateway, dockerd, runtime, image, ["python3", "-c", GRPC]) == {"rpc": "UNIMPLEMENTED"}
+    for runtime, ran in in_sandbox.items():
+        assert ran["node"].returncode == 0 and ran["node"].json() == {"workers": 4, "pbkdf2": 32}, (runtime, ran)
+        assert ran["grpc"].returncode == 0 and ran["grpc"].json() == {"rpc": "UNIMPLEMENTED"}, (runtime, ran)
 
 
-def test_node_and_grpcio_fail_under_runsc_without_the_variant(dockerd: Dockerd, tmp_path: Path) -> None:
+def test_node_and_grpcio_fail_under_runsc_without_the_variant(direct: Callable[..., dict[str, Ran]]) -> None:
     """Positive control for the test above: under runsc with the runc profile (before the fix) node aborts
     at start-up and grpcio cannot start a thread; with the gVisor variant both work there."""
-    image = dockerd.threaded_image()
-    runc_opt, gvisor_opt = tmp_path / "runc.json", tmp_path / "gvisor.json"
-    runc_opt.write_text(json.dumps(seccompjson.profile()))
-    gvisor_opt.write_text(json.dumps(seccompjson.profile(runtime="runsc")))
-    node = docker_run(dockerd, "runsc", f"seccomp={runc_opt}", image, ["node", "-e", NODE])
-    assert node.returncode not in (0, 137) and '"workers":4' not in node.stdout, (node.returncode, node.stderr)
-    grpc = docker_run(dockerd, "runsc", f"seccomp={runc_opt}", image, ["python3", "-c", GRPC])
-    assert parse(grpc.stdout) == {"error": "can't start new thread"}, (grpc.stdout, grpc.stderr)
-    node = docker_run(dockerd, "runsc", f"seccomp={gvisor_opt}", image, ["node", "-e", NODE])
-    assert parse(node.stdout) == {"workers": 4, "pbkdf2": 32}, node.stderr
-    grpc = docker_run(dockerd, "runsc", f"seccomp={gvisor_opt}", image, ["python3", "-c", GRPC])
-    assert parse(grpc.stdout) == {"rpc": "UNIMPLEMENTED"}, grpc.stderr
+    before = direct("runsc", "runc")
+    node = before["node"]
+    assert node.returncode not in (0, 137, None) and '"workers":4' not in node.stdout, node
+    assert before["grpc"].json() == {"error": "can't start new thread"}, before["grpc"]
+    after = direct("runsc", "gvisor")
+    assert after["node"].json() == {"workers": 4, "pbkdf2": 32}, after["node"]
+    assert after["grpc"].json() == {"rpc": "UNIMPLEMENTED"}, after["grpc"]

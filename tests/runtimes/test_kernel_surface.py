@@ -8,6 +8,10 @@ succeeds, so the refusals are the runtime's doing.
 
 vsock is only ever connected to the LOCAL cid 1, never the hypervisor host (cid 2): nothing here sends a
 byte off this machine even if a filter failed.
+
+One `sandbox run` per runtime, started with the caller's session key in place, runs both sandbox probes (the
+kernel surface and the keyring; tests/runtimes/batch.py frames each, judged on its own), shared by the two
+tests of that runtime (module fixture `inside`).
 """
 
 from __future__ import annotations
@@ -16,9 +20,12 @@ import ctypes
 import json
 import secrets
 import subprocess
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import pytest
 
+from tests.runtimes.batch import Ran, batch, split
 from tests.runtimes.escape_probe import (
     ALLOWED,
     PROBE,
@@ -59,13 +66,52 @@ def docker_or_none(request: pytest.FixtureRequest, runtime: str) -> Dockerd | No
     return None if runtime == "netns" else request.getfixturevalue("dockerd")
 
 
-@pytest.mark.parametrize("runtime", RUNTIMES)
-def test_only_ip_families_and_no_sidestep_syscalls(gateway: Gateway, docker_or_none: Dockerd | None,
-                                                   runtime: str) -> None:
+@dataclass
+class Inside:
+    """One runtime's run of both probes: each program's part, the kernel checks, the caller's key."""
+
+    ran: dict[str, Ran]
+    checks: dict[str, list]
+    description: str
+    payload: bytes
+
+
+@pytest.fixture(scope="module")
+def inside(gateway: Gateway) -> Callable[[str, Dockerd | None], Inside]:
+    """`inside(runtime, dockerd)`: the runtime's one `sandbox run` of both probes, made on first use."""
+    done: dict[str, Inside] = {}
+
+    def get(runtime: str, dockerd: Dockerd | None) -> Inside:
+        if runtime not in done:
+            done[runtime] = run_both(gateway, dockerd, runtime)
+        return done[runtime]
+
+    return get
+
+
+def run_both(gateway: Gateway, dockerd: Dockerd | None, runtime: str) -> Inside:
     checks = kernel_checks(vsock_port())
-    res = sandbox_run(gateway, docker_or_none, runtime, *probe_argv(list(checks.values())))
+    description = f"egN-caller-{secrets.token_hex(4)}"
+    payload = f"caller-secret-{secrets.token_hex(8)}".encode()
+
+    def with_key() -> None:
+        safety_net()
+        add_session_key(description, payload)
+
+    programs = {"kernel": probe_argv(list(checks.values())),
+                "keyring": probe_argv([["keyring", syscall_numbers()["keyctl"], description]])}
+    res = sandbox_run(gateway, dockerd, runtime, *batch(programs), preexec=with_key)
     assert res.returncode == 0, res.stderr
-    out = run_named(checks, res.stdout)
+    return Inside(split(list(programs), res.stdout, res.stderr), checks, description, payload)
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_only_ip_families_and_no_sidestep_syscalls(inside: Callable[[str, Dockerd | None], Inside],
+                                                   docker_or_none: Dockerd | None, runtime: str) -> None:
+    run = inside(runtime, docker_or_none)
+    kernel = run.ran["kernel"]
+    assert kernel.returncode == 0, kernel
+    out = run_named(run.checks, kernel.stdout)
     # vsock: refused at socket(2), before any bind or connect
     assert not out["vsock"]["ok"] and out["vsock"]["step"] == "socket", out["vsock"]
     for name in REFUSED_FAMILIES:
@@ -121,22 +167,21 @@ def add_session_key(description: str, payload: bytes) -> int:
 
 
 @pytest.mark.parametrize("runtime", RUNTIMES)
-def test_caller_session_key_not_readable_inside(gateway: Gateway, docker_or_none: Dockerd | None,
-                                                runtime: str) -> None:
-    description = f"egN-caller-{secrets.token_hex(4)}"
-    payload = f"caller-secret-{secrets.token_hex(8)}".encode()
-    nr_keyctl = syscall_numbers()["keyctl"]
+def test_caller_session_key_not_readable_inside(inside: Callable[[str, Dockerd | None], Inside],
+                                                docker_or_none: Dockerd | None, runtime: str) -> None:
+    run = inside(runtime, docker_or_none)
+    description, payload = run.description, run.payload
+    keyring = run.ran["keyring"]
+    assert keyring.returncode == 0, keyring
+    (found,) = parse(keyring.stdout)
+    assert not found["ok"] and all(payload.decode() not in p.stdout for p in run.ran.values()), found
+    assert not found.get("proc_keys"), found  # not even the description: the keyring is not the caller's
 
     def with_key() -> None:
         safety_net()
         add_session_key(description, payload)
 
-    probe = [["keyring", nr_keyctl, description]]
-    res = sandbox_run(gateway, docker_or_none, runtime, *probe_argv(probe), preexec=with_key)
-    assert res.returncode == 0, res.stderr
-    (inside,) = parse(res.stdout)
-    assert not inside["ok"] and payload.decode() not in res.stdout, inside
-    assert not inside.get("proc_keys"), inside  # not even the description: the keyring is not the caller's
+    probe = [["keyring", syscall_numbers()["keyctl"], description]]
     # positive control: in the same kind of session, a uid-65534 child outside the sandbox reads the key
     ctl = subprocess.run(["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", PY, "-c", PROBE,
                           json.dumps(probe)], capture_output=True, text=True, timeout=30, check=False,

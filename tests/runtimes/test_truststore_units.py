@@ -89,19 +89,41 @@ def test_a_changed_name_changes_the_hash() -> None:
     assert truststore.subject_hash(a) != truststore.subject_hash(c)
 
 
-def test_bwrap_layout_links_every_path_and_hash_to_one_file() -> None:
+def each_hash_file_holds_its_certificates(files: dict[str, bytes], bundle: bytes) -> None:
+    """Each `<hash>.0` holds only the certificates with that subject hash, and every certificate of the bundle is
+    in exactly one of them: a client that loads every file of the directory (GnuTLS, so git over HTTPS; Go)
+    parses each certificate once, not the whole bundle once per file."""
+    seen: list[bytes] = []
+    for name, content in files.items():
+        certs = truststore.certificates(content)
+        assert certs and {truststore.subject_hash(c) for c in certs} == {name[:8]}, name
+        seen += certs
+    assert sorted(seen) == sorted(truststore.certificates(bundle))
+
+
+def test_bwrap_layout_links_every_path_and_copies_every_hash_file() -> None:
     ca = trustme.CA()
     bundle = HOST_BUNDLE + ca.cert_pem.bytes()
-    args = truststore.bwrap_args(7, bundle)
+    given: dict[int, bytes] = {}
+
+    def data_fd(content: bytes) -> int:
+        given[100 + len(given)] = content
+        return 99 + len(given)
+
+    args = truststore.bwrap_args(7, bundle, data_fd)
     assert args[:9] == ["--perms", "0755", "--dir", "/etc/ssl/certs", "--perms", "0444", "--ro-bind-data", "7",
                         "/etc/ssl/certs/ca-certificates.crt"]
     links = {args[i + 2]: args[i + 1] for i, word in enumerate(args) if word == "--symlink"}
     for path in truststore.OTHER_FILES:
         assert links[path] == truststore.MAIN_FILE
+    assert not any(p.startswith("/etc/ssl/certs/") for p in links)  # no hash name is a link to the bundle
+    files = {args[i + 2]: given[int(args[i + 1])] for i, word in enumerate(args) if word == "--file"}
+    assert all(args[i - 2 : i] == ["--perms", "0444"] for i, word in enumerate(args) if word == "--file")
     gateway_hash = truststore.subject_hash(truststore.certificates(ca.cert_pem.bytes())[0])
-    assert links[f"/etc/ssl/certs/{gateway_hash}.0"] == "ca-certificates.crt"
-    hashed = [p for p in links if p.startswith("/etc/ssl/certs/")]
-    assert len(hashed) == len(truststore.hash_links(bundle)) > 50
+    assert truststore.certificates(files[f"/etc/ssl/certs/{gateway_hash}.0"]) == truststore.certificates(
+        ca.cert_pem.bytes())
+    assert len(files) == len(truststore.hash_links(bundle)) > 50
+    each_hash_file_holds_its_certificates({p.rsplit("/", 1)[1]: c for p, c in files.items()}, bundle)
     assert "/etc/egressgate/ca.pem" in links  # where the CA variables point
 
 
@@ -112,6 +134,10 @@ def test_host_tree(tmp_path: Path) -> None:
     assert main.read_bytes() == bundle and oct(main.stat().st_mode & 0o777) == "0o444"
     names = sorted(os.listdir(tmp_path / "certs"))
     assert names == sorted(["ca-certificates.crt", *truststore.hash_links(bundle)])
+    hashed = {n: (tmp_path / "certs" / n) for n in names if n != "ca-certificates.crt"}
+    assert not any(p.is_symlink() for p in hashed.values())
+    assert all(oct(p.stat().st_mode & 0o777) == "0o444" for p in hashed.values())
+    each_hash_file_holds_its_certificates({n: p.read_bytes() for n, p in hashed.items()}, bundle)
     # OpenSSL's own CApath lookup finds the gateway CA through the links
     leaf = ca.issue_cert("x.test")
     pem = tmp_path / "leaf.pem"
@@ -131,8 +157,15 @@ def test_hash_links_cache(tmp_path: Path) -> None:
     bundle = HOST_BUNDLE + trustme.CA().cert_pem.bytes()
     links = truststore.hash_links(bundle)
     assert truststore.cached_hash_links(bundle, tmp_path) == links
-    (entry,) = tmp_path.glob("trust-links-*.json")
+    (entry,) = tmp_path.glob("trust-groups-*.json")
     assert truststore.cached_hash_links(bundle, tmp_path) == links  # from the cache
-    entry.write_text('["../../etc/passwd"]')
-    assert truststore.cached_hash_links(bundle, tmp_path) == links  # refused, recomputed, rewritten
-    assert entry.read_text() != '["../../etc/passwd"]'
+    assert truststore.hashed_files(bundle, tmp_path) == truststore.hashed_files(bundle)
+    count = len(truststore.certificates(bundle))
+    for tampered in ('["../../etc/passwd"]', '{"../../etc/passwd": [0]}', f'{{"{links[0]}": [{count}]}}',
+                     f'{{"{links[0]}": []}}'):
+        entry.write_text(tampered)
+        assert truststore.cached_hash_links(bundle, tmp_path) == links  # refused, recomputed, rewritten
+        assert entry.read_text() != tampered
+    # positive control: an entry of the right shape is what the cache returns (it is read, not recomputed)
+    entry.write_text(f'{{"{links[0]}": [0]}}')
+    assert truststore.cached_hash_links(bundle, tmp_path) == [links[0]]
