@@ -20,6 +20,7 @@ import pytest
 import yaml
 from dnslib import RCODE, DNSRecord
 
+from egressgate.gateway.service.varlock import LOCK_NAME
 from tests.support import cli, zygote
 from tests.support.cli import POLICIES
 from tests.support.env import free_port
@@ -130,6 +131,11 @@ def test_supervisor_shares_listeners_fans_out_signals_and_restarts(tmp_path, run
 
     assert wait_for(both_served, timeout=30)
     assert _holds(w0, var / "audit.w0.jsonl") and _holds(w1, var / "audit.w1.jsonl")
+    # forked workers (gateway/service/forking.py): each in a process group of its own, none holding the
+    # supervisor's var-dir lock (control: the supervisor does); the supervisor forks from a single thread
+    assert os.getpgid(w0) == w0 and os.getpgid(w1) == w1 and os.getpgid(sup) not in (w0, w1)
+    assert _holds(sup, var / LOCK_NAME) and not _holds(w0, var / LOCK_NAME) and not _holds(w1, var / LOCK_NAME)
+    assert os.listdir(f"/proc/{sup}/task") == [str(sup)]
     # SIGHUP to the supervisor reloads the policies in every worker
     run.proc.send_signal(signal.SIGHUP)
     assert wait_for(lambda: all(f"w{i}/egressgate.gateway.service.app: policies reloaded (SIGHUP)" in run.stderr()
