@@ -25,7 +25,7 @@ from egressgate.gateway.service.varlock import LOCK_NAME
 from tests.support import cli, zygote
 from tests.support.cli import POLICIES
 from tests.support.env import free_port
-from tests.support.launcher import EGRESSGATE, drain, first_line, stop_process
+from tests.support.launcher import EGRESSGATE, audit_records, drain, first_line, stop_process
 from tests.support.procs import alive, children
 from tests.support.redis import RedisServer
 from tests.support.waiting import wait_for
@@ -233,3 +233,22 @@ def test_log_format_json_in_the_supervisor_and_every_worker(tmp_path, runs, redi
     first = plain.stderr().splitlines()[0]
     with pytest.raises(json.JSONDecodeError):
         json.loads(first)
+
+
+def test_a_reload_in_flight_at_stop_is_sealed_in_this_runs_file(tmp_path, runs):
+    """SIGHUP and SIGTERM back to back (a supervisor fans out both in a moment): the stop waits for the reload
+    the SIGHUP started, so its policy_reload record is in this run's sealed audit file and nothing is left in
+    the retry spool for the next start. Without that wait the SIGHUP was lost (the stop ended the loop with
+    the reload task cancelled: no reload, no record) or its record went to the spool (the sink closed first)."""
+    runs.append(run := Run(tmp_path, config(tmp_path), "--workers", "1"))
+    assert run.info is not None, run.stderr()
+    before = len(audit_records(tmp_path / "var" / "audit.jsonl"))
+    run.proc.send_signal(signal.SIGHUP)
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.proc.wait(60) == 0
+    assert "policies reloaded (SIGHUP)" in run.stderr(), run.stderr()[-2000:]
+    records = audit_records(tmp_path / "var" / "audit.jsonl")
+    reloads = [r for r in records[before:] if r.get("egressgate.operation") == "policy_reload"]
+    assert len(reloads) == 1 and reloads[0]["egressgate.decision"] == "allow", records[before:]
+    assert not list((tmp_path / "var").glob("audit-retry*")), run.stderr()[-2000:]
+    assert "retry spool" not in run.stderr()
