@@ -19,6 +19,7 @@ argv[1:] are the scenarios, run one after the other in that process:
 from __future__ import annotations
 
 import asyncio
+import atexit
 import fcntl
 import gc
 import json
@@ -29,13 +30,17 @@ import sys
 import tempfile
 import time
 
-from egressgate.audit import build
-from egressgate.gateway.service.forking import Worker, fork_worker
+# before the loop, as a sitecustomize would: a worker keeps this handler and runs atexit handlers at its end
+signal.signal(signal.SIGUSR1, lambda *_: None)
+atexit.register(lambda: print(f"atexit ran {os.getpid()}", file=sys.stderr, flush=True))
+
+from egressgate.audit import build  # noqa: E402
+from egressgate.gateway.service.forking import Worker, fork_worker  # noqa: E402
 
 
 def child_state(keep: set[int]) -> dict:
     fds = sorted(fd for fd in map(int, os.listdir("/proc/self/fd")) if _is_open(fd))  # not the listing's own
-    handlers = {name: _handler(getattr(signal, name)) for name in ("SIGTERM", "SIGINT", "SIGHUP")}
+    handlers = {name: _handler(getattr(signal, name)) for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1")}
     wakeup = signal.set_wakeup_fd(-1)
     running = asyncio._get_running_loop()
 
@@ -104,7 +109,7 @@ async def scenario(mode: str) -> dict:
                 raise KeyboardInterrupt
 
         worker = Worker(fork_worker(target, keep=[]))
-        return {"exit": await asyncio.wait_for(worker.wait(), 60)}
+        return {"exit": await asyncio.wait_for(worker.wait(), 60), "pid": worker.pid}
     assert mode in ("sigterm", "sigterm-raw"), mode
     ready_r, ready_w = os.pipe()
 
@@ -138,7 +143,7 @@ async def main(modes: list[str]) -> dict:
     Supervisor.run sets up its own."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
         loop.add_signal_handler(sig, stop.set)
     lock = os.open(tempfile.mkstemp()[1], os.O_RDWR | os.O_CLOEXEC)
     fcntl.flock(lock, fcntl.LOCK_EX)

@@ -36,7 +36,13 @@ def test_forked_worker_sheds_the_supervisors_loop_fds_signals_and_random_state(p
     assert child["fds"] == [], child
     assert child["stdin"] == "/dev/null"
     # signals: a fresh interpreter's handling (SIGTERM kills, SIGINT raises), no wakeup fd, no running loop
-    assert child["handlers"] == {"SIGTERM": "SIG_DFL", "SIGINT": "default_int_handler", "SIGHUP": "SIG_DFL"}
+    # (and SIGUSR1 the Python handler set before the loop, which the loop had replaced: a sitecustomize's)
+    assert child["handlers"] == {
+        "SIGTERM": "SIG_DFL",
+        "SIGINT": "default_int_handler",
+        "SIGHUP": "SIG_DFL",
+        "SIGUSR1": "python",
+    }
     assert child["wakeup"] == -1 and child["running_loop"] is False
     assert child["own_loop"] != sup["loop"]  # asyncio.run in the child: a loop of its own
     # random state: its own `random` sequence and its own request-id key
@@ -59,6 +65,10 @@ def test_worker_exit_codes_are_an_interpreters(probe):
     KeyboardInterrupt: killed by SIGINT (as Python ends on an uncaught one)."""
     assert {kind: probe[f"exit:{kind}"]["exit"] for kind in EXITS} == EXITS
     assert "a message" in probe["stderr"] and "RuntimeError: boom" in probe["stderr"]
+    # the atexit handlers ran at the child's end, as at an interpreter's (in the parent too: the control)
+    for kind in ("return", "exit3", "raise"):
+        assert f"atexit ran {probe[f'exit:{kind}']['pid']}" in probe["stderr"], probe["stderr"][-2000:]
+    assert probe["stderr"].count("atexit ran") == 1 + 1 + len(EXITS)  # the probe, the "shed" child, these
 
 
 def test_sigterm_reaches_a_worker_before_it_has_handlers(probe):

@@ -7,9 +7,10 @@ supervisor imports all of it once (`preload`, before its event loop starts) and 
 
 What a forked child must not share, and how `fork_worker` makes sure (`_shed`, before anything else runs):
 * the supervisor's event loop: asyncio's at-fork hook (3.12+) forgets the running loop and the signal
-  wakeup fd; `_shed` resets every Python-level signal handler (the loop's SIGTERM/SIGINT/SIGHUP handlers
-  would otherwise swallow a signal until the worker installs its own: a PDEATHSIG SIGTERM lost in that
-  window would orphan the worker) to what a fresh interpreter has;
+  wakeup fd; `_shed` puts every signal handler back to what the process had when this module was imported
+  (before any loop: the interpreter's own, plus whatever a sitecustomize installed), so the loop's
+  SIGTERM/SIGINT/SIGHUP handlers are gone (they would swallow a signal until the worker installs its own: a
+  PDEATHSIG SIGTERM lost in that window would orphan the worker);
 * descriptors: a fork copies every fd, CLOEXEC or not, so `_shed` closes all but stdio, the inherited
   listeners and the worker's ready pipe: the loop's epoll fd and self-pipe, the var-dir lock, and above all
   the ready pipes of workers started concurrently (a sibling holding the write end of another worker's
@@ -23,13 +24,15 @@ What a forked child must not share, and how `fork_worker` makes sure (`_shed`, b
   fork-safe by tests/architecture/test_fork_safe_imports.py.
 
 The child never returns into the supervisor's stack (it runs inside one of the supervisor's coroutines):
-it ends with os._exit and the exit code an exec'd interpreter would have had. A fork copies only the
+it ends as an interpreter ends (atexit handlers run, stdio flushed) with os._exit and the exit code an
+exec'd interpreter would have had. A fork copies only the
 calling thread; the supervisor runs none other (tests/gateway/test_worker_fork.py checks it).
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import gc
 import importlib
@@ -42,6 +45,8 @@ from collections.abc import Callable, Collection
 
 # What a worker imports before it serves (workers.worker_main -> cli.serve_or_fail -> app.serve).
 WORKER_MODULES = ("egressgate.gateway.service.cli", "egressgate.gateway.service.app")
+# The signal handlers before any event loop ran (`run` imports this module before it starts one).
+_START_HANDLERS = {sig: signal.getsignal(sig) for sig in signal.valid_signals()}
 
 
 def preload() -> None:
@@ -86,14 +91,10 @@ def _shed(keep: Collection[int]) -> None:
     """In the child: own process group, a fresh interpreter's signal handling, only the kept descriptors."""
     os.setpgid(0, 0)
     signal.set_wakeup_fd(-1)
-    for sig in signal.valid_signals():
-        with contextlib.suppress(OSError, ValueError):
-            handler = signal.getsignal(sig)
-            if sig == signal.SIGINT:
-                if handler is not signal.default_int_handler:
-                    signal.signal(sig, signal.default_int_handler)
-            elif callable(handler):  # a Python handler (the loop's): back to the default action
-                signal.signal(sig, signal.SIG_DFL)
+    for sig, handler in _START_HANDLERS.items():
+        if handler is not None and signal.getsignal(sig) is not handler:  # None: not set from Python
+            with contextlib.suppress(OSError, ValueError):
+                signal.signal(sig, handler)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
@@ -107,7 +108,8 @@ def _shed(keep: Collection[int]) -> None:
 
 def _run(target: Callable[[], object]) -> int:
     """`target()` as an interpreter's main program: its exit code, a traceback for an uncaught exception,
-    stdio flushed (os._exit flushes nothing). KeyboardInterrupt ends the process by SIGINT, as Python does."""
+    then the atexit handlers and stdio flushed (os._exit does neither). KeyboardInterrupt ends the process by
+    SIGINT, as Python does."""
     interrupted = False
     try:
         target()
@@ -123,6 +125,7 @@ def _run(target: Callable[[], object]) -> int:
     except BaseException:
         traceback.print_exc()
         code = 1
+    atexit._run_exitfuncs()  # as at interpreter exit (e.g. a profiler's dump); they report their own errors
     for handler in logging.getLogger().handlers:
         with contextlib.suppress(Exception):
             handler.flush()
