@@ -22,7 +22,7 @@ EXITS = {"return": 0, "exit3": 3, "exitmsg": 1, "raise": 1, "interrupt": -signal
 @pytest.fixture(scope="module")
 def probe() -> dict:
     """Every scenario of fork_probe.py, in one supervisor-like process."""
-    modes = ["shed", "raw", *(f"exit:{kind}" for kind in EXITS), "sigterm", "sigterm-raw"]
+    modes = ["shed", "raw", *(f"exit:{kind}" for kind in EXITS), "sigterm", "sigterm-raw", "no-pidfd"]
     # stdin a pipe (not /dev/null): the worker's own /dev/null stdin must come from fork_worker
     res = subprocess.run([sys.executable, str(PROBE), *modes], input="", capture_output=True, text=True, timeout=180)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -68,7 +68,8 @@ def test_worker_exit_codes_are_an_interpreters(probe):
     # the atexit handlers ran at the child's end, as at an interpreter's (in the parent too: the control)
     for kind in ("return", "exit3", "raise"):
         assert f"atexit ran {probe[f'exit:{kind}']['pid']}" in probe["stderr"], probe["stderr"][-2000:]
-    assert probe["stderr"].count("atexit ran") == 1 + 1 + len(EXITS)  # the probe, the "shed" child, these
+    # the probe, the "shed" child, these five and no-pidfd's quick child (killed ones and bare forks: none)
+    assert probe["stderr"].count("atexit ran") == 1 + 1 + len(EXITS) + 1
 
 
 def test_sigterm_reaches_a_worker_before_it_has_handlers(probe):
@@ -76,3 +77,9 @@ def test_sigterm_reaches_a_worker_before_it_has_handlers(probe):
     supervisor's stop rely on it). Control: after a bare fork the copied handler swallows it."""
     assert probe["sigterm"] == {"exit": -signal.SIGTERM, "survived_sigterm": False}
     assert probe["sigterm-raw"] == {"exit": -signal.SIGKILL, "survived_sigterm": True}
+
+
+def test_exits_are_seen_without_pidfd(probe):
+    """Where pidfd_open fails, the supervisor learns of its workers' exits by SIGCHLD: the exit code of one,
+    the SIGTERM of the other."""
+    assert probe["no-pidfd"] == {"exits": [3, -signal.SIGTERM], "pidfd_used": False}

@@ -141,26 +141,45 @@ def _run(target: Callable[[], object]) -> int:
 class Worker:
     """A forked worker as the supervisor sees it (the subset of asyncio.subprocess.Process it used): `pid`,
     `returncode` once reaped (negative: killed by that signal), `wait()`, `send_signal`, `kill`. The exit is
-    seen through a pidfd in the running loop; the pid is reaped only here, so it cannot be recycled while
-    `send_signal` may still target it."""
+    seen through a pidfd in the running loop, or, where pidfd_open is unavailable (a kernel before 5.3, a
+    seccomp profile without it), through SIGCHLD (no thread: the supervisor forks from a single thread). The
+    pid is reaped only here, so it cannot be recycled while `send_signal` may still target it."""
+
+    _by_sigchld: set[Worker] = set()  # the workers watched through SIGCHLD
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
         self.returncode: int | None = None
         self._loop = asyncio.get_running_loop()
         self._exited: asyncio.Future[int] = self._loop.create_future()
-        self._pidfd = os.pidfd_open(pid)  # a child not yet reaped: never a recycled pid
-        self._loop.add_reader(self._pidfd, self._reap)
+        self._pidfd: int | None = None
+        try:
+            self._pidfd = os.pidfd_open(pid)  # a child not yet reaped: never a recycled pid
+        except OSError:
+            Worker._by_sigchld.add(self)
+            self._loop.add_signal_handler(signal.SIGCHLD, Worker._sigchld)
+            self._reap()  # it may have exited before the handler was set
+        else:
+            self._loop.add_reader(self._pidfd, self._reap)
+
+    @staticmethod
+    def _sigchld() -> None:
+        for worker in list(Worker._by_sigchld):
+            worker._reap()
 
     def _reap(self) -> None:
+        if self.returncode is not None:
+            return
         try:
             pid, status = os.waitpid(self.pid, os.WNOHANG)
         except ChildProcessError:  # not ours to reap any more: cannot happen, but never spin on it
             pid, status = self.pid, 255 << 8
         if pid == 0:
             return
-        self._loop.remove_reader(self._pidfd)
-        os.close(self._pidfd)
+        if self._pidfd is not None:
+            self._loop.remove_reader(self._pidfd)
+            os.close(self._pidfd)
+        Worker._by_sigchld.discard(self)
         self.returncode = os.waitstatus_to_exitcode(status)
         self._exited.set_result(self.returncode)
 
