@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import ssl
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +57,8 @@ def control_policies(w: World) -> dict[str, dict]:
 
 
 def start_control_gateway(w: World, tmp: Path, extra: dict[str, Any] | None = None,
-                          docs: dict[str, dict] | None = None, launcher: list[str] | None = None) -> Gateway:
+                          docs: dict[str, dict] | None = None, launcher: list[str] | None = None,
+                          args: Sequence[str] = ()) -> Gateway:
     policy_dir = write_policies(tmp / "policies", docs if docs is not None else control_policies(w))
     ca_bundle = tmp / "upstream-ca.pem"
     ca_bundle.write_bytes(w.ca.cert_pem.bytes())
@@ -69,7 +71,7 @@ def start_control_gateway(w: World, tmp: Path, extra: dict[str, Any] | None = No
         "broker": {"local_key_dir": str(tmp / "var" / "keys")},
         **(extra or {}),
     }
-    return Gateway(**launch_loopback(tmp, config, launcher=launcher), policy_dir=policy_dir, world=w)
+    return Gateway(**launch_loopback(tmp, config, launcher=launcher, args=args), policy_dir=policy_dir, world=w)
 
 
 # The admin API is plain HTTP, yet every httpx client builds a TLS context and loads certifi's bundle into it

@@ -14,7 +14,6 @@ from collections.abc import Iterator
 import pytest
 
 from tests.control_api.harness import METRICS_POLICY, SCRAPED_BY, api, scrape, start_control_gateway, value
-from tests.support.launcher import EGRESSGATE
 from tests.support.redis import RedisServer
 from tests.support.replay_check import stop_and_replay
 from tests.support.waiting import wait_for
@@ -95,10 +94,7 @@ def test_workers_share_one_admin_address_and_their_series_never_mix(world, tmp_p
     worker's scrape reports fewer than the 40 admissions, so a merged series would be wrong whenever that
     worker answers. Deterministic: it holds however the kernel spreads connections (not "the merged series
     goes backwards", which depends on whether scrapes happen to alternate between workers)."""
-    wrapper = tmp_path / "egressgate-workers"
-    wrapper.write_text(f'#!/bin/sh\nexec {EGRESSGATE} "$@" --workers 2\n')
-    wrapper.chmod(0o755)
-    gw = start_control_gateway(world, tmp_path / "gw", _state(redis, redis.prefix()), launcher=[str(wrapper)])
+    gw = start_control_gateway(world, tmp_path / "gw", _state(redis, redis.prefix()), args=["--workers", "2"])
     try:
         series: list[tuple[str, float]] = []
         for _ in range(40):

@@ -1,8 +1,9 @@
-"""`egressgate run --workers N` (egressgate/gateway/service/workers.py) without Redis: the refusal on the memory
-backend, `--workers 1` unchanged, and the supervisor's mechanics (shared listeners, per-worker audit files,
-SIGHUP/SIGTERM fan-out, restart of a killed worker, workers dying with the supervisor, a worker that cannot
-start). The mechanics run through tests/gateway/unshared_workers_launcher.py (the refusal lifted; these
-tests admit no sandbox); shared-state behaviour is tested on Redis in tests/state_redis/test_workers.py."""
+"""`egressgate run --workers N` (egressgate/gateway/service/workers.py): the refusal on the memory backend,
+`--workers 1` unchanged, and the supervisor's mechanics (shared listeners, per-worker audit files, SIGHUP/SIGTERM
+fan-out, restart of a killed worker, workers dying with the supervisor, a worker that cannot start). The
+mechanics run the unmodified CLI on one module-scoped Redis (each run its own key prefix), forked from the
+test fork server like every other gateway start; these tests admit no sandbox, the shared-state behaviour is
+tested in tests/state_redis/test_workers.py. How a worker is forked: tests/gateway/test_worker_fork.py."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -20,14 +21,25 @@ import pytest
 import yaml
 from dnslib import RCODE, DNSRecord
 
+from egressgate.gateway.service.varlock import LOCK_NAME
 from tests.support import cli, zygote
 from tests.support.cli import POLICIES
 from tests.support.env import free_port
-from tests.support.launcher import EGRESSGATE, drain, first_line, stop_process
+from tests.support.launcher import EGRESSGATE, audit_records, drain, first_line, stop_process
 from tests.support.procs import alive, children
+from tests.support.redis import RedisServer
 from tests.support.waiting import wait_for
 
-LAUNCHER = [sys.executable, str(Path(__file__).with_name("unshared_workers_launcher.py"))]
+
+@pytest.fixture(scope="module")
+def redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    with RedisServer(tmp_path_factory.mktemp("sup-redis")) as server:
+        yield server
+
+
+def shared(redis: RedisServer) -> dict:
+    """The state store several workers need (`run` refuses --workers N on the memory backend)."""
+    return {"state": {"backend": "redis", "url": redis.url, "key_prefix": redis.prefix()}}
 
 
 def config(tmp: Path, **extra) -> Path:
@@ -41,12 +53,11 @@ def config(tmp: Path, **extra) -> Path:
 class Run:
     """A `run` process: its startup line (or None), its stderr file."""
 
-    def __init__(self, tmp: Path, cfg: Path, *args: str, launcher: list[str] | None = None) -> None:
+    def __init__(self, tmp: Path, cfg: Path, *args: str) -> None:
         self.err_path = tmp / "run.stderr"
         err = open(self.err_path, "w")  # noqa: SIM115 - lives with the process
-        # the console script is forked from the test fork server; a custom launcher (the --workers N>1 runs
-        # with unshared workers) is exec'd as given (zygote.popen runs any other command for real)
-        self.proc = zygote.popen([*(launcher or [EGRESSGATE]), "run", "--config", str(cfg), *args],
+        # the console script, forked from the test fork server (zygote.py)
+        self.proc = zygote.popen([EGRESSGATE, "run", "--config", str(cfg), *args],
                                  stdout=subprocess.PIPE, stderr=err, text=True, env={**os.environ, "NO_PROXY": ""})
         line = first_line(self.proc, 60)
         self.info = json.loads(line) if line.strip() else None
@@ -108,9 +119,9 @@ def proxy_407(proxy: str) -> bool:
     return res.status_code == 407
 
 
-def test_supervisor_shares_listeners_fans_out_signals_and_restarts(tmp_path, runs):
+def test_supervisor_shares_listeners_fans_out_signals_and_restarts(tmp_path, runs, redis):
     var = tmp_path / "var"
-    runs.append(run := Run(tmp_path, config(tmp_path), "--workers", "2", launcher=LAUNCHER))
+    runs.append(run := Run(tmp_path, config(tmp_path, **shared(redis)), "--workers", "2"))
     assert run.info is not None, run.stderr()
     sup = run.proc.pid
     w0, w1 = run.info["workers"]
@@ -130,6 +141,11 @@ def test_supervisor_shares_listeners_fans_out_signals_and_restarts(tmp_path, run
 
     assert wait_for(both_served, timeout=30)
     assert _holds(w0, var / "audit.w0.jsonl") and _holds(w1, var / "audit.w1.jsonl")
+    # forked workers (gateway/service/forking.py): each in a process group of its own, none holding the
+    # supervisor's var-dir lock (control: the supervisor does); the supervisor forks from a single thread
+    assert os.getpgid(w0) == w0 and os.getpgid(w1) == w1 and os.getpgid(sup) not in (w0, w1)
+    assert _holds(sup, var / LOCK_NAME) and not _holds(w0, var / LOCK_NAME) and not _holds(w1, var / LOCK_NAME)
+    assert os.listdir(f"/proc/{sup}/task") == [str(sup)]
     # SIGHUP to the supervisor reloads the policies in every worker
     run.proc.send_signal(signal.SIGHUP)
     assert wait_for(lambda: all(f"w{i}/egressgate.gateway.service.app: policies reloaded (SIGHUP)" in run.stderr()
@@ -170,9 +186,9 @@ def _holds(pid: int, path: Path) -> bool:
     return any(os.path.realpath(fd_dir / fd) == str(path.resolve()) for fd in os.listdir(fd_dir))
 
 
-def test_workers_die_with_the_supervisor(tmp_path, runs):
+def test_workers_die_with_the_supervisor(tmp_path, runs, redis):
     """kill -9 of the supervisor: its workers get SIGTERM (PR_SET_PDEATHSIG) and stop; none is orphaned."""
-    runs.append(run := Run(tmp_path, config(tmp_path), "--workers", "2", launcher=LAUNCHER))
+    runs.append(run := Run(tmp_path, config(tmp_path, **shared(redis)), "--workers", "2"))
     assert run.info is not None, run.stderr()
     workers = set(run.info["workers"])
     assert all(alive(pid) for pid in workers)  # control
@@ -181,13 +197,13 @@ def test_workers_die_with_the_supervisor(tmp_path, runs):
     assert wait_for(lambda: not any(alive(pid) for pid in workers), timeout=30)
 
 
-def test_a_worker_that_cannot_start_stops_the_supervisor(tmp_path, runs):
+def test_a_worker_that_cannot_start_stops_the_supervisor(tmp_path, runs, redis):
     """A failure only a worker meets (here: audit.signer vault without a Vault broker) ends `run` with the
     worker's error and exit 1; the listeners are released (the port can be bound again)."""
     port = free_port()
-    cfg = config(tmp_path, audit={"signer": "vault"},
+    cfg = config(tmp_path, audit={"signer": "vault"}, **shared(redis),
                  listen={"proxy": f"127.0.0.1:{port}", "admin": "127.0.0.1:0", "dns": None, "transparent": None})
-    runs.append(run := Run(tmp_path, cfg, "--workers", "2", launcher=LAUNCHER))
+    runs.append(run := Run(tmp_path, cfg, "--workers", "2"))
     assert run.info is None
     assert run.proc.wait(60) == 1
     err = run.stderr()
@@ -196,10 +212,10 @@ def test_a_worker_that_cannot_start_stops_the_supervisor(tmp_path, runs):
         s.bind(("127.0.0.1", port))
 
 
-def test_log_format_json_in_the_supervisor_and_every_worker(tmp_path, runs):
+def test_log_format_json_in_the_supervisor_and_every_worker(tmp_path, runs, redis):
     """`--log-format json`: every stderr line of the supervisor and of both workers is one JSON object, the
     workers' loggers carry their slot (control: the default text format is not JSON)."""
-    runs.append(run := Run(tmp_path, config(tmp_path), "--workers", "2", "--log-format", "json", launcher=LAUNCHER))
+    runs.append(run := Run(tmp_path, config(tmp_path, **shared(redis)), "--workers", "2", "--log-format", "json"))
     assert run.info is not None, run.stderr()
     run.proc.send_signal(signal.SIGHUP)
     assert wait_for(lambda: run.stderr().count("policies reloaded (SIGHUP)") == 2, timeout=15), run.stderr()[-2000:]
@@ -217,3 +233,22 @@ def test_log_format_json_in_the_supervisor_and_every_worker(tmp_path, runs):
     first = plain.stderr().splitlines()[0]
     with pytest.raises(json.JSONDecodeError):
         json.loads(first)
+
+
+def test_a_reload_in_flight_at_stop_is_sealed_in_this_runs_file(tmp_path, runs):
+    """SIGHUP and SIGTERM back to back (a supervisor fans out both in a moment): the stop waits for the reload
+    the SIGHUP started, so its policy_reload record is in this run's sealed audit file and nothing is left in
+    the retry spool for the next start. Without that wait the SIGHUP was lost (the stop ended the loop with
+    the reload task cancelled: no reload, no record) or its record went to the spool (the sink closed first)."""
+    runs.append(run := Run(tmp_path, config(tmp_path), "--workers", "1"))
+    assert run.info is not None, run.stderr()
+    before = len(audit_records(tmp_path / "var" / "audit.jsonl"))
+    run.proc.send_signal(signal.SIGHUP)
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.proc.wait(60) == 0
+    assert "policies reloaded (SIGHUP)" in run.stderr(), run.stderr()[-2000:]
+    records = audit_records(tmp_path / "var" / "audit.jsonl")
+    reloads = [r for r in records[before:] if r.get("egressgate.operation") == "policy_reload"]
+    assert len(reloads) == 1 and reloads[0]["egressgate.decision"] == "allow", records[before:]
+    assert not list((tmp_path / "var").glob("audit-retry*")), run.stderr()[-2000:]
+    assert "retry spool" not in run.stderr()

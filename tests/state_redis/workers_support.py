@@ -4,7 +4,6 @@ workers' pids and audit files, and a sandbox's requests on fresh connections."""
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import httpx
@@ -13,16 +12,15 @@ from tests.support.gwworld import Gateway, Sandbox, World, start_gateway
 from tests.support.launcher import audit_records
 from tests.support.redis import RedisServer
 
-LAUNCHER = [sys.executable, str(Path(__file__).with_name("workers_launcher.py"))]
-
 
 def state(redis: RedisServer, prefix: str | None = None) -> dict:
     return {"state": {"backend": "redis", "url": redis.url, "key_prefix": prefix or redis.prefix()}}
 
 
 def start_workers(world: World, tmp: Path, redis: RedisServer, prefix: str | None = None) -> Gateway:
-    """`egressgate run --workers 2` on `redis` (the world's policies, upstreams and DNS)."""
-    return start_gateway(world, tmp, state(redis, prefix), launcher=LAUNCHER)
+    """`egressgate run --workers 2` on `redis` (the world's policies, upstreams and DNS): the unmodified console
+    script, forked from the test fork server (tests/support/zygote.py) as every other gateway start."""
+    return start_gateway(world, tmp, state(redis, prefix), args=["--workers", "2"])
 
 
 def holder(path: Path, pids: set[int]) -> int | None:

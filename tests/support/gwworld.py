@@ -15,7 +15,7 @@ import base64
 import contextlib
 import socket
 import ssl
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -247,9 +247,11 @@ class Sandbox:
         return f"{scheme}://{host}:{port}{path}"
 
 
-def start_gateway(w: World, tmp: Path, extra_config: dict | None = None, launcher: list[str] | None = None) -> Gateway:
+def start_gateway(w: World, tmp: Path, extra_config: dict | None = None, launcher: list[str] | None = None,
+                  args: Sequence[str] = ()) -> Gateway:
     """Every policy of `policies(w)`, the world's DNS server and CA; `extra_config` is merged at the top
-    level. `launcher` replaces the `egressgate` command (e.g. a script that plants a fault, then runs the CLI)."""
+    level. `launcher` replaces the `egressgate` command (e.g. a script that plants a fault, then runs the CLI);
+    `args` are added to `run`'s (`--workers 2`)."""
     policy_dir = write_policies(tmp / "policies", policies(w))
     ca_bundle = tmp / "upstream-ca.pem"
     ca_bundle.write_bytes(w.ca.cert_pem.bytes())
@@ -260,7 +262,7 @@ def start_gateway(w: World, tmp: Path, extra_config: dict | None = None, launche
         "upstream": {"resolver": f"127.0.0.1:{w.dns_port}", "ca_bundle": str(ca_bundle)},
         **(extra_config or {}),
     }
-    return Gateway(**launch_loopback(tmp, config, launcher=launcher), policy_dir=policy_dir, world=w)
+    return Gateway(**launch_loopback(tmp, config, launcher=launcher, args=args), policy_dir=policy_dir, world=w)
 
 
 # --------------------------------------------------------------------------------------- raw clients

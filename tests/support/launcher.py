@@ -16,7 +16,7 @@ import ssl
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -238,17 +238,18 @@ def start_all[G](starts: list[Callable[[], G]], stop: Callable[[G], object]) -> 
 
 
 def launch_loopback(tmp: Path, config: dict[str, Any], *, launcher: list[str] | None = None,
-                    private: bool = False) -> dict[str, Any]:
+                    private: bool = False, args: Sequence[str] = ()) -> dict[str, Any]:
     """Write `config` to tmp/gateway.yaml (0600 with `private`: it holds broker secrets), run the
-    gateway (`launcher` replaces the `egressgate` command, e.g. a script that plants a fault first) and
-    wait for its startup line. Returns the LoopbackGateway fields, for the caller's own dataclass."""
+    gateway (`launcher` replaces the `egressgate` command, e.g. a script that plants a fault first; `args`
+    are appended to `run`'s, e.g. `--workers 2`) and wait for its startup line. Returns the
+    LoopbackGateway fields, for the caller's own dataclass."""
     cfg = tmp / "gateway.yaml"
     cfg.write_text(yaml.safe_dump(with_uid_range(config)))
     if private:
         os.chmod(cfg, 0o600)
     stderr_path = tmp / "gateway.stderr"
     stderr = open(stderr_path, "w")  # noqa: SIM115 - lives with the process
-    argv = [*(launcher or [EGRESSGATE]), "run", "--config", str(cfg), "--log-level", "DEBUG"]
+    argv = [*(launcher or [EGRESSGATE]), "run", "--config", str(cfg), "--log-level", "DEBUG", *args]
     env = {**os.environ, "NO_PROXY": ""}
     # a custom launcher is a real command of its own; the console script forks from the zygote (zygote.py)
     start = subprocess.Popen if launcher else zygote.popen

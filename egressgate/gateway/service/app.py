@@ -198,6 +198,10 @@ class Gateway:
         if self.dns is not None:
             await self.dns.stop()
         if self.rt is not None:
+            # a reload a SIGHUP started before the stop finishes first (the lock is FIFO): its policy_reload
+            # record goes into this run's sealed file, not into the retry spool of a closed sink
+            async with self._reload_lock:
+                pass
             await self.rt.ledger.flush()
             if self.rt.background:  # write-behind outcome records: every one reaches the sink before close
                 await asyncio.gather(*list(self.rt.background), return_exceptions=True)

@@ -18,6 +18,10 @@ The supervisor:
 * restarts a worker that dies (with a back-off when it keeps dying), forwards SIGHUP to every worker and
   stops them all on SIGTERM/SIGINT. Workers run in their own process group (a terminal's ^C reaches only the
   supervisor, which stops them once and in order) and die with the supervisor (PR_SET_PDEATHSIG).
+
+Workers are forked from the supervisor, not exec'd: it imports their modules once before its event loop
+starts, and each child sheds the supervisor's loop, signal handlers and descriptors before it runs
+(forking.py says why and what exactly). A worker gets its settings in memory, never in its environment.
 """
 
 from __future__ import annotations
@@ -41,11 +45,11 @@ from egressgate.audit.signer import LocalEd25519Signer
 from egressgate.config import ConfigError, GatewayConfig, ListenConfig
 from egressgate.gateway.service import ca, varlock
 from egressgate.gateway.service import listeners as shared
+from egressgate.gateway.service.forking import Worker, fork_worker, preload
 from egressgate.policy.loader import load_policies
 
 logger = logging.getLogger(__name__)
 
-READY_ENV = "EGRESSGATE_READY_FD"  # the pipe a worker writes its startup line to
 START_TIMEOUT = 120.0  # a worker that has not announced its listeners by then is killed
 STOP_TIMEOUT = 30.0  # SIGTERM -> SIGKILL for a worker that does not finish its graceful stop
 STABLE_AFTER = 30.0  # a worker that ran this long is healthy again: the restart back-off starts over
@@ -104,46 +108,35 @@ class Supervisor:
         self.log = {"level": log_level, "format": log_format}
         self.socks: dict[str, socket.socket] = {}
         self.listen = cfg.listen  # with the ports actually bound, once bound
-        self.procs: dict[int, asyncio.subprocess.Process] = {}
+        self.procs: dict[int, Worker] = {}
         self.serving: set[int] = set()  # pids that announced their listeners (their signal handlers are set)
         self.stopping = asyncio.Event()
         self.failures: dict[int, int] = dict.fromkeys(range(workers), 0)
         self.published = False  # this supervisor wrote gateway.json: only then does it remove it
 
-    def _spec(self, slot: int) -> bytes:
-        """What worker `slot` runs with, sent on its stdin (not in its environment: the config may hold
-        broker secrets, and /proc/PID/environ keeps what a process was started with). JSON dumps, read
-        back with model_validate_json: strict models accept exactly what they dumped."""
+    def _spec(self, slot: int) -> dict:
+        """What worker `slot` runs with, handed over in memory across the fork (never in its environment:
+        the config may hold broker secrets). The models travel as their JSON dumps and are validated again
+        in the worker (strict models accept exactly what they dumped), as when the spec came over a pipe."""
         audit = worker_audit(self.cfg.audit, self.cfg.var_path(), slot)
-        return json.dumps({"slot": slot, "parent": os.getpid(), "log": self.log,
-                           "fds": shared.descriptors(self.socks),
-                           "config": self.cfg.model_dump_json(exclude_unset=True),
-                           "listen": self.listen.model_dump_json(), "audit": audit.model_dump_json()}).encode()
+        return {"slot": slot, "parent": os.getpid(), "log": self.log, "fds": shared.descriptors(self.socks),
+                "config": self.cfg.model_dump_json(exclude_unset=True),
+                "listen": self.listen.model_dump_json(), "audit": audit.model_dump_json()}
 
-    async def _spawn(self, slot: int) -> tuple[asyncio.subprocess.Process, dict | None]:
+    async def _spawn(self, slot: int) -> tuple[Worker, dict | None]:
         """Start slot `slot`; returns the process and its startup line (None: it exited or timed out)."""
+        spec = self._spec(slot)
         read_fd, write_fd = os.pipe()
-        fds = (*shared.descriptors(self.socks).values(), write_fd)
         try:
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-c", "from egressgate.gateway.service.workers import worker_main; worker_main()",
-                env={**os.environ, READY_ENV: str(write_fd)}, stdin=asyncio.subprocess.PIPE, pass_fds=fds,
-                # own process group: a terminal's Ctrl-C reaches only the supervisor, which stops the
-                # workers in order; same session: with sched_autogroup a session per worker made each its
-                # own scheduling group and cost 8-14 % requests per CPU-second (loadtests, redis-setsid)
-                process_group=0)
+            pid = fork_worker(lambda: worker_main(spec, write_fd),
+                              keep=(*shared.descriptors(self.socks).values(), write_fd))
         except BaseException:
             os.close(read_fd)
             raise
         finally:
             os.close(write_fd)
-        self.procs[slot] = proc
+        self.procs[slot] = proc = Worker(pid)
         logger.info("worker w%d started (pid %d)", slot, proc.pid)
-        assert proc.stdin is not None
-        with contextlib.suppress(OSError):  # a worker that died at once: its exit is reported below
-            proc.stdin.write(self._spec(slot))
-            await proc.stdin.drain()
-        proc.stdin.close()
         line = await _read_line(read_fd, START_TIMEOUT)
         try:
             info = json.loads(line) if line else None
@@ -158,7 +151,7 @@ class Supervisor:
                 proc.kill()
         return proc, info
 
-    async def _keep(self, slot: int, proc: asyncio.subprocess.Process) -> None:
+    async def _keep(self, slot: int, proc: Worker) -> None:
         """Restart slot `slot` whenever its worker dies, until the supervisor stops."""
         started = time.monotonic()
         while True:
@@ -275,6 +268,7 @@ def supervise(cfg: GatewayConfig, workers: int, announce, log_level: str = "INFO
     claim = varlock.claim(cfg.var_path())
     try:
         prepare_shared(cfg)
+        preload()
         return asyncio.run(Supervisor(cfg, workers, log_level, log_format).run(announce))
     finally:
         claim.release()
@@ -291,10 +285,8 @@ def _die_with_parent(parent: int) -> None:
         sys.exit(1)
 
 
-def worker_main() -> None:
-    """Entry point of a worker process (started by Supervisor._spawn, never by hand)."""
-    spec = json.loads(sys.stdin.buffer.read())
-    ready_fd = int(os.environ.pop(READY_ENV))
+def worker_main(spec: dict, ready_fd: int) -> None:
+    """A worker's life, in the child `fork_worker` made (started by Supervisor._spawn, never by hand)."""
     _die_with_parent(spec["parent"])
     from egressgate.gateway.service.cli import configure_logging, serve_or_fail
 
