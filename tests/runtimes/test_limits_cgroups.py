@@ -139,14 +139,21 @@ def test_page_cache_pressure_is_not_reported_as_an_oom(runs, tmp_path):
 
 # --- cpu -----------------------------------------------------------------------------------------
 
-BUSY = ("import time\nw=time.monotonic()\nc=time.process_time()\n"
+BUSY = ("import os, time\nassert os.nice(0) == -20, os.nice(0)\nw=time.monotonic()\nc=time.process_time()\n"
         "while time.monotonic()-w < float(__import__('sys').argv[1]): pass\n"
         "print((time.process_time()-c)/(time.monotonic()-w))\n")
 
 
 def _ratio(runs, tag: str, resources: dict, seconds: float = 1.5) -> tuple[float, object]:
+    """CPU time / wall time of a busy loop in a group with `resources`. The loop runs at nice -20 (the tests
+    run as root): on a loaded 2-core machine a nice-0 loop could get under 20 % of a CPU, and the control
+    below could not beat the limited loop (seen in a full run with the host groups and a CPU hog side by
+    side: 5 control samples of 12-24 %). At nice -20 its CFS weight is ~87 times a nice-0 process's, so
+    other load cannot starve it, while the quota still caps it: CFS bandwidth control throttles the group
+    whatever its weight."""
     limits = runs.create(tag, resources)
-    proc = runs.spawn(limits, [sys.executable, "-c", BUSY, str(seconds)], stdout=subprocess.PIPE, text=True)
+    argv = ["nice", "-n", "-20", sys.executable, "-c", BUSY, str(seconds)]
+    proc = runs.spawn(limits, argv, stdout=subprocess.PIPE, text=True)
     out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 0
     return float(out), limits
