@@ -24,7 +24,11 @@ def probe() -> dict:
     """Every scenario of fork_probe.py, in one supervisor-like process."""
     modes = ["shed", "raw", *(f"exit:{kind}" for kind in EXITS), "sigterm", "sigterm-raw", "no-pidfd"]
     # stdin a pipe (not /dev/null): the worker's own /dev/null stdin must come from fork_worker
-    res = subprocess.run([sys.executable, str(PROBE), *modes], input="", capture_output=True, text=True, timeout=180)
+    # SIGINT at its default: a process started with it ignored (a background job of a non-interactive shell,
+    # as a CI script may run make) keeps it ignored, and so does a worker (as an exec'd one would): the
+    # expectations below are a fresh interpreter's in a terminal
+    res = subprocess.run([sys.executable, str(PROBE), *modes], input="", capture_output=True, text=True, timeout=180,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert res.returncode == 0, res.stderr[-3000:]
     return {**json.loads(res.stdout.splitlines()[-1]), "stderr": res.stderr}
 

@@ -206,7 +206,7 @@ def test_sleep_past_wall_time_is_killed_with_its_whole_tree(runs, tmp_path):
     proc.wait(5)
     assert exit_signal(proc) == SIGKILL
     assert wait_for(lambda: not alive(daemon), timeout=5)
-    assert not any(alive(p) for p in members)
+    assert wait_for(lambda: not any(alive(p) for p in members), timeout=10)  # exits finish (test_limits_bwrap)
 
 
 def test_remove_is_idempotent_and_kills_leftovers(runs):
