@@ -120,6 +120,10 @@ def test_mounts_are_the_runs_own_and_go_back_to_root_before_the_unmount(gateway:
         assert proc.returncode == 0, err
         assert "stripped set-id bits from 1 file(s) in the workspace: out.txt" in err
         assert not any(p == str(ws) for p, _, _ in mounts())
+        # a mount namespace another process cloned while the run's image was mounted (another worker's `ip netns
+        # exec`) holds the device until it exits; mounting the image meanwhile reuses that device and fails
+        # "already mounted or mount point busy" (seen in a stressed full run): wait until the kernel let it go
+        assert loops_freed(ws / IMAGE) == []
         subprocess.run(["mount", "-t", "ext4", "-o", "loop,ro", str(ws / IMAGE), str(mnt)], check=True,
                        capture_output=True, timeout=30)
         try:
