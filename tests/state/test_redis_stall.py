@@ -45,6 +45,18 @@ def _stall_next_turn(seconds: float) -> None:
     asyncio.get_running_loop().call_soon(time.sleep, seconds)
 
 
+async def _refused_after(operation, stall: float, match: str) -> float:
+    """Start `operation`, stall the loop for `stall` s in the next turn (0: none), expect StateUnavailable
+    matching `match`; returns the seconds it took to be refused."""
+    pending = asyncio.ensure_future(operation)
+    if stall:
+        _stall_next_turn(stall)
+    started = time.monotonic()
+    with pytest.raises(StateUnavailable, match=match):
+        await pending
+    return time.monotonic() - started
+
+
 @pytest.fixture
 def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
     server = RedisServer(tmp_path / "redis")
@@ -160,13 +172,8 @@ async def test_a_stopped_redis_is_refused_within_the_bound(own_redis: RedisServe
         assert own_redis.proc is not None
         os.kill(own_redis.proc.pid, signal.SIGSTOP)
         try:
-            reservation = asyncio.ensure_future(store.reserve_out("sbx", 1, 1, None))
-            if stall:
-                _stall_next_turn(stall)
-            started = time.monotonic()
-            with pytest.raises(StateUnavailable, match=r"Redis did not answer within 2 s"):
-                await reservation
-            elapsed = time.monotonic() - started
+            elapsed = await _refused_after(store.reserve_out("sbx", 1, 1, None), stall,
+                                           r"Redis did not answer within 2 s")
             assert SOCKET_TIMEOUT <= elapsed < _bound(SOCKET_TIMEOUT) + LATENESS, elapsed
         finally:
             os.kill(own_redis.proc.pid, signal.SIGCONT)
@@ -188,13 +195,8 @@ async def test_a_connect_that_never_completes_is_refused_within_the_bound(blackh
     the wait but never past the wall-time cap (a stall longer than the cap is refused as it ends)."""
     store = RedisState(f"redis://127.0.0.1:{blackhole}/0", "egtest-blackhole:")
     try:
-        reservation = asyncio.ensure_future(store.reserve_out("sbx", 1, 1, None))
-        if stall:
-            _stall_next_turn(stall)
-        started = time.monotonic()
-        with pytest.raises(StateUnavailable, match=r"cannot connect to Redis: no connection within 1 s"):
-            await reservation
-        elapsed = time.monotonic() - started
+        elapsed = await _refused_after(store.reserve_out("sbx", 1, 1, None), stall,
+                                       r"cannot connect to Redis: no connection within 1 s")
         assert max(CONNECT_TIMEOUT, stall) <= elapsed < _bound(CONNECT_TIMEOUT) + LATENESS, elapsed
         assert store._conn.clock.stalls >= (1 if stall else 0)  # the stall was seen
     finally:
@@ -206,13 +208,8 @@ async def test_a_pooled_connect_that_never_completes_is_refused_after_one_retry(
     stall and two connect timeouts."""
     store = RedisState(f"redis://127.0.0.1:{blackhole}/0", "egtest-blackhole:")
     try:
-        admit = asyncio.ensure_future(store.admit(record()))
         stall = CONNECT_TIMEOUT + 0.3
-        _stall_next_turn(stall)
-        started = time.monotonic()
-        with pytest.raises(StateUnavailable, match=r"Timeout connecting to server"):
-            await admit
-        elapsed = time.monotonic() - started
+        elapsed = await _refused_after(store.admit(record()), stall, r"Timeout connecting to server")
         assert stall + CONNECT_TIMEOUT - 0.01 <= elapsed < stall + 2 * CONNECT_TIMEOUT + LATENESS, elapsed
         assert store.redis.connection_pool.stalled_connects == 1  # once, not again
     finally:
